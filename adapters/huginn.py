@@ -1,0 +1,205 @@
+"""Huginn-0125 (`huginn_raven`): prelude -> recurrent core with linear injection -> coda.
+
+State layout: `[num_tokens, 2 * n_embd]` = concat(latent x, prelude output e), so a loop is
+`x = adapter(state)` followed by the core blocks, with e carried along unchanged.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from looped_spec.adapter import KVLayout, ModelAdapter, register_adapter
+from looped_spec.checkpoint import TensorSpec
+from looped_spec.layers import apply_rope_interleaved, fused_swiglu, memo_angles, rms_norm
+
+_MIX = 0x9E3779B97F4A7C15  # odd 64-bit constant: spreads (seed, position) over generator seeds
+
+
+@register_adapter
+class HuginnAdapter(ModelAdapter):
+    """Options: `initial_state` = "random" (default; reference distribution, keyed by request seed and
+    token position) or "zeros"; `num_steps` overrides `mean_recurrence` as the full depth D."""
+
+    model_type = "huginn_raven"
+    readout_uses_kv = True
+
+    def __init__(self, config, weights, **kwargs):
+        super().__init__(config, weights, **kwargs)
+        self.hidden = int(config["n_embd"])
+        self.num_heads = int(config["n_heads"])
+        self.num_kv_heads = int(config.get("num_key_value_heads") or self.num_heads)
+        self.head_dim = self.hidden // self.num_heads
+        self.eps = float(config.get("norm_eps", 1e-6))
+        self.rope_base = float(config.get("rope_base", 50000))
+        self.num_prelude = int(config["n_layers_in_prelude"])
+        self.num_core = int(config["n_layers_in_recurrent_block"])
+        self.num_coda = int(config["n_layers_in_coda"])
+        init = self.options.get("initial_state", "random")
+        if init not in ("random", "zeros"):
+            raise ValueError(f"adapter option initial_state={init!r}: use 'random' or 'zeros'")
+        self.initial_state_mode = init
+        steps = self.options.get("num_steps", config.get("mean_recurrence", 32))
+        if not isinstance(steps, int) or steps < 1:
+            raise ValueError(f"adapter option num_steps={steps!r} must be a positive integer")
+        self._full_depth = steps
+        unknown = set(self.options) - {"initial_state", "num_steps"}
+        if unknown:
+            raise ValueError(f"unknown Huginn adapter option(s) {sorted(unknown)}; known: initial_state, num_steps")
+        if "lm_head.weight" not in self.weights:
+            self.weights["lm_head.weight"] = self.weights["transformer.wte.weight"]
+        group = lambda prefix, n: [  # noqa: E731
+            {k[len(f"{prefix}.{i}.") :]: v for k, v in self.weights.items() if k.startswith(f"{prefix}.{i}.")}
+            for i in range(n)
+        ]
+        self.prelude = group("transformer.prelude", self.num_prelude)
+        self.core = group("transformer.core_block", self.num_core)
+        self.coda = group("transformer.coda", self.num_coda)
+
+    @classmethod
+    def tensor_specs(cls, config: dict) -> dict[str, TensorSpec]:
+        d = int(config["n_embd"])
+        heads = int(config["n_heads"])
+        kv = int(config.get("num_key_value_heads") or heads)
+        hd = d // heads
+        inter = int(config["intermediate_size"])
+        vocab = int(config.get("padded_vocab_size") or config["vocab_size"])
+        specs: dict[str, TensorSpec] = {
+            "transformer.wte.weight": TensorSpec((vocab, d)),
+            "transformer.adapter.weight": TensorSpec((d, 2 * d)),
+            "transformer.ln_f.weight": TensorSpec((d,)),
+            "lm_head.weight": TensorSpec((vocab, d), optional=bool(config.get("tie_embeddings", True))),
+            "freqs_cis": TensorSpec((), optional=True, ignored=True),
+        }
+        for prefix, key in (("prelude", "n_layers_in_prelude"), ("core_block", "n_layers_in_recurrent_block"),
+                            ("coda", "n_layers_in_coda")):  # fmt: skip
+            for i in range(int(config[key])):
+                p = f"transformer.{prefix}.{i}."
+                for n in range(1, 5):
+                    specs[p + f"norm_{n}.weight"] = TensorSpec((d,))
+                specs[p + "attn.Wqkv.weight"] = TensorSpec(((heads + 2 * kv) * hd, d))
+                specs[p + "attn.proj.weight"] = TensorSpec((d, heads * hd))
+                if config.get("qk_bias", False):
+                    specs[p + "attn.qk_bias"] = TensorSpec((2, 1, heads, hd))
+                specs[p + "mlp.fc.weight"] = TensorSpec((2 * inter, d))
+                specs[p + "mlp.proj.weight"] = TensorSpec((d, inter))
+        return specs
+
+    @classmethod
+    def check_config(cls, config: dict) -> None:
+        for key in ("n_embd", "n_heads", "n_layers_in_prelude", "n_layers_in_recurrent_block", "n_layers_in_coda",
+                    "intermediate_size"):  # fmt: skip
+            if key not in config:
+                raise ValueError(f"missing field {key}")
+        if config.get("injection_type", "linear") != "linear":
+            raise ValueError(f"injection_type {config['injection_type']!r} is not supported (only 'linear')")
+        if int(config["n_embd"]) % int(config["n_heads"]):
+            raise ValueError("n_embd must be a multiple of n_heads")
+        kv = int(config.get("num_key_value_heads") or config["n_heads"])
+        if config.get("qk_bias", False) and kv != int(config["n_heads"]):
+            raise ValueError("qk_bias with num_key_value_heads != n_heads is not supported")
+        if config.get("bias", False):
+            raise ValueError("bias = true is not supported")
+
+    # ----- description -----
+    @property
+    def full_depth(self) -> int:
+        return self._full_depth
+
+    @property
+    def max_dense_depth(self) -> int:
+        return 1 << 16
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.weights["transformer.wte.weight"].shape[0])
+
+    @property
+    def state_dim(self) -> int:
+        return 2 * self.hidden
+
+    @property
+    def kv_layout(self) -> KVLayout:
+        loop_planes = self.full_depth * self.num_core
+        token_planes = self.num_prelude + self.num_coda
+        return KVLayout(loop_planes + token_planes, self.num_kv_heads, self.head_dim, loop_planes, token_planes)
+
+    @property
+    def max_positions(self) -> int:
+        return int(self.config.get("block_size", 4096))
+
+    @property
+    def needs_token_seeds(self) -> bool:
+        return self.initial_state_mode == "random"
+
+    # ----- math -----
+    def block(self, x: torch.Tensor, w: dict, ctx, plane: int) -> torch.Tensor:
+        n = x.shape[0]
+        h = rms_norm(x, w["norm_1.weight"], self.eps)
+        qkv = F.linear(h, w["attn.Wqkv.weight"])
+        q, k, v = qkv.split([self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim,
+                             self.num_kv_heads * self.head_dim], dim=-1)  # fmt: skip
+        q = q.view(n, self.num_heads, self.head_dim)
+        k = k.view(n, self.num_kv_heads, self.head_dim)
+        v = v.view(n, self.num_kv_heads, self.head_dim)
+        if "attn.qk_bias" in w:
+            q = q + w["attn.qk_bias"][0]
+            k = k + w["attn.qk_bias"][1]
+        angles = memo_angles(ctx, self.head_dim, self.rope_base)
+        q = apply_rope_interleaved(q, angles)
+        k = apply_rope_interleaved(k, angles)
+        attn = F.linear(ctx.attention(plane, q, k, v).reshape(n, -1), w["attn.proj.weight"])
+        x = rms_norm(attn + x, w["norm_2.weight"], self.eps)
+        mlp = fused_swiglu(rms_norm(x, w["norm_3.weight"], self.eps), w["mlp.fc.weight"], w["mlp.proj.weight"])
+        return rms_norm(mlp + x, w["norm_4.weight"], self.eps)
+
+    def initial_latent(self, num_tokens: int, ctx) -> torch.Tensor:
+        """x0 per token: zeros, or the reference's truncated normal drawn from a (seed, position) generator."""
+        if self.initial_state_mode == "zeros":
+            return torch.zeros(num_tokens, self.hidden, device=self.device, dtype=self.dtype)
+        std = math.sqrt(2.0 / (5.0 * self.hidden))
+        lo, hi = 0.5 * (1 + math.erf(-3 / math.sqrt(2))), 0.5 * (1 + math.erf(3 / math.sqrt(2)))
+        rows = []
+        gen = torch.Generator()
+        for seed, pos in ctx.token_seeds():
+            gen.manual_seed((seed * _MIX + pos * 0x2545F491 + 1) % (1 << 63))
+            rows.append(torch.rand(self.hidden, generator=gen, dtype=torch.float64))
+        u = lo + torch.stack(rows) * (hi - lo)
+        x0 = math.sqrt(2.0) * torch.erfinv(2 * u - 1) * std * math.sqrt(self.hidden)
+        return x0.to(device=self.device, dtype=self.dtype)
+
+    def embed(self, token_ids: torch.Tensor, ctx) -> torch.Tensor:
+        e = F.embedding(token_ids, self.weights["transformer.wte.weight"]) * math.sqrt(self.hidden)
+        for i, w in enumerate(self.prelude):
+            e = self.block(e, w, ctx, plane=i)
+        return torch.cat([self.initial_latent(e.shape[0], ctx), e], dim=-1)
+
+    def with_initial_state(self, state: torch.Tensor, initial: torch.Tensor) -> torch.Tensor:
+        return torch.cat([initial.to(state), state[:, self.hidden :]], dim=-1)
+
+    def loop(self, state: torch.Tensor, loop_index: int, ctx) -> torch.Tensor:
+        e = state[:, self.hidden :]
+        x = F.linear(state, self.weights["transformer.adapter.weight"])
+        # loops past the cached depth (dense path only) reuse the last plane index; dense ignores planes
+        base = self.num_prelude + min(loop_index, self.full_depth - 1) * self.num_core
+        for j, w in enumerate(self.core):
+            x = self.block(x, w, ctx, plane=base + j)
+        return torch.cat([x, e], dim=-1)
+
+    def readout(self, state: torch.Tensor, depth: int, ctx) -> torch.Tensor:
+        ln_f = self.weights["transformer.ln_f.weight"]
+        x = rms_norm(state[:, : self.hidden], ln_f, self.eps)
+        base = self.num_prelude + self.full_depth * self.num_core
+        for j, w in enumerate(self.coda):
+            x = self.block(x, w, ctx, plane=base + j)
+        x = rms_norm(x, ln_f, self.eps)
+        return F.linear(x, self.weights["lm_head.weight"]).float()
+
+    def exit_signal(self, state: torch.Tensor, depth: int, prev_state: torch.Tensor | None = None):
+        """Relative latent change ||x_d - x_{d-1}|| / ||x_d|| per token (small = converged)."""
+        if prev_state is None:
+            return None
+        x, prev = state[:, : self.hidden].float(), prev_state[:, : self.hidden].float()
+        return (x - prev).norm(dim=-1) / x.norm(dim=-1).clamp_min(1e-12)

@@ -1,0 +1,60 @@
+"""Nanbeige4.2: plain Llama pre-norm blocks looped `num_loops` times, final norm between loops."""
+
+from __future__ import annotations
+
+import torch
+
+from looped_spec.adapter import register_adapter
+from looped_spec.adapters.ouro import LlamaStyleLooped, check_plain_rope, llama_dims, llama_layer_specs
+from looped_spec.checkpoint import TensorSpec
+from looped_spec.layers import rms_norm
+
+
+@register_adapter
+class NanbeigeAdapter(LlamaStyleLooped):
+    """`h = h + attn(norm(h))`, `h = h + mlp(norm(h))` per layer; `model.norm` after each loop unless
+    `skip_loop_final_norm`, in which case the norm is applied once, after the last loop run — so a
+    readout at depth k applies it to the loop-k state."""
+
+    model_type = "nanbeige"
+
+    @classmethod
+    def tensor_specs(cls, config: dict) -> dict[str, TensorSpec]:
+        return llama_layer_specs(config, ("input_layernorm", "post_attention_layernorm"))
+
+    @classmethod
+    def check_config(cls, config: dict) -> None:
+        llama_dims(config)
+        check_plain_rope(config)
+        if config.get("attention_bias"):
+            raise ValueError("attention_bias = true is not supported")
+        if cls.loops_of(config) < 1:
+            raise ValueError("num_loops must be >= 1")
+
+    @staticmethod
+    def loops_of(config: dict) -> int:
+        weights = config.get("loop_loss_weights") or []
+        return len(weights) + 1 if weights else int(config.get("num_loops", 2))
+
+    @property
+    def full_depth(self) -> int:
+        return self.loops_of(self.config)
+
+    @property
+    def skip_loop_final_norm(self) -> bool:
+        return bool(self.config.get("skip_loop_final_norm", False))
+
+    def loop(self, state: torch.Tensor, loop_index: int, ctx) -> torch.Tensor:
+        h = state
+        for i, w in enumerate(self.layer_weights):
+            plane = loop_index * self.num_layers + i
+            h = h + self.attend(rms_norm(h, w["input_layernorm.weight"], self.eps), w, ctx, plane)
+            h = h + self.mlp(rms_norm(h, w["post_attention_layernorm.weight"], self.eps), w)
+        if self.skip_loop_final_norm:
+            return h
+        return rms_norm(h, self.weights["model.norm.weight"], self.eps)
+
+    def readout(self, state: torch.Tensor, depth: int, ctx) -> torch.Tensor:
+        if self.skip_loop_final_norm:
+            state = rms_norm(state, self.weights["model.norm.weight"], self.eps)
+        return self.head(state)

@@ -1,0 +1,158 @@
+"""Ouro (ByteDance Ouro-1.4B / 2.6B): sandwich-norm blocks, final norm after every loop, exit gate."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from looped_spec.adapter import KVLayout, ModelAdapter, register_adapter
+from looped_spec.checkpoint import TensorSpec
+from looped_spec.layers import memo_angles, rms_norm, self_attention, swiglu
+
+
+def llama_dims(config: dict) -> tuple[int, int, int, int, int, int]:
+    """(hidden, intermediate, layers, heads, kv_heads, head_dim) from a Llama-style config."""
+    hidden = int(config["hidden_size"])
+    heads = int(config["num_attention_heads"])
+    kv_heads = int(config.get("num_key_value_heads") or heads)
+    head_dim = int(config.get("head_dim") or hidden // heads)
+    if heads % kv_heads:
+        raise ValueError(f"num_attention_heads {heads} is not a multiple of num_key_value_heads {kv_heads}")
+    return hidden, int(config["intermediate_size"]), int(config["num_hidden_layers"]), heads, kv_heads, head_dim
+
+
+def llama_layer_specs(config: dict, norms: tuple[str, ...]) -> dict[str, TensorSpec]:
+    hidden, inter, layers, heads, kv_heads, head_dim = llama_dims(config)
+    specs: dict[str, TensorSpec] = {}
+    for i in range(layers):
+        p = f"model.layers.{i}."
+        specs[p + "self_attn.q_proj.weight"] = TensorSpec((heads * head_dim, hidden))
+        specs[p + "self_attn.k_proj.weight"] = TensorSpec((kv_heads * head_dim, hidden))
+        specs[p + "self_attn.v_proj.weight"] = TensorSpec((kv_heads * head_dim, hidden))
+        specs[p + "self_attn.o_proj.weight"] = TensorSpec((hidden, heads * head_dim))
+        specs[p + "mlp.gate_proj.weight"] = TensorSpec((inter, hidden))
+        specs[p + "mlp.up_proj.weight"] = TensorSpec((inter, hidden))
+        specs[p + "mlp.down_proj.weight"] = TensorSpec((hidden, inter))
+        for norm in norms:
+            specs[p + norm + ".weight"] = TensorSpec((hidden,))
+    vocab = int(config["vocab_size"])
+    specs["model.embed_tokens.weight"] = TensorSpec((vocab, hidden))
+    specs["model.norm.weight"] = TensorSpec((hidden,))
+    tied = bool(config.get("tie_word_embeddings", False))
+    specs["lm_head.weight"] = TensorSpec((vocab, hidden), optional=tied)
+    return specs
+
+
+def check_plain_rope(config: dict) -> None:
+    if config.get("rope_scaling"):
+        raise ValueError(f"rope_scaling {config['rope_scaling']!r} is not supported (only plain RoPE)")
+
+
+class LlamaStyleLooped(ModelAdapter):
+    """Shared plumbing of the Llama-named looped families (Ouro, Nanbeige)."""
+
+    def __init__(self, config, weights, **kwargs):
+        super().__init__(config, weights, **kwargs)
+        self.hidden, _, self.num_layers, self.num_heads, self.num_kv_heads, self.head_dim = llama_dims(config)
+        self.eps = float(config.get("rms_norm_eps", 1e-6))
+        self.rope_theta = float(config.get("rope_theta", 10000.0))
+        if "lm_head.weight" not in self.weights:
+            self.weights["lm_head.weight"] = self.weights["model.embed_tokens.weight"]
+        self.layer_weights = [
+            {k[len(f"model.layers.{i}.") :]: v for k, v in self.weights.items() if k.startswith(f"model.layers.{i}.")}
+            for i in range(self.num_layers)
+        ]
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.config["vocab_size"])
+
+    @property
+    def state_dim(self) -> int:
+        return self.hidden
+
+    @property
+    def kv_layout(self) -> KVLayout:
+        planes = self.full_depth * self.num_layers
+        return KVLayout(planes, self.num_kv_heads, self.head_dim, planes, 0)
+
+    def embed(self, token_ids: torch.Tensor, ctx) -> torch.Tensor:
+        return F.embedding(token_ids, self.weights["model.embed_tokens.weight"])
+
+    def attend(self, x: torch.Tensor, w: dict, ctx, plane: int) -> torch.Tensor:
+        angles = memo_angles(ctx, self.head_dim, self.rope_theta)
+        return self_attention(
+            x, w["self_attn.q_proj.weight"], w["self_attn.k_proj.weight"], w["self_attn.v_proj.weight"],
+            w["self_attn.o_proj.weight"], self.num_heads, self.num_kv_heads, self.head_dim, angles, ctx, plane,
+        )  # fmt: skip
+
+    @staticmethod
+    def mlp(x: torch.Tensor, w: dict) -> torch.Tensor:
+        return swiglu(x, w["mlp.gate_proj.weight"], w["mlp.up_proj.weight"], w["mlp.down_proj.weight"])
+
+    def head(self, h: torch.Tensor) -> torch.Tensor:
+        return F.linear(h, self.weights["lm_head.weight"]).float()
+
+
+@register_adapter
+class OuroAdapter(LlamaStyleLooped):
+    """Ouro: `h = h + norm2(attn(norm1(h)))`, `h = h + norm2'(mlp(norm1'(h)))`, then `model.norm` per loop."""
+
+    model_type = "ouro"
+
+    @classmethod
+    def tensor_specs(cls, config: dict) -> dict[str, TensorSpec]:
+        norms = ("input_layernorm", "input_layernorm_2", "post_attention_layernorm", "post_attention_layernorm_2")
+        specs = llama_layer_specs(config, norms)
+        hidden = int(config["hidden_size"])
+        specs["model.early_exit_gate.weight"] = TensorSpec((1, hidden))
+        specs["model.early_exit_gate.bias"] = TensorSpec((1,))
+        return specs
+
+    @classmethod
+    def check_config(cls, config: dict) -> None:
+        llama_dims(config)
+        check_plain_rope(config)
+        if config.get("use_sliding_window"):
+            raise ValueError(f"use_sliding_window with sliding_window={config.get('sliding_window')!r} is not supported")
+        for i, kind in enumerate(config.get("layer_types") or []):
+            if kind != "full_attention":
+                raise ValueError(f"layer_types[{i}] = {kind!r} is not supported (only full_attention)")
+        if int(config.get("total_ut_steps", 4)) < 1:
+            raise ValueError("total_ut_steps must be >= 1")
+
+    @property
+    def full_depth(self) -> int:
+        return int(self.config.get("total_ut_steps", 4))
+
+    def loop(self, state: torch.Tensor, loop_index: int, ctx) -> torch.Tensor:
+        h = state
+        for i, w in enumerate(self.layer_weights):
+            plane = loop_index * self.num_layers + i
+            attn = self.attend(rms_norm(h, w["input_layernorm.weight"], self.eps), w, ctx, plane)
+            h = h + rms_norm(attn, w["input_layernorm_2.weight"], self.eps)
+            mlp = self.mlp(rms_norm(h, w["post_attention_layernorm.weight"], self.eps), w)
+            h = h + rms_norm(mlp, w["post_attention_layernorm_2.weight"], self.eps)
+        return rms_norm(h, self.weights["model.norm.weight"], self.eps)
+
+    def readout(self, state: torch.Tensor, depth: int, ctx) -> torch.Tensor:
+        return self.head(state)
+
+    def exit_signal(self, state: torch.Tensor, depth: int, prev_state: torch.Tensor | None = None):
+        """Gate logit g_s [num_tokens] (fp32); `exit_pdf` turns the D gate logits into exit probabilities."""
+        gate = F.linear(state, self.weights["model.early_exit_gate.weight"], self.weights["model.early_exit_gate.bias"])
+        return gate.float().squeeze(-1)
+
+    @staticmethod
+    def exit_pdf(gate_logits: torch.Tensor) -> torch.Tensor:
+        """[..., D] gate logits -> [..., D] exit distribution (the last step takes the remaining mass)."""
+        lam = torch.sigmoid(gate_logits.float())
+        survive = torch.cumprod(1 - lam, dim=-1)
+        before = torch.cat([torch.ones_like(survive[..., :1]), survive[..., :-1]], dim=-1)
+        pdf = lam * before
+        pdf[..., -1] = before[..., -1]
+        return pdf
+
+    @property
+    def max_positions(self) -> int:
+        return int(self.config.get("max_position_embeddings", 32768))

@@ -1,0 +1,52 @@
+"""Turning user prompts (text or token ids) into token-id lists, with clear errors."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+Prompt = str | list[int]
+
+
+def load_tokenizer(folder: str | None):
+    """The checkpoint's tokenizer via transformers' AutoTokenizer (never remote code), or None."""
+    if folder is None:
+        return None
+    path = Path(folder)
+    if not any((path / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
+        return None
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(path), trust_remote_code=False)
+
+
+def normalize_prompts(prompts: Any) -> list[Prompt]:
+    """str | list[str] | list[int] | list[list[int]] -> list of prompts."""
+    if isinstance(prompts, str):
+        return [prompts]
+    if isinstance(prompts, (list, tuple)):
+        if not prompts:
+            raise ValueError("prompts is empty")
+        if all(isinstance(t, int) and not isinstance(t, bool) for t in prompts):
+            return [list(prompts)]
+        return list(prompts)
+    raise TypeError(f"prompts must be a string, token ids, or a list of those; got {type(prompts).__name__}")
+
+
+def to_token_ids(prompt: Prompt, tokenizer, vocab_size: int, where: str = "prompt") -> list[int]:
+    if isinstance(prompt, str):
+        if tokenizer is None:
+            raise ValueError(f"{where} is text, but the model has no tokenizer files; pass token ids instead")
+        ids = list(tokenizer.encode(prompt))
+    elif isinstance(prompt, (list, tuple)):
+        ids = list(prompt)
+        for i, token in enumerate(ids):
+            if not isinstance(token, int) or isinstance(token, bool):
+                raise TypeError(f"{where}[{i}] = {token!r} is not an int token id")
+            if not 0 <= token < vocab_size:
+                raise ValueError(f"{where}[{i}] = {token} is outside the vocabulary [0, {vocab_size})")
+    else:
+        raise TypeError(f"{where} must be a string or a list of token ids; got {type(prompt).__name__}")
+    if not ids:
+        raise ValueError(f"{where} is empty")
+    return ids

@@ -1,0 +1,70 @@
+"""Paged KV cache with one plane per (loop, layer) and once-per-token planes.
+
+Every plane stores the same token positions, so one block table per request addresses all
+planes (as one table addresses all layers in vLLM); a plane's storage is
+`[num_blocks * block_size, kv_heads, head_dim]`. Rolling back rejected draft positions is
+`truncate`: blocks past the kept length go back to the free list, and stale entries inside the
+last kept block are overwritten before they are read again.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from looped_spec.adapter import KVLayout
+
+
+class KVCacheFull(RuntimeError):
+    """Not enough free blocks for the requested growth."""
+
+
+class KVCache:
+    """Block allocator plus per-plane key/value storage."""
+
+    def __init__(self, layout: KVLayout, num_blocks: int, block_size: int, dtype: torch.dtype,
+                 device: torch.device | str) -> None:  # fmt: skip
+        if num_blocks < 1 or block_size < 1:
+            raise ValueError("num_blocks and block_size must be >= 1")
+        self.layout = layout
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        shape = (layout.num_planes, num_blocks * block_size, layout.num_kv_heads, layout.head_dim)
+        self.key_cache = torch.zeros(shape, dtype=dtype, device=device)  # [planes, slots, kv_heads, head_dim]
+        self.value_cache = torch.zeros(shape, dtype=dtype, device=device)
+        self._free: list[int] = list(range(num_blocks - 1, -1, -1))  # pop() hands out low ids first
+
+    @staticmethod
+    def bytes_per_block(layout: KVLayout, block_size: int, dtype: torch.dtype) -> int:
+        elem = torch.empty((), dtype=dtype).element_size()
+        return 2 * layout.num_planes * block_size * layout.num_kv_heads * layout.head_dim * elem
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self._free)
+
+    def blocks_for(self, num_tokens: int) -> int:
+        return (num_tokens + self.block_size - 1) // self.block_size
+
+    def extra_blocks(self, table: list[int], num_tokens: int) -> int:
+        """Blocks `table` must gain to hold `num_tokens` tokens."""
+        return max(0, self.blocks_for(num_tokens) - len(table))
+
+    def can_grow(self, table: list[int], num_tokens: int) -> bool:
+        return self.extra_blocks(table, num_tokens) <= len(self._free)
+
+    def grow(self, table: list[int], num_tokens: int) -> None:
+        """Append blocks so `table` holds `num_tokens` tokens (all or nothing)."""
+        need = self.extra_blocks(table, num_tokens)
+        if need > len(self._free):
+            raise KVCacheFull(f"need {need} blocks, {len(self._free)} free")
+        for _ in range(need):
+            table.append(self._free.pop())
+
+    def truncate(self, table: list[int], num_tokens: int) -> None:
+        """Keep blocks for the first `num_tokens` tokens; free the rest."""
+        keep = self.blocks_for(num_tokens)
+        while len(table) > keep:
+            self._free.append(table.pop())
+
+    def free(self, table: list[int]) -> None:
+        self.truncate(table, 0)

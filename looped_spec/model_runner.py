@@ -1,0 +1,79 @@
+"""Runs loop ranges of the model over ragged request batches on the paged KV cache."""
+
+from __future__ import annotations
+
+import torch
+
+from looped_spec.adapter import ModelAdapter
+from looped_spec.attention import PagedContext, build_paged_context
+from looped_spec.kv_cache import KVCache
+from looped_spec.request import Request
+
+
+class ModelRunner:
+    """Thin stage runner shared by prefill, plain decode, draft and verify.
+
+    Every call handles all requests of the batch together: one `PagedContext` per forward holds
+    the index tensors that every loop and layer reuse.
+    """
+
+    def __init__(self, adapter: ModelAdapter, kv_cache: KVCache) -> None:
+        self.adapter = adapter
+        self.kv = kv_cache
+        self.device = adapter.device
+        self.full_depth = adapter.full_depth
+        # Families whose readout attends (Huginn's coda) must read out every position they cache.
+        self.readout_writes_kv = adapter.readout_uses_kv
+
+    def context(self, requests: list[Request], query_lens: list[int], context_lens: list[int]) -> PagedContext:
+        return build_paged_context(
+            self.kv.key_cache,
+            self.kv.value_cache,
+            self.kv.block_size,
+            [r.block_table for r in requests],
+            context_lens,
+            query_lens,
+            seeds=[r.seed for r in requests],
+            need_token_seeds=self.adapter.needs_token_seeds,
+        )
+
+    def token_tensor(self, tokens: list[int]) -> torch.Tensor:
+        return torch.tensor(tokens, dtype=torch.long, device=self.device)
+
+    def embed(self, token_ids: torch.Tensor, ctx: PagedContext) -> torch.Tensor:
+        return self.adapter.embed(token_ids, ctx)
+
+    def loops(self, state: torch.Tensor, ctx: PagedContext, start: int, end: int, probe=None) -> torch.Tensor:
+        """Run loops start..end-1 (0-based). `probe(depth, state)` is called after each loop but the last."""
+        for i in range(start, end):
+            state = self.adapter.loop(state, i, ctx)
+            if probe is not None and i + 1 < end:
+                probe(i + 1, state)
+        return state
+
+    def readout(self, state: torch.Tensor, depth: int, ctx: PagedContext) -> torch.Tensor:
+        return self.adapter.readout(state, depth, ctx)
+
+    # ----- whole steps -----
+    @torch.inference_mode()
+    def prefill(self, requests: list[Request], chunk_lens: list[int]) -> torch.Tensor:
+        """Compute KV for each request's next chunk at full depth; logits [num_reqs, V] at each chunk's end."""
+        tokens: list[int] = []
+        context_lens = []
+        for request, n in zip(requests, chunk_lens):
+            tokens.extend(request.token_ids[request.num_computed : request.num_computed + n])
+            context_lens.append(request.num_computed + n)
+        ctx = self.context(requests, chunk_lens, context_lens)
+        state = self.loops(self.embed(self.token_tensor(tokens), ctx), ctx, 0, self.full_depth)
+        last = torch.tensor(chunk_lens, device=self.device).cumsum(0) - 1
+        if self.readout_writes_kv:
+            return self.readout(state, self.full_depth, ctx)[last]
+        return self.readout(state[last], self.full_depth, ctx)
+
+    @torch.inference_mode()
+    def decode(self, requests: list[Request]) -> torch.Tensor:
+        """Plain full-depth decode of each request's last token -> logits [num_reqs, V]."""
+        ctx = self.context(requests, [1] * len(requests), [r.num_computed + 1 for r in requests])
+        tokens = self.token_tensor([r.token_ids[r.num_computed] for r in requests])
+        state = self.loops(self.embed(tokens, ctx), ctx, 0, self.full_depth)
+        return self.readout(state, self.full_depth, ctx)

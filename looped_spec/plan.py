@@ -1,0 +1,57 @@
+"""What a speculative round runs (SpeculationPlan) and what it reports back (RoundFeedback)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class SpeculationPlan:
+    """Fixed for one round. `k == 0` means plain full-depth decoding with no speculative work.
+
+    `bucket` / `candidate` locate the plan in the controller's preset (-1 for a fixed plan), so
+    feedback updates exactly the (bucket, candidate) that produced the plan.
+    """
+
+    plan_id: int
+    k: int
+    d: int
+    bucket: int = -1
+    candidate: int = -1
+    measure_depths: bool = False  # read out other depths for counterfactual acceptance (costs head projections)
+
+
+@dataclass
+class RoundFeedback:
+    """Sent to the controller after a round's tokens and KV are committed.
+
+    `depth_matches[j]` / `depth_trials[j]` count, over the round's committed positions, how often a
+    greedy readout at depth j+1 agreed with the committed token (only where that depth's state
+    existed: draft depths <= d, verifier depths > d). Empty when depths were not measured.
+    """
+
+    plan_id: int
+    k: int
+    d: int
+    bucket: int
+    candidate: int
+    batch_size: int
+    num_proposed: list[int]  # per request: K_actual
+    num_accepted: list[int]  # per request: accepted draft tokens (excludes the bonus/corrected token)
+    draft_time: float = 0.0
+    verify_time: float = 0.0
+    commit_time: float = 0.0
+    depth_matches: list[int] = field(default_factory=list)
+    depth_trials: list[int] = field(default_factory=list)
+
+    @property
+    def total_proposed(self) -> int:
+        return sum(self.num_proposed)
+
+    @property
+    def total_accepted(self) -> int:
+        return sum(self.num_accepted)
+
+    @property
+    def round_time(self) -> float:
+        return self.draft_time + self.verify_time + self.commit_time

@@ -1,0 +1,118 @@
+"""A request's live state on the hot path (plain Python, no pydantic) and its user-facing output."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+import torch
+
+from looped_spec.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass
+class RequestMetrics:
+    """Per-request speculation counters."""
+
+    rounds: int = 0
+    num_draft_tokens: int = 0  # proposed
+    num_accepted_tokens: int = 0
+    num_preemptions: int = 0
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
+
+    @property
+    def mean_accepted_length(self) -> float:
+        """Mean tokens committed per decode round (1 + accepted drafts)."""
+        return (self.rounds + self.num_accepted_tokens) / self.rounds if self.rounds else 0.0
+
+
+@dataclass
+class RequestOutput:
+    """What `generate` / `step` return for a request."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str | None
+    finish_reason: str | None  # "length" | "stop" | "abort" | None while running
+    finished: bool
+    metrics: RequestMetrics
+
+
+class Request:
+    """Mutable state of one request. `num_computed` tokens have KV in every plane of the cache."""
+
+    def __init__(self, request_id: str, arrival: int, prompt: list[int], params: SamplingParams, seed: int,
+                 eos_token_ids: list[int], max_model_len: int) -> None:  # fmt: skip
+        self.request_id = request_id
+        self.arrival = arrival
+        self.token_ids: list[int] = list(prompt)
+        self.num_prompt_tokens = len(prompt)
+        self.max_tokens = params.max_tokens
+        self.temperature = float(params.temperature)
+        self.top_k = int(params.top_k) if params.top_k > 0 else 0
+        self.top_p = float(params.top_p)
+        self.stop_ids = set(params.stop_token_ids)
+        if not params.ignore_eos:
+            self.stop_ids.update(eos_token_ids)
+        self.max_model_len = max_model_len
+        self.seed = seed
+        self.generator = torch.Generator().manual_seed(seed)
+        self.status = RequestStatus.WAITING
+        self.num_computed = 0
+        self.prefilled = False  # True once the (re)computed prefix has produced its next token
+        self.block_table: list[int] = []
+        self.finish_reason: str | None = None
+        self.metrics = RequestMetrics()
+        self.num_emitted = 0  # tokens already reported by step()
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def finished(self) -> bool:
+        return self.status is RequestStatus.FINISHED
+
+    def max_new_this_round(self) -> int:
+        """Most tokens this request may still commit (max_tokens and max_model_len)."""
+        return min(self.max_tokens - self.num_output_tokens, self.max_model_len - self.num_tokens)
+
+    def append(self, token: int) -> bool:
+        """Commit one generated token; returns True when the request is now finished."""
+        self.token_ids.append(token)
+        if token in self.stop_ids:
+            self.finish_reason = "stop"
+        elif self.num_output_tokens >= self.max_tokens or self.num_tokens >= self.max_model_len:
+            self.finish_reason = "length"
+        return self.finish_reason is not None
+
+
+@dataclass
+class ScheduledBatch:
+    """One engine step's work: a prefill chunk per request, or a decode round."""
+
+    is_prefill: bool
+    requests: list[Request]
+    chunk_lens: list[int] = field(default_factory=list)  # prefill only

@@ -1,0 +1,88 @@
+"""Token sampling: greedy, or temperature + top-k + top-p with per-request generators.
+
+Random draws come from each request's own CPU generator (one uniform per sampled row), and
+the token is picked by inverse CDF, so a seeded request draws the same tokens alone or in any
+batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from looped_spec.request import Request
+
+
+@dataclass
+class SamplingRows:
+    """Per-row sampling settings for a batch of logits rows (rows may repeat a request)."""
+
+    requests: list[Request]  # one per row
+    temperature: torch.Tensor  # [num_rows] fp32 (1.0 on greedy rows, unused there)
+    top_k: torch.Tensor  # [num_rows] long, 0 = off
+    top_p: torch.Tensor  # [num_rows] fp32
+    greedy: torch.Tensor  # [num_rows] bool
+    all_greedy: bool
+    needs_filter: bool
+
+    @classmethod
+    def build(cls, requests: list[Request], device: torch.device) -> SamplingRows:
+        all_greedy = all(r.greedy for r in requests)
+        if all_greedy:
+            empty = torch.empty(0, device=device)
+            return cls(requests, empty, empty, empty, empty, True, False)
+        temps = torch.tensor([r.temperature if not r.greedy else 1.0 for r in requests], device=device)
+        top_k = torch.tensor([r.top_k for r in requests], dtype=torch.long, device=device)
+        top_p = torch.tensor([r.top_p for r in requests], device=device)
+        greedy = torch.tensor([r.greedy for r in requests], device=device)
+        needs_filter = any(r.top_k > 0 or r.top_p < 1.0 for r in requests)
+        return cls(requests, temps, top_k, top_p, greedy, False, needs_filter)
+
+    def uniforms(self, count: int = 1) -> torch.Tensor:
+        """[num_rows, count] uniforms, each row from its request's generator."""
+        draws = [torch.rand(count, generator=r.generator) for r in self.requests]
+        return torch.stack(draws).to(self.temperature.device)
+
+
+def probabilities(logits: torch.Tensor, rows: SamplingRows) -> torch.Tensor:
+    """Sampling distribution per row after temperature, top-k and top-p. logits: [num_rows, V] fp32.
+
+    Greedy rows get a one-hot distribution on their argmax, so rejection sampling on them
+    reduces to exact greedy matching.
+    """
+    scaled = logits.float() / rows.temperature[:, None]
+    if rows.needs_filter:
+        sorted_logits, order = scaled.sort(dim=-1, descending=True)
+        ranks = torch.arange(scaled.shape[-1], device=scaled.device)[None, :]
+        k = torch.where(rows.top_k > 0, rows.top_k, torch.full_like(rows.top_k, scaled.shape[-1]))
+        drop = ranks >= k[:, None]
+        sorted_probs = sorted_logits.softmax(dim=-1)
+        mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
+        drop |= mass_before >= rows.top_p[:, None]  # keeps the smallest prefix whose mass reaches top_p
+        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+        scaled = torch.empty_like(scaled).scatter_(-1, order, sorted_logits)
+    probs = scaled.softmax(dim=-1)
+    if rows.greedy.any():
+        one_hot = torch.zeros_like(probs).scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)
+        probs = torch.where(rows.greedy[:, None], one_hot, probs)
+    return probs
+
+
+def sample_from(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """Inverse-CDF draw per row. probs: [num_rows, V] (unnormalised ok), uniforms: [num_rows]."""
+    cdf = probs.cumsum(dim=-1)
+    target = uniforms.to(cdf.dtype) * cdf[:, -1]
+    idx = torch.searchsorted(cdf, target[:, None], right=True).squeeze(-1)
+    # a zero-probability token can never be picked: clamp, then step back over trailing zeros
+    idx = idx.clamp_max(probs.shape[-1] - 1)
+    return torch.where(probs.gather(-1, idx[:, None]).squeeze(-1) > 0, idx, probs.argmax(-1))
+
+
+def sample(logits: torch.Tensor, rows: SamplingRows) -> torch.Tensor:
+    """One token per row: argmax for greedy rows, a seeded draw otherwise. Returns [num_rows] long."""
+    if rows.all_greedy:
+        return logits.argmax(dim=-1)
+    probs = probabilities(logits, rows)
+    drawn = sample_from(probs, rows.uniforms(1)[:, 0])
+    return torch.where(rows.greedy, logits.argmax(dim=-1), drawn)

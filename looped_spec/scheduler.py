@@ -1,0 +1,126 @@
+"""FCFS continuous batching with chunked prefill, KV-block admission and recompute preemption."""
+
+from __future__ import annotations
+
+from collections import deque
+
+from looped_spec.kv_cache import KVCache
+from looped_spec.request import Request, RequestStatus, ScheduledBatch
+
+
+class Scheduler:
+    """Owns the waiting queue and the running set, and every KV block a request holds.
+
+    A step is either a prefill step (chunks of prompts — or of preempted requests being
+    recomputed — under `max_num_batched_tokens`) or a decode round over every running request.
+    When blocks run out the newest running request is preempted: its blocks are freed and it
+    goes back to the front of the queue to be recomputed, keeping the tokens it already has.
+    """
+
+    def __init__(self, kv_cache: KVCache, max_batch_size: int, max_num_batched_tokens: int) -> None:
+        self.kv = kv_cache
+        self.max_batch_size = max_batch_size
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.num_preemptions = 0
+
+    def add(self, request: Request) -> None:
+        self.waiting.append(request)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # ----- step planning -----
+    def schedule(self) -> ScheduledBatch | None:
+        batch = self._schedule_prefill()
+        if batch is not None:
+            return batch
+        if self.running:
+            return ScheduledBatch(is_prefill=False, requests=list(self.running))
+        return None
+
+    def _schedule_prefill(self) -> ScheduledBatch | None:
+        budget = self.max_num_batched_tokens
+        requests: list[Request] = []
+        chunks: list[int] = []
+        for request in [r for r in self.running if not r.prefilled]:
+            if request.status is not RequestStatus.RUNNING:  # preempted by an earlier request of this loop
+                continue
+            chunk = min(request.num_tokens - request.num_computed, budget)
+            if chunk <= 0 or not self._grow_or_preempt(request, request.num_computed + chunk):
+                break
+            requests.append(request)
+            chunks.append(chunk)
+            budget -= chunk
+        while self.waiting and budget > 0 and len(self.running) < self.max_batch_size:
+            request = self.waiting[0]
+            chunk = min(request.num_tokens - request.num_computed, budget)
+            # admit only when the whole remaining prompt fits now, so admission never forces preemption
+            if self.kv.extra_blocks(request.block_table, request.num_tokens + 1) > self.kv.num_free_blocks:
+                break
+            self.kv.grow(request.block_table, request.num_computed + chunk)
+            self.waiting.popleft()
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            requests.append(request)
+            chunks.append(chunk)
+            budget -= chunk
+        if not requests:
+            return None
+        return ScheduledBatch(is_prefill=True, requests=requests, chunk_lens=chunks)
+
+    # ----- KV budget -----
+    def _grow_or_preempt(self, request: Request, num_tokens: int) -> bool:
+        """Make `request` hold `num_tokens`, preempting newer requests if needed. False if it got preempted."""
+        while not self.kv.can_grow(request.block_table, num_tokens):
+            victim = max(self.running, key=lambda r: r.arrival)
+            self.preempt(victim)
+            if victim is request:
+                return False
+        self.kv.grow(request.block_table, num_tokens)
+        return True
+
+    def reserve_decode(self, requests: list[Request], wanted_k: list[int]) -> tuple[list[Request], list[int]]:
+        """Reserve KV for a decode round: 1 token each first (preempting if needed), then drafts.
+
+        Returns the requests still running and each one's K_actual (draft tokens it can take).
+        """
+        for request in sorted(requests, key=lambda r: r.arrival):
+            if request.status is RequestStatus.RUNNING:
+                self._grow_or_preempt(request, request.num_computed + 1)
+        kept = [r for r in requests if r.status is RequestStatus.RUNNING]
+        k_by_id = {id(r): k for r, k in zip(requests, wanted_k)}
+        k_actual: list[int] = []
+        for request in kept:
+            k = max(0, min(k_by_id[id(request)], request.max_new_this_round() - 1))
+            while k > 0 and not self.kv.can_grow(request.block_table, request.num_computed + 1 + k):
+                k -= 1
+            self.kv.grow(request.block_table, request.num_computed + 1 + k)
+            k_actual.append(k)
+        return kept, k_actual
+
+    def preempt(self, request: Request) -> None:
+        self.kv.free(request.block_table)
+        request.num_computed = 0
+        request.prefilled = False
+        request.status = RequestStatus.WAITING
+        request.metrics.num_preemptions += 1
+        self.running.remove(request)
+        self.waiting.appendleft(request)
+        self.num_preemptions += 1
+
+    # ----- lifecycle -----
+    def finish(self, request: Request, reason: str | None = None) -> None:
+        if reason is not None:
+            request.finish_reason = reason
+        self.kv.free(request.block_table)
+        request.status = RequestStatus.FINISHED
+        if request in self.running:
+            self.running.remove(request)
+        elif request in self.waiting:
+            self.waiting.remove(request)
+
+    def release_unused(self, request: Request) -> None:
+        """After a commit: give back blocks past the computed length (rejected draft positions)."""
+        self.kv.truncate(request.block_table, request.num_computed + 1)

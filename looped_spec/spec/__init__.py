@@ -1,0 +1,1 @@
+"""Self-speculative decoding units: draft proposer, verifier, rejection sampler, round driver."""

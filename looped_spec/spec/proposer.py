@@ -1,0 +1,80 @@
+"""Draft proposer: K tokens per request from the first d loops, one position at a time."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from looped_spec.model_runner import ModelRunner
+from looped_spec.request import Request
+from looped_spec.sampler import SamplingRows, probabilities, sample_from
+
+
+@dataclass
+class Draft:
+    """Draft of one round. Rows are requests sorted by K descending, so step j's rows are a prefix."""
+
+    tokens: torch.Tensor  # [num_reqs, max_k] long, -1 past each row's K
+    q_probs: torch.Tensor | None  # [num_reqs, max_k, V] draft distributions (None when all greedy)
+    states: list[torch.Tensor]  # per step j: [rows_j, state_dim] loop-d state of position j
+    depth_preds: torch.Tensor | None  # [d, num_reqs, max_k + 1] argmax of readout at depth 1..d, -1 if none
+
+
+class DraftProposer:
+    """Runs loops 1..d for position j of every request with K >= j; reads out draft token j+1 at depth d."""
+
+    def __init__(self, runner: ModelRunner, draft_override=None) -> None:
+        self.runner = runner
+        # Test/benchmark hook for greedy rows: override(requests, j, drafted [rows]) -> tokens to use as
+        # draft j+1 instead (e.g. to force a known acceptance pattern). Applied before the token is
+        # embedded, so the cached draft KV always matches the tokens verified.
+        self.draft_override = draft_override
+
+    @torch.inference_mode()
+    def propose(self, requests: list[Request], k: list[int], d: int, rows: SamplingRows,
+                measure_depths: bool) -> Draft:  # fmt: skip
+        runner = self.runner
+        num_reqs, max_k = len(requests), max(k)
+        device = runner.device
+        tokens = torch.full((num_reqs, max_k), -1, dtype=torch.long, device=device)
+        q_probs = None
+        depth_preds = None
+        if measure_depths:
+            depth_preds = torch.full((d, num_reqs, max_k + 1), -1, dtype=torch.long, device=device)
+        states: list[torch.Tensor] = []
+        step_tokens = runner.token_tensor([r.token_ids[r.num_computed] for r in requests])
+        for j in range(max_k + 1):
+            num_rows = sum(1 for kr in k if kr >= j)
+            num_next = sum(1 for kr in k if kr > j)  # rows that still need draft token j+1
+            active = requests[:num_rows]
+            ctx = runner.context(active, [1] * num_rows, [r.num_computed + j + 1 for r in active])
+
+            def probe(depth: int, state: torch.Tensor, j: int = j, ctx=ctx, n: int = num_rows) -> None:
+                depth_preds[depth - 1, :n, j] = runner.readout(state, depth, ctx).argmax(-1)
+
+            state = runner.embed(step_tokens[:num_rows], ctx)
+            state = runner.loops(state, ctx, 0, d, probe if measure_depths else None)
+            states.append(state)
+            if num_next == 0 and not measure_depths:
+                break
+            logits = runner.readout(state, d, ctx)  # [num_rows, V]
+            if measure_depths:
+                depth_preds[d - 1, :num_rows, j] = logits.argmax(-1)
+            if num_next == 0:
+                break
+            logits = logits[:num_next]
+            if rows.all_greedy:
+                drafted = logits.argmax(-1)
+            else:
+                sub = SamplingRows.build(active[:num_next], device)
+                q = probabilities(logits, sub)
+                drafted = sample_from(q, sub.uniforms(1)[:, 0])
+                if q_probs is None:
+                    q_probs = torch.zeros(num_reqs, max_k, q.shape[-1], device=device)
+                q_probs[:num_next, j] = q
+            if self.draft_override is not None:
+                drafted = self.draft_override(active[:num_next], j, drafted).to(device)
+            tokens[:num_next, j] = drafted
+            step_tokens = drafted
+        return Draft(tokens=tokens, q_probs=q_probs, states=states, depth_preds=depth_preds)

@@ -1,0 +1,93 @@
+"""One speculative round: draft, verify, accept — and the counterfactual depth measurements."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from looped_spec.model_runner import ModelRunner
+from looped_spec.request import Request
+from looped_spec.sampler import SamplingRows
+from looped_spec.spec.proposer import DraftProposer
+from looped_spec.spec.rejection_sampler import accept, pad_positions
+from looped_spec.spec.verifier import Verifier
+
+
+@dataclass
+class RoundResult:
+    """Per request (in the caller's order): tokens to commit and accepted draft count."""
+
+    committed: list[list[int]]
+    num_accepted: list[int]
+    draft_time: float
+    verify_time: float
+    accept_time: float
+    depth_matches: list[int] = field(default_factory=list)  # per depth 1..D
+    depth_trials: list[int] = field(default_factory=list)
+
+
+class SpeculativeRound:
+    """Drives proposer -> verifier -> rejection sampler over a batch with ragged K (K >= 0 per request)."""
+
+    def __init__(self, runner: ModelRunner, draft_override=None) -> None:
+        self.runner = runner
+        self.proposer = DraftProposer(runner, draft_override)
+        self.verifier = Verifier(runner)
+
+    def _sync(self) -> None:
+        if self.runner.device.type == "cuda":
+            torch.cuda.synchronize()
+
+    def run(self, requests: list[Request], k: list[int], d: int, measure_depths: bool = False) -> RoundResult:
+        order = sorted(range(len(requests)), key=lambda i: -k[i])
+        reqs = [requests[i] for i in order]
+        ks = [k[i] for i in order]
+        device = self.runner.device
+        rows = SamplingRows.build(reqs, device)
+
+        t0 = time.perf_counter()
+        draft = self.proposer.propose(reqs, ks, d, rows, measure_depths)
+        self._sync()
+        t1 = time.perf_counter()
+        verification = self.verifier.verify(reqs, ks, d, draft, measure_depths)
+        self._sync()
+        t2 = time.perf_counter()
+        k_t = torch.tensor(ks, device=device)
+        num_accepted, next_token = accept(draft.tokens, k_t, verification.logits, verification.row_index,
+                                          verification.pos_index, rows, draft.q_probs)  # fmt: skip
+        committed_grid = torch.cat([draft.tokens, torch.zeros_like(draft.tokens[:, :1])], dim=1)
+        committed_grid.scatter_(1, num_accepted[:, None], next_token[:, None])  # [R, K_max + 1]
+        acc = num_accepted.tolist()
+        grid = committed_grid.tolist()
+        committed_sorted = [grid[r][: acc[r] + 1] for r in range(len(reqs))]
+        matches: list[int] = []
+        trials: list[int] = []
+        if measure_depths:
+            matches, trials = self._depth_agreement(draft, verification, committed_grid, num_accepted, d)
+        t3 = time.perf_counter()
+
+        committed: list[list[int]] = [[] for _ in requests]
+        accepted: list[int] = [0] * len(requests)
+        for pos, i in enumerate(order):
+            committed[i] = committed_sorted[pos]
+            accepted[i] = acc[pos]
+        return RoundResult(committed, accepted, t1 - t0, t2 - t1, t3 - t2, matches, trials)
+
+    def _depth_agreement(self, draft, verification, committed_grid, num_accepted, d):
+        """Greedy agreement of each depth's readout with the committed token, on committed positions."""
+        num_reqs, width = committed_grid.shape
+        full_depth = self.runner.full_depth
+        preds = [draft.depth_preds[i] for i in range(d)]  # depths 1..d: [R, width]
+        if verification.depth_preds is not None:
+            for row in verification.depth_preds:  # depths d+1..D-1
+                preds.append(pad_positions(row, verification.row_index, verification.pos_index, num_reqs, width, -1))
+        target = verification.logits.argmax(-1)
+        preds.append(pad_positions(target, verification.row_index, verification.pos_index, num_reqs, width, -1))
+        valid = torch.arange(width, device=committed_grid.device)[None, :] <= num_accepted[:, None]
+        stacked = torch.stack(preds)  # [D, R, width]
+        hits = ((stacked == committed_grid[None]) & valid[None]).sum(dim=(1, 2))
+        trials = int(valid.sum())
+        assert stacked.shape[0] == full_depth
+        return hits.tolist(), [trials] * full_depth

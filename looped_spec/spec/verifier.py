@@ -1,0 +1,53 @@
+"""Verifier: loops d+1..D once over the K+1 positions of every request, full-depth logits."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from looped_spec.model_runner import ModelRunner
+from looped_spec.request import Request
+from looped_spec.spec.proposer import Draft
+
+
+@dataclass
+class Verification:
+    logits: torch.Tensor  # [sum(K+1), V] full-depth logits, request after request
+    row_index: torch.Tensor  # [sum(K+1)] request row of each position
+    pos_index: torch.Tensor  # [sum(K+1)] position j (0..K) of each position within its request
+    depth_preds: torch.Tensor | None  # [D - d - 1, sum(K+1)] argmax at depths d+1..D-1
+
+
+class Verifier:
+    """Continues the draft's own loop-d states (its KV for loops 1..d is already cached)."""
+
+    def __init__(self, runner: ModelRunner) -> None:
+        self.runner = runner
+
+    @torch.inference_mode()
+    def verify(self, requests: list[Request], k: list[int], d: int, draft: Draft,
+               measure_depths: bool) -> Verification:  # fmt: skip
+        runner = self.runner
+        device = runner.device
+        row_index = torch.repeat_interleave(torch.arange(len(requests)), torch.tensor(k) + 1)
+        pos_index = torch.cat([torch.arange(kr + 1) for kr in k])
+        # draft.states[j] holds rows 0..rows_j-1; flatten to pick (row, j) pairs in request order
+        offsets = [0]
+        for s in draft.states[:-1]:
+            offsets.append(offsets[-1] + s.shape[0])
+        flat_states = torch.cat(draft.states, dim=0)
+        gather = torch.tensor(offsets, dtype=torch.long)[pos_index] + row_index
+        state = flat_states[gather.to(device)]  # [sum(K+1), state_dim]
+        ctx = runner.context(requests, [kr + 1 for kr in k], [r.num_computed + kr + 1 for r, kr in zip(requests, k)])
+        depth_preds = None
+        probe = None
+        if measure_depths and runner.full_depth - d > 1:
+            depth_preds = torch.empty(runner.full_depth - d - 1, state.shape[0], dtype=torch.long, device=device)
+
+            def probe(depth: int, s: torch.Tensor) -> None:
+                depth_preds[depth - d - 1] = runner.readout(s, depth, ctx).argmax(-1)
+
+        state = runner.loops(state, ctx, d, runner.full_depth, probe)
+        logits = runner.readout(state, runner.full_depth, ctx)
+        return Verification(logits, row_index.to(device), pos_index.to(device), depth_preds)

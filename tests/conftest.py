@@ -1,0 +1,64 @@
+"""Shared fixtures: the tiny real-format checkpoints in tests/fixtures/ and their reference outputs."""
+
+from __future__ import annotations
+
+import json
+from functools import lru_cache
+from pathlib import Path
+
+import pytest
+import torch
+
+FIXTURES = Path(__file__).parent / "fixtures"
+FAMILIES = ["ouro", "huginn", "nanbeige"]
+
+torch.set_num_threads(1)  # tiny models: thread hand-off costs more than it saves
+
+
+def fixture_dir(family: str) -> Path:
+    return FIXTURES / f"{family}-tiny"
+
+
+def adapter_options(family: str) -> dict:
+    """The fixtures' references use Huginn's zero initial state."""
+    return {"initial_state": "zeros"} if family == "huginn" else {}
+
+
+@lru_cache(maxsize=None)
+def reference(family: str) -> dict:
+    return json.loads((fixture_dir(family) / "reference.json").read_text())
+
+
+@lru_cache(maxsize=None)
+def reference_tensors(family: str) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return load_file(str(fixture_dir(family) / "reference.safetensors"))
+
+
+@lru_cache(maxsize=None)
+def load(family: str, dtype: str = "float32"):
+    from looped_spec import load_adapter
+
+    return load_adapter(fixture_dir(family), dtype=dtype, device="cpu", **adapter_options(family))
+
+
+def make_engine(family: str, **kwargs):
+    from looped_spec import LoopedSpecEngine
+
+    kwargs.setdefault("speculation", "off")
+    return LoopedSpecEngine(load(family), **kwargs)
+
+
+@pytest.fixture(params=FAMILIES)
+def family(request) -> str:
+    return request.param
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if "cuda" in item.keywords:
+            item.add_marker(skip)

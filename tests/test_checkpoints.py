@@ -1,0 +1,140 @@
+"""Loading real-format checkpoints: sharded files, tied heads, and clear errors for bad folders."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+from conftest import fixture_dir, load
+from safetensors.torch import load_file, save_file
+
+from looped_spec import CheckpointError, load_adapter
+
+
+def copy_fixture(tmp_path, family: str):
+    dst = tmp_path / family
+    shutil.copytree(fixture_dir(family), dst)
+    for p in dst.iterdir():
+        p.chmod(0o644)
+    return dst
+
+
+def edit_config(folder, **changes):
+    config = json.loads((folder / "config.json").read_text())
+    config.update(changes)
+    (folder / "config.json").write_text(json.dumps(config))
+
+
+def edit_weights(folder, fn):
+    tensors = load_file(str(folder / "model.safetensors"))
+    fn(tensors)
+    save_file(tensors, str(folder / "model.safetensors"))
+
+
+def test_missing_config(tmp_path):
+    folder = copy_fixture(tmp_path, "ouro")
+    (folder / "config.json").unlink()
+    with pytest.raises(CheckpointError, match="config.json"):
+        load_adapter(folder, device="cpu")
+
+
+def test_missing_folder(tmp_path):
+    with pytest.raises(CheckpointError, match="not a checkpoint folder"):
+        load_adapter(tmp_path / "nope", device="cpu")
+
+
+def test_unknown_model_type_lists_registered(tmp_path):
+    folder = copy_fixture(tmp_path, "ouro")
+    edit_config(folder, model_type="llama")
+    with pytest.raises(CheckpointError, match=r"unknown model_type 'llama'.*huginn_raven.*nanbeige.*ouro"):
+        load_adapter(folder, device="cpu")
+
+
+def test_missing_tensor_is_named(tmp_path):
+    folder = copy_fixture(tmp_path, "ouro")
+    edit_weights(folder, lambda t: t.pop("model.layers.1.mlp.up_proj.weight"))
+    with pytest.raises(CheckpointError, match=r"missing tensor.*model\.layers\.1\.mlp\.up_proj\.weight"):
+        load_adapter(folder, device="cpu")
+
+
+def test_wrong_shape_names_file_and_tensor(tmp_path):
+    folder = copy_fixture(tmp_path, "nanbeige")
+    edit_weights(folder, lambda t: t.update({"model.norm.weight": torch.ones(65)}))
+    with pytest.raises(CheckpointError, match=r"model\.safetensors: tensor model\.norm\.weight has shape \[65\]"):
+        load_adapter(folder, device="cpu")
+
+
+def test_unexpected_tensor(tmp_path):
+    folder = copy_fixture(tmp_path, "ouro")
+    edit_weights(folder, lambda t: t.update({"model.layers.9.extra.weight": torch.ones(2)}))
+    with pytest.raises(CheckpointError, match=r"unexpected tensor.*model\.layers\.9\.extra\.weight"):
+        load_adapter(folder, device="cpu")
+
+
+def test_pickle_only_folder_is_refused(tmp_path):
+    folder = copy_fixture(tmp_path, "ouro")
+    (folder / "model.safetensors").unlink()
+    (folder / "pytorch_model.bin").write_bytes(b"not loaded")
+    with pytest.raises(CheckpointError, match=r"pickle.*pytorch_model\.bin"):
+        load_adapter(folder, device="cpu")
+
+
+@pytest.mark.parametrize(
+    "family,changes,message",
+    [
+        ("ouro", {"use_sliding_window": True, "sliding_window": 64}, "sliding_window"),
+        ("ouro", {"layer_types": ["sliding_attention", "full_attention"]}, r"layer_types\[0\]"),
+        ("ouro", {"rope_scaling": {"type": "yarn", "factor": 4.0}}, "rope_scaling"),
+        ("nanbeige", {"rope_scaling": {"type": "linear", "factor": 2.0}}, "rope_scaling"),
+        ("huginn", {"injection_type": "add"}, "injection_type 'add'"),
+    ],
+)
+def test_unsupported_config_values(tmp_path, family, changes, message):
+    folder = copy_fixture(tmp_path, family)
+    edit_config(folder, **changes)
+    with pytest.raises(CheckpointError, match=message):
+        load_adapter(folder, device="cpu")
+
+
+def test_tied_head_may_be_omitted(tmp_path):
+    folder = copy_fixture(tmp_path, "ouro")
+    edit_config(folder, tie_word_embeddings=True)
+    edit_weights(folder, lambda t: t.update({"lm_head.weight": t["model.embed_tokens.weight"].clone()}))
+    stored = load_adapter(folder, dtype="float32", device="cpu")
+    edit_weights(folder, lambda t: t.pop("lm_head.weight"))
+    omitted = load_adapter(folder, dtype="float32", device="cpu")
+    ids = torch.tensor([5, 6, 7, 8])
+    assert torch.equal(stored.dense_logits(ids), omitted.dense_logits(ids))
+
+
+def test_huginn_tied_head_and_freqs_buffer(tmp_path):
+    folder = copy_fixture(tmp_path, "huginn")
+    edit_weights(folder, lambda t: t.pop("lm_head.weight"))
+    adapter = load_adapter(folder, dtype="float32", device="cpu", initial_state="zeros")
+    ids = torch.tensor([5, 6, 7, 8])
+    assert torch.allclose(adapter.dense_logits(ids), load("huginn").dense_logits(ids))
+
+
+def test_sharded_checkpoint(tmp_path):
+    folder = copy_fixture(tmp_path, "nanbeige")
+    tensors = load_file(str(folder / "model.safetensors"))
+    (folder / "model.safetensors").unlink()
+    names = sorted(tensors)
+    shards = {"model-00001-of-00002.safetensors": names[::2], "model-00002-of-00002.safetensors": names[1::2]}
+    weight_map = {}
+    for file, keys in shards.items():
+        save_file({k: tensors[k] for k in keys}, str(folder / file))
+        weight_map.update(dict.fromkeys(keys, file))
+    (folder / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    adapter = load_adapter(folder, dtype="float32", device="cpu")
+    ids = torch.tensor([1, 2, 3])
+    assert torch.equal(adapter.dense_logits(ids), load("nanbeige").dense_logits(ids))
+
+
+def test_bad_dtype_and_options(tmp_path):
+    with pytest.raises(ValueError, match="dtype 'int8'"):
+        load_adapter(fixture_dir("ouro"), dtype="int8", device="cpu")
+    with pytest.raises(ValueError, match="initial_state='ones'"):
+        load_adapter(fixture_dir("huginn"), device="cpu", initial_state="ones")
