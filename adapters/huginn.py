@@ -50,10 +50,12 @@ class HuginnAdapter(ModelAdapter):
             raise ValueError(f"unknown Huginn adapter option(s) {sorted(unknown)}; known: initial_state, num_steps")
         if "lm_head.weight" not in self.weights:
             self.weights["lm_head.weight"] = self.weights["transformer.wte.weight"]
-        group = lambda prefix, n: [  # noqa: E731
-            {k[len(f"{prefix}.{i}.") :]: v for k, v in self.weights.items() if k.startswith(f"{prefix}.{i}.")}
-            for i in range(n)
-        ]
+        group = (
+            lambda prefix, n: [  # noqa: E731
+                {k[len(f"{prefix}.{i}.") :]: v for k, v in self.weights.items() if k.startswith(f"{prefix}.{i}.")}
+                for i in range(n)
+            ]
+        )
         self.prelude = group("transformer.prelude", self.num_prelude)
         self.core = group("transformer.core_block", self.num_core)
         self.coda = group("transformer.coda", self.num_coda)

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import torch
+from looped_spec.adapters.ouro import LlamaStyleLooped, check_plain_rope, llama_dims, llama_layer_specs
 
 from looped_spec.adapter import register_adapter
-from looped_spec.adapters.ouro import LlamaStyleLooped, check_plain_rope, llama_dims, llama_layer_specs
 from looped_spec.checkpoint import TensorSpec
 from looped_spec.layers import rms_norm
 

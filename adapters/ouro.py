@@ -114,7 +114,8 @@ class OuroAdapter(LlamaStyleLooped):
         llama_dims(config)
         check_plain_rope(config)
         if config.get("use_sliding_window"):
-            raise ValueError(f"use_sliding_window with sliding_window={config.get('sliding_window')!r} is not supported")
+            window = config.get("sliding_window")
+            raise ValueError(f"use_sliding_window with sliding_window={window!r} is not supported")
         for i, kind in enumerate(config.get("layer_types") or []):
             if kind != "full_attention":
                 raise ValueError(f"layer_types[{i}] = {kind!r} is not supported (only full_attention)")

@@ -14,9 +14,10 @@ there), so the engine can slice, stack and cache it without knowing the family.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, ClassVar
+from typing import Any, ClassVar
 
 import torch
 
@@ -84,6 +85,7 @@ class ModelAdapter(ABC):
     @classmethod
     def check_config(cls, config: dict) -> None:
         """Raise ValueError naming the field for config values this implementation does not support."""
+        return None
 
     @property
     @abstractmethod

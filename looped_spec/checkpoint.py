@@ -114,8 +114,16 @@ def resolve_dtype(dtype: str | torch.dtype, config: dict) -> torch.dtype:
     """Map 'auto' | 'float32' | 'bfloat16' | 'float16' | torch.dtype to a torch dtype."""
     if isinstance(dtype, torch.dtype):
         return dtype
-    names = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-             "float16": torch.float16, "fp16": torch.float16, "half": torch.float16, "float": torch.float32}
+    names = {
+        "float32": torch.float32,
+        "fp32": torch.float32,
+        "bfloat16": torch.bfloat16,
+        "bf16": torch.bfloat16,
+        "float16": torch.float16,
+        "fp16": torch.float16,
+        "half": torch.float16,
+        "float": torch.float32,
+    }
     if dtype == "auto":
         dtype = str(config.get("torch_dtype") or config.get("dtype") or "float32")
     if dtype not in names:

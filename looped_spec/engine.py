@@ -90,8 +90,10 @@ class LoopedSpecEngine:
             num_kv_blocks = min(int(memory_gb * 2**30) // per_block, per_request * self.max_batch_size)
         min_blocks = (self.max_model_len + block_size - 1) // block_size + 1
         if num_kv_blocks < min_blocks:
-            raise ValueError(f"KV cache of {num_kv_blocks} blocks cannot hold one request of max_model_len="
-                             f"{self.max_model_len} ({min_blocks} blocks); lower max_model_len or give more memory")
+            raise ValueError(
+                f"KV cache of {num_kv_blocks} blocks cannot hold one request of max_model_len="
+                f"{self.max_model_len} ({min_blocks} blocks); lower max_model_len or give more memory"
+            )
         return num_kv_blocks
 
     # ----- requests -----
@@ -103,8 +105,10 @@ class LoopedSpecEngine:
             raise TypeError(f"params must be SamplingParams, got {type(params).__name__}")
         ids = to_token_ids(prompt, self.tokenizer, self.adapter.vocab_size)
         if len(ids) >= self.max_model_len:
-            raise ValueError(f"prompt has {len(ids)} tokens; max_model_len={self.max_model_len} leaves no room to "
-                             "generate (needs prompt length < max_model_len)")
+            raise ValueError(
+                f"prompt has {len(ids)} tokens; max_model_len={self.max_model_len} leaves no room to "
+                "generate (needs prompt length < max_model_len)"
+            )
         request_id = str(next(self._ids)) if request_id is None else str(request_id)
         if request_id in self._requests:
             raise ValueError(f"request_id {request_id!r} is already in use")

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from functools import lru_cache
+from functools import cache
 from pathlib import Path
 
 import pytest
@@ -24,19 +24,19 @@ def adapter_options(family: str) -> dict:
     return {"initial_state": "zeros"} if family == "huginn" else {}
 
 
-@lru_cache(maxsize=None)
+@cache
 def reference(family: str) -> dict:
     return json.loads((fixture_dir(family) / "reference.json").read_text())
 
 
-@lru_cache(maxsize=None)
+@cache
 def reference_tensors(family: str) -> dict[str, torch.Tensor]:
     from safetensors.torch import load_file
 
     return load_file(str(fixture_dir(family) / "reference.safetensors"))
 
 
-@lru_cache(maxsize=None)
+@cache
 def load(family: str, dtype: str = "float32"):
     from looped_spec import load_adapter
 

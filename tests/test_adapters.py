@@ -57,8 +57,9 @@ def test_huginn_explicit_initial_state():
 
 
 def test_huginn_random_initial_state_is_keyed_by_seed_and_position():
-    from looped_spec import load_adapter
     from conftest import fixture_dir
+
+    from looped_spec import load_adapter
 
     adapter = load_adapter(fixture_dir("huginn"), dtype="float32", device="cpu", initial_state="random")
     ids = torch.tensor(reference("huginn")["prompts"][0])

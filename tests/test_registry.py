@@ -8,8 +8,16 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import save_file
 
-from looped_spec import LoopedSpecEngine, ModelAdapter, SamplingParams, TensorSpec, load_adapter, register_adapter
-from looped_spec import KVLayout, SpeculativeConfig
+from looped_spec import (
+    KVLayout,
+    LoopedSpecEngine,
+    ModelAdapter,
+    SamplingParams,
+    SpeculativeConfig,
+    TensorSpec,
+    load_adapter,
+    register_adapter,
+)
 from looped_spec.layers import memo_angles, rms_norm, self_attention
 
 

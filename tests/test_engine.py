@@ -1,0 +1,159 @@
+"""Plain decoding through LoopedSpecEngine: exactness, batching, limits, preemption, bad input."""
+
+from __future__ import annotations
+
+import pytest
+from conftest import FAMILIES, adapter_options, fixture_dir, make_engine, reference
+from pydantic import ValidationError
+
+from looped_spec import LoopedSpecEngine, SamplingParams
+
+FILLER = [[9, 8, 7, 6, 5, 4, 3, 2, 1, 10, 11], [40, 41], [100, 3, 3, 3, 77]]
+
+
+def greedy(n: int, **kw) -> SamplingParams:
+    return SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True, **kw)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_fixture_greedy_alone_and_batched(family):
+    ref = reference(family)
+    engine = make_engine(family)
+    for prompt, expected in zip(ref["prompts"], ref["greedy"]):
+        out = engine.generate(prompt, greedy(len(expected["tokens"])))[0]
+        assert out.token_ids == expected["tokens"]
+        assert out.finish_reason == "length"
+    prompts = FILLER[:1] + ref["prompts"] + FILLER[1:]
+    params = [greedy(7)] + [greedy(len(g["tokens"])) for g in ref["greedy"]] + [greedy(13), greedy(3)]
+    outs = engine.generate(prompts, params)
+    assert [o.token_ids for o in outs[1:3]] == [g["tokens"] for g in ref["greedy"]]
+    assert engine.num_free_blocks == engine.kv.num_blocks
+
+
+def test_checkpoint_path_api_matches_fixture():
+    ref = reference("huginn")
+    engine = LoopedSpecEngine(str(fixture_dir("huginn")), dtype="float32", device="cpu", speculation="off",
+                              adapter_options=adapter_options("huginn"))  # fmt: skip
+    out = engine.generate(ref["prompts"][1], greedy(20))[0]
+    assert out.token_ids == ref["greedy"][1]["tokens"]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_batched_equals_sequential_with_seeded_sampling(family):
+    prompts = FILLER + reference(family)["prompts"]
+    params = [SamplingParams(max_tokens=9, temperature=0.9, top_k=20, top_p=0.9, seed=100 + i, ignore_eos=True)
+              for i in range(len(prompts))]  # fmt: skip
+    alone = [make_engine(family).generate(p, sp)[0].token_ids for p, sp in zip(prompts, params)]
+    batched = [o.token_ids for o in make_engine(family, max_batch_size=3).generate(prompts, params)]
+    assert alone == batched
+
+
+def test_unseeded_requests_follow_engine_seed():
+    prompts = FILLER
+    params = SamplingParams(max_tokens=6, temperature=1.0, ignore_eos=True)
+    a = [o.token_ids for o in make_engine("ouro", seed=3).generate(prompts, params)]
+    b = [o.token_ids for o in make_engine("ouro", seed=3).generate(prompts, params)]
+    assert a == b
+
+
+def test_stop_tokens_and_eos():
+    ref = reference("ouro")
+    engine = make_engine("ouro")
+    expected = ref["greedy"][1]["tokens"]  # 119, 19, 19, ...
+    out = engine.generate(ref["prompts"][1], greedy(20, stop_token_ids=[37]))[0]
+    assert out.token_ids == expected[: expected.index(37) + 1] and out.finish_reason == "stop"
+    # the ouro fixture's eos id is 0; a prompt continuing into eos stops unless ignore_eos
+    eos_engine = make_engine("nanbeige")
+    eos = eos_engine.adapter.eos_token_ids[0]
+    target = reference("nanbeige")["greedy"][0]["tokens"]
+    eos_engine.adapter.config["eos_token_id"] = target[2]
+    try:
+        out = eos_engine.generate(reference("nanbeige")["prompts"][0], SamplingParams(max_tokens=20))[0]
+        assert out.token_ids == target[:3] and out.finish_reason == "stop"
+    finally:
+        eos_engine.adapter.config["eos_token_id"] = eos
+
+
+def test_max_tokens_and_max_model_len():
+    engine = make_engine("ouro", max_model_len=12)
+    out = engine.generate([1, 2, 3, 4, 5, 6, 7, 8, 9, 10], greedy(50))[0]
+    assert len(out.token_ids) == 2 and out.finish_reason == "length"
+
+
+def test_online_api_and_abort():
+    engine = make_engine("nanbeige")
+    first = engine.add_request([1, 2, 3], greedy(30))
+    second = engine.add_request([4, 5, 6], greedy(5))
+    seen: dict[str, list[int]] = {}
+    for _ in range(3):
+        for out in engine.step():
+            seen[out.request_id] = out.token_ids
+    engine.abort(first)
+    finished = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                finished[out.request_id] = out
+    assert finished[first].finish_reason == "abort" and len(finished[first].token_ids) < 30
+    assert finished[second].finish_reason == "length" and len(finished[second].token_ids) == 5
+    assert engine.num_free_blocks == engine.kv.num_blocks
+    with pytest.raises(KeyError, match="unknown request_id 'nope'"):
+        engine.abort("nope")
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_kv_exhaustion_preempts_and_recomputes(family):
+    prompts = [list(range(1 + i, 12 + i)) for i in range(8)]
+    params = greedy(24)
+    expected = [o.token_ids for o in make_engine(family).generate(prompts, params)]
+    # each request needs ceil(35 / 4) = 9 blocks; 8 requests need 72, the cache holds 24
+    engine = make_engine(family, block_size=4, num_kv_blocks=24, max_num_batched_tokens=16, max_model_len=64)
+    outs = engine.generate(prompts, params)
+    assert [o.token_ids for o in outs] == expected
+    assert engine.scheduler.num_preemptions > 0
+    assert engine.num_free_blocks == engine.kv.num_blocks
+
+
+def test_bad_input_is_rejected_and_nothing_accepted_is_lost():
+    engine = make_engine("ouro", max_model_len=32)
+    keep = engine.add_request([1, 2, 3], greedy(4))
+    with pytest.raises(ValueError, match="prompt is empty"):
+        engine.add_request([], greedy(4))
+    with pytest.raises(ValueError, match="max_model_len=32"):
+        engine.add_request(list(range(1, 40)), greedy(4))
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        engine.add_request([1, 999], greedy(4))
+    with pytest.raises(ValueError, match="no tokenizer"):
+        engine.add_request("hello", greedy(4))
+    with pytest.raises(ValueError, match=r"prompts\[1\] has 40 tokens"):
+        engine.generate([[1, 2], list(range(40))], greedy(2))
+    with pytest.raises(ValidationError, match="max_tokens"):
+        SamplingParams(max_tokens=0)
+    with pytest.raises(ValidationError, match="temperature"):
+        SamplingParams(temperature=-0.5)
+    for bad in (0.0, 1.5):
+        with pytest.raises(ValidationError, match="top_p"):
+            SamplingParams(top_p=bad)
+    with pytest.raises(ValidationError, match="top_k"):
+        SamplingParams(top_k=-3)
+    with pytest.raises(ValidationError, match="unknown_field|extra"):
+        SamplingParams(unknown_field=1)
+    with pytest.raises(ValueError, match="speculation="):
+        make_engine("ouro", speculation="sometimes")
+    with pytest.raises(ValueError, match=r"speculation.d=4 must be in 1\.\.3"):
+        make_engine("ouro", speculation="2,4")
+    outs = []
+    while engine.has_unfinished_requests():
+        outs += [o for o in engine.step() if o.finished]
+    assert [o.request_id for o in outs] == [keep] and len(outs[0].token_ids) == 4
+
+
+def test_stats_dict_and_prometheus():
+    engine = make_engine("ouro")
+    engine.generate(FILLER, greedy(5))
+    stats = engine.stats.to_dict()
+    assert stats["num_generation_tokens"] == 15 and stats["num_requests_finished"] == 3
+    assert stats["num_rounds"] == 4 and sum(stats["batch_size_histogram"].values()) == 4
+    text = engine.stats.to_prometheus("ouro-tiny")
+    assert 'looped_spec:generation_tokens_total{model_name="ouro-tiny"} 15' in text
+    assert "looped_spec:batch_size_bucket" in text and "looped_spec:phase_seconds_total" in text

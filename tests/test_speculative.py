@@ -1,0 +1,213 @@
+"""Self-speculative decoding: lossless greedy, forced acceptance paths, sampling distribution, KV."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+from conftest import FAMILIES, load, make_engine, reference
+
+from looped_spec import SamplingParams, SpeculativeConfig
+
+PROMPTS = [
+    [5, 9, 13],
+    [200, 1, 77, 4, 4, 19, 88, 23, 7, 150, 3],
+    [42],
+    [17, 18, 19, 20, 21, 22],
+    [99, 98, 97, 96, 95, 94, 93, 92],
+    [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5, 8, 9, 7, 9],
+    [250, 251],
+    [60, 61, 62, 63],
+]
+MAX_TOKENS = [12, 7, 15, 1, 10, 5, 13, 9]
+
+
+def greedy(n: int) -> SamplingParams:
+    return SamplingParams(max_tokens=n, ignore_eos=True)
+
+
+def batches():
+    """Batch sizes 1, 3 and 8 with mixed prompt lengths and max_tokens."""
+    return [(PROMPTS[:1], MAX_TOKENS[:1]), (PROMPTS[1:4], MAX_TOKENS[1:4]), (PROMPTS, MAX_TOKENS)]
+
+
+@pytest.fixture(scope="module")
+def plain_outputs():
+    cache = {}
+    for family in FAMILIES:
+        engine = make_engine(family)
+        cache[family] = [o.token_ids for o in engine.generate(PROMPTS, [greedy(n) for n in MAX_TOKENS])]
+    return cache
+
+
+def grid(family: str):
+    depth = load(family).full_depth
+    return [(k, d) for k, d in itertools.product([0, 1, 2, 3, 5], range(1, depth))]
+
+
+@pytest.mark.parametrize("family,k,d", [(f, k, d) for f in FAMILIES for k, d in grid(f)])
+def test_greedy_speculative_equals_plain(family, k, d, plain_outputs):
+    engine = make_engine(family, speculation=SpeculativeConfig(k=k, d=d), max_batch_size=8)
+    for prompts, max_tokens in batches():
+        outs = engine.generate(prompts, [greedy(n) for n in max_tokens])
+        start = PROMPTS.index(prompts[0])
+        assert [o.token_ids for o in outs] == plain_outputs[family][start : start + len(prompts)]
+        assert engine.num_free_blocks == engine.kv.num_blocks
+    if k == 0:
+        assert engine.stats.num_spec_rounds == 0
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_fixture_continuations_with_speculation(family):
+    ref = reference(family)
+    depth = ref["full_depth"]
+    engine = make_engine(family, speculation=SpeculativeConfig(k=3, d=depth // 2, measure_depths=True))
+    outs = engine.generate(ref["prompts"], [greedy(len(g["tokens"])) for g in ref["greedy"]])
+    assert [o.token_ids for o in outs] == [g["tokens"] for g in ref["greedy"]]
+
+
+class Oracle:
+    """Draft override that proposes the true greedy continuation but breaks it at draft index `miss`."""
+
+    def __init__(self, prompts, continuations, miss: int, vocab: int):
+        self.full = {tuple(p): p + c for p, c in zip(prompts, continuations)}
+        self.miss, self.vocab = miss, vocab
+
+    def __call__(self, requests, j, drafted):
+        out = []
+        for r in requests:
+            seq = self.full[tuple(r.token_ids[: r.num_prompt_tokens])]
+            pos = r.num_computed + j + 1
+            token = seq[pos] if pos < len(seq) else 0
+            out.append((token + 1) % self.vocab if j == self.miss else token)
+        return torch.tensor(out)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("miss", [0, 1, 2, 3])
+def test_every_rejection_position_and_bonus(family, miss, plain_outputs):
+    k = 3
+    prompts, max_tokens = PROMPTS[:3], [30, 30, 30]
+    expected = [o.token_ids for o in make_engine(family).generate(prompts, [greedy(n) for n in max_tokens])]
+    oracle = Oracle(prompts, expected, miss, load(family).vocab_size)
+    engine = make_engine(family, speculation=SpeculativeConfig(k=k, d=1), draft_override=oracle)
+    ids = [engine.add_request(p, greedy(n)) for p, n in zip(prompts, max_tokens)]
+    requests = [engine._requests[i] for i in ids]
+    accepted_per_round = min(miss, k)  # miss == k: every draft matches and the bonus token is taken
+    while engine.has_unfinished_requests():
+        before = {r.request_id: (r.num_tokens, r.metrics.num_accepted_tokens) for r in requests}
+        was_decoding = {r.request_id: r.prefilled for r in requests}
+        engine.step()
+        for r in requests:
+            if not was_decoding[r.request_id] or r.request_id not in before:
+                continue
+            n_before, acc_before = before[r.request_id]
+            gained = r.num_tokens - n_before
+            if r.finished:
+                assert gained <= accepted_per_round + 1
+                continue
+            k_actual = min(k, r.max_tokens - (n_before - r.num_prompt_tokens) - 1)
+            assert r.metrics.num_accepted_tokens - acc_before == min(accepted_per_round, k_actual)
+            assert gained == min(accepted_per_round, k_actual) + 1
+            # KV covers every committed token but the last; blocks beyond it were released
+            assert r.num_computed == r.num_tokens - 1
+            assert len(r.block_table) == engine.kv.blocks_for(r.num_computed + 1)
+    outs = [r.output_token_ids for r in requests]
+    assert outs == expected
+    assert engine.num_free_blocks == engine.kv.num_blocks
+
+
+def test_stop_token_inside_accepted_drafts():
+    prompts = [PROMPTS[1]]
+    expected = make_engine("ouro").generate(prompts, greedy(20))[0].token_ids
+    stop = expected[5]
+    first = expected.index(stop)
+    oracle = Oracle(prompts, [expected], miss=99, vocab=256)
+    engine = make_engine("ouro", speculation=SpeculativeConfig(k=5, d=2), draft_override=oracle)
+    out = engine.generate(prompts, SamplingParams(max_tokens=20, stop_token_ids=[stop], ignore_eos=True))[0]
+    assert out.token_ids == expected[: first + 1] and out.finish_reason == "stop"
+    assert out.metrics.num_accepted_tokens > 0
+    assert engine.num_free_blocks == engine.kv.num_blocks
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_preemption_during_speculative_decoding(family):
+    prompts = [list(range(1 + i, 12 + i)) for i in range(8)]
+    expected = [o.token_ids for o in make_engine(family).generate(prompts, greedy(24))]
+    engine = make_engine(family, speculation=SpeculativeConfig(k=3, d=1), block_size=4, num_kv_blocks=24,
+                         max_num_batched_tokens=16, max_model_len=64)  # fmt: skip
+    outs = engine.generate(prompts, greedy(24))
+    assert [o.token_ids for o in outs] == expected
+    assert engine.scheduler.num_preemptions > 0 and engine.stats.num_spec_rounds > 0
+    assert engine.num_free_blocks == engine.kv.num_blocks
+
+
+def test_request_metrics_and_depth_measurements():
+    depth = load("ouro").full_depth
+    oracle = Oracle([PROMPTS[0]], [make_engine("ouro").generate([PROMPTS[0]], greedy(16))[0].token_ids], 2, 256)
+    engine = make_engine("ouro", speculation=SpeculativeConfig(k=3, d=2, measure_depths=True), draft_override=oracle)
+    seen = []
+    engine.controller.observe = seen.append
+    out = engine.generate([PROMPTS[0]], greedy(16))[0]
+    m = out.metrics
+    assert m.num_draft_tokens > 0 and m.acceptance_rate == m.num_accepted_tokens / m.num_draft_tokens
+    assert m.mean_accepted_length == (m.rounds + m.num_accepted_tokens) / m.rounds
+    spec = [f for f in seen if f.total_proposed > 0]
+    assert spec and all(len(f.depth_matches) == depth and len(f.depth_trials) == depth for f in spec)
+    # full depth always agrees with the committed (greedy target) token
+    assert all(f.depth_matches[-1] == f.depth_trials[-1] for f in spec)
+    assert all(f.draft_time > 0 and f.verify_time > 0 for f in spec)
+
+
+# chi-square critical values at p = 0.001 for the degrees of freedom used below
+CHI2_CRIT = {3: 16.27, 7: 24.32, 8: 26.12, 11: 31.26, 15: 37.70}
+
+
+def exact_pair_distribution(adapter, prompt, top_k):
+    """P(t1, t2) at temperature 1 with top-k, from dense full-depth logits."""
+
+    def filtered(logits):
+        vals, idx = logits.topk(top_k)
+        return idx.tolist(), vals.softmax(-1).tolist()
+
+    probs = {}
+    idx1, p1 = filtered(adapter.dense_logits(torch.tensor(prompt))[0, -1])
+    for t1, q1 in zip(idx1, p1):
+        idx2, p2 = filtered(adapter.dense_logits(torch.tensor(prompt + [t1]))[0, -1])
+        for t2, q2 in zip(idx2, p2):
+            probs[(t1, t2)] = q1 * q2
+    return probs
+
+
+@pytest.mark.parametrize("family,d", [("ouro", 1), ("nanbeige", 1)])
+def test_speculative_sampling_keeps_target_distribution(family, d):
+    adapter = load(family)
+    prompt, top_k, n = [5, 9, 13, 200], 4, 3000
+    exact = exact_pair_distribution(adapter, prompt, top_k)
+    engine = make_engine(family, speculation=SpeculativeConfig(k=2, d=d), max_batch_size=256,
+                         max_num_batched_tokens=4096, seed=1234)  # fmt: skip
+    params = SamplingParams(max_tokens=3, temperature=1.0, top_k=top_k, ignore_eos=True)
+    outs = engine.generate([prompt] * n, params)
+    assert engine.stats.num_accepted_tokens > 0 and engine.stats.num_draft_tokens > engine.stats.num_accepted_tokens
+    counts: dict = {}
+    for o in outs:
+        pair = tuple(o.token_ids[:2])
+        counts[pair] = counts.get(pair, 0) + 1
+    assert set(counts) <= set(exact)
+    # merge rare cells (expected < 5) so the chi-square approximation holds
+    cells = sorted(exact, key=exact.get, reverse=True)
+    stat, rare_exp, rare_obs, df = 0.0, 0.0, 0, -1
+    for cell in cells:
+        e = exact[cell] * n
+        if e < 5:
+            rare_exp += e
+            rare_obs += counts.get(cell, 0)
+            continue
+        stat += (counts.get(cell, 0) - e) ** 2 / e
+        df += 1
+    if rare_exp > 0:
+        stat += (rare_obs - rare_exp) ** 2 / max(rare_exp, 1e-9)
+        df += 1
+    crit = CHI2_CRIT.get(df) or (df + 3.1 * (2 * df) ** 0.5 + 4)
+    assert stat < crit, (stat, df)
