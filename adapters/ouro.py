@@ -7,7 +7,7 @@ import torch.nn.functional as F
 
 from looped_spec.adapter import KVLayout, ModelAdapter, register_adapter
 from looped_spec.checkpoint import TensorSpec
-from looped_spec.layers import memo_angles, rms_norm, self_attention, swiglu
+from looped_spec.layers import memo_half_rope, rms_norm, self_attention, swiglu
 
 
 def llama_dims(config: dict) -> tuple[int, int, int, int, int, int]:
@@ -80,10 +80,10 @@ class LlamaStyleLooped(ModelAdapter):
         return F.embedding(token_ids, self.weights["model.embed_tokens.weight"])
 
     def attend(self, x: torch.Tensor, w: dict, ctx, plane: int) -> torch.Tensor:
-        angles = memo_angles(ctx, self.head_dim, self.rope_theta)
+        tables = memo_half_rope(ctx, self.head_dim, self.rope_theta)
         return self_attention(
             x, w["self_attn.q_proj.weight"], w["self_attn.k_proj.weight"], w["self_attn.v_proj.weight"],
-            w["self_attn.o_proj.weight"], self.num_heads, self.num_kv_heads, self.head_dim, angles, ctx, plane,
+            w["self_attn.o_proj.weight"], self.num_heads, self.num_kv_heads, self.head_dim, tables, ctx, plane,
         )  # fmt: skip
 
     @staticmethod

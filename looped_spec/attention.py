@@ -19,12 +19,10 @@ import torch.nn.functional as F
 
 
 def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask=None, causal=False) -> torch.Tensor:
-    """q: [B, H, Tq, hd], k/v: [B, KVH, Tk, hd] -> [B, H, Tq, hd] (GQA by repeating kv heads)."""
-    if k.shape[1] != q.shape[1]:
-        repeat = q.shape[1] // k.shape[1]
-        k = k.repeat_interleave(repeat, dim=1)
-        v = v.repeat_interleave(repeat, dim=1)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal)
+    """q: [B, H, Tq, hd], k/v: [B, KVH, Tk, hd] -> [B, H, Tq, hd] (grouped-query when KVH < H)."""
+    return F.scaled_dot_product_attention(
+        q, k, v, attn_mask=mask, is_causal=causal, enable_gqa=k.shape[1] != q.shape[1]
+    )
 
 
 @dataclass

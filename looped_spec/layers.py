@@ -13,9 +13,9 @@ import torch.nn.functional as F
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm computed in fp32, cast back to the input dtype, then scaled."""
-    x32 = x.float()
-    normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
-    return normed.to(x.dtype) * weight
+    if x.dtype == torch.float32:
+        return F.rms_norm(x, (x.shape[-1],), weight, eps)
+    return F.rms_norm(x.float(), (x.shape[-1],), None, eps).to(x.dtype) * weight
 
 
 def swiglu(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
@@ -36,10 +36,15 @@ def rope_angles(positions: torch.Tensor, head_dim: int, theta: float) -> torch.T
     return positions.to(torch.float32)[:, None] * inv_freq[None, :]
 
 
-def apply_rope_half(x: torch.Tensor, angles: torch.Tensor) -> torch.Tensor:
-    """Rotate-half RoPE (Llama/Ouro/Nanbeige). x: [num_tokens, heads, head_dim]."""
-    cos = torch.cat([angles.cos(), angles.cos()], dim=-1)[:, None, :]
-    sin = torch.cat([angles.sin(), angles.sin()], dim=-1)[:, None, :]
+def half_rope_tables(angles: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(cos, sin) laid out for rotate-half RoPE: [num_tokens, 1, head_dim] each."""
+    cos, sin = angles.cos(), angles.sin()
+    return torch.cat([cos, cos], dim=-1)[:, None, :], torch.cat([sin, sin], dim=-1)[:, None, :]
+
+
+def apply_rope_half(x: torch.Tensor, tables: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """Rotate-half RoPE (Llama/Ouro/Nanbeige). x: [num_tokens, heads, head_dim]; tables from half_rope_tables."""
+    cos, sin = tables
     x32 = x.float()
     x1, x2 = x32.chunk(2, dim=-1)
     rotated = torch.cat([-x2, x1], dim=-1)
@@ -65,15 +70,14 @@ def self_attention(
     num_heads: int,
     num_kv_heads: int,
     head_dim: int,
-    angles: torch.Tensor,
+    rope_tables: tuple[torch.Tensor, torch.Tensor],
     ctx,
     plane: int,
-    rope=apply_rope_half,
 ) -> torch.Tensor:
-    """Llama-style attention with separate q/k/v projections. x: [num_tokens, hidden]."""
+    """Llama-style attention with separate q/k/v projections and rotate-half RoPE. x: [num_tokens, hidden]."""
     n = x.shape[0]
-    q = rope(F.linear(x, wq).view(n, num_heads, head_dim), angles)
-    k = rope(F.linear(x, wk).view(n, num_kv_heads, head_dim), angles)
+    q = apply_rope_half(F.linear(x, wq).view(n, num_heads, head_dim), rope_tables)
+    k = apply_rope_half(F.linear(x, wk).view(n, num_kv_heads, head_dim), rope_tables)
     v = F.linear(x, wv).view(n, num_kv_heads, head_dim)
     return F.linear(ctx.attention(plane, q, k, v).reshape(n, num_heads * head_dim), wo)
 
@@ -83,4 +87,12 @@ def memo_angles(ctx, head_dim: int, theta: float) -> torch.Tensor:
     key = ("rope", head_dim, theta)
     if key not in ctx.memo:
         ctx.memo[key] = rope_angles(ctx.positions, head_dim, theta)
+    return ctx.memo[key]
+
+
+def memo_half_rope(ctx, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotate-half (cos, sin) tables for the context's positions, computed once per context."""
+    key = ("rope-half", head_dim, theta)
+    if key not in ctx.memo:
+        ctx.memo[key] = half_rope_tables(memo_angles(ctx, head_dim, theta))
     return ctx.memo[key]

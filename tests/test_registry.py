@@ -18,7 +18,7 @@ from looped_spec import (
     load_adapter,
     register_adapter,
 )
-from looped_spec.layers import memo_angles, rms_norm, self_attention
+from looped_spec.layers import memo_half_rope, rms_norm, self_attention
 
 
 @register_adapter("toy_looped")
@@ -64,9 +64,9 @@ class ToyLoopedAdapter(ModelAdapter):
     def loop(self, state, loop_index, ctx):
         w = self.weights
         d = self.config["hidden"]
-        angles = memo_angles(ctx, d, 10000.0)
+        tables = memo_half_rope(ctx, d, 10000.0)
         attn = self_attention(rms_norm(state, w["norm"], 1e-6), w["wq"], w["wk"], w["wv"], w["wo"], 1, 1, d,
-                              angles, ctx, loop_index)  # fmt: skip
+                              tables, ctx, loop_index)  # fmt: skip
         return rms_norm(state + attn, w["norm"], 1e-6)
 
     def readout(self, state, depth, ctx):

@@ -1,0 +1,196 @@
+"""Plain vs fixed (K, d) grid vs adaptive speculation, side by side in one process.
+
+For each batch size: tokens/s of every configuration as a ratio to plain decoding, measured
+acceptance, tokens per round, and the DESIGN.md cost model fitted to the measured phase times
+(predicted ratio beside the measured one). Optionally the changing workload 1->8->32->8->1,
+counterfactual acceptance per depth, a JSON report and a PNG heatmap.
+
+    python benchmarks/bench_speculative.py --model tests/fixtures/ouro-tiny --batch-sizes 1,8,32
+    python benchmarks/bench_speculative.py --model tiny-ouro --prompts mixed --adaptive --workload \
+        --out benchmarks/results/tiny-ouro
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import time
+from datetime import date
+from pathlib import Path
+
+import torch
+from common import Bench, prompt_set
+from costmodel_fit import fit_cost_model, predicted_ratio
+
+from looped_spec import SpeculativeConfig
+
+
+def parse_grid(text: str, depth: int) -> list[tuple[int, int]]:
+    if text == "auto":
+        ks = [1, 2, 3, 5]
+        ds = sorted({1, max(1, depth // 2), depth - 1})
+        return [(k, d) for k in ks for d in ds if d < depth]
+    return [tuple(int(x) for x in item.split(",")) for item in text.split(";")]
+
+
+def depth_acceptance(bench: Bench, prompts: list, max_tokens: int, d: int) -> list[float]:
+    """Greedy agreement of each depth's readout with the committed token (counterfactual measurement)."""
+    engine = bench.engine(SpeculativeConfig(k=2, d=d, measure_depths=True))
+    totals = [0] * bench.adapter.full_depth
+    trials = [0] * bench.adapter.full_depth
+    seen = []
+    engine.controller.observe = seen.append
+    engine.generate(prompts, _params(max_tokens))
+    for fb in seen:
+        for i, (m, t) in enumerate(zip(fb.depth_matches, fb.depth_trials)):
+            totals[i] += m
+            trials[i] += t
+    return [m / t if t else 0.0 for m, t in zip(totals, trials)]
+
+
+def _params(max_tokens: int):
+    from looped_spec import SamplingParams
+
+    return SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+
+
+def changing_workload(bench: Bench, prompts: list, max_tokens: int, phases: list[int], configs: dict) -> dict:
+    """Run batches of sizes `phases` back to back on one engine per config; total tokens/s as ratio to plain."""
+    out = {}
+    for name, spec in configs.items():
+        engine = bench.engine(spec)
+        engine.generate(prompts[:2], _params(4))
+        start = time.perf_counter()
+        tokens = 0
+        for size in phases:
+            outs = engine.generate(prompts[:size], _params(max_tokens))
+            tokens += sum(len(o.token_ids) for o in outs)
+        out[name] = {"tokens_per_s": tokens / (time.perf_counter() - start),
+                     "plans": dict(engine.stats.plan_histogram), "acceptance": engine.stats.acceptance_rate}  # fmt: skip
+        engine.close()
+    return out
+
+
+def heatmap(results: dict, grid: list, depth: int, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    batches = sorted(results)
+    ks = sorted({k for k, _ in grid})
+    ds = sorted({d for _, d in grid})
+    fig, axes = plt.subplots(2, len(batches), figsize=(3.6 * len(batches), 6), squeeze=False)
+    for col, b in enumerate(batches):
+        for row, (key, title) in enumerate([("ratio", "speedup vs plain"), ("acceptance", "acceptance")]):
+            ax = axes[row][col]
+            grid_vals = [[results[b]["grid"].get(f"{k},{d}", {}).get(key, float("nan")) for d in ds] for k in ks]
+            im = ax.imshow(grid_vals, cmap="RdYlGn", vmin=0.0 if key == "acceptance" else 0.5,
+                           vmax=1.0 if key == "acceptance" else 1.5, origin="lower")  # fmt: skip
+            for i in range(len(ks)):
+                for j in range(len(ds)):
+                    ax.text(j, i, f"{grid_vals[i][j]:.2f}", ha="center", va="center", fontsize=8)
+            ax.set_xticks(range(len(ds)), [str(d) for d in ds])
+            ax.set_yticks(range(len(ks)), [str(k) for k in ks])
+            ax.set_xlabel("draft depth d")
+            ax.set_ylabel("K")
+            ax.set_title(f"B={b}: {title}", fontsize=9)
+            fig.colorbar(im, ax=ax, fraction=0.046)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="tests/fixtures/ouro-tiny")
+    parser.add_argument("--batch-sizes", default="1,8,32")
+    parser.add_argument("--grid", default="auto", help='"K,d;K,d;..." or auto')
+    parser.add_argument("--max-tokens", type=int, default=32)
+    parser.add_argument("--prompts", default="mixed", choices=["random", "humaneval", "heldout", "mixed"])
+    parser.add_argument("--repeats", type=int, default=1)
+    parser.add_argument("--adaptive", action="store_true", help="also run speculation='adaptive' (ema and goodput)")
+    parser.add_argument("--workload", action="store_true", help="also run the changing workload 1->8->32->8->1")
+    parser.add_argument("--out", default=None, help="write OUT.json and OUT.png")
+    parser.add_argument("--threads", type=int, default=0)
+    args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    options = {"initial_state": "zeros"} if "huginn" in args.model else {}
+    bench = Bench(args.model, **options)
+    depth = bench.adapter.full_depth
+    grid = parse_grid(args.grid, depth)
+    batches = [int(b) for b in args.batch_sizes.split(",")]
+    prompts = prompt_set(args.prompts, max(batches), bench.adapter)
+    print(f"model {bench.adapter.name} ({bench.adapter.model_type}) D={depth}, prompts={args.prompts}, "
+          f"max_tokens={args.max_tokens}, {torch.get_num_threads()} threads, {platform.processor() or 'cpu'}")  # fmt: skip
+    results: dict = {}
+    samples = []
+    for b in batches:
+        batch_prompts = prompts[:b]
+        plain = bench.run(bench.engine("off"), batch_prompts, args.max_tokens, args.repeats)
+        k0 = bench.run(bench.engine(SpeculativeConfig(k=0, d=1)), batch_prompts, args.max_tokens, args.repeats)
+        row = {"plain_tokens_per_s": plain["tokens_per_s"], "k0_ratio": k0["tokens_per_s"] / plain["tokens_per_s"],
+               "grid": {}, "adaptive": {}}  # fmt: skip
+        samples.append(("plain", b, 0, depth, plain))
+        print(f"\nB={b}: plain {plain['tokens_per_s']:.1f} tok/s; K=0 spec config {row['k0_ratio']:.2f}x plain")
+        print(f"{'K':>3} {'d':>3} {'ratio':>7} {'accept':>7} {'tok/round':>9}")
+        for k, d in grid:
+            res = bench.run(bench.engine(SpeculativeConfig(k=k, d=d)), batch_prompts, args.max_tokens, args.repeats)
+            assert res["outputs"] == plain["outputs"], f"greedy output changed at K={k} d={d} B={b}"
+            ratio = res["tokens_per_s"] / plain["tokens_per_s"]
+            row["grid"][f"{k},{d}"] = {"ratio": ratio, "acceptance": res["acceptance"],
+                                       "tokens_per_round": res["tokens_per_round"]}  # fmt: skip
+            samples.append(("spec", b, k, d, res))
+            print(f"{k:>3} {d:>3} {ratio:>6.2f}x {res['acceptance']:>7.2f} {res['tokens_per_round']:>9.2f}")
+        if args.adaptive:
+            for policy in ("ema", "goodput"):
+                engine = bench.engine("adaptive", policy=policy)
+                res = bench.run(engine, batch_prompts, args.max_tokens, args.repeats)
+                assert res["outputs"] == plain["outputs"], f"adaptive ({policy}) changed greedy output at B={b}"
+                overhead = engine.stats.phase_seconds["control"] / max(engine.stats.num_rounds, 1)
+                row["adaptive"][policy] = {"ratio": res["tokens_per_s"] / plain["tokens_per_s"],
+                                           "acceptance": res["acceptance"], "plans": dict(engine.stats.plan_histogram),
+                                           "control_us_per_round": overhead * 1e6}  # fmt: skip
+                print(f"adaptive/{policy}: {row['adaptive'][policy]['ratio']:.2f}x, acceptance "
+                      f"{res['acceptance']:.2f}, controller {overhead * 1e6:.0f} us/round")  # fmt: skip
+        results[b] = row
+    fit = fit_cost_model(samples, depth)
+    print("\ncost model fit (per loop-step: draft a0 + a1*B, verify b0 + b1*B(K+1)):", fit["coefficients"])
+    print(f"{'B':>3} {'K':>3} {'d':>3} {'measured':>9} {'predicted':>9}")
+    for b in batches:
+        for key, cell in results[b]["grid"].items():
+            k, d = (int(x) for x in key.split(","))
+            cell["predicted_ratio"] = predicted_ratio(fit, b, k, d, depth, cell["acceptance"])
+            print(f"{b:>3} {k:>3} {d:>3} {cell['ratio']:>8.2f}x {cell['predicted_ratio']:>8.2f}x")
+    report = {"date": str(date.today()), "model": bench.adapter.name, "depth": depth, "prompts": args.prompts,
+              "max_tokens": args.max_tokens, "threads": torch.get_num_threads(), "results": results,
+              "cost_model": fit}  # fmt: skip
+    sample_prompts = prompts[: min(8, len(prompts))]
+    report["depth_acceptance"] = depth_acceptance(bench, sample_prompts, args.max_tokens, 1)
+    print("\ngreedy agreement of depth-i readout with the committed token:",
+          " ".join(f"d{i + 1}={a:.2f}" for i, a in enumerate(report["depth_acceptance"])))  # fmt: skip
+    if args.workload:
+        best = {b: max(results[b]["grid"].items(), key=lambda kv: kv[1]["ratio"])[0] for b in batches}
+        configs = {"plain": "off", "adaptive-ema": "adaptive", "adaptive-goodput": "adaptive"}
+        phases = [1, 8, 32, 8, 1]
+        wl = changing_workload(bench, prompts if len(prompts) >= 32 else prompts * 32, args.max_tokens, phases,
+                               {"plain": "off", "fixed-best-B1": best[batches[0]], "adaptive": "adaptive"})  # fmt: skip
+        base = wl["plain"]["tokens_per_s"]
+        print("\nchanging workload 1->8->32->8->1:")
+        for name, cell in wl.items():
+            cell["ratio"] = cell["tokens_per_s"] / base
+            print(f"  {name:<16} {cell['ratio']:.2f}x  plans {cell['plans']}")
+        report["workload"] = wl
+        del configs
+    if args.out:
+        out = Path(args.out)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.with_suffix(".json").write_text(json.dumps(report, indent=1, default=str))
+        heatmap(results, grid, depth, out.with_suffix(".png"))
+        print(f"\nwrote {out.with_suffix('.json')} and {out.with_suffix('.png')}")
+
+
+if __name__ == "__main__":
+    main()
