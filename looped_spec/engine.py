@@ -35,7 +35,7 @@ class LoopedSpecEngine:
         model: str | ModelAdapter,
         dtype: str | torch.dtype = "auto",
         device: str = "auto",
-        speculation: Any = "off",
+        speculation: Any = "adaptive",
         max_batch_size: int = 32,
         max_model_len: int | None = None,
         adapter_options: dict | None = None,

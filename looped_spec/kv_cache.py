@@ -68,3 +68,12 @@ class KVCache:
 
     def free(self, table: list[int]) -> None:
         self.truncate(table, 0)
+
+    def reserve_scratch_block(self) -> int:
+        """Take one block out of circulation for padding rows to write into (CUDA graphs)."""
+        if getattr(self, "scratch_block", None) is None:
+            if not self._free:
+                raise KVCacheFull("no block left to reserve as scratch")
+            self.scratch_block = self._free.pop()
+            self.num_blocks -= 1  # the cache now holds num_blocks blocks for requests
+        return self.scratch_block

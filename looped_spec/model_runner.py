@@ -24,6 +24,7 @@ class ModelRunner:
         self.full_depth = adapter.full_depth
         # Families whose readout attends (Huginn's coda) must read out every position they cache.
         self.readout_writes_kv = adapter.readout_uses_kv
+        self.graphs = None  # a CudaGraphRunner, when the engine enables graphs
 
     def context(self, requests: list[Request], query_lens: list[int], context_lens: list[int]) -> PagedContext:
         return build_paged_context(
@@ -44,15 +45,33 @@ class ModelRunner:
         return self.adapter.embed(token_ids, ctx)
 
     def loops(self, state: torch.Tensor, ctx: PagedContext, start: int, end: int, probe=None) -> torch.Tensor:
-        """Run loops start..end-1 (0-based). `probe(depth, state)` is called after each loop but the last."""
+        """Run loops start..end-1 (0-based). `probe(depth, state, ctx)` is called after each loop but the last."""
         for i in range(start, end):
             state = self.adapter.loop(state, i, ctx)
             if probe is not None and i + 1 < end:
-                probe(i + 1, state)
+                probe(i + 1, state, ctx)
         return state
 
     def readout(self, state: torch.Tensor, depth: int, ctx: PagedContext) -> torch.Tensor:
         return self.adapter.readout(state, depth, ctx)
+
+    def run_uniform(self, requests: list[Request], query_len: int, context_lens: list[int], start: int, end: int,
+                    tokens: torch.Tensor | None = None, state: torch.Tensor | None = None,
+                    probe=None, readout: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:  # fmt: skip
+        """(embed tokens | take state) -> loops[start, end) -> readout(end), `query_len` tokens per request.
+
+        Replays a CUDA graph when one is captured for this shape (and no probe is asked for);
+        otherwise runs eagerly, skipping the readout when `readout` is False. Returns (state, logits).
+        """
+        if self.graphs is not None and probe is None:
+            key = self.graphs.supports(len(requests), query_len, start, end)
+            if key is not None:
+                return self.graphs.run(key, requests, context_lens, tokens, state)
+        ctx = self.context(requests, [query_len] * len(requests), context_lens)
+        if tokens is not None:
+            state = self.embed(tokens, ctx)
+        state = self.loops(state, ctx, start, end, probe)
+        return state, self.readout(state, end, ctx) if readout else None
 
     # ----- whole steps -----
     @torch.inference_mode()
@@ -73,7 +92,6 @@ class ModelRunner:
     @torch.inference_mode()
     def decode(self, requests: list[Request]) -> torch.Tensor:
         """Plain full-depth decode of each request's last token -> logits [num_reqs, V]."""
-        ctx = self.context(requests, [1] * len(requests), [r.num_computed + 1 for r in requests])
         tokens = self.token_tensor([r.token_ids[r.num_computed] for r in requests])
-        state = self.loops(self.embed(tokens, ctx), ctx, 0, self.full_depth)
-        return self.readout(state, self.full_depth, ctx)
+        context_lens = [r.num_computed + 1 for r in requests]
+        return self.run_uniform(requests, 1, context_lens, 0, self.full_depth, tokens=tokens)[1]

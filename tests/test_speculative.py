@@ -211,3 +211,25 @@ def test_speculative_sampling_keeps_target_distribution(family, d):
         df += 1
     crit = CHI2_CRIT.get(df) or (df + 3.1 * (2 * df) ** 0.5 + 4)
     assert stat < crit, (stat, df)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("policy", ["ema", "goodput"])
+def test_adaptive_greedy_equals_plain(family, policy, plain_outputs, tmp_path):
+    trace = tmp_path / "trace.jsonl"
+    engine = make_engine(family, speculation="adaptive", policy=policy, trace_path=str(trace), max_batch_size=8)
+    for prompts, max_tokens in batches():
+        outs = engine.generate(prompts, [greedy(n) for n in max_tokens])
+        start = PROMPTS.index(prompts[0])
+        assert [o.token_ids for o in outs] == plain_outputs[family][start : start + len(prompts)]
+    engine.close()
+    assert engine.num_free_blocks == engine.kv.num_blocks
+    assert trace.read_text().count("\n") >= engine.stats.num_rounds
+
+
+def test_engine_defaults_to_adaptive():
+    from looped_spec import LoopedSpecEngine
+    from looped_spec.control import AdaptiveController
+
+    engine = LoopedSpecEngine(load("ouro"))
+    assert isinstance(engine.controller, AdaptiveController)

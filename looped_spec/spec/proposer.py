@@ -48,19 +48,18 @@ class DraftProposer:
             num_rows = sum(1 for kr in k if kr >= j)
             num_next = sum(1 for kr in k if kr > j)  # rows that still need draft token j+1
             active = requests[:num_rows]
-            ctx = runner.context(active, [1] * num_rows, [r.num_computed + j + 1 for r in active])
+            context_lens = [r.num_computed + j + 1 for r in active]
+            probe = None
+            if measure_depths:
 
-            def probe(depth: int, state: torch.Tensor, j: int = j, ctx=ctx, n: int = num_rows) -> None:
-                depth_preds[depth - 1, :n, j] = runner.readout(state, depth, ctx).argmax(-1)
+                def probe(depth: int, state: torch.Tensor, ctx, j: int = j, n: int = num_rows) -> None:
+                    depth_preds[depth - 1, :n, j] = runner.readout(state, depth, ctx).argmax(-1)
 
-            state = runner.embed(step_tokens[:num_rows], ctx)
-            state = runner.loops(state, ctx, 0, d, probe if measure_depths else None)
-            states.append(state)
-            if num_next == 0 and not measure_depths:
-                break
-            logits = runner.readout(state, d, ctx)  # [num_rows, V]
+            state, logits = runner.run_uniform(active, 1, context_lens, 0, d, tokens=step_tokens[:num_rows],
+                                               probe=probe, readout=num_next > 0 or measure_depths)  # fmt: skip
             if measure_depths:
                 depth_preds[d - 1, :num_rows, j] = logits.argmax(-1)
+            states.append(state)
             if num_next == 0:
                 break
             logits = logits[:num_next]

@@ -39,15 +39,20 @@ class Verifier:
         flat_states = torch.cat(draft.states, dim=0)
         gather = torch.tensor(offsets, dtype=torch.long)[pos_index] + row_index
         state = flat_states[gather.to(device)]  # [sum(K+1), state_dim]
-        ctx = runner.context(requests, [kr + 1 for kr in k], [r.num_computed + kr + 1 for r, kr in zip(requests, k)])
+        context_lens = [r.num_computed + kr + 1 for r, kr in zip(requests, k)]
         depth_preds = None
         probe = None
         if measure_depths and runner.full_depth - d > 1:
             depth_preds = torch.empty(runner.full_depth - d - 1, state.shape[0], dtype=torch.long, device=device)
 
-            def probe(depth: int, s: torch.Tensor) -> None:
+            def probe(depth: int, s: torch.Tensor, ctx) -> None:
                 depth_preds[depth - d - 1] = runner.readout(s, depth, ctx).argmax(-1)
 
-        state = runner.loops(state, ctx, d, runner.full_depth, probe)
-        logits = runner.readout(state, runner.full_depth, ctx)
+        if all(kr == k[0] for kr in k):
+            _, logits = runner.run_uniform(requests, k[0] + 1, context_lens, d, runner.full_depth, state=state,
+                                           probe=probe)  # fmt: skip
+        else:
+            ctx = runner.context(requests, [kr + 1 for kr in k], context_lens)
+            state = runner.loops(state, ctx, d, runner.full_depth, probe)
+            logits = runner.readout(state, runner.full_depth, ctx)
         return Verification(logits, row_index.to(device), pos_index.to(device), depth_preds)

@@ -1,0 +1,201 @@
+"""Controllers the engine drives once per round: ``plan = c.plan(num_running)`` ... ``c.observe(feedback)``.
+
+- `AdaptiveController`: batch size -> preset bucket -> the policy's candidate -> `SpeculationPlan`.
+- `FixedController(k, d)`: always the same (K, d) (``speculation=SpeculativeConfig(k, d)``).
+- `OffController`: always plain decoding (k = 0).
+
+All of them number plans with a unique, increasing `plan_id`, accumulate the wall time spent inside
+`plan()` / `observe()` in `overhead_seconds`, report counters in `stats()`, and optionally write every
+plan, feedback and decision to a JSONL trace (`trace_path`, flushed by `close()`).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from time import perf_counter
+from typing import Any
+
+from looped_spec.control.buckets import BucketTable, compile_buckets, compile_disable
+from looped_spec.control.goodput import GoodputPolicy
+from looped_spec.control.policy import CandidatePolicy, Policy
+from looped_spec.control.schema import AdaptiveSpecConfig
+from looped_spec.control.trace import TraceWriter
+from looped_spec.plan import RoundFeedback, SpeculationPlan
+
+POLICIES = ("ema", "goodput")
+
+
+class BaseController:
+    """Shared bookkeeping: plan ids, overhead timing, trace, `stats()` and `close()`."""
+
+    name = "base"
+
+    def __init__(self, trace_path: str | Path | None = None) -> None:
+        self.overhead_seconds = 0.0
+        """Wall seconds spent inside plan() and observe() (including trace writes when tracing)."""
+        self.num_plans = 0
+        self.num_observed = 0
+        self._next_id = 0
+        self._trace = TraceWriter(trace_path) if trace_path is not None else None
+
+    def plan(self, num_running: int) -> SpeculationPlan:
+        raise NotImplementedError
+
+    def observe(self, feedback: RoundFeedback) -> None:
+        t0 = perf_counter()
+        self.num_observed += 1
+        if self._trace is not None:
+            self._trace.feedback(feedback)
+        self.overhead_seconds += perf_counter() - t0
+
+    def stats(self) -> dict[str, Any]:
+        """Counters and overhead; adaptive controllers add per-bucket state under "buckets"."""
+        calls = self.num_plans + self.num_observed
+        return {
+            "controller": self.name,
+            "plans": self.num_plans,
+            "observed": self.num_observed,
+            "overhead_seconds": self.overhead_seconds,
+            "overhead_us_per_call": 1e6 * self.overhead_seconds / calls if calls else 0.0,
+        }
+
+    def close(self) -> None:
+        """Flush and close the trace (if any). Safe to call twice."""
+        if self._trace is not None:
+            self._trace.close()
+
+    def __enter__(self) -> BaseController:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class FixedController(BaseController):
+    """Always plans the same (k, d): k == 0 is plain decoding (d is then 0). `bucket`/`candidate` are -1."""
+
+    name = "fixed"
+
+    def __init__(self, k: int, d: int, full_depth: int | None = None, trace_path: str | Path | None = None,
+                 measure_depths: bool = False) -> None:  # fmt: skip
+        if k < 0:
+            raise ValueError(f"k={k} must be >= 0")
+        if k > 0 and d < 1:
+            raise ValueError(f"d={d} must be >= 1 when k={k}")
+        if k > 0 and full_depth is not None and d >= full_depth:
+            raise ValueError(f"d={d} must be < full depth {full_depth}")
+        super().__init__(trace_path)
+        self.k = k
+        self.d = d if k > 0 else 0
+        self.measure_depths = measure_depths
+
+    def plan(self, num_running: int) -> SpeculationPlan:
+        t0 = perf_counter()
+        plan = SpeculationPlan(self._next_id, self.k, self.d, measure_depths=self.measure_depths)
+        self._next_id += 1
+        self.num_plans += 1
+        if self._trace is not None:
+            self._trace.plan(plan, num_running)
+        self.overhead_seconds += perf_counter() - t0
+        return plan
+
+
+class OffController(FixedController):
+    """Plain decoding every round (k = 0), with the same interface."""
+
+    name = "off"
+
+    def __init__(self, trace_path: str | Path | None = None) -> None:
+        super().__init__(0, 0, trace_path=trace_path)
+
+
+class AdaptiveController(BaseController):
+    """Per-round (K, d) from a preset: batch size -> bucket -> the policy's current candidate.
+
+    `policy`: "ema" (the RFC's EMA-threshold policy, `CandidatePolicy`) or "goodput" (`GoodputPolicy`).
+    `measure_depths` asks the engine for counterfactual per-depth agreement; default True for "goodput"
+    (it needs it), False for "ema". `measure_every` thins that to every n-th plan. `policy_options` go
+    to the policy's constructor (e.g. ``{"explore_rounds": 3}`` for goodput).
+    The preset is checked (or rescaled, depth rule "scale") for `full_depth` and compiled into plain
+    lists here, so `plan()` and `observe()` cost microseconds.
+    """
+
+    name = "adaptive"
+
+    def __init__(
+        self,
+        config: AdaptiveSpecConfig,
+        full_depth: int,
+        policy: str = "ema",
+        trace_path: str | Path | None = None,
+        measure_depths: bool | None = None,
+        *,
+        measure_every: int = 1,
+        policy_options: dict[str, Any] | None = None,
+    ) -> None:
+        if policy not in POLICIES:
+            raise ValueError(f"policy={policy!r} must be one of {POLICIES}")
+        if measure_every < 1:
+            raise ValueError(f"measure_every={measure_every} must be >= 1")
+        self.config = config.for_depth(full_depth)
+        self.full_depth = full_depth
+        self.policy_name = policy
+        buckets = compile_buckets(self.config)
+        disable = compile_disable(self.config)
+        self.policy: Policy
+        if policy == "ema":
+            self.policy = CandidatePolicy(buckets, disable, **(policy_options or {}))
+        else:
+            self.policy = GoodputPolicy(buckets, disable, full_depth, **(policy_options or {}))
+        self.measure_depths = (policy == "goodput") if measure_depths is None else measure_depths
+        self.measure_every = measure_every
+        self._table = BucketTable(buckets)
+        self._bucket = -1  # bucket of the previous plan
+        super().__init__(trace_path)
+
+    def bucket_for(self, num_running: int) -> int:
+        """Bucket index a batch of `num_running` requests falls in."""
+        return self._table.lookup(num_running)
+
+    def plan(self, num_running: int) -> SpeculationPlan:
+        """The plan for this round; fixed until its feedback arrives."""
+        t0 = perf_counter()
+        policy = self.policy
+        trace = self._trace
+        bucket = self._table.lookup(num_running)
+        if bucket != self._bucket:
+            if self._bucket >= 0:
+                policy.enter(bucket)
+                if trace is not None and policy.last_event is not None:
+                    trace.decision(bucket, policy.last_event, self._next_id - 1)
+            self._bucket = bucket
+        plan_id = self._next_id
+        self._next_id = plan_id + 1
+        k, d, cand = policy.select(bucket, num_running, plan_id)
+        measure = self.measure_depths and plan_id % self.measure_every == 0
+        plan = SpeculationPlan(plan_id, k, d, bucket, cand, measure)
+        self.num_plans += 1
+        if trace is not None:
+            if policy.last_event is not None:
+                trace.decision(bucket, policy.last_event, plan_id)
+            trace.plan(plan, num_running)
+        self.overhead_seconds += perf_counter() - t0
+        return plan
+
+    def observe(self, feedback: RoundFeedback) -> None:
+        """Fold in a committed round; updates only the (bucket, candidate) the feedback's plan carried."""
+        t0 = perf_counter()
+        self.num_observed += 1
+        policy = self.policy
+        policy.observe(feedback)
+        trace = self._trace
+        if trace is not None:
+            trace.feedback(feedback)
+            if policy.last_event is not None:
+                trace.decision(feedback.bucket, policy.last_event, feedback.plan_id)
+        self.overhead_seconds += perf_counter() - t0
+
+    def stats(self) -> dict[str, Any]:
+        out = super().stats()
+        out.update(policy=self.policy_name, model=self.config.model, buckets=self.policy.describe())
+        return out

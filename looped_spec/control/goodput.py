@@ -1,0 +1,197 @@
+"""The goodput policy (`policy="goodput"`): pick the candidate with the highest predicted tokens/s.
+
+For every option of a bucket (its preset candidates, plus plain decoding when Phase 2 is enabled and the
+list has no K=0 candidate) it predicts
+
+    goodput(K, d, B) = B · E[tokens per request per round] / predicted round seconds
+    E = (1 − α_d^{K+1}) / (1 − α_d)   (K+1 when α_d = 1; 1 for K = 0)
+
+with α_d the acceptance of a depth-d draft token and the round time from `RoundCostModel`.
+
+α_d comes from discounted counts (memory about `acceptance_memory` trials per depth) of the counterfactual
+agreement `depth_matches / depth_trials` (all depths at once, including in plain rounds), or, for rounds
+without them, from the truncated-geometric estimate of the planned depth: successes ΣA over trials
+ΣA + #(requests rejected before K_actual).
+Acceptance is a property of the model and the text, so it is shared by all buckets; the cost model is
+per bucket (it is fitted by the rounds of that bucket's batch sizes only).
+
+Exploration: each bucket first runs every option `explore_rounds` times round-robin; afterwards it
+decides every `interval` rounds, switching only when the best option beats the current one by more than
+`hysteresis` (relative), and re-runs every other option once every `reexplore_every` rounds.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from looped_spec.control.buckets import CompiledBucket, DisableSettings
+from looped_spec.control.costmodel import RoundCostModel
+from looped_spec.control.policy import Policy
+from looped_spec.plan import RoundFeedback
+
+
+def expected_tokens(alpha: float, k: int) -> float:
+    """Expected committed tokens per request per round: (1 − α^{K+1}) / (1 − α) (geometric acceptance)."""
+    if k <= 0:
+        return 1.0
+    if alpha >= 1.0 - 1e-12:
+        return float(k + 1)
+    return (1.0 - alpha ** (k + 1)) / (1.0 - alpha)
+
+
+def expected_accept_rate(alpha: float, k: int) -> float:
+    """Expected ΣA/ΣK of a round (what the EMA policy measures): (E[tokens] − 1) / K."""
+    return (expected_tokens(alpha, k) - 1.0) / k if k > 0 else 0.0
+
+
+class DepthAcceptance:
+    """Acceptance α_d per draft depth d = 1..D from discounted match/trial counts.
+
+    Counts are discounted per observation by memory / (memory + new trials), so the estimate remembers
+    roughly the last `memory` trials of each depth whatever the batch size.
+    """
+
+    __slots__ = ("matches", "trials", "memory")
+
+    def __init__(self, full_depth: int, memory: float = 1000.0) -> None:
+        self.matches = [0.0] * full_depth  # [D]
+        self.trials = [0.0] * full_depth  # [D]
+        self.memory = memory
+
+    def _add(self, j: int, matches: float, trials: float) -> None:
+        g = self.memory / (self.memory + trials)
+        self.matches[j] = g * self.matches[j] + matches
+        self.trials[j] = g * self.trials[j] + trials
+
+    def observe(self, fb: RoundFeedback) -> None:
+        if fb.depth_trials:
+            for j in range(min(len(self.trials), len(fb.depth_trials))):
+                if fb.depth_trials[j]:
+                    self._add(j, fb.depth_matches[j], fb.depth_trials[j])
+        elif fb.k > 0 and 1 <= fb.d <= len(self.trials):
+            accepted = sum(fb.num_accepted)
+            rejected = sum(1 for a, k in zip(fb.num_accepted, fb.num_proposed) if a < k)
+            if accepted + rejected:
+                self._add(fb.d - 1, accepted, accepted + rejected)
+
+    def alpha(self, d: int) -> float | None:
+        """Estimated α at depth d, or None without data."""
+        t = self.trials[d - 1]
+        return self.matches[d - 1] / t if t > 0.0 else None
+
+
+@dataclass(slots=True)
+class GoodputState:
+    """One bucket of the goodput policy."""
+
+    options: list[tuple[int, int, int]]  # [O] (k, d, preset candidate index or -1 for Phase 2 plain)
+    current: int  # option index in use
+    queue: list[int]  # options still to explore (popped from the end)
+    cost: RoundCostModel
+    rounds: int = 0
+    next_decision: int = 0
+    next_reexplore: int = 0
+    switches: int = 0
+    predicted: list[float] | None = None  # [O] tokens/s at the last decision
+
+
+class GoodputPolicy(Policy):
+    """Model-based choice of (K, d) per bucket maximising predicted committed tokens per second."""
+
+    name = "goodput"
+
+    def __init__(
+        self,
+        buckets: list[CompiledBucket],
+        disable: DisableSettings,
+        full_depth: int,
+        *,
+        explore_rounds: int = 2,
+        hysteresis: float = 0.03,
+        reexplore_every: int = 256,
+        acceptance_memory: float = 1000.0,
+        cost_decay: float = 0.995,
+        prior_alpha: float = 0.5,
+    ) -> None:
+        self.buckets = buckets
+        self.full_depth = full_depth
+        self.hysteresis = hysteresis
+        self.reexplore_every = reexplore_every
+        self.prior_alpha = prior_alpha
+        self.acceptance = DepthAcceptance(full_depth, acceptance_memory)
+        self.states: list[GoodputState] = []
+        for b in buckets:
+            options = [(k, d, j) for j, (k, d) in enumerate(zip(b.ks, b.ds))]
+            if disable.enabled and not b.has_plain:
+                options.insert(0, (0, 0, -1))
+            current = next(o for o, opt in enumerate(options) if opt[2] == b.initial_index)
+            queue = list(range(len(options))) * explore_rounds
+            queue.reverse()
+            st = GoodputState(options, current, queue, RoundCostModel(full_depth, cost_decay))
+            st.next_reexplore = reexplore_every
+            self.states.append(st)
+
+    def select(self, bucket: int, batch_size: int, plan_id: int) -> tuple[int, int, int]:
+        st = self.states[bucket]
+        self.last_event = None
+        st.rounds += 1
+        if st.queue:
+            return st.options[st.queue.pop()]
+        if st.rounds >= st.next_decision:
+            st.next_decision = st.rounds + self.buckets[bucket].interval
+            self._decide(st, max(batch_size, 1))
+        if self.reexplore_every and st.rounds >= st.next_reexplore:
+            st.next_reexplore = st.rounds + self.reexplore_every
+            st.queue = [o for o in range(len(st.options)) if o != st.current]
+        return st.options[st.current]
+
+    def predict(self, bucket: int, batch_size: int) -> list[float]:
+        """Predicted committed tokens/s of every option of `bucket` at `batch_size`."""
+        return self._rates(self.states[bucket], batch_size)
+
+    def _decide(self, st: GoodputState, batch_size: int) -> None:
+        rates = self._rates(st, batch_size)
+        st.predicted = rates
+        best = max(range(len(rates)), key=rates.__getitem__)
+        if best != st.current and rates[best] > rates[st.current] * (1.0 + self.hysteresis):
+            k, d, _ = st.options[best]
+            self.last_event = f"switch to k={k} d={d} ({rates[best]:.4g} tok/s vs {rates[st.current]:.4g})"
+            st.current = best
+            st.switches += 1
+
+    def _rates(self, st: GoodputState, batch_size: int) -> list[float]:
+        out = []
+        for k, d, _ in st.options:
+            tokens = 1.0
+            if k > 0:
+                alpha = self.acceptance.alpha(d)
+                tokens = expected_tokens(self.prior_alpha if alpha is None else alpha, k)
+            out.append(batch_size * tokens / st.cost.predict(k, d, batch_size))
+        return out
+
+    def observe(self, fb: RoundFeedback) -> None:
+        self.last_event = None
+        self.acceptance.observe(fb)
+        if 0 <= fb.bucket < len(self.states):
+            k = fb.k if sum(fb.num_proposed) else 0  # nothing drafted: the round ran as plain decoding
+            self.states[fb.bucket].cost.observe(k, fb.d, fb.batch_size, fb.draft_time, fb.verify_time, fb.commit_time)
+
+    def describe(self) -> list[dict]:
+        out = []
+        for b, st in zip(self.buckets, self.states):
+            k, d, cand = st.options[st.current]
+            out.append(
+                {
+                    "batch": b.label(),
+                    "candidate": cand,
+                    "k": k,
+                    "d": d,
+                    "off": k == 0,
+                    "exploring": bool(st.queue),
+                    "switches": st.switches,
+                    "options": [list(o) for o in st.options],
+                    "predicted_tokens_per_s": st.predicted,
+                    "alpha": [self.acceptance.alpha(j) for j in range(1, self.full_depth + 1)],
+                }
+            )
+        return out

@@ -1,0 +1,261 @@
+"""The RFC's EMA-threshold policy (`policy="ema"`) with Phase 2 switch-off and probe backoff.
+
+Per bucket, `BucketState` keeps one acceptance EMA per candidate. A round's rate is r = ΣA / ΣK_actual
+(accepted over proposed draft tokens, summed over the round's requests); rounds with ΣK_actual = 0 are
+skipped. E_1 = the candidate's `prior` blended with r (E_1 = (1-β)·prior + β·r) when the preset sets a
+prior, else E_1 = r; afterwards E_t = (1-β)E_{t-1} + βr_t.
+
+Decisions are taken only for the bucket's current candidate, after `min_samples` measured rounds there
+(counted since the bucket moved to it) and then every `interval` measured rounds:
+1. timing (Phase 2, when both are measured): the candidate's committed tokens/s per request is below the
+   bucket's plain-round rate -> one candidate down, or off from the most conservative speculative one;
+2. E > θ_up -> one up (if there is one);
+3. at the most conservative speculative candidate, E < off threshold -> off (plain decoding);
+4. E < θ_down -> one down (never below the most conservative speculative candidate).
+The off threshold is θ_down of that candidate when the list starts with K=0 (the list move onto K=0),
+and `disable.threshold` when Phase 2 is enabled (the larger of the two when both apply).
+
+Off: plans are plain (k=0); after `backoff` plain rounds a probe of `probe_rounds` rounds runs the most
+conservative speculative candidate. Pooled probe acceptance >= the off threshold (and, when timed, probe
+tokens/s >= plain tokens/s) switches speculation back on with E = the probe's rate; otherwise the backoff
+doubles, capped: base, 2·base, 4·base, ..., cap. A probe whose rounds drafted nothing is repeated at once;
+one whose feedback does not arrive within two further plans is decided on the feedback that did arrive.
+Rounds whose requests drafted nothing (ΣK_actual = 0, e.g. the scheduler cut K) count as plain rounds for
+the timing comparison. Entering a bucket from another one switches it back on
+unless it is off because the preset starts it at K=0.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from looped_spec.control.buckets import CompiledBucket, DisableSettings
+from looped_spec.plan import RoundFeedback
+
+
+class Policy:
+    """Interface the controller drives: `select` at plan time, `observe` after commit, `enter` on a bucket change.
+
+    `last_event` holds a short description of the latest decision (for the trace), or None.
+    """
+
+    name = "base"
+    last_event: str | None = None
+
+    def select(self, bucket: int, batch_size: int, plan_id: int) -> tuple[int, int, int]:
+        """(k, d, candidate index) for this round in `bucket`."""
+        raise NotImplementedError
+
+    def observe(self, fb: RoundFeedback) -> None:
+        raise NotImplementedError
+
+    def enter(self, bucket: int) -> None:
+        """The batch moved into `bucket` from another bucket."""
+
+    def describe(self) -> list[dict]:
+        """Per-bucket state for `stats()` (not on the hot path)."""
+        return []
+
+
+@dataclass(slots=True)
+class BucketState:
+    """Mutable adaptation state of one bucket; lists are indexed by candidate."""
+
+    index: int  # current candidate
+    ema: list[float | None]  # [C] acceptance EMA E
+    samples: list[int]  # [C] measured rounds folded into `ema`
+    rate: list[float | None]  # [C] EMA of committed tokens/s per request (timed rounds)
+    visit: int = 0  # measured rounds at `index` since the bucket moved there
+    plain_rate: float | None = None  # EMA of tokens/s per request of plain rounds
+    off: bool = False
+    off_by_preset: bool = False
+    backoff: int = 0  # current plain-rounds wait between probes
+    wait_left: int = 0
+    probe_issued: int = 0  # 0: no probe running
+    probe_seen: int = 0
+    probe_first_id: int = -1
+    probe_last_id: int = -1
+    probe_accepted: int = 0
+    probe_proposed: int = 0
+    probe_tokens: float = 0.0
+    probe_time: float = 0.0  # Σ batch·round_time over the probe
+    moves: int = 0
+    probes: int = 0
+    history: list[str] = field(default_factory=list)  # last decisions (bounded)
+
+
+class CandidatePolicy(Policy):
+    """EMA of acceptance per (bucket, candidate); move ±1 on thresholds; Phase 2 off with probe backoff."""
+
+    name = "ema"
+
+    def __init__(self, buckets: list[CompiledBucket], disable: DisableSettings) -> None:
+        self.buckets = buckets
+        self.disable = disable
+        self.states = [self._fresh(b) for b in buckets]
+
+    def _fresh(self, b: CompiledBucket) -> BucketState:
+        n = len(b.ks)
+        st = BucketState(index=b.initial_index, ema=list(b.prior), samples=[0] * n, rate=[None] * n)
+        if b.ks[b.initial_index] == 0:
+            st.off = st.off_by_preset = True
+            st.backoff = st.wait_left = self.disable.probe_base
+        return st
+
+    # ------------------------------------------------------------------ plan time
+    def select(self, bucket: int, batch_size: int, plan_id: int) -> tuple[int, int, int]:
+        b = self.buckets[bucket]
+        st = self.states[bucket]
+        self.last_event = None
+        if not st.off:
+            i = st.index
+            return b.ks[i], b.ds[i], i
+        lo = b.lowest_spec
+        if lo >= 0:
+            if st.probe_issued:
+                if st.probe_issued < self.disable.probe_rounds:
+                    st.probe_issued += 1
+                    st.probe_last_id = plan_id
+                    return b.ks[lo], b.ds[lo], lo
+                if plan_id - st.probe_last_id > 2:  # some probe feedback never came: decide on what did
+                    self._end_probe(st, b)
+                    return self.select(bucket, batch_size, plan_id)
+            elif st.wait_left > 0:
+                st.wait_left -= 1
+            else:
+                st.probe_issued, st.probe_seen, st.probe_first_id, st.probe_last_id = 1, 0, plan_id, plan_id
+                st.probe_accepted = st.probe_proposed = 0
+                st.probe_tokens = st.probe_time = 0.0
+                st.probes += 1
+                self.last_event = f"probe k={b.ks[lo]} d={b.ds[lo]}"
+                return b.ks[lo], b.ds[lo], lo
+        return 0, 0, b.plain_candidate
+
+    def enter(self, bucket: int) -> None:
+        st = self.states[bucket]
+        self.last_event = None
+        b = self.buckets[bucket]
+        if st.off and not st.off_by_preset and b.lowest_spec >= 0:
+            self._switch_on(st, b, b.prior[b.lowest_spec])
+            self._note(st, "on (bucket change)")
+
+    # ------------------------------------------------------------------ feedback
+    def observe(self, fb: RoundFeedback) -> None:
+        self.last_event = None
+        if not 0 <= fb.bucket < len(self.buckets):
+            return
+        b = self.buckets[fb.bucket]
+        st = self.states[fb.bucket]
+        batch = fb.batch_size
+        seconds = fb.draft_time + fb.verify_time + fb.commit_time
+        proposed = sum(fb.num_proposed)
+        if (fb.k == 0 or proposed == 0) and seconds > 0.0 and batch > 0:  # ran as plain decoding
+            r = 1.0 / seconds  # one token per request
+            st.plain_rate = r if st.plain_rate is None else (1.0 - b.beta) * st.plain_rate + b.beta * r
+        c = fb.candidate
+        if fb.k == 0 or not 0 <= c < len(b.ks):
+            return
+        accepted = sum(fb.num_accepted)
+        if proposed > 0 and seconds > 0.0 and batch > 0:
+            r = (accepted + len(fb.num_accepted)) / (batch * seconds)
+            old = st.rate[c]
+            st.rate[c] = r if old is None else (1.0 - b.beta) * old + b.beta * r
+        if proposed > 0:
+            r = accepted / proposed
+            old = st.ema[c]
+            st.ema[c] = r if old is None else (1.0 - b.beta) * old + b.beta * r
+            st.samples[c] += 1
+        if st.off:
+            if st.probe_issued and c == b.lowest_spec and fb.plan_id >= st.probe_first_id:
+                st.probe_seen += 1
+                st.probe_accepted += accepted
+                st.probe_proposed += proposed
+                st.probe_tokens += accepted + len(fb.num_accepted)
+                st.probe_time += batch * seconds
+                if st.probe_seen >= self.disable.probe_rounds:
+                    self._end_probe(st, b)
+            return
+        if proposed == 0 or c != st.index:
+            return
+        st.visit += 1
+        due = st.visit - b.min_samples
+        if due >= 0 and due % b.interval == 0:
+            self._decide(st, b)
+
+    def _decide(self, st: BucketState, b: CompiledBucket) -> None:
+        i = st.index
+        e = st.ema[i]
+        assert e is not None
+        lo = b.lowest_spec
+        can_off = b.off_threshold >= 0.0
+        rate = st.rate[i]
+        if self.disable.use_timing and st.plain_rate is not None and rate is not None and rate < st.plain_rate:
+            if i > lo:
+                return self._move(st, i - 1, "down (slower than plain)")
+            if can_off:
+                return self._switch_off(st, b, "off (slower than plain)")
+        if e > b.theta_up[i] and i + 1 < len(b.ks):
+            return self._move(st, i + 1, f"up (E={e:.3f} > {b.theta_up[i]})")
+        if i == lo and can_off and e < b.off_threshold:
+            return self._switch_off(st, b, f"off (E={e:.3f} < {b.off_threshold})")
+        if e < b.theta_down[i] and i > lo:
+            return self._move(st, i - 1, f"down (E={e:.3f} < {b.theta_down[i]})")
+
+    def _move(self, st: BucketState, to: int, why: str) -> None:
+        st.index, st.visit = to, 0
+        st.moves += 1
+        self._note(st, f"{why} -> candidate {to}")
+
+    def _switch_off(self, st: BucketState, b: CompiledBucket, why: str) -> None:
+        st.off, st.off_by_preset, st.visit = True, False, 0
+        st.index = b.plain_candidate if b.has_plain else st.index
+        st.backoff = st.wait_left = self.disable.probe_base
+        st.probe_issued = 0
+        self._note(st, why)
+
+    def _switch_on(self, st: BucketState, b: CompiledBucket, ema: float | None) -> None:
+        st.off, st.off_by_preset = False, False
+        st.index, st.visit = b.lowest_spec, 0
+        st.ema[b.lowest_spec] = ema
+        st.backoff = st.wait_left = st.probe_issued = 0
+
+    def _end_probe(self, st: BucketState, b: CompiledBucket) -> None:
+        st.probe_issued = 0
+        if st.probe_proposed == 0:  # inconclusive (nothing drafted): probe again at once
+            st.wait_left = 0
+            return self._note(st, "probe empty")
+        ratio = st.probe_accepted / st.probe_proposed
+        good = ratio >= b.off_threshold
+        if good and self.disable.use_timing and st.plain_rate is not None and st.probe_time > 0.0:
+            good = st.probe_tokens / st.probe_time >= st.plain_rate
+        if good:
+            self._switch_on(st, b, ratio)
+            return self._note(st, f"on (probe r={ratio:.3f})")
+        st.backoff = st.wait_left = min(2 * st.backoff, self.disable.probe_cap)
+        self._note(st, f"probe failed (r={ratio:.3f}); next in {st.backoff} rounds")
+
+    def _note(self, st: BucketState, event: str) -> None:
+        self.last_event = event
+        st.history.append(event)
+        if len(st.history) > 32:
+            del st.history[:16]
+
+    def describe(self) -> list[dict]:
+        out = []
+        for b, st in zip(self.buckets, self.states):
+            out.append(
+                {
+                    "batch": b.label(),
+                    "candidate": b.plain_candidate if st.off else st.index,
+                    "k": 0 if st.off else b.ks[st.index],
+                    "d": 0 if st.off else b.ds[st.index],
+                    "off": st.off,
+                    "ema": list(st.ema),
+                    "samples": list(st.samples),
+                    "moves": st.moves,
+                    "probes": st.probes,
+                    "backoff": st.backoff,
+                    "history": list(st.history[-8:]),
+                }
+            )
+        return out

@@ -1,0 +1,129 @@
+"""Goodput policy: formulas, cost-model fit, acceptance estimates, and convergence on a simulated workload."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from looped_spec.control import (
+    AdaptiveController,
+    AdaptiveSpecConfig,
+    DepthAcceptance,
+    LinearFit2,
+    RoundCostModel,
+    SyntheticWorkload,
+    expected_accept_rate,
+    expected_tokens,
+)
+from looped_spec.plan import RoundFeedback
+
+CANDIDATES = [[0, 0], [1, 2], [4, 1], [6, 1]]
+ALPHA = [0.7, 0.88, 0.96, 1.0]
+COSTS = {"draft_step": (1e-3, 1e-5), "verify_step": (1e-3, 3e-5), "commit": (1e-4, 1e-6)}
+
+
+def sim_config() -> AdaptiveSpecConfig:
+    def bucket(lo, hi):
+        return {"min_batch": lo, "max_batch": hi, "candidates": CANDIDATES, "initial_index": 1}
+
+    knobs = {"theta_up": 0.8, "theta_down": 0.4, "interval": 4, "min_samples": 4}
+    buckets = [{**bucket(lo, hi), **knobs} for lo, hi in [(1, 2), (3, 16), (17, None)]]
+    return AdaptiveSpecConfig.parse({"model": "sim", "full_depth": 4, "buckets": buckets, "provenance": "test"})
+
+
+def test_expected_tokens_formula():
+    assert expected_tokens(0.5, 2) == pytest.approx(1.75)  # (1 - 0.5^3) / 0.5
+    assert expected_tokens(1.0, 3) == 4.0
+    assert expected_tokens(0.3, 0) == 1.0
+    assert expected_tokens(0.0, 5) == 1.0
+    assert expected_accept_rate(0.5, 2) == pytest.approx(0.375)  # (0.5 + 0.25) / 2
+
+
+def test_linear_fit_recovers_parameters_and_stays_nonnegative():
+    fit = LinearFit2(decay=1.0)
+    for x0, x1 in [(1, 1), (2, 8), (3, 3), (4, 32)]:
+        fit.add(x0, x1, 0.5 * x0 + 0.25 * x1)
+    assert fit.params() == pytest.approx((0.5, 0.25))
+    neg = LinearFit2(decay=1.0)
+    for x0, x1 in [(1, 1), (1, 2), (1, 3)]:
+        neg.add(x0, x1, 3.0 - 0.5 * x1)  # the unconstrained slope would be negative
+    p0, p1 = neg.params()
+    assert p0 >= 0.0 and p1 >= 0.0
+
+
+def test_cost_model_recovers_the_simulated_costs():
+    sim = SyntheticWorkload(4, ALPHA, noise=0.0, **COSTS)
+    model = RoundCostModel(4, decay=1.0)
+    assert model.predict(2, 1, 8) == 1 * (2 + 1) + (4 - 1)  # untimed: loop steps d(K+1) + (D - d)
+    for k, d, b in [(0, 0, 1), (0, 0, 8), (1, 2, 1), (4, 1, 8), (6, 1, 3), (1, 3, 16)]:
+        model.observe(k, d, b, *sim.phase_times(k, d, b))
+    for k, d, b in [(0, 0, 32), (2, 2, 5), (4, 1, 1), (6, 1, 20)]:
+        assert model.predict(k, d, b) == pytest.approx(sum(sim.phase_times(k, d, b)), rel=1e-5)
+
+
+def test_depth_acceptance_from_counterfactuals_and_geometric_counts():
+    acc = DepthAcceptance(4, memory=1e9)
+    acc.observe(RoundFeedback(0, 0, 0, 0, 0, 2, [0, 0], [0, 0], depth_matches=[1, 2, 3, 4], depth_trials=[4] * 4))
+    assert [acc.alpha(d) for d in (1, 2, 3, 4)] == [0.25, 0.5, 0.75, 1.0]
+    geo = DepthAcceptance(4, memory=1e9)
+    # requests accepted 3 of 3 (no rejection), 1 of 3 (rejected at the 2nd), 0 of 3 -> 4 successes in 6 trials
+    geo.observe(RoundFeedback(0, 3, 2, 0, 0, 3, [3, 3, 3], [3, 1, 0]))
+    assert geo.alpha(2) == pytest.approx(4 / 6) and geo.alpha(1) is None
+    rng = random.Random(0)
+    big = DepthAcceptance(4)
+    for _ in range(400):
+        n = 20
+        matches = [sum(rng.random() < 0.6 for _ in range(n))] * 4
+        big.observe(RoundFeedback(0, 0, 0, 0, 0, n, [0] * n, [0] * n, depth_matches=matches, depth_trials=[n] * 4))
+    assert big.alpha(1) == pytest.approx(0.6, abs=0.05)
+
+
+def test_explores_every_option_first():
+    ctl = AdaptiveController(sim_config(), 4, policy="goodput", policy_options={"explore_rounds": 2})
+    sim = SyntheticWorkload(4, ALPHA, seed=1, **COSTS)
+    seen = []
+    for _ in range(8):
+        plan = ctl.plan(1)
+        seen.append((plan.k, plan.d, plan.candidate))
+        ctl.observe(sim.feedback(plan, 1))
+    assert seen == [(k, d, i) for i, (k, d) in enumerate(CANDIDATES)] * 2
+
+
+def simulate(policy: str, phases, seed: int = 7, timed: bool = True):
+    ctl = AdaptiveController(sim_config(), 4, policy=policy)
+    sim = SyntheticWorkload(4, ALPHA, seed=seed, timed=timed, **COSTS)
+    options = [tuple(c) for c in CANDIDATES]
+    report = []
+    for batch, rounds in phases:
+        chosen = []
+        for _ in range(rounds):
+            plan = ctl.plan(batch)
+            ctl.observe(sim.feedback(plan, batch))
+            chosen.append((plan.k, plan.d))
+        best = options[sim.best(options, batch)]
+        bucket = ctl.stats()["buckets"][ctl.bucket_for(batch)]
+        tail = chosen[-100:]
+        report.append((batch, best, (bucket["k"], bucket["d"]), sum(c == best for c in tail) / len(tail)))
+    return ctl, report
+
+
+def test_goodput_converges_and_follows_the_batch_size():
+    sim = SyntheticWorkload(4, ALPHA, **COSTS)
+    options = [tuple(c) for c in CANDIDATES]
+    bests = {b: options[sim.best(options, b)] for b in (1, 8, 32)}
+    assert len(set(bests.values())) == 3  # the workload makes every bucket's best different ...
+    for b, best in bests.items():  # ... by a clear margin (>= 5 %)
+        rates = sorted((sim.goodput(k, d, b) for k, d in options), reverse=True)
+        assert rates[0] >= 1.05 * rates[1], (b, best)
+    _, report = simulate("goodput", [(1, 300), (8, 300), (32, 300), (8, 150), (1, 150)])
+    for batch, best, final, share in report:
+        assert final == best, (batch, report)
+        assert share >= 0.9, (batch, report)
+
+
+def test_goodput_without_timings_still_decides_from_acceptance():
+    _, report = simulate("goodput", [(1, 200)], timed=False)
+    # untimed, a round costs loop steps d(K+1) + (D - d) (plain: D). Per step at alpha_1 = 0.7, alpha_2 = 0.88:
+    # plain 1/4 = 0.25, (1, 2): 1.88/6 = 0.31, (4, 1): 2.77/8 = 0.35, (6, 1): 3.06/10 = 0.31
+    assert report[0][2] == (4, 1)

@@ -1,0 +1,252 @@
+"""Preset schema, validation messages, shipped files and preset lookup."""
+
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+
+import pytest
+
+from looped_spec.control import (
+    AdaptiveSpecConfig,
+    PresetError,
+    generic_preset,
+    list_presets,
+    load_preset,
+    match_preset_name,
+    preset_dir,
+    read_preset_file,
+)
+
+SHIPPED_DEPTHS = {
+    "ouro-1.4b": 4,
+    "ouro-2.6b": 4,
+    "huginn-0125": 32,
+    "nanbeige4.2-3b": 2,
+    "ouro-tiny": 4,
+    "huginn-tiny": 8,
+    "nanbeige-tiny": 2,
+    "tiny-ouro": 4,
+    "tiny-huginn": 8,
+    "tiny-nanbeige": 2,
+}
+
+BASE = {
+    "model": "test",
+    "buckets": [
+        {"min_batch": 1, "max_batch": 4, "candidates": [[1, 2], [2, 1]], "theta_up": 0.8, "theta_down": 0.4},
+        {"min_batch": 5, "max_batch": None, "candidates": [[0, 0], [1, 1]], "theta_up": 0.8, "theta_down": 0.4},
+    ],
+    "provenance": "unit test",
+}
+
+
+def bad(edit) -> str:
+    """Apply `edit` to a copy of BASE and return the PresetError message."""
+    data = copy.deepcopy(BASE)
+    edit(data)
+    with pytest.raises(PresetError) as err:
+        AdaptiveSpecConfig.parse(data)
+    return str(err.value)
+
+
+def test_base_is_valid_and_compact_candidates_parse():
+    cfg = AdaptiveSpecConfig.parse(BASE)
+    assert [(c.k, c.d) for c in cfg.buckets[0].candidates] == [(1, 2), (2, 1)]
+    cfg.validate_for_depth(3)
+
+
+@pytest.mark.parametrize("name", sorted(SHIPPED_DEPTHS))
+def test_every_shipped_preset_loads_for_its_depth(name):
+    depth = SHIPPED_DEPTHS[name]
+    cfg = read_preset_file(preset_dir() / f"{name}.json")
+    cfg.validate_for_depth(depth)
+    assert cfg.full_depth == depth
+    assert cfg.provenance
+    if name.startswith("tiny-"):
+        assert "initial guess, to be replaced by the tuner" in json.dumps(cfg.provenance)
+    loaded = load_preset(name, depth)
+    assert loaded.model == name
+
+
+def test_shipped_set_is_complete():
+    assert set(list_presets()) == set(SHIPPED_DEPTHS) | {"default"}
+
+
+@pytest.mark.parametrize("depth", [1, 2, 3, 4, 8, 32, 64])
+def test_generic_default_works_for_any_depth(depth):
+    cfg = generic_preset(depth)
+    cfg.validate_for_depth(depth)
+    for bucket in cfg.buckets:
+        pairs = [(c.k, c.d) for c in bucket.candidates]
+        assert len(pairs) == len(set(pairs))  # duplicates from clamping are merged
+        assert all(c.k == 0 or 1 <= c.d < depth for c in bucket.candidates)
+        assert 0 <= bucket.initial_index < len(pairs)
+    if depth == 2:
+        assert {c.d for b in cfg.buckets for c in b.candidates if c.k} == {1}
+    if depth == 1:
+        assert all(c.k == 0 for b in cfg.buckets for c in b.candidates)
+
+
+def test_scale_rule_rescales_and_merges():
+    data = copy.deepcopy(BASE)
+    data.update(full_depth=4, depth_rule="scale")
+    data["buckets"][0]["candidates"] = [[1, 3], [1, 2], [2, 1]]
+    data["buckets"][0]["initial_index"] = 1
+    cfg = AdaptiveSpecConfig.parse(data)
+    at8 = cfg.for_depth(8)
+    assert [(c.k, c.d) for c in at8.buckets[0].candidates] == [(1, 6), (1, 4), (2, 2)]
+    at2 = cfg.for_depth(2)  # (1,3) and (1,2) both clamp to (1,1): merged, initial follows
+    assert [(c.k, c.d) for c in at2.buckets[0].candidates] == [(1, 1), (2, 1)]
+    assert at2.buckets[0].initial_index == 0
+
+
+@pytest.mark.parametrize(
+    ("model_name", "expected"),
+    [
+        ("Ouro-1.4B", "ouro-1.4b"),
+        ("/models/ByteDance/Ouro-2.6B/", "ouro-2.6b"),
+        ("ByteDance/Ouro-1.4B-Thinking", "ouro-1.4b"),
+        ("tiny-ouro", "tiny-ouro"),
+        ("ouro-tiny", "ouro-tiny"),
+        ("tests/fixtures/huginn-tiny", "huginn-tiny"),
+        ("Huginn-0125", "huginn-0125"),
+        ("Nanbeige4.2-3B", "nanbeige4.2-3b"),
+        ("some-other-model", None),
+    ],
+)
+def test_model_name_matching(model_name, expected):
+    assert match_preset_name(model_name) == expected
+
+
+def test_unknown_model_gets_generic_default():
+    assert load_preset("my-looped-model", 6).model == generic_preset(6).model
+
+
+def test_preset_argument_wins(tmp_path: Path):
+    path = tmp_path / "mine.json"
+    path.write_text(json.dumps(BASE))
+    assert load_preset("Ouro-1.4B", 4, path).model == "test"
+    assert load_preset("Ouro-1.4B", 4, str(path)).model == "test"
+    assert load_preset("Ouro-1.4B", 4, "tiny-ouro").model == "tiny-ouro"
+    cfg = AdaptiveSpecConfig.parse(BASE)
+    assert load_preset("Ouro-1.4B", 4, cfg) is cfg
+
+
+def test_errors_name_the_file(tmp_path: Path):
+    with pytest.raises(PresetError, match="nope.json: no such preset"):
+        load_preset("x", 4, tmp_path / "nope.json")
+    path = tmp_path / "broken.json"
+    data = copy.deepcopy(BASE)
+    data["buckets"][0]["beta"] = 0
+    path.write_text(json.dumps(data))
+    with pytest.raises(PresetError, match=r"broken\.json: buckets\[0\]\.beta: Input should be greater than 0"):
+        load_preset("x", 4, path)
+    path.write_text("{not json")
+    with pytest.raises(PresetError, match="broken.json: invalid JSON"):
+        read_preset_file(path)
+    with pytest.raises(
+        PresetError, match=r"ouro-1\.4b\.json: buckets\[0\]\.candidates\[1\]: d=2 must be < full depth 2"
+    ):
+        load_preset("Ouro-1.4B", 2)
+
+
+def test_yaml_when_available(tmp_path: Path):
+    yaml = pytest.importorskip("yaml")
+    path = tmp_path / "p.yaml"
+    path.write_text(yaml.safe_dump(BASE))
+    assert read_preset_file(path).model == "test"
+
+
+# ---------------------------------------------------------------- one test per validation rule
+def test_rule_overlapping_ranges():
+    msg = bad(lambda d: d["buckets"][1].update(min_batch=3))
+    assert "buckets[1]: range 3..inf overlaps buckets[0] (1..4)" in msg
+
+
+def test_rule_gap():
+    msg = bad(lambda d: d["buckets"][1].update(min_batch=7))
+    assert "buckets[1]: min_batch=7 leaves a gap after buckets[0] (max_batch=4): batch sizes 5..6 uncovered" in msg
+
+
+def test_rule_first_bucket_starts_at_one_and_last_is_unbounded():
+    assert "buckets[0]: min_batch=2 must be 1" in bad(lambda d: d["buckets"][0].update(min_batch=2))
+    assert "buckets[1]: max_batch=64 must be null" in bad(lambda d: d["buckets"][1].update(max_batch=64))
+    assert "buckets[0]: max_batch=null (unbounded) is only allowed on the last bucket" in bad(
+        lambda d: d["buckets"][0].update(max_batch=None)
+    )
+
+
+def test_rule_empty_candidates():
+    assert "buckets[1].candidates: must not be empty" in bad(lambda d: d["buckets"][1].update(candidates=[]))
+
+
+def test_rule_d_at_least_full_depth():
+    data = copy.deepcopy(BASE)
+    data["buckets"][1]["candidates"] = [[0, 0], [1, 1], [2, 4]]
+    cfg = AdaptiveSpecConfig.parse(data)
+    with pytest.raises(PresetError) as err:
+        cfg.validate_for_depth(4)
+    assert str(err.value) == "buckets[1].candidates[2]: d=4 must be < full depth 4"
+    data["full_depth"] = 4  # with full_depth in the file, parsing already rejects it
+    assert "buckets[1].candidates[2]: d=4 must be < full depth 4" in bad(lambda d: d.update(data))
+
+
+def test_rule_d_below_one_with_k():
+    assert "buckets[0].candidates[1]: d=0 must be >= 1 when k=2" in bad(
+        lambda d: d["buckets"][0].update(candidates=[[1, 2], [2, 0]])
+    )
+
+
+def test_rule_plain_only_first():
+    assert "buckets[0].candidates[1]: k=0 (plain decoding) is only allowed as the first candidate" in bad(
+        lambda d: d["buckets"][0].update(candidates=[[1, 2], [0, 0]])
+    )
+
+
+def test_rule_theta_down_above_theta_up():
+    assert "buckets[0]: theta_down=0.9 must be <= theta_up=0.8" in bad(lambda d: d["buckets"][0].update(theta_down=0.9))
+    msg = bad(lambda d: d["buckets"][0].update(candidates=[{"k": 1, "d": 2, "theta_down": 0.85}, [2, 1]]))
+    assert "buckets[0].candidates[0]: theta_down=0.85 must be <= theta_up=0.8" in msg
+
+
+def test_rule_theta_missing():
+    msg = bad(lambda d: d["buckets"][0].pop("theta_up"))
+    assert "buckets[0].candidates[0]: theta_up missing" in msg
+
+
+def test_rule_beta_zero():
+    assert "buckets[0].beta: Input should be greater than 0 (got 0)" in bad(lambda d: d["buckets"][0].update(beta=0))
+
+
+def test_rule_beta_above_one():
+    assert "buckets[1].beta: Input should be less than or equal to 1 (got 1.5)" in bad(
+        lambda d: d["buckets"][1].update(beta=1.5)
+    )
+
+
+def test_rule_unknown_key():
+    assert "buckets[0].bogus: Extra inputs are not permitted" in bad(lambda d: d["buckets"][0].update(bogus=1))
+    assert "disable.probe_bse: Extra inputs are not permitted" in bad(lambda d: d.update(disable={"probe_bse": 3}))
+
+
+def test_rule_initial_index_out_of_range():
+    assert "buckets[0].initial_index: 2 out of range for 2 candidates (0..1)" in bad(
+        lambda d: d["buckets"][0].update(initial_index=2)
+    )
+
+
+def test_rule_probe_cap_below_base():
+    assert "disable: probe_cap=4 must be >= probe_base=8" in bad(
+        lambda d: d.update(disable={"probe_base": 8, "probe_cap": 4})
+    )
+
+
+def test_all_errors_reported_at_once():
+    def edit(d):
+        d["buckets"][0]["initial_index"] = 5
+        d["buckets"][1]["min_batch"] = 9
+
+    msg = bad(edit)
+    assert "initial_index" in msg and "gap" in msg
