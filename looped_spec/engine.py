@@ -10,7 +10,8 @@ from typing import Any
 import torch
 
 from looped_spec.adapter import ModelAdapter, load_adapter
-from looped_spec.control.factory import make_controller
+from looped_spec.control.factory import make_controller, plan_shapes
+from looped_spec.cuda_graph import CudaGraphRunner, batch_buckets
 from looped_spec.inputs import load_tokenizer, normalize_prompts, to_token_ids
 from looped_spec.kv_cache import KVCache
 from looped_spec.model_runner import ModelRunner
@@ -48,6 +49,7 @@ class LoopedSpecEngine:
         num_kv_blocks: int | None = None,
         kv_cache_memory_gb: float | None = None,
         max_num_batched_tokens: int = 1024,
+        cuda_graphs: bool | str | None = None,
         draft_override=None,
     ) -> None:
         if isinstance(model, ModelAdapter):
@@ -71,6 +73,7 @@ class LoopedSpecEngine:
                           block_size, self.adapter.dtype, self.adapter.device)  # fmt: skip
         self.scheduler = Scheduler(self.kv, max_batch_size, max_num_batched_tokens)
         self.runner = ModelRunner(self.adapter, self.kv)
+        self._setup_graphs(cuda_graphs)
         self.spec_round = SpeculativeRound(self.runner, draft_override)
         self.tokenizer = load_tokenizer(self.adapter.path)
         self.stats = EngineStats()
@@ -95,6 +98,20 @@ class LoopedSpecEngine:
                 f"{self.max_model_len} ({min_blocks} blocks); lower max_model_len or give more memory"
             )
         return num_kv_blocks
+
+    def _setup_graphs(self, cuda_graphs: bool | str | None) -> None:
+        """None = on for CUDA devices. "emulate" runs the padded static-buffer path eagerly (any device)."""
+        on_cuda = self.adapter.device.type == "cuda"
+        if cuda_graphs is None:
+            cuda_graphs = on_cuda
+        if cuda_graphs is False:
+            return
+        if cuda_graphs is True and not on_cuda:
+            raise ValueError("cuda_graphs=True needs a CUDA device; use cuda_graphs='emulate' to test the path on CPU")
+        if cuda_graphs not in (True, "emulate"):
+            raise ValueError(f"cuda_graphs={cuda_graphs!r}: use None, True, False or 'emulate'")
+        self.runner.graphs = CudaGraphRunner(self.adapter, self.kv, self.max_model_len, batch_buckets(self.max_batch_size),
+                                             plan_shapes(self.controller), capture=cuda_graphs is True)  # fmt: skip
 
     # ----- requests -----
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,

@@ -42,3 +42,14 @@ def make_controller(speculation: Any, adapter, *, preset=None, policy: str = "em
         return FixedController(spec.k, spec.d, depth, trace_path=trace_path, measure_depths=spec.measure_depths)
     config = load_preset(adapter.name, depth, preset)
     return AdaptiveController(config, depth, policy=policy, trace_path=trace_path)
+
+
+def plan_shapes(controller) -> list[tuple[int, int]]:
+    """Every (K, d) the controller can hand out, for sizing CUDA-graph capture (K = 0 always included)."""
+    shapes = {(0, 0)}
+    if isinstance(controller, AdaptiveController):
+        for bucket in controller.config.buckets:
+            shapes.update((c.k, c.d) for c in bucket.candidates)
+    elif isinstance(controller, FixedController):
+        shapes.add((controller.k, controller.d))
+    return sorted(shapes)
