@@ -75,8 +75,11 @@ class HuginnAdapter(ModelAdapter):
             "lm_head.weight": TensorSpec((vocab, d), optional=bool(config.get("tie_embeddings", True))),
             "freqs_cis": TensorSpec((), optional=True, ignored=True),
         }
-        for prefix, key in (("prelude", "n_layers_in_prelude"), ("core_block", "n_layers_in_recurrent_block"),
-                            ("coda", "n_layers_in_coda")):  # fmt: skip
+        for prefix, key in (
+            ("prelude", "n_layers_in_prelude"),
+            ("core_block", "n_layers_in_recurrent_block"),
+            ("coda", "n_layers_in_coda"),
+        ):
             for i in range(int(config[key])):
                 p = f"transformer.{prefix}.{i}."
                 for n in range(1, 5):
@@ -91,8 +94,14 @@ class HuginnAdapter(ModelAdapter):
 
     @classmethod
     def check_config(cls, config: dict) -> None:
-        for key in ("n_embd", "n_heads", "n_layers_in_prelude", "n_layers_in_recurrent_block", "n_layers_in_coda",
-                    "intermediate_size"):  # fmt: skip
+        for key in (
+            "n_embd",
+            "n_heads",
+            "n_layers_in_prelude",
+            "n_layers_in_recurrent_block",
+            "n_layers_in_coda",
+            "intermediate_size",
+        ):
             if key not in config:
                 raise ValueError(f"missing field {key}")
         if config.get("injection_type", "linear") != "linear":
@@ -141,8 +150,10 @@ class HuginnAdapter(ModelAdapter):
         n = x.shape[0]
         h = rms_norm(x, w["norm_1.weight"], self.eps)
         qkv = F.linear(h, w["attn.Wqkv.weight"])
-        q, k, v = qkv.split([self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim,
-                             self.num_kv_heads * self.head_dim], dim=-1)  # fmt: skip
+        q, k, v = qkv.split(
+            [self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim, self.num_kv_heads * self.head_dim],
+            dim=-1,
+        )
         q = q.view(n, self.num_heads, self.head_dim)
         k = k.view(n, self.num_kv_heads, self.head_dim)
         v = v.view(n, self.num_kv_heads, self.head_dim)

@@ -82,9 +82,18 @@ class LlamaStyleLooped(ModelAdapter):
     def attend(self, x: torch.Tensor, w: dict, ctx, plane: int) -> torch.Tensor:
         tables = memo_half_rope(ctx, self.head_dim, self.rope_theta)
         return self_attention(
-            x, w["self_attn.q_proj.weight"], w["self_attn.k_proj.weight"], w["self_attn.v_proj.weight"],
-            w["self_attn.o_proj.weight"], self.num_heads, self.num_kv_heads, self.head_dim, tables, ctx, plane,
-        )  # fmt: skip
+            x,
+            w["self_attn.q_proj.weight"],
+            w["self_attn.k_proj.weight"],
+            w["self_attn.v_proj.weight"],
+            w["self_attn.o_proj.weight"],
+            self.num_heads,
+            self.num_kv_heads,
+            self.head_dim,
+            tables,
+            ctx,
+            plane,
+        )
 
     @staticmethod
     def mlp(x: torch.Tensor, w: dict) -> torch.Tensor:

@@ -43,8 +43,10 @@ def main() -> None:
         naive_s, naive_out = naive_dense(bench.adapter, prompts, args.max_tokens)
         naive_tps = batch * args.max_tokens / naive_s
         same = naive_out == paged["outputs"]
-        print(f"{batch:>5} {paged['tokens_per_s']:>12.1f} {naive_tps:>12.1f} {paged['tokens_per_s'] / naive_tps:>11.2f}x"
-              f"  {same}")  # fmt: skip
+        print(
+            f"{batch:>5} {paged['tokens_per_s']:>12.1f} {naive_tps:>12.1f} {paged['tokens_per_s'] / naive_tps:>11.2f}x"
+            f"  {same}"
+        )
 
 
 if __name__ == "__main__":

@@ -66,8 +66,11 @@ def changing_workload(bench: Bench, prompts: list, max_tokens: int, phases: list
         for size in phases:
             outs = engine.generate(prompts[:size], _params(max_tokens))
             tokens += sum(len(o.token_ids) for o in outs)
-        out[name] = {"tokens_per_s": tokens / (time.perf_counter() - start),
-                     "plans": dict(engine.stats.plan_histogram), "acceptance": engine.stats.acceptance_rate}  # fmt: skip
+        out[name] = {
+            "tokens_per_s": tokens / (time.perf_counter() - start),
+            "plans": dict(engine.stats.plan_histogram),
+            "acceptance": engine.stats.acceptance_rate,
+        }
         engine.close()
     return out
 
@@ -86,8 +89,13 @@ def heatmap(results: dict, grid: list, depth: int, path: Path) -> None:
         for row, (key, title) in enumerate([("ratio", "speedup vs plain"), ("acceptance", "acceptance")]):
             ax = axes[row][col]
             grid_vals = [[results[b]["grid"].get(f"{k},{d}", {}).get(key, float("nan")) for d in ds] for k in ks]
-            im = ax.imshow(grid_vals, cmap="RdYlGn", vmin=0.0 if key == "acceptance" else 0.5,
-                           vmax=1.0 if key == "acceptance" else 1.5, origin="lower")  # fmt: skip
+            im = ax.imshow(
+                grid_vals,
+                cmap="RdYlGn",
+                vmin=0.0 if key == "acceptance" else 0.5,
+                vmax=1.0 if key == "acceptance" else 1.5,
+                origin="lower",
+            )
             for i in range(len(ks)):
                 for j in range(len(ds)):
                     ax.text(j, i, f"{grid_vals[i][j]:.2f}", ha="center", va="center", fontsize=8)
@@ -123,16 +131,22 @@ def main() -> None:
     grid = parse_grid(args.grid, depth)
     batches = [int(b) for b in args.batch_sizes.split(",")]
     prompts = prompt_set(args.prompts, max(batches), bench.adapter)
-    print(f"model {bench.adapter.name} ({bench.adapter.model_type}) D={depth}, prompts={args.prompts}, "
-          f"max_tokens={args.max_tokens}, {torch.get_num_threads()} threads, {platform.processor() or 'cpu'}")  # fmt: skip
+    print(
+        f"model {bench.adapter.name} ({bench.adapter.model_type}) D={depth}, prompts={args.prompts}, "
+        f"max_tokens={args.max_tokens}, {torch.get_num_threads()} threads, {platform.processor() or 'cpu'}"
+    )
     results: dict = {}
     samples = []
     for b in batches:
         batch_prompts = prompts[:b]
         plain = bench.run(bench.engine("off"), batch_prompts, args.max_tokens, args.repeats)
         k0 = bench.run(bench.engine(SpeculativeConfig(k=0, d=1)), batch_prompts, args.max_tokens, args.repeats)
-        row = {"plain_tokens_per_s": plain["tokens_per_s"], "k0_ratio": k0["tokens_per_s"] / plain["tokens_per_s"],
-               "grid": {}, "adaptive": {}}  # fmt: skip
+        row = {
+            "plain_tokens_per_s": plain["tokens_per_s"],
+            "k0_ratio": k0["tokens_per_s"] / plain["tokens_per_s"],
+            "grid": {},
+            "adaptive": {},
+        }
         samples.append(("plain", b, 0, depth, plain))
         print(f"\nB={b}: plain {plain['tokens_per_s']:.1f} tok/s; K=0 spec config {row['k0_ratio']:.2f}x plain")
         print(f"{'K':>3} {'d':>3} {'ratio':>7} {'accept':>7} {'tok/round':>9}")
@@ -140,8 +154,11 @@ def main() -> None:
             res = bench.run(bench.engine(SpeculativeConfig(k=k, d=d)), batch_prompts, args.max_tokens, args.repeats)
             assert res["outputs"] == plain["outputs"], f"greedy output changed at K={k} d={d} B={b}"
             ratio = res["tokens_per_s"] / plain["tokens_per_s"]
-            row["grid"][f"{k},{d}"] = {"ratio": ratio, "acceptance": res["acceptance"],
-                                       "tokens_per_round": res["tokens_per_round"]}  # fmt: skip
+            row["grid"][f"{k},{d}"] = {
+                "ratio": ratio,
+                "acceptance": res["acceptance"],
+                "tokens_per_round": res["tokens_per_round"],
+            }
             samples.append(("spec", b, k, d, res))
             print(f"{k:>3} {d:>3} {ratio:>6.2f}x {res['acceptance']:>7.2f} {res['tokens_per_round']:>9.2f}")
         if args.adaptive:
@@ -150,11 +167,16 @@ def main() -> None:
                 res = bench.run(engine, batch_prompts, args.max_tokens, args.repeats)
                 assert res["outputs"] == plain["outputs"], f"adaptive ({policy}) changed greedy output at B={b}"
                 overhead = engine.stats.phase_seconds["control"] / max(engine.stats.num_rounds, 1)
-                row["adaptive"][policy] = {"ratio": res["tokens_per_s"] / plain["tokens_per_s"],
-                                           "acceptance": res["acceptance"], "plans": dict(engine.stats.plan_histogram),
-                                           "control_us_per_round": overhead * 1e6}  # fmt: skip
-                print(f"adaptive/{policy}: {row['adaptive'][policy]['ratio']:.2f}x, acceptance "
-                      f"{res['acceptance']:.2f}, controller {overhead * 1e6:.0f} us/round")  # fmt: skip
+                row["adaptive"][policy] = {
+                    "ratio": res["tokens_per_s"] / plain["tokens_per_s"],
+                    "acceptance": res["acceptance"],
+                    "plans": dict(engine.stats.plan_histogram),
+                    "control_us_per_round": overhead * 1e6,
+                }
+                print(
+                    f"adaptive/{policy}: {row['adaptive'][policy]['ratio']:.2f}x, acceptance "
+                    f"{res['acceptance']:.2f}, controller {overhead * 1e6:.0f} us/round"
+                )
         results[b] = row
     fit = fit_cost_model(samples, depth)
     print("\ncost model fit (per loop-step: draft a0 + a1*B, verify b0 + b1*B(K+1)):", fit["coefficients"])
@@ -164,19 +186,33 @@ def main() -> None:
             k, d = (int(x) for x in key.split(","))
             cell["predicted_ratio"] = predicted_ratio(fit, b, k, d, depth, cell["acceptance"])
             print(f"{b:>3} {k:>3} {d:>3} {cell['ratio']:>8.2f}x {cell['predicted_ratio']:>8.2f}x")
-    report = {"date": str(date.today()), "model": bench.adapter.name, "depth": depth, "prompts": args.prompts,
-              "max_tokens": args.max_tokens, "threads": torch.get_num_threads(), "results": results,
-              "cost_model": fit}  # fmt: skip
+    report = {
+        "date": str(date.today()),
+        "model": bench.adapter.name,
+        "depth": depth,
+        "prompts": args.prompts,
+        "max_tokens": args.max_tokens,
+        "threads": torch.get_num_threads(),
+        "results": results,
+        "cost_model": fit,
+    }
     sample_prompts = prompts[: min(8, len(prompts))]
     report["depth_acceptance"] = depth_acceptance(bench, sample_prompts, args.max_tokens, 1)
-    print("\ngreedy agreement of depth-i readout with the committed token:",
-          " ".join(f"d{i + 1}={a:.2f}" for i, a in enumerate(report["depth_acceptance"])))  # fmt: skip
+    print(
+        "\ngreedy agreement of depth-i readout with the committed token:",
+        " ".join(f"d{i + 1}={a:.2f}" for i, a in enumerate(report["depth_acceptance"])),
+    )
     if args.workload:
         best = {b: max(results[b]["grid"].items(), key=lambda kv: kv[1]["ratio"])[0] for b in batches}
         configs = {"plain": "off", "adaptive-ema": "adaptive", "adaptive-goodput": "adaptive"}
         phases = [1, 8, 32, 8, 1]
-        wl = changing_workload(bench, prompts if len(prompts) >= 32 else prompts * 32, args.max_tokens, phases,
-                               {"plain": "off", "fixed-best-B1": best[batches[0]], "adaptive": "adaptive"})  # fmt: skip
+        wl = changing_workload(
+            bench,
+            prompts if len(prompts) >= 32 else prompts * 32,
+            args.max_tokens,
+            phases,
+            {"plain": "off", "fixed-best-B1": best[batches[0]], "adaptive": "adaptive"},
+        )
         base = wl["plain"]["tokens_per_s"]
         print("\nchanging workload 1->8->32->8->1:")
         for name, cell in wl.items():

@@ -35,8 +35,10 @@ def fit_cost_model(samples: list, depth: int) -> dict:
     coef = torch.linalg.lstsq(a, y[:, None]).solution[:, 0].tolist()
     pred = (a @ torch.tensor(coef, dtype=torch.float64)).tolist()
     rel = [abs(p - t) / t for p, t in zip(pred, targets) if t > 0]
-    return {"coefficients": {"a0": coef[0], "a1": coef[1], "b0": coef[2], "b1": coef[3]},
-            "mean_relative_error": sum(rel) / max(len(rel), 1)}  # fmt: skip
+    return {
+        "coefficients": {"a0": coef[0], "a1": coef[1], "b0": coef[2], "b1": coef[3]},
+        "mean_relative_error": sum(rel) / max(len(rel), 1),
+    }
 
 
 def predicted_ratio(fit: dict, b: int, k: int, d: int, depth: int, alpha: float) -> float:

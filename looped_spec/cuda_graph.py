@@ -71,11 +71,21 @@ class StaticBatch:
         self.gather_slots = torch.full((key.batch, max_context), scratch_slot, dtype=torch.long, device=device)
         self.mask = torch.zeros(key.batch, 1, key.query_len, max_context, dtype=torch.bool, device=device)
         self.mask[..., 0] = True
-        self.ctx = PagedContext(self.positions, self.slot_mapping, self.gather_slots, self.mask, None, key.batch,
-                                key.query_len, kv.key_cache, kv.value_cache)  # fmt: skip
+        self.ctx = PagedContext(
+            self.positions,
+            self.slot_mapping,
+            self.gather_slots,
+            self.mask,
+            None,
+            key.batch,
+            key.query_len,
+            kv.key_cache,
+            kv.value_cache,
+        )
 
-    def fill(self, block_tables: list[list[int]], context_lens: list[int], block_size: int,
-             seeds: list[int] | None) -> None:  # fmt: skip
+    def fill(
+        self, block_tables: list[list[int]], context_lens: list[int], block_size: int, seeds: list[int] | None
+    ) -> None:
         """Copy one batch's indices into the static buffers (host-built, one copy per buffer)."""
         key, q = self.key, self.key.query_len
         num_reqs = len(context_lens)
@@ -110,8 +120,9 @@ class StaticBatch:
 class CudaGraphRunner:
     """Captures and replays `loops[start, end) + readout(end)` for every GraphKey of the active plans."""
 
-    def __init__(self, adapter, kv, max_context: int, buckets: list[int], plans: list[tuple[int, int]],
-                 capture: bool = True) -> None:  # fmt: skip
+    def __init__(
+        self, adapter, kv, max_context: int, buckets: list[int], plans: list[tuple[int, int]], capture: bool = True
+    ) -> None:
         self.adapter = adapter
         self.kv = kv
         self.block_size = kv.block_size
@@ -136,8 +147,9 @@ class CudaGraphRunner:
         t0 = time.perf_counter()
         pool = None
         for key in new:  # largest first, so later graphs fit in the shared pool
-            static = StaticBatch(key, self.max_context, self.adapter.state_dim, self.kv, self.scratch_slot,
-                                 self.adapter.dtype, device)  # fmt: skip
+            static = StaticBatch(
+                key, self.max_context, self.adapter.state_dim, self.kv, self.scratch_slot, self.adapter.dtype, device
+            )
             self.batches[key] = static
             if not self.capture:
                 continue
@@ -168,8 +180,14 @@ class CudaGraphRunner:
         return key if key in self.batches else None
 
     @torch.inference_mode()
-    def run(self, key: GraphKey, requests, context_lens: list[int], tokens: torch.Tensor | None = None,
-            state: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    def run(
+        self,
+        key: GraphKey,
+        requests,
+        context_lens: list[int],
+        tokens: torch.Tensor | None = None,
+        state: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Embed `tokens` (or take `state`) for len(requests) real rows, replay; returns real-row (state, logits)."""
         static = self.batches[key]
         seeds = [r.seed for r in requests] if self.adapter.needs_token_seeds else None

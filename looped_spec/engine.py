@@ -66,11 +66,17 @@ class LoopedSpecEngine:
         self.max_model_len = max_model_len or limit
         if not 2 <= self.max_model_len <= limit:
             raise ValueError(f"max_model_len={max_model_len} must be in [2, {limit}] (the model's max positions)")
-        self.controller = make_controller(speculation, self.adapter, preset=preset, policy=policy,
-                                          trace_path=trace_path)  # fmt: skip
+        self.controller = make_controller(
+            speculation, self.adapter, preset=preset, policy=policy, trace_path=trace_path
+        )
         self.max_batch_size = max_batch_size
-        self.kv = KVCache(self.adapter.kv_layout, self._num_blocks(block_size, num_kv_blocks, kv_cache_memory_gb),
-                          block_size, self.adapter.dtype, self.adapter.device)  # fmt: skip
+        self.kv = KVCache(
+            self.adapter.kv_layout,
+            self._num_blocks(block_size, num_kv_blocks, kv_cache_memory_gb),
+            block_size,
+            self.adapter.dtype,
+            self.adapter.device,
+        )
         self.scheduler = Scheduler(self.kv, max_batch_size, max_num_batched_tokens)
         self.runner = ModelRunner(self.adapter, self.kv)
         self._setup_graphs(cuda_graphs)
@@ -110,12 +116,19 @@ class LoopedSpecEngine:
             raise ValueError("cuda_graphs=True needs a CUDA device; use cuda_graphs='emulate' to test the path on CPU")
         if cuda_graphs not in (True, "emulate"):
             raise ValueError(f"cuda_graphs={cuda_graphs!r}: use None, True, False or 'emulate'")
-        self.runner.graphs = CudaGraphRunner(self.adapter, self.kv, self.max_model_len, batch_buckets(self.max_batch_size),
-                                             plan_shapes(self.controller), capture=cuda_graphs is True)  # fmt: skip
+        self.runner.graphs = CudaGraphRunner(
+            self.adapter,
+            self.kv,
+            self.max_model_len,
+            batch_buckets(self.max_batch_size),
+            plan_shapes(self.controller),
+            capture=cuda_graphs is True,
+        )
 
     # ----- requests -----
-    def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
-                    request_id: str | None = None) -> str:  # fmt: skip
+    def add_request(
+        self, prompt: str | list[int], params: SamplingParams | None = None, request_id: str | None = None
+    ) -> str:
         """Validate and queue one request; returns its id. Nothing is queued if validation fails."""
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
@@ -130,8 +143,9 @@ class LoopedSpecEngine:
         if request_id in self._requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
         seed = params.seed if params.seed is not None else self._rng.randrange(2**31)
-        request = Request(request_id, len(self._requests), ids, params, seed, self.adapter.eos_token_ids,
-                          self.max_model_len)  # fmt: skip
+        request = Request(
+            request_id, len(self._requests), ids, params, seed, self.adapter.eos_token_ids, self.max_model_len
+        )
         self._requests[request_id] = request
         self.scheduler.add(request)
         return request_id
@@ -220,9 +234,23 @@ class LoopedSpecEngine:
         self.stats.num_accepted_tokens += sum(accepted)
         self.stats.batch_size_histogram[len(requests)] += 1
         self.stats.plan_histogram[f"{max(k)},{plan.d if max(k) else 0}"] += 1
-        self.controller.observe(RoundFeedback(plan.plan_id, plan.k, plan.d, plan.bucket, plan.candidate,
-                                              len(requests), k, accepted, draft_time, verify_time, t3 - t2,
-                                              depth_matches, depth_trials))  # fmt: skip
+        self.controller.observe(
+            RoundFeedback(
+                plan.plan_id,
+                plan.k,
+                plan.d,
+                plan.bucket,
+                plan.candidate,
+                len(requests),
+                k,
+                accepted,
+                draft_time,
+                verify_time,
+                t3 - t2,
+                depth_matches,
+                depth_trials,
+            )
+        )
         t4 = time.perf_counter()
         self.stats.phase_seconds["commit"] += t3 - t2
         self.stats.phase_seconds["control"] += (t1 - t0) + (t4 - t3)
@@ -251,13 +279,20 @@ class LoopedSpecEngine:
             text = self.tokenizer.decode(request.output_token_ids, skip_special_tokens=True)
         if request.finished:
             self._requests.pop(request.request_id, None)
-        return RequestOutput(request.request_id, request.token_ids[: request.num_prompt_tokens],
-                             request.output_token_ids, text, request.finish_reason, request.finished,
-                             request.metrics)  # fmt: skip
+        return RequestOutput(
+            request.request_id,
+            request.token_ids[: request.num_prompt_tokens],
+            request.output_token_ids,
+            text,
+            request.finish_reason,
+            request.finished,
+            request.metrics,
+        )
 
     # ----- offline API -----
-    def generate(self, prompts: Any, params: SamplingParams | list[SamplingParams] | None = None,
-                 use_tqdm: bool = False) -> list[RequestOutput]:  # fmt: skip
+    def generate(
+        self, prompts: Any, params: SamplingParams | list[SamplingParams] | None = None, use_tqdm: bool = False
+    ) -> list[RequestOutput]:
         """Run prompts to completion; outputs in prompt order. All prompts are validated before any is queued."""
         items = normalize_prompts(prompts)
         params_list = params if isinstance(params, list) else [params or SamplingParams()] * len(items)

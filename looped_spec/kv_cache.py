@@ -21,8 +21,9 @@ class KVCacheFull(RuntimeError):
 class KVCache:
     """Block allocator plus per-plane key/value storage."""
 
-    def __init__(self, layout: KVLayout, num_blocks: int, block_size: int, dtype: torch.dtype,
-                 device: torch.device | str) -> None:  # fmt: skip
+    def __init__(
+        self, layout: KVLayout, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device | str
+    ) -> None:
         if num_blocks < 1 or block_size < 1:
             raise ValueError("num_blocks and block_size must be >= 1")
         self.layout = layout

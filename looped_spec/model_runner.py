@@ -55,9 +55,18 @@ class ModelRunner:
     def readout(self, state: torch.Tensor, depth: int, ctx: PagedContext) -> torch.Tensor:
         return self.adapter.readout(state, depth, ctx)
 
-    def run_uniform(self, requests: list[Request], query_len: int, context_lens: list[int], start: int, end: int,
-                    tokens: torch.Tensor | None = None, state: torch.Tensor | None = None,
-                    probe=None, readout: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:  # fmt: skip
+    def run_uniform(
+        self,
+        requests: list[Request],
+        query_len: int,
+        context_lens: list[int],
+        start: int,
+        end: int,
+        tokens: torch.Tensor | None = None,
+        state: torch.Tensor | None = None,
+        probe=None,
+        readout: bool = True,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(embed tokens | take state) -> loops[start, end) -> readout(end), `query_len` tokens per request.
 
         Replays a CUDA graph when one is captured for this shape (and no probe is asked for);

@@ -51,8 +51,16 @@ class RequestOutput:
 class Request:
     """Mutable state of one request. `num_computed` tokens have KV in every plane of the cache."""
 
-    def __init__(self, request_id: str, arrival: int, prompt: list[int], params: SamplingParams, seed: int,
-                 eos_token_ids: list[int], max_model_len: int) -> None:  # fmt: skip
+    def __init__(
+        self,
+        request_id: str,
+        arrival: int,
+        prompt: list[int],
+        params: SamplingParams,
+        seed: int,
+        eos_token_ids: list[int],
+        max_model_len: int,
+    ) -> None:
         self.request_id = request_id
         self.arrival = arrival
         self.token_ids: list[int] = list(prompt)

@@ -51,8 +51,13 @@ class EngineStats:
         lines: list[str] = []
 
         def counter(name: str, value, help_text: str) -> None:
-            lines.extend([f"# HELP looped_spec:{name} {help_text}", f"# TYPE looped_spec:{name} counter",
-                          f"looped_spec:{name}{{{label}}} {value}"])  # fmt: skip
+            lines.extend(
+                [
+                    f"# HELP looped_spec:{name} {help_text}",
+                    f"# TYPE looped_spec:{name} counter",
+                    f"looped_spec:{name}{{{label}}} {value}",
+                ]
+            )
 
         counter("request_success_total", self.num_requests_finished, "Finished requests.")
         counter("prompt_tokens_total", self.num_prompt_tokens, "Prefilled tokens (including recomputation).")
@@ -62,8 +67,10 @@ class EngineStats:
         counter("spec_decode_rounds_total", self.num_spec_rounds, "Speculative rounds.")
         counter("spec_decode_num_draft_tokens_total", self.num_draft_tokens, "Draft tokens proposed.")
         counter("spec_decode_num_accepted_tokens_total", self.num_accepted_tokens, "Draft tokens accepted.")
-        lines += ["# HELP looped_spec:phase_seconds_total Wall time per engine phase.",
-                  "# TYPE looped_spec:phase_seconds_total counter"]  # fmt: skip
+        lines += [
+            "# HELP looped_spec:phase_seconds_total Wall time per engine phase.",
+            "# TYPE looped_spec:phase_seconds_total counter",
+        ]
         for phase, seconds in self.phase_seconds.items():
             lines.append(f'looped_spec:phase_seconds_total{{{label},phase="{phase}"}} {seconds:.6f}')
         lines += ["# HELP looped_spec:batch_size Decode-round batch sizes.", "# TYPE looped_spec:batch_size histogram"]

@@ -88,8 +88,16 @@ def incremental_logits(adapter, prompt: list[int], depth: int, chunk: int) -> to
     for start in range(0, len(prompt), chunk):
         piece = prompt[start : start + chunk]
         kv.grow(table, start + len(piece))
-        ctx = build_paged_context(kv.key_cache, kv.value_cache, kv.block_size, [table], [start + len(piece)],
-                                  [len(piece)], seeds=[0], need_token_seeds=adapter.needs_token_seeds)  # fmt: skip
+        ctx = build_paged_context(
+            kv.key_cache,
+            kv.value_cache,
+            kv.block_size,
+            [table],
+            [start + len(piece)],
+            [len(piece)],
+            seeds=[0],
+            need_token_seeds=adapter.needs_token_seeds,
+        )
         state = adapter.embed(torch.tensor(piece), ctx)
         for i in range(depth):
             state = adapter.loop(state, i, ctx)

@@ -6,7 +6,7 @@ import pytest
 import torch
 from conftest import FAMILIES, fixture_dir, load
 
-from looped_spec import LoopedSpecEngine, SamplingParams, SpeculativeConfig, load_adapter
+from looped_spec import LoopedSpecEngine, SamplingParams, load_adapter
 from looped_spec.cuda_graph import GraphKey, batch_buckets, graph_keys, pad_batch
 
 PROMPTS = [[5, 9, 13], [200, 1, 77, 4, 4, 19, 88, 23, 7, 150, 3], [42], [17, 18, 19, 20, 21, 22], [99, 98, 97]]

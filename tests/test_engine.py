@@ -32,8 +32,13 @@ def test_fixture_greedy_alone_and_batched(family):
 
 def test_checkpoint_path_api_matches_fixture():
     ref = reference("huginn")
-    engine = LoopedSpecEngine(str(fixture_dir("huginn")), dtype="float32", device="cpu", speculation="off",
-                              adapter_options=adapter_options("huginn"))  # fmt: skip
+    engine = LoopedSpecEngine(
+        str(fixture_dir("huginn")),
+        dtype="float32",
+        device="cpu",
+        speculation="off",
+        adapter_options=adapter_options("huginn"),
+    )
     out = engine.generate(ref["prompts"][1], greedy(20))[0]
     assert out.token_ids == ref["greedy"][1]["tokens"]
 
@@ -41,8 +46,10 @@ def test_checkpoint_path_api_matches_fixture():
 @pytest.mark.parametrize("family", FAMILIES)
 def test_batched_equals_sequential_with_seeded_sampling(family):
     prompts = FILLER + reference(family)["prompts"]
-    params = [SamplingParams(max_tokens=9, temperature=0.9, top_k=20, top_p=0.9, seed=100 + i, ignore_eos=True)
-              for i in range(len(prompts))]  # fmt: skip
+    params = [
+        SamplingParams(max_tokens=9, temperature=0.9, top_k=20, top_p=0.9, seed=100 + i, ignore_eos=True)
+        for i in range(len(prompts))
+    ]
     alone = [make_engine(family).generate(p, sp)[0].token_ids for p, sp in zip(prompts, params)]
     batched = [o.token_ids for o in make_engine(family, max_batch_size=3).generate(prompts, params)]
     assert alone == batched

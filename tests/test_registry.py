@@ -65,8 +65,9 @@ class ToyLoopedAdapter(ModelAdapter):
         w = self.weights
         d = self.config["hidden"]
         tables = memo_half_rope(ctx, d, 10000.0)
-        attn = self_attention(rms_norm(state, w["norm"], 1e-6), w["wq"], w["wk"], w["wv"], w["wo"], 1, 1, d,
-                              tables, ctx, loop_index)  # fmt: skip
+        attn = self_attention(
+            rms_norm(state, w["norm"], 1e-6), w["wq"], w["wk"], w["wv"], w["wo"], 1, 1, d, tables, ctx, loop_index
+        )
         return rms_norm(state + attn, w["norm"], 1e-6)
 
     def readout(self, state, depth, ctx):

@@ -135,8 +135,14 @@ def test_stop_token_inside_accepted_drafts():
 def test_preemption_during_speculative_decoding(family):
     prompts = [list(range(1 + i, 12 + i)) for i in range(8)]
     expected = [o.token_ids for o in make_engine(family).generate(prompts, greedy(24))]
-    engine = make_engine(family, speculation=SpeculativeConfig(k=3, d=1), block_size=4, num_kv_blocks=24,
-                         max_num_batched_tokens=16, max_model_len=64)  # fmt: skip
+    engine = make_engine(
+        family,
+        speculation=SpeculativeConfig(k=3, d=1),
+        block_size=4,
+        num_kv_blocks=24,
+        max_num_batched_tokens=16,
+        max_model_len=64,
+    )
     outs = engine.generate(prompts, greedy(24))
     assert [o.token_ids for o in outs] == expected
     assert engine.scheduler.num_preemptions > 0 and engine.stats.num_spec_rounds > 0
@@ -185,8 +191,9 @@ def test_speculative_sampling_keeps_target_distribution(family, d):
     adapter = load(family)
     prompt, top_k, n = [5, 9, 13, 200], 4, 3000
     exact = exact_pair_distribution(adapter, prompt, top_k)
-    engine = make_engine(family, speculation=SpeculativeConfig(k=2, d=d), max_batch_size=256,
-                         max_num_batched_tokens=4096, seed=1234)  # fmt: skip
+    engine = make_engine(
+        family, speculation=SpeculativeConfig(k=2, d=d), max_batch_size=256, max_num_batched_tokens=4096, seed=1234
+    )
     params = SamplingParams(max_tokens=3, temperature=1.0, top_k=top_k, ignore_eos=True)
     outs = engine.generate([prompt] * n, params)
     assert engine.stats.num_accepted_tokens > 0 and engine.stats.num_draft_tokens > engine.stats.num_accepted_tokens

@@ -76,8 +76,14 @@ class FixedController(BaseController):
 
     name = "fixed"
 
-    def __init__(self, k: int, d: int, full_depth: int | None = None, trace_path: str | Path | None = None,
-                 measure_depths: bool = False) -> None:  # fmt: skip
+    def __init__(
+        self,
+        k: int,
+        d: int,
+        full_depth: int | None = None,
+        trace_path: str | Path | None = None,
+        measure_depths: bool = False,
+    ) -> None:
         if k < 0:
             raise ValueError(f"k={k} must be >= 0")
         if k > 0 and d < 1:

@@ -32,8 +32,7 @@ class DraftProposer:
         self.draft_override = draft_override
 
     @torch.inference_mode()
-    def propose(self, requests: list[Request], k: list[int], d: int, rows: SamplingRows,
-                measure_depths: bool) -> Draft:  # fmt: skip
+    def propose(self, requests: list[Request], k: list[int], d: int, rows: SamplingRows, measure_depths: bool) -> Draft:
         runner = self.runner
         num_reqs, max_k = len(requests), max(k)
         device = runner.device
@@ -55,8 +54,16 @@ class DraftProposer:
                 def probe(depth: int, state: torch.Tensor, ctx, j: int = j, n: int = num_rows) -> None:
                     depth_preds[depth - 1, :n, j] = runner.readout(state, depth, ctx).argmax(-1)
 
-            state, logits = runner.run_uniform(active, 1, context_lens, 0, d, tokens=step_tokens[:num_rows],
-                                               probe=probe, readout=num_next > 0 or measure_depths)  # fmt: skip
+            state, logits = runner.run_uniform(
+                active,
+                1,
+                context_lens,
+                0,
+                d,
+                tokens=step_tokens[:num_rows],
+                probe=probe,
+                readout=num_next > 0 or measure_depths,
+            )
             if measure_depths:
                 depth_preds[d - 1, :num_rows, j] = logits.argmax(-1)
             states.append(state)

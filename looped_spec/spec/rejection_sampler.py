@@ -7,8 +7,9 @@ import torch
 from looped_spec.sampler import SamplingRows, probabilities, sample_from
 
 
-def pad_positions(values: torch.Tensor, row_index: torch.Tensor, pos_index: torch.Tensor, num_reqs: int,
-                  width: int, fill) -> torch.Tensor:  # fmt: skip
+def pad_positions(
+    values: torch.Tensor, row_index: torch.Tensor, pos_index: torch.Tensor, num_reqs: int, width: int, fill
+) -> torch.Tensor:
     """Scatter flat per-position values [N, ...] into a padded [num_reqs, width, ...] grid."""
     out = torch.full((num_reqs, width, *values.shape[1:]), fill, dtype=values.dtype, device=values.device)
     out[row_index, pos_index] = values

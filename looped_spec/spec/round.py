@@ -55,8 +55,9 @@ class SpeculativeRound:
         self._sync()
         t2 = time.perf_counter()
         k_t = torch.tensor(ks, device=device)
-        num_accepted, next_token = accept(draft.tokens, k_t, verification.logits, verification.row_index,
-                                          verification.pos_index, rows, draft.q_probs)  # fmt: skip
+        num_accepted, next_token = accept(
+            draft.tokens, k_t, verification.logits, verification.row_index, verification.pos_index, rows, draft.q_probs
+        )
         committed_grid = torch.cat([draft.tokens, torch.zeros_like(draft.tokens[:, :1])], dim=1)
         committed_grid.scatter_(1, num_accepted[:, None], next_token[:, None])  # [R, K_max + 1]
         acc = num_accepted.tolist()

@@ -26,8 +26,7 @@ class Verifier:
         self.runner = runner
 
     @torch.inference_mode()
-    def verify(self, requests: list[Request], k: list[int], d: int, draft: Draft,
-               measure_depths: bool) -> Verification:  # fmt: skip
+    def verify(self, requests: list[Request], k: list[int], d: int, draft: Draft, measure_depths: bool) -> Verification:
         runner = self.runner
         device = runner.device
         row_index = torch.repeat_interleave(torch.arange(len(requests)), torch.tensor(k) + 1)
@@ -49,8 +48,9 @@ class Verifier:
                 depth_preds[depth - d - 1] = runner.readout(s, depth, ctx).argmax(-1)
 
         if all(kr == k[0] for kr in k):
-            _, logits = runner.run_uniform(requests, k[0] + 1, context_lens, d, runner.full_depth, state=state,
-                                           probe=probe)  # fmt: skip
+            _, logits = runner.run_uniform(
+                requests, k[0] + 1, context_lens, d, runner.full_depth, state=state, probe=probe
+            )
         else:
             ctx = runner.context(requests, [kr + 1 for kr in k], context_lens)
             state = runner.loops(state, ctx, d, runner.full_depth, probe)
