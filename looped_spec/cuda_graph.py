@@ -56,21 +56,34 @@ def graph_keys(plans: list[tuple[int, int]], full_depth: int, buckets: list[int]
     return sorted(keys, key=lambda key: (-key.batch * key.query_len, -(key.end - key.start)))
 
 
-class StaticBatch:
-    """Static input buffers and a PagedContext view over them for one GraphKey."""
+class SharedBuffers:
+    """Input buffers allocated once at the largest graph's size; every StaticBatch takes views of them."""
 
-    def __init__(self, key: GraphKey, max_context: int, state_dim: int, kv, scratch_slot: int, dtype, device):
+    def __init__(self, keys: list[GraphKey], max_context: int, state_dim: int, dtype, device) -> None:
+        max_tokens = max(k.batch * k.query_len for k in keys)
+        max_batch = max(k.batch for k in keys)
+        self.token_ids = torch.zeros(max_tokens, dtype=torch.long, device=device)
+        self.state = torch.zeros(max_tokens, state_dim, dtype=dtype, device=device)
+        self.positions = torch.zeros(max_tokens, dtype=torch.long, device=device)
+        self.slot_mapping = torch.zeros(max_tokens, dtype=torch.long, device=device)
+        self.gather_slots = torch.zeros(max_batch * max_context, dtype=torch.long, device=device)
+        self.mask = torch.zeros(max_tokens * max_context, dtype=torch.bool, device=device)
+
+
+class StaticBatch:
+    """Static-shape views of the shared buffers and a PagedContext over them, for one GraphKey."""
+
+    def __init__(self, key: GraphKey, max_context: int, buffers: SharedBuffers, kv, scratch_slot: int):
         n = key.batch * key.query_len
         self.key = key
         self.max_context = max_context
         self.scratch_slot = scratch_slot
-        self.token_ids = torch.zeros(n, dtype=torch.long, device=device)
-        self.state = torch.zeros(n, state_dim, dtype=dtype, device=device)  # [batch * q, state_dim]
-        self.positions = torch.zeros(n, dtype=torch.long, device=device)
-        self.slot_mapping = torch.full((n,), scratch_slot, dtype=torch.long, device=device)
-        self.gather_slots = torch.full((key.batch, max_context), scratch_slot, dtype=torch.long, device=device)
-        self.mask = torch.zeros(key.batch, 1, key.query_len, max_context, dtype=torch.bool, device=device)
-        self.mask[..., 0] = True
+        self.token_ids = buffers.token_ids[:n]
+        self.state = buffers.state[:n]  # [batch * q, state_dim]
+        self.positions = buffers.positions[:n]
+        self.slot_mapping = buffers.slot_mapping[:n]
+        self.gather_slots = buffers.gather_slots[: key.batch * max_context].view(key.batch, max_context)
+        self.mask = buffers.mask[: n * max_context].view(key.batch, 1, key.query_len, max_context)
         self.ctx = PagedContext(
             self.positions,
             self.slot_mapping,
@@ -130,6 +143,8 @@ class CudaGraphRunner:
         self.buckets = buckets
         self.capture = capture
         self.scratch_slot = kv.reserve_scratch_block() * kv.block_size
+        self.buffers: SharedBuffers | None = None
+        self.pool = None
         self.batches: dict[GraphKey, StaticBatch] = {}
         self.graphs: dict[GraphKey, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[GraphKey, tuple[torch.Tensor, torch.Tensor]] = {}
@@ -139,17 +154,19 @@ class CudaGraphRunner:
 
     def add_plans(self, plans: list[tuple[int, int]]) -> None:
         """Prepare (and capture, on CUDA) every key the plans need that is not there yet."""
-        new = [k for k in graph_keys(plans, self.adapter.full_depth, self.buckets) if k not in self.batches]
+        keys = graph_keys(plans, self.adapter.full_depth, self.buckets)
+        new = [k for k in keys if k not in self.batches]
         if not new:
             return
         device = self.adapter.device
+        if self.buffers is None or max(k.batch * k.query_len for k in keys) > self.buffers.token_ids.shape[0]:
+            if self.batches:
+                raise RuntimeError("graph shapes larger than the captured ones must be added before capture")
+            self.buffers = SharedBuffers(keys, self.max_context, self.adapter.state_dim, self.adapter.dtype, device)
         mem0 = torch.cuda.memory_allocated(device) if self.capture else 0
         t0 = time.perf_counter()
-        pool = None
         for key in new:  # largest first, so later graphs fit in the shared pool
-            static = StaticBatch(
-                key, self.max_context, self.adapter.state_dim, self.kv, self.scratch_slot, self.adapter.dtype, device
-            )
+            static = StaticBatch(key, self.max_context, self.buffers, self.kv, self.scratch_slot)
             self.batches[key] = static
             if not self.capture:
                 continue
@@ -157,9 +174,9 @@ class CudaGraphRunner:
                 self._body(static)  # warm-up: lazy init and autotuning happen outside the capture
                 torch.cuda.synchronize(device)
                 graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool):
+                with torch.cuda.graph(graph, pool=self.pool):
                     self.outputs[key] = self._body(static)
-            pool = graph.pool()
+            self.pool = graph.pool()  # one memory pool shared by every graph
             self.graphs[key] = graph
         if self.capture:
             torch.cuda.synchronize(device)
@@ -202,6 +219,7 @@ class CudaGraphRunner:
         if self.capture:
             self.graphs[key].replay()
             out_state, logits = self.outputs[key]
-        else:
-            out_state, logits = self._body(static)
+            # outputs live in the shared graph pool: the next replay may overwrite them
+            return out_state[:n].clone(), logits[:n].clone()
+        out_state, logits = self._body(static)
         return out_state[:n], logits[:n]
