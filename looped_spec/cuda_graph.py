@@ -84,6 +84,11 @@ class StaticBatch:
         self.slot_mapping = buffers.slot_mapping[:n]
         self.gather_slots = buffers.gather_slots[: key.batch * max_context].view(key.batch, max_context)
         self.mask = buffers.mask[: n * max_context].view(key.batch, 1, key.query_len, max_context)
+        # a safe state for warm-up and capture: every row writes to and attends to the scratch block
+        self.slot_mapping.fill_(scratch_slot)
+        self.gather_slots.fill_(scratch_slot)
+        self.mask.zero_()
+        self.mask[..., 0] = True
         self.ctx = PagedContext(
             self.positions,
             self.slot_mapping,
