@@ -161,6 +161,17 @@ def main() -> None:
             }
             samples.append(("spec", b, k, d, res))
             print(f"{k:>3} {d:>3} {ratio:>6.2f}x {res['acceptance']:>7.2f} {res['tokens_per_round']:>9.2f}")
+        # cost of the counterfactual depth readouts (measure_depths) at one plan
+        k_m, d_m = grid[0]
+        plain_m = bench.run(bench.engine(SpeculativeConfig(k=k_m, d=d_m)), batch_prompts, args.max_tokens, args.repeats)
+        measured = bench.run(
+            bench.engine(SpeculativeConfig(k=k_m, d=d_m, measure_depths=True)),
+            batch_prompts,
+            args.max_tokens,
+            args.repeats,
+        )
+        row["measure_depths_cost"] = plain_m["tokens_per_s"] / measured["tokens_per_s"] - 1.0
+        print(f"measure_depths at K={k_m},d={d_m}: {100 * row['measure_depths_cost']:+.1f}% time per token")
         if args.adaptive:
             for policy in ("ema", "goodput"):
                 engine = bench.engine("adaptive", policy=policy)

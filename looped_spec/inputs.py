@@ -15,9 +15,20 @@ def load_tokenizer(folder: str | None):
     path = Path(folder)
     if not any((path / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
         return None
-    from transformers import AutoTokenizer
+    import warnings
 
-    return AutoTokenizer.from_pretrained(str(path), trust_remote_code=False)
+    from transformers import AutoTokenizer
+    from transformers.utils import logging as hf_logging
+
+    # transformers also parses config.json, whose model_type it does not know: that is expected here
+    level = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return AutoTokenizer.from_pretrained(str(path), trust_remote_code=False)
+    finally:
+        hf_logging.set_verbosity(level)
 
 
 def normalize_prompts(prompts: Any) -> list[Prompt]:
