@@ -1,4 +1,4 @@
-"""`looped-spec` command line: generate text with a shipped or local looped model."""
+"""`looped-spec` command line: generate text with a shipped or local looped model, or tune its preset."""
 
 from __future__ import annotations
 
@@ -57,6 +57,56 @@ def _models(args: argparse.Namespace) -> int:
     return 0
 
 
+def _tune(args: argparse.Namespace) -> int:
+    import shlex
+    from pathlib import Path
+
+    from looped_spec.control.presets import load_preset
+    from looped_spec.tuner import GreedyMismatchError, parse_adapter_options, tune
+    from looped_spec.tuner_report import dump_json, format_table, preset_data, write_heatmap
+
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
+    argv = args.argv if args.argv is not None else sys.argv[1:]  # set by main()
+    start = time.perf_counter()
+    try:
+        config, report = tune(
+            args.model,
+            args.batch_sizes,
+            args.prompts,
+            args.grid,
+            args.screen_tokens,
+            args.confirm_tokens,
+            args.top,
+            repeats=args.repeats,
+            hardware=args.hardware,
+            dtype=args.dtype,
+            device=args.device,
+            adapter_options=parse_adapter_options(args.adapter_option),
+            command="looped-spec " + shlex.join(argv),
+            progress=not args.quiet,
+        )
+    except GreedyMismatchError as exc:
+        print(f"looped-spec: BUG: {exc}", file=sys.stderr)
+        return 1
+    data = preset_data(config)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(dump_json(data), encoding="utf-8")
+    load_preset(config.model, config.full_depth or 1, preset=out)  # re-read: what the engine will see
+    measurements = {int(b): m for b, m in report["measurements"].items()}
+    print(format_table(measurements, data))
+    print(f"wrote {out} in {time.perf_counter() - start:.1f} s")
+    if args.heatmap is not None:
+        png = Path(args.heatmap) if args.heatmap else out.with_suffix(".png")
+        png.parent.mkdir(parents=True, exist_ok=True)
+        skipped = write_heatmap(measurements, png, f"{config.model} on {config.hardware}")
+        print(f"looped-spec: {skipped}" if skipped else f"wrote {png}", file=sys.stderr if skipped else sys.stdout)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="looped-spec", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -80,12 +130,45 @@ def build_parser() -> argparse.ArgumentParser:
     gen.set_defaults(func=_generate)
     models = sub.add_parser("models", help="list the shipped tiny models")
     models.set_defaults(func=_models)
+    tune = sub.add_parser(
+        "tune",
+        help="measure (K, d) against plain decoding and write a preset file",
+        description="Screen the (K, d) grid per batch size, confirm the best cells with longer "
+        "outputs and write a validated adaptive-speculation preset "
+        "(rules: looped_spec.tuner_report).",
+    )
+    tune.add_argument("--model", required=True, help="checkpoint folder or shipped model name")
+    tune.add_argument("--batch-sizes", default="1,8,32", help="comma-separated batch sizes to measure")
+    tune.add_argument("--prompts", default="builtin", help="builtin | FILE (.txt: one prompt a line; .jsonl: prompt)")
+    tune.add_argument("--out", required=True, help="preset JSON to write, e.g. presets/NAME.json")
+    tune.add_argument("--grid", default="auto", help='auto | "K,d;K,d;..." (1 <= d < D)')
+    tune.add_argument("--screen-tokens", type=int, default=16, help="output tokens per request when screening")
+    tune.add_argument("--confirm-tokens", type=int, default=64, help="output tokens per request when confirming")
+    tune.add_argument("--top", type=int, default=3, help="cells per batch size to confirm (bucket candidates)")
+    tune.add_argument("--repeats", type=int, default=3, help="confirm repeats (median)")
+    tune.add_argument("--hardware", default=None, help="hardware tag for the preset (default: cpu / GPU name)")
+    tune.add_argument(
+        "--heatmap",
+        nargs="?",
+        const="",
+        default=None,
+        metavar="OUT.png",
+        help="write speedup/acceptance heatmaps (default path: --out with .png)",
+    )
+    tune.add_argument("--dtype", default="auto")
+    tune.add_argument("--device", default="auto")
+    tune.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
+    tune.add_argument("--adapter-option", action="append", help="KEY=VALUE passed to the adapter")
+    tune.add_argument("--quiet", action="store_true", help="no progress bar")
+    tune.set_defaults(func=_tune, argv=None)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    if args.command == "tune":
+        args.argv = list(argv) if argv is not None else sys.argv[1:]
     try:
         return args.func(args)
     except (ValueError, KeyError, TypeError, FileNotFoundError) as exc:
