@@ -120,7 +120,8 @@ def test_preset_initial_plain_is_kept_on_bucket_change_but_probed():
     assert ks == [0, 0, 1]  # not switched on by the bucket change; probed after probe_base plain rounds
 
 
-def test_timing_decides_probe_and_switches_off():
+def test_timing_decides_probe_and_switches_off(monkeypatch):
+    monkeypatch.setattr("looped_spec.control.policy.TIMING_WARMUP", 0)  # the rule itself, without warm-up
     ctl = AdaptiveController(config(TWO_BUCKETS, **{**PHASE2, "probe_base": 2, "use_timing": True}), 4)
     st = ctl.policy.states[0]
     for _ in range(2):
@@ -201,9 +202,22 @@ def test_lost_probe_feedback_does_not_stall():
     assert ks == [0, 0, 1]  # two plans later the empty probe is given up and repeated
 
 
-def test_round_without_drafts_counts_as_plain():
+def test_round_without_drafts_counts_as_plain(monkeypatch):
+    monkeypatch.setattr("looped_spec.control.policy.TIMING_WARMUP", 0)
     ctl = AdaptiveController(config(TWO_BUCKETS, **PHASE2), 4)
     plan = ctl.plan(2)
     ctl.observe(RoundFeedback(plan.plan_id, plan.k, plan.d, 0, plan.candidate, 2, [0, 0], [0, 0], 0.0, 0.5))
     st = ctl.policy.states[0]
     assert st.samples == [0, 0] and st.rate == [None, None] and st.plain_rate == 2.0
+
+
+def test_first_timed_rounds_are_warm_up():
+    """Cold-start rounds (lazy set-up, capture) are not timed, so they cannot switch a good candidate off."""
+    from looped_spec.control.policy import TIMING_WARMUP
+
+    ctl = AdaptiveController(config(TWO_BUCKETS, **PHASE2), 4)
+    st = ctl.policy.states[0]
+    for i in range(TIMING_WARMUP + 1):
+        plan = ctl.plan(2)
+        ctl.observe(RoundFeedback(plan.plan_id, plan.k, plan.d, 0, plan.candidate, 2, [0, 0], [0, 0], 0.0, 0.5))
+        assert st.plain_rate == (None if i < TIMING_WARMUP else 2.0)

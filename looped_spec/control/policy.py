@@ -67,6 +67,7 @@ class BucketState:
     rate: list[float | None]  # [C] EMA of committed tokens/s per request (timed rounds)
     visit: int = 0  # measured rounds at `index` since the bucket moved there
     plain_rate: float | None = None  # EMA of tokens/s per request of plain rounds
+    plain_seen: int = 0  # plain rounds observed (the first TIMING_WARMUP are not timed)
     off: bool = False
     off_by_preset: bool = False
     backoff: int = 0  # current plain-rounds wait between probes
@@ -82,6 +83,12 @@ class BucketState:
     moves: int = 0
     probes: int = 0
     history: list[str] = field(default_factory=list)  # last decisions (bounded)
+
+
+#: Rounds of each kind (per candidate, and plain) whose timing is ignored: the first rounds of a shape pay
+#: one-off costs (allocator growth, lazy kernel set-up, graph capture) that would make the timing rule switch
+#: a good candidate off.
+TIMING_WARMUP = 2
 
 
 class CandidatePolicy(Policy):
@@ -150,13 +157,15 @@ class CandidatePolicy(Policy):
         seconds = fb.draft_time + fb.verify_time + fb.commit_time
         proposed = sum(fb.num_proposed)
         if (fb.k == 0 or proposed == 0) and seconds > 0.0 and batch > 0:  # ran as plain decoding
-            r = 1.0 / seconds  # one token per request
-            st.plain_rate = r if st.plain_rate is None else (1.0 - b.beta) * st.plain_rate + b.beta * r
+            st.plain_seen += 1
+            if st.plain_seen > TIMING_WARMUP:
+                r = 1.0 / seconds  # one token per request
+                st.plain_rate = r if st.plain_rate is None else (1.0 - b.beta) * st.plain_rate + b.beta * r
         c = fb.candidate
         if fb.k == 0 or not 0 <= c < len(b.ks):
             return
         accepted = sum(fb.num_accepted)
-        if proposed > 0 and seconds > 0.0 and batch > 0:
+        if proposed > 0 and seconds > 0.0 and batch > 0 and st.samples[c] >= TIMING_WARMUP:
             r = (accepted + len(fb.num_accepted)) / (batch * seconds)
             old = st.rate[c]
             st.rate[c] = r if old is None else (1.0 - b.beta) * old + b.beta * r
