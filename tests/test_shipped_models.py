@@ -1,0 +1,46 @@
+"""The tiny trained models shipped in looped_spec/models: load, tokenize, and stay lossless with speculation."""
+
+from __future__ import annotations
+
+import pytest
+
+from looped_spec import LoopedSpecEngine, SamplingParams, SpeculativeConfig, load_adapter
+from looped_spec.models import shipped_models
+
+SHIPPED = sorted(shipped_models())
+PROMPTS = ["def fibonacci(n):", "import os\n\n\nclass Config:\n    def __init__(self", "# Return the sum of"]
+
+
+def test_the_three_families_are_shipped():
+    assert {"tiny-ouro", "tiny-huginn", "tiny-nanbeige"} <= set(SHIPPED)
+
+
+@pytest.fixture(scope="module", params=SHIPPED)
+def shipped(request):
+    return request.param, load_adapter(request.param, dtype="float32", device="cpu")
+
+
+def test_loads_by_short_name_with_tokenizer(shipped):
+    name, adapter = shipped
+    engine = LoopedSpecEngine(adapter, speculation="off")
+    assert engine.tokenizer is not None
+    text = "def add(a, b):\n    return a + b\n"
+    assert engine.tokenizer.decode(engine.tokenizer.encode(text)) == text
+    out = engine.generate(PROMPTS[0], SamplingParams(max_tokens=6, ignore_eos=True))[0]
+    assert len(out.token_ids) == 6 and isinstance(out.text, str)
+
+
+def test_greedy_speculative_equals_plain(shipped):
+    name, adapter = shipped
+    params = SamplingParams(max_tokens=24, ignore_eos=True)
+    plain = [o.token_ids for o in LoopedSpecEngine(adapter, speculation="off").generate(PROMPTS, params)]
+    depth = adapter.full_depth
+    for spec in [SpeculativeConfig(k=3, d=1), SpeculativeConfig(k=2, d=depth - 1), "adaptive"]:
+        engine = LoopedSpecEngine(adapter, speculation=spec)
+        outs = engine.generate(PROMPTS, params)
+        assert [o.token_ids for o in outs] == plain, (name, spec)
+        assert engine.num_free_blocks == engine.kv.num_blocks
+    # trained shallow readouts make drafts genuinely useful
+    engine = LoopedSpecEngine(adapter, speculation=SpeculativeConfig(k=2, d=depth - 1))
+    engine.generate(PROMPTS, params)
+    assert engine.stats.acceptance_rate > 0.3, engine.stats.acceptance_rate
