@@ -24,6 +24,7 @@ from common import Bench, prompt_set
 from costmodel_fit import fit_cost_model, predicted_ratio
 
 from looped_spec import SpeculativeConfig
+from looped_spec.tuner_report import write_heatmap
 
 
 def parse_grid(text: str, depth: int) -> list[tuple[int, int]]:
@@ -73,41 +74,6 @@ def changing_workload(bench: Bench, prompts: list, max_tokens: int, phases: list
         }
         engine.close()
     return out
-
-
-def heatmap(results: dict, grid: list, depth: int, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    batches = sorted(results)
-    ks = sorted({k for k, _ in grid})
-    ds = sorted({d for _, d in grid})
-    fig, axes = plt.subplots(2, len(batches), figsize=(3.6 * len(batches), 6), squeeze=False)
-    for col, b in enumerate(batches):
-        for row, (key, title) in enumerate([("ratio", "speedup vs plain"), ("acceptance", "acceptance")]):
-            ax = axes[row][col]
-            grid_vals = [[results[b]["grid"].get(f"{k},{d}", {}).get(key, float("nan")) for d in ds] for k in ks]
-            im = ax.imshow(
-                grid_vals,
-                cmap="RdYlGn",
-                vmin=0.0 if key == "acceptance" else 0.5,
-                vmax=1.0 if key == "acceptance" else 1.5,
-                origin="lower",
-            )
-            for i in range(len(ks)):
-                for j in range(len(ds)):
-                    ax.text(j, i, f"{grid_vals[i][j]:.2f}", ha="center", va="center", fontsize=8)
-            ax.set_xticks(range(len(ds)), [str(d) for d in ds])
-            ax.set_yticks(range(len(ks)), [str(k) for k in ks])
-            ax.set_xlabel("draft depth d")
-            ax.set_ylabel("K")
-            ax.set_title(f"B={b}: {title}", fontsize=9)
-            fig.colorbar(im, ax=ax, fraction=0.046)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
 
 
 def main() -> None:
@@ -235,7 +201,10 @@ def main() -> None:
         out = Path(args.out)
         out.parent.mkdir(parents=True, exist_ok=True)
         out.with_suffix(".json").write_text(json.dumps(report, indent=1, default=str))
-        heatmap(results, grid, depth, out.with_suffix(".png"))
+        cells = {b: {"screen": {"cells": results[b]["grid"]}} for b in batches}
+        skipped = write_heatmap(cells, out.with_suffix(".png"), title=f"{bench.adapter.name}: {args.prompts} prompts")
+        if skipped:
+            print(skipped)
         print(f"\nwrote {out.with_suffix('.json')} and {out.with_suffix('.png')}")
 
 

@@ -14,7 +14,6 @@ there), so the engine can slice, stack and cache it without knowing the family.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
@@ -273,6 +272,3 @@ def load_adapter(
         path=str(folder),
         **options,
     )
-
-
-AdapterFactory = Callable[..., ModelAdapter]

@@ -16,7 +16,7 @@ from looped_spec.inputs import load_tokenizer, normalize_prompts, to_token_ids
 from looped_spec.kv_cache import KVCache
 from looped_spec.model_runner import ModelRunner
 from looped_spec.plan import RoundFeedback
-from looped_spec.request import Request, RequestOutput, RequestStatus
+from looped_spec.request import Request, RequestOutput
 from looped_spec.sampler import SamplingRows, sample
 from looped_spec.sampling_params import SamplingParams
 from looped_spec.scheduler import Scheduler
@@ -335,6 +335,3 @@ def _progress(total: int):
     except ImportError:
         return None
     return tqdm(total=total, desc="generate")
-
-
-__all__ = ["LoopedSpecEngine", "RequestStatus"]
