@@ -44,3 +44,35 @@ def test_greedy_speculative_equals_plain(shipped):
     engine = LoopedSpecEngine(adapter, speculation=SpeculativeConfig(k=2, d=depth - 1))
     engine.generate(PROMPTS, params)
     assert engine.stats.acceptance_rate > 0.3, engine.stats.acceptance_rate
+
+
+def test_cli_generate_prints_text_and_stats(capsys):
+    from looped_spec.cli import main
+
+    assert (
+        main(
+            [
+                "generate",
+                "--model",
+                "tiny-nanbeige",
+                "--prompt",
+                "def add(a, b):",
+                "--max-tokens",
+                "12",
+                "--speculation",
+                "2,1",
+            ]
+        )
+        == 0
+    )
+    out = capsys.readouterr().out
+    assert out.startswith("def add(a, b):")
+    for field in ("tokens/s", "decode rounds", "draft tokens accepted", "plans used"):
+        assert field in out
+
+
+def test_cli_reports_bad_model_cleanly(capsys):
+    from looped_spec.cli import main
+
+    assert main(["generate", "--model", "no-such-model", "--prompt", "x"]) == 2
+    assert "no-such-model" in capsys.readouterr().err
