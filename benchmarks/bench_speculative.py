@@ -59,16 +59,18 @@ def _params(max_tokens: int):
 def changing_workload(bench: Bench, prompts: list, max_tokens: int, phases: list[int], configs: dict) -> dict:
     """Run batches of sizes `phases` back to back on one engine per config; total tokens/s as ratio to plain."""
     out = {}
-    for name, spec in configs.items():
-        engine = bench.engine(spec)
+    for name, (spec, policy) in configs.items():
+        engine = bench.engine(spec, policy=policy)
         engine.generate(prompts[:2], _params(4))
         start = time.perf_counter()
+        prefill0 = engine.stats.phase_seconds["prefill"]
         tokens = 0
         for size in phases:
             outs = engine.generate(prompts[:size], _params(max_tokens))
-            tokens += sum(len(o.token_ids) for o in outs)
+            tokens += sum(len(o.token_ids) - 1 for o in outs)
+        decode_seconds = time.perf_counter() - start - (engine.stats.phase_seconds["prefill"] - prefill0)
         out[name] = {
-            "tokens_per_s": tokens / (time.perf_counter() - start),
+            "tokens_per_s": tokens / decode_seconds,
             "plans": dict(engine.stats.plan_histogram),
             "acceptance": engine.stats.acceptance_rate,
         }
@@ -83,7 +85,7 @@ def main() -> None:
     parser.add_argument("--grid", default="auto", help='"K,d;K,d;..." or auto')
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--prompts", default="mixed", choices=["random", "humaneval", "heldout", "mixed"])
-    parser.add_argument("--repeats", type=int, default=1)
+    parser.add_argument("--repeats", type=int, default=3, help="median of this many timed runs per cell")
     parser.add_argument("--adaptive", action="store_true", help="also run speculation='adaptive' (ema and goodput)")
     parser.add_argument("--workload", action="store_true", help="also run the changing workload 1->8->32->8->1")
     parser.add_argument("--out", default=None, help="write OUT.json and OUT.png")
@@ -181,22 +183,26 @@ def main() -> None:
     )
     if args.workload:
         best = {b: max(results[b]["grid"].items(), key=lambda kv: kv[1]["ratio"])[0] for b in batches}
-        configs = {"plain": "off", "adaptive-ema": "adaptive", "adaptive-goodput": "adaptive"}
         phases = [1, 8, 32, 8, 1]
         wl = changing_workload(
             bench,
             prompts if len(prompts) >= 32 else prompts * 32,
             args.max_tokens,
             phases,
-            {"plain": "off", "fixed-best-B1": best[batches[0]], "adaptive": "adaptive"},
+            {
+                "plain": ("off", "ema"),
+                f"fixed-best-B{batches[0]} ({best[batches[0]]})": (best[batches[0]], "ema"),
+                f"fixed-best-B{batches[-1]} ({best[batches[-1]]})": (best[batches[-1]], "ema"),
+                "adaptive-ema": ("adaptive", "ema"),
+                "adaptive-goodput": ("adaptive", "goodput"),
+            },
         )
         base = wl["plain"]["tokens_per_s"]
         print("\nchanging workload 1->8->32->8->1:")
         for name, cell in wl.items():
             cell["ratio"] = cell["tokens_per_s"] / base
-            print(f"  {name:<16} {cell['ratio']:.2f}x  plans {cell['plans']}")
+            print(f"  {name:<24} {cell['ratio']:.2f}x  acceptance {cell['acceptance']:.2f}  plans {cell['plans']}")
         report["workload"] = wl
-        del configs
     if args.out:
         out = Path(args.out)
         out.parent.mkdir(parents=True, exist_ok=True)

@@ -178,6 +178,8 @@ class CudaGraphRunner:
             with torch.inference_mode():
                 self._body(static)  # warm-up: lazy init and autotuning happen outside the capture
                 torch.cuda.synchronize(device)
+                # tensors memoised during warm-up (RoPE tables) were computed eagerly: recompute them in-graph
+                static.ctx.memo.clear()
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=self.pool):
                     self.outputs[key] = self._body(static)
