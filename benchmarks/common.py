@@ -84,7 +84,7 @@ class Bench:
     def run(self, engine: LoopedSpecEngine, prompts: list, max_tokens: int, repeats: int = 1) -> dict:
         """Decode tokens/s (wall time minus prefill time; median of `repeats`) and speculation counters."""
         params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
-        engine.generate(prompts[:2], SamplingParams(max_tokens=4, ignore_eos=True))  # warm-up
+        engine.generate(prompts, SamplingParams(max_tokens=4, ignore_eos=True))  # warm-up at the full batch shape
         decode_times, outputs = [], None
         s0 = engine.stats.to_dict()
         for _ in range(repeats):

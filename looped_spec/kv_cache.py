@@ -27,9 +27,10 @@ class KVCache:
         if num_blocks < 1 or block_size < 1:
             raise ValueError("num_blocks and block_size must be >= 1")
         self.layout = layout
-        self.num_blocks = num_blocks
+        self.num_blocks = num_blocks  # blocks requests can hold
         self.block_size = block_size
-        shape = (layout.num_planes, num_blocks * block_size, layout.num_kv_heads, layout.head_dim)
+        self.scratch_block = num_blocks  # one extra block that padding rows (CUDA graphs) write to
+        shape = (layout.num_planes, (num_blocks + 1) * block_size, layout.num_kv_heads, layout.head_dim)
         self.key_cache = torch.zeros(shape, dtype=dtype, device=device)  # [planes, slots, kv_heads, head_dim]
         self.value_cache = torch.zeros(shape, dtype=dtype, device=device)
         self._free: list[int] = list(range(num_blocks - 1, -1, -1))  # pop() hands out low ids first
@@ -71,10 +72,5 @@ class KVCache:
         self.truncate(table, 0)
 
     def reserve_scratch_block(self) -> int:
-        """Take one block out of circulation for padding rows to write into (CUDA graphs)."""
-        if getattr(self, "scratch_block", None) is None:
-            if not self._free:
-                raise KVCacheFull("no block left to reserve as scratch")
-            self.scratch_block = self._free.pop()
-            self.num_blocks -= 1  # the cache now holds num_blocks blocks for requests
+        """The block padding rows write to and read from; never handed to a request."""
         return self.scratch_block
