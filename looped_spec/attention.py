@@ -105,43 +105,44 @@ def build_paged_context(
     seeds: list[int] | None = None,
     need_token_seeds: bool = False,
 ) -> PagedContext:
-    """Build the index tensors for one ragged batch (once per forward; shared by every loop and layer)."""
+    """Build the index tensors for one ragged batch (once per forward; shared by every loop and layer).
+
+    Host-side index arithmetic is done on Python lists and turned into tensors with one call each:
+    this runs once per draft step, so its fixed cost matters as much as a layer's.
+    """
     device = key_cache.device
     num_reqs = len(context_lens)
     max_context = max(context_lens)
     max_query = max(query_lens)
     max_blocks = (max_context + block_size - 1) // block_size
-    table = torch.zeros(num_reqs, max_blocks, dtype=torch.long)
-    for r, blocks in enumerate(block_tables):
-        n = min(len(blocks), max_blocks)
-        table[r, :n] = torch.tensor(blocks[:n], dtype=torch.long)
-    offsets = torch.arange(max_context)
-    gather_slots = table[:, offsets // block_size] * block_size + offsets % block_size  # [num_reqs, max_context]
-    ctx_t = torch.tensor(context_lens)
-    q_t = torch.tensor(query_lens)
-    start = ctx_t - q_t  # position of each request's first new token
-    positions = torch.cat([torch.arange(s, s + n) for s, n in zip(start.tolist(), query_lens)])
-    req_of_token = torch.repeat_interleave(torch.arange(num_reqs), q_t)
-    slot_mapping = gather_slots[req_of_token, positions]
-    uniform = all(n == max_query for n in query_lens)
+    table = torch.tensor([(blocks + [0] * max_blocks)[:max_blocks] for blocks in block_tables], dtype=torch.long)
+    in_block = torch.arange(block_size)
+    gather_slots = (table[:, :, None] * block_size + in_block).view(num_reqs, -1)[:, :max_context]
+    positions: list[int] = []
+    slots: list[int] = []
+    pad: list[int] = []
+    starts = [c - q for c, q in zip(context_lens, query_lens)]
+    for r, (start, n, blocks) in enumerate(zip(starts, query_lens, block_tables)):
+        for pos in range(start, start + n):
+            positions.append(pos)
+            slots.append(blocks[pos // block_size] * block_size + pos % block_size)
+            pad.append(r * max_query + pos - start)
     pad_index = None
-    if not uniform:
-        local = positions - start[req_of_token]
-        pad_index = (req_of_token * max_query + local).to(device)
+    if any(n != max_query for n in query_lens):
+        pad_index = torch.tensor(pad, dtype=torch.long, device=device)
     mask = None
     if max_query > 1 or any(c != max_context for c in context_lens):
-        q_pos = start[:, None] + torch.arange(max_query)[None, :]  # [num_reqs, max_query]
-        valid_q = torch.arange(max_query)[None, :] < q_t[:, None]
-        q_pos = torch.where(valid_q, q_pos, torch.zeros_like(q_pos))  # padded rows see key 0 only (no NaN)
-        mask = offsets[None, None, :] <= q_pos[:, :, None]
-        mask = mask[:, None].to(device)
+        # query i of request r (at position starts[r] + i) sees keys at positions <= its own; padded query
+        # rows see key 0 only (no all-masked row, so no NaN)
+        q_pos = [[s + i if i < n else 0 for i in range(max_query)] for s, n in zip(starts, query_lens)]
+        mask = (torch.arange(max_context)[None, None, :] <= torch.tensor(q_pos)[:, :, None])[:, None].to(device)
     token_seeds = None
     if need_token_seeds:
         seeds = seeds or [0] * num_reqs
-        token_seeds = [(seeds[r], p) for r, p in zip(req_of_token.tolist(), positions.tolist())]
+        token_seeds = [(seeds[r], p) for r, n in enumerate(query_lens) for p in range(starts[r], starts[r] + n)]
     return PagedContext(
-        positions=positions.to(device),
-        slot_mapping=slot_mapping.to(device),
+        positions=torch.tensor(positions, dtype=torch.long, device=device),
+        slot_mapping=torch.tensor(slots, dtype=torch.long, device=device),
         gather_slots=gather_slots.to(device),
         mask=mask,
         pad_index=pad_index,
