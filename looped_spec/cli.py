@@ -62,7 +62,8 @@ def _tune(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from looped_spec.control.presets import load_preset
-    from looped_spec.tuner import GreedyMismatchError, parse_adapter_options, tune
+    from looped_spec.tuner import GreedyMismatchError, tune
+    from looped_spec.tuner_inputs import parse_adapter_options
     from looped_spec.tuner_report import dump_json, format_table, preset_data, write_heatmap
 
     if args.threads:
@@ -135,7 +136,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="measure (K, d) against plain decoding and write a preset file",
         description="Screen the (K, d) grid per batch size, confirm the best cells with longer "
         "outputs and write a validated adaptive-speculation preset "
-        "(rules: looped_spec.tuner_report).",
+        "(rules: looped_spec.tuner_rules).",
     )
     tune.add_argument("--model", required=True, help="checkpoint folder or shipped model name")
     tune.add_argument("--batch-sizes", default="1,8,32", help="comma-separated batch sizes to measure")

@@ -11,17 +11,17 @@ from conftest import fixture_dir, load
 from looped_spec.cli import main
 from looped_spec.control.goodput import expected_accept_rate
 from looped_spec.control.presets import AdaptiveSpecConfig, load_preset, read_preset_file
-from looped_spec.tuner import (
-    Progress,
+from looped_spec.tuner import Progress, tune
+from looped_spec.tuner_inputs import (
     TunerError,
     auto_grid,
     load_prompts,
     parse_adapter_options,
     parse_batch_sizes,
     parse_grid,
-    tune,
 )
-from looped_spec.tuner_report import CellModel, break_even, bucket_ranges, build_bucket, dump_json, invert_accept_rate
+from looped_spec.tuner_report import dump_json
+from looped_spec.tuner_rules import CellModel, break_even, bucket_ranges, build_bucket, invert_accept_rate
 
 GRID = "1,1;2,1;1,2"
 TINY = ["--batch-sizes", "1,4", "--screen-tokens", "4", "--confirm-tokens", "6", "--top", "2", "--quiet"]
