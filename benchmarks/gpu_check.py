@@ -168,14 +168,23 @@ def prompts_for(batch: int, vocab: int, length: int, seed: int = 0) -> list[list
     return [torch.randint(3, vocab, (length,), generator=gen).tolist() for _ in range(batch)]
 
 
-def timed_generate(engine, prompts, max_tokens: int, device: str) -> tuple[float, list[list[int]]]:
+def timed_generate(engine, prompts, max_tokens: int, device: str) -> tuple[float, list[list[int]], dict]:
+    """Decode seconds (wall minus prefill), outputs, and the run's speculation counters."""
     params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
-    engine.generate(prompts[:1], SamplingParams(max_tokens=2, ignore_eos=True))
+    engine.generate(prompts, SamplingParams(max_tokens=2, ignore_eos=True))  # warm-up at this batch shape
     sync(device)
+    stats = engine.stats
+    before = (stats.phase_seconds["prefill"], stats.num_rounds, stats.num_draft_tokens, stats.num_accepted_tokens)
     start = time.perf_counter()
     outs = engine.generate(prompts, params)
     sync(device)
-    return time.perf_counter() - start, [o.token_ids for o in outs]
+    wall = time.perf_counter() - start
+    proposed = stats.num_draft_tokens - before[2]
+    run = {
+        "rounds": stats.num_rounds - before[1],
+        "acceptance": (stats.num_accepted_tokens - before[3]) / proposed if proposed else 0.0,
+    }
+    return wall - (stats.phase_seconds["prefill"] - before[0]), [o.token_ids for o in outs], run
 
 
 def check_model(name: str, config: dict, args, report: dict, deadline: float) -> None:
@@ -208,11 +217,11 @@ def check_model(name: str, config: dict, args, report: dict, deadline: float) ->
     # ----- correctness first -----
     prompts = prompts_for(max(batches), adapter.vocab_size, prompt_len)
     eager = LoopedSpecEngine(adapter, speculation="off", cuda_graphs=False, **engine_kw)
-    _, plain_tokens = timed_generate(eager, prompts, max_tokens, device)
+    _, plain_tokens, _ = timed_generate(eager, prompts, max_tokens, device)
     oracle = {tuple(p): p + t for p, t in zip(prompts, plain_tokens)}
     del eager
     graphed = LoopedSpecEngine(adapter, speculation="off", cuda_graphs=graphs, **engine_kw)
-    _, graph_tokens = timed_generate(graphed, prompts, max_tokens, device)
+    _, graph_tokens, _ = timed_generate(graphed, prompts, max_tokens, device)
     entry["correctness"]["graphs_vs_eager_identical_requests"] = sum(a == b for a, b in zip(plain_tokens, graph_tokens))
     entry["correctness"]["requests"] = len(prompts)
     entry["graph_capture_seconds"] = graphed.runner.graphs.capture_seconds
@@ -223,10 +232,13 @@ def check_model(name: str, config: dict, args, report: dict, deadline: float) ->
         if not 1 <= d < depth:
             continue
         engine = LoopedSpecEngine(adapter, speculation=SpeculativeConfig(k=k, d=d), cuda_graphs=graphs, **engine_kw)
-        _, spec_tokens = timed_generate(engine, prompts, max_tokens, device)
+        _, spec_tokens, _ = timed_generate(engine, prompts, max_tokens, device)
         spec_same[f"{k},{d}"] = sum(a == b for a, b in zip(plain_tokens, spec_tokens))
         del engine
     entry["correctness"]["speculative_vs_plain_identical_requests"] = spec_same
+    gc.collect()
+    if device.startswith("cuda"):
+        torch.cuda.empty_cache()
     print(f"[{name}] correctness: {entry['correctness']}", flush=True)
 
     # ----- timing -----
@@ -240,6 +252,7 @@ def check_model(name: str, config: dict, args, report: dict, deadline: float) ->
         ("plain", "eager"): LoopedSpecEngine(adapter, speculation="off", cuda_graphs=False, **engine_kw),
         ("plain", "graphs"): LoopedSpecEngine(adapter, speculation="off", cuda_graphs=graphs, **engine_kw),
     }
+    spec_engines: dict[tuple[int, int], LoopedSpecEngine] = {}
     for batch in batches:
         if time.perf_counter() > deadline:
             entry["timing_truncated"] = True
@@ -247,10 +260,10 @@ def check_model(name: str, config: dict, args, report: dict, deadline: float) ->
         bp = prompts[:batch]
         base = {}
         for mode in ("eager", "graphs"):
-            seconds, _ = timed_generate(engines[("plain", mode)], bp, max_tokens, device)
-            step = seconds / max_tokens
+            seconds, _, _ = timed_generate(engines[("plain", mode)], bp, max_tokens, device)
+            step = seconds / (max_tokens - 1)
             bound = (depth * loop_bytes + head_bytes) / bandwidth
-            base[mode] = batch * max_tokens / seconds
+            base[mode] = batch * (max_tokens - 1) / seconds
             entry["timing"].append(
                 {
                     "batch": batch,
@@ -270,19 +283,17 @@ def check_model(name: str, config: dict, args, report: dict, deadline: float) ->
             if time.perf_counter() > deadline:
                 entry["timing_truncated"] = True
                 break
-            for alpha in alphas:
-                override = ForcedAcceptance(oracle, alpha, adapter.vocab_size)
-                engine = LoopedSpecEngine(
-                    adapter,
-                    speculation=SpeculativeConfig(k=k, d=d),
-                    cuda_graphs=graphs,
-                    draft_override=override,
-                    **engine_kw,
+            if (k, d) not in spec_engines:  # one engine (one capture) per plan, reused across B and alpha
+                spec_engines[(k, d)] = LoopedSpecEngine(
+                    adapter, speculation=SpeculativeConfig(k=k, d=d), cuda_graphs=graphs, **engine_kw
                 )
-                seconds, _ = timed_generate(engine, bp, max_tokens, device)
-                acc = engine.stats.acceptance_rate
-                rounds = max(engine.stats.num_rounds, 1)
-                tps = batch * max_tokens / seconds
+            engine = spec_engines[(k, d)]
+            for alpha in alphas:
+                engine.spec_round.proposer.draft_override = ForcedAcceptance(oracle, alpha, adapter.vocab_size)
+                seconds, _, run = timed_generate(engine, bp, max_tokens, device)
+                acc = run["acceptance"]
+                rounds = max(run["rounds"], 1)
+                tps = batch * (max_tokens - 1) / seconds
                 passes = d * (k + 1) * loop_bytes + (depth - d) * loop_bytes + (k + 2) * head_bytes
                 bound_ratio = expected_tokens(alpha, k) * (depth * loop_bytes + head_bytes) / passes
                 entry["timing"].append(
@@ -302,8 +313,8 @@ def check_model(name: str, config: dict, args, report: dict, deadline: float) ->
                     f"(accept {acc:.2f}; bandwidth model {bound_ratio:.2f}x)",
                     flush=True,
                 )
-                del engine
     engines.clear()
+    spec_engines.clear()
     del adapter
     gc.collect()
     if device.startswith("cuda"):
