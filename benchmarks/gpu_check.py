@@ -57,6 +57,7 @@ _bind_source_subpackages()
 
 from looped_spec import LoopedSpecEngine, SamplingParams, SpeculativeConfig  # noqa: E402
 from looped_spec.adapter import adapter_class  # noqa: E402
+from looped_spec.spec.oracle import OracleDraft  # noqa: E402
 
 REAL_CONFIGS = {
     "ouro-1.4b": {
@@ -146,21 +147,10 @@ def weight_bytes(adapter) -> tuple[int, int]:
     return loop, head.numel() * head.element_size()
 
 
-class ForcedAcceptance:
-    """Draft override: the oracle's greedy token with probability alpha, else a wrong token."""
-
-    def __init__(self, oracle: dict, alpha: float, vocab: int, seed: int = 0):
-        self.oracle, self.alpha, self.vocab = oracle, alpha, vocab
-        self.rng = random.Random(seed)
-
-    def __call__(self, requests, j, drafted):
-        out = []
-        for r in requests:
-            seq = self.oracle[tuple(r.token_ids[: r.num_prompt_tokens])]
-            pos = r.num_computed + j + 1
-            token = seq[pos] if pos < len(seq) else 0
-            out.append(token if self.rng.random() < self.alpha else (token + 1) % self.vocab)
-        return torch.tensor(out)
+def forced_acceptance(prompts, continuations, alpha: float, vocab: int, seed: int = 0) -> OracleDraft:
+    """Draft override: the known greedy token with probability alpha, else a wrong token."""
+    rng = random.Random(seed)
+    return OracleDraft(prompts, continuations, vocab, lambda j: rng.random() >= alpha)
 
 
 def prompts_for(batch: int, vocab: int, length: int, seed: int = 0) -> list[list[int]]:
@@ -218,7 +208,6 @@ def check_model(name: str, config: dict, args, report: dict, deadline: float) ->
     prompts = prompts_for(max(batches), adapter.vocab_size, prompt_len)
     eager = LoopedSpecEngine(adapter, speculation="off", cuda_graphs=False, **engine_kw)
     _, plain_tokens, _ = timed_generate(eager, prompts, max_tokens, device)
-    oracle = {tuple(p): p + t for p, t in zip(prompts, plain_tokens)}
     del eager
     graphed = LoopedSpecEngine(adapter, speculation="off", cuda_graphs=graphs, **engine_kw)
     _, graph_tokens, _ = timed_generate(graphed, prompts, max_tokens, device)
@@ -289,7 +278,9 @@ def check_model(name: str, config: dict, args, report: dict, deadline: float) ->
                 )
             engine = spec_engines[(k, d)]
             for alpha in alphas:
-                engine.spec_round.proposer.draft_override = ForcedAcceptance(oracle, alpha, adapter.vocab_size)
+                engine.spec_round.proposer.draft_override = forced_acceptance(
+                    prompts, plain_tokens, alpha, adapter.vocab_size
+                )
                 seconds, _, run = timed_generate(engine, bp, max_tokens, device)
                 acc = run["acceptance"]
                 rounds = max(run["rounds"], 1)

@@ -9,6 +9,7 @@ import torch
 from conftest import FAMILIES, load, make_engine, reference
 
 from looped_spec import SamplingParams, SpeculativeConfig
+from looped_spec.spec.oracle import OracleDraft
 
 PROMPTS = [
     [5, 9, 13],
@@ -67,21 +68,9 @@ def test_fixture_continuations_with_speculation(family):
     assert [o.token_ids for o in outs] == [g["tokens"] for g in ref["greedy"]]
 
 
-class Oracle:
-    """Draft override that proposes the true greedy continuation but breaks it at draft index `miss`."""
-
-    def __init__(self, prompts, continuations, miss: int, vocab: int):
-        self.full = {tuple(p): p + c for p, c in zip(prompts, continuations)}
-        self.miss, self.vocab = miss, vocab
-
-    def __call__(self, requests, j, drafted):
-        out = []
-        for r in requests:
-            seq = self.full[tuple(r.token_ids[: r.num_prompt_tokens])]
-            pos = r.num_computed + j + 1
-            token = seq[pos] if pos < len(seq) else 0
-            out.append((token + 1) % self.vocab if j == self.miss else token)
-        return torch.tensor(out)
+def breaking_oracle(prompts, continuations, miss: int, vocab: int) -> OracleDraft:
+    """Drafts the true greedy continuation but breaks it at draft index `miss`."""
+    return OracleDraft(prompts, continuations, vocab, lambda j: j == miss)
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -90,7 +79,7 @@ def test_every_rejection_position_and_bonus(family, miss, plain_outputs):
     k = 3
     prompts, max_tokens = PROMPTS[:3], [30, 30, 30]
     expected = [o.token_ids for o in make_engine(family).generate(prompts, [greedy(n) for n in max_tokens])]
-    oracle = Oracle(prompts, expected, miss, load(family).vocab_size)
+    oracle = breaking_oracle(prompts, expected, miss, load(family).vocab_size)
     engine = make_engine(family, speculation=SpeculativeConfig(k=k, d=1), draft_override=oracle)
     ids = [engine.add_request(p, greedy(n)) for p, n in zip(prompts, max_tokens)]
     requests = [engine._requests[i] for i in ids]
@@ -123,7 +112,7 @@ def test_stop_token_inside_accepted_drafts():
     expected = make_engine("ouro").generate(prompts, greedy(20))[0].token_ids
     stop = expected[5]
     first = expected.index(stop)
-    oracle = Oracle(prompts, [expected], miss=99, vocab=256)
+    oracle = breaking_oracle(prompts, [expected], miss=99, vocab=256)
     engine = make_engine("ouro", speculation=SpeculativeConfig(k=5, d=2), draft_override=oracle)
     out = engine.generate(prompts, SamplingParams(max_tokens=20, stop_token_ids=[stop], ignore_eos=True))[0]
     assert out.token_ids == expected[: first + 1] and out.finish_reason == "stop"
@@ -151,7 +140,9 @@ def test_preemption_during_speculative_decoding(family):
 
 def test_request_metrics_and_depth_measurements():
     depth = load("ouro").full_depth
-    oracle = Oracle([PROMPTS[0]], [make_engine("ouro").generate([PROMPTS[0]], greedy(16))[0].token_ids], 2, 256)
+    oracle = breaking_oracle(
+        [PROMPTS[0]], [make_engine("ouro").generate([PROMPTS[0]], greedy(16))[0].token_ids], 2, 256
+    )
     engine = make_engine("ouro", speculation=SpeculativeConfig(k=3, d=2, measure_depths=True), draft_override=oracle)
     seen = []
     engine.controller.observe = seen.append
