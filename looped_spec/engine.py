@@ -206,12 +206,20 @@ class LoopedSpecEngine:
         if not requests:
             return []
         if max(k) == 0:
-            logits = self.runner.decode(requests)
-            committed = [[t] for t in sample(logits, SamplingRows.build(requests, self.adapter.device)).tolist()]
+            depth_preds = None
+            if plan.measure_depths and self.adapter.full_depth > 1:
+                depth_preds = torch.empty(self.adapter.full_depth - 1, len(requests), dtype=torch.long)
+                depth_preds = depth_preds.to(self.adapter.device)
+            logits = self.runner.decode(requests, depth_preds)
+            sampled = sample(logits, SamplingRows.build(requests, self.adapter.device))
+            committed = [[t] for t in sampled.tolist()]
+            depth_matches, depth_trials = [], []
+            if depth_preds is not None:  # how often each shallower depth would have drafted the committed token
+                depth_matches = (depth_preds == sampled[None]).sum(dim=1).tolist() + [len(requests)]
+                depth_trials = [len(requests)] * self.adapter.full_depth
             t2 = time.perf_counter()
             accepted = [0] * len(requests)
             draft_time, verify_time = 0.0, t2 - t1
-            depth_matches, depth_trials = [], []
             self.stats.phase_seconds["decode"] += t2 - t1
         else:
             result = self.spec_round.run(requests, k, plan.d, plan.measure_depths)

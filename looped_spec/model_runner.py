@@ -99,8 +99,18 @@ class ModelRunner:
         return self.readout(state[last], self.full_depth, ctx)
 
     @torch.inference_mode()
-    def decode(self, requests: list[Request]) -> torch.Tensor:
-        """Plain full-depth decode of each request's last token -> logits [num_reqs, V]."""
+    def decode(self, requests: list[Request], depth_preds: torch.Tensor | None = None) -> torch.Tensor:
+        """Plain full-depth decode of each request's last token -> logits [num_reqs, V].
+
+        With `depth_preds` ([D - 1, num_reqs]), also stores the argmax readout after each loop 1..D-1
+        (counterfactual draft depths; eager path).
+        """
         tokens = self.token_tensor([r.token_ids[r.num_computed] for r in requests])
         context_lens = [r.num_computed + 1 for r in requests]
-        return self.run_uniform(requests, 1, context_lens, 0, self.full_depth, tokens=tokens)[1]
+        probe = None
+        if depth_preds is not None:
+
+            def probe(depth: int, state: torch.Tensor, ctx) -> None:
+                depth_preds[depth - 1] = self.readout(state, depth, ctx).argmax(-1)
+
+        return self.run_uniform(requests, 1, context_lens, 0, self.full_depth, tokens=tokens, probe=probe)[1]

@@ -231,3 +231,22 @@ def test_engine_defaults_to_adaptive():
 
     engine = LoopedSpecEngine(load("ouro"))
     assert isinstance(engine.controller, AdaptiveController)
+
+
+def test_plain_rounds_report_depth_agreement_when_asked():
+    """While speculation is off, a plan with measure_depths still teaches the controller about depths."""
+    from looped_spec.control.controller import FixedController
+
+    engine = make_engine("ouro")
+    engine.controller = FixedController(0, 0, measure_depths=True)
+    seen = []
+    engine.controller.observe = seen.append
+    plain = make_engine("ouro").generate(PROMPTS[:3], [greedy(6)] * 3)
+    outs = engine.generate(PROMPTS[:3], [greedy(6)] * 3)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in plain]
+    depth = load("ouro").full_depth
+    measured = [f for f in seen if f.depth_trials]
+    assert measured and all(
+        len(f.depth_matches) == depth and f.depth_matches[-1] == f.depth_trials[-1] for f in measured
+    )
+    assert all(0 <= m <= t for f in measured for m, t in zip(f.depth_matches, f.depth_trials))

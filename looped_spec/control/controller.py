@@ -23,6 +23,9 @@ from looped_spec.control.trace import TraceWriter
 from looped_spec.plan import RoundFeedback, SpeculationPlan
 
 POLICIES = ("ema", "goodput")
+#: With depth measurement on, one plain (K = 0) round in this many reads out the shallow depths, so the goodput
+#: policy keeps learning acceptance while speculation is off, at a small fraction of the readout cost.
+PLAIN_MEASURE_EVERY = 16
 
 
 class BaseController:
@@ -155,6 +158,7 @@ class AdaptiveController(BaseController):
             self.policy = GoodputPolicy(buckets, disable, full_depth, **(policy_options or {}))
         self.measure_depths = (policy == "goodput") if measure_depths is None else measure_depths
         self.measure_every = measure_every
+        self.plain_measure_every = PLAIN_MEASURE_EVERY
         self._table = BucketTable(buckets)
         self._bucket = -1  # bucket of the previous plan
         super().__init__(trace_path)
@@ -178,7 +182,9 @@ class AdaptiveController(BaseController):
         plan_id = self._next_id
         self._next_id = plan_id + 1
         k, d, cand = policy.select(bucket, num_running, plan_id)
-        measure = self.measure_depths and plan_id % self.measure_every == 0
+        # plain rounds measure rarely: while speculation is off it must cost (almost) nothing
+        every = self.measure_every if k > 0 else self.plain_measure_every
+        measure = self.measure_depths and plan_id % every == 0
         plan = SpeculationPlan(plan_id, k, d, bucket, cand, measure)
         self.num_plans += 1
         if trace is not None:
