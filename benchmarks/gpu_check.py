@@ -11,7 +11,7 @@ the memory-bandwidth bound (weight bytes x loop passes / measured copy bandwidth
 
 Needs no network and installs nothing. On the GPU machine (no pydantic there), from the repo root:
     bash benchmarks/fetch_device_wheels.sh          # here, once: wheels into the git-ignored .whl/
-    # device run, carry [".whl"]:
+    # device run (or simply `bash benchmarks/device_run.sh`), carry [".whl"]:
     python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl && \
       PYTHONPATH=/tmp/site:$PWD python3 benchmarks/gpu_check.py --out $OUT
 Runs from a source checkout too (not installed): the mapped subpackages are bound below.

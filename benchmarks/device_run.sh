@@ -1,0 +1,17 @@
+#!/usr/bin/env bash
+# The whole GPU session in one command, for the device tool (carry [".whl"], prepared beforehand with
+# `bash benchmarks/fetch_device_wheels.sh`). Correctness first (the cuda-marked tests), then gpu_check.py's
+# correctness + timing; everything is written under $OUT (default: benchmarks/results/gpu).
+#   run: bash benchmarks/device_run.sh            (timeout_s ~540; the GPU check stops timing at ~7 min)
+set -uo pipefail
+OUT=${OUT:-benchmarks/results/gpu}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+  || { echo "carry .whl (bash benchmarks/fetch_device_wheels.sh)"; exit 2; }
+export PYTHONPATH=/tmp/site:$PWD
+# install the project itself offline so looped_spec.adapters / .presets resolve
+python3 -m pip install -q --no-index --no-deps --no-build-isolation -e . 2>&1 | tail -2
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT/gpu.txt"
+timeout 150 python3 -m pytest -q -m cuda tests/test_cuda_graph.py 2>&1 | tee "$OUT/cuda_tests.txt" | tail -15
+timeout 420 python3 benchmarks/gpu_check.py --budget-seconds 300 --out "$OUT" 2>&1 | tee "$OUT/gpu_check.log" | tail -40
