@@ -196,6 +196,13 @@ class CudaGraphRunner:
             state = self.adapter.loop(state, i, static.ctx)
         return state, self.adapter.readout(state, static.key.end, static.ctx)
 
+    def step(self, requests, query_len, context_lens, start, end, tokens, state, probe, readout):
+        """StepRunner entry: replay when a graph is captured for this shape; decline probes and other shapes."""
+        if probe is not None:
+            return None
+        key = self.supports(len(requests), query_len, start, end)
+        return None if key is None else self.run(key, requests, context_lens, tokens, state)
+
     def supports(self, num_reqs: int, query_len: int, start: int, end: int) -> GraphKey | None:
         padded = pad_batch(num_reqs, self.buckets)
         if padded is None:

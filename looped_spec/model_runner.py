@@ -2,12 +2,48 @@
 
 from __future__ import annotations
 
+from typing import Protocol
+
 import torch
 
 from looped_spec.adapter import ModelAdapter
 from looped_spec.attention import PagedContext, build_paged_context
 from looped_spec.kv_cache import KVCache
 from looped_spec.request import Request
+
+
+class StepRunner(Protocol):
+    """One loop-range pass over a batch with `query_len` tokens per request: embed `tokens` (or take
+    `state`), run loops [start, end), read out at depth `end`. Returns (state, logits), or None to decline
+    the batch (the next runner then takes it)."""
+
+    def step(
+        self,
+        requests: list[Request],
+        query_len: int,
+        context_lens: list[int],
+        start: int,
+        end: int,
+        tokens: torch.Tensor | None,
+        state: torch.Tensor | None,
+        probe,
+        readout: bool,
+    ) -> tuple[torch.Tensor, torch.Tensor | None] | None: ...
+
+
+class EagerStepRunner:
+    """StepRunner for every shape, on any device: builds the batch's context and runs the adapter stages."""
+
+    def __init__(self, runner: ModelRunner) -> None:
+        self.runner = runner
+
+    def step(self, requests, query_len, context_lens, start, end, tokens, state, probe, readout):
+        runner = self.runner
+        ctx = runner.context(requests, [query_len] * len(requests), context_lens)
+        if tokens is not None:
+            state = runner.embed(tokens, ctx)
+        state = runner.loops(state, ctx, start, end, probe)
+        return state, runner.readout(state, end, ctx) if readout else None
 
 
 class ModelRunner:
@@ -24,7 +60,8 @@ class ModelRunner:
         self.full_depth = adapter.full_depth
         # Families whose readout attends (Huginn's coda) must read out every position they cache.
         self.readout_writes_kv = adapter.readout_uses_kv
-        self.graphs = None  # a CudaGraphRunner, when the engine enables graphs
+        self.eager = EagerStepRunner(self)
+        self.graphs: StepRunner | None = None  # a CudaGraphRunner, when the engine enables graphs
 
     def context(self, requests: list[Request], query_lens: list[int], context_lens: list[int]) -> PagedContext:
         return build_paged_context(
@@ -69,18 +106,15 @@ class ModelRunner:
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(embed tokens | take state) -> loops[start, end) -> readout(end), `query_len` tokens per request.
 
-        Replays a CUDA graph when one is captured for this shape (and no probe is asked for);
-        otherwise runs eagerly, skipping the readout when `readout` is False. Returns (state, logits).
+        Asks the CUDA-graph step runner first (it declines shapes it has not captured, and probes), then
+        the eager one. Returns (state, logits); logits may be None when `readout` is False (eager only).
         """
-        if self.graphs is not None and probe is None:
-            key = self.graphs.supports(len(requests), query_len, start, end)
-            if key is not None:
-                return self.graphs.run(key, requests, context_lens, tokens, state)
-        ctx = self.context(requests, [query_len] * len(requests), context_lens)
-        if tokens is not None:
-            state = self.embed(tokens, ctx)
-        state = self.loops(state, ctx, start, end, probe)
-        return state, self.readout(state, end, ctx) if readout else None
+        for step_runner in (self.graphs, self.eager):
+            if step_runner is not None:
+                out = step_runner.step(requests, query_len, context_lens, start, end, tokens, state, probe, readout)
+                if out is not None:
+                    return out
+        raise RuntimeError("no step runner took the batch")  # unreachable: the eager runner takes everything
 
     # ----- whole steps -----
     @torch.inference_mode()
