@@ -250,3 +250,56 @@ def test_plain_rounds_report_depth_agreement_when_asked():
         len(f.depth_matches) == depth and f.depth_matches[-1] == f.depth_trials[-1] for f in measured
     )
     assert all(0 <= m <= t for f in measured for m, t in zip(f.depth_matches, f.depth_trials))
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_seeded_speculative_sampling_is_batch_invariant(family):
+    """With a fixed plan, a seeded request draws the same tokens alone or inside any batch."""
+    params = [
+        SamplingParams(max_tokens=10, temperature=0.8, top_p=0.9, top_k=12, seed=40 + i, ignore_eos=True)
+        for i in range(len(PROMPTS))
+    ]
+    spec = SpeculativeConfig(k=3, d=1)
+    alone = [make_engine(family, speculation=spec).generate(p, sp)[0].token_ids for p, sp in zip(PROMPTS, params)]
+    batched = make_engine(family, speculation=spec, max_batch_size=5).generate(PROMPTS, params)
+    assert [o.token_ids for o in batched] == alone
+
+
+def top_p_filter(logits: torch.Tensor, top_p: float, temperature: float) -> tuple[list[int], list[float]]:
+    probs = (logits / temperature).softmax(-1)
+    sorted_p, order = probs.sort(descending=True)
+    keep = (sorted_p.cumsum(-1) - sorted_p) < top_p
+    kept = sorted_p[keep]
+    return order[keep].tolist(), (kept / kept.sum()).tolist()
+
+
+def test_speculative_sampling_with_top_p_keeps_target_distribution():
+    """First token after the prompt comes from prefill; the second from speculative rounds (top-p, T=0.7)."""
+    adapter = load("nanbeige")
+    prompt, n, top_p, temp = [7, 99, 3, 250, 18], 3000, 0.6, 0.7
+    exact = {}
+    idx1, p1 = top_p_filter(adapter.dense_logits(torch.tensor(prompt))[0, -1], top_p, temp)
+    for t1, q1 in zip(idx1, p1):
+        idx2, p2 = top_p_filter(adapter.dense_logits(torch.tensor(prompt + [t1]))[0, -1], top_p, temp)
+        for t2, q2 in zip(idx2, p2):
+            exact[(t1, t2)] = q1 * q2
+    engine = make_engine(
+        "nanbeige", speculation=SpeculativeConfig(k=2, d=1), max_batch_size=256, max_num_batched_tokens=4096, seed=99
+    )
+    outs = engine.generate([prompt] * n, SamplingParams(max_tokens=3, temperature=temp, top_p=top_p, ignore_eos=True))
+    assert engine.stats.num_accepted_tokens > 0
+    counts: dict = {}
+    for o in outs:
+        counts[tuple(o.token_ids[:2])] = counts.get(tuple(o.token_ids[:2]), 0) + 1
+    assert set(counts) <= set(exact)
+    stat, df, rare_e, rare_o = 0.0, -1, 0.0, 0
+    for cell, prob in exact.items():
+        e = prob * n
+        if e < 5:
+            rare_e, rare_o = rare_e + e, rare_o + counts.get(cell, 0)
+            continue
+        stat, df = stat + (counts.get(cell, 0) - e) ** 2 / e, df + 1
+    if rare_e > 0:
+        stat, df = stat + (rare_o - rare_e) ** 2 / rare_e, df + 1
+    assert df >= 1
+    assert stat < df + 3.1 * (2 * df) ** 0.5 + 4, (stat, df)  # ~p = 0.001 upper tail

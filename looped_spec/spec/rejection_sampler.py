@@ -42,11 +42,20 @@ def accept(
 
     flat_rows = SamplingRows.build([rows.requests[i] for i in row_index.tolist()], target_logits.device)
     p = pad_positions(probabilities(target_logits, flat_rows), row_index, pos_index, num_reqs, max_k + 1, 0.0)
-    u = rows.uniforms(max_k + 1)  # [R, K_max + 1]: one per draft position, one for the final draw
+    # K_r + 1 draws per request from its own generator (one per draft, one for the final token): the count
+    # must not depend on the other requests in the batch, or seeded sampling would change with batching
+    k_list = k.tolist()
+    u = torch.ones(num_reqs, max_k, dtype=torch.float32)  # [R, K_max]
+    final_u = torch.empty(num_reqs, dtype=torch.float32)  # [R]
+    for r, (request, kr) in enumerate(zip(rows.requests, k_list)):
+        draws = torch.rand(kr + 1, generator=request.generator)
+        u[r, :kr] = draws[:kr]
+        final_u[r] = draws[kr]
+    u, final_u = u.to(p.device), final_u.to(p.device)
     safe = draft_tokens.clamp_min(0)[..., None]
     p_y = p[:, :max_k].gather(2, safe).squeeze(2)
     q_y = q_probs.gather(2, safe).squeeze(2) if q_probs is not None else torch.ones_like(p_y)
-    accepted = (u[:, :max_k] * q_y < p_y) & in_draft
+    accepted = (u * q_y < p_y) & in_draft
     num_accepted = accepted.long().cumprod(dim=1).sum(dim=1)
     p_at = p.gather(1, num_accepted[:, None, None].expand(-1, 1, p.shape[-1])).squeeze(1)  # [R, V]
     if q_probs is not None:
@@ -58,4 +67,4 @@ def accept(
         residual = torch.where(residual.sum(-1, keepdim=True) > 0, residual, p_at)
     else:
         residual = p_at
-    return num_accepted, sample_from(residual, u[:, max_k])
+    return num_accepted, sample_from(residual, final_u)
