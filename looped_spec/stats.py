@@ -74,8 +74,6 @@ class EngineStats:
         for phase, seconds in self.phase_seconds.items():
             lines.append(f'looped_spec:phase_seconds_total{{{label},phase="{phase}"}} {seconds:.6f}')
         lines += ["# HELP looped_spec:batch_size Decode-round batch sizes.", "# TYPE looped_spec:batch_size histogram"]
-        total = 0
-        weighted = 0
         for bound in (1, 2, 4, 8, 16, 32, 64, 128, 256):
             total_le = sum(c for b, c in self.batch_size_histogram.items() if b <= bound)
             lines.append(f'looped_spec:batch_size_bucket{{{label},le="{bound}"}} {total_le}')
