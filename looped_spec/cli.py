@@ -62,50 +62,61 @@ def _tune(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from looped_spec.control.presets import load_preset
-    from looped_spec.tuner import GreedyMismatchError, tune
-    from looped_spec.tuner_inputs import parse_adapter_options
-    from looped_spec.tuner_report import dump_json, format_table, preset_data, write_heatmap
+    from looped_spec.tuner import tune
+    from looped_spec.tuner_inputs import TunerError, parse_adapter_options
+    from looped_spec.tuner_report import dump_json, format_report, preset_data, write_heatmap
 
+    out = Path(args.out)
+    if out.is_dir() or (out.parent.exists() and not out.parent.is_dir()):
+        raise TunerError(f"--out {out}: not a writable file path")
     if args.threads:
         import torch
 
         torch.set_num_threads(args.threads)
     argv = args.argv if args.argv is not None else sys.argv[1:]  # set by main()
     start = time.perf_counter()
-    try:
-        config, report = tune(
-            args.model,
-            args.batch_sizes,
-            args.prompts,
-            args.grid,
-            args.screen_tokens,
-            args.confirm_tokens,
-            args.top,
-            repeats=args.repeats,
-            hardware=args.hardware,
-            dtype=args.dtype,
-            device=args.device,
-            adapter_options=parse_adapter_options(args.adapter_option),
-            command="looped-spec " + shlex.join(argv),
-            progress=not args.quiet,
-        )
-    except GreedyMismatchError as exc:
-        print(f"looped-spec: BUG: {exc}", file=sys.stderr)
-        return 1
+    config, report = tune(
+        args.model,
+        args.batch_sizes,
+        args.prompts,
+        args.grid,
+        acceptance_tokens=args.acceptance_tokens,
+        num_prompts=args.num_prompts,
+        profile_rounds=args.profile_rounds,
+        repeats=args.repeats,
+        hardware=args.hardware,
+        dtype=args.dtype,
+        device=args.device,
+        adapter_options=parse_adapter_options(args.adapter_option),
+        seed=args.seed,
+        command="looped-spec " + shlex.join(argv),
+        progress=not args.quiet,
+    )
     data = preset_data(config)
-    out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(dump_json(data), encoding="utf-8")
     load_preset(config.model, config.full_depth or 1, preset=out)  # re-read: what the engine will see
-    measurements = {int(b): m for b, m in report["measurements"].items()}
-    print(format_table(measurements, data))
+    print(format_report(report, data))
     print(f"wrote {out} in {time.perf_counter() - start:.1f} s")
     if args.heatmap is not None:
         png = Path(args.heatmap) if args.heatmap else out.with_suffix(".png")
         png.parent.mkdir(parents=True, exist_ok=True)
-        skipped = write_heatmap(measurements, png, f"{config.model} on {config.hardware}")
-        print(f"looped-spec: {skipped}" if skipped else f"wrote {png}", file=sys.stderr if skipped else sys.stdout)
+        write_heatmap(report, png, f"{config.model} on {config.hardware}")
+        print(f"wrote {png}")
     return 0
+
+
+def _positive(minimum: int):
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"must be >= {minimum}, got {value}")
+        return value
+
+    return parse
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -116,7 +127,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--prompt", action="append", required=True, help="prompt text (repeatable)")
     gen.add_argument("--max-tokens", type=int, default=64)
     gen.add_argument("--speculation", default="adaptive", help="off | adaptive | K,d")
-    gen.add_argument("--policy", default="ema", choices=["ema", "goodput"])
+    gen.add_argument("--policy", default="goodput", choices=["goodput", "ema"])
     gen.add_argument("--preset", default=None, help="preset file (default: matched by model name)")
     gen.add_argument("--temperature", type=float, default=0.0)
     gen.add_argument("--top-k", type=int, default=0)
@@ -133,20 +144,26 @@ def build_parser() -> argparse.ArgumentParser:
     models.set_defaults(func=_models)
     tune = sub.add_parser(
         "tune",
-        help="measure (K, d) against plain decoding and write a preset file",
-        description="Screen the (K, d) grid per batch size, confirm the best cells with longer "
-        "outputs and write a validated adaptive-speculation preset "
-        "(rules: looped_spec.tuner_rules).",
+        help="measure acceptance and round cost, write a preset file",
+        description="Measure per-depth acceptance with counterfactual readouts (deterministic) and the round "
+        "cost of every (K, d) per batch size (interleaved, repeated, medians), then derive a validated "
+        "adaptive-speculation preset (rules: looped_spec.control.derive; docs/adaptive.md).",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     tune.add_argument("--model", required=True, help="checkpoint folder or shipped model name")
-    tune.add_argument("--batch-sizes", default="1,8,32", help="comma-separated batch sizes to measure")
-    tune.add_argument("--prompts", default="builtin", help="builtin | FILE (.txt: one prompt a line; .jsonl: prompt)")
+    tune.add_argument("--batch-sizes", default="1,2,4,8,16,32", help="comma-separated batch sizes to profile")
+    tune.add_argument(
+        "--prompts", default="tune", help="tune | builtin | FILE (.txt: one prompt a line; .jsonl: prompt)"
+    )
     tune.add_argument("--out", required=True, help="preset JSON to write, e.g. presets/NAME.json")
     tune.add_argument("--grid", default="auto", help='auto | "K,d;K,d;..." (1 <= d < D)')
-    tune.add_argument("--screen-tokens", type=int, default=16, help="output tokens per request when screening")
-    tune.add_argument("--confirm-tokens", type=int, default=64, help="output tokens per request when confirming")
-    tune.add_argument("--top", type=int, default=3, help="cells per batch size to confirm (bucket candidates)")
-    tune.add_argument("--repeats", type=int, default=3, help="confirm repeats (median)")
+    tune.add_argument(
+        "--acceptance-tokens", type=_positive(2), default=96, help="greedy tokens per prompt (acceptance pass)"
+    )
+    tune.add_argument("--num-prompts", type=_positive(1), default=32, help="prompts in the acceptance pass")
+    tune.add_argument("--profile-rounds", type=_positive(1), default=12, help="timed rounds per config and repeat")
+    tune.add_argument("--repeats", type=_positive(1), default=4, help="timed repeats (one more is run and dropped)")
+    tune.add_argument("--seed", type=int, default=0, help="seed of the interleaving order")
     tune.add_argument("--hardware", default=None, help="hardware tag for the preset (default: cpu / GPU name)")
     tune.add_argument(
         "--heatmap",
@@ -154,11 +171,11 @@ def build_parser() -> argparse.ArgumentParser:
         const="",
         default=None,
         metavar="OUT.png",
-        help="write speedup/acceptance heatmaps (default path: --out with .png)",
+        help="write predicted-speedup/acceptance heatmaps (default path: --out with .png)",
     )
     tune.add_argument("--dtype", default="auto")
     tune.add_argument("--device", default="auto")
-    tune.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
+    tune.add_argument("--threads", type=_positive(0), default=0, help="torch CPU threads (0: torch's default)")
     tune.add_argument("--adapter-option", action="append", help="KEY=VALUE passed to the adapter")
     tune.add_argument("--quiet", action="store_true", help="no progress bar")
     tune.set_defaults(func=_tune, argv=None)

@@ -10,6 +10,7 @@ from typing import Any
 import torch
 
 from looped_spec.adapter import ModelAdapter, load_adapter
+from looped_spec.control.controller import DEFAULT_POLICY
 from looped_spec.control.factory import make_controller, plan_shapes
 from looped_spec.cuda_graph import CudaGraphRunner, batch_buckets
 from looped_spec.inputs import load_tokenizer, normalize_prompts, to_token_ids
@@ -43,7 +44,7 @@ class LoopedSpecEngine:
         seed: int = 0,
         *,
         preset: Any = None,
-        policy: str = "ema",
+        policy: str | None = None,
         trace_path: str | None = None,
         block_size: int = 16,
         num_kv_blocks: int | None = None,
@@ -67,7 +68,7 @@ class LoopedSpecEngine:
         if not 2 <= self.max_model_len <= limit:
             raise ValueError(f"max_model_len={max_model_len} must be in [2, {limit}] (the model's max positions)")
         self.controller = make_controller(
-            speculation, self.adapter, preset=preset, policy=policy, trace_path=trace_path
+            speculation, self.adapter, preset=preset, policy=policy or DEFAULT_POLICY, trace_path=trace_path
         )
         self.max_batch_size = max_batch_size
         self.kv = KVCache(
