@@ -61,7 +61,7 @@ def _tune(args: argparse.Namespace) -> int:
     import shlex
     from pathlib import Path
 
-    from looped_spec.control.presets import load_preset
+    from looped_spec.control.presets import load_preset, read_preset_file
     from looped_spec.tuner import tune
     from looped_spec.tuner_inputs import TunerError, parse_adapter_options
     from looped_spec.tuner_report import dump_json, format_report, preset_data, write_heatmap
@@ -74,6 +74,17 @@ def _tune(args: argparse.Namespace) -> int:
 
         torch.set_num_threads(args.threads)
     argv = args.argv if args.argv is not None else sys.argv[1:]  # set by main()
+    cost = {}
+    if args.cost_from:
+        source = read_preset_file(args.cost_from)
+        if source.cost is None:
+            raise TunerError(f"--cost-from {args.cost_from}: the preset has no measured cost profile")
+        prov = source.provenance if isinstance(source.provenance, dict) else {}
+        cost = {
+            "cost_profile": source.cost.model_dump(),
+            "cost_report": prov.get("cost", {}),
+            "cost_profile_source": f"from {args.cost_from} (measured {prov.get('date', 'at an unknown date')})",
+        }
     start = time.perf_counter()
     config, report = tune(
         args.model,
@@ -89,6 +100,7 @@ def _tune(args: argparse.Namespace) -> int:
         device=args.device,
         adapter_options=parse_adapter_options(args.adapter_option),
         seed=args.seed,
+        **cost,
         command="looped-spec " + shlex.join(argv),
         progress=not args.quiet,
     )
@@ -164,6 +176,12 @@ def build_parser() -> argparse.ArgumentParser:
     tune.add_argument("--profile-rounds", type=_positive(1), default=12, help="timed rounds per config and repeat")
     tune.add_argument("--repeats", type=_positive(1), default=4, help="timed repeats (one more is run and dropped)")
     tune.add_argument("--seed", type=int, default=0, help="seed of the interleaving order")
+    tune.add_argument(
+        "--cost-from",
+        default=None,
+        metavar="PRESET",
+        help="reuse this preset's measured cost profile instead of timing (re-derive after a rules change)",
+    )
     tune.add_argument("--hardware", default=None, help="hardware tag for the preset (default: cpu / GPU name)")
     tune.add_argument(
         "--heatmap",

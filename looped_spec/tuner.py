@@ -9,8 +9,10 @@
    the real trajectories (`acceptance.simulate_tokens`), printed beside the Markov model's prediction.
 2. Cost (hardware): for every profiled batch size, plain and every grid cell run `profile_rounds` decode
    rounds per repeat on persistent engines, configurations interleaved in a shuffled order per repeat, the
-   first repeat discarded; the median round time per cell (spread: interquartile range / median) is fitted
-   by the round-cost model of `costprofile.py`.
+   first repeat discarded. A cell's cost is the smallest over repeats of the run's median round time (a
+   shared machine only ever adds time: the best run is the least disturbed one; spread = (largest −
+   smallest) / smallest run median), made non-decreasing in the batch size (a bigger batch never costs less
+   per round), then fitted by the round-cost model of `costprofile.py`.
 3. Preset: buckets, candidates, initial choices and thresholds from 1 + 2 (`control/derive.py`), plus both
    measurements (`acceptance`, `cost` sections) for the goodput policy, provenance with the tuning prompts'
    fingerprints (the benchmark refuses to evaluate on them). Given a cost profile (`cost_profile=`) the
@@ -154,10 +156,10 @@ def profile_costs(
     repeats: int,
     seed: int,
     bar=None,
-) -> tuple[dict[int, dict[tuple[int, int], list[float]]], int]:
-    """Round seconds per batch size and cell (plain = (0, 0)); configurations interleaved, first repeat dropped."""
+) -> dict[int, dict[tuple[int, int], list[list[float]]]]:
+    """Round seconds per batch size, cell (plain = (0, 0)) and run; configurations interleaved, first repeat dropped."""
     rng = random.Random(seed)
-    samples: dict[int, dict[tuple[int, int], list[float]]] = {}
+    samples: dict[int, dict[tuple[int, int], list[list[float]]]] = {}
     for b in batch_sizes:
         configs = [(0, 0), *cells]
         samples[b] = {c: [] for c in configs}
@@ -166,36 +168,54 @@ def profile_costs(
             rng.shuffle(order)
             for cell in order:
                 times = timer.time_rounds(cell, prompts[:b], rounds)
-                if repeat > 0:
-                    samples[b][cell].extend(times)
+                if repeat > 0 and times:
+                    samples[b][cell].append(times)
                 if bar is not None:
                     bar.update(1)
-    return samples, rng.randrange(2**31)
+    return samples
 
 
-def _robust(times: list[float]) -> tuple[float, float]:
-    """(median, interquartile range / median) of round times."""
-    if not times:
+def run_cost(runs: list[list[float]]) -> tuple[float, float]:
+    """(smallest run median, (largest - smallest) / smallest run median) of one cell's timed runs."""
+    if not runs:
         raise TunerError("a configuration produced no full-shape decode round to time; raise --profile-rounds")
-    med = statistics.median(times)
-    if len(times) < 4:
-        return med, 0.0
-    q = statistics.quantiles(times, n=4)
-    return med, (q[2] - q[0]) / med if med > 0 else 0.0
+    medians = [statistics.median(r) for r in runs]
+    best = min(medians)
+    return best, (max(medians) - best) / best if best > 0 else 0.0
 
 
-def fit_profile(depth: int, samples: dict[int, dict[tuple[int, int], list[float]]]) -> tuple[CostProfile, dict]:
-    """Median round seconds -> `CostProfile`; report with medians, spreads and the fit's predictions."""
-    plain: dict[int, float] = {}
-    cells: dict[int, dict[tuple[int, int], float]] = {}
+def nondecreasing(values: list[float]) -> list[float]:
+    """Least-squares non-decreasing fit (pool adjacent violators): round cost never falls as the batch grows."""
+    blocks: list[list[float]] = []  # [sum, count]
+    for v in values:
+        blocks.append([v, 1.0])
+        while len(blocks) > 1 and blocks[-2][0] / blocks[-2][1] > blocks[-1][0] / blocks[-1][1]:
+            total, count = blocks.pop()
+            blocks[-1][0] += total
+            blocks[-1][1] += count
+    return [s / c for s, c in blocks for _ in range(int(c))]
+
+
+def fit_profile(depth: int, samples: dict[int, dict[tuple[int, int], list[list[float]]]]) -> tuple[CostProfile, dict]:
+    """Timed runs -> `CostProfile`; report with per-cell costs, spreads and the fit's predictions."""
+    sizes = sorted(samples)
+    costs = {b: {c: run_cost(runs) for c, runs in samples[b].items()} for b in sizes}
+    monotone: dict[int, dict[tuple[int, int], float]] = {b: {} for b in sizes}
+    for cell in costs[sizes[0]]:
+        for b, value in zip(sizes, nondecreasing([costs[b][cell][0] for b in sizes])):
+            monotone[b][cell] = value
+    plain = {b: monotone[b][(0, 0)] for b in sizes}
+    cells = {b: {c: v for c, v in monotone[b].items() if c[0] > 0} for b in sizes}
     report: dict[str, Any] = {}
-    for b, per_cell in samples.items():
-        medians = {c: _robust(t) for c, t in per_cell.items()}
-        plain[b] = medians[(0, 0)][0]
-        cells[b] = {c: m[0] for c, m in medians.items() if c[0] > 0}
+    for b in sizes:
         report[str(b)] = {
-            f"{c[0]},{c[1]}": {"median_s": round(m[0], 6), "iqr_rel": round(m[1], 3), "rounds": len(per_cell[c])}
-            for c, m in medians.items()
+            f"{c[0]},{c[1]}": {
+                "best_run_s": round(cost, 6),
+                "cost_s": round(monotone[b][c], 6),
+                "spread": round(spread, 3),
+                "runs": len(samples[b][c]),
+            }
+            for c, (cost, spread) in costs[b].items()
         }
     profile = CostProfile.fit(depth, plain, cells)
     for i, b in enumerate(profile.batch_sizes):
@@ -219,6 +239,8 @@ def tune(
     profile_rounds: int = 12,
     repeats: int = 4,
     cost_profile: CostProfile | dict | None = None,
+    cost_report: dict[str, Any] | None = None,
+    cost_profile_source: str | None = None,
     hardware: str | None = None,
     dtype: str = "auto",
     device: str = "auto",
@@ -230,7 +252,9 @@ def tune(
 ) -> tuple[AdaptiveSpecConfig, dict[str, Any]]:
     """Measure acceptance and round cost, derive a preset; returns (validated preset, report = provenance).
 
-    `cost_profile` (a `CostProfile` or its `to_dict()`) skips the timing: the result is then deterministic.
+    `cost_profile` (a `CostProfile` or its `to_dict()`) skips the timing: the result is then deterministic;
+    `cost_report` is then the measurement report of that profile, kept in the provenance (e.g. when
+    re-deriving a preset with `looped-spec tune --cost-from PRESET`).
     """
     started = time.perf_counter()
     sizes = parse_batch_sizes(batch_sizes)
@@ -267,10 +291,10 @@ def tune(
         accept = acceptance_report(bits, cells)
         if accept["positions"] == 0:
             raise TunerError("the acceptance pass measured no generated position: nothing was drafted; no preset")
-        cost_report: dict[str, Any] = {}
+        cost_report = dict(cost_report or {})
         if timed:
             timer = RoundTimer(adapter, max(sizes), min(adapter.max_positions, need + 8), prompt_list[:2])
-            samples, _ = profile_costs(timer, cells, sizes, prompt_list, profile_rounds, repeats, seed, bar)
+            samples = profile_costs(timer, cells, sizes, prompt_list, profile_rounds, repeats, seed, bar)
             profile, cost_report = fit_profile(depth, samples)
     finally:
         bar.close()
@@ -306,7 +330,7 @@ def tune(
             "profile_rounds": profile_rounds if timed else None,
             "repeats": repeats if timed else None,
             "margin": margin,
-            "cost_profile": "measured" if timed else "given",
+            "cost_profile": "measured" if timed else (cost_profile_source or "given"),
         },
         "acceptance": accept,
         "cost": cost_report,

@@ -31,13 +31,15 @@ def format_report(report: dict[str, Any], preset: dict[str, Any] | None = None) 
         lines.append(f"  {key:>5} {cell['replayed_tokens_per_round']:>22.3f} {cell['markov_tokens_per_round']:>7.3f}")
     for b, cells in report.get("cost", {}).items():
         plain = cells["0,0"]
-        lines.append(f"B={b}: plain round {1e3 * plain['median_s']:.2f} ms (IQR {100 * plain['iqr_rel']:.0f}%)")
-        lines.append(f"  {'K,d':>5} {'median ms':>9} {'fit ms':>7} {'IQR':>5}")
+        lines.append(
+            f"B={b}: plain round {1e3 * plain['cost_s']:.2f} ms (best run {1e3 * plain['best_run_s']:.2f} ms, "
+            f"runs spread {100 * plain['spread']:.0f}%)"
+        )
+        lines.append(f"  {'K,d':>5} {'cost ms':>8} {'fit ms':>7} {'spread':>6}")
         for key, cell in cells.items():
             if key != "0,0":
                 lines.append(
-                    f"  {key:>5} {1e3 * cell['median_s']:>9.2f} {1e3 * cell['fit_s']:>7.2f} "
-                    f"{100 * cell['iqr_rel']:>4.0f}%"
+                    f"  {key:>5} {1e3 * cell['cost_s']:>8.2f} {1e3 * cell['fit_s']:>7.2f} {100 * cell['spread']:>5.0f}%"
                 )
     for bucket, note in report.get("decisions", {}).items():
         best = sorted(note["predicted_ratio"].items(), key=lambda kv: -kv[1])[:4]

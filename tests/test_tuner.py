@@ -65,7 +65,8 @@ def test_cli_tune_writes_a_valid_preset_and_heatmap(tmp_path, capsys):
     for b in ("1", "4"):
         cells = prov["cost"][b]
         assert set(cells) == {"0,0", "1,1", "2,1", "1,2"}
-        assert all(c["median_s"] > 0 and c["rounds"] >= 1 for c in cells.values())
+        assert all(c["best_run_s"] > 0 and c["cost_s"] > 0 for c in cells.values())
+        assert all(c["runs"] == 1 and c["spread"] == 0.0 for c in cells.values())
     assert png.is_file() and png.stat().st_size > 1000
 
 
@@ -204,3 +205,28 @@ def test_prompt_sources(tmp_path):
 def test_dump_json():
     data = {"a": [1, 2], "b": {"c": list(range(60))}}
     assert json.loads(dump_json(data)) == data
+
+
+def test_run_cost_and_monotone_profile():
+    from looped_spec.tuner import nondecreasing, run_cost
+
+    assert run_cost([[3.0, 1.0, 2.0], [5.0, 4.0, 6.0]]) == (2.0, 1.5)  # best run median, spread of run medians
+    with pytest.raises(TunerError, match="profile-rounds"):
+        run_cost([])
+    assert nondecreasing([2.0, 6.0, 4.0, 6.0, 12.0]) == [2.0, 5.0, 5.0, 6.0, 12.0]
+    assert nondecreasing([3.0, 1.0, 2.0]) == [2.0, 2.0, 2.0]
+
+
+def test_cli_tune_cost_from_reuses_a_measured_profile(tmp_path, capsys):
+    first, second = tmp_path / "a.json", tmp_path / "b.json"
+    base = ["tune", "--model", str(fixture_dir("ouro")), "--grid", GRID, *TINY]
+    assert main([*base, "--out", str(first)]) == 0
+    assert main([*base, "--out", str(second), "--cost-from", str(first)]) == 0
+    a, b = read_preset_file(first), read_preset_file(second)
+    assert a.cost == b.cost and a.acceptance == b.acceptance and a.buckets == b.buckets
+    assert b.provenance["cost"] == a.provenance["cost"]  # the timing report travels with the profile
+    assert b.provenance["settings"]["cost_profile"].startswith(f"from {first}")
+    no_cost = tmp_path / "c.json"
+    no_cost.write_text(json.dumps({**json.loads(first.read_text()), "cost": None}))
+    assert main([*base, "--out", str(tmp_path / "d.json"), "--cost-from", str(no_cost)]) == 2
+    assert "no measured cost profile" in capsys.readouterr().err

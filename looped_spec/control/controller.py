@@ -27,9 +27,9 @@ DEFAULT_POLICY = "goodput"
 #: With depth measurement on, one speculative round in this many reads out every depth (the counterfactual
 #: agreement the goodput policy learns acceptance from): reading out D−1 extra depths costs 10–30 % of a
 #: round on the tiny models, so measuring every round would cost more than a wrong plan.
-SPEC_MEASURE_EVERY = 8
+SPEC_MEASURE_EVERY = 16
 #: ... and one plain (K = 0) round in this many, so acceptance keeps being learned while speculation is off.
-PLAIN_MEASURE_EVERY = 16
+PLAIN_MEASURE_EVERY = 32
 #: A batch stays in its bucket while its size is within this factor of the bucket's range (docs/adaptive.md
 #: "bucket hysteresis"), so a batch hovering at an edge neither flips plans every round nor re-enters buckets.
 BUCKET_STICKINESS = 1.25

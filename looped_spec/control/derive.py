@@ -131,15 +131,13 @@ def derive_bucket(
     options = [(0, 0), *[tuple(c) for c in grid if c[0] > 0]]
     hard = _hardest(model, options)
     points = max(2, int(POINTS_PER_DECADE * math.log10(hard / H_EASY)) + 1)
+    sweep = {math.exp(math.log(hard) + (math.log(H_EASY) - math.log(hard)) * i / (points - 1)) for i in range(points)}
     path: list[tuple[int, int]] = []
-    for i in range(points):  # hard -> easy
-        h = math.exp(math.log(hard) + (math.log(H_EASY) - math.log(hard)) * i / (points - 1))
+    for h in sorted(sweep | {1.0}, reverse=True):  # hard -> easy, through the measured acceptance (h = 1)
         option = model.fastest(options, h)
         if option not in path:
             path.append(option)
     nominal = model.fastest(options, 1.0)
-    if nominal not in path:
-        path.append(nominal)
     if path[0] != (0, 0):
         path.insert(0, (0, 0))
     spec = path[1:]
