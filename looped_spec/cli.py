@@ -80,10 +80,12 @@ def _tune(args: argparse.Namespace) -> int:
         if source.cost is None:
             raise TunerError(f"--cost-from {args.cost_from}: the preset has no measured cost profile")
         prov = source.provenance if isinstance(source.provenance, dict) else {}
+        measured = prov.get("cost_measured") or prov.get("date")
         cost = {
             "cost_profile": source.cost.model_dump(),
             "cost_report": prov.get("cost", {}),
-            "cost_profile_source": f"from {args.cost_from} (measured {prov.get('date', 'at an unknown date')})",
+            "cost_profile_source": f"from {args.cost_from}",
+            "cost_measured": measured,
         }
     start = time.perf_counter()
     config, report = tune(

@@ -241,6 +241,7 @@ def tune(
     cost_profile: CostProfile | dict | None = None,
     cost_report: dict[str, Any] | None = None,
     cost_profile_source: str | None = None,
+    cost_measured: str | None = None,
     hardware: str | None = None,
     dtype: str = "auto",
     device: str = "auto",
@@ -304,10 +305,12 @@ def tune(
     models = {b: BucketModel(accept["alpha"], accept["rho"], lambda k, d, b=b: profile.predict(k, d, b)) for b in sizes}
     buckets, disable, decisions = derive_buckets(models, cells, bucket_ranges(sizes), margin=margin)
     tag = hardware or hardware_tag(adapter.device)
+    now = datetime.now(timezone.utc).astimezone().isoformat(timespec="seconds")
     report = {
         "tool": "looped_spec.tuner",
         "command": command or f"looped_spec.tuner.tune({adapter.name!r}, batch_sizes={sizes}, grid={grid!r})",
-        "date": datetime.now(timezone.utc).astimezone().isoformat(timespec="seconds"),
+        "date": now,
+        "cost_measured": now if timed else cost_measured,
         "wall_seconds": round(time.perf_counter() - started, 1),
         "machine": machine_info(adapter),
         "model": {
