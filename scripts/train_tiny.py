@@ -142,9 +142,9 @@ def train_tokenizer(docs: list[str], vocab_size: int):
 # server's /v1/chat/completions and examples/chat.py run on tiny-ouro; the models are not trained to chat.
 # tiny-huginn and tiny-nanbeige keep none: they show the "no chat template" error.
 CHAT_TEMPLATE = (
-    "{% for message in messages %}# {{ message['role'] }}: {{ message['content'] }}"
-    "{% if message['role'] == 'assistant' %}{{ eos_token }}{% endif %}\n{% endfor %}"
-    "{% if add_generation_prompt %}# assistant:{% endif %}"
+    "{% for message in messages %}{{ '# ' + message['role'] + ': ' + message['content'] }}"
+    "{% if message['role'] == 'assistant' %}{{ eos_token }}{% endif %}{{ '\\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '# assistant:' }}{% endif %}"
 )
 
 
