@@ -35,3 +35,13 @@ def test_example_runs(script, tmp_path):
                           timeout=300, env=env, cwd=tmp_path)  # fmt: skip
     assert done.returncode == 0, done.stdout + done.stderr
     assert expected in done.stdout, done.stdout
+
+
+def test_server_load_test_passes_its_checks():
+    """benchmarks/bench_server.py, small: concurrent streams equal offline greedy, no KV block left in use."""
+    script = EXAMPLES.parent / "benchmarks" / "bench_server.py"
+    args = ["--clients", "12", "--requests-per-client", "1", "--max-tokens", "8", "--max-batch-size", "4"]
+    env = os.environ | {"OMP_NUM_THREADS": "1"}
+    done = subprocess.run([sys.executable, str(script), *args], capture_output=True, text=True, timeout=300, env=env)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "12/12 equal to offline greedy" in done.stdout and "after the run: none" in done.stdout
