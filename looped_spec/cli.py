@@ -322,8 +322,8 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="OUT.png",
         help="write speedup/acceptance heatmaps (default path: --out with .png)",
     )
-    tune.add_argument("--dtype", default="auto")
-    tune.add_argument("--device", default="auto")
+    tune.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 | float16")
+    tune.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
     tune.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
     tune.add_argument("--adapter-option", action="append", help="KEY=VALUE passed to the adapter")
     tune.add_argument("--quiet", action="store_true", help="no progress bar")

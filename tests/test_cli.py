@@ -63,3 +63,14 @@ def test_bad_flags_are_usage_errors(argv, capsys):
     with pytest.raises(SystemExit) as exit_info:
         main(argv)
     assert exit_info.value.code == 2
+
+
+def test_every_flag_has_help():
+    import argparse
+
+    from looped_spec.cli import build_parser
+
+    subparsers = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    missing = [(name, action.dest) for name, sub in subparsers.choices.items() for action in sub._actions
+               if action.help is None]  # fmt: skip
+    assert not missing

@@ -189,6 +189,18 @@ def test_full_queue_is_429_and_disconnect_aborts(server, client, monkeypatch):
     assert client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=2).usage.completion_tokens == 2
 
 
+def test_non_streaming_client_that_leaves_has_its_request_aborted(server, monkeypatch):
+    monkeypatch.setattr(server.engine.runner, "decode", slowed(server.engine.runner.decode, 0.05))
+    monkeypatch.setattr(server.engine.spec_round, "run", slowed(server.engine.spec_round.run, 0.05))
+    before = server.engine.stats.num_generation_tokens
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 200, "ignore_eos": True, "temperature": 0}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(server.url + "/v1/completions", json=body, headers={"Authorization": f"Bearer {API_KEY}"},
+                   timeout=httpx.Timeout(60, read=0.5))  # fmt: skip
+    wait_until(lambda: idle(server), what="abandoned request aborted")
+    assert server.engine.stats.num_generation_tokens - before < 150
+
+
 def test_engine_fault_ends_streams_with_error_and_server_keeps_serving(server, client, monkeypatch):
     engine = server.engine
     calls = {"n": 0}

@@ -87,7 +87,7 @@ class OpenAIServing:
                 raise APIError(400, f"{param}[{bad}] = {ids[bad]} is outside the vocabulary [0, {self.vocab_size})",
                                param)  # fmt: skip
         if not ids:
-            raise APIError(400, f"{param}: is empty", param)
+            raise APIError(400, f"{param} is empty", param)
         if len(ids) >= self.max_model_len:
             raise APIError(400, f"{param}: {len(ids)} tokens; must be fewer than max_model_len={self.max_model_len}",
                            param)  # fmt: skip

@@ -24,5 +24,7 @@ def serve(
 ) -> None:
     """Serve until interrupted (Ctrl-C / SIGTERM); the engine's worker stops with the server."""
     app = build_app(AsyncLoopedSpecEngine(engine, max_queued=max_queued), model_name, api_key, max_body_bytes)
-    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=log_level))
+    # on shutdown, open streams get a few seconds to finish; then the engine worker stops
+    config = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5)
+    server = uvicorn.Server(config)
     server.run(sockets=[sock] if sock is not None else None)
