@@ -14,7 +14,8 @@ REPLACEMENT_CHAR = "\ufffd"
 class IncrementalDetokenizer:
     """Turns a request's output tokens into text as they are committed; finds stop strings.
 
-    `text` is the decoded output so far (cut before a stop string once one is found). Streaming
+    `text` is the decoded output so far (cut before a stop string once one is found; without stop
+    strings it is brought up to date by `stream_delta()` and `flush()`). Streaming
     reads `stream_delta()`, which holds back the last `max(len(stop)) - 1` characters while the
     request runs, so text that a later token turns into a stop string is never sent.
     """
@@ -35,19 +36,31 @@ class IncrementalDetokenizer:
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
 
     def append(self, token_id: int) -> bool:
-        """Add one committed token; returns True when a stop string now appears in the text."""
+        """Add one committed token; returns True when a stop string now appears in the text.
+
+        Without stop strings decoding waits for the next `stream_delta()` (one decode per step
+        rather than per token, which matters when a speculative round commits several tokens).
+        """
         self.token_ids.append(token_id)
         if self.stop_hit is not None:
             return True
+        if not self.stop:
+            return False
+        start = len(self.text)
+        return self._advance() and self._find_stop(start)
+
+    def _advance(self) -> bool:
+        """Decode the tokens not yet in `text`, unless they end in an incomplete character."""
+        if self._read_offset == len(self.token_ids):
+            return False
         prefix_text = self._decode(self.token_ids[self._prefix_offset : self._read_offset])
         new_text = self._decode(self.token_ids[self._prefix_offset :])
         if len(new_text) <= len(prefix_text) or new_text.endswith(REPLACEMENT_CHAR):
             return False  # an incomplete character (or a skipped special token): wait for more tokens
-        start = len(self.text)
         self.text += new_text[len(prefix_text) :]
         self._prefix_offset = self._read_offset
         self._read_offset = len(self.token_ids)
-        return self._find_stop(start)
+        return True
 
     def _find_stop(self, new_from: int) -> bool:
         """Look for a stop string that ends inside the text added at `new_from`."""
@@ -72,6 +85,8 @@ class IncrementalDetokenizer:
 
     def stream_delta(self, finished: bool) -> str:
         """Text not yet returned; while running, minus what could still become a stop string."""
+        if not self.stop:
+            self._advance()
         end = len(self.text) if finished else max(self._num_sent, len(self.text) - self._holdback)
         delta = self.text[self._num_sent : end]
         self._num_sent = end

@@ -42,6 +42,18 @@ def test_deltas_never_split_a_character(tokenizer):
     assert "".join(deltas) == TEXT == tokenizer.decode(ids)
 
 
+def test_several_tokens_per_step_as_in_a_speculative_round(tokenizer):
+    ids = tokenizer.encode(TEXT)
+    detok, deltas = IncrementalDetokenizer(tokenizer), []
+    for start in range(0, len(ids), 3):
+        for token in ids[start : start + 3]:
+            assert not detok.append(token)
+        deltas.append(detok.stream_delta(finished=False))
+    detok.flush()
+    deltas.append(detok.stream_delta(finished=True))
+    assert all(REPLACEMENT_CHAR not in d for d in deltas) and "".join(deltas) == TEXT
+
+
 def test_incomplete_trailing_character_is_flushed_at_the_end(tokenizer):
     ids = tokenizer.encode("ok 😀")
     cut = ids[:-1]  # the emoji's last byte is missing
