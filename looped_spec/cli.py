@@ -3,29 +3,100 @@
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import sys
 import time
+from pathlib import Path
+
+API_KEY_ENV = "LOOPED_SPEC_API_KEY"
+
+
+def _engine_options(args: argparse.Namespace) -> dict:
+    """LoopedSpecEngine keyword arguments from the shared engine flags."""
+    from looped_spec.tuner_inputs import parse_adapter_options
+
+    return dict(dtype=args.dtype, device=args.device, speculation=args.speculation, preset=args.preset,
+                policy=args.policy, seed=args.seed, trace_path=args.trace, max_batch_size=args.max_batch_size,
+                max_model_len=args.max_model_len,
+                adapter_options=parse_adapter_options(args.adapter_option) or None)  # fmt: skip
+
+
+def _set_threads(threads: int) -> None:
+    if threads:
+        import torch
+
+        torch.set_num_threads(threads)
+
+
+def _read_prompts(args: argparse.Namespace) -> list[str]:
+    """--prompt values, then the lines of --prompts-file (`-` = stdin; .jsonl: a "prompt" field per line)."""
+    prompts = list(args.prompt or [])
+    if args.prompts_file:
+        if args.prompts_file == "-":
+            name, lines = "<stdin>", sys.stdin.read().splitlines()
+        else:
+            name, lines = args.prompts_file, Path(args.prompts_file).read_text(encoding="utf-8").splitlines()
+        for n, line in enumerate(lines, start=1):
+            if not line.strip():
+                continue
+            if name.endswith(".jsonl"):
+                try:
+                    line = json.loads(line)["prompt"]
+                except (json.JSONDecodeError, KeyError, TypeError):
+                    raise ValueError(f"{name}:{n}: expected a JSON object with a 'prompt' field") from None
+            prompts.append(line)
+    if not prompts:
+        raise ValueError("no prompt: give --prompt TEXT or --prompts-file FILE (- for stdin)")
+    return prompts * args.batch_size
 
 
 def _generate(args: argparse.Namespace) -> int:
     from looped_spec import LoopedSpecEngine, SamplingParams
 
-    options = {}
-    for item in args.adapter_option or []:
-        key, _, value = item.partition("=")
-        options[key] = int(value) if value.isdigit() else value
-    engine = LoopedSpecEngine(args.model, dtype=args.dtype, device=args.device, speculation=args.speculation,
-                              adapter_options=options or None, preset=args.preset, policy=args.policy,
-                              seed=args.seed, trace_path=args.trace)  # fmt: skip
+    _set_threads(args.threads)
+    prompts = _read_prompts(args)
+    engine = LoopedSpecEngine(args.model, **_engine_options(args))
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
-                            top_p=args.top_p, seed=args.seed, ignore_eos=args.ignore_eos)  # fmt: skip
-    prompts = args.prompt * args.batch_size
-    start = time.perf_counter()
-    outputs = engine.generate(prompts, params)
-    elapsed = time.perf_counter() - start
-    engine.close()
-    out = outputs[0]
-    print(args.prompt[0] + (out.text if out.text is not None else " ".join(map(str, out.token_ids))))
+                            top_p=args.top_p, seed=args.seed, ignore_eos=args.ignore_eos,
+                            stop=args.stop or [])  # fmt: skip
+    try:
+        if args.stream:
+            outputs, elapsed = _stream(engine, prompts, params), None
+        else:
+            start = time.perf_counter()
+            outputs = engine.generate(prompts, params)
+            elapsed = time.perf_counter() - start
+            for i, (prompt, out) in enumerate(zip(prompts, outputs)):
+                if len(outputs) > 1:
+                    print(f"--- output {i} ---")
+                print(prompt + (out.text if out.text is not None else " ".join(map(str, out.token_ids))))
+    finally:
+        engine.close()
+    _print_stats(engine, args, outputs)
+    if args.compare_plain:
+        _compare_plain(args, prompts, params, outputs, elapsed)
+    return 0
+
+
+def _stream(engine, prompts: list[str], params) -> list:
+    """Print each prompt's tokens as they are committed (prompts run one after another)."""
+    outputs = []
+    for i, prompt in enumerate(prompts):
+        if len(prompts) > 1:
+            print(f"--- output {i} ---")
+        print(prompt, end="", flush=True)
+        request_id = engine.add_request(prompt, params)
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                print(out.new_text, end="", flush=True)
+                if out.finished and out.request_id == request_id:
+                    outputs.append(out)
+        print()
+    return outputs
+
+
+def _print_stats(engine, args: argparse.Namespace, outputs: list) -> None:
     stats = engine.stats
     num_tokens = sum(len(o.token_ids) for o in outputs)
     rows = [
@@ -33,19 +104,53 @@ def _generate(args: argparse.Namespace) -> int:
         ("speculation", str(args.speculation)),
         ("requests", str(len(outputs))),
         ("tokens generated", str(num_tokens)),
-        ("tokens/s", f"{num_tokens / elapsed:.1f}"),
         ("decode rounds", f"{stats.num_rounds} ({stats.num_spec_rounds} speculative)"),
         ("tokens per round", f"{(num_tokens - len(outputs)) / max(stats.num_rounds, 1):.2f}"),
-        (
-            "draft tokens accepted",
-            f"{stats.num_accepted_tokens}/{stats.num_draft_tokens} ({100 * stats.acceptance_rate:.1f}%)",
-        ),  # fmt: skip
+        ("draft tokens accepted",
+         f"{stats.num_accepted_tokens}/{stats.num_draft_tokens} ({100 * stats.acceptance_rate:.1f}%)"),
         ("plans used (K,d: rounds)", ", ".join(f"{k}: {v}" for k, v in sorted(stats.plan_histogram.items()))),
-    ]
+    ]  # fmt: skip
     width = max(len(k) for k, _ in rows)
     print("\n" + "-" * (width + 40))
     for key, value in rows:
         print(f"{key:<{width}}  {value}")
+
+
+def _compare_plain(args: argparse.Namespace, prompts: list[str], params, outputs: list, elapsed: float | None) -> None:
+    """Run the same prompts with speculation off, side by side, and print the wall-time ratio."""
+    from looped_spec import LoopedSpecEngine
+
+    options = _engine_options(args) | {"speculation": "off", "trace_path": None}
+    plain = LoopedSpecEngine(args.model, **options)
+    try:
+        if elapsed is None:  # --stream timed the printing too: time the speculative run again, quietly
+            spec = LoopedSpecEngine(args.model, **_engine_options(args) | {"trace_path": None})
+            start = time.perf_counter()
+            outputs = spec.generate(prompts, params)
+            elapsed = time.perf_counter() - start
+            spec.close()
+        start = time.perf_counter()
+        plain_outputs = plain.generate(prompts, params)
+        plain_elapsed = time.perf_counter() - start
+    finally:
+        plain.close()
+    same = all(a.token_ids == b.token_ids for a, b in zip(outputs, plain_outputs))
+    print(f"{'vs plain decoding':<24}  {plain_elapsed / elapsed:.2f}x faster (same prompts and machine, "
+          f"wall time incl. prefill; outputs {'identical' if same else 'differ'})")  # fmt: skip
+    if params.temperature == 0.0 and not same:
+        print("looped-spec: warning: greedy speculative output differs from plain decoding", file=sys.stderr)
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from looped_spec import LoopedSpecEngine
+    from looped_spec.server.launch import serve
+
+    _set_threads(args.threads)
+    engine = LoopedSpecEngine(args.model, **_engine_options(args))
+    api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
+    name = args.served_model_name or Path(str(args.model)).name
+    serve(engine, name, host=args.host, port=args.port, api_key=api_key, max_queued=args.max_queued,
+          max_body_bytes=args.max_body_bytes, log_level=args.log_level)  # fmt: skip
     return 0
 
 
@@ -69,10 +174,7 @@ def _tune(args: argparse.Namespace) -> int:
     out = Path(args.out)
     if out.is_dir() or (out.parent.exists() and not out.parent.is_dir()):
         raise TunerError(f"--out {out}: not a writable file path")
-    if args.threads:
-        import torch
-
-        torch.set_num_threads(args.threads)
+    _set_threads(args.threads)
     argv = args.argv if args.argv is not None else sys.argv[1:]  # set by main()
     cost = {}
     if args.cost_from:
@@ -133,28 +235,91 @@ def _positive(minimum: int):
     return parse
 
 
+def _add_engine_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--speculation", default="adaptive", help="off | adaptive | K,d (draft K tokens with d loops)")
+    p.add_argument("--policy", default="goodput", choices=["goodput", "ema"], help="adaptive speculation policy")
+    p.add_argument("--preset", default=None, help="preset file (default: matched by model name)")
+    p.add_argument("--seed", type=int, default=0, help="engine seed (and the per-request seed of generate)")
+    p.add_argument("--max-batch-size", type=int, default=32, help="most requests decoded together")
+    p.add_argument("--max-model-len", type=int, default=None, help="prompt + output limit (default: the model's)")
+    p.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 | float16")
+    p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch CPU threads (0: torch's default); more than one collapses on a busy small box",
+    )
+    p.add_argument("--trace", default=None, help="write the controller's JSONL trace here")
+    p.add_argument("--adapter-option", action="append", metavar="KEY=VALUE", help="passed to the adapter (repeatable)")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="looped-spec", description=__doc__)
+    from looped_spec import __version__
+
+    fmt = argparse.ArgumentDefaultsHelpFormatter
+    parser = argparse.ArgumentParser(prog="looped-spec", description=__doc__, formatter_class=fmt)
+    parser.add_argument("--version", action="version", version=f"looped-spec {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
-    gen = sub.add_parser("generate", help="generate a continuation and print speculation stats")
+    gen = sub.add_parser(
+        "generate",
+        help="generate continuations and print speculation stats",
+        formatter_class=fmt,
+        description="Generate a continuation of every prompt and print speculation stats.",
+    )
     gen.add_argument("--model", default="tiny-ouro", help="checkpoint folder or shipped model name")
-    gen.add_argument("--prompt", action="append", required=True, help="prompt text (repeatable)")
-    gen.add_argument("--max-tokens", type=int, default=64)
-    gen.add_argument("--speculation", default="adaptive", help="off | adaptive | K,d")
-    gen.add_argument("--policy", default="goodput", choices=["goodput", "ema"])
-    gen.add_argument("--preset", default=None, help="preset file (default: matched by model name)")
-    gen.add_argument("--temperature", type=float, default=0.0)
-    gen.add_argument("--top-k", type=int, default=0)
-    gen.add_argument("--top-p", type=float, default=1.0)
-    gen.add_argument("--seed", type=int, default=0)
-    gen.add_argument("--ignore-eos", action="store_true")
+    gen.add_argument("--prompt", action="append", help="prompt text (repeatable)")
+    gen.add_argument(
+        "--prompts-file",
+        default=None,
+        metavar="FILE",
+        help="more prompts, one a line (.jsonl: a 'prompt' field a line; '-': stdin)",
+    )
+    gen.add_argument("--max-tokens", type=int, default=64, help="most tokens generated per prompt")
+    gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    gen.add_argument("--top-k", type=int, default=0, help="0 = no top-k filtering")
+    gen.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass")
+    gen.add_argument("--stop", action="append", help="stop string (repeatable; cut from the output)")
+    gen.add_argument("--ignore-eos", action="store_true", help="keep generating past the eos token")
     gen.add_argument("--batch-size", type=int, default=1, help="run the prompt(s) this many times together")
-    gen.add_argument("--dtype", default="auto")
-    gen.add_argument("--device", default="auto")
-    gen.add_argument("--trace", default=None, help="write the controller's JSONL trace here")
-    gen.add_argument("--adapter-option", action="append", help="KEY=VALUE passed to the adapter")
+    gen.add_argument("--stream", action="store_true", help="print tokens as they come (prompts one after another)")
+    gen.add_argument(
+        "--compare-plain",
+        action="store_true",
+        help="also run the prompts with speculation off and print the wall-time ratio",
+    )
+    _add_engine_flags(gen)
     gen.set_defaults(func=_generate)
-    models = sub.add_parser("models", help="list the shipped tiny models")
+    srv = sub.add_parser(
+        "serve",
+        help="serve an OpenAI-compatible HTTP API",
+        formatter_class=fmt,
+        description="Serve /v1/completions, /v1/chat/completions, /v1/models, /health and "
+        "/metrics with FastAPI + uvicorn. /health and /metrics need no API key.",
+    )
+    srv.add_argument("model", nargs="?", default="tiny-ouro", help="checkpoint folder or shipped model name")
+    srv.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0 exposes the server)")
+    srv.add_argument("--port", type=int, default=8000, help="TCP port")
+    srv.add_argument(
+        "--api-key", default=None, help=f"require 'Authorization: Bearer KEY' on /v1/* (default: ${API_KEY_ENV} if set)"
+    )
+    srv.add_argument("--served-model-name", default=None, help="model id in the API (default: folder name)")
+    srv.add_argument(
+        "--max-queued",
+        type=int,
+        default=256,
+        help="requests that may wait beyond the running batch; more get 429 + Retry-After",
+    )
+    srv.add_argument("--max-body-bytes", type=int, default=1 << 20, help="larger request bodies get 413")
+    srv.add_argument(
+        "--log-level",
+        default="info",
+        choices=["critical", "error", "warning", "info", "debug"],
+        help="uvicorn log level",
+    )
+    _add_engine_flags(srv)
+    srv.set_defaults(func=_serve)
+    models = sub.add_parser("models", help="list the shipped tiny models", formatter_class=fmt)
     models.set_defaults(func=_models)
     tune = sub.add_parser(
         "tune",
@@ -162,7 +327,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Measure per-depth acceptance with counterfactual readouts (deterministic) and the round "
         "cost of every (K, d) per batch size (interleaved, repeated, medians), then derive a validated "
         "adaptive-speculation preset (rules: looped_spec.control.derive; docs/adaptive.md).",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=fmt,
     )
     tune.add_argument("--model", required=True, help="checkpoint folder or shipped model name")
     tune.add_argument("--batch-sizes", default="1,2,4,8,16,32", help="comma-separated batch sizes to profile")
@@ -193,8 +358,8 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="OUT.png",
         help="write predicted-speedup/acceptance heatmaps (default path: --out with .png)",
     )
-    tune.add_argument("--dtype", default="auto")
-    tune.add_argument("--device", default="auto")
+    tune.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 | float16")
+    tune.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
     tune.add_argument("--threads", type=_positive(0), default=0, help="torch CPU threads (0: torch's default)")
     tune.add_argument("--adapter-option", action="append", help="KEY=VALUE passed to the adapter")
     tune.add_argument("--quiet", action="store_true", help="no progress bar")
@@ -210,8 +375,18 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.func(args)
     except (ValueError, KeyError, TypeError, FileNotFoundError) as exc:
-        print(f"looped-spec: error: {exc}", file=sys.stderr)
+        print(f"looped-spec: error: {_one_line(exc)}", file=sys.stderr)
         return 2
+
+
+def _one_line(exc: Exception) -> str:
+    """A user error on one line: pydantic's errors as 'field: message', without its documentation URL."""
+    errors = getattr(exc, "errors", None)
+    if callable(errors) and type(exc).__name__ == "ValidationError":
+        return "; ".join(
+            f"{'.'.join(map(str, e['loc']))}: {e['msg']}" if e.get("loc") else e["msg"] for e in exc.errors()
+        )
+    return " ".join(str(exc).split()) or type(exc).__name__
 
 
 if __name__ == "__main__":

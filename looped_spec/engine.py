@@ -13,6 +13,7 @@ from looped_spec.adapter import ModelAdapter, load_adapter
 from looped_spec.control.controller import DEFAULT_POLICY
 from looped_spec.control.factory import make_controller, plan_shapes
 from looped_spec.cuda_graph import CudaGraphRunner, batch_buckets
+from looped_spec.detokenizer import IncrementalDetokenizer
 from looped_spec.inputs import load_tokenizer, normalize_prompts, to_token_ids
 from looped_spec.kv_cache import KVCache
 from looped_spec.model_runner import ModelRunner
@@ -143,10 +144,15 @@ class LoopedSpecEngine:
         request_id = str(next(self._ids)) if request_id is None else str(request_id)
         if request_id in self._requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
+        if params.stop and self.tokenizer is None:
+            raise ValueError("stop strings need the model's tokenizer files; use stop_token_ids instead")
         seed = params.seed if params.seed is not None else self._rng.randrange(2**31)
+        detokenizer = IncrementalDetokenizer(self.tokenizer, params.stop) if self.tokenizer is not None else None
+        prompt_text = prompt if isinstance(prompt, str) else None
         request = Request(
-            request_id, len(self._requests), ids, params, seed, self.adapter.eos_token_ids, self.max_model_len
-        )
+            request_id, len(self._requests), ids, params, seed, self.adapter.eos_token_ids, self.max_model_len,
+            detokenizer, prompt_text,
+        )  # fmt: skip
         self._requests[request_id] = request
         self.scheduler.add(request)
         return request_id
@@ -239,8 +245,7 @@ class LoopedSpecEngine:
             self._commit(request, tokens)
         t3 = time.perf_counter()
         self.stats.num_rounds += 1
-        self.stats.num_draft_tokens += sum(k)
-        self.stats.num_accepted_tokens += sum(accepted)
+        self.stats.record_drafts(k, accepted)
         self.stats.batch_size_histogram[len(requests)] += 1
         self.stats.plan_histogram[f"{max(k)},{plan.d if max(k) else 0}"] += 1
         self.controller.observe(
@@ -283,19 +288,29 @@ class LoopedSpecEngine:
         self.scheduler.release_unused(request)
 
     def _output(self, request: Request) -> RequestOutput:
-        text = None
-        if self.tokenizer is not None and request.finished:
-            text = self.tokenizer.decode(request.output_token_ids, skip_special_tokens=True)
+        text, new_text, detok = None, "", request.detokenizer
+        if detok is not None:
+            if request.finished:
+                detok.flush()
+                text = detok.text
+            new_text = detok.stream_delta(request.finished)
         if request.finished:
             self._requests.pop(request.request_id, None)
+        output_ids = request.output_token_ids
+        new_ids = output_ids[request.num_emitted :]
+        request.num_emitted = len(output_ids)
         return RequestOutput(
             request.request_id,
             request.token_ids[: request.num_prompt_tokens],
-            request.output_token_ids,
+            output_ids,
             text,
             request.finish_reason,
             request.finished,
             request.metrics,
+            request.prompt_text,
+            new_ids,
+            new_text,
+            detok.stop_hit if detok is not None else None,
         )
 
     # ----- offline API -----

@@ -17,6 +17,17 @@ class SamplingParams(BaseModel):
     seed: int | None = Field(None, ge=0, description="Per-request seed; None = drawn from the engine seed.")
     stop_token_ids: list[int] = Field(default_factory=list, description="Tokens that end the request (kept).")
     ignore_eos: bool = Field(False, description="Keep generating past the model's eos token.")
+    stop: list[str] = Field(
+        default_factory=list, description="Strings that end the request, checked on the decoded text (cut off)."
+    )
+
+    @field_validator("stop")
+    @classmethod
+    def _non_empty(cls, stop: list[str]) -> list[str]:
+        for i, s in enumerate(stop):
+            if not s:
+                raise ValueError(f"stop[{i}] is an empty string")
+        return stop
 
     @field_validator("stop_token_ids")
     @classmethod
