@@ -3,8 +3,9 @@
 A looped model runs the same computation in every loop; only the KV planes differ. For families
 that say so (`ModelAdapter.uniform_loops`) one graph per (padded batch, tokens per request, context)
 holds loop 0 with the plane index as a device input (`PagedContext.plane_shift`), and is replayed
-once per loop of any range (draft loops 1..d, verify d+1..D, plain 1..D); a second graph holds the
-readout. Other families get one graph per loop index and per readout depth.
+once per loop of any range (draft loops 1..d, verify d+1..D, plain 1..D). Other families get one
+graph per loop index. The readout (norm + head: a few launches) runs eagerly, unless it attends
+(Huginn's coda), which gets a graph of its own (per readout depth for non-uniform families).
 
 What a replay reads from the KV cache follows the batch's real context:
 
@@ -81,11 +82,16 @@ def query_lens_of(plans: list[tuple[int, int]]) -> list[int]:
     return sorted({1} | {k + 1 for k, _ in plans if k > 0})
 
 
-def graph_stages(plans: list[tuple[int, int]], full_depth: int, uniform_loops: bool) -> list[str]:
+def graph_stages(plans: list[tuple[int, int]], full_depth: int, uniform_loops: bool, readout_graph: bool) -> list[str]:
+    """Captured stages per shape. A readout that does not attend is a norm and one matmul: a few launches,
+    run eagerly; one that attends (Huginn's coda) is captured too."""
+    loops = ["loop"] if uniform_loops else [f"loop{i}" for i in range(full_depth)]
+    if not readout_graph:
+        return loops
     if uniform_loops:
-        return ["loop", "readout"]
+        return loops + ["readout"]
     depths = {full_depth} | {d for k, d in plans if k > 0}
-    return [f"loop{i}" for i in range(full_depth)] + [f"readout{d}" for d in sorted(depths)]
+    return loops + [f"readout{d}" for d in sorted(depths)]
 
 
 def graph_keys(
@@ -94,9 +100,10 @@ def graph_keys(
     batches: list[int],
     contexts: list[int],
     uniform_loops: bool = True,
+    readout_graph: bool = False,
 ) -> list[GraphKey]:
     """Every graph the plans need; largest first (so later captures fit in the shared pool)."""
-    stages = graph_stages(plans, full_depth, uniform_loops)
+    stages = graph_stages(plans, full_depth, uniform_loops, readout_graph)
     keys = [GraphKey(b, q, c, s) for b in batches for q in query_lens_of(plans) for c in contexts for s in stages]
     return sorted(keys, key=lambda k: (-k.batch * k.query_len * k.context, k.stage))
 
@@ -212,6 +219,7 @@ class CudaGraphRunner:
         self.buckets = buckets
         self.capture = capture
         self.uniform_loops = adapter.uniform_loops
+        self.readout_graph = adapter.readout_uses_kv
         layout = adapter.kv_layout
         self.planes_per_loop = layout.num_loop_planes // adapter.full_depth
         self.scratch_block = kv.reserve_scratch_block()
@@ -246,7 +254,9 @@ class CudaGraphRunner:
                 self.prepare(key)
 
     def keys(self, contexts: list[int]) -> list[GraphKey]:
-        return graph_keys(self.plans, self.adapter.full_depth, self.buckets, contexts, self.uniform_loops)
+        return graph_keys(
+            self.plans, self.adapter.full_depth, self.buckets, contexts, self.uniform_loops, self.readout_graph
+        )
 
     def static_batch(self, batch: int, query_len: int, context: int) -> StaticBatch:
         shape = (batch, query_len, context)
@@ -355,6 +365,9 @@ class CudaGraphRunner:
         out_state = static.state[:n].clone()  # the next step overwrites the static buffers
         if not readout:
             return out_state, None
-        stage = "readout" if self.uniform_loops else f"readout{end}"
-        logits = self._replay(GraphKey(batch, query_len, context, stage), static)
+        if self.readout_graph:
+            stage = "readout" if self.uniform_loops else f"readout{end}"
+            logits = self._replay(GraphKey(batch, query_len, context, stage), static)
+        else:
+            logits = self.adapter.readout(static.state, end, static.ctx)
         return out_state, logits[:n].clone()  # outputs live in the shared graph pool
