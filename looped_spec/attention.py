@@ -159,14 +159,12 @@ def build_paged_context(
     positions: list[int] = []
     slots: list[int] = []
     pad: list[int] = []
-    token_req: list[int] = []
     starts = [c - q for c, q in zip(context_lens, query_lens)]
     for r, (start, n, blocks) in enumerate(zip(starts, query_lens, block_tables)):
         for pos in range(start, start + n):
             positions.append(pos)
             slots.append(blocks[pos // block_size] * block_size + pos % block_size)
             pad.append(r * max_query + pos - start)
-            token_req.append(r)
     pad_index = None
     if any(n != max_query for n in query_lens):
         pad_index = torch.tensor(pad, dtype=torch.long, device=device)
@@ -185,9 +183,11 @@ def build_paged_context(
     if use_kernel:
         kernel = KernelBatch(
             block_table=block_table,
-            token_req=torch.tensor(token_req, dtype=torch.int32, device=device),
+            query_start=torch.tensor([0] + query_lens[:-1], dtype=torch.int32).cumsum(0, dtype=torch.int32).to(device),
+            query_len=torch.tensor(query_lens, dtype=torch.int32, device=device),
             key_limit=(positions_t + 1).to(torch.int32),
             block_size=block_size,
+            max_query=max_query,
             num_splits=num_splits_for(max_blocks),
         )
     return PagedContext(

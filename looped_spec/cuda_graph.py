@@ -141,8 +141,12 @@ class StaticBatch:
         kernel = None
         self.mask = None
         if use_kernel:
-            token_req = (torch.arange(n, device=self.state.device) // query_len).to(torch.int32)  # fixed per shape
-            kernel = KernelBatch(self.block_table, token_req, self.key_limit, bs, num_splits_for(context // bs))
+            device = self.state.device
+            query_start = torch.arange(0, n, query_len, dtype=torch.int32, device=device)  # fixed per shape
+            query_lens = torch.full((batch,), query_len, dtype=torch.int32, device=device)
+            kernel = KernelBatch(
+                self.block_table, query_start, query_lens, self.key_limit, bs, query_len, num_splits_for(context // bs)
+            )
         else:
             self.mask = buffers.mask[: n * context].view(batch, 1, query_len, context)
         # a safe state for warm-up and capture: every row writes to and attends to the scratch block
