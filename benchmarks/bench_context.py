@@ -15,8 +15,22 @@ import time
 
 import torch
 
+import looped_spec.attention as attention
 from looped_spec import LoopedSpecEngine, SamplingParams, load_adapter
 from looped_spec.attention import PagedContext
+
+SPENT = {"gather": 0.0, "sdpa": 0.0}  # seconds of one-token-per-request calls (decode, draft) (--breakdown)
+
+
+def timed(part: str, fn, one_query):
+    def wrapper(*args, **kwargs):
+        start = time.perf_counter()
+        out = fn(*args, **kwargs)
+        if one_query(*args):  # leaves out prefill (and verify) calls
+            SPENT[part] += time.perf_counter() - start
+        return out
+
+    return wrapper
 
 
 def slot_gather(self: PagedContext, plane_index) -> tuple[torch.Tensor, torch.Tensor]:
@@ -47,6 +61,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--compare-slots", action="store_true", help="also time the old per-slot gather")
+    parser.add_argument("--breakdown", action="store_true", help="print time per token in gather and SDPA")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     adapter = load_adapter(args.model)
@@ -57,6 +72,10 @@ def main() -> None:
     gathers = {"block": PagedContext.gather}
     if args.compare_slots:
         gathers["slot"] = slot_gather
+    if args.breakdown:
+        gathers = {name: timed("gather", fn, lambda ctx, plane: ctx.max_query == 1) for name, fn in gathers.items()}
+        attention._sdpa = timed("sdpa", attention._sdpa, lambda q, *rest: q.shape[2] == 1)
+    spent: dict = {}
     prompt_of = {c: [3 + (7 * i) % (adapter.vocab_size - 3) for i in range(c)] for c in contexts}
     cells = [(c, m, g) for c in contexts for m in engines for g in gathers]
     for c, m, g in cells:  # warm-up
@@ -67,7 +86,10 @@ def main() -> None:
         for cell in cells:
             c, m, g = cell
             PagedContext.gather = gathers[g]
+            SPENT.update(gather=0.0, sdpa=0.0)
             times[cell].append(decode_tps(engines[m], prompt_of[c], args.new_tokens))
+            # per decoded token
+            spent.setdefault(cell, []).append({k: v / (args.new_tokens - 1) for k, v in SPENT.items()})
     PagedContext.gather = gathers["block"]
     print(f"model {adapter.name}, B=1, {args.new_tokens} new tokens, median of {args.rounds} interleaved rounds "
           f"(spread = (max-min)/median); torch threads {args.threads}")  # fmt: skip
@@ -83,6 +105,20 @@ def main() -> None:
                 med = statistics.median(values)
                 row += f" | {med:10.1f} ({(max(values) - min(values)) / med:4.0%})"
         print(row)
+    if args.breakdown:
+        print("\nmicroseconds per decoded token: gather, SDPA (one-token calls: decode, draft), the rest; medians")
+        for c in contexts:
+            row = f"{c:7d}"
+            for m in engines:
+                for g in gathers:
+                    parts = spent[(c, m, g)]
+                    gather = statistics.median(p["gather"] for p in parts) * 1e6
+                    sdpa = statistics.median(p["sdpa"] for p in parts) * 1e6
+                    total = 1e6 / statistics.median(times[(c, m, g)])
+                    row += (
+                        f" | {m if m != 'off' else 'plain'} {g}: {gather:6.0f} {sdpa:6.0f} {total - gather - sdpa:6.0f}"
+                    )
+            print(row)
 
 
 if __name__ == "__main__":
