@@ -84,6 +84,7 @@ class PagedContext:
     block_size: int
     kernel: KernelBatch | None = None
     plane_shift: torch.Tensor | None = None  # [1] long: planes added to every plane index (shared loop graphs)
+    contiguous_from: int | None = None  # one request whose blocks are consecutive from this slot: read in place
     seeds_per_token: list[tuple[int, int]] | None = None
     memo: dict = field(default_factory=dict)
 
@@ -113,9 +114,16 @@ class PagedContext:
         """Each request's first `num_keys` keys and values of one plane: [num_reqs, kv_heads, num_keys, head_dim].
 
         Copies whole blocks (contiguous runs of `block_size` slots) rather than single slots: the copy
-        runs at memory speed and its size follows the batch's context, not `max_model_len`.
+        runs at memory speed and its size follows the batch's context, not `max_model_len`. A lone request
+        whose blocks are consecutive (the allocator hands them out in order) is read in place.
         """
         num_planes, num_slots, kv_heads, head_dim = self.key_cache.shape
+        if self.contiguous_from is not None and isinstance(plane_index, int):  # a view: nothing is copied
+            keys = slice(self.contiguous_from, self.contiguous_from + self.num_keys)
+            return (
+                self.key_cache[plane_index, keys].unsqueeze(0).transpose(1, 2),
+                self.value_cache[plane_index, keys].unsqueeze(0).transpose(1, 2),
+            )
         blocks_per_plane = num_slots // self.block_size
         ids = (self.block_table + plane_index * blocks_per_plane).view(-1)
         shape = (num_planes * blocks_per_plane, self.block_size, kv_heads, head_dim)
@@ -190,6 +198,8 @@ def build_paged_context(
             max_query=max_query,
             num_splits=num_splits_for(max_blocks),
         )
+    used = block_tables[0][:max_blocks]
+    contiguous = num_reqs == 1 and used == list(range(used[0], used[0] + max_blocks))
     return PagedContext(
         positions=positions_t,
         slot_mapping=torch.tensor(slots, dtype=torch.long, device=device),
@@ -203,5 +213,6 @@ def build_paged_context(
         value_cache=value_cache,
         block_size=block_size,
         kernel=kernel,
+        contiguous_from=used[0] * block_size if contiguous else None,
         seeds_per_token=token_seeds,
     )

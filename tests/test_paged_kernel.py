@@ -139,5 +139,10 @@ def test_graph_replay_equals_eager_equals_reference_cuda_bf16(family):
         engine.scheduler.reserve_decode(requests, [0] * len(requests))
         logits.append(engine.runner.decode(requests).float().cpu())
     reference, eager, replay = logits
-    torch.testing.assert_close(replay, eager, rtol=1e-2, atol=1e-2)
-    torch.testing.assert_close(eager, reference, rtol=5e-2, atol=5e-2)
+
+    def rel(a, b):  # bf16 keeps ~3 significant digits; a few layers of reassociation stay near 1e-2
+        return ((a - b).norm() / b.norm()).item()
+
+    assert rel(replay, eager) < 1e-2
+    assert rel(eager, reference) < 3e-2
+    assert (eager.argmax(-1) == reference.argmax(-1)).float().mean() >= 0.6
