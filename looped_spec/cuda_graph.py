@@ -282,7 +282,10 @@ class CudaGraphRunner:
         mem0 = torch.cuda.memory_allocated(device)
         t0 = time.perf_counter()
         with torch.inference_mode():
+            # a bucket prepared mid-run holds a live batch: warm-up must not advance its state
+            saved = static.state.clone()
             self._body(key, static)
+            static.state.copy_(saved)
             torch.cuda.synchronize(device)
             # tensors memoised during warm-up (RoPE tables) were computed eagerly: recompute them in-graph
             static.ctx.memo.clear()
