@@ -126,3 +126,18 @@ def test_graph_replay_greedy_tokens_bf16(family):
     assert [o.token_ids for o in eager.generate(PROMPTS, params)] == [
         o.token_ids for o in graphs.generate(PROMPTS, params)
     ]
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("family", FAMILIES)
+def test_graph_replay_equals_eager_without_the_kernel_fp32(family, monkeypatch):
+    """The reference path inside graphs: context buckets captured on first use, mid-run."""
+    monkeypatch.setenv("LOOPED_SPEC_PAGED_KERNEL", "0")
+    eager = cuda_engine(family, "float32", False, "2,1")
+    graphs = cuda_engine(family, "float32", True, "2,1")
+    assert not graphs.runner.graphs.use_kernel and len(graphs.runner.graphs.contexts) > 1
+    params = [greedy(n) for n in MAX_TOKENS]
+    a = [o.token_ids for o in eager.generate(PROMPTS, params)]
+    b = [o.token_ids for o in graphs.generate(PROMPTS, params)]
+    assert a == b
+    assert graphs.runner.graphs.graphs, "nothing was captured"
