@@ -66,9 +66,10 @@ class PagedContext:
     Keys are addressed by block: `block_table[r]` lists the blocks holding request r's first
     `num_keys` key positions (padding entries name any valid block; the mask hides them). The
     reference path copies those blocks (whole blocks, one `index_select` per plane) and runs SDPA
-    over `num_keys` keys; with `kernel` set, a paged kernel reads each query token's own keys in place
-    (`paged_kernel.py`). `plane_shift` (a device scalar) moves every plane index by that many planes: a
-    CUDA graph captured for loop 0 then serves every loop whose body is the same computation.
+    over `num_keys` keys; with `kernel` set, a paged kernel reads each request's keys in place, each
+    query token up to its own position (`paged_kernel.py`). `plane_shift` (a device scalar) moves
+    every plane index by that many planes: a CUDA graph captured for loop 0 then serves every loop
+    whose body is the same computation.
     """
 
     positions: torch.Tensor  # [num_tokens] long
