@@ -51,6 +51,8 @@ def check_plain_rope(config: dict) -> None:
 class LlamaStyleLooped(ModelAdapter):
     """Shared plumbing of the Llama-named looped families (Ouro, Nanbeige)."""
 
+    uniform_loops = True  # every loop runs the same layers; the readout (norm + head) ignores depth
+
     def __init__(self, config, weights, **kwargs):
         super().__init__(config, weights, **kwargs)
         self.hidden, _, self.num_layers, self.num_heads, self.num_kv_heads, self.head_dim = llama_dims(config)
