@@ -1,0 +1,85 @@
+"""Issue 11: the engine never wedges and never loses an output. One regression test per numbered item."""
+
+from __future__ import annotations
+
+import pytest
+from conftest import make_engine
+from pydantic import ValidationError
+
+from looped_spec import SamplingParams, SpeculativeConfig
+from looped_spec.sampler import SamplingRows
+
+PROMPTS = [[5, 9, 13], [200, 1, 77, 4, 4, 19], [42, 43], [17, 18, 19, 20]]
+
+
+def greedy(n: int) -> SamplingParams:
+    return SamplingParams(max_tokens=n, ignore_eos=True)
+
+
+def sampled(n: int, seed: int) -> SamplingParams:
+    return SamplingParams(max_tokens=n, temperature=0.8, seed=seed, ignore_eos=True)
+
+
+def run_to_end(engine, max_errors: int = 0) -> dict:
+    """Step until nothing is left; collect each finished output (asserting it is reported once)."""
+    finished: dict = {}
+    errors = 0
+    for _ in range(1000):
+        if not engine.has_unfinished_requests():
+            break
+        try:
+            outs = engine.step()
+        except RuntimeError:
+            errors += 1
+            assert errors <= max_errors, "the engine raised again: it is wedged"
+            continue
+        for out in outs:
+            if out.finished:
+                assert out.request_id not in finished, f"{out.request_id} reported finished twice"
+                finished[out.request_id] = out
+    assert not engine.has_unfinished_requests()
+    assert engine.num_free_blocks == engine.kv.num_blocks
+    return finished
+
+
+class OneShotFault:
+    """Raise RuntimeError the first time `when(*args)` is true, then behave normally."""
+
+    def __init__(self, original, when) -> None:
+        self.original = original
+        self.when = when
+        self.fired = False
+
+    def __call__(self, *args, **kwargs):
+        if not self.fired and self.when(*args, **kwargs):
+            self.fired = True
+            raise RuntimeError("injected fault")
+        return self.original(*args, **kwargs)
+
+
+# ----- 1. a mixed greedy/sampled speculative batch where the sampled request has the smaller K -----
+@pytest.mark.parametrize("family", ["ouro", "nanbeige"])
+def test_item01_mixed_batch_sampled_request_with_smaller_k(family):
+    alone = make_engine(family).generate(PROMPTS[0], greedy(12))[0].token_ids
+    engine = make_engine(family, speculation=SpeculativeConfig(k=3, d=1))
+    # max_tokens=3: after its first token the sampled request may take at most 1 draft, the greedy one 3
+    outs = engine.generate(PROMPTS[:2], [greedy(12), sampled(3, seed=7)])
+    assert outs[0].token_ids == alone
+    assert len(outs[1].token_ids) == 3
+    assert engine.num_free_blocks == engine.kv.num_blocks
+
+
+# ----- 2. an error while sampling the first token after prefill -----
+def test_item02_error_sampling_first_token_does_not_wedge(monkeypatch):
+    params = [greedy(6), sampled(6, seed=3), greedy(4)]
+    expected = [o.token_ids for o in make_engine("ouro").generate(PROMPTS[:3], params)]
+    engine = make_engine("ouro")
+    ids = [engine.add_request(p, sp) for p, sp in zip(PROMPTS[:3], params)]
+    fault = OneShotFault(SamplingRows.build.__func__, lambda cls, requests, device: True)
+    monkeypatch.setattr(SamplingRows, "build", classmethod(fault))
+    finished = run_to_end(engine, max_errors=1)
+    assert fault.fired
+    assert [finished[i].token_ids for i in ids] == expected
+    assert all(finished[i].finish_reason == "length" for i in ids)
+    with pytest.raises(ValidationError, match="top_k"):
+        SamplingParams(top_k=2**70)
