@@ -182,14 +182,15 @@ class LoopedSpecEngine:
     def _prefill(self, requests: list[Request], chunk_lens: list[int]) -> list[Request]:
         t0 = time.perf_counter()
         logits = self.runner.prefill(requests, chunk_lens)
-        done = []
-        for request, n in zip(requests, chunk_lens):
-            request.num_computed += n
-            done.append(request.num_computed == request.num_tokens)
+        done = [r.num_computed + n == r.num_tokens for r, n in zip(requests, chunk_lens)]
         finishing = [r for r, ok in zip(requests, done) if ok]
-        if finishing:
+        tokens = []
+        if finishing:  # sample before any request state changes, so a failure here leaves every request as it was
             rows = [i for i, ok in enumerate(done) if ok]
             tokens = sample(logits[rows], SamplingRows.build(finishing, self.adapter.device)).tolist()
+        for request, n in zip(requests, chunk_lens):
+            request.num_computed += n
+        if finishing:
             for request, token in zip(finishing, tokens):
                 request.prefilled = True
                 self._commit(request, [token])

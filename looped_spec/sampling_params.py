@@ -12,9 +12,11 @@ class SamplingParams(BaseModel):
 
     max_tokens: int = Field(16, gt=0, description="Most tokens to generate.")
     temperature: float = Field(0.0, ge=0.0, description="0 = greedy; otherwise softmax temperature.")
-    top_k: int = Field(0, ge=-1, description="Keep the k most likely tokens (0 or -1 = all).")
+    top_k: int = Field(0, ge=-1, le=2**31 - 1, description="Keep the k most likely tokens (0 or -1 = all).")
     top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus sampling mass in (0, 1].")
-    seed: int | None = Field(None, ge=0, description="Per-request seed; None = drawn from the engine seed.")
+    seed: int | None = Field(
+        None, ge=0, le=2**63 - 1, description="Per-request seed; None = drawn from the engine seed."
+    )
     stop_token_ids: list[int] = Field(default_factory=list, description="Tokens that end the request (kept).")
     ignore_eos: bool = Field(False, description="Keep generating past the model's eos token.")
 
