@@ -43,9 +43,10 @@ class RequestOutput:
     prompt_token_ids: list[int]
     token_ids: list[int]
     text: str | None
-    finish_reason: str | None  # "length" | "stop" | "abort" | None while running
+    finish_reason: str | None  # "length" | "stop" | "abort" | "error" | None while running
     finished: bool
     metrics: RequestMetrics
+    error: str | None = None  # with finish_reason "error": what went wrong
 
 
 class Request:
@@ -62,7 +63,7 @@ class Request:
         max_model_len: int,
     ) -> None:
         self.request_id = request_id
-        self.arrival = arrival
+        self.arrival = arrival  # admission order: preemption takes the latest arrival first
         self.token_ids: list[int] = list(prompt)
         self.num_prompt_tokens = len(prompt)
         self.max_tokens = params.max_tokens
@@ -80,6 +81,7 @@ class Request:
         self.prefilled = False  # True once the (re)computed prefix has produced its next token
         self.block_table: list[int] = []
         self.finish_reason: str | None = None
+        self.error: str | None = None  # set with finish_reason "error"
         self.metrics = RequestMetrics()
         self.num_emitted = 0  # tokens already reported by step()
 

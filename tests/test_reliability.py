@@ -83,3 +83,71 @@ def test_item02_error_sampling_first_token_does_not_wedge(monkeypatch):
     assert all(finished[i].finish_reason == "length" for i in ids)
     with pytest.raises(ValidationError, match="top_k"):
         SamplingParams(top_k=2**70)
+
+
+# ----- 3. a step that fails after committing tokens; a pending abort report -----
+def test_item03_outputs_of_a_failed_step_are_reported_later(monkeypatch):
+    engine = make_engine("ouro")
+    done = engine.add_request(PROMPTS[0], greedy(2))  # finishes in the first decode round
+    engine.step()  # prefill
+    fault = OneShotFault(engine.controller.observe, lambda feedback: True)
+    monkeypatch.setattr(engine.controller, "observe", fault)  # fails after the round is committed
+    with pytest.raises(RuntimeError, match="injected"):
+        engine.step()
+    assert engine.has_unfinished_requests()
+    finished = run_to_end(engine)
+    assert finished[done].finish_reason == "length" and len(finished[done].token_ids) == 2
+
+    keep = engine.add_request(PROMPTS[1], greedy(5))
+    gone = engine.add_request(PROMPTS[2], greedy(5))
+    engine.step()
+    engine.abort(gone)
+    loop = OneShotFault(engine.adapter.loop, lambda *args: True)
+    monkeypatch.setattr(engine.adapter, "loop", loop)
+    with pytest.raises(RuntimeError, match="injected"):
+        engine.step()
+    finished = run_to_end(engine)
+    assert finished[gone].finish_reason == "abort"
+    assert finished[keep].token_ids == make_engine("ouro").generate(PROMPTS[1], greedy(5))[0].token_ids
+
+
+# ----- 4. add_request() mixed with generate(); a generate() that fails part way -----
+def test_item04_online_requests_survive_generate_and_failed_generate_queues_nothing():
+    engine = make_engine("nanbeige")
+    online = engine.add_request(PROMPTS[0], greedy(2))
+    outs = engine.generate(PROMPTS[1:3], greedy(8))
+    assert [len(o.token_ids) for o in outs] == [8, 8]
+    finished = run_to_end(engine)  # the online request finished during generate(): step() still reports it
+    assert finished[online].finish_reason == "length" and len(finished[online].token_ids) == 2
+
+    engine.add_request(PROMPTS[3], greedy(3), request_id="1")  # an id generate() would also number
+    outs = engine.generate(PROMPTS[:3], greedy(3))
+    assert len({o.request_id for o in outs} | {"1"}) == 4
+    with pytest.raises(ValueError, match=r"prompts\[1\]"):
+        engine.generate([PROMPTS[0], [10**6]], greedy(3))
+    finished = run_to_end(engine)
+    assert list(finished) == ["1"]  # nothing of the rejected generate() was queued
+
+
+# ----- 5. preemption takes the newest request, counted by arrival -----
+def test_item05_preemption_victim_is_the_latest_arrival():
+    engine = make_engine("ouro", block_size=4, num_kv_blocks=14, max_model_len=40)
+    arrival_order: list[str] = []
+    victims: list[tuple[str, list[str]]] = []
+    original = engine.scheduler.preempt
+
+    def preempt(request):
+        victims.append((request.request_id, [r.request_id for r in engine.scheduler.running]))
+        original(request)
+
+    engine.scheduler.preempt = preempt
+    for prompt, n in [(PROMPTS[0], 1), (PROMPTS[1], 1), (PROMPTS[2], 30), (PROMPTS[3], 30)]:
+        arrival_order.append(engine.add_request(prompt, greedy(n)))
+    for _ in range(3):  # the two short requests finish; live requests are now fewer than arrivals
+        engine.step()
+    for prompt in PROMPTS[:2]:
+        arrival_order.append(engine.add_request(prompt, greedy(30)))
+    run_to_end(engine)
+    assert victims
+    for victim, running in victims:
+        assert victim == max(running, key=arrival_order.index)
