@@ -14,6 +14,7 @@ import torch
 from looped_spec.adapter import ModelAdapter, load_adapter
 from looped_spec.control.factory import make_controller, plan_shapes
 from looped_spec.cuda_graph import CudaGraphRunner, batch_buckets
+from looped_spec.engine_args import check_engine_args
 from looped_spec.inputs import load_tokenizer, normalize_prompts, to_token_ids
 from looped_spec.kv_cache import KVCache
 from looped_spec.model_runner import ModelRunner
@@ -56,18 +57,31 @@ class LoopedSpecEngine:
         cuda_graphs: bool | str | None = None,
         draft_override=None,
     ) -> None:
+        check_engine_args(
+            model=model,
+            dtype=dtype,
+            device=device,
+            max_batch_size=max_batch_size,
+            max_model_len=max_model_len,
+            adapter_options=adapter_options,
+            seed=seed,
+            preset=preset,
+            policy=policy,
+            trace_path=trace_path,
+            block_size=block_size,
+            num_kv_blocks=num_kv_blocks,
+            kv_cache_memory_gb=kv_cache_memory_gb,
+            max_num_batched_tokens=max_num_batched_tokens,
+            cuda_graphs=cuda_graphs,
+        )
         if isinstance(model, ModelAdapter):
             if adapter_options:
                 raise ValueError("adapter_options apply when loading a checkpoint, not to a ModelAdapter instance")
             self.adapter = model
         else:
             self.adapter = load_adapter(model, dtype=dtype, device=device, **(adapter_options or {}))
-        if max_batch_size < 1:
-            raise ValueError(f"max_batch_size={max_batch_size} must be >= 1")
-        if max_num_batched_tokens < 1:
-            raise ValueError(f"max_num_batched_tokens={max_num_batched_tokens} must be >= 1")
         limit = self.adapter.max_positions
-        self.max_model_len = max_model_len or limit
+        self.max_model_len = max_model_len if max_model_len is not None else limit
         if not 2 <= self.max_model_len <= limit:
             raise ValueError(f"max_model_len={max_model_len} must be in [2, {limit}] (the model's max positions)")
         self.controller = make_controller(

@@ -67,7 +67,7 @@ class Request:
         self.token_ids: list[int] = list(prompt)
         self.num_prompt_tokens = len(prompt)
         self.max_tokens = params.max_tokens
-        self.temperature = float(params.temperature)
+        self.temperature = 0.0 if params.greedy else float(params.temperature)
         self.top_k = int(params.top_k) if params.top_k > 0 else 0
         self.top_p = float(params.top_p)
         self.stop_ids = set(params.stop_token_ids)
