@@ -19,6 +19,17 @@ from looped_spec.layers import apply_rope_interleaved, fused_swiglu, memo_angles
 _MIX = 0x9E3779B97F4A7C15  # odd 64-bit constant: spreads (seed, position) over generator seeds
 
 
+def reference_freqs_cis(config: dict) -> torch.Tensor:
+    """The RoPE buffer the original Huginn code stores as `freqs_cis`: [1, block_size, 1, head_dim / 2, 2]
+    (cos, sin) in fp32. looped-spec recomputes RoPE and ignores it; shipped checkpoints carry it so the
+    original code, which loads it rather than recomputing, gets real values instead of uninitialised memory."""
+    head_dim = int_field(config, "n_embd") // int_field(config, "n_heads")
+    base = rope_theta(config, 50000.0, key="rope_base")
+    inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float32)[: head_dim // 2] / head_dim))
+    angles = torch.outer(torch.arange(int_field(config, "block_size", 4096), dtype=torch.float32), inv_freq)
+    return torch.stack([angles.cos(), angles.sin()], dim=-1)[None, :, None]
+
+
 @register_adapter
 class HuginnAdapter(ModelAdapter):
     """Options: `initial_state` = "random" (default; reference distribution, keyed by request seed and

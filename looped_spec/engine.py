@@ -161,6 +161,11 @@ class LoopedSpecEngine:
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise TypeError(f"params must be SamplingParams, got {type(params).__name__}")
+        # the checkpoint's generation_config.json sampling defaults fill the fields the caller did not set
+        defaults = self.adapter.generation.sampling_defaults()
+        unset = {key: value for key, value in defaults.items() if key not in params.model_fields_set}
+        if unset:
+            params = params.model_copy(update=unset)
         ids = to_token_ids(prompt, self.tokenizer, self.adapter.vocab_size, where=where)
         if len(ids) >= self.max_model_len:
             raise ValueError(
