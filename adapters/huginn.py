@@ -19,6 +19,17 @@ from looped_spec.layers import apply_rope_interleaved, fused_swiglu, memo_angles
 _MIX = 0x9E3779B97F4A7C15  # odd 64-bit constant: spreads (seed, position) over generator seeds
 
 
+# The original code's architecture switches, with the one choice this adapter implements (absent = that one).
+IMPLEMENTED_CHOICES = {
+    "injection_type": "linear",
+    "state_init": "like-init",  # the truncated-normal initial latent of the `initial_state="random"` option
+    "block_class_name": "SandwichBlock",
+    "mlp_class_name": "GatedMLP",
+    "nonlin_name": "SiLU",
+    "norm_class_name": "RMSNorm_llama",
+}
+
+
 def reference_freqs_cis(config: dict) -> torch.Tensor:
     """The RoPE buffer the original Huginn code stores as `freqs_cis`: [1, block_size, 1, head_dim / 2, 2]
     (cos, sin) in fp32. looped-spec recomputes RoPE and ignores it; shipped checkpoints carry it so the
@@ -116,8 +127,9 @@ class HuginnAdapter(ModelAdapter):
         rope_theta(config, 50000.0, key="rope_base")
         if config.get("rope_scaling"):
             raise ValueError(f"rope_scaling {config['rope_scaling']!r} is not supported (only plain RoPE)")
-        if config.get("injection_type", "linear") != "linear":
-            raise ValueError(f"injection_type {config['injection_type']!r} is not supported (only 'linear')")
+        for key, implemented in IMPLEMENTED_CHOICES.items():
+            if config.get(key, implemented) != implemented:
+                raise ValueError(f"{key} {config[key]!r} is not supported (only {implemented!r})")
         heads = int_field(config, "n_heads")
         if int_field(config, "n_embd") % heads:
             raise ValueError("n_embd must be a multiple of n_heads")

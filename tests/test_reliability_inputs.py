@@ -163,6 +163,23 @@ def test_item10_unimplemented_nanbeige_flags_are_rejected_by_name(tmp_path, flag
     load_adapter(folder, device="cpu")
 
 
+@pytest.mark.parametrize(
+    "family,changes,named",
+    [
+        ("huginn", {"state_init": "zero"}, "state_init"),
+        ("huginn", {"norm_class_name": "LayerNorm"}, "norm_class_name"),
+        ("huginn", {"nonlin_name": "GELU"}, "nonlin_name"),
+        ("ouro", {"hidden_act": "gelu"}, "hidden_act"),
+        ("nanbeige", {"mlp_bias": True}, "mlp_bias"),
+    ],
+)
+def test_item10_same_rule_for_every_family(tmp_path, family, changes, named):
+    folder = copy_model(tmp_path, fixture_dir(family))
+    edit_config(folder, **changes)
+    with pytest.raises(CheckpointError, match=named):
+        load_adapter(folder, device="cpu")
+
+
 # ----- 11. what real exports carry: inv_freq buffers, a lone shard, generation_config.json, freqs_cis -----
 def test_item11_stored_inv_freq_buffers_are_ignored(tmp_path):
     folder = copy_model(tmp_path, fixture_dir("ouro"))
