@@ -3,13 +3,43 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
+from pathlib import Path
+
+
+class UsageError(ValueError):
+    """Bad command-line input: reported as one line, exit status 2."""
+
+
+def _output_file(value: str, option: str) -> Path:
+    """A path a command will write: not a directory, and not under an existing file. Checked before any work."""
+    path = Path(value)
+    if path.is_dir():
+        raise UsageError(f"{option} {value}: is a directory; give a file path")
+    for parent in path.parents:
+        if parent.exists():
+            if not parent.is_dir():
+                raise UsageError(f"{option} {value}: {parent} is a file, not a directory")
+            if not os.access(parent, os.W_OK):
+                raise UsageError(f"{option} {value}: cannot write in {parent}")
+            break
+    return path
+
+
+def _at_least(value: int, minimum: int, option: str, note: str = "") -> None:
+    if value < minimum:
+        raise UsageError(f"{option} {value}: must be >= {minimum}{note}")
 
 
 def _generate(args: argparse.Namespace) -> int:
     from looped_spec import LoopedSpecEngine, SamplingParams
 
+    if args.trace is not None:
+        _output_file(args.trace, "--trace")
+    _at_least(args.batch_size, 1, "--batch-size")
+    _at_least(args.max_tokens, 1, "--max-tokens")
     options = {}
     for item in args.adapter_option or []:
         key, _, value = item.partition("=")
@@ -59,13 +89,18 @@ def _models(args: argparse.Namespace) -> int:
 
 def _tune(args: argparse.Namespace) -> int:
     import shlex
-    from pathlib import Path
 
     from looped_spec.control.presets import load_preset
     from looped_spec.tuner import GreedyMismatchError, tune
     from looped_spec.tuner_inputs import parse_adapter_options
     from looped_spec.tuner_report import dump_json, format_table, preset_data, write_heatmap
 
+    out = _output_file(args.out, "--out")  # before measuring, which takes minutes
+    if args.heatmap:
+        _output_file(args.heatmap, "--heatmap")
+    _at_least(args.threads, 0, "--threads", " (0: torch's default)")
+    for option in ("screen_tokens", "confirm_tokens", "top", "repeats"):
+        _at_least(getattr(args, option), 1, "--" + option.replace("_", "-"))
     if args.threads:
         import torch
 
@@ -93,7 +128,6 @@ def _tune(args: argparse.Namespace) -> int:
         print(f"looped-spec: BUG: {exc}", file=sys.stderr)
         return 1
     data = preset_data(config)
-    out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(dump_json(data), encoding="utf-8")
     load_preset(config.model, config.full_depth or 1, preset=out)  # re-read: what the engine will see
@@ -172,8 +206,9 @@ def main(argv: list[str] | None = None) -> int:
         args.argv = list(argv) if argv is not None else sys.argv[1:]
     try:
         return args.func(args)
-    except (ValueError, KeyError, TypeError, FileNotFoundError) as exc:
-        print(f"looped-spec: error: {exc}", file=sys.stderr)
+    except (ValueError, KeyError, TypeError, OSError) as exc:
+        # one line, whatever the message (pydantic and tokenizer errors span several)
+        print(f"looped-spec: error: {' '.join(str(exc).split())}", file=sys.stderr)
         return 2
 
 
