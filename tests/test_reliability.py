@@ -151,3 +151,47 @@ def test_item05_preemption_victim_is_the_latest_arrival():
     assert victims
     for victim, running in victims:
         assert victim == max(running, key=arrival_order.index)
+
+
+# ----- the design rule: a step is a transaction over requests -----
+def test_rule_a_request_failing_by_itself_finishes_with_error_and_the_others_go_on(monkeypatch):
+    params = [greedy(6), sampled(6, seed=5), greedy(5)]
+    expected = [o.token_ids for o in make_engine("ouro", speculation="2,1").generate(PROMPTS[:3], params)]
+    engine = make_engine("ouro", speculation="2,1")
+    ids = [engine.add_request(p, sp) for p, sp in zip(PROMPTS[:3], params)]
+    engine.step()  # prefill
+    original = SamplingRows.build.__func__
+
+    def build(cls, requests, device):  # a fault only this request's sampling hits, every time
+        if any(r.request_id == ids[1] for r in requests):
+            raise RuntimeError("bad request")
+        return original(cls, requests, device)
+
+    monkeypatch.setattr(SamplingRows, "build", classmethod(build))
+    finished = run_to_end(engine, max_errors=1)  # raised once, then the culprit is isolated
+    assert finished[ids[1]].finish_reason == "error" and "bad request" in finished[ids[1]].error
+    assert [finished[ids[0]].token_ids, finished[ids[2]].token_ids] == [expected[0], expected[2]]
+
+
+def test_rule_a_failed_round_is_rolled_back_generators_included(monkeypatch):
+    import looped_spec.spec.round as round_module
+
+    params = [sampled(9, seed=11), greedy(9), sampled(7, seed=12)]
+    expected = [o.token_ids for o in make_engine("huginn", speculation="2,3").generate(PROMPTS[:3], params)]
+    engine = make_engine("huginn", speculation="2,3")
+    ids = [engine.add_request(p, sp) for p, sp in zip(PROMPTS[:3], params)]
+    engine.step()
+    engine.step()  # one committed round, so the generators have drawn before the fault
+
+    original = round_module.accept
+
+    def accept_then_fail(*args, **kwargs):  # fails after the rejection sampler drew its uniforms
+        monkeypatch.setattr(round_module, "accept", original)
+        original(*args, **kwargs)
+        raise RuntimeError("injected fault")
+
+    monkeypatch.setattr(round_module, "accept", accept_then_fail)
+    with pytest.raises(RuntimeError, match="injected"):
+        engine.step()
+    finished = run_to_end(engine)
+    assert [finished[i].token_ids for i in ids] == expected
