@@ -36,6 +36,9 @@ class LoopedSpecEngine:
     "off", "adaptive", a `SpeculativeConfig(k, d)`, or a "K,d" string.
     """
 
+    #: a request whose step fails this many times in a row while it runs alone finishes with "error"
+    FAILURES_TO_BLAME = 2
+
     def __init__(
         self,
         model: str | ModelAdapter,
@@ -107,6 +110,7 @@ class LoopedSpecEngine:
         self._requests: dict[str, Request] = {}  # live requests, and finished ones until their output is returned
         self._reports: dict[str, Request] = {}  # outputs owed to the caller (advanced, finished, aborted)
         self._suspects: list[Request] = []  # requests of a failed step, to be run one at a time
+        self._failed_alone: dict[str, int] = {}  # suspect id -> consecutive failures running alone
 
     def _num_blocks(self, block_size: int, num_kv_blocks: int | None, memory_gb: float | None) -> int:
         per_request = (self.max_model_len + 64 + block_size - 1) // block_size + 1
@@ -208,8 +212,8 @@ class LoopedSpecEngine:
 
         A step is a transaction (docs/architecture.md, "Failure semantics"): if running it fails, every
         request is left as it was and the error is raised; the requests of that step then run one at a
-        time until each has stepped once, and a request that fails by itself finishes with
-        finish_reason "error". Outputs not yet returned (a failed step, an abort) come with a later step.
+        time until each has stepped once, and a request whose step fails twice in a row by itself finishes
+        with finish_reason "error". Outputs not yet returned (a failed step, an abort) come with a later step.
         """
         self._step_once()
         return self._take_outputs()
@@ -254,8 +258,9 @@ class LoopedSpecEngine:
         """Run a step's computation, which changes no request state but the random generators.
 
         On failure the generators are restored (the retried step draws the same tokens; KV blocks the step
-        reserved stay with their requests) and the error is raised, or, when `suspect` ran by itself, that
-        request finishes with the error and None is returned.
+        reserved stay with their requests) and the error is raised. The step's requests become suspects, run
+        alone one per step; a suspect failing alone a second time in a row is the cause (a one-shot engine
+        fault does not strike twice): it finishes with the error and None is returned.
         """
         saved = [r.generator.get_state() for r in requests]
         try:
@@ -265,15 +270,23 @@ class LoopedSpecEngine:
                 request.generator.set_state(state)
             if not isinstance(exc, Exception):
                 raise
-            if suspect is not None:
-                self._suspects.remove(suspect)
-                self._finish_with_error(suspect, exc)
-                return None
-            self._suspects += [r for r in requests if r not in self._suspects]
-            raise
+            if suspect is None:
+                self._suspects += [r for r in requests if r not in self._suspects]
+                raise
+            failures = self._failed_alone.get(suspect.request_id, 0) + 1
+            if failures < self.FAILURES_TO_BLAME:
+                self._failed_alone[suspect.request_id] = failures
+                raise
+            self._clear_suspect(suspect)
+            self._finish_with_error(suspect, exc)
+            return None
         if suspect is not None:
-            self._suspects.remove(suspect)
+            self._clear_suspect(suspect)
         return result
+
+    def _clear_suspect(self, request: Request) -> None:
+        self._suspects.remove(request)
+        self._failed_alone.pop(request.request_id, None)
 
     def _finish_with_error(self, request: Request, exc: Exception) -> None:
         logger.warning("request %s failed by itself and is finished with an error: %r", request.request_id, exc)
