@@ -368,7 +368,10 @@ class LoopedSpecEngine:
     def _output(self, request: Request) -> RequestOutput:
         text = None
         if self.tokenizer is not None and request.finished:
-            text = self.tokenizer.decode(request.output_token_ids, skip_special_tokens=True)
+            try:
+                text = self.tokenizer.decode(request.output_token_ids, skip_special_tokens=True)
+            except Exception as exc:  # the token ids are the output; text is a convenience that must not wedge
+                logger.warning("request %s: cannot decode its output to text: %r", request.request_id, exc)
         return RequestOutput(
             request.request_id,
             request.token_ids[: request.num_prompt_tokens],
