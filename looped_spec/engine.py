@@ -251,7 +251,8 @@ class LoopedSpecEngine:
 
     def _next_suspect(self) -> Request | None:
         """A running request from a failed step that has not stepped by itself since."""
-        self._suspects = [r for r in self._suspects if r.status is RequestStatus.RUNNING]
+        for request in [r for r in self._suspects if r.status is not RequestStatus.RUNNING]:
+            self._clear_suspect(request)  # finished, or preempted: its recompute starts afresh
         return self._suspects[0] if self._suspects else None
 
     def _transaction(self, suspect: Request | None, requests: list[Request], compute: Callable[[], Any]) -> Any:
@@ -416,7 +417,7 @@ class LoopedSpecEngine:
         bar = _progress(len(ids)) if use_tqdm else None
         try:
             while len(results) < len(ids):
-                if not self.has_unfinished_requests():
+                if not (self.scheduler.has_unfinished() or mine & self._reports.keys()):
                     raise RuntimeError("engine stopped with unfinished generate() requests")
                 self._step_once()
                 for out in self._take_outputs(only=mine):
