@@ -13,9 +13,32 @@ import torch.nn.functional as F
 
 from looped_spec.adapter import KVLayout, ModelAdapter, register_adapter
 from looped_spec.checkpoint import TensorSpec
+from looped_spec.config_fields import float_field, int_field, rope_theta
 from looped_spec.layers import apply_rope_interleaved, fused_swiglu, memo_angles, rms_norm
 
 _MIX = 0x9E3779B97F4A7C15  # odd 64-bit constant: spreads (seed, position) over generator seeds
+
+
+# The original code's architecture switches, with the one choice this adapter implements (absent = that one).
+IMPLEMENTED_CHOICES = {
+    "injection_type": "linear",
+    "state_init": "like-init",  # the truncated-normal initial latent of the `initial_state="random"` option
+    "block_class_name": "SandwichBlock",
+    "mlp_class_name": "GatedMLP",
+    "nonlin_name": "SiLU",
+    "norm_class_name": "RMSNorm_llama",
+}
+
+
+def reference_freqs_cis(config: dict) -> torch.Tensor:
+    """The RoPE buffer the original Huginn code stores as `freqs_cis`: [1, block_size, 1, head_dim / 2, 2]
+    (cos, sin) in fp32. looped-spec recomputes RoPE and ignores it; shipped checkpoints carry it so the
+    original code, which loads it rather than recomputing, gets real values instead of uninitialised memory."""
+    head_dim = int_field(config, "n_embd") // int_field(config, "n_heads")
+    base = rope_theta(config, 50000.0, key="rope_base")
+    inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float32)[: head_dim // 2] / head_dim))
+    angles = torch.outer(torch.arange(int_field(config, "block_size", 4096), dtype=torch.float32), inv_freq)
+    return torch.stack([angles.cos(), angles.sin()], dim=-1)[None, :, None]
 
 
 @register_adapter
@@ -29,20 +52,20 @@ class HuginnAdapter(ModelAdapter):
 
     def __init__(self, config, weights, **kwargs):
         super().__init__(config, weights, **kwargs)
-        self.hidden = int(config["n_embd"])
-        self.num_heads = int(config["n_heads"])
-        self.num_kv_heads = int(config.get("num_key_value_heads") or self.num_heads)
+        self.hidden = int_field(config, "n_embd")
+        self.num_heads = int_field(config, "n_heads")
+        self.num_kv_heads = int_field(config, "num_key_value_heads", self.num_heads)
         self.head_dim = self.hidden // self.num_heads
-        self.eps = float(config.get("norm_eps", 1e-6))
-        self.rope_base = float(config.get("rope_base", 50000))
-        self.num_prelude = int(config["n_layers_in_prelude"])
-        self.num_core = int(config["n_layers_in_recurrent_block"])
-        self.num_coda = int(config["n_layers_in_coda"])
+        self.eps = float_field(config, "norm_eps", 1e-6)
+        self.rope_base = rope_theta(config, 50000.0, key="rope_base")
+        self.num_prelude = int_field(config, "n_layers_in_prelude", minimum=0)
+        self.num_core = int_field(config, "n_layers_in_recurrent_block")
+        self.num_coda = int_field(config, "n_layers_in_coda", minimum=0)
         init = self.options.get("initial_state", "random")
         if init not in ("random", "zeros"):
             raise ValueError(f"adapter option initial_state={init!r}: use 'random' or 'zeros'")
         self.initial_state_mode = init
-        steps = self.options.get("num_steps", config.get("mean_recurrence", 32))
+        steps = self.options.get("num_steps", int_field(config, "mean_recurrence", 32))
         if not isinstance(steps, int) or steps < 1:
             raise ValueError(f"adapter option num_steps={steps!r} must be a positive integer")
         self._full_depth = steps
@@ -63,12 +86,12 @@ class HuginnAdapter(ModelAdapter):
 
     @classmethod
     def tensor_specs(cls, config: dict) -> dict[str, TensorSpec]:
-        d = int(config["n_embd"])
-        heads = int(config["n_heads"])
-        kv = int(config.get("num_key_value_heads") or heads)
+        d = int_field(config, "n_embd")
+        heads = int_field(config, "n_heads")
+        kv = int_field(config, "num_key_value_heads", heads)
         hd = d // heads
-        inter = int(config["intermediate_size"])
-        vocab = int(config.get("padded_vocab_size") or config["vocab_size"])
+        inter = int_field(config, "intermediate_size")
+        vocab = int_field(config, "padded_vocab_size", None) or int_field(config, "vocab_size")
         specs: dict[str, TensorSpec] = {
             "transformer.wte.weight": TensorSpec((vocab, d)),
             "transformer.adapter.weight": TensorSpec((d, 2 * d)),
@@ -81,7 +104,7 @@ class HuginnAdapter(ModelAdapter):
             ("core_block", "n_layers_in_recurrent_block"),
             ("coda", "n_layers_in_coda"),
         ):
-            for i in range(int(config[key])):
+            for i in range(int_field(config, key, minimum=0)):
                 p = f"transformer.{prefix}.{i}."
                 for n in range(1, 5):
                     specs[p + f"norm_{n}.weight"] = TensorSpec((d,))
@@ -95,22 +118,28 @@ class HuginnAdapter(ModelAdapter):
 
     @classmethod
     def check_config(cls, config: dict) -> None:
-        for key in (
-            "n_embd",
-            "n_heads",
-            "n_layers_in_prelude",
-            "n_layers_in_recurrent_block",
-            "n_layers_in_coda",
-            "intermediate_size",
-        ):
-            if key not in config:
-                raise ValueError(f"missing field {key}")
-        if config.get("injection_type", "linear") != "linear":
-            raise ValueError(f"injection_type {config['injection_type']!r} is not supported (only 'linear')")
-        if int(config["n_embd"]) % int(config["n_heads"]):
+        for key in ("n_embd", "n_heads", "n_layers_in_recurrent_block", "intermediate_size", "vocab_size"):
+            int_field(config, key)
+        for key in ("n_layers_in_prelude", "n_layers_in_coda"):
+            int_field(config, key, minimum=0)
+        int_field(config, "mean_recurrence", 32)
+        int_field(config, "block_size", 4096, minimum=2)
+        float_field(config, "norm_eps", 1e-6)
+        rope_theta(config, 50000.0, key="rope_base")
+        if config.get("rope_scaling"):
+            raise ValueError(f"rope_scaling {config['rope_scaling']!r} is not supported (only plain RoPE)")
+        for key, implemented in IMPLEMENTED_CHOICES.items():
+            if config.get(key, implemented) != implemented:
+                raise ValueError(f"{key} {config[key]!r} is not supported (only {implemented!r})")
+        heads = int_field(config, "n_heads")
+        if int_field(config, "n_embd") % heads:
             raise ValueError("n_embd must be a multiple of n_heads")
-        kv = int(config.get("num_key_value_heads") or config["n_heads"])
-        if config.get("qk_bias", False) and kv != int(config["n_heads"]):
+        if (int_field(config, "n_embd") // heads) % 2:
+            raise ValueError("n_embd / n_heads (the head size) must be even (RoPE rotates pairs)")
+        kv = int_field(config, "num_key_value_heads", heads)
+        if heads % kv:
+            raise ValueError(f"n_heads {heads} is not a multiple of num_key_value_heads {kv}")
+        if config.get("qk_bias", False) and kv != heads:
             raise ValueError("qk_bias with num_key_value_heads != n_heads is not supported")
         if config.get("bias", False):
             raise ValueError("bias = true is not supported")
@@ -140,7 +169,7 @@ class HuginnAdapter(ModelAdapter):
 
     @property
     def max_positions(self) -> int:
-        return int(self.config.get("block_size", 4096))
+        return int_field(self.config, "block_size", 4096, minimum=2)
 
     @property
     def needs_token_seeds(self) -> bool:

@@ -3,11 +3,25 @@
 from __future__ import annotations
 
 import torch
-from looped_spec.adapters.ouro import LlamaStyleLooped, check_plain_rope, llama_dims, llama_layer_specs
+from looped_spec.adapters.ouro import LlamaStyleLooped, check_llama_style, llama_layer_specs
 
 from looped_spec.adapter import register_adapter
 from looped_spec.checkpoint import TensorSpec
+from looped_spec.config_fields import int_field
 from looped_spec.layers import rms_norm
+
+# Nanbeige architecture switches this adapter does not implement: set, they change the math, so loading
+# such a checkpoint as plain looped Llama would generate different tokens silently.
+UNSUPPORTED_FLAGS = (
+    "loop_share_kv",
+    "enable_double_loop_split",
+    "enable_depth_attention",
+    "qk_layernorm",
+    "loop_middle_layers",
+    "enable_hyper_connection",
+    "enable_mhc",
+    "emb_neighbor_num",
+)
 
 
 @register_adapter
@@ -24,17 +38,20 @@ class NanbeigeAdapter(LlamaStyleLooped):
 
     @classmethod
     def check_config(cls, config: dict) -> None:
-        llama_dims(config)
-        check_plain_rope(config)
-        if config.get("attention_bias"):
-            raise ValueError("attention_bias = true is not supported")
-        if cls.loops_of(config) < 1:
-            raise ValueError("num_loops must be >= 1")
+        check_llama_style(config)
+        for flag in UNSUPPORTED_FLAGS:
+            value = config.get(flag)
+            if value not in (None, False, 0, [], {}):
+                raise ValueError(f"{flag}={value!r} is not supported by looped-spec's Nanbeige adapter")
+        weights = config.get("loop_loss_weights")
+        if weights is not None and not isinstance(weights, list):
+            raise ValueError(f"loop_loss_weights={weights!r} must be a list")
+        cls.loops_of(config)
 
     @staticmethod
     def loops_of(config: dict) -> int:
         weights = config.get("loop_loss_weights") or []
-        return len(weights) + 1 if weights else int(config.get("num_loops", 2))
+        return len(weights) + 1 if weights else int_field(config, "num_loops", 2)
 
     @property
     def full_depth(self) -> int:

@@ -2,23 +2,37 @@
 
 from __future__ import annotations
 
+import logging
+
 import torch
 import torch.nn.functional as F
 
 from looped_spec.adapter import KVLayout, ModelAdapter, register_adapter
 from looped_spec.checkpoint import TensorSpec
+from looped_spec.config_fields import float_field, int_field, rope_theta
 from looped_spec.layers import memo_half_rope, rms_norm, self_attention, swiglu
+
+logger = logging.getLogger(__name__)
 
 
 def llama_dims(config: dict) -> tuple[int, int, int, int, int, int]:
     """(hidden, intermediate, layers, heads, kv_heads, head_dim) from a Llama-style config."""
-    hidden = int(config["hidden_size"])
-    heads = int(config["num_attention_heads"])
-    kv_heads = int(config.get("num_key_value_heads") or heads)
-    head_dim = int(config.get("head_dim") or hidden // heads)
+    hidden = int_field(config, "hidden_size")
+    heads = int_field(config, "num_attention_heads")
+    kv_heads = int_field(config, "num_key_value_heads", heads)
+    head_dim = int_field(config, "head_dim", None) or hidden // heads
     if heads % kv_heads:
         raise ValueError(f"num_attention_heads {heads} is not a multiple of num_key_value_heads {kv_heads}")
-    return hidden, int(config["intermediate_size"]), int(config["num_hidden_layers"]), heads, kv_heads, head_dim
+    if head_dim % 2:
+        raise ValueError(f"head_dim={head_dim} must be even (RoPE rotates pairs)")
+    return (
+        hidden,
+        int_field(config, "intermediate_size"),
+        int_field(config, "num_hidden_layers"),
+        heads,
+        kv_heads,
+        head_dim,
+    )
 
 
 def llama_layer_specs(config: dict, norms: tuple[str, ...]) -> dict[str, TensorSpec]:
@@ -35,17 +49,40 @@ def llama_layer_specs(config: dict, norms: tuple[str, ...]) -> dict[str, TensorS
         specs[p + "mlp.down_proj.weight"] = TensorSpec((hidden, inter))
         for norm in norms:
             specs[p + norm + ".weight"] = TensorSpec((hidden,))
-    vocab = int(config["vocab_size"])
+    vocab = int_field(config, "vocab_size")
     specs["model.embed_tokens.weight"] = TensorSpec((vocab, hidden))
     specs["model.norm.weight"] = TensorSpec((hidden,))
     tied = bool(config.get("tie_word_embeddings", False))
     specs["lm_head.weight"] = TensorSpec((vocab, hidden), optional=tied)
+    # RoPE frequency buffers some exports store (older transformers, per layer): recomputed, so ignored
+    specs["model.rotary_emb.inv_freq"] = TensorSpec((head_dim // 2,), optional=True, ignored=True)
+    for i in range(layers):
+        specs[f"model.layers.{i}.self_attn.rotary_emb.inv_freq"] = TensorSpec(
+            (head_dim // 2,), optional=True, ignored=True
+        )
     return specs
 
 
-def check_plain_rope(config: dict) -> None:
+def check_llama_style(config: dict) -> None:
+    """Config values shared by the Llama-named families that this implementation does not support."""
+    llama_dims(config)
+    int_field(config, "vocab_size")
+    rope_theta(config, 10000.0)
+    float_field(config, "rms_norm_eps", 1e-6)
+    int_field(config, "max_position_embeddings", 4096, minimum=2)
     if config.get("rope_scaling"):
         raise ValueError(f"rope_scaling {config['rope_scaling']!r} is not supported (only plain RoPE)")
+    if config.get("hidden_act", "silu") != "silu":
+        raise ValueError(f"hidden_act {config['hidden_act']!r} is not supported (only 'silu')")
+    for flag in ("attention_bias", "mlp_bias"):
+        if config.get(flag):
+            raise ValueError(f"{flag} = true is not supported")
+    if config.get("use_sliding_window"):
+        window = config.get("sliding_window")
+        raise ValueError(f"use_sliding_window with sliding_window={window!r} is not supported")
+    for i, kind in enumerate(config.get("layer_types") or []):
+        if kind != "full_attention":
+            raise ValueError(f"layer_types[{i}] = {kind!r} is not supported (only full_attention)")
 
 
 class LlamaStyleLooped(ModelAdapter):
@@ -55,9 +92,11 @@ class LlamaStyleLooped(ModelAdapter):
 
     def __init__(self, config, weights, **kwargs):
         super().__init__(config, weights, **kwargs)
+        if self.options:
+            raise ValueError(f"unknown {self.model_type} adapter option(s) {sorted(self.options)}; it takes none")
         self.hidden, _, self.num_layers, self.num_heads, self.num_kv_heads, self.head_dim = llama_dims(config)
-        self.eps = float(config.get("rms_norm_eps", 1e-6))
-        self.rope_theta = float(config.get("rope_theta", 10000.0))
+        self.eps = float_field(config, "rms_norm_eps", 1e-6)
+        self.rope_theta = rope_theta(config, 10000.0)
         if "lm_head.weight" not in self.weights:
             self.weights["lm_head.weight"] = self.weights["model.embed_tokens.weight"]
         self.layer_weights = [
@@ -67,7 +106,7 @@ class LlamaStyleLooped(ModelAdapter):
 
     @property
     def vocab_size(self) -> int:
-        return int(self.config["vocab_size"])
+        return int_field(self.config, "vocab_size")
 
     @property
     def state_dim(self) -> int:
@@ -115,27 +154,26 @@ class OuroAdapter(LlamaStyleLooped):
     def tensor_specs(cls, config: dict) -> dict[str, TensorSpec]:
         norms = ("input_layernorm", "input_layernorm_2", "post_attention_layernorm", "post_attention_layernorm_2")
         specs = llama_layer_specs(config, norms)
-        hidden = int(config["hidden_size"])
+        hidden = int_field(config, "hidden_size")
         specs["model.early_exit_gate.weight"] = TensorSpec((1, hidden))
         specs["model.early_exit_gate.bias"] = TensorSpec((1,))
         return specs
 
     @classmethod
     def check_config(cls, config: dict) -> None:
-        llama_dims(config)
-        check_plain_rope(config)
-        if config.get("use_sliding_window"):
-            window = config.get("sliding_window")
-            raise ValueError(f"use_sliding_window with sliding_window={window!r} is not supported")
-        for i, kind in enumerate(config.get("layer_types") or []):
-            if kind != "full_attention":
-                raise ValueError(f"layer_types[{i}] = {kind!r} is not supported (only full_attention)")
-        if int(config.get("total_ut_steps", 4)) < 1:
-            raise ValueError("total_ut_steps must be >= 1")
+        check_llama_style(config)
+        int_field(config, "total_ut_steps", 4)
+        threshold = float_field(config, "early_exit_threshold", 1.0, positive=False)
+        if threshold < 1.0:  # until early exit is implemented, generation always runs all total_ut_steps loops
+            logger.warning(
+                "ouro config early_exit_threshold=%s is ignored: looped-spec runs all %s loops for every token",
+                threshold,
+                config.get("total_ut_steps", 4),
+            )
 
     @property
     def full_depth(self) -> int:
-        return int(self.config.get("total_ut_steps", 4))
+        return int_field(self.config, "total_ut_steps", 4)
 
     def loop(self, state: torch.Tensor, loop_index: int, ctx) -> torch.Tensor:
         h = state
@@ -167,4 +205,4 @@ class OuroAdapter(LlamaStyleLooped):
 
     @property
     def max_positions(self) -> int:
-        return int(self.config.get("max_position_embeddings", 32768))
+        return int_field(self.config, "max_position_embeddings", 32768, minimum=2)

@@ -30,6 +30,8 @@ from looped_spec.checkpoint import (
     resolve_device,
     resolve_dtype,
 )
+from looped_spec.config_fields import token_ids_field
+from looped_spec.generation_config import GenerationConfig, read_generation_config
 
 
 @dataclass(frozen=True)
@@ -76,6 +78,7 @@ class ModelAdapter(ABC):
         self.name = name or config.get("_name_or_path") or self.model_type
         self.path = path
         self.options = options
+        self.generation = GenerationConfig()  # load_adapter sets the checkpoint's generation_config.json
         self.weights = {k: v.to(device=self.device, dtype=dtype) for k, v in weights.items()}
 
     # ----- description -----
@@ -123,10 +126,9 @@ class ModelAdapter(ABC):
 
     @property
     def eos_token_ids(self) -> list[int]:
-        eos = self.config.get("eos_token_id")
-        if eos is None:
-            return []
-        return list(eos) if isinstance(eos, list) else [int(eos)]
+        """config.json's eos_token_id plus generation_config.json's (HF and vLLM stop on both)."""
+        ids = token_ids_field(self.config.get("eos_token_id"), "eos_token_id") + self.generation.stop_token_ids()
+        return list(dict.fromkeys(ids))
 
     @property
     def needs_token_seeds(self) -> bool:
@@ -262,16 +264,14 @@ def load_adapter(
     cls = adapter_class(model_type, str(folder / "config.json"))
     try:
         cls.check_config(config)
-    except (ValueError, KeyError, TypeError) as exc:
+        token_ids_field(config.get("eos_token_id"), "eos_token_id")
+        specs = cls.tensor_specs(config)
+    except (ValueError, KeyError, TypeError, ZeroDivisionError) as exc:
         raise CheckpointError(f"{folder / 'config.json'}: {exc}") from exc
+    generation = read_generation_config(folder)
+    dtype, device = resolve_dtype(dtype, config), resolve_device(device)
     tensors, origin = read_tensors(folder)
-    weights = check_tensors(tensors, cls.tensor_specs(config), origin, folder)
-    return cls(
-        config,
-        weights,
-        dtype=resolve_dtype(dtype, config),
-        device=resolve_device(device),
-        name=folder.name,
-        path=str(folder),
-        **options,
-    )
+    weights = check_tensors(tensors, specs, origin, folder)
+    adapter = cls(config, weights, dtype=dtype, device=device, name=folder.name, path=str(folder), **options)
+    adapter.generation = generation
+    return adapter

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -30,14 +31,18 @@ def read_config(folder: str | Path) -> dict:
     return config
 
 
+_SHARD = re.compile(r"model-(\d+)-of-(\d+)\.safetensors")
+
+
 def _weight_files(folder: Path) -> list[Path]:
     index = folder / "model.safetensors.index.json"
     if index.is_file():
         try:
             weight_map = json.loads(index.read_text())["weight_map"]
-        except (json.JSONDecodeError, KeyError, TypeError) as exc:
+            names = sorted(set(weight_map.values()))
+        except (json.JSONDecodeError, KeyError, TypeError, AttributeError) as exc:
             raise CheckpointError(f"{index}: malformed index ({exc})") from exc
-        files = sorted({folder / name for name in weight_map.values()})
+        files = [_shard_in_folder(folder, index, name) for name in names]
         for file in files:
             if not file.is_file():
                 raise CheckpointError(f"{index}: names shard {file.name}, which is missing")
@@ -45,13 +50,49 @@ def _weight_files(folder: Path) -> list[Path]:
     single = folder / "model.safetensors"
     if single.is_file():
         return [single]
+    shards = _complete_shard_set(folder)
+    if shards:
+        return shards
     pickles = sorted(p.name for p in folder.glob("*.bin")) + sorted(p.name for p in folder.glob("*.pt"))
     if pickles:
         raise CheckpointError(
             f"{folder}: only pickle weights found ({', '.join(pickles)}); looped-spec loads safetensors only "
             "(pickle can run arbitrary code). Convert the checkpoint to safetensors first."
         )
-    raise CheckpointError(f"{folder}: no model.safetensors, model.safetensors.index.json or *.safetensors file")
+    others = sorted(p.name for p in folder.glob("*.safetensors"))
+    found = f" (found only {', '.join(others)}, which is not a weights file name looped-spec reads)" if others else ""
+    raise CheckpointError(
+        f"{folder}: no model.safetensors, model.safetensors.index.json or model-XXXXX-of-XXXXX.safetensors shards"
+        + found
+    )
+
+
+def _shard_in_folder(folder: Path, index: Path, name: object) -> Path:
+    """A shard named by the index: a plain file name inside the checkpoint folder, never a path out of it."""
+    if not isinstance(name, str) or not name or Path(name).name != name or name in (".", ".."):
+        raise CheckpointError(f"{index}: shard name {name!r} is not a file name inside the checkpoint folder")
+    file = folder / name
+    if file.resolve().parent != folder.resolve():  # e.g. a symlink pointing elsewhere
+        raise CheckpointError(f"{index}: shard {name} resolves outside the checkpoint folder")
+    return file
+
+
+def _complete_shard_set(folder: Path) -> list[Path]:
+    """`model-0000i-of-0000N.safetensors` files without an index: all N of them, or an error naming the gap."""
+    found = {}
+    for file in sorted(folder.glob("*.safetensors")):
+        match = _SHARD.fullmatch(file.name)
+        if match is not None:
+            found[(int(match.group(1)), int(match.group(2)))] = file
+    if not found:
+        return []
+    totals = {total for _, total in found}
+    total = totals.pop()
+    expected = {(i, total) for i in range(1, total + 1)}
+    if totals or set(found) != expected:
+        names = ", ".join(f.name for f in found.values())
+        raise CheckpointError(f"{folder}: incomplete or mixed shard set without an index ({names})")
+    return [found[key] for key in sorted(expected)]
 
 
 def read_tensors(folder: str | Path) -> tuple[dict[str, torch.Tensor], dict[str, Path]]:
@@ -110,29 +151,45 @@ def check_tensors(
     return used
 
 
+_DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "float": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+    "half": torch.float16,
+}
+
+
 def resolve_dtype(dtype: str | torch.dtype, config: dict) -> torch.dtype:
-    """Map 'auto' | 'float32' | 'bfloat16' | 'float16' | torch.dtype to a torch dtype."""
+    """Map 'auto' | 'float32' | 'bfloat16' | 'float16' | one of those torch dtypes to a torch dtype."""
     if isinstance(dtype, torch.dtype):
+        if dtype not in _DTYPES.values():
+            raise ValueError(f"dtype={dtype} is not supported; use torch.float32, torch.bfloat16 or torch.float16")
         return dtype
-    names = {
-        "float32": torch.float32,
-        "fp32": torch.float32,
-        "bfloat16": torch.bfloat16,
-        "bf16": torch.bfloat16,
-        "float16": torch.float16,
-        "fp16": torch.float16,
-        "half": torch.float16,
-        "float": torch.float32,
-    }
+    if not isinstance(dtype, str):
+        raise TypeError(f"dtype={dtype!r} must be a string or a torch dtype")
     if dtype == "auto":
         dtype = str(config.get("torch_dtype") or config.get("dtype") or "float32")
-    if dtype not in names:
+    if dtype not in _DTYPES:
         raise ValueError(f"dtype {dtype!r} is not supported; use one of auto, float32, bfloat16, float16")
-    return names[dtype]
+    return _DTYPES[dtype]
 
 
 def resolve_device(device: str | torch.device) -> torch.device:
-    """'auto' picks CUDA when available, else CPU."""
+    """'auto' picks CUDA when available, else CPU. A CUDA device without CUDA is an error, not a fallback."""
     if device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(device)
+    if not isinstance(device, (str, torch.device)):
+        raise TypeError(f"device={device!r} must be a string or a torch.device")
+    try:
+        resolved = torch.device(device)
+    except RuntimeError as exc:
+        raise ValueError(f"device={device!r} is not a device ({exc})") from exc
+    if resolved.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device={device!r}, but this torch build has no usable CUDA device; use device='cpu'")
+    if resolved.type not in ("cpu", "cuda"):
+        raise ValueError(f"device={device!r} is not supported; use 'auto', 'cpu' or 'cuda[:N]'")
+    return resolved

@@ -51,9 +51,38 @@ def _read_prompts(args: argparse.Namespace) -> list[str]:
     return prompts * args.batch_size
 
 
+class UsageError(ValueError):
+    """Bad command-line input: reported as one line, exit status 2."""
+
+
+def _output_file(value: str, option: str) -> Path:
+    """A path a command will write: not a directory, and not under an existing file. Checked before any work."""
+    path = Path(value)
+    if path.is_dir():
+        raise UsageError(f"{option} {value}: is a directory; give a file path")
+    for parent in path.parents:
+        if parent.exists():
+            if not parent.is_dir():
+                raise UsageError(f"{option} {value}: {parent} is a file, not a directory")
+            if not os.access(parent, os.W_OK):
+                raise UsageError(f"{option} {value}: cannot write in {parent}")
+            break
+    return path
+
+
+def _at_least(value: int, minimum: int, option: str, note: str = "") -> None:
+    if value < minimum:
+        raise UsageError(f"{option} {value}: must be >= {minimum}{note}")
+
+
 def _generate(args: argparse.Namespace) -> int:
     from looped_spec import LoopedSpecEngine, SamplingParams
 
+    if args.trace is not None:
+        _output_file(args.trace, "--trace")
+    _at_least(args.batch_size, 1, "--batch-size")
+    _at_least(args.max_tokens, 1, "--max-tokens")
+    _at_least(args.threads, 0, "--threads", " (0: torch's default)")
     _set_threads(args.threads)
     prompts = _read_prompts(args)
     engine = LoopedSpecEngine(args.model, **_engine_options(args))
@@ -164,16 +193,19 @@ def _models(args: argparse.Namespace) -> int:
 
 def _tune(args: argparse.Namespace) -> int:
     import shlex
-    from pathlib import Path
 
     from looped_spec.control.presets import load_preset, read_preset_file
     from looped_spec.tuner import tune
     from looped_spec.tuner_inputs import TunerError, parse_adapter_options
     from looped_spec.tuner_report import dump_json, format_report, preset_data, write_heatmap
 
-    out = Path(args.out)
-    if out.is_dir() or (out.parent.exists() and not out.parent.is_dir()):
-        raise TunerError(f"--out {out}: not a writable file path")
+    out = _output_file(args.out, "--out")  # before measuring, which takes minutes
+    if args.heatmap:
+        _output_file(args.heatmap, "--heatmap")
+    _at_least(args.threads, 0, "--threads", " (0: torch's default)")
+    _at_least(args.acceptance_tokens, 2, "--acceptance-tokens", " (the first token comes from prefill)")
+    for option in ("num_prompts", "profile_rounds", "repeats"):
+        _at_least(getattr(args, option), 1, "--" + option.replace("_", "-"))
     _set_threads(args.threads)
     argv = args.argv if args.argv is not None else sys.argv[1:]  # set by main()
     cost = {}
@@ -220,19 +252,6 @@ def _tune(args: argparse.Namespace) -> int:
         write_heatmap(report, png, f"{config.model} on {config.hardware}")
         print(f"wrote {png}")
     return 0
-
-
-def _positive(minimum: int):
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-        if value < minimum:
-            raise argparse.ArgumentTypeError(f"must be >= {minimum}, got {value}")
-        return value
-
-    return parse
 
 
 def _add_engine_flags(p: argparse.ArgumentParser) -> None:
@@ -336,12 +355,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     tune.add_argument("--out", required=True, help="preset JSON to write, e.g. presets/NAME.json")
     tune.add_argument("--grid", default="auto", help='auto | "K,d;K,d;..." (1 <= d < D)')
-    tune.add_argument(
-        "--acceptance-tokens", type=_positive(2), default=96, help="greedy tokens per prompt (acceptance pass)"
-    )
-    tune.add_argument("--num-prompts", type=_positive(1), default=32, help="prompts in the acceptance pass")
-    tune.add_argument("--profile-rounds", type=_positive(1), default=12, help="timed rounds per config and repeat")
-    tune.add_argument("--repeats", type=_positive(1), default=4, help="timed repeats (one more is run and dropped)")
+    tune.add_argument("--acceptance-tokens", type=int, default=96, help="greedy tokens per prompt (acceptance pass)")
+    tune.add_argument("--num-prompts", type=int, default=32, help="prompts in the acceptance pass")
+    tune.add_argument("--profile-rounds", type=int, default=12, help="timed rounds per config and repeat")
+    tune.add_argument("--repeats", type=int, default=4, help="timed repeats (one more is run and dropped)")
     tune.add_argument("--seed", type=int, default=0, help="seed of the interleaving order")
     tune.add_argument(
         "--cost-from",
@@ -360,7 +377,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     tune.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 | float16")
     tune.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
-    tune.add_argument("--threads", type=_positive(0), default=0, help="torch CPU threads (0: torch's default)")
+    tune.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
     tune.add_argument("--adapter-option", action="append", help="KEY=VALUE passed to the adapter")
     tune.add_argument("--quiet", action="store_true", help="no progress bar")
     tune.set_defaults(func=_tune, argv=None)
@@ -374,7 +391,7 @@ def main(argv: list[str] | None = None) -> int:
         args.argv = list(argv) if argv is not None else sys.argv[1:]
     try:
         return args.func(args)
-    except (ValueError, KeyError, TypeError, FileNotFoundError) as exc:
+    except (ValueError, KeyError, TypeError, OSError) as exc:
         print(f"looped-spec: error: {_one_line(exc)}", file=sys.stderr)
         return 2
 

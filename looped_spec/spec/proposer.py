@@ -70,10 +70,11 @@ class DraftProposer:
             if num_next == 0:
                 break
             logits = logits[:num_next]
-            if rows.all_greedy:
+            # decide per step, not per batch: the sampled rows may all have dropped out (smaller K)
+            sub = rows if rows.all_greedy else SamplingRows.build(active[:num_next], device)
+            if sub.all_greedy:
                 drafted = logits.argmax(-1)
             else:
-                sub = SamplingRows.build(active[:num_next], device)
                 q = probabilities(logits, sub)
                 drafted = sample_from(q, sub.uniforms(1)[:, 0])
                 if q_probs is None:

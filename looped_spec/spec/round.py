@@ -1,4 +1,8 @@
-"""One speculative round: draft, verify, accept — and the counterfactual depth measurements."""
+"""One decode round: draft, verify, accept — and the counterfactual depth measurements.
+
+Plain decoding is the K = 0 round: one full-depth forward and a sample per request, with no draft,
+verify or acceptance bookkeeping. Nothing here changes request state; the scheduler commits the result.
+"""
 
 from __future__ import annotations
 
@@ -9,7 +13,7 @@ import torch
 
 from looped_spec.model_runner import ModelRunner
 from looped_spec.request import Request
-from looped_spec.sampler import SamplingRows
+from looped_spec.sampler import SamplingRows, sample
 from looped_spec.spec.proposer import DraftProposer
 from looped_spec.spec.rejection_sampler import accept, pad_positions
 from looped_spec.spec.verifier import Verifier
@@ -41,6 +45,8 @@ class SpeculativeRound:
             torch.cuda.synchronize()
 
     def run(self, requests: list[Request], k: list[int], d: int, measure_depths: bool = False) -> RoundResult:
+        if max(k) == 0:
+            return self._plain(requests, measure_depths)
         order = sorted(range(len(requests)), key=lambda i: -k[i])
         reqs = [requests[i] for i in order]
         ks = [k[i] for i in order]
@@ -75,6 +81,23 @@ class SpeculativeRound:
             committed[i] = committed_sorted[pos]
             accepted[i] = acc[pos]
         return RoundResult(committed, accepted, t1 - t0, t2 - t1, t3 - t2, matches, trials)
+
+    def _plain(self, requests: list[Request], measure_depths: bool) -> RoundResult:
+        """K = 0: plain full-depth decoding; its time is reported as verify time (there is no draft)."""
+        t0 = time.perf_counter()
+        full_depth = self.runner.full_depth
+        depth_preds = None
+        if measure_depths and full_depth > 1:
+            depth_preds = torch.empty(full_depth - 1, len(requests), dtype=torch.long, device=self.runner.device)
+        logits = self.runner.decode(requests, depth_preds)
+        sampled = sample(logits, SamplingRows.build(requests, self.runner.device))
+        matches: list[int] = []
+        trials: list[int] = []
+        if depth_preds is not None:  # how often each shallower depth would have drafted the committed token
+            matches = (depth_preds == sampled[None]).sum(dim=1).tolist() + [len(requests)]
+            trials = [len(requests)] * full_depth
+        committed = [[t] for t in sampled.tolist()]
+        return RoundResult(committed, [0] * len(requests), 0.0, time.perf_counter() - t0, 0.0, matches, trials)
 
     def _depth_agreement(self, draft, verification, committed_grid, num_accepted, d):
         """Greedy agreement of each depth's readout with the committed token, on committed positions."""

@@ -1,0 +1,199 @@
+"""Issue 11: the engine never wedges and never loses an output. One regression test per numbered item."""
+
+from __future__ import annotations
+
+import pytest
+from conftest import make_engine
+from pydantic import ValidationError
+
+from looped_spec import SamplingParams, SpeculativeConfig
+from looped_spec.sampler import SamplingRows
+
+PROMPTS = [[5, 9, 13], [200, 1, 77, 4, 4, 19], [42, 43], [17, 18, 19, 20]]
+
+
+def greedy(n: int) -> SamplingParams:
+    return SamplingParams(max_tokens=n, ignore_eos=True)
+
+
+def sampled(n: int, seed: int) -> SamplingParams:
+    return SamplingParams(max_tokens=n, temperature=0.8, seed=seed, ignore_eos=True)
+
+
+def run_to_end(engine, max_errors: int = 0) -> dict:
+    """Step until nothing is left; collect each finished output (asserting it is reported once)."""
+    finished: dict = {}
+    errors = 0
+    for _ in range(1000):
+        if not engine.has_unfinished_requests():
+            break
+        try:
+            outs = engine.step()
+        except RuntimeError:
+            errors += 1
+            assert errors <= max_errors, "the engine raised again: it is wedged"
+            continue
+        for out in outs:
+            if out.finished:
+                assert out.request_id not in finished, f"{out.request_id} reported finished twice"
+                finished[out.request_id] = out
+    assert not engine.has_unfinished_requests()
+    assert engine.num_free_blocks == engine.kv.num_blocks
+    return finished
+
+
+class OneShotFault:
+    """Raise RuntimeError the first time `when(*args)` is true, then behave normally."""
+
+    def __init__(self, original, when) -> None:
+        self.original = original
+        self.when = when
+        self.fired = False
+
+    def __call__(self, *args, **kwargs):
+        if not self.fired and self.when(*args, **kwargs):
+            self.fired = True
+            raise RuntimeError("injected fault")
+        return self.original(*args, **kwargs)
+
+
+# ----- 1. a mixed greedy/sampled speculative batch where the sampled request has the smaller K -----
+@pytest.mark.parametrize("family", ["ouro", "nanbeige"])
+def test_item01_mixed_batch_sampled_request_with_smaller_k(family):
+    alone = make_engine(family).generate(PROMPTS[0], greedy(12))[0].token_ids
+    engine = make_engine(family, speculation=SpeculativeConfig(k=3, d=1))
+    # max_tokens=3: after its first token the sampled request may take at most 1 draft, the greedy one 3
+    outs = engine.generate(PROMPTS[:2], [greedy(12), sampled(3, seed=7)])
+    assert outs[0].token_ids == alone
+    assert len(outs[1].token_ids) == 3
+    assert engine.num_free_blocks == engine.kv.num_blocks
+
+
+# ----- 2. an error while sampling the first token after prefill -----
+def test_item02_error_sampling_first_token_does_not_wedge(monkeypatch):
+    params = [greedy(6), sampled(6, seed=3), greedy(4)]
+    expected = [o.token_ids for o in make_engine("ouro").generate(PROMPTS[:3], params)]
+    engine = make_engine("ouro")
+    ids = [engine.add_request(p, sp) for p, sp in zip(PROMPTS[:3], params)]
+    fault = OneShotFault(SamplingRows.build.__func__, lambda cls, requests, device: True)
+    monkeypatch.setattr(SamplingRows, "build", classmethod(fault))
+    finished = run_to_end(engine, max_errors=1)
+    assert fault.fired
+    assert [finished[i].token_ids for i in ids] == expected
+    assert all(finished[i].finish_reason == "length" for i in ids)
+    with pytest.raises(ValidationError, match="top_k"):
+        SamplingParams(top_k=2**70)
+
+
+# ----- 3. a step that fails after committing tokens; a pending abort report -----
+def test_item03_outputs_of_a_failed_step_are_reported_later(monkeypatch):
+    engine = make_engine("ouro")
+    done = engine.add_request(PROMPTS[0], greedy(2))  # finishes in the first decode round
+    engine.step()  # prefill
+    fault = OneShotFault(engine.controller.observe, lambda feedback: True)
+    monkeypatch.setattr(engine.controller, "observe", fault)  # fails after the round is committed
+    with pytest.raises(RuntimeError, match="injected"):
+        engine.step()
+    assert engine.has_unfinished_requests()
+    finished = run_to_end(engine)
+    assert finished[done].finish_reason == "length" and len(finished[done].token_ids) == 2
+
+    keep = engine.add_request(PROMPTS[1], greedy(5))
+    gone = engine.add_request(PROMPTS[2], greedy(5))
+    engine.step()
+    engine.abort(gone)
+    loop = OneShotFault(engine.adapter.loop, lambda *args: True)
+    monkeypatch.setattr(engine.adapter, "loop", loop)
+    with pytest.raises(RuntimeError, match="injected"):
+        engine.step()
+    finished = run_to_end(engine)
+    assert finished[gone].finish_reason == "abort"
+    assert finished[keep].token_ids == make_engine("ouro").generate(PROMPTS[1], greedy(5))[0].token_ids
+
+
+# ----- 4. add_request() mixed with generate(); a generate() that fails part way -----
+def test_item04_online_requests_survive_generate_and_failed_generate_queues_nothing():
+    engine = make_engine("nanbeige")
+    online = engine.add_request(PROMPTS[0], greedy(2))
+    outs = engine.generate(PROMPTS[1:3], greedy(8))
+    assert [len(o.token_ids) for o in outs] == [8, 8]
+    finished = run_to_end(engine)  # the online request finished during generate(): step() still reports it
+    assert finished[online].finish_reason == "length" and len(finished[online].token_ids) == 2
+
+    engine.add_request(PROMPTS[3], greedy(3), request_id="1")  # an id generate() would also number
+    outs = engine.generate(PROMPTS[:3], greedy(3))
+    assert len({o.request_id for o in outs} | {"1"}) == 4
+    with pytest.raises(ValueError, match=r"prompts\[1\]"):
+        engine.generate([PROMPTS[0], [10**6]], greedy(3))
+    finished = run_to_end(engine)
+    assert list(finished) == ["1"]  # nothing of the rejected generate() was queued
+
+
+# ----- 5. preemption takes the newest request, counted by arrival -----
+def test_item05_preemption_victim_is_the_latest_arrival():
+    engine = make_engine("ouro", block_size=4, num_kv_blocks=14, max_model_len=40)
+    arrival_order: list[str] = []
+    victims: list[tuple[str, list[str]]] = []
+    original = engine.scheduler.preempt
+
+    def preempt(request):
+        victims.append((request.request_id, [r.request_id for r in engine.scheduler.running]))
+        original(request)
+
+    engine.scheduler.preempt = preempt
+    for prompt, n in [(PROMPTS[0], 1), (PROMPTS[1], 1), (PROMPTS[2], 30), (PROMPTS[3], 30)]:
+        arrival_order.append(engine.add_request(prompt, greedy(n)))
+    for _ in range(3):  # the two short requests finish; live requests are now fewer than arrivals
+        engine.step()
+    for prompt in PROMPTS[:2]:
+        arrival_order.append(engine.add_request(prompt, greedy(30)))
+    run_to_end(engine)
+    assert victims
+    for victim, running in victims:
+        assert victim == max(running, key=arrival_order.index)
+
+
+# ----- the design rule: a step is a transaction over requests -----
+def test_rule_a_request_failing_by_itself_finishes_with_error_and_the_others_go_on(monkeypatch):
+    params = [greedy(6), sampled(6, seed=5), greedy(5)]
+    expected = [o.token_ids for o in make_engine("ouro", speculation="2,1").generate(PROMPTS[:3], params)]
+    engine = make_engine("ouro", speculation="2,1")
+    ids = [engine.add_request(p, sp) for p, sp in zip(PROMPTS[:3], params)]
+    engine.step()  # prefill
+    original = SamplingRows.build.__func__
+
+    def build(cls, requests, device):  # a fault only this request's sampling hits, every time
+        if any(r.request_id == ids[1] for r in requests):
+            raise RuntimeError("bad request")
+        return original(cls, requests, device)
+
+    monkeypatch.setattr(SamplingRows, "build", classmethod(build))
+    # raised for the batch, raised again when it first fails alone (a one-shot engine fault would not
+    # fail twice), then it is the culprit
+    finished = run_to_end(engine, max_errors=2)
+    assert finished[ids[1]].finish_reason == "error" and "bad request" in finished[ids[1]].error
+    assert [finished[ids[0]].token_ids, finished[ids[2]].token_ids] == [expected[0], expected[2]]
+
+
+def test_rule_a_failed_round_is_rolled_back_generators_included(monkeypatch):
+    import looped_spec.spec.round as round_module
+
+    params = [sampled(9, seed=11), greedy(9), sampled(7, seed=12)]
+    expected = [o.token_ids for o in make_engine("huginn", speculation="2,3").generate(PROMPTS[:3], params)]
+    engine = make_engine("huginn", speculation="2,3")
+    ids = [engine.add_request(p, sp) for p, sp in zip(PROMPTS[:3], params)]
+    engine.step()
+    engine.step()  # one committed round, so the generators have drawn before the fault
+
+    original = round_module.accept
+
+    def accept_then_fail(*args, **kwargs):  # fails after the rejection sampler drew its uniforms
+        monkeypatch.setattr(round_module, "accept", original)
+        original(*args, **kwargs)
+        raise RuntimeError("injected fault")
+
+    monkeypatch.setattr(round_module, "accept", accept_then_fail)
+    with pytest.raises(RuntimeError, match="injected"):
+        engine.step()
+    finished = run_to_end(engine)
+    assert [finished[i].token_ids for i in ids] == expected

@@ -1,0 +1,255 @@
+"""Issue 11 items 6-12: inputs accepted and then failing, and checkpoints loaded silently wrong."""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+
+import pytest
+import torch
+from conftest import fixture_dir, make_engine
+from pydantic import ValidationError
+from safetensors.torch import load_file, save_file
+
+from looped_spec import CheckpointError, LoopedSpecEngine, SamplingParams, load_adapter
+from looped_spec.models import shipped_model_path
+
+
+def copy_model(tmp_path, source) -> object:
+    dst = tmp_path / source.name
+    shutil.copytree(source, dst)
+    for p in dst.iterdir():
+        p.chmod(0o644)
+    return dst
+
+
+def edit_config(folder, **changes) -> None:
+    config = json.loads((folder / "config.json").read_text())
+    config.update(changes)
+    for key, value in changes.items():
+        if value is ...:  # remove the key
+            config.pop(key)
+    (folder / "config.json").write_text(json.dumps(config))
+
+
+def greedy(n: int) -> SamplingParams:
+    return SamplingParams(max_tokens=n, ignore_eos=True)
+
+
+# ----- 6. inputs that were accepted and then failed, or failed without naming the field -----
+def test_item06_sampling_params_bounds():
+    assert SamplingParams(temperature=1e-45).greedy
+    engine = make_engine("ouro")
+    tiny = engine.generate([5, 9, 13], SamplingParams(max_tokens=6, temperature=1e-45, ignore_eos=True))[0]
+    assert tiny.token_ids == engine.generate([5, 9, 13], greedy(6))[0].token_ids
+    for field, value in (("top_k", 2**70), ("seed", 2**70), ("temperature", float("nan")), ("top_p", float("nan"))):
+        with pytest.raises(ValidationError, match=field):
+            SamplingParams(**{field: value})
+
+
+@pytest.mark.parametrize(
+    "kwargs,named",
+    [
+        ({"dtype": torch.int32}, "dtype"),
+        ({"dtype": torch.bool}, "dtype"),
+        ({"max_model_len": 0}, "max_model_len"),
+        ({"block_size": 0}, "block_size"),
+        ({"block_size": -1}, "block_size"),
+        ({"model": None}, "model"),
+        ({"preset": 123, "speculation": "adaptive"}, "preset"),
+        ({"preset": {}, "speculation": "adaptive"}, "preset"),
+        ({"max_batch_size": "8"}, "max_batch_size"),
+        ({"kv_cache_memory_gb": float("nan")}, "kv_cache_memory_gb"),
+        ({"adapter_options": {"no_such_option": 1}}, "no_such_option"),
+    ],
+)
+def test_item06_engine_arguments_are_named(kwargs, named):
+    args = {"model": str(fixture_dir("ouro")), "device": "cpu", "speculation": "off", **kwargs}
+    with pytest.raises(ValueError, match=named):
+        LoopedSpecEngine(**args)
+
+
+def test_item06_nanbeige_rejects_unknown_adapter_options():
+    with pytest.raises(ValueError, match="no_such_option"):
+        load_adapter(fixture_dir("nanbeige"), device="cpu", no_such_option=1)
+
+
+@pytest.mark.parametrize(
+    "family,changes,named",
+    [
+        ("ouro", {"eos_token_id": "x"}, "eos_token_id"),
+        ("nanbeige", {"eos_token_id": [2, "x"]}, "eos_token_id"),
+        ("huginn", {"n_heads": 0}, "n_heads"),
+        ("ouro", {"num_attention_heads": 0}, "num_attention_heads"),
+        ("ouro", {"vocab_size": "abc"}, "vocab_size"),
+        ("huginn", {"vocab_size": "abc", "padded_vocab_size": ...}, "vocab_size"),
+    ],
+)
+def test_item06_bad_config_values_fail_at_load_naming_the_field(tmp_path, family, changes, named):
+    folder = copy_model(tmp_path, fixture_dir(family))
+    edit_config(folder, **changes)
+    with pytest.raises(CheckpointError, match=rf"config\.json: .*{named}"):
+        load_adapter(folder, device="cpu")
+
+
+def test_item06_corrupt_tokenizer_names_the_file(tmp_path):
+    folder = copy_model(tmp_path, shipped_model_path("tiny-ouro"))
+    (folder / "tokenizer.json").write_text('{"version": "1.0", "model": {"type": "nonsense"')
+    with pytest.raises(CheckpointError, match="tokenizer.json"):
+        LoopedSpecEngine(str(folder), device="cpu", speculation="off")
+
+
+# ----- 7. a shard index naming files outside the checkpoint folder -----
+@pytest.mark.parametrize("name", ["../outside.safetensors", "/tmp/outside.safetensors", "sub/../../x.safetensors"])
+def test_item07_shard_index_cannot_leave_the_folder(tmp_path, name):
+    folder = copy_model(tmp_path, fixture_dir("ouro"))
+    tensors = load_file(str(folder / "model.safetensors"))
+    (folder / "model.safetensors").unlink()
+    outside = tmp_path / "outside.safetensors"
+    save_file(tensors, str(outside))
+    weight_map = {key: name for key in tensors}
+    (folder / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    with pytest.raises(CheckpointError, match="inside the checkpoint folder"):
+        load_adapter(folder, device="cpu")
+
+
+# ----- 8. plain decoding written as presets write it -----
+def test_item08_speculation_zero_zero_is_plain():
+    plain = make_engine("ouro", speculation="off").generate([5, 9, 13], greedy(5))[0].token_ids
+    for spec in ("0,0", {"k": 0, "d": 0}):
+        engine = make_engine("ouro", speculation=spec)
+        assert engine.generate([5, 9, 13], greedy(5))[0].token_ids == plain
+        assert engine.stats.num_spec_rounds == 0
+    with pytest.raises(ValueError, match="d=0 must be >= 1 when k=2"):
+        make_engine("ouro", speculation="2,0")
+
+
+# ----- 9. transformers-5 configs: rope_parameters instead of a top-level rope_theta -----
+@pytest.mark.parametrize("family", ["ouro", "nanbeige"])
+def test_item09_rope_parameters_are_read(tmp_path, family):
+    folder = copy_model(tmp_path, fixture_dir(family))
+    theta = json.loads((folder / "config.json").read_text())["rope_theta"]
+    edit_config(folder, rope_theta=..., rope_parameters={"rope_theta": theta, "rope_type": "default"})
+    ids = torch.tensor([[5, 9, 13, 200, 1, 77, 4, 4, 19, 88, 23, 7, 150, 3]])
+    expected = load_adapter(fixture_dir(family), device="cpu").dense_logits(ids)
+    assert load_adapter(folder, device="cpu").rope_theta == theta
+    torch.testing.assert_close(load_adapter(folder, device="cpu").dense_logits(ids), expected)
+    edit_config(folder, rope_parameters={"rope_theta": theta, "rope_type": "yarn", "factor": 4.0})
+    with pytest.raises(CheckpointError, match="rope_type='yarn'"):
+        load_adapter(folder, device="cpu")
+
+
+# ----- 10. Nanbeige architecture flags the adapter does not implement -----
+@pytest.mark.parametrize(
+    "flag,value",
+    [
+        ("loop_share_kv", True),
+        ("enable_double_loop_split", True),
+        ("enable_depth_attention", True),
+        ("qk_layernorm", True),
+        ("loop_middle_layers", [1]),
+        ("enable_hyper_connection", True),
+        ("enable_mhc", True),
+        ("emb_neighbor_num", 2),
+    ],
+)
+def test_item10_unimplemented_nanbeige_flags_are_rejected_by_name(tmp_path, flag, value):
+    folder = copy_model(tmp_path, fixture_dir("nanbeige"))
+    edit_config(folder, **{flag: value})
+    with pytest.raises(CheckpointError, match=flag):
+        load_adapter(folder, device="cpu")
+    edit_config(folder, **{flag: None})  # unset is fine
+    load_adapter(folder, device="cpu")
+
+
+@pytest.mark.parametrize(
+    "family,changes,named",
+    [
+        ("huginn", {"state_init": "zero"}, "state_init"),
+        ("huginn", {"norm_class_name": "LayerNorm"}, "norm_class_name"),
+        ("huginn", {"nonlin_name": "GELU"}, "nonlin_name"),
+        ("ouro", {"hidden_act": "gelu"}, "hidden_act"),
+        ("nanbeige", {"mlp_bias": True}, "mlp_bias"),
+    ],
+)
+def test_item10_same_rule_for_every_family(tmp_path, family, changes, named):
+    folder = copy_model(tmp_path, fixture_dir(family))
+    edit_config(folder, **changes)
+    with pytest.raises(CheckpointError, match=named):
+        load_adapter(folder, device="cpu")
+
+
+# ----- 11. what real exports carry: inv_freq buffers, a lone shard, generation_config.json, freqs_cis -----
+def test_item11_stored_inv_freq_buffers_are_ignored(tmp_path):
+    folder = copy_model(tmp_path, fixture_dir("ouro"))
+    tensors = load_file(str(folder / "model.safetensors"))
+    tensors["model.rotary_emb.inv_freq"] = torch.ones(8)
+    tensors["model.layers.0.self_attn.rotary_emb.inv_freq"] = torch.ones(8)
+    save_file(tensors, str(folder / "model.safetensors"))
+    ids = torch.tensor([[5, 9, 13, 200]])
+    expected = load_adapter(fixture_dir("ouro"), device="cpu").dense_logits(ids)
+    torch.testing.assert_close(load_adapter(folder, device="cpu").dense_logits(ids), expected)
+
+
+def test_item11_single_shard_without_index_loads(tmp_path):
+    folder = copy_model(tmp_path, fixture_dir("nanbeige"))
+    (folder / "model.safetensors").rename(folder / "model-00001-of-00001.safetensors")
+    ids = torch.tensor([[5, 9, 13, 200]])
+    expected = load_adapter(fixture_dir("nanbeige"), device="cpu").dense_logits(ids)
+    torch.testing.assert_close(load_adapter(folder, device="cpu").dense_logits(ids), expected)
+    (folder / "model-00001-of-00001.safetensors").rename(folder / "model-00001-of-00002.safetensors")
+    with pytest.raises(CheckpointError, match="incomplete"):
+        load_adapter(folder, device="cpu")
+
+
+def test_item11_generation_config_gives_eos_and_default_sampling(tmp_path):
+    folder = copy_model(tmp_path, fixture_dir("ouro"))
+    edit_config(folder, eos_token_id=...)
+    plain = LoopedSpecEngine(str(folder), device="cpu", speculation="off")
+    assert plain.adapter.eos_token_ids == []
+    continuation = plain.generate([5, 9, 13], greedy(8))[0].token_ids
+    stop = continuation[3]
+    generation = {"eos_token_id": [1000, stop], "do_sample": True, "temperature": 0.7, "top_k": 5}
+    (folder / "generation_config.json").write_text(json.dumps(generation))
+    engine = LoopedSpecEngine(str(folder), device="cpu", speculation="off")
+    assert engine.adapter.eos_token_ids == [1000, stop]
+    out = engine.generate([5, 9, 13], SamplingParams(max_tokens=8, temperature=0.0))[0]
+    assert out.token_ids == continuation[: continuation.index(stop) + 1] and out.finish_reason == "stop"
+    request = engine._new_request([5, 9, 13], SamplingParams(max_tokens=4), None)
+    assert (request.temperature, request.top_k, request.top_p) == (0.7, 5, 1.0)
+    (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": "x"}))
+    with pytest.raises(CheckpointError, match="generation_config.json"):
+        load_adapter(folder, device="cpu")
+
+
+def test_item11_shipped_huginn_carries_the_original_freqs_cis_buffer():
+    from looped_spec.adapters.huginn import reference_freqs_cis
+    from safetensors import safe_open
+
+    folder = shipped_model_path("tiny-huginn")
+    config = json.loads((folder / "config.json").read_text())
+    with safe_open(str(folder / "model.safetensors"), framework="pt") as handle:
+        assert "freqs_cis" in handle.keys()
+        stored = handle.get_tensor("freqs_cis")
+    # the original code's layout, [1, block_size, 1, head_dim / 2, (cos, sin)], as the Huginn fixture stores it
+    fixture = load_file(str(fixture_dir("huginn") / "model.safetensors"))["freqs_cis"]
+    assert stored.shape == (1, config["block_size"], 1, config["n_embd"] // config["n_heads"] // 2, 2)
+    assert fixture.shape[0::2] == stored.shape[0::2] and torch.isfinite(stored).all()
+    torch.testing.assert_close(stored, reference_freqs_cis(config))
+    torch.testing.assert_close(
+        reference_freqs_cis(json.loads((fixture_dir("huginn") / "config.json").read_text())), fixture
+    )
+
+
+# ----- 12. accepted-but-ignored options say so -----
+def test_item12_ouro_early_exit_threshold_below_one_warns(tmp_path, caplog):
+    folder = copy_model(tmp_path, fixture_dir("ouro"))
+    edit_config(folder, early_exit_threshold=0.5)
+    with caplog.at_level(logging.WARNING, logger="looped_spec"):
+        load_adapter(folder, device="cpu")
+    assert any("early_exit_threshold=0.5" in r.getMessage() for r in caplog.records)
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="looped_spec"):
+        load_adapter(fixture_dir("ouro"), device="cpu")  # the published 1.0 is what looped-spec does
+    assert not caplog.records

@@ -1,0 +1,239 @@
+"""Issue 11, done-when: random mixes of requests, aborts, online adds during generate(), a cache small
+enough to preempt, random fixed and adaptive speculation and one-shot faults injected into model code.
+
+Checked after every step: no KV block leaked, no request reported finished twice; at the end every
+request reported finished exactly once, each greedy output (and each sampled one when speculation is
+off) equal to the same prompt run alone with speculation off, and the engine still usable.
+
+Deterministic by default (derandomized, no example database); set LOOPED_SPEC_HYPOTHESIS_EXAMPLES to
+explore more examples locally.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+from functools import cache
+
+import pytest
+from conftest import load, make_engine
+from hypothesis import HealthCheck, event, given, settings
+from hypothesis import strategies as st
+
+from looped_spec import SamplingParams, SpeculativeConfig
+
+EXAMPLES = int(os.environ.get("LOOPED_SPEC_HYPOTHESIS_EXAMPLES", "25"))
+
+
+class InjectedFault(RuntimeError):
+    pass
+
+
+class FaultyLoop:
+    """Wraps adapter.loop: once armed, the `countdown`-th call from now raises, once."""
+
+    def __init__(self, original) -> None:
+        self.original = original
+        self.countdown: int | None = None
+        self.fired = 0
+
+    def arm(self, countdown: int) -> None:
+        self.countdown = countdown
+
+    def __call__(self, *args, **kwargs):
+        if self.countdown is not None:
+            if self.countdown == 0:
+                self.countdown = None
+                self.fired += 1
+                raise InjectedFault("injected fault in model code")
+            self.countdown -= 1
+        return self.original(*args, **kwargs)
+
+
+requests_st = st.fixed_dictionaries(
+    {
+        "prompt": st.lists(st.integers(1, 255), min_size=1, max_size=14),
+        "max_tokens": st.integers(1, 14),
+        "sampled": st.booleans(),
+        "seed": st.integers(0, 2**31 - 1),
+        "stop": st.lists(st.integers(0, 255), max_size=2),
+        "ignore_eos": st.booleans(),
+    }
+)
+actions_st = st.lists(
+    st.one_of(
+        st.tuples(st.just("step")),
+        st.tuples(st.just("step")),
+        st.tuples(st.just("add"), requests_st),
+        st.tuples(st.just("abort"), st.integers(0, 50)),
+        st.tuples(st.just("generate"), st.lists(requests_st, min_size=1, max_size=2)),
+        st.tuples(st.just("fault"), st.integers(0, 12)),
+        st.tuples(st.just("fault"), st.integers(0, 3)),
+    ),
+    min_size=3,
+    max_size=20,
+)
+scenarios_st = st.fixed_dictionaries(
+    {
+        "family": st.sampled_from(["ouro", "nanbeige", "huginn"]),
+        "speculation": st.one_of(st.just("off"), st.just("adaptive"), st.tuples(st.integers(0, 3), st.integers(1, 7))),
+        "num_kv_blocks": st.integers(9, 16),  # block_size 4, max_model_len 32: one request needs up to 9
+        "max_batch_size": st.integers(1, 4),
+        "initial": st.lists(requests_st, min_size=2, max_size=5),
+        "actions": actions_st,
+    }
+)
+
+
+def params_of(spec: dict) -> SamplingParams:
+    temperature = 0.9 if spec["sampled"] else 0.0
+    return SamplingParams(
+        max_tokens=spec["max_tokens"],
+        temperature=temperature,
+        seed=spec["seed"],
+        stop_token_ids=spec["stop"],
+        ignore_eos=spec["ignore_eos"],
+    )
+
+
+@cache
+def reference_engine(family: str):
+    # one per family: an engine holds its KV cache until the cyclic garbage collector frees it
+    return make_engine(family, max_model_len=32, num_kv_blocks=16, max_batch_size=1)
+
+
+@cache
+def alone(family: str, prompt: tuple[int, ...], params_json: str) -> tuple[int, ...]:
+    """The output of one prompt run alone (batch size 1), speculation off."""
+    params = SamplingParams.model_validate_json(params_json)
+    return tuple(reference_engine(family).generate(list(prompt), params)[0].token_ids)
+
+
+def speculation_of(scenario: dict):
+    spec = scenario["speculation"]
+    if isinstance(spec, str):
+        return spec
+    k, d = spec
+    depth = load(scenario["family"]).full_depth
+    return SpeculativeConfig(k=k, d=1 + (d - 1) % (depth - 1)) if k else SpeculativeConfig(k=0, d=0)
+
+
+def held_blocks(engine) -> int:
+    live = list(engine.scheduler.running) + list(engine.scheduler.waiting)
+    for request in engine._requests.values():
+        if request.finished:
+            assert not request.block_table, f"finished request {request.request_id} still holds KV blocks"
+    return sum(len(r.block_table) for r in live)
+
+
+@pytest.mark.slow
+@settings(
+    max_examples=EXAMPLES,
+    deadline=None,
+    derandomize=True,
+    database=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
+@given(scenarios_st)
+def test_random_workloads_never_wedge_leak_or_lose_an_output(scenario):
+    family = scenario["family"]
+    speculation = speculation_of(scenario)
+    engine = make_engine(
+        family,
+        speculation=speculation,
+        block_size=4,
+        num_kv_blocks=scenario["num_kv_blocks"],
+        max_model_len=32,
+        max_batch_size=scenario["max_batch_size"],
+        max_num_batched_tokens=12,
+    )
+    adapter = engine.adapter
+    faulty = FaultyLoop(adapter.loop)
+    adapter.loop = faulty  # the adapter is shared between tests: removed again in `finally`
+    specs: dict[str, dict] = {}
+    finished: dict = {}
+    aborted: set[str] = set()
+    last_step_ok = True
+
+    def record(outputs) -> None:
+        for out in outputs:
+            if out.finished:
+                assert out.request_id not in finished, f"{out.request_id} reported finished twice"
+                finished[out.request_id] = out
+
+    def check_kv() -> None:
+        assert engine.num_free_blocks + held_blocks(engine) == engine.kv.num_blocks, "KV blocks leaked"
+
+    def step() -> None:
+        nonlocal last_step_ok
+        if not engine.has_unfinished_requests():
+            return
+        try:
+            record(engine.step())
+            last_step_ok = True
+        except InjectedFault:
+            last_step_ok = False
+        check_kv()
+
+    try:
+        for spec in scenario["initial"]:
+            specs[engine.add_request(spec["prompt"], params_of(spec))] = spec
+        for action in scenario["actions"]:
+            kind = action[0]
+            if kind == "step":
+                step()
+            elif kind == "add":
+                specs[engine.add_request(action[1]["prompt"], params_of(action[1]))] = action[1]
+            elif kind == "abort":
+                live = [i for i in specs if i not in finished]
+                if live:
+                    target = live[action[1] % len(live)]
+                    engine.abort(target)
+                    aborted.add(target)
+            elif kind == "generate":
+                batch = action[1]
+                try:
+                    outs = engine.generate([s["prompt"] for s in batch], [params_of(s) for s in batch])
+                except InjectedFault:  # generate() forgets its requests and raises
+                    last_step_ok = False
+                else:
+                    last_step_ok = True
+                    assert [o.finished for o in outs] == [True] * len(batch)
+                    for out, spec in zip(outs, batch):
+                        assert out.request_id not in specs
+                        specs[out.request_id] = spec
+                    record(outs)
+                check_kv()
+            elif kind == "fault" and faulty.countdown is None and last_step_ok:
+                # one-shot: a fault never strikes the step right after another one
+                faulty.arm(action[1])
+        for _ in range(500):  # an armed fault may still fire here, once
+            if not engine.has_unfinished_requests():
+                break
+            step()
+        assert not engine.has_unfinished_requests(), "the engine is wedged"
+        faulty.countdown = None  # the references below share the adapter
+        assert sorted(finished) == sorted(specs), "a request was never reported finished"
+        assert engine.num_free_blocks == engine.kv.num_blocks
+        for request_id, out in finished.items():
+            spec = specs[request_id]
+            assert out.finish_reason != "error", out.error
+            if spec["sampled"] and speculation != "off":
+                continue  # same distribution, not the same draws
+            expected = alone(family, tuple(spec["prompt"]), params_of(spec).model_dump_json())
+            if request_id in aborted and out.finish_reason == "abort":
+                assert tuple(out.token_ids) == expected[: len(out.token_ids)]
+            else:
+                assert tuple(out.token_ids) == expected, f"request {request_id} ({out.finish_reason})"
+        # what the example exercised (pytest --hypothesis-show-statistics)
+        event(f"faults fired: {min(faulty.fired, 2)}")
+        event(f"preempted: {engine.scheduler.num_preemptions > 0}")
+        event(f"speculative rounds: {engine.stats.num_spec_rounds > 0}")
+        event(f"aborted: {bool(aborted)}")
+        # still usable
+        probe = {"prompt": [7, 8, 9], "max_tokens": 4, "sampled": False, "seed": 0, "stop": [], "ignore_eos": True}
+        out = engine.generate(probe["prompt"], params_of(probe))[0]
+        assert tuple(out.token_ids) == alone(family, (7, 8, 9), params_of(probe).model_dump_json())
+    finally:
+        del adapter.loop
+        gc.collect()  # engines hold their KV cache in reference cycles: free earlier examples' engines
