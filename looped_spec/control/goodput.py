@@ -11,8 +11,14 @@ list has no K=0 candidate) it predicts, at the round's actual batch size B,
   depth_trials`, all depths at once, measured in a fraction of the rounds, plain rounds included), starting
   from the preset's offline α_d as a prior worth `prior_trials` positions, and the preset's persistence ρ_d.
 - T, the cost side, is a property of the hardware: the preset's measured `CostProfile` when it has one.
-  Then no exploration is needed: every option is predicted from the start, the first plan is already the
-  best predicted one, and timing noise never moves the choice. Without a profile (e.g. the generic
+  Then no exploration is needed: every option is predicted from the start and the first plan is already
+  the best predicted one. Online timing refines the profile only where it is robust: once an option has
+  run `CORRECTION_MIN_ROUNDS` full-shape rounds (no counterfactual readouts, every request drafting K),
+  its predicted round time is scaled by the median of measured ÷ predicted over its last
+  `CORRECTION_WINDOW` such rounds — a ratio at the round's own batch size, so timings of different batch
+  sizes are never compared; options not run yet are scaled like plain decoding (the fallback, so the
+  reference of how fast this machine runs now against the profile), or by the median of the known factors
+  before plain has run. Without a profile (e.g. the generic
   preset) T is a `RoundCostModel` fitted online per bucket from measured phase times, which needs each
   option to be tried: each bucket first runs every option `explore_rounds` times round-robin and re-runs
   the others once every `reexplore_every` rounds.
@@ -25,6 +31,8 @@ to beat the current one by more than `hysteresis` (relative), checked every `int
 
 from __future__ import annotations
 
+import statistics
+from collections import deque
 from dataclasses import dataclass
 
 from looped_spec.control.acceptance import markov_tokens
@@ -110,6 +118,12 @@ class GoodputState:
     predicted: list[float] | None = None  # [O] tokens/s at the last decision
 
 
+#: Full-shape rounds an option must have run before its measured cost corrects the profile's prediction.
+CORRECTION_MIN_ROUNDS = 8
+#: Rounds per option whose measured ÷ predicted cost ratios are kept (the median of these scales T).
+CORRECTION_WINDOW = 32
+
+
 class GoodputPolicy(Policy):
     """Model-based choice of (K, d) per bucket maximising predicted committed tokens per second."""
 
@@ -145,6 +159,7 @@ class GoodputPolicy(Policy):
             CostProfile(full_depth, cost.batch_sizes, cost.plain_seconds, cost.coefficients) if cost else None
         )
         self.reexplore_every = 0 if self.profile is not None else reexplore_every
+        self.cost_ratios: dict[tuple[int, int], deque[float]] = {}  # (k, d) -> measured / profile round seconds
         self.states: list[GoodputState] = []
         for b in buckets:
             options = [(k, d, j) for j, (k, d) in enumerate(zip(b.ks, b.ds))]
@@ -195,22 +210,54 @@ class GoodputPolicy(Policy):
         alpha = self.acceptance.alpha(d)
         return markov_tokens(self.prior_alpha if alpha is None else alpha, self.rho[d - 1], k)
 
+    def cost_factors(self) -> dict[tuple[int, int], float]:
+        """Median measured ÷ profile round time of every option with enough full-shape rounds."""
+        return {
+            key: statistics.median(ratios)
+            for key, ratios in self.cost_ratios.items()
+            if len(ratios) >= CORRECTION_MIN_ROUNDS
+        }
+
     def rates(self, st: GoodputState, batch_size: int) -> list[float]:
         """Predicted committed tokens/s of every option of a bucket at `batch_size`."""
         out = []
+        if st.cost is None:
+            assert self.profile is not None
+            factors = self.cost_factors()
+            default = factors.get((0, 0), statistics.median(factors.values()) if factors else 1.0)
+            for k, d, _ in st.options:
+                seconds = self.profile.predict(k, d, batch_size) * factors.get((k, d), default)
+                out.append(batch_size * self.tokens(k, d) / seconds)
+            return out
         for k, d, _ in st.options:
-            seconds = self.profile.predict(k, d, batch_size) if st.cost is None else st.cost.predict(k, d, batch_size)
-            out.append(batch_size * self.tokens(k, d) / seconds)
+            out.append(batch_size * self.tokens(k, d) / st.cost.predict(k, d, batch_size))
         return out
 
     def observe(self, fb: RoundFeedback) -> None:
         self.last_event = None
         self.acceptance.observe(fb)
+        if self.profile is not None:
+            self._observe_cost(fb)
         if 0 <= fb.bucket < len(self.states):
             cost = self.states[fb.bucket].cost
             if cost is not None:
                 k = fb.k if sum(fb.num_proposed) else 0  # nothing drafted: the round ran as plain decoding
                 cost.observe(k, fb.d, fb.batch_size, fb.draft_time, fb.verify_time, fb.commit_time)
+
+    def _observe_cost(self, fb: RoundFeedback) -> None:
+        """Keep measured ÷ predicted round time of full-shape rounds without counterfactual readouts."""
+        assert self.profile is not None
+        seconds = fb.draft_time + fb.verify_time + fb.commit_time
+        if fb.depth_trials or seconds <= 0.0 or fb.batch_size <= 0:
+            return
+        k = fb.k if all(p == fb.k for p in fb.num_proposed) else -1
+        if k < 0:
+            return  # some requests drafted fewer tokens (near max_tokens): not the plan's shape
+        key = (k, fb.d if k else 0)
+        ratios = self.cost_ratios.get(key)
+        if ratios is None:
+            ratios = self.cost_ratios[key] = deque(maxlen=CORRECTION_WINDOW)
+        ratios.append(seconds / self.profile.predict(key[0], key[1], fb.batch_size))
 
     def describe(self) -> list[dict]:
         out = []
@@ -229,6 +276,7 @@ class GoodputPolicy(Policy):
                     "predicted_tokens_per_s": st.predicted,
                     "alpha": [self.acceptance.alpha(j) for j in range(1, self.full_depth + 1)],
                     "cost": "profile" if st.cost is None else "online",
+                    "cost_factors": {f"{k},{d}": round(v, 3) for (k, d), v in self.cost_factors().items()},
                 }
             )
         return out
