@@ -16,9 +16,11 @@ list has no K=0 candidate) it predicts, at the round's actual batch size B,
   run `CORRECTION_MIN_ROUNDS` full-shape rounds (no counterfactual readouts, every request drafting K),
   its predicted round time is scaled by the median of measured ÷ predicted over its last
   `CORRECTION_WINDOW` such rounds — a ratio at the round's own batch size, so timings of different batch
-  sizes are never compared; options not run yet are scaled like plain decoding (the fallback, so the
-  reference of how fast this machine runs now against the profile), or by the median of the known factors
-  before plain has run. Without a profile (e.g. the generic
+  sizes are never compared, and per bucket; options not run yet are scaled like plain decoding (the
+  fallback, so the reference of how fast this machine runs now against the profile), or by the median of
+  the known factors before plain has run. An option never measured in a bucket whose corrected prediction
+  comes within `TRIAL_WITHIN` of the best gets one trial of `CORRECTION_MIN_ROUNDS` + 2 rounds, so a plan
+  the profile over-prices is found as well as one it under-prices is left. Without a profile (e.g. the generic
   preset) T is a `RoundCostModel` fitted online per bucket from measured phase times, which needs each
   option to be tried: each bucket first runs every option `explore_rounds` times round-robin and re-runs
   the others once every `reexplore_every` rounds.
@@ -33,7 +35,7 @@ from __future__ import annotations
 
 import statistics
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from looped_spec.control.acceptance import markov_tokens
 from looped_spec.control.buckets import CompiledBucket, DisableSettings
@@ -107,6 +109,7 @@ class DepthAcceptance:
 class GoodputState:
     """One bucket of the goodput policy."""
 
+    index: int  # bucket index
     options: list[tuple[int, int, int]]  # [O] (k, d, preset candidate index or -1 for Phase 2 plain)
     current: int  # option index in use; -1 until the first decision (profiled presets)
     queue: list[int]  # options still to explore (popped from the end)
@@ -116,12 +119,18 @@ class GoodputState:
     next_reexplore: int = 0
     switches: int = 0
     predicted: list[float] | None = None  # [O] tokens/s at the last decision
+    trial: int = -1  # option run for its cost to be measured (profiled presets), -1: none
+    trial_left: int = 0  # rounds of the trial still to run
+    tried: set[int] = field(default_factory=set)  # options whose cost trial has run
 
 
 #: Full-shape rounds an option must have run before its measured cost corrects the profile's prediction.
 CORRECTION_MIN_ROUNDS = 8
 #: Rounds per option whose measured ÷ predicted cost ratios are kept (the median of these scales T).
 CORRECTION_WINDOW = 32
+#: An option whose cost was never measured but whose predicted tokens/s is within this fraction of the best
+#: gets one trial of CORRECTION_MIN_ROUNDS + 2 rounds, so a plan the profile over-prices is found too.
+TRIAL_WITHIN = 0.9
 
 
 class GoodputPolicy(Policy):
@@ -159,19 +168,19 @@ class GoodputPolicy(Policy):
             CostProfile(full_depth, cost.batch_sizes, cost.plain_seconds, cost.coefficients) if cost else None
         )
         self.reexplore_every = 0 if self.profile is not None else reexplore_every
-        self.cost_ratios: dict[tuple[int, int], deque[float]] = {}  # (k, d) -> measured / profile round seconds
+        self.cost_ratios: dict[tuple[int, int, int], deque[float]] = {}  # (bucket, k, d) -> measured / profile
         self.states: list[GoodputState] = []
         for b in buckets:
             options = [(k, d, j) for j, (k, d) in enumerate(zip(b.ks, b.ds))]
             if disable.enabled and not b.has_plain:
                 options.insert(0, (0, 0, -1))
             if self.profile is not None:  # predicted from the start: no exploration, first plan = best predicted
-                st = GoodputState(options, -1, [], None)
+                st = GoodputState(len(self.states), options, -1, [], None)
             else:
                 current = next(o for o, opt in enumerate(options) if opt[2] == b.initial_index)
                 queue = list(range(len(options))) * explore_rounds
                 queue.reverse()
-                st = GoodputState(options, current, queue, RoundCostModel(full_depth, cost_decay))
+                st = GoodputState(len(self.states), options, current, queue, RoundCostModel(full_depth, cost_decay))
                 st.next_reexplore = reexplore_every
             self.states.append(st)
 
@@ -181,6 +190,9 @@ class GoodputPolicy(Policy):
         st.rounds += 1
         if st.queue:
             return st.options[st.queue.pop()]
+        if st.trial_left > 0:
+            st.trial_left -= 1
+            return st.options[st.trial]
         if st.rounds >= st.next_decision:
             st.next_decision = st.rounds + self.buckets[bucket].interval
             self._decide(st, max(batch_size, 1))
@@ -202,6 +214,23 @@ class GoodputPolicy(Policy):
             self.last_event = f"switch to k={k} d={d} ({rates[best]:.4g} tok/s vs {rates[st.current]:.4g})"
             st.current = best
             st.switches += 1
+        if st.cost is None:
+            self._maybe_trial(st, rates)
+
+    def _maybe_trial(self, st: GoodputState, rates: list[float]) -> None:
+        """Run the most promising option whose cost was never measured here, if it is near the best."""
+        measured = self.cost_factors(st.index)
+        top = max(rates)
+        for o in sorted(range(len(rates)), key=rates.__getitem__, reverse=True):
+            k, d, _ = st.options[o]
+            if rates[o] < TRIAL_WITHIN * top:
+                return
+            if o == st.current or o in st.tried or (k, d if k else 0) in measured:
+                continue
+            st.tried.add(o)
+            st.trial, st.trial_left = o, CORRECTION_MIN_ROUNDS + 2
+            self.last_event = f"cost trial of k={k} d={d} ({rates[o]:.4g} tok/s predicted vs best {top:.4g})"
+            return
 
     def tokens(self, k: int, d: int) -> float:
         """Expected committed tokens per request per round of (K, d) under the current acceptance estimate."""
@@ -210,12 +239,12 @@ class GoodputPolicy(Policy):
         alpha = self.acceptance.alpha(d)
         return markov_tokens(self.prior_alpha if alpha is None else alpha, self.rho[d - 1], k)
 
-    def cost_factors(self) -> dict[tuple[int, int], float]:
-        """Median measured ÷ profile round time of every option with enough full-shape rounds."""
+    def cost_factors(self, bucket: int) -> dict[tuple[int, int], float]:
+        """Median measured ÷ profile round time of every option of `bucket` with enough full-shape rounds."""
         return {
-            key: statistics.median(ratios)
-            for key, ratios in self.cost_ratios.items()
-            if len(ratios) >= CORRECTION_MIN_ROUNDS
+            (k, d): statistics.median(ratios)
+            for (b, k, d), ratios in self.cost_ratios.items()
+            if b == bucket and len(ratios) >= CORRECTION_MIN_ROUNDS
         }
 
     def rates(self, st: GoodputState, batch_size: int) -> list[float]:
@@ -223,7 +252,7 @@ class GoodputPolicy(Policy):
         out = []
         if st.cost is None:
             assert self.profile is not None
-            factors = self.cost_factors()
+            factors = self.cost_factors(st.index)
             default = factors.get((0, 0), statistics.median(factors.values()) if factors else 1.0)
             for k, d, _ in st.options:
                 seconds = self.profile.predict(k, d, batch_size) * factors.get((k, d), default)
@@ -253,11 +282,13 @@ class GoodputPolicy(Policy):
         k = fb.k if all(p == fb.k for p in fb.num_proposed) else -1
         if k < 0:
             return  # some requests drafted fewer tokens (near max_tokens): not the plan's shape
-        key = (k, fb.d if k else 0)
+        if not 0 <= fb.bucket < len(self.states):
+            return
+        key = (fb.bucket, k, fb.d if k else 0)
         ratios = self.cost_ratios.get(key)
         if ratios is None:
             ratios = self.cost_ratios[key] = deque(maxlen=CORRECTION_WINDOW)
-        ratios.append(seconds / self.profile.predict(key[0], key[1], fb.batch_size))
+        ratios.append(seconds / self.profile.predict(k, key[2], fb.batch_size))
 
     def describe(self) -> list[dict]:
         out = []
@@ -276,7 +307,7 @@ class GoodputPolicy(Policy):
                     "predicted_tokens_per_s": st.predicted,
                     "alpha": [self.acceptance.alpha(j) for j in range(1, self.full_depth + 1)],
                     "cost": "profile" if st.cost is None else "online",
-                    "cost_factors": {f"{k},{d}": round(v, 3) for (k, d), v in self.cost_factors().items()},
+                    "cost_factors": {f"{k},{d}": round(v, 3) for (k, d), v in self.cost_factors(st.index).items()},
                 }
             )
         return out
