@@ -19,7 +19,7 @@ list has no K=0 candidate) it predicts, at the round's actual batch size B,
   sizes are never compared, and per bucket; options not run yet are scaled like plain decoding (the
   fallback, so the reference of how fast this machine runs now against the profile), or by the median of
   the known factors before plain has run. An option never measured in a bucket whose corrected prediction
-  comes within `TRIAL_WITHIN` of the best gets one trial of `CORRECTION_MIN_ROUNDS` + 2 rounds, so a plan
+  reaches `TRIAL_WITHIN` of the best gets one trial of `CORRECTION_MIN_ROUNDS` + 2 rounds, so a plan
   the profile over-prices is found as well as one it under-prices is left. Without a profile (e.g. the generic
   preset) T is a `RoundCostModel` fitted online per bucket from measured phase times, which needs each
   option to be tried: each bucket first runs every option `explore_rounds` times round-robin and re-runs
@@ -128,9 +128,9 @@ class GoodputState:
 CORRECTION_MIN_ROUNDS = 8
 #: Rounds per option whose measured ÷ predicted cost ratios are kept (the median of these scales T).
 CORRECTION_WINDOW = 32
-#: An option whose cost was never measured but whose predicted tokens/s is within this fraction of the best
+#: An option whose cost was never measured but whose predicted tokens/s is at least this fraction of the best
 #: gets one trial of CORRECTION_MIN_ROUNDS + 2 rounds, so a plan the profile over-prices is found too.
-TRIAL_WITHIN = 0.9
+TRIAL_WITHIN = 0.75
 
 
 class GoodputPolicy(Policy):
@@ -151,7 +151,7 @@ class GoodputPolicy(Policy):
         hysteresis: float = 0.03,
         reexplore_every: int = 256,
         acceptance_memory: float = 400.0,
-        prior_trials: float = 64.0,
+        prior_trials: float = 16.0,
         cost_decay: float = 0.995,
         prior_alpha: float = 0.5,
     ) -> None:
