@@ -20,15 +20,18 @@ list has no K=0 candidate) it predicts, at the round's actual batch size B,
   fallback, so the reference of how fast this machine runs now against the profile), or by the median of
   the known factors before plain has run. An option never measured in a bucket whose corrected prediction
   reaches `TRIAL_WITHIN` of the best gets one trial of `CORRECTION_MIN_ROUNDS` + 2 rounds, so a plan
-  the profile over-prices is found as well as one it under-prices is left. Without a profile (e.g. the generic
-  preset) T is a `RoundCostModel` fitted online per bucket from measured phase times, which needs each
-  option to be tried: each bucket first runs every option `explore_rounds` times round-robin and re-runs
-  the others once every `reexplore_every` rounds.
+  the profile over-prices is found as well as one it under-prices is left. This refinement is off by
+  default (`refine_cost=True` turns it on): measured on this project's shared 2-core machine, timing noise
+  between rounds of different options (±10–30 %) moved plans more often than profile errors did.
+  Without a profile (e.g. the generic preset) T is a `RoundCostModel` fitted online per bucket from
+  measured phase times, which needs each option to be tried: each bucket first runs every option
+  `explore_rounds` times round-robin and re-runs the others once every `reexplore_every` rounds.
 
 Without counterfactual measurements (``measure_depths=False``) the planned depth's α is estimated from the
 rounds themselves (successes ΣA over trials ΣA + #(requests rejected before K_actual)).
 Acceptance is shared by all buckets (it does not depend on the batch size). A switch needs the best option
-to beat the current one by more than `hysteresis` (relative), checked every `interval` rounds.
+to beat the current one by more than `hysteresis` (relative), or by `plain_margin` to leave plain decoding
+(a wrong speculative plan costs more than a missed small gain), checked every `interval` rounds.
 """
 
 from __future__ import annotations
@@ -149,6 +152,8 @@ class GoodputPolicy(Policy):
         measured_depths: bool = True,
         explore_rounds: int = 2,
         hysteresis: float = 0.03,
+        plain_margin: float = 0.10,
+        refine_cost: bool = False,
         reexplore_every: int = 256,
         acceptance_memory: float = 400.0,
         prior_trials: float = 16.0,
@@ -158,6 +163,8 @@ class GoodputPolicy(Policy):
         self.buckets = buckets
         self.full_depth = full_depth
         self.hysteresis = hysteresis
+        self.plain_margin = plain_margin
+        self.refine_cost = refine_cost
         self.prior_alpha = prior_alpha
         prior = list(acceptance.alpha) if acceptance is not None else None
         self.acceptance = DepthAcceptance(
@@ -209,13 +216,18 @@ class GoodputPolicy(Policy):
             st.current = best
             k, d, _ = st.options[best]
             self.last_event = f"start at k={k} d={d} ({rates[best]:.4g} tok/s predicted)"
-        elif best != st.current and rates[best] > rates[st.current] * (1.0 + self.hysteresis):
+        elif best != st.current and rates[best] > rates[st.current] * (1.0 + self._margin(st, best)):
             k, d, _ = st.options[best]
             self.last_event = f"switch to k={k} d={d} ({rates[best]:.4g} tok/s vs {rates[st.current]:.4g})"
             st.current = best
             st.switches += 1
-        if st.cost is None:
+        if st.cost is None and self.refine_cost:
             self._maybe_trial(st, rates)
+
+    def _margin(self, st: GoodputState, best: int) -> float:
+        """Relative predicted gain a switch needs: `plain_margin` to start speculating, else `hysteresis`."""
+        leaving_plain = st.options[st.current][0] == 0 and st.options[best][0] > 0
+        return self.plain_margin if leaving_plain else self.hysteresis
 
     def _maybe_trial(self, st: GoodputState, rates: list[float]) -> None:
         """Run the most promising option whose cost was never measured here, if it is near the best."""
@@ -265,7 +277,7 @@ class GoodputPolicy(Policy):
     def observe(self, fb: RoundFeedback) -> None:
         self.last_event = None
         self.acceptance.observe(fb)
-        if self.profile is not None:
+        if self.profile is not None and self.refine_cost:
             self._observe_cost(fb)
         if 0 <= fb.bucket < len(self.states):
             cost = self.states[fb.bucket].cost
