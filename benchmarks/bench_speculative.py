@@ -54,6 +54,7 @@ from looped_spec.prompt_sets import (
     provenance_fingerprints,
     random_prompts,
 )
+from looped_spec.tuner_inputs import has_tokenizer, parse_adapter_options
 
 PROMPT_KINDS = ("eval", "tune", "random", "builtin", "humaneval")
 SPREAD = "min-max of the per-round ratios over the measured rounds (first round discarded)"
@@ -114,24 +115,6 @@ def parse_policies(text: str) -> list[str | None]:
         if policy not in out:
             out.append(policy)
     return out
-
-
-def parse_adapter_options(items: list[str]) -> dict[str, Any]:
-    options: dict[str, Any] = {}
-    for item in items:
-        key, sep, value = item.partition("=")
-        if not sep or not key:
-            raise ValueError(f"--adapter-option {item!r}: expected KEY=VALUE")
-        try:
-            options[key] = json.loads(value)
-        except json.JSONDecodeError:
-            options[key] = value
-    return options
-
-
-def has_tokenizer(path: Any) -> bool:
-    names = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
-    return path is not None and any((Path(path) / n).is_file() for n in names)
 
 
 def load_prompts(kind: str, count: int, adapter, seed: int) -> tuple[list[Any], str]:
