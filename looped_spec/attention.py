@@ -71,11 +71,17 @@ class PagedContext:
     value_cache: torch.Tensor
     seeds_per_token: list[tuple[int, int]] | None = None
     memo: dict = field(default_factory=dict)
+    # tokens whose k/v this pass writes (None = all): early exit's skip mode keeps an exited token's
+    # cached (copied) KV in deeper loop planes while the other tokens of the pass go on
+    write_index: torch.Tensor | None = None
 
     def attention(self, plane: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         key_plane, value_plane = self.key_cache[plane], self.value_cache[plane]
-        key_plane.index_copy_(0, self.slot_mapping, k.to(key_plane.dtype))
-        value_plane.index_copy_(0, self.slot_mapping, v.to(value_plane.dtype))
+        slots = self.slot_mapping
+        if self.write_index is not None:
+            slots, k, v = slots[self.write_index], k[self.write_index], v[self.write_index]
+        key_plane.index_copy_(0, slots, k.to(key_plane.dtype))
+        value_plane.index_copy_(0, slots, v.to(value_plane.dtype))
         keys = key_plane[self.gather_slots].transpose(1, 2)  # [num_reqs, kv_heads, max_context, head_dim]
         values = value_plane[self.gather_slots].transpose(1, 2)
         num_heads, head_dim = q.shape[1], q.shape[2]
