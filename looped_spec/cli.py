@@ -44,11 +44,15 @@ def _generate(args: argparse.Namespace) -> int:
     for item in args.adapter_option or []:
         key, _, value = item.partition("=")
         options[key] = int(value) if value.isdigit() else value
+    exits = args.exit_threshold is not None or args.exit_at_step is not None
+    if args.speculation is None:  # early exit runs with plain decoding only (for now)
+        args.speculation = "off" if exits else "adaptive"
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
+                            top_p=args.top_p, seed=args.seed, ignore_eos=args.ignore_eos,
+                            exit_threshold=args.exit_threshold, exit_at_step=args.exit_at_step)  # fmt: skip
     engine = LoopedSpecEngine(args.model, dtype=args.dtype, device=args.device, speculation=args.speculation,
                               adapter_options=options or None, preset=args.preset, policy=args.policy,
-                              seed=args.seed, trace_path=args.trace)  # fmt: skip
-    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
-                            top_p=args.top_p, seed=args.seed, ignore_eos=args.ignore_eos)  # fmt: skip
+                              seed=args.seed, trace_path=args.trace, early_exit=args.early_exit)  # fmt: skip
     prompts = args.prompt * args.batch_size
     start = time.perf_counter()
     outputs = engine.generate(prompts, params)
@@ -72,6 +76,12 @@ def _generate(args: argparse.Namespace) -> int:
         ),  # fmt: skip
         ("plans used (K,d: rounds)", ", ".join(f"{k}: {v}" for k, v in sorted(stats.plan_histogram.items()))),
     ]
+    if stats.exit_depth_histogram:
+        histogram = ", ".join(f"{d}: {n}" for d, n in sorted(stats.exit_depth_histogram.items()))
+        rows += [
+            (f"exit depths ({args.early_exit}; depth: tokens)", histogram),
+            ("loops per token (saved)", f"{stats.mean_loops_per_token:.2f} ({stats.num_exit_loops_saved})"),
+        ]
     width = max(len(k) for k, _ in rows)
     print("\n" + "-" * (width + 40))
     for key, value in rows:
@@ -149,7 +159,12 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--model", default="tiny-ouro", help="checkpoint folder or shipped model name")
     gen.add_argument("--prompt", action="append", required=True, help="prompt text (repeatable)")
     gen.add_argument("--max-tokens", type=int, default=64)
-    gen.add_argument("--speculation", default="adaptive", help="off | adaptive | K,d")
+    gen.add_argument(
+        "--speculation", default=None, help="off | adaptive | K,d (default: adaptive; off with early exit)"
+    )
+    gen.add_argument("--exit-threshold", type=float, default=None, help="early exit: the family rule's threshold")
+    gen.add_argument("--exit-at-step", type=int, default=None, help="early exit: fixed loop depth per token")
+    gen.add_argument("--early-exit", default="skip", choices=["skip", "select"], help="how early exit runs")
     gen.add_argument("--policy", default="ema", choices=["ema", "goodput"])
     gen.add_argument("--preset", default=None, help="preset file (default: matched by model name)")
     gen.add_argument("--temperature", type=float, default=0.0)

@@ -341,3 +341,16 @@ def test_exit_stats():
     select = LoopedSpecEngine(adapter, speculation="off", early_exit="select")
     select.generate([[4, 5, 6]], SamplingParams(max_tokens=8, ignore_eos=True, exit_at_step=2))
     assert select.stats.num_exit_loops_saved == 0 and select.stats.mean_loops_per_token == depth
+
+
+def test_cli_generate_exit_flags(capsys):
+    from looped_spec.cli import main
+
+    argv = ["generate", "--model", "tiny-ouro", "--prompt", "def ", "--max-tokens", "6", "--ignore-eos"]
+    assert main([*argv, "--exit-at-step", "2", "--early-exit", "select"]) == 0
+    out = capsys.readouterr().out
+    assert "exit depths (select; depth: tokens)  2: 6" in out and "speculation" in out and " off" in out
+    assert main([*argv, "--exit-at-step", "9"]) == 2
+    assert "exit_at_step=9 exceeds" in capsys.readouterr().err
+    assert main([*argv, "--exit-threshold", "0.5", "--speculation", "2,1"]) == 2
+    assert "speculation" in capsys.readouterr().err
