@@ -113,7 +113,7 @@ class TokenContext:
         return [(self.seed, self.position)]
 
 
-def reference_exit(adapter, family, states, prev_states, ctx, params) -> int:
+def reference_exit(adapter, family, states, initial, ctx, params) -> int:
     """First depth at which the family's rule (or exit_at_step) says stop, computed here from scratch."""
     depth = adapter.full_depth
     if params.exit_at_step is not None:
@@ -123,6 +123,13 @@ def reference_exit(adapter, family, states, prev_states, ctx, params) -> int:
     if family == "ouro":
         gates = torch.stack([adapter.exit_signal(s, d + 1) for d, s in enumerate(states)], -1)[0]
         return expected_ouro_depth(adapter.exit_pdf(gates), params.exit_threshold)
+    if getattr(adapter, "exit_criterion", "kl") == "latent":  # huginn: relative change of the latent x
+        hidden = adapter.state_dim // 2
+        for d in range(1, depth):
+            x, prev = states[d - 1][0, :hidden], (states[d - 2] if d > 1 else initial)[0, :hidden]
+            if (x - prev).norm() / x.norm() < params.exit_threshold:
+                return d
+        return depth
     prev_logp = None
     for d, s in enumerate(states[:-1]):  # huginn, KL criterion
         logp = F.log_softmax(adapter.readout(s, d + 1, ctx), -1)
@@ -144,7 +151,7 @@ def reference_generate(adapter, family, prompt, max_tokens, params, mode, seed):
     tokens, all_logits, depths = [], [], []
     for t in range(len(prompt) - 1 + max_tokens):
         ctx = TokenContext(store, t, seed)
-        state = adapter.embed(torch.tensor([seq[t]]), ctx)
+        state = initial = adapter.embed(torch.tensor([seq[t]]), ctx)
         states = []
         generated = t >= len(prompt)
         for i in range(depth):
@@ -155,7 +162,7 @@ def reference_generate(adapter, family, prompt, max_tokens, params, mode, seed):
         if t < len(prompt) - 1:  # prompt: full depth (Huginn's coda KV from the full-depth readout)
             adapter.readout(states[-1], depth, ctx)
             continue
-        exit_depth = reference_exit(adapter, family, states, None, ctx, params)
+        exit_depth = reference_exit(adapter, family, states, initial, ctx, params)
         if mode == "skip" and generated:  # the loops after the exit: never run, their planes hold the exit KV
             for i in range(exit_depth, depth):
                 for src, dst in zip(loop_planes[exit_depth - 1], loop_planes[i]):
@@ -225,6 +232,27 @@ def test_early_exit_matches_token_by_token_reference(family, mode):
             all_depths.update(depths)
     assert engine.num_free_blocks == engine.kv.num_blocks
     assert min(all_depths) < adapter.full_depth  # tokens did exit early
+
+
+@pytest.mark.parametrize("mode", ["skip", "select"])
+def test_huginn_latent_criterion_matches_reference(mode):
+    from conftest import fixture_dir
+
+    from looped_spec import load_adapter
+
+    adapter = load_adapter(fixture_dir("huginn"), device="cpu", initial_state="zeros", exit_criterion="latent")
+    engine = LoopedSpecEngine(adapter, speculation="off", early_exit=mode)
+    depths_seen = set()
+    for threshold in (0.05, 0.2, 0.5):
+        params = SamplingParams(max_tokens=8, ignore_eos=True, exit_threshold=threshold)
+        for prompt in reference("huginn")["prompts"]:
+            out, logits, depths = engine_generate(engine, prompt, params)
+            want_tokens, want_logits, want_depths = reference_generate(adapter, "huginn", prompt, 8, params, mode, 0)
+            assert (depths, out.token_ids) == (want_depths, want_tokens)
+            for got, want in zip(logits, want_logits):
+                assert (got - want).abs().max() <= 1e-4 * (1 + want.abs().max())
+            depths_seen.update(depths)
+    assert len(depths_seen) > 1  # mixed depths
 
 
 # ----- batches, preemption and the API -----
