@@ -51,6 +51,7 @@ class HuginnAdapter(ModelAdapter):
 
     model_type = "huginn_raven"
     readout_uses_kv = True
+    uniform_loops = True  # core block: same weights every loop; the coda readout ignores depth
 
     def __init__(self, config, weights, **kwargs):
         super().__init__(config, weights, **kwargs)

@@ -88,6 +88,8 @@ def check_llama_style(config: dict) -> None:
 class LlamaStyleLooped(ModelAdapter):
     """Shared plumbing of the Llama-named looped families (Ouro, Nanbeige)."""
 
+    uniform_loops = True  # every loop runs the same layers; the readout (norm + head) ignores depth
+
     def __init__(self, config, weights, **kwargs):
         super().__init__(config, weights, **kwargs)
         if self.options:

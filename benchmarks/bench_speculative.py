@@ -1,228 +1,727 @@
-"""Plain vs fixed (K, d) grid vs adaptive speculation, side by side in one process.
+"""Plain vs fixed (K, d) vs adaptive speculation, side by side, interleaved, with an A/A noise line.
 
-For each batch size: tokens/s of every configuration as a ratio to plain decoding, measured
-acceptance, tokens per round, and the DESIGN.md cost model fitted to the measured phase times
-(predicted ratio beside the measured one). Optionally the changing workload 1->8->32->8->1,
-counterfactual acceptance per depth, a JSON report and a PNG heatmap.
+One persistent engine per configuration, all on one loaded model: `plain`, `plain-B` (a second plain engine:
+the A/A control), every grid cell `K,d` (a fixed `SpeculativeConfig(k, d)`) and every adaptive policy asked
+for. For each batch size B the benchmark runs `--repeats` rounds; in each round every configuration decodes
+the same B prompts once (greedy, `--max-tokens` new tokens each, eos ignored), in an order shuffled per round.
+The first round is a warm-up and is discarded.
 
-    python benchmarks/bench_speculative.py --model tests/fixtures/ouro-tiny --batch-sizes 1,8,32
-    python benchmarks/bench_speculative.py --model tiny-ouro --prompts mixed --adaptive --workload \
+Ratios are taken within a round: (config decode tokens/s) / (plain decode tokens/s of the same round); the
+table shows their median over the measured rounds and their spread, [min-max] of those per-round ratios,
+and beside them a best-of ratio (fastest measured run of the config / fastest measured run of plain), which
+a shared machine's slowdowns disturb least.
+Decode time = wall time of `generate` minus its prefill time; decode tokens = generated tokens - B (the first
+token of a request comes from prefill). Every speculative and adaptive output is checked token for token
+against plain's output of the same round.
+
+`--workload` also runs the changing workload (`--workload-phases`, default 1->8->32->8->1; one `generate`
+per phase, consecutive prompt slices) on every configuration, interleaved and repeated the same way, and
+compares adaptive with the per-phase oracle (each phase at its best of plain and the fixed cells by median
+phase time, times summed per round), with the best single fixed cell and with plain.
+
+    python benchmarks/bench_speculative.py --model tiny-ouro --batch-sizes 1,8,32 --workload \
         --out benchmarks/results/tiny-ouro
+    python benchmarks/bench_speculative.py --model tests/fixtures/ouro-tiny --prompts random --max-tokens 8 \
+        --repeats 2 --batch-sizes 1,2
+
+Prompts: `--prompts eval` (default) is `looped_spec.prompt_sets`' evaluation group, disjoint from the tuning
+group; the benchmark exits with status 2 when an adaptive engine's preset records (provenance["prompts"]
+["fingerprints"]) any of the prompts it is about to use. A checkpoint without a tokenizer gets random token ids.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import platform
+import random
+import shlex
+import statistics
+import sys
 import time
-from datetime import date
+from datetime import datetime, timezone
 from pathlib import Path
+from typing import Any
 
 import torch
-from common import Bench, prompt_set
-from costmodel_fit import fit_cost_model, predicted_ratio
 
-from looped_spec import SpeculativeConfig
-from looped_spec.tuner_report import write_heatmap
+from looped_spec import LoopedSpecEngine, SamplingParams, SpeculativeConfig, load_adapter
+from looped_spec.control.controller import AdaptiveController
+from looped_spec.prompt_sets import (
+    PromptSetError,
+    check_disjoint,
+    prompt_fingerprints,
+    prompt_group,
+    provenance_fingerprints,
+    random_prompts,
+)
+
+PROMPT_KINDS = ("eval", "tune", "random", "builtin", "humaneval")
+SPREAD = "min-max of the per-round ratios over the measured rounds (first round discarded)"
+BEST_OF = "best-of = fastest measured run of the config / fastest measured run of plain (robust to slowdowns)"
+
+
+class OutputMismatch(AssertionError):
+    """A speculative or adaptive greedy output differed from plain decoding's (an engine bug)."""
+
+
+# ----------------------------------------------------------------------------------------- inputs
+def auto_grid(depth: int, full: bool = False) -> list[tuple[int, int]]:
+    """'auto': K in {1,2,3,5} x d in {1, D//2, D-1}; 'full': K in 1..5 x d in 1..D-1 ({1,2,D/4,D/2,D-1} for D > 5)."""
+    if full:
+        ds = range(1, depth) if depth <= 5 else sorted({d for d in (1, 2, depth // 4, depth // 2, depth - 1) if d})
+        return [(k, d) for k in range(1, 6) for d in ds]
+    ds = sorted({d for d in (1, depth // 2, depth - 1) if 1 <= d < depth})
+    return [(k, d) for k in (1, 2, 3, 5) for d in ds]
 
 
 def parse_grid(text: str, depth: int) -> list[tuple[int, int]]:
-    if text == "auto":
-        ks = [1, 2, 3, 5]
-        ds = sorted({1, max(1, depth // 2), depth - 1})
-        return [(k, d) for k in ks for d in ds if d < depth]
-    return [tuple(int(x) for x in item.split(",")) for item in text.split(";")]
+    """'auto', 'full' or 'K,d;K,d' -> distinct cells (1 <= K <= 64, 1 <= d < D)."""
+    text = text.strip().lower()
+    if text in ("auto", "full"):
+        return auto_grid(depth, full=text == "full")
+    if text in ("", "none"):
+        return []
+    cells: list[tuple[int, int]] = []
+    for entry in (e.strip() for e in text.split(";")):
+        parts = entry.split(",")
+        if len(parts) != 2 or not all(p.strip().isdigit() for p in parts):
+            raise ValueError(f"--grid entry {entry!r}: expected 'K,d' with integers K and d")
+        k, d = int(parts[0]), int(parts[1])
+        if not 1 <= k <= 64 or not 1 <= d < depth:
+            raise ValueError(f"--grid entry {entry!r}: need 1 <= K <= 64 and 1 <= d < D={depth}")
+        if (k, d) not in cells:
+            cells.append((k, d))
+    return cells
 
 
-def depth_acceptance(bench: Bench, prompts: list, max_tokens: int, d: int) -> list[float]:
-    """Greedy agreement of each depth's readout with the committed token (counterfactual measurement)."""
-    engine = bench.engine(SpeculativeConfig(k=2, d=d, measure_depths=True))
-    totals = [0] * bench.adapter.full_depth
-    trials = [0] * bench.adapter.full_depth
-    seen = []
-    engine.controller.observe = seen.append
-    engine.generate(prompts, _params(max_tokens))
-    for fb in seen:
-        for i, (m, t) in enumerate(zip(fb.depth_matches, fb.depth_trials)):
-            totals[i] += m
-            trials[i] += t
-    return [m / t if t else 0.0 for m, t in zip(totals, trials)]
+def parse_int_list(text: str, what: str) -> list[int]:
+    try:
+        values = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise ValueError(f"{what} {text!r}: expected comma-separated integers") from None
+    if not values or min(values) < 1:
+        raise ValueError(f"{what} {text!r}: need at least one value, all >= 1")
+    return values
 
 
-def _params(max_tokens: int):
-    from looped_spec import SamplingParams
-
-    return SamplingParams(max_tokens=max_tokens, ignore_eos=True)
-
-
-def changing_workload(bench: Bench, prompts: list, max_tokens: int, phases: list[int], configs: dict) -> dict:
-    """Run batches of sizes `phases` back to back on one engine per config; total tokens/s as ratio to plain."""
-    out = {}
-    for name, (spec, policy) in configs.items():
-        engine = bench.engine(spec, policy=policy)
-        engine.generate(prompts[:2], _params(4))
-        start = time.perf_counter()
-        prefill0 = engine.stats.phase_seconds["prefill"]
-        tokens = 0
-        for size in phases:
-            outs = engine.generate(prompts[:size], _params(max_tokens))
-            tokens += sum(len(o.token_ids) - 1 for o in outs)
-        decode_seconds = time.perf_counter() - start - (engine.stats.phase_seconds["prefill"] - prefill0)
-        out[name] = {
-            "tokens_per_s": tokens / decode_seconds,
-            "plans": dict(engine.stats.plan_histogram),
-            "acceptance": engine.stats.acceptance_rate,
-        }
-        engine.close()
+def parse_policies(text: str) -> list[str | None]:
+    """'default' (the engine's default policy: no policy argument), 'ema', 'goodput'; 'none' = no adaptive."""
+    out: list[str | None] = []
+    for item in (p.strip().lower() for p in text.split(",") if p.strip()):
+        if item == "none":
+            return []
+        policy = None if item == "default" else item
+        if policy not in out:
+            out.append(policy)
     return out
 
 
-def main() -> None:
+def parse_adapter_options(items: list[str]) -> dict[str, Any]:
+    options: dict[str, Any] = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise ValueError(f"--adapter-option {item!r}: expected KEY=VALUE")
+        try:
+            options[key] = json.loads(value)
+        except json.JSONDecodeError:
+            options[key] = value
+    return options
+
+
+def has_tokenizer(path: Any) -> bool:
+    names = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+    return path is not None and any((Path(path) / n).is_file() for n in names)
+
+
+def load_prompts(kind: str, count: int, adapter, seed: int) -> tuple[list[Any], str]:
+    """`count` prompts of group `kind` (text), or random token ids when asked or when there is no tokenizer."""
+    if kind != "random" and not has_tokenizer(adapter.path):
+        print(f"note: {adapter.name} has no tokenizer; --prompts {kind} replaced by random token-id prompts")
+        kind = "random"
+    if kind == "random":
+        prompts = random_prompts(count, adapter.vocab_size, seed)
+        return prompts, f"random token ids (seed {seed}, {count} prompts, vocab {adapter.vocab_size})"
+    group = prompt_group(kind)
+    prompts = prompt_group(kind, count)
+    cycled = f", cycled from {len(group)}" if count > len(group) else ""
+    return prompts, f"group {kind!r} ({count} prompts{cycled})"
+
+
+# ----------------------------------------------------------------------------------------- engines
+def config_specs(grid, policies) -> dict[str, dict[str, Any]]:
+    specs: dict[str, dict[str, Any]] = {
+        "plain": {"kind": "plain", "k": 0, "d": 0},
+        "plain-B": {"kind": "plain", "k": 0, "d": 0},
+    }
+    for k, d in grid:
+        specs[f"{k},{d}"] = {"kind": "fixed", "k": k, "d": d}
+    for policy in policies:
+        specs["adaptive" if policy is None else f"adaptive-{policy}"] = {"kind": "adaptive", "policy": policy}
+    return specs
+
+
+def build_engine(adapter, spec: dict[str, Any], max_batch: int, preset: str | None) -> LoopedSpecEngine:
+    if spec["kind"] == "plain":
+        return LoopedSpecEngine(adapter, speculation="off", max_batch_size=max_batch)
+    if spec["kind"] == "fixed":
+        return LoopedSpecEngine(
+            adapter, speculation=SpeculativeConfig(k=spec["k"], d=spec["d"]), max_batch_size=max_batch
+        )
+    kwargs: dict[str, Any] = {"max_batch_size": max_batch}
+    if spec["policy"] is not None:
+        kwargs["policy"] = spec["policy"]
+    if preset is not None:
+        kwargs["preset"] = preset
+    return LoopedSpecEngine(adapter, speculation="adaptive", **kwargs)
+
+
+def describe_adaptive(engine: LoopedSpecEngine) -> dict[str, Any]:
+    ctrl = engine.controller
+    config = getattr(ctrl, "config", None)
+    return {
+        "controller": type(ctrl).__name__,
+        "policy": getattr(ctrl, "policy_name", None),
+        "preset_model": getattr(config, "model", None),
+        "preset_hardware": getattr(config, "hardware", None),
+    }
+
+
+def _label(name: str, spec: dict[str, Any]) -> str:
+    if spec["kind"] != "adaptive":
+        return name
+    default = " (the engine's default)" if spec.get("policy") is None or name == "adaptive" else ""
+    return (
+        f"{name} [{spec.get('controller')}, policy {spec.get('policy')}{default}, "
+        f"preset {spec.get('preset_model')}/{spec.get('preset_hardware')}]"
+    )
+
+
+def check_overlap(engines: dict[str, LoopedSpecEngine], specs, prompts: list[Any]) -> dict[str, Any]:
+    """Refuse (exit 2) when an adaptive engine's preset was tuned on any of the evaluation prompts."""
+    result: dict[str, Any] = {"checked": [], "unchecked": []}
+    for name, spec in specs.items():
+        if spec["kind"] != "adaptive":
+            continue
+        ctrl = engines[name].controller
+        if not isinstance(ctrl, AdaptiveController):
+            result["unchecked"].append(name)
+            print(f"note: {name} runs a {type(ctrl).__name__} (no preset); prompt overlap not checked")
+            continue
+        fingerprints = provenance_fingerprints(ctrl.config.provenance)
+        if fingerprints is None:
+            result["unchecked"].append(name)
+            print(
+                f"note: the preset of {name} ({ctrl.config.model}) records no tuning-prompt fingerprints "
+                "(provenance['prompts']['fingerprints']); overlap with the evaluation prompts not checked"
+            )
+            continue
+        try:
+            check_disjoint(fingerprints, prompts)
+        except PromptSetError as exc:
+            print(f"error: {name} (preset {ctrl.config.model}): {exc}", file=sys.stderr)
+            raise SystemExit(2) from None
+        result["checked"].append(name)
+        print(
+            f"{name}: preset {ctrl.config.model} was tuned on {len(set(fingerprints))} prompts; "
+            f"none of the {len(set(prompt_fingerprints(prompts)))} evaluation prompts is among them"
+        )
+    return result
+
+
+def preset_predictions(engines, specs) -> dict[str, Any] | None:
+    """The tuner's predicted ratio to plain per bucket and cell, from the first adaptive preset's provenance.
+
+    Reads provenance["decisions"] = {"lo..hi": {"predicted_ratio": {"K,d": ratio}, ...}} when present; None else.
+    """
+    for name, spec in specs.items():
+        ctrl = engines[name].controller if spec["kind"] == "adaptive" else None
+        provenance = getattr(getattr(ctrl, "config", None), "provenance", None)
+        decisions = provenance.get("decisions") if isinstance(provenance, dict) else None
+        if not isinstance(decisions, dict):
+            continue
+        out = {}
+        for key, note in decisions.items():
+            lo, sep, hi = str(key).partition("..")
+            if not sep or not lo.isdigit() or not isinstance(note, dict):
+                continue
+            ratios = note.get("predicted_ratio")
+            if isinstance(ratios, dict):
+                out[key] = {"min": int(lo), "max": int(hi) if hi.isdigit() else None, "ratios": ratios}
+        if out:
+            return out
+    return None
+
+
+def predicted_for(predictions: dict[str, Any] | None, b: int) -> tuple[str, dict[str, float]] | None:
+    for key, entry in (predictions or {}).items():
+        if entry["min"] <= b and (entry["max"] is None or b <= entry["max"]):
+            return key, entry["ratios"]
+    return None
+
+
+# ----------------------------------------------------------------------------------------- one run
+def _stats(engine: LoopedSpecEngine) -> dict[str, Any]:
+    s = engine.stats
+    return {
+        "draft": s.num_draft_tokens,
+        "accepted": s.num_accepted_tokens,
+        "rounds": s.num_rounds,
+        "request_rounds": sum(b * n for b, n in s.batch_size_histogram.items()),
+        "plans": dict(s.plan_histogram),
+        "prefill": s.phase_seconds["prefill"],
+        "control": s.phase_seconds["control"],
+        "preemptions": s.num_preemptions,
+    }
+
+
+def timed_generate(engine: LoopedSpecEngine, prompts: list[Any], max_tokens: int) -> tuple[dict[str, Any], list]:
+    """One `generate` of `prompts`; decode time, decode tokens and the engine-counter deltas."""
+    params = [SamplingParams(max_tokens=max_tokens, ignore_eos=True, seed=i) for i in range(len(prompts))]
+    s0 = _stats(engine)
+    start = time.perf_counter()
+    outputs = engine.generate(prompts, params)
+    wall = time.perf_counter() - start
+    s1 = _stats(engine)
+    prefill = s1["prefill"] - s0["prefill"]
+    decode_tokens = sum(len(o.token_ids) for o in outputs) - len(prompts)
+    decode_seconds = wall - prefill
+    plans = {k: v - s0["plans"].get(k, 0) for k, v in s1["plans"].items() if v - s0["plans"].get(k, 0)}
+    run = {
+        "wall_s": wall,
+        "prefill_s": prefill,
+        "decode_s": decode_seconds,
+        "decode_tokens": decode_tokens,
+        "tokens_per_s": decode_tokens / decode_seconds if decode_seconds > 0 else float("nan"),
+        "draft_tokens": s1["draft"] - s0["draft"],
+        "accepted_tokens": s1["accepted"] - s0["accepted"],
+        "rounds": s1["rounds"] - s0["rounds"],
+        "request_rounds": s1["request_rounds"] - s0["request_rounds"],
+        "control_s": s1["control"] - s0["control"],
+        "preemptions": s1["preemptions"] - s0["preemptions"],
+        "plans": plans,
+    }
+    return run, [list(o.token_ids) for o in outputs]
+
+
+def check_equal(name: str, outputs: list, reference: list, where: str) -> None:
+    for i, (got, want) in enumerate(zip(outputs, reference)):
+        if got != want:
+            j = next((t for t, (a, b) in enumerate(zip(got, want)) if a != b), min(len(got), len(want)))
+            raise OutputMismatch(
+                f"greedy output of {name} differs from plain at {where}, request {i}: first difference at "
+                f"generated token {j} ({got[j : j + 4]} vs plain {want[j : j + 4]}); speculation must not change "
+                "greedy output - this is an engine bug"
+            )
+    if len(outputs) != len(reference):
+        raise OutputMismatch(f"{name} returned {len(outputs)} outputs, plain {len(reference)}, at {where}")
+
+
+# ----------------------------------------------------------------------------------------- statistics
+def spread(values: list[float]) -> dict[str, Any]:
+    finite = [v for v in values if v == v]
+    if not finite:
+        return {"median": float("nan"), "min": float("nan"), "max": float("nan"), "per_round": values}
+    return {"median": statistics.median(finite), "min": min(finite), "max": max(finite), "per_round": values}
+
+
+def noise_floor(aa: dict[str, Any]) -> float:
+    """Largest deviation of an A/A per-round ratio from 1 (plain vs plain: ideally 0)."""
+    finite = [v for v in aa["per_round"] if v == v]
+    return max((abs(v - 1.0) for v in finite), default=float("nan"))
+
+
+def fmt(stat: dict[str, Any]) -> str:
+    return f"{stat['median']:.2f}x [{stat['min']:.2f}-{stat['max']:.2f}]"
+
+
+def sum_plans(runs: list[dict[str, Any]]) -> dict[str, int]:
+    total: dict[str, int] = {}
+    for run in runs:
+        for key, n in run["plans"].items():
+            total[key] = total.get(key, 0) + n
+    return dict(sorted(total.items()))
+
+
+def _progress(total: int):
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        return None
+    return tqdm(total=total, file=sys.stderr, desc="runs", mininterval=2.0, leave=False)
+
+
+# ----------------------------------------------------------------------------------------- batch sizes
+def bench_batch(engines, specs, prompts, b: int, args, rng: random.Random, bar) -> dict[str, Any]:
+    """`repeats` interleaved rounds of every configuration at batch size b; round 0 is discarded."""
+    names = list(engines)
+    rounds, orders, checks = [], [], 0
+    for r in range(args.repeats):
+        order = names[:]
+        rng.shuffle(order)
+        runs, outs = {}, {}
+        for name in order:
+            runs[name], outs[name] = timed_generate(engines[name], prompts[:b], args.max_tokens)
+            if bar is not None:
+                bar.update(1)
+        for name in names:
+            if name != "plain":
+                check_equal(name, outs[name], outs["plain"], f"B={b}, round {r}")
+                checks += 1
+        rounds.append(runs)
+        orders.append(order)
+    measured = rounds[1:]
+    plain_tps = [rd["plain"]["tokens_per_s"] for rd in measured]
+    row: dict[str, Any] = {
+        "plain_tokens_per_s": statistics.median(plain_tps),
+        "preemptions": sum(run["preemptions"] for rd in rounds for run in rd.values()),
+        "configs": {},
+        "rounds": rounds,
+        "orders": orders,
+        "equality_checks": checks,
+    }
+    for name in names:
+        runs = [rd[name] for rd in measured]
+        draft = sum(x["draft_tokens"] for x in runs)
+        cell = {
+            **specs[name],
+            "ratio": spread([x["tokens_per_s"] / p for x, p in zip(runs, plain_tps)]),
+            "tokens_per_s": statistics.median(x["tokens_per_s"] for x in runs),
+            "best_of_ratio": max(x["tokens_per_s"] for x in runs) / max(plain_tps),
+            "acceptance": sum(x["accepted_tokens"] for x in runs) / draft if draft else None,
+            "tokens_per_round": sum(x["decode_tokens"] for x in runs) / max(sum(x["request_rounds"] for x in runs), 1),
+            "plans": sum_plans(runs),
+            "control_us_per_round": 1e6 * sum(x["control_s"] for x in runs) / max(sum(x["rounds"] for x in runs), 1),
+        }
+        row["configs"][name] = cell
+    row["aa"] = row["configs"]["plain-B"]["ratio"]
+    row["noise_floor"] = noise_floor(row["aa"])
+    fixed = [n for n in names if specs[n]["kind"] == "fixed"]
+    summary: dict[str, Any] = {"adaptive": {}}
+    best = max(fixed, key=lambda n: row["configs"][n]["ratio"]["median"]) if fixed else None
+    if best is not None:
+        summary["best_fixed"] = best
+        summary["best_fixed_ratio"] = row["configs"][best]["ratio"]
+    for name in names:
+        if specs[name]["kind"] != "adaptive":
+            continue
+        entry = {"vs_plain": row["configs"][name]["ratio"], "plans": row["configs"][name]["plans"]}
+        if best is not None:
+            entry["vs_best_fixed"] = spread([rd[name]["tokens_per_s"] / rd[best]["tokens_per_s"] for rd in measured])
+        summary["adaptive"][name] = entry
+    row["summary"] = summary
+    found = predicted_for(args.predictions, b)
+    if found is not None:
+        row["predicted_bucket"] = found[0]
+        for name, cell in row["configs"].items():
+            if cell["kind"] == "fixed" and name in found[1]:
+                cell["predicted_ratio"] = found[1][name]
+    return row
+
+
+def print_batch(b: int, row: dict[str, Any], specs) -> None:
+    print(f"\nB={b}: plain {row['plain_tokens_per_s']:.1f} decode tok/s (median)")
+    print(f"A/A (plain-B vs plain): {fmt(row['aa'])}  noise floor +-{100 * noise_floor(row['aa']):.0f}%")
+    if "predicted_bucket" in row:
+        print(f"  pred = the preset tuner's predicted ratio for bucket {row['predicted_bucket']}")
+    if row["preemptions"]:
+        print(f"  warning: {row['preemptions']} KV-cache preemptions; times include recomputation")
+    print(
+        f"  {'config':<18} {'ratio [min-max]':>20} {'best-of':>7} {'pred':>6} {'accept':>7} {'tok/round':>9} "
+        f"{'ctrl us':>8}  plans"
+    )
+    for name, cell in row["configs"].items():
+        if name in ("plain", "plain-B"):
+            continue
+        acc = "-" if cell["acceptance"] is None else f"{cell['acceptance']:.2f}"
+        plans = cell["plans"] if specs[name]["kind"] == "adaptive" else ""
+        pred = f"{cell['predicted_ratio']:.2f}x" if "predicted_ratio" in cell else "-"
+        print(
+            f"  {name:<18} {fmt(cell['ratio']):>20} {cell['best_of_ratio']:>6.2f}x {pred:>6} {acc:>7} "
+            f"{cell['tokens_per_round']:>9.2f} {cell['control_us_per_round']:>8.0f}  {plans}"
+        )
+    s = row["summary"]
+    if "best_fixed" in s:
+        print(f"  best fixed: {s['best_fixed']} {fmt(s['best_fixed_ratio'])}")
+    for name, entry in s["adaptive"].items():
+        line = f"  {name}: vs plain {fmt(entry['vs_plain'])}"
+        if "vs_best_fixed" in entry:
+            line += f", vs best fixed {fmt(entry['vs_best_fixed'])}"
+        print(line + f"; plans {entry['plans']}")
+
+
+# ----------------------------------------------------------------------------------------- workload
+def bench_workload(engines, specs, prompts, phases, args, rng: random.Random, bar) -> dict[str, Any]:
+    """Every configuration runs the phases back to back; interleaved, repeated, round 0 discarded."""
+    names = list(engines)
+    offsets = [sum(phases[:i]) for i in range(len(phases))]
+    rounds, orders, checks = [], [], 0
+    for r in range(args.repeats):
+        order = names[:]
+        rng.shuffle(order)
+        runs, outs = {}, {}
+        for name in order:
+            phase_runs, phase_outs = [], []
+            for size, off in zip(phases, offsets):
+                run, out = timed_generate(engines[name], prompts[off : off + size], args.max_tokens)
+                phase_runs.append(run)
+                phase_outs.append(out)
+            runs[name], outs[name] = phase_runs, phase_outs
+            if bar is not None:
+                bar.update(1)
+        for name in names:
+            if name != "plain":
+                for p, (got, want) in enumerate(zip(outs[name], outs["plain"])):
+                    check_equal(name, got, want, f"workload round {r}, phase {p} (B={phases[p]})")
+                    checks += 1
+        rounds.append(runs)
+        orders.append(order)
+    measured = rounds[1:]
+
+    def total_time(rd, name):
+        return sum(run["decode_s"] for run in rd[name])
+
+    def total_tps(rd, name):
+        return sum(run["decode_tokens"] for run in rd[name]) / total_time(rd, name)
+
+    out: dict[str, Any] = {"phases": list(phases), "rounds": rounds, "orders": orders, "equality_checks": checks}
+    out["configs"] = {
+        name: {
+            **specs[name],
+            "tokens_per_s": statistics.median(total_tps(rd, name) for rd in measured),
+            "ratio": spread([total_tps(rd, name) / total_tps(rd, "plain") for rd in measured]),
+            "best_of_ratio": max(total_tps(rd, name) for rd in measured)
+            / max(total_tps(rd, "plain") for rd in measured),
+            "plans": sum_plans([run for rd in measured for run in rd[name]]),
+        }
+        for name in names
+    }
+    out["aa"] = out["configs"]["plain-B"]["ratio"]
+    out["noise_floor"] = noise_floor(out["aa"])
+    candidates = ["plain"] + [n for n in names if specs[n]["kind"] == "fixed"]
+    oracle = []
+    for p in range(len(phases)):
+        best = min(candidates, key=lambda n: statistics.median(rd[n][p]["decode_s"] for rd in measured))
+        oracle.append(best)
+    out["oracle_phases"] = oracle
+    oracle_times = [sum(rd[n][p]["decode_s"] for p, n in enumerate(oracle)) for rd in measured]
+    out["oracle_ratio"] = spread([total_time(rd, "plain") / t for rd, t in zip(measured, oracle_times)])
+    fixed = [n for n in names if specs[n]["kind"] == "fixed"]
+    best_single = max(fixed, key=lambda n: out["configs"][n]["ratio"]["median"]) if fixed else None
+    out["best_single_fixed"] = best_single
+    out["adaptive"] = {}
+    for name in names:
+        if specs[name]["kind"] != "adaptive":
+            continue
+        entry = {
+            # same tokens in every config (outputs are checked equal), so a time ratio is a tokens/s ratio
+            "vs_oracle": spread([t / total_time(rd, name) for rd, t in zip(measured, oracle_times)]),
+            "vs_plain": out["configs"][name]["ratio"],
+            "plans": out["configs"][name]["plans"],
+        }
+        if best_single is not None:
+            entry["vs_best_single_fixed"] = spread(
+                [total_time(rd, best_single) / total_time(rd, name) for rd in measured]
+            )
+        out["adaptive"][name] = entry
+    return out
+
+
+def print_workload(wl: dict[str, Any]) -> None:
+    phases = "->".join(map(str, wl["phases"]))
+    print(f"\nchanging workload {phases} (total decode tokens/s as a ratio to plain, per round):")
+    print(f"A/A (plain-B vs plain): {fmt(wl['aa'])}  noise floor +-{100 * noise_floor(wl['aa']):.0f}%")
+    for name, cell in wl["configs"].items():
+        if name not in ("plain", "plain-B"):
+            print(f"  {name:<18} {fmt(cell['ratio']):>20}  best-of {cell['best_of_ratio']:.2f}x")
+    print(f"  per-phase oracle: {' '.join(f'B{b}:{n}' for b, n in zip(wl['phases'], wl['oracle_phases']))}")
+    print(f"  oracle vs plain {fmt(wl['oracle_ratio'])}; best single fixed: {wl['best_single_fixed']}")
+    for name, entry in wl["adaptive"].items():
+        line = f"  {name}: vs oracle {fmt(entry['vs_oracle'])}"
+        if "vs_best_single_fixed" in entry:
+            line += f", vs best single fixed {fmt(entry['vs_best_single_fixed'])}"
+        print(line + f", vs plain {fmt(entry['vs_plain'])}; plans {entry['plans']}")
+
+
+def print_summary(results: dict[str, Any], workload: dict[str, Any] | None) -> None:
+    """One line per batch size (and the workload): the numbers issue 10's acceptance criteria are about."""
+    print("\nsummary (median [min-max] of per-round ratios):")
+    for b, row in results.items():
+        s = row["summary"]
+        parts = [f"B={b}: A/A {fmt(row['aa'])}"]
+        if "best_fixed" in s:
+            parts.append(f"best fixed {s['best_fixed']} {fmt(s['best_fixed_ratio'])}")
+        for name, entry in s["adaptive"].items():
+            text = f"{name} {fmt(entry['vs_plain'])} of plain"
+            if "vs_best_fixed" in entry:
+                text += f", {fmt(entry['vs_best_fixed'])} of best fixed"
+            parts.append(text)
+        print("  " + "; ".join(parts))
+    if workload is not None:
+        parts = [f"workload: A/A {fmt(workload['aa'])}"]
+        for name, entry in workload["adaptive"].items():
+            text = f"{name} {fmt(entry['vs_oracle'])} of oracle"
+            if "vs_best_single_fixed" in entry:
+                text += f", {fmt(entry['vs_best_single_fixed'])} of best single fixed"
+            parts.append(text + f", {fmt(entry['vs_plain'])} of plain")
+        print("  " + "; ".join(parts))
+
+
+# ----------------------------------------------------------------------------------------- main
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default="tests/fixtures/ouro-tiny")
+    parser.add_argument("--model", default="tests/fixtures/ouro-tiny", help="checkpoint folder or shipped name")
     parser.add_argument("--batch-sizes", default="1,8,32")
-    parser.add_argument("--grid", default="auto", help='"K,d;K,d;..." or auto')
-    parser.add_argument("--max-tokens", type=int, default=32)
-    parser.add_argument("--prompts", default="mixed", choices=["random", "humaneval", "heldout", "mixed"])
-    parser.add_argument("--repeats", type=int, default=3, help="median of this many timed runs per cell")
-    parser.add_argument("--adaptive", action="store_true", help="also run speculation='adaptive' (ema and goodput)")
-    parser.add_argument("--workload", action="store_true", help="also run the changing workload 1->8->32->8->1")
-    parser.add_argument("--out", default=None, help="write OUT.json and OUT.png")
-    parser.add_argument("--threads", type=int, default=0)
-    args = parser.parse_args()
+    parser.add_argument(
+        "--grid",
+        default="auto",
+        help='"K,d;K,d", auto (K in 1,2,3,5 x d in 1, D/2, D-1), full (K 1..5 x every d), or none',
+    )
+    parser.add_argument("--max-tokens", type=int, default=64, help="new tokens per request (default 64)")
+    parser.add_argument("--prompts", default="eval", choices=PROMPT_KINDS)
+    parser.add_argument("--repeats", type=int, default=5, help="rounds per batch size; the first is discarded")
+    parser.add_argument(
+        "--policies",
+        default="default",
+        help="adaptive policies: comma list of default (the engine's default), ema, goodput; none = no adaptive",
+    )
+    parser.add_argument("--preset", default=None, help="preset file for the adaptive engines (default: the model's)")
+    parser.add_argument("--workload", action="store_true", help="also run the changing workload (--workload-phases)")
+    parser.add_argument("--workload-phases", default="1,8,32,8,1", help="batch size of each workload phase")
+    parser.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch default)")
+    parser.add_argument("--adapter-option", action="append", default=[], metavar="KEY=VALUE")
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--seed", type=int, default=0, help="seeds the run order and the random prompts")
+    parser.add_argument("--out", default=None, help="write OUT.json (everything) and OUT.png (heatmap)")
+    args = parser.parse_args(argv)
+    if args.repeats < 2:
+        parser.error("--repeats must be >= 2 (the first round is a discarded warm-up)")
+    if args.max_tokens < 2:
+        parser.error("--max-tokens must be >= 2 (the first token comes from prefill)")
+    try:
+        args.batches = parse_int_list(args.batch_sizes, "--batch-sizes")
+        args.phases = parse_int_list(args.workload_phases, "--workload-phases") if args.workload else []
+        args.policy_list = parse_policies(args.policies)
+        args.options = parse_adapter_options(args.adapter_option)
+    except ValueError as exc:
+        parser.error(str(exc))
+    for p in args.policy_list:
+        if p not in (None, "ema", "goodput"):
+            parser.error(f"--policies: unknown policy {p!r} (default, ema, goodput, none)")
+    args.parser = parser
+    return args
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    args = parse_args(argv)
+    command = shlex.join([sys.executable, *sys.argv] if argv is None else ["bench_speculative.py", *argv])
+    now = datetime.now(timezone.utc)
+    print(f"$ {command}")
+    print(f"# {now:%Y-%m-%d %H:%M:%S} UTC")
     if args.threads:
         torch.set_num_threads(args.threads)
-    options = {"initial_state": "zeros"} if "huginn" in args.model else {}
-    bench = Bench(args.model, **options)
-    depth = bench.adapter.full_depth
-    grid = parse_grid(args.grid, depth)
-    batches = [int(b) for b in args.batch_sizes.split(",")]
-    prompts = prompt_set(args.prompts, max(batches), bench.adapter)
+    adapter = load_adapter(args.model, dtype=args.dtype, device=args.device, **args.options)
+    depth = adapter.full_depth
+    try:
+        grid = parse_grid(args.grid, depth)
+    except ValueError as exc:
+        args.parser.error(str(exc))
+    phases = args.phases
+    max_batch = max(args.batches + phases)
+    count = max(max(args.batches), sum(phases))
+    try:
+        prompts, prompt_desc = load_prompts(args.prompts, count, adapter, args.seed)
+    except PromptSetError as exc:
+        args.parser.error(str(exc))
+    specs = config_specs(grid, args.policy_list)
     print(
-        f"model {bench.adapter.name} ({bench.adapter.model_type}) D={depth}, prompts={args.prompts}, "
-        f"max_tokens={args.max_tokens}, {torch.get_num_threads()} threads, {platform.processor() or 'cpu'}"
+        f"model {adapter.name} ({adapter.model_type}) D={depth}, {args.dtype} on {args.device}, "
+        f"{torch.get_num_threads()} threads; prompts: {prompt_desc}; {args.max_tokens} new tokens per request "
+        f"(greedy, eos ignored); {args.repeats} rounds per batch size, the first discarded"
     )
-    results: dict = {}
-    samples = []
-    for b in batches:
-        batch_prompts = prompts[:b]
-        plain_engine = bench.engine("off")
-        plain = bench.run(plain_engine, batch_prompts, args.max_tokens, args.repeats)
-        k0 = bench.run(bench.engine(SpeculativeConfig(k=0, d=1)), batch_prompts, args.max_tokens, args.repeats)
-        runs = {}
-        for k, d in grid:
-            res = bench.run(bench.engine(SpeculativeConfig(k=k, d=d)), batch_prompts, args.max_tokens, args.repeats)
-            assert res["outputs"] == plain["outputs"], f"greedy output changed at K={k} d={d} B={b}"
-            runs[(k, d)] = res
-        # plain again after the grid: ratios use the mean of both, and their spread shows the noise floor
-        plain_end = bench.run(plain_engine, batch_prompts, args.max_tokens, args.repeats)
-        plain_tps = 0.5 * (plain["tokens_per_s"] + plain_end["tokens_per_s"])
-        row = {
-            "plain_tokens_per_s": plain_tps,
-            "plain_drift": plain_end["tokens_per_s"] / plain["tokens_per_s"],
-            "k0_ratio": k0["tokens_per_s"] / plain_tps,
-            "grid": {},
-            "adaptive": {},
-        }
-        samples.append(("plain", b, 0, depth, plain))
-        print(
-            f"\nB={b}: plain {plain_tps:.1f} decode tok/s (end/start {row['plain_drift']:.2f}); "
-            f"K=0 spec config {row['k0_ratio']:.2f}x plain"
-        )
-        print(f"{'K':>3} {'d':>3} {'ratio':>7} {'accept':>7} {'tok/round':>9}")
-        for (k, d), res in runs.items():
-            ratio = res["tokens_per_s"] / plain_tps
-            row["grid"][f"{k},{d}"] = {
-                "ratio": ratio,
-                "acceptance": res["acceptance"],
-                "tokens_per_round": res["tokens_per_round"],
-            }
-            samples.append(("spec", b, k, d, res))
-            print(f"{k:>3} {d:>3} {ratio:>6.2f}x {res['acceptance']:>7.2f} {res['tokens_per_round']:>9.2f}")
-        # cost of the counterfactual depth readouts (measure_depths) at one plan
-        k_m, d_m = grid[0]
-        plain_m = bench.run(bench.engine(SpeculativeConfig(k=k_m, d=d_m)), batch_prompts, args.max_tokens, args.repeats)
-        measured = bench.run(
-            bench.engine(SpeculativeConfig(k=k_m, d=d_m, measure_depths=True)),
-            batch_prompts,
-            args.max_tokens,
-            args.repeats,
-        )
-        row["measure_depths_cost"] = plain_m["tokens_per_s"] / measured["tokens_per_s"] - 1.0
-        print(f"measure_depths at K={k_m},d={d_m}: {100 * row['measure_depths_cost']:+.1f}% time per token")
-        if args.adaptive:
-            for policy in ("ema", "goodput"):
-                engine = bench.engine("adaptive", policy=policy)
-                res = bench.run(engine, batch_prompts, args.max_tokens, args.repeats)
-                assert res["outputs"] == plain["outputs"], f"adaptive ({policy}) changed greedy output at B={b}"
-                overhead = engine.stats.phase_seconds["control"] / max(engine.stats.num_rounds, 1)
-                row["adaptive"][policy] = {
-                    "ratio": res["tokens_per_s"] / plain_tps,
-                    "acceptance": res["acceptance"],
-                    "plans": dict(engine.stats.plan_histogram),
-                    "control_us_per_round": overhead * 1e6,
-                }
-                print(
-                    f"adaptive/{policy}: {row['adaptive'][policy]['ratio']:.2f}x, acceptance "
-                    f"{res['acceptance']:.2f}, controller {overhead * 1e6:.0f} us/round"
-                )
-        results[b] = row
-    fit = fit_cost_model(samples, depth)
-    print("\ncost model fit (per loop-step: draft a0 + a1*B, verify b0 + b1*B(K+1)):", fit["coefficients"])
-    print(f"{'B':>3} {'K':>3} {'d':>3} {'measured':>9} {'predicted':>9}")
-    for b in batches:
-        for key, cell in results[b]["grid"].items():
-            k, d = (int(x) for x in key.split(","))
-            cell["predicted_ratio"] = predicted_ratio(fit, b, k, d, depth, cell["acceptance"])
-            print(f"{b:>3} {k:>3} {d:>3} {cell['ratio']:>8.2f}x {cell['predicted_ratio']:>8.2f}x")
+    print("ratios: median over the measured rounds of (config tok/s / plain tok/s in the same round)")
+    print(f"spread: {SPREAD}; {BEST_OF}")
+    engines = {name: build_engine(adapter, spec, max_batch, args.preset) for name, spec in specs.items()}
+    for name, spec in specs.items():
+        if spec["kind"] == "adaptive":
+            spec.update(describe_adaptive(engines[name]))
+    print("configs: " + ", ".join(_label(name, spec) for name, spec in specs.items()))
+    overlap = check_overlap(engines, specs, prompts)
+    args.predictions = preset_predictions(engines, specs)
+    warm = prompts[:max_batch]
+    for engine in engines.values():  # warm up at the full batch shape
+        engine.generate(warm, SamplingParams(max_tokens=4, ignore_eos=True))
+    rng = random.Random(args.seed)
+    bar = _progress(args.repeats * len(engines) * (len(args.batches) + (1 if phases else 0)))
+    results: dict[str, Any] = {}
+    try:
+        for b in args.batches:
+            results[str(b)] = bench_batch(engines, specs, prompts, b, args, rng, bar)
+            if bar is not None:
+                bar.clear()
+            print_batch(b, results[str(b)], specs)
+        workload = bench_workload(engines, specs, prompts, phases, args, rng, bar) if phases else None
+    finally:
+        if bar is not None:
+            bar.close()
+        for engine in engines.values():
+            engine.close()
+    if workload is not None:
+        print_workload(workload)
+    print_summary(results, workload)
+    checks = sum(r["equality_checks"] for r in results.values()) + (workload["equality_checks"] if workload else 0)
+    print(f"\ngreedy outputs equal to plain's: {checks} of {checks} checks")
     report = {
-        "date": str(date.today()),
-        "model": bench.adapter.name,
+        "command": command,
+        "date": now.isoformat(timespec="seconds"),
+        "model": adapter.name,
+        "model_type": adapter.model_type,
         "depth": depth,
-        "prompts": args.prompts,
-        "max_tokens": args.max_tokens,
-        "threads": torch.get_num_threads(),
-        "results": results,
-        "cost_model": fit,
+        "machine": {"torch": torch.__version__, "threads": torch.get_num_threads(), "device": args.device},
+        "args": {k: v for k, v in vars(args).items() if k not in ("parser", "predictions")},
+        "preset_predictions": args.predictions,
+        "prompts": {"kind": args.prompts, "description": prompt_desc, "fingerprints": prompt_fingerprints(prompts)},
+        "configs": specs,
+        "overlap_check": overlap,
+        "spread": SPREAD,
+        "best_of": BEST_OF,
+        "batch_sizes": results,
+        "workload": workload,
+        "equality_checks": checks,
     }
-    sample_prompts = prompts[: min(8, len(prompts))]
-    report["depth_acceptance"] = depth_acceptance(bench, sample_prompts, args.max_tokens, 1)
-    print(
-        "\ngreedy agreement of depth-i readout with the committed token:",
-        " ".join(f"d{i + 1}={a:.2f}" for i, a in enumerate(report["depth_acceptance"])),
-    )
-    if args.workload:
-        best = {b: max(results[b]["grid"].items(), key=lambda kv: kv[1]["ratio"])[0] for b in batches}
-        phases = [1, 8, 32, 8, 1]
-        wl = changing_workload(
-            bench,
-            prompts if len(prompts) >= 32 else prompts * 32,
-            args.max_tokens,
-            phases,
-            {
-                "plain": ("off", "ema"),
-                f"fixed-best-B{batches[0]} ({best[batches[0]]})": (best[batches[0]], "ema"),
-                f"fixed-best-B{batches[-1]} ({best[batches[-1]]})": (best[batches[-1]], "ema"),
-                "adaptive-ema": ("adaptive", "ema"),
-                "adaptive-goodput": ("adaptive", "goodput"),
-            },
-        )
-        base = wl["plain"]["tokens_per_s"]
-        print("\nchanging workload 1->8->32->8->1:")
-        for name, cell in wl.items():
-            cell["ratio"] = cell["tokens_per_s"] / base
-            print(f"  {name:<24} {cell['ratio']:.2f}x  acceptance {cell['acceptance']:.2f}  plans {cell['plans']}")
-        report["workload"] = wl
     if args.out:
-        out = Path(args.out)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.with_suffix(".json").write_text(json.dumps(report, indent=1, default=str))
-        cells = {b: {"screen": {"cells": results[b]["grid"]}} for b in batches}
-        skipped = write_heatmap(cells, out.with_suffix(".png"), title=f"{bench.adapter.name}: {args.prompts} prompts")
-        if skipped:
-            print(skipped)
-        print(f"\nwrote {out.with_suffix('.json')} and {out.with_suffix('.png')}")
+        write_outputs(report, Path(args.out), adapter.name, args.prompts)
+    return report
+
+
+def write_outputs(report: dict[str, Any], out: Path, model: str, prompts: str) -> None:
+    out.parent.mkdir(parents=True, exist_ok=True)
+    json_path = out.with_name(out.name + ".json")
+    json_path.write_text(json.dumps(report, indent=1, default=str))
+    print(f"wrote {json_path}")
+    try:
+        from looped_spec.tuner_report import write_heatmap
+    except ImportError:
+        print("heatmap skipped: looped_spec.tuner_report.write_heatmap is not available")
+        return
+    cells = {}
+    for b, row in report["batch_sizes"].items():
+        grid = {
+            name: {"ratio": c["ratio"]["median"], "acceptance": c["acceptance"] or 0.0}
+            for name, c in row["configs"].items()
+            if c["kind"] == "fixed"
+        }
+        if grid:
+            cells[int(b)] = grid
+    if not cells:
+        return
+    png = out.with_name(out.name + ".png")
+    try:
+        skipped = write_heatmap(cells, png, title=f"{model}: {prompts} prompts, median ratio to plain")
+    except Exception as exc:  # the heatmap is a convenience (matplotlib is optional); never lose the JSON over it
+        skipped = f"heatmap skipped: {type(exc).__name__}: {exc}"
+    print(skipped or f"wrote {png}")
 
 
 if __name__ == "__main__":

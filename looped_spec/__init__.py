@@ -1,26 +1,69 @@
-"""looped-spec: serve looped (recurrent-depth) language models with adaptive self-speculative decoding."""
+"""looped-spec: serve looped (recurrent-depth) language models with adaptive self-speculative decoding.
 
-from looped_spec.adapter import KVLayout, ModelAdapter, load_adapter, register_adapter, registered_model_types
-from looped_spec.checkpoint import CheckpointError, TensorSpec
-from looped_spec.engine import LoopedSpecEngine
-from looped_spec.plan import RoundFeedback, SpeculationPlan
-from looped_spec.request import RequestMetrics, RequestOutput
-from looped_spec.sampling_params import SamplingParams, SpeculativeConfig
+The public names are imported on first use (PEP 562), so `import looped_spec` and `looped-spec --help`
+do not pay for importing torch.
+"""
 
+from __future__ import annotations
+
+from importlib import import_module
+from typing import TYPE_CHECKING
+
+__version__ = "0.1.0"
+
+_EXPORTS = {
+    "CheckpointError": "looped_spec.checkpoint",
+    "KVLayout": "looped_spec.adapter",
+    "LoopedSpecEngine": "looped_spec.engine",
+    "AsyncLoopedSpecEngine": "looped_spec.async_engine",
+    "ModelAdapter": "looped_spec.adapter",
+    "RequestMetrics": "looped_spec.request",
+    "RequestOutput": "looped_spec.request",
+    "RoundFeedback": "looped_spec.plan",
+    "SamplingParams": "looped_spec.sampling_params",
+    "SpeculationPlan": "looped_spec.plan",
+    "SpeculativeConfig": "looped_spec.sampling_params",
+    "TensorSpec": "looped_spec.checkpoint",
+    "load_adapter": "looped_spec.adapter",
+    "register_adapter": "looped_spec.adapter",
+    "registered_model_types": "looped_spec.adapter",
+}
 __all__ = [
+    "AsyncLoopedSpecEngine",
     "CheckpointError",
     "KVLayout",
     "LoopedSpecEngine",
+    "ModelAdapter",
     "RequestMetrics",
     "RequestOutput",
     "RoundFeedback",
     "SamplingParams",
     "SpeculationPlan",
     "SpeculativeConfig",
-    "ModelAdapter",
     "TensorSpec",
     "load_adapter",
     "register_adapter",
     "registered_model_types",
 ]
-__version__ = "0.1.0"
+
+if TYPE_CHECKING:
+    from looped_spec.adapter import KVLayout, ModelAdapter, load_adapter, register_adapter, registered_model_types
+    from looped_spec.async_engine import AsyncLoopedSpecEngine
+    from looped_spec.checkpoint import CheckpointError, TensorSpec
+    from looped_spec.engine import LoopedSpecEngine
+    from looped_spec.plan import RoundFeedback, SpeculationPlan
+    from looped_spec.request import RequestMetrics, RequestOutput
+    from looped_spec.sampling_params import SamplingParams, SpeculativeConfig
+
+
+def __getattr__(name: str):
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'looped_spec' has no attribute {name!r}")
+    value = getattr(import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(list(globals()) + __all__)

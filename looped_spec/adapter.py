@@ -58,6 +58,9 @@ class ModelAdapter(ABC):
     #: True when `readout` attends over cached keys (Huginn's coda): every cached position must then be
     #: read out, and a readout writes its plane's KV.
     readout_uses_kv: ClassVar[bool] = False
+    #: True when `loop(state, i)` is `loop(state, 0)` with every plane moved by i * (loop planes / depth),
+    #: and `readout(state, depth)` does not depend on depth: one CUDA graph of loop 0 then serves every loop.
+    uniform_loops: ClassVar[bool] = False
 
     def __init__(
         self,

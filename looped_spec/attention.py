@@ -7,7 +7,9 @@ Model code computes (q, k, v) for a flat batch of tokens and calls
   (the reference path behind `ModelAdapter.dense_logits`).
 * `PagedContext`: ragged batch of requests, each adding some new tokens at its
   own positions; keys/values are written into the paged `KVCache` plane and
-  attention reads each request's blocks.
+  attention reads each request's blocks: SDPA over copied blocks (the reference,
+  any device) or, where `paged_kernel.kernel_available`, a paged kernel that
+  reads each token's own keys in place.
 """
 
 from __future__ import annotations
@@ -16,6 +18,8 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
+
+from looped_spec.paged_kernel import KernelBatch, num_splits_for
 
 
 def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask=None, causal=False) -> torch.Tensor:
@@ -58,17 +62,30 @@ class PagedContext:
 
     Request r adds `query_lens[r]` tokens at positions `context_lens[r] - query_lens[r] ..
     context_lens[r] - 1`; tokens are laid out request after request.
+
+    Keys are addressed by block: `block_table[r]` lists the blocks holding request r's first
+    `num_keys` key positions (padding entries name any valid block; the mask hides them). The
+    reference path copies those blocks (whole blocks, one `index_select` per plane) and runs SDPA
+    over `num_keys` keys; with `kernel` set, a paged kernel reads each request's keys in place, each
+    query token up to its own position (`paged_kernel.py`). `plane_shift` (a device scalar) moves
+    every plane index by that many planes: a CUDA graph captured for loop 0 then serves every loop
+    whose body is the same computation.
     """
 
     positions: torch.Tensor  # [num_tokens] long
-    slot_mapping: torch.Tensor  # [num_tokens] flat cache slot each token's k/v is written to
-    gather_slots: torch.Tensor  # [num_reqs, max_context] flat slots of each request's keys (padded)
-    mask: torch.Tensor | None  # [num_reqs, 1, max_query, max_context] bool, None when no padding needed
+    slot_mapping: torch.Tensor  # [num_tokens] slot (within a plane) each token's k/v is written to
+    block_table: torch.Tensor  # [num_reqs, ceil(num_keys / block_size)] long
+    num_keys: int  # keys per request the reference path attends over (its context, padded to the batch)
+    mask: torch.Tensor | None  # [num_reqs, 1, max_query, num_keys] bool, None when no padding needed
     pad_index: torch.Tensor | None  # [num_tokens] index into the padded [num_reqs * max_query] query grid
     num_reqs: int
     max_query: int
     key_cache: torch.Tensor  # [num_planes, num_slots, kv_heads, head_dim]
     value_cache: torch.Tensor
+    block_size: int
+    kernel: KernelBatch | None = None
+    plane_shift: torch.Tensor | None = None  # [1] long: planes added to every plane index (shared loop graphs)
+    contiguous_from: int | None = None  # one request whose blocks are consecutive from this slot: read in place
     seeds_per_token: list[tuple[int, int]] | None = None
     memo: dict = field(default_factory=dict)
     # tokens whose k/v this pass writes (None = all): early exit's skip mode keeps an exited token's
@@ -76,15 +93,20 @@ class PagedContext:
     write_index: torch.Tensor | None = None
 
     def attention(self, plane: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        key_plane, value_plane = self.key_cache[plane], self.value_cache[plane]
-        slots = self.slot_mapping
-        if self.write_index is not None:
-            slots, k, v = slots[self.write_index], k[self.write_index], v[self.write_index]
-        key_plane.index_copy_(0, slots, k.to(key_plane.dtype))
-        value_plane.index_copy_(0, slots, v.to(value_plane.dtype))
-        keys = key_plane[self.gather_slots].transpose(1, 2)  # [num_reqs, kv_heads, max_context, head_dim]
-        values = value_plane[self.gather_slots].transpose(1, 2)
-        num_heads, head_dim = q.shape[1], q.shape[2]
+        num_planes, num_slots, kv_heads, head_dim = self.key_cache.shape
+        plane_index = plane if self.plane_shift is None else self.plane_shift + plane  # int or [1] tensor
+        keys_flat = self.key_cache.view(num_planes * num_slots, kv_heads, head_dim)
+        values_flat = self.value_cache.view(num_planes * num_slots, kv_heads, head_dim)
+        slots, k_new, v_new = self.slot_mapping, k, v
+        if self.write_index is not None:  # the other tokens keep their cached KV in this plane
+            slots, k_new, v_new = slots[self.write_index], k[self.write_index], v[self.write_index]
+        write_slots = slots + plane_index * num_slots
+        keys_flat.index_copy_(0, write_slots, k_new.to(keys_flat.dtype))
+        values_flat.index_copy_(0, write_slots, v_new.to(values_flat.dtype))
+        if self.kernel is not None:
+            return self.kernel.attend(q, self.key_cache, self.value_cache, plane, self.plane_shift)
+        keys, values = self.gather(plane_index)
+        num_heads = q.shape[1]
         if self.pad_index is None:
             queries = q.view(self.num_reqs, self.max_query, num_heads, head_dim)
         else:
@@ -94,6 +116,29 @@ class PagedContext:
         out = _sdpa(queries.transpose(1, 2), keys, values, mask=self.mask)
         out = out.transpose(1, 2).reshape(self.num_reqs * self.max_query, num_heads, head_dim)
         return out if self.pad_index is None else out.index_select(0, self.pad_index)
+
+    def gather(self, plane_index) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each request's first `num_keys` keys and values of one plane: [num_reqs, kv_heads, num_keys, head_dim].
+
+        Copies whole blocks (contiguous runs of `block_size` slots) rather than single slots: the copy
+        runs at memory speed and its size follows the batch's context, not `max_model_len`. A lone request
+        whose blocks are consecutive (the allocator hands them out in order) is read in place.
+        """
+        num_planes, num_slots, kv_heads, head_dim = self.key_cache.shape
+        if self.contiguous_from is not None and isinstance(plane_index, int):  # a view: nothing is copied
+            keys = slice(self.contiguous_from, self.contiguous_from + self.num_keys)
+            return (
+                self.key_cache[plane_index, keys].unsqueeze(0).transpose(1, 2),
+                self.value_cache[plane_index, keys].unsqueeze(0).transpose(1, 2),
+            )
+        blocks_per_plane = num_slots // self.block_size
+        ids = (self.block_table + plane_index * blocks_per_plane).view(-1)
+        shape = (num_planes * blocks_per_plane, self.block_size, kv_heads, head_dim)
+        out = []
+        for cache in (self.key_cache, self.value_cache):
+            blocks = cache.view(shape).index_select(0, ids)  # [num_reqs * blocks, block_size, kv_heads, head_dim]
+            out.append(blocks.view(self.num_reqs, -1, kv_heads, head_dim)[:, : self.num_keys].transpose(1, 2))
+        return out[0], out[1]
 
     def token_seeds(self) -> list[tuple[int, int]]:
         if self.seeds_per_token is None:
@@ -110,20 +155,22 @@ def build_paged_context(
     query_lens: list[int],
     seeds: list[int] | None = None,
     need_token_seeds: bool = False,
+    use_kernel: bool = False,
 ) -> PagedContext:
     """Build the index tensors for one ragged batch (once per forward; shared by every loop and layer).
 
     Host-side index arithmetic is done on Python lists and turned into tensors with one call each:
-    this runs once per draft step, so its fixed cost matters as much as a layer's.
+    this runs once per draft step, so its fixed cost matters as much as a layer's. With `use_kernel`
+    the batch also carries the paged kernel's per-token inputs (its key count and request).
     """
     device = key_cache.device
     num_reqs = len(context_lens)
     max_context = max(context_lens)
     max_query = max(query_lens)
     max_blocks = (max_context + block_size - 1) // block_size
-    table = torch.tensor([(blocks + [0] * max_blocks)[:max_blocks] for blocks in block_tables], dtype=torch.long)
-    in_block = torch.arange(block_size)
-    gather_slots = (table[:, :, None] * block_size + in_block).view(num_reqs, -1)[:, :max_context]
+    block_table = torch.tensor(
+        [(blocks + [0] * max_blocks)[:max_blocks] for blocks in block_tables], dtype=torch.long, device=device
+    )
     positions: list[int] = []
     slots: list[int] = []
     pad: list[int] = []
@@ -146,15 +193,33 @@ def build_paged_context(
     if need_token_seeds:
         seeds = seeds or [0] * num_reqs
         token_seeds = [(seeds[r], p) for r, n in enumerate(query_lens) for p in range(starts[r], starts[r] + n)]
+    positions_t = torch.tensor(positions, dtype=torch.long, device=device)
+    kernel = None
+    if use_kernel:
+        kernel = KernelBatch(
+            block_table=block_table,
+            query_start=torch.tensor([0] + query_lens[:-1], dtype=torch.int32).cumsum(0, dtype=torch.int32).to(device),
+            query_len=torch.tensor(query_lens, dtype=torch.int32, device=device),
+            key_limit=(positions_t + 1).to(torch.int32),
+            block_size=block_size,
+            max_query=max_query,
+            num_splits=num_splits_for(max_blocks),
+        )
+    used = block_tables[0][:max_blocks]
+    contiguous = num_reqs == 1 and used == list(range(used[0], used[0] + max_blocks))
     return PagedContext(
-        positions=torch.tensor(positions, dtype=torch.long, device=device),
+        positions=positions_t,
         slot_mapping=torch.tensor(slots, dtype=torch.long, device=device),
-        gather_slots=gather_slots.to(device),
+        block_table=block_table,
+        num_keys=max_context,
         mask=mask,
         pad_index=pad_index,
         num_reqs=num_reqs,
         max_query=max_query,
         key_cache=key_cache,
         value_cache=value_cache,
+        block_size=block_size,
+        kernel=kernel,
+        contiguous_from=used[0] * block_size if contiguous else None,
         seeds_per_token=token_seeds,
     )

@@ -3,10 +3,52 @@
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import time
 from pathlib import Path
+
+API_KEY_ENV = "LOOPED_SPEC_API_KEY"
+
+
+def _engine_options(args: argparse.Namespace) -> dict:
+    """LoopedSpecEngine keyword arguments from the shared engine flags."""
+    from looped_spec.tuner_inputs import parse_adapter_options
+
+    return dict(dtype=args.dtype, device=args.device, speculation=args.speculation, preset=args.preset,
+                policy=args.policy, seed=args.seed, trace_path=args.trace, max_batch_size=args.max_batch_size,
+                max_model_len=args.max_model_len, early_exit=getattr(args, "early_exit", "skip"),
+                adapter_options=parse_adapter_options(args.adapter_option) or None)  # fmt: skip
+
+
+def _set_threads(threads: int) -> None:
+    if threads:
+        import torch
+
+        torch.set_num_threads(threads)
+
+
+def _read_prompts(args: argparse.Namespace) -> list[str]:
+    """--prompt values, then the lines of --prompts-file (`-` = stdin; .jsonl: a "prompt" field per line)."""
+    prompts = list(args.prompt or [])
+    if args.prompts_file:
+        if args.prompts_file == "-":
+            name, lines = "<stdin>", sys.stdin.read().splitlines()
+        else:
+            name, lines = args.prompts_file, Path(args.prompts_file).read_text(encoding="utf-8").splitlines()
+        for n, line in enumerate(lines, start=1):
+            if not line.strip():
+                continue
+            if name.endswith(".jsonl"):
+                try:
+                    line = json.loads(line)["prompt"]
+                except (json.JSONDecodeError, KeyError, TypeError):
+                    raise ValueError(f"{name}:{n}: expected a JSON object with a 'prompt' field") from None
+            prompts.append(line)
+    if not prompts:
+        raise ValueError("no prompt: give --prompt TEXT or --prompts-file FILE (- for stdin)")
+    return prompts * args.batch_size
 
 
 class UsageError(ValueError):
@@ -40,26 +82,53 @@ def _generate(args: argparse.Namespace) -> int:
         _output_file(args.trace, "--trace")
     _at_least(args.batch_size, 1, "--batch-size")
     _at_least(args.max_tokens, 1, "--max-tokens")
-    options = {}
-    for item in args.adapter_option or []:
-        key, _, value = item.partition("=")
-        options[key] = int(value) if value.isdigit() else value
-    exits = args.exit_threshold is not None or args.exit_at_step is not None
+    _at_least(args.threads, 0, "--threads", " (0: torch's default)")
+    _set_threads(args.threads)
+    prompts = _read_prompts(args)
     if args.speculation is None:  # early exit runs with plain decoding only (for now)
+        exits = args.exit_threshold is not None or args.exit_at_step is not None
         args.speculation = "off" if exits else "adaptive"
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
-                            top_p=args.top_p, seed=args.seed, ignore_eos=args.ignore_eos,
+                            top_p=args.top_p, seed=args.seed, ignore_eos=args.ignore_eos, stop=args.stop or [],
                             exit_threshold=args.exit_threshold, exit_at_step=args.exit_at_step)  # fmt: skip
-    engine = LoopedSpecEngine(args.model, dtype=args.dtype, device=args.device, speculation=args.speculation,
-                              adapter_options=options or None, preset=args.preset, policy=args.policy,
-                              seed=args.seed, trace_path=args.trace, early_exit=args.early_exit)  # fmt: skip
-    prompts = args.prompt * args.batch_size
-    start = time.perf_counter()
-    outputs = engine.generate(prompts, params)
-    elapsed = time.perf_counter() - start
-    engine.close()
-    out = outputs[0]
-    print(args.prompt[0] + (out.text if out.text is not None else " ".join(map(str, out.token_ids))))
+    engine = LoopedSpecEngine(args.model, **_engine_options(args))
+    try:
+        if args.stream:
+            outputs, elapsed = _stream(engine, prompts, params), None
+        else:
+            start = time.perf_counter()
+            outputs = engine.generate(prompts, params)
+            elapsed = time.perf_counter() - start
+            for i, (prompt, out) in enumerate(zip(prompts, outputs)):
+                if len(outputs) > 1:
+                    print(f"--- output {i} ---")
+                print(prompt + (out.text if out.text is not None else " ".join(map(str, out.token_ids))))
+    finally:
+        engine.close()
+    _print_stats(engine, args, outputs)
+    if args.compare_plain:
+        _compare_plain(args, prompts, params, outputs, elapsed)
+    return 0
+
+
+def _stream(engine, prompts: list[str], params) -> list:
+    """Print each prompt's tokens as they are committed (prompts run one after another)."""
+    outputs = []
+    for i, prompt in enumerate(prompts):
+        if len(prompts) > 1:
+            print(f"--- output {i} ---")
+        print(prompt, end="", flush=True)
+        request_id = engine.add_request(prompt, params)
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                print(out.new_text, end="", flush=True)
+                if out.finished and out.request_id == request_id:
+                    outputs.append(out)
+        print()
+    return outputs
+
+
+def _print_stats(engine, args: argparse.Namespace, outputs: list) -> None:
     stats = engine.stats
     num_tokens = sum(len(o.token_ids) for o in outputs)
     rows = [
@@ -67,15 +136,12 @@ def _generate(args: argparse.Namespace) -> int:
         ("speculation", str(args.speculation)),
         ("requests", str(len(outputs))),
         ("tokens generated", str(num_tokens)),
-        ("tokens/s", f"{num_tokens / elapsed:.1f}"),
         ("decode rounds", f"{stats.num_rounds} ({stats.num_spec_rounds} speculative)"),
         ("tokens per round", f"{(num_tokens - len(outputs)) / max(stats.num_rounds, 1):.2f}"),
-        (
-            "draft tokens accepted",
-            f"{stats.num_accepted_tokens}/{stats.num_draft_tokens} ({100 * stats.acceptance_rate:.1f}%)",
-        ),  # fmt: skip
+        ("draft tokens accepted",
+         f"{stats.num_accepted_tokens}/{stats.num_draft_tokens} ({100 * stats.acceptance_rate:.1f}%)"),
         ("plans used (K,d: rounds)", ", ".join(f"{k}: {v}" for k, v in sorted(stats.plan_histogram.items()))),
-    ]
+    ]  # fmt: skip
     if stats.exit_depth_histogram:
         histogram = ", ".join(f"{d}: {n}" for d, n in sorted(stats.exit_depth_histogram.items()))
         rows += [
@@ -86,6 +152,43 @@ def _generate(args: argparse.Namespace) -> int:
     print("\n" + "-" * (width + 40))
     for key, value in rows:
         print(f"{key:<{width}}  {value}")
+
+
+def _compare_plain(args: argparse.Namespace, prompts: list[str], params, outputs: list, elapsed: float | None) -> None:
+    """Run the same prompts with speculation off, side by side, and print the wall-time ratio."""
+    from looped_spec import LoopedSpecEngine
+
+    options = _engine_options(args) | {"speculation": "off", "trace_path": None}
+    plain = LoopedSpecEngine(args.model, **options)
+    try:
+        if elapsed is None:  # --stream timed the printing too: time the speculative run again, quietly
+            spec = LoopedSpecEngine(args.model, **_engine_options(args) | {"trace_path": None})
+            start = time.perf_counter()
+            outputs = spec.generate(prompts, params)
+            elapsed = time.perf_counter() - start
+            spec.close()
+        start = time.perf_counter()
+        plain_outputs = plain.generate(prompts, params)
+        plain_elapsed = time.perf_counter() - start
+    finally:
+        plain.close()
+    same = all(a.token_ids == b.token_ids for a, b in zip(outputs, plain_outputs))
+    print(f"{'vs plain decoding':<24}  {plain_elapsed / elapsed:.2f}x faster (same prompts and machine, "
+          f"wall time incl. prefill; outputs {'identical' if same else 'differ'})")  # fmt: skip
+    if params.temperature == 0.0 and not same:
+        print("looped-spec: warning: greedy speculative output differs from plain decoding", file=sys.stderr)
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from looped_spec import LoopedSpecEngine
+    from looped_spec.server.launch import serve
+
+    _set_threads(args.threads)
+    engine = LoopedSpecEngine(args.model, **_engine_options(args))
+    api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
+    name = args.served_model_name or Path(str(args.model)).name
+    serve(engine, name, host=args.host, port=args.port, api_key=api_key, max_queued=args.max_queued,
+          max_body_bytes=args.max_body_bytes, log_level=args.log_level)  # fmt: skip
     return 0
 
 
@@ -100,102 +203,184 @@ def _models(args: argparse.Namespace) -> int:
 def _tune(args: argparse.Namespace) -> int:
     import shlex
 
-    from looped_spec.control.presets import load_preset
-    from looped_spec.tuner import GreedyMismatchError, tune
-    from looped_spec.tuner_inputs import parse_adapter_options
-    from looped_spec.tuner_report import dump_json, format_table, preset_data, write_heatmap
+    from looped_spec.control.presets import load_preset, read_preset_file
+    from looped_spec.tuner import tune
+    from looped_spec.tuner_inputs import TunerError, parse_adapter_options
+    from looped_spec.tuner_report import dump_json, format_report, preset_data, write_heatmap
 
     out = _output_file(args.out, "--out")  # before measuring, which takes minutes
     if args.heatmap:
         _output_file(args.heatmap, "--heatmap")
     _at_least(args.threads, 0, "--threads", " (0: torch's default)")
-    for option in ("screen_tokens", "confirm_tokens", "top", "repeats"):
+    _at_least(args.acceptance_tokens, 2, "--acceptance-tokens", " (the first token comes from prefill)")
+    for option in ("num_prompts", "profile_rounds", "repeats"):
         _at_least(getattr(args, option), 1, "--" + option.replace("_", "-"))
-    if args.threads:
-        import torch
-
-        torch.set_num_threads(args.threads)
+    _set_threads(args.threads)
     argv = args.argv if args.argv is not None else sys.argv[1:]  # set by main()
+    cost = {}
+    if args.cost_from:
+        source = read_preset_file(args.cost_from)
+        if source.cost is None:
+            raise TunerError(f"--cost-from {args.cost_from}: the preset has no measured cost profile")
+        prov = source.provenance if isinstance(source.provenance, dict) else {}
+        measured = prov.get("cost_measured") or prov.get("date")
+        cost = {
+            "cost_profile": source.cost.model_dump(),
+            "cost_report": prov.get("cost", {}),
+            "cost_profile_source": f"from {args.cost_from}",
+            "cost_measured": measured,
+        }
     start = time.perf_counter()
-    try:
-        config, report = tune(
-            args.model,
-            args.batch_sizes,
-            args.prompts,
-            args.grid,
-            args.screen_tokens,
-            args.confirm_tokens,
-            args.top,
-            repeats=args.repeats,
-            hardware=args.hardware,
-            dtype=args.dtype,
-            device=args.device,
-            adapter_options=parse_adapter_options(args.adapter_option),
-            command="looped-spec " + shlex.join(argv),
-            progress=not args.quiet,
-        )
-    except GreedyMismatchError as exc:
-        print(f"looped-spec: BUG: {exc}", file=sys.stderr)
-        return 1
+    config, report = tune(
+        args.model,
+        args.batch_sizes,
+        args.prompts,
+        args.grid,
+        acceptance_tokens=args.acceptance_tokens,
+        num_prompts=args.num_prompts,
+        profile_rounds=args.profile_rounds,
+        repeats=args.repeats,
+        hardware=args.hardware,
+        dtype=args.dtype,
+        device=args.device,
+        adapter_options=parse_adapter_options(args.adapter_option),
+        seed=args.seed,
+        **cost,
+        command="looped-spec " + shlex.join(argv),
+        progress=not args.quiet,
+    )
     data = preset_data(config)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(dump_json(data), encoding="utf-8")
     load_preset(config.model, config.full_depth or 1, preset=out)  # re-read: what the engine will see
-    measurements = {int(b): m for b, m in report["measurements"].items()}
-    print(format_table(measurements, data))
+    print(format_report(report, data))
     print(f"wrote {out} in {time.perf_counter() - start:.1f} s")
     if args.heatmap is not None:
         png = Path(args.heatmap) if args.heatmap else out.with_suffix(".png")
         png.parent.mkdir(parents=True, exist_ok=True)
-        skipped = write_heatmap(measurements, png, f"{config.model} on {config.hardware}")
-        print(f"looped-spec: {skipped}" if skipped else f"wrote {png}", file=sys.stderr if skipped else sys.stdout)
+        write_heatmap(report, png, f"{config.model} on {config.hardware}")
+        print(f"wrote {png}")
     return 0
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="looped-spec", description=__doc__)
-    sub = parser.add_subparsers(dest="command", required=True)
-    gen = sub.add_parser("generate", help="generate a continuation and print speculation stats")
-    gen.add_argument("--model", default="tiny-ouro", help="checkpoint folder or shipped model name")
-    gen.add_argument("--prompt", action="append", required=True, help="prompt text (repeatable)")
-    gen.add_argument("--max-tokens", type=int, default=64)
-    gen.add_argument(
-        "--speculation", default=None, help="off | adaptive | K,d (default: adaptive; off with early exit)"
+def _add_engine_flags(p: argparse.ArgumentParser, speculation: str | None = "adaptive") -> None:
+    spec_help = "off | adaptive | K,d (draft K tokens with d loops)"
+    if speculation is None:
+        spec_help += "; default: adaptive, off with --exit-threshold/--exit-at-step"
+    p.add_argument("--speculation", default=speculation, help=spec_help)
+    p.add_argument("--policy", default="goodput", choices=["goodput", "ema"], help="adaptive speculation policy")
+    p.add_argument("--preset", default=None, help="preset file (default: matched by model name)")
+    p.add_argument("--seed", type=int, default=0, help="engine seed (and the per-request seed of generate)")
+    p.add_argument("--max-batch-size", type=int, default=32, help="most requests decoded together")
+    p.add_argument("--max-model-len", type=int, default=None, help="prompt + output limit (default: the model's)")
+    p.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 | float16")
+    p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch CPU threads (0: torch's default); more than one collapses on a busy small box",
     )
+    p.add_argument("--trace", default=None, help="write the controller's JSONL trace here")
+    p.add_argument("--adapter-option", action="append", metavar="KEY=VALUE", help="passed to the adapter (repeatable)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from looped_spec import __version__
+
+    fmt = argparse.ArgumentDefaultsHelpFormatter
+    parser = argparse.ArgumentParser(prog="looped-spec", description=__doc__, formatter_class=fmt)
+    parser.add_argument("--version", action="version", version=f"looped-spec {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True)
+    gen = sub.add_parser(
+        "generate",
+        help="generate continuations and print speculation stats",
+        formatter_class=fmt,
+        description="Generate a continuation of every prompt and print speculation stats.",
+    )
+    gen.add_argument("--model", default="tiny-ouro", help="checkpoint folder or shipped model name")
+    gen.add_argument("--prompt", action="append", help="prompt text (repeatable)")
+    gen.add_argument(
+        "--prompts-file",
+        default=None,
+        metavar="FILE",
+        help="more prompts, one a line (.jsonl: a 'prompt' field a line; '-': stdin)",
+    )
+    gen.add_argument("--max-tokens", type=int, default=64, help="most tokens generated per prompt")
+    gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    gen.add_argument("--top-k", type=int, default=0, help="0 = no top-k filtering")
+    gen.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass")
+    gen.add_argument("--stop", action="append", help="stop string (repeatable; cut from the output)")
+    gen.add_argument("--ignore-eos", action="store_true", help="keep generating past the eos token")
     gen.add_argument("--exit-threshold", type=float, default=None, help="early exit: the family rule's threshold")
     gen.add_argument("--exit-at-step", type=int, default=None, help="early exit: fixed loop depth per token")
     gen.add_argument("--early-exit", default="skip", choices=["skip", "select"], help="how early exit runs")
-    gen.add_argument("--policy", default="ema", choices=["ema", "goodput"])
-    gen.add_argument("--preset", default=None, help="preset file (default: matched by model name)")
-    gen.add_argument("--temperature", type=float, default=0.0)
-    gen.add_argument("--top-k", type=int, default=0)
-    gen.add_argument("--top-p", type=float, default=1.0)
-    gen.add_argument("--seed", type=int, default=0)
-    gen.add_argument("--ignore-eos", action="store_true")
     gen.add_argument("--batch-size", type=int, default=1, help="run the prompt(s) this many times together")
-    gen.add_argument("--dtype", default="auto")
-    gen.add_argument("--device", default="auto")
-    gen.add_argument("--trace", default=None, help="write the controller's JSONL trace here")
-    gen.add_argument("--adapter-option", action="append", help="KEY=VALUE passed to the adapter")
+    gen.add_argument("--stream", action="store_true", help="print tokens as they come (prompts one after another)")
+    gen.add_argument(
+        "--compare-plain",
+        action="store_true",
+        help="also run the prompts with speculation off and print the wall-time ratio",
+    )
+    _add_engine_flags(gen, speculation=None)  # early exit runs with plain decoding only (for now)
     gen.set_defaults(func=_generate)
-    models = sub.add_parser("models", help="list the shipped tiny models")
+    srv = sub.add_parser(
+        "serve",
+        help="serve an OpenAI-compatible HTTP API",
+        formatter_class=fmt,
+        description="Serve /v1/completions, /v1/chat/completions, /v1/models, /health and "
+        "/metrics with FastAPI + uvicorn. /health and /metrics need no API key.",
+    )
+    srv.add_argument("model", nargs="?", default="tiny-ouro", help="checkpoint folder or shipped model name")
+    srv.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0 exposes the server)")
+    srv.add_argument("--port", type=int, default=8000, help="TCP port")
+    srv.add_argument(
+        "--api-key", default=None, help=f"require 'Authorization: Bearer KEY' on /v1/* (default: ${API_KEY_ENV} if set)"
+    )
+    srv.add_argument("--served-model-name", default=None, help="model id in the API (default: folder name)")
+    srv.add_argument(
+        "--max-queued",
+        type=int,
+        default=256,
+        help="requests that may wait beyond the running batch; more get 429 + Retry-After",
+    )
+    srv.add_argument("--max-body-bytes", type=int, default=1 << 20, help="larger request bodies get 413")
+    srv.add_argument(
+        "--log-level",
+        default="info",
+        choices=["critical", "error", "warning", "info", "debug"],
+        help="uvicorn log level",
+    )
+    _add_engine_flags(srv)
+    srv.set_defaults(func=_serve)
+    models = sub.add_parser("models", help="list the shipped tiny models", formatter_class=fmt)
     models.set_defaults(func=_models)
     tune = sub.add_parser(
         "tune",
-        help="measure (K, d) against plain decoding and write a preset file",
-        description="Screen the (K, d) grid per batch size, confirm the best cells with longer "
-        "outputs and write a validated adaptive-speculation preset "
-        "(rules: looped_spec.tuner_rules).",
+        help="measure acceptance and round cost, write a preset file",
+        description="Measure per-depth acceptance with counterfactual readouts (deterministic) and the round "
+        "cost of every (K, d) per batch size (interleaved, repeated, medians), then derive a validated "
+        "adaptive-speculation preset (rules: looped_spec.control.derive; docs/adaptive.md).",
+        formatter_class=fmt,
     )
     tune.add_argument("--model", required=True, help="checkpoint folder or shipped model name")
-    tune.add_argument("--batch-sizes", default="1,8,32", help="comma-separated batch sizes to measure")
-    tune.add_argument("--prompts", default="builtin", help="builtin | FILE (.txt: one prompt a line; .jsonl: prompt)")
+    tune.add_argument("--batch-sizes", default="1,2,4,8,16,32", help="comma-separated batch sizes to profile")
+    tune.add_argument(
+        "--prompts", default="tune", help="tune | builtin | FILE (.txt: one prompt a line; .jsonl: prompt)"
+    )
     tune.add_argument("--out", required=True, help="preset JSON to write, e.g. presets/NAME.json")
     tune.add_argument("--grid", default="auto", help='auto | "K,d;K,d;..." (1 <= d < D)')
-    tune.add_argument("--screen-tokens", type=int, default=16, help="output tokens per request when screening")
-    tune.add_argument("--confirm-tokens", type=int, default=64, help="output tokens per request when confirming")
-    tune.add_argument("--top", type=int, default=3, help="cells per batch size to confirm (bucket candidates)")
-    tune.add_argument("--repeats", type=int, default=3, help="confirm repeats (median)")
+    tune.add_argument("--acceptance-tokens", type=int, default=96, help="greedy tokens per prompt (acceptance pass)")
+    tune.add_argument("--num-prompts", type=int, default=32, help="prompts in the acceptance pass")
+    tune.add_argument("--profile-rounds", type=int, default=12, help="timed rounds per config and repeat")
+    tune.add_argument("--repeats", type=int, default=4, help="timed repeats (one more is run and dropped)")
+    tune.add_argument("--seed", type=int, default=0, help="seed of the interleaving order")
+    tune.add_argument(
+        "--cost-from",
+        default=None,
+        metavar="PRESET",
+        help="reuse this preset's measured cost profile instead of timing (re-derive after a rules change)",
+    )
     tune.add_argument("--hardware", default=None, help="hardware tag for the preset (default: cpu / GPU name)")
     tune.add_argument(
         "--heatmap",
@@ -203,10 +388,10 @@ def build_parser() -> argparse.ArgumentParser:
         const="",
         default=None,
         metavar="OUT.png",
-        help="write speedup/acceptance heatmaps (default path: --out with .png)",
+        help="write predicted-speedup/acceptance heatmaps (default path: --out with .png)",
     )
-    tune.add_argument("--dtype", default="auto")
-    tune.add_argument("--device", default="auto")
+    tune.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 | float16")
+    tune.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
     tune.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
     tune.add_argument("--adapter-option", action="append", help="KEY=VALUE passed to the adapter")
     tune.add_argument("--quiet", action="store_true", help="no progress bar")
@@ -222,9 +407,18 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.func(args)
     except (ValueError, KeyError, TypeError, OSError) as exc:
-        # one line, whatever the message (pydantic and tokenizer errors span several)
-        print(f"looped-spec: error: {' '.join(str(exc).split())}", file=sys.stderr)
+        print(f"looped-spec: error: {_one_line(exc)}", file=sys.stderr)
         return 2
+
+
+def _one_line(exc: Exception) -> str:
+    """A user error on one line: pydantic's errors as 'field: message', without its documentation URL."""
+    errors = getattr(exc, "errors", None)
+    if callable(errors) and type(exc).__name__ == "ValidationError":
+        return "; ".join(
+            f"{'.'.join(map(str, e['loc']))}: {e['msg']}" if e.get("loc") else e["msg"] for e in exc.errors()
+        )
+    return " ".join(str(exc).split()) or type(exc).__name__
 
 
 if __name__ == "__main__":

@@ -1,15 +1,27 @@
-"""CUDA-graph step runner: captured loop ranges (+ readout) over padded, static-shape batches.
+"""CUDA-graph step runner: one captured loop iteration, replayed per loop, plus a captured readout.
 
-A graph is keyed by (padded batch, tokens per request, first loop, last loop): the draft step
-(`q = 1`, loops 1..d, readout d), the verify step (`q = K + 1`, loops d+1..D, readout D) and the
-plain decode step (`q = 1`, loops 1..D, readout D). Inputs are copied into static buffers sized
-for the key; padding rows write their keys and values to a scratch block and attend to it only.
-Embedding runs eagerly (Huginn's per-token random initial state is drawn on the host), on the same
-static context. Everything on the captured path is host-sync free: index tensors are built on the
-host before replay and copied in, attention reads block slots and masks from device buffers.
+A looped model runs the same computation in every loop; only the KV planes differ. For families
+that say so (`ModelAdapter.uniform_loops`) one graph per (padded batch, tokens per request, context)
+holds loop 0 with the plane index as a device input (`PagedContext.plane_shift`), and is replayed
+once per loop of any range (draft loops 1..d, verify d+1..D, plain 1..D). Other families get one
+graph per loop index. The readout (norm + head: a few launches) runs eagerly, unless it attends
+(Huginn's coda), which gets a graph of its own (per readout depth for non-uniform families).
 
+What a replay reads from the KV cache follows the batch's real context:
+
+* with the paged kernel (`paged_kernel.py`, CUDA + Triton) each query token walks its own blocks up
+  to its position; block tables and key counts are device inputs, so one static context of
+  `max_model_len` costs nothing beyond the rows' real lengths and one graph serves every length;
+* on the reference path (SDPA over copied blocks: CPU emulation, or CUDA without Triton) graphs are
+  bucketed by context: the static context is the smallest of `block_size · 2^k` (and finally
+  `max_model_len`) holding the batch's longest context, so a request reads fewer than twice its
+  batch's longest context. These are prepared (captured) the first time a bucket is used.
+
+Inputs are copied into static buffers allocated once at the largest shape; padding rows write their
+keys and values to a scratch block and attend to it only. Embedding runs eagerly (Huginn draws
+per-token random initial states on the host). Everything on the captured path is host-sync free.
 With `capture=False` (CPU, or for debugging) the same padded static-buffer path runs eagerly, so
-the padding and bucketing logic is testable without a GPU.
+bucketing, padding and the plane shift are testable without a GPU.
 """
 
 from __future__ import annotations
@@ -20,14 +32,15 @@ from dataclasses import dataclass
 import torch
 
 from looped_spec.attention import PagedContext
+from looped_spec.paged_kernel import KernelBatch, kernel_available, num_splits_for
 
 
 @dataclass(frozen=True)
 class GraphKey:
     batch: int  # padded number of requests
     query_len: int  # tokens per request (1 for draft/decode, K+1 for verify)
-    start: int  # first loop (0-based)
-    end: int  # one past the last loop; the readout is at depth `end`
+    context: int  # static keys per request (a context bucket)
+    stage: str  # "loop" (any loop, plane shift as input), "loop<i>", "readout" or "readout<depth>"
 
 
 def batch_buckets(max_batch_size: int) -> list[int]:
@@ -37,203 +50,331 @@ def batch_buckets(max_batch_size: int) -> list[int]:
     return sorted(set(sizes + [max_batch_size]))
 
 
-def pad_batch(num_reqs: int, buckets: list[int]) -> int | None:
-    """Smallest bucket holding `num_reqs` requests; None when the batch is larger than every bucket."""
+def context_buckets(max_context: int, block_size: int, per_request_lengths: bool) -> list[int]:
+    """Static contexts to prepare: block_size · 2^k below max_context, then max_context rounded up to a block.
+
+    With a kernel that reads each row's own length (`per_request_lengths`), the one static context
+    `max_context` serves every length.
+    """
+    top = -(-max_context // block_size) * block_size
+    if per_request_lengths:
+        return [top]
+    sizes, size = [], block_size
+    while size < top:
+        sizes.append(size)
+        size *= 2
+    return sizes + [top]
+
+
+def pad_to(n: int, buckets: list[int]) -> int | None:
+    """Smallest bucket holding `n`; None when `n` is larger than every bucket."""
     for size in buckets:
-        if size >= num_reqs:
+        if size >= n:
             return size
     return None
 
 
-def graph_keys(plans: list[tuple[int, int]], full_depth: int, buckets: list[int]) -> list[GraphKey]:
-    """Keys for plain decode plus the draft and verify steps of every (K, d) with K > 0; largest first."""
-    shapes = {(1, 0, full_depth)}
-    for k, d in plans:
-        if k > 0:
-            shapes.add((1, 0, d))
-            shapes.add((k + 1, d, full_depth))
-    keys = [GraphKey(b, q, s, e) for b in buckets for q, s, e in shapes]
-    return sorted(keys, key=lambda key: (-key.batch * key.query_len, -(key.end - key.start)))
+pad_batch = pad_to
+
+
+def query_lens_of(plans: list[tuple[int, int]]) -> list[int]:
+    """Tokens per request of the steps the plans run: 1 (decode, draft) and K + 1 (verify)."""
+    return sorted({1} | {k + 1 for k, _ in plans if k > 0})
+
+
+def graph_stages(plans: list[tuple[int, int]], full_depth: int, uniform_loops: bool, readout_graph: bool) -> list[str]:
+    """Captured stages per shape. A readout that does not attend is a norm and one matmul: a few launches,
+    run eagerly; one that attends (Huginn's coda) is captured too."""
+    loops = ["loop"] if uniform_loops else [f"loop{i}" for i in range(full_depth)]
+    if not readout_graph:
+        return loops
+    if uniform_loops:
+        return loops + ["readout"]
+    depths = {full_depth} | {d for k, d in plans if k > 0}
+    return loops + [f"readout{d}" for d in sorted(depths)]
+
+
+def graph_keys(
+    plans: list[tuple[int, int]],
+    full_depth: int,
+    batches: list[int],
+    contexts: list[int],
+    uniform_loops: bool = True,
+    readout_graph: bool = False,
+) -> list[GraphKey]:
+    """Every graph the plans need; largest first (so later captures fit in the shared pool)."""
+    stages = graph_stages(plans, full_depth, uniform_loops, readout_graph)
+    keys = [GraphKey(b, q, c, s) for b in batches for q in query_lens_of(plans) for c in contexts for s in stages]
+    return sorted(keys, key=lambda k: (-k.batch * k.query_len * k.context, k.stage))
 
 
 class SharedBuffers:
-    """Input buffers allocated once at the largest graph's size; every StaticBatch takes views of them."""
+    """Input buffers allocated once at the largest shape; every StaticBatch takes views of them."""
 
-    def __init__(self, keys: list[GraphKey], max_context: int, state_dim: int, dtype, device) -> None:
-        max_tokens = max(k.batch * k.query_len for k in keys)
-        max_batch = max(k.batch for k in keys)
+    def __init__(self, max_tokens: int, max_batch: int, max_context: int, block_size: int, with_mask: bool,
+                 state_dim: int, dtype, device) -> None:  # fmt: skip
         self.token_ids = torch.zeros(max_tokens, dtype=torch.long, device=device)
         self.state = torch.zeros(max_tokens, state_dim, dtype=dtype, device=device)
         self.positions = torch.zeros(max_tokens, dtype=torch.long, device=device)
         self.slot_mapping = torch.zeros(max_tokens, dtype=torch.long, device=device)
-        self.gather_slots = torch.zeros(max_batch * max_context, dtype=torch.long, device=device)
-        self.mask = torch.zeros(max_tokens * max_context, dtype=torch.bool, device=device)
+        self.block_table = torch.zeros(max_batch * (max_context // block_size), dtype=torch.long, device=device)
+        self.key_limit = torch.ones(max_tokens, dtype=torch.int32, device=device)
+        self.mask = torch.zeros(max_tokens * max_context if with_mask else 0, dtype=torch.bool, device=device)
+        self.plane_shift = torch.zeros(1, dtype=torch.long, device=device)  # loop planes added in "loop" graphs
 
 
 class StaticBatch:
-    """Static-shape views of the shared buffers and a PagedContext over them, for one GraphKey."""
+    """Static-shape views of the shared buffers and the contexts over them, for one (batch, query_len, context)."""
 
-    def __init__(self, key: GraphKey, max_context: int, buffers: SharedBuffers, kv, scratch_slot: int):
-        n = key.batch * key.query_len
-        self.key = key
-        self.max_context = max_context
-        self.scratch_slot = scratch_slot
+    def __init__(self, batch: int, query_len: int, context: int, buffers: SharedBuffers, kv, scratch_block: int,
+                 use_kernel: bool) -> None:  # fmt: skip
+        n = batch * query_len
+        bs = kv.block_size
+        self.batch, self.query_len, self.context = batch, query_len, context
+        self.scratch_block = scratch_block
         self.token_ids = buffers.token_ids[:n]
         self.state = buffers.state[:n]  # [batch * q, state_dim]
         self.positions = buffers.positions[:n]
         self.slot_mapping = buffers.slot_mapping[:n]
-        self.gather_slots = buffers.gather_slots[: key.batch * max_context].view(key.batch, max_context)
-        self.mask = buffers.mask[: n * max_context].view(key.batch, 1, key.query_len, max_context)
+        self.block_table = buffers.block_table[: batch * (context // bs)].view(batch, context // bs)
+        self.key_limit = buffers.key_limit[:n]
+        kernel = None
+        self.mask = None
+        if use_kernel:
+            device = self.state.device
+            query_start = torch.arange(0, n, query_len, dtype=torch.int32, device=device)  # fixed per shape
+            query_lens = torch.full((batch,), query_len, dtype=torch.int32, device=device)
+            kernel = KernelBatch(
+                self.block_table, query_start, query_lens, self.key_limit, bs, query_len, num_splits_for(context // bs)
+            )
+        else:
+            self.mask = buffers.mask[: n * context].view(batch, 1, query_len, context)
         # a safe state for warm-up and capture: every row writes to and attends to the scratch block
-        self.slot_mapping.fill_(scratch_slot)
-        self.gather_slots.fill_(scratch_slot)
-        self.mask.zero_()
-        self.mask[..., 0] = True
-        self.ctx = PagedContext(
-            self.positions,
-            self.slot_mapping,
-            self.gather_slots,
-            self.mask,
-            None,
-            key.batch,
-            key.query_len,
-            kv.key_cache,
-            kv.value_cache,
-        )
+        self.slot_mapping.fill_(scratch_block * bs)
+        self.block_table.fill_(scratch_block)
+        self.key_limit.fill_(1)
+        if self.mask is not None:
+            self.mask.zero_()
+            self.mask[..., 0] = True
 
-    def fill(
-        self, block_tables: list[list[int]], context_lens: list[int], block_size: int, seeds: list[int] | None
-    ) -> None:
+        def context_for(shift):
+            return PagedContext(
+                self.positions, self.slot_mapping, self.block_table, context, self.mask, None, batch, query_len,
+                kv.key_cache, kv.value_cache, bs, kernel=kernel, plane_shift=shift,
+            )  # fmt: skip
+
+        self.kernel = kernel
+        self.loop_ctx = context_for(buffers.plane_shift)  # "loop" graphs: planes moved by the shift
+        self.ctx = context_for(None)  # embed, readout and per-index loop graphs
+
+    def fill(self, block_tables: list[list[int]], context_lens: list[int], block_size: int,
+             seeds: list[int] | None) -> None:  # fmt: skip
         """Copy one batch's indices into the static buffers (host-built, one copy per buffer)."""
-        key, q = self.key, self.key.query_len
+        batch, q, context = self.batch, self.query_len, self.context
         num_reqs = len(context_lens)
-        max_blocks = (self.max_context + block_size - 1) // block_size
-        table = torch.full((key.batch, max_blocks), -1, dtype=torch.long)
+        table = torch.full((batch, context // block_size), self.scratch_block, dtype=torch.long)
         for r, blocks in enumerate(block_tables):
-            n = min(len(blocks), max_blocks)
-            table[r, :n] = torch.tensor(blocks[:n], dtype=torch.long)
-        offsets = torch.arange(self.max_context)
-        blocks = table[:, offsets // block_size]
-        gather = torch.where(blocks >= 0, blocks * block_size + offsets % block_size, self.scratch_slot)
-        ctx_lens = torch.zeros(key.batch, dtype=torch.long)
+            used = blocks[: -(-context_lens[r] // block_size)]
+            table[r, : len(used)] = torch.tensor(used, dtype=torch.long)
+        ctx_lens = torch.ones(batch, dtype=torch.long)
         ctx_lens[:num_reqs] = torch.tensor(context_lens)
         start = (ctx_lens - q).clamp_min(0)
         q_pos = start[:, None] + torch.arange(q)[None, :]  # [batch, q]
-        real = (torch.arange(key.batch) < num_reqs)[:, None].expand(-1, q)
-        slots = torch.where(real, gather.gather(1, q_pos.clamp_max(self.max_context - 1)), self.scratch_slot)
-        mask = (offsets[None, None, :] <= q_pos[:, :, None]) & real[:, :, None]
-        mask[:, :, 0] |= ~real  # padding rows attend to their scratch key only
-        gather[num_reqs:] = self.scratch_slot
-        self.positions.copy_(torch.where(real, q_pos, 0).reshape(-1), non_blocking=True)
+        real = (torch.arange(batch) < num_reqs)[:, None].expand(-1, q)
+        q_pos = torch.where(real, q_pos, 0)  # padding rows sit at position 0 of the scratch block
+        slots = table.gather(1, q_pos // block_size) * block_size + q_pos % block_size
+        self.positions.copy_(q_pos.reshape(-1), non_blocking=True)
         self.slot_mapping.copy_(slots.reshape(-1), non_blocking=True)
-        self.gather_slots.copy_(gather, non_blocking=True)
-        self.mask.copy_(mask[:, None], non_blocking=True)
+        self.block_table.copy_(table, non_blocking=True)
+        self.key_limit.copy_((q_pos + 1).reshape(-1), non_blocking=True)
+        if self.mask is not None:
+            mask = torch.arange(context)[None, None, :] <= q_pos[:, :, None]  # padding rows: key 0 only
+            self.mask.copy_(mask[:, None], non_blocking=True)
         if seeds is not None:
             pos = q_pos.reshape(-1).tolist()
-            seeds = list(seeds) + [0] * (key.batch - num_reqs)
-            self.ctx.seeds_per_token = [(seeds[i // q], pos[i]) for i in range(len(pos))]
+            seeds = list(seeds) + [0] * (batch - num_reqs)
+            token_seeds = [(seeds[i // q], pos[i]) for i in range(len(pos))]
+            self.ctx.seeds_per_token = self.loop_ctx.seeds_per_token = token_seeds
         self.ctx.memo.clear()
+        self.loop_ctx.memo.clear()
 
 
 class CudaGraphRunner:
-    """Captures and replays `loops[start, end) + readout(end)` for every GraphKey of the active plans."""
+    """Captures and replays loop iterations and readouts for every shape the active plans run."""
 
     def __init__(
-        self, adapter, kv, max_context: int, buckets: list[int], plans: list[tuple[int, int]], capture: bool = True
+        self,
+        adapter,
+        kv,
+        max_context: int,
+        buckets: list[int],
+        plans: list[tuple[int, int]],
+        capture: bool = True,
+        use_kernel: bool | None = None,
     ) -> None:
         self.adapter = adapter
         self.kv = kv
         self.block_size = kv.block_size
-        self.max_context = ((max_context + kv.block_size - 1) // kv.block_size) * kv.block_size
+        if use_kernel is None:
+            use_kernel = kernel_available(adapter.device, adapter.kv_layout.head_dim)
+        self.use_kernel = use_kernel
+        self.contexts = context_buckets(max_context, kv.block_size, per_request_lengths=use_kernel)
+        self.max_context = self.contexts[-1]
         self.buckets = buckets
         self.capture = capture
-        self.scratch_slot = kv.reserve_scratch_block() * kv.block_size
+        self.uniform_loops = adapter.uniform_loops
+        self.readout_graph = adapter.readout_uses_kv
+        layout = adapter.kv_layout
+        self.planes_per_loop = layout.num_loop_planes // adapter.full_depth
+        self.scratch_block = kv.reserve_scratch_block()
+        self.plans: list[tuple[int, int]] = []
+        self.query_lens: list[int] = []
         self.buffers: SharedBuffers | None = None
         self.pool = None
-        self.batches: dict[GraphKey, StaticBatch] = {}
+        self.batches: dict[tuple[int, int, int], StaticBatch] = {}
         self.graphs: dict[GraphKey, torch.cuda.CUDAGraph] = {}
-        self.outputs: dict[GraphKey, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.outputs: dict[GraphKey, torch.Tensor] = {}
+        self.prepared: set[GraphKey] = set()
         self.capture_seconds = 0.0
         self.capture_bytes = 0
         self.add_plans(plans)
 
+    # ----- preparing -----
     def add_plans(self, plans: list[tuple[int, int]]) -> None:
-        """Prepare (and capture, on CUDA) every key the plans need that is not there yet."""
-        keys = graph_keys(plans, self.adapter.full_depth, self.buckets)
-        new = [k for k in keys if k not in self.batches]
-        if not new:
+        """Make the plans' shapes replayable; on the kernel path (one static context) capture them now."""
+        self.plans = sorted(set(self.plans) | set(plans))
+        query_lens = query_lens_of(self.plans)
+        max_tokens = max(self.buckets) * max(query_lens)
+        if self.buffers is None or max_tokens > self.buffers.token_ids.shape[0]:
+            if self.prepared:
+                raise RuntimeError("graph shapes larger than the captured ones must be added before capture")
+            self.buffers = SharedBuffers(
+                max_tokens, max(self.buckets), self.max_context, self.block_size, not self.use_kernel,
+                self.adapter.state_dim, self.adapter.dtype, self.adapter.device,
+            )  # fmt: skip
+        self.query_lens = query_lens
+        if self.use_kernel:  # one context: prepare everything up front, as vLLM does
+            for key in self.keys(self.contexts):
+                self.prepare(key)
+
+    def keys(self, contexts: list[int]) -> list[GraphKey]:
+        return graph_keys(
+            self.plans, self.adapter.full_depth, self.buckets, contexts, self.uniform_loops, self.readout_graph
+        )
+
+    def static_batch(self, batch: int, query_len: int, context: int) -> StaticBatch:
+        shape = (batch, query_len, context)
+        if shape not in self.batches:
+            self.batches[shape] = StaticBatch(
+                batch, query_len, context, self.buffers, self.kv, self.scratch_block, self.use_kernel
+            )
+        return self.batches[shape]
+
+    def prepare(self, key: GraphKey) -> None:
+        """Capture one graph (warm-up first, so lazy initialisation and autotuning stay outside)."""
+        if key in self.prepared:
+            return
+        static = self.static_batch(key.batch, key.query_len, key.context)
+        self.prepared.add(key)
+        if not self.capture:
             return
         device = self.adapter.device
-        if self.buffers is None or max(k.batch * k.query_len for k in keys) > self.buffers.token_ids.shape[0]:
-            if self.batches:
-                raise RuntimeError("graph shapes larger than the captured ones must be added before capture")
-            self.buffers = SharedBuffers(keys, self.max_context, self.adapter.state_dim, self.adapter.dtype, device)
-        mem0 = torch.cuda.memory_allocated(device) if self.capture else 0
+        mem0 = torch.cuda.memory_allocated(device)
         t0 = time.perf_counter()
-        for key in new:  # largest first, so later graphs fit in the shared pool
-            static = StaticBatch(key, self.max_context, self.buffers, self.kv, self.scratch_slot)
-            self.batches[key] = static
-            if not self.capture:
-                continue
-            with torch.inference_mode():
-                self._body(static)  # warm-up: lazy init and autotuning happen outside the capture
-                torch.cuda.synchronize(device)
-                # tensors memoised during warm-up (RoPE tables) were computed eagerly: recompute them in-graph
-                static.ctx.memo.clear()
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=self.pool):
-                    self.outputs[key] = self._body(static)
-            self.pool = graph.pool()  # one memory pool shared by every graph
-            self.graphs[key] = graph
-        if self.capture:
+        with torch.inference_mode():
+            # a bucket prepared mid-run holds a live batch: warm-up must not advance its state
+            saved = static.state.clone()
+            self._body(key, static)
+            static.state.copy_(saved)
             torch.cuda.synchronize(device)
-            self.capture_bytes += torch.cuda.memory_allocated(device) - mem0
+            # tensors memoised during warm-up (RoPE tables) were computed eagerly: recompute them in-graph
+            static.ctx.memo.clear()
+            static.loop_ctx.memo.clear()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self.pool):
+                self.outputs[key] = self._body(key, static)
+        self.pool = graph.pool()  # one memory pool shared by every graph
+        self.graphs[key] = graph
+        torch.cuda.synchronize(device)
+        self.capture_bytes += torch.cuda.memory_allocated(device) - mem0
         self.capture_seconds += time.perf_counter() - t0
 
-    def _body(self, static: StaticBatch) -> tuple[torch.Tensor, torch.Tensor]:
-        state = static.state
-        for i in range(static.key.start, static.key.end):
-            state = self.adapter.loop(state, i, static.ctx)
-        return state, self.adapter.readout(state, static.key.end, static.ctx)
+    def _body(self, key: GraphKey, static: StaticBatch) -> torch.Tensor:
+        """The captured computation. Loop stages update `static.state` in place; readouts return logits."""
+        if key.stage == "loop":
+            static.state.copy_(self.adapter.loop(static.state, 0, static.loop_ctx))
+            return static.state
+        if key.stage.startswith("loop"):
+            static.state.copy_(self.adapter.loop(static.state, int(key.stage[4:]), static.ctx))
+            return static.state
+        depth = self.adapter.full_depth if key.stage == "readout" else int(key.stage[7:])
+        return self.adapter.readout(static.state, depth, static.ctx)
 
+    @property
+    def num_graphs(self) -> int:
+        """Graphs prepared so far (captured on CUDA; the same count in emulation)."""
+        return len(self.prepared)
+
+    # ----- running -----
     def step(self, requests, query_len, context_lens, start, end, tokens, state, probe, readout):
-        """StepRunner entry: replay when a graph is captured for this shape; decline probes and other shapes."""
+        """StepRunner entry: replay when this shape is covered; decline probes and other shapes."""
         if probe is not None:
             return None
-        key = self.supports(len(requests), query_len, start, end)
-        return None if key is None else self.run(key, requests, context_lens, tokens, state)
-
-    def supports(self, num_reqs: int, query_len: int, start: int, end: int) -> GraphKey | None:
-        padded = pad_batch(num_reqs, self.buckets)
-        if padded is None:
+        shape = self.supports(len(requests), query_len, max(context_lens))
+        if shape is None:
             return None
-        key = GraphKey(padded, query_len, start, end)
-        return key if key in self.batches else None
+        return self.run(shape, requests, context_lens, start, end, tokens, state, readout)
+
+    def supports(self, num_reqs: int, query_len: int, max_context: int) -> tuple[int, int, int] | None:
+        batch = pad_to(num_reqs, self.buckets)
+        context = pad_to(max_context, self.contexts)
+        if batch is None or context is None or query_len not in self.query_lens:
+            return None
+        return batch, query_len, context
+
+    def _replay(self, key: GraphKey, static: StaticBatch) -> torch.Tensor:
+        self.prepare(key)
+        if not self.capture:
+            return self._body(key, static)
+        self.graphs[key].replay()
+        return self.outputs[key]
 
     @torch.inference_mode()
     def run(
         self,
-        key: GraphKey,
+        shape: tuple[int, int, int],
         requests,
         context_lens: list[int],
+        start: int,
+        end: int,
         tokens: torch.Tensor | None = None,
         state: torch.Tensor | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Embed `tokens` (or take `state`) for len(requests) real rows, replay; returns real-row (state, logits)."""
-        static = self.batches[key]
+        readout: bool = True,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Embed `tokens` (or take `state`) for the real rows, run loops [start, end) and the readout at `end`."""
+        batch, query_len, context = shape
+        static = self.static_batch(batch, query_len, context)
         seeds = [r.seed for r in requests] if self.adapter.needs_token_seeds else None
         static.fill([r.block_table for r in requests], context_lens, self.block_size, seeds)
-        n = len(requests) * key.query_len
+        n = len(requests) * query_len
         if tokens is not None:
             static.token_ids.zero_()
             static.token_ids[:n].copy_(tokens)
             static.state.copy_(self.adapter.embed(static.token_ids, static.ctx))
         else:
             static.state[:n].copy_(state)
-        if self.capture:
-            self.graphs[key].replay()
-            out_state, logits = self.outputs[key]
-            # outputs live in the shared graph pool: the next replay may overwrite them
-            return out_state[:n].clone(), logits[:n].clone()
-        out_state, logits = self._body(static)
-        return out_state[:n], logits[:n]
+        for i in range(start, end):
+            if self.uniform_loops:
+                self.buffers.plane_shift.fill_(i * self.planes_per_loop)
+                self._replay(GraphKey(batch, query_len, context, "loop"), static)
+            else:
+                self._replay(GraphKey(batch, query_len, context, f"loop{i}"), static)
+        out_state = static.state[:n].clone()  # the next step overwrites the static buffers
+        if not readout:
+            return out_state, None
+        if self.readout_graph:
+            stage = "readout" if self.uniform_loops else f"readout{end}"
+            logits = self._replay(GraphKey(batch, query_len, context, stage), static)
+        else:
+            logits = self.adapter.readout(static.state, end, static.ctx)
+        return out_state, logits[:n].clone()  # outputs live in the shared graph pool

@@ -12,9 +12,10 @@ from typing import Any
 import torch
 
 from looped_spec.adapter import ModelAdapter, load_adapter
-from looped_spec.control.controller import FixedController
+from looped_spec.control.controller import DEFAULT_POLICY, FixedController
 from looped_spec.control.factory import make_controller, plan_shapes
 from looped_spec.cuda_graph import CudaGraphRunner, batch_buckets
+from looped_spec.detokenizer import IncrementalDetokenizer
 from looped_spec.engine_args import check_engine_args
 from looped_spec.inputs import load_tokenizer, normalize_prompts, to_token_ids
 from looped_spec.kv_cache import KVCache
@@ -56,7 +57,7 @@ class LoopedSpecEngine:
         seed: int = 0,
         *,
         preset: Any = None,
-        policy: str = "ema",
+        policy: str = DEFAULT_POLICY,
         trace_path: str | None = None,
         block_size: int = 16,
         num_kv_blocks: int | None = None,
@@ -229,11 +230,16 @@ class LoopedSpecEngine:
         request_id = str(request_id)
         if request_id in self._requests or request_id in taken:
             raise ValueError(f"request_id {request_id!r} is already in use")
+        if params.stop and self.tokenizer is None:
+            raise ValueError("stop strings need the model's tokenizer files; use stop_token_ids instead")
         exit_threshold, exit_at_step = self._resolve_exit(params)
         seed = params.seed if params.seed is not None else self._rng.randrange(2**31)
+        detokenizer = IncrementalDetokenizer(self.tokenizer, params.stop) if self.tokenizer is not None else None
+        prompt_text = prompt if isinstance(prompt, str) else None
         request = Request(
-            request_id, next(self._arrivals), ids, params, seed, self.adapter.eos_token_ids, self.max_model_len
-        )
+            request_id, next(self._arrivals), ids, params, seed, self.adapter.eos_token_ids, self.max_model_len,
+            detokenizer, prompt_text,
+        )  # fmt: skip
         request.exit_threshold, request.exit_at_step = exit_threshold, exit_at_step
         return request
 
@@ -301,7 +307,8 @@ class LoopedSpecEngine:
 
     def _next_suspect(self) -> Request | None:
         """A running request from a failed step that has not stepped by itself since."""
-        self._suspects = [r for r in self._suspects if r.status is RequestStatus.RUNNING]
+        for request in [r for r in self._suspects if r.status is not RequestStatus.RUNNING]:
+            self._clear_suspect(request)  # finished, or preempted: its recompute starts afresh
         return self._suspects[0] if self._suspects else None
 
     def _transaction(self, suspect: Request | None, requests: list[Request], compute: Callable[[], Any]) -> Any:
@@ -374,8 +381,7 @@ class LoopedSpecEngine:
             stats.phase_seconds["verify"] += result.verify_time
             stats.phase_seconds["accept"] += result.accept_time
         stats.num_rounds += 1
-        stats.num_draft_tokens += sum(k)
-        stats.num_accepted_tokens += sum(result.num_accepted)
+        stats.record_drafts(k, result.num_accepted)
         stats.batch_size_histogram[len(requests)] += 1
         stats.plan_histogram[f"{max(k)},{plan.d if max(k) else 0}"] += 1
         stats.phase_seconds["commit"] += t1 - t0
@@ -425,20 +431,31 @@ class LoopedSpecEngine:
         return outputs
 
     def _output(self, request: Request) -> RequestOutput:
-        text = None
-        if self.tokenizer is not None and request.finished:
+        text, new_text, detok = None, "", request.detokenizer
+        if detok is not None:
             try:
-                text = self.tokenizer.decode(request.output_token_ids, skip_special_tokens=True)
+                if request.finished:
+                    detok.flush()
+                    text = detok.text
+                new_text = detok.stream_delta(request.finished)
             except Exception as exc:  # the token ids are the output; text is a convenience that must not wedge
                 logger.warning("request %s: cannot decode its output to text: %r", request.request_id, exc)
+                text, new_text = None, ""
+        output_ids = request.output_token_ids
+        new_ids = output_ids[request.num_emitted :]
+        request.num_emitted = len(output_ids)
         return RequestOutput(
             request.request_id,
             request.token_ids[: request.num_prompt_tokens],
-            request.output_token_ids,
+            output_ids,
             text,
             request.finish_reason,
             request.finished,
             request.metrics,
+            request.prompt_text,
+            new_ids,
+            new_text,
+            detok.stop_hit if detok is not None else None,
             request.error,
         )
 
@@ -475,7 +492,7 @@ class LoopedSpecEngine:
         bar = _progress(len(ids)) if use_tqdm else None
         try:
             while len(results) < len(ids):
-                if not self.has_unfinished_requests():
+                if not (self.scheduler.has_unfinished() or mine & self._reports.keys()):
                     raise RuntimeError("engine stopped with unfinished generate() requests")
                 self._step_once()
                 for out in self._take_outputs(only=mine):

@@ -25,7 +25,7 @@ class EngineArgs(BaseModel):
     adapter_options: dict[str, Any] | None
     seed: StrictInt = Field(ge=0)
     preset: Any
-    policy: str
+    policy: Literal["goodput", "ema"]
     trace_path: str | os.PathLike | None
     block_size: StrictInt = Field(ge=1, le=1 << 16)
     num_kv_blocks: StrictInt | None = Field(ge=1)

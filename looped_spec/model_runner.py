@@ -10,6 +10,7 @@ from looped_spec.adapter import ModelAdapter
 from looped_spec.attention import PagedContext, build_paged_context
 from looped_spec.early_exit import ExitMode, decode_with_exit, prefill_with_exit
 from looped_spec.kv_cache import KVCache
+from looped_spec.paged_kernel import MAX_KERNEL_QUERY, kernel_available
 from looped_spec.request import Request
 
 
@@ -64,6 +65,8 @@ class ModelRunner:
         self.eager = EagerStepRunner(self)
         self.graphs: StepRunner | None = None  # a CudaGraphRunner, when the engine enables graphs
         self.exit_mode: ExitMode = "skip"  # how requests that exit early are run (early_exit.py)
+        # the paged kernel reads each token's own keys in place (decode, draft, verify); prefill keeps SDPA
+        self.paged_kernel = kernel_available(self.device, kv_cache.layout.head_dim)
 
     def context(self, requests: list[Request], query_lens: list[int], context_lens: list[int]) -> PagedContext:
         return build_paged_context(
@@ -75,6 +78,7 @@ class ModelRunner:
             query_lens,
             seeds=[r.seed for r in requests],
             need_token_seeds=self.adapter.needs_token_seeds,
+            use_kernel=self.paged_kernel and max(query_lens) <= MAX_KERNEL_QUERY,
         )
 
     def token_tensor(self, tokens: list[int]) -> torch.Tensor:

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from looped_spec.detokenizer import IncrementalDetokenizer
 from looped_spec.sampling_params import SamplingParams
 
 
@@ -44,7 +45,12 @@ class RequestMetrics:
 
 @dataclass
 class RequestOutput:
-    """What `generate` / `step` return for a request."""
+    """What `generate` / `step` return for a request.
+
+    `token_ids` / `text` are the whole output (`text` once finished, cut before a stop string);
+    `new_token_ids` / `new_text` are what this output adds to the previous one of the same request,
+    for streaming (`new_text` never splits a character, nor sends text a stop string may still cut).
+    """
 
     request_id: str
     prompt_token_ids: list[int]
@@ -53,6 +59,10 @@ class RequestOutput:
     finish_reason: str | None  # "length" | "stop" | "abort" | "error" | None while running
     finished: bool
     metrics: RequestMetrics
+    prompt: str | None = None  # the prompt text, when the request was given text
+    new_token_ids: list[int] = field(default_factory=list)
+    new_text: str = ""
+    stop_reason: str | None = None  # the stop string that ended the request, if one did
     error: str | None = None  # with finish_reason "error": what went wrong
 
 
@@ -68,6 +78,8 @@ class Request:
         seed: int,
         eos_token_ids: list[int],
         max_model_len: int,
+        detokenizer: IncrementalDetokenizer | None = None,
+        prompt_text: str | None = None,
     ) -> None:
         self.request_id = request_id
         self.arrival = arrival  # admission order: preemption takes the latest arrival first
@@ -90,7 +102,9 @@ class Request:
         self.finish_reason: str | None = None
         self.error: str | None = None  # set with finish_reason "error"
         self.metrics = RequestMetrics()
-        self.num_emitted = 0  # tokens already reported by step()
+        self.num_emitted = 0  # output tokens already reported by step()
+        self.prompt_text = prompt_text
+        self.detokenizer = detokenizer  # None without a tokenizer; checks `params.stop` strings
         # early exit (the engine resolves them against the model): the rule's threshold, None when no rule
         # can fire, and a fixed depth, None for "up to D"
         self.exit_threshold: float | None = None
@@ -131,7 +145,9 @@ class Request:
     def append(self, token: int) -> bool:
         """Commit one generated token; returns True when the request is now finished."""
         self.token_ids.append(token)
-        if token in self.stop_ids:
+        # a stop string ends the request at the token that completed it (its text is cut off)
+        stop_string = self.detokenizer is not None and self.detokenizer.append(token)
+        if token in self.stop_ids or stop_string:
             self.finish_reason = "stop"
         elif self.num_output_tokens >= self.max_tokens or self.num_tokens >= self.max_model_len:
             self.finish_reason = "length"

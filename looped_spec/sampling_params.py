@@ -38,6 +38,17 @@ class SamplingParams(BaseModel):
     exit_at_step: int | None = Field(
         None, ge=1, le=1 << 16, description="Fixed loop depth for every token of this request (any family)."
     )
+    stop: list[str] = Field(
+        default_factory=list, description="Strings that end the request, checked on the decoded text (cut off)."
+    )
+
+    @field_validator("stop")
+    @classmethod
+    def _non_empty(cls, stop: list[str]) -> list[str]:
+        for i, s in enumerate(stop):
+            if not s:
+                raise ValueError(f"stop[{i}] is an empty string")
+        return stop
 
     @field_validator("stop_token_ids")
     @classmethod

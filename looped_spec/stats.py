@@ -1,11 +1,25 @@
-"""Engine counters, exported as a plain dict and as Prometheus text (vLLM-style names)."""
+"""Engine counters as a plain dict, and their Prometheus export through `prometheus_client`.
+
+The engine keeps plain Python counters on the hot path; `EngineCollector` turns them (and the live
+scheduler, KV and controller state) into metric families only when `/metrics` is scraped, so the
+exported counters are exactly `engine.stats`. Names follow vLLM's where the meaning is the same,
+with the `looped_spec:` prefix.
+"""
 
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Iterator
 from dataclasses import dataclass, field
+from typing import Any
+
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
+from prometheus_client.registry import Collector
 
 PHASES = ("schedule", "prefill", "decode", "draft", "verify", "accept", "commit", "control")
+BATCH_SIZE_BOUNDS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+PREFIX = "looped_spec:"
 
 
 @dataclass
@@ -18,9 +32,11 @@ class EngineStats:
     num_prefill_steps: int = 0
     num_rounds: int = 0  # decode rounds, plain or speculative
     num_spec_rounds: int = 0
+    num_drafts: int = 0  # (request, round) pairs that drafted at least one token
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
     num_preemptions: int = 0
+    accepted_per_position: Counter = field(default_factory=Counter)  # draft position (0-based) -> accepted
     batch_size_histogram: Counter = field(default_factory=Counter)  # decode round batch size -> rounds
     plan_histogram: Counter = field(default_factory=Counter)  # "K,d" -> rounds
     phase_seconds: dict[str, float] = field(default_factory=lambda: dict.fromkeys(PHASES, 0.0))
@@ -46,6 +62,15 @@ class EngineStats:
     def acceptance_rate(self) -> float:
         return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
 
+    def record_drafts(self, draft_lens: list[int], accepted: list[int]) -> None:
+        """One round's per-request draft lengths and accepted counts (a prefix of each draft is accepted)."""
+        self.num_drafts += sum(1 for k in draft_lens if k > 0)
+        self.num_draft_tokens += sum(draft_lens)
+        self.num_accepted_tokens += sum(accepted)
+        for a in accepted:
+            for position in range(a):
+                self.accepted_per_position[position] += 1
+
     def to_dict(self) -> dict:
         return {
             "num_requests_finished": self.num_requests_finished,
@@ -54,9 +79,11 @@ class EngineStats:
             "num_prefill_steps": self.num_prefill_steps,
             "num_rounds": self.num_rounds,
             "num_spec_rounds": self.num_spec_rounds,
+            "num_drafts": self.num_drafts,
             "num_draft_tokens": self.num_draft_tokens,
             "num_accepted_tokens": self.num_accepted_tokens,
             "acceptance_rate": self.acceptance_rate,
+            "accepted_per_position": dict(sorted(self.accepted_per_position.items())),
             "num_preemptions": self.num_preemptions,
             "batch_size_histogram": dict(sorted(self.batch_size_histogram.items())),
             "plan_histogram": dict(sorted(self.plan_histogram.items())),
@@ -67,39 +94,95 @@ class EngineStats:
         }
 
     def to_prometheus(self, model_name: str = "") -> str:
-        label = f'model_name="{model_name}"'
-        lines: list[str] = []
+        """Prometheus text exposition of these counters alone (no live engine state)."""
+        registry = CollectorRegistry(auto_describe=False)
+        registry.register(StatsCollector(self, model_name))
+        return generate_latest(registry).decode()
 
-        def counter(name: str, value, help_text: str) -> None:
-            lines.extend(
-                [
-                    f"# HELP looped_spec:{name} {help_text}",
-                    f"# TYPE looped_spec:{name} counter",
-                    f"looped_spec:{name}{{{label}}} {value}",
-                ]
-            )
 
-        counter("request_success_total", self.num_requests_finished, "Finished requests.")
-        counter("prompt_tokens_total", self.num_prompt_tokens, "Prefilled tokens (including recomputation).")
-        counter("generation_tokens_total", self.num_generation_tokens, "Generated tokens.")
-        counter("num_preemptions_total", self.num_preemptions, "Requests preempted for KV space.")
-        counter("decode_rounds_total", self.num_rounds, "Decode rounds (plain or speculative).")
-        counter("spec_decode_rounds_total", self.num_spec_rounds, "Speculative rounds.")
-        counter("spec_decode_num_draft_tokens_total", self.num_draft_tokens, "Draft tokens proposed.")
-        counter("spec_decode_num_accepted_tokens_total", self.num_accepted_tokens, "Draft tokens accepted.")
-        lines += [
-            "# HELP looped_spec:phase_seconds_total Wall time per engine phase.",
-            "# TYPE looped_spec:phase_seconds_total counter",
-        ]
-        for phase, seconds in self.phase_seconds.items():
-            lines.append(f'looped_spec:phase_seconds_total{{{label},phase="{phase}"}} {seconds:.6f}')
-        lines += ["# HELP looped_spec:batch_size Decode-round batch sizes.", "# TYPE looped_spec:batch_size histogram"]
-        for bound in (1, 2, 4, 8, 16, 32, 64, 128, 256):
-            total_le = sum(c for b, c in self.batch_size_histogram.items() if b <= bound)
-            lines.append(f'looped_spec:batch_size_bucket{{{label},le="{bound}"}} {total_le}')
-        total = sum(self.batch_size_histogram.values())
-        weighted = sum(b * c for b, c in self.batch_size_histogram.items())
-        lines.append(f'looped_spec:batch_size_bucket{{{label},le="+Inf"}} {total}')
-        lines.append(f"looped_spec:batch_size_count{{{label}}} {total}")
-        lines.append(f"looped_spec:batch_size_sum{{{label}}} {weighted}")
-        return "\n".join(lines) + "\n"
+def _counter(name: str, doc: str, value: float, labels: dict[str, str]) -> CounterMetricFamily:
+    family = CounterMetricFamily(PREFIX + name, doc, labels=list(labels))
+    family.add_metric(list(labels.values()), value)
+    return family
+
+
+def _gauge(name: str, doc: str, value: float, labels: dict[str, str]) -> GaugeMetricFamily:
+    family = GaugeMetricFamily(PREFIX + name, doc, labels=list(labels))
+    family.add_metric(list(labels.values()), value)
+    return family
+
+
+class StatsCollector(Collector):
+    """`EngineStats` counters; read at scrape time (prometheus_client escapes label values)."""
+
+    def __init__(self, stats: EngineStats, model_name: str) -> None:
+        self.stats = stats
+        self.model_name = model_name
+
+    def collect(self) -> Iterator[Metric]:
+        s, labels = self.stats, {"model_name": self.model_name}
+        yield _counter("request_success", "Requests finished by a stop condition or length.",
+                       s.num_requests_finished, labels)  # fmt: skip
+        yield _counter("prompt_tokens", "Prefilled tokens (including recomputation).", s.num_prompt_tokens, labels)
+        yield _counter("generation_tokens", "Generated tokens.", s.num_generation_tokens, labels)
+        yield _counter("num_preemptions", "Requests preempted for KV space.", s.num_preemptions, labels)
+        yield _counter("decode_rounds", "Decode rounds (plain or speculative).", s.num_rounds, labels)
+        yield _counter("spec_decode_rounds", "Speculative decode rounds.", s.num_spec_rounds, labels)
+        yield _counter("spec_decode_num_drafts", "Drafts proposed (one per request and round).", s.num_drafts, labels)
+        yield _counter("spec_decode_num_draft_tokens", "Draft tokens proposed.", s.num_draft_tokens, labels)
+        yield _counter("spec_decode_num_accepted_tokens", "Draft tokens accepted.", s.num_accepted_tokens, labels)
+        per_pos = CounterMetricFamily(
+            PREFIX + "spec_decode_num_accepted_tokens_per_pos",
+            "Accepted draft tokens per draft position (0-based).",
+            labels=["model_name", "position"],
+        )
+        for position, count in sorted(dict(s.accepted_per_position).items()):
+            per_pos.add_metric([self.model_name, str(position)], count)
+        yield per_pos
+        phases = CounterMetricFamily(
+            PREFIX + "phase_seconds", "Wall time per engine phase.", labels=["model_name", "phase"]
+        )
+        for phase, seconds in dict(s.phase_seconds).items():
+            phases.add_metric([self.model_name, phase], seconds)
+        yield phases
+        histogram = dict(s.batch_size_histogram)
+        buckets = [(str(b), sum(c for size, c in histogram.items() if size <= b)) for b in BATCH_SIZE_BOUNDS]
+        buckets.append(("+Inf", sum(histogram.values())))
+        batch = HistogramMetricFamily(PREFIX + "batch_size", "Decode-round batch sizes.", labels=["model_name"])
+        batch.add_metric([self.model_name], buckets, sum(size * c for size, c in histogram.items()))
+        yield batch
+
+
+class EngineCollector(StatsCollector):
+    """`engine.stats` plus live state: running / waiting requests, KV usage and the plan per bucket."""
+
+    def __init__(self, engine: Any, model_name: str) -> None:
+        super().__init__(engine.stats, model_name)
+        self.engine = engine
+
+    def collect(self) -> Iterator[Metric]:
+        yield from super().collect()
+        engine, labels = self.engine, {"model_name": self.model_name}
+        scheduler, kv = engine.scheduler, engine.kv
+        yield _gauge("num_requests_running", "Requests in the running batch.", len(scheduler.running), labels)
+        yield _gauge("num_requests_waiting", "Requests waiting for admission.", len(scheduler.waiting), labels)
+        used = 1.0 - kv.num_free_blocks / kv.num_blocks if kv.num_blocks else 0.0
+        yield _gauge("kv_cache_usage_perc", "Fraction of KV blocks in use (1 = full).", used, labels)
+        yield from self._plans()
+
+    def _plans(self) -> Iterator[Metric]:
+        """The plan each batch-size bucket would run now: K (0 = speculation off) and d."""
+        k_family = GaugeMetricFamily(PREFIX + "spec_plan_k", "Current draft length K per batch-size bucket "
+                                     "(0 = speculation off).", labels=["model_name", "bucket"])  # fmt: skip
+        d_family = GaugeMetricFamily(
+            PREFIX + "spec_plan_d", "Current draft depth d per batch-size bucket.", labels=["model_name", "bucket"]
+        )
+        controller = self.engine.controller
+        buckets = controller.stats().get("buckets")
+        if buckets is None and hasattr(controller, "k"):  # a fixed plan: one bucket for every batch size
+            buckets = [{"batch": "all", "k": controller.k, "d": controller.d}]
+        for bucket in buckets or []:
+            k_family.add_metric([self.model_name, str(bucket["batch"])], bucket["k"])
+            d_family.add_metric([self.model_name, str(bucket["batch"])], bucket["d"])
+        yield k_family
+        yield d_family

@@ -1,115 +1,114 @@
-"""Offline tuner: time (K, d) against plain decoding per batch size and derive an adaptive-speculation preset.
+"""Offline tuner: measure acceptance (model + text) and round cost (hardware) apart, derive a preset from both.
 
-    looped-spec tune --model tiny-ouro --batch-sizes 1,8,32 --prompts builtin --out presets/my-model.json
+    looped-spec tune --model tiny-ouro --batch-sizes 1,2,4,8,16,32 --prompts tune --out presets/tiny-ouro.json
 
-1. Screen: every (K, d) of the grid at every batch size with short greedy outputs (ignore_eos), one engine
-   per setting built once on one loaded adapter and warmed up; decode tokens/s as a ratio to plain
-   decoding's, the acceptance ΣA/ΣK from the engine's counters, tokens per request per round. Every
-   speculative output must equal plain decoding's token for token (`GreedyMismatchError` otherwise).
-2. Confirm: the `top` cells of each batch size by screened ratio, longer outputs, `repeats` rounds of
-   plain then every top cell, median of the per-round ratios.
-3. Preset: buckets, candidate order, initial candidate, thresholds and EMA knobs from the confirmed cells
-   (`looped_spec.tuner_rules`, whose rule texts go into the preset's provenance), validated with
-   `AdaptiveSpecConfig` for the model's depth before it is returned.
+1. Acceptance (deterministic, no timing): every tuning prompt is decoded greedily alone with plain decoding
+   while every round reads out all shallower depths (counterfactual readouts). That gives, per depth d and
+   generated position, whether a depth-d draft would have proposed the token full depth committed. From
+   those bits: α_d, persistence ρ_d, and the exact committed tokens per round of every (K, d) replayed on
+   the real trajectories (`acceptance.simulate_tokens`), printed beside the Markov model's prediction.
+2. Cost (hardware): for every profiled batch size, plain and every grid cell run `profile_rounds` decode
+   rounds per repeat on persistent engines, configurations interleaved in a shuffled order per repeat, the
+   first repeat discarded. A cell's cost is the smallest over repeats of the run's median round time (a
+   shared machine only ever adds time: the best run is the least disturbed one; spread = (largest −
+   smallest) / smallest run median), made non-decreasing in the batch size (a bigger batch never costs less
+   per round), then fitted by the round-cost model of `costprofile.py`.
+3. Preset: buckets, candidates, initial choices and thresholds from 1 + 2 (`control/derive.py`), plus both
+   measurements (`acceptance`, `cost` sections) for the goodput policy, provenance with the tuning prompts'
+   fingerprints (the benchmark refuses to evaluate on them). Given a cost profile (`cost_profile=`) the
+   tuner times nothing and is deterministic.
 """
 
 from __future__ import annotations
 
+import random
 import statistics
-import sys
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
 from looped_spec.adapter import ModelAdapter, load_adapter
+from looped_spec.control.acceptance import bit_statistics, markov_tokens, simulate_tokens
+from looped_spec.control.costprofile import CostProfile, round_features
+from looped_spec.control.derive import RULES, BucketModel, bucket_ranges, derive_buckets
 from looped_spec.control.presets import AdaptiveSpecConfig
 from looped_spec.engine import LoopedSpecEngine
 from looped_spec.inputs import load_tokenizer, to_token_ids
 from looped_spec.sampling_params import SamplingParams, SpeculativeConfig
 from looped_spec.tuner_inputs import (
-    GreedyMismatchError,
     TunerError,
     hardware_tag,
     load_prompts,
     machine_info,
     parse_batch_sizes,
     parse_grid,
+    prompt_fingerprints,
 )
-from looped_spec.tuner_rules import RULES, build_preset
 
 
-# ----------------------------------------------------------------------------------------- measuring
-@dataclass
-class RunResult:
-    """One timed `generate()` call and the engine counters it moved."""
+def _progress(total: int, enabled: bool):
+    from tqdm import tqdm
 
-    wall: float
-    prefill_seconds: float
-    tokens: int
-    requests: int
-    request_rounds: int  # decode rounds summed over requests
-    proposed: int
-    accepted: int
-    outputs: list[list[int]]
-
-    @property
-    def decode_tokens_per_s(self) -> float:
-        return (self.tokens - self.requests) / max(self.wall - self.prefill_seconds, 1e-9)
-
-    @property
-    def tokens_per_s(self) -> float:
-        return self.tokens / max(self.wall, 1e-9)
-
-    @property
-    def acceptance(self) -> float:
-        return self.accepted / self.proposed if self.proposed else 0.0
-
-    @property
-    def tokens_per_round(self) -> float:
-        """Committed tokens per request per decode round."""
-        return (self.tokens - self.requests) / self.request_rounds if self.request_rounds else 0.0
+    return tqdm(total=total, desc="tune", disable=not enabled, dynamic_ncols=True)
 
 
-class Progress:
-    """tqdm when importable, else a one-line progress printer on stderr."""
+# ----------------------------------------------------------------------------------------- acceptance
+def measure_match_bits(adapter: ModelAdapter, prompts: Sequence[Any], tokens: int, bar=None) -> list[list[list[int]]]:
+    """bits[d-1][prompt][t]: did depth d's readout predict generated token t+1 (greedy, full-depth trajectory)."""
+    depth = adapter.full_depth
+    engine = LoopedSpecEngine(adapter, speculation=SpeculativeConfig(k=0, measure_depths=True), max_batch_size=1)
+    rounds: list[list[int]] = []
+    observe = engine.controller.observe
 
-    def __init__(self, total: int, enabled: bool = True) -> None:
-        self.total, self.done, self.enabled = total, 0, enabled
-        self._bar = None
-        if enabled:
-            try:
-                from tqdm import tqdm
+    def record(feedback) -> None:
+        if feedback.depth_trials:
+            rounds.append(list(feedback.depth_matches))
+        observe(feedback)
 
-                self._bar = tqdm(total=total, desc="tune", file=sys.stderr, dynamic_ncols=True)
-            except ImportError:
-                self._bar = None
-
-    def step(self, label: str) -> None:
-        self.done += 1
-        if self._bar is not None:
-            self._bar.set_postfix_str(label, refresh=False)
-            self._bar.update(1)
-        elif self.enabled:
-            print(f"\rtune [{self.done}/{self.total}] {label:<40}", end="", file=sys.stderr, flush=True)
-
-    def close(self) -> None:
-        if self._bar is not None:
-            self._bar.close()
-        elif self.enabled:
-            print(file=sys.stderr)
+    engine.controller.observe = record
+    bits: list[list[list[int]]] = [[] for _ in range(depth)]
+    params = SamplingParams(max_tokens=tokens, ignore_eos=True)
+    for prompt in prompts:
+        rounds.clear()
+        engine.generate([prompt], params)
+        for d in range(depth):
+            bits[d].append([r[d] for r in rounds])
+        if bar is not None:
+            bar.update(1)
+    engine.close()
+    return bits
 
 
-class EngineSet:
-    """One engine per (K, d) setting (K=0: plain) on one shared adapter, each built once and warmed up."""
+def acceptance_report(bits: list[list[list[int]]], grid: Sequence[tuple[int, int]]) -> dict[str, Any]:
+    """α, ρ per depth and, per grid cell, committed tokens per round replayed on the bits vs the Markov model."""
+    stats = [bit_statistics(b) for b in bits]
+    cells = {}
+    for k, d in grid:
+        tokens, rounds = simulate_tokens(bits[d - 1], k)
+        alpha, rho, _ = stats[d - 1]
+        cells[f"{k},{d}"] = {
+            "replayed_tokens_per_round": round(tokens / rounds, 4) if rounds else 0.0,
+            "markov_tokens_per_round": round(markov_tokens(alpha, rho, k), 4),
+        }
+    return {
+        "alpha": [round(s[0], 4) for s in stats],
+        "rho": [round(s[1], 4) for s in stats],
+        "positions": stats[0][2] if stats else 0,
+        "cells": cells,
+    }
+
+
+# ----------------------------------------------------------------------------------------- cost
+class RoundTimer:
+    """Times single decode rounds of one persistent engine per configuration at a given batch size."""
 
     def __init__(self, adapter: ModelAdapter, max_batch: int, max_model_len: int, warmup: list[Any]) -> None:
         self.adapter, self.max_batch, self.max_model_len, self.warmup = adapter, max_batch, max_model_len, warmup
         self.engines: dict[tuple[int, int], LoopedSpecEngine] = {}
 
-    def get(self, cell: tuple[int, int]) -> LoopedSpecEngine:
+    def engine(self, cell: tuple[int, int]) -> LoopedSpecEngine:
         if cell not in self.engines:
             spec = "off" if cell[0] == 0 else SpeculativeConfig(k=cell[0], d=cell[1])
             engine = LoopedSpecEngine(
@@ -119,164 +118,199 @@ class EngineSet:
             self.engines[cell] = engine
         return self.engines[cell]
 
-    def run(self, cell: tuple[int, int], prompts: list[Any], max_tokens: int) -> RunResult:
-        engine = self.get(cell)
-        params = [SamplingParams(max_tokens=max_tokens, ignore_eos=True, seed=i) for i in range(len(prompts))]
-        s = engine.stats
-        p0, d0, a0 = s.phase_seconds["prefill"], s.num_draft_tokens, s.num_accepted_tokens
-        start = time.perf_counter()
-        outs = engine.generate(prompts, params)
-        wall = time.perf_counter() - start
-        return RunResult(
-            wall,
-            s.phase_seconds["prefill"] - p0,
-            sum(len(o.token_ids) for o in outs),
-            len(outs),
-            sum(o.metrics.rounds for o in outs),
-            s.num_draft_tokens - d0,
-            s.num_accepted_tokens - a0,
-            [list(o.token_ids) for o in outs],
-        )
+    def time_rounds(self, cell: tuple[int, int], prompts: list[Any], rounds: int) -> list[float]:
+        """Seconds of each of `rounds` full-shape decode rounds (every request drafting K) of a fresh batch."""
+        engine = self.engine(cell)
+        k = cell[0]
+        params = SamplingParams(max_tokens=(rounds + 2) * (k + 1) + 2, ignore_eos=True)
+        ids = [engine.add_request(p, params) for p in prompts]
+        stats = engine.stats
+        while stats.num_prefill_steps and any(not engine._requests[i].prefilled for i in ids):
+            engine.step()
+        seconds: list[float] = []
+        for _ in range(rounds):
+            r0, k0 = stats.num_rounds, stats.num_draft_tokens
+            start = time.perf_counter()
+            engine.step()
+            elapsed = time.perf_counter() - start
+            if stats.num_rounds == r0 + 1 and stats.num_draft_tokens - k0 == k * len(prompts):
+                seconds.append(elapsed)
+        for i in ids:
+            engine.abort(i)
+        while engine.has_unfinished_requests():
+            engine.step()
+        engine.step()  # collect the abort outputs
+        return seconds
 
     def close(self) -> None:
         for engine in self.engines.values():
             engine.close()
 
 
-def _check_equal(plain: RunResult, spec: RunResult, cell: tuple[int, int], batch: int, phase: str) -> None:
-    for i, (a, b) in enumerate(zip(plain.outputs, spec.outputs)):
-        if a != b:
-            pos = next((j for j, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
-            raise GreedyMismatchError(
-                f"{phase}: greedy output of K={cell[0]} d={cell[1]} at batch size {batch} differs from plain "
-                f"decoding for prompt {i} at output position {pos} (plain {a[pos : pos + 4]}, speculative "
-                f"{b[pos : pos + 4]}); this is an engine bug, please report it"
-            )
+def profile_costs(
+    timer: RoundTimer,
+    cells: Sequence[tuple[int, int]],
+    batch_sizes: Sequence[int],
+    prompts: list[Any],
+    rounds: int,
+    repeats: int,
+    seed: int,
+    bar=None,
+) -> dict[int, dict[tuple[int, int], list[list[float]]]]:
+    """Round seconds per batch size, cell (plain = (0, 0)) and run; configurations interleaved, first repeat dropped."""
+    rng = random.Random(seed)
+    samples: dict[int, dict[tuple[int, int], list[list[float]]]] = {}
+    for b in batch_sizes:
+        configs = [(0, 0), *cells]
+        samples[b] = {c: [] for c in configs}
+        for repeat in range(repeats + 1):
+            order = configs[:]
+            rng.shuffle(order)
+            for cell in order:
+                times = timer.time_rounds(cell, prompts[:b], rounds)
+                if repeat > 0 and times:
+                    samples[b][cell].append(times)
+                if bar is not None:
+                    bar.update(1)
+    return samples
 
 
-def _cell(run: RunResult, plain_tps: float) -> dict[str, float]:
-    return {
-        "ratio": round(run.decode_tokens_per_s / plain_tps, 4),
-        "acceptance": round(run.acceptance, 4),
-        "tokens_per_round": round(run.tokens_per_round, 4),
-        "decode_tokens_per_s": round(run.decode_tokens_per_s, 2),
-        "proposed": run.proposed,
-        "accepted": run.accepted,
-        "wall_s": round(run.wall, 4),
-    }
+def run_cost(runs: list[list[float]]) -> tuple[float, float]:
+    """(smallest run median, (largest - smallest) / smallest run median) of one cell's timed runs."""
+    if not runs:
+        raise TunerError("a configuration produced no full-shape decode round to time; raise --profile-rounds")
+    medians = [statistics.median(r) for r in runs]
+    best = min(medians)
+    return best, (max(medians) - best) / best if best > 0 else 0.0
 
 
-def _screen(bench: EngineSet, grid, prompts, tokens: int, progress: Progress, batch: int) -> dict[str, Any]:
-    before = bench.run((0, 0), prompts, tokens)
-    progress.step(f"B={batch} plain")
-    runs = {}
-    for cell in grid:
-        runs[cell] = bench.run(cell, prompts, tokens)
-        _check_equal(before, runs[cell], cell, batch, "screen")
-        progress.step(f"B={batch} K={cell[0]} d={cell[1]}")
-    after = bench.run((0, 0), prompts, tokens)
-    progress.step(f"B={batch} plain")
-    plain_tps = statistics.mean([before.decode_tokens_per_s, after.decode_tokens_per_s])
-    return {
-        "plain_decode_tokens_per_s": round(plain_tps, 2),
-        "plain_tokens_per_s": round(before.tokens_per_s, 2),
-        "cells": {f"{k},{d}": _cell(run, plain_tps) for (k, d), run in runs.items()},
-    }
+def nondecreasing(values: list[float]) -> list[float]:
+    """Least-squares non-decreasing fit (pool adjacent violators): round cost never falls as the batch grows."""
+    blocks: list[list[float]] = []  # [sum, count]
+    for v in values:
+        blocks.append([v, 1.0])
+        while len(blocks) > 1 and blocks[-2][0] / blocks[-2][1] > blocks[-1][0] / blocks[-1][1]:
+            total, count = blocks.pop()
+            blocks[-1][0] += total
+            blocks[-1][1] += count
+    return [s / c for s, c in blocks for _ in range(int(c))]
 
 
-def _confirm(bench: EngineSet, top, prompts, tokens: int, repeats: int, progress: Progress, batch: int) -> dict:
-    ratios: dict[tuple[int, int], list[float]] = {c: [] for c in top}
-    last: dict[tuple[int, int], RunResult] = {}
-    plain_tps = []
-    for r in range(repeats):
-        plain = bench.run((0, 0), prompts, tokens)
-        plain_tps.append(plain.decode_tokens_per_s)
-        progress.step(f"B={batch} confirm {r + 1}/{repeats} plain")
-        for cell in top:
-            last[cell] = bench.run(cell, prompts, tokens)
-            _check_equal(plain, last[cell], cell, batch, "confirm")
-            ratios[cell].append(last[cell].decode_tokens_per_s / plain.decode_tokens_per_s)
-            progress.step(f"B={batch} confirm {r + 1}/{repeats} K={cell[0]} d={cell[1]}")
-    cells = {}
-    for cell in top:
-        entry = _cell(last[cell], statistics.median(plain_tps))
-        entry.update(ratio=round(statistics.median(ratios[cell]), 4), ratios=[round(x, 4) for x in ratios[cell]])
-        cells[f"{cell[0]},{cell[1]}"] = entry
-    return {"plain_decode_tokens_per_s": [round(x, 2) for x in plain_tps], "cells": cells}
+def fit_profile(depth: int, samples: dict[int, dict[tuple[int, int], list[list[float]]]]) -> tuple[CostProfile, dict]:
+    """Timed runs -> `CostProfile`; report with per-cell costs, spreads and the fit's predictions."""
+    sizes = sorted(samples)
+    costs = {b: {c: run_cost(runs) for c, runs in samples[b].items()} for b in sizes}
+    monotone: dict[int, dict[tuple[int, int], float]] = {b: {} for b in sizes}
+    for cell in costs[sizes[0]]:
+        for b, value in zip(sizes, nondecreasing([costs[b][cell][0] for b in sizes])):
+            monotone[b][cell] = value
+    plain = {b: monotone[b][(0, 0)] for b in sizes}
+    cells = {b: {c: v for c, v in monotone[b].items() if c[0] > 0} for b in sizes}
+    report: dict[str, Any] = {}
+    for b in sizes:
+        report[str(b)] = {
+            f"{c[0]},{c[1]}": {
+                "best_run_s": round(cost, 6),
+                "cost_s": round(monotone[b][c], 6),
+                "spread": round(spread, 3),
+                "runs": len(samples[b][c]),
+            }
+            for c, (cost, spread) in costs[b].items()
+        }
+    profile = CostProfile.fit(depth, plain, cells)
+    for i, b in enumerate(profile.batch_sizes):
+        coef = profile.coefficients[i]
+        for key, cell in report[str(b)].items():
+            k, d = (int(x) for x in key.split(","))
+            if k:
+                cell["fit_s"] = round(sum(c * f for c, f in zip(coef, round_features(k, d, depth))), 6)
+    return profile, report
 
 
 # ----------------------------------------------------------------------------------------- the tuner
 def tune(
     model: str | Path | ModelAdapter,
-    batch_sizes: str | Sequence[int] = (1, 8, 32),
-    prompts: str | Sequence[Any] = "builtin",
+    batch_sizes: str | Sequence[int] = (1, 2, 4, 8, 16, 32),
+    prompts: str | Sequence[Any] = "tune",
     grid: str | Sequence[tuple[int, int]] = "auto",
-    screen_tokens: int = 16,
-    confirm_tokens: int = 64,
-    top: int = 3,
     *,
-    repeats: int = 3,
+    acceptance_tokens: int = 96,
+    num_prompts: int = 32,
+    profile_rounds: int = 12,
+    repeats: int = 4,
+    cost_profile: CostProfile | dict | None = None,
+    cost_report: dict[str, Any] | None = None,
+    cost_profile_source: str | None = None,
+    cost_measured: str | None = None,
     hardware: str | None = None,
     dtype: str = "auto",
     device: str = "auto",
     adapter_options: dict[str, Any] | None = None,
     margin: float = 0.03,
-    min_gain: float = 0.02,
+    seed: int = 0,
     command: str | None = None,
     progress: bool = True,
 ) -> tuple[AdaptiveSpecConfig, dict[str, Any]]:
-    """Measure the grid, confirm the best cells and derive a preset; returns (validated preset, report).
+    """Measure acceptance and round cost, derive a preset; returns (validated preset, report = provenance).
 
-    The report is the preset's provenance: command, date, machine, model, prompts, settings, every
-    measured cell per batch size ("measurements"), the per-bucket decisions and the rules used.
+    `cost_profile` (a `CostProfile` or its `to_dict()`) skips the timing: the result is then deterministic;
+    `cost_report` is then the measurement report of that profile, kept in the provenance (e.g. when
+    re-deriving a preset with `looped-spec tune --cost-from PRESET`).
     """
     started = time.perf_counter()
     sizes = parse_batch_sizes(batch_sizes)
-    for name, value in (
-        ("screen_tokens", screen_tokens),
-        ("confirm_tokens", confirm_tokens),
-        ("top", top),
-        ("repeats", repeats),
+    for name, value, low in (
+        ("acceptance_tokens", acceptance_tokens, 2),
+        ("num_prompts", num_prompts, 1),
+        ("profile_rounds", profile_rounds, 1),
+        ("repeats", repeats, 1),
     ):
-        if value < 1:
-            raise TunerError(f"{name}={value} must be >= 1")
+        if value < low:
+            raise TunerError(f"{name}={value} must be >= {low}")
     if isinstance(model, ModelAdapter):
         adapter = model
     else:
         adapter = load_adapter(model, dtype=dtype, device=device, **(adapter_options or {}))
     depth = adapter.full_depth
+    if depth < 2:
+        raise TunerError(f"the model has full depth D={depth}; self-speculation needs D >= 2")
     cells = parse_grid(grid, depth)
-    prompt_list, prompt_what = load_prompts(prompts, adapter, max(sizes))
+    prompt_list, prompt_what = load_prompts(prompts, adapter, max(num_prompts, max(sizes)))
     tokenizer = load_tokenizer(adapter.path) if any(isinstance(p, str) for p in prompt_list) else None
     longest = max(len(to_token_ids(p, tokenizer, adapter.vocab_size, f"prompt {p!r}")) for p in prompt_list)
-    need = longest + max(screen_tokens, confirm_tokens)
+    max_k = max(k for k, _ in cells)
+    need = longest + max(acceptance_tokens, (profile_rounds + 2) * (max_k + 1) + 2)
     if need >= adapter.max_positions:
-        raise TunerError(
-            f"prompts of up to {longest} tokens + {max(screen_tokens, confirm_tokens)} output tokens "
-            f"exceed the model's {adapter.max_positions} positions"
-        )
-    bench = EngineSet(adapter, max(sizes), min(adapter.max_positions, need + 8), prompt_list[:2])
-    top = min(top, len(cells))
-    bar = Progress(len(sizes) * (len(cells) + 2 + repeats * (top + 1)) + len(cells) + 1, enabled=progress)
-    measurements: dict[int, dict[str, Any]] = {}
+        raise TunerError(f"prompts of up to {longest} tokens + the output tokens exceed {adapter.max_positions}")
+    profile = CostProfile(depth, **cost_profile) if isinstance(cost_profile, dict) else cost_profile
+    timed = profile is None
+    total = num_prompts + (len(sizes) * (repeats + 1) * (len(cells) + 1) if timed else 0)
+    bar = _progress(total, progress)
+    timer = None
     try:
-        for cell in [(0, 0), *cells]:
-            bench.get(cell)
-            bar.step(f"build K={cell[0]} d={cell[1]}")
-        for b in sizes:
-            screen = _screen(bench, cells, prompt_list[:b], screen_tokens, bar, b)
-            ranked = sorted(cells, key=lambda c: -screen["cells"][f"{c[0]},{c[1]}"]["ratio"])[:top]
-            confirm = _confirm(bench, ranked, prompt_list[:b], confirm_tokens, repeats, bar, b)
-            measurements[b] = {"screen": screen, "confirm": confirm}
+        bits = measure_match_bits(adapter, prompt_list[:num_prompts], acceptance_tokens, bar)
+        accept = acceptance_report(bits, cells)
+        if accept["positions"] == 0:
+            raise TunerError("the acceptance pass measured no generated position: nothing was drafted; no preset")
+        cost_report = dict(cost_report or {})
+        if timed:
+            timer = RoundTimer(adapter, max(sizes), min(adapter.max_positions, need + 8), prompt_list[:2])
+            samples = profile_costs(timer, cells, sizes, prompt_list, profile_rounds, repeats, seed, bar)
+            profile, cost_report = fit_profile(depth, samples)
     finally:
         bar.close()
-        bench.close()
+        if timer is not None:
+            timer.close()
+    assert profile is not None
+    models = {b: BucketModel(accept["alpha"], accept["rho"], lambda k, d, b=b: profile.predict(k, d, b)) for b in sizes}
+    buckets, disable, decisions = derive_buckets(models, cells, bucket_ranges(sizes), margin=margin)
     tag = hardware or hardware_tag(adapter.device)
-    data, decisions = build_preset(adapter.name, depth, tag, measurements, margin=margin, min_gain=min_gain)
+    now = datetime.now(timezone.utc).astimezone().isoformat(timespec="seconds")
     report = {
         "tool": "looped_spec.tuner",
-        "command": command or _api_command(model, sizes, prompts, grid, screen_tokens, confirm_tokens, top, repeats),
-        "date": datetime.now(timezone.utc).astimezone().isoformat(timespec="seconds"),
+        "command": command or f"looped_spec.tuner.tune({adapter.name!r}, batch_sizes={sizes}, grid={grid!r})",
+        "date": now,
+        "cost_measured": now if timed else cost_measured,
         "wall_seconds": round(time.perf_counter() - started, 1),
         "machine": machine_info(adapter),
         "model": {
@@ -286,35 +320,48 @@ def tune(
             "full_depth": depth,
             "adapter_options": adapter_options or {},
         },
-        "prompts": {"source": prompts if isinstance(prompts, str) else "caller", "description": prompt_what},
+        "prompts": {
+            "source": prompts if isinstance(prompts, str) else "caller",
+            "description": prompt_what,
+            "fingerprints": prompt_fingerprints(prompt_list),
+        },
         "settings": {
             "batch_sizes": sizes,
             "grid": [f"{k},{d}" for k, d in cells],
-            "screen_tokens": screen_tokens,
-            "confirm_tokens": confirm_tokens,
-            "top": top,
-            "repeats": repeats,
+            "acceptance_tokens": acceptance_tokens,
+            "num_prompts": num_prompts,
+            "profile_rounds": profile_rounds if timed else None,
+            "repeats": repeats if timed else None,
             "margin": margin,
-            "min_gain": min_gain,
-            "sampling": "greedy, ignore_eos",
+            "cost_profile": "measured" if timed else (cost_profile_source or "given"),
         },
-        "measurements": {str(b): m for b, m in measurements.items()},
+        "acceptance": accept,
+        "cost": cost_report,
         "decisions": decisions,
         "rules": dict(RULES),
     }
-    data["provenance"] = report
+    data = {
+        "model": adapter.name,
+        "hardware": tag,
+        "full_depth": depth,
+        "depth_rule": "exact",
+        "buckets": buckets,
+        "disable": disable,
+        "acceptance": {"alpha": accept["alpha"], "rho": accept["rho"], "positions": accept["positions"]},
+        "cost": {k: _rounded(v) for k, v in profile.to_dict().items()},
+        "provenance": report,
+    }
     config = AdaptiveSpecConfig.parse(data, source="tuned preset")
     config.validate_for_depth(depth)
     return config, report
 
 
-def _api_command(model, sizes, prompts, grid, screen_tokens, confirm_tokens, top, repeats) -> str:
-    name = model.name if isinstance(model, ModelAdapter) else str(model)
-    prompt_text = prompts if isinstance(prompts, str) else f"<{len(prompts)} prompts>"
-    return (
-        f"looped_spec.tuner.tune({name!r}, batch_sizes={sizes}, prompts={prompt_text!r}, grid={grid!r}, "
-        f"screen_tokens={screen_tokens}, confirm_tokens={confirm_tokens}, top={top}, repeats={repeats})"
-    )
+def _rounded(value: Any) -> Any:
+    if isinstance(value, float):
+        return float(f"{value:.6g}")
+    if isinstance(value, list):
+        return [_rounded(v) for v in value]
+    return value
 
 
-__all__ = ["GreedyMismatchError", "TunerError", "tune"]
+__all__ = ["TunerError", "tune", "measure_match_bits", "acceptance_report", "fit_profile"]

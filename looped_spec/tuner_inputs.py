@@ -40,10 +40,6 @@ class TunerError(ValueError):
     """Bad tuner input (grid, batch sizes, prompts); the CLI exits with status 2."""
 
 
-class GreedyMismatchError(AssertionError):
-    """A speculative greedy output differed from plain decoding's: a bug in the engine, please report it."""
-
-
 # ----------------------------------------------------------------------------------------- inputs
 def parse_batch_sizes(spec: str | Sequence[int]) -> list[int]:
     """Parse "1,8,32" or [1, 8, 32] -> sorted distinct positive batch sizes."""
@@ -117,8 +113,18 @@ def random_token_prompts(count: int, vocab_size: int, seed: int = 0) -> list[lis
 
 
 def load_prompts(source: str | Sequence[Any], adapter: ModelAdapter, count: int) -> tuple[list[Any], str]:
-    """`count` prompts (cycled) and a description: 'builtin', a .txt (one per line) / .jsonl file, or a list."""
-    if isinstance(source, str) and source == "builtin":
+    """`count` prompts (cycled) and a description.
+
+    `source`: "tune" (the tuning prompt group of `looped_spec.prompt_sets`: built-in prompts and held-out
+    standard-library snippets, disjoint from the "eval" group), "builtin", a .txt (one prompt a line) /
+    .jsonl file, or a list. A model without a tokenizer gets random token-id prompts for "tune"/"builtin".
+    """
+    if isinstance(source, str) and source == "tune" and has_tokenizer(adapter.path):
+        from looped_spec.prompt_sets import prompt_group
+
+        base = list(prompt_group("tune"))
+        what = f"tune group: {len(base)} prompts (built-in + held-out stdlib half A; disjoint from the eval group)"
+    elif isinstance(source, str) and source in ("builtin", "tune"):
         if has_tokenizer(adapter.path):
             base: list[Any] = list(BUILTIN_CODE_PROMPTS + BUILTIN_PROSE_PROMPTS)
             n_code, n_prose = len(BUILTIN_CODE_PROMPTS), len(BUILTIN_PROSE_PROMPTS)
@@ -129,7 +135,7 @@ def load_prompts(source: str | Sequence[Any], adapter: ModelAdapter, count: int)
     elif isinstance(source, (str, Path)):
         path = Path(source)
         if not path.is_file():
-            raise TunerError(f"--prompts {source}: not 'builtin' and no such file")
+            raise TunerError(f"--prompts {source}: not 'tune' or 'builtin' and no such file")
         base = _read_prompt_file(path)
         what = f"file {path} ({len(base)} prompts)"
     else:
@@ -138,6 +144,13 @@ def load_prompts(source: str | Sequence[Any], adapter: ModelAdapter, count: int)
     if not base:
         raise TunerError(f"--prompts {source}: no prompts")
     return [base[i % len(base)] for i in range(count)], what
+
+
+def prompt_fingerprints(prompts: Sequence[Any]) -> list[str]:
+    """Distinct fingerprints of the prompts (stored in a tuned preset, checked by the benchmark)."""
+    from looped_spec.prompt_sets import prompt_fingerprints as fingerprints
+
+    return sorted(set(fingerprints(prompts)))
 
 
 def _read_prompt_file(path: Path) -> list[Any]:

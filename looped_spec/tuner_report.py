@@ -1,35 +1,52 @@
-"""Tuner output: a text table, heatmaps and compact JSON of the measurements and the preset.
+"""Tuner output: a text report, heatmaps and compact JSON of the preset.
 
-Input is the tuner's per-batch-size measurement dict (see `looped_spec.tuner.tune`): for every measured
-batch size ``b`` the screened cells ``{"K,d": {"ratio", "acceptance", ...}}`` and the confirmed top cells
-``{"K,d": {"ratio", "acceptance", ...}}`` (ratio = decode tokens/s of (K, d) over plain decoding's).
+Input is the tuner's report (`looped_spec.tuner.tune`'s provenance): acceptance per depth and per grid cell
+(replayed on the tuning trajectories vs the Markov model), the cost profile's median round times per batch
+size and cell, and the decisions per bucket (predicted ratio to plain of every cell).
 """
 
 from __future__ import annotations
 
 import json
 import math
-from pathlib import Path
 from typing import Any
 
-from looped_spec.tuner_rules import cell_key
+
+def cell_key(key: str) -> tuple[int, int]:
+    """ "K,d" -> (K, d)."""
+    k, d = key.split(",")
+    return int(k), int(d)
 
 
-def format_table(measurements: dict[int, dict[str, Any]], preset: dict[str, Any] | None = None) -> str:
-    """Human-readable screen/confirm results per batch size and the chosen bucket lists."""
-    lines = []
-    for b in sorted(measurements):
-        m = measurements[b]
-        confirmed = m["confirm"]["cells"]
-        lines.append(f"B={b}: plain {m['screen']['plain_decode_tokens_per_s']:.1f} decode tok/s (screen)")
-        lines.append(f"  {'K':>3} {'d':>3} {'screen':>8} {'accept':>7} {'tok/round':>9} {'confirmed':>10}")
-        for key, cell in m["screen"]["cells"].items():
-            k, d = cell_key(key)
-            conf = f"{confirmed[key]['ratio']:.2f}x" if key in confirmed else ""
-            lines.append(
-                f"  {k:>3} {d:>3} {cell['ratio']:>7.2f}x {cell['acceptance']:>7.2f} "
-                f"{cell['tokens_per_round']:>9.2f} {conf:>10}"
-            )
+def format_report(report: dict[str, Any], preset: dict[str, Any] | None = None) -> str:
+    """Human-readable acceptance, cost profile and predicted ratios, and the chosen bucket lists."""
+    accept = report["acceptance"]
+    lines = [
+        f"acceptance over {accept['positions']} generated positions (counterfactual readouts, greedy):",
+        "  alpha by depth: " + " ".join(f"d{i + 1}={a:.3f}" for i, a in enumerate(accept["alpha"])),
+        "  rho by depth:   " + " ".join(f"d{i + 1}={r:.3f}" for i, r in enumerate(accept["rho"])),
+        f"  {'K,d':>5} {'tokens/round replayed':>22} {'markov':>7}",
+    ]
+    for key, cell in accept["cells"].items():
+        lines.append(f"  {key:>5} {cell['replayed_tokens_per_round']:>22.3f} {cell['markov_tokens_per_round']:>7.3f}")
+    for b, cells in report.get("cost", {}).items():
+        plain = cells["0,0"]
+        lines.append(
+            f"B={b}: plain round {1e3 * plain['cost_s']:.2f} ms (best run {1e3 * plain['best_run_s']:.2f} ms, "
+            f"runs spread {100 * plain['spread']:.0f}%)"
+        )
+        lines.append(f"  {'K,d':>5} {'cost ms':>8} {'fit ms':>7} {'spread':>6}")
+        for key, cell in cells.items():
+            if key != "0,0":
+                lines.append(
+                    f"  {key:>5} {1e3 * cell['cost_s']:>8.2f} {1e3 * cell['fit_s']:>7.2f} {100 * cell['spread']:>5.0f}%"
+                )
+    for bucket, note in report.get("decisions", {}).items():
+        best = sorted(note["predicted_ratio"].items(), key=lambda kv: -kv[1])[:4]
+        lines.append(
+            f"bucket {bucket} (from B={note['from_batch']}): predicted best "
+            + ", ".join(f"{k}: {r:.2f}x" for k, r in best)
+        )
     if preset is not None:
         lines.append("preset buckets (candidates conservative -> aggressive; * = initial):")
         for bucket in preset["buckets"]:
@@ -39,34 +56,43 @@ def format_table(measurements: dict[int, dict[str, Any]], preset: dict[str, Any]
                 mark = "*" if j == bucket["initial_index"] else ""
                 band = f" [{c['theta_down']:.2f},{c['theta_up']:.2f}]" if c["k"] else ""
                 items.append(f"{mark}({c['k']},{c['d']}){band}")
-            lines.append(
-                f"  B {bucket['min_batch']}..{hi}: "
-                + " ".join(items)
-                + f"  beta={bucket['beta']} min_samples={bucket['min_samples']} "
-                f"interval={bucket['interval']}"
-            )
+            lines.append(f"  B {bucket['min_batch']}..{hi}: " + " ".join(items))
     return "\n".join(lines)
 
 
-def write_heatmap(measurements: dict[int, dict[str, Any]], path: str | Path, title: str = "") -> str | None:
-    """PNG of screened speedup and acceptance over K x d, one panel pair per batch size.
+def heatmap_cells(report: dict[str, Any]) -> dict[int, dict[str, dict[str, float]]]:
+    """Per bucket batch size: predicted ratio and replayed acceptance (ΣA/ΣK) of every grid cell."""
+    accept = report["acceptance"]["cells"]
+    out: dict[int, dict[str, dict[str, float]]] = {}
+    for note in report.get("decisions", {}).values():
+        cells = {}
+        for key, ratio in note["predicted_ratio"].items():
+            k, _ = cell_key(key)
+            tokens = accept.get(key, {}).get("replayed_tokens_per_round", 1.0)
+            cells[key] = {"ratio": ratio, "acceptance": (tokens - 1.0) / k}
+        out[int(note["from_batch"])] = cells
+    return out
 
-    Returns None when written, else the reason it was skipped (matplotlib not importable).
+
+def write_heatmap(cells_by_batch: dict[int, dict[str, dict[str, float]]] | dict[str, Any], path, title: str = ""):
+    """PNG of speedup and acceptance over K x d, one panel pair per batch size.
+
+    `cells_by_batch`: {B: {"K,d": {"ratio": .., "acceptance": ..}}}, or a tuner report (predicted ratios).
     """
-    try:
-        import matplotlib
+    import matplotlib
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return "matplotlib is not installed (pip install matplotlib); heatmap skipped"
-    batches = sorted(measurements)
-    keys = [cell_key(k) for b in batches for k in measurements[b]["screen"]["cells"]]
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    if "acceptance" in cells_by_batch and "decisions" in cells_by_batch:
+        cells_by_batch = heatmap_cells(cells_by_batch)  # type: ignore[arg-type]
+    batches = sorted(cells_by_batch)
+    keys = [cell_key(k) for b in batches for k in cells_by_batch[b]]
     ks, ds = sorted({k for k, _ in keys}), sorted({d for _, d in keys})
     size = (max(3.6, 1.6 + 0.75 * len(ds)) * len(batches), 1.2 + 2.0 * max(2.0, 0.5 * len(ks)))
     fig, axes = plt.subplots(2, len(batches), figsize=size, squeeze=False)
     for col, b in enumerate(batches):
-        cells = measurements[b]["screen"]["cells"]
+        cells = cells_by_batch[b]
         for row, (field, label) in enumerate([("ratio", "speedup vs plain"), ("acceptance", "acceptance")]):
             ax = axes[row][col]
             vals = [[cells.get(f"{k},{d}", {}).get(field, float("nan")) for d in ds] for k in ks]
@@ -85,14 +111,13 @@ def write_heatmap(measurements: dict[int, dict[str, Any]], path: str | Path, tit
             ax.set_yticks(range(len(ks)), [str(k) for k in ks])
             ax.set_xlabel("draft depth d")
             ax.set_ylabel("K")
-            ax.set_title(f"B={b}: {label} (screen)", fontsize=9)
+            ax.set_title(f"B={b}: {label}", fontsize=9)
             fig.colorbar(im, ax=ax, fraction=0.046)
     if title:
         fig.suptitle(title, fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
-    return None
 
 
 def preset_data(config: Any) -> dict[str, Any]:

@@ -139,7 +139,17 @@ def train_tokenizer(docs: list[str], vocab_size: int):
     return tok
 
 
-def save_tokenizer(tok, folder: Path, max_len: int) -> None:
+# A plain chat template (messages as Python comments, an assistant turn ends with <|endoftext|>) so the
+# server's /v1/chat/completions and examples/chat.py run on tiny-ouro; the models are not trained to chat.
+# tiny-huginn and tiny-nanbeige keep none: they show the "no chat template" error.
+CHAT_TEMPLATE = (
+    "{% for message in messages %}{{ '# ' + message['role'] + ': ' + message['content'] }}"
+    "{% if message['role'] == 'assistant' %}{{ eos_token }}{% endif %}{{ '\\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '# assistant:' }}{% endif %}"
+)
+
+
+def save_tokenizer(tok, folder: Path, max_len: int, chat_template: str | None = None) -> None:
     """tokenizer.json + tokenizer_config.json + special_tokens_map.json, loadable by AutoTokenizer offline."""
     tok.save(str(folder / "tokenizer.json"))
     special = {"bos_token": EOS, "eos_token": EOS, "pad_token": EOS, "unk_token": EOS}
@@ -162,6 +172,8 @@ def save_tokenizer(tok, folder: Path, max_len: int) -> None:
             }
         },
     }
+    if chat_template is not None:
+        config["chat_template"] = chat_template
     (folder / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
     (folder / "special_tokens_map.json").write_text(json.dumps(special, indent=2) + "\n")
 
@@ -563,7 +575,7 @@ def train_family(key: str, args, tok, train_stream: torch.Tensor, windows: torch
     save_file(stored, str(folder / "model.safetensors"), metadata={"format": "pt"})
     (folder / "model.safetensors").chmod(0o644)
     (folder / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    save_tokenizer(tok, folder, args.max_positions)
+    save_tokenizer(tok, folder, args.max_positions, CHAT_TEMPLATE if key == "ouro" else None)
     check = verify_folder(folder, adapter, windows[:2, :-1], tok, huginn)
     sample = greedy_sample(adapter, tok, SAMPLE_PROMPT, 64)
     summary = {

@@ -7,7 +7,7 @@ import torch
 from conftest import FAMILIES, fixture_dir, load
 
 from looped_spec import LoopedSpecEngine, SamplingParams, load_adapter
-from looped_spec.cuda_graph import GraphKey, batch_buckets, graph_keys, pad_batch
+from looped_spec.cuda_graph import batch_buckets, context_buckets, graph_keys, pad_batch, pad_to
 
 PROMPTS = [[5, 9, 13], [200, 1, 77, 4, 4, 19, 88, 23, 7, 150, 3], [42], [17, 18, 19, 20, 21, 22], [99, 98, 97]]
 MAX_TOKENS = [12, 7, 15, 3, 10]
@@ -22,14 +22,27 @@ def test_batch_buckets_and_padding():
     assert pad_batch(33, buckets) is None
 
 
-def test_graph_keys_cover_decode_draft_and_verify_largest_first():
-    keys = graph_keys([(0, 0), (2, 1), (3, 2)], full_depth=4, buckets=[1, 8])
-    shapes = {(k.query_len, k.start, k.end) for k in keys}
-    assert shapes == {(1, 0, 4), (1, 0, 1), (3, 1, 4), (1, 0, 2), (4, 2, 4)}
-    assert len(keys) == 2 * len(shapes)
+def test_graph_keys_share_one_loop_capture_across_loop_ranges():
+    plans = [(0, 0), (2, 1), (3, 2)]
+    keys = graph_keys(plans, full_depth=4, batches=[1, 8], contexts=[64], readout_graph=True)
+    # decode and both drafts run one token per request; verifies run 3 and 4: one loop graph + one readout each
+    assert {(k.query_len, k.stage) for k in keys} == {(q, s) for q in (1, 3, 4) for s in ("loop", "readout")}
+    assert len(keys) == 2 * 3 * 2
     sizes = [k.batch * k.query_len for k in keys]
     assert sizes == sorted(sizes, reverse=True)
-    assert keys[0] == GraphKey(8, 4, 2, 4)
+    assert keys[0].batch == 8 and keys[0].query_len == 4
+    per_index = graph_keys(plans, full_depth=4, batches=[1], contexts=[64], uniform_loops=False, readout_graph=True)
+    assert {k.stage for k in per_index} == {"loop0", "loop1", "loop2", "loop3", "readout1", "readout2", "readout4"}
+    assert {k.stage for k in graph_keys(plans, 4, [1], [64])} == {"loop"}  # a readout without attention: eager
+
+
+def test_context_buckets_bound_padding_by_two():
+    assert context_buckets(100, 16, per_request_lengths=False) == [16, 32, 64, 112]
+    assert context_buckets(65536, 16, per_request_lengths=True) == [65536]
+    buckets = context_buckets(1000, 16, per_request_lengths=False)
+    for context in range(1, 1001):
+        padded = pad_to(context, buckets)
+        assert context <= padded <= max(16, 2 * context - 1), context
 
 
 def greedy(n: int) -> SamplingParams:
@@ -113,3 +126,18 @@ def test_graph_replay_greedy_tokens_bf16(family):
     assert [o.token_ids for o in eager.generate(PROMPTS, params)] == [
         o.token_ids for o in graphs.generate(PROMPTS, params)
     ]
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("family", FAMILIES)
+def test_graph_replay_equals_eager_without_the_kernel_fp32(family, monkeypatch):
+    """The reference path inside graphs: context buckets captured on first use, mid-run."""
+    monkeypatch.setenv("LOOPED_SPEC_PAGED_KERNEL", "0")
+    eager = cuda_engine(family, "float32", False, "2,1")
+    graphs = cuda_engine(family, "float32", True, "2,1")
+    assert not graphs.runner.graphs.use_kernel and len(graphs.runner.graphs.contexts) > 1
+    params = [greedy(n) for n in MAX_TOKENS]
+    a = [o.token_ids for o in eager.generate(PROMPTS, params)]
+    b = [o.token_ids for o in graphs.generate(PROMPTS, params)]
+    assert a == b
+    assert graphs.runner.graphs.graphs, "nothing was captured"

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 from conftest import FAMILIES, adapter_options, fixture_dir, make_engine, reference
+from prometheus_client.parser import text_string_to_metric_families
 from pydantic import ValidationError
 
 from looped_spec import LoopedSpecEngine, SamplingParams
@@ -161,6 +162,13 @@ def test_stats_dict_and_prometheus():
     stats = engine.stats.to_dict()
     assert stats["num_generation_tokens"] == 15 and stats["num_requests_finished"] == 3
     assert stats["num_rounds"] == 4 and sum(stats["batch_size_histogram"].values()) == 4
-    text = engine.stats.to_prometheus("ouro-tiny")
-    assert 'looped_spec:generation_tokens_total{model_name="ouro-tiny"} 15' in text
-    assert "looped_spec:batch_size_bucket" in text and "looped_spec:phase_seconds_total" in text
+    text = engine.stats.to_prometheus('ouro "tiny"')
+    samples = {
+        (s.name, s.labels.get("le", s.labels.get("phase"))): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
+    assert samples[("looped_spec:generation_tokens_total", None)] == 15
+    assert samples[("looped_spec:batch_size_bucket", "+Inf")] == 4
+    assert ("looped_spec:phase_seconds_total", "decode") in samples
+    assert 'model_name="ouro \\"tiny\\""' in text  # label values escaped

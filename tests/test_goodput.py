@@ -10,12 +10,11 @@ from looped_spec.control import (
     AdaptiveController,
     AdaptiveSpecConfig,
     DepthAcceptance,
-    LinearFit2,
-    RoundCostModel,
     SyntheticWorkload,
     expected_accept_rate,
     expected_tokens,
 )
+from looped_spec.control.costmodel import LinearFit2, RoundCostModel
 from looped_spec.plan import RoundFeedback
 
 CANDIDATES = [[0, 0], [1, 2], [4, 1], [6, 1]]

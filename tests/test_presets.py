@@ -15,9 +15,9 @@ from looped_spec.control import (
     list_presets,
     load_preset,
     match_preset_name,
-    preset_dir,
     read_preset_file,
 )
+from looped_spec.control.presets import preset_dir
 
 SHIPPED_DEPTHS = {
     "ouro-1.4b": 4,

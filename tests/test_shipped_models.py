@@ -67,8 +67,9 @@ def test_cli_generate_prints_text_and_stats(capsys):
     )
     out = capsys.readouterr().out
     assert out.startswith("def add(a, b):")
-    for field in ("tokens/s", "decode rounds", "draft tokens accepted", "plans used"):
+    for field in ("tokens generated", "decode rounds", "draft tokens accepted", "plans used"):
         assert field in out
+    assert "tokens/s" not in out  # a bare rate is no speed claim: --compare-plain gives the ratio
 
 
 def test_cli_reports_bad_model_cleanly(capsys):

@@ -1,17 +1,18 @@
-"""Offline tuner: CLI end to end on the fixtures, the written preset, bucket/order/threshold rules, inputs."""
+"""Offline tuner: CLI end to end on the fixtures, the written preset, the derivation rules, inputs."""
 
 from __future__ import annotations
 
 import json
-import sys
 
 import pytest
 from conftest import fixture_dir, load
 
 from looped_spec.cli import main
-from looped_spec.control.goodput import expected_accept_rate
+from looped_spec.control.acceptance import markov_accept_rate
+from looped_spec.control.costprofile import CostProfile
+from looped_spec.control.derive import BucketModel, bucket_ranges, derive_bucket, derive_preset, ideal_seconds
 from looped_spec.control.presets import AdaptiveSpecConfig, load_preset, read_preset_file
-from looped_spec.tuner import Progress, tune
+from looped_spec.tuner import tune
 from looped_spec.tuner_inputs import (
     TunerError,
     auto_grid,
@@ -21,79 +22,113 @@ from looped_spec.tuner_inputs import (
     parse_grid,
 )
 from looped_spec.tuner_report import dump_json
-from looped_spec.tuner_rules import CellModel, break_even, bucket_ranges, build_bucket, invert_accept_rate
 
 GRID = "1,1;2,1;1,2"
-TINY = ["--batch-sizes", "1,4", "--screen-tokens", "4", "--confirm-tokens", "6", "--top", "2", "--quiet"]
+TINY = ["--batch-sizes", "1,4", "--acceptance-tokens", "6", "--num-prompts", "2", "--profile-rounds", "2"]
+TINY += ["--repeats", "1", "--quiet"]
+#: A made-up cost profile (seconds) for D = 4 at B = 1 and 4, so the tuner times nothing
+PROFILE = {
+    "batch_sizes": [1, 4],
+    "plain_seconds": [0.004, 0.006],
+    "coefficients": [[0.0006, 0.0002, 0.0004, 0.002], [0.001, 0.0003, 0.0009, 0.003]],
+}
 
 
 def test_cli_tune_writes_a_valid_preset_and_heatmap(tmp_path, capsys):
     out, png = tmp_path / "presets" / "ouro-tiny.json", tmp_path / "heat.png"
-    rc = main(
-        [
-            "tune",
-            "--model",
-            str(fixture_dir("ouro")),
-            "--grid",
-            GRID,
-            "--out",
-            str(out),
-            "--heatmap",
-            str(png),
-            "--hardware",
-            "test-cpu",
-            *TINY,
-        ]
-    )
+    argv = ["tune", "--model", str(fixture_dir("ouro")), "--grid", GRID, "--out", str(out), "--heatmap", str(png)]
+    rc = main([*argv, "--hardware", "test-cpu", *TINY])
     assert rc == 0
     printed = capsys.readouterr().out
-    assert "B=1:" in printed and "B=4:" in printed and "preset buckets" in printed
+    assert "B=1:" in printed and "B=4:" in printed and "preset buckets" in printed and "alpha by depth" in printed
     config = read_preset_file(out)
     loaded = load_preset("ouro-tiny", 4, preset=out)
     assert loaded.hardware == "test-cpu" and loaded.full_depth == 4
-    buckets = config.buckets
-    assert buckets[0].min_batch == 1 and buckets[-1].max_batch is None
-    for prev, nxt in zip(buckets, buckets[1:]):
-        assert nxt.min_batch == prev.max_batch + 1
-    assert [(b.min_batch, b.max_batch) for b in buckets] == [(1, 2), (3, None)]
+    assert [(b.min_batch, b.max_batch) for b in config.buckets] == [(1, 2), (3, None)]
     allowed = {(0, 0), (1, 1), (2, 1), (1, 2)}
-    for b in buckets:
+    for b in config.buckets:
         cands = [(c.k, c.d) for c in b.candidates]
-        assert cands[0] == (0, 0) and set(cands) <= allowed and 2 <= len(cands) <= 3  # K=0 + at most top 2
+        assert cands[0] == (0, 0) and set(cands) <= allowed and len(cands) >= 2
         assert 0 <= b.initial_index < len(cands)
         for c in b.candidates[1:]:
             assert 0.0 <= c.theta_down <= c.theta_up <= 1.0
-    assert config.disable.enabled
+    assert config.acceptance is not None and len(config.acceptance.alpha) == 4 and config.acceptance.alpha[3] == 1.0
+    assert config.acceptance.positions == 2 * 5  # 2 prompts x (6 tokens - the first, from prefill)
+    assert config.cost is not None and config.cost.batch_sizes == [1, 4]
+    assert all(t > 0 for t in config.cost.plain_seconds)
     prov = config.provenance
     assert isinstance(prov, dict)
     assert prov["command"].startswith("looped-spec tune --model") and prov["model"]["full_depth"] == 4
     assert {"platform", "cpu_count", "torch", "device"} <= set(prov["machine"])
     assert prov["settings"]["grid"] == ["1,1", "2,1", "1,2"] and set(prov["rules"]) >= {"buckets", "thresholds"}
+    assert len(prov["prompts"]["fingerprints"]) >= 1
     for b in ("1", "4"):
-        cells = prov["measurements"][b]["screen"]["cells"]
-        assert set(cells) == {"1,1", "2,1", "1,2"}
-        for cell in cells.values():
-            assert cell["ratio"] > 0 and 0.0 <= cell["acceptance"] <= 1.0 and cell["tokens_per_round"] >= 1.0
-        assert len(prov["measurements"][b]["confirm"]["cells"]) == 2
+        cells = prov["cost"][b]
+        assert set(cells) == {"0,0", "1,1", "2,1", "1,2"}
+        assert all(c["best_run_s"] > 0 and c["cost_s"] > 0 for c in cells.values())
+        assert all(c["runs"] == 1 and c["spread"] == 0.0 for c in cells.values())
     assert png.is_file() and png.stat().st_size > 1000
 
 
-def test_cli_tune_rejects_a_grid_entry_beyond_the_depth(tmp_path, capsys):
+def test_cli_tune_usage_errors(tmp_path, capsys):
     out = tmp_path / "nb.json"
     rc = main(["tune", "--model", str(fixture_dir("nanbeige")), "--grid", GRID, "--out", str(out), *TINY])
     assert rc == 2
     err = capsys.readouterr().err
     assert "'1,2'" in err and "d=2" in err and "D=2" in err
     assert not out.exists()
+    base = ["tune", "--model", str(fixture_dir("ouro")), "--out", str(out)]
+    for flag, value in [("--acceptance-tokens", "1"), ("--profile-rounds", "0"), ("--repeats", "0")]:
+        assert main([*base, flag, value]) == 2
+        err = capsys.readouterr().err
+        assert flag in err and len(err.strip().splitlines()) == 1
+    for old in ("--screen-tokens", "--confirm-tokens"):  # the old screening flags are gone: a usage error
+        with pytest.raises(SystemExit) as exc:
+            main([*base, old, "1"])
+        assert exc.value.code == 2
+    assert main(["tune", "--model", str(fixture_dir("ouro")), "--out", str(tmp_path), *TINY]) == 2
+    assert "--out" in capsys.readouterr().err
+
+
+def test_tune_is_deterministic_given_a_cost_profile():
+    runs = [
+        tune(
+            load("ouro"),
+            [1, 4],
+            "builtin",
+            GRID,
+            acceptance_tokens=8,
+            num_prompts=3,
+            cost_profile=PROFILE,
+            progress=False,
+        )  # fmt: skip
+        for _ in range(2)
+    ]
+    (a, report_a), (b, report_b) = runs
+    assert a.model_dump(exclude={"provenance"}) == b.model_dump(exclude={"provenance"})
+    assert report_a["acceptance"] == report_b["acceptance"] and report_a["decisions"] == report_b["decisions"]
+    assert a.cost is not None and a.cost.plain_seconds == PROFILE["plain_seconds"]
+    assert report_a["settings"]["cost_profile"] == "given" and report_a["cost"] == {}
+
+
+def test_tune_refuses_when_nothing_was_measured(monkeypatch):
+    with pytest.raises(TunerError, match="acceptance_tokens"):
+        tune(load("ouro"), [1], "builtin", "1,1", acceptance_tokens=1, cost_profile=PROFILE, progress=False)
+    # e.g. every request stopped at its first token: no decode round, nothing drafted or measured
+    monkeypatch.setattr("looped_spec.tuner.measure_match_bits", lambda adapter, prompts, *a: [[[]] * len(prompts)] * 4)
+    with pytest.raises(TunerError, match="no generated position"):
+        tune(load("ouro"), [1], "builtin", "1,1", acceptance_tokens=2, cost_profile=PROFILE, progress=False)
 
 
 def test_tune_api_on_nanbeige_depth_two():
-    config, report = tune(load("nanbeige"), [1, 2], "builtin", "1,1;2,1", 3, 4, 1, repeats=1, progress=False)
+    profile = {"batch_sizes": [1], "plain_seconds": [0.003], "coefficients": [[0.001, 0.001, 0.0002, 0.001]]}
+    config, report = tune(load("nanbeige"), [1, 2], "builtin", "1,1;2,1", acceptance_tokens=6, num_prompts=2,
+                          cost_profile=profile, progress=False)  # fmt: skip
     assert isinstance(config, AdaptiveSpecConfig)
     assert [(b.min_batch, b.max_batch) for b in config.buckets] == [(1, 1), (2, None)]
     for b in config.buckets:
         assert [c.k for c in b.candidates][0] == 0 and all(c.d <= 1 for c in b.candidates)
-    assert set(report["measurements"]) == {"1", "2"} and config.provenance == report
+    assert config.provenance == report
     config.validate_for_depth(2)
 
 
@@ -102,6 +137,37 @@ def test_bucket_ranges_nearest_in_log_space():
     assert bucket_ranges([4]) == [(1, None)]
     assert bucket_ranges([2, 1]) == [(1, 1), (2, None)]
     assert bucket_ranges([1, 4, 64]) == [(1, 2), (3, 16), (17, None)]
+
+
+def _linear_profile_model(alpha, rho=(0.0, 0.0, 0.0, 0.0)) -> BucketModel:
+    profile = CostProfile(4, **PROFILE)
+    return BucketModel(list(alpha), list(rho), lambda k, d: profile.predict(k, d, 1))
+
+
+def test_derived_bucket_starts_at_the_fastest_option_and_thresholds_bracket_it():
+    model = _linear_profile_model([0.8, 0.9, 0.97, 1.0])
+    grid = [(k, d) for k in range(1, 6) for d in range(1, 4)]
+    bucket, notes = derive_bucket(model, grid, 1)
+    cands = [(c["k"], c["d"]) for c in bucket["candidates"]]
+    best = max(grid, key=lambda o: model.speed(o, 1.0))
+    assert cands[0] == (0, 0) and cands[bucket["initial_index"]] == best
+    assert notes["predicted_ratio"][f"{best[0]},{best[1]}"] == max(notes["predicted_ratio"].values())
+    init = bucket["candidates"][bucket["initial_index"]]
+    rate = markov_accept_rate(0.8 if best[1] == 1 else model.alpha[best[1] - 1], 0.0, best[0])
+    assert init["theta_down"] <= rate <= init["theta_up"]  # at the measured acceptance it stays where it is
+    hopeless = _linear_profile_model([0.0, 0.0, 0.0, 1.0])
+    bucket, _ = derive_bucket(hopeless, grid, 1)
+    assert bucket["initial_index"] == 0 and len(bucket["candidates"]) >= 2  # plain, plus a probe target
+
+
+def test_derive_preset_from_assumed_numbers_is_valid():
+    data = derive_preset("m", 4, [0.7, 0.87, 0.94, 1.0], 64.0)
+    config = AdaptiveSpecConfig.parse(data)
+    config.validate_for_depth(4)
+    assert config.acceptance is not None and config.acceptance.positions == 0
+    first = config.buckets[0]
+    assert first.candidates[first.initial_index].k > 0  # at B=1 the ideal model speculates
+    assert ideal_seconds(4, 1, 64.0)(0, 0) == pytest.approx(4 * (1 + 1 / 64))
 
 
 def test_grid_and_batch_size_parsing():
@@ -123,6 +189,7 @@ def test_prompt_sources(tmp_path):
     prompts, what = load_prompts("builtin", adapter, 5)
     assert len(prompts) == 5 and all(isinstance(p, list) for p in prompts) and "random" in what
     assert load_prompts("builtin", adapter, 5)[0] == prompts  # deterministic
+    assert load_prompts("tune", adapter, 5)[0] == prompts  # no tokenizer: the same random ids
     text = tmp_path / "p.txt"
     text.write_text("def f(x):\n\n  hello world \n")
     assert load_prompts(str(text), adapter, 3)[0] == ["def f(x):", "  hello world ", "def f(x):"]
@@ -134,87 +201,31 @@ def test_prompt_sources(tmp_path):
         load_prompts(str(jsonl), adapter, 2)
 
 
-def test_thresholds_bracket_the_measured_acceptance_of_the_best_candidate():
-    """A trained-model-like bucket: the measured best becomes initial and its band contains its acceptance."""
-    confirmed = {
-        "1,3": {"ratio": 1.10, "acceptance": 0.90},
-        "2,1": {"ratio": 1.35, "acceptance": 0.62},
-        "4,1": {"ratio": 1.20, "acceptance": 0.55},
-    }
-    bucket, notes = build_bucket(1, 1, 1, confirmed, margin=0.03, min_gain=0.02)
-    cands = [(c["k"], c["d"]) for c in bucket["candidates"]]
-    assert cands[0] == (0, 0) and set(cands[1:]) == {(1, 3), (2, 1), (4, 1)}
-    best = bucket["candidates"][bucket["initial_index"]]
-    assert (best["k"], best["d"]) == (2, 1)
-    assert best["theta_down"] < 0.62 < best["theta_up"]
-    assert cands.index((4, 1)) > cands.index((2, 1))  # more drafts at the same depth: more aggressive
-    AdaptiveSpecConfig.parse({"model": "m", "buckets": [{**bucket, "max_batch": None}]}).validate_for_depth(4)
-    assert notes["initial"] == "2,1" and notes["chain"] == ["0,0", "1,3", "2,1", "4,1"]
-    for j, c in enumerate(bucket["candidates"][1:], start=1):  # at the measured acceptance, all roads lead to 2,1
-        if j < bucket["initial_index"]:
-            assert c["prior"] > c["theta_up"]
-        elif j > bucket["initial_index"]:
-            assert c["prior"] < c["theta_down"]
-    slow = {k: {**v, "ratio": v["ratio"] / 2} for k, v in confirmed.items()}
-    assert build_bucket(1, None, 8, slow, margin=0.03, min_gain=0.02)[0]["initial_index"] == 0
-
-
-def test_model_helpers():
-    for k in (1, 3):
-        for a in (0.0, 0.3, 0.8):
-            assert invert_accept_rate(expected_accept_rate(a, k), k) == pytest.approx(a, abs=1e-6)
-    cell = CellModel(2, 1, ratio=1.3, acceptance=0.6)
-    assert cell.speedup(1.0) == pytest.approx(1.3)
-    assert 1.0 < break_even(cell) < 16.0  # faster than plain, so it still breaks even on a harder workload
-    assert break_even(CellModel(1, 1, ratio=0.5, acceptance=0.0)) < 1.0
-
-
-def test_dump_json_and_progress_fallback(monkeypatch, capsys):
+def test_dump_json():
     data = {"a": [1, 2], "b": {"c": list(range(60))}}
     assert json.loads(dump_json(data)) == data
-    monkeypatch.setitem(sys.modules, "tqdm", None)
-    bar = Progress(2)
-    bar.step("one")
-    bar.step("two")
-    bar.close()
-    assert "[2/2] two" in capsys.readouterr().err
 
 
-def test_cli_tune_reports_a_greedy_mismatch_as_a_bug(tmp_path, capsys, monkeypatch):
-    import looped_spec.tuner as tuner
+def test_run_cost_and_monotone_profile():
+    from looped_spec.tuner import nondecreasing, run_cost
 
-    real_run = tuner.EngineSet.run
-
-    def corrupted(self, cell, prompts, max_tokens):
-        result = real_run(self, cell, prompts, max_tokens)
-        if cell == (2, 1):
-            result.outputs[-1][-1] += 1
-        return result
-
-    monkeypatch.setattr(tuner.EngineSet, "run", corrupted)
-    out = tmp_path / "x.json"
-    rc = main(["tune", "--model", str(fixture_dir("ouro")), "--grid", GRID, "--out", str(out), *TINY])
-    err = capsys.readouterr().err
-    assert rc == 1 and "BUG" in err and "K=2 d=1" in err and "prompt 0" in err
-    assert not out.exists()
+    assert run_cost([[3.0, 1.0, 2.0], [5.0, 4.0, 6.0]]) == (2.0, 1.5)  # best run median, spread of run medians
+    with pytest.raises(TunerError, match="profile-rounds"):
+        run_cost([])
+    assert nondecreasing([2.0, 6.0, 4.0, 6.0, 12.0]) == [2.0, 5.0, 5.0, 6.0, 12.0]
+    assert nondecreasing([3.0, 1.0, 2.0]) == [2.0, 2.0, 2.0]
 
 
-def test_random_measurements_always_give_valid_buckets_starting_at_the_best():
-    import random
-
-    rng = random.Random(1)
-    for _ in range(60):
-        confirmed = {}
-        for _ in range(rng.randint(1, 4)):
-            confirmed[f"{rng.randint(1, 5)},{rng.randint(1, 3)}"] = {
-                "ratio": rng.uniform(0.3, 3.0),
-                "acceptance": rng.choice([0.0, 1.0, rng.random()]),
-            }
-        bucket, _ = build_bucket(1, None, rng.choice([1, 8, 32]), confirmed, margin=0.03, min_gain=0.02)
-        AdaptiveSpecConfig.parse({"model": "m", "buckets": [bucket]}).validate_for_depth(4)
-        best = max(confirmed, key=lambda key: confirmed[key]["ratio"])
-        chosen = bucket["candidates"][bucket["initial_index"]]
-        if confirmed[best]["ratio"] >= 1.02:
-            assert f"{chosen['k']},{chosen['d']}" == best
-        else:
-            assert chosen["k"] == 0
+def test_cli_tune_cost_from_reuses_a_measured_profile(tmp_path, capsys):
+    first, second = tmp_path / "a.json", tmp_path / "b.json"
+    base = ["tune", "--model", str(fixture_dir("ouro")), "--grid", GRID, *TINY]
+    assert main([*base, "--out", str(first)]) == 0
+    assert main([*base, "--out", str(second), "--cost-from", str(first)]) == 0
+    a, b = read_preset_file(first), read_preset_file(second)
+    assert a.cost == b.cost and a.acceptance == b.acceptance and a.buckets == b.buckets
+    assert b.provenance["cost"] == a.provenance["cost"]  # the timing report travels with the profile
+    assert b.provenance["settings"]["cost_profile"].startswith(f"from {first}")
+    no_cost = tmp_path / "c.json"
+    no_cost.write_text(json.dumps({**json.loads(first.read_text()), "cost": None}))
+    assert main([*base, "--out", str(tmp_path / "d.json"), "--cost-from", str(no_cost)]) == 2
+    assert "no measured cost profile" in capsys.readouterr().err

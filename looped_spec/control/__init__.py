@@ -4,12 +4,12 @@ Per round the engine calls ``plan = controller.plan(num_running)``, runs the pla
 ``controller.observe(feedback)``. Everything here is pure logic (no model code, no torch).
 """
 
-from looped_spec.control.buckets import BucketTable, CompiledBucket, DisableSettings, compile_buckets
+from looped_spec.control.acceptance import AcceptanceModel, markov_accept_rate, markov_tokens, simulate_tokens
 from looped_spec.control.controller import AdaptiveController, BaseController, FixedController, OffController
-from looped_spec.control.costmodel import LinearFit2, RoundCostModel
-from looped_spec.control.derive import derive_bucket, derive_preset, ideal_speedup
+from looped_spec.control.costprofile import CostProfile
+from looped_spec.control.derive import BucketModel, derive_buckets, derive_preset
 from looped_spec.control.goodput import DepthAcceptance, GoodputPolicy, expected_accept_rate, expected_tokens
-from looped_spec.control.policy import BucketState, CandidatePolicy, Policy
+from looped_spec.control.policy import CandidatePolicy, Policy
 from looped_spec.control.presets import (
     AdaptiveSpecConfig,
     BucketConfig,
@@ -20,44 +20,38 @@ from looped_spec.control.presets import (
     list_presets,
     load_preset,
     match_preset_name,
-    preset_dir,
     read_preset_file,
 )
 from looped_spec.control.simulate import SyntheticWorkload
-from looped_spec.control.trace import TraceWriter
 
 __all__ = [
+    "AcceptanceModel",
     "AdaptiveController",
     "AdaptiveSpecConfig",
     "BaseController",
     "BucketConfig",
-    "BucketState",
-    "BucketTable",
+    "BucketModel",
     "CandidateConfig",
     "CandidatePolicy",
-    "CompiledBucket",
+    "CostProfile",
     "DepthAcceptance",
     "DisableConfig",
-    "DisableSettings",
     "FixedController",
     "GoodputPolicy",
-    "LinearFit2",
     "OffController",
     "Policy",
     "PresetError",
-    "RoundCostModel",
     "SyntheticWorkload",
-    "TraceWriter",
-    "compile_buckets",
-    "derive_bucket",
+    "derive_buckets",
     "derive_preset",
     "expected_accept_rate",
     "expected_tokens",
     "generic_preset",
-    "ideal_speedup",
     "list_presets",
     "load_preset",
+    "markov_accept_rate",
+    "markov_tokens",
     "match_preset_name",
-    "preset_dir",
     "read_preset_file",
+    "simulate_tokens",
 ]

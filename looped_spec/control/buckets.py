@@ -97,11 +97,21 @@ def compile_disable(config: AdaptiveSpecConfig) -> DisableSettings:
 class BucketTable:
     """Batch size -> bucket index by binary search over the buckets' upper bounds."""
 
-    __slots__ = ("_upper",)
+    __slots__ = ("_upper", "_lower")
 
     def __init__(self, buckets: list[CompiledBucket]) -> None:
         self._upper = [b.max_batch for b in buckets[:-1]]  # validated: all but the last are bounded
+        self._lower = [b.min_batch for b in buckets]
 
     def lookup(self, batch_size: int) -> int:
         """Bucket index for `batch_size` (values < 1 count as 1)."""
         return bisect_left(self._upper, batch_size)
+
+    def lookup_sticky(self, batch_size: int, current: int, factor: float) -> int:
+        """`current` while `batch_size` lies within its range widened by `factor` (and ±1), else `lookup`."""
+        if 0 <= current < len(self._lower):
+            low = min(self._lower[current] - 1, self._lower[current] / factor)
+            high = self._upper[current] if current < len(self._upper) else None
+            if batch_size >= low and (high is None or batch_size <= max(high + 1, high * factor)):
+                return current
+        return self.lookup(batch_size)

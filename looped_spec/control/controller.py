@@ -22,10 +22,17 @@ from looped_spec.control.schema import AdaptiveSpecConfig
 from looped_spec.control.trace import TraceWriter
 from looped_spec.plan import RoundFeedback, SpeculationPlan
 
-POLICIES = ("ema", "goodput")
-#: With depth measurement on, one plain (K = 0) round in this many reads out the shallow depths, so the goodput
-#: policy keeps learning acceptance while speculation is off, at a small fraction of the readout cost.
-PLAIN_MEASURE_EVERY = 16
+POLICIES = ("goodput", "ema")
+DEFAULT_POLICY = "goodput"
+#: With depth measurement on, one speculative round in this many reads out every depth (the counterfactual
+#: agreement the goodput policy learns acceptance from): reading out D−1 extra depths costs 10–30 % of a
+#: round on the tiny models, so measuring every round would cost more than a wrong plan.
+SPEC_MEASURE_EVERY = 16
+#: ... and one plain (K = 0) round in this many, so acceptance keeps being learned while speculation is off.
+PLAIN_MEASURE_EVERY = 32
+#: A batch stays in its bucket while its size is within this factor of the bucket's range (docs/adaptive.md
+#: "bucket hysteresis"), so a batch hovering at an edge neither flips plans every round nor re-enters buckets.
+BUCKET_STICKINESS = 1.25
 
 
 class BaseController:
@@ -98,6 +105,10 @@ class FixedController(BaseController):
         self.d = d if k > 0 else 0
         self.measure_depths = measure_depths
 
+    def plan_shapes(self) -> list[tuple[int, int]]:
+        """Every (K, d) this controller can hand out (K = 0 included), for sizing CUDA-graph capture."""
+        return sorted({(0, 0), (self.k, self.d)})
+
     def plan(self, num_running: int) -> SpeculationPlan:
         t0 = perf_counter()
         plan = SpeculationPlan(self._next_id, self.k, self.d, measure_depths=self.measure_depths)
@@ -121,10 +132,13 @@ class OffController(FixedController):
 class AdaptiveController(BaseController):
     """Per-round (K, d) from a preset: batch size -> bucket -> the policy's current candidate.
 
-    `policy`: "ema" (the RFC's EMA-threshold policy, `CandidatePolicy`) or "goodput" (`GoodputPolicy`).
+    `policy`: "goodput" (default, `GoodputPolicy`) or "ema" (the RFC's EMA-threshold policy, `CandidatePolicy`).
     `measure_depths` asks the engine for counterfactual per-depth agreement; default True for "goodput"
-    (it needs it), False for "ema". `measure_every` thins that to every n-th plan. `policy_options` go
-    to the policy's constructor (e.g. ``{"explore_rounds": 3}`` for goodput).
+    (it needs it), False for "ema". `measure_every` thins that to every n-th speculative plan (plain plans:
+    every `PLAIN_MEASURE_EVERY`-th). `policy_options` go to the policy's constructor (e.g.
+    ``{"hysteresis": 0.05}`` for goodput).
+    Bucket changes have hysteresis: the batch stays in the current bucket while its size is within
+    `BUCKET_STICKINESS` of the bucket's range.
     The preset is checked (or rescaled, depth rule "scale") for `full_depth` and compiled into plain
     lists here, so `plan()` and `observe()` cost microseconds.
     """
@@ -135,11 +149,11 @@ class AdaptiveController(BaseController):
         self,
         config: AdaptiveSpecConfig,
         full_depth: int,
-        policy: str = "ema",
+        policy: str = DEFAULT_POLICY,
         trace_path: str | Path | None = None,
         measure_depths: bool | None = None,
         *,
-        measure_every: int = 1,
+        measure_every: int = SPEC_MEASURE_EVERY,
         policy_options: dict[str, Any] | None = None,
     ) -> None:
         if policy not in POLICIES:
@@ -151,12 +165,14 @@ class AdaptiveController(BaseController):
         self.policy_name = policy
         buckets = compile_buckets(self.config)
         disable = compile_disable(self.config)
+        self.measure_depths = (policy == "goodput") if measure_depths is None else measure_depths
         self.policy: Policy
         if policy == "ema":
             self.policy = CandidatePolicy(buckets, disable, **(policy_options or {}))
         else:
-            self.policy = GoodputPolicy(buckets, disable, full_depth, **(policy_options or {}))
-        self.measure_depths = (policy == "goodput") if measure_depths is None else measure_depths
+            options = {"acceptance": self.config.acceptance, "cost": self.config.cost}
+            options.update(measured_depths=self.measure_depths, **(policy_options or {}))
+            self.policy = GoodputPolicy(buckets, disable, full_depth, **options)
         self.measure_every = measure_every
         self.plain_measure_every = PLAIN_MEASURE_EVERY
         self._table = BucketTable(buckets)
@@ -164,15 +180,22 @@ class AdaptiveController(BaseController):
         super().__init__(trace_path)
 
     def bucket_for(self, num_running: int) -> int:
-        """Bucket index a batch of `num_running` requests falls in."""
+        """Bucket index a batch of `num_running` requests falls in (ignoring hysteresis)."""
         return self._table.lookup(num_running)
+
+    def plan_shapes(self) -> list[tuple[int, int]]:
+        """Every (K, d) this controller can hand out (K = 0 included), for sizing CUDA-graph capture."""
+        shapes = {(0, 0)}
+        for bucket in self.config.buckets:
+            shapes.update((c.k, c.d) for c in bucket.candidates if c.k > 0)
+        return sorted(shapes)
 
     def plan(self, num_running: int) -> SpeculationPlan:
         """The plan for this round; fixed until its feedback arrives."""
         t0 = perf_counter()
         policy = self.policy
         trace = self._trace
-        bucket = self._table.lookup(num_running)
+        bucket = self._table.lookup_sticky(num_running, self._bucket, BUCKET_STICKINESS)
         if bucket != self._bucket:
             if self._bucket >= 0:
                 policy.enter(bucket)

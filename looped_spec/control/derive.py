@@ -1,123 +1,234 @@
-"""Deriving a preset from the RFC's idealized cost model when it cannot be measured (no checkpoint / GPU).
+"""Preset rules: from an acceptance model and a round-cost function to buckets, candidates and thresholds.
 
-Model (RFC, with the geometric acceptance expectation):
+One set of rules serves both kinds of preset (docs/adaptive.md "from measurements to a preset"):
+- tuned presets (`looped-spec tune`): acceptance per depth measured by counterfactual readouts, round cost
+  from the measured `CostProfile`;
+- derived presets for models we cannot run here (`derive_preset`): the RFC's reported acceptance and its
+  idealised cost model T = d(K+1)·c(B) + (D−d)·c(B(K+1)), c(N) = 1 + N / n_sat.
 
-    T_plain = D · c(B)
-    T_spec  = d(K+1) · c(B) + (D − d) · c(B(K+1))        c(N) = 1 + N / n_sat  (one loop step, N tokens)
-    speedup = E(α_d, K) · T_plain / T_spec                E = (1 − α^{K+1}) / (1 − α)
-
-`n_sat` is the token count at which a loop step costs twice a single-token step (memory-bound below it).
-Workload difficulty h scales every depth's miss rate: 1 − α_d(h) = h · (1 − α_d). Sweeping h from easy
-to hard, the best (K, d) at the bucket's representative batch traces a path from aggressive to
-conservative (possibly ending at K=0): that path, reversed, is the bucket's candidate list, the best at
-h = 1 is its initial candidate, and the thresholds are the expected accept rates ΣA/ΣK of a candidate at
-the difficulties where it stops being the best (± `margin`), so the EMA policy moves exactly where the
-model says the neighbour becomes better.
+Per bucket, at its representative batch size, every option (K, d) of the grid and plain decoding gets a
+predicted speed E(K, d) / T(K, d) (E: expected committed tokens per request per round, the Markov
+expectation of `acceptance.markov_tokens`). A workload of difficulty h scales every depth's miss rate,
+α_d(h) = clamp(1 − h·(1 − α_d), 0, 1) (persistence unchanged). Sweeping h from hard to easy, the fastest
+option traces a path from conservative (plain) to aggressive: that path is the bucket's candidate list, the
+fastest at h = 1 (the measured acceptance) its initial candidate, and the thresholds θ are a candidate's
+expected ΣA/ΣK at the difficulties where a neighbour becomes faster (± `margin`), so the EMA policy moves
+exactly where the model says the neighbour wins. The goodput policy uses the same two models directly.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
-from looped_spec.control.goodput import expected_accept_rate, expected_tokens
+from looped_spec.control.acceptance import markov_accept_rate, markov_tokens
 
+RULES = {
+    "buckets": (
+        "a batch size belongs to the profiled batch size nearest to it in log space (ties to the smaller): "
+        "bucket i covers floor(sqrt(b[i-1]*b[i]))+1 .. floor(sqrt(b[i]*b[i+1])), the first starts at 1, the "
+        "last is unbounded; each bucket is derived at its own profiled batch size b[i]"
+    ),
+    "speed": (
+        "speed(K, d) = E(K, d) / T(K, d, b): E = expected committed tokens per request per round of the "
+        "two-state Markov model of draft agreement (alpha_d, rho_d), T = predicted round seconds; plain: 1 / T_plain"
+    ),
+    "order": (
+        "sweep the difficulty h (alpha_d(h) = clamp(1 - h(1 - alpha_d))) from hard (h where every alpha is 0, at "
+        "most 64) to easy (1/16), 40 log-spaced points per decade; candidates = plain followed by the options in "
+        "the order they first become the fastest; at most `max_candidates`, cut around the fastest at h = 1"
+    ),
+    "initial": "initial_index = the fastest option at h = 1 (the measured acceptance)",
+    "thresholds": (
+        "for neighbours (lower, upper), h_x = where the fastest option changes from lower to upper (bisection in "
+        "log h); theta_up(lower) = lower's expected sum(A)/sum(K) at h_x + margin, theta_down(upper) = upper's at "
+        "h_x - margin; the last candidate's theta_up is 1.0; clamped to [0, 1], theta_down <= theta_up; "
+        "prior = the candidate's expected sum(A)/sum(K) at h = 1"
+    ),
+    "ema": (
+        "per bucket, from the initial (else the first speculative) candidate's expected acceptance a, K and batch "
+        "b: per-round noise s = sqrt(max(a(1-a), 0.05)/(b*K)); beta = 2x/(1+x) with x = (0.05/s)^2, clamped to "
+        "[0.1, 0.5]; min_samples = max(4, ceil(1/beta)); interval = max(2, ceil(min_samples/2))"
+    ),
+    "disable": (
+        "Phase 2 on, timing comparison off (acceptance decides); threshold = the smallest off threshold (first "
+        "speculative candidate's theta_down) over the buckets; probe_base 16, probe_cap 256, probe_rounds 2"
+    ),
+}
+
+H_EASY = 1.0 / 16.0
+H_HARD_MAX = 64.0
+POINTS_PER_DECADE = 40
 DEFAULT_BUCKETS: tuple[tuple[int, int | None], ...] = ((1, 1), (2, 4), (5, 12), (13, 32), (33, None))
 
 
-def ideal_speedup(k: int, d: int, depth: int, batch: float, alpha: float, n_sat: float) -> float:
-    """Predicted speedup over plain decoding of (K, d) at batch B (1.0 for K = 0)."""
-    if k == 0:
-        return 1.0
+@dataclass
+class BucketModel:
+    """What the rules know about one bucket: acceptance per depth and round seconds at its batch size."""
+
+    alpha: Sequence[float]  # [D] measured (or assumed) agreement of depth d with full depth
+    rho: Sequence[float]  # [D] persistence of that agreement
+    seconds: Callable[[int, int], float]  # (K, d) -> round seconds at this batch (K = 0: plain)
+
+    def alpha_at(self, d: int, h: float) -> float:
+        return min(max(1.0 - h * (1.0 - self.alpha[d - 1]), 0.0), 1.0)
+
+    def speed(self, option: tuple[int, int], h: float) -> float:
+        k, d = option
+        if k == 0:
+            return 1.0 / self.seconds(0, 0)
+        return markov_tokens(self.alpha_at(d, h), self.rho[d - 1], k) / self.seconds(k, d)
+
+    def accept_rate(self, option: tuple[int, int], h: float) -> float:
+        k, d = option
+        return markov_accept_rate(self.alpha_at(d, h), self.rho[d - 1], k)
+
+    def fastest(self, options: Sequence[tuple[int, int]], h: float) -> tuple[int, int]:
+        """Fastest option at difficulty h (the earlier, i.e. more conservative, wins ties)."""
+        best, best_speed = options[0], self.speed(options[0], h)
+        for option in options[1:]:
+            s = self.speed(option, h)
+            if s > best_speed * (1.0 + 1e-9):
+                best, best_speed = option, s
+        return best
+
+
+def _hardest(model: BucketModel, options: Sequence[tuple[int, int]]) -> float:
+    misses = [1.0 - model.alpha[d - 1] for k, d in options if k > 0]
+    smallest = min((m for m in misses if m > 0.0), default=1.0 / H_HARD_MAX)
+    return min(max(1.0 / smallest, 1.0), H_HARD_MAX)
+
+
+def _crossing(model: BucketModel, lower, upper, hard: float, easy: float) -> float:
+    """Difficulty between `hard` and `easy` where `upper` becomes faster than `lower` (bisection in log h)."""
+    a, b = math.log(hard), math.log(easy)
+    for _ in range(50):
+        mid = 0.5 * (a + b)
+        a, b = (a, mid) if model.speed(upper, math.exp(mid)) > model.speed(lower, math.exp(mid)) else (mid, b)
+    return math.exp(0.5 * (a + b))
+
+
+def ema_knobs(acceptance: float, k: int, batch: float) -> dict[str, Any]:
+    """beta, min_samples and interval for a bucket (RULES["ema"])."""
+    noise = math.sqrt(max(acceptance * (1.0 - acceptance), 0.05) / (max(batch, 1.0) * max(k, 1)))
+    x = (0.05 / noise) ** 2
+    beta = min(max(2.0 * x / (1.0 + x), 0.1), 0.5)
+    min_samples = max(4, math.ceil(1.0 / beta))
+    return {"beta": round(beta, 3), "min_samples": min_samples, "interval": max(2, math.ceil(min_samples / 2))}
+
+
+def derive_bucket(
+    model: BucketModel,
+    grid: Sequence[tuple[int, int]],
+    batch: float,
+    *,
+    max_candidates: int = 6,
+    margin: float = 0.03,
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(bucket data without min/max_batch, decision notes) for one bucket at batch size `batch`."""
+    options = [(0, 0), *[tuple(c) for c in grid if c[0] > 0]]
+    hard = _hardest(model, options)
+    points = max(2, int(POINTS_PER_DECADE * math.log10(hard / H_EASY)) + 1)
+    sweep = {math.exp(math.log(hard) + (math.log(H_EASY) - math.log(hard)) * i / (points - 1)) for i in range(points)}
+    path: list[tuple[int, int]] = []
+    for h in sorted(sweep | {1.0}, reverse=True):  # hard -> easy, through the measured acceptance (h = 1)
+        option = model.fastest(options, h)
+        if option not in path:
+            path.append(option)
+    nominal = model.fastest(options, 1.0)
+    if path[0] != (0, 0):
+        path.insert(0, (0, 0))
+    spec = path[1:]
+    if not spec:  # nothing ever beats plain: keep the most conservative option as the probe target
+        spec = [max(options[1:], key=lambda o: model.speed(o, H_EASY))] if len(options) > 1 else []
+    room = max_candidates - 1
+    if len(spec) > room:
+        centre = spec.index(nominal) if nominal in spec else 0
+        first = min(max(centre - room // 2, 0), len(spec) - room)
+        spec = spec[first : first + room]
+    chain = [(0, 0), *spec]
+    crossings = [_crossing(model, chain[i], chain[i + 1], hard, H_EASY) for i in range(len(chain) - 1)]
+    candidates: list[dict[str, Any]] = [{"k": 0, "d": 0}]
+    for i in range(1, len(chain)):
+        option = chain[i]
+        up = 1.0 if i + 1 == len(chain) else model.accept_rate(option, crossings[i]) + margin
+        down = model.accept_rate(option, crossings[i - 1]) - margin
+        up, down = round(min(max(up, 0.0), 1.0), 3), round(min(max(down, 0.0), 1.0), 3)
+        prior = round(model.accept_rate(option, 1.0), 3)
+        candidates.append({"k": option[0], "d": option[1], "theta_up": up, "theta_down": min(down, up), "prior": prior})
+    initial = chain.index(nominal) if nominal in chain else 0
+    ref = chain[initial] if initial else (chain[1] if len(chain) > 1 else (1, 1))
+    knobs = ema_knobs(model.accept_rate(ref, 1.0) if ref[0] else 0.5, ref[0], batch)
+    speeds = {f"{k},{d}": model.speed((k, d), 1.0) for k, d in options}
+    plain = speeds["0,0"]
+    notes = {
+        "from_batch": batch,
+        "chain": [f"{k},{d}" for k, d in chain],
+        "initial": f"{nominal[0]},{nominal[1]}",
+        "switch_h": [round(x, 4) for x in crossings],
+        "predicted_ratio": {key: round(s / plain, 4) for key, s in speeds.items() if key != "0,0"},
+    }
+    return {"candidates": candidates, "initial_index": initial, **knobs}, notes
+
+
+def bucket_ranges(batch_sizes: Sequence[int]) -> list[tuple[int, int | None]]:
+    """Bucket (min, max) per batch size: each batch size owns the sizes nearest to it in log space."""
+    sizes = sorted(set(batch_sizes))
+    out: list[tuple[int, int | None]] = []
+    lo = 1
+    for i, b in enumerate(sizes):
+        hi = None if i + 1 == len(sizes) else max(int(math.floor(math.sqrt(b * sizes[i + 1]))), lo)
+        out.append((lo, hi))
+        if hi is not None:
+            lo = hi + 1
+    return out
+
+
+def derive_buckets(
+    models: dict[int, BucketModel],
+    grid: Sequence[tuple[int, int]],
+    ranges: Sequence[tuple[int, int | None]] | None = None,
+    **options: Any,
+) -> tuple[list[dict[str, Any]], dict[str, Any], dict[str, Any]]:
+    """(buckets, disable settings, notes per bucket) from one `BucketModel` per representative batch size.
+
+    Without `ranges`, buckets follow `bucket_ranges(models)`; with them, bucket i uses model i (sorted).
+    """
+    sizes = sorted(models)
+    ranges = list(ranges) if ranges is not None else bucket_ranges(sizes)
+    if len(ranges) != len(sizes):
+        raise ValueError(f"{len(ranges)} bucket ranges for {len(sizes)} batch sizes")
+    buckets, notes = [], {}
+    for (lo, hi), batch in zip(ranges, sizes):
+        data, note = derive_bucket(models[batch], grid, batch, **options)
+        buckets.append({"min_batch": lo, "max_batch": hi, **data})
+        notes[f"{lo}..{'inf' if hi is None else hi}"] = note
+    offs = [b["candidates"][1]["theta_down"] for b in buckets if len(b["candidates"]) > 1]
+    disable = {
+        "enabled": True,
+        "threshold": min(offs, default=0.25),
+        "probe_base": 16,
+        "probe_cap": 256,
+        "probe_rounds": 2,
+        "use_timing": False,
+    }
+    return buckets, disable, notes
+
+
+def ideal_seconds(depth: int, batch: float, n_sat: float) -> Callable[[int, int], float]:
+    """The RFC's idealised round cost in units of one single-token loop step: c(N) = 1 + N / n_sat."""
 
     def cost(n: float) -> float:
         return 1.0 + n / n_sat
 
-    t_spec = d * (k + 1) * cost(batch) + (depth - d) * cost(batch * (k + 1))
-    return expected_tokens(alpha, k) * depth * cost(batch) / t_spec
+    def seconds(k: int, d: int) -> float:
+        if k == 0:
+            return depth * cost(batch)
+        return d * (k + 1) * cost(batch) + (depth - d) * cost(batch * (k + 1))
 
-
-def _alpha(nominal: Sequence[float], d: int, h: float) -> float:
-    return min(max(1.0 - h * (1.0 - nominal[d - 1]), 0.0), 1.0)
-
-
-def best_candidate(
-    depth: int, batch: float, nominal: Sequence[float], h: float, n_sat: float, max_k: int, depths: Sequence[int]
-) -> tuple[int, int]:
-    """(K, d) with the highest ideal speedup at difficulty h (K = 0 wins ties)."""
-    best, best_s = (0, 0), 1.0
-    for d in depths:
-        for k in range(1, max_k + 1):
-            s = ideal_speedup(k, d, depth, batch, _alpha(nominal, d, h), n_sat)
-            if s > best_s * (1.0 + 1e-9):
-                best, best_s = (k, d), s
-    return best
-
-
-def _crossing(depth: int, batch: float, nominal: Sequence[float], n_sat: float, low, high, h_range) -> float:
-    """Difficulty where the more conservative `low` and the more aggressive `high` (K, d) are equally fast."""
-
-    def gain(h: float) -> float:  # > 0 where `high` is better
-        s_high = ideal_speedup(high[0], high[1], depth, batch, _alpha(nominal, high[1], h), n_sat)
-        s_low = ideal_speedup(low[0], low[1], depth, batch, _alpha(nominal, low[1], h), n_sat) if low[0] else 1.0
-        return s_high - s_low
-
-    a, b = math.log(h_range[0]), math.log(h_range[1])
-    for _ in range(60):
-        mid = 0.5 * (a + b)
-        a, b = (mid, b) if gain(math.exp(mid)) > 0 else (a, mid)
-    return math.exp(0.5 * (a + b))
-
-
-def derive_bucket(
-    depth: int,
-    batch: float,
-    nominal: Sequence[float],
-    n_sat: float,
-    *,
-    max_k: int = 6,
-    depths: Sequence[int] | None = None,
-    max_candidates: int = 5,
-    margin: float = 0.03,
-    h_range: tuple[float, float] = (0.25, 4.0),
-    steps: int = 96,
-) -> dict[str, Any]:
-    """Candidates (conservative -> aggressive), initial index and per-candidate thresholds for one bucket.
-
-    The path is cut to at most `max_candidates` around the nominal best (K=0 stays when on the path);
-    thresholds come from the crossings of neighbours in the cut list.
-    """
-    depths = list(depths or range(1, depth))
-    lo, hi = math.log(h_range[0]), math.log(h_range[1])
-    path: list[tuple[int, int]] = []
-    for i in range(steps):  # hard -> easy
-        cand = best_candidate(depth, batch, nominal, math.exp(hi + (lo - hi) * i / (steps - 1)), n_sat, max_k, depths)
-        if cand not in path:
-            path.append(cand)
-    nominal_best = best_candidate(depth, batch, nominal, 1.0, n_sat, max_k, depths)
-    plain = [c for c in path if c[0] == 0]
-    spec = [c for c in path if c[0] > 0]
-    room = max_candidates - len(plain)
-    if len(spec) > room:
-        centre = spec.index(nominal_best) if nominal_best[0] > 0 else 0
-        first = min(max(centre - room // 2, 0), len(spec) - room)
-        spec = spec[first : first + room]
-    path = plain + spec
-    initial = path.index(nominal_best) if nominal_best in path else 0
-    crossings = [_crossing(depth, batch, nominal, n_sat, path[i], path[i + 1], h_range) for i in range(len(path) - 1)]
-    candidates: list[dict[str, Any]] = []
-    for i, (k, d) in enumerate(path):
-        entry: dict[str, Any] = {"k": k, "d": d}
-        if k > 0:
-            up = 1.0 if i + 1 == len(path) else expected_accept_rate(_alpha(nominal, d, crossings[i]), k) + margin
-            down = 0.0 if i == 0 else expected_accept_rate(_alpha(nominal, d, crossings[i - 1]), k) - margin
-            up, down = min(up, 1.0), max(down, 0.0)
-            if down > up:
-                up = down = (up + down) / 2
-            entry.update(theta_up=round(up, 3), theta_down=round(down, 3))
-        candidates.append(entry)
-    return {"candidates": candidates, "initial_index": initial}
+    return seconds
 
 
 def derive_preset(
@@ -128,25 +239,33 @@ def derive_preset(
     *,
     hardware: str = "any",
     buckets: Sequence[tuple[int, int | None]] = DEFAULT_BUCKETS,
+    max_k: int = 6,
     bucket_knobs: dict[str, Any] | None = None,
     disable: dict[str, Any] | None = None,
     provenance: dict[str, Any] | None = None,
     **derive_options: Any,
 ) -> dict[str, Any]:
-    """A whole preset (plain data for `AdaptiveSpecConfig.parse` / a JSON file)."""
-    out_buckets = []
+    """A whole preset (plain data for `AdaptiveSpecConfig.parse`) from assumed acceptance and the ideal cost.
+
+    Each bucket is derived at its geometric-mean batch size (2·min for the unbounded last one); the
+    assumed acceptance goes into the preset's `acceptance` section (persistence 0, positions 0 = assumed).
+    """
+    rho = [0.0] * depth
+    grid = [(k, d) for k in range(1, max_k + 1) for d in range(1, depth)]
+    models = {}
     for lo, hi in buckets:
         batch = math.sqrt(lo * hi) if hi is not None else 2.0 * lo
-        data: dict[str, Any] = {"min_batch": lo, "max_batch": hi}
-        data.update(derive_bucket(depth, batch, nominal, n_sat, **derive_options))
-        data.update(bucket_knobs or {})
-        out_buckets.append(data)
+        models[batch] = BucketModel(nominal, rho, ideal_seconds(depth, batch, n_sat))
+    out_buckets, rule_disable, _ = derive_buckets(models, grid, list(buckets), **derive_options)
+    for b in out_buckets:
+        b.update(bucket_knobs or {})
     return {
         "model": model,
         "hardware": hardware,
         "full_depth": depth,
         "depth_rule": "exact",
         "buckets": out_buckets,
-        "disable": disable or {},
+        "disable": {**rule_disable, **(disable or {})},
+        "acceptance": {"alpha": [round(a, 4) for a in nominal], "rho": rho, "positions": 0},
         "provenance": provenance or {},
     }

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from looped_spec.control.controller import AdaptiveController, FixedController, OffController
+from looped_spec.control.controller import DEFAULT_POLICY, AdaptiveController, FixedController, OffController
 from looped_spec.control.presets import load_preset
 from looped_spec.sampling_params import SpeculativeConfig
 
@@ -27,7 +27,7 @@ def parse_speculation(speculation: Any) -> Any:
     raise ValueError(f"speculation={speculation!r}: use 'off', 'adaptive', 'K,d' or SpeculativeConfig(k=..., d=...)")
 
 
-def make_controller(speculation: Any, adapter, *, preset=None, policy: str = "ema", trace_path=None):
+def make_controller(speculation: Any, adapter, *, preset=None, policy: str = DEFAULT_POLICY, trace_path=None):
     """Build the controller the engine asks for a plan every decode round.
 
     A model of depth 1 has nothing to draft with, so "adaptive" falls back to plain decoding there.
@@ -46,10 +46,4 @@ def make_controller(speculation: Any, adapter, *, preset=None, policy: str = "em
 
 def plan_shapes(controller) -> list[tuple[int, int]]:
     """Every (K, d) the controller can hand out, for sizing CUDA-graph capture (K = 0 always included)."""
-    shapes = {(0, 0)}
-    if isinstance(controller, AdaptiveController):
-        for bucket in controller.config.buckets:
-            shapes.update((c.k, c.d) for c in bucket.candidates)
-    elif isinstance(controller, FixedController):
-        shapes.add((controller.k, controller.d))
-    return sorted(shapes)
+    return controller.plan_shapes()

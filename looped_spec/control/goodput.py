@@ -1,32 +1,38 @@
-"""The goodput policy (`policy="goodput"`): pick the candidate with the highest predicted tokens/s.
+"""The goodput policy (`policy="goodput"`, the default): pick the plan with the highest predicted tokens/s.
 
 For every option of a bucket (its preset candidates, plus plain decoding when Phase 2 is enabled and the
-list has no K=0 candidate) it predicts
+list has no K=0 candidate) it predicts, at the round's actual batch size B,
 
-    goodput(K, d, B) = B · E[tokens per request per round] / predicted round seconds
-    E = (1 − α_d^{K+1}) / (1 − α_d)   (K+1 when α_d = 1; 1 for K = 0)
+    goodput(K, d, B) = B · E[committed tokens per request per round] / T(K, d, B)
 
-with α_d the acceptance of a depth-d draft token and the round time from `RoundCostModel`.
+(docs/adaptive.md "goodput policy"). The two factors come from different kinds of knowledge:
+- E, the acceptance side, is a property of the model and the text. It is the Markov-chain expectation of
+  `acceptance.markov_tokens` with α_d learned online from counterfactual depth agreement (`depth_matches /
+  depth_trials`, all depths at once, measured in a fraction of the rounds, plain rounds included), starting
+  from the preset's offline α_d as a prior worth `prior_trials` positions, and the preset's persistence ρ_d.
+- T, the cost side, is a property of the hardware: the preset's measured `CostProfile` when it has one.
+  Then no exploration is needed: every option is predicted from the start, the first plan is already the
+  best predicted one, and timing noise never moves the choice. Without a profile (e.g. the generic
+  preset) T is a `RoundCostModel` fitted online per bucket from measured phase times, which needs each
+  option to be tried: each bucket first runs every option `explore_rounds` times round-robin and re-runs
+  the others once every `reexplore_every` rounds.
 
-α_d comes from discounted counts (memory about `acceptance_memory` trials per depth) of the counterfactual
-agreement `depth_matches / depth_trials` (all depths at once, including in plain rounds), or, for rounds
-without them, from the truncated-geometric estimate of the planned depth: successes ΣA over trials
-ΣA + #(requests rejected before K_actual).
-Acceptance is a property of the model and the text, so it is shared by all buckets; the cost model is
-per bucket (it is fitted by the rounds of that bucket's batch sizes only).
-
-Exploration: each bucket first runs every option `explore_rounds` times round-robin; afterwards it
-decides every `interval` rounds, switching only when the best option beats the current one by more than
-`hysteresis` (relative), and re-runs every other option once every `reexplore_every` rounds.
+Without counterfactual measurements (``measure_depths=False``) the planned depth's α is estimated from the
+rounds themselves (successes ΣA over trials ΣA + #(requests rejected before K_actual)).
+Acceptance is shared by all buckets (it does not depend on the batch size). A switch needs the best option
+to beat the current one by more than `hysteresis` (relative), checked every `interval` rounds.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from looped_spec.control.acceptance import markov_tokens
 from looped_spec.control.buckets import CompiledBucket, DisableSettings
 from looped_spec.control.costmodel import RoundCostModel
+from looped_spec.control.costprofile import CostProfile
 from looped_spec.control.policy import Policy
+from looped_spec.control.schema import AcceptanceConfig, CostConfig
 from looped_spec.plan import RoundFeedback
 
 
@@ -51,12 +57,21 @@ class DepthAcceptance:
     roughly the last `memory` trials of each depth whatever the batch size.
     """
 
-    __slots__ = ("matches", "trials", "memory")
+    __slots__ = ("matches", "trials", "memory", "from_rounds")
 
-    def __init__(self, full_depth: int, memory: float = 1000.0) -> None:
-        self.matches = [0.0] * full_depth  # [D]
-        self.trials = [0.0] * full_depth  # [D]
+    def __init__(
+        self,
+        full_depth: int,
+        memory: float = 1000.0,
+        prior: list[float] | None = None,
+        prior_trials: float = 0.0,
+        from_rounds: bool = True,
+    ) -> None:
+        prior = prior or [0.0] * full_depth
+        self.matches = [a * prior_trials for a in prior]  # [D]
+        self.trials = [prior_trials] * full_depth  # [D]
         self.memory = memory
+        self.from_rounds = from_rounds  # estimate the planned depth from rounds without counterfactuals
 
     def _add(self, j: int, matches: float, trials: float) -> None:
         g = self.memory / (self.memory + trials)
@@ -68,7 +83,7 @@ class DepthAcceptance:
             for j in range(min(len(self.trials), len(fb.depth_trials))):
                 if fb.depth_trials[j]:
                     self._add(j, fb.depth_matches[j], fb.depth_trials[j])
-        elif fb.k > 0 and 1 <= fb.d <= len(self.trials):
+        elif self.from_rounds and fb.k > 0 and 1 <= fb.d <= len(self.trials):
             accepted = sum(fb.num_accepted)
             rejected = sum(1 for a, k in zip(fb.num_accepted, fb.num_proposed) if a < k)
             if accepted + rejected:
@@ -85,9 +100,9 @@ class GoodputState:
     """One bucket of the goodput policy."""
 
     options: list[tuple[int, int, int]]  # [O] (k, d, preset candidate index or -1 for Phase 2 plain)
-    current: int  # option index in use
+    current: int  # option index in use; -1 until the first decision (profiled presets)
     queue: list[int]  # options still to explore (popped from the end)
-    cost: RoundCostModel
+    cost: RoundCostModel | None  # online fit; None when the preset's cost profile is used
     rounds: int = 0
     next_decision: int = 0
     next_reexplore: int = 0
@@ -106,29 +121,43 @@ class GoodputPolicy(Policy):
         disable: DisableSettings,
         full_depth: int,
         *,
+        acceptance: AcceptanceConfig | None = None,
+        cost: CostConfig | None = None,
+        measured_depths: bool = True,
         explore_rounds: int = 2,
         hysteresis: float = 0.03,
         reexplore_every: int = 256,
-        acceptance_memory: float = 1000.0,
+        acceptance_memory: float = 400.0,
+        prior_trials: float = 64.0,
         cost_decay: float = 0.995,
         prior_alpha: float = 0.5,
     ) -> None:
         self.buckets = buckets
         self.full_depth = full_depth
         self.hysteresis = hysteresis
-        self.reexplore_every = reexplore_every
         self.prior_alpha = prior_alpha
-        self.acceptance = DepthAcceptance(full_depth, acceptance_memory)
+        prior = list(acceptance.alpha) if acceptance is not None else None
+        self.acceptance = DepthAcceptance(
+            full_depth, acceptance_memory, prior, prior_trials if prior else 0.0, from_rounds=not measured_depths
+        )
+        self.rho = list(acceptance.rho) if acceptance is not None else [0.0] * full_depth  # [D]
+        self.profile = (
+            CostProfile(full_depth, cost.batch_sizes, cost.plain_seconds, cost.coefficients) if cost else None
+        )
+        self.reexplore_every = 0 if self.profile is not None else reexplore_every
         self.states: list[GoodputState] = []
         for b in buckets:
             options = [(k, d, j) for j, (k, d) in enumerate(zip(b.ks, b.ds))]
             if disable.enabled and not b.has_plain:
                 options.insert(0, (0, 0, -1))
-            current = next(o for o, opt in enumerate(options) if opt[2] == b.initial_index)
-            queue = list(range(len(options))) * explore_rounds
-            queue.reverse()
-            st = GoodputState(options, current, queue, RoundCostModel(full_depth, cost_decay))
-            st.next_reexplore = reexplore_every
+            if self.profile is not None:  # predicted from the start: no exploration, first plan = best predicted
+                st = GoodputState(options, -1, [], None)
+            else:
+                current = next(o for o, opt in enumerate(options) if opt[2] == b.initial_index)
+                queue = list(range(len(options))) * explore_rounds
+                queue.reverse()
+                st = GoodputState(options, current, queue, RoundCostModel(full_depth, cost_decay))
+                st.next_reexplore = reexplore_every
             self.states.append(st)
 
     def select(self, bucket: int, batch_size: int, plan_id: int) -> tuple[int, int, int]:
@@ -145,41 +174,48 @@ class GoodputPolicy(Policy):
             st.queue = [o for o in range(len(st.options)) if o != st.current]
         return st.options[st.current]
 
-    def predict(self, bucket: int, batch_size: int) -> list[float]:
-        """Predicted committed tokens/s of every option of `bucket` at `batch_size`."""
-        return self._rates(self.states[bucket], batch_size)
-
     def _decide(self, st: GoodputState, batch_size: int) -> None:
-        rates = self._rates(st, batch_size)
+        rates = self.rates(st, batch_size)
         st.predicted = rates
         best = max(range(len(rates)), key=rates.__getitem__)
-        if best != st.current and rates[best] > rates[st.current] * (1.0 + self.hysteresis):
+        if st.current < 0:
+            st.current = best
+            k, d, _ = st.options[best]
+            self.last_event = f"start at k={k} d={d} ({rates[best]:.4g} tok/s predicted)"
+        elif best != st.current and rates[best] > rates[st.current] * (1.0 + self.hysteresis):
             k, d, _ = st.options[best]
             self.last_event = f"switch to k={k} d={d} ({rates[best]:.4g} tok/s vs {rates[st.current]:.4g})"
             st.current = best
             st.switches += 1
 
-    def _rates(self, st: GoodputState, batch_size: int) -> list[float]:
+    def tokens(self, k: int, d: int) -> float:
+        """Expected committed tokens per request per round of (K, d) under the current acceptance estimate."""
+        if k <= 0:
+            return 1.0
+        alpha = self.acceptance.alpha(d)
+        return markov_tokens(self.prior_alpha if alpha is None else alpha, self.rho[d - 1], k)
+
+    def rates(self, st: GoodputState, batch_size: int) -> list[float]:
+        """Predicted committed tokens/s of every option of a bucket at `batch_size`."""
         out = []
         for k, d, _ in st.options:
-            tokens = 1.0
-            if k > 0:
-                alpha = self.acceptance.alpha(d)
-                tokens = expected_tokens(self.prior_alpha if alpha is None else alpha, k)
-            out.append(batch_size * tokens / st.cost.predict(k, d, batch_size))
+            seconds = self.profile.predict(k, d, batch_size) if st.cost is None else st.cost.predict(k, d, batch_size)
+            out.append(batch_size * self.tokens(k, d) / seconds)
         return out
 
     def observe(self, fb: RoundFeedback) -> None:
         self.last_event = None
         self.acceptance.observe(fb)
         if 0 <= fb.bucket < len(self.states):
-            k = fb.k if sum(fb.num_proposed) else 0  # nothing drafted: the round ran as plain decoding
-            self.states[fb.bucket].cost.observe(k, fb.d, fb.batch_size, fb.draft_time, fb.verify_time, fb.commit_time)
+            cost = self.states[fb.bucket].cost
+            if cost is not None:
+                k = fb.k if sum(fb.num_proposed) else 0  # nothing drafted: the round ran as plain decoding
+                cost.observe(k, fb.d, fb.batch_size, fb.draft_time, fb.verify_time, fb.commit_time)
 
     def describe(self) -> list[dict]:
         out = []
         for b, st in zip(self.buckets, self.states):
-            k, d, cand = st.options[st.current]
+            k, d, cand = st.options[st.current] if st.current >= 0 else (0, 0, -1)
             out.append(
                 {
                     "batch": b.label(),
@@ -192,6 +228,7 @@ class GoodputPolicy(Policy):
                     "options": [list(o) for o in st.options],
                     "predicted_tokens_per_s": st.predicted,
                     "alpha": [self.acceptance.alpha(j) for j in range(1, self.full_depth + 1)],
+                    "cost": "profile" if st.cost is None else "online",
                 }
             )
         return out

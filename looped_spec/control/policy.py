@@ -6,23 +6,25 @@ skipped. E_1 = the candidate's `prior` blended with r (E_1 = (1-β)·prior + β�
 prior, else E_1 = r; afterwards E_t = (1-β)E_{t-1} + βr_t.
 
 Decisions are taken only for the bucket's current candidate, after `min_samples` measured rounds there
-(counted since the bucket moved to it) and then every `interval` measured rounds:
-1. timing (Phase 2, when both are measured): the candidate's committed tokens/s per request is below the
-   bucket's plain-round rate -> one candidate down, or off from the most conservative speculative one;
-2. E > θ_up -> one up (if there is one);
-3. at the most conservative speculative candidate, E < off threshold -> off (plain decoding);
-4. E < θ_down -> one down (never below the most conservative speculative candidate).
+(counted since the bucket moved to it) and then every `interval` measured rounds. Acceptance drives them
+(docs/adaptive.md "EMA policy"):
+1. E > θ_up -> one up (if there is one);
+2. at the most conservative speculative candidate, E < off threshold -> off (plain decoding);
+3. E < θ_down -> one down (never below the most conservative speculative candidate).
 The off threshold is θ_down of that candidate when the list starts with K=0 (the list move onto K=0),
 and `disable.threshold` when Phase 2 is enabled (the larger of the two when both apply).
+With `disable.use_timing` (off by default) a candidate whose committed tokens/s per request is below plain
+decoding's *at the same batch size* also moves down / off: timings of different batch sizes are never
+compared, since a round of a larger batch is slower per request whatever the plan.
 
 Off: plans are plain (k=0); after `backoff` plain rounds a probe of `probe_rounds` rounds runs the most
-conservative speculative candidate. Pooled probe acceptance >= the off threshold (and, when timed, probe
-tokens/s >= plain tokens/s) switches speculation back on with E = the probe's rate; otherwise the backoff
-doubles, capped: base, 2·base, 4·base, ..., cap. A probe whose rounds drafted nothing is repeated at once;
-one whose feedback does not arrive within two further plans is decided on the feedback that did arrive.
-Rounds whose requests drafted nothing (ΣK_actual = 0, e.g. the scheduler cut K) count as plain rounds for
-the timing comparison. Entering a bucket from another one switches it back on
-unless it is off because the preset starts it at K=0.
+conservative speculative candidate. Pooled probe acceptance >= the off threshold (and, with timing, probe
+tokens/s >= plain tokens/s at the probe's batch size) switches speculation back on with E = the probe's
+rate; otherwise the backoff doubles, capped: base, 2·base, 4·base, ..., cap. A probe whose rounds drafted
+nothing is repeated at once; one whose feedback does not arrive within two further plans is decided on the
+feedback that did arrive. Rounds whose requests drafted nothing (ΣK_actual = 0, e.g. the scheduler cut K)
+count as plain rounds for the timing comparison. A bucket keeps its state (on/off, backoff) when the batch
+leaves and re-enters it: acceptance does not change with the batch size, so re-entering is no evidence.
 """
 
 from __future__ import annotations
@@ -64,10 +66,11 @@ class BucketState:
     index: int  # current candidate
     ema: list[float | None]  # [C] acceptance EMA E
     samples: list[int]  # [C] measured rounds folded into `ema`
-    rate: list[float | None]  # [C] EMA of committed tokens/s per request (timed rounds)
+    rate: list[dict[int, float]]  # [C] batch size -> EMA of committed tokens/s per request (timed rounds)
     visit: int = 0  # measured rounds at `index` since the bucket moved there
-    plain_rate: float | None = None  # EMA of tokens/s per request of plain rounds
-    plain_seen: int = 0  # plain rounds observed (the first TIMING_WARMUP are not timed)
+    plain_rate: dict[int, float] = field(default_factory=dict)  # batch size -> EMA of plain tokens/s per request
+    plain_seen: dict[int, int] = field(default_factory=dict)  # batch size -> plain rounds observed
+    last_batch: int = 0  # batch size of the latest feedback
     off: bool = False
     off_by_preset: bool = False
     backoff: int = 0  # current plain-rounds wait between probes
@@ -80,6 +83,7 @@ class BucketState:
     probe_proposed: int = 0
     probe_tokens: float = 0.0
     probe_time: float = 0.0  # Σ batch·round_time over the probe
+    probe_batch: int = 0  # the probe rounds' batch size, -1 when they differed
     moves: int = 0
     probes: int = 0
     history: list[str] = field(default_factory=list)  # last decisions (bounded)
@@ -103,7 +107,7 @@ class CandidatePolicy(Policy):
 
     def _fresh(self, b: CompiledBucket) -> BucketState:
         n = len(b.ks)
-        st = BucketState(index=b.initial_index, ema=list(b.prior), samples=[0] * n, rate=[None] * n)
+        st = BucketState(index=b.initial_index, ema=list(b.prior), samples=[0] * n, rate=[{} for _ in range(n)])
         if b.ks[b.initial_index] == 0:
             st.off = st.off_by_preset = True
             st.backoff = st.wait_left = self.disable.probe_base
@@ -133,18 +137,11 @@ class CandidatePolicy(Policy):
                 st.probe_issued, st.probe_seen, st.probe_first_id, st.probe_last_id = 1, 0, plan_id, plan_id
                 st.probe_accepted = st.probe_proposed = 0
                 st.probe_tokens = st.probe_time = 0.0
+                st.probe_batch = 0
                 st.probes += 1
                 self.last_event = f"probe k={b.ks[lo]} d={b.ds[lo]}"
                 return b.ks[lo], b.ds[lo], lo
         return 0, 0, b.plain_candidate
-
-    def enter(self, bucket: int) -> None:
-        st = self.states[bucket]
-        self.last_event = None
-        b = self.buckets[bucket]
-        if st.off and not st.off_by_preset and b.lowest_spec >= 0:
-            self._switch_on(st, b, b.prior[b.lowest_spec])
-            self._note(st, "on (bucket change)")
 
     # ------------------------------------------------------------------ feedback
     def observe(self, fb: RoundFeedback) -> None:
@@ -156,19 +153,17 @@ class CandidatePolicy(Policy):
         batch = fb.batch_size
         seconds = fb.draft_time + fb.verify_time + fb.commit_time
         proposed = sum(fb.num_proposed)
+        st.last_batch = batch
         if (fb.k == 0 or proposed == 0) and seconds > 0.0 and batch > 0:  # ran as plain decoding
-            st.plain_seen += 1
-            if st.plain_seen > TIMING_WARMUP:
-                r = 1.0 / seconds  # one token per request
-                st.plain_rate = r if st.plain_rate is None else (1.0 - b.beta) * st.plain_rate + b.beta * r
+            seen = st.plain_seen[batch] = st.plain_seen.get(batch, 0) + 1
+            if seen > TIMING_WARMUP:
+                _ema_into(st.plain_rate, batch, 1.0 / seconds, b.beta)  # one token per request
         c = fb.candidate
         if fb.k == 0 or not 0 <= c < len(b.ks):
             return
         accepted = sum(fb.num_accepted)
         if proposed > 0 and seconds > 0.0 and batch > 0 and st.samples[c] >= TIMING_WARMUP:
-            r = (accepted + len(fb.num_accepted)) / (batch * seconds)
-            old = st.rate[c]
-            st.rate[c] = r if old is None else (1.0 - b.beta) * old + b.beta * r
+            _ema_into(st.rate[c], batch, (accepted + len(fb.num_accepted)) / (batch * seconds), b.beta)
         if proposed > 0:
             r = accepted / proposed
             old = st.ema[c]
@@ -181,6 +176,7 @@ class CandidatePolicy(Policy):
                 st.probe_proposed += proposed
                 st.probe_tokens += accepted + len(fb.num_accepted)
                 st.probe_time += batch * seconds
+                st.probe_batch = batch if st.probe_batch in (0, batch) else -1
                 if st.probe_seen >= self.disable.probe_rounds:
                     self._end_probe(st, b)
             return
@@ -197,8 +193,9 @@ class CandidatePolicy(Policy):
         assert e is not None
         lo = b.lowest_spec
         can_off = b.off_threshold >= 0.0
-        rate = st.rate[i]
-        if self.disable.use_timing and st.plain_rate is not None and rate is not None and rate < st.plain_rate:
+        rate = st.rate[i].get(st.last_batch)
+        plain = st.plain_rate.get(st.last_batch)
+        if self.disable.use_timing and plain is not None and rate is not None and rate < plain:
             if i > lo:
                 return self._move(st, i - 1, "down (slower than plain)")
             if can_off:
@@ -235,8 +232,9 @@ class CandidatePolicy(Policy):
             return self._note(st, "probe empty")
         ratio = st.probe_accepted / st.probe_proposed
         good = ratio >= b.off_threshold
-        if good and self.disable.use_timing and st.plain_rate is not None and st.probe_time > 0.0:
-            good = st.probe_tokens / st.probe_time >= st.plain_rate
+        plain = st.plain_rate.get(st.probe_batch)
+        if good and self.disable.use_timing and plain is not None and st.probe_time > 0.0:
+            good = st.probe_tokens / st.probe_time >= plain
         if good:
             self._switch_on(st, b, ratio)
             return self._note(st, f"on (probe r={ratio:.3f})")
@@ -268,3 +266,8 @@ class CandidatePolicy(Policy):
                 }
             )
         return out
+
+
+def _ema_into(rates: dict[int, float], batch: int, value: float, beta: float) -> None:
+    old = rates.get(batch)
+    rates[batch] = value if old is None else (1.0 - beta) * old + beta * value

@@ -16,7 +16,7 @@ Depth rule (`depth_rule`):
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
@@ -93,8 +93,59 @@ class DisableConfig(BaseModel):
     """... up to this many rounds."""
     probe_rounds: int = Field(default=2, ge=1)
     """Speculative rounds one probe runs; their pooled acceptance (and speed) decide."""
-    use_timing: bool = True
-    """Also compare measured tokens/s of speculative and plain rounds when timings are reported."""
+    use_timing: bool = False
+    """EMA policy: also compare measured tokens/s of speculative and plain rounds of the same batch size."""
+
+
+class AcceptanceConfig(BaseModel):
+    """Offline acceptance per draft depth (docs/adaptive.md "acceptance model"), measured by the tuner."""
+
+    model_config = _STRICT
+
+    alpha: list[Annotated[float, Field(ge=0.0, le=1.0)]]
+    """[D] greedy agreement of the depth-d readout with full depth along greedy trajectories, d = 1..D."""
+    rho: list[Annotated[float, Field(ge=0.0, le=1.0)]]
+    """[D] lag-1 persistence of those agreements (0: independent positions)."""
+    positions: int = Field(default=0, ge=0)
+    """Generated positions the numbers were measured on (0: assumed, not measured)."""
+
+    @model_validator(mode="after")
+    def _lengths(self) -> AcceptanceConfig:
+        if len(self.alpha) != len(self.rho):
+            raise ValueError(f"alpha has {len(self.alpha)} depths but rho has {len(self.rho)}")
+        if not self.alpha:
+            raise ValueError("alpha: at least one depth is required")
+        return self
+
+
+class CostConfig(BaseModel):
+    """Round-cost profile of the hardware (docs/adaptive.md "cost profile"), measured by the tuner."""
+
+    model_config = _STRICT
+
+    batch_sizes: list[Annotated[int, Field(ge=1)]]
+    """Profiled batch sizes, strictly increasing."""
+    plain_seconds: list[Annotated[float, Field(gt=0.0)]]
+    """Median seconds of one plain round at each profiled batch size."""
+    coefficients: list[list[float]]
+    """Per profiled batch size: seconds per d(K+1), per (D-d), per (D-d)(K+1), and per round."""
+
+    @model_validator(mode="after")
+    def _shape(self) -> CostConfig:
+        n = len(self.batch_sizes)
+        if n == 0:
+            raise ValueError("batch_sizes: at least one profiled batch size is required")
+        if self.batch_sizes != sorted(set(self.batch_sizes)):
+            raise ValueError(f"batch_sizes {self.batch_sizes} must be strictly increasing")
+        if len(self.plain_seconds) != n or len(self.coefficients) != n:
+            raise ValueError(
+                f"{n} batch sizes need {n} plain_seconds (got {len(self.plain_seconds)}) and {n} coefficient "
+                f"rows (got {len(self.coefficients)})"
+            )
+        for i, row in enumerate(self.coefficients):
+            if len(row) != 4:
+                raise ValueError(f"coefficients[{i}]: expected 4 numbers, got {len(row)}")
+        return self
 
 
 class AdaptiveSpecConfig(BaseModel):
@@ -114,6 +165,10 @@ class AdaptiveSpecConfig(BaseModel):
     """Ordered, non-overlapping batch-size ranges covering 1..unbounded."""
     disable: DisableConfig = DisableConfig()
     """Phase 2 settings."""
+    acceptance: AcceptanceConfig | None = None
+    """Measured acceptance per draft depth (the goodput policy's prior); None: learned online only."""
+    cost: CostConfig | None = None
+    """Measured round-cost profile (the goodput policy's cost model); None: fitted online from timings."""
     provenance: str | dict[str, Any] = ""
     """How and on what the numbers were measured or derived."""
 
@@ -129,9 +184,13 @@ class AdaptiveSpecConfig(BaseModel):
         """Problems of using this preset with a model of depth `full_depth` (empty: fine)."""
         if full_depth < 1:
             return [f"full depth {full_depth} must be >= 1"]
-        if self.depth_rule == "scale":
-            return []
         errors = []
+        if self.acceptance is not None and len(self.acceptance.alpha) != full_depth:
+            errors.append(
+                f"acceptance.alpha: measured for {len(self.acceptance.alpha)} depths, the model has D={full_depth}"
+            )
+        if self.depth_rule == "scale":
+            return errors
         for i, bucket in enumerate(self.buckets):
             for j, cand in enumerate(bucket.candidates):
                 if cand.k > 0 and cand.d >= full_depth:

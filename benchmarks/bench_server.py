@@ -1,0 +1,172 @@
+"""Bounded loopback load test of `looped-spec serve`: concurrent streaming clients, checked answers.
+
+Starts the server as a subprocess on 127.0.0.1 (a free port), runs `--clients` concurrent clients that
+each stream `--requests-per-client` greedy completions through the official `openai` client, then:
+
+- checks every response is complete and equal to the offline greedy output of the same prompt
+  (an offline engine with speculation off, in this process),
+- checks no KV block leaked (the server's /metrics: KV usage 0, no running or waiting request),
+- prints p50/p99 time to first token, p50/p99 end-to-end latency and throughput.
+
+Finite by construction: `clients × requests-per-client` requests, each `--max-tokens` long; a request
+timeout bounds a stuck one. Exit code 1 when a check fails. The numbers are for one machine at one
+moment (no timed assertion); compare runs side by side.
+
+    python benchmarks/bench_server.py --model tiny-ouro --clients 32 --max-tokens 32
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import openai
+from prometheus_client.parser import text_string_to_metric_families
+
+PROMPTS = [
+    "def fibonacci(n):",
+    "import os\n",
+    "class Stack:",
+    "def parse_args(argv):",
+    "for i in range(10):",
+    "def read_file(path):",
+    "import json\n\n\ndef load(",
+    "class Node:\n    def __init__(self",
+]
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def start_server(args: argparse.Namespace, port: int) -> subprocess.Popen:
+    command = [sys.executable, "-m", "looped_spec.cli", "serve", args.model, "--port", str(port),
+               "--max-batch-size", str(args.max_batch_size), "--max-queued", str(args.clients),
+               "--speculation", args.speculation, "--threads", str(args.threads), "--log-level", "warning"]  # fmt: skip
+    return subprocess.Popen(command, env=os.environ | {"OMP_NUM_THREADS": str(args.threads)})
+
+
+def wait_healthy(url: str, server: subprocess.Popen, timeout: float = 180.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if server.poll() is not None:
+            raise SystemExit(f"the server exited with code {server.returncode}")
+        try:
+            if httpx.get(url + "/health", timeout=1).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        time.sleep(0.2)
+    raise SystemExit("the server did not become healthy")
+
+
+def offline_references(args: argparse.Namespace) -> dict[str, str]:
+    import torch
+
+    from looped_spec import LoopedSpecEngine, SamplingParams
+
+    torch.set_num_threads(args.threads)
+    engine = LoopedSpecEngine(args.model, speculation="off")
+    outputs = engine.generate(PROMPTS, SamplingParams(max_tokens=args.max_tokens, temperature=0.0))
+    engine.close()
+    return {p: o.text for p, o in zip(PROMPTS, outputs)}
+
+
+async def one_client(client: openai.AsyncOpenAI, model: str, index: int, args, results: list) -> None:
+    for r in range(args.requests_per_client):
+        prompt = PROMPTS[(index + r) % len(PROMPTS)]
+        start = time.perf_counter()
+        first, parts, finish = None, [], None
+        stream = await client.completions.create(model=model, prompt=prompt, max_tokens=args.max_tokens,
+                                                 temperature=0, stream=True)  # fmt: skip
+        async for chunk in stream:
+            if not chunk.choices:
+                continue
+            if chunk.choices[0].text and first is None:
+                first = time.perf_counter() - start
+            parts.append(chunk.choices[0].text)
+            finish = chunk.choices[0].finish_reason or finish
+        results.append((prompt, "".join(parts), finish, first, time.perf_counter() - start))
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
+
+
+def server_gauges(url: str) -> dict[str, float]:
+    text = httpx.get(url + "/metrics").text
+    return {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples}
+
+
+async def load(url: str, model: str, args) -> tuple[list, float]:
+    client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=args.timeout)
+    results: list = []
+    start = time.perf_counter()
+    await asyncio.gather(*(one_client(client, model, i, args, results) for i in range(args.clients)))
+    elapsed = time.perf_counter() - start
+    await client.close()
+    return results, elapsed
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="tiny-ouro", help="checkpoint folder or shipped model name")
+    parser.add_argument("--clients", type=int, default=32, help="concurrent streaming clients")
+    parser.add_argument("--requests-per-client", type=int, default=2, help="requests each client sends in turn")
+    parser.add_argument("--max-tokens", type=int, default=32, help="tokens per completion")
+    parser.add_argument("--max-batch-size", type=int, default=16, help="the server's running batch")
+    parser.add_argument("--speculation", default="adaptive", help="the server's speculation setting")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads of the server and the references")
+    parser.add_argument("--timeout", type=float, default=300.0, help="seconds before one request fails")
+    args = parser.parse_args()
+
+    references = offline_references(args)
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    server = start_server(args, port)
+    try:
+        wait_healthy(url, server)
+        model = Path(str(args.model)).name
+        results, elapsed = asyncio.run(load(url, model, args))
+        time.sleep(0.5)  # let the worker hand back the last requests
+        gauges = server_gauges(url)
+    finally:
+        server.terminate()
+        server.wait(timeout=60)
+
+    failures = [(p, text) for p, text, finish, _, _ in results if finish is None or text != references[p]]
+    leaked = gauges.get("looped_spec:kv_cache_usage_perc", 1.0) != 0.0
+    busy = gauges.get("looped_spec:num_requests_running", 1) + gauges.get("looped_spec:num_requests_waiting", 1)
+    ttft = [r[3] for r in results if r[3] is not None]
+    e2e = [r[4] for r in results]
+    tokens = gauges.get("looped_spec:generation_tokens_total", 0.0)
+    print(f"{len(results)} streamed requests from {args.clients} clients, {args.max_tokens} tokens each, "
+          f"server max batch {args.max_batch_size}, speculation {args.speculation}")  # fmt: skip
+    print(f"TTFT            p50 {1000 * statistics.median(ttft):8.1f} ms   p99 {1000 * percentile(ttft, 0.99):8.1f} ms")
+    print(f"end to end      p50 {1000 * statistics.median(e2e):8.1f} ms   p99 {1000 * percentile(e2e, 0.99):8.1f} ms")
+    print(f"throughput      {tokens / elapsed:8.1f} generated tokens/s over {elapsed:.2f} s (this machine, now)")
+    accepted = gauges.get("looped_spec:spec_decode_num_accepted_tokens_total", 0.0)
+    drafted = gauges.get("looped_spec:spec_decode_num_draft_tokens_total", 0.0)
+    print(f"draft tokens accepted {accepted:.0f}/{drafted:.0f}")
+    kv_state = "some (LEAK)" if leaked else "none"
+    print(f"checks: {len(results) - len(failures)}/{len(results)} equal to offline greedy; "
+          f"KV blocks in use after the run: {kv_state}; requests left: {busy:.0f}")  # fmt: skip
+    for prompt, text in failures[:3]:
+        print(f"MISMATCH {prompt!r}: got {text!r}, offline {references[prompt]!r}", file=sys.stderr)
+    ok = not failures and not leaked and busy == 0 and len(results) == args.clients * args.requests_per_client
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

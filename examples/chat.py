@@ -1,0 +1,44 @@
+"""Chat with the model's own chat template (transformers' apply_chat_template), offline.
+
+tiny-ouro ships a plain template (messages as Python comments); it was not trained to chat, so its
+answers are Python-flavoured text. With a real chat model, pass its folder as --model.
+
+    python examples/chat.py --message "Write a function that reverses a string."
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+from looped_spec import LoopedSpecEngine, SamplingParams
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="tiny-ouro", help="checkpoint folder or shipped model name")
+    parser.add_argument("--message", action="append", help="user message (repeat for more turns)")
+    parser.add_argument("--max-tokens", type=int, default=48)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+
+    engine = LoopedSpecEngine(args.model)
+    tokenizer = engine.tokenizer
+    if tokenizer is None or not tokenizer.chat_template:
+        raise SystemExit(f"{args.model} has no chat template; try --model tiny-ouro")
+    messages = [{"role": "system", "content": "You are a helpful Python programmer."}]
+    for text in args.message or ["Write a function that adds two numbers."]:
+        messages.append({"role": "user", "content": text})
+        prompt = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        # the template's end-of-turn token is the tokenizer's eos; stop there (and at a blank line)
+        params = SamplingParams(max_tokens=args.max_tokens, temperature=0.7, top_p=0.95, seed=1, stop=["\n\n"],
+                                stop_token_ids=[tokenizer.eos_token_id])  # fmt: skip
+        reply = engine.generate(prompt, params)[0].text.strip()
+        messages.append({"role": "assistant", "content": reply})
+        print(f"user: {text}\nassistant: {reply}\n")
+    engine.close()
+
+
+if __name__ == "__main__":
+    main()

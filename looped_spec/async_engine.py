@@ -1,0 +1,220 @@
+"""AsyncLoopedSpecEngine: one engine, its step loop in one background thread, async streams in front.
+
+Request handlers run on an asyncio event loop; the engine's `step()` blocks for a whole round, so it
+runs in a worker thread. The two sides talk only through a thread-safe command queue (add / abort,
+drained by the worker between steps) and per-request asyncio queues that the worker fills with
+`loop.call_soon_threadsafe`. The engine is touched by the worker thread alone.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import queue
+import threading
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from looped_spec.engine import LoopedSpecEngine
+from looped_spec.request import RequestOutput
+from looped_spec.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+class QueueFullError(RuntimeError):
+    """Admission is bounded: running + queued requests would exceed the limit."""
+
+
+class EngineDeadError(RuntimeError):
+    """The worker thread is not running (stopped, or never started)."""
+
+
+class EngineFaultError(RuntimeError):
+    """The engine failed while running this request; the request was ended."""
+
+
+@dataclass
+class _Stream:
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue  # RequestOutput | BaseException
+
+
+class RequestStream:
+    """The outputs of one request, in order, ending with a finished one.
+
+    Leaving the iteration early (the client went away, the task was cancelled) aborts the request,
+    so its KV blocks are freed; so does `abort()`. An engine fault ends it with EngineFaultError.
+    """
+
+    def __init__(self, owner: AsyncLoopedSpecEngine, request_id: str, outputs: asyncio.Queue) -> None:
+        self.owner = owner
+        self.request_id = request_id
+        self._outputs = outputs
+        self.finished = False
+
+    async def __aiter__(self) -> AsyncIterator[RequestOutput]:
+        try:
+            while not self.finished:
+                item = await self._outputs.get()
+                if isinstance(item, BaseException):
+                    self.finished = True
+                    raise item
+                self.finished = item.finished
+                yield item
+        finally:
+            if not self.finished:
+                self.abort()
+
+    def abort(self) -> None:
+        self.finished = True
+        self.owner.abort(self.request_id)
+
+
+class AsyncLoopedSpecEngine:
+    """Async front of a `LoopedSpecEngine`: `generate()` yields a request's outputs as they come.
+
+    `max_queued` bounds admission: at most `engine.max_batch_size + max_queued` requests are in the
+    engine at once; beyond that `generate()` raises `QueueFullError` (HTTP 429) before queuing anything.
+    """
+
+    def __init__(self, engine: LoopedSpecEngine, max_queued: int = 256) -> None:
+        if max_queued < 0:
+            raise ValueError(f"max_queued={max_queued} must be >= 0")
+        self.engine = engine
+        self.max_in_flight = engine.max_batch_size + max_queued
+        self._streams: dict[str, _Stream] = {}
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._ids = itertools.count()
+        self._lock = threading.Lock()  # guards _streams between the event loop and the worker
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._flush = False  # an abort was applied: the next step() hands back (and forgets) the request
+
+    # ----- lifecycle -----
+    def start(self) -> None:
+        if self._thread is not None:
+            return
+        self._stop.clear()
+        self._thread = threading.Thread(target=self._run, name="looped-spec-engine", daemon=True)
+        self._thread.start()
+
+    def shutdown(self) -> None:
+        """Stop the worker (after its current step) and end every open stream."""
+        self._stop.set()
+        self._commands.put(("wake", None))
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        self._fail_all(EngineDeadError("the engine was shut down"))
+        self.engine.close()
+
+    @property
+    def is_running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    @property
+    def num_in_flight(self) -> int:
+        return len(self._streams)
+
+    # ----- requests -----
+    def add_request(
+        self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None
+    ) -> RequestStream:
+        """Queue a request now (or raise QueueFullError / EngineDeadError); iterate the stream for outputs."""
+        if not self.is_running:
+            raise EngineDeadError("the engine is not running")
+        request_id = request_id or f"req-{next(self._ids)}"
+        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
+        with self._lock:
+            if len(self._streams) >= self.max_in_flight:
+                raise QueueFullError(f"{len(self._streams)} requests in flight (limit {self.max_in_flight})")
+            if request_id in self._streams:
+                raise ValueError(f"request_id {request_id!r} is already in use")
+            self._streams[request_id] = stream
+        self._commands.put(("add", (request_id, prompt, params)))
+        return RequestStream(self, request_id, stream.queue)
+
+    async def generate(
+        self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None
+    ) -> AsyncIterator[RequestOutput]:
+        """`add_request` and iterate its outputs until it finishes."""
+        async for output in self.add_request(prompt, params, request_id):
+            yield output
+
+    def abort(self, request_id: str) -> None:
+        """Abort a request (no-op once it finished); its stream ends without a further output."""
+        with self._lock:
+            if self._streams.pop(request_id, None) is None:
+                return
+        self._commands.put(("abort", request_id))
+
+    # ----- the worker thread -----
+    def _run(self) -> None:
+        engine = self.engine
+        while not self._stop.is_set():
+            # block for work when idle; otherwise take what arrived during the last step
+            block = not engine.has_unfinished_requests()
+            try:
+                self._apply(self._commands.get(timeout=1.0) if block else self._commands.get_nowait())
+                while True:
+                    self._apply(self._commands.get_nowait())
+            except queue.Empty:
+                pass
+            if self._stop.is_set() or not (engine.has_unfinished_requests() or self._flush):
+                continue
+            self._flush = False
+            try:
+                outputs = engine.step()
+            except Exception as exc:  # one bad step must not take the server down
+                logger.exception("engine step failed; ending the affected requests")
+                self._recover(exc)
+                continue
+            for out in outputs:
+                self._deliver(out.request_id, out, out.finished)
+
+    def _apply(self, command: tuple) -> None:
+        kind, payload = command
+        if kind == "add":
+            request_id, prompt, params = payload
+            if request_id not in self._streams:  # aborted before the worker saw it
+                return
+            try:
+                self.engine.add_request(prompt, params, request_id=request_id)
+            except (ValueError, TypeError) as exc:
+                self._deliver(request_id, exc, True)
+        elif kind == "abort":
+            try:
+                self.engine.abort(payload)
+                self._flush = True
+            except KeyError:
+                pass  # finished (or never added) before the abort arrived
+
+    def _deliver(self, request_id: str, item: RequestOutput | BaseException, last: bool) -> None:
+        with self._lock:
+            stream = self._streams.pop(request_id, None) if last else self._streams.get(request_id)
+        if stream is not None:
+            stream.loop.call_soon_threadsafe(stream.queue.put_nowait, item)
+
+    def _recover(self, exc: Exception) -> None:
+        """A step raised: end every request the engine holds, free their KV, keep the worker alive."""
+        engine = self.engine
+        affected = list(engine._requests)
+        for request_id in affected:
+            try:
+                engine.abort(request_id)
+            except KeyError:
+                pass
+        try:
+            engine.step()  # hands back the aborted requests (schedules nothing: none is left)
+        except Exception:  # already failing: keep the worker alive
+            logger.exception("engine could not flush aborted requests")
+        self._fail_all(EngineFaultError(f"engine error: {type(exc).__name__}: {exc}"), affected)
+
+    def _fail_all(self, exc: BaseException, request_ids: list[str] | None = None) -> None:
+        with self._lock:
+            ids = list(self._streams) if request_ids is None else [i for i in request_ids if i in self._streams]
+            streams = [self._streams.pop(i) for i in ids]
+        for stream in streams:
+            stream.loop.call_soon_threadsafe(stream.queue.put_nowait, exc)

@@ -1,0 +1,93 @@
+"""Incremental detokenisation for streaming, and stop strings checked on the decoded text.
+
+Byte-level tokenizers split multi-byte characters across tokens; decoding a token on its own gives
+U+FFFD. Like vLLM, we decode a short window of tokens (`prefix_offset..`) and hold text back while
+the window ends in an incomplete character, so a streamed delta never splits a character and the
+concatenated deltas equal `tokenizer.decode(all output tokens)`.
+"""
+
+from __future__ import annotations
+
+REPLACEMENT_CHAR = "\ufffd"
+
+
+class IncrementalDetokenizer:
+    """Turns a request's output tokens into text as they are committed; finds stop strings.
+
+    `text` is the decoded output so far (cut before a stop string once one is found; without stop
+    strings it is brought up to date by `stream_delta()` and `flush()`). Streaming
+    reads `stream_delta()`, which holds back the last `max(len(stop)) - 1` characters while the
+    request runs, so text that a later token turns into a stop string is never sent.
+    """
+
+    def __init__(self, tokenizer, stop: list[str] | None = None, skip_special_tokens: bool = True) -> None:
+        self.tokenizer = tokenizer
+        self.stop = [s for s in (stop or []) if s]
+        self.skip_special_tokens = skip_special_tokens
+        self.token_ids: list[int] = []
+        self.text = ""
+        self.stop_hit: str | None = None  # the stop string that ended the request
+        self._prefix_offset = 0  # decode window start (context for the next token's text)
+        self._read_offset = 0  # tokens whose text is already in self.text
+        self._num_sent = 0  # characters of self.text already returned by stream_delta()
+        self._holdback = max((len(s) for s in self.stop), default=1) - 1
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
+
+    def append(self, token_id: int) -> bool:
+        """Add one committed token; returns True when a stop string now appears in the text.
+
+        Without stop strings decoding waits for the next `stream_delta()` (one decode per step
+        rather than per token, which matters when a speculative round commits several tokens).
+        """
+        self.token_ids.append(token_id)
+        if self.stop_hit is not None:
+            return True
+        if not self.stop:
+            return False
+        start = len(self.text)
+        return self._advance() and self._find_stop(start)
+
+    def _advance(self) -> bool:
+        """Decode the tokens not yet in `text`, unless they end in an incomplete character."""
+        if self._read_offset == len(self.token_ids):
+            return False
+        prefix_text = self._decode(self.token_ids[self._prefix_offset : self._read_offset])
+        new_text = self._decode(self.token_ids[self._prefix_offset :])
+        if len(new_text) <= len(prefix_text) or new_text.endswith(REPLACEMENT_CHAR):
+            return False  # an incomplete character (or a skipped special token): wait for more tokens
+        self.text += new_text[len(prefix_text) :]
+        self._prefix_offset = self._read_offset
+        self._read_offset = len(self.token_ids)
+        return True
+
+    def _find_stop(self, new_from: int) -> bool:
+        """Look for a stop string that ends inside the text added at `new_from`."""
+        if not self.stop:
+            return False
+        search_from = max(0, new_from - self._holdback)
+        hits = [(i, s) for s in self.stop if (i := self.text.find(s, search_from)) >= 0]
+        if not hits:
+            return False
+        index, stop = min(hits)
+        self.text = self.text[:index]
+        self.stop_hit = stop
+        return True
+
+    def flush(self) -> None:
+        """The request finished: keep whatever an incomplete trailing character decodes to."""
+        if self.stop_hit is None and self._read_offset < len(self.token_ids):
+            prefix_text = self._decode(self.token_ids[self._prefix_offset : self._read_offset])
+            new_text = self._decode(self.token_ids[self._prefix_offset :])
+            self.text += new_text[len(prefix_text) :]
+            self._read_offset = len(self.token_ids)
+
+    def stream_delta(self, finished: bool) -> str:
+        """Text not yet returned; while running, minus what could still become a stop string."""
+        if not self.stop:
+            self._advance()
+        end = len(self.text) if finished else max(self._num_sent, len(self.text) - self._holdback)
+        delta = self.text[self._num_sent : end]
+        self._num_sent = end
+        return delta

@@ -1,0 +1,73 @@
+"""OpenAI-style error bodies, and turning pydantic validation errors into a 400 that names the field."""
+
+from __future__ import annotations
+
+from fastapi import Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from looped_spec.server.protocol import ErrorInfo, ErrorResponse
+
+ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
+               413: "invalid_request_error", 429: "rate_limit_error", 503: "service_unavailable"}  # fmt: skip
+
+
+class APIError(Exception):
+    """An error answered to the client as `{"error": {...}}` with this status."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, headers: dict | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.headers = headers
+
+
+def error_body(status: int, message: str, param: str | None = None) -> dict:
+    info = ErrorInfo(message=message, type=ERROR_TYPES.get(status, "server_error"), param=param, code=status)
+    return ErrorResponse(error=info).model_dump()
+
+
+def error_response(status: int, message: str, param: str | None = None, headers: dict | None = None) -> JSONResponse:
+    return JSONResponse(error_body(status, message, param), status_code=status, headers=headers)
+
+
+def field_path(loc: tuple) -> str:
+    """('body', 'messages', 0, 'role') -> 'messages[0].role' (pydantic's union branch names dropped)."""
+    out = ""
+    for part in loc:
+        if part == "body" and not out:
+            continue
+        if isinstance(part, int):
+            out += f"[{part}]"
+        elif "[" in str(part) or str(part) in ("str", "int", "list", "function-after"):
+            continue  # e.g. 'list[int]' / 'str': which union branch pydantic tried
+        else:
+            out += f".{part}" if out else str(part)
+    return out
+
+
+def validation_message(errors: list[dict]) -> tuple[str, str | None]:
+    """The first error as 'field: message' (pydantic's text, without its documentation URL)."""
+    first = errors[0]
+    param = field_path(tuple(first.get("loc", ()))) or None
+    msg = first.get("msg", "invalid value")
+    if first.get("type") == "extra_forbidden":
+        msg = "not a supported field"
+    elif first.get("type") == "json_invalid":
+        return f"request body is not valid JSON: {first.get('ctx', {}).get('error', msg)}", None
+    return (f"{param}: {msg}" if param else msg), param
+
+
+async def on_validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+    message, param = validation_message(list(exc.errors()))
+    return error_response(400, message, param)
+
+
+async def on_api_error(request: Request, exc: APIError) -> JSONResponse:
+    return error_response(exc.status, exc.message, exc.param, exc.headers)
+
+
+async def on_http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+    return error_response(exc.status_code, str(exc.detail), headers=getattr(exc, "headers", None))

@@ -1,0 +1,166 @@
+"""OpenAIServing: API requests -> engine requests, engine outputs -> API responses and SSE events."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import AsyncIterator
+from contextlib import aclosing
+
+from fastapi import Request
+from pydantic import ValidationError
+
+from looped_spec.async_engine import AsyncLoopedSpecEngine, EngineDeadError, EngineFaultError, QueueFullError
+from looped_spec.inputs import load_tokenizer
+from looped_spec.request import RequestOutput
+from looped_spec.sampling_params import SamplingParams
+from looped_spec.server.chat import GenerationDefaults
+from looped_spec.server.errors import APIError, error_body, validation_message
+from looped_spec.server.metrics import ServerMetrics
+from looped_spec.server.protocol import SamplingFields, UsageInfo
+
+MAX_STOP_STRINGS = 16
+RETRY_AFTER_S = "1"
+
+
+class OpenAIServing:
+    """Turns API requests into engine requests and engine outputs into API responses."""
+
+    def __init__(self, engine: AsyncLoopedSpecEngine, model_name: str) -> None:
+        self.engine = engine
+        self.model_name = model_name
+        core = engine.engine
+        # the engine's tokenizer belongs to its worker thread; the front tokenises with its own copy
+        self.tokenizer = load_tokenizer(core.adapter.path)
+        self.vocab_size = core.adapter.vocab_size
+        self.max_model_len = core.max_model_len
+        self.defaults = GenerationDefaults.load(core.adapter.path, self.tokenizer)
+        self.metrics = ServerMetrics(core, model_name)
+
+    # ----- request -> engine -----
+    def check_model(self, model: str) -> None:
+        if model != self.model_name:
+            raise APIError(404, f"model {model!r} does not exist; this server serves {self.model_name!r}", "model")
+
+    def prompt_ids(self, prompt, param: str = "prompt") -> list[int]:
+        if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
+            if len(prompt) != 1:
+                raise APIError(400, f"{param}: one prompt per request is supported (got {len(prompt)})", param)
+            prompt = prompt[0]
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise APIError(400, f"{param}: the model has no tokenizer; send token ids", param)
+            ids = self.tokenizer.encode(prompt, add_special_tokens=False)
+        else:
+            ids = list(prompt)
+            bad = next((i for i, t in enumerate(ids) if not 0 <= t < self.vocab_size), None)
+            if bad is not None:
+                raise APIError(400, f"{param}[{bad}] = {ids[bad]} is outside the vocabulary [0, {self.vocab_size})",
+                               param)  # fmt: skip
+        if not ids:
+            raise APIError(400, f"{param} is empty", param)
+        if len(ids) >= self.max_model_len:
+            raise APIError(400, f"{param}: {len(ids)} tokens; must be fewer than max_model_len={self.max_model_len}",
+                           param)  # fmt: skip
+        return ids
+
+    def sampling_params(self, body: SamplingFields, num_prompt_tokens: int, max_tokens: int | None) -> SamplingParams:
+        room = self.max_model_len - num_prompt_tokens
+        if max_tokens is None:
+            max_tokens = room
+        elif max_tokens > room:
+            raise APIError(400, f"max_tokens: {max_tokens} + {num_prompt_tokens} prompt tokens exceeds "
+                           f"max_model_len={self.max_model_len}", "max_tokens")  # fmt: skip
+        stop = body.stop_list()
+        if len(stop) > MAX_STOP_STRINGS:
+            raise APIError(400, f"stop: at most {MAX_STOP_STRINGS} stop strings", "stop")
+        stop_token_ids = list(body.stop_token_ids or [])
+        if not body.ignore_eos:
+            stop_token_ids += [t for t in self.defaults.eos_token_ids if t not in stop_token_ids]
+        d = self.defaults
+        try:
+            return SamplingParams(
+                max_tokens=max_tokens,
+                temperature=d.temperature if body.temperature is None else body.temperature,
+                top_p=d.top_p if body.top_p is None else body.top_p,
+                top_k=d.top_k if body.top_k is None else body.top_k,
+                seed=body.seed,
+                stop=stop,
+                stop_token_ids=stop_token_ids,
+                ignore_eos=body.ignore_eos,
+            )
+        except ValidationError as exc:
+            message, param = validation_message(exc.errors())
+            raise APIError(400, message, param) from exc
+
+    def start(self, ids: list[int], params: SamplingParams) -> AsyncIterator[RequestOutput]:
+        """Admit the request now (429 / 503 before any response starts); its outputs, timed."""
+        try:
+            stream = self.engine.add_request(ids, params)
+        except QueueFullError as exc:
+            raise APIError(429, f"server busy: {exc}; retry later", headers={"Retry-After": RETRY_AFTER_S}) from exc
+        except EngineDeadError as exc:
+            raise APIError(503, str(exc), headers={"Retry-After": RETRY_AFTER_S}) from exc
+        return self.metrics.timed(aiter(stream), time.perf_counter())
+
+    # ----- engine -> response -----
+    @staticmethod
+    def usage(num_prompt: int, out: RequestOutput | None) -> UsageInfo:
+        num_completion = len(out.token_ids) if out is not None else 0
+        return UsageInfo(prompt_tokens=num_prompt, completion_tokens=num_completion,
+                         total_tokens=num_prompt + num_completion)  # fmt: skip
+
+    async def final_output(self, outputs: AsyncIterator[RequestOutput], request: Request) -> RequestOutput:
+        """The finished output; aborts the request if the client disconnects first."""
+        async with aclosing(outputs):
+            task = asyncio.ensure_future(_last(outputs))
+            gone = asyncio.ensure_future(_disconnected(request))
+            await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
+            if not task.done():
+                task.cancel()  # the request's stream aborts it in the engine
+                await asyncio.gather(task, return_exceptions=True)
+                raise APIError(499, "client disconnected")
+            gone.cancel()
+            try:
+                out = task.result()
+            except (EngineFaultError, EngineDeadError) as exc:
+                raise APIError(500, str(exc)) from exc
+        if out.finish_reason == "error":
+            raise APIError(500, "engine error while generating this request")
+        return out
+
+    async def sse(self, outputs: AsyncIterator[RequestOutput], make_chunks, usage_chunk) -> AsyncIterator[str]:
+        """Server-sent events: chunks per output, an error event on an engine fault, then [DONE]."""
+        last = None
+        async with aclosing(outputs):
+            try:
+                async for out in outputs:
+                    if out.finish_reason == "error":
+                        raise EngineFaultError("engine error while generating this request")
+                    last = out
+                    for chunk in make_chunks(out):
+                        yield f"data: {chunk.model_dump_json()}\n\n"
+            except (EngineFaultError, EngineDeadError) as exc:
+                yield f"data: {json.dumps(error_body(500, str(exc)))}\n\n"
+                yield "data: [DONE]\n\n"
+                return
+        if usage_chunk is not None:
+            yield f"data: {usage_chunk(last).model_dump_json()}\n\n"
+        yield "data: [DONE]\n\n"
+
+
+def finish_reason(out: RequestOutput) -> str | None:
+    return out.finish_reason if out.finished else None
+
+
+async def _last(outputs: AsyncIterator[RequestOutput]) -> RequestOutput:
+    last = None
+    async for out in outputs:
+        last = out
+    return last
+
+
+async def _disconnected(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass

@@ -1,0 +1,51 @@
+"""A real looped-spec server on 127.0.0.1 (an ephemeral port) in a background thread, for tests."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+
+import uvicorn
+
+from looped_spec.async_engine import AsyncLoopedSpecEngine
+from looped_spec.server import build_app
+
+
+class ServerThread:
+    """Starts uvicorn on a socket bound to 127.0.0.1:0; `url` is its base URL. Use as a context manager."""
+
+    def __init__(self, engine, model_name: str, max_queued: int = 64, **app_options) -> None:
+        self.engine = engine
+        self.async_engine = AsyncLoopedSpecEngine(engine, max_queued=max_queued)
+        self.app = build_app(self.async_engine, model_name, **app_options)
+        self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self.sock.bind(("127.0.0.1", 0))
+        self.port = self.sock.getsockname()[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.server = uvicorn.Server(uvicorn.Config(self.app, log_level="warning"))
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
+
+    def __enter__(self) -> ServerThread:
+        self.thread.start()
+        deadline = time.monotonic() + 120
+        while not self.server.started:
+            if not self.thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError("the test server did not start")
+            time.sleep(0.01)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=30)
+        self.sock.close()
+
+
+def wait_until(condition, timeout: float = 30.0, what: str = "condition") -> None:
+    """Poll `condition()` until true (the engine's worker runs in another thread)."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.01)

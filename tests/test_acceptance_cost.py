@@ -1,0 +1,179 @@
+"""Acceptance from counterfactual bits (replay, Markov model) and the hardware cost profile (fit, interpolation)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from looped_spec import LoopedSpecEngine, SamplingParams, SpeculativeConfig, load_adapter
+from looped_spec.control import AdaptiveController, AdaptiveSpecConfig
+from looped_spec.control.acceptance import bit_statistics, markov_tokens, simulate_tokens
+from looped_spec.control.costprofile import CostProfile, fit_coefficients, round_features
+from looped_spec.plan import RoundFeedback
+from looped_spec.tuner import measure_match_bits
+
+
+def markov_bits(alpha: float, rho: float, length: int, count: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    p01 = alpha * (1.0 - rho)
+    p11 = rho + p01
+    out = []
+    for _ in range(count):
+        seq = [int(rng.random() < alpha)]
+        for _ in range(length - 1):
+            seq.append(int(rng.random() < (p11 if seq[-1] else p01)))
+        out.append(seq)
+    return out
+
+
+@pytest.mark.parametrize("alpha,rho", [(0.5, 0.0), (0.8, 0.5), (0.3, 0.7), (0.95, 0.2)])
+def test_markov_expectation_matches_replay_of_markov_bits(alpha, rho):
+    bits = markov_bits(alpha, rho, 3000, 40, seed=1)
+    a, r, n = bit_statistics(bits)
+    assert n == 120000 and a == pytest.approx(alpha, abs=0.01) and r == pytest.approx(rho, abs=0.02)
+    for k in (1, 3, 6):
+        tokens, rounds = simulate_tokens(bits, k)
+        assert tokens / rounds == pytest.approx(markov_tokens(alpha, rho, k), rel=0.01)
+
+
+def test_markov_reduces_to_geometric_and_bounds():
+    for alpha in (0.0, 0.4, 0.9):
+        for k in (1, 2, 5):
+            assert markov_tokens(alpha, 0.0, k) == pytest.approx(sum(alpha**j for j in range(k + 1)))
+    assert markov_tokens(1.0, 0.3, 4) == 5.0 and markov_tokens(0.7, 0.2, 0) == 1.0
+
+
+def test_replay_rules_by_hand():
+    # one sequence of 6 generated tokens (5 bits); K = 2: round 1 accepts 2 (bits 1,1) -> s = 3; round 2 sees
+    # bit[3] = 0 -> 1 token; round 3: one token left to generate after s = 4 -> K cut to 0 -> 1 token
+    assert simulate_tokens([[1, 1, 1, 0, 1]], 2) == (5, 3)
+    assert simulate_tokens([[0, 0, 0]], 3) == (3, 3)
+    assert simulate_tokens([[], [1]], 4) == (1, 1)
+
+
+@pytest.mark.parametrize("model", ["tiny-ouro", "tiny-nanbeige"])
+def test_replayed_acceptance_equals_the_engines_speculative_acceptance(model):
+    """Counterfactual bits of plain decoding predict a fixed (K, d)'s accepted tokens exactly (greedy)."""
+    adapter = load_adapter(model, dtype="float32", device="cpu")
+    prompts = ["def add(a, b):\n    return", "The river ran past the old mill, where", "import os\nimport"]
+    tokens = 24
+    bits = measure_match_bits(adapter, prompts, tokens)
+    assert all(len(seq) == tokens - 1 for per_depth in bits for seq in per_depth)
+    for k, d in [(1, 1), (3, 1), (2, adapter.full_depth - 1)]:
+        engine = LoopedSpecEngine(adapter, speculation=SpeculativeConfig(k=k, d=d), max_batch_size=1)
+        for prompt, seq in zip(prompts, bits[d - 1]):
+            before = (engine.stats.num_rounds, engine.stats.num_accepted_tokens)
+            engine.generate([prompt], SamplingParams(max_tokens=tokens, ignore_eos=True))
+            rounds = engine.stats.num_rounds - before[0]
+            accepted = engine.stats.num_accepted_tokens - before[1]
+            replay_tokens, replay_rounds = simulate_tokens([seq], k)
+            assert (rounds, accepted) == (replay_rounds, replay_tokens - replay_rounds), (k, d, prompt)
+
+
+TRUE_COEFFICIENTS = {1: [0.001, 0.0005, 0.0008, 0.003], 8: [0.002, 0.001, 0.004, 0.005]}
+
+
+def synthetic_times(depth: int, noise: float, seed: int):
+    rng = random.Random(seed)
+    cells = {}
+    for b, coef in TRUE_COEFFICIENTS.items():
+        cells[b] = {
+            (k, d): sum(c * f for c, f in zip(coef, round_features(k, d, depth))) * (1.0 + noise * rng.gauss(0, 1))
+            for k in range(1, 6)
+            for d in range(1, depth)
+        }
+    return cells
+
+
+def test_cost_fit_recovers_known_coefficients():
+    cells = synthetic_times(4, 0.0, 0)
+    for b, coef in TRUE_COEFFICIENTS.items():
+        assert fit_coefficients(cells[b], 4) == pytest.approx(coef, rel=1e-4)
+    noisy = synthetic_times(4, 0.02, 1)  # 2 % noise per cell: the fit's predictions stay within a few percent
+    clean = synthetic_times(4, 0.0, 0)
+    for b in TRUE_COEFFICIENTS:
+        coef = fit_coefficients(noisy[b], 4)
+        for (k, d), seconds in clean[b].items():
+            assert sum(c * f for c, f in zip(coef, round_features(k, d, 4))) == pytest.approx(seconds, rel=0.06)
+
+
+def test_cost_fit_with_collinear_cells_still_predicts_them():
+    """D = 2: every cell has d = 1, so the four coefficients are not identifiable; predictions still are."""
+    cells = {(k, 1): 0.002 + 0.0015 * (k + 1) for k in range(1, 6)}
+    coef = fit_coefficients(cells, 2)
+    for (k, d), seconds in cells.items():
+        assert sum(c * f for c, f in zip(coef, round_features(k, d, 2))) == pytest.approx(seconds, rel=1e-6)
+
+
+def test_profile_interpolates_and_extrapolates_in_batch_size():
+    cells = synthetic_times(4, 0.0, 0)
+    profile = CostProfile.fit(4, {1: 0.004, 8: 0.011}, cells)
+    assert profile.predict(0, 0, 1) == pytest.approx(0.004) and profile.predict(0, 0, 8) == pytest.approx(0.011)
+    assert profile.predict(0, 0, 4) == pytest.approx(0.004 + 3 / 7 * 0.007)
+    assert profile.predict(0, 0, 15) == pytest.approx(0.011 + 7 / 7 * 0.007)  # linear beyond the last
+    spec1, spec8 = profile.spec_seconds_at_profiled(2, 1)
+    assert profile.predict(2, 1, 8) == pytest.approx(spec8)
+    assert profile.predict(2, 1, 4) == pytest.approx(spec1 + 3 / 7 * (spec8 - spec1))
+
+
+def profiled_config(alpha, initial_index=0) -> AdaptiveSpecConfig:
+    profile = CostProfile.fit(4, {1: 0.008, 8: 0.03}, synthetic_times(4, 0.0, 0))
+    candidates = [[0, 0], [1, 1], [3, 1], [2, 2], [5, 1]]
+    bucket = {"min_batch": 1, "max_batch": None, "candidates": candidates, "initial_index": initial_index}
+    bucket.update(theta_up=0.9, theta_down=0.1)
+    return AdaptiveSpecConfig.parse(
+        {
+            "model": "t",
+            "full_depth": 4,
+            "buckets": [bucket],
+            "acceptance": {"alpha": alpha, "rho": [0.0] * 4, "positions": 100},
+            "cost": profile.to_dict(),
+        }
+    )
+
+
+def test_goodput_with_a_profile_starts_at_the_best_predicted_plan_without_exploring():
+    config = profiled_config([0.9, 0.95, 0.99, 1.0])
+    ctl = AdaptiveController(config, 4)  # the default policy: goodput
+    assert ctl.policy_name == "goodput"
+    profile = CostProfile(4, **config.cost.model_dump())
+    for batch in (1, 8):
+        ctl = AdaptiveController(config, 4)
+        options = [(0, 0), (1, 1), (3, 1), (2, 2), (5, 1)]
+        best = max(
+            options, key=lambda o: markov_tokens(0.9 if o[1] == 1 else 0.95, 0, o[0]) / profile.predict(*o, batch)
+        )
+        plans = [ctl.plan(batch) for _ in range(20)]
+        assert {(p.k, p.d) for p in plans} == {best}, batch
+
+
+def test_goodput_switches_off_when_acceptance_collapses():
+    ctl = AdaptiveController(profiled_config([0.9, 0.95, 0.99, 1.0]), 4)
+    first = ctl.plan(1)
+    assert first.k > 0
+    for _ in range(1000):  # one round in 16 measures: about 60 measured rounds of zero agreement
+        plan = ctl.plan(1)
+        matches = [0, 0, 0, plan.k + 1] if plan.measure_depths else []
+        trials = [plan.k + 1] * 4 if plan.measure_depths else []
+        ctl.observe(RoundFeedback(plan.plan_id, plan.k, plan.d, plan.bucket, plan.candidate, 1, [plan.k], [0],
+                                  depth_matches=matches, depth_trials=trials))  # fmt: skip
+    assert ctl.plan(1).k == 0
+
+
+def test_ema_timing_never_compares_different_batch_sizes():
+    """Plain rounds measured at B=1 are fast per request; a candidate timed at B=8 must not be judged by them."""
+    bucket = {"min_batch": 1, "max_batch": None, "candidates": [[1, 1], [2, 1]], "theta_up": 0.99}
+    bucket.update(theta_down=0.1, beta=1.0, min_samples=1, interval=1, initial_index=0)
+    config = AdaptiveSpecConfig.parse(
+        {"model": "t", "buckets": [bucket], "disable": {"enabled": True, "threshold": 0.1, "use_timing": True}}
+    )
+    ctl = AdaptiveController(config, 4, policy="ema")
+    for _ in range(6):  # plain rounds at B=1: 1 token per request per 0.001 s
+        plan = ctl.policy.select(0, 1, 0)
+        ctl.observe(RoundFeedback(99, 0, 0, 0, -1, 1, [0], [0], 0.001))
+    for _ in range(20):  # speculative rounds at B=8: 1.5 tokens per request per 0.01 s (slower per request)
+        plan = ctl.plan(8)
+        ctl.observe(RoundFeedback(plan.plan_id, plan.k, plan.d, plan.bucket, plan.candidate, 8, [plan.k] * 8,
+                                  [1] * 8 if plan.k == 1 else [1] * 8, 0.01))  # fmt: skip
+    assert ctl.plan(8).k > 0  # acceptance 0.5-1.0 keeps it on; the B=1 plain timing never switched it off

@@ -1,0 +1,95 @@
+"""Smoke test of benchmarks/bench_speculative.py on the random-weight fixture (no timed assertions)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from looped_spec import LoopedSpecEngine
+from looped_spec.prompt_sets import prompt_fingerprints, random_prompts
+
+ROOT = Path(__file__).resolve().parent.parent
+FIXTURE = str(ROOT / "tests" / "fixtures" / "ouro-tiny")
+SMALL = ["--model", FIXTURE, "--prompts", "random", "--batch-sizes", "1,2", "--grid", "1,1", "--max-tokens", "4"]
+SMALL += ["--repeats", "2", "--threads", "1"]
+
+
+@pytest.fixture(scope="module")
+def bench():
+    path = ROOT / "benchmarks" / "bench_speculative.py"
+    spec = importlib.util.spec_from_file_location("bench_speculative", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules.setdefault("bench_speculative", module)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_bench_runs_side_by_side_with_an_aa_line(bench, tmp_path, capsys):
+    out = tmp_path / "smoke"
+    report = bench.main([*SMALL, "--out", str(out)])
+    printed = capsys.readouterr().out
+    assert printed.startswith("$ ") and "A/A (plain-B vs plain):" in printed
+    data = json.loads((tmp_path / "smoke.json").read_text())
+    assert data["command"] == report["command"] and "--grid" in data["command"]
+    assert set(data["configs"]) == {"plain", "plain-B", "1,1", "adaptive"}
+    assert data["configs"]["adaptive"]["kind"] == "adaptive"
+    for b in ("1", "2"):
+        row = data["batch_sizes"][b]
+        for stat in [row["aa"], row["configs"]["1,1"]["ratio"], row["configs"]["adaptive"]["ratio"]]:
+            assert stat["min"] <= stat["median"] <= stat["max"]
+            assert len(stat["per_round"]) == 1  # repeats 2, the first round discarded
+        assert row["aa"] == row["configs"]["plain-B"]["ratio"]
+        assert len(row["rounds"]) == 2 and len(row["orders"]) == 2
+        assert row["summary"]["best_fixed"] == "1,1"
+        assert "vs_best_fixed" in row["summary"]["adaptive"]["adaptive"]
+        # every non-plain config (plain-B, 1,1, adaptive) checked against plain in each of the 2 rounds
+        assert row["equality_checks"] == 3 * 2
+        assert all(run["decode_tokens"] == int(b) * 3 for run in row["rounds"][1].values())
+    assert data["equality_checks"] == 12
+    assert data["workload"] is None
+    assert data["prompts"]["fingerprints"] == prompt_fingerprints(random_prompts(2, 256, 0))
+
+
+def test_bench_workload_reports_the_oracle(bench):
+    report = bench.main([*SMALL, "--batch-sizes", "1", "--workload", "--workload-phases", "1,2,1", "--max-tokens", "3"])
+    wl = report["workload"]
+    assert wl["phases"] == [1, 2, 1] and len(wl["oracle_phases"]) == 3
+    assert set(wl["oracle_phases"]) <= {"plain", "1,1"}
+    entry = wl["adaptive"]["adaptive"]
+    assert {"vs_oracle", "vs_best_single_fixed", "vs_plain"} <= set(entry)
+    assert wl["equality_checks"] == 3 * 3 * 2  # 3 non-plain configs x 3 phases x 2 rounds
+
+
+def write_preset(path: Path, provenance: dict) -> Path:
+    """The fixture's own adaptive preset with the given provenance."""
+    engine = LoopedSpecEngine(FIXTURE, speculation="adaptive", device="cpu", dtype="float32")
+    data = engine.controller.config.model_dump(mode="json")
+    data["provenance"] = provenance
+    path.write_text(json.dumps(data))
+    return path
+
+
+def test_bench_prints_the_tuners_prediction_beside_the_measurement(bench, tmp_path):
+    provenance = {
+        "prompts": {"fingerprints": prompt_fingerprints(random_prompts(4, 256, 99))},  # disjoint: checked, passes
+        "decisions": {"1..1": {"predicted_ratio": {"1,1": 1.25}}, "2..inf": {"predicted_ratio": {"1,1": 0.5}}},
+    }
+    preset = write_preset(tmp_path / "ouro-tiny.json", provenance)
+    report = bench.main([*SMALL, "--preset", str(preset)])
+    assert report["overlap_check"]["checked"] == ["adaptive"]
+    assert report["batch_sizes"]["1"]["configs"]["1,1"]["predicted_ratio"] == 1.25
+    assert report["batch_sizes"]["2"]["configs"]["1,1"]["predicted_ratio"] == 0.5
+    assert report["batch_sizes"]["2"]["predicted_bucket"] == "2..inf"
+
+
+def test_bench_refuses_prompts_the_preset_was_tuned_on(bench, tmp_path, capsys):
+    tuned = random_prompts(2, 256, 0)[1:]  # one of the two prompts the benchmark will use
+    preset = write_preset(tmp_path / "ouro-tiny.json", {"prompts": {"fingerprints": prompt_fingerprints(tuned)}})
+    with pytest.raises(SystemExit) as exc:
+        bench.main([*SMALL, "--preset", str(preset)])
+    assert exc.value.code == 2
+    assert "1 of the 2 distinct evaluation prompts" in capsys.readouterr().err

@@ -1,0 +1,76 @@
+"""The `looped-spec` command line: every output printed, --stream, prompts from stdin, help, errors."""
+
+from __future__ import annotations
+
+import io
+import subprocess
+import sys
+
+import pytest
+
+from looped_spec.cli import main
+
+BASE = ["generate", "--model", "tiny-ouro", "--max-tokens", "8", "--speculation", "2,1"]
+
+
+def test_generate_prints_every_output(capsys):
+    assert main(BASE + ["--prompt", "def add(a, b):", "--prompt", "import os\n"]) == 0
+    out = capsys.readouterr().out
+    assert "--- output 0 ---\ndef add(a, b):" in out and "--- output 1 ---\nimport os\n" in out
+    assert "requests                  2" in out
+
+
+def test_stream_prints_the_same_text_as_generate(capsys):
+    assert main(BASE + ["--prompt", "def add(a, b):"]) == 0
+    plain = capsys.readouterr().out
+    assert main(BASE + ["--prompt", "def add(a, b):", "--stream"]) == 0
+    streamed = capsys.readouterr().out
+    text = plain.split("\n\n---")[0]
+    assert text.startswith("def add(a, b):") and streamed.startswith(text)
+
+
+def test_prompts_from_stdin_and_compare_plain(capsys, monkeypatch):
+    monkeypatch.setattr(sys, "stdin", io.StringIO("def add(a, b):\n\nclass A:\n"))
+    assert main(BASE + ["--prompts-file", "-", "--compare-plain"]) == 0
+    out = capsys.readouterr().out
+    assert "--- output 1 ---\nclass A:" in out
+    assert "x faster" in out and "outputs identical" in out
+
+
+def test_user_errors_are_one_line(capsys):
+    assert main(BASE + ["--prompt", "x", "--temperature", "-1"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("looped-spec: error: temperature:") and "\n" not in err and "http" not in err
+    assert main(["generate", "--model", "tiny-ouro"]) == 2
+    assert "no prompt" in capsys.readouterr().err
+
+
+def test_help_and_version_do_not_import_torch():
+    code = (
+        "import sys\nfrom looped_spec.cli import main\n"
+        "for argv in (['--help'], ['serve', '--help'], ['--version']):\n"
+        "    try:\n        main(argv)\n    except SystemExit:\n        pass\n"
+        "assert 'torch' not in sys.modules, 'torch imported'\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    out = " ".join(done.stdout.split())  # argparse wraps help lines
+    assert "--api-key" in out and "(default: 127.0.0.1)" in out and "looped-spec 0.1.0" in out
+
+
+@pytest.mark.parametrize("argv", [["serve", "--port", "nope"], ["generate", "--max-tokens", "x"]])
+def test_bad_flags_are_usage_errors(argv, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    assert exit_info.value.code == 2
+
+
+def test_every_flag_has_help():
+    import argparse
+
+    from looped_spec.cli import build_parser
+
+    subparsers = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    missing = [(name, action.dest) for name, sub in subparsers.choices.items() for action in sub._actions
+               if action.help is None]  # fmt: skip
+    assert not missing

@@ -1,0 +1,93 @@
+"""Incremental detokenisation (no split characters), stop strings, and generation_config defaults."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from looped_spec.detokenizer import REPLACEMENT_CHAR, IncrementalDetokenizer
+from looped_spec.inputs import load_tokenizer
+from looped_spec.models import shipped_model_path
+from looped_spec.server.chat import GenerationDefaults, NoChatTemplateError, render_chat
+
+TEXT = "héllo wörld → ∑ 😀 done"
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return load_tokenizer(shipped_model_path("tiny-ouro"))
+
+
+def stream(detok: IncrementalDetokenizer, ids: list[int]) -> tuple[list[str], bool]:
+    deltas, stopped = [], False
+    for token in ids:
+        stopped = detok.append(token)
+        deltas.append(detok.stream_delta(finished=stopped))
+        if stopped:
+            break
+    if not stopped:
+        detok.flush()
+        deltas.append(detok.stream_delta(finished=True))
+    return deltas, stopped
+
+
+def test_deltas_never_split_a_character(tokenizer):
+    ids = tokenizer.encode(TEXT)
+    # the byte-level tokenizer really does split these characters across tokens
+    assert any(REPLACEMENT_CHAR in tokenizer.decode([t]) for t in ids)
+    deltas, stopped = stream(IncrementalDetokenizer(tokenizer), ids)
+    assert not stopped
+    assert all(REPLACEMENT_CHAR not in d for d in deltas)
+    assert "".join(deltas) == TEXT == tokenizer.decode(ids)
+
+
+def test_several_tokens_per_step_as_in_a_speculative_round(tokenizer):
+    ids = tokenizer.encode(TEXT)
+    detok, deltas = IncrementalDetokenizer(tokenizer), []
+    for start in range(0, len(ids), 3):
+        for token in ids[start : start + 3]:
+            assert not detok.append(token)
+        deltas.append(detok.stream_delta(finished=False))
+    detok.flush()
+    deltas.append(detok.stream_delta(finished=True))
+    assert all(REPLACEMENT_CHAR not in d for d in deltas) and "".join(deltas) == TEXT
+
+
+def test_incomplete_trailing_character_is_flushed_at_the_end(tokenizer):
+    ids = tokenizer.encode("ok 😀")
+    cut = ids[:-1]  # the emoji's last byte is missing
+    deltas, _ = stream(IncrementalDetokenizer(tokenizer), cut)
+    assert "".join(deltas) == tokenizer.decode(cut)
+
+
+def test_stop_string_cuts_text_and_holds_back_partial_matches(tokenizer):
+    ids = tokenizer.encode(TEXT)
+    detok = IncrementalDetokenizer(tokenizer, stop=["∑ 😀"])
+    deltas, stopped = stream(detok, ids)
+    assert stopped and detok.stop_hit == "∑ 😀"
+    assert "".join(deltas) == detok.text == "héllo wörld → "
+    # the stop string was found at the token that completed it
+    assert "∑ 😀" in tokenizer.decode(detok.token_ids) and "∑ 😀" not in tokenizer.decode(detok.token_ids[:-1])
+    # a stop string that never completes: held-back text comes out at the end
+    deltas, stopped = stream(IncrementalDetokenizer(tokenizer, stop=["done!"]), ids)
+    assert not stopped and "".join(deltas) == TEXT
+
+
+def test_generation_config_defaults(tmp_path, tokenizer):
+    assert GenerationDefaults.load(tmp_path, tokenizer).temperature == 1.0  # OpenAI's default without the file
+    (tmp_path / "generation_config.json").write_text(
+        json.dumps({"temperature": 0.6, "top_p": 0.9, "top_k": 20, "eos_token_id": [7, 9]})
+    )
+    defaults = GenerationDefaults.load(tmp_path, tokenizer)
+    assert (defaults.temperature, defaults.top_p, defaults.top_k) == (0.6, 0.9, 20)
+    assert defaults.eos_token_ids == [7, 9, tokenizer.eos_token_id]
+    (tmp_path / "generation_config.json").write_text(json.dumps({"do_sample": False, "eos_token_id": 7}))
+    assert GenerationDefaults.load(tmp_path, None).temperature == 0.0
+
+
+def test_render_chat(tokenizer):
+    prompt = render_chat(tokenizer, [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}])
+    assert prompt == "# user: hi\n# assistant: yo<|endoftext|>\n# assistant:"
+    with pytest.raises(NoChatTemplateError, match="chat_template"):
+        render_chat(load_tokenizer(shipped_model_path("tiny-nanbeige")), [{"role": "user", "content": "hi"}])

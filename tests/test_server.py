@@ -1,0 +1,265 @@
+"""The OpenAI-compatible server, end to end: a real uvicorn server on 127.0.0.1 and the official client.
+
+One server (tiny-ouro, adaptive speculation, API key set) serves the whole module; references come
+from a second, offline engine with speculation off, so the server's greedy output is checked against
+plain decoding.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+
+import httpx
+import openai
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+from server_utils import ServerThread, wait_until
+
+from looped_spec import LoopedSpecEngine, SamplingParams
+
+MODEL = "tiny-ouro"
+API_KEY = "test-key"
+PROMPT = "def fibonacci(n):"
+MAX_BATCH = 4
+
+
+@pytest.fixture(scope="module")
+def reference_engine():
+    engine = LoopedSpecEngine(MODEL, speculation="off", max_model_len=256)
+    yield engine
+    engine.close()
+
+
+@pytest.fixture(scope="module")
+def server():
+    engine = LoopedSpecEngine(MODEL, speculation="adaptive", max_batch_size=MAX_BATCH, max_model_len=256)
+    with ServerThread(engine, MODEL, max_queued=0, api_key=API_KEY) as running:
+        yield running
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.url + "/v1", api_key=API_KEY, max_retries=0, timeout=60)
+
+
+def greedy(engine, prompt, max_tokens, **kw):
+    return engine.generate(prompt, SamplingParams(max_tokens=max_tokens, temperature=0.0, **kw))[0]
+
+
+def idle(server) -> bool:
+    engine = server.engine
+    return (
+        server.async_engine.num_in_flight == 0
+        and not engine.has_unfinished_requests()
+        and engine.num_free_blocks == engine.kv.num_blocks
+    )
+
+
+def test_models_health_and_open_endpoints(server, client):
+    assert [m.id for m in client.models.list().data] == [MODEL]
+    # /health and /metrics stay open without the key; /v1/* does not
+    assert httpx.get(server.url + "/health").json() == {"status": "ok"}
+    assert httpx.get(server.url + "/metrics").status_code == 200
+    assert httpx.get(server.url + "/v1/models").status_code == 401
+    wrong = openai.OpenAI(base_url=server.url + "/v1", api_key="wrong", max_retries=0)
+    with pytest.raises(openai.AuthenticationError):
+        wrong.completions.create(model=MODEL, prompt=PROMPT, max_tokens=2)
+
+
+def test_completion_equals_offline_greedy_and_stream_equals_text(server, client, reference_engine):
+    ref = greedy(reference_engine, PROMPT, 24)
+    out = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=24, temperature=0)
+    assert out.choices[0].text == ref.text
+    assert out.choices[0].finish_reason == ref.finish_reason
+    assert out.usage.prompt_tokens == len(ref.prompt_token_ids)
+    assert out.usage.completion_tokens == len(ref.token_ids)
+    chunks = list(client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=24, temperature=0, stream=True,
+                                            stream_options={"include_usage": True}))  # fmt: skip
+    deltas = [c.choices[0].text for c in chunks if c.choices]
+    assert len([d for d in deltas if d]) > 1  # really streamed, not one final chunk
+    assert "".join(deltas) == ref.text
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == ref.finish_reason
+    assert chunks[-1].usage.completion_tokens == len(ref.token_ids)
+    # token-id prompts are accepted too
+    by_ids = client.completions.create(model=MODEL, prompt=ref.prompt_token_ids, max_tokens=24, temperature=0)
+    assert by_ids.choices[0].text == ref.text
+    wait_until(lambda: idle(server), what="server idle")
+
+
+def test_chat_completion_uses_the_template(server, client, reference_engine):
+    messages = [{"role": "system", "content": "You write Python."}, {"role": "user", "content": "Sort a list."}]
+    rendered = reference_engine.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert rendered.endswith("# assistant:")
+    ref = greedy(reference_engine, rendered, 16)
+    out = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=16, temperature=0)
+    assert out.choices[0].message.role == "assistant"
+    assert out.choices[0].message.content == ref.text
+    assert out.usage.prompt_tokens == len(ref.prompt_token_ids)
+    stream = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=16, temperature=0, stream=True)
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == ref.text
+    assert chunks[-1].choices[0].finish_reason == ref.finish_reason
+
+
+def test_stop_strings_cut_the_text_and_stop_generation(server, client, reference_engine):
+    full = greedy(reference_engine, PROMPT, 32).text
+    stop = full[10:13]
+    cut = full[: full.index(stop)]
+    offline = greedy(reference_engine, PROMPT, 32, stop=[stop])
+    assert offline.text == cut and offline.finish_reason == "stop" and offline.stop_reason == stop
+    # generation ended at the token that completed the stop string
+    tok = reference_engine.tokenizer
+    assert stop in tok.decode(offline.token_ids) and stop not in tok.decode(offline.token_ids[:-1])
+    out = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=32, temperature=0, stop=[stop, "@@@@"])
+    assert out.choices[0].text == cut and out.choices[0].finish_reason == "stop"
+    assert out.usage.completion_tokens == len(offline.token_ids)
+    chunks = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=32, temperature=0, stop=stop,
+                                       stream=True)  # fmt: skip
+    assert "".join(c.choices[0].text for c in chunks) == cut
+
+
+def test_bad_requests_are_400_naming_the_field(server, client):
+    cases = [
+        (dict(temperature=-1), "temperature"),
+        (dict(top_p=0), "top_p"),
+        (dict(max_tokens=0), "max_tokens"),
+        (dict(max_tokens=10_000), "max_tokens"),
+        (dict(n=2), "n"),
+        (dict(extra_body={"logprobs": 3}), "logprobs"),
+        (dict(extra_body={"stop_token_ids": ["x"]}), "stop_token_ids"),
+    ]
+    for kwargs, field in cases:
+        with pytest.raises(openai.BadRequestError) as err:
+            client.completions.create(model=MODEL, prompt=PROMPT, **kwargs)
+        body = err.value.body
+        assert body["param"].startswith(field), (kwargs, body)
+        assert body["message"].startswith(field) and "pydantic" not in body["message"], body
+    with pytest.raises(openai.BadRequestError, match="max_model_len"):
+        client.completions.create(model=MODEL, prompt="x = 1\n" * 200, max_tokens=1)
+    with pytest.raises(openai.BadRequestError, match=r"prompt\[1\]"):
+        client.completions.create(model=MODEL, prompt=[1, 99999], max_tokens=1)
+    with pytest.raises(openai.BadRequestError, match=r"messages\[0\]\.role"):
+        client.chat.completions.create(model=MODEL, messages=[{"role": "robot", "content": "hi"}])
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="gpt-4", prompt=PROMPT, max_tokens=1)
+    headers = {"Authorization": f"Bearer {API_KEY}", "Content-Type": "application/json"}
+    broken = httpx.post(server.url + "/v1/completions", content=b"{not json", headers=headers)
+    assert broken.status_code == 400 and "JSON" in broken.json()["error"]["message"]
+    huge = json.dumps({"model": MODEL, "prompt": "x" * (2 << 20)})
+    assert httpx.post(server.url + "/v1/completions", content=huge, headers=headers).status_code == 413
+
+
+def slowed(real, seconds: float):
+    def run(*args, **kwargs):
+        time.sleep(seconds)
+        return real(*args, **kwargs)
+
+    return run
+
+
+def test_full_queue_is_429_and_disconnect_aborts(server, client, monkeypatch):
+    """MAX_BATCH long streams fill the server (max_queued=0); closing them aborts them and frees their KV."""
+    # slow every decode round so the streams are surely still running when the queue is checked
+    monkeypatch.setattr(server.engine.runner, "decode", slowed(server.engine.runner.decode, 0.05))
+    monkeypatch.setattr(server.engine.spec_round, "run", slowed(server.engine.spec_round.run, 0.05))
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 200, "ignore_eos": True, "temperature": 0,
+            "stream": True}  # fmt: skip
+    with httpx.Client(base_url=server.url, headers=headers, timeout=60) as http:
+        streams = [http.stream("POST", "/v1/completions", json=body) for _ in range(MAX_BATCH)]
+        responses = [s.__enter__() for s in streams]
+        try:
+            assert [r.status_code for r in responses] == [200] * MAX_BATCH
+            lines = [r.iter_lines() for r in responses]  # kept: dropping one closes its connection
+            for it in lines:
+                assert next(it).startswith("data: ")  # generation started
+            assert server.async_engine.num_in_flight == MAX_BATCH
+            with pytest.raises(openai.RateLimitError) as err:
+                client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=2)
+            assert err.value.response.headers["retry-after"] == "1"
+            generated_before = server.engine.stats.num_generation_tokens
+        finally:
+            for s in streams:
+                s.__exit__(None, None, None)
+    wait_until(lambda: idle(server), what="aborted requests freed")
+    # each stream stopped well before its 200 tokens
+    assert server.engine.stats.num_generation_tokens - generated_before < MAX_BATCH * 150
+    assert client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=2).usage.completion_tokens == 2
+
+
+def test_non_streaming_client_that_leaves_has_its_request_aborted(server, monkeypatch):
+    monkeypatch.setattr(server.engine.runner, "decode", slowed(server.engine.runner.decode, 0.05))
+    monkeypatch.setattr(server.engine.spec_round, "run", slowed(server.engine.spec_round.run, 0.05))
+    before = server.engine.stats.num_generation_tokens
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 200, "ignore_eos": True, "temperature": 0}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(server.url + "/v1/completions", json=body, headers={"Authorization": f"Bearer {API_KEY}"},
+                   timeout=httpx.Timeout(60, read=0.5))  # fmt: skip
+    wait_until(lambda: idle(server), what="abandoned request aborted")
+    assert server.engine.stats.num_generation_tokens - before < 150
+
+
+def test_engine_fault_ends_streams_with_error_and_server_keeps_serving(server, client, monkeypatch):
+    engine = server.engine
+    calls = {"n": 0}
+    real_decode, real_round = engine.runner.decode, engine.spec_round.run
+
+    def failing(real):
+        def run(*args, **kwargs):
+            calls["n"] += 1
+            if calls["n"] == 3:
+                raise RuntimeError("injected fault")
+            return real(*args, **kwargs)
+
+        return run
+
+    monkeypatch.setattr(engine.runner, "decode", failing(real_decode))
+    monkeypatch.setattr(engine.spec_round, "run", failing(real_round))
+    stream = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=20, temperature=0, stream=True)
+    with pytest.raises(openai.APIError, match="injected fault"):
+        for _ in stream:
+            pass
+    wait_until(lambda: idle(server), what="failed request freed")
+    out = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=4, temperature=0)
+    assert out.usage.completion_tokens == 4
+
+
+def test_metrics_parse_and_match_engine_stats(server, client):
+    client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=8, temperature=0)
+    wait_until(lambda: idle(server), what="server idle")
+    text = httpx.get(server.url + "/metrics").text
+    samples = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            samples[(s.name, tuple(sorted((k, v) for k, v in s.labels.items() if k != "model_name")))] = s.value
+            assert s.labels.get("model_name") == MODEL
+    stats = server.engine.stats.to_dict()
+    for metric, key in [
+        ("generation_tokens_total", "num_generation_tokens"),
+        ("prompt_tokens_total", "num_prompt_tokens"),
+        ("request_success_total", "num_requests_finished"),
+        ("spec_decode_num_draft_tokens_total", "num_draft_tokens"),
+        ("spec_decode_num_accepted_tokens_total", "num_accepted_tokens"),
+        ("spec_decode_num_drafts_total", "num_drafts"),
+        ("decode_rounds_total", "num_rounds"),
+        ("num_preemptions_total", "num_preemptions"),
+    ]:
+        assert samples[("looped_spec:" + metric, ())] == stats[key], metric
+    per_pos = {int(dict(labels)["position"]): v for (name, labels), v in samples.items()
+               if name == "looped_spec:spec_decode_num_accepted_tokens_per_pos_total"}  # fmt: skip
+    assert sum(per_pos.values()) == stats["num_accepted_tokens"]
+    assert samples[("looped_spec:num_requests_running", ())] == 0
+    assert samples[("looped_spec:kv_cache_usage_perc", ())] == 0.0
+    assert samples[("looped_spec:time_to_first_token_seconds_count", ())] >= 5
+    assert samples[("looped_spec:e2e_request_latency_seconds_count", ())] >= 5
+    assert any(name == "looped_spec:spec_plan_k" for name, _ in samples)
+
+
+def test_chat_without_a_template_is_400():
+    engine = LoopedSpecEngine("tiny-nanbeige", speculation="off", max_model_len=64)
+    with ServerThread(engine, "tiny-nanbeige") as running:
+        client = openai.OpenAI(base_url=running.url + "/v1", api_key="unused", max_retries=0)
+        with pytest.raises(openai.BadRequestError, match="chat_template"):
+            client.chat.completions.create(model="tiny-nanbeige", messages=[{"role": "user", "content": "hi"}])
