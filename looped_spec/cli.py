@@ -211,6 +211,11 @@ def _tune(args: argparse.Namespace) -> int:
     out = _output_file(args.out, "--out")  # before measuring, which takes minutes
     if args.heatmap:
         _output_file(args.heatmap, "--heatmap")
+    if args.heatmap is not None:
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            raise UsageError("--heatmap needs matplotlib (pip install matplotlib)") from None
     _at_least(args.threads, 0, "--threads", " (0: torch's default)")
     _at_least(args.acceptance_tokens, 2, "--acceptance-tokens", " (the first token comes from prefill)")
     for option in ("num_prompts", "profile_rounds", "repeats"):

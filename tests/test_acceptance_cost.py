@@ -117,9 +117,9 @@ def test_profile_interpolates_and_extrapolates_in_batch_size():
     assert profile.predict(2, 1, 4) == pytest.approx(spec1 + 3 / 7 * (spec8 - spec1))
 
 
-def profiled_config(alpha, initial_index=0) -> AdaptiveSpecConfig:
+def profiled_config(alpha, initial_index=0, candidates=None) -> AdaptiveSpecConfig:
     profile = CostProfile.fit(4, {1: 0.008, 8: 0.03}, synthetic_times(4, 0.0, 0))
-    candidates = [[0, 0], [1, 1], [3, 1], [2, 2], [5, 1]]
+    candidates = candidates or [[0, 0], [1, 1], [3, 1], [2, 2], [5, 1]]
     bucket = {"min_batch": 1, "max_batch": None, "candidates": candidates, "initial_index": initial_index}
     bucket.update(theta_up=0.9, theta_down=0.1)
     return AdaptiveSpecConfig.parse(
@@ -134,18 +134,25 @@ def profiled_config(alpha, initial_index=0) -> AdaptiveSpecConfig:
 
 
 def test_goodput_with_a_profile_starts_at_the_best_predicted_plan_without_exploring():
+    from looped_spec.control.goodput import TRIAL_WITHIN
+
     config = profiled_config([0.9, 0.95, 0.99, 1.0])
     ctl = AdaptiveController(config, 4)  # the default policy: goodput
     assert ctl.policy_name == "goodput"
     profile = CostProfile(4, **config.cost.model_dump())
+    options = [(0, 0), (1, 1), (3, 1), (2, 2), (5, 1)]
     for batch in (1, 8):
         ctl = AdaptiveController(config, 4)
-        options = [(0, 0), (1, 1), (3, 1), (2, 2), (5, 1)]
-        best = max(
-            options, key=lambda o: markov_tokens(0.9 if o[1] == 1 else 0.95, 0, o[0]) / profile.predict(*o, batch)
-        )
-        plans = [ctl.plan(batch) for _ in range(20)]
-        assert {(p.k, p.d) for p in plans} == {best}, batch
+
+        def rate(o, batch=batch):
+            return markov_tokens(0.9 if o[1] == 1 else 0.95, 0, o[0]) / profile.predict(*o, batch)
+
+        best = max(options, key=rate)
+        plans = [(p.k, p.d) for p in (ctl.plan(batch) for _ in range(40))]
+        assert plans[0] == best, batch
+        # no exploration: other plans only as cost trials of options predicted within TRIAL_WITHIN of the best
+        assert all(rate(p) >= TRIAL_WITHIN * rate(best) for p in plans), batch
+        assert any(rate(o) < TRIAL_WITHIN * rate(best) for o in options)  # ... which some options are not
 
 
 def test_goodput_switches_off_when_acceptance_collapses():
@@ -177,3 +184,57 @@ def test_ema_timing_never_compares_different_batch_sizes():
         ctl.observe(RoundFeedback(plan.plan_id, plan.k, plan.d, plan.bucket, plan.candidate, 8, [plan.k] * 8,
                                   [1] * 8 if plan.k == 1 else [1] * 8, 0.01))  # fmt: skip
     assert ctl.plan(8).k > 0  # acceptance 0.5-1.0 keeps it on; the B=1 plain timing never switched it off
+
+
+def test_goodput_measured_cost_corrects_a_wrong_profile_at_the_same_batch_size():
+    """The profile under-prices speculation: once its rounds are measured dearer, the policy goes back to plain."""
+    from looped_spec.control.goodput import CORRECTION_MIN_ROUNDS
+
+    config = profiled_config([0.05, 0.05, 0.05, 1.0], candidates=[[0, 0], [2, 1]])  # prior: do not speculate
+    profile = CostProfile(4, **config.cost.model_dump())
+    ctl = AdaptiveController(config, 4, measure_depths=False)
+    batch = 8
+
+    def feed(plan, seconds, depth_matches=()):
+        trials = [plan.k + 1] * 4 if depth_matches else []
+        accepted = [plan.k] * batch  # every draft accepted
+        fb = RoundFeedback(plan.plan_id, plan.k, plan.d, plan.bucket, plan.candidate, batch, [plan.k] * batch, accepted,
+                           seconds, depth_matches=list(depth_matches), depth_trials=trials)  # fmt: skip
+        ctl.observe(fb)
+
+    for _ in range(CORRECTION_MIN_ROUNDS):  # plain rounds, timed as the profile predicts
+        plan = ctl.plan(batch)
+        assert plan.k == 0
+        feed(plan, profile.predict(0, 0, batch))
+    for _ in range(200):  # counterfactual readouts: the text is easy at every depth
+        plan = ctl.plan(batch)
+        if plan.k:
+            break
+        feed(plan, 0.0, depth_matches=[plan.k + 1] * 4)
+    spec = (plan.k, plan.d)
+    assert plan.k > 0  # switched, or put on a cost trial (predicted within TRIAL_WITHIN of plain)
+    gain = 1.0  # the measured cost below is 3x the profile's: far slower than plain whatever the acceptance
+    feed(plan, profile.predict(*spec, batch) * gain * 3.0)  # really 3x dearer than predicted: slower than plain
+    ks = []
+    for _ in range(CORRECTION_MIN_ROUNDS + 12):
+        plan = ctl.plan(batch)
+        ks.append(plan.k)
+        feed(plan, profile.predict(plan.k, plan.d, batch) * (gain * 3.0 if plan.k else 1.0))
+    assert ks[: CORRECTION_MIN_ROUNDS - 1] == [spec[0]] * (CORRECTION_MIN_ROUNDS - 1)  # not before enough rounds
+    assert ks[-4:] == [0] * 4  # then plain again
+    assert ctl.policy.cost_factors(plan.bucket)[spec] == pytest.approx(gain * 3.0)
+
+
+def test_sampled_plain_rounds_report_the_real_full_depth_agreement():
+    """Depth D's entry counts greedy full-depth agreement with the committed token; sampling often disagrees."""
+    from conftest import load
+
+    engine = LoopedSpecEngine(load("ouro"), speculation=SpeculativeConfig(k=0, measure_depths=True))
+    seen = []
+    observe = engine.controller.observe
+    engine.controller.observe = lambda fb: (seen.append(fb), observe(fb))
+    params = SamplingParams(max_tokens=30, temperature=1.5, seed=3, ignore_eos=True)
+    engine.generate([[105, 116, 158, 23, 27, 211, 69]], params)
+    matches = sum(fb.depth_matches[-1] for fb in seen)
+    trials = sum(fb.depth_trials[-1] for fb in seen)
+    assert trials == 29 and matches < trials // 2  # a random-weight model sampled at T=1.5 rarely hits its argmax

@@ -90,7 +90,7 @@ def test_explores_every_option_first():
 
 
 def simulate(policy: str, phases, seed: int = 7, timed: bool = True):
-    ctl = AdaptiveController(sim_config(), 4, policy=policy)
+    ctl = AdaptiveController(sim_config(), 4, policy=policy, measure_every=1)  # learn acceptance every round
     sim = SyntheticWorkload(4, ALPHA, seed=seed, timed=timed, **COSTS)
     options = [tuple(c) for c in CANDIDATES]
     report = []

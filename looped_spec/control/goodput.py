@@ -11,8 +11,16 @@ list has no K=0 candidate) it predicts, at the round's actual batch size B,
   depth_trials`, all depths at once, measured in a fraction of the rounds, plain rounds included), starting
   from the preset's offline α_d as a prior worth `prior_trials` positions, and the preset's persistence ρ_d.
 - T, the cost side, is a property of the hardware: the preset's measured `CostProfile` when it has one.
-  Then no exploration is needed: every option is predicted from the start, the first plan is already the
-  best predicted one, and timing noise never moves the choice. Without a profile (e.g. the generic
+  Then no exploration is needed: every option is predicted from the start and the first plan is already
+  the best predicted one. Online timing refines the profile only where it is robust: once an option has
+  run `CORRECTION_MIN_ROUNDS` full-shape rounds (no counterfactual readouts, every request drafting K),
+  its predicted round time is scaled by the median of measured ÷ predicted over its last
+  `CORRECTION_WINDOW` such rounds — a ratio at the round's own batch size, so timings of different batch
+  sizes are never compared, and per bucket; options not run yet are scaled like plain decoding (the
+  fallback, so the reference of how fast this machine runs now against the profile), or by the median of
+  the known factors before plain has run. An option never measured in a bucket whose corrected prediction
+  reaches `TRIAL_WITHIN` of the best gets one trial of `CORRECTION_MIN_ROUNDS` + 2 rounds, so a plan
+  the profile over-prices is found as well as one it under-prices is left. Without a profile (e.g. the generic
   preset) T is a `RoundCostModel` fitted online per bucket from measured phase times, which needs each
   option to be tried: each bucket first runs every option `explore_rounds` times round-robin and re-runs
   the others once every `reexplore_every` rounds.
@@ -25,7 +33,9 @@ to beat the current one by more than `hysteresis` (relative), checked every `int
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import statistics
+from collections import deque
+from dataclasses import dataclass, field
 
 from looped_spec.control.acceptance import markov_tokens
 from looped_spec.control.buckets import CompiledBucket, DisableSettings
@@ -99,6 +109,7 @@ class DepthAcceptance:
 class GoodputState:
     """One bucket of the goodput policy."""
 
+    index: int  # bucket index
     options: list[tuple[int, int, int]]  # [O] (k, d, preset candidate index or -1 for Phase 2 plain)
     current: int  # option index in use; -1 until the first decision (profiled presets)
     queue: list[int]  # options still to explore (popped from the end)
@@ -108,6 +119,18 @@ class GoodputState:
     next_reexplore: int = 0
     switches: int = 0
     predicted: list[float] | None = None  # [O] tokens/s at the last decision
+    trial: int = -1  # option run for its cost to be measured (profiled presets), -1: none
+    trial_left: int = 0  # rounds of the trial still to run
+    tried: set[int] = field(default_factory=set)  # options whose cost trial has run
+
+
+#: Full-shape rounds an option must have run before its measured cost corrects the profile's prediction.
+CORRECTION_MIN_ROUNDS = 8
+#: Rounds per option whose measured ÷ predicted cost ratios are kept (the median of these scales T).
+CORRECTION_WINDOW = 32
+#: An option whose cost was never measured but whose predicted tokens/s is at least this fraction of the best
+#: gets one trial of CORRECTION_MIN_ROUNDS + 2 rounds, so a plan the profile over-prices is found too.
+TRIAL_WITHIN = 0.75
 
 
 class GoodputPolicy(Policy):
@@ -128,7 +151,7 @@ class GoodputPolicy(Policy):
         hysteresis: float = 0.03,
         reexplore_every: int = 256,
         acceptance_memory: float = 400.0,
-        prior_trials: float = 64.0,
+        prior_trials: float = 16.0,
         cost_decay: float = 0.995,
         prior_alpha: float = 0.5,
     ) -> None:
@@ -145,18 +168,19 @@ class GoodputPolicy(Policy):
             CostProfile(full_depth, cost.batch_sizes, cost.plain_seconds, cost.coefficients) if cost else None
         )
         self.reexplore_every = 0 if self.profile is not None else reexplore_every
+        self.cost_ratios: dict[tuple[int, int, int], deque[float]] = {}  # (bucket, k, d) -> measured / profile
         self.states: list[GoodputState] = []
         for b in buckets:
             options = [(k, d, j) for j, (k, d) in enumerate(zip(b.ks, b.ds))]
             if disable.enabled and not b.has_plain:
                 options.insert(0, (0, 0, -1))
             if self.profile is not None:  # predicted from the start: no exploration, first plan = best predicted
-                st = GoodputState(options, -1, [], None)
+                st = GoodputState(len(self.states), options, -1, [], None)
             else:
                 current = next(o for o, opt in enumerate(options) if opt[2] == b.initial_index)
                 queue = list(range(len(options))) * explore_rounds
                 queue.reverse()
-                st = GoodputState(options, current, queue, RoundCostModel(full_depth, cost_decay))
+                st = GoodputState(len(self.states), options, current, queue, RoundCostModel(full_depth, cost_decay))
                 st.next_reexplore = reexplore_every
             self.states.append(st)
 
@@ -166,6 +190,9 @@ class GoodputPolicy(Policy):
         st.rounds += 1
         if st.queue:
             return st.options[st.queue.pop()]
+        if st.trial_left > 0:
+            st.trial_left -= 1
+            return st.options[st.trial]
         if st.rounds >= st.next_decision:
             st.next_decision = st.rounds + self.buckets[bucket].interval
             self._decide(st, max(batch_size, 1))
@@ -187,6 +214,23 @@ class GoodputPolicy(Policy):
             self.last_event = f"switch to k={k} d={d} ({rates[best]:.4g} tok/s vs {rates[st.current]:.4g})"
             st.current = best
             st.switches += 1
+        if st.cost is None:
+            self._maybe_trial(st, rates)
+
+    def _maybe_trial(self, st: GoodputState, rates: list[float]) -> None:
+        """Run the most promising option whose cost was never measured here, if it is near the best."""
+        measured = self.cost_factors(st.index)
+        top = max(rates)
+        for o in sorted(range(len(rates)), key=rates.__getitem__, reverse=True):
+            k, d, _ = st.options[o]
+            if rates[o] < TRIAL_WITHIN * top:
+                return
+            if o == st.current or o in st.tried or (k, d if k else 0) in measured:
+                continue
+            st.tried.add(o)
+            st.trial, st.trial_left = o, CORRECTION_MIN_ROUNDS + 2
+            self.last_event = f"cost trial of k={k} d={d} ({rates[o]:.4g} tok/s predicted vs best {top:.4g})"
+            return
 
     def tokens(self, k: int, d: int) -> float:
         """Expected committed tokens per request per round of (K, d) under the current acceptance estimate."""
@@ -195,22 +239,56 @@ class GoodputPolicy(Policy):
         alpha = self.acceptance.alpha(d)
         return markov_tokens(self.prior_alpha if alpha is None else alpha, self.rho[d - 1], k)
 
+    def cost_factors(self, bucket: int) -> dict[tuple[int, int], float]:
+        """Median measured ÷ profile round time of every option of `bucket` with enough full-shape rounds."""
+        return {
+            (k, d): statistics.median(ratios)
+            for (b, k, d), ratios in self.cost_ratios.items()
+            if b == bucket and len(ratios) >= CORRECTION_MIN_ROUNDS
+        }
+
     def rates(self, st: GoodputState, batch_size: int) -> list[float]:
         """Predicted committed tokens/s of every option of a bucket at `batch_size`."""
         out = []
+        if st.cost is None:
+            assert self.profile is not None
+            factors = self.cost_factors(st.index)
+            default = factors.get((0, 0), statistics.median(factors.values()) if factors else 1.0)
+            for k, d, _ in st.options:
+                seconds = self.profile.predict(k, d, batch_size) * factors.get((k, d), default)
+                out.append(batch_size * self.tokens(k, d) / seconds)
+            return out
         for k, d, _ in st.options:
-            seconds = self.profile.predict(k, d, batch_size) if st.cost is None else st.cost.predict(k, d, batch_size)
-            out.append(batch_size * self.tokens(k, d) / seconds)
+            out.append(batch_size * self.tokens(k, d) / st.cost.predict(k, d, batch_size))
         return out
 
     def observe(self, fb: RoundFeedback) -> None:
         self.last_event = None
         self.acceptance.observe(fb)
+        if self.profile is not None:
+            self._observe_cost(fb)
         if 0 <= fb.bucket < len(self.states):
             cost = self.states[fb.bucket].cost
             if cost is not None:
                 k = fb.k if sum(fb.num_proposed) else 0  # nothing drafted: the round ran as plain decoding
                 cost.observe(k, fb.d, fb.batch_size, fb.draft_time, fb.verify_time, fb.commit_time)
+
+    def _observe_cost(self, fb: RoundFeedback) -> None:
+        """Keep measured ÷ predicted round time of full-shape rounds without counterfactual readouts."""
+        assert self.profile is not None
+        seconds = fb.draft_time + fb.verify_time + fb.commit_time
+        if fb.depth_trials or seconds <= 0.0 or fb.batch_size <= 0:
+            return
+        k = fb.k if all(p == fb.k for p in fb.num_proposed) else -1
+        if k < 0:
+            return  # some requests drafted fewer tokens (near max_tokens): not the plan's shape
+        if not 0 <= fb.bucket < len(self.states):
+            return
+        key = (fb.bucket, k, fb.d if k else 0)
+        ratios = self.cost_ratios.get(key)
+        if ratios is None:
+            ratios = self.cost_ratios[key] = deque(maxlen=CORRECTION_WINDOW)
+        ratios.append(seconds / self.profile.predict(k, key[2], fb.batch_size))
 
     def describe(self) -> list[dict]:
         out = []
@@ -229,6 +307,7 @@ class GoodputPolicy(Policy):
                     "predicted_tokens_per_s": st.predicted,
                     "alpha": [self.acceptance.alpha(j) for j in range(1, self.full_depth + 1)],
                     "cost": "profile" if st.cost is None else "online",
+                    "cost_factors": {f"{k},{d}": round(v, 3) for (k, d), v in self.cost_factors(st.index).items()},
                 }
             )
         return out

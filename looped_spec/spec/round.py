@@ -99,7 +99,9 @@ class SpeculativeRound:
         matches: list[int] = []
         trials: list[int] = []
         if depth_preds is not None:  # how often each shallower depth would have drafted the committed token
-            matches = (depth_preds == sampled[None]).sum(dim=1).tolist() + [len(requests)]
+            # depth D: the greedy full-depth readout, which a sampled request's committed token need not be
+            full = (logits.argmax(-1) == sampled).sum()
+            matches = torch.cat([(depth_preds == sampled[None]).sum(dim=1), full[None]]).tolist()
             trials = [len(requests)] * full_depth
         committed = [[t] for t in sampled.tolist()]
         return RoundResult(
