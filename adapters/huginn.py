@@ -44,7 +44,10 @@ def reference_freqs_cis(config: dict) -> torch.Tensor:
 @register_adapter
 class HuginnAdapter(ModelAdapter):
     """Options: `initial_state` = "random" (default; reference distribution, keyed by request seed and
-    token position) or "zeros"; `num_steps` overrides `mean_recurrence` as the full depth D."""
+    token position) or "zeros"; `num_steps` overrides `mean_recurrence` as the full depth D;
+    `exit_criterion` = "kl" (default; the Huginn authors' zero-shot adaptive compute: KL divergence of
+    successive steps' next-token distributions below `exit_threshold`, 5e-4 in their paper) or "latent"
+    (relative latent change ||x_s - x_{s-1}|| / ||x_s|| below the threshold)."""
 
     model_type = "huginn_raven"
     readout_uses_kv = True
@@ -69,9 +72,15 @@ class HuginnAdapter(ModelAdapter):
         if not isinstance(steps, int) or steps < 1:
             raise ValueError(f"adapter option num_steps={steps!r} must be a positive integer")
         self._full_depth = steps
-        unknown = set(self.options) - {"initial_state", "num_steps"}
+        criterion = self.options.get("exit_criterion", "kl")
+        if criterion not in ("kl", "latent"):
+            raise ValueError(f"adapter option exit_criterion={criterion!r}: use 'kl' or 'latent'")
+        self.exit_criterion = criterion
+        unknown = set(self.options) - {"initial_state", "num_steps", "exit_criterion"}
         if unknown:
-            raise ValueError(f"unknown Huginn adapter option(s) {sorted(unknown)}; known: initial_state, num_steps")
+            raise ValueError(
+                f"unknown Huginn adapter option(s) {sorted(unknown)}; known: initial_state, num_steps, exit_criterion"
+            )
         if "lm_head.weight" not in self.weights:
             self.weights["lm_head.weight"] = self.weights["transformer.wte.weight"]
         group = (
@@ -165,7 +174,9 @@ class HuginnAdapter(ModelAdapter):
     def kv_layout(self) -> KVLayout:
         loop_planes = self.full_depth * self.num_core
         token_planes = self.num_prelude + self.num_coda
-        return KVLayout(loop_planes + token_planes, self.num_kv_heads, self.head_dim, loop_planes, token_planes)
+        return KVLayout(
+            loop_planes + token_planes, self.num_kv_heads, self.head_dim, loop_planes, token_planes, self.num_prelude
+        )
 
     @property
     def max_positions(self) -> int:
@@ -246,3 +257,20 @@ class HuginnAdapter(ModelAdapter):
             return None
         x, prev = state[:, : self.hidden].float(), prev_state[:, : self.hidden].float()
         return (x - prev).norm(dim=-1) / x.norm(dim=-1).clamp_min(1e-12)
+
+    # ----- early exit: convergence between successive steps -----
+    has_exit_rule = True
+    #: the Huginn paper's KL threshold; a request opts in with SamplingParams(exit_threshold=...)
+    PAPER_KL_THRESHOLD = 5e-4
+
+    def exit_carry(self, num_rows: int) -> torch.Tensor | None:
+        return None  # "kl": the previous step's log-probabilities [num_rows, V], from step 1 on
+
+    def exit_rule(self, state, depth, prev_state, carry, threshold, ctx):
+        if self.exit_criterion == "latent":
+            return self.exit_signal(state, depth, prev_state) < threshold, carry
+        log_probs = torch.log_softmax(self.readout(state, depth, ctx), dim=-1)  # [n, V] fp32
+        if carry is None:  # step 1: nothing to compare with yet
+            return torch.zeros(state.shape[0], dtype=torch.bool, device=state.device), log_probs
+        kl = (log_probs.exp() * (log_probs - carry)).sum(-1)  # KL(p_s || p_{s-1}), as the reference's kl_div
+        return kl < threshold, log_probs

@@ -164,12 +164,8 @@ class OuroAdapter(LlamaStyleLooped):
         check_llama_style(config)
         int_field(config, "total_ut_steps", 4)
         threshold = float_field(config, "early_exit_threshold", 1.0, positive=False)
-        if threshold < 1.0:  # until early exit is implemented, generation always runs all total_ut_steps loops
-            logger.warning(
-                "ouro config early_exit_threshold=%s is ignored: looped-spec runs all %s loops for every token",
-                threshold,
-                config.get("total_ut_steps", 4),
-            )
+        if not 0.0 < threshold:
+            raise ValueError(f"early_exit_threshold={threshold} must be > 0")
 
     @property
     def full_depth(self) -> int:
@@ -192,6 +188,31 @@ class OuroAdapter(LlamaStyleLooped):
         """Gate logit g_s [num_tokens] (fp32); `exit_pdf` turns the D gate logits into exit probabilities."""
         gate = F.linear(state, self.weights["model.early_exit_gate.weight"], self.weights["model.early_exit_gate.bias"])
         return gate.float().squeeze(-1)
+
+    # ----- early exit: the first step whose cumulative exit probability reaches tau -----
+    has_exit_rule = True
+
+    @property
+    def default_exit_threshold(self) -> float | None:
+        return float_field(self.config, "early_exit_threshold", 1.0, positive=False)
+
+    def exit_rule_can_fire(self, threshold: float) -> bool:
+        # tau >= 1 means step D: the cumulative probability before D is 1 - prod(1 - lambda) < 1 unless a gate
+        # saturates to exactly 1.0 in fp32 (logit >= 16.75), an artefact looped-spec does not reproduce
+        return threshold < 1.0
+
+    def exit_carry(self, num_rows: int) -> torch.Tensor:
+        # [num_rows, 2]: (probability of not having exited yet, cumulative exit probability)
+        carry = torch.zeros(num_rows, 2, device=self.device)
+        carry[:, 0] = 1.0
+        return carry
+
+    def exit_rule(self, state, depth, prev_state, carry, threshold, ctx):
+        lam = torch.sigmoid(self.exit_signal(state, depth))  # [n] exit probability at this step
+        survive, cdf = carry[:, 0], carry[:, 1]
+        cdf = cdf + lam * survive  # the same sums, in the same order, as cumsum(exit_pdf)
+        survive = survive * (1 - lam)
+        return cdf >= threshold, torch.stack([survive, cdf], dim=-1)
 
     @staticmethod
     def exit_pdf(gate_logits: torch.Tensor) -> torch.Tensor:

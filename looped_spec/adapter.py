@@ -43,6 +43,7 @@ class KVLayout:
     head_dim: int
     num_loop_planes: int  # planes written once per loop iteration
     num_token_planes: int  # planes written once per token (e.g. Huginn prelude/coda)
+    first_loop_plane: int = 0  # loop planes are contiguous, loop after loop, from this plane on
 
 
 class ModelAdapter(ABC):
@@ -151,6 +152,44 @@ class ModelAdapter(ABC):
     def exit_signal(self, state: torch.Tensor, depth: int, prev_state: torch.Tensor | None = None):
         """Family exit signal after `depth` loops ([num_tokens] fp32), or None when the family has none."""
         return None
+
+    # ----- early exit (docs/architecture.md, "Early exit") -----
+    #: True when the family has an exit rule driven by `exit_threshold` (Ouro's gate, Huginn's convergence).
+    has_exit_rule: ClassVar[bool] = False
+
+    @property
+    def default_exit_threshold(self) -> float | None:
+        """The threshold a request gets when it sets none (Ouro: config early_exit_threshold); None = no rule."""
+        return None
+
+    def exit_rule_can_fire(self, threshold: float) -> bool:
+        """False when `threshold` never exits before D (then the plain full-depth path is used)."""
+        return True
+
+    def exit_carry(self, num_rows: int) -> torch.Tensor | None:
+        """What the exit rule carries from loop to loop, one row per token ([num_rows, ...]), or None."""
+        return None
+
+    def exit_rule(
+        self,
+        state: torch.Tensor,
+        depth: int,
+        prev_state: torch.Tensor,
+        carry: torch.Tensor | None,
+        threshold: torch.Tensor,
+        ctx,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """After loop `depth` (< D): which tokens exit ([num_rows] bool, per-row `threshold` [num_rows]) and
+        the new carry. `prev_state` is the state before the loop. A rule that reads out writes the readout's
+        KV (Huginn's coda); the runner reads out again at the exit depth last, so that write wins."""
+        raise NotImplementedError(f"{self.model_type} has no exit rule; use exit_at_step")
+
+    def loop_planes(self, loop_index: int) -> range:
+        """KV planes written by loop `loop_index` (0-based)."""
+        layout = self.kv_layout
+        per_loop = layout.num_loop_planes // self.full_depth
+        start = layout.first_loop_plane + loop_index * per_loop
+        return range(start, start + per_loop)
 
     # ----- reference path -----
     @torch.no_grad()

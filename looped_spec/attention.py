@@ -88,15 +88,21 @@ class PagedContext:
     contiguous_from: int | None = None  # one request whose blocks are consecutive from this slot: read in place
     seeds_per_token: list[tuple[int, int]] | None = None
     memo: dict = field(default_factory=dict)
+    # tokens whose k/v this pass writes (None = all): early exit's skip mode keeps an exited token's
+    # cached (copied) KV in deeper loop planes while the other tokens of the pass go on
+    write_index: torch.Tensor | None = None
 
     def attention(self, plane: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         num_planes, num_slots, kv_heads, head_dim = self.key_cache.shape
         plane_index = plane if self.plane_shift is None else self.plane_shift + plane  # int or [1] tensor
         keys_flat = self.key_cache.view(num_planes * num_slots, kv_heads, head_dim)
         values_flat = self.value_cache.view(num_planes * num_slots, kv_heads, head_dim)
-        write_slots = self.slot_mapping + plane_index * num_slots
-        keys_flat.index_copy_(0, write_slots, k.to(keys_flat.dtype))
-        values_flat.index_copy_(0, write_slots, v.to(values_flat.dtype))
+        slots, k_new, v_new = self.slot_mapping, k, v
+        if self.write_index is not None:  # the other tokens keep their cached KV in this plane
+            slots, k_new, v_new = slots[self.write_index], k[self.write_index], v[self.write_index]
+        write_slots = slots + plane_index * num_slots
+        keys_flat.index_copy_(0, write_slots, k_new.to(keys_flat.dtype))
+        values_flat.index_copy_(0, write_slots, v_new.to(values_flat.dtype))
         if self.kernel is not None:
             return self.kernel.attend(q, self.key_cache, self.value_cache, plane, self.plane_shift)
         keys, values = self.gather(plane_index)

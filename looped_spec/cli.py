@@ -18,7 +18,7 @@ def _engine_options(args: argparse.Namespace) -> dict:
 
     return dict(dtype=args.dtype, device=args.device, speculation=args.speculation, preset=args.preset,
                 policy=args.policy, seed=args.seed, trace_path=args.trace, max_batch_size=args.max_batch_size,
-                max_model_len=args.max_model_len,
+                max_model_len=args.max_model_len, early_exit=getattr(args, "early_exit", "skip"),
                 adapter_options=parse_adapter_options(args.adapter_option) or None)  # fmt: skip
 
 
@@ -85,10 +85,13 @@ def _generate(args: argparse.Namespace) -> int:
     _at_least(args.threads, 0, "--threads", " (0: torch's default)")
     _set_threads(args.threads)
     prompts = _read_prompts(args)
-    engine = LoopedSpecEngine(args.model, **_engine_options(args))
+    if args.speculation is None:  # early exit runs with plain decoding only (for now)
+        exits = args.exit_threshold is not None or args.exit_at_step is not None
+        args.speculation = "off" if exits else "adaptive"
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
-                            top_p=args.top_p, seed=args.seed, ignore_eos=args.ignore_eos,
-                            stop=args.stop or [])  # fmt: skip
+                            top_p=args.top_p, seed=args.seed, ignore_eos=args.ignore_eos, stop=args.stop or [],
+                            exit_threshold=args.exit_threshold, exit_at_step=args.exit_at_step)  # fmt: skip
+    engine = LoopedSpecEngine(args.model, **_engine_options(args))
     try:
         if args.stream:
             outputs, elapsed = _stream(engine, prompts, params), None
@@ -139,6 +142,12 @@ def _print_stats(engine, args: argparse.Namespace, outputs: list) -> None:
          f"{stats.num_accepted_tokens}/{stats.num_draft_tokens} ({100 * stats.acceptance_rate:.1f}%)"),
         ("plans used (K,d: rounds)", ", ".join(f"{k}: {v}" for k, v in sorted(stats.plan_histogram.items()))),
     ]  # fmt: skip
+    if stats.exit_depth_histogram:
+        histogram = ", ".join(f"{d}: {n}" for d, n in sorted(stats.exit_depth_histogram.items()))
+        rows += [
+            (f"exit depths ({args.early_exit}; depth: tokens)", histogram),
+            ("loops per token (saved)", f"{stats.mean_loops_per_token:.2f} ({stats.num_exit_loops_saved})"),
+        ]
     width = max(len(k) for k, _ in rows)
     print("\n" + "-" * (width + 40))
     for key, value in rows:
@@ -259,8 +268,11 @@ def _tune(args: argparse.Namespace) -> int:
     return 0
 
 
-def _add_engine_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--speculation", default="adaptive", help="off | adaptive | K,d (draft K tokens with d loops)")
+def _add_engine_flags(p: argparse.ArgumentParser, speculation: str | None = "adaptive") -> None:
+    spec_help = "off | adaptive | K,d (draft K tokens with d loops)"
+    if speculation is None:
+        spec_help += "; default: adaptive, off with --exit-threshold/--exit-at-step"
+    p.add_argument("--speculation", default=speculation, help=spec_help)
     p.add_argument("--policy", default="goodput", choices=["goodput", "ema"], help="adaptive speculation policy")
     p.add_argument("--preset", default=None, help="preset file (default: matched by model name)")
     p.add_argument("--seed", type=int, default=0, help="engine seed (and the per-request seed of generate)")
@@ -305,6 +317,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass")
     gen.add_argument("--stop", action="append", help="stop string (repeatable; cut from the output)")
     gen.add_argument("--ignore-eos", action="store_true", help="keep generating past the eos token")
+    gen.add_argument("--exit-threshold", type=float, default=None, help="early exit: the family rule's threshold")
+    gen.add_argument("--exit-at-step", type=int, default=None, help="early exit: fixed loop depth per token")
+    gen.add_argument("--early-exit", default="skip", choices=["skip", "select"], help="how early exit runs")
     gen.add_argument("--batch-size", type=int, default=1, help="run the prompt(s) this many times together")
     gen.add_argument("--stream", action="store_true", help="print tokens as they come (prompts one after another)")
     gen.add_argument(
@@ -312,7 +327,7 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="also run the prompts with speculation off and print the wall-time ratio",
     )
-    _add_engine_flags(gen)
+    _add_engine_flags(gen, speculation=None)  # early exit runs with plain decoding only (for now)
     gen.set_defaults(func=_generate)
     srv = sub.add_parser(
         "serve",

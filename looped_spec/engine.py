@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 from looped_spec.adapter import ModelAdapter, load_adapter
-from looped_spec.control.controller import DEFAULT_POLICY
+from looped_spec.control.controller import DEFAULT_POLICY, FixedController
 from looped_spec.control.factory import make_controller, plan_shapes
 from looped_spec.cuda_graph import CudaGraphRunner, batch_buckets
 from looped_spec.detokenizer import IncrementalDetokenizer
@@ -35,7 +35,11 @@ class LoopedSpecEngine:
     """Serve a looped model with continuous batching and (adaptive) self-speculative decoding.
 
     `model` is a checkpoint folder, a shipped model name, or a ModelAdapter. `speculation` is
-    "off", "adaptive", a `SpeculativeConfig(k, d)`, or a "K,d" string.
+    "off", "adaptive", a `SpeculativeConfig(k, d)`, or a "K,d" string. `early_exit` is how tokens that
+    exit early (SamplingParams exit_threshold / exit_at_step, Ouro's config early_exit_threshold) run:
+    "skip" (loops after the exit are not computed; their KV planes hold the exit loop's KV) or "select"
+    (every loop runs and is cached; only the readout depth follows the exit). Early exit is plain decoding
+    only for now: with speculation on, requests asking for it are rejected.
     """
 
     #: a request whose step fails this many times in a row while it runs alone finishes with "error"
@@ -61,6 +65,7 @@ class LoopedSpecEngine:
         max_num_batched_tokens: int = 1024,
         cuda_graphs: bool | str | None = None,
         draft_override=None,
+        early_exit: str = "skip",
     ) -> None:
         check_engine_args(
             model=model,
@@ -78,6 +83,7 @@ class LoopedSpecEngine:
             kv_cache_memory_gb=kv_cache_memory_gb,
             max_num_batched_tokens=max_num_batched_tokens,
             cuda_graphs=cuda_graphs,
+            early_exit=early_exit,
         )
         if isinstance(model, ModelAdapter):
             if adapter_options:
@@ -92,6 +98,9 @@ class LoopedSpecEngine:
         self.controller = make_controller(
             speculation, self.adapter, preset=preset, policy=policy, trace_path=trace_path
         )
+        self.speculation = speculation
+        self.speculates = not (isinstance(self.controller, FixedController) and self.controller.k == 0)
+        self._check_default_exit()
         self.max_batch_size = max_batch_size
         self.kv = KVCache(
             self.adapter.kv_layout,
@@ -102,6 +111,7 @@ class LoopedSpecEngine:
         )
         self.scheduler = Scheduler(self.kv, max_batch_size, max_num_batched_tokens)
         self.runner = ModelRunner(self.adapter, self.kv)
+        self.runner.exit_mode = early_exit
         self._setup_graphs(cuda_graphs)
         self.spec_round = SpeculativeRound(self.runner, draft_override)
         self.tokenizer = load_tokenizer(self.adapter.path)
@@ -113,6 +123,41 @@ class LoopedSpecEngine:
         self._reports: dict[str, Request] = {}  # outputs owed to the caller (advanced, finished, aborted)
         self._suspects: list[Request] = []  # requests of a failed step, to be run one at a time
         self._failed_alone: dict[str, int] = {}  # suspect id -> consecutive failures running alone
+
+    def _check_default_exit(self) -> None:
+        """A checkpoint whose own early exit would fire (Ouro early_exit_threshold < 1) cannot run speculatively
+        yet: refuse rather than silently decode at full depth."""
+        default = self.adapter.default_exit_threshold
+        if self.speculates and default is not None and self.adapter.exit_rule_can_fire(default):
+            raise ValueError(
+                f"the model's early_exit_threshold={default} (early exit) with speculation={self.speculation!r} "
+                "is not supported: early exit runs with plain decoding only; pass speculation='off'"
+            )
+
+    def _resolve_exit(self, params: SamplingParams) -> tuple[float | None, int | None]:
+        """(exit_threshold, exit_at_step) a request runs with; None = no rule / up to D. Errors name the field."""
+        adapter, depth = self.adapter, self.adapter.full_depth
+        if (params.exit_threshold is not None or params.exit_at_step is not None) and self.speculates:
+            field = "exit_threshold" if params.exit_threshold is not None else "exit_at_step"
+            raise ValueError(
+                f"{field}={getattr(params, field)} (early exit) with speculation={self.speculation!r} is not "
+                "supported: early exit runs with plain decoding only; create the engine with speculation='off'"
+            )
+        if params.exit_at_step is not None:
+            if params.exit_at_step > depth:
+                raise ValueError(f"exit_at_step={params.exit_at_step} exceeds the model's {depth} loops")
+            return None, params.exit_at_step if params.exit_at_step < depth else None
+        threshold = params.exit_threshold
+        if threshold is not None and not adapter.has_exit_rule:
+            raise ValueError(
+                f"exit_threshold={threshold}: {adapter.model_type} has no exit signal; "
+                "use exit_at_step for a fixed depth"
+            )
+        if threshold is None and not self.speculates:
+            threshold = adapter.default_exit_threshold
+        if threshold is not None and not adapter.exit_rule_can_fire(threshold):
+            threshold = None
+        return threshold, None
 
     def _num_blocks(self, block_size: int, num_kv_blocks: int | None, memory_gb: float | None) -> int:
         per_request = (self.max_model_len + 64 + block_size - 1) // block_size + 1
@@ -187,13 +232,16 @@ class LoopedSpecEngine:
             raise ValueError(f"request_id {request_id!r} is already in use")
         if params.stop and self.tokenizer is None:
             raise ValueError("stop strings need the model's tokenizer files; use stop_token_ids instead")
+        exit_threshold, exit_at_step = self._resolve_exit(params)
         seed = params.seed if params.seed is not None else self._rng.randrange(2**31)
         detokenizer = IncrementalDetokenizer(self.tokenizer, params.stop) if self.tokenizer is not None else None
         prompt_text = prompt if isinstance(prompt, str) else None
-        return Request(
+        request = Request(
             request_id, next(self._arrivals), ids, params, seed, self.adapter.eos_token_ids, self.max_model_len,
             detokenizer, prompt_text,
         )  # fmt: skip
+        request.exit_threshold, request.exit_at_step = exit_threshold, exit_at_step
+        return request
 
     def _queue(self, request: Request) -> None:
         self._requests[request.request_id] = request
@@ -235,9 +283,10 @@ class LoopedSpecEngine:
             return
         if batch.is_prefill:
             t0 = time.perf_counter()
-            tokens = self._transaction(suspect, batch.requests, lambda: self._run_prefill(batch))
-            if tokens is not None:
-                self._commit(batch.requests, tokens, chunk_lens=batch.chunk_lens)
+            done = self._transaction(suspect, batch.requests, lambda: self._run_prefill(batch))
+            if done is not None:
+                tokens, exit_depths = done
+                self._commit(batch.requests, tokens, chunk_lens=batch.chunk_lens, exit_depths=exit_depths)
                 self.stats.num_prefill_steps += 1
                 self.stats.num_prompt_tokens += sum(batch.chunk_lens)
                 self.stats.phase_seconds["prefill"] += time.perf_counter() - t0
@@ -303,22 +352,25 @@ class LoopedSpecEngine:
         self.stats.num_requests_finished += 1
         self._reports[request.request_id] = request
 
-    def _run_prefill(self, batch: ScheduledBatch) -> list[list[int]]:
-        """Prompt chunks at full depth; the first generated token of each request whose prompt completes."""
+    def _run_prefill(self, batch: ScheduledBatch) -> tuple[list[list[int]], list[int | None]]:
+        """Prompt chunks at full depth; the first generated token of each request whose prompt completes
+        (read out at its exit depth under early exit, which is also returned)."""
         requests, chunk_lens = batch.requests, batch.chunk_lens
-        logits = self.runner.prefill(requests, chunk_lens)
+        logits, exit_depths = self.runner.prefill_with_depths(requests, chunk_lens)
         ends = [i for i, (r, n) in enumerate(zip(requests, chunk_lens)) if r.num_computed + n == r.num_tokens]
         tokens: list[list[int]] = [[] for _ in requests]
         if ends:
             rows = SamplingRows.build([requests[i] for i in ends], self.adapter.device)
             for i, token in zip(ends, sample(logits[ends], rows).tolist()):
                 tokens[i] = [token]
-        return tokens
+        return tokens, exit_depths
 
     def _finish_round(self, requests: list[Request], k: list[int], plan: SpeculationPlan, result: RoundResult) -> None:
         """Commit a decode round, then tell the controller (feedback goes out only after the commit)."""
         t0 = time.perf_counter()
-        self._commit(requests, result.committed, num_proposed=k, num_accepted=result.num_accepted)
+        self._commit(
+            requests, result.committed, num_proposed=k, num_accepted=result.num_accepted, exit_depths=result.exit_depths
+        )
         t1 = time.perf_counter()
         stats = self.stats
         if max(k) == 0:
@@ -355,6 +407,12 @@ class LoopedSpecEngine:
     def _commit(self, requests: list[Request], tokens: list[list[int]], **counts: Any) -> None:
         """Hand the step's results to the scheduler's postprocess; from here on the outputs are owed."""
         appended = self.scheduler.postprocess(requests, tokens, **counts)
+        exit_depths = counts.get("exit_depths")
+        if exit_depths is not None:
+            # a first token is read out from the prompt's last position, whose loops all ran (prompts: full depth)
+            skipped = self.runner.exit_mode == "skip" and "chunk_lens" not in counts
+            depths = [d for d, n in zip(exit_depths, appended) if d is not None and n]
+            self.stats.count_exits(depths, self.adapter.full_depth, skipped=skipped)
         for request, n in zip(requests, appended):
             if n or request.finished:
                 self._reports[request.request_id] = request

@@ -32,6 +32,7 @@ class EngineArgs(BaseModel):
     kv_cache_memory_gb: float | None
     max_num_batched_tokens: StrictInt = Field(ge=1)
     cuda_graphs: StrictBool | Literal["emulate"] | None
+    early_exit: Literal["skip", "select"]
 
     @field_validator("model")
     @classmethod

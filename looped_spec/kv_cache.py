@@ -71,6 +71,14 @@ class KVCache:
     def free(self, table: list[int]) -> None:
         self.truncate(table, 0)
 
+    def copy_planes(self, src_planes: range, dst_planes: range, slots: torch.Tensor) -> None:
+        """Keys/values of `slots` in `src_planes` copied into `dst_planes` (same length, plane by plane)."""
+        src = torch.tensor(list(src_planes), device=self.key_cache.device)[:, None]
+        dst = torch.tensor(list(dst_planes), device=self.key_cache.device)[:, None]
+        slots = slots[None, :]
+        self.key_cache[dst, slots] = self.key_cache[src, slots]
+        self.value_cache[dst, slots] = self.value_cache[src, slots]
+
     def reserve_scratch_block(self) -> int:
         """The block padding rows write to and read from; never handed to a request."""
         return self.scratch_block

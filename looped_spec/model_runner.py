@@ -8,6 +8,7 @@ import torch
 
 from looped_spec.adapter import ModelAdapter
 from looped_spec.attention import PagedContext, build_paged_context
+from looped_spec.early_exit import ExitMode, decode_with_exit, prefill_with_exit
 from looped_spec.kv_cache import KVCache
 from looped_spec.paged_kernel import MAX_KERNEL_QUERY, kernel_available
 from looped_spec.request import Request
@@ -63,6 +64,7 @@ class ModelRunner:
         self.readout_writes_kv = adapter.readout_uses_kv
         self.eager = EagerStepRunner(self)
         self.graphs: StepRunner | None = None  # a CudaGraphRunner, when the engine enables graphs
+        self.exit_mode: ExitMode = "skip"  # how requests that exit early are run (early_exit.py)
         # the paged kernel reads each token's own keys in place (decode, draft, verify); prefill keeps SDPA
         self.paged_kernel = kernel_available(self.device, kv_cache.layout.head_dim)
 
@@ -124,6 +126,16 @@ class ModelRunner:
     @torch.inference_mode()
     def prefill(self, requests: list[Request], chunk_lens: list[int]) -> torch.Tensor:
         """Compute KV for each request's next chunk at full depth; logits [num_reqs, V] at each chunk's end."""
+        return self.prefill_with_depths(requests, chunk_lens)[0]
+
+    def prefill_with_depths(self, requests: list[Request], chunk_lens: list[int]) -> tuple[torch.Tensor, list]:
+        """`prefill`, plus the exit depth of each completed request's last token (None: no early exit)."""
+        if any(r.exits_early or r.exit_depths for r in requests):
+            return prefill_with_exit(self, requests, chunk_lens, self.exit_mode)
+        return self._prefill_full_depth(requests, chunk_lens), [None] * len(requests)
+
+    @torch.inference_mode()
+    def _prefill_full_depth(self, requests: list[Request], chunk_lens: list[int]) -> torch.Tensor:
         tokens: list[int] = []
         context_lens = []
         for request, n in zip(requests, chunk_lens):
@@ -135,6 +147,12 @@ class ModelRunner:
         if self.readout_writes_kv:
             return self.readout(state, self.full_depth, ctx)[last]
         return self.readout(state[last], self.full_depth, ctx)
+
+    def decode_with_depths(self, requests: list[Request]) -> tuple[torch.Tensor, list[int] | None]:
+        """Plain decode; with requests that exit early, also each request's exit depth (else None)."""
+        if any(r.exits_early for r in requests):
+            return decode_with_exit(self, requests, self.exit_mode)
+        return self.decode(requests), None
 
     @torch.inference_mode()
     def decode(self, requests: list[Request], depth_preds: torch.Tensor | None = None) -> torch.Tensor:

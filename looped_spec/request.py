@@ -25,6 +25,13 @@ class RequestMetrics:
     num_draft_tokens: int = 0  # proposed
     num_accepted_tokens: int = 0
     num_preemptions: int = 0
+    exit_depth_histogram: dict[int, int] = field(default_factory=dict)  # readout depth -> generated tokens
+
+    @property
+    def mean_exit_depth(self) -> float:
+        """Mean loop depth the generated tokens were read out at (early exit; D without it)."""
+        total = sum(self.exit_depth_histogram.values())
+        return sum(d * n for d, n in self.exit_depth_histogram.items()) / total if total else 0.0
 
     @property
     def acceptance_rate(self) -> float:
@@ -98,6 +105,18 @@ class Request:
         self.num_emitted = 0  # output tokens already reported by step()
         self.prompt_text = prompt_text
         self.detokenizer = detokenizer  # None without a tokenizer; checks `params.stop` strings
+        # early exit (the engine resolves them against the model): the rule's threshold, None when no rule
+        # can fire, and a fixed depth, None for "up to D"
+        self.exit_threshold: float | None = None
+        self.exit_at_step: int | None = None
+        # exit depth of each token's own forward from the last prompt token on (position num_prompt_tokens - 1
+        # + i): in skip mode a generated token's deeper loop planes hold its exit loop's KV, and a readout that
+        # writes KV (Huginn's coda) wrote it at that depth, so a recompute after preemption redoes exactly that
+        self.exit_depths: list[int] = []
+
+    @property
+    def exits_early(self) -> bool:
+        return self.exit_threshold is not None or self.exit_at_step is not None
 
     @property
     def greedy(self) -> bool:

@@ -28,6 +28,16 @@ class SamplingParams(BaseModel):
     )
     stop_token_ids: list[int] = Field(default_factory=list, description="Tokens that end the request (kept).")
     ignore_eos: bool = Field(False, description="Keep generating past the model's eos token.")
+    exit_threshold: float | None = Field(
+        None,
+        gt=0.0,
+        allow_inf_nan=False,
+        description="Early-exit threshold of the family's rule (Ouro: cumulative exit probability tau; Huginn: "
+        "convergence, e.g. KL 5e-4). None = the model's default (Ouro: config early_exit_threshold).",
+    )
+    exit_at_step: int | None = Field(
+        None, ge=1, le=1 << 16, description="Fixed loop depth for every token of this request (any family)."
+    )
     stop: list[str] = Field(
         default_factory=list, description="Strings that end the request, checked on the decoded text (cut off)."
     )
@@ -47,6 +57,15 @@ class SamplingParams(BaseModel):
             if token < 0:
                 raise ValueError(f"stop_token_ids[{i}] = {token} is negative")
         return ids
+
+    @model_validator(mode="after")
+    def _one_exit_rule(self) -> SamplingParams:
+        if self.exit_threshold is not None and self.exit_at_step is not None:
+            raise ValueError(
+                f"exit_threshold={self.exit_threshold} and exit_at_step={self.exit_at_step}: set at most one "
+                "(a threshold lets each token choose its depth, exit_at_step fixes it)"
+            )
+        return self
 
     @property
     def greedy(self) -> bool:

@@ -131,13 +131,15 @@ class Scheduler:
         chunk_lens: list[int] | None = None,
         num_proposed: list[int] | None = None,
         num_accepted: list[int] | None = None,
+        exit_depths: list[int | None] | None = None,
     ) -> list[int]:
         """The one place a step changes request state, once everything it computed is known.
 
         `tokens[i]` are request i's tokens to commit (empty for a prompt chunk that does not end the
         prompt: its KV now covers `chunk_lens[i]` more tokens). Tokens are appended up to a stop token or
         limit; KV then covers every committed token but the last, blocks past it are released, and a
-        finished request gives back all its blocks. Returns how many tokens each request appended.
+        finished request gives back all its blocks. `exit_depths[i]` (early exit) is the depth request i's
+        last token exited at in this step. Returns how many tokens each request appended.
         """
         appended: list[int] = []
         for i, (request, new) in enumerate(zip(requests, tokens)):
@@ -149,6 +151,8 @@ class Scheduler:
                 request.num_computed += chunk_lens[i] if chunk_lens is not None else 0
                 appended.append(0)
                 continue
+            if exit_depths is not None and exit_depths[i] is not None:
+                record_exit_depth(request, exit_depths[i])
             count = 0
             for token in new:
                 count += 1
@@ -177,3 +181,14 @@ class Scheduler:
     def release_unused(self, request: Request) -> None:
         """After a commit: give back blocks past the computed length (rejected draft positions)."""
         self.kv.truncate(request.block_table, request.num_computed + 1)
+
+
+def record_exit_depth(request: Request, depth: int) -> None:
+    """The step's last token (the last committed one) was read out at `depth`; kept for recompute."""
+    histogram = request.metrics.exit_depth_histogram
+    histogram[depth] = histogram.get(depth, 0) + 1
+    index = request.num_tokens - request.num_prompt_tokens  # position num_tokens - 1, from the last prompt token on
+    if index == len(request.exit_depths):
+        request.exit_depths.append(depth)
+    elif 0 <= index < len(request.exit_depths):  # recomputed after preemption: the same depth again
+        request.exit_depths[index] = depth

@@ -40,6 +40,23 @@ class EngineStats:
     batch_size_histogram: Counter = field(default_factory=Counter)  # decode round batch size -> rounds
     plan_histogram: Counter = field(default_factory=Counter)  # "K,d" -> rounds
     phase_seconds: dict[str, float] = field(default_factory=lambda: dict.fromkeys(PHASES, 0.0))
+    # early exit: generated tokens per readout depth, and the loops their own forwards ran / skipped
+    exit_depth_histogram: Counter = field(default_factory=Counter)
+    num_exit_loops_run: int = 0
+    num_exit_loops_saved: int = 0  # skip mode only: select runs every loop
+
+    def count_exits(self, depths: list[int], full_depth: int, skipped: bool) -> None:
+        for depth in depths:
+            self.exit_depth_histogram[depth] += 1
+            run = depth if skipped else full_depth
+            self.num_exit_loops_run += run
+            self.num_exit_loops_saved += full_depth - run
+
+    @property
+    def mean_loops_per_token(self) -> float:
+        """Loops run per token read out by the early-exit path (0 when none was)."""
+        total = sum(self.exit_depth_histogram.values())
+        return self.num_exit_loops_run / total if total else 0.0
 
     @property
     def acceptance_rate(self) -> float:
@@ -71,6 +88,9 @@ class EngineStats:
             "batch_size_histogram": dict(sorted(self.batch_size_histogram.items())),
             "plan_histogram": dict(sorted(self.plan_histogram.items())),
             "phase_seconds": dict(self.phase_seconds),
+            "exit_depth_histogram": dict(sorted(self.exit_depth_histogram.items())),
+            "mean_loops_per_token": self.mean_loops_per_token,
+            "num_exit_loops_saved": self.num_exit_loops_saved,
         }
 
     def to_prometheus(self, model_name: str = "") -> str:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import logging
 import shutil
 
 import pytest
@@ -242,14 +241,19 @@ def test_item11_shipped_huginn_carries_the_original_freqs_cis_buffer():
     )
 
 
-# ----- 12. accepted-but-ignored options say so -----
-def test_item12_ouro_early_exit_threshold_below_one_warns(tmp_path, caplog):
+# ----- 12. accepted options are acted on, or refused -----
+def test_item12_ouro_early_exit_threshold_below_one_is_used_or_refused(tmp_path):
+    """Issue 13: the checkpoint's early_exit_threshold is the default exit rule of plain decoding; with
+    speculation (not yet combined with early exit) it is an error naming both settings, never ignored."""
     folder = copy_model(tmp_path, fixture_dir("ouro"))
-    edit_config(folder, early_exit_threshold=0.5)
-    with caplog.at_level(logging.WARNING, logger="looped_spec"):
+    edit_config(folder, early_exit_threshold=0.3)
+    adapter = load_adapter(folder, device="cpu")
+    assert adapter.default_exit_threshold == 0.3
+    with pytest.raises(ValueError, match="early_exit_threshold=0.3.*speculation"):
+        LoopedSpecEngine(adapter, speculation="2,1")
+    engine = LoopedSpecEngine(adapter, speculation="off")
+    out = engine.generate([[5, 6, 7]], SamplingParams(max_tokens=6, ignore_eos=True))[0]
+    assert min(out.metrics.exit_depth_histogram) < adapter.full_depth
+    edit_config(folder, early_exit_threshold=0.0)
+    with pytest.raises(CheckpointError, match="early_exit_threshold"):
         load_adapter(folder, device="cpu")
-    assert any("early_exit_threshold=0.5" in r.getMessage() for r in caplog.records)
-    caplog.clear()
-    with caplog.at_level(logging.WARNING, logger="looped_spec"):
-        load_adapter(fixture_dir("ouro"), device="cpu")  # the published 1.0 is what looped-spec does
-    assert not caplog.records

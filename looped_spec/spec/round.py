@@ -30,6 +30,7 @@ class RoundResult:
     accept_time: float
     depth_matches: list[int] = field(default_factory=list)  # per depth 1..D
     depth_trials: list[int] = field(default_factory=list)
+    exit_depths: list[int] | None = None  # plain rounds with early exit: each request's readout depth
 
 
 class SpeculativeRound:
@@ -87,9 +88,13 @@ class SpeculativeRound:
         t0 = time.perf_counter()
         full_depth = self.runner.full_depth
         depth_preds = None
-        if measure_depths and full_depth > 1:
+        exit_depths = None
+        # counterfactual depths are measured on full-depth rounds only (under early exit the depth is the rule's)
+        if measure_depths and full_depth > 1 and not any(r.exits_early for r in requests):
             depth_preds = torch.empty(full_depth - 1, len(requests), dtype=torch.long, device=self.runner.device)
-        logits = self.runner.decode(requests, depth_preds)
+            logits = self.runner.decode(requests, depth_preds)
+        else:
+            logits, exit_depths = self.runner.decode_with_depths(requests)
         sampled = sample(logits, SamplingRows.build(requests, self.runner.device))
         matches: list[int] = []
         trials: list[int] = []
@@ -99,7 +104,9 @@ class SpeculativeRound:
             matches = torch.cat([(depth_preds == sampled[None]).sum(dim=1), full[None]]).tolist()
             trials = [len(requests)] * full_depth
         committed = [[t] for t in sampled.tolist()]
-        return RoundResult(committed, [0] * len(requests), 0.0, time.perf_counter() - t0, 0.0, matches, trials)
+        return RoundResult(
+            committed, [0] * len(requests), 0.0, time.perf_counter() - t0, 0.0, matches, trials, exit_depths
+        )
 
     def _depth_agreement(self, draft, verification, committed_grid, num_accepted, d):
         """Greedy agreement of each depth's readout with the committed token, on committed positions."""

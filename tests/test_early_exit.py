@@ -1,0 +1,384 @@
+"""Early exit in plain decoding (issue 13): `select` against the fixtures' exit_pdf, `skip` and `select`
+against an independent token-by-token reference that keeps its own KV store and fills skipped loops' KV
+by the documented rule."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import FAMILIES, load, reference, reference_tensors
+
+from looped_spec import LoopedSpecEngine, SamplingParams
+
+TAUS = [0.3, 0.5, 0.7, 0.9]
+
+
+# ----- teacher forcing through the engine's own paths -----
+def forced_readouts(engine: LoopedSpecEngine, prompt: list[int], start: int, params: SamplingParams):
+    """Feed `prompt` through the engine from `prompt[:start]` on, replacing each sampled token by the
+    prompt's next one. Returns [(exit depth, logits [V])] for positions start-1 .. len(prompt)-1."""
+    records = []
+    runner = engine.runner
+    prefill, decode = runner.prefill_with_depths, runner.decode_with_depths
+
+    def record_prefill(requests, chunk_lens):
+        logits, depths = prefill(requests, chunk_lens)
+        records.append((depths[0], logits[0].clone()))
+        return logits, depths
+
+    def record_decode(requests):
+        logits, depths = decode(requests)
+        records.append((depths[0] if depths is not None else engine.adapter.full_depth, logits[0].clone()))
+        return logits, depths
+
+    runner.prefill_with_depths, runner.decode_with_depths = record_prefill, record_decode
+    request_id = engine.add_request(prompt[:start], params.model_copy(update={"max_tokens": 64, "ignore_eos": True}))
+    request = engine._requests[request_id]
+    for position in range(start, len(prompt) + 1):
+        engine.step()
+        if position < len(prompt):
+            request.token_ids[-1] = prompt[position]  # teacher forcing: the fixture's token, not the sampled one
+    engine.abort(request_id)
+    engine.step()
+    return records
+
+
+def expected_ouro_depth(pdf_row: torch.Tensor, tau: float) -> int:
+    cdf = torch.cumsum(pdf_row.double(), 0)
+    hits = (cdf >= tau).nonzero()
+    return int(hits[0]) + 1 if len(hits) else len(pdf_row)
+
+
+@pytest.mark.parametrize("tau", TAUS)
+def test_select_mode_reads_out_at_the_fixture_exit_pdf_depth(tau):
+    adapter, ref, tensors = load("ouro"), reference("ouro"), reference_tensors("ouro")
+    engine = LoopedSpecEngine(adapter, speculation="off", early_exit="select")
+    depths_seen = set()
+    for i, prompt in enumerate(ref["prompts"]):
+        pdf = tensors[f"exit_pdf.p{i}"]
+        cdf = torch.cumsum(pdf.double(), -1)[:, :-1]
+        assert (cdf - tau).abs().min() > 1e-4, "tau too close to a stored cumulative probability to be decisive"
+        records = forced_readouts(engine, prompt, 1, SamplingParams(exit_threshold=tau))
+        assert len(records) == len(prompt)
+        for t, (depth, logits) in enumerate(records):
+            want = expected_ouro_depth(pdf[t], tau)
+            assert depth == want, (i, t)
+            ref_logits = tensors[f"logits.p{i}.depth{want}"][t]
+            assert (logits - ref_logits).abs().max() <= 1e-4 * ref_logits.abs().max()
+            depths_seen.add(depth)
+    assert engine.num_free_blocks == engine.kv.num_blocks
+    if tau <= 0.5:
+        assert min(depths_seen) < adapter.full_depth  # the sweep really exits early
+
+
+@pytest.mark.parametrize("mode", ["skip", "select"])
+def test_tau_one_is_todays_output(mode):
+    adapter, ref, tensors = load("ouro"), reference("ouro"), reference_tensors("ouro")
+    for i in range(len(ref["prompts"])):  # no stored gate reaches cumulative probability 1 before D
+        assert torch.cumsum(tensors[f"exit_pdf.p{i}"].double(), -1)[:, :-1].max() < 1.0
+    engine = LoopedSpecEngine(adapter, speculation="off", early_exit=mode)
+    for g in ref["greedy"]:
+        prompt = ref["prompts"][g["prompt_index"]]
+        for params in (
+            SamplingParams(max_tokens=len(g["tokens"]), ignore_eos=True),
+            SamplingParams(max_tokens=len(g["tokens"]), ignore_eos=True, exit_threshold=1.0),
+        ):
+            assert engine.generate([prompt], params)[0].token_ids == g["tokens"]
+
+
+# ----- the independent reference: one token at a time, its own KV store -----
+class TokenContext:
+    """Attention of one token over a plain per-plane store {plane: {position: (k, v)}} (last write wins)."""
+
+    def __init__(self, store: dict, position: int, seed: int) -> None:
+        self.store, self.position, self.seed = store, position, seed
+        self.positions = torch.tensor([position])
+        self.memo: dict = {}
+        self.touched: list[int] = []
+
+    def attention(self, plane, q, k, v):
+        self.store.setdefault(plane, {})[self.position] = (k[0].clone(), v[0].clone())
+        self.touched.append(plane)
+        entries = [self.store[plane][p] for p in range(self.position + 1)]
+        keys = torch.stack([e[0] for e in entries]).float()  # [T, KVH, hd]
+        values = torch.stack([e[1] for e in entries]).float()
+        group = q.shape[1] // keys.shape[1]
+        keys, values = keys.repeat_interleave(group, 1), values.repeat_interleave(group, 1)  # [T, H, hd]
+        scores = torch.einsum("hd,thd->ht", q[0].float(), keys) / q.shape[-1] ** 0.5
+        out = torch.einsum("ht,thd->hd", scores.softmax(-1), values)
+        return out[None].to(q.dtype)
+
+    def token_seeds(self):
+        return [(self.seed, self.position)]
+
+
+def reference_exit(adapter, family, states, initial, ctx, params) -> int:
+    """First depth at which the family's rule (or exit_at_step) says stop, computed here from scratch."""
+    depth = adapter.full_depth
+    if params.exit_at_step is not None:
+        return params.exit_at_step
+    if params.exit_threshold is None:
+        return depth
+    if family == "ouro":
+        gates = torch.stack([adapter.exit_signal(s, d + 1) for d, s in enumerate(states)], -1)[0]
+        return expected_ouro_depth(adapter.exit_pdf(gates), params.exit_threshold)
+    if getattr(adapter, "exit_criterion", "kl") == "latent":  # huginn: relative change of the latent x
+        hidden = adapter.state_dim // 2
+        for d in range(1, depth):
+            x, prev = states[d - 1][0, :hidden], (states[d - 2] if d > 1 else initial)[0, :hidden]
+            if (x - prev).norm() / x.norm() < params.exit_threshold:
+                return d
+        return depth
+    prev_logp = None
+    for d, s in enumerate(states[:-1]):  # huginn, KL criterion
+        logp = F.log_softmax(adapter.readout(s, d + 1, ctx), -1)
+        if prev_logp is not None:
+            kl = F.kl_div(prev_logp, logp, reduction="sum", log_target=True)  # KL(p_s || p_{s-1})
+            if kl < params.exit_threshold:
+                return d + 1
+        prev_logp = logp
+    return depth
+
+
+@torch.no_grad()
+def reference_generate(adapter, family, prompt, max_tokens, params, mode, seed):
+    """Greedy tokens, logits and exit depths of early-exit decoding, token by token, without the engine."""
+    depth = adapter.full_depth
+    store: dict = {}
+    loop_planes: dict[int, list[int]] = {}
+    seq = list(prompt)
+    tokens, all_logits, depths = [], [], []
+    for t in range(len(prompt) - 1 + max_tokens):
+        ctx = TokenContext(store, t, seed)
+        state = initial = adapter.embed(torch.tensor([seq[t]]), ctx)
+        states = []
+        generated = t >= len(prompt)
+        for i in range(depth):
+            ctx.touched = []
+            state = adapter.loop(state, i, ctx)
+            loop_planes.setdefault(i, list(ctx.touched))
+            states.append(state)
+        if t < len(prompt) - 1:  # prompt: full depth (Huginn's coda KV from the full-depth readout)
+            adapter.readout(states[-1], depth, ctx)
+            continue
+        exit_depth = reference_exit(adapter, family, states, initial, ctx, params)
+        if mode == "skip" and generated:  # the loops after the exit: never run, their planes hold the exit KV
+            for i in range(exit_depth, depth):
+                for src, dst in zip(loop_planes[exit_depth - 1], loop_planes[i]):
+                    store[dst][t] = store[src][t]
+        logits = adapter.readout(states[exit_depth - 1], exit_depth, ctx)[0]
+        token = int(logits.argmax())
+        tokens.append(token)
+        all_logits.append(logits)
+        depths.append(exit_depth)
+        seq.append(token)
+    return tokens, all_logits, depths
+
+
+def engine_generate(engine, prompt, params):
+    """Greedy tokens, per-token logits and exit depths from the engine (prefill + plain decode rounds)."""
+    logits_seen, depths_seen = [], []
+    runner = engine.runner
+    prefill, decode = runner.prefill_with_depths, runner.decode_with_depths
+
+    def record_prefill(requests, chunk_lens):
+        logits, depths = prefill(requests, chunk_lens)
+        logits_seen.append(logits[0].clone())
+        depths_seen.append(depths[0] or engine.adapter.full_depth)
+        return logits, depths
+
+    def record_decode(requests):
+        logits, depths = decode(requests)
+        logits_seen.append(logits[0].clone())
+        depths_seen.append(depths[0] if depths else engine.adapter.full_depth)
+        return logits, depths
+
+    runner.prefill_with_depths, runner.decode_with_depths = record_prefill, record_decode
+    out = engine.generate([prompt], params)[0]
+    runner.prefill_with_depths, runner.decode_with_depths = prefill, decode
+    return out, logits_seen, depths_seen
+
+
+def exit_params(family: str) -> list[SamplingParams]:
+    """Thresholds that exit at mixed depths on the fixtures, plus fixed depths."""
+    depth = load(family).full_depth
+    fixed = [SamplingParams(exit_at_step=k) for k in sorted({1, max(1, depth // 2)})]
+    if family == "ouro":
+        return [SamplingParams(exit_threshold=t) for t in (0.3, 0.6, 0.9)] + fixed
+    if family == "huginn":
+        return [SamplingParams(exit_threshold=t) for t in (1e-3, 3e-2, 0.3)] + fixed
+    return fixed
+
+
+@pytest.mark.parametrize("mode", ["skip", "select"])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_early_exit_matches_token_by_token_reference(family, mode):
+    adapter, ref = load(family), reference(family)
+    engine = LoopedSpecEngine(adapter, speculation="off", early_exit=mode)
+    max_tokens = 10
+    all_depths = set()
+    for params in exit_params(family):
+        params = params.model_copy(update={"max_tokens": max_tokens, "ignore_eos": True, "seed": 7})
+        for prompt in ref["prompts"]:
+            out, logits, depths = engine_generate(engine, prompt, params)
+            want_tokens, want_logits, want_depths = reference_generate(
+                adapter, family, prompt, max_tokens, params, mode, seed=7
+            )
+            assert depths == want_depths, params
+            assert out.token_ids == want_tokens, params
+            for got, want in zip(logits, want_logits):
+                assert (got - want).abs().max() <= 1e-4 * (1 + want.abs().max()), params
+            all_depths.update(depths)
+    assert engine.num_free_blocks == engine.kv.num_blocks
+    assert min(all_depths) < adapter.full_depth  # tokens did exit early
+
+
+@pytest.mark.parametrize("mode", ["skip", "select"])
+def test_huginn_latent_criterion_matches_reference(mode):
+    from conftest import fixture_dir
+
+    from looped_spec import load_adapter
+
+    adapter = load_adapter(fixture_dir("huginn"), device="cpu", initial_state="zeros", exit_criterion="latent")
+    engine = LoopedSpecEngine(adapter, speculation="off", early_exit=mode)
+    depths_seen = set()
+    for threshold in (0.05, 0.2, 0.5):
+        params = SamplingParams(max_tokens=8, ignore_eos=True, exit_threshold=threshold)
+        for prompt in reference("huginn")["prompts"]:
+            out, logits, depths = engine_generate(engine, prompt, params)
+            want_tokens, want_logits, want_depths = reference_generate(adapter, "huginn", prompt, 8, params, mode, 0)
+            assert (depths, out.token_ids) == (want_depths, want_tokens)
+            for got, want in zip(logits, want_logits):
+                assert (got - want).abs().max() <= 1e-4 * (1 + want.abs().max())
+            depths_seen.update(depths)
+    assert len(depths_seen) > 1  # mixed depths
+
+
+# ----- batches, preemption and the API -----
+def mixed_params(family: str) -> list[SamplingParams]:
+    """Requests with different rules side by side (and one without early exit)."""
+    depth = load(family).full_depth
+    fixed = [SamplingParams(exit_at_step=1), SamplingParams()]
+    rule = {"ouro": [0.4, 0.8], "huginn": [3e-2, 0.3]}.get(family, [])
+    rules = [SamplingParams(exit_threshold=t) for t in rule] or [SamplingParams(exit_at_step=max(1, depth - 1))]
+    return [p.model_copy(update={"max_tokens": 9, "ignore_eos": True, "seed": 3}) for p in fixed + rules]
+
+
+def record_logits(engine) -> dict[str, list[torch.Tensor]]:
+    """Logits each request's tokens were drawn from, in order, by request id (prefill and decode)."""
+    seen: dict[str, list[torch.Tensor]] = {}
+    runner = engine.runner
+    prefill, decode = runner.prefill_with_depths, runner.decode_with_depths
+
+    def record_prefill(requests, chunk_lens):
+        logits, depths = prefill(requests, chunk_lens)
+        for i, (r, n) in enumerate(zip(requests, chunk_lens)):
+            if r.num_computed + n == r.num_tokens:
+                seen.setdefault(r.request_id, []).append(logits[i].clone())
+        return logits, depths
+
+    def record_decode(requests):
+        logits, depths = decode(requests)
+        for i, r in enumerate(requests):
+            seen.setdefault(r.request_id, []).append(logits[i].clone())
+        return logits, depths
+
+    runner.prefill_with_depths, runner.decode_with_depths = record_prefill, record_decode
+    return seen
+
+
+@pytest.mark.parametrize("mode", ["skip", "select"])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_batched_and_preempted_equal_alone(family, mode):
+    """Rows leaving a pass early, and a request recomputed after preemption (it redoes its recorded exit
+    depths), give what the request gives alone: the same tokens from the same logits."""
+    adapter, ref = load(family), reference(family)
+    params = mixed_params(family)
+    prompts = [ref["prompts"][i % len(ref["prompts"])] for i in range(len(params))]
+    alone = LoopedSpecEngine(adapter, speculation="off", early_exit=mode)
+    alone_logits = record_logits(alone)
+    want = [alone.generate([p], sp)[0].token_ids for p, sp in zip(prompts, params)]
+    want_logits = [alone_logits[str(i)] for i in range(len(params))]
+    batched = LoopedSpecEngine(adapter, speculation="off", early_exit=mode, max_batch_size=4)
+    assert [o.token_ids for o in batched.generate(prompts, params)] == want
+    # blocks of 4 tokens: the requests (up to 13 + 9 tokens) cannot all stay
+    tight = LoopedSpecEngine(
+        adapter,
+        speculation="off",
+        early_exit=mode,
+        max_batch_size=4,
+        block_size=4,
+        num_kv_blocks=4 * len(params) - 2,
+        max_model_len=22,
+    )
+    tight_logits = record_logits(tight)
+    outs = tight.generate(prompts, params)
+    preempted = [o.metrics.num_preemptions > 0 and len(o.token_ids) for o in outs]
+    assert any(preempted)
+    assert [o.token_ids for o in outs] == want
+    for out, want_row in zip(outs, want_logits):
+        got = tight_logits[out.request_id]
+        assert len(got) == len(want_row)
+        for a, b in zip(got, want_row):
+            assert (a - b).abs().max() <= 1e-4 * (1 + b.abs().max())
+    assert tight.num_free_blocks == tight.kv.num_blocks
+
+
+def test_exit_parameters_are_validated_naming_the_field():
+    from pydantic import ValidationError
+
+    for bad in ({"exit_threshold": 0.0}, {"exit_threshold": float("nan")}, {"exit_at_step": 0}):
+        with pytest.raises(ValidationError, match=next(iter(bad))):
+            SamplingParams(**bad)
+    with pytest.raises(ValidationError, match="exit_threshold.*exit_at_step"):
+        SamplingParams(exit_threshold=0.5, exit_at_step=2)
+    with pytest.raises(ValueError, match="early_exit"):
+        LoopedSpecEngine(load("ouro"), speculation="off", early_exit="sometimes")
+    engine = LoopedSpecEngine(load("nanbeige"), speculation="off")
+    with pytest.raises(ValueError, match="exit_threshold=0.5: nanbeige has no exit signal"):
+        engine.add_request([1, 2], SamplingParams(exit_threshold=0.5))
+    with pytest.raises(ValueError, match="exit_at_step=3 exceeds the model's 2 loops"):
+        engine.add_request([1, 2], SamplingParams(exit_at_step=3))
+    assert not engine.has_unfinished_requests()
+
+
+@pytest.mark.parametrize("speculation", ["adaptive", "2,1"])
+def test_early_exit_with_speculation_is_refused(speculation):
+    """Speculation is not combined with early exit yet: asking for both is an error naming both."""
+    engine = LoopedSpecEngine(load("ouro"), speculation=speculation)
+    for params in (SamplingParams(exit_threshold=0.5), SamplingParams(exit_at_step=2)):
+        with pytest.raises(ValueError, match=r"exit_(threshold|at_step)=.*speculation="):
+            engine.add_request([1, 2, 3], params)
+    # the published default (tau = 1.0) never exits early, so speculation runs as before
+    assert engine.generate([[1, 2, 3]], SamplingParams(max_tokens=4))[0].finished
+
+
+def test_exit_stats():
+    adapter = load("ouro")
+    engine = LoopedSpecEngine(adapter, speculation="off", early_exit="skip")
+    out = engine.generate([[4, 5, 6]], SamplingParams(max_tokens=8, ignore_eos=True, exit_at_step=2))[0]
+    assert out.metrics.exit_depth_histogram == {2: 8}
+    assert out.metrics.mean_exit_depth == 2.0
+    stats = engine.stats.to_dict()
+    assert stats["exit_depth_histogram"] == {2: 8}
+    # the first token comes from the prompt's last position, which ran every loop; the 7 others ran 2
+    depth = adapter.full_depth
+    assert stats["mean_loops_per_token"] == (depth + 7 * 2) / 8
+    assert stats["num_exit_loops_saved"] == 7 * (depth - 2)
+    select = LoopedSpecEngine(adapter, speculation="off", early_exit="select")
+    select.generate([[4, 5, 6]], SamplingParams(max_tokens=8, ignore_eos=True, exit_at_step=2))
+    assert select.stats.num_exit_loops_saved == 0 and select.stats.mean_loops_per_token == depth
+
+
+def test_cli_generate_exit_flags(capsys):
+    from looped_spec.cli import main
+
+    argv = ["generate", "--model", "tiny-ouro", "--prompt", "def ", "--max-tokens", "6", "--ignore-eos"]
+    assert main([*argv, "--exit-at-step", "2", "--early-exit", "select"]) == 0
+    out = capsys.readouterr().out
+    assert "exit depths (select; depth: tokens)  2: 6" in out and "speculation" in out and " off" in out
+    assert main([*argv, "--exit-at-step", "9"]) == 2
+    assert "exit_at_step=9 exceeds" in capsys.readouterr().err
+    assert main([*argv, "--exit-threshold", "0.5", "--speculation", "2,1"]) == 2
+    assert "speculation" in capsys.readouterr().err
