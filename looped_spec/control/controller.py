@@ -29,7 +29,7 @@ DEFAULT_POLICY = "goodput"
 #: round on the tiny models, so measuring every round would cost more than a wrong plan.
 SPEC_MEASURE_EVERY = 16
 #: ... and one plain (K = 0) round in this many, so acceptance keeps being learned while speculation is off.
-PLAIN_MEASURE_EVERY = 16
+PLAIN_MEASURE_EVERY = 32
 #: A batch stays in its bucket while its size is within this factor of the bucket's range (docs/adaptive.md
 #: "bucket hysteresis"), so a batch hovering at an edge neither flips plans every round nor re-enters buckets.
 BUCKET_STICKINESS = 1.25
