@@ -45,7 +45,9 @@ import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(Path(__file__).parent))
+sys.path.insert(0, str(ROOT / "tests"))  # OracleDraft, the tests' draft override, forces an acceptance rate
 from costmodel_fit import expected_tokens  # noqa: E402
+from oracle import OracleDraft  # noqa: E402
 
 
 def _bind_source_subpackages() -> None:
@@ -68,7 +70,6 @@ _bind_source_subpackages()
 
 from looped_spec import LoopedSpecEngine, SamplingParams, SpeculativeConfig  # noqa: E402
 from looped_spec.adapter import adapter_class  # noqa: E402
-from looped_spec.spec.oracle import OracleDraft  # noqa: E402
 
 REAL_CONFIGS = {
     "ouro-1.4b": {
@@ -251,7 +252,9 @@ def check_model(name: str, config: dict, args, report: dict, deadline: float, sa
     report["models"][name] = entry
 
     def make(spec="off", graphs_mode=graphs, kernel=None, **kw):
-        engine = LoopedSpecEngine(adapter, speculation=spec, cuda_graphs=graphs_mode, **{**engine_kw, **kw})
+        engine = LoopedSpecEngine(adapter, speculation=spec, cuda_graphs=graphs_mode is True, **{**engine_kw, **kw})
+        if graphs_mode == "emulate":  # the graph runner's padded path, run eagerly (the engine's private hook)
+            engine._enable_graphs(capture=False)
         if kernel is not None:
             engine.runner.paged_kernel = kernel
         return engine
@@ -332,9 +335,7 @@ def check_model(name: str, config: dict, args, report: dict, deadline: float, sa
             if batch not in plain_out:
                 continue
             prompts = batch_prompts[batch]
-            engine.spec_round.proposer.draft_override = forced_acceptance(
-                prompts, plain_out[batch], alpha, adapter.vocab_size
-            )
+            forced_acceptance(prompts, plain_out[batch], alpha, adapter.vocab_size).attach(engine)
             seconds, spec_tokens, run = timed_generate(engine, prompts, new, device)
             tps = batch * (new - 1) / seconds
             passes = d * (k + 1) * loop_bytes + (depth - d) * loop_bytes + (k + 2) * head_bytes
@@ -371,9 +372,7 @@ def check_model(name: str, config: dict, args, report: dict, deadline: float, sa
             prompts = prompts_for(batch, adapter.vocab_size, shape["prompt"], seed=100 + i)
             seconds, plain_tokens, _ = timed_generate(plain, prompts, shape["phase_new"], device)
             totals["plain"] += seconds
-            adaptive.spec_round.proposer.draft_override = forced_acceptance(
-                prompts, plain_tokens, alpha, adapter.vocab_size
-            )
+            forced_acceptance(prompts, plain_tokens, alpha, adapter.vocab_size).attach(adaptive)
             seconds, spec_tokens, _ = timed_generate(adaptive, prompts, shape["phase_new"], device)
             totals["adaptive"] += seconds
             tokens += batch * (shape["phase_new"] - 1)

@@ -13,6 +13,7 @@ __version__ = "0.1.0"
 
 _EXPORTS = {
     "CheckpointError": "looped_spec.checkpoint",
+    "EngineConfig": "looped_spec.engine_config",
     "KVLayout": "looped_spec.adapter",
     "LoopedSpecEngine": "looped_spec.engine",
     "AsyncLoopedSpecEngine": "looped_spec.async_engine",
@@ -22,7 +23,7 @@ _EXPORTS = {
     "RoundFeedback": "looped_spec.plan",
     "SamplingParams": "looped_spec.sampling_params",
     "SpeculationPlan": "looped_spec.plan",
-    "SpeculativeConfig": "looped_spec.sampling_params",
+    "SpeculativeConfig": "looped_spec.engine_config",
     "TensorSpec": "looped_spec.checkpoint",
     "load_adapter": "looped_spec.adapter",
     "register_adapter": "looped_spec.adapter",
@@ -31,6 +32,7 @@ _EXPORTS = {
 __all__ = [
     "AsyncLoopedSpecEngine",
     "CheckpointError",
+    "EngineConfig",
     "KVLayout",
     "LoopedSpecEngine",
     "ModelAdapter",
@@ -51,9 +53,10 @@ if TYPE_CHECKING:
     from looped_spec.async_engine import AsyncLoopedSpecEngine
     from looped_spec.checkpoint import CheckpointError, TensorSpec
     from looped_spec.engine import LoopedSpecEngine
+    from looped_spec.engine_config import EngineConfig, SpeculativeConfig
     from looped_spec.plan import RoundFeedback, SpeculationPlan
     from looped_spec.request import RequestMetrics, RequestOutput
-    from looped_spec.sampling_params import SamplingParams, SpeculativeConfig
+    from looped_spec.sampling_params import SamplingParams
 
 
 def __getattr__(name: str):

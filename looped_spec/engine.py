@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import os
 import random
 import time
 from collections.abc import Callable
@@ -12,11 +13,11 @@ from typing import Any
 import torch
 
 from looped_spec.adapter import ModelAdapter, load_adapter
-from looped_spec.control.controller import DEFAULT_POLICY, FixedController
-from looped_spec.control.factory import make_controller, plan_shapes
+from looped_spec.control.controller import FixedController
+from looped_spec.control.factory import make_controller
 from looped_spec.cuda_graph import CudaGraphRunner, batch_buckets
 from looped_spec.detokenizer import IncrementalDetokenizer
-from looped_spec.engine_args import check_engine_args
+from looped_spec.engine_config import EngineConfig
 from looped_spec.inputs import load_tokenizer, normalize_prompts, to_token_ids
 from looped_spec.kv_cache import KVCache
 from looped_spec.model_runner import ModelRunner
@@ -34,89 +35,66 @@ logger = logging.getLogger(__name__)
 class LoopedSpecEngine:
     """Serve a looped model with continuous batching and (adaptive) self-speculative decoding.
 
-    `model` is a checkpoint folder, a shipped model name, or a ModelAdapter. `speculation` is
-    "off", "adaptive", a `SpeculativeConfig(k, d)`, or a "K,d" string. `early_exit` is how tokens that
-    exit early (SamplingParams exit_threshold / exit_at_step, Ouro's config early_exit_threshold) run:
-    "skip" (loops after the exit are not computed; their KV planes hold the exit loop's KV) or "select"
-    (every loop runs and is cached; only the readout depth follows the exit). Early exit is plain decoding
-    only for now: with speculation on, requests asking for it are rejected.
+    `model` is a checkpoint folder, a shipped model name, or a ModelAdapter; every other option is a field
+    of `EngineConfig` (engine_config.py), given as a keyword or as `config=`. `speculation` is "off",
+    "adaptive", a `SpeculativeConfig(k, d)`, or a "K,d" string. `early_exit` is how tokens that exit early
+    (SamplingParams exit_threshold / exit_at_step, Ouro's config early_exit_threshold) run: "skip" (loops
+    after the exit are not computed; their KV planes hold the exit loop's KV) or "select" (every loop runs
+    and is cached; only the readout depth follows the exit). Early exit is plain decoding only for now: with
+    speculation on, requests asking for it are rejected.
     """
 
     #: a request whose step fails this many times in a row while it runs alone finishes with "error"
     FAILURES_TO_BLAME = 2
 
-    def __init__(
-        self,
-        model: str | ModelAdapter,
-        dtype: str | torch.dtype = "auto",
-        device: str = "auto",
-        speculation: Any = "adaptive",
-        max_batch_size: int = 32,
-        max_model_len: int | None = None,
-        adapter_options: dict | None = None,
-        seed: int = 0,
-        *,
-        preset: Any = None,
-        policy: str = DEFAULT_POLICY,
-        trace_path: str | None = None,
-        block_size: int = 16,
-        num_kv_blocks: int | None = None,
-        kv_cache_memory_gb: float | None = None,
-        max_num_batched_tokens: int = 1024,
-        cuda_graphs: bool | str | None = None,
-        draft_override=None,
-        early_exit: str = "skip",
-    ) -> None:
-        check_engine_args(
-            model=model,
-            dtype=dtype,
-            device=device,
-            max_batch_size=max_batch_size,
-            max_model_len=max_model_len,
-            adapter_options=adapter_options,
-            seed=seed,
-            preset=preset,
-            policy=policy,
-            trace_path=trace_path,
-            block_size=block_size,
-            num_kv_blocks=num_kv_blocks,
-            kv_cache_memory_gb=kv_cache_memory_gb,
-            max_num_batched_tokens=max_num_batched_tokens,
-            cuda_graphs=cuda_graphs,
-            early_exit=early_exit,
-        )
+    def __init__(self, model: str | os.PathLike | ModelAdapter, config: EngineConfig | None = None, **options: Any):
+        """`options` are `EngineConfig` fields (they override `config`'s); a wrong one raises ValueError naming it."""
+        if not isinstance(model, (str, os.PathLike, ModelAdapter)):
+            raise ValueError(
+                f"LoopedSpecEngine: model={model!r}: must be a checkpoint folder, a shipped model name or a "
+                f"ModelAdapter, got {type(model).__name__}"
+            )
+        self.config = config = EngineConfig.from_options(config, **options)
         if isinstance(model, ModelAdapter):
-            if adapter_options:
+            if config.adapter_options:
                 raise ValueError("adapter_options apply when loading a checkpoint, not to a ModelAdapter instance")
             self.adapter = model
         else:
-            self.adapter = load_adapter(model, dtype=dtype, device=device, **(adapter_options or {}))
+            self.adapter = load_adapter(
+                model, dtype=config.dtype, device=config.device, **(config.adapter_options or {})
+            )
         limit = self.adapter.max_positions
-        self.max_model_len = max_model_len if max_model_len is not None else limit
+        self.max_model_len = config.max_model_len if config.max_model_len is not None else limit
         if not 2 <= self.max_model_len <= limit:
-            raise ValueError(f"max_model_len={max_model_len} must be in [2, {limit}] (the model's max positions)")
+            raise ValueError(
+                f"max_model_len={config.max_model_len} must be in [2, {limit}] (the model's max positions)"
+            )
         self.controller = make_controller(
-            speculation, self.adapter, preset=preset, policy=policy, trace_path=trace_path
+            config.speculation, self.adapter, preset=config.preset, policy=config.policy, trace_path=config.trace_path
         )
-        self.speculation = speculation
+        self.speculation = config.speculation
         self.speculates = not (isinstance(self.controller, FixedController) and self.controller.k == 0)
         self._check_default_exit()
-        self.max_batch_size = max_batch_size
+        self.max_batch_size = config.max_batch_size
         self.kv = KVCache(
             self.adapter.kv_layout,
-            self._num_blocks(block_size, num_kv_blocks, kv_cache_memory_gb),
-            block_size,
+            self._num_blocks(config.block_size, config.num_kv_blocks, config.kv_cache_memory_gb),
+            config.block_size,
             self.adapter.dtype,
             self.adapter.device,
         )
-        self.scheduler = Scheduler(self.kv, max_batch_size, max_num_batched_tokens)
+        self.scheduler = Scheduler(self.kv, config.max_batch_size, config.max_num_batched_tokens)
         self.runner = ModelRunner(self.adapter, self.kv)
-        self.runner.exit_mode = early_exit
-        self._setup_graphs(cuda_graphs)
-        self.spec_round = SpeculativeRound(self.runner, draft_override)
+        self.runner.exit_mode = config.early_exit
+        on_cuda = self.adapter.device.type == "cuda"
+        if config.cuda_graphs and not on_cuda:
+            raise ValueError("cuda_graphs=True needs a CUDA device")
+        if on_cuda if config.cuda_graphs is None else config.cuda_graphs:
+            self._enable_graphs(capture=True)
+        self.spec_round = SpeculativeRound(self.runner)
         self.tokenizer = load_tokenizer(self.adapter.path)
         self.stats = EngineStats()
-        self._rng = random.Random(seed)
+        self._rng = random.Random(config.seed)
         self._ids = itertools.count()
         self._arrivals = itertools.count()  # admission order, for newest-first preemption
         self._requests: dict[str, Request] = {}  # live requests, and finished ones until their output is returned
@@ -160,7 +138,9 @@ class LoopedSpecEngine:
         return threshold, None
 
     def _num_blocks(self, block_size: int, num_kv_blocks: int | None, memory_gb: float | None) -> int:
-        per_request = (self.max_model_len + 64 + block_size - 1) // block_size + 1
+        # The most blocks one request holds: its KV never covers more than max_model_len tokens (admission needs
+        # room for prompt + 1 < max_model_len, and a round drafts at most the tokens the request may still commit)
+        per_request = (self.max_model_len + block_size - 1) // block_size
         if num_kv_blocks is None:
             per_block = KVCache.bytes_per_block(self.adapter.kv_layout, block_size, self.adapter.dtype)
             if memory_gb is None:
@@ -168,32 +148,23 @@ class LoopedSpecEngine:
                 if self.adapter.device.type == "cuda":
                     memory_gb = 0.5 * torch.cuda.mem_get_info(self.adapter.device)[0] / 2**30
             num_kv_blocks = min(int(memory_gb * 2**30) // per_block, per_request * self.max_batch_size)
-        min_blocks = (self.max_model_len + block_size - 1) // block_size + 1
-        if num_kv_blocks < min_blocks:
+        if num_kv_blocks < per_request:
             raise ValueError(
                 f"KV cache of {num_kv_blocks} blocks cannot hold one request of max_model_len="
-                f"{self.max_model_len} ({min_blocks} blocks); lower max_model_len or give more memory"
+                f"{self.max_model_len} ({per_request} blocks); lower max_model_len or give more memory"
             )
         return num_kv_blocks
 
-    def _setup_graphs(self, cuda_graphs: bool | str | None) -> None:
-        """None = on for CUDA devices. "emulate" runs the padded static-buffer path eagerly (any device)."""
-        on_cuda = self.adapter.device.type == "cuda"
-        if cuda_graphs is None:
-            cuda_graphs = on_cuda
-        if cuda_graphs is False:
-            return
-        if cuda_graphs is True and not on_cuda:
-            raise ValueError("cuda_graphs=True needs a CUDA device; use cuda_graphs='emulate' to test the path on CPU")
-        if cuda_graphs not in (True, "emulate"):
-            raise ValueError(f"cuda_graphs={cuda_graphs!r}: use None, True, False or 'emulate'")
+    def _enable_graphs(self, capture: bool) -> None:
+        """Run the shapes the controller's plans need through the CUDA-graph runner. `capture=False` runs the
+        same padded static-buffer path eagerly, on any device (how the CPU tests cover it)."""
         self.runner.graphs = CudaGraphRunner(
             self.adapter,
             self.kv,
             self.max_model_len,
             batch_buckets(self.max_batch_size),
-            plan_shapes(self.controller),
-            capture=cuda_graphs is True,
+            self.controller.plan_shapes(),
+            capture=capture,
         )
 
     # ----- requests -----

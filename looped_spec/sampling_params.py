@@ -4,6 +4,10 @@ from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+# SpeculativeConfig is engine configuration (looped_spec.engine_config); this name is kept only until
+# looped_spec.tuner imports it from there.
+from looped_spec.engine_config import SpeculativeConfig  # noqa: F401
+
 # Below this a softmax temperature divides logits into overflow (1e-45 gives token 0 everywhere): such a
 # temperature means "greedy", as in vLLM.
 GREEDY_TEMPERATURE = 1e-5
@@ -70,19 +74,3 @@ class SamplingParams(BaseModel):
     @property
     def greedy(self) -> bool:
         return self.temperature < GREEDY_TEMPERATURE
-
-
-class SpeculativeConfig(BaseModel):
-    """A fixed speculation plan: draft `k` tokens with the first `d` loops (k = 0: plain decoding)."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    k: int = Field(2, ge=0, le=64, description="Draft tokens per round.")
-    d: int = Field(1, ge=0, description="Loops used by the draft (1 <= d < full depth; 0 only with k = 0).")
-    measure_depths: bool = Field(False, description="Also read out other depths (counterfactual acceptance).")
-
-    @model_validator(mode="after")
-    def _depth_with_drafts(self) -> SpeculativeConfig:
-        if self.k > 0 and self.d < 1:  # plain decoding is written {"k": 0, "d": 0}, as in the presets
-            raise ValueError(f"d={self.d} must be >= 1 when k={self.k} (d = 0 only means plain decoding, k = 0)")
-        return self

@@ -9,9 +9,8 @@ from types import SimpleNamespace
 import looped_spec.presets
 import pytest
 import torch
-from conftest import FAMILIES, load
+from conftest import FAMILIES, engine_with_graphs, load
 
-from looped_spec import LoopedSpecEngine
 from looped_spec.attention import PagedContext
 from looped_spec.cuda_graph import batch_buckets, context_buckets, graph_keys, pad_to
 
@@ -41,8 +40,8 @@ def fake_request(context: int, block_size: int, offset: int = 0) -> SimpleNamesp
 def test_graph_keys_read_follow_context_from_1_to_max_model_len(family, key_reads):
     """B=1 decode step at every context 1..max_model_len: the graph path reads the context rounded up to its
     bucket (< 2x, never max_model_len for short contexts), the eager path exactly the context; same logits."""
-    engine = LoopedSpecEngine(
-        load(family), speculation="off", max_batch_size=4, max_model_len=MAX_MODEL_LEN, cuda_graphs="emulate"
+    engine = engine_with_graphs(
+        load(family), "emulate", speculation="off", max_batch_size=4, max_model_len=MAX_MODEL_LEN
     )
     runner, bs, depth = engine.runner, engine.kv.block_size, engine.adapter.full_depth
     torch.manual_seed(0)
@@ -72,8 +71,8 @@ def test_graph_keys_read_follow_context_from_1_to_max_model_len(family, key_read
 
 def test_ragged_batch_graph_reads_bounded_by_longest_context(key_reads):
     """A padded batch reads its longest context's bucket per request; the eager path its longest context."""
-    engine = LoopedSpecEngine(
-        load("ouro"), speculation="off", max_batch_size=4, max_model_len=MAX_MODEL_LEN, cuda_graphs="emulate"
+    engine = engine_with_graphs(
+        load("ouro"), "emulate", speculation="off", max_batch_size=4, max_model_len=MAX_MODEL_LEN
     )
     runner, bs = engine.runner, engine.kv.block_size
     torch.manual_seed(1)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import FAMILIES, fixture_dir, load
+from conftest import FAMILIES, engine_with_graphs, fixture_dir, load
 
 from looped_spec import LoopedSpecEngine, SamplingParams, load_adapter
 from looped_spec.cuda_graph import batch_buckets, context_buckets, graph_keys, pad_batch, pad_to
@@ -55,7 +55,7 @@ def test_emulated_graph_path_equals_eager(family, spec):
     """The padded static-buffer path (what graphs replay) gives the eager path's tokens, and frees all KV."""
     eager = LoopedSpecEngine(load(family), speculation=spec, max_batch_size=8)
     expected = [o.token_ids for o in eager.generate(PROMPTS, [greedy(n) for n in MAX_TOKENS])]
-    emulated = LoopedSpecEngine(load(family), speculation=spec, max_batch_size=8, cuda_graphs="emulate")
+    emulated = engine_with_graphs(load(family), "emulate", speculation=spec, max_batch_size=8)
     assert emulated.runner.graphs is not None
     outs = [o.token_ids for o in emulated.generate(PROMPTS, [greedy(n) for n in MAX_TOKENS])]
     assert outs == expected
@@ -64,7 +64,7 @@ def test_emulated_graph_path_equals_eager(family, spec):
 
 def test_emulated_graph_logits_match_eager_closely():
     adapter = load("ouro")
-    engines = [LoopedSpecEngine(adapter, speculation="off", cuda_graphs=g) for g in (False, "emulate")]
+    engines = [engine_with_graphs(adapter, g, speculation="off") for g in (False, "emulate")]
     logits = []
     for engine in engines:
         engine.add_request(PROMPTS[1], greedy(2))
@@ -84,7 +84,7 @@ def test_cuda_graphs_true_on_cpu_is_a_clear_error():
 def cuda_engine(family: str, dtype: str, graphs: bool, spec="off"):
     options = {"initial_state": "zeros"} if family == "huginn" else {}
     adapter = load_adapter(fixture_dir(family), dtype=dtype, device="cuda", **options)
-    return LoopedSpecEngine(adapter, speculation=spec, max_batch_size=8, cuda_graphs=graphs)
+    return engine_with_graphs(adapter, graphs, speculation=spec, max_batch_size=8)
 
 
 @pytest.mark.cuda

@@ -43,9 +43,9 @@ from dataclasses import dataclass, field
 
 import pytest
 import torch
-from conftest import FAMILIES, fixture_dir, load
+from conftest import FAMILIES, engine_with_graphs, fixture_dir, load
 
-from looped_spec import LoopedSpecEngine, ModelAdapter, SamplingParams, SpeculativeConfig, load_adapter
+from looped_spec import ModelAdapter, SamplingParams, SpeculativeConfig, load_adapter
 from looped_spec.attention import DenseContext
 from looped_spec.plan import RoundFeedback
 
@@ -91,7 +91,7 @@ class Run:
 def run_engine(family, speculation, prompts, max_tokens, adapter=None, **engine_kw) -> Run:
     """Greedy, ignore_eos, one `step()` at a time; records each decode round's feedback and commits."""
     adapter = adapter or load(family)
-    engine = LoopedSpecEngine(adapter, speculation=speculation, **engine_kw)
+    engine = engine_with_graphs(adapter, engine_kw.pop("cuda_graphs", False), speculation=speculation, **engine_kw)
     feedback: list[RoundFeedback] = []
     observe = engine.controller.observe
 

@@ -7,7 +7,7 @@ from conftest import FAMILIES, adapter_options, fixture_dir, make_engine, refere
 from prometheus_client.parser import text_string_to_metric_families
 from pydantic import ValidationError
 
-from looped_spec import LoopedSpecEngine, SamplingParams
+from looped_spec import EngineConfig, LoopedSpecEngine, SamplingParams
 
 FILLER = [[9, 8, 7, 6, 5, 4, 3, 2, 1, 10, 11], [40, 41], [100, 3, 3, 3, 77]]
 
@@ -42,6 +42,16 @@ def test_checkpoint_path_api_matches_fixture():
     )
     out = engine.generate(ref["prompts"][1], greedy(20))[0]
     assert out.token_ids == ref["greedy"][1]["tokens"]
+
+
+def test_engine_config_object_and_keyword_options():
+    """`config=EngineConfig(...)` and keyword options are one configuration; keywords override the object."""
+    config = EngineConfig(speculation="off", max_batch_size=2, block_size=4)
+    engine = LoopedSpecEngine(str(fixture_dir("ouro")), config, max_batch_size=3, device="cpu")
+    assert engine.config.max_batch_size == 3 and engine.config.block_size == 4 and engine.kv.block_size == 4
+    assert engine.config.speculation == "off" and config.max_batch_size == 2
+    with pytest.raises(ValidationError, match="max_num_batched_tokenz"):
+        EngineConfig(max_num_batched_tokenz=3)
 
 
 @pytest.mark.parametrize("family", FAMILIES)

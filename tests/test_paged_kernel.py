@@ -14,9 +14,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import FAMILIES, fixture_dir
+from conftest import FAMILIES, engine_with_graphs, fixture_dir
 
 from looped_spec.attention import build_paged_context
+
+# the subprocesses import the tests' helpers and this checkout's looped_spec
+SUBPROCESS_PATH = os.pathsep.join([str(Path(__file__).parent), str(Path(__file__).parent.parent)])
 
 triton = pytest.importorskip("triton", reason="the paged kernel needs Triton")
 
@@ -69,7 +72,7 @@ print("kernel == reference")
 
 
 def test_kernel_matches_reference_in_interpreter():
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(Path(__file__).parent))
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=SUBPROCESS_PATH)
     done = subprocess.run([sys.executable, "-c", INTERPRETER_CHECK], env=env, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "kernel == reference" in done.stdout
@@ -77,7 +80,7 @@ def test_kernel_matches_reference_in_interpreter():
 
 ENGINE_CHECK = """
 import torch
-from conftest import load
+from conftest import engine_with_graphs, load
 from looped_spec import LoopedSpecEngine, SamplingParams
 prompts = [[5, 9, 13], [200, 1, 77, 4, 4, 19, 88, 23, 7, 150, 3], [42]]
 params = [SamplingParams(max_tokens=n, ignore_eos=True) for n in (6, 4, 7)]
@@ -86,7 +89,7 @@ ref = LoopedSpecEngine(adapter, speculation="2,1", max_batch_size=4)
 ref.runner.paged_kernel = False  # the reference path
 expected = [o.token_ids for o in ref.generate(prompts, params)]
 for graphs in (False, "emulate"):
-    engine = LoopedSpecEngine(adapter, speculation="2,1", max_batch_size=4, cuda_graphs=graphs)
+    engine = engine_with_graphs(adapter, graphs, speculation="2,1", max_batch_size=4)
     assert engine.runner.paged_kernel and (graphs is False or engine.runner.graphs.use_kernel)
     assert [o.token_ids for o in engine.generate(prompts, params)] == expected, graphs
 print("engine tokens identical")
@@ -95,7 +98,7 @@ print("engine tokens identical")
 
 def test_engine_with_kernel_equals_reference_in_interpreter():
     """Greedy speculative decoding on the kernel path (eager and emulated graphs) gives the reference's tokens."""
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(Path(__file__).parent))
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=SUBPROCESS_PATH)
     done = subprocess.run([sys.executable, "-c", ENGINE_CHECK], env=env, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "engine tokens identical" in done.stdout
@@ -111,11 +114,11 @@ def test_kernel_matches_reference_cuda_bf16(heads, kv_heads, head_dim):
 
 
 def cuda_engine(family: str, graphs, kernel: bool):
-    from looped_spec import LoopedSpecEngine, load_adapter
+    from looped_spec import load_adapter
 
     options = {"initial_state": "zeros"} if family == "huginn" else {}
     adapter = load_adapter(fixture_dir(family), dtype="bfloat16", device="cuda", **options)
-    engine = LoopedSpecEngine(adapter, speculation="off", max_batch_size=8, cuda_graphs=graphs)
+    engine = engine_with_graphs(adapter, graphs, speculation="off", max_batch_size=8)
     engine.runner.paged_kernel = kernel
     return engine
 

@@ -61,6 +61,10 @@ def test_item06_sampling_params_bounds():
         ({"max_batch_size": "8"}, "max_batch_size"),
         ({"kv_cache_memory_gb": float("nan")}, "kv_cache_memory_gb"),
         ({"adapter_options": {"no_such_option": 1}}, "no_such_option"),
+        ({"max_batch_szie": 8}, "unknown option 'max_batch_szie': did you mean 'max_batch_size'"),
+        ({"draft_override": object()}, "unknown option 'draft_override'"),
+        ({"cuda_graphs": "emulate"}, "cuda_graphs"),
+        ({"speculation": "sometimes"}, "speculation='sometimes'"),
     ],
 )
 def test_item06_engine_arguments_are_named(kwargs, named):

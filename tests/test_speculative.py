@@ -7,9 +7,9 @@ import itertools
 import pytest
 import torch
 from conftest import FAMILIES, load, make_engine, reference
+from oracle import OracleDraft
 
 from looped_spec import SamplingParams, SpeculativeConfig
-from looped_spec.spec.oracle import OracleDraft
 
 PROMPTS = [
     [5, 9, 13],
@@ -80,7 +80,7 @@ def test_every_rejection_position_and_bonus(family, miss, plain_outputs):
     prompts, max_tokens = PROMPTS[:3], [30, 30, 30]
     expected = [o.token_ids for o in make_engine(family).generate(prompts, [greedy(n) for n in max_tokens])]
     oracle = breaking_oracle(prompts, expected, miss, load(family).vocab_size)
-    engine = make_engine(family, speculation=SpeculativeConfig(k=k, d=1), draft_override=oracle)
+    engine = oracle.attach(make_engine(family, speculation=SpeculativeConfig(k=k, d=1)))
     ids = [engine.add_request(p, greedy(n)) for p, n in zip(prompts, max_tokens)]
     requests = [engine._requests[i] for i in ids]
     accepted_per_round = min(miss, k)  # miss == k: every draft matches and the bonus token is taken
@@ -113,7 +113,7 @@ def test_stop_token_inside_accepted_drafts():
     stop = expected[5]
     first = expected.index(stop)
     oracle = breaking_oracle(prompts, [expected], miss=99, vocab=256)
-    engine = make_engine("ouro", speculation=SpeculativeConfig(k=5, d=2), draft_override=oracle)
+    engine = oracle.attach(make_engine("ouro", speculation=SpeculativeConfig(k=5, d=2)))
     out = engine.generate(prompts, SamplingParams(max_tokens=20, stop_token_ids=[stop], ignore_eos=True))[0]
     assert out.token_ids == expected[: first + 1] and out.finish_reason == "stop"
     assert out.metrics.num_accepted_tokens > 0
@@ -143,7 +143,7 @@ def test_request_metrics_and_depth_measurements():
     oracle = breaking_oracle(
         [PROMPTS[0]], [make_engine("ouro").generate([PROMPTS[0]], greedy(16))[0].token_ids], 2, 256
     )
-    engine = make_engine("ouro", speculation=SpeculativeConfig(k=3, d=2, measure_depths=True), draft_override=oracle)
+    engine = oracle.attach(make_engine("ouro", speculation=SpeculativeConfig(k=3, d=2, measure_depths=True)))
     seen = []
     engine.controller.observe = seen.append
     out = engine.generate([PROMPTS[0]], greedy(16))[0]

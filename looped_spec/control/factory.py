@@ -6,25 +6,7 @@ from typing import Any
 
 from looped_spec.control.controller import DEFAULT_POLICY, AdaptiveController, FixedController, OffController
 from looped_spec.control.presets import load_preset
-from looped_spec.sampling_params import SpeculativeConfig
-
-
-def parse_speculation(speculation: Any) -> Any:
-    """'off' | 'adaptive' | 'K,d' | SpeculativeConfig | dict -> 'off' | 'adaptive' | SpeculativeConfig."""
-    if speculation is None:
-        return "off"
-    if isinstance(speculation, SpeculativeConfig):
-        return speculation
-    if isinstance(speculation, dict):
-        return SpeculativeConfig(**speculation)
-    if isinstance(speculation, str):
-        text = speculation.strip().lower()
-        if text in ("off", "adaptive"):
-            return text
-        parts = text.replace(" ", "").split(",")
-        if len(parts) == 2 and all(p.isdigit() for p in parts):
-            return SpeculativeConfig(k=int(parts[0]), d=int(parts[1]))
-    raise ValueError(f"speculation={speculation!r}: use 'off', 'adaptive', 'K,d' or SpeculativeConfig(k=..., d=...)")
+from looped_spec.engine_config import SpeculativeConfig, parse_speculation
 
 
 def make_controller(speculation: Any, adapter, *, preset=None, policy: str = DEFAULT_POLICY, trace_path=None):
@@ -42,8 +24,3 @@ def make_controller(speculation: Any, adapter, *, preset=None, policy: str = DEF
         return FixedController(spec.k, spec.d, depth, trace_path=trace_path, measure_depths=spec.measure_depths)
     config = load_preset(adapter.name, depth, preset)
     return AdaptiveController(config, depth, policy=policy, trace_path=trace_path)
-
-
-def plan_shapes(controller) -> list[tuple[int, int]]:
-    """Every (K, d) the controller can hand out, for sizing CUDA-graph capture (K = 0 always included)."""
-    return controller.plan_shapes()

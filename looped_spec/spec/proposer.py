@@ -24,12 +24,12 @@ class Draft:
 class DraftProposer:
     """Runs loops 1..d for position j of every request with K >= j; reads out draft token j+1 at depth d."""
 
-    def __init__(self, runner: ModelRunner, draft_override=None) -> None:
+    def __init__(self, runner: ModelRunner) -> None:
         self.runner = runner
-        # Test/benchmark hook for greedy rows: override(requests, j, drafted [rows]) -> tokens to use as
-        # draft j+1 instead (e.g. to force a known acceptance pattern). Applied before the token is
+        # Test/benchmark hook for greedy rows (tests/oracle.py): override(requests, j, drafted [rows]) -> tokens
+        # to use as draft j+1 instead (e.g. to force a known acceptance pattern). Applied before the token is
         # embedded, so the cached draft KV always matches the tokens verified.
-        self.draft_override = draft_override
+        self.draft_override = None
 
     @torch.inference_mode()
     def propose(self, requests: list[Request], k: list[int], d: int, rows: SamplingRows, measure_depths: bool) -> Draft:

@@ -36,9 +36,9 @@ class RoundResult:
 class SpeculativeRound:
     """Drives proposer -> verifier -> rejection sampler over a batch with ragged K (K >= 0 per request)."""
 
-    def __init__(self, runner: ModelRunner, draft_override=None) -> None:
+    def __init__(self, runner: ModelRunner) -> None:
         self.runner = runner
-        self.proposer = DraftProposer(runner, draft_override)
+        self.proposer = DraftProposer(runner)
         self.verifier = Verifier(runner)
 
     def _sync(self) -> None:

@@ -1,4 +1,5 @@
-"""A draft override for tests and benchmarks: propose a known continuation to force an acceptance pattern."""
+"""A draft override for tests (and benchmarks/gpu_check.py): propose a known continuation to force an
+acceptance pattern."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import torch
 
 class OracleDraft:
     """Drafts each request's known continuation (e.g. its plain greedy output), replaced by a wrong token
-    wherever `miss(j)` is true for draft index j. Pass as `LoopedSpecEngine(..., draft_override=...)`;
+    wherever `miss(j)` is true for draft index j. `attach(engine)` makes the engine's proposer use it;
     greedy requests only (sampled rows keep their own draft distribution)."""
 
     def __init__(
@@ -18,6 +19,11 @@ class OracleDraft:
         self.sequences = {tuple(p): list(p) + list(c) for p, c in zip(prompts, continuations)}
         self.vocab_size = vocab_size
         self.miss = miss
+
+    def attach(self, engine):
+        """Use this oracle for `engine`'s drafts (the proposer's `draft_override` hook); returns the engine."""
+        engine.spec_round.proposer.draft_override = self
+        return engine
 
     def __call__(self, requests, j: int, drafted: torch.Tensor) -> torch.Tensor:
         out = []

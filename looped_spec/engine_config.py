@@ -1,0 +1,140 @@
+"""Engine configuration: `EngineConfig` (every engine option, validated at the boundary) and
+`SpeculativeConfig` (a fixed speculation plan, one of the values `EngineConfig.speculation` takes).
+
+`LoopedSpecEngine(model, **options)` builds an `EngineConfig` from its keyword options; a wrong key or
+value is a `ValueError` that names the option.
+"""
+
+from __future__ import annotations
+
+import difflib
+import math
+import os
+from typing import Any, Literal
+
+import torch
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictBool,
+    StrictInt,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
+
+from looped_spec.control.controller import DEFAULT_POLICY
+
+
+class SpeculativeConfig(BaseModel):
+    """A fixed speculation plan: draft `k` tokens with the first `d` loops (k = 0: plain decoding)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    k: int = Field(2, ge=0, le=64, description="Draft tokens per round.")
+    d: int = Field(1, ge=0, description="Loops used by the draft (1 <= d < full depth; 0 only with k = 0).")
+    measure_depths: bool = Field(False, description="Also read out other depths (counterfactual acceptance).")
+
+    @model_validator(mode="after")
+    def _depth_with_drafts(self) -> SpeculativeConfig:
+        if self.k > 0 and self.d < 1:  # plain decoding is written {"k": 0, "d": 0}, as in the presets
+            raise ValueError(f"d={self.d} must be >= 1 when k={self.k} (d = 0 only means plain decoding, k = 0)")
+        return self
+
+
+def parse_speculation(speculation: Any) -> Any:
+    """'off' | 'adaptive' | 'K,d' | SpeculativeConfig | dict -> 'off' | 'adaptive' | SpeculativeConfig."""
+    if speculation is None:
+        return "off"
+    if isinstance(speculation, SpeculativeConfig):
+        return speculation
+    if isinstance(speculation, dict):
+        return SpeculativeConfig(**speculation)
+    if isinstance(speculation, str):
+        text = speculation.strip().lower()
+        if text in ("off", "adaptive"):
+            return text
+        parts = text.replace(" ", "").split(",")
+        if len(parts) == 2 and all(p.isdigit() for p in parts):
+            return SpeculativeConfig(k=int(parts[0]), d=int(parts[1]))
+    raise ValueError("use 'off', 'adaptive', 'K,d' or SpeculativeConfig(k=..., d=...)")
+
+
+class EngineConfig(BaseModel):
+    """Every option of `LoopedSpecEngine` but the model. Strict: `max_batch_size="8"` is an error, not 8."""
+
+    model_config = ConfigDict(extra="forbid", arbitrary_types_allowed=True, frozen=True)
+
+    # loading the checkpoint (ignored for a ModelAdapter instance, which is already loaded)
+    dtype: str | torch.dtype = "auto"
+    device: str | torch.device = "auto"
+    adapter_options: dict[str, Any] | None = None  # family options, e.g. Huginn's {"num_steps": 32}
+    # speculation: "off", "adaptive", "K,d", a SpeculativeConfig or its dict; the preset, policy and trace
+    # of "adaptive" (docs/adaptive.md)
+    speculation: Any = "adaptive"
+    preset: Any = None  # a preset file, a shipped preset name or an AdaptiveSpecConfig; None = matched by model
+    policy: Literal["goodput", "ema"] = DEFAULT_POLICY
+    trace_path: str | os.PathLike | None = None  # every plan and its feedback as JSONL
+    # limits
+    max_batch_size: StrictInt = Field(32, ge=1)
+    max_model_len: StrictInt | None = Field(None, ge=2)  # None = the model's max positions
+    max_num_batched_tokens: StrictInt = Field(1024, ge=1)  # prompt tokens per prefill step
+    seed: StrictInt = Field(0, ge=0)  # draws the seeds of requests that set none
+    # KV cache sizing: num_kv_blocks, else kv_cache_memory_gb, else half the free GPU memory / 2 GiB on CPU
+    block_size: StrictInt = Field(16, ge=1, le=1 << 16)
+    num_kv_blocks: StrictInt | None = Field(None, ge=1)
+    kv_cache_memory_gb: float | None = None
+    cuda_graphs: StrictBool | None = None  # None = on for CUDA devices
+    early_exit: Literal["skip", "select"] = "skip"  # how tokens that exit early run (docs/architecture.md)
+
+    @field_validator("speculation")
+    @classmethod
+    def _speculation(cls, value: Any) -> Any:
+        parse_speculation(value)  # the error names the option; the value is kept as given (for messages)
+        return value
+
+    @field_validator("preset")
+    @classmethod
+    def _preset(cls, value: Any) -> Any:
+        from looped_spec.control.schema import AdaptiveSpecConfig
+
+        if value is not None and not isinstance(value, (str, os.PathLike, AdaptiveSpecConfig)):
+            raise ValueError(
+                f"must be a preset file, a shipped preset name or an AdaptiveSpecConfig, got {type(value).__name__}"
+            )
+        return value
+
+    @field_validator("kv_cache_memory_gb", mode="before")
+    @classmethod
+    def _memory(cls, value: Any) -> Any:
+        if value is None:
+            return value
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+            raise ValueError(f"must be a finite number of GiB > 0, got {value!r}")
+        return value
+
+    @classmethod
+    def from_options(cls, config: EngineConfig | None = None, **options: Any) -> EngineConfig:
+        """`config` (or the defaults) with `options` set; a bad option raises ValueError naming it."""
+        given = (dict(config) if config is not None else {}) | options
+        try:
+            return cls(**given)
+        except ValidationError as exc:
+            raise ValueError("LoopedSpecEngine: " + "; ".join(_problems(exc, given))) from None
+
+
+def _problems(exc: ValidationError, given: dict[str, Any]) -> list[str]:
+    """One line per option (a union type reports one error per member: the first is kept)."""
+    problems: dict[str, str] = {}
+    for error in exc.errors():
+        name = str(error["loc"][0]) if error["loc"] else "options"
+        if error["type"] == "extra_forbidden":
+            known = list(EngineConfig.model_fields)
+            close = difflib.get_close_matches(name, known, n=1)
+            hint = f"did you mean {close[0]!r}? " if close else ""
+            problems.setdefault(name, f"unknown option {name!r}: {hint}(options: {', '.join(known)})")
+            continue
+        message = error["msg"].removeprefix("Value error, ")
+        problems.setdefault(name, f"{name}={given.get(name)!r}: {message}")
+    return list(problems.values())
