@@ -32,6 +32,7 @@ from dataclasses import dataclass
 import torch
 
 from looped_spec.attention import PagedContext
+from looped_spec.model_runner import StepInput, StepOutput
 from looped_spec.paged_kernel import KernelBatch, kernel_available, num_splits_for
 
 
@@ -316,14 +317,15 @@ class CudaGraphRunner:
         return len(self.prepared)
 
     # ----- running -----
-    def step(self, requests, query_len, context_lens, start, end, tokens, state, probe, readout):
-        """StepRunner entry: replay when this shape is covered; decline probes and other shapes."""
-        if probe is not None:
+    def step(self, inp: StepInput) -> StepOutput | None:
+        """StepRunner entry: replay when this shape is covered; decline ragged batches, kept states and other
+        shapes (the eager runner takes them)."""
+        if inp.keep_states or inp.query_len is None:
             return None
-        shape = self.supports(len(requests), query_len, max(context_lens))
+        shape = self.supports(len(inp.requests), inp.query_len, max(inp.context_lens))
         if shape is None:
             return None
-        return self.run(shape, requests, context_lens, start, end, tokens, state, readout)
+        return self.run(shape, inp)
 
     def supports(self, num_reqs: int, query_len: int, max_context: int) -> tuple[int, int, int] | None:
         batch = pad_to(num_reqs, self.buckets)
@@ -340,29 +342,20 @@ class CudaGraphRunner:
         return self.outputs[key]
 
     @torch.inference_mode()
-    def run(
-        self,
-        shape: tuple[int, int, int],
-        requests,
-        context_lens: list[int],
-        start: int,
-        end: int,
-        tokens: torch.Tensor | None = None,
-        state: torch.Tensor | None = None,
-        readout: bool = True,
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Embed `tokens` (or take `state`) for the real rows, run loops [start, end) and the readout at `end`."""
+    def run(self, shape: tuple[int, int, int], inp: StepInput) -> StepOutput:
+        """Embed `inp.tokens` (or take `inp.state`) for the real rows, run loops [start, end), read out at `end`."""
         batch, query_len, context = shape
+        requests, start, end = inp.requests, inp.start, inp.end
         static = self.static_batch(batch, query_len, context)
         seeds = [r.seed for r in requests] if self.adapter.needs_token_seeds else None
-        static.fill([r.block_table for r in requests], context_lens, self.block_size, seeds)
+        static.fill([r.block_table for r in requests], inp.context_lens, self.block_size, seeds)
         n = len(requests) * query_len
-        if tokens is not None:
+        if inp.tokens is not None:
             static.token_ids.zero_()
-            static.token_ids[:n].copy_(tokens)
+            static.token_ids[:n].copy_(inp.tokens)
             static.state.copy_(self.adapter.embed(static.token_ids, static.ctx))
         else:
-            static.state[:n].copy_(state)
+            static.state[:n].copy_(inp.state)
         for i in range(start, end):
             if self.uniform_loops:
                 self.buffers.plane_shift.fill_(i * self.planes_per_loop)
@@ -370,11 +363,11 @@ class CudaGraphRunner:
             else:
                 self._replay(GraphKey(batch, query_len, context, f"loop{i}"), static)
         out_state = static.state[:n].clone()  # the next step overwrites the static buffers
-        if not readout:
-            return out_state, None
+        if not inp.readout:
+            return StepOutput(out_state, None)
         if self.readout_graph:
             stage = "readout" if self.uniform_loops else f"readout{end}"
             logits = self._replay(GraphKey(batch, query_len, context, stage), static)
         else:
             logits = self.adapter.readout(static.state, end, static.ctx)
-        return out_state, logits[:n].clone()  # outputs live in the shared graph pool
+        return StepOutput(out_state, logits[:n].clone())  # outputs live in the shared graph pool

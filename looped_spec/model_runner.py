@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
@@ -14,23 +15,53 @@ from looped_spec.paged_kernel import MAX_KERNEL_QUERY, kernel_available
 from looped_spec.request import Request
 
 
-class StepRunner(Protocol):
-    """One loop-range pass over a batch with `query_len` tokens per request: embed `tokens` (or take
-    `state`), run loops [start, end), read out at depth `end`. Returns (state, logits), or None to decline
-    the batch (the next runner then takes it)."""
+@dataclass
+class StepInput:
+    """One loop-range pass over a batch: embed `tokens` (or continue from `state`), run loops [start, end),
+    read out at depth `end`.
 
-    def step(
-        self,
-        requests: list[Request],
-        query_len: int,
-        context_lens: list[int],
-        start: int,
-        end: int,
-        tokens: torch.Tensor | None,
-        state: torch.Tensor | None,
-        probe,
-        readout: bool,
-    ) -> tuple[torch.Tensor, torch.Tensor | None] | None: ...
+    Request i brings `query_lens[i]` tokens (flat, request after request), the last of them at position
+    `context_lens[i] - 1`. `readout=False` skips the readout. `keep_states=True` also returns the state after
+    every loop but the last, for counterfactual readouts at shallower depths; the caller then reads out
+    itself, deepest last (a readout that writes KV, Huginn's coda, must leave the step's own depth), so
+    `readout` must be False.
+    """
+
+    requests: list[Request]
+    query_lens: list[int]
+    context_lens: list[int]
+    start: int
+    end: int
+    tokens: torch.Tensor | None = None
+    state: torch.Tensor | None = None
+    readout: bool = True
+    keep_states: bool = False
+
+    def __post_init__(self) -> None:
+        if (self.tokens is None) == (self.state is None):
+            raise ValueError("a step takes either tokens to embed or a state to continue")
+        if self.keep_states and self.readout:
+            raise ValueError("keep_states: the caller reads out (intermediate depths first), so readout=False")
+
+    @property
+    def query_len(self) -> int | None:
+        """Tokens per request when every request has the same number (None for a ragged batch)."""
+        first = self.query_lens[0]
+        return first if all(q == first for q in self.query_lens) else None
+
+
+@dataclass
+class StepOutput:
+    state: torch.Tensor  # [num_tokens, state_dim] after loop `end`
+    logits: torch.Tensor | None  # [num_tokens, V] at depth `end` (None when not read out)
+    states: list[torch.Tensor] = field(default_factory=list)  # keep_states: after loops start+1 .. end-1
+    ctx: PagedContext | None = None  # the step's context, for the caller's readouts (eager steps)
+
+
+class StepRunner(Protocol):
+    """Runs a StepInput, or returns None to decline it (the next runner then takes it)."""
+
+    def step(self, inp: StepInput) -> StepOutput | None: ...
 
 
 class EagerStepRunner:
@@ -39,13 +70,17 @@ class EagerStepRunner:
     def __init__(self, runner: ModelRunner) -> None:
         self.runner = runner
 
-    def step(self, requests, query_len, context_lens, start, end, tokens, state, probe, readout):
+    def step(self, inp: StepInput) -> StepOutput:
         runner = self.runner
-        ctx = runner.context(requests, [query_len] * len(requests), context_lens)
-        if tokens is not None:
-            state = runner.embed(tokens, ctx)
-        state = runner.loops(state, ctx, start, end, probe)
-        return state, runner.readout(state, end, ctx) if readout else None
+        ctx = runner.context(inp.requests, inp.query_lens, inp.context_lens)
+        state = runner.embed(inp.tokens, ctx) if inp.tokens is not None else inp.state
+        states: list[torch.Tensor] = []
+        for i in range(inp.start, inp.end):
+            if inp.keep_states and i > inp.start:
+                states.append(state)
+            state = runner.adapter.loop(state, i, ctx)
+        logits = runner.readout(state, inp.end, ctx) if inp.readout else None
+        return StepOutput(state, logits, states, ctx)
 
 
 class ModelRunner:
@@ -87,37 +122,15 @@ class ModelRunner:
     def embed(self, token_ids: torch.Tensor, ctx: PagedContext) -> torch.Tensor:
         return self.adapter.embed(token_ids, ctx)
 
-    def loops(self, state: torch.Tensor, ctx: PagedContext, start: int, end: int, probe=None) -> torch.Tensor:
-        """Run loops start..end-1 (0-based). `probe(depth, state, ctx)` is called after each loop but the last."""
-        for i in range(start, end):
-            state = self.adapter.loop(state, i, ctx)
-            if probe is not None and i + 1 < end:
-                probe(i + 1, state, ctx)
-        return state
-
     def readout(self, state: torch.Tensor, depth: int, ctx: PagedContext) -> torch.Tensor:
         return self.adapter.readout(state, depth, ctx)
 
-    def run_uniform(
-        self,
-        requests: list[Request],
-        query_len: int,
-        context_lens: list[int],
-        start: int,
-        end: int,
-        tokens: torch.Tensor | None = None,
-        state: torch.Tensor | None = None,
-        probe=None,
-        readout: bool = True,
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """(embed tokens | take state) -> loops[start, end) -> readout(end), `query_len` tokens per request.
-
-        Asks the CUDA-graph step runner first (it declines shapes it has not captured, and probes), then
-        the eager one. Returns (state, logits); logits may be None when `readout` is False (eager only).
-        """
+    def run(self, inp: StepInput) -> StepOutput:
+        """The one entry point for a loop-range pass, uniform or ragged: the CUDA-graph step runner takes the
+        shapes it has captured (uniform, without kept states), the eager one everything else."""
         for step_runner in (self.graphs, self.eager):
             if step_runner is not None:
-                out = step_runner.step(requests, query_len, context_lens, start, end, tokens, state, probe, readout)
+                out = step_runner.step(inp)
                 if out is not None:
                     return out
         raise RuntimeError("no step runner took the batch")  # unreachable: the eager runner takes everything
@@ -141,12 +154,13 @@ class ModelRunner:
         for request, n in zip(requests, chunk_lens):
             tokens.extend(request.token_ids[request.num_computed : request.num_computed + n])
             context_lens.append(request.num_computed + n)
-        ctx = self.context(requests, chunk_lens, context_lens)
-        state = self.loops(self.embed(self.token_tensor(tokens), ctx), ctx, 0, self.full_depth)
+        ids = self.token_tensor(tokens)
+        out = self.eager.step(StepInput(requests, chunk_lens, context_lens, 0, self.full_depth, ids, readout=False))
+        # prompt chunks run eagerly (the graphs hold decode-shaped steps); read out each chunk's last token
         last = torch.tensor(chunk_lens, device=self.device).cumsum(0) - 1
         if self.readout_writes_kv:
-            return self.readout(state, self.full_depth, ctx)[last]
-        return self.readout(state[last], self.full_depth, ctx)
+            return self.readout(out.state, self.full_depth, out.ctx)[last]
+        return self.readout(out.state[last], self.full_depth, out.ctx)
 
     def decode_with_depths(self, requests: list[Request]) -> tuple[torch.Tensor, list[int] | None]:
         """Plain decode; with requests that exit early, also each request's exit depth (else None)."""
@@ -154,19 +168,16 @@ class ModelRunner:
             return decode_with_exit(self, requests, self.exit_mode)
         return self.decode(requests), None
 
-    @torch.inference_mode()
-    def decode(self, requests: list[Request], depth_preds: torch.Tensor | None = None) -> torch.Tensor:
-        """Plain full-depth decode of each request's last token -> logits [num_reqs, V].
-
-        With `depth_preds` ([D - 1, num_reqs]), also stores the argmax readout after each loop 1..D-1
-        (counterfactual draft depths; eager path).
-        """
+    def decode_input(self, requests: list[Request], keep_states: bool = False) -> StepInput:
+        """The plain full-depth decode step of each request's last token (`keep_states`: for depth readouts)."""
         tokens = self.token_tensor([r.token_ids[r.num_computed] for r in requests])
         context_lens = [r.num_computed + 1 for r in requests]
-        probe = None
-        if depth_preds is not None:
+        return StepInput(
+            requests, [1] * len(requests), context_lens, 0, self.full_depth, tokens=tokens,
+            readout=not keep_states, keep_states=keep_states,
+        )  # fmt: skip
 
-            def probe(depth: int, state: torch.Tensor, ctx) -> None:
-                depth_preds[depth - 1] = self.readout(state, depth, ctx).argmax(-1)
-
-        return self.run_uniform(requests, 1, context_lens, 0, self.full_depth, tokens=tokens, probe=probe)[1]
+    @torch.inference_mode()
+    def decode(self, requests: list[Request]) -> torch.Tensor:
+        """Plain full-depth decode of each request's last token -> logits [num_reqs, V]."""
+        return self.run(self.decode_input(requests)).logits

@@ -13,6 +13,7 @@ from conftest import FAMILIES, engine_with_graphs, load
 
 from looped_spec.attention import PagedContext
 from looped_spec.cuda_graph import batch_buckets, context_buckets, graph_keys, pad_to
+from looped_spec.model_runner import StepInput
 
 MAX_MODEL_LEN = 100
 
@@ -53,18 +54,19 @@ def test_graph_keys_read_follow_context_from_1_to_max_model_len(family, key_read
         request = fake_request(context, bs)
         token = torch.tensor([7 + context % 50])
         key_reads.clear()
-        eager_state, eager_logits = runner.eager.step([request], 1, [context], 0, depth, token, None, None, True)
+        step = StepInput([request], [1], [context], 0, depth, tokens=token)
+        eager = runner.eager.step(step)
         eager_reads = list(key_reads)
         key_reads.clear()
-        graph_state, graph_logits = runner.graphs.step([request], 1, [context], 0, depth, token, None, None, True)
+        graph = runner.graphs.step(step)
         graph_reads = list(key_reads)
         assert len(graph_reads) == len(eager_reads) >= loop_planes  # one read per plane the step attends in
         assert set(eager_reads) == {context}
         assert set(graph_reads) == {pad_to(context, buckets)}, context
         assert context <= graph_reads[0] <= max(bs, 2 * context - 1)
-        torch.testing.assert_close(graph_logits, eager_logits, rtol=1e-5, atol=1e-5)
-        assert torch.equal(graph_logits.argmax(-1), eager_logits.argmax(-1))
-        torch.testing.assert_close(graph_state, eager_state, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(graph.logits, eager.logits, rtol=1e-5, atol=1e-5)
+        assert torch.equal(graph.logits.argmax(-1), eager.logits.argmax(-1))
+        torch.testing.assert_close(graph.state, eager.state, rtol=1e-5, atol=1e-5)
     # one loop capture (+ Huginn's coda readout) per context bucket used (1 token per request, batch bucket 1)
     assert runner.graphs.num_graphs == (2 if family == "huginn" else 1) * len(buckets)
 
@@ -81,11 +83,12 @@ def test_ragged_batch_graph_reads_bounded_by_longest_context(key_reads):
     contexts = [3, 40, 17]
     requests = [fake_request(c, bs, offset=8 * i) for i, c in enumerate(contexts)]
     tokens = torch.tensor([5, 6, 7])
-    eager = runner.eager.step(requests, 1, contexts, 0, 4, tokens, None, None, True)
+    step = StepInput(requests, [1] * 3, contexts, 0, 4, tokens=tokens)
+    eager = runner.eager.step(step)
     key_reads.clear()
-    graph = runner.graphs.step(requests, 1, contexts, 0, 4, tokens, None, None, True)
+    graph = runner.graphs.step(step)
     assert set(key_reads) == {64}  # bucket of 40 (the batch pads to 4 rows)
-    torch.testing.assert_close(graph[1], eager[1], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(graph.logits, eager.logits, rtol=1e-5, atol=1e-5)
 
 
 def shipped_presets() -> list[Path]:

@@ -6,9 +6,10 @@ from dataclasses import dataclass
 
 import torch
 
-from looped_spec.model_runner import ModelRunner
+from looped_spec.model_runner import ModelRunner, StepInput
 from looped_spec.request import Request
 from looped_spec.sampler import SamplingRows, probabilities, sample_from
+from looped_spec.spec.readouts import read_out_depths
 
 
 @dataclass
@@ -48,24 +49,16 @@ class DraftProposer:
             num_next = sum(1 for kr in k if kr > j)  # rows that still need draft token j+1
             active = requests[:num_rows]
             context_lens = [r.num_computed + j + 1 for r in active]
-            probe = None
-            if measure_depths:
-
-                def probe(depth: int, state: torch.Tensor, ctx, j: int = j, n: int = num_rows) -> None:
-                    depth_preds[depth - 1, :n, j] = runner.readout(state, depth, ctx).argmax(-1)
-
-            state, logits = runner.run_uniform(
-                active,
-                1,
-                context_lens,
-                0,
-                d,
-                tokens=step_tokens[:num_rows],
-                probe=probe,
-                readout=num_next > 0 or measure_depths,
-            )
-            if measure_depths:
-                depth_preds[d - 1, :num_rows, j] = logits.argmax(-1)
+            inp = StepInput(
+                active, [1] * num_rows, context_lens, 0, d, tokens=step_tokens[:num_rows],
+                readout=num_next > 0 and not measure_depths, keep_states=measure_depths,
+            )  # fmt: skip
+            out = runner.run(inp)
+            state, logits = out.state, out.logits
+            if measure_depths:  # depths 1..d-1 from the kept states, then the draft's own depth d
+                preds, logits = read_out_depths(runner, inp, out)
+                for depth, pred in enumerate([*preds, logits.argmax(-1)], start=1):
+                    depth_preds[depth - 1, :num_rows, j] = pred
             states.append(state)
             if num_next == 0:
                 break

@@ -15,6 +15,7 @@ from looped_spec.model_runner import ModelRunner
 from looped_spec.request import Request
 from looped_spec.sampler import SamplingRows, sample
 from looped_spec.spec.proposer import DraftProposer
+from looped_spec.spec.readouts import read_out_depths
 from looped_spec.spec.rejection_sampler import accept, pad_positions
 from looped_spec.spec.verifier import Verifier
 
@@ -83,6 +84,7 @@ class SpeculativeRound:
             accepted[i] = acc[pos]
         return RoundResult(committed, accepted, t1 - t0, t2 - t1, t3 - t2, matches, trials)
 
+    @torch.inference_mode()
     def _plain(self, requests: list[Request], measure_depths: bool) -> RoundResult:
         """K = 0: plain full-depth decoding; its time is reported as verify time (there is no draft)."""
         t0 = time.perf_counter()
@@ -91,8 +93,9 @@ class SpeculativeRound:
         exit_depths = None
         # counterfactual depths are measured on full-depth rounds only (under early exit the depth is the rule's)
         if measure_depths and full_depth > 1 and not any(r.exits_early for r in requests):
-            depth_preds = torch.empty(full_depth - 1, len(requests), dtype=torch.long, device=self.runner.device)
-            logits = self.runner.decode(requests, depth_preds)
+            inp = self.runner.decode_input(requests, keep_states=True)
+            preds, logits = read_out_depths(self.runner, inp, self.runner.run(inp))
+            depth_preds = torch.stack(preds)  # [D - 1, R]: depths 1..D-1
         else:
             logits, exit_depths = self.runner.decode_with_depths(requests)
         sampled = sample(logits, SamplingRows.build(requests, self.runner.device))

@@ -6,9 +6,10 @@ from dataclasses import dataclass
 
 import torch
 
-from looped_spec.model_runner import ModelRunner
+from looped_spec.model_runner import ModelRunner, StepInput
 from looped_spec.request import Request
 from looped_spec.spec.proposer import Draft
+from looped_spec.spec.readouts import read_out_depths
 
 
 @dataclass
@@ -39,20 +40,14 @@ class Verifier:
         gather = torch.tensor(offsets, dtype=torch.long)[pos_index] + row_index
         state = flat_states[gather.to(device)]  # [sum(K+1), state_dim]
         context_lens = [r.num_computed + kr + 1 for r, kr in zip(requests, k)]
-        depth_preds = None
-        probe = None
-        if measure_depths and runner.full_depth - d > 1:
-            depth_preds = torch.empty(runner.full_depth - d - 1, state.shape[0], dtype=torch.long, device=device)
-
-            def probe(depth: int, s: torch.Tensor, ctx) -> None:
-                depth_preds[depth - d - 1] = runner.readout(s, depth, ctx).argmax(-1)
-
-        if all(kr == k[0] for kr in k):
-            _, logits = runner.run_uniform(
-                requests, k[0] + 1, context_lens, d, runner.full_depth, state=state, probe=probe
-            )
-        else:
-            ctx = runner.context(requests, [kr + 1 for kr in k], context_lens)
-            state = runner.loops(state, ctx, d, runner.full_depth, probe)
-            logits = runner.readout(state, runner.full_depth, ctx)
+        keep = measure_depths and runner.full_depth - d > 1  # depths d+1..D-1 to read out
+        inp = StepInput(
+            requests, [kr + 1 for kr in k], context_lens, d, runner.full_depth, state=state,
+            readout=not keep, keep_states=keep,
+        )  # fmt: skip
+        out = runner.run(inp)
+        logits, depth_preds = out.logits, None
+        if keep:
+            preds, logits = read_out_depths(runner, inp, out)
+            depth_preds = torch.stack(preds)
         return Verification(logits, row_index.to(device), pos_index.to(device), depth_preds)
