@@ -24,7 +24,8 @@ loop pass x D + head + every request's KV bytes once per step, over the measured
 Needs no network and installs nothing. On the GPU machine (no pydantic there), from the repo root:
     bash benchmarks/fetch_device_wheels.sh          # here, once: wheels into the git-ignored .whl/
     # device run: `bash benchmarks/device_run.sh`, carry [".whl"]
-Runs from a source checkout too (not installed): the mapped subpackages are bound below.
+From a source checkout that is not installed: `PYTHONPATH=. python benchmarks/gpu_check.py ...` (adapters/ and
+presets/ are linked into looped_spec/, so looped_spec.adapters resolves as in the install).
 Writes OUT/gpu_check.json and OUT/gpu_check.md.
 """
 
@@ -42,34 +43,14 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 import torch
+from costmodel_fit import expected_tokens
+
+from looped_spec import LoopedSpecEngine, SamplingParams, SpeculativeConfig
+from looped_spec.model_adapter import adapter_class
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(Path(__file__).parent))
 sys.path.insert(0, str(ROOT / "tests"))  # OracleDraft, the tests' draft override, forces an acceptance rate
-from costmodel_fit import expected_tokens  # noqa: E402
 from oracle import OracleDraft  # noqa: E402
-
-
-def _bind_source_subpackages() -> None:
-    """Make looped_spec.adapters / looped_spec.presets importable from a checkout that was not pip-installed."""
-    import importlib.util
-
-    for name, folder in (("looped_spec.adapters", "adapters"), ("looped_spec.presets", "presets")):
-        try:
-            importlib.import_module(name)
-        except ModuleNotFoundError:
-            spec = importlib.util.spec_from_file_location(
-                name, ROOT / folder / "__init__.py", submodule_search_locations=[str(ROOT / folder)]
-            )
-            module = importlib.util.module_from_spec(spec)
-            sys.modules[name] = module
-            spec.loader.exec_module(module)
-
-
-_bind_source_subpackages()
-
-from looped_spec import LoopedSpecEngine, SamplingParams, SpeculativeConfig  # noqa: E402
-from looped_spec.adapter import adapter_class  # noqa: E402
 
 REAL_CONFIGS = {
     "ouro-1.4b": {

@@ -14,10 +14,10 @@ __version__ = "0.1.0"
 _EXPORTS = {
     "CheckpointError": "looped_spec.checkpoint",
     "EngineConfig": "looped_spec.engine_config",
-    "KVLayout": "looped_spec.adapter",
+    "KVLayout": "looped_spec.kv_cache",
     "LoopedSpecEngine": "looped_spec.engine",
     "AsyncLoopedSpecEngine": "looped_spec.async_engine",
-    "ModelAdapter": "looped_spec.adapter",
+    "ModelAdapter": "looped_spec.model_adapter",
     "RequestMetrics": "looped_spec.request",
     "RequestOutput": "looped_spec.request",
     "RoundFeedback": "looped_spec.plan",
@@ -25,9 +25,9 @@ _EXPORTS = {
     "SpeculationPlan": "looped_spec.plan",
     "SpeculativeConfig": "looped_spec.engine_config",
     "TensorSpec": "looped_spec.checkpoint",
-    "load_adapter": "looped_spec.adapter",
-    "register_adapter": "looped_spec.adapter",
-    "registered_model_types": "looped_spec.adapter",
+    "load_adapter": "looped_spec.model_adapter",
+    "register_adapter": "looped_spec.model_adapter",
+    "registered_model_types": "looped_spec.model_adapter",
 }
 __all__ = [
     "AsyncLoopedSpecEngine",
@@ -49,11 +49,12 @@ __all__ = [
 ]
 
 if TYPE_CHECKING:
-    from looped_spec.adapter import KVLayout, ModelAdapter, load_adapter, register_adapter, registered_model_types
     from looped_spec.async_engine import AsyncLoopedSpecEngine
     from looped_spec.checkpoint import CheckpointError, TensorSpec
     from looped_spec.engine import LoopedSpecEngine
     from looped_spec.engine_config import EngineConfig, SpeculativeConfig
+    from looped_spec.kv_cache import KVLayout
+    from looped_spec.model_adapter import ModelAdapter, load_adapter, register_adapter, registered_model_types
     from looped_spec.plan import RoundFeedback, SpeculationPlan
     from looped_spec.request import RequestMetrics, RequestOutput
     from looped_spec.sampling_params import SamplingParams

@@ -83,7 +83,7 @@ def read_out_by_depth(runner, requests, positions, context_lens, states, depths:
     for depth in sorted(set(depths)):
         rows = [i for i, d in enumerate(depths) if d == depth]
         sub_ctx = ctx
-        if runner.readout_writes_kv:
+        if runner.adapter.readout_uses_kv:
             sub_ctx = runner.context([requests[i] for i in rows], [1] * len(rows), [context_lens[i] for i in rows])
         part = runner.readout(states[rows], depth, sub_ctx)
         if logits is None:
@@ -186,7 +186,7 @@ def prefill_with_exit(
             fill_skipped_loops(runner, ctx.slot_mapping[done], i + 1)
         live_states.append(state[live_tokens])
     ctx.write_index = None
-    if runner.readout_writes_kv:  # every position's coda KV, from its own exit state
+    if runner.adapter.readout_uses_kv:  # every position's coda KV, from its own exit state
         logits = runner.readout(exit_state, full_depth, ctx)[torch.tensor(last, device=device)]
     else:
         logits = runner.readout(exit_state[torch.tensor(last, device=device)], full_depth, ctx)

@@ -12,7 +12,6 @@ from typing import Any
 
 import torch
 
-from looped_spec.adapter import ModelAdapter, load_adapter
 from looped_spec.control.controller import FixedController
 from looped_spec.control.factory import make_controller
 from looped_spec.cuda_graph import CudaGraphRunner, batch_buckets
@@ -20,13 +19,14 @@ from looped_spec.detokenizer import IncrementalDetokenizer
 from looped_spec.engine_config import EngineConfig
 from looped_spec.inputs import load_tokenizer, normalize_prompts, to_token_ids
 from looped_spec.kv_cache import KVCache
+from looped_spec.model_adapter import ModelAdapter, load_adapter
 from looped_spec.model_runner import ModelRunner
 from looped_spec.plan import RoundFeedback, SpeculationPlan
 from looped_spec.request import Request, RequestOutput, RequestStatus, ScheduledBatch
 from looped_spec.sampler import SamplingRows, sample
 from looped_spec.sampling_params import SamplingParams
 from looped_spec.scheduler import Scheduler
-from looped_spec.spec.round import RoundResult, SpeculativeRound
+from looped_spec.speculative.round import RoundResult, SpeculativeRound
 from looped_spec.stats import EngineStats
 
 logger = logging.getLogger(__name__)
@@ -345,7 +345,7 @@ class LoopedSpecEngine:
         t1 = time.perf_counter()
         stats = self.stats
         if max(k) == 0:
-            stats.phase_seconds["decode"] += result.verify_time
+            stats.phase_seconds["decode"] += result.decode_time
         else:
             stats.num_spec_rounds += 1
             stats.phase_seconds["draft"] += result.draft_time
@@ -367,7 +367,7 @@ class LoopedSpecEngine:
                 k,
                 result.num_accepted,
                 result.draft_time,
-                result.verify_time + result.accept_time,
+                result.verify_time + result.accept_time + result.decode_time,  # RoundFeedback.verify_time
                 t1 - t0,
                 result.depth_matches,
                 result.depth_trials,

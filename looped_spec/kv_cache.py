@@ -9,9 +9,21 @@ last kept block are overwritten before they are read again.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
-from looped_spec.adapter import KVLayout
+
+@dataclass(frozen=True)
+class KVLayout:
+    """Shape of the KV cache a family needs: one plane per (loop, layer) plus once-per-token planes."""
+
+    num_planes: int
+    num_kv_heads: int
+    head_dim: int
+    num_loop_planes: int  # planes written once per loop iteration
+    num_token_planes: int  # planes written once per token (e.g. Huginn prelude/coda)
+    first_loop_plane: int = 0  # loop planes are contiguous, loop after loop, from this plane on
 
 
 class KVCacheFull(RuntimeError):

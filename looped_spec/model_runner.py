@@ -7,10 +7,10 @@ from typing import Protocol
 
 import torch
 
-from looped_spec.adapter import ModelAdapter
 from looped_spec.attention import PagedContext, build_paged_context
 from looped_spec.early_exit import ExitMode, decode_with_exit, prefill_with_exit
 from looped_spec.kv_cache import KVCache
+from looped_spec.model_adapter import ModelAdapter
 from looped_spec.paged_kernel import MAX_KERNEL_QUERY, kernel_available
 from looped_spec.request import Request
 
@@ -95,8 +95,6 @@ class ModelRunner:
         self.kv = kv_cache
         self.device = adapter.device
         self.full_depth = adapter.full_depth
-        # Families whose readout attends (Huginn's coda) must read out every position they cache.
-        self.readout_writes_kv = adapter.readout_uses_kv
         self.eager = EagerStepRunner(self)
         self.graphs: StepRunner | None = None  # a CudaGraphRunner, when the engine enables graphs
         self.exit_mode: ExitMode = "skip"  # how requests that exit early are run (early_exit.py)
@@ -158,7 +156,7 @@ class ModelRunner:
         out = self.eager.step(StepInput(requests, chunk_lens, context_lens, 0, self.full_depth, ids, readout=False))
         # prompt chunks run eagerly (the graphs hold decode-shaped steps); read out each chunk's last token
         last = torch.tensor(chunk_lens, device=self.device).cumsum(0) - 1
-        if self.readout_writes_kv:
+        if self.adapter.readout_uses_kv:  # a readout that attends (Huginn's coda) must cache every position
             return self.readout(out.state, self.full_depth, out.ctx)[last]
         return self.readout(out.state[last], self.full_depth, out.ctx)
 

@@ -38,9 +38,12 @@ class RoundFeedback:
     batch_size: int
     num_proposed: list[int]  # per request: K_actual
     num_accepted: list[int]  # per request: accepted draft tokens (excludes the bonus/corrected token)
-    draft_time: float = 0.0
+    # seconds of the round's phases; `round_time` is their sum
+    draft_time: float = 0.0  # loops 1..d, one position at a time (0 in a plain round)
+    # the full-depth pass that decides the committed tokens, and the decision: loops d+1..D over the K+1
+    # positions plus acceptance; in a plain round (k = 0, d = 0, nothing drafted) loops 1..D and the sample
     verify_time: float = 0.0
-    commit_time: float = 0.0
+    commit_time: float = 0.0  # appending the tokens and releasing KV
     depth_matches: list[int] = field(default_factory=list)
     depth_trials: list[int] = field(default_factory=list)
 

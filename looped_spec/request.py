@@ -138,8 +138,9 @@ class Request:
     def finished(self) -> bool:
         return self.status is RequestStatus.FINISHED
 
-    def max_new_this_round(self) -> int:
-        """Most tokens this request may still commit (max_tokens and max_model_len)."""
+    @property
+    def remaining_budget(self) -> int:
+        """Tokens this request may still commit: what max_tokens and max_model_len leave."""
         return min(self.max_tokens - self.num_output_tokens, self.max_model_len - self.num_tokens)
 
     def append(self, token: int) -> bool:

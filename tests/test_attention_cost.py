@@ -6,11 +6,11 @@ import json
 from pathlib import Path
 from types import SimpleNamespace
 
-import looped_spec.presets
 import pytest
 import torch
 from conftest import FAMILIES, engine_with_graphs, load
 
+import looped_spec.presets
 from looped_spec.attention import PagedContext
 from looped_spec.cuda_graph import batch_buckets, context_buckets, graph_keys, pad_to
 from looped_spec.model_runner import StepInput

@@ -176,7 +176,7 @@ def test_rule_a_request_failing_by_itself_finishes_with_error_and_the_others_go_
 
 
 def test_rule_a_failed_round_is_rolled_back_generators_included(monkeypatch):
-    import looped_spec.spec.round as round_module
+    import looped_spec.speculative.round as round_module
 
     params = [sampled(9, seed=11), greedy(9), sampled(7, seed=12)]
     expected = [o.token_ids for o in make_engine("huginn", speculation="2,3").generate(PROMPTS[:3], params)]

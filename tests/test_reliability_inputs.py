@@ -227,8 +227,9 @@ def test_item11_generation_config_gives_eos_and_default_sampling(tmp_path):
 
 
 def test_item11_shipped_huginn_carries_the_original_freqs_cis_buffer():
-    from looped_spec.adapters.huginn import reference_freqs_cis
     from safetensors import safe_open
+
+    from looped_spec.adapters.huginn import reference_freqs_cis
 
     folder = shipped_model_path("tiny-huginn")
     config = json.loads((folder / "config.json").read_text())

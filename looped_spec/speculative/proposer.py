@@ -9,7 +9,7 @@ import torch
 from looped_spec.model_runner import ModelRunner, StepInput
 from looped_spec.request import Request
 from looped_spec.sampler import SamplingRows, probabilities, sample_from
-from looped_spec.spec.readouts import read_out_depths
+from looped_spec.speculative.readouts import read_out_depths
 
 
 @dataclass

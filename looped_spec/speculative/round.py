@@ -14,21 +14,23 @@ import torch
 from looped_spec.model_runner import ModelRunner
 from looped_spec.request import Request
 from looped_spec.sampler import SamplingRows, sample
-from looped_spec.spec.proposer import DraftProposer
-from looped_spec.spec.readouts import read_out_depths
-from looped_spec.spec.rejection_sampler import accept, pad_positions
-from looped_spec.spec.verifier import Verifier
+from looped_spec.speculative.proposer import DraftProposer
+from looped_spec.speculative.readouts import read_out_depths
+from looped_spec.speculative.rejection_sampler import accept, pad_positions
+from looped_spec.speculative.verifier import Verifier
 
 
 @dataclass
 class RoundResult:
-    """Per request (in the caller's order): tokens to commit and accepted draft count."""
+    """Per request (in the caller's order): tokens to commit and accepted draft count; the round's seconds
+    per phase (a speculative round drafts, verifies and accepts; a plain round only decodes)."""
 
     committed: list[list[int]]
     num_accepted: list[int]
-    draft_time: float
-    verify_time: float
-    accept_time: float
+    draft_time: float = 0.0
+    verify_time: float = 0.0
+    accept_time: float = 0.0
+    decode_time: float = 0.0  # plain rounds: the full-depth decode and the sample
     depth_matches: list[int] = field(default_factory=list)  # per depth 1..D
     depth_trials: list[int] = field(default_factory=list)
     exit_depths: list[int] | None = None  # plain rounds with early exit: each request's readout depth
@@ -82,11 +84,11 @@ class SpeculativeRound:
         for pos, i in enumerate(order):
             committed[i] = committed_sorted[pos]
             accepted[i] = acc[pos]
-        return RoundResult(committed, accepted, t1 - t0, t2 - t1, t3 - t2, matches, trials)
+        return RoundResult(committed, accepted, t1 - t0, t2 - t1, t3 - t2, 0.0, matches, trials)
 
     @torch.inference_mode()
     def _plain(self, requests: list[Request], measure_depths: bool) -> RoundResult:
-        """K = 0: plain full-depth decoding; its time is reported as verify time (there is no draft)."""
+        """K = 0: plain full-depth decoding and a sample per request."""
         t0 = time.perf_counter()
         full_depth = self.runner.full_depth
         depth_preds = None
@@ -107,8 +109,15 @@ class SpeculativeRound:
             matches = torch.cat([(depth_preds == sampled[None]).sum(dim=1), full[None]]).tolist()
             trials = [len(requests)] * full_depth
         committed = [[t] for t in sampled.tolist()]
+        decode_time = time.perf_counter() - t0
+        accepted = [0] * len(requests)
         return RoundResult(
-            committed, [0] * len(requests), 0.0, time.perf_counter() - t0, 0.0, matches, trials, exit_depths
+            committed,
+            accepted,
+            decode_time=decode_time,
+            depth_matches=matches,
+            depth_trials=trials,
+            exit_depths=exit_depths,
         )
 
     def _depth_agreement(self, draft, verification, committed_grid, num_accepted, d):

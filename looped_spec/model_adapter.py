@@ -1,0 +1,304 @@
+"""ModelAdapter: the only place that knows a model family, and the family registry.
+
+A looped model is run in stages so the engine can stop after any loop:
+
+    state = embed(token_ids, ctx)            # state before loop 1
+    state = loop(state, i, ctx)  for i in 0..depth-1
+    logits = readout(state, depth, ctx)      # logits after `depth` loops
+
+The state is always one tensor `[num_tokens, state_dim]` (families that carry
+more than a hidden vector, such as Huginn's injected prelude output, pack it in
+there), so the engine can slice, stack and cache it without knowing the family.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from pathlib import Path
+from typing import Any, ClassVar
+
+import torch
+
+from looped_spec.attention import DenseContext
+from looped_spec.checkpoint import (
+    CheckpointError,
+    TensorSpec,
+    check_tensors,
+    read_config,
+    read_tensors,
+    resolve_device,
+    resolve_dtype,
+)
+from looped_spec.config_fields import token_ids_field
+from looped_spec.generation_config import GenerationConfig, read_generation_config
+from looped_spec.kv_cache import KVLayout
+
+
+class ModelAdapter(ABC):
+    """Family-specific math and weights behind a family-neutral staged interface.
+
+    Subclasses set `model_type` (the `config.json` value they serve), describe their tensors in
+    `tensor_specs`, validate config values in `check_config`, and implement `embed`, `loop` and
+    `readout`. Register them with `register_adapter`.
+    """
+
+    model_type: ClassVar[str] = ""
+    #: True when `readout` attends over cached keys (Huginn's coda): every cached position must then be
+    #: read out, and a readout writes its plane's KV.
+    readout_uses_kv: ClassVar[bool] = False
+    #: True when `loop(state, i)` is `loop(state, 0)` with every plane moved by i * (loop planes / depth),
+    #: and `readout(state, depth)` does not depend on depth: one CUDA graph of loop 0 then serves every loop.
+    uniform_loops: ClassVar[bool] = False
+
+    def __init__(
+        self,
+        config: dict,
+        weights: dict[str, torch.Tensor],
+        *,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+        name: str | None = None,
+        path: str | None = None,
+        **options: Any,
+    ) -> None:
+        self.config = config
+        self.dtype = dtype
+        self.device = torch.device(device)
+        self.name = name or config.get("_name_or_path") or self.model_type
+        self.path = path
+        self.options = options
+        self.generation = GenerationConfig()  # load_adapter sets the checkpoint's generation_config.json
+        self.weights = {k: v.to(device=self.device, dtype=dtype) for k, v in weights.items()}
+
+    # ----- description -----
+    @classmethod
+    @abstractmethod
+    def tensor_specs(cls, config: dict) -> dict[str, TensorSpec]:
+        """Every tensor the checkpoint may hold, with its expected shape."""
+
+    @classmethod
+    def check_config(cls, config: dict) -> None:
+        """Raise ValueError naming the field for config values this implementation does not support."""
+        return None
+
+    @property
+    @abstractmethod
+    def full_depth(self) -> int:
+        """D: the number of loop iterations of a full-depth forward."""
+
+    @property
+    def min_draft_depth(self) -> int:
+        """Smallest draft depth worth using (1 for most families)."""
+        return 1
+
+    @property
+    def max_dense_depth(self) -> int:
+        """Largest depth `dense_logits` accepts (D unless the family can run longer)."""
+        return self.full_depth
+
+    @property
+    @abstractmethod
+    def vocab_size(self) -> int: ...
+
+    @property
+    @abstractmethod
+    def state_dim(self) -> int: ...
+
+    @property
+    @abstractmethod
+    def kv_layout(self) -> KVLayout: ...
+
+    @property
+    def max_positions(self) -> int:
+        """Longest sequence the model supports (prompt + generated)."""
+        return int(self.config.get("max_position_embeddings", 4096))
+
+    @property
+    def eos_token_ids(self) -> list[int]:
+        """config.json's eos_token_id plus generation_config.json's (HF and vLLM stop on both)."""
+        ids = token_ids_field(self.config.get("eos_token_id"), "eos_token_id") + self.generation.stop_token_ids()
+        return list(dict.fromkeys(ids))
+
+    @property
+    def needs_token_seeds(self) -> bool:
+        """True when `embed` draws per-token random values keyed by (request seed, position)."""
+        return False
+
+    # ----- staged execution -----
+    @abstractmethod
+    def embed(self, token_ids: torch.Tensor, ctx) -> torch.Tensor:
+        """token_ids [num_tokens] -> state before loop 1 [num_tokens, state_dim]."""
+
+    @abstractmethod
+    def loop(self, state: torch.Tensor, loop_index: int, ctx) -> torch.Tensor:
+        """One recurrent iteration (0-based `loop_index`), reading and writing that loop's KV."""
+
+    @abstractmethod
+    def readout(self, state: torch.Tensor, depth: int, ctx) -> torch.Tensor:
+        """Logits [num_tokens, vocab] in fp32 from the state after `depth` loops."""
+
+    def exit_signal(self, state: torch.Tensor, depth: int, prev_state: torch.Tensor | None = None):
+        """Family exit signal after `depth` loops ([num_tokens] fp32), or None when the family has none."""
+        return None
+
+    # ----- early exit (docs/architecture.md, "Early exit") -----
+    #: True when the family has an exit rule driven by `exit_threshold` (Ouro's gate, Huginn's convergence).
+    has_exit_rule: ClassVar[bool] = False
+
+    @property
+    def default_exit_threshold(self) -> float | None:
+        """The threshold a request gets when it sets none (Ouro: config early_exit_threshold); None = no rule."""
+        return None
+
+    def exit_rule_can_fire(self, threshold: float) -> bool:
+        """False when `threshold` never exits before D (then the plain full-depth path is used)."""
+        return True
+
+    def exit_carry(self, num_rows: int) -> torch.Tensor | None:
+        """What the exit rule carries from loop to loop, one row per token ([num_rows, ...]), or None."""
+        return None
+
+    def exit_rule(
+        self,
+        state: torch.Tensor,
+        depth: int,
+        prev_state: torch.Tensor,
+        carry: torch.Tensor | None,
+        threshold: torch.Tensor,
+        ctx,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """After loop `depth` (< D): which tokens exit ([num_rows] bool, per-row `threshold` [num_rows]) and
+        the new carry. `prev_state` is the state before the loop. A rule that reads out writes the readout's
+        KV (Huginn's coda); the runner reads out again at the exit depth last, so that write wins."""
+        raise NotImplementedError(f"{self.model_type} has no exit rule; use exit_at_step")
+
+    def loop_planes(self, loop_index: int) -> range:
+        """KV planes written by loop `loop_index` (0-based)."""
+        layout = self.kv_layout
+        per_loop = layout.num_loop_planes // self.full_depth
+        start = layout.first_loop_plane + loop_index * per_loop
+        return range(start, start + per_loop)
+
+    # ----- reference path -----
+    @torch.no_grad()
+    def dense_logits(
+        self,
+        input_ids: torch.Tensor,
+        depth: int | None = None,
+        initial_state: torch.Tensor | None = None,
+        seeds: list[int] | None = None,
+    ) -> torch.Tensor:
+        """Cache-free forward of [B, T] (or [T]) token ids at `depth` loops -> logits [B, T, V] fp32."""
+        depth = self.full_depth if depth is None else depth
+        if not 1 <= depth <= self.max_dense_depth:
+            raise ValueError(f"depth {depth} outside 1..{self.max_dense_depth} for {self.model_type}")
+        ids = torch.as_tensor(input_ids, device=self.device)
+        if ids.dim() == 1:
+            ids = ids[None]
+        batch, seq = ids.shape
+        positions = torch.arange(seq, device=self.device).repeat(batch)
+        ctx = DenseContext(batch, seq, positions, seeds=seeds)
+        state = self.embed(ids.reshape(-1), ctx)
+        if initial_state is not None:
+            state = self.with_initial_state(state, initial_state.reshape(batch * seq, -1))
+        for i in range(depth):
+            state = self.loop(state, i, ctx)
+        return self.readout(state, depth, ctx).view(batch, seq, -1)
+
+    def with_initial_state(self, state: torch.Tensor, initial: torch.Tensor) -> torch.Tensor:
+        """Replace the latent initial state (families with one); others reject it."""
+        raise ValueError(f"{self.model_type} has no latent initial state to set")
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(name={self.name!r}, depth={self.full_depth}, dtype={self.dtype})"
+
+
+# ----- registry -----
+_REGISTRY: dict[str, type[ModelAdapter]] = {}
+
+
+def register_adapter(cls_or_type: type[ModelAdapter] | str | None = None, *, model_type: str | None = None):
+    """Register an adapter class for its `model_type` (decorator or plain call).
+
+    `@register_adapter` uses the class attribute `model_type`; `@register_adapter("my_type")` or
+    `register_adapter(MyAdapter, model_type="my_type")` name it explicitly.
+    """
+
+    def apply(cls: type[ModelAdapter], key: str | None) -> type[ModelAdapter]:
+        key = key or cls.model_type
+        if not key:
+            raise ValueError(f"{cls.__name__} has no model_type to register under")
+        if not (isinstance(cls, type) and issubclass(cls, ModelAdapter)):
+            raise TypeError(f"{cls!r} is not a ModelAdapter subclass")
+        cls.model_type = key
+        _REGISTRY[key] = cls
+        return cls
+
+    if isinstance(cls_or_type, type):
+        return apply(cls_or_type, model_type)
+    key = cls_or_type if isinstance(cls_or_type, str) else model_type
+
+    def decorator(cls: type[ModelAdapter]) -> type[ModelAdapter]:
+        return apply(cls, key)
+
+    return decorator
+
+
+def registered_model_types() -> list[str]:
+    _load_builtin_adapters()
+    return sorted(_REGISTRY)
+
+
+def _load_builtin_adapters() -> None:
+    import looped_spec.adapters  # noqa: F401  (registers the built-in families)
+
+
+def adapter_class(model_type: str, where: str = "config.json") -> type[ModelAdapter]:
+    _load_builtin_adapters()
+    if model_type not in _REGISTRY:
+        raise CheckpointError(
+            f"{where}: unknown model_type {model_type!r}; registered: {', '.join(sorted(_REGISTRY))}. "
+            "Register an adapter with looped_spec.register_adapter to add a family."
+        )
+    return _REGISTRY[model_type]
+
+
+def resolve_model_path(path_or_name: str | Path) -> Path:
+    """A folder path, or the short name of a model shipped with looped-spec (e.g. 'tiny-ouro')."""
+    path = Path(path_or_name)
+    if path.is_dir():
+        return path
+    from looped_spec.models import shipped_model_path
+
+    shipped = shipped_model_path(str(path_or_name))
+    if shipped is not None:
+        return shipped
+    raise CheckpointError(f"{path_or_name}: not a checkpoint folder nor a shipped model name")
+
+
+def load_adapter(
+    path_or_name: str | Path,
+    dtype: str | torch.dtype = "auto",
+    device: str | torch.device = "auto",
+    **options: Any,
+) -> ModelAdapter:
+    """Load a checkpoint folder (or shipped model name) with the adapter registered for its model_type."""
+    folder = resolve_model_path(path_or_name)
+    config = read_config(folder)
+    model_type = config.get("model_type")
+    if not isinstance(model_type, str):
+        raise CheckpointError(f"{folder / 'config.json'}: no model_type field")
+    cls = adapter_class(model_type, str(folder / "config.json"))
+    try:
+        cls.check_config(config)
+        token_ids_field(config.get("eos_token_id"), "eos_token_id")
+        specs = cls.tensor_specs(config)
+    except (ValueError, KeyError, TypeError, ZeroDivisionError) as exc:
+        raise CheckpointError(f"{folder / 'config.json'}: {exc}") from exc
+    generation = read_generation_config(folder)
+    dtype, device = resolve_dtype(dtype, config), resolve_device(device)
+    tensors, origin = read_tensors(folder)
+    weights = check_tensors(tensors, specs, origin, folder)
+    adapter = cls(config, weights, dtype=dtype, device=device, name=folder.name, path=str(folder), **options)
+    adapter.generation = generation
+    return adapter
