@@ -176,7 +176,7 @@ class HuginnAdapter(ModelAdapter):
         loop_planes = self.full_depth * self.num_core
         token_planes = self.num_prelude + self.num_coda
         return KVLayout(
-            loop_planes + token_planes, self.num_kv_heads, self.head_dim, loop_planes, token_planes, self.num_prelude
+            loop_planes + token_planes, self.num_kv_heads, self.head_dim, loop_planes, first_loop_plane=self.num_prelude
         )
 
     @property

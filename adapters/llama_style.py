@@ -113,7 +113,7 @@ class LlamaStyleLooped(ModelAdapter):
     @property
     def kv_layout(self) -> KVLayout:
         planes = self.full_depth * self.num_layers
-        return KVLayout(planes, self.num_kv_heads, self.head_dim, planes, 0)
+        return KVLayout(planes, self.num_kv_heads, self.head_dim, planes)
 
     def embed(self, token_ids: torch.Tensor, ctx) -> torch.Tensor:
         return F.embedding(token_ids, self.weights["model.embed_tokens.weight"])

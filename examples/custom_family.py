@@ -62,7 +62,7 @@ class ToyLoopedAdapter(ModelAdapter):
 
     @property
     def kv_layout(self):
-        return KVLayout(self.full_depth, 1, self.config["hidden"], self.full_depth, 0)
+        return KVLayout(self.full_depth, 1, self.config["hidden"], self.full_depth)
 
     @property
     def max_positions(self):

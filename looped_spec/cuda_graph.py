@@ -227,10 +227,13 @@ class CudaGraphRunner:
         self.readout_graph = adapter.readout_uses_kv
         layout = adapter.kv_layout
         self.planes_per_loop = layout.num_loop_planes // adapter.full_depth
-        self.scratch_block = kv.reserve_scratch_block()
-        self.plans: list[tuple[int, int]] = []
-        self.query_lens: list[int] = []
-        self.buffers: SharedBuffers | None = None
+        self.scratch_block = kv.scratch_block  # padding rows write to and read from it only
+        self.plans = sorted(set(plans))
+        self.query_lens = query_lens_of(self.plans)
+        self.buffers = SharedBuffers(
+            max(buckets) * max(self.query_lens), max(buckets), self.max_context, self.block_size, not use_kernel,
+            adapter.state_dim, adapter.dtype, adapter.device,
+        )  # fmt: skip
         self.pool = None
         self.batches: dict[tuple[int, int, int], StaticBatch] = {}
         self.graphs: dict[GraphKey, torch.cuda.CUDAGraph] = {}
@@ -238,26 +241,11 @@ class CudaGraphRunner:
         self.prepared: set[GraphKey] = set()
         self.capture_seconds = 0.0
         self.capture_bytes = 0
-        self.add_plans(plans)
-
-    # ----- preparing -----
-    def add_plans(self, plans: list[tuple[int, int]]) -> None:
-        """Make the plans' shapes replayable; on the kernel path (one static context) capture them now."""
-        self.plans = sorted(set(self.plans) | set(plans))
-        query_lens = query_lens_of(self.plans)
-        max_tokens = max(self.buckets) * max(query_lens)
-        if self.buffers is None or max_tokens > self.buffers.token_ids.shape[0]:
-            if self.prepared:
-                raise RuntimeError("graph shapes larger than the captured ones must be added before capture")
-            self.buffers = SharedBuffers(
-                max_tokens, max(self.buckets), self.max_context, self.block_size, not self.use_kernel,
-                self.adapter.state_dim, self.adapter.dtype, self.adapter.device,
-            )  # fmt: skip
-        self.query_lens = query_lens
-        if self.use_kernel:  # one context: prepare everything up front, as vLLM does
+        if use_kernel:  # one static context: capture every shape the plans run up front, as vLLM does
             for key in self.keys(self.contexts):
                 self.prepare(key)
 
+    # ----- preparing -----
     def keys(self, contexts: list[int]) -> list[GraphKey]:
         return graph_keys(
             self.plans, self.adapter.full_depth, self.buckets, contexts, self.uniform_loops, self.readout_graph

@@ -11,6 +11,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from tqdm import tqdm
 
 from looped_spec.control.controller import FixedController
 from looped_spec.control.factory import make_controller
@@ -460,7 +461,7 @@ class LoopedSpecEngine:
         ids = [r.request_id for r in requests]
         mine = set(ids)
         results: dict[str, RequestOutput] = {}
-        bar = _progress(len(ids)) if use_tqdm else None
+        bar = tqdm(total=len(ids), desc="generate", disable=not use_tqdm)
         try:
             while len(results) < len(ids):
                 if not (self.scheduler.has_unfinished() or mine & self._reports.keys()):
@@ -469,14 +470,12 @@ class LoopedSpecEngine:
                 for out in self._take_outputs(only=mine):
                     if out.finished:
                         results[out.request_id] = out
-                        if bar is not None:
-                            bar.update(1)
+                        bar.update(1)
         except BaseException:
             self._forget(requests)
             raise
         finally:
-            if bar is not None:
-                bar.close()
+            bar.close()
         return [results[i] for i in ids]
 
     def _forget(self, requests: list[Request]) -> None:
@@ -488,18 +487,9 @@ class LoopedSpecEngine:
             self._requests.pop(request.request_id, None)
 
     def close(self) -> None:
-        close = getattr(self.controller, "close", None)
-        if close is not None:
-            close()
+        """Flush and close the controller's trace (if any). Safe to call twice."""
+        self.controller.close()
 
     @property
     def num_free_blocks(self) -> int:
         return self.kv.num_free_blocks
-
-
-def _progress(total: int):
-    try:
-        from tqdm import tqdm
-    except ImportError:
-        return None
-    return tqdm(total=total, desc="generate")

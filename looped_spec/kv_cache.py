@@ -9,25 +9,21 @@ last kept block are overwritten before they are read again.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 
 @dataclass(frozen=True)
 class KVLayout:
-    """Shape of the KV cache a family needs: one plane per (loop, layer) plus once-per-token planes."""
+    """Shape of the KV cache a family needs: one plane per (loop, layer), and any planes written once per
+    token (Huginn's prelude and coda) in the other `num_planes - num_loop_planes`."""
 
     num_planes: int
     num_kv_heads: int
     head_dim: int
-    num_loop_planes: int  # planes written once per loop iteration
-    num_token_planes: int  # planes written once per token (e.g. Huginn prelude/coda)
-    first_loop_plane: int = 0  # loop planes are contiguous, loop after loop, from this plane on
-
-
-class KVCacheFull(RuntimeError):
-    """Not enough free blocks for the requested growth."""
+    num_loop_planes: int  # planes written once per loop iteration (D x layers per loop)
+    first_loop_plane: int = field(default=0, kw_only=True)  # loop planes are contiguous, loop after loop, from here
 
 
 class KVCache:
@@ -69,8 +65,8 @@ class KVCache:
     def grow(self, table: list[int], num_tokens: int) -> None:
         """Append blocks so `table` holds `num_tokens` tokens (all or nothing)."""
         need = self.extra_blocks(table, num_tokens)
-        if need > len(self._free):
-            raise KVCacheFull(f"need {need} blocks, {len(self._free)} free")
+        if need > len(self._free):  # a caller bug: the scheduler checks can_grow (and preempts) first
+            raise RuntimeError(f"KV cache: need {need} blocks, {len(self._free)} free")
         for _ in range(need):
             table.append(self._free.pop())
 
@@ -90,7 +86,3 @@ class KVCache:
         slots = slots[None, :]
         self.key_cache[dst, slots] = self.key_cache[src, slots]
         self.value_cache[dst, slots] = self.value_cache[src, slots]
-
-    def reserve_scratch_block(self) -> int:
-        """The block padding rows write to and read from; never handed to a request."""
-        return self.scratch_block

@@ -87,11 +87,6 @@ class ModelAdapter(ABC):
         """D: the number of loop iterations of a full-depth forward."""
 
     @property
-    def min_draft_depth(self) -> int:
-        """Smallest draft depth worth using (1 for most families)."""
-        return 1
-
-    @property
     def max_dense_depth(self) -> int:
         """Largest depth `dense_logits` accepts (D unless the family can run longer)."""
         return self.full_depth

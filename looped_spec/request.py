@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 import torch
 
 from looped_spec.detokenizer import IncrementalDetokenizer
-from looped_spec.sampling_params import SamplingParams
+from looped_spec.sampling_params import GREEDY_TEMPERATURE, SamplingParams
 
 
 class RequestStatus(enum.Enum):
@@ -86,7 +86,8 @@ class Request:
         self.token_ids: list[int] = list(prompt)
         self.num_prompt_tokens = len(prompt)
         self.max_tokens = params.max_tokens
-        self.temperature = 0.0 if params.greedy else float(params.temperature)
+        # below GREEDY_TEMPERATURE a softmax overflows: such a temperature means greedy
+        self.temperature = 0.0 if params.temperature < GREEDY_TEMPERATURE else float(params.temperature)
         self.top_k = int(params.top_k) if params.top_k > 0 else 0
         self.top_p = float(params.top_p)
         self.stop_ids = set(params.stop_token_ids)

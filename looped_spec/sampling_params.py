@@ -70,7 +70,3 @@ class SamplingParams(BaseModel):
                 "(a threshold lets each token choose its depth, exit_at_step fixes it)"
             )
         return self
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature < GREEDY_TEMPERATURE
