@@ -2,7 +2,7 @@
 
 After every decode round the controller gets `RoundFeedback.depth_matches[j] / depth_trials[j]`: over the
 round's committed positions, how often a greedy readout at depth j+1 predicted the committed token. Plain
-rounds (K = 0) read out the loop-1..D-1 states of the plain decode (`engine.py::_decode_round`); speculative
+rounds (K = 0) read out the loop-1..D-1 states of the plain decode (`speculative/round.py::_plain`); speculative
 rounds take depths <= d from the draft and deeper ones from the verifier (`speculative/round.py::_depth_agreement`).
 
 The reference never touches the paged KV cache, the runner or the speculative round. For a greedy run with
