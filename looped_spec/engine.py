@@ -18,6 +18,7 @@ from looped_spec.control.factory import make_controller
 from looped_spec.cuda_graph import CudaGraphRunner, batch_buckets
 from looped_spec.detokenizer import IncrementalDetokenizer
 from looped_spec.engine_config import EngineConfig
+from looped_spec.host_memory import keep_freed_memory
 from looped_spec.inputs import load_tokenizer, normalize_prompts, to_token_ids
 from looped_spec.kv_cache import KVCache
 from looped_spec.model_adapter import ModelAdapter, load_adapter
@@ -64,6 +65,8 @@ class LoopedSpecEngine:
             self.adapter = load_adapter(
                 model, dtype=config.dtype, device=config.device, **(config.adapter_options or {})
             )
+        if torch.device(self.adapter.device).type == "cpu":
+            keep_freed_memory()  # big per-step tensors reuse freed heap instead of page-faulting (host_memory.py)
         limit = self.adapter.max_positions
         self.max_model_len = config.max_model_len if config.max_model_len is not None else limit
         if not 2 <= self.max_model_len <= limit:
