@@ -132,6 +132,21 @@ def test_kv_exhaustion_preempts_and_recomputes(family):
     assert engine.num_free_blocks == engine.kv.num_blocks
 
 
+def test_kv_cache_of_one_max_length_request_is_enough():
+    """A request's KV never covers more than max_model_len tokens (drafts included): a cache of exactly
+    ceil(max_model_len / block_size) blocks runs requests to max_model_len, speculating; one block fewer is
+    refused at construction."""
+    prompts = [list(range(3, 30)), [5, 9, 13]]  # 27 + 5 = 32 tokens: the first ends at max_model_len
+    options = {"block_size": 4, "max_model_len": 32, "max_num_batched_tokens": 12}
+    expected = [o.token_ids for o in make_engine("ouro", **options).generate(prompts, greedy(40))]
+    engine = make_engine("ouro", speculation="3,1", num_kv_blocks=8, max_batch_size=2, **options)
+    outs = engine.generate(prompts, greedy(40))
+    assert [o.token_ids for o in outs] == expected and outs[0].finish_reason == "length"
+    assert engine.stats.num_spec_rounds > 0 and engine.num_free_blocks == 8
+    with pytest.raises(ValueError, match="cannot hold one request"):
+        make_engine("ouro", num_kv_blocks=7, **options)
+
+
 def test_bad_input_is_rejected_and_nothing_accepted_is_lost():
     engine = make_engine("ouro", max_model_len=32)
     keep = engine.add_request([1, 2, 3], greedy(4))

@@ -77,7 +77,7 @@ scenarios_st = st.fixed_dictionaries(
     {
         "family": st.sampled_from(["ouro", "nanbeige", "huginn"]),
         "speculation": st.one_of(st.just("off"), st.just("adaptive"), st.tuples(st.integers(0, 3), st.integers(1, 7))),
-        "num_kv_blocks": st.integers(9, 16),  # block_size 4, max_model_len 32: one request needs up to 9
+        "num_kv_blocks": st.integers(8, 16),  # block_size 4, max_model_len 32: one request needs up to 8
         "max_batch_size": st.integers(1, 4),
         "initial": st.lists(requests_st, min_size=2, max_size=5),
         "actions": actions_st,
