@@ -7,14 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from looped_spec.control import (
-    AdaptiveController,
-    AdaptiveSpecConfig,
-    FixedController,
-    OffController,
-    SyntheticWorkload,
-    load_preset,
-)
+from looped_spec.control import AdaptiveController, AdaptiveSpecConfig, FixedController, OffController, load_preset
+from looped_spec.control.simulate import SyntheticWorkload
 from looped_spec.plan import RoundFeedback, SpeculationPlan
 
 

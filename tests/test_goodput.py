@@ -6,15 +6,10 @@ import random
 
 import pytest
 
-from looped_spec.control import (
-    AdaptiveController,
-    AdaptiveSpecConfig,
-    DepthAcceptance,
-    SyntheticWorkload,
-    expected_accept_rate,
-    expected_tokens,
-)
+from looped_spec.control import AdaptiveController, AdaptiveSpecConfig
 from looped_spec.control.costmodel import LinearFit2, RoundCostModel
+from looped_spec.control.goodput import DepthAcceptance, expected_accept_rate, expected_tokens
+from looped_spec.control.simulate import SyntheticWorkload
 from looped_spec.plan import RoundFeedback
 
 CANDIDATES = [[0, 0], [1, 2], [4, 1], [6, 1]]

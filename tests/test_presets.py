@@ -10,16 +10,9 @@ from pathlib import Path
 import pytest
 from conftest import FAMILIES, fixture_dir, load
 
-from looped_spec.control import (
-    AdaptiveSpecConfig,
-    PresetError,
-    generic_preset,
-    load_preset,
-    match_preset_name,
-    read_preset_file,
-)
+from looped_spec.control import AdaptiveSpecConfig, PresetError, find_preset, load_preset, read_preset_file
 from looped_spec.control.factory import make_controller
-from looped_spec.control.presets import find_preset, preset_dir
+from looped_spec.control.presets import generic_preset, match_preset_name, preset_dir
 
 SHIPPED_DEPTHS = {
     "ouro-1.4b": 4,
@@ -195,13 +188,6 @@ def test_errors_name_the_file(tmp_path: Path):
         PresetError, match=r"ouro-1\.4b\.json: buckets\[0\]\.candidates\[1\]: d=2 must be < full depth 2"
     ):
         load_preset("Ouro-1.4B", 2)
-
-
-def test_yaml_when_available(tmp_path: Path):
-    yaml = pytest.importorskip("yaml")
-    path = tmp_path / "p.yaml"
-    path.write_text(yaml.safe_dump(BASE))
-    assert read_preset_file(path).model == "test"
 
 
 # ---------------------------------------------------------------- one test per validation rule

@@ -15,7 +15,7 @@ from pathlib import Path
 from time import perf_counter
 from typing import Any
 
-from looped_spec.control.buckets import BucketTable, compile_buckets, compile_disable
+from looped_spec.control.buckets import BucketTable, compile_buckets
 from looped_spec.control.goodput import GoodputPolicy
 from looped_spec.control.policy import CandidatePolicy, Policy
 from looped_spec.control.schema import AdaptiveSpecConfig
@@ -164,7 +164,7 @@ class AdaptiveController(BaseController):
         self.full_depth = full_depth
         self.policy_name = policy
         buckets = compile_buckets(self.config)
-        disable = compile_disable(self.config)
+        disable = self.config.disable
         self.measure_depths = (policy == "goodput") if measure_depths is None else measure_depths
         self.policy: Policy
         if policy == "ema":

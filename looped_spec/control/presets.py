@@ -16,7 +16,7 @@ Shipped presets live in the `looped_spec.presets` package (the repository's `pre
 3. the family-generic ``default.json``, rescaled to the model's depth (see `schema.py`, depth rule "scale").
 
 `load_preset` logs the choice and the reason (logger ``looped_spec.control.presets``, level INFO).
-YAML files (``.yaml`` / ``.yml``) are read only when PyYAML is importable.
+Preset files are JSON.
 """
 
 from __future__ import annotations
@@ -59,7 +59,6 @@ PRESET_PACKAGE = "looped_spec.presets"
 GENERIC_PRESET = "default"
 #: A preset file inside a checkpoint folder: that checkpoint's preset (before any shipped one).
 CHECKPOINT_PRESET = "preset.json"
-_SUFFIXES = (".json", ".yaml", ".yml")
 
 
 def preset_dir() -> Path:
@@ -69,34 +68,13 @@ def preset_dir() -> Path:
 
 def list_presets() -> list[str]:
     """Names (file stems) of the shipped presets, sorted."""
-    return sorted(p.stem for p in preset_dir().iterdir() if p.suffix in _SUFFIXES)
+    return sorted(p.stem for p in preset_dir().glob("*.json"))
 
 
 def shipped_preset_path(name: str) -> Path | None:
     """The shipped file for preset `name` (case-insensitive, without suffix), or None."""
-    folder = preset_dir()
-    for suffix in _SUFFIXES:
-        path = folder / f"{name.lower()}{suffix}"
-        if path.is_file():
-            return path
-    return None
-
-
-def _read_data(path: Path) -> Any:
-    text = path.read_text(encoding="utf-8")
-    if path.suffix in (".yaml", ".yml"):
-        try:
-            import yaml  # type: ignore[import-untyped]
-        except ImportError:
-            raise PresetError(f"{path}: reading YAML presets needs PyYAML (pip install pyyaml)") from None
-        try:
-            return yaml.safe_load(text)
-        except yaml.YAMLError as err:
-            raise PresetError(f"{path}: invalid YAML: {err}") from None
-    try:
-        return json.loads(text)
-    except json.JSONDecodeError as err:
-        raise PresetError(f"{path}: invalid JSON: {err}") from None
+    path = preset_dir() / f"{name.lower()}.json"
+    return path if path.is_file() else None
 
 
 def read_preset_file(path: str | Path) -> AdaptiveSpecConfig:
@@ -104,7 +82,11 @@ def read_preset_file(path: str | Path) -> AdaptiveSpecConfig:
     path = Path(path)
     if not path.is_file():
         raise PresetError(f"{path}: preset file not found")
-    return AdaptiveSpecConfig.parse(_read_data(path), source=str(path))
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as err:
+        raise PresetError(f"{path}: invalid JSON: {err}") from None
+    return AdaptiveSpecConfig.parse(data, source=str(path))
 
 
 def match_preset_name(model_name: str) -> str | None:
@@ -194,7 +176,7 @@ def load_preset(
         path = Path(preset)
         reason = "preset= file"
         if not path.is_file():
-            shipped = shipped_preset_path(str(preset)) if path.suffix not in _SUFFIXES else None
+            shipped = shipped_preset_path(str(preset)) if path.suffix != ".json" else None
             if shipped is None:
                 shipped_names = ", ".join(list_presets())
                 raise PresetError(f"{path}: no such preset file or shipped preset (shipped: {shipped_names})")
