@@ -142,7 +142,8 @@ def test_goodput_with_a_profile_starts_at_the_best_predicted_plan_without_explor
     profile = CostProfile(4, **config.cost.model_dump())
     options = [(0, 0), (1, 1), (3, 1), (2, 2), (5, 1)]
     for batch in (1, 8):
-        ctl = AdaptiveController(config, 4, policy_options={"refine_cost": True})
+        ctl = AdaptiveController(config, 4)
+        ctl.policy.refine_cost = True
 
         def rate(o, batch=batch):
             return markov_tokens(0.9 if o[1] == 1 else 0.95, 0, o[0]) / profile.predict(*o, batch)
@@ -192,7 +193,8 @@ def test_goodput_measured_cost_corrects_a_wrong_profile_at_the_same_batch_size()
 
     config = profiled_config([0.05, 0.05, 0.05, 1.0], candidates=[[0, 0], [2, 1]])  # prior: do not speculate
     profile = CostProfile(4, **config.cost.model_dump())
-    ctl = AdaptiveController(config, 4, measure_depths=False, policy_options={"refine_cost": True})
+    ctl = AdaptiveController(config, 4)
+    ctl.policy.refine_cost = True
     batch = 8
 
     def feed(plan, seconds, depth_matches=()):

@@ -74,7 +74,7 @@ def test_depth_acceptance_from_counterfactuals_and_geometric_counts():
 
 
 def test_explores_every_option_first():
-    ctl = AdaptiveController(sim_config(), 4, policy="goodput", policy_options={"explore_rounds": 2})
+    ctl = AdaptiveController(sim_config(), 4, policy="goodput")  # explores each option twice
     sim = SyntheticWorkload(4, ALPHA, seed=1, **COSTS)
     seen = []
     for _ in range(8):
@@ -85,7 +85,8 @@ def test_explores_every_option_first():
 
 
 def simulate(policy: str, phases, seed: int = 7, timed: bool = True):
-    ctl = AdaptiveController(sim_config(), 4, policy=policy, measure_every=1)  # learn acceptance every round
+    ctl = AdaptiveController(sim_config(), 4, policy=policy)
+    ctl.measure_every = 1  # learn acceptance every round
     sim = SyntheticWorkload(4, ALPHA, seed=seed, timed=timed, **COSTS)
     options = [tuple(c) for c in CANDIDATES]
     report = []
