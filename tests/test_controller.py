@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import fields
 from pathlib import Path
 
 import pytest
@@ -189,6 +190,11 @@ def test_trace_jsonl(tmp_path: Path):
     decisions = [e for e in events if e["event"] == "decision"]
     assert decisions and decisions[0]["what"].startswith("off") and decisions[0]["bucket"] == 0
     assert [e["plan_id"] for e in events if e["event"] == "plan"] == [0, 1, 2, 3]
+    plan = next(e for e in events if e["event"] == "plan")
+    assert set(plan) == {"event", "t", "batch"} | {f.name for f in fields(SpeculationPlan)}
+    feedback = next(e for e in events if e["event"] == "feedback")
+    assert set(feedback) == {"event", "t"} | {f.name for f in fields(RoundFeedback)}
+    assert feedback["batch_size"] == 1 and feedback["num_proposed"] == [feedback["k"]]
 
 
 @pytest.mark.parametrize("policy", ["ema", "goodput"])
