@@ -218,7 +218,8 @@ def _tune(args: argparse.Namespace) -> int:
             raise UsageError("--heatmap needs matplotlib (pip install matplotlib)") from None
     _at_least(args.threads, 0, "--threads", " (0: torch's default)")
     _at_least(args.acceptance_tokens, 2, "--acceptance-tokens", " (the first token comes from prefill)")
-    for option in ("num_prompts", "profile_rounds", "repeats"):
+    _at_least(args.profile_tokens, 2, "--profile-tokens")
+    for option in ("num_prompts", "repeats"):
         _at_least(getattr(args, option), 1, "--" + option.replace("_", "-"))
     _set_threads(args.threads)
     argv = args.argv if args.argv is not None else sys.argv[1:]  # set by main()
@@ -243,7 +244,7 @@ def _tune(args: argparse.Namespace) -> int:
         args.grid,
         acceptance_tokens=args.acceptance_tokens,
         num_prompts=args.num_prompts,
-        profile_rounds=args.profile_rounds,
+        profile_tokens=args.profile_tokens,
         repeats=args.repeats,
         hardware=args.hardware,
         dtype=args.dtype,
@@ -377,7 +378,9 @@ def build_parser() -> argparse.ArgumentParser:
     tune.add_argument("--grid", default="auto", help='auto | "K,d;K,d;..." (1 <= d < D)')
     tune.add_argument("--acceptance-tokens", type=int, default=96, help="greedy tokens per prompt (acceptance pass)")
     tune.add_argument("--num-prompts", type=int, default=32, help="prompts in the acceptance pass")
-    tune.add_argument("--profile-rounds", type=int, default=12, help="timed rounds per config and repeat")
+    tune.add_argument(
+        "--profile-tokens", type=int, default=64, help="generated tokens per request over which rounds are timed"
+    )
     tune.add_argument("--repeats", type=int, default=4, help="timed repeats (one more is run and dropped)")
     tune.add_argument("--seed", type=int, default=0, help="seed of the interleaving order")
     tune.add_argument(

@@ -17,6 +17,7 @@ from looped_spec.control.factory import make_controller, plan_shapes
 from looped_spec.cuda_graph import CudaGraphRunner, batch_buckets
 from looped_spec.detokenizer import IncrementalDetokenizer
 from looped_spec.engine_args import check_engine_args
+from looped_spec.host_memory import keep_freed_memory
 from looped_spec.inputs import load_tokenizer, normalize_prompts, to_token_ids
 from looped_spec.kv_cache import KVCache
 from looped_spec.model_runner import ModelRunner
@@ -91,6 +92,8 @@ class LoopedSpecEngine:
             self.adapter = model
         else:
             self.adapter = load_adapter(model, dtype=dtype, device=device, **(adapter_options or {}))
+        if torch.device(self.adapter.device).type == "cpu":
+            keep_freed_memory()  # big per-step tensors reuse freed heap instead of page-faulting (host_memory.py)
         limit = self.adapter.max_positions
         self.max_model_len = max_model_len if max_model_len is not None else limit
         if not 2 <= self.max_model_len <= limit:

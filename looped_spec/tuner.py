@@ -7,12 +7,14 @@
    generated position, whether a depth-d draft would have proposed the token full depth committed. From
    those bits: α_d, persistence ρ_d, and the exact committed tokens per round of every (K, d) replayed on
    the real trajectories (`acceptance.simulate_tokens`), printed beside the Markov model's prediction.
-2. Cost (hardware): for every profiled batch size, plain and every grid cell run `profile_rounds` decode
-   rounds per repeat on persistent engines, configurations interleaved in a shuffled order per repeat, the
-   first repeat discarded. A cell's cost is the smallest over repeats of the run's median round time (a
-   shared machine only ever adds time: the best run is the least disturbed one; spread = (largest −
-   smallest) / smallest run median), made non-decreasing in the batch size (a bigger batch never costs less
-   per round), then fitted by the round-cost model of `costprofile.py`.
+2. Cost (hardware): for every profiled batch size, plain and every grid cell decode a fresh batch of tuning
+   prompts for `profile_tokens` generated tokens per request, every round timed, on persistent engines,
+   configurations interleaved in a shuffled order per repeat, the first repeat discarded. Timing the same
+   stretch of generation prices plain and speculative rounds at the same contexts (a round's cost grows with
+   the context). A cell's cost is the smallest over repeats of the run's trimmed mean round time (a shared
+   machine only ever adds time: the best run is the least disturbed one; spread = (largest − smallest) /
+   smallest run cost), made non-decreasing in the batch size (a bigger batch never costs less per round),
+   then fitted by the round-cost model of `costprofile.py`.
 3. Preset: buckets, candidates, initial choices and thresholds from 1 + 2 (`control/derive.py`), plus both
    measurements (`acceptance`, `cost` sections) for the goodput policy, provenance with the tuning prompts'
    fingerprints (the benchmark refuses to evaluate on them). Given a cost profile (`cost_profile=`) the
@@ -22,7 +24,6 @@
 from __future__ import annotations
 
 import random
-import statistics
 import time
 from collections.abc import Sequence
 from datetime import datetime, timezone
@@ -102,7 +103,7 @@ def acceptance_report(bits: list[list[list[int]]], grid: Sequence[tuple[int, int
 
 # ----------------------------------------------------------------------------------------- cost
 class RoundTimer:
-    """Times single decode rounds of one persistent engine per configuration at a given batch size."""
+    """Times the decode rounds of one persistent engine per configuration over a decode horizon."""
 
     def __init__(self, adapter: ModelAdapter, max_batch: int, max_model_len: int, warmup: list[Any]) -> None:
         self.adapter, self.max_batch, self.max_model_len, self.warmup = adapter, max_batch, max_model_len, warmup
@@ -118,25 +119,32 @@ class RoundTimer:
             self.engines[cell] = engine
         return self.engines[cell]
 
-    def time_rounds(self, cell: tuple[int, int], prompts: list[Any], rounds: int) -> list[float]:
-        """Seconds of each of `rounds` full-shape decode rounds (every request drafting K) of a fresh batch."""
+    def time_rounds(self, cell: tuple[int, int], prompts: list[Any], horizon: int) -> list[float]:
+        """Seconds of every decode round of a fresh batch until its requests have `horizon` tokens on average.
+
+        Round cost grows with the context (every loop pass reads the whole KV of every request), and a plain
+        round moves the context one token while a speculative one moves it by its committed tokens. Timing
+        every round over the same stretch of generated tokens prices plain and speculative rounds at the same
+        contexts, the ones a `horizon`-token generation goes through. Every timed round is full-shape (every
+        request drafts K: max_tokens leaves room), so the rounds are the plan's own shape.
+        """
         engine = self.engine(cell)
         k = cell[0]
-        params = SamplingParams(max_tokens=(rounds + 2) * (k + 1) + 2, ignore_eos=True)
-        ids = [engine.add_request(p, params) for p in prompts]
+        params = SamplingParams(max_tokens=2 * horizon + k + 2, ignore_eos=True)
+        requests = [engine._requests[engine.add_request(p, params)] for p in prompts]
         stats = engine.stats
-        while stats.num_prefill_steps and any(not engine._requests[i].prefilled for i in ids):
+        while any(not r.prefilled for r in requests):
             engine.step()
         seconds: list[float] = []
-        for _ in range(rounds):
+        while sum(len(r.output_token_ids) for r in requests) < horizon * len(requests):
             r0, k0 = stats.num_rounds, stats.num_draft_tokens
             start = time.perf_counter()
             engine.step()
             elapsed = time.perf_counter() - start
             if stats.num_rounds == r0 + 1 and stats.num_draft_tokens - k0 == k * len(prompts):
                 seconds.append(elapsed)
-        for i in ids:
-            engine.abort(i)
+        for r in requests:
+            engine.abort(r.request_id)
         while engine.has_unfinished_requests():
             engine.step()
         engine.step()  # collect the abort outputs
@@ -152,7 +160,7 @@ def profile_costs(
     cells: Sequence[tuple[int, int]],
     batch_sizes: Sequence[int],
     prompts: list[Any],
-    rounds: int,
+    horizon: int,
     repeats: int,
     seed: int,
     bar=None,
@@ -167,7 +175,7 @@ def profile_costs(
             order = configs[:]
             rng.shuffle(order)
             for cell in order:
-                times = timer.time_rounds(cell, prompts[:b], rounds)
+                times = timer.time_rounds(cell, prompts[:b], horizon)
                 if repeat > 0 and times:
                     samples[b][cell].append(times)
                 if bar is not None:
@@ -175,13 +183,25 @@ def profile_costs(
     return samples
 
 
+def trimmed_mean(values: Sequence[float], trim: float = 0.1) -> float:
+    """Mean of the values without the smallest and the largest `trim` fraction (each side)."""
+    ordered = sorted(values)
+    cut = int(len(ordered) * trim)
+    kept = ordered[cut : len(ordered) - cut] or ordered
+    return sum(kept) / len(kept)
+
+
 def run_cost(runs: list[list[float]]) -> tuple[float, float]:
-    """(smallest run median, (largest - smallest) / smallest run median) of one cell's timed runs."""
+    """(smallest run cost, (largest - smallest) / smallest run cost) of one cell's timed runs.
+
+    A run's cost is the 10%-trimmed mean of its round seconds: a mean, because the rounds of a run sit at
+    growing contexts and throughput is set by their sum; trimmed, so one stalled round does not decide it.
+    """
     if not runs:
-        raise TunerError("a configuration produced no full-shape decode round to time; raise --profile-rounds")
-    medians = [statistics.median(r) for r in runs]
-    best = min(medians)
-    return best, (max(medians) - best) / best if best > 0 else 0.0
+        raise TunerError("a configuration produced no full-shape decode round to time; raise --profile-tokens")
+    costs = [trimmed_mean(r) for r in runs]
+    best = min(costs)
+    return best, (max(costs) - best) / best if best > 0 else 0.0
 
 
 def nondecreasing(values: list[float]) -> list[float]:
@@ -236,7 +256,7 @@ def tune(
     *,
     acceptance_tokens: int = 96,
     num_prompts: int = 32,
-    profile_rounds: int = 12,
+    profile_tokens: int = 64,
     repeats: int = 4,
     cost_profile: CostProfile | dict | None = None,
     cost_report: dict[str, Any] | None = None,
@@ -262,7 +282,7 @@ def tune(
     for name, value, low in (
         ("acceptance_tokens", acceptance_tokens, 2),
         ("num_prompts", num_prompts, 1),
-        ("profile_rounds", profile_rounds, 1),
+        ("profile_tokens", profile_tokens, 2),
         ("repeats", repeats, 1),
     ):
         if value < low:
@@ -279,7 +299,7 @@ def tune(
     tokenizer = load_tokenizer(adapter.path) if any(isinstance(p, str) for p in prompt_list) else None
     longest = max(len(to_token_ids(p, tokenizer, adapter.vocab_size, f"prompt {p!r}")) for p in prompt_list)
     max_k = max(k for k, _ in cells)
-    need = longest + max(acceptance_tokens, (profile_rounds + 2) * (max_k + 1) + 2)
+    need = longest + max(acceptance_tokens, 2 * profile_tokens + max_k + 2)
     if need >= adapter.max_positions:
         raise TunerError(f"prompts of up to {longest} tokens + the output tokens exceed {adapter.max_positions}")
     profile = CostProfile(depth, **cost_profile) if isinstance(cost_profile, dict) else cost_profile
@@ -295,7 +315,7 @@ def tune(
         cost_report = dict(cost_report or {})
         if timed:
             timer = RoundTimer(adapter, max(sizes), min(adapter.max_positions, need + 8), prompt_list[:2])
-            samples = profile_costs(timer, cells, sizes, prompt_list, profile_rounds, repeats, seed, bar)
+            samples = profile_costs(timer, cells, sizes, prompt_list, profile_tokens, repeats, seed, bar)
             profile, cost_report = fit_profile(depth, samples)
     finally:
         bar.close()
@@ -330,7 +350,7 @@ def tune(
             "grid": [f"{k},{d}" for k, d in cells],
             "acceptance_tokens": acceptance_tokens,
             "num_prompts": num_prompts,
-            "profile_rounds": profile_rounds if timed else None,
+            "profile_tokens": profile_tokens if timed else None,
             "repeats": repeats if timed else None,
             "margin": margin,
             "cost_profile": "measured" if timed else (cost_profile_source or "given"),

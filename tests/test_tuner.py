@@ -24,7 +24,7 @@ from looped_spec.tuner_inputs import (
 from looped_spec.tuner_report import dump_json
 
 GRID = "1,1;2,1;1,2"
-TINY = ["--batch-sizes", "1,4", "--acceptance-tokens", "6", "--num-prompts", "2", "--profile-rounds", "2"]
+TINY = ["--batch-sizes", "1,4", "--acceptance-tokens", "6", "--num-prompts", "2", "--profile-tokens", "3"]
 TINY += ["--repeats", "1", "--quiet"]
 #: A made-up cost profile (seconds) for D = 4 at B = 1 and 4, so the tuner times nothing
 PROFILE = {
@@ -78,7 +78,7 @@ def test_cli_tune_usage_errors(tmp_path, capsys):
     assert "'1,2'" in err and "d=2" in err and "D=2" in err
     assert not out.exists()
     base = ["tune", "--model", str(fixture_dir("ouro")), "--out", str(out)]
-    for flag, value in [("--acceptance-tokens", "1"), ("--profile-rounds", "0"), ("--repeats", "0")]:
+    for flag, value in [("--acceptance-tokens", "1"), ("--profile-tokens", "1"), ("--repeats", "0")]:
         assert main([*base, flag, value]) == 2
         err = capsys.readouterr().err
         assert flag in err and len(err.strip().splitlines()) == 1
@@ -207,10 +207,13 @@ def test_dump_json():
 
 
 def test_run_cost_and_monotone_profile():
-    from looped_spec.tuner import nondecreasing, run_cost
+    from looped_spec.tuner import nondecreasing, run_cost, trimmed_mean
 
-    assert run_cost([[3.0, 1.0, 2.0], [5.0, 4.0, 6.0]]) == (2.0, 1.5)  # best run median, spread of run medians
-    with pytest.raises(TunerError, match="profile-rounds"):
+    assert run_cost([[3.0, 1.0, 2.0], [5.0, 4.0, 6.0]]) == (2.0, 1.5)  # best run mean, spread of run means
+    # ten rounds: the smallest and the largest are dropped (one stalled round does not decide a run's cost)
+    assert trimmed_mean([1.0, 2.0, 2.0, 2.0, 2.0, 2.0, 2.0, 2.0, 2.0, 50.0]) == 2.0
+    assert trimmed_mean([1.0, 3.0]) == 2.0  # too few rounds to trim
+    with pytest.raises(TunerError, match="profile-tokens"):
         run_cost([])
     assert nondecreasing([2.0, 6.0, 4.0, 6.0, 12.0]) == [2.0, 5.0, 5.0, 6.0, 12.0]
     assert nondecreasing([3.0, 1.0, 2.0]) == [2.0, 2.0, 2.0]
@@ -229,3 +232,23 @@ def test_cli_tune_cost_from_reuses_a_measured_profile(tmp_path, capsys):
     no_cost.write_text(json.dumps({**json.loads(first.read_text()), "cost": None}))
     assert main([*base, "--out", str(tmp_path / "d.json"), "--cost-from", str(no_cost)]) == 2
     assert "no measured cost profile" in capsys.readouterr().err
+
+
+def test_round_timer_times_plain_and_speculative_rounds_over_the_same_generated_tokens():
+    """Every timed round is full-shape and the rounds cover `horizon` generated tokens per request, whatever K."""
+    from looped_spec.tuner import RoundTimer
+
+    adapter = load("ouro")  # random weights: drafts are (almost) never accepted, one token per round
+    prompts = [[5, 6, 7, 8], [9, 10, 11], [12, 13, 14, 15, 16]]
+    timer = RoundTimer(adapter, max_batch=3, max_model_len=64, warmup=prompts[:1])
+    try:
+        horizon = 7
+        plain = timer.time_rounds((0, 0), prompts, horizon)
+        assert len(plain) == horizon - 1  # the first token of each request comes from prefill
+        spec = timer.time_rounds((2, 1), prompts, horizon)
+        engine = timer.engines[(2, 1)]
+        assert 1 <= len(spec) <= horizon - 1 and all(s > 0 for s in spec)
+        assert engine.stats.num_draft_tokens >= 2 * len(prompts) * len(spec)
+        assert not engine.has_unfinished_requests() and engine.num_free_blocks == engine.kv.num_blocks
+    finally:
+        timer.close()
