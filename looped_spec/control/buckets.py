@@ -5,7 +5,7 @@ from __future__ import annotations
 from bisect import bisect_left
 from dataclasses import dataclass
 
-from looped_spec.control.schema import AdaptiveSpecConfig, BucketConfig, DisableConfig
+from looped_spec.control.schema import AdaptiveSpecConfig, BucketConfig
 
 
 @dataclass(slots=True)
@@ -26,15 +26,6 @@ class CompiledBucket:
     lowest_spec: int  # index of the most conservative speculative candidate, -1 if none
     off_threshold: float  # acceptance EMA of `lowest_spec` below which the bucket goes plain; -1: never
 
-    # goodput.py reads these two; drop them once it reads `config.initial_index` / `config.interval`
-    @property
-    def initial_index(self) -> int:
-        return self.config.initial_index
-
-    @property
-    def interval(self) -> int:
-        return self.config.interval
-
     @property
     def plain_candidate(self) -> int:
         """Candidate index a plain plan carries: 0 when the list starts with K=0, else -1 (Phase 2 off)."""
@@ -43,11 +34,6 @@ class CompiledBucket:
     def label(self) -> str:
         hi = self.config.max_batch
         return f"{self.config.min_batch}..{'inf' if hi is None else hi}"
-
-
-#: The old name of the Phase 2 settings' runtime view; the policies now read the preset's `DisableConfig`.
-#: Kept only for goodput.py's import: drop once it imports `DisableConfig` from `looped_spec.control.schema`.
-DisableSettings = DisableConfig
 
 
 def compile_buckets(config: AdaptiveSpecConfig) -> list[CompiledBucket]:
