@@ -70,7 +70,7 @@ class HuginnAdapter(ModelAdapter):
             raise ValueError(f"adapter option initial_state={init!r}: use 'random' or 'zeros'")
         self.initial_state_mode = init
         steps = self.options.get("num_steps", int_field(config, "mean_recurrence", 32))
-        if not isinstance(steps, int) or steps < 1:
+        if not isinstance(steps, int) or isinstance(steps, bool) or steps < 1:
             raise ValueError(f"adapter option num_steps={steps!r} must be a positive integer")
         self._full_depth = steps
         criterion = self.options.get("exit_criterion", "kl")
@@ -215,14 +215,12 @@ class HuginnAdapter(ModelAdapter):
         if self.initial_state_mode == "zeros":
             return torch.zeros(num_tokens, self.hidden, device=self.device, dtype=self.dtype)
         std = math.sqrt(2.0 / (5.0 * self.hidden))
-        lo, hi = 0.5 * (1 + math.erf(-3 / math.sqrt(2))), 0.5 * (1 + math.erf(3 / math.sqrt(2)))
-        rows = []
+        x0 = torch.empty(num_tokens, self.hidden, dtype=torch.float64)
         gen = torch.Generator()
-        for seed, pos in ctx.token_seeds():
+        for row, (seed, pos) in zip(x0, ctx.token_seeds(), strict=True):
             gen.manual_seed((seed * _MIX + pos * 0x2545F491 + 1) % (1 << 63))
-            rows.append(torch.rand(self.hidden, generator=gen, dtype=torch.float64))
-        u = lo + torch.stack(rows) * (hi - lo)
-        x0 = math.sqrt(2.0) * torch.erfinv(2 * u - 1) * std * math.sqrt(self.hidden)
+            torch.nn.init.trunc_normal_(row, std=std, a=-3 * std, b=3 * std, generator=gen)
+        x0 *= math.sqrt(self.hidden)  # the embedding scale, as in the reference
         return x0.to(device=self.device, dtype=self.dtype)
 
     def embed(self, token_ids: torch.Tensor, ctx) -> torch.Tensor:

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from copy import copy
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 from prometheus_client import CollectorRegistry, generate_latest
@@ -72,26 +73,13 @@ class EngineStats:
                 self.accepted_per_position[position] += 1
 
     def to_dict(self) -> dict:
-        return {
-            "num_requests_finished": self.num_requests_finished,
-            "num_prompt_tokens": self.num_prompt_tokens,
-            "num_generation_tokens": self.num_generation_tokens,
-            "num_prefill_steps": self.num_prefill_steps,
-            "num_rounds": self.num_rounds,
-            "num_spec_rounds": self.num_spec_rounds,
-            "num_drafts": self.num_drafts,
-            "num_draft_tokens": self.num_draft_tokens,
-            "num_accepted_tokens": self.num_accepted_tokens,
-            "acceptance_rate": self.acceptance_rate,
-            "accepted_per_position": dict(sorted(self.accepted_per_position.items())),
-            "num_preemptions": self.num_preemptions,
-            "batch_size_histogram": dict(sorted(self.batch_size_histogram.items())),
-            "plan_histogram": dict(sorted(self.plan_histogram.items())),
-            "phase_seconds": dict(self.phase_seconds),
-            "exit_depth_histogram": dict(sorted(self.exit_depth_histogram.items())),
-            "mean_loops_per_token": self.mean_loops_per_token,
-            "num_exit_loops_saved": self.num_exit_loops_saved,
-        }
+        """Every counter (histograms as dicts sorted by key), plus `acceptance_rate` and `mean_loops_per_token`."""
+        # not dataclasses.asdict: it rebuilds a Counter from its (key, count) pairs, counting the pairs
+        out = {f.name: getattr(self, f.name) for f in fields(self)}
+        for key, value in out.items():
+            out[key] = dict(sorted(value.items())) if isinstance(value, Counter) else copy(value)
+        out.update(acceptance_rate=self.acceptance_rate, mean_loops_per_token=self.mean_loops_per_token)
+        return out
 
     def to_prometheus(self, model_name: str = "") -> str:
         """Prometheus text exposition of these counters alone (no live engine state)."""

@@ -142,7 +142,8 @@ def test_goodput_with_a_profile_starts_at_the_best_predicted_plan_without_explor
     profile = CostProfile(4, **config.cost.model_dump())
     options = [(0, 0), (1, 1), (3, 1), (2, 2), (5, 1)]
     for batch in (1, 8):
-        ctl = AdaptiveController(config, 4, policy_options={"refine_cost": True})
+        ctl = AdaptiveController(config, 4)
+        ctl.policy.refine_cost = True
 
         def rate(o, batch=batch):
             return markov_tokens(0.9 if o[1] == 1 else 0.95, 0, o[0]) / profile.predict(*o, batch)
@@ -153,6 +154,27 @@ def test_goodput_with_a_profile_starts_at_the_best_predicted_plan_without_explor
         # no exploration: other plans only as cost trials of options predicted within TRIAL_WITHIN of the best
         assert all(rate(p) >= TRIAL_WITHIN * rate(best) for p in plans), batch
         assert any(rate(o) < TRIAL_WITHIN * rate(best) for o in options)  # ... which some options are not
+
+
+def test_goodput_speculates_only_while_a_prediction_clears_the_margin_over_plain():
+    """Every speculative option, not just the first step away from plain, must beat plain by plain_margin."""
+    ctl = AdaptiveController(profiled_config([0.9, 0.95, 0.99, 1.0]), 4)
+    policy = ctl.policy
+    assert [o[:2] for o in policy.states[0].options] == [(0, 0), (1, 1), (3, 1), (2, 2), (5, 1)]
+    assert policy.plain_margin == pytest.approx(0.10) and policy.hysteresis == pytest.approx(0.03)
+    predicted = [100.0, 108.0, 105.0, 90.0, 80.0]  # tokens/s per option
+    policy.rates = lambda st, batch: list(predicted)
+
+    def plans(n=40):
+        return {(p.k, p.d) for p in (ctl.plan(1) for _ in range(n))}
+
+    assert plans() == {(0, 0)}  # the best speculative option is 8 % over plain: not enough to start
+    predicted[1] = 115.0
+    assert (1, 1) in plans() and plans() == {(1, 1)}  # 15 % over plain: speculate
+    predicted[1], predicted[2] = 108.5, 109.0  # (1, 1) keeps its place down to 1.1 * 0.97 = 1.067x plain;
+    assert plans() == {(1, 1)}  # (3, 1) is 0.5 % better but not eligible (under 1.10x plain)
+    predicted[1] = 105.0  # in use, but under the hold bar: (3, 1) at 1.09x is not eligible either
+    assert (0, 0) in plans() and plans() == {(0, 0)}  # -> plain, not the other speculative option
 
 
 def test_goodput_switches_off_when_acceptance_collapses():
@@ -192,7 +214,8 @@ def test_goodput_measured_cost_corrects_a_wrong_profile_at_the_same_batch_size()
 
     config = profiled_config([0.05, 0.05, 0.05, 1.0], candidates=[[0, 0], [2, 1]])  # prior: do not speculate
     profile = CostProfile(4, **config.cost.model_dump())
-    ctl = AdaptiveController(config, 4, measure_depths=False, policy_options={"refine_cost": True})
+    ctl = AdaptiveController(config, 4)
+    ctl.policy.refine_cost = True
     batch = 8
 
     def feed(plan, seconds, depth_matches=()):

@@ -1,4 +1,5 @@
-"""Smoke test of benchmarks/bench_speculative.py on the random-weight fixture (no timed assertions)."""
+"""Smoke tests of benchmarks/bench_speculative.py (on the random-weight fixture) and bench_controller.py (no timed
+assertions)."""
 
 from __future__ import annotations
 
@@ -18,14 +19,18 @@ SMALL = ["--model", FIXTURE, "--prompts", "random", "--batch-sizes", "1,2", "--g
 SMALL += ["--repeats", "2", "--threads", "1"]
 
 
-@pytest.fixture(scope="module")
-def bench():
-    path = ROOT / "benchmarks" / "bench_speculative.py"
-    spec = importlib.util.spec_from_file_location("bench_speculative", path)
+def load_script(name: str):
+    """benchmarks/<name>.py as a module."""
+    spec = importlib.util.spec_from_file_location(name, ROOT / "benchmarks" / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
-    sys.modules.setdefault("bench_speculative", module)
+    sys.modules.setdefault(name, module)
     spec.loader.exec_module(module)
     return module
+
+
+@pytest.fixture(scope="module")
+def bench():
+    return load_script("bench_speculative")
 
 
 def test_bench_runs_side_by_side_with_an_aa_line(bench, tmp_path, capsys):
@@ -93,3 +98,9 @@ def test_bench_refuses_prompts_the_preset_was_tuned_on(bench, tmp_path, capsys):
         bench.main([*SMALL, "--preset", str(preset)])
     assert exc.value.code == 2
     assert "1 of the 2 distinct evaluation prompts" in capsys.readouterr().err
+
+
+def test_controller_overhead_script_runs():
+    module = load_script("bench_controller")
+    for policy in ("ema", "goodput"):
+        assert module.overhead_us(policy, "ouro-1.4b", 4, [0.7, 0.87, 0.94, 1.0], 50) > 0.0

@@ -45,6 +45,19 @@ def test_user_errors_are_one_line(capsys):
     assert "no prompt" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("value", ["0.5", "2.0", "true", "two"])
+def test_generate_and_tune_parse_adapter_options_alike(value, capsys, tmp_path):
+    """One parser (JSON scalars, else strings) for both commands; the adapter accepts only a true integer."""
+    option = ["--adapter-option", f"num_steps={value}"]
+    assert main(["generate", "--model", "tiny-huginn", "--prompt", "x", *option]) == 2
+    generate_error = capsys.readouterr().err
+    assert main(["tune", "--model", "tiny-huginn", "--out", str(tmp_path / "p.json"), "--quiet", *option]) == 2
+    tune_error = capsys.readouterr().err
+    assert generate_error == tune_error
+    assert generate_error.startswith("looped-spec: error: adapter option num_steps=")
+    assert "must be a positive integer" in generate_error
+
+
 def test_help_and_version_do_not_import_torch():
     code = (
         "import sys\nfrom looped_spec.cli import main\n"

@@ -39,6 +39,7 @@ loop's keys depend only on the tokens and earlier loops, so they are the same in
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
 
 import pytest
@@ -212,6 +213,10 @@ class Reference:
         return [self._record(row) for row in logits]
 
 
+class NearTie(AssertionError):
+    """A reference's top two logits are too close for its argmax to be compared with the engine's."""
+
+
 def reference_rounds(run: Run, d: int, reference: type[Reference] = Reference) -> tuple[list[list[int]], list[int]]:
     """Per round: the reference's matches per depth and its number of measured positions."""
     refs = [reference(run.adapter, seq, seed) for seq, seed in zip(run.seqs, run.seeds)]
@@ -222,7 +227,8 @@ def reference_rounds(run: Run, d: int, reference: type[Reference] = Reference) -
         for r, q, c in rnd.commits:
             slots[r] += [(q, s, j, round_d) for s in range(c) for j in range(1, full + 1)]
     preds = [dict(zip(slot_list, ref.predictions(slot_list))) for ref, slot_list in zip(refs, slots)]
-    assert min(m for ref in refs for m in ref.margins) > MIN_MARGIN, "a reference argmax is too close to a tie"
+    if min(m for ref in refs for m in ref.margins) <= MIN_MARGIN:
+        raise NearTie("a reference argmax is too close to a tie")
     matches, trials = [], []
     for rnd in run.rounds:
         round_d = d if max(rnd.feedback.num_proposed) > 0 else 0
@@ -402,22 +408,39 @@ class _VerifierKeysAtDraftDepth(Reference):  # verifier-side probes seeing the d
         return d if depth < self.full_depth else depth
 
 
-HUGINN_RANDOM_PROMPT = [47, 219, 75, 211, 116, 82, 142, 145]  # request seed 101: every rule below matters
+# Request seed 101. Huginn's initial latent comes from torch.nn.init.trunc_normal_, whose values for a seed depend
+# on the torch version (inverse CDF up to torch 2.11, rejection sampling from 2.12): with the former the first prompt
+# makes every rule below matter (and the third puts a reference argmax near a tie), with the latter the other two do.
+HUGINN_RANDOM_PROMPTS = [
+    [47, 219, 75, 211, 116, 82, 142, 145],
+    [58, 167, 217, 47, 133, 223, 113, 8],
+    [166, 103, 208, 188, 223, 133, 246, 98],
+]
 
 
 def test_huginn_random_initial_state():
     """Huginn with its default random initial latent (keyed by request seed and position): plain rounds
-    (B = 2) and speculative rounds against the seeded reference. On the speculative workload each wrong rule
+    (B = 2) and speculative rounds against the seeded reference. On the speculative workloads each wrong rule
     for the coda keys of the round's earlier positions (slot s > 0) changes some round's counts, so the
     engine pins down the rule the reference uses (draft side: depth d; verifier side: the probed depth)."""
     adapter = load_adapter(fixture_dir("huginn"), dtype="float32", device="cpu")
     assert adapter.needs_token_seeds and adapter.readout_uses_kv
     run = run_engine("huginn", SpeculativeConfig(k=0, measure_depths=True), PROMPTS[:2], [12, 15], adapter=adapter)
     assert run.feedback_totals() == check_run(run, 0)
-    run = run_engine(
-        "huginn", SpeculativeConfig(k=4, d=2, measure_depths=True), [HUGINN_RANDOM_PROMPT], 16, adapter=adapter
-    )
-    assert run.feedback_totals() == check_run(run, 2)
-    engine_rounds = [list(r.feedback.depth_matches) for r in run.rounds]
-    for wrong in (_DraftKeysAtOwnDepth, _DraftKeysAtFullDepth, _VerifierKeysAtFullDepth, _VerifierKeysAtDraftDepth):
-        assert reference_rounds(run, 2, wrong)[0] != engine_rounds, f"{wrong.__name__} is not ruled out"
+    wrong_rules = (_DraftKeysAtOwnDepth, _DraftKeysAtFullDepth, _VerifierKeysAtFullDepth, _VerifierKeysAtDraftDepth)
+    checked, ruled_out = 0, set()
+    for prompt in HUGINN_RANDOM_PROMPTS:
+        run = run_engine("huginn", SpeculativeConfig(k=4, d=2, measure_depths=True), [prompt], 16, adapter=adapter)
+        try:
+            totals = check_run(run, 2)
+        except NearTie:
+            continue  # this torch's initial states put the prompt's reference near a tie
+        assert run.feedback_totals() == totals
+        checked += 1
+        engine_rounds = [list(r.feedback.depth_matches) for r in run.rounds]
+        for wrong in wrong_rules:
+            with contextlib.suppress(NearTie):
+                if reference_rounds(run, 2, wrong)[0] != engine_rounds:
+                    ruled_out.add(wrong.__name__)
+    assert checked >= 2
+    assert ruled_out == {w.__name__ for w in wrong_rules}, "some wrong rule is not ruled out"

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+from dataclasses import fields
+
 import pytest
 from conftest import FAMILIES, adapter_options, fixture_dir, make_engine, reference
 from prometheus_client.parser import text_string_to_metric_families
 from pydantic import ValidationError
 
 from looped_spec import EngineConfig, LoopedSpecEngine, SamplingParams
+from looped_spec.stats import EngineStats
 
 FILLER = [[9, 8, 7, 6, 5, 4, 3, 2, 1, 10, 11], [40, 41], [100, 3, 3, 3, 77]]
 
@@ -187,6 +190,10 @@ def test_stats_dict_and_prometheus():
     stats = engine.stats.to_dict()
     assert stats["num_generation_tokens"] == 15 and stats["num_requests_finished"] == 3
     assert stats["num_rounds"] == 4 and sum(stats["batch_size_histogram"].values()) == 4
+    assert set(stats) == {f.name for f in fields(EngineStats)} | {"acceptance_rate", "mean_loops_per_token"}
+    assert type(stats["batch_size_histogram"]) is dict and list(stats["batch_size_histogram"]) == sorted(
+        stats["batch_size_histogram"]
+    )
     text = engine.stats.to_prometheus('ouro "tiny"')
     samples = {
         (s.name, s.labels.get("le", s.labels.get("phase"))): s.value

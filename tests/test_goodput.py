@@ -6,15 +6,10 @@ import random
 
 import pytest
 
-from looped_spec.control import (
-    AdaptiveController,
-    AdaptiveSpecConfig,
-    DepthAcceptance,
-    SyntheticWorkload,
-    expected_accept_rate,
-    expected_tokens,
-)
+from looped_spec.control import AdaptiveController, AdaptiveSpecConfig
 from looped_spec.control.costmodel import LinearFit2, RoundCostModel
+from looped_spec.control.goodput import DepthAcceptance, expected_accept_rate, expected_tokens
+from looped_spec.control.simulate import SyntheticWorkload
 from looped_spec.plan import RoundFeedback
 
 CANDIDATES = [[0, 0], [1, 2], [4, 1], [6, 1]]
@@ -79,7 +74,7 @@ def test_depth_acceptance_from_counterfactuals_and_geometric_counts():
 
 
 def test_explores_every_option_first():
-    ctl = AdaptiveController(sim_config(), 4, policy="goodput", policy_options={"explore_rounds": 2})
+    ctl = AdaptiveController(sim_config(), 4, policy="goodput")  # explores each option twice
     sim = SyntheticWorkload(4, ALPHA, seed=1, **COSTS)
     seen = []
     for _ in range(8):
@@ -90,7 +85,8 @@ def test_explores_every_option_first():
 
 
 def simulate(policy: str, phases, seed: int = 7, timed: bool = True):
-    ctl = AdaptiveController(sim_config(), 4, policy=policy, measure_every=1)  # learn acceptance every round
+    ctl = AdaptiveController(sim_config(), 4, policy=policy)
+    ctl.measure_every = 1  # learn acceptance every round
     sim = SyntheticWorkload(4, ALPHA, seed=seed, timed=timed, **COSTS)
     options = [tuple(c) for c in CANDIDATES]
     report = []

@@ -4,29 +4,21 @@ from __future__ import annotations
 
 import copy
 import json
+import logging
 from pathlib import Path
 
 import pytest
+from conftest import FAMILIES, fixture_dir, load
 
-from looped_spec.control import (
-    AdaptiveSpecConfig,
-    PresetError,
-    generic_preset,
-    list_presets,
-    load_preset,
-    match_preset_name,
-    read_preset_file,
-)
-from looped_spec.control.presets import preset_dir
+from looped_spec.control import AdaptiveSpecConfig, PresetError, find_preset, load_preset, read_preset_file
+from looped_spec.control.factory import make_controller
+from looped_spec.control.presets import generic_preset, match_preset_name, preset_dir
 
 SHIPPED_DEPTHS = {
     "ouro-1.4b": 4,
     "ouro-2.6b": 4,
     "huginn-0125": 32,
     "nanbeige4.2-3b": 2,
-    "ouro-tiny": 4,
-    "huginn-tiny": 8,
-    "nanbeige-tiny": 2,
     "tiny-ouro": 4,
     "tiny-huginn": 8,
     "tiny-nanbeige": 2,
@@ -71,8 +63,17 @@ def test_every_shipped_preset_loads_for_its_depth(name):
     assert loaded.model == name
 
 
-def test_shipped_set_is_complete():
-    assert set(list_presets()) == set(SHIPPED_DEPTHS) | {"default"}
+@pytest.mark.parametrize("family", FAMILIES)
+def test_fixture_checkpoints_carry_their_own_preset(family):
+    """The random-weight fixtures' hand-written presets are preset.json in each fixture folder, not shipped."""
+    folder = fixture_dir(family)
+    path, reason = find_preset(folder.name, folder)
+    assert path == folder / "preset.json" and reason == "preset.json in the checkpoint folder"
+    assert not (preset_dir() / f"{folder.name}.json").exists()
+    adapter = load(family)
+    controller = make_controller("adaptive", adapter)
+    assert controller.config.model == folder.name
+    assert controller.config.provenance["status"].startswith("hand-written for the random-weight test fixtures")
 
 
 @pytest.mark.parametrize("depth", [1, 2, 3, 4, 8, 32, 64])
@@ -110,8 +111,7 @@ def test_scale_rule_rescales_and_merges():
         ("/models/ByteDance/Ouro-2.6B/", "ouro-2.6b"),
         ("ByteDance/Ouro-1.4B-Thinking", "ouro-1.4b"),
         ("tiny-ouro", "tiny-ouro"),
-        ("ouro-tiny", "ouro-tiny"),
-        ("tests/fixtures/huginn-tiny", "huginn-tiny"),
+        ("tests/fixtures/huginn-tiny", None),  # a fixture's preset is its folder's preset.json
         ("Huginn-0125", "huginn-0125"),
         ("Nanbeige4.2-3B", "nanbeige4.2-3b"),
         ("some-other-model", None),
@@ -123,6 +123,43 @@ def test_model_name_matching(model_name, expected):
 
 def test_unknown_model_gets_generic_default():
     assert load_preset("my-looped-model", 6).model == generic_preset(6).model
+
+
+def snapshot(root: Path, repo: str, config: dict | None = None) -> Path:
+    """A checkpoint folder laid out like the Hugging Face cache: models--ORG--NAME/snapshots/<hash>."""
+    folder = root / f"models--{repo.replace('/', '--')}" / "snapshots" / "0123abcd"
+    folder.mkdir(parents=True)
+    (folder / "config.json").write_text(json.dumps(config or {}))
+    return folder
+
+
+def test_preset_is_chosen_by_each_name_a_checkpoint_goes_by(tmp_path: Path, caplog):
+    hub = snapshot(tmp_path, "ByteDance/Ouro-1.4B")
+    path, reason = find_preset(hub.name, hub)  # the folder name is a hash
+    assert path == preset_dir() / "ouro-1.4b.json"
+    assert reason == "Hugging Face cache repository 'ByteDance/Ouro-1.4B' matches the shipped preset 'ouro-1.4b'"
+    folder = tmp_path / "checkpoint-1000"
+    path, reason = find_preset(folder.name, folder, {"_name_or_path": "ByteDance/Ouro-2.6B", "model_type": "ouro"})
+    assert path == preset_dir() / "ouro-2.6b.json"
+    assert reason == "config.json _name_or_path 'ByteDance/Ouro-2.6B' matches the shipped preset 'ouro-2.6b'"
+    path, reason = find_preset("Huginn-0125", None, {"_name_or_path": "ByteDance/Ouro-2.6B"})  # the name first
+    assert path.name == "huginn-0125.json"
+    path, reason = find_preset(folder.name, folder, {"model_type": "ouro"})
+    assert path == preset_dir() / "default.json"
+    assert reason == "no shipped preset matches model name 'checkpoint-1000': the family-generic default"
+    with caplog.at_level(logging.INFO, logger="looped_spec.control.presets"):
+        assert load_preset(hub.name, 4, folder=hub).model == "ouro-1.4b"
+    assert caplog.messages == [
+        f"adaptive preset for 0123abcd: {preset_dir() / 'ouro-1.4b.json'} (Hugging Face cache repository "
+        "'ByteDance/Ouro-1.4B' matches the shipped preset 'ouro-1.4b')"
+    ]
+
+
+def test_preset_json_in_the_checkpoint_folder_wins_over_names(tmp_path: Path):
+    folder = snapshot(tmp_path, "ByteDance/Ouro-1.4B", {"_name_or_path": "ByteDance/Ouro-1.4B"})
+    (folder / "preset.json").write_text(json.dumps(BASE))
+    assert load_preset("Ouro-1.4B", 4, folder=folder).model == "test"
+    assert load_preset("Ouro-1.4B", 4, "ouro-2.6b", folder=folder).model == "ouro-2.6b"  # preset= wins over both
 
 
 def test_preset_argument_wins(tmp_path: Path):
@@ -151,13 +188,6 @@ def test_errors_name_the_file(tmp_path: Path):
         PresetError, match=r"ouro-1\.4b\.json: buckets\[0\]\.candidates\[1\]: d=2 must be < full depth 2"
     ):
         load_preset("Ouro-1.4B", 2)
-
-
-def test_yaml_when_available(tmp_path: Path):
-    yaml = pytest.importorskip("yaml")
-    path = tmp_path / "p.yaml"
-    path.write_text(yaml.safe_dump(BASE))
-    assert read_preset_file(path).model == "test"
 
 
 # ---------------------------------------------------------------- one test per validation rule

@@ -19,7 +19,7 @@ def test_user_family_end_to_end(tmp_path):
     assert isinstance(adapter, ToyLoopedAdapter) and adapter.full_depth == 3
     prompt = [1, 2, 3, 4, 5]
     params = SamplingParams(max_tokens=12, ignore_eos=True)
-    plain = LoopedSpecEngine(folder, dtype="float32", device="cpu").generate(prompt, params)[0]
+    plain = LoopedSpecEngine(folder, dtype="float32", device="cpu", speculation="off").generate(prompt, params)[0]
     # the plain output equals a naive dense loop
     seq = list(prompt)
     for _ in range(12):
@@ -27,3 +27,5 @@ def test_user_family_end_to_end(tmp_path):
     assert plain.token_ids == seq[len(prompt) :]
     spec = LoopedSpecEngine(folder, dtype="float32", device="cpu", speculation=SpeculativeConfig(k=3, d=2))
     assert spec.generate(prompt, params)[0].token_ids == plain.token_ids
+    adaptive = LoopedSpecEngine(folder, dtype="float32", device="cpu")  # the default: the generic preset at D=3
+    assert adaptive.generate(prompt, params)[0].token_ids == plain.token_ids

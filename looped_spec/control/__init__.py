@@ -2,56 +2,27 @@
 
 Per round the engine calls ``plan = controller.plan(num_running)``, runs the plan, commits, then
 ``controller.observe(feedback)``. Everything here is pure logic (no model code, no torch).
+
+Exported here is what a user of presets and controllers needs: the preset schema, reading and choosing
+presets, and the three controllers. The parts behind them (policies, acceptance and cost models, the
+tuner's derivation rules, the workload simulator) are imported from their modules, e.g.
+``from looped_spec.control.goodput import GoodputPolicy``.
 """
 
-from looped_spec.control.acceptance import AcceptanceModel, markov_accept_rate, markov_tokens, simulate_tokens
-from looped_spec.control.controller import AdaptiveController, BaseController, FixedController, OffController
-from looped_spec.control.costprofile import CostProfile
-from looped_spec.control.derive import BucketModel, derive_buckets, derive_preset
-from looped_spec.control.goodput import DepthAcceptance, GoodputPolicy, expected_accept_rate, expected_tokens
-from looped_spec.control.policy import CandidatePolicy, Policy
-from looped_spec.control.presets import (
-    AdaptiveSpecConfig,
-    BucketConfig,
-    CandidateConfig,
-    DisableConfig,
-    PresetError,
-    generic_preset,
-    list_presets,
-    load_preset,
-    match_preset_name,
-    read_preset_file,
-)
-from looped_spec.control.simulate import SyntheticWorkload
+from looped_spec.control.controller import AdaptiveController, FixedController, OffController
+from looped_spec.control.presets import find_preset, load_preset, read_preset_file
+from looped_spec.control.schema import AdaptiveSpecConfig, BucketConfig, CandidateConfig, DisableConfig, PresetError
 
 __all__ = [
-    "AcceptanceModel",
     "AdaptiveController",
     "AdaptiveSpecConfig",
-    "BaseController",
     "BucketConfig",
-    "BucketModel",
     "CandidateConfig",
-    "CandidatePolicy",
-    "CostProfile",
-    "DepthAcceptance",
     "DisableConfig",
     "FixedController",
-    "GoodputPolicy",
     "OffController",
-    "Policy",
     "PresetError",
-    "SyntheticWorkload",
-    "derive_buckets",
-    "derive_preset",
-    "expected_accept_rate",
-    "expected_tokens",
-    "generic_preset",
-    "list_presets",
+    "find_preset",
     "load_preset",
-    "markov_accept_rate",
-    "markov_tokens",
-    "match_preset_name",
     "read_preset_file",
-    "simulate_tokens",
 ]

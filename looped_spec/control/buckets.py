@@ -1,29 +1,27 @@
-"""Presets compiled into plain Python lists for the per-round hot path (no pydantic after construction)."""
+"""A preset's buckets with per-candidate values resolved into plain lists for the per-round hot path."""
 
 from __future__ import annotations
 
 from bisect import bisect_left
 from dataclasses import dataclass
 
-from looped_spec.control.schema import AdaptiveSpecConfig
+from looped_spec.control.schema import AdaptiveSpecConfig, BucketConfig
 
 
 @dataclass(slots=True)
 class CompiledBucket:
-    """One bucket of a preset as plain values; candidate lists are parallel, indexed like the preset."""
+    """One preset bucket (`config`, as written) with its per-candidate values resolved for the hot path.
 
-    index: int
-    min_batch: int
-    max_batch: int | None
+    The candidate lists are parallel, indexed like ``config.candidates``; the bucket's own settings (beta,
+    min_samples, ...) are read from `config`.
+    """
+
+    config: BucketConfig
     ks: list[int]  # [C] draft tokens per candidate (0: plain decoding)
     ds: list[int]  # [C] draft depth per candidate (0 for k == 0)
-    theta_up: list[float]  # [C] (1.0 for k == 0)
-    theta_down: list[float]  # [C] (0.0 for k == 0)
+    theta_up: list[float]  # [C] the candidate's, else the bucket's (1.0 for k == 0)
+    theta_down: list[float]  # [C] the candidate's, else the bucket's (0.0 for k == 0)
     prior: list[float | None]  # [C] initial EMA or None
-    initial_index: int
-    beta: float
-    min_samples: int
-    interval: int
     has_plain: bool  # candidate 0 is k == 0
     lowest_spec: int  # index of the most conservative speculative candidate, -1 if none
     off_threshold: float  # acceptance EMA of `lowest_spec` below which the bucket goes plain; -1: never
@@ -34,29 +32,18 @@ class CompiledBucket:
         return 0 if self.has_plain else -1
 
     def label(self) -> str:
-        return f"{self.min_batch}..{'inf' if self.max_batch is None else self.max_batch}"
-
-
-@dataclass(slots=True)
-class DisableSettings:
-    """Phase 2 settings as plain values."""
-
-    enabled: bool
-    threshold: float
-    probe_base: int
-    probe_cap: int
-    probe_rounds: int
-    use_timing: bool
+        hi = self.config.max_batch
+        return f"{self.config.min_batch}..{'inf' if hi is None else hi}"
 
 
 def compile_buckets(config: AdaptiveSpecConfig) -> list[CompiledBucket]:
-    """Flatten a (depth-checked) preset; the off threshold is the larger of the two routes to plain.
+    """Resolve a (depth-checked) preset's buckets; the off threshold is the larger of the two routes to plain.
 
     Routes: a K=0 first candidate (the list move down from `lowest_spec`, at its theta_down) and Phase 2
     (`disable.threshold`, when enabled).
     """
     out = []
-    for i, b in enumerate(config.buckets):
+    for b in config.buckets:
         ks = [c.k for c in b.candidates]
         ups = [1.0 if c.k == 0 else c.theta_up if c.theta_up is not None else b.theta_up for c in b.candidates]
         downs = [0.0 if c.k == 0 else c.theta_down if c.theta_down is not None else b.theta_down for c in b.candidates]
@@ -69,18 +56,12 @@ def compile_buckets(config: AdaptiveSpecConfig) -> list[CompiledBucket]:
             routes.append(config.disable.threshold)
         out.append(
             CompiledBucket(
-                index=i,
-                min_batch=b.min_batch,
-                max_batch=b.max_batch,
+                config=b,
                 ks=ks,
                 ds=[c.d if c.k > 0 else 0 for c in b.candidates],
                 theta_up=[float(x) for x in ups],
                 theta_down=[float(x) for x in downs],
                 prior=[c.prior for c in b.candidates],
-                initial_index=b.initial_index,
-                beta=b.beta,
-                min_samples=b.min_samples,
-                interval=b.interval,
                 has_plain=has_plain,
                 lowest_spec=lowest,
                 off_threshold=max(routes) if routes else -1.0,
@@ -89,19 +70,14 @@ def compile_buckets(config: AdaptiveSpecConfig) -> list[CompiledBucket]:
     return out
 
 
-def compile_disable(config: AdaptiveSpecConfig) -> DisableSettings:
-    d = config.disable
-    return DisableSettings(d.enabled, d.threshold, d.probe_base, d.probe_cap, d.probe_rounds, d.use_timing)
-
-
 class BucketTable:
     """Batch size -> bucket index by binary search over the buckets' upper bounds."""
 
     __slots__ = ("_upper", "_lower")
 
     def __init__(self, buckets: list[CompiledBucket]) -> None:
-        self._upper = [b.max_batch for b in buckets[:-1]]  # validated: all but the last are bounded
-        self._lower = [b.min_batch for b in buckets]
+        self._upper = [b.config.max_batch for b in buckets[:-1]]  # validated: all but the last are bounded
+        self._lower = [b.config.min_batch for b in buckets]
 
     def lookup(self, batch_size: int) -> int:
         """Bucket index for `batch_size` (values < 1 count as 1)."""

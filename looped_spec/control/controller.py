@@ -15,7 +15,7 @@ from pathlib import Path
 from time import perf_counter
 from typing import Any
 
-from looped_spec.control.buckets import BucketTable, compile_buckets, compile_disable
+from looped_spec.control.buckets import BucketTable, compile_buckets
 from looped_spec.control.goodput import GoodputPolicy
 from looped_spec.control.policy import CandidatePolicy, Policy
 from looped_spec.control.schema import AdaptiveSpecConfig
@@ -74,12 +74,6 @@ class BaseController:
         if self._trace is not None:
             self._trace.close()
 
-    def __enter__(self) -> BaseController:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
 
 class FixedController(BaseController):
     """Always plans the same (k, d): k == 0 is plain decoding (d is then 0). `bucket`/`candidate` are -1."""
@@ -133,10 +127,8 @@ class AdaptiveController(BaseController):
     """Per-round (K, d) from a preset: batch size -> bucket -> the policy's current candidate.
 
     `policy`: "goodput" (default, `GoodputPolicy`) or "ema" (the RFC's EMA-threshold policy, `CandidatePolicy`).
-    `measure_depths` asks the engine for counterfactual per-depth agreement; default True for "goodput"
-    (it needs it), False for "ema". `measure_every` thins that to every n-th speculative plan (plain plans:
-    every `PLAIN_MEASURE_EVERY`-th). `policy_options` go to the policy's constructor (e.g.
-    ``{"hysteresis": 0.05}`` for goodput).
+    With "goodput" the plans ask the engine for counterfactual per-depth agreement (`measure_depths`), in
+    every `measure_every`-th speculative plan and every `plain_measure_every`-th plain plan.
     Bucket changes have hysteresis: the batch stays in the current bucket while its size is within
     `BUCKET_STICKINESS` of the bucket's range.
     The preset is checked (or rescaled, depth rule "scale") for `full_depth` and compiled into plain
@@ -151,29 +143,23 @@ class AdaptiveController(BaseController):
         full_depth: int,
         policy: str = DEFAULT_POLICY,
         trace_path: str | Path | None = None,
-        measure_depths: bool | None = None,
-        *,
-        measure_every: int = SPEC_MEASURE_EVERY,
-        policy_options: dict[str, Any] | None = None,
     ) -> None:
         if policy not in POLICIES:
             raise ValueError(f"policy={policy!r} must be one of {POLICIES}")
-        if measure_every < 1:
-            raise ValueError(f"measure_every={measure_every} must be >= 1")
         self.config = config.for_depth(full_depth)
         self.full_depth = full_depth
         self.policy_name = policy
         buckets = compile_buckets(self.config)
-        disable = compile_disable(self.config)
-        self.measure_depths = (policy == "goodput") if measure_depths is None else measure_depths
+        disable = self.config.disable
+        self.measure_depths = policy == "goodput"  # the goodput policy learns acceptance from these readouts
         self.policy: Policy
         if policy == "ema":
-            self.policy = CandidatePolicy(buckets, disable, **(policy_options or {}))
+            self.policy = CandidatePolicy(buckets, disable)
         else:
-            options = {"acceptance": self.config.acceptance, "cost": self.config.cost}
-            options.update(measured_depths=self.measure_depths, **(policy_options or {}))
-            self.policy = GoodputPolicy(buckets, disable, full_depth, **options)
-        self.measure_every = measure_every
+            self.policy = GoodputPolicy(
+                buckets, disable, full_depth, acceptance=self.config.acceptance, cost=self.config.cost
+            )
+        self.measure_every = SPEC_MEASURE_EVERY
         self.plain_measure_every = PLAIN_MEASURE_EVERY
         self._table = BucketTable(buckets)
         self._bucket = -1  # bucket of the previous plan

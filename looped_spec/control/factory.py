@@ -22,5 +22,5 @@ def make_controller(speculation: Any, adapter, *, preset=None, policy: str = DEF
         if spec.k > 0 and not 1 <= spec.d < depth:
             raise ValueError(f"speculation.d={spec.d} must be in 1..{depth - 1} (full depth D={depth})")
         return FixedController(spec.k, spec.d, depth, trace_path=trace_path, measure_depths=spec.measure_depths)
-    config = load_preset(adapter.name, depth, preset)
+    config = load_preset(adapter.name, depth, preset, folder=adapter.path, config=adapter.config)
     return AdaptiveController(config, depth, policy=policy, trace_path=trace_path)

@@ -31,7 +31,8 @@ Without counterfactual measurements (``measure_depths=False``) the planned depth
 rounds themselves (successes ΣA over trials ΣA + #(requests rejected before K_actual)).
 Acceptance is shared by all buckets (it does not depend on the batch size). A switch needs the best option
 to beat the current one by more than `hysteresis` (relative), or by `plain_margin` to leave plain decoding
-(a wrong speculative plan costs more than a missed small gain), checked every `interval` rounds.
+(a wrong speculative plan costs more than a missed small gain): a speculative option is eligible only while its
+prediction beats plain decoding's by `plain_margin`, whichever plan runs. Checked every `interval` rounds.
 """
 
 from __future__ import annotations
@@ -41,11 +42,11 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from looped_spec.control.acceptance import markov_tokens
-from looped_spec.control.buckets import CompiledBucket, DisableSettings
+from looped_spec.control.buckets import CompiledBucket
 from looped_spec.control.costmodel import RoundCostModel
 from looped_spec.control.costprofile import CostProfile
 from looped_spec.control.policy import Policy
-from looped_spec.control.schema import AcceptanceConfig, CostConfig
+from looped_spec.control.schema import AcceptanceConfig, CostConfig, DisableConfig
 from looped_spec.plan import RoundFeedback
 
 
@@ -144,7 +145,7 @@ class GoodputPolicy(Policy):
     def __init__(
         self,
         buckets: list[CompiledBucket],
-        disable: DisableSettings,
+        disable: DisableConfig,
         full_depth: int,
         *,
         acceptance: AcceptanceConfig | None = None,
@@ -184,7 +185,7 @@ class GoodputPolicy(Policy):
             if self.profile is not None:  # predicted from the start: no exploration, first plan = best predicted
                 st = GoodputState(len(self.states), options, -1, [], None)
             else:
-                current = next(o for o, opt in enumerate(options) if opt[2] == b.initial_index)
+                current = next(o for o, opt in enumerate(options) if opt[2] == b.config.initial_index)
                 queue = list(range(len(options))) * explore_rounds
                 queue.reverse()
                 st = GoodputState(len(self.states), options, current, queue, RoundCostModel(full_depth, cost_decay))
@@ -201,7 +202,7 @@ class GoodputPolicy(Policy):
             st.trial_left -= 1
             return st.options[st.trial]
         if st.rounds >= st.next_decision:
-            st.next_decision = st.rounds + self.buckets[bucket].interval
+            st.next_decision = st.rounds + self.buckets[bucket].config.interval
             self._decide(st, max(batch_size, 1))
         if self.reexplore_every and st.rounds >= st.next_reexplore:
             st.next_reexplore = st.rounds + self.reexplore_every
@@ -211,12 +212,15 @@ class GoodputPolicy(Policy):
     def _decide(self, st: GoodputState, batch_size: int) -> None:
         rates = self.rates(st, batch_size)
         st.predicted = rates
-        best = max(range(len(rates)), key=rates.__getitem__)
+        eligible = self._eligible(st, rates)
+        best = max(eligible, key=rates.__getitem__)
         if st.current < 0:
             st.current = best
             k, d, _ = st.options[best]
             self.last_event = f"start at k={k} d={d} ({rates[best]:.4g} tok/s predicted)"
-        elif best != st.current and rates[best] > rates[st.current] * (1.0 + self._margin(st, best)):
+        elif best != st.current and (
+            st.current not in eligible or rates[best] > rates[st.current] * (1.0 + self.hysteresis)
+        ):
             k, d, _ = st.options[best]
             self.last_event = f"switch to k={k} d={d} ({rates[best]:.4g} tok/s vs {rates[st.current]:.4g})"
             st.current = best
@@ -224,10 +228,23 @@ class GoodputPolicy(Policy):
         if st.cost is None and self.refine_cost:
             self._maybe_trial(st, rates)
 
-    def _margin(self, st: GoodputState, best: int) -> float:
-        """Relative predicted gain a switch needs: `plain_margin` to start speculating, else `hysteresis`."""
-        leaving_plain = st.options[st.current][0] == 0 and st.options[best][0] > 0
-        return self.plain_margin if leaving_plain else self.hysteresis
+    def _eligible(self, st: GoodputState, rates: list[float]) -> list[int]:
+        """Options that may run: plain, and speculative ones predicted to beat plain by `plain_margin`.
+
+        A wrong speculative plan costs more than a missed small gain, so every speculative option - not just
+        the first step away from plain - must clear the margin over plain decoding; the option in use keeps
+        its place down to the margin less `hysteresis`, so a prediction hovering at the bar does not flip.
+        Without a plain option (Phase 2 off) every option is eligible.
+        """
+        plain = [o for o, opt in enumerate(st.options) if opt[0] == 0]
+        if not plain:
+            return list(range(len(rates)))
+        bar = rates[plain[0]] * (1.0 + self.plain_margin)
+        return [
+            o
+            for o, (k, _, _) in enumerate(st.options)
+            if k == 0 or rates[o] > bar * (1.0 - (self.hysteresis if o == st.current else 0.0))
+        ]
 
     def _maybe_trial(self, st: GoodputState, rates: list[float]) -> None:
         """Run the most promising option whose cost was never measured here, if it is near the best."""

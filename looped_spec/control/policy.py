@@ -31,7 +31,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from looped_spec.control.buckets import CompiledBucket, DisableSettings
+from looped_spec.control.buckets import CompiledBucket
+from looped_spec.control.schema import DisableConfig
 from looped_spec.plan import RoundFeedback
 
 
@@ -100,15 +101,16 @@ class CandidatePolicy(Policy):
 
     name = "ema"
 
-    def __init__(self, buckets: list[CompiledBucket], disable: DisableSettings) -> None:
+    def __init__(self, buckets: list[CompiledBucket], disable: DisableConfig) -> None:
         self.buckets = buckets
         self.disable = disable
         self.states = [self._fresh(b) for b in buckets]
 
     def _fresh(self, b: CompiledBucket) -> BucketState:
         n = len(b.ks)
-        st = BucketState(index=b.initial_index, ema=list(b.prior), samples=[0] * n, rate=[{} for _ in range(n)])
-        if b.ks[b.initial_index] == 0:
+        initial = b.config.initial_index
+        st = BucketState(index=initial, ema=list(b.prior), samples=[0] * n, rate=[{} for _ in range(n)])
+        if b.ks[initial] == 0:
             st.off = st.off_by_preset = True
             st.backoff = st.wait_left = self.disable.probe_base
         return st
@@ -149,6 +151,7 @@ class CandidatePolicy(Policy):
         if not 0 <= fb.bucket < len(self.buckets):
             return
         b = self.buckets[fb.bucket]
+        beta = b.config.beta
         st = self.states[fb.bucket]
         batch = fb.batch_size
         seconds = fb.draft_time + fb.verify_time + fb.commit_time
@@ -157,17 +160,17 @@ class CandidatePolicy(Policy):
         if (fb.k == 0 or proposed == 0) and seconds > 0.0 and batch > 0:  # ran as plain decoding
             seen = st.plain_seen[batch] = st.plain_seen.get(batch, 0) + 1
             if seen > TIMING_WARMUP:
-                _ema_into(st.plain_rate, batch, 1.0 / seconds, b.beta)  # one token per request
+                _ema_into(st.plain_rate, batch, 1.0 / seconds, beta)  # one token per request
         c = fb.candidate
         if fb.k == 0 or not 0 <= c < len(b.ks):
             return
         accepted = sum(fb.num_accepted)
         if proposed > 0 and seconds > 0.0 and batch > 0 and st.samples[c] >= TIMING_WARMUP:
-            _ema_into(st.rate[c], batch, (accepted + len(fb.num_accepted)) / (batch * seconds), b.beta)
+            _ema_into(st.rate[c], batch, (accepted + len(fb.num_accepted)) / (batch * seconds), beta)
         if proposed > 0:
             r = accepted / proposed
             old = st.ema[c]
-            st.ema[c] = r if old is None else (1.0 - b.beta) * old + b.beta * r
+            st.ema[c] = r if old is None else (1.0 - beta) * old + beta * r
             st.samples[c] += 1
         if st.off:
             if st.probe_issued and c == b.lowest_spec and fb.plan_id >= st.probe_first_id:
@@ -183,8 +186,8 @@ class CandidatePolicy(Policy):
         if proposed == 0 or c != st.index:
             return
         st.visit += 1
-        due = st.visit - b.min_samples
-        if due >= 0 and due % b.interval == 0:
+        due = st.visit - b.config.min_samples
+        if due >= 0 and due % b.config.interval == 0:
             self._decide(st, b)
 
     def _decide(self, st: BucketState, b: CompiledBucket) -> None:

@@ -1,19 +1,28 @@
-"""Presets: finding and reading preset files (`load_preset`, `generic_preset`, `read_preset_file`).
+"""Presets: finding and reading preset files (`load_preset`, `find_preset`, `read_preset_file`).
 
 The schema itself (`AdaptiveSpecConfig` and its parts, `PresetError`) lives in `schema.py` and is
 re-exported here, so ``from looped_spec.control.presets import AdaptiveSpecConfig, load_preset`` works.
 
 Shipped presets live in the `looped_spec.presets` package (the repository's `presets/` folder), one
-`<name>.json` per model. A model is matched to a preset by its checkpoint folder name, lower-cased:
-first exactly (``"Ouro-1.4B"`` -> ``ouro-1.4b.json``), then by the longest preset name that is a prefix
-followed by ``-``, ``_`` or ``.`` (``"Ouro-1.4B-Thinking"`` -> ``ouro-1.4b.json``); otherwise the
-family-generic ``default.json`` is rescaled to the model's depth (see `schema.py`, depth rule "scale").
-YAML files (``.yaml`` / ``.yml``) are read only when PyYAML is importable.
+`<name>.json` per model. Without an explicit `preset=`, a model's preset is, in this order:
+
+1. ``preset.json`` in the checkpoint folder (how a checkpoint carries its own preset; the test fixtures
+   in ``tests/fixtures/*/`` do);
+2. the shipped preset matching one of the model's names: the checkpoint folder name, the repository of a
+   Hugging Face cache folder (``.../models--ByteDance--Ouro-1.4B/snapshots/<hash>`` -> ``Ouro-1.4B``),
+   then config.json's ``_name_or_path``. A name matches lower-cased, first exactly (``"Ouro-1.4B"`` ->
+   ``ouro-1.4b.json``), then by the longest preset name that is a prefix followed by ``-``, ``_`` or
+   ``.`` (``"Ouro-1.4B-Thinking"`` -> ``ouro-1.4b.json``);
+3. the family-generic ``default.json``, rescaled to the model's depth (see `schema.py`, depth rule "scale").
+
+`load_preset` logs the choice and the reason (logger ``looped_spec.control.presets``, level INFO).
+Preset files are JSON.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 from importlib import resources
 from pathlib import Path
 from typing import Any
@@ -34,6 +43,7 @@ __all__ = [
     "DisableConfig",
     "PresetError",
     "format_validation_error",
+    "find_preset",
     "generic_preset",
     "list_presets",
     "load_preset",
@@ -43,9 +53,12 @@ __all__ = [
     "shipped_preset_path",
 ]
 
+logger = logging.getLogger(__name__)
+
 PRESET_PACKAGE = "looped_spec.presets"
 GENERIC_PRESET = "default"
-_SUFFIXES = (".json", ".yaml", ".yml")
+#: A preset file inside a checkpoint folder: that checkpoint's preset (before any shipped one).
+CHECKPOINT_PRESET = "preset.json"
 
 
 def preset_dir() -> Path:
@@ -55,34 +68,13 @@ def preset_dir() -> Path:
 
 def list_presets() -> list[str]:
     """Names (file stems) of the shipped presets, sorted."""
-    return sorted(p.stem for p in preset_dir().iterdir() if p.suffix in _SUFFIXES)
+    return sorted(p.stem for p in preset_dir().glob("*.json"))
 
 
 def shipped_preset_path(name: str) -> Path | None:
     """The shipped file for preset `name` (case-insensitive, without suffix), or None."""
-    folder = preset_dir()
-    for suffix in _SUFFIXES:
-        path = folder / f"{name.lower()}{suffix}"
-        if path.is_file():
-            return path
-    return None
-
-
-def _read_data(path: Path) -> Any:
-    text = path.read_text(encoding="utf-8")
-    if path.suffix in (".yaml", ".yml"):
-        try:
-            import yaml  # type: ignore[import-untyped]
-        except ImportError:
-            raise PresetError(f"{path}: reading YAML presets needs PyYAML (pip install pyyaml)") from None
-        try:
-            return yaml.safe_load(text)
-        except yaml.YAMLError as err:
-            raise PresetError(f"{path}: invalid YAML: {err}") from None
-    try:
-        return json.loads(text)
-    except json.JSONDecodeError as err:
-        raise PresetError(f"{path}: invalid JSON: {err}") from None
+    path = preset_dir() / f"{name.lower()}.json"
+    return path if path.is_file() else None
 
 
 def read_preset_file(path: str | Path) -> AdaptiveSpecConfig:
@@ -90,7 +82,11 @@ def read_preset_file(path: str | Path) -> AdaptiveSpecConfig:
     path = Path(path)
     if not path.is_file():
         raise PresetError(f"{path}: preset file not found")
-    return AdaptiveSpecConfig.parse(_read_data(path), source=str(path))
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as err:
+        raise PresetError(f"{path}: invalid JSON: {err}") from None
+    return AdaptiveSpecConfig.parse(data, source=str(path))
 
 
 def match_preset_name(model_name: str) -> str | None:
@@ -118,29 +114,74 @@ def generic_preset(full_depth: int) -> AdaptiveSpecConfig:
     return _checked(read_preset_file(path), full_depth, str(path))
 
 
+def _hub_repo(folder: Path) -> str | None:
+    """The repository of a Hugging Face cache snapshot folder (models--ORG--NAME/snapshots/<hash>), else None."""
+    repo = folder.parent.parent.name
+    if folder.parent.name != "snapshots" or not repo.startswith("models--"):
+        return None
+    return repo.removeprefix("models--").replace("--", "/")
+
+
+def find_preset(
+    model_name: str, folder: str | Path | None = None, config: dict[str, Any] | None = None
+) -> tuple[Path, str]:
+    """The preset file for a model when none is asked for, and why it was chosen (see the module docstring).
+
+    `model_name` is the adapter's name (the checkpoint folder name when loaded from a folder), `folder`
+    the checkpoint folder (None for a model built in memory), `config` its config.json data.
+    """
+    names = [(str(model_name), "model name")]
+    if folder is not None:
+        folder = Path(folder)
+        own = folder / CHECKPOINT_PRESET
+        if own.is_file():
+            return own, f"{CHECKPOINT_PRESET} in the checkpoint folder"
+        repo = _hub_repo(folder.resolve())
+        if repo is not None:
+            names.append((repo, "Hugging Face cache repository"))
+    name_or_path = (config or {}).get("_name_or_path")
+    if isinstance(name_or_path, str) and name_or_path.strip():
+        names.append((name_or_path, "config.json _name_or_path"))
+    for name, where in names:
+        match = match_preset_name(name)
+        if match is not None:
+            path = shipped_preset_path(match)
+            assert path is not None
+            return path, f"{where} {name!r} matches the shipped preset {match!r}"
+    path = shipped_preset_path(GENERIC_PRESET)
+    if path is None:
+        raise PresetError(f"{preset_dir()}: the generic preset {GENERIC_PRESET}.json is missing")
+    tried = ", ".join(f"{where} {name!r}" for name, where in names)
+    return path, f"no shipped preset matches {tried}: the family-generic default"
+
+
 def load_preset(
-    model_name: str, full_depth: int, preset: str | Path | AdaptiveSpecConfig | None = None
+    model_name: str,
+    full_depth: int,
+    preset: str | Path | AdaptiveSpecConfig | None = None,
+    *,
+    folder: str | Path | None = None,
+    config: dict[str, Any] | None = None,
 ) -> AdaptiveSpecConfig:
-    """The preset to serve `model_name` (a checkpoint folder or name) of loop depth `full_depth` with.
+    """The preset to serve `model_name` of loop depth `full_depth` with; logs which one and why.
 
     `preset` wins when given: a config object, a file path, or the name of a shipped preset. Otherwise
-    the shipped preset matching the folder name, else the generic default for that depth. The result is
-    validated for (or, with depth rule "scale", rescaled to) `full_depth`; errors name the file.
+    `find_preset(model_name, folder, config)` picks it. The result is validated for (or, with depth rule
+    "scale", rescaled to) `full_depth`; errors name the file.
     """
     if isinstance(preset, AdaptiveSpecConfig):
+        logger.info("adaptive preset for %s: the config object given (model %r)", model_name, preset.model)
         return _checked(preset, full_depth, f"preset for {preset.model!r}")
     if preset is not None:
         path = Path(preset)
+        reason = "preset= file"
         if not path.is_file():
-            shipped = shipped_preset_path(str(preset)) if path.suffix not in _SUFFIXES else None
+            shipped = shipped_preset_path(str(preset)) if path.suffix != ".json" else None
             if shipped is None:
                 shipped_names = ", ".join(list_presets())
                 raise PresetError(f"{path}: no such preset file or shipped preset (shipped: {shipped_names})")
-            path = shipped
-        return _checked(read_preset_file(path), full_depth, str(path))
-    name = match_preset_name(model_name)
-    if name is None:
-        return generic_preset(full_depth)
-    path = shipped_preset_path(name)
-    assert path is not None
+            path, reason = shipped, "preset= shipped name"
+    else:
+        path, reason = find_preset(model_name, folder, config)
+    logger.info("adaptive preset for %s: %s (%s)", model_name, path, reason)
     return _checked(read_preset_file(path), full_depth, str(path))

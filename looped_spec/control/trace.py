@@ -1,14 +1,15 @@
 """JSONL trace of controller events: one JSON object per line, flushed on `close()`.
 
-Events (field `event`): ``plan`` (plan_id, batch, bucket, candidate, k, d, measure_depths), ``feedback``
-(the RoundFeedback fields) and ``decision`` (bucket, what the policy decided, after which plan_id). Every
-line carries ``t``, seconds since the trace was opened.
+Events (field `event`): ``plan`` (the SpeculationPlan fields and ``batch``, the running requests),
+``feedback`` (the RoundFeedback fields, named as there) and ``decision`` (bucket, what the policy decided,
+after which plan_id). Every line carries ``t``, seconds since the trace was opened.
 """
 
 from __future__ import annotations
 
 import json
 import time
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -31,41 +32,13 @@ class TraceWriter:
         self._file.write(json.dumps(record, separators=(",", ":")) + "\n")
 
     def plan(self, plan: SpeculationPlan, batch_size: int) -> None:
-        self.write(
-            "plan",
-            plan_id=plan.plan_id,
-            batch=batch_size,
-            bucket=plan.bucket,
-            candidate=plan.candidate,
-            k=plan.k,
-            d=plan.d,
-            measure_depths=plan.measure_depths,
-        )
+        self.write("plan", **asdict(plan), batch=batch_size)
 
     def feedback(self, fb: RoundFeedback) -> None:
-        self.write(
-            "feedback",
-            plan_id=fb.plan_id,
-            bucket=fb.bucket,
-            candidate=fb.candidate,
-            k=fb.k,
-            d=fb.d,
-            batch=fb.batch_size,
-            proposed=fb.num_proposed,
-            accepted=fb.num_accepted,
-            draft_time=fb.draft_time,
-            verify_time=fb.verify_time,
-            commit_time=fb.commit_time,
-            depth_matches=fb.depth_matches,
-            depth_trials=fb.depth_trials,
-        )
+        self.write("feedback", **asdict(fb))
 
     def decision(self, bucket: int, what: str, plan_id: int) -> None:
         self.write("decision", bucket=bucket, what=what, plan_id=plan_id)
-
-    def flush(self) -> None:
-        if not self._file.closed:
-            self._file.flush()
 
     def close(self) -> None:
         if not self._file.closed:
