@@ -43,6 +43,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from tqdm import tqdm
 
 from looped_spec import LoopedSpecEngine, SamplingParams, SpeculativeConfig, load_adapter
 from looped_spec.control.controller import AdaptiveController
@@ -326,11 +327,7 @@ def sum_plans(runs: list[dict[str, Any]]) -> dict[str, int]:
     return dict(sorted(total.items()))
 
 
-def _progress(total: int):
-    try:
-        from tqdm import tqdm
-    except ImportError:
-        return None
+def _progress(total: int) -> tqdm:
     return tqdm(total=total, file=sys.stderr, desc="runs", mininterval=2.0, leave=False)
 
 
@@ -345,8 +342,7 @@ def bench_batch(engines, specs, prompts, b: int, args, rng: random.Random, bar) 
         runs, outs = {}, {}
         for name in order:
             runs[name], outs[name] = timed_generate(engines[name], prompts[:b], args.max_tokens)
-            if bar is not None:
-                bar.update(1)
+            bar.update(1)
         for name in names:
             if name != "plain":
                 check_equal(name, outs[name], outs["plain"], f"B={b}, round {r}")
@@ -450,8 +446,7 @@ def bench_workload(engines, specs, prompts, phases, args, rng: random.Random, ba
                 phase_runs.append(run)
                 phase_outs.append(out)
             runs[name], outs[name] = phase_runs, phase_outs
-            if bar is not None:
-                bar.update(1)
+            bar.update(1)
         for name in names:
             if name != "plain":
                 for p, (got, want) in enumerate(zip(outs[name], outs["plain"])):
@@ -641,13 +636,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     try:
         for b in args.batches:
             results[str(b)] = bench_batch(engines, specs, prompts, b, args, rng, bar)
-            if bar is not None:
-                bar.clear()
+            bar.clear()
             print_batch(b, results[str(b)], specs)
         workload = bench_workload(engines, specs, prompts, phases, args, rng, bar) if phases else None
     finally:
-        if bar is not None:
-            bar.close()
+        bar.close()
         for engine in engines.values():
             engine.close()
     if workload is not None:

@@ -4,10 +4,6 @@ from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-# SpeculativeConfig is engine configuration (looped_spec.engine_config); this name is kept only until
-# looped_spec.tuner imports it from there.
-from looped_spec.engine_config import SpeculativeConfig  # noqa: F401
-
 # Below this a softmax temperature divides logits into overflow (1e-45 gives token 0 everywhere): such a
 # temperature means "greedy", as in vLLM.
 GREEDY_TEMPERATURE = 1e-5

@@ -30,14 +30,15 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from looped_spec.adapter import ModelAdapter, load_adapter
 from looped_spec.control.acceptance import bit_statistics, markov_tokens, simulate_tokens
 from looped_spec.control.costprofile import CostProfile, round_features
 from looped_spec.control.derive import RULES, BucketModel, bucket_ranges, derive_buckets
 from looped_spec.control.presets import AdaptiveSpecConfig
 from looped_spec.engine import LoopedSpecEngine
+from looped_spec.engine_config import SpeculativeConfig
 from looped_spec.inputs import load_tokenizer, to_token_ids
-from looped_spec.sampling_params import SamplingParams, SpeculativeConfig
+from looped_spec.model_adapter import ModelAdapter, load_adapter
+from looped_spec.sampling_params import SamplingParams
 from looped_spec.tuner_inputs import (
     TunerError,
     hardware_tag,
