@@ -8,6 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from conftest import FAMILIES, load, reference, reference_tensors
+from prometheus_client.parser import text_string_to_metric_families
 
 from looped_spec import LoopedSpecEngine, SamplingParams
 
@@ -366,6 +367,19 @@ def test_exit_stats():
     depth = adapter.full_depth
     assert stats["mean_loops_per_token"] == (depth + 7 * 2) / 8
     assert stats["num_exit_loops_saved"] == 7 * (depth - 2)
+    # Prometheus: a bucket per depth (1..D with full_depth, else up to the deepest seen), loops run and saved
+    for full_depth, bounds in ((depth, range(1, depth + 1)), (None, range(1, 3))):
+        samples = {
+            (s.name, s.labels.get("le")): s.value
+            for family in text_string_to_metric_families(engine.stats.to_prometheus("m", full_depth))
+            if family.name.startswith("looped_spec:exit_")
+            for s in family.samples
+        }
+        buckets = {le: v for (name, le), v in samples.items() if name == "looped_spec:exit_depth_bucket"}
+        assert buckets == {**{str(b): 8 * (b >= 2) for b in bounds}, "+Inf": 8}
+        assert samples[("looped_spec:exit_depth_sum", None)] == 16
+        assert samples[("looped_spec:exit_loops_run_total", None)] == depth + 7 * 2
+        assert samples[("looped_spec:exit_loops_saved_total", None)] == 7 * (depth - 2)
     select = LoopedSpecEngine(adapter, speculation="off", early_exit="select")
     select.generate([[4, 5, 6]], SamplingParams(max_tokens=8, ignore_eos=True, exit_at_step=2))
     assert select.stats.num_exit_loops_saved == 0 and select.stats.mean_loops_per_token == depth
