@@ -48,7 +48,9 @@ class HuginnAdapter(ModelAdapter):
     token position) or "zeros"; `num_steps` overrides `mean_recurrence` as the full depth D;
     `exit_criterion` = "kl" (default; the Huginn authors' zero-shot adaptive compute: KL divergence of
     successive steps' next-token distributions below `exit_threshold`, 5e-4 in their paper) or "latent"
-    (relative latent change ||x_s - x_{s-1}|| / ||x_s|| below the threshold)."""
+    (relative latent change ||x_s - x_{s-1}|| / ||x_s|| below the threshold); `exit_threshold` (> 0, in
+    the criterion's units; e.g. `PAPER_KL_THRESHOLD`) = the threshold of requests that set neither
+    `exit_threshold` nor `exit_at_step` (unset: they run all `num_steps`, no early exit)."""
 
     model_type = "huginn_raven"
     readout_uses_kv = True
@@ -77,11 +79,14 @@ class HuginnAdapter(ModelAdapter):
         if criterion not in ("kl", "latent"):
             raise ValueError(f"adapter option exit_criterion={criterion!r}: use 'kl' or 'latent'")
         self.exit_criterion = criterion
-        unknown = set(self.options) - {"initial_state", "num_steps", "exit_criterion"}
+        try:
+            self._default_exit_threshold = float_field(self.options, "exit_threshold", None)
+        except ValueError as exc:
+            raise ValueError(f"adapter option {exc} (the default early-exit threshold of requests)") from None
+        known = ("initial_state", "num_steps", "exit_criterion", "exit_threshold")
+        unknown = set(self.options) - set(known)
         if unknown:
-            raise ValueError(
-                f"unknown Huginn adapter option(s) {sorted(unknown)}; known: initial_state, num_steps, exit_criterion"
-            )
+            raise ValueError(f"unknown Huginn adapter option(s) {sorted(unknown)}; known: {', '.join(known)}")
         if "lm_head.weight" not in self.weights:
             self.weights["lm_head.weight"] = self.weights["transformer.wte.weight"]
         group = (
@@ -259,8 +264,14 @@ class HuginnAdapter(ModelAdapter):
 
     # ----- early exit: convergence between successive steps -----
     has_exit_rule = True
-    #: the Huginn paper's KL threshold; a request opts in with SamplingParams(exit_threshold=...)
+    default_exit_threshold_source = "adapter option exit_threshold"
+    #: the Huginn paper's KL threshold: a request opts in with SamplingParams(exit_threshold=...), or every
+    #: request by default with the adapter option exit_threshold
     PAPER_KL_THRESHOLD = 5e-4
+
+    @property
+    def default_exit_threshold(self) -> float | None:
+        return self._default_exit_threshold
 
     def exit_carry(self, num_rows: int) -> torch.Tensor | None:
         return None  # "kl": the previous step's log-probabilities [num_rows, V], from step 1 on

@@ -59,6 +59,7 @@ class OuroAdapter(LlamaStyleLooped):
 
     # ----- early exit: the first step whose cumulative exit probability reaches tau -----
     has_exit_rule = True
+    default_exit_threshold_source = "config early_exit_threshold"
 
     @property
     def default_exit_threshold(self) -> float | None:

@@ -351,6 +351,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="requests that may wait beyond the running batch; more get 429 + Retry-After",
     )
     srv.add_argument("--max-body-bytes", type=int, default=1 << 20, help="larger request bodies get 413")
+    srv.add_argument("--early-exit", default="skip", choices=["skip", "select"],
+                     help="how requests' exit_threshold / exit_at_step run (with --speculation off)")  # fmt: skip
     srv.add_argument(
         "--log-level",
         default="info",

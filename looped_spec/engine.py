@@ -112,7 +112,8 @@ class LoopedSpecEngine:
         default = self.adapter.default_exit_threshold
         if self.speculates and default is not None and self.adapter.exit_rule_can_fire(default):
             raise ValueError(
-                f"the model's early_exit_threshold={default} (early exit) with speculation={self.speculation!r} "
+                f"the model's {self.adapter.default_exit_threshold_source}={default} (early exit) with "
+                f"speculation={self.speculation!r} "
                 "is not supported: early exit runs with plain decoding only; pass speculation='off'"
             )
 

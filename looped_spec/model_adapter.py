@@ -139,6 +139,8 @@ class ModelAdapter(ABC):
     # ----- early exit (docs/architecture.md, "Early exit") -----
     #: True when the family has an exit rule driven by `exit_threshold` (Ouro's gate, Huginn's convergence).
     has_exit_rule: ClassVar[bool] = False
+    #: where `default_exit_threshold` comes from, as error messages name it
+    default_exit_threshold_source: ClassVar[str] = "default exit_threshold"
 
     @property
     def default_exit_threshold(self) -> float | None:

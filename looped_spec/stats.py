@@ -81,10 +81,11 @@ class EngineStats:
         out.update(acceptance_rate=self.acceptance_rate, mean_loops_per_token=self.mean_loops_per_token)
         return out
 
-    def to_prometheus(self, model_name: str = "") -> str:
-        """Prometheus text exposition of these counters alone (no live engine state)."""
+    def to_prometheus(self, model_name: str = "", full_depth: int | None = None) -> str:
+        """Prometheus text exposition of these counters alone (no live engine state); `full_depth` (the model's
+        D) gives the exit-depth histogram a bucket per depth 1..D, else per depth up to the deepest seen."""
         registry = CollectorRegistry(auto_describe=False)
-        registry.register(StatsCollector(self, model_name))
+        registry.register(StatsCollector(self, model_name, full_depth))
         return generate_latest(registry).decode()
 
 
@@ -100,12 +101,23 @@ def _gauge(name: str, doc: str, value: float, labels: dict[str, str]) -> GaugeMe
     return family
 
 
+def _histogram(name: str, doc: str, counts: dict[int, int], bounds, labels: dict[str, str]) -> HistogramMetricFamily:
+    """A histogram of integer observations kept as value -> count, with the given bucket upper bounds."""
+    counts = dict(counts)
+    buckets = [(str(b), sum(c for value, c in counts.items() if value <= b)) for b in bounds]
+    buckets.append(("+Inf", sum(counts.values())))
+    family = HistogramMetricFamily(PREFIX + name, doc, labels=list(labels))
+    family.add_metric(list(labels.values()), buckets, sum(value * c for value, c in counts.items()))
+    return family
+
+
 class StatsCollector(Collector):
     """`EngineStats` counters; read at scrape time (prometheus_client escapes label values)."""
 
-    def __init__(self, stats: EngineStats, model_name: str) -> None:
+    def __init__(self, stats: EngineStats, model_name: str, full_depth: int | None = None) -> None:
         self.stats = stats
         self.model_name = model_name
+        self.full_depth = full_depth
 
     def collect(self) -> Iterator[Metric]:
         s, labels = self.stats, {"model_name": self.model_name}
@@ -133,19 +145,29 @@ class StatsCollector(Collector):
         for phase, seconds in dict(s.phase_seconds).items():
             phases.add_metric([self.model_name, phase], seconds)
         yield phases
-        histogram = dict(s.batch_size_histogram)
-        buckets = [(str(b), sum(c for size, c in histogram.items() if size <= b)) for b in BATCH_SIZE_BOUNDS]
-        buckets.append(("+Inf", sum(histogram.values())))
-        batch = HistogramMetricFamily(PREFIX + "batch_size", "Decode-round batch sizes.", labels=["model_name"])
-        batch.add_metric([self.model_name], buckets, sum(size * c for size, c in histogram.items()))
-        yield batch
+        yield _histogram("batch_size", "Decode-round batch sizes.", s.batch_size_histogram, BATCH_SIZE_BOUNDS, labels)
+        yield from self._exits()
+
+    def _exits(self) -> Iterator[Metric]:
+        """Early exit: readout depths as a histogram (a bucket per depth), loops run and saved.
+
+        Mean loops per token = exit_loops_run_total / exit_depth_count (select mode runs every loop, so
+        there it is D while the histogram shows the readout depths)."""
+        s, labels = self.stats, {"model_name": self.model_name}
+        depths = dict(s.exit_depth_histogram)  # one copy: the engine's thread may add a depth meanwhile
+        bounds = range(1, max([self.full_depth or 0, *depths]) + 1)
+        yield _histogram("exit_depth", "Readout depth (loops) of tokens generated with early exit.", depths, bounds,
+                         labels)  # fmt: skip
+        yield _counter("exit_loops_run", "Loops run by the forwards of tokens generated with early exit.",
+                       s.num_exit_loops_run, labels)  # fmt: skip
+        yield _counter("exit_loops_saved", "Loops skipped by early exit (skip mode).", s.num_exit_loops_saved, labels)
 
 
 class EngineCollector(StatsCollector):
     """`engine.stats` plus live state: running / waiting requests, KV usage and the plan per bucket."""
 
     def __init__(self, engine: Any, model_name: str) -> None:
-        super().__init__(engine.stats, model_name)
+        super().__init__(engine.stats, model_name, engine.adapter.full_depth)
         self.engine = engine
 
     def collect(self) -> Iterator[Metric]:

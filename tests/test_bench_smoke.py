@@ -1,5 +1,5 @@
-"""Smoke tests of benchmarks/bench_speculative.py (on the random-weight fixture) and bench_controller.py (no timed
-assertions)."""
+"""Smoke tests of benchmarks/bench_speculative.py and bench_early_exit.py (on the random-weight fixture) and
+bench_controller.py (no timed assertions)."""
 
 from __future__ import annotations
 
@@ -104,3 +104,23 @@ def test_controller_overhead_script_runs():
     module = load_script("bench_controller")
     for policy in ("ema", "goodput"):
         assert module.overhead_us(policy, "ouro-1.4b", 4, [0.7, 0.87, 0.94, 1.0], 50) > 0.0
+
+
+def test_early_exit_bench_prints_quality_beside_speed(monkeypatch, capsys):
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))  # it imports common.py and bench_speculative.py
+    module = load_script("bench_early_exit")
+    argv = ["--model", FIXTURE, "--prompts", "random", "--batch-sizes", "2", "--max-tokens", "3", "--repeats", "1"]
+    rows = module.main([*argv, "--taus", "0.5", "--exit-at-steps", "1"])
+    header = capsys.readouterr().out.splitlines()[1].split()
+    assert header[-5:] == ["loops/tok", "depth", "agree", "prefix", "NLL"]
+    names = ["full depth (plain)", "full depth + adaptive spec", "skip tau=0.5", "skip k=1", "select tau=0.5",
+             "select k=1"]  # fmt: skip
+    assert [r["configuration"] for r in rows] == names
+    plain, adaptive = rows[0], rows[1]
+    assert plain["ratio"] == 1.0 and plain["agreement"] == plain["prefix"] == 1.0 and plain["readout_depth"] == 4
+    assert adaptive["agreement"] == 1.0 and adaptive["nll"] == plain["nll"]  # greedy speculation is lossless
+    skip, select = rows[3], rows[5]
+    # exit_at_step=1: the first token is read from the prompt's last position, which ran all 4 loops
+    assert skip["loops_per_token"] == (4 + 1 + 1) / 3 and select["loops_per_token"] == 4
+    assert skip["readout_depth"] == select["readout_depth"] == 1
+    assert all(r["nll"] > 0 and 0 <= r["agreement"] <= 1 and r["tokens_per_s"] > 0 for r in rows)

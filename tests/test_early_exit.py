@@ -8,6 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from conftest import FAMILIES, load, reference, reference_tensors
+from prometheus_client.parser import text_string_to_metric_families
 
 from looped_spec import LoopedSpecEngine, SamplingParams
 
@@ -255,6 +256,43 @@ def test_huginn_latent_criterion_matches_reference(mode):
     assert len(depths_seen) > 1  # mixed depths
 
 
+def test_huginn_exit_threshold_option_is_the_requests_default():
+    """Adapter option exit_threshold: the threshold of requests that set none; a request's own exit_threshold
+    (or exit_at_step) overrides it; unset, requests run every step, as without the option."""
+    from conftest import fixture_dir
+
+    from looped_spec import load_adapter
+
+    def huginn(**options):
+        return load_adapter(fixture_dir("huginn"), device="cpu", initial_state="zeros", **options)
+
+    assert load("huginn").default_exit_threshold is None
+    paper = huginn(exit_threshold=5e-4)
+    assert paper.default_exit_threshold == type(paper).PAPER_KL_THRESHOLD == 5e-4
+    plain = LoopedSpecEngine(load("huginn"), speculation="off")
+    engine = LoopedSpecEngine(huginn(exit_threshold=0.3), speculation="off")
+    depth = engine.adapter.full_depth
+    base = SamplingParams(max_tokens=8, ignore_eos=True)
+    prompts = reference("huginn")["prompts"]
+
+    def run(eng, **fields):
+        outs = eng.generate(prompts, base.model_copy(update=fields))
+        return [(o.token_ids, o.metrics.exit_depth_histogram) for o in outs]
+
+    default = run(engine)
+    assert default == run(plain, exit_threshold=0.3)
+    assert min(d for _, hist in default for d in hist) < depth  # the default exits early
+    assert run(engine, exit_threshold=3e-2) == run(plain, exit_threshold=3e-2) != default
+    full = run(plain)
+    assert all(hist == {} for _, hist in full)  # no option, no request field: no early exit
+    assert [t for t, _ in run(engine, exit_at_step=depth)] == [t for t, _ in full]
+    for bad in (0, -1.0, float("inf"), "high", True):
+        with pytest.raises(ValueError, match="adapter option exit_threshold="):
+            huginn(exit_threshold=bad)
+    with pytest.raises(ValueError, match="adapter option exit_threshold=0.3 .*speculation='2,1'"):
+        LoopedSpecEngine(huginn(exit_threshold=0.3), speculation="2,1")
+
+
 # ----- batches, preemption and the API -----
 def mixed_params(family: str) -> list[SamplingParams]:
     """Requests with different rules side by side (and one without early exit)."""
@@ -366,6 +404,19 @@ def test_exit_stats():
     depth = adapter.full_depth
     assert stats["mean_loops_per_token"] == (depth + 7 * 2) / 8
     assert stats["num_exit_loops_saved"] == 7 * (depth - 2)
+    # Prometheus: a bucket per depth (1..D with full_depth, else up to the deepest seen), loops run and saved
+    for full_depth, bounds in ((depth, range(1, depth + 1)), (None, range(1, 3))):
+        samples = {
+            (s.name, s.labels.get("le")): s.value
+            for family in text_string_to_metric_families(engine.stats.to_prometheus("m", full_depth))
+            if family.name.startswith("looped_spec:exit_")
+            for s in family.samples
+        }
+        buckets = {le: v for (name, le), v in samples.items() if name == "looped_spec:exit_depth_bucket"}
+        assert buckets == {**{str(b): 8 * (b >= 2) for b in bounds}, "+Inf": 8}
+        assert samples[("looped_spec:exit_depth_sum", None)] == 16
+        assert samples[("looped_spec:exit_loops_run_total", None)] == depth + 7 * 2
+        assert samples[("looped_spec:exit_loops_saved_total", None)] == 7 * (depth - 2)
     select = LoopedSpecEngine(adapter, speculation="off", early_exit="select")
     select.generate([[4, 5, 6]], SamplingParams(max_tokens=8, ignore_eos=True, exit_at_step=2))
     assert select.stats.num_exit_loops_saved == 0 and select.stats.mean_loops_per_token == depth

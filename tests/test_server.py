@@ -257,9 +257,88 @@ def test_metrics_parse_and_match_engine_stats(server, client):
     assert any(name == "looped_spec:spec_plan_k" for name, _ in samples)
 
 
-def test_chat_without_a_template_is_400():
+def test_chat_without_a_template_and_a_threshold_without_an_exit_signal_are_400():
     engine = LoopedSpecEngine("tiny-nanbeige", speculation="off", max_model_len=64)
     with ServerThread(engine, "tiny-nanbeige") as running:
         client = openai.OpenAI(base_url=running.url + "/v1", api_key="unused", max_retries=0)
         with pytest.raises(openai.BadRequestError, match="chat_template"):
             client.chat.completions.create(model="tiny-nanbeige", messages=[{"role": "user", "content": "hi"}])
+        with pytest.raises(openai.BadRequestError, match="^Error code: 400.*exit_threshold=0.5: .*no exit signal"):
+            client.completions.create(model="tiny-nanbeige", prompt="x", max_tokens=2,
+                                      extra_body={"exit_threshold": 0.5})  # fmt: skip
+        # a fixed depth works on every family
+        out = client.completions.create(model="tiny-nanbeige", prompt="x", max_tokens=2, extra_body={"exit_at_step": 1})
+        assert out.usage.completion_tokens >= 1
+
+
+# ----- early exit: request fields and /metrics (a server with speculation off: early exit runs in plain decoding)
+@pytest.fixture(scope="module")
+def plain_server():
+    engine = LoopedSpecEngine(MODEL, speculation="off", max_model_len=256)
+    with ServerThread(engine, MODEL) as running:
+        yield running
+
+
+def exit_metrics(url: str) -> dict:
+    """The early-exit samples of /metrics: {name or (name, le): value}."""
+    out = {}
+    for family in text_string_to_metric_families(httpx.get(url + "/metrics").text):
+        if family.name.startswith("looped_spec:exit_"):
+            for s in family.samples:
+                out[(s.name, s.labels["le"]) if "le" in s.labels else s.name] = s.value
+    return out
+
+
+def test_exit_fields_run_as_the_engine_does_and_fill_the_exit_metrics(plain_server, reference_engine):
+    client = openai.OpenAI(base_url=plain_server.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+    depth = plain_server.engine.adapter.full_depth
+    full = greedy(reference_engine, PROMPT, 16, ignore_eos=True)
+    ref = greedy(reference_engine, PROMPT, 16, ignore_eos=True, exit_at_step=1)
+    assert ref.token_ids != full.token_ids  # one loop changes the output: the field is seen to act
+    extra = {"ignore_eos": True, "exit_at_step": 1}
+    out = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=16, temperature=0, extra_body=extra)
+    assert out.choices[0].text == ref.text and out.usage.completion_tokens == 16
+    wait_until(lambda: idle(plain_server), what="server idle")
+    # 16 tokens read out at depth 1; the first from the prompt's last position, which ran every loop
+    want = {("looped_spec:exit_depth_bucket", str(b)) for b in range(1, depth + 1)}
+    got = exit_metrics(plain_server.url)
+    assert want <= set(got) and all(got[key] == 16 for key in want)
+    assert got[("looped_spec:exit_depth_bucket", "+Inf")] == got["looped_spec:exit_depth_count"] == 16
+    assert got["looped_spec:exit_depth_sum"] == 16
+    assert got["looped_spec:exit_loops_run_total"] == depth + 15
+    assert got["looped_spec:exit_loops_saved_total"] == 15 * (depth - 1)
+    # a threshold, streamed: the same text as the engine's, and the metrics are exactly engine.stats
+    ref = greedy(reference_engine, PROMPT, 16, ignore_eos=True, exit_threshold=0.5)
+    chunks = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=16, temperature=0, stream=True,
+                                       extra_body={"ignore_eos": True, "exit_threshold": 0.5})  # fmt: skip
+    assert "".join(c.choices[0].text for c in chunks) == ref.text
+    wait_until(lambda: idle(plain_server), what="server idle")
+    stats, got = plain_server.engine.stats, exit_metrics(plain_server.url)
+    for b in range(1, depth + 1):
+        assert got[("looped_spec:exit_depth_bucket", str(b))] == sum(
+            n for d, n in stats.exit_depth_histogram.items() if d <= b
+        )
+    assert got["looped_spec:exit_depth_count"] == 32
+    assert got["looped_spec:exit_loops_run_total"] / got["looped_spec:exit_depth_count"] == stats.mean_loops_per_token
+    assert got["looped_spec:exit_loops_saved_total"] == stats.num_exit_loops_saved
+
+
+def test_bad_exit_fields_are_400_naming_the_field(server, client, plain_server):
+    plain = openai.OpenAI(base_url=plain_server.url + "/v1", api_key="unused", max_retries=0)
+    depth = plain_server.engine.adapter.full_depth
+    cases = [
+        (plain, {"exit_threshold": 0}, "exit_threshold", "greater than 0"),
+        (plain, {"exit_threshold": "high"}, "exit_threshold", "valid number"),
+        (plain, {"exit_at_step": 0}, "exit_at_step", "greater than or equal to 1"),
+        (plain, {"exit_at_step": depth + 1}, "exit_at_step", f"exceeds the model's {depth} loops"),
+        (plain, {"exit_at_step": 1, "exit_threshold": 0.5}, "exit_at_step", "at most one"),
+        # the module's server speculates: early exit runs with plain decoding only
+        (client, {"exit_threshold": 0.5}, "exit_threshold", "speculation"),
+        (client, {"exit_at_step": 1}, "exit_at_step", "speculation"),
+    ]
+    for api, extra, field, text in cases:
+        with pytest.raises(openai.BadRequestError) as err:
+            api.completions.create(model=MODEL, prompt=PROMPT, max_tokens=2, extra_body=extra)
+        body = err.value.body
+        assert body["param"] == field and body["message"].startswith(field) and text in body["message"], body
+    wait_until(lambda: idle(plain_server) and idle(server), what="nothing queued")

@@ -2,7 +2,8 @@
 
 Requests forbid unknown fields, so an unsupported OpenAI option (`logprobs`, `presence_penalty`, ...)
 is a 400 naming it rather than silently ignored. Extensions beyond OpenAI's schema, as in vLLM:
-`top_k`, `ignore_eos`, `stop_token_ids` (and `seed`, which OpenAI has too).
+`top_k`, `ignore_eos`, `stop_token_ids` (and `seed`, which OpenAI has too); and looped-spec's early exit,
+`exit_threshold` / `exit_at_step` (checked by `SamplingParams` and the engine, errors naming the field).
 """
 
 from __future__ import annotations
@@ -36,6 +37,8 @@ class SamplingFields(BaseModel):
     seed: int | None = Field(None, ge=0, lt=2**63)
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
+    exit_threshold: float | None = None  # early exit (SamplingParams): the family rule's threshold
+    exit_at_step: int | None = None  # early exit: a fixed loop depth per token
     user: str | None = None  # accepted and ignored, as OpenAI clients send it
 
     def stop_list(self) -> list[str]:

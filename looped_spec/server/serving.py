@@ -78,9 +78,12 @@ class OpenAIServing:
         stop_token_ids = list(body.stop_token_ids or [])
         if not body.ignore_eos:
             stop_token_ids += [t for t in self.defaults.eos_token_ids if t not in stop_token_ids]
+        if body.exit_threshold is not None and body.exit_at_step is not None:
+            raise APIError(400, "exit_at_step: set at most one of exit_threshold (each token chooses its depth) and "
+                           "exit_at_step (a fixed depth)", "exit_at_step")  # fmt: skip
         d = self.defaults
         try:
-            return SamplingParams(
+            params = SamplingParams(
                 max_tokens=max_tokens,
                 temperature=d.temperature if body.temperature is None else body.temperature,
                 top_p=d.top_p if body.top_p is None else body.top_p,
@@ -89,10 +92,26 @@ class OpenAIServing:
                 stop=stop,
                 stop_token_ids=stop_token_ids,
                 ignore_eos=body.ignore_eos,
+                exit_threshold=body.exit_threshold,
+                exit_at_step=body.exit_at_step,
             )
         except ValidationError as exc:
             message, param = validation_message(exc.errors())
             raise APIError(400, message, param) from exc
+        self.check_exit(params)
+        return params
+
+    def check_exit(self, params: SamplingParams) -> None:
+        """Early exit the engine cannot run (speculation on, a depth past D, no exit signal): 400 before the
+        request starts, so a stream never opens for it. The engine's rule, asked from this thread (read-only)."""
+        field = "exit_threshold" if params.exit_threshold is not None else "exit_at_step"
+        if getattr(params, field) is None:
+            return
+        try:
+            self.engine.engine._resolve_exit(params)
+        except ValueError as exc:
+            message = str(exc) if str(exc).startswith(field) else f"{field}: {exc}"
+            raise APIError(400, message, field) from exc
 
     def start(self, ids: list[int], params: SamplingParams) -> AsyncIterator[RequestOutput]:
         """Admit the request now (429 / 503 before any response starts); its outputs, timed."""
@@ -126,6 +145,8 @@ class OpenAIServing:
                 out = task.result()
             except (EngineFaultError, EngineDeadError) as exc:
                 raise APIError(500, str(exc)) from exc
+            except (ValueError, TypeError) as exc:  # the engine refused the request (its own validation)
+                raise APIError(400, str(exc)) from exc
         if out.finish_reason == "error":
             raise APIError(500, "engine error while generating this request")
         return out
