@@ -1,4 +1,4 @@
-"""One-shot GPU check: correctness first, then decode timing at the RFC's shape, results to a file.
+"""One-shot GPU check: correctness first, then decode timing at the design's reference shape, results to a file.
 
 Random bf16 weights at the real sizes of Ouro-1.4B, then Nanbeige4.2-3B while the time budget lasts.
 Per model, in sections (each saved as it ends; a failing one, say out of memory, is recorded and the
@@ -189,7 +189,7 @@ def bound_step_seconds(adapter, loop_bytes: int, head_bytes: int, batch: int, me
 
 
 def shapes(tiny: bool) -> dict:
-    """The RFC's shape on a GPU (512-token prompts, 2048 new tokens); a reduced one for the CPU smoke mode."""
+    """The reference shape on a GPU (512-token prompts, 2048 new tokens); a reduced one for the CPU smoke mode."""
     if tiny:
         return {"prompt": 8, "new": 8, "long_prompt": 96, "long_new": 4, "batches": [1, 4], "workload": [1, 4, 1],
                 "phase_new": 4, "eager_new": 4, "check_new": 6, "check_batch": 4}  # fmt: skip
@@ -292,7 +292,7 @@ def check_model(name: str, config: dict, args, report: dict, deadline: float, sa
         c["speculative_vs_plain_identical_requests"] = spec_same
         print(f"[{name}] correctness: {c}; graphs: {entry['graphs']}", flush=True)
 
-    # ----- decode at the RFC shape: plain graphs vs eager, speculation (forced acceptance) vs plain -----
+    # ----- decode at the reference shape: plain graphs vs eager, speculation (forced acceptance) vs plain -----
     def plain_timing() -> None:
         engine = make(num_kv_blocks=run_blocks)
         for batch in batches:

@@ -87,6 +87,24 @@ class LoopedSpecEngine:
             self.adapter.dtype,
             self.adapter.device,
         )
+        kv_bytes = self.kv.num_blocks * KVCache.bytes_per_block(
+            self.adapter.kv_layout, config.block_size, self.adapter.dtype
+        )
+        logger.info(
+            "engine: %s (%s, D=%d) on %s, %s; KV cache %d blocks x %d tokens (%.1f MiB); max_batch_size %d, "
+            "max_model_len %d; controller %s",
+            self.adapter.name,
+            self.adapter.model_type,
+            self.adapter.full_depth,
+            self.adapter.device,
+            str(self.adapter.dtype).removeprefix("torch."),
+            self.kv.num_blocks,
+            config.block_size,
+            kv_bytes / 2**20,
+            config.max_batch_size,
+            self.max_model_len,
+            type(self.controller).__name__,
+        )
         self.scheduler = Scheduler(self.kv, config.max_batch_size, config.max_num_batched_tokens)
         self.runner = ModelRunner(self.adapter, self.kv)
         self.runner.exit_mode = config.early_exit

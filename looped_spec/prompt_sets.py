@@ -1,4 +1,4 @@
-"""Disjoint prompt groups: one tunes presets, the other evaluates them (the RFC's test plan).
+"""Disjoint prompt groups: one tunes presets, the other evaluates them (tuning and evaluation data never overlap).
 
 Sources
 -------

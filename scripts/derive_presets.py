@@ -24,7 +24,7 @@ PRESETS = Path(__file__).resolve().parent.parent / "presets"
 DERIVED = ("ouro-1.4b", "ouro-2.6b", "huginn-0125", "nanbeige4.2-3b", "default")
 METHOD = (
     "looped_spec.control.derive.derive_preset (scripts/derive_presets.py): the tuner's rules (docs/adaptive.md) "
-    "with the RFC's idealised cost model T_spec = d(K+1)*c(B) + (D-d)*c(B(K+1)), T_plain = D*c(B), "
+    "with the idealised cost model (docs/adaptive.md) T_spec = d(K+1)*c(B) + (D-d)*c(B(K+1)), T_plain = D*c(B), "
     "c(N) = 1 + N/n_sat, and the assumed acceptance per depth (persistence 0) in place of measurements"
 )
 

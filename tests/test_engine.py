@@ -204,3 +204,11 @@ def test_stats_dict_and_prometheus():
     assert samples[("looped_spec:batch_size_bucket", "+Inf")] == 4
     assert ("looped_spec:phase_seconds_total", "decode") in samples
     assert 'model_name="ouro \\"tiny\\""' in text  # label values escaped
+
+
+def test_start_up_logs_device_dtype_kv_cache_and_controller(caplog):
+    with caplog.at_level("INFO", logger="looped_spec.engine"):
+        engine = make_engine("ouro", speculation="off", num_kv_blocks=80, block_size=8, max_batch_size=3)
+    line = next(r.getMessage() for r in caplog.records if r.name == "looped_spec.engine")
+    assert "on cpu, float32" in line and "KV cache 80 blocks x 8 tokens" in line
+    assert "max_batch_size 3" in line and f"controller {type(engine.controller).__name__}" in line

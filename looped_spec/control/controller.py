@@ -126,7 +126,7 @@ class OffController(FixedController):
 class AdaptiveController(BaseController):
     """Per-round (K, d) from a preset: batch size -> bucket -> the policy's current candidate.
 
-    `policy`: "goodput" (default, `GoodputPolicy`) or "ema" (the RFC's EMA-threshold policy, `CandidatePolicy`).
+    `policy`: "goodput" (default, `GoodputPolicy`) or "ema" (the EMA-threshold policy, `CandidatePolicy`).
     With "goodput" the plans ask the engine for counterfactual per-depth agreement (`measure_depths`), in
     every `measure_every`-th speculative plan and every `plain_measure_every`-th plain plan.
     Bucket changes have hysteresis: the batch stays in the current bucket while its size is within

@@ -10,7 +10,8 @@ One loop step over N token positions is modelled as linear in N, separately for 
 Each line is a two-parameter non-negative least-squares fit with exponential forgetting (recent rounds
 weigh more, so the fit follows slow drift such as growing context lengths). A plain round's time is
 `draft_time + verify_time` (whichever phase the engine booked it under). Without any timing the model
-falls back to counting loop steps: draft d(K+1), verify D−d, plain D (the RFC's memory-bound limit).
+falls back to counting loop steps: draft d(K+1), verify D−d, plain D
+(memory-bound: a loop step costs the same for 1 or K+1 tokens).
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 One set of rules serves both kinds of preset (docs/adaptive.md "from measurements to a preset"):
 - tuned presets (`looped-spec tune`): acceptance per depth measured by counterfactual readouts, round cost
   from the measured `CostProfile`;
-- derived presets for models we cannot run here (`derive_preset`): the RFC's reported acceptance and its
+- derived presets for models we cannot run here (`derive_preset`): the design's reported acceptance and its
   idealised cost model T = d(K+1)·c(B) + (D−d)·c(B(K+1)), c(N) = 1 + N / n_sat.
 
 Per bucket, at its representative batch size, every option (K, d) of the grid and plain decoding gets a
@@ -218,7 +218,7 @@ def derive_buckets(
 
 
 def ideal_seconds(depth: int, batch: float, n_sat: float) -> Callable[[int, int], float]:
-    """The RFC's idealised round cost in units of one single-token loop step: c(N) = 1 + N / n_sat."""
+    """The design's idealised round cost in units of one single-token loop step: c(N) = 1 + N / n_sat."""
 
     def cost(n: float) -> float:
         return 1.0 + n / n_sat

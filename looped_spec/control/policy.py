@@ -1,4 +1,4 @@
-"""The RFC's EMA-threshold policy (`policy="ema"`) with Phase 2 switch-off and probe backoff.
+"""The EMA-threshold policy (docs/adaptive.md "EMA policy") (`policy="ema"`) with Phase 2 switch-off and probe backoff.
 
 Per bucket, `BucketState` keeps one acceptance EMA per candidate. A round's rate is r = ΣA / ΣK_actual
 (accepted over proposed draft tokens, summed over the round's requests); rounds with ΣK_actual = 0 are
