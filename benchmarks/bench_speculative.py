@@ -9,7 +9,9 @@ The first round is a warm-up and is discarded.
 Ratios are taken within a round: (config decode tokens/s) / (plain decode tokens/s of the same round); the
 table shows their median over the measured rounds and their spread, [min-max] of those per-round ratios,
 and beside them a best-of ratio (fastest measured run of the config / fastest measured run of plain), which
-a shared machine's slowdowns disturb least.
+a shared machine's slowdowns disturb least. "Best fixed" is the cell with the best median ratio; being the
+best of many noisy cells on the same rounds flatters it, so adaptive is also compared with a held-out choice:
+in each measured round, the cell that is best on the other rounds (likewise the per-phase oracle).
 Decode time = wall time of `generate` minus its prefill time; decode tokens = generated tokens - B (the first
 token of a request comes from prefill). Every speculative and adaptive output is checked token for token
 against plain's output of the same round.
@@ -315,6 +317,17 @@ def noise_floor(aa: dict[str, Any]) -> float:
     return max((abs(v - 1.0) for v in finite), default=float("nan"))
 
 
+def held_out(measured: list, choose, value) -> list[float]:
+    """Per round r: `value(round r, choose(the other rounds))`, a choice made without round r's noise.
+
+    The best of many noisy configurations, picked and scored on the same rounds, is biased upwards (its
+    noise was part of why it won); scored on a round that did not take part in the choice, it is not.
+    """
+    if len(measured) < 2:
+        return [float("nan")]
+    return [value(rd, choose([m for j, m in enumerate(measured) if j != i])) for i, rd in enumerate(measured)]
+
+
 def fmt(stat: dict[str, Any]) -> str:
     return f"{stat['median']:.2f}x [{stat['min']:.2f}-{stat['max']:.2f}]"
 
@@ -387,6 +400,16 @@ def bench_batch(engines, specs, prompts, b: int, args, rng: random.Random, bar) 
         entry = {"vs_plain": row["configs"][name]["ratio"], "plans": row["configs"][name]["plans"]}
         if best is not None:
             entry["vs_best_fixed"] = spread([rd[name]["tokens_per_s"] / rd[best]["tokens_per_s"] for rd in measured])
+
+            def pick(rounds):
+                return max(
+                    fixed,
+                    key=lambda n: statistics.median(r[n]["tokens_per_s"] / r["plain"]["tokens_per_s"] for r in rounds),
+                )
+
+            entry["vs_best_fixed_held_out"] = spread(
+                held_out(measured, pick, lambda rd, n, name=name: rd[name]["tokens_per_s"] / rd[n]["tokens_per_s"])
+            )
         summary["adaptive"][name] = entry
     row["summary"] = summary
     found = predicted_for(args.predictions, b)
@@ -426,6 +449,7 @@ def print_batch(b: int, row: dict[str, Any], specs) -> None:
         line = f"  {name}: vs plain {fmt(entry['vs_plain'])}"
         if "vs_best_fixed" in entry:
             line += f", vs best fixed {fmt(entry['vs_best_fixed'])}"
+            line += f" (held-out choice {fmt(entry['vs_best_fixed_held_out'])})"
         print(line + f"; plans {entry['plans']}")
 
 
@@ -483,6 +507,16 @@ def bench_workload(engines, specs, prompts, phases, args, rng: random.Random, ba
         oracle.append(best)
     out["oracle_phases"] = oracle
     oracle_times = [sum(rd[n][p]["decode_s"] for p, n in enumerate(oracle)) for rd in measured]
+
+    def pick_phases(rounds):
+        return [
+            min(candidates, key=lambda n: statistics.median(r[n][p]["decode_s"] for r in rounds))
+            for p in range(len(phases))
+        ]
+
+    held_oracle_times = held_out(
+        measured, pick_phases, lambda rd, ns: sum(rd[n][p]["decode_s"] for p, n in enumerate(ns))
+    )
     out["oracle_ratio"] = spread([total_time(rd, "plain") / t for rd, t in zip(measured, oracle_times)])
     fixed = [n for n in names if specs[n]["kind"] == "fixed"]
     best_single = max(fixed, key=lambda n: out["configs"][n]["ratio"]["median"]) if fixed else None
@@ -494,6 +528,7 @@ def bench_workload(engines, specs, prompts, phases, args, rng: random.Random, ba
         entry = {
             # same tokens in every config (outputs are checked equal), so a time ratio is a tokens/s ratio
             "vs_oracle": spread([t / total_time(rd, name) for rd, t in zip(measured, oracle_times)]),
+            "vs_oracle_held_out": spread([t / total_time(rd, name) for rd, t in zip(measured, held_oracle_times)]),
             "vs_plain": out["configs"][name]["ratio"],
             "plans": out["configs"][name]["plans"],
         }
@@ -515,7 +550,7 @@ def print_workload(wl: dict[str, Any]) -> None:
     print(f"  per-phase oracle: {' '.join(f'B{b}:{n}' for b, n in zip(wl['phases'], wl['oracle_phases']))}")
     print(f"  oracle vs plain {fmt(wl['oracle_ratio'])}; best single fixed: {wl['best_single_fixed']}")
     for name, entry in wl["adaptive"].items():
-        line = f"  {name}: vs oracle {fmt(entry['vs_oracle'])}"
+        line = f"  {name}: vs oracle {fmt(entry['vs_oracle'])} (held-out choice {fmt(entry['vs_oracle_held_out'])})"
         if "vs_best_single_fixed" in entry:
             line += f", vs best single fixed {fmt(entry['vs_best_single_fixed'])}"
         print(line + f", vs plain {fmt(entry['vs_plain'])}; plans {entry['plans']}")
@@ -533,12 +568,13 @@ def print_summary(results: dict[str, Any], workload: dict[str, Any] | None) -> N
             text = f"{name} {fmt(entry['vs_plain'])} of plain"
             if "vs_best_fixed" in entry:
                 text += f", {fmt(entry['vs_best_fixed'])} of best fixed"
+                text += f" ({fmt(entry['vs_best_fixed_held_out'])} held-out)"
             parts.append(text)
         print("  " + "; ".join(parts))
     if workload is not None:
         parts = [f"workload: A/A {fmt(workload['aa'])}"]
         for name, entry in workload["adaptive"].items():
-            text = f"{name} {fmt(entry['vs_oracle'])} of oracle"
+            text = f"{name} {fmt(entry['vs_oracle'])} of oracle ({fmt(entry['vs_oracle_held_out'])} held-out)"
             if "vs_best_single_fixed" in entry:
                 text += f", {fmt(entry['vs_best_single_fixed'])} of best single fixed"
             parts.append(text + f", {fmt(entry['vs_plain'])} of plain")

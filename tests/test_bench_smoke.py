@@ -65,8 +65,20 @@ def test_bench_workload_reports_the_oracle(bench):
     assert wl["phases"] == [1, 2, 1] and len(wl["oracle_phases"]) == 3
     assert set(wl["oracle_phases"]) <= {"plain", "1,1"}
     entry = wl["adaptive"]["adaptive"]
-    assert {"vs_oracle", "vs_best_single_fixed", "vs_plain"} <= set(entry)
+    assert {"vs_oracle", "vs_oracle_held_out", "vs_best_single_fixed", "vs_plain"} <= set(entry)
     assert wl["equality_checks"] == 3 * 3 * 2  # 3 non-plain configs x 3 phases x 2 rounds
+
+
+def test_held_out_choice_scores_each_round_with_a_choice_made_on_the_others(bench):
+    # two cells, three rounds: "b" wins on average, but only thanks to round 0's noise
+    rounds = [{"a": 1.0, "b": 3.0}, {"a": 1.2, "b": 1.0}, {"a": 1.1, "b": 0.9}]
+
+    def choose(others):
+        return max(("a", "b"), key=lambda n: sum(r[n] for r in others))
+
+    # chosen on all rounds, "b" would score [3.0, 1.0, 0.9]: round 0 both picks it and rewards it
+    assert bench.held_out(rounds, choose, lambda rd, n: rd[n]) == [1.0, 1.0, 0.9]
+    assert bench.held_out(rounds[:1], choose, lambda rd, n: rd[n]) != [1.0]  # nan: no other round to choose on
 
 
 def write_preset(path: Path, provenance: dict) -> Path:
