@@ -136,3 +136,10 @@ def test_early_exit_bench_prints_quality_beside_speed(monkeypatch, capsys):
     assert skip["loops_per_token"] == (4 + 1 + 1) / 3 and select["loops_per_token"] == 4
     assert skip["readout_depth"] == select["readout_depth"] == 1
     assert all(r["nll"] > 0 and 0 <= r["agreement"] <= 1 and r["tokens_per_s"] > 0 for r in rows)
+
+
+def test_results_table_renders_a_committed_result(capsys):
+    table = load_script("results_table")
+    table.main([str(ROOT / "benchmarks" / "results" / "tiny-huginn.json")])
+    printed = capsys.readouterr().out
+    assert printed.startswith("**tiny-huginn (D=8)**") and "| 32 |" in printed and "Changing workload" in printed

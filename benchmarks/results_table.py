@@ -1,0 +1,74 @@
+"""Markdown tables from bench_speculative.py result files (the README's "Measurements" tables).
+
+    python benchmarks/results_table.py benchmarks/results/tiny-ouro.json [more.json ...]
+
+One table per file: per batch size the plain decode tokens/s, the A/A line, the best fixed (K, d), adaptive
+against plain, against the best fixed (same-round choice and held-out choice) and adaptive's plans; then a
+line for the changing workload when the file has one. Values are median [min-max] of per-round ratios.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+
+def fmt(stat: dict[str, Any] | None) -> str:
+    if not stat:
+        return "-"
+    return f"{stat['median']:.2f}x [{stat['min']:.2f}–{stat['max']:.2f}]"
+
+
+def plans(counts: dict[str, int]) -> str:
+    return ", ".join(f"{k}: {n}" for k, n in sorted(counts.items(), key=lambda kv: -kv[1]))
+
+
+def table(result: dict[str, Any], name: str = "adaptive") -> str:
+    lines = [
+        f"**{result['model']} (D={result['depth']})** — measured {result['date'][:16].replace('T', ' ')} UTC",
+        "",
+        "| B | plain tok/s | A/A | best fixed (K,d) | adaptive ÷ plain | adaptive ÷ best fixed | ÷ best fixed, "
+        "held-out choice | adaptive's plans (rounds) |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for b, row in result["batch_sizes"].items():
+        s = row["summary"]
+        entry = s["adaptive"].get(name, {})
+        best = f"{s['best_fixed']}: {fmt(s['best_fixed_ratio'])}" if "best_fixed" in s else "-"
+        lines.append(
+            f"| {b} | {row['plain_tokens_per_s']:.0f} | {fmt(row['aa'])} | {best} | {fmt(entry.get('vs_plain'))} "
+            f"| {fmt(entry.get('vs_best_fixed'))} | {fmt(entry.get('vs_best_fixed_held_out'))} "
+            f"| {plans(entry.get('plans', {}))} |"
+        )
+    wl = result.get("workload")
+    if wl:
+        entry = wl["adaptive"].get(name, {})
+        phases = "→".join(map(str, wl["phases"]))
+        oracle = ", ".join(wl["oracle_phases"])
+        lines += [
+            "",
+            f"Changing workload {phases} (A/A {fmt(wl['aa'])}): adaptive ÷ per-phase oracle ({oracle}) "
+            f"{fmt(entry.get('vs_oracle'))} (held-out choice {fmt(entry.get('vs_oracle_held_out'))}), "
+            f"÷ best single fixed ({wl['best_single_fixed']}) {fmt(entry.get('vs_best_single_fixed'))}, "
+            f"÷ plain {fmt(entry.get('vs_plain'))}.",
+        ]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("results", nargs="+", type=Path, help="bench_speculative.py --out FILE.json results")
+    parser.add_argument("--config", default="adaptive", help="the adaptive configuration's name in the results")
+    args = parser.parse_args(argv)
+    for path in args.results:
+        try:
+            result = json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, json.JSONDecodeError) as exc:
+            parser.error(f"{path}: {exc}")
+        print(table(result, args.config) + "\n")
+
+
+if __name__ == "__main__":
+    main()
