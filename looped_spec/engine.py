@@ -390,7 +390,7 @@ class LoopedSpecEngine:
                 k,
                 result.num_accepted,
                 result.draft_time,
-                result.verify_time + result.accept_time + result.decode_time,  # RoundFeedback.verify_time
+                result.verify_time + result.accept_time + result.decode_time,  # RoundFeedback.full_depth_time
                 t1 - t0,
                 result.depth_matches,
                 result.depth_trials,

@@ -42,7 +42,7 @@ class RoundFeedback:
     draft_time: float = 0.0  # loops 1..d, one position at a time (0 in a plain round)
     # the full-depth pass that decides the committed tokens, and the decision: loops d+1..D over the K+1
     # positions plus acceptance; in a plain round (k = 0, d = 0, nothing drafted) loops 1..D and the sample
-    verify_time: float = 0.0
+    full_depth_time: float = 0.0
     commit_time: float = 0.0  # appending the tokens and releasing KV
     depth_matches: list[int] = field(default_factory=list)
     depth_trials: list[int] = field(default_factory=list)
@@ -57,4 +57,4 @@ class RoundFeedback:
 
     @property
     def round_time(self) -> float:
-        return self.draft_time + self.verify_time + self.commit_time
+        return self.draft_time + self.full_depth_time + self.commit_time

@@ -9,7 +9,7 @@ One loop step over N token positions is modelled as linear in N, separately for 
 
 Each line is a two-parameter non-negative least-squares fit with exponential forgetting (recent rounds
 weigh more, so the fit follows slow drift such as growing context lengths). A plain round's time is
-`draft_time + verify_time` (whichever phase the engine booked it under). Without any timing the model
+`draft_time + full_depth_time` (whichever phase the engine booked it under). Without any timing the model
 falls back to counting loop steps: draft d(K+1), verify D−d, plain D
 (memory-bound: a loop step costs the same for 1 or K+1 tokens).
 """
@@ -89,18 +89,18 @@ class RoundCostModel:
         self.verify = LinearFit2(decay)
         self.commit = LinearFit2(decay)
 
-    def observe(self, k: int, d: int, batch: int, draft_time: float, verify_time: float, commit_time: float) -> None:
+    def observe(self, k: int, d: int, batch: int, draft_time: float, full_depth_time: float, commit_time: float) -> None:
         """Fold in one round's measured phase times (rounds without timings are ignored)."""
-        if batch <= 0 or draft_time + verify_time + commit_time <= 0.0:
+        if batch <= 0 or draft_time + full_depth_time + commit_time <= 0.0:
             return
         depth = self.full_depth
         if k == 0:
-            self.draft.add(depth, depth * batch, draft_time + verify_time)
+            self.draft.add(depth, depth * batch, draft_time + full_depth_time)
             self.commit.add(1.0, batch, commit_time)
             return
         steps = d * (k + 1)
         self.draft.add(steps, steps * batch, draft_time)
-        self.verify.add(depth - d, (depth - d) * batch * (k + 1), verify_time)
+        self.verify.add(depth - d, (depth - d) * batch * (k + 1), full_depth_time)
         self.commit.add(1.0, batch * (k + 1), commit_time)
 
     @property

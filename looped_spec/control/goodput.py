@@ -300,12 +300,12 @@ class GoodputPolicy(Policy):
             cost = self.states[fb.bucket].cost
             if cost is not None:
                 k = fb.k if sum(fb.num_proposed) else 0  # nothing drafted: the round ran as plain decoding
-                cost.observe(k, fb.d, fb.batch_size, fb.draft_time, fb.verify_time, fb.commit_time)
+                cost.observe(k, fb.d, fb.batch_size, fb.draft_time, fb.full_depth_time, fb.commit_time)
 
     def _observe_cost(self, fb: RoundFeedback) -> None:
         """Keep measured ÷ predicted round time of full-shape rounds without counterfactual readouts."""
         assert self.profile is not None
-        seconds = fb.draft_time + fb.verify_time + fb.commit_time
+        seconds = fb.draft_time + fb.full_depth_time + fb.commit_time
         if fb.depth_trials or seconds <= 0.0 or fb.batch_size <= 0:
             return
         k = fb.k if all(p == fb.k for p in fb.num_proposed) else -1

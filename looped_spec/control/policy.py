@@ -154,7 +154,7 @@ class CandidatePolicy(Policy):
         beta = b.config.beta
         st = self.states[fb.bucket]
         batch = fb.batch_size
-        seconds = fb.draft_time + fb.verify_time + fb.commit_time
+        seconds = fb.draft_time + fb.full_depth_time + fb.commit_time
         proposed = sum(fb.num_proposed)
         st.last_batch = batch
         if (fb.k == 0 or proposed == 0) and seconds > 0.0 and batch > 0:  # ran as plain decoding

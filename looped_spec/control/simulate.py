@@ -96,7 +96,7 @@ class SyntheticWorkload:
             num_proposed=proposed,
             num_accepted=accepted,
             draft_time=times[0],
-            verify_time=times[1],
+            full_depth_time=times[1],
             commit_time=times[2],
             depth_matches=matches,
             depth_trials=trials,
