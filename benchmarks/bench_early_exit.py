@@ -1,53 +1,119 @@
 """Early exit: full depth vs a tau sweep in both modes (vs adaptive speculation at full depth), with its cost.
 
-Speed is never shown without quality: for each configuration, besides decode tokens/s and the ratio to
-plain full-depth decoding, it prints the mean loops run per token (over the timed runs; select mode runs
-all D) and the mean readout depth, the agreement of the committed tokens with
-full-depth greedy (position by position, and the matching prefix) and the per-token NLL of the committed
-tokens under the full-depth model (dense forward), on the evaluation prompts (held out from training and
-tuning; random token ids for a checkpoint without a tokenizer).
+One persistent engine per configuration, all on one loaded model: `plain` (full depth, no speculation),
+`plain-B` (a second plain engine: the A/A control), `adaptive` (full depth + adaptive speculation), then for
+mode in skip, select: every threshold tau in `--taus` and every fixed depth k in `--exit-at-steps`. For each
+batch size B the benchmark runs `--repeats` rounds; in each round every configuration decodes the same B
+prompts once (greedy, `--max-tokens` new tokens each, eos ignored), in an order shuffled per round. The first
+round is a warm-up and is discarded. Ratios are taken within a round: (config decode tokens/s) / (plain
+decode tokens/s of the same round); the table shows their median over the measured rounds and their spread,
+[min-max] of those per-round ratios; the A/A line (plain-B vs plain) is the noise floor. Decode time = wall
+time of `generate` minus its prefill time; decode tokens = generated tokens - B. The greedy outputs of the
+full-depth configurations (plain-B, adaptive) are checked token for token against plain's of the same round.
+
+Speed is never shown without quality: for each configuration, besides the ratio to plain, it prints the
+mean loops run per token (over the measured rounds; select mode runs all D) and the mean readout depth, the
+agreement of the committed tokens with full-depth greedy (position by position, and the matching prefix) and
+the per-token NLL of the committed tokens under the full-depth model (dense forward), on the last round's
+outputs of the evaluation prompts (held out from training and tuning; random token ids for a checkpoint
+without a tokenizer).
 
 Thresholds are in the family rule's units (Ouro: cumulative exit probability; Huginn: KL between successive
 steps, 5e-4 in its paper, or the latent change with --adapter-option exit_criterion=latent); a family without
 an exit signal (Nanbeige) runs the fixed depths only.
 
-    python benchmarks/bench_early_exit.py --model tiny-ouro --batch-sizes 1,8 --max-tokens 32 --taus 0.5,0.7,0.9
+`--out FILE` writes FILE.json: the command, the rows, and per batch size the A/A spread and every round's runs
+and order. As in bench_speculative.py, the benchmark exits with status 2 when the adaptive engine's preset
+records any of the evaluation prompts among its tuning prompts.
+
+The README's early-exit table (and another family):
+
+    python benchmarks/bench_early_exit.py --model tiny-ouro --batch-sizes 1,8 --max-tokens 32 \
+        --taus 0.5,0.7,0.9 --exit-at-steps 2,3 --repeats 4 --out benchmarks/results/early-exit-tiny-ouro
     python benchmarks/bench_early_exit.py --model tiny-huginn --taus 5e-4,1e-2 --exit-at-steps 4
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import random
 import statistics
 import time
+from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn.functional as F
-from bench_speculative import PROMPT_KINDS, load_prompts
+from bench_speculative import (
+    PROMPT_KINDS,
+    SPREAD,
+    _progress,
+    check_equal,
+    check_overlap,
+    check_rounds,
+    command_line,
+    fmt,
+    load_prompts,
+    noise_floor,
+    parse_int_list,
+    run_record,
+    spread,
+)
 from common import Bench
 
 from looped_spec import SamplingParams
+from looped_spec.prompt_sets import PromptSetError, prompt_fingerprints
 from looped_spec.tuner_inputs import parse_adapter_options
 
+FULL_DEPTH_GREEDY = ("plain-B", "adaptive")  # must reproduce plain's output exactly
+LABELS = {"plain": "full depth (plain)", "plain-B": "plain-B (A/A control)", "adaptive": "full depth + adaptive spec"}
 
-def timed_generate(engine, prompts, params: SamplingParams, repeats: int) -> tuple[float, list, float | None]:
-    """Decode tokens/s (wall minus prefill, median of `repeats`), the last run's outputs, and the loops run per
-    token read out by the early-exit path over the timed runs (None when no token was)."""
-    engine.generate(prompts, params.model_copy(update={"max_tokens": 4}))  # warm-up at the batch shape
+
+# ----------------------------------------------------------------------------------------- configurations
+def config_specs(depth_rules: list[tuple[str, float | int]]) -> dict[str, dict[str, Any]]:
+    """name -> {kind, mode, rule, value}; the early-exit configurations in mode, then rule, order."""
+    specs: dict[str, dict[str, Any]] = {
+        "plain": {"kind": "plain"},
+        "plain-B": {"kind": "plain"},
+        "adaptive": {"kind": "adaptive"},
+    }
+    for mode in ("skip", "select"):
+        for rule, value in depth_rules:
+            specs[f"{mode} {rule}={value}"] = {"kind": "early-exit", "mode": mode, "rule": rule, "value": value}
+    return specs
+
+
+def build(bench: Bench, spec: dict[str, Any], greedy: SamplingParams, max_batch: int):
+    """(engine, sampling params) of one configuration."""
+    if spec["kind"] == "early-exit":
+        field = "exit_threshold" if spec["rule"] == "tau" else "exit_at_step"
+        engine = bench.engine("off", early_exit=spec["mode"], max_batch_size=max_batch)
+        return engine, greedy.model_copy(update={field: spec["value"]})
+    return bench.engine("off" if spec["kind"] == "plain" else "adaptive", max_batch_size=max_batch), greedy
+
+
+# ----------------------------------------------------------------------------------------- one run
+def timed_run(engine, prompts: list[Any], params: SamplingParams) -> tuple[dict[str, Any], list]:
+    """One `generate`: decode time and tokens, and the early-exit counters' deltas (tokens read out by the
+    exit path, loops they ran)."""
     stats = engine.stats
-    tokens0, loops0 = sum(stats.exit_depth_histogram.values()), stats.num_exit_loops_run
-    times, outputs = [], None
-    for _ in range(repeats):
-        prefill0 = stats.phase_seconds["prefill"]
-        start = time.perf_counter()
-        outputs = engine.generate(prompts, params)
-        times.append(time.perf_counter() - start - (stats.phase_seconds["prefill"] - prefill0))
-    decoded = sum(len(o.token_ids) for o in outputs) - len(prompts)
-    exited = sum(stats.exit_depth_histogram.values()) - tokens0
-    loops = (stats.num_exit_loops_run - loops0) / exited if exited else None
-    return decoded / statistics.median(times), outputs, loops
+    prefill0, loops0 = stats.phase_seconds["prefill"], stats.num_exit_loops_run
+    exited0 = sum(stats.exit_depth_histogram.values())
+    start = time.perf_counter()
+    outputs = engine.generate(prompts, params)
+    decode_s = time.perf_counter() - start - (stats.phase_seconds["prefill"] - prefill0)
+    decode_tokens = sum(len(o.token_ids) for o in outputs) - len(prompts)  # the first token comes from prefill
+    return {
+        "decode_s": decode_s,
+        "decode_tokens": decode_tokens,
+        "tokens_per_s": decode_tokens / decode_s if decode_s > 0 else float("nan"),
+        "exited_tokens": sum(stats.exit_depth_histogram.values()) - exited0,
+        "exit_loops": stats.num_exit_loops_run - loops0,
+    }, outputs
 
 
+# ----------------------------------------------------------------------------------------- quality
 @torch.inference_mode()
 def nll_under_full_depth(adapter, outputs) -> float:
     """Mean NLL (nats/token) of the committed tokens under the full-depth model, cache-free."""
@@ -82,8 +148,75 @@ def agreement(outputs: list[list[int]], reference: list[list[int]]) -> tuple[flo
     return same / total, sum(prefixes) / len(prefixes)
 
 
-def main(argv: list[str] | None = None) -> list[dict]:
-    """Run the sweep, print the table; returns its rows."""
+# ----------------------------------------------------------------------------------------- batch sizes
+def bench_batch(configs, prompts: list[Any], b: int, args, rng: random.Random, bar) -> tuple[dict, dict]:
+    """`repeats` interleaved rounds of every configuration at batch size b (round 0 discarded); returns the
+    per-round data and each configuration's outputs of the last round."""
+    names = list(configs)
+    rounds, orders, checks, outputs = [], [], 0, dict.fromkeys(names)  # configs in their order
+    for r in range(args.repeats):
+        order = names[:]
+        rng.shuffle(order)
+        runs = {}
+        for name in order:
+            engine, params = configs[name]
+            runs[name], outputs[name] = timed_run(engine, prompts[:b], params)
+            bar.update(1)
+        reference = [o.token_ids for o in outputs["plain"]]
+        for name in FULL_DEPTH_GREEDY:
+            check_equal(name, [o.token_ids for o in outputs[name]], reference, f"B={b}, round {r}")
+            checks += 1
+        rounds.append(runs)
+        orders.append(order)
+    data = {"rounds": rounds, "orders": orders, "equality_checks": checks}
+    return data, outputs
+
+
+def batch_rows(b: int, data: dict[str, Any], outputs: dict[str, list], adapter) -> list[dict[str, Any]]:
+    """One row per configuration: speed over the measured rounds, quality of the last round's outputs."""
+    depth = adapter.full_depth
+    measured = data["rounds"][1:]
+    plain_tps = [rd["plain"]["tokens_per_s"] for rd in measured]
+    reference = [o.token_ids for o in outputs["plain"]]
+    rows = []
+    for name, outs in outputs.items():
+        runs = [rd[name] for rd in measured]
+        exited = sum(x["exited_tokens"] for x in runs)
+        agree, prefix = agreement([o.token_ids for o in outs], reference)
+        rows.append({
+            "batch": b,
+            "configuration": LABELS.get(name, name),
+            "tokens_per_s": statistics.median(x["tokens_per_s"] for x in runs),
+            "ratio": spread([x["tokens_per_s"] / p for x, p in zip(runs, plain_tps)]),
+            "loops_per_token": sum(x["exit_loops"] for x in runs) / exited if exited else float(depth),
+            "readout_depth": mean_readout_depth(outs, depth),
+            "agreement": agree,
+            "prefix": prefix,
+            "nll": nll_under_full_depth(adapter, outs),
+        })  # fmt: skip
+    data["plain_tokens_per_s"] = statistics.median(plain_tps)
+    data["aa"] = rows[list(outputs).index("plain-B")]["ratio"]
+    data["noise_floor"] = noise_floor(data["aa"])
+    return rows
+
+
+def print_batch(b: int, data: dict[str, Any], rows: list[dict[str, Any]]) -> None:
+    print(f"\nB={b}: plain {data['plain_tokens_per_s']:.1f} decode tok/s (median)")
+    print(f"A/A (plain-B vs plain): {fmt(data['aa'])}  noise floor +-{100 * data['noise_floor']:.0f}%")
+    print(
+        f"{'batch':>5} {'configuration':<26} {'tok/s':>8} {'x plain [min-max]':>20} {'loops/tok':>9} {'depth':>5} "
+        f"{'agree':>6} {'prefix':>6} {'NLL':>7}"
+    )
+    for row in rows:
+        print(
+            f"{b:>5} {row['configuration']:<26} {row['tokens_per_s']:>8.1f} {fmt(row['ratio']):>20} "
+            f"{row['loops_per_token']:>9.2f} {row['readout_depth']:>5.2f} {row['agreement']:>6.1%} "
+            f"{row['prefix']:>6.1%} {row['nll']:>7.3f}"
+        )
+
+
+# ----------------------------------------------------------------------------------------- main
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="tiny-ouro")
     parser.add_argument("--batch-sizes", default="1,8")
@@ -91,50 +224,86 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--taus", default="0.5,0.7,0.9", help="exit thresholds, in the family rule's units")
     parser.add_argument("--exit-at-steps", default="", help="also fixed depths, e.g. 2,3")
     parser.add_argument("--prompts", default="eval", choices=PROMPT_KINDS)
-    parser.add_argument("--seed", type=int, default=0, help="random prompts' seed, and every request's seed")
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--seed", type=int, default=0, help="seeds the run order, the random prompts, every request")
+    parser.add_argument("--repeats", type=int, default=4, help="rounds per batch size; the first is discarded")
     parser.add_argument("--threads", type=int, default=1, help="torch threads (0 = torch default)")
     parser.add_argument("--adapter-option", action="append", metavar="KEY=VALUE", help="passed to the adapter")
+    parser.add_argument("--out", default=None, help="write OUT.json (rows and per-round data)")
     args = parser.parse_args(argv)
+    check_rounds(parser, args)
+    try:
+        args.batches = parse_int_list(args.batch_sizes, "--batch-sizes")
+        args.steps = parse_int_list(args.exit_at_steps, "--exit-at-steps") if args.exit_at_steps.strip() else []
+        args.tau_list = [float(t) for t in args.taus.split(",") if t.strip()]
+    except ValueError as exc:
+        parser.error(str(exc))
+    args.parser = parser
+    return args
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    """Run the sweep, print the table (and write --out); returns its rows."""
+    args = parse_args(argv)
+    command, now = command_line(argv, "bench_early_exit.py")
     if args.threads:
         torch.set_num_threads(args.threads)
     bench = Bench(args.model, **parse_adapter_options(args.adapter_option))
     adapter = bench.adapter
     depth = adapter.full_depth
-    rules = [("tau", float(t)) for t in args.taus.split(",") if t] + [
-        ("k", int(k)) for k in args.exit_at_steps.split(",") if k
-    ]
-    if not adapter.has_exit_rule and any(kind == "tau" for kind, _ in rules):
+    rules = [("tau", t) for t in args.tau_list] + [("k", k) for k in args.steps]
+    if not adapter.has_exit_rule and args.tau_list:
         print(f"note: {adapter.model_type} has no exit signal; the thresholds are skipped (fixed depths only)")
         rules = [(kind, value) for kind, value in rules if kind != "tau"]
-    print(f"model {adapter.name} D={depth}  max_tokens={args.max_tokens}  prompts={args.prompts}")
-    header = f"{'batch':>5} {'configuration':<26} {'tok/s':>8} {'x plain':>8} {'loops/tok':>9} {'depth':>5} "
-    print(header + f"{'agree':>6} {'prefix':>6} {'NLL':>7}")
-    table = []
-    for batch in [int(b) for b in args.batch_sizes.split(",")]:
-        prompts, _ = load_prompts(args.prompts, batch, adapter, args.seed)
-        greedy = SamplingParams(max_tokens=args.max_tokens, ignore_eos=True, seed=args.seed)
-        plain_tps, reference, _ = timed_generate(bench.engine("off"), prompts, greedy, args.repeats)
-        rows = [("full depth (plain)", plain_tps, reference, depth)]
-        tps, outputs, _ = timed_generate(bench.engine("adaptive"), prompts, greedy, args.repeats)
-        rows.append(("full depth + adaptive spec", tps, outputs, depth))
-        for mode in ("skip", "select"):
-            for kind, value in rules:
-                params = greedy.model_copy(update={"exit_threshold" if kind == "tau" else "exit_at_step": value})
-                tps, outputs, loops = timed_generate(bench.engine("off", early_exit=mode), prompts, params,
-                                                     args.repeats)  # fmt: skip
-                rows.append((f"{mode} {kind}={value}", tps, outputs, depth if loops is None else loops))
-        ref_ids = [o.token_ids for o in reference]
-        for name, tps, outputs, loops in rows:
-            agree, prefix = agreement([o.token_ids for o in outputs], ref_ids)
-            nll, readout = nll_under_full_depth(adapter, outputs), mean_readout_depth(outputs, depth)
-            print(
-                f"{batch:>5} {name:<26} {tps:>8.1f} {tps / plain_tps:>7.2f}x {loops:>9.2f} {readout:>5.2f} "
-                f"{agree:>6.1%} {prefix:>6.1%} {nll:>7.3f}"
-            )
-            table.append(dict(batch=batch, configuration=name, tokens_per_s=tps, ratio=tps / plain_tps,
-                              loops_per_token=loops, readout_depth=readout, agreement=agree, prefix=prefix,
-                              nll=nll))  # fmt: skip
+    max_batch = max(args.batches)
+    try:
+        prompts, prompt_desc = load_prompts(args.prompts, max_batch, adapter, args.seed)
+    except PromptSetError as exc:
+        args.parser.error(str(exc))
+    print(
+        f"model {adapter.name} ({adapter.model_type}) D={depth}, {torch.get_num_threads()} threads; prompts: "
+        f"{prompt_desc}; {args.max_tokens} new tokens per request (greedy, eos ignored); {args.repeats} rounds "
+        "per batch size, the first discarded"
+    )
+    print(f"ratios: median over the measured rounds of (config tok/s / plain tok/s in the same round); {SPREAD}")
+    specs = config_specs(rules)
+    greedy = SamplingParams(max_tokens=args.max_tokens, ignore_eos=True, seed=args.seed)
+    configs = {name: build(bench, spec, greedy, max_batch) for name, spec in specs.items()}
+    overlap = check_overlap({name: engine for name, (engine, _) in configs.items()}, specs, prompts)
+    for engine, params in configs.values():  # warm up at the full batch shape
+        engine.generate(prompts, params.model_copy(update={"max_tokens": 4}))
+    rng = random.Random(args.seed)
+    bar = _progress(args.repeats * len(configs) * len(args.batches))
+    table, batch_sizes = [], {}
+    try:
+        for b in args.batches:
+            data, outputs = bench_batch(configs, prompts, b, args, rng, bar)
+            rows = batch_rows(b, data, outputs, adapter)
+            bar.clear()
+            print_batch(b, data, rows)
+            table += rows
+            batch_sizes[str(b)] = data
+    finally:
+        bar.close()
+        for engine, _ in configs.values():
+            engine.close()
+    checks = sum(data["equality_checks"] for data in batch_sizes.values())
+    print(f"\nfull-depth greedy outputs (plain-B, adaptive) equal to plain's: {checks} of {checks} checks")
+    if args.out:
+        report = {
+            **run_record(command, now, adapter),
+            "args": {k: v for k, v in vars(args).items() if k != "parser"},
+            "prompts": {"kind": args.prompts, "description": prompt_desc, "fingerprints": prompt_fingerprints(prompts)},
+            "configs": specs,
+            "overlap_check": overlap,
+            "spread": SPREAD,
+            "rows": table,
+            "batch_sizes": batch_sizes,
+            "equality_checks": checks,
+        }
+        path = Path(args.out).with_name(Path(args.out).name + ".json")
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(report, indent=1, default=str))
+        print(f"wrote {path}")
     return table
 
 

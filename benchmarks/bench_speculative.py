@@ -582,6 +582,14 @@ def print_summary(results: dict[str, Any], workload: dict[str, Any] | None) -> N
 
 
 # ----------------------------------------------------------------------------------------- main
+def check_rounds(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """--repeats >= 2 (the first round is discarded) and --max-tokens >= 2 (the first token is prefill's)."""
+    if args.repeats < 2:
+        parser.error("--repeats must be >= 2 (the first round is a discarded warm-up)")
+    if args.max_tokens < 2:
+        parser.error("--max-tokens must be >= 2 (the first token comes from prefill)")
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="tests/fixtures/ouro-tiny", help="checkpoint folder or shipped name")
@@ -609,10 +617,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0, help="seeds the run order and the random prompts")
     parser.add_argument("--out", default=None, help="write OUT.json (everything) and OUT.png (heatmap)")
     args = parser.parse_args(argv)
-    if args.repeats < 2:
-        parser.error("--repeats must be >= 2 (the first round is a discarded warm-up)")
-    if args.max_tokens < 2:
-        parser.error("--max-tokens must be >= 2 (the first token comes from prefill)")
+    check_rounds(parser, args)
     try:
         args.batches = parse_int_list(args.batch_sizes, "--batch-sizes")
         args.phases = parse_int_list(args.workload_phases, "--workload-phases") if args.workload else []
@@ -627,12 +632,30 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
-def main(argv: list[str] | None = None) -> dict[str, Any]:
-    args = parse_args(argv)
-    command = shlex.join([sys.executable, *sys.argv] if argv is None else ["bench_speculative.py", *argv])
+def command_line(argv: list[str] | None, script: str) -> tuple[str, datetime]:
+    """Print (and return) the command being run, as a shell line, and the time it started."""
+    command = shlex.join([sys.executable, *sys.argv] if argv is None else [script, *argv])
     now = datetime.now(timezone.utc)
     print(f"$ {command}")
     print(f"# {now:%Y-%m-%d %H:%M:%S} UTC")
+    return command, now
+
+
+def run_record(command: str, now: datetime, adapter) -> dict[str, Any]:
+    """The head of a result file: the command, when, the model and the machine."""
+    return {
+        "command": command,
+        "date": now.isoformat(timespec="seconds"),
+        "model": adapter.name,
+        "model_type": adapter.model_type,
+        "depth": adapter.full_depth,
+        "machine": {"torch": torch.__version__, "threads": torch.get_num_threads(), "device": str(adapter.device)},
+    }
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    args = parse_args(argv)
+    command, now = command_line(argv, "bench_speculative.py")
     if args.threads:
         torch.set_num_threads(args.threads)
     adapter = load_adapter(args.model, dtype=args.dtype, device=args.device, **args.options)
@@ -685,12 +708,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     checks = sum(r["equality_checks"] for r in results.values()) + (workload["equality_checks"] if workload else 0)
     print(f"\ngreedy outputs equal to plain's: {checks} of {checks} checks")
     report = {
-        "command": command,
-        "date": now.isoformat(timespec="seconds"),
-        "model": adapter.name,
-        "model_type": adapter.model_type,
-        "depth": depth,
-        "machine": {"torch": torch.__version__, "threads": torch.get_num_threads(), "device": args.device},
+        **run_record(command, now, adapter),
         "args": {k: v for k, v in vars(args).items() if k not in ("parser", "predictions")},
         "preset_predictions": args.predictions,
         "prompts": {"kind": args.prompts, "description": prompt_desc, "fingerprints": prompt_fingerprints(prompts)},

@@ -118,24 +118,37 @@ def test_controller_overhead_script_runs():
         assert module.overhead_us(policy, "ouro-1.4b", 4, [0.7, 0.87, 0.94, 1.0], 50) > 0.0
 
 
-def test_early_exit_bench_prints_quality_beside_speed(monkeypatch, capsys):
+def test_early_exit_bench_prints_quality_beside_speed(monkeypatch, tmp_path, capsys):
     monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))  # it imports common.py and bench_speculative.py
     module = load_script("bench_early_exit")
-    argv = ["--model", FIXTURE, "--prompts", "random", "--batch-sizes", "2", "--max-tokens", "3", "--repeats", "1"]
-    rows = module.main([*argv, "--taus", "0.5", "--exit-at-steps", "1"])
-    header = capsys.readouterr().out.splitlines()[1].split()
+    argv = ["--model", FIXTURE, "--prompts", "random", "--batch-sizes", "2", "--max-tokens", "3", "--repeats", "2"]
+    rows = module.main([*argv, "--taus", "0.5", "--exit-at-steps", "1", "--out", str(tmp_path / "ee")])
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith("$ ") and any(line.startswith("A/A (plain-B vs plain): ") for line in lines)
+    header = next(line for line in lines if line.lstrip().startswith("batch")).split()
     assert header[-5:] == ["loops/tok", "depth", "agree", "prefix", "NLL"]
-    names = ["full depth (plain)", "full depth + adaptive spec", "skip tau=0.5", "skip k=1", "select tau=0.5",
-             "select k=1"]  # fmt: skip
+    names = ["full depth (plain)", "plain-B (A/A control)", "full depth + adaptive spec", "skip tau=0.5", "skip k=1",
+             "select tau=0.5", "select k=1"]  # fmt: skip
     assert [r["configuration"] for r in rows] == names
-    plain, adaptive = rows[0], rows[1]
-    assert plain["ratio"] == 1.0 and plain["agreement"] == plain["prefix"] == 1.0 and plain["readout_depth"] == 4
-    assert adaptive["agreement"] == 1.0 and adaptive["nll"] == plain["nll"]  # greedy speculation is lossless
-    skip, select = rows[3], rows[5]
+    for row in rows:  # repeats 2: one measured round
+        assert row["ratio"]["min"] <= row["ratio"]["median"] <= row["ratio"]["max"]
+        assert len(row["ratio"]["per_round"]) == 1
+    plain, control, adaptive = rows[0], rows[1], rows[2]
+    assert plain["ratio"]["median"] == 1.0 and plain["agreement"] == plain["prefix"] == 1.0
+    assert plain["readout_depth"] == 4
+    for full in (control, adaptive):  # greedy at full depth: equal to plain's (checked every round)
+        assert full["agreement"] == 1.0 and full["nll"] == plain["nll"]
+    skip, select = rows[4], rows[6]
     # exit_at_step=1: the first token is read from the prompt's last position, which ran all 4 loops
     assert skip["loops_per_token"] == (4 + 1 + 1) / 3 and select["loops_per_token"] == 4
     assert skip["readout_depth"] == select["readout_depth"] == 1
     assert all(r["nll"] > 0 and 0 <= r["agreement"] <= 1 and r["tokens_per_s"] > 0 for r in rows)
+    data = json.loads((tmp_path / "ee.json").read_text())
+    assert data["rows"] == json.loads(json.dumps(rows)) and "--taus" in data["command"] and data["depth"] == 4
+    batch = data["batch_sizes"]["2"]
+    assert batch["aa"] == control["ratio"] and batch["noise_floor"] >= 0
+    assert len(batch["rounds"]) == len(batch["orders"]) == 2 and set(batch["rounds"][0]) == set(data["configs"])
+    assert batch["equality_checks"] == 2 * 2  # plain-B and adaptive, each round
 
 
 def test_results_table_renders_a_committed_result(capsys):
