@@ -89,7 +89,9 @@ class RoundCostModel:
         self.verify = LinearFit2(decay)
         self.commit = LinearFit2(decay)
 
-    def observe(self, k: int, d: int, batch: int, draft_time: float, full_depth_time: float, commit_time: float) -> None:
+    def observe(
+        self, k: int, d: int, batch: int, draft_time: float, full_depth_time: float, commit_time: float
+    ) -> None:
         """Fold in one round's measured phase times (rounds without timings are ignored)."""
         if batch <= 0 or draft_time + full_depth_time + commit_time <= 0.0:
             return
