@@ -135,8 +135,12 @@ class LoopedSpecEngine:
                 "is not supported: early exit runs with plain decoding only; pass speculation='off'"
             )
 
-    def _resolve_exit(self, params: SamplingParams) -> tuple[float | None, int | None]:
-        """(exit_threshold, exit_at_step) a request runs with; None = no rule / up to D. Errors name the field."""
+    def resolve_exit(self, params: SamplingParams) -> tuple[float | None, int | None]:
+        """(exit_threshold, exit_at_step) a request with `params` runs with (None: no rule / up to D).
+
+        Raises ValueError naming the field when this engine cannot run the request's early exit; the server
+        asks it before a request starts (read-only).
+        """
         adapter, depth = self.adapter, self.adapter.full_depth
         if (params.exit_threshold is not None or params.exit_at_step is not None) and self.speculates:
             field = "exit_threshold" if params.exit_threshold is not None else "exit_at_step"
@@ -226,7 +230,7 @@ class LoopedSpecEngine:
             raise ValueError(f"request_id {request_id!r} is already in use")
         if params.stop and self.tokenizer is None:
             raise ValueError("stop strings need the model's tokenizer files; use stop_token_ids instead")
-        exit_threshold, exit_at_step = self._resolve_exit(params)
+        exit_threshold, exit_at_step = self.resolve_exit(params)
         seed = params.seed if params.seed is not None else self._rng.randrange(2**31)
         detokenizer = IncrementalDetokenizer(self.tokenizer, params.stop) if self.tokenizer is not None else None
         prompt_text = prompt if isinstance(prompt, str) else None

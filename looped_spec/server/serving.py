@@ -108,7 +108,7 @@ class OpenAIServing:
         if getattr(params, field) is None:
             return
         try:
-            self.engine.engine._resolve_exit(params)
+            self.engine.engine.resolve_exit(params)
         except ValueError as exc:
             message = str(exc) if str(exc).startswith(field) else f"{field}: {exc}"
             raise APIError(400, message, field) from exc
