@@ -54,6 +54,7 @@ from bench_speculative import (
     check_rounds,
     command_line,
     fmt,
+    interleaved_rounds,
     load_prompts,
     noise_floor,
     parse_int_list,
@@ -153,15 +154,14 @@ def bench_batch(configs, prompts: list[Any], b: int, args, rng: random.Random, b
     """`repeats` interleaved rounds of every configuration at batch size b (round 0 discarded); returns the
     per-round data and each configuration's outputs of the last round."""
     names = list(configs)
-    rounds, orders, checks, outputs = [], [], 0, dict.fromkeys(names)  # configs in their order
-    for r in range(args.repeats):
-        order = names[:]
-        rng.shuffle(order)
-        runs = {}
-        for name in order:
-            engine, params = configs[name]
-            runs[name], outputs[name] = timed_run(engine, prompts[:b], params)
-            bar.update(1)
+    rounds, orders, checks, outputs = [], [], 0, {}
+
+    def run(name):
+        engine, params = configs[name]
+        return timed_run(engine, prompts[:b], params)
+
+    for r, order, runs, outs in interleaved_rounds(names, args.repeats, rng, bar, run):
+        outputs = {name: outs[name] for name in names}  # configs in their order
         reference = [o.token_ids for o in outputs["plain"]]
         for name in FULL_DEPTH_GREEDY:
             check_equal(name, [o.token_ids for o in outputs[name]], reference, f"B={b}, round {r}")

@@ -344,18 +344,31 @@ def _progress(total: int) -> tqdm:
     return tqdm(total=total, file=sys.stderr, desc="runs", mininterval=2.0, leave=False)
 
 
+def interleaved_rounds(names: list[str], repeats: int, rng: random.Random, bar, run):
+    """`repeats` rounds; in each, every configuration runs once, in an order shuffled afresh per round.
+
+    `run(name)` -> (timing record, outputs). Yields (round index, order, records, outputs) per round.
+    """
+    for r in range(repeats):
+        order = list(names)
+        rng.shuffle(order)
+        records, outs = {}, {}
+        for name in order:
+            records[name], outs[name] = run(name)
+            bar.update(1)
+        yield r, order, records, outs
+
+
 # ----------------------------------------------------------------------------------------- batch sizes
 def bench_batch(engines, specs, prompts, b: int, args, rng: random.Random, bar) -> dict[str, Any]:
     """`repeats` interleaved rounds of every configuration at batch size b; round 0 is discarded."""
     names = list(engines)
     rounds, orders, checks = [], [], 0
-    for r in range(args.repeats):
-        order = names[:]
-        rng.shuffle(order)
-        runs, outs = {}, {}
-        for name in order:
-            runs[name], outs[name] = timed_generate(engines[name], prompts[:b], args.max_tokens)
-            bar.update(1)
+
+    def run(name):
+        return timed_generate(engines[name], prompts[:b], args.max_tokens)
+
+    for r, order, runs, outs in interleaved_rounds(names, args.repeats, rng, bar, run):
         for name in names:
             if name != "plain":
                 check_equal(name, outs[name], outs["plain"], f"B={b}, round {r}")
@@ -459,18 +472,15 @@ def bench_workload(engines, specs, prompts, phases, args, rng: random.Random, ba
     names = list(engines)
     offsets = [sum(phases[:i]) for i in range(len(phases))]
     rounds, orders, checks = [], [], 0
-    for r in range(args.repeats):
-        order = names[:]
-        rng.shuffle(order)
-        runs, outs = {}, {}
-        for name in order:
-            phase_runs, phase_outs = [], []
-            for size, off in zip(phases, offsets):
-                run, out = timed_generate(engines[name], prompts[off : off + size], args.max_tokens)
-                phase_runs.append(run)
-                phase_outs.append(out)
-            runs[name], outs[name] = phase_runs, phase_outs
-            bar.update(1)
+
+    def run_phases(name):
+        done = [
+            timed_generate(engines[name], prompts[off : off + size], args.max_tokens)
+            for size, off in zip(phases, offsets)
+        ]
+        return [record for record, _ in done], [out for _, out in done]
+
+    for r, order, runs, outs in interleaved_rounds(names, args.repeats, rng, bar, run_phases):
         for name in names:
             if name != "plain":
                 for p, (got, want) in enumerate(zip(outs[name], outs["plain"])):

@@ -71,11 +71,16 @@ print("kernel == reference")
 """
 
 
-def test_kernel_matches_reference_in_interpreter():
+def run_in_interpreter(script: str) -> str:
+    """Run `script` in a fresh Python with Triton's CPU interpreter on; its stdout (it must exit 0)."""
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=SUBPROCESS_PATH)
-    done = subprocess.run([sys.executable, "-c", INTERPRETER_CHECK], env=env, capture_output=True, text=True)
+    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr[-3000:]
-    assert "kernel == reference" in done.stdout
+    return done.stdout
+
+
+def test_kernel_matches_reference_in_interpreter():
+    assert "kernel == reference" in run_in_interpreter(INTERPRETER_CHECK)
 
 
 ENGINE_CHECK = """
@@ -98,10 +103,7 @@ print("engine tokens identical")
 
 def test_engine_with_kernel_equals_reference_in_interpreter():
     """Greedy speculative decoding on the kernel path (eager and emulated graphs) gives the reference's tokens."""
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=SUBPROCESS_PATH)
-    done = subprocess.run([sys.executable, "-c", ENGINE_CHECK], env=env, capture_output=True, text=True)
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert "engine tokens identical" in done.stdout
+    assert "engine tokens identical" in run_in_interpreter(ENGINE_CHECK)
 
 
 @pytest.mark.cuda
