@@ -4,9 +4,11 @@ On the CPU every loop pass allocates tensors of a few MB (the keys and values it
 scores) and frees them a moment later. glibc's malloc serves blocks above its mmap threshold with fresh
 `mmap`s and returns them on free, and trims the heap top above its trim threshold: each step then touches
 new pages and pays a page fault per 4 KiB. Measured on tiny-ouro, B = 32, 64 generated tokens: ~84,000
-minor faults per `generate` with the defaults, ~1,900 with the thresholds raised, and the late decode rounds
-(larger contexts) took ~35 ms instead of ~21 ms. Raising both thresholds makes malloc reuse freed blocks,
-as an allocator such as tcmalloc or jemalloc would: the process keeps its peak heap instead of returning it.
+minor faults per `generate` with the defaults, 5 to ~1,900 with the thresholds raised, and the late decode
+rounds (larger contexts) took ~35 ms instead of ~21 ms. glibc adapts its thresholds to what was freed, so
+with the defaults the count varies from run to run (a CI run of the same test saw none). Raising both
+thresholds makes malloc reuse freed blocks, as an allocator such as tcmalloc or jemalloc would: the process
+keeps its peak heap instead of returning it.
 
 The engine calls `keep_freed_memory()` once when it runs on the CPU; `LOOPED_SPEC_KEEP_FREED_MEMORY=0`
 in the environment leaves malloc as it is (e.g. when another allocator is preloaded).

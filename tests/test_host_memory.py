@@ -39,7 +39,8 @@ def _run(switch: str | None) -> tuple[bool, int]:
 def test_freed_blocks_are_reused_instead_of_faulted_in_again():
     applied, faults = _run(None)
     off, faults_off = _run("0")
-    assert applied and not off
-    # tiny-ouro at B = 8 allocates multi-MB tensors every loop pass: with glibc's defaults they are mapped
-    # afresh and fault in page by page (~10^4 faults per generate measured); kept, a warm engine reuses them
-    assert faults < 1000 < faults_off
+    assert applied and not off  # mallopt accepted both settings; the switch leaves malloc alone
+    # tiny-ouro at B = 8 allocates multi-MB tensors every loop pass; kept, a warm engine reuses them. With
+    # glibc's defaults the count depends on its dynamic thresholds (~10^4 faults per generate measured here,
+    # none in another run), so only the guarantee is asserted, not the default's misbehaviour.
+    assert faults < 1000, (faults, faults_off)
