@@ -273,6 +273,10 @@ class HuginnAdapter(ModelAdapter):
     def default_exit_threshold(self) -> float | None:
         return self._default_exit_threshold
 
+    @property
+    def exit_rule_reads_kv(self) -> bool:
+        return self.exit_criterion == "kl"  # the KL rule reads out through the coda, which attends
+
     def exit_carry(self, num_rows: int) -> torch.Tensor | None:
         return None  # "kl": the previous step's log-probabilities [num_rows, V], from step 1 on
 

@@ -85,9 +85,6 @@ def _generate(args: argparse.Namespace) -> int:
     _at_least(args.threads, 0, "--threads", " (0: torch's default)")
     _set_threads(args.threads)
     prompts = _read_prompts(args)
-    if args.speculation is None:  # early exit runs with plain decoding only (for now)
-        exits = args.exit_threshold is not None or args.exit_at_step is not None
-        args.speculation = "off" if exits else "adaptive"
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
                             top_p=args.top_p, seed=args.seed, ignore_eos=args.ignore_eos, stop=args.stop or [],
                             exit_threshold=args.exit_threshold, exit_at_step=args.exit_at_step)  # fmt: skip
@@ -269,11 +266,8 @@ def _tune(args: argparse.Namespace) -> int:
     return 0
 
 
-def _add_engine_flags(p: argparse.ArgumentParser, speculation: str | None = "adaptive") -> None:
-    spec_help = "off | adaptive | K,d (draft K tokens with d loops)"
-    if speculation is None:
-        spec_help += "; default: adaptive, off with --exit-threshold/--exit-at-step"
-    p.add_argument("--speculation", default=speculation, help=spec_help)
+def _add_engine_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--speculation", default="adaptive", help="off | adaptive | K,d (draft K tokens with d loops)")
     p.add_argument("--policy", default="goodput", choices=["goodput", "ema"], help="adaptive speculation policy")
     p.add_argument("--preset", default=None, help="preset file (default: matched by model name)")
     p.add_argument("--seed", type=int, default=0, help="engine seed (and the per-request seed of generate)")
@@ -328,7 +322,7 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="also run the prompts with speculation off and print the wall-time ratio",
     )
-    _add_engine_flags(gen, speculation=None)  # early exit runs with plain decoding only (for now)
+    _add_engine_flags(gen)
     gen.set_defaults(func=_generate)
     srv = sub.add_parser(
         "serve",

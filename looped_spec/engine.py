@@ -42,8 +42,9 @@ class LoopedSpecEngine:
     "adaptive", a `SpeculativeConfig(k, d)`, or a "K,d" string. `early_exit` is how tokens that exit early
     (SamplingParams exit_threshold / exit_at_step, Ouro's config early_exit_threshold) run: "skip" (loops
     after the exit are not computed; their KV planes hold the exit loop's KV) or "select" (every loop runs
-    and is cached; only the readout depth follows the exit). Early exit is plain decoding only for now: with
-    speculation on, requests asking for it are rejected.
+    and is cached; only the readout depth follows the exit). With speculation the target is the early-exit
+    model: the draft applies the same exit rule, and a position that exits within the draft needs no
+    verification (speculative/exit_round.py).
     """
 
     #: a request whose step fails this many times in a row while it runs alone finishes with "error"
@@ -78,7 +79,6 @@ class LoopedSpecEngine:
         )
         self.speculation = config.speculation
         self.speculates = not (isinstance(self.controller, FixedController) and self.controller.k == 0)
-        self._check_default_exit()
         self.max_batch_size = config.max_batch_size
         self.kv = KVCache(
             self.adapter.kv_layout,
@@ -124,17 +124,6 @@ class LoopedSpecEngine:
         self._suspects: list[Request] = []  # requests of a failed step, to be run one at a time
         self._failed_alone: dict[str, int] = {}  # suspect id -> consecutive failures running alone
 
-    def _check_default_exit(self) -> None:
-        """A checkpoint whose own early exit would fire (Ouro early_exit_threshold < 1) cannot run speculatively
-        yet: refuse rather than silently decode at full depth."""
-        default = self.adapter.default_exit_threshold
-        if self.speculates and default is not None and self.adapter.exit_rule_can_fire(default):
-            raise ValueError(
-                f"the model's {self.adapter.default_exit_threshold_source}={default} (early exit) with "
-                f"speculation={self.speculation!r} "
-                "is not supported: early exit runs with plain decoding only; pass speculation='off'"
-            )
-
     def resolve_exit(self, params: SamplingParams) -> tuple[float | None, int | None]:
         """(exit_threshold, exit_at_step) a request with `params` runs with (None: no rule / up to D).
 
@@ -142,12 +131,6 @@ class LoopedSpecEngine:
         asks it before a request starts (read-only).
         """
         adapter, depth = self.adapter, self.adapter.full_depth
-        if (params.exit_threshold is not None or params.exit_at_step is not None) and self.speculates:
-            field = "exit_threshold" if params.exit_threshold is not None else "exit_at_step"
-            raise ValueError(
-                f"{field}={getattr(params, field)} (early exit) with speculation={self.speculation!r} is not "
-                "supported: early exit runs with plain decoding only; create the engine with speculation='off'"
-            )
         if params.exit_at_step is not None:
             if params.exit_at_step > depth:
                 raise ValueError(f"exit_at_step={params.exit_at_step} exceeds the model's {depth} loops")
@@ -158,7 +141,7 @@ class LoopedSpecEngine:
                 f"exit_threshold={threshold}: {adapter.model_type} has no exit signal; "
                 "use exit_at_step for a fixed depth"
             )
-        if threshold is None and not self.speculates:
+        if threshold is None:
             threshold = adapter.default_exit_threshold
         if threshold is not None and not adapter.exit_rule_can_fire(threshold):
             threshold = None
@@ -284,14 +267,20 @@ class LoopedSpecEngine:
             done = self._transaction(suspect, batch.requests, lambda: self._run_prefill(batch))
             if done is not None:
                 tokens, exit_depths = done
-                self._commit(batch.requests, tokens, chunk_lens=batch.chunk_lens, exit_depths=exit_depths)
+                depths = (
+                    None if all(e is None for e in exit_depths) else [[] if e is None else [e] for e in exit_depths]
+                )
+                self._commit(batch.requests, tokens, chunk_lens=batch.chunk_lens, exit_depths=depths)
                 self.stats.num_prefill_steps += 1
                 self.stats.num_prompt_tokens += sum(batch.chunk_lens)
                 self.stats.phase_seconds["prefill"] += time.perf_counter() - t0
             return
         t0 = time.perf_counter()
         plan = self.controller.plan(len(batch.requests))
-        requests, k = self.scheduler.reserve_decode(batch.requests, [plan.k] * len(batch.requests))
+        # a request whose exit rule reads out through attention (Huginn's "kl") cannot be verified position by
+        # position inside one pass (exit_round.py): it decodes plainly (K = 0) within the round
+        wants = [0 if self._exit_rule_reads_kv(r) else plan.k for r in batch.requests]
+        requests, k = self.scheduler.reserve_decode(batch.requests, wants)
         self.stats.phase_seconds["control"] += time.perf_counter() - t0
         self.stats.num_preemptions = self.scheduler.num_preemptions
         if not requests:
@@ -302,6 +291,9 @@ class LoopedSpecEngine:
         )
         if result is not None:
             self._finish_round(requests, k, plan, result)
+
+    def _exit_rule_reads_kv(self, request: Request) -> bool:
+        return request.exit_threshold is not None and self.adapter.exit_rule_reads_kv
 
     def _next_suspect(self) -> Request | None:
         """A running request from a failed step that has not stepped by itself since."""
@@ -380,6 +372,8 @@ class LoopedSpecEngine:
             stats.phase_seconds["accept"] += result.accept_time
         stats.num_rounds += 1
         stats.record_drafts(k, result.num_accepted)
+        if result.verified_accepted is not None:
+            stats.num_exit_draft_decided += sum(result.num_accepted) - sum(result.verified_accepted)
         stats.batch_size_histogram[len(requests)] += 1
         stats.plan_histogram[f"{max(k)},{plan.d if max(k) else 0}"] += 1
         stats.phase_seconds["commit"] += t1 - t0
@@ -391,8 +385,8 @@ class LoopedSpecEngine:
                 plan.bucket,
                 plan.candidate,
                 len(requests),
-                k,
-                result.num_accepted,
+                k if result.verified_proposed is None else result.verified_proposed,
+                result.num_accepted if result.verified_accepted is None else result.verified_accepted,
                 result.draft_time,
                 result.verify_time + result.accept_time + result.decode_time,  # RoundFeedback.full_depth_time
                 t1 - t0,
@@ -404,12 +398,14 @@ class LoopedSpecEngine:
 
     def _commit(self, requests: list[Request], tokens: list[list[int]], **counts: Any) -> None:
         """Hand the step's results to the scheduler's postprocess; from here on the outputs are owed."""
+        if counts.get("exit_depths") is not None:  # depths are kept for the requests that exit early only
+            counts["exit_depths"] = [ds if r.exits_early else [] for r, ds in zip(requests, counts["exit_depths"])]
         appended = self.scheduler.postprocess(requests, tokens, **counts)
         exit_depths = counts.get("exit_depths")
         if exit_depths is not None:
             # a first token is read out from the prompt's last position, whose loops all ran (prompts: full depth)
             skipped = self.runner.exit_mode == "skip" and "chunk_lens" not in counts
-            depths = [d for d, n in zip(exit_depths, appended) if d is not None and n]
+            depths = [d for ds, n in zip(exit_depths, appended) for d in ds[:n]]
             self.stats.count_exits(depths, self.adapter.full_depth, skipped=skipped)
         for request, n in zip(requests, appended):
             if n or request.finished:

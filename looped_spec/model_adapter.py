@@ -151,6 +151,13 @@ class ModelAdapter(ABC):
         """False when `threshold` never exits before D (then the plain full-depth path is used)."""
         return True
 
+    @property
+    def exit_rule_reads_kv(self) -> bool:
+        """True when `exit_rule` reads out through attention (Huginn's "kl"): its decision for a token then
+        depends on the readout KV of the tokens before it, final only once they exited, so a speculative round
+        cannot decide several positions of a request in one pass; the engine gives such requests K = 0."""
+        return False
+
     def exit_carry(self, num_rows: int) -> torch.Tensor | None:
         """What the exit rule carries from loop to loop, one row per token ([num_rows, ...]), or None."""
         return None

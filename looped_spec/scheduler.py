@@ -131,15 +131,16 @@ class Scheduler:
         chunk_lens: list[int] | None = None,
         num_proposed: list[int] | None = None,
         num_accepted: list[int] | None = None,
-        exit_depths: list[int | None] | None = None,
+        exit_depths: list[list[int]] | None = None,
     ) -> list[int]:
         """The one place a step changes request state, once everything it computed is known.
 
         `tokens[i]` are request i's tokens to commit (empty for a prompt chunk that does not end the
         prompt: its KV now covers `chunk_lens[i]` more tokens). Tokens are appended up to a stop token or
         limit; KV then covers every committed token but the last, blocks past it are released, and a
-        finished request gives back all its blocks. `exit_depths[i]` (early exit) is the depth request i's
-        last token exited at in this step. Returns how many tokens each request appended.
+        finished request gives back all its blocks. `exit_depths[i]` (early exit) are the exit depths of the
+        positions request i computed in this step from its last committed token on: the readout depth of each
+        token it commits. Returns how many tokens each request appended.
         """
         appended: list[int] = []
         for i, (request, new) in enumerate(zip(requests, tokens)):
@@ -151,10 +152,11 @@ class Scheduler:
                 request.num_computed += chunk_lens[i] if chunk_lens is not None else 0
                 appended.append(0)
                 continue
-            if exit_depths is not None and exit_depths[i] is not None:
-                record_exit_depth(request, exit_depths[i])
+            depths = exit_depths[i] if exit_depths is not None else []
             count = 0
             for token in new:
+                if count < len(depths):
+                    record_exit_depth(request, depths[count])
                 count += 1
                 if request.append(token):
                     break

@@ -45,6 +45,9 @@ class EngineStats:
     exit_depth_histogram: Counter = field(default_factory=Counter)
     num_exit_loops_run: int = 0
     num_exit_loops_saved: int = 0  # skip mode only: select runs every loop
+    # speculation with early exit: accepted draft tokens the target itself drew (their position exited within
+    # the draft's d loops), so they needed no verification
+    num_exit_draft_decided: int = 0
 
     def count_exits(self, depths: list[int], full_depth: int, skipped: bool) -> None:
         for depth in depths:
@@ -161,6 +164,8 @@ class StatsCollector(Collector):
         yield _counter("exit_loops_run", "Loops run by the forwards of tokens generated with early exit.",
                        s.num_exit_loops_run, labels)  # fmt: skip
         yield _counter("exit_loops_saved", "Loops skipped by early exit (skip mode).", s.num_exit_loops_saved, labels)
+        yield _counter("exit_draft_decided", "Draft tokens drawn by the target itself (exit within the draft "
+                       "depth): accepted without verification.", s.num_exit_draft_decided, labels)  # fmt: skip
 
 
 class EngineCollector(StatsCollector):

@@ -289,8 +289,8 @@ def test_huginn_exit_threshold_option_is_the_requests_default():
     for bad in (0, -1.0, float("inf"), "high", True):
         with pytest.raises(ValueError, match="adapter option exit_threshold="):
             huginn(exit_threshold=bad)
-    with pytest.raises(ValueError, match="adapter option exit_threshold=0.3 .*speculation='2,1'"):
-        LoopedSpecEngine(huginn(exit_threshold=0.3), speculation="2,1")
+    speculative = LoopedSpecEngine(huginn(exit_threshold=0.3), speculation="2,1")
+    assert run(speculative) == default  # the default's KL rule: those requests run K = 0 inside the rounds
 
 
 # ----- batches, preemption and the API -----
@@ -382,14 +382,13 @@ def test_exit_parameters_are_validated_naming_the_field():
 
 
 @pytest.mark.parametrize("speculation", ["adaptive", "2,1"])
-def test_early_exit_with_speculation_is_refused(speculation):
-    """Speculation is not combined with early exit yet: asking for both is an error naming both."""
+def test_early_exit_with_speculation_is_accepted(speculation):
+    """Speculation combines with early exit (test_early_exit_speculative.py checks it is exact)."""
     engine = LoopedSpecEngine(load("ouro"), speculation=speculation)
+    plain = LoopedSpecEngine(load("ouro"), speculation="off")
     for params in (SamplingParams(exit_threshold=0.5), SamplingParams(exit_at_step=2)):
-        with pytest.raises(ValueError, match=r"exit_(threshold|at_step)=.*speculation="):
-            engine.add_request([1, 2, 3], params)
-    # the published default (tau = 1.0) never exits early, so speculation runs as before
-    assert engine.generate([[1, 2, 3]], SamplingParams(max_tokens=4))[0].finished
+        params = params.model_copy(update={"max_tokens": 6, "ignore_eos": True})
+        assert engine.generate([[1, 2, 3]], params)[0].token_ids == plain.generate([[1, 2, 3]], params)[0].token_ids
 
 
 def test_exit_stats():
@@ -426,10 +425,13 @@ def test_cli_generate_exit_flags(capsys):
     from looped_spec.cli import main
 
     argv = ["generate", "--model", "tiny-ouro", "--prompt", "def ", "--max-tokens", "6", "--ignore-eos"]
-    assert main([*argv, "--exit-at-step", "2", "--early-exit", "select"]) == 0
+    assert main([*argv, "--exit-at-step", "2", "--early-exit", "select", "--speculation", "off"]) == 0
     out = capsys.readouterr().out
     assert "exit depths (select; depth: tokens)  2: 6" in out and "speculation" in out and " off" in out
+    plain_text = out.split("---")[0]
+    assert main([*argv, "--exit-at-step", "2", "--early-exit", "select", "--speculation", "2,1"]) == 0
+    out = capsys.readouterr().out  # speculation with early exit: the same text and depths
+    assert out.split("---")[0] == plain_text and "exit depths (select; depth: tokens)  2: 6" in out
+    assert "decode rounds" in out and "speculative)" in out
     assert main([*argv, "--exit-at-step", "9"]) == 2
     assert "exit_at_step=9 exceeds" in capsys.readouterr().err
-    assert main([*argv, "--exit-threshold", "0.5", "--speculation", "2,1"]) == 2
-    assert "speculation" in capsys.readouterr().err

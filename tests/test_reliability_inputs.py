@@ -246,18 +246,18 @@ def test_item11_shipped_huginn_carries_the_original_freqs_cis_buffer():
 
 
 # ----- 12. accepted options are acted on, or refused -----
-def test_item12_ouro_early_exit_threshold_below_one_is_used_or_refused(tmp_path):
-    """Issue 13: the checkpoint's early_exit_threshold is the default exit rule of plain decoding; with
-    speculation (not yet combined with early exit) it is an error naming both settings, never ignored."""
+def test_item12_ouro_early_exit_threshold_below_one_is_used(tmp_path):
+    """Issue 13: the checkpoint's early_exit_threshold is the default exit rule, with or without speculation
+    (the same tokens and depths either way), never ignored."""
     folder = copy_model(tmp_path, fixture_dir("ouro"))
     edit_config(folder, early_exit_threshold=0.3)
     adapter = load_adapter(folder, device="cpu")
     assert adapter.default_exit_threshold == 0.3
-    with pytest.raises(ValueError, match="early_exit_threshold=0.3.*speculation"):
-        LoopedSpecEngine(adapter, speculation="2,1")
-    engine = LoopedSpecEngine(adapter, speculation="off")
-    out = engine.generate([[5, 6, 7]], SamplingParams(max_tokens=6, ignore_eos=True))[0]
+    params = SamplingParams(max_tokens=6, ignore_eos=True)
+    out = LoopedSpecEngine(adapter, speculation="off").generate([[5, 6, 7]], params)[0]
     assert min(out.metrics.exit_depth_histogram) < adapter.full_depth
+    spec = LoopedSpecEngine(adapter, speculation="2,1").generate([[5, 6, 7]], params)[0]
+    assert (spec.token_ids, spec.metrics.exit_depth_histogram) == (out.token_ids, out.metrics.exit_depth_histogram)
     edit_config(folder, early_exit_threshold=0.0)
     with pytest.raises(CheckpointError, match="early_exit_threshold"):
         load_adapter(folder, device="cpu")

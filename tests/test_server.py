@@ -332,9 +332,7 @@ def test_bad_exit_fields_are_400_naming_the_field(server, client, plain_server):
         (plain, {"exit_at_step": 0}, "exit_at_step", "greater than or equal to 1"),
         (plain, {"exit_at_step": depth + 1}, "exit_at_step", f"exceeds the model's {depth} loops"),
         (plain, {"exit_at_step": 1, "exit_threshold": 0.5}, "exit_at_step", "at most one"),
-        # the module's server speculates: early exit runs with plain decoding only
-        (client, {"exit_threshold": 0.5}, "exit_threshold", "speculation"),
-        (client, {"exit_at_step": 1}, "exit_at_step", "speculation"),
+        (client, {"exit_at_step": depth + 1}, "exit_at_step", f"exceeds the model's {depth} loops"),
     ]
     for api, extra, field, text in cases:
         with pytest.raises(openai.BadRequestError) as err:
@@ -342,3 +340,16 @@ def test_bad_exit_fields_are_400_naming_the_field(server, client, plain_server):
         body = err.value.body
         assert body["param"] == field and body["message"].startswith(field) and text in body["message"], body
     wait_until(lambda: idle(plain_server) and idle(server), what="nothing queued")
+
+
+def test_exit_fields_on_a_speculating_server_give_the_plain_early_exit_text(server, client, reference_engine):
+    """The module's server speculates (adaptive): early exit combines with it, and the text is what plain
+    early-exit decoding gives; drafts that exited within the draft are counted in /metrics."""
+    for extra in ({"exit_at_step": 1}, {"exit_threshold": 0.5}):
+        ref = greedy(reference_engine, PROMPT, 16, ignore_eos=True, **extra)
+        out = client.completions.create(
+            model=MODEL, prompt=PROMPT, max_tokens=16, temperature=0, extra_body={"ignore_eos": True, **extra}
+        )
+        assert out.choices[0].text == ref.text and out.usage.completion_tokens == 16
+    wait_until(lambda: idle(server), what="server idle")
+    assert "looped_spec:exit_draft_decided_total" in exit_metrics(server.url)

@@ -24,12 +24,15 @@ def accept(
     pos_index: torch.Tensor,
     rows: SamplingRows,  # one row per request
     q_probs: torch.Tensor | None,  # [R, K_max, V] draft distributions when any row samples
+    decided: torch.Tensor | None = None,  # [R, K_max] bool: draft drawn from the target itself (early exit)
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Returns (num_accepted [R], next_token [R]): accepted draft count and the corrected/bonus token.
 
     Greedy rows accept the longest prefix where draft == target argmax, then take the target's
     argmax. Sampled rows accept draft y with probability min(1, p(y)/q(y)); at the first rejection
-    they draw from normalise(max(0, p - q)), and after K acceptances the bonus comes from p.
+    they draw from normalise(max(0, p - q)), and after K acceptances the bonus comes from p. A `decided`
+    draft was drawn from the target distribution itself (q = p: early exit at or before the draft depth), so it
+    is accepted outright rather than through a ratio that rounding could put a hair below 1.
     """
     num_reqs, max_k = draft_tokens.shape
     steps = torch.arange(max_k, device=draft_tokens.device)[None, :]
@@ -37,6 +40,8 @@ def accept(
     if rows.all_greedy:
         target = pad_positions(target_logits.argmax(-1), row_index, pos_index, num_reqs, max_k + 1, -2)
         match = (draft_tokens == target[:, :max_k]) & in_draft
+        if decided is not None:
+            match |= decided & in_draft
         num_accepted = match.long().cumprod(dim=1).sum(dim=1)
         return num_accepted, target.gather(1, num_accepted[:, None]).squeeze(1)
 
@@ -56,6 +61,8 @@ def accept(
     p_y = p[:, :max_k].gather(2, safe).squeeze(2)
     q_y = q_probs.gather(2, safe).squeeze(2) if q_probs is not None else torch.ones_like(p_y)
     accepted = (u * q_y < p_y) & in_draft
+    if decided is not None:
+        accepted |= decided & in_draft
     num_accepted = accepted.long().cumprod(dim=1).sum(dim=1)
     p_at = p.gather(1, num_accepted[:, None, None].expand(-1, 1, p.shape[-1])).squeeze(1)  # [R, V]
     if q_probs is not None:

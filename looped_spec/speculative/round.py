@@ -14,6 +14,7 @@ import torch
 from looped_spec.model_runner import ModelRunner
 from looped_spec.request import Request
 from looped_spec.sampler import SamplingRows, sample
+from looped_spec.speculative.exit_round import propose_with_exit, verify_with_exit
 from looped_spec.speculative.proposer import DraftProposer
 from looped_spec.speculative.readouts import read_out_depths
 from looped_spec.speculative.rejection_sampler import accept, pad_positions
@@ -33,7 +34,13 @@ class RoundResult:
     decode_time: float = 0.0  # plain rounds: the full-depth decode and the sample
     depth_matches: list[int] = field(default_factory=list)  # per depth 1..D
     depth_trials: list[int] = field(default_factory=list)
-    exit_depths: list[int] | None = None  # plain rounds with early exit: each request's readout depth
+    # early exit: per request, the exit depth of each position from the round's first on (its committed
+    # tokens' readout depths); None without early exit
+    exit_depths: list[list[int]] | None = None
+    # the acceptance the controller learns from (early exit: drafts the target itself drew are left out);
+    # None: `num_accepted` out of K
+    verified_proposed: list[int] | None = None
+    verified_accepted: list[int] | None = None
 
 
 class SpeculativeRound:
@@ -51,6 +58,8 @@ class SpeculativeRound:
     def run(self, requests: list[Request], k: list[int], d: int, measure_depths: bool = False) -> RoundResult:
         if max(k) == 0:
             return self._plain(requests, measure_depths)
+        if any(r.exits_early for r in requests):
+            return self._run_with_exit(requests, k, d)
         order = sorted(range(len(requests)), key=lambda i: -k[i])
         reqs = [requests[i] for i in order]
         ks = [k[i] for i in order]
@@ -86,6 +95,52 @@ class SpeculativeRound:
             accepted[i] = acc[pos]
         return RoundResult(committed, accepted, t1 - t0, t2 - t1, t3 - t2, 0.0, matches, trials)
 
+    def _run_with_exit(self, requests: list[Request], k: list[int], d: int) -> RoundResult:
+        """A round whose target is the early-exit model (exit_round.py); no counterfactual depth readouts
+        (under early exit a token's depth is the rule's)."""
+        order = sorted(range(len(requests)), key=lambda i: -k[i])
+        reqs = [requests[i] for i in order]
+        ks = [k[i] for i in order]
+        device, mode = self.runner.device, self.runner.exit_mode
+        rows = SamplingRows.build(reqs, device)
+        t0 = time.perf_counter()
+        draft, steps = propose_with_exit(self.runner, reqs, ks, d, rows, mode)
+        self._sync()
+        t1 = time.perf_counter()
+        verification = verify_with_exit(self.runner, reqs, ks, d, steps, mode)
+        self._sync()
+        t2 = time.perf_counter()
+        k_t = torch.tensor(ks, device=device)
+        row_index = torch.repeat_interleave(torch.arange(len(reqs)), torch.tensor(ks) + 1).to(device)
+        pos_index = torch.cat([torch.arange(kr + 1) for kr in ks]).to(device)
+        decided = verification.decided[:, : max(ks)]
+        num_accepted, next_token = accept(
+            draft.tokens, k_t, verification.logits, row_index, pos_index, rows, draft.q_probs, decided=decided
+        )
+        committed_grid = torch.cat([draft.tokens, torch.zeros_like(draft.tokens[:, :1])], dim=1)
+        committed_grid.scatter_(1, num_accepted[:, None], next_token[:, None])  # [R, K_max + 1]
+        acc = num_accepted.tolist()
+        grid = committed_grid.tolist()
+        decided_list = decided.tolist()
+        t3 = time.perf_counter()
+        committed: list[list[int]] = [[] for _ in requests]
+        accepted = [0] * len(requests)
+        exit_depths: list[list[int]] = [[] for _ in requests]
+        proposed_v = [0] * len(requests)
+        accepted_v = [0] * len(requests)
+        for pos, i in enumerate(order):
+            a, kr = acc[pos], ks[pos]
+            committed[i] = grid[pos][: a + 1]
+            accepted[i] = a
+            exit_depths[i] = verification.exit_depths[pos][: a + 1]
+            verified = [not x for x in decided_list[pos][:kr]]  # draft token j+1 was checked against the target
+            proposed_v[i] = sum(verified)
+            accepted_v[i] = sum(verified[:a])
+        return RoundResult(
+            committed, accepted, t1 - t0, t2 - t1, t3 - t2, exit_depths=exit_depths,
+            verified_proposed=proposed_v, verified_accepted=accepted_v,
+        )  # fmt: skip
+
     @torch.inference_mode()
     def _plain(self, requests: list[Request], measure_depths: bool) -> RoundResult:
         """K = 0: plain full-depth decoding and a sample per request."""
@@ -117,7 +172,7 @@ class SpeculativeRound:
             decode_time=decode_time,
             depth_matches=matches,
             depth_trials=trials,
-            exit_depths=exit_depths,
+            exit_depths=[[e] for e in exit_depths] if exit_depths is not None else None,
         )
 
     def _depth_agreement(self, draft, verification, committed_grid, num_accepted, d):

@@ -1,0 +1,197 @@
+"""Speculation with early exit (issue 13): the target is the early-exit model. Greedy speculative decoding
+equals greedy plain decoding in the same mode (and the independent token-by-token reference of
+test_early_exit.py); sampling keeps the early-exit model's distribution; positions that exit within the
+draft skip verification and are left out of the controller's acceptance."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+from chisquare import assert_distribution
+from conftest import FAMILIES, fixture_dir, load, reference
+from test_early_exit import exit_params, mixed_params, reference_generate
+
+from looped_spec import LoopedSpecEngine, SamplingParams, SpeculativeConfig, load_adapter
+from looped_spec.control.controller import FixedController
+
+MODES = ["skip", "select"]
+
+
+def batch_params(family: str) -> list[SamplingParams]:
+    """Eight requests: rules, fixed depths and one without early exit, with max_tokens cutting K (ragged)."""
+    rules = [p.model_copy(update={"ignore_eos": True, "seed": 3}) for p in exit_params(family)] + mixed_params(family)
+    return [p.model_copy(update={"max_tokens": 5 + (3 * i) % 8}) for i, p in enumerate(rules[:8])]
+
+
+def batch_prompts(family: str, n: int) -> list[list[int]]:
+    prompts = reference(family)["prompts"]
+    return [prompts[i % len(prompts)] for i in range(n)]
+
+
+def grid(family: str) -> list[tuple[int, int]]:
+    return list(itertools.product([1, 2, 3, 5], range(1, load(family).full_depth)))
+
+
+def run(engine: LoopedSpecEngine, prompts, params):
+    outs = engine.generate(prompts, params)
+    assert engine.num_free_blocks == engine.kv.num_blocks
+    return [(o.token_ids, o.metrics.exit_depth_histogram) for o in outs]
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("family", FAMILIES)
+def test_greedy_speculative_equals_plain_with_early_exit(family, mode):
+    """Every (K, d) x B in {1, 3, 8}: the same tokens and the same exit depths as plain decoding."""
+    adapter = load(family)
+    params = batch_params(family)
+    prompts = batch_prompts(family, len(params))
+    plain = LoopedSpecEngine(adapter, speculation="off", early_exit=mode, max_batch_size=8)
+    want = run(plain, prompts, params)
+    decided = verified = 0
+    for k, d in grid(family):
+        engine = LoopedSpecEngine(adapter, speculation=SpeculativeConfig(k=k, d=d), early_exit=mode, max_batch_size=8)
+        for lo, hi in ((0, 1), (1, 4), (0, 8)):
+            assert run(engine, prompts[lo:hi], params[lo:hi]) == want[lo:hi], (k, d, hi - lo)
+        decided += engine.stats.num_exit_draft_decided
+        verified += engine.stats.num_draft_tokens - engine.stats.num_exit_draft_decided
+    assert decided > 0 and verified > 0  # both paths ran: drafts the target drew itself, and checked ones
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_skip_mode_speculation_matches_the_independent_reference(family):
+    """Against the token-by-token reference (its own KV store, skipped planes filled by the documented rule)."""
+    adapter = load(family)
+    engine = LoopedSpecEngine(adapter, speculation="3,1", early_exit="skip")
+    for params in exit_params(family):
+        params = params.model_copy(update={"max_tokens": 10, "ignore_eos": True, "seed": 7})
+        for prompt in reference(family)["prompts"]:
+            out = engine.generate([prompt], params)[0]
+            tokens, _, depths = reference_generate(adapter, family, prompt, 10, params, "skip", seed=7)
+            assert out.token_ids == tokens, params
+            assert out.metrics.exit_depth_histogram == {e: depths.count(e) for e in set(depths)}, params
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("family", FAMILIES)
+def test_preemption_mid_request_with_speculation_and_early_exit(family, mode):
+    """Requests recomputed after preemption redo their recorded exit depths, including those of tokens
+    committed by speculative rounds."""
+    adapter = load(family)
+    params = [p.model_copy(update={"max_tokens": 9}) for p in batch_params(family)]
+    prompts = batch_prompts(family, len(params))
+    want = run(LoopedSpecEngine(adapter, speculation="off", early_exit=mode, max_batch_size=8), prompts, params)
+    tight = LoopedSpecEngine(
+        adapter, speculation="3,1", early_exit=mode, max_batch_size=4, block_size=4,
+        num_kv_blocks=12, max_model_len=22,
+    )  # fmt: skip
+    assert run(tight, prompts, params) == want
+    assert tight.scheduler.num_preemptions > 0 and tight.stats.num_spec_rounds > 0
+
+
+def test_positions_that_exit_within_the_draft_are_not_verified():
+    """exit_at_step=1 with d=2: every position exits in the draft, so no loop beyond d runs in decode rounds,
+    every draft is accepted, and the controller learns nothing from them (nothing was verified)."""
+    adapter = load("ouro")
+    engine = LoopedSpecEngine(adapter, speculation="3,2", early_exit="skip")
+    engine.controller = FixedController(3, 2)
+    seen = []
+    engine.controller.observe = seen.append
+    loops_run: list[int] = []
+    loop = adapter.loop
+
+    def counting_loop(state, i, ctx):
+        loops_run.append(i)
+        return loop(state, i, ctx)
+
+    prompt = reference("ouro")["prompts"][0]
+    adapter.loop = counting_loop
+    try:
+        out = engine.generate([prompt], SamplingParams(max_tokens=13, ignore_eos=True, exit_at_step=1))[0]
+    finally:
+        adapter.loop = loop
+    plain = LoopedSpecEngine(adapter, speculation="off").generate(
+        [prompt], SamplingParams(max_tokens=13, ignore_eos=True, exit_at_step=1)
+    )[0]
+    assert out.token_ids == plain.token_ids
+    depth = adapter.full_depth
+    assert loops_run[:depth] == list(range(depth))  # the prompt: every loop once, in one chunk
+    assert set(loops_run[depth:]) == {0}  # decode rounds: loop 1 only, never a verify loop
+    assert engine.stats.num_exit_draft_decided == engine.stats.num_accepted_tokens > 0
+    assert all(sum(f.num_proposed) == 0 and sum(f.num_accepted) == 0 for f in seen)
+
+
+def test_controller_acceptance_counts_only_verified_drafts():
+    adapter = load("ouro")
+    engine = LoopedSpecEngine(adapter, speculation="2,1", early_exit="skip")
+    engine.controller = FixedController(2, 1)
+    seen = []
+    engine.controller.observe = seen.append
+    params = [SamplingParams(max_tokens=12, ignore_eos=True, exit_threshold=t) for t in (0.3, 0.6, 0.9)]
+    engine.generate(batch_prompts("ouro", 3), params)
+    stats = engine.stats
+    decided = stats.num_exit_draft_decided
+    assert decided > 0
+    # the controller hears of the verified drafts only: every decided draft was accepted, and left out
+    assert sum(sum(f.num_accepted) for f in seen) == stats.num_accepted_tokens - decided
+    assert 0 < sum(sum(f.num_proposed) for f in seen) <= stats.num_draft_tokens - decided
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_huginn_kl_rule_requests_decode_plainly_inside_speculative_rounds(mode):
+    """The KL rule reads out through the coda's attention, so its requests get K = 0; the others draft."""
+    adapter = load_adapter(fixture_dir("huginn"), device="cpu", initial_state="zeros")
+    assert adapter.exit_rule_reads_kv
+    params = [
+        SamplingParams(max_tokens=9, ignore_eos=True, exit_threshold=0.3),
+        SamplingParams(max_tokens=9, ignore_eos=True, exit_at_step=3),
+        SamplingParams(max_tokens=9, ignore_eos=True),
+    ]
+    prompts = batch_prompts("huginn", 3)
+    want = run(LoopedSpecEngine(adapter, speculation="off", early_exit=mode), prompts, params)
+    engine = LoopedSpecEngine(adapter, speculation="2,1", early_exit=mode)
+    outs = engine.generate(prompts, params)
+    assert [(o.token_ids, o.metrics.exit_depth_histogram) for o in outs] == want
+    assert outs[0].metrics.num_draft_tokens == 0
+    assert outs[1].metrics.num_draft_tokens > 0 and outs[2].metrics.num_draft_tokens > 0
+    latent = load_adapter(fixture_dir("huginn"), device="cpu", initial_state="zeros", exit_criterion="latent")
+    assert not latent.exit_rule_reads_kv
+
+
+def reference_next_token_probs(adapter, family, seq, params, mode, keep):
+    """(ids, probabilities) of the next token after `seq` under the early-exit model (its last position read
+    out at its exit depth), from the independent reference."""
+    _, logits, _ = reference_generate(adapter, family, seq, 1, params, mode, seed=0)
+    return keep(logits[0])
+
+
+def top_k_filter(logits: torch.Tensor, top_k: int) -> tuple[list[int], list[float]]:
+    vals, idx = logits.topk(top_k)
+    return idx.tolist(), vals.softmax(-1).tolist()
+
+
+@pytest.mark.parametrize(
+    "mode,exit_field,d", [("skip", {"exit_threshold": 0.5}, 2), ("select", {"exit_threshold": 0.5}, 1),
+                          ("skip", {"exit_at_step": 2}, 1)],
+)  # fmt: skip
+def test_speculative_sampling_keeps_the_early_exit_distribution(mode, exit_field, d):
+    """P(t1, t2) of the first two tokens: t1 from the prompt's last position, t2 from a speculative round
+    (drafts the target drew itself mixed with rejection-sampled ones), against the exact early-exit model."""
+    adapter, family, top_k, n = load("ouro"), "ouro", 4, 3000
+    prompt = [5, 9, 13, 200]
+    params = SamplingParams(max_tokens=3, temperature=1.0, top_k=top_k, ignore_eos=True, **exit_field)
+    keep = lambda logits: top_k_filter(logits, top_k)  # noqa: E731
+    exact = {}
+    ids1, p1 = reference_next_token_probs(adapter, family, prompt, params, mode, keep)
+    for t1, q1 in zip(ids1, p1):
+        ids2, p2 = reference_next_token_probs(adapter, family, prompt + [t1], params, mode, keep)
+        for t2, q2 in zip(ids2, p2):
+            exact[(t1, t2)] = q1 * q2
+    engine = LoopedSpecEngine(
+        adapter, speculation=SpeculativeConfig(k=2, d=d), early_exit=mode, max_batch_size=256,
+        max_num_batched_tokens=4096, seed=1234,
+    )  # fmt: skip
+    outs = engine.generate([prompt] * n, params)
+    assert engine.stats.num_accepted_tokens > 0
+    assert_distribution((tuple(o.token_ids[:2]) for o in outs), exact)
