@@ -24,7 +24,7 @@ from looped_spec.kv_cache import KVCache
 from looped_spec.model_adapter import ModelAdapter, load_adapter
 from looped_spec.model_runner import ModelRunner
 from looped_spec.plan import RoundFeedback, SpeculationPlan
-from looped_spec.request import Request, RequestOutput, RequestStatus, ScheduledBatch
+from looped_spec.request import Request, RequestOutput, RequestStatus, ScheduledBatch, mean_context
 from looped_spec.sampler import SamplingRows, sample
 from looped_spec.sampling_params import SamplingParams
 from looped_spec.scheduler import Scheduler
@@ -290,7 +290,7 @@ class LoopedSpecEngine:
                 self.stats.phase_seconds["prefill"] += time.perf_counter() - t0
             return
         t0 = time.perf_counter()
-        plan = self.controller.plan(len(batch.requests))
+        plan = self.controller.plan(len(batch.requests), mean_context(batch.requests))
         requests, k = self.scheduler.reserve_decode(batch.requests, [plan.k] * len(batch.requests))
         self.stats.phase_seconds["control"] += time.perf_counter() - t0
         self.stats.num_preemptions = self.scheduler.num_preemptions
