@@ -24,7 +24,7 @@ from looped_spec.kv_cache import KVCache
 from looped_spec.model_adapter import ModelAdapter, load_adapter
 from looped_spec.model_runner import ModelRunner
 from looped_spec.plan import RoundFeedback, SpeculationPlan
-from looped_spec.request import Request, RequestOutput, RequestStatus, ScheduledBatch
+from looped_spec.request import Request, RequestOutput, RequestStatus, ScheduledBatch, mean_context
 from looped_spec.sampler import SamplingRows, sample
 from looped_spec.sampling_params import SamplingParams
 from looped_spec.scheduler import Scheduler
@@ -276,7 +276,7 @@ class LoopedSpecEngine:
                 self.stats.phase_seconds["prefill"] += time.perf_counter() - t0
             return
         t0 = time.perf_counter()
-        plan = self.controller.plan(len(batch.requests))
+        plan = self.controller.plan(len(batch.requests), mean_context(batch.requests))
         # a request whose exit rule reads out through attention (Huginn's "kl") cannot be verified position by
         # position inside one pass (exit_round.py): it decodes plainly (K = 0) within the round
         wants = [0 if self._exit_rule_reads_kv(r) else plan.k for r in batch.requests]

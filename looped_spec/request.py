@@ -163,3 +163,12 @@ class ScheduledBatch:
     is_prefill: bool
     requests: list[Request]
     chunk_lens: list[int] = field(default_factory=list)  # prefill only
+
+
+def mean_context(requests: list[Request]) -> float:
+    """Mean tokens already in the KV per request (`num_computed`): the context a decode round's passes read.
+
+    A round's cost grows with it, so the controller prices plans at it. A Python mean over ints: cheap enough
+    for every round, no device sync.
+    """
+    return sum(r.num_computed for r in requests) / len(requests) if requests else 0.0

@@ -14,7 +14,10 @@
    the context). A cell's cost is the smallest over repeats of the run's trimmed mean round time (a shared
    machine only ever adds time: the best run is the least disturbed one; spread = (largest − smallest) /
    smallest run cost), made non-decreasing in the batch size (a bigger batch never costs less per round),
-   then fitted by the round-cost model of `costprofile.py`.
+   then fitted by the round-cost model of `costprofile.py`. Every timed round also records the batch's mean
+   context, and per batch size and configuration round seconds are fitted as a line in it (Theil–Sen slope,
+   intercept from the best run; `context_lines`), so the profile also predicts at contexts other than the
+   tuning runs' own (`CostProfile.predict(..., context=)`).
 3. Preset: buckets, candidates, initial choices and thresholds from 1 + 2 (`control/derive.py`), plus both
    measurements (`acceptance`, `cost` sections) for the goodput policy, provenance with the tuning prompts'
    fingerprints (the benchmark refuses to evaluate on them). Given a cost profile (`cost_profile=`) the
@@ -24,20 +27,22 @@
 from __future__ import annotations
 
 import random
+import statistics
 import time
 from collections.abc import Sequence
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from looped_spec.control.acceptance import bit_statistics, markov_tokens, simulate_tokens
-from looped_spec.control.costprofile import CostProfile, round_features
+from looped_spec.control.costprofile import CostProfile
 from looped_spec.control.derive import RULES, BucketModel, bucket_ranges, derive_buckets
 from looped_spec.control.presets import AdaptiveSpecConfig
 from looped_spec.engine import LoopedSpecEngine
 from looped_spec.engine_config import SpeculativeConfig
 from looped_spec.inputs import load_tokenizer, to_token_ids
 from looped_spec.model_adapter import ModelAdapter, load_adapter
+from looped_spec.request import mean_context
 from looped_spec.sampling_params import SamplingParams
 from looped_spec.tuner_inputs import (
     TunerError,
@@ -103,6 +108,17 @@ def acceptance_report(bits: list[list[list[int]]], grid: Sequence[tuple[int, int
 
 
 # ----------------------------------------------------------------------------------------- cost
+class TimedRound(NamedTuple):
+    """One timed decode round: wall seconds and the batch's mean context (KV tokens per request) at its start."""
+
+    seconds: float
+    context: float
+
+
+#: Timed rounds per (batch size, configuration), one list per kept run.
+Samples = dict[int, dict[tuple[int, int], list[list[TimedRound]]]]
+
+
 class RoundTimer:
     """Times the decode rounds of one persistent engine per configuration over a decode horizon."""
 
@@ -120,14 +136,15 @@ class RoundTimer:
             self.engines[cell] = engine
         return self.engines[cell]
 
-    def time_rounds(self, cell: tuple[int, int], prompts: list[Any], horizon: int) -> list[float]:
-        """Seconds of every decode round of a fresh batch until its requests have `horizon` tokens on average.
+    def time_rounds(self, cell: tuple[int, int], prompts: list[Any], horizon: int) -> list[TimedRound]:
+        """Every decode round of a fresh batch until its requests have `horizon` tokens on average, timed.
 
         Round cost grows with the context (every loop pass reads the whole KV of every request), and a plain
         round moves the context one token while a speculative one moves it by its committed tokens. Timing
         every round over the same stretch of generated tokens prices plain and speculative rounds at the same
         contexts, the ones a `horizon`-token generation goes through. Every timed round is full-shape (every
-        request drafts K: max_tokens leaves room), so the rounds are the plan's own shape.
+        request drafts K: max_tokens leaves room), so the rounds are the plan's own shape. Each round comes with
+        the batch's mean context at its start, which the context-aware profile is fitted against.
         """
         engine = self.engine(cell)
         k = cell[0]
@@ -136,20 +153,21 @@ class RoundTimer:
         stats = engine.stats
         while any(not r.prefilled for r in requests):
             engine.step()
-        seconds: list[float] = []
+        rounds: list[TimedRound] = []
         while sum(len(r.output_token_ids) for r in requests) < horizon * len(requests):
             r0, k0 = stats.num_rounds, stats.num_draft_tokens
+            context = mean_context(requests)
             start = time.perf_counter()
             engine.step()
             elapsed = time.perf_counter() - start
             if stats.num_rounds == r0 + 1 and stats.num_draft_tokens - k0 == k * len(prompts):
-                seconds.append(elapsed)
+                rounds.append(TimedRound(elapsed, context))
         for r in requests:
             engine.abort(r.request_id)
         while engine.has_unfinished_requests():
             engine.step()
         engine.step()  # collect the abort outputs
-        return seconds
+        return rounds
 
     def close(self) -> None:
         for engine in self.engines.values():
@@ -165,10 +183,10 @@ def profile_costs(
     repeats: int,
     seed: int,
     bar=None,
-) -> dict[int, dict[tuple[int, int], list[list[float]]]]:
-    """Round seconds per batch size, cell (plain = (0, 0)) and run; configurations interleaved, first repeat dropped."""
+) -> Samples:
+    """Timed rounds per batch size, cell (plain = (0, 0)) and run; configurations interleaved, first repeat dropped."""
     rng = random.Random(seed)
-    samples: dict[int, dict[tuple[int, int], list[list[float]]]] = {}
+    samples: Samples = {}
     for b in batch_sizes:
         configs = [(0, 0), *cells]
         samples[b] = {c: [] for c in configs}
@@ -217,35 +235,126 @@ def nondecreasing(values: list[float]) -> list[float]:
     return [s / c for s, c in blocks for _ in range(int(c))]
 
 
-def fit_profile(depth: int, samples: dict[int, dict[tuple[int, int], list[list[float]]]]) -> tuple[CostProfile, dict]:
-    """Timed runs -> `CostProfile`; report with per-cell costs, spreads and the fit's predictions."""
+#: Theil–Sen looks at every pair of rounds of a run; beyond this many pairs (per cell, all runs together) at a
+#: seeded sample of them: the median of 40 000 pair slopes is as good as all of them, and a long
+#: --profile-tokens would otherwise spend minutes here.
+MAX_PAIRS = 40_000
+
+
+def theil_sen_slope(runs: Sequence[Sequence[tuple[float, float]]], max_pairs: int = MAX_PAIRS, seed: int = 0) -> float:
+    """Median of the slopes between pairs of (x, y) points of the same run with different x; 0.0 without any.
+
+    Theil–Sen, with pairs taken within a run only (as the seasonal Kendall slope takes them within a season):
+    runs differ in level (a run disturbed all along is slower at every context), and a pair across runs would
+    read that difference as slope.
+    """
+    counts = [len(run) * (len(run) - 1) // 2 for run in runs]
+    if sum(counts) <= max_pairs:
+        pairs = [(run[i], run[j]) for run in runs for i in range(len(run)) for j in range(i + 1, len(run))]
+    else:  # every pair equally likely: a run by its number of pairs, then two of its points
+        rng = random.Random(seed)
+        chosen = rng.choices(runs, weights=counts, k=max_pairs)
+        pairs = [(run[i], run[j]) for run in chosen for i, j in [rng.sample(range(len(run)), 2)]]
+    slopes = [(y1 - y0) / (x1 - x0) for (x0, y0), (x1, y1) in pairs if x1 != x0]
+    return statistics.median(slopes) if slopes else 0.0
+
+
+def line_intercept(runs: list[list[TimedRound]], slope: float) -> float:
+    """Intercept of round seconds = intercept + slope·context: the smallest over runs of the median of y − slope·x.
+
+    The median, where `run_cost` takes a 10 %-trimmed mean: the line is to price an undisturbed round at any
+    context, and a trimmed mean still follows outlier rounds beyond its trim. The smallest over runs for the
+    same reason as there: a shared machine only ever adds time, the best run is the least disturbed one.
+    """
+    return min(statistics.median(r.seconds - slope * r.context for r in run) for run in runs)
+
+
+def context_lines(samples: Samples) -> dict[int, dict[tuple[int, int], tuple[float, float]]]:
+    """(intercept, slope) of round seconds against the batch's mean context per batch size and configuration.
+
+    Slope: Theil–Sen (the median of pairwise slopes, pairs within a run) over every kept run of the cell.
+    Rounds on a shared machine have outliers of ±30 % and more, and not only a few: Theil–Sen's slope stays
+    put with up to ~29 % of the rounds arbitrarily wrong, where a single stalled round drags a least-squares
+    slope (the rounds at the ends of the horizon, which pin the slope, have the most leverage); it also needs
+    no binning choice (per-bin means would). Guards: slopes are clamped at 0 (a longer context never makes a
+    round cheaper), then slopes and intercepts are each made non-decreasing in the batch size, so a round's
+    predicted cost never falls with B at any context (a line's order at c = 0 and as c grows).
+    """
     sizes = sorted(samples)
-    costs = {b: {c: run_cost(runs) for c, runs in samples[b].items()} for b in sizes}
+    lines: dict[int, dict[tuple[int, int], tuple[float, float]]] = {b: {} for b in sizes}
+    for cell in samples[sizes[0]]:
+        slopes = []
+        for b in sizes:
+            runs = [[(r.context, r.seconds) for r in run] for run in samples[b][cell]]
+            slopes.append(max(theil_sen_slope(runs), 0.0))
+        slopes = nondecreasing(slopes)
+        intercepts = nondecreasing([line_intercept(samples[b][cell], s) for b, s in zip(sizes, slopes)])
+        for b, a, slope in zip(sizes, intercepts, slopes):
+            lines[b][cell] = (a, slope)
+    return lines
+
+
+def mean_contexts(samples: Samples) -> dict[int, float]:
+    """Mean context of every kept timed round per batch size (all configurations): the profile's reference."""
+    out = {}
+    for b, cells in samples.items():
+        contexts = [r.context for runs in cells.values() for run in runs for r in run]
+        out[b] = sum(contexts) / len(contexts) if contexts else 0.0
+    return out
+
+
+def fit_profile(depth: int, samples: Samples) -> tuple[CostProfile, dict]:
+    """Timed runs -> `CostProfile` (with context terms); report with per-cell costs, spreads, lines and fits."""
+    sizes = sorted(samples)
+    costs = {b: {c: run_cost(_seconds(runs)) for c, runs in samples[b].items()} for b in sizes}
     monotone: dict[int, dict[tuple[int, int], float]] = {b: {} for b in sizes}
     for cell in costs[sizes[0]]:
         for b, value in zip(sizes, nondecreasing([costs[b][cell][0] for b in sizes])):
             monotone[b][cell] = value
     plain = {b: monotone[b][(0, 0)] for b in sizes}
     cells = {b: {c: v for c, v in monotone[b].items() if c[0] > 0} for b in sizes}
+    lines = context_lines(samples)
+    profile = CostProfile.fit(depth, plain, cells, lines, mean_contexts(samples))
     report: dict[str, Any] = {}
     for b in sizes:
         report[str(b)] = {
-            f"{c[0]},{c[1]}": {
-                "best_run_s": round(cost, 6),
-                "cost_s": round(monotone[b][c], 6),
-                "spread": round(spread, 3),
-                "runs": len(samples[b][c]),
-            }
+            f"{c[0]},{c[1]}": _cell_report(profile, samples[b][c], c, b, cost, monotone[b][c], spread, lines[b][c])
             for c, (cost, spread) in costs[b].items()
         }
-    profile = CostProfile.fit(depth, plain, cells)
-    for i, b in enumerate(profile.batch_sizes):
-        coef = profile.coefficients[i]
-        for key, cell in report[str(b)].items():
-            k, d = (int(x) for x in key.split(","))
-            if k:
-                cell["fit_s"] = round(sum(c * f for c, f in zip(coef, round_features(k, d, depth))), 6)
     return profile, report
+
+
+def _seconds(runs: list[list[TimedRound]]) -> list[list[float]]:
+    return [[r.seconds for r in run] for run in runs]
+
+
+def _cell_report(
+    profile: CostProfile,
+    runs: list[list[TimedRound]],
+    cell: tuple[int, int],
+    batch: int,
+    best: float,
+    cost: float,
+    spread: float,
+    line: tuple[float, float],
+) -> dict[str, Any]:
+    """One cell's report: its costs, its context line, and both fits (averaged; at its own mean context)."""
+    k, d = cell
+    rounds = [r for run in runs for r in run]
+    context = sum(r.context for r in rounds) / len(rounds)
+    out: dict[str, Any] = {
+        "best_run_s": round(best, 6),
+        "cost_s": round(cost, 6),
+        "spread": round(spread, 3),
+        "runs": len(runs),
+        "context": round(context, 1),
+        "intercept_s": round(line[0], 6),
+        "slope_s_per_token": float(f"{line[1]:.4g}"),
+    }
+    if k:
+        out["fit_s"] = round(profile.predict(k, d, batch), 6)
+    out["context_fit_s"] = round(profile.predict(k, d, batch, context), 6)
+    return out
 
 
 # ----------------------------------------------------------------------------------------- the tuner

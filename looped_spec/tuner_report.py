@@ -2,7 +2,8 @@
 
 Input is the tuner's report (`looped_spec.tuner.tune`'s provenance): acceptance per depth and per grid cell
 (replayed on the tuning trajectories vs the Markov model), the cost profile's median round times per batch
-size and cell, and the decisions per bucket (predicted ratio to plain of every cell).
+size and cell (with their lines in the batch's mean context, when measured), and the decisions per bucket
+(predicted ratio to plain of every cell).
 """
 
 from __future__ import annotations
@@ -33,13 +34,14 @@ def format_report(report: dict[str, Any], preset: dict[str, Any] | None = None) 
         plain = cells["0,0"]
         lines.append(
             f"B={b}: plain round {1e3 * plain['cost_s']:.2f} ms (best run {1e3 * plain['best_run_s']:.2f} ms, "
-            f"runs spread {100 * plain['spread']:.0f}%)"
+            f"runs spread {100 * plain['spread']:.0f}%)" + _context_note(plain)
         )
-        lines.append(f"  {'K,d':>5} {'cost ms':>8} {'fit ms':>7} {'spread':>6}")
+        lines.append(f"  {'K,d':>5} {'cost ms':>8} {'fit ms':>7} {'spread':>6}{'   ms + us/token x context':>26}")
         for key, cell in cells.items():
             if key != "0,0":
                 lines.append(
                     f"  {key:>5} {1e3 * cell['cost_s']:>8.2f} {1e3 * cell['fit_s']:>7.2f} {100 * cell['spread']:>5.0f}%"
+                    + _context_note(cell)
                 )
     for bucket, note in report.get("decisions", {}).items():
         best = sorted(note["predicted_ratio"].items(), key=lambda kv: -kv[1])[:4]
@@ -58,6 +60,16 @@ def format_report(report: dict[str, Any], preset: dict[str, Any] | None = None) 
                 items.append(f"{mark}({c['k']},{c['d']}){band}")
             lines.append(f"  B {bucket['min_batch']}..{hi}: " + " ".join(items))
     return "\n".join(lines)
+
+
+def _context_note(cell: dict[str, Any]) -> str:
+    """ "  a ms + b us/token x context (mean c)" of a cell's context line; empty in reports made before them."""
+    if "slope_s_per_token" not in cell:
+        return ""
+    return (
+        f"   {1e3 * cell['intercept_s']:.2f} ms + {1e6 * cell['slope_s_per_token']:.2f} us/token x context "
+        f"(mean {cell['context']:.0f})"
+    )
 
 
 def heatmap_cells(report: dict[str, Any]) -> dict[int, dict[str, dict[str, float]]]:
@@ -123,6 +135,8 @@ def write_heatmap(cells_by_batch: dict[int, dict[str, dict[str, float]]] | dict[
 def preset_data(config: Any) -> dict[str, Any]:
     """A validated `AdaptiveSpecConfig` as plain data without unset optional fields (bounds stay explicit)."""
     data = config.model_dump(mode="json")
+    if data.get("cost") is not None:  # a profile without context terms is written as before
+        data["cost"] = {k: v for k, v in data["cost"].items() if v is not None}
     for bucket in data["buckets"]:
         for name in ("theta_up", "theta_down"):
             if bucket[name] is None:

@@ -190,7 +190,8 @@ def test_trace_jsonl(tmp_path: Path):
     assert decisions and decisions[0]["what"].startswith("off") and decisions[0]["bucket"] == 0
     assert [e["plan_id"] for e in events if e["event"] == "plan"] == [0, 1, 2, 3]
     plan = next(e for e in events if e["event"] == "plan")
-    assert set(plan) == {"event", "t", "batch"} | {f.name for f in fields(SpeculationPlan)}
+    assert set(plan) == {"event", "t", "batch", "context"} | {f.name for f in fields(SpeculationPlan)}
+    assert plan["context"] is None  # run() gives no context
     feedback = next(e for e in events if e["event"] == "feedback")
     assert set(feedback) == {"event", "t"} | {f.name for f in fields(RoundFeedback)}
     assert feedback["batch_size"] == 1 and feedback["num_proposed"] == [feedback["k"]]

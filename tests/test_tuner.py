@@ -56,6 +56,12 @@ def test_cli_tune_writes_a_valid_preset_and_heatmap(tmp_path, capsys):
     assert config.acceptance.positions == 2 * 5  # 2 prompts x (6 tokens - the first, from prefill)
     assert config.cost is not None and config.cost.batch_sizes == [1, 4]
     assert all(t > 0 for t in config.cost.plain_seconds)
+    cost = config.cost  # context terms: lines of round seconds in the batch's mean context, per batch size
+    assert cost.has_context and len(cost.slope_coefficients) == len(cost.intercept_coefficients) == 2
+    assert all(c > 0 for c in cost.reference_context) and all(s >= 0 for s in cost.plain_slope)
+    written = json.loads(out.read_text())["cost"]
+    assert set(written) == {"batch_sizes", "plain_seconds", "coefficients", "reference_context", "plain_intercept",
+                            "plain_slope", "intercept_coefficients", "slope_coefficients"}  # fmt: skip
     prov = config.provenance
     assert isinstance(prov, dict)
     assert prov["command"].startswith("looped-spec tune --model") and prov["model"]["full_depth"] == 4
@@ -67,6 +73,8 @@ def test_cli_tune_writes_a_valid_preset_and_heatmap(tmp_path, capsys):
         assert set(cells) == {"0,0", "1,1", "2,1", "1,2"}
         assert all(c["best_run_s"] > 0 and c["cost_s"] > 0 for c in cells.values())
         assert all(c["runs"] == 1 and c["spread"] == 0.0 for c in cells.values())
+        assert all(c["slope_s_per_token"] >= 0 and c["context"] > 0 and c["context_fit_s"] > 0 for c in cells.values())
+    assert "us/token x context" in printed
     assert png.is_file() and png.stat().st_size > 1000
 
 
@@ -108,6 +116,7 @@ def test_tune_is_deterministic_given_a_cost_profile():
     assert a.model_dump(exclude={"provenance"}) == b.model_dump(exclude={"provenance"})
     assert report_a["acceptance"] == report_b["acceptance"] and report_a["decisions"] == report_b["decisions"]
     assert a.cost is not None and a.cost.plain_seconds == PROFILE["plain_seconds"]
+    assert not a.cost.has_context  # a profile without context terms stays one
     assert report_a["settings"]["cost_profile"] == "given" and report_a["cost"] == {}
 
 
@@ -245,9 +254,12 @@ def test_round_timer_times_plain_and_speculative_rounds_over_the_same_generated_
         horizon = 7
         plain = timer.time_rounds((0, 0), prompts, horizon)
         assert len(plain) == horizon - 1  # the first token of each request comes from prefill
+        # each round with the batch's mean context at its start: the prompts (4 tokens on average), then +1 a round
+        assert [r.context for r in plain] == [4.0 + i for i in range(horizon - 1)]
         spec = timer.time_rounds((2, 1), prompts, horizon)
         engine = timer.engines[(2, 1)]
-        assert 1 <= len(spec) <= horizon - 1 and all(s > 0 for s in spec)
+        assert 1 <= len(spec) <= horizon - 1 and all(r.seconds > 0 for r in spec)
+        assert spec[0].context == 4.0 and all(a.context < b.context for a, b in zip(spec, spec[1:]))
         assert engine.stats.num_draft_tokens >= 2 * len(prompts) * len(spec)
         assert not engine.has_unfinished_requests() and engine.num_free_blocks == engine.kv.num_blocks
     finally:

@@ -1,4 +1,7 @@
-"""Controllers the engine drives once per round: ``plan = c.plan(num_running)`` ... ``c.observe(feedback)``.
+"""Controllers the engine drives once per round: ``plan = c.plan(num_running, context)`` ... ``c.observe(feedback)``.
+
+`context` is the batch's mean context (tokens already in the KV per request at the round's start), or None
+when unknown; only the goodput policy with a context-aware cost profile uses it.
 
 - `AdaptiveController`: batch size -> preset bucket -> the policy's candidate -> `SpeculationPlan`.
 - `FixedController(k, d)`: always the same (K, d) (``speculation=SpeculativeConfig(k, d)``).
@@ -48,7 +51,7 @@ class BaseController:
         self._next_id = 0
         self._trace = TraceWriter(trace_path) if trace_path is not None else None
 
-    def plan(self, num_running: int) -> SpeculationPlan:
+    def plan(self, num_running: int, context: float | None = None) -> SpeculationPlan:
         raise NotImplementedError
 
     def observe(self, feedback: RoundFeedback) -> None:
@@ -103,13 +106,13 @@ class FixedController(BaseController):
         """Every (K, d) this controller can hand out (K = 0 included), for sizing CUDA-graph capture."""
         return sorted({(0, 0), (self.k, self.d)})
 
-    def plan(self, num_running: int) -> SpeculationPlan:
+    def plan(self, num_running: int, context: float | None = None) -> SpeculationPlan:
         t0 = perf_counter()
         plan = SpeculationPlan(self._next_id, self.k, self.d, measure_depths=self.measure_depths)
         self._next_id += 1
         self.num_plans += 1
         if self._trace is not None:
-            self._trace.plan(plan, num_running)
+            self._trace.plan(plan, num_running, context)
         self.overhead_seconds += perf_counter() - t0
         return plan
 
@@ -176,8 +179,8 @@ class AdaptiveController(BaseController):
             shapes.update((c.k, c.d) for c in bucket.candidates if c.k > 0)
         return sorted(shapes)
 
-    def plan(self, num_running: int) -> SpeculationPlan:
-        """The plan for this round; fixed until its feedback arrives."""
+    def plan(self, num_running: int, context: float | None = None) -> SpeculationPlan:
+        """The plan for this round (batch of `num_running` requests at mean `context`); fixed until its feedback."""
         t0 = perf_counter()
         policy = self.policy
         trace = self._trace
@@ -190,7 +193,7 @@ class AdaptiveController(BaseController):
             self._bucket = bucket
         plan_id = self._next_id
         self._next_id = plan_id + 1
-        k, d, cand = policy.select(bucket, num_running, plan_id)
+        k, d, cand = policy.select(bucket, num_running, plan_id, context)
         # plain rounds measure rarely: while speculation is off it must cost (almost) nothing
         every = self.measure_every if k > 0 else self.plain_measure_every
         measure = self.measure_depths and plan_id % every == 0
@@ -199,7 +202,7 @@ class AdaptiveController(BaseController):
         if trace is not None:
             if policy.last_event is not None:
                 trace.decision(bucket, policy.last_event, plan_id)
-            trace.plan(plan, num_running)
+            trace.plan(plan, num_running, context)
         self.overhead_seconds += perf_counter() - t0
         return plan
 

@@ -11,10 +11,26 @@ For a batch of B requests at full depth D, one speculative round with K draft to
   o·(K+1) needs no term of its own: K+1 = (d(K+1) + (D−d)(K+1)) / D, so it is absorbed by c_shallow and v_1
   (a fifth regressor would make the fit singular).
 
-The four coefficients are fitted per profiled batch size by least squares to robust (median) round times
-of the measured (K, d) cells; a plain round's time T_plain(B) is measured directly. Between profiled batch
-sizes both are interpolated linearly in B, beyond the last one extrapolated from the last two (round cost is
-close to linear in B there). See docs/adaptive.md "cost profile".
+The four coefficients are fitted per profiled batch size by least squares to robust round times (the
+tuner's best-run trimmed means) of the measured (K, d) cells; a plain round's time T_plain(B) is measured
+directly. Between profiled batch sizes both are interpolated linearly in B, beyond the last one
+extrapolated from the last two (round cost is close to linear in B there). See docs/adaptive.md "cost
+profile".
+
+Context. A round's cost grows with the context (every loop pass reads every request's whole KV), and plain
+and speculative rounds grow at different rates (a verify pass runs K+1 queries over it). A profile tuned
+with context terms also stores, per profiled B, a line in the batch's mean context c (tokens already in the
+KV per request at the round's start):
+
+    T_plain(B, c) = a_plain(B) + b_plain(B)·c
+    T(K, d, B, c) = x(K, d)·A(B) + max(x(K, d)·S(B), 0)·c
+
+with x the four `round_features`, A the coefficients fitted to the measured cells' intercepts and S those
+fitted to their slopes (both are linear in the same features: each term is a number of loop passes over
+some queries, and each such pass costs a fixed part plus a part proportional to the context it reads).
+`predict(..., context=c)` uses these; without a context, or on a profile without them (older presets), the
+averaged terms above are used exactly as before: they describe the tuning runs' own contexts, whose mean
+per batch size is stored as `reference_context`.
 """
 
 from __future__ import annotations
@@ -68,10 +84,19 @@ def _solve(a: list[list[float]], b: list[float]) -> list[float]:
     return x
 
 
-class CostProfile:
-    """Predicted seconds of plain and speculative rounds at any batch size from a few profiled ones."""
+#: The optional context terms of a profile (`CostConfig` fields of the same names), all set or none.
+CONTEXT_FIELDS = ("reference_context", "plain_intercept", "plain_slope", "intercept_coefficients", "slope_coefficients")
 
-    __slots__ = ("depth", "batch_sizes", "plain_seconds", "coefficients")
+
+class CostProfile:
+    """Predicted seconds of plain and speculative rounds at any batch size from a few profiled ones.
+
+    Optionally context-aware (the keyword arguments, all or none; see the module docstring): per profiled
+    batch size, the mean context of the tuning rounds, plain's intercept and slope (seconds, seconds per
+    context token), and the four-feature coefficients of the speculative rounds' intercepts and slopes.
+    """
+
+    __slots__ = ("depth", "batch_sizes", "plain_seconds", "coefficients", *CONTEXT_FIELDS)
 
     def __init__(
         self,
@@ -79,6 +104,12 @@ class CostProfile:
         batch_sizes: Sequence[int],
         plain_seconds: Sequence[float],
         coefficients: Sequence[Sequence[float]],
+        *,
+        reference_context: Sequence[float] | None = None,
+        plain_intercept: Sequence[float] | None = None,
+        plain_slope: Sequence[float] | None = None,
+        intercept_coefficients: Sequence[Sequence[float]] | None = None,
+        slope_coefficients: Sequence[Sequence[float]] | None = None,
     ) -> None:
         if not batch_sizes or len(batch_sizes) != len(plain_seconds) or len(batch_sizes) != len(coefficients):
             raise ValueError("a cost profile needs one plain time and one coefficient row per batch size")
@@ -88,14 +119,57 @@ class CostProfile:
         self.batch_sizes = list(batch_sizes)
         self.plain_seconds = list(plain_seconds)
         self.coefficients = [list(c) for c in coefficients]
+        terms = (reference_context, plain_intercept, plain_slope, intercept_coefficients, slope_coefficients)
+        given = [t is not None for t in terms]
+        if any(given) and not all(given):
+            missing = [name for name, g in zip(CONTEXT_FIELDS, given) if not g]
+            raise ValueError(f"context terms come together: {', '.join(missing)} missing")
+        if any(t is not None and len(t) != len(self.batch_sizes) for t in terms):
+            raise ValueError("a context-aware profile needs every context term once per profiled batch size")
+        self.reference_context = _copy(reference_context)
+        self.plain_intercept = _copy(plain_intercept)
+        self.plain_slope = _copy(plain_slope)
+        self.intercept_coefficients = _copy_rows(intercept_coefficients)
+        self.slope_coefficients = _copy_rows(slope_coefficients)
+
+    @property
+    def has_context(self) -> bool:
+        """True when the profile carries context terms (`predict` then honours a context)."""
+        return self.slope_coefficients is not None
 
     @classmethod
     def fit(
-        cls, depth: int, plain: Mapping[int, float], cells: Mapping[int, Mapping[tuple[int, int], float]]
+        cls,
+        depth: int,
+        plain: Mapping[int, float],
+        cells: Mapping[int, Mapping[tuple[int, int], float]],
+        lines: Mapping[int, Mapping[tuple[int, int], tuple[float, float]]] | None = None,
+        reference_context: Mapping[int, float] | None = None,
     ) -> CostProfile:
-        """From median round seconds: `plain[B]` and `cells[B][(K, d)]` for every profiled B."""
+        """From robust round seconds: `plain[B]` and `cells[B][(K, d)]` for every profiled B.
+
+        With `lines[B][(K, d)] = (intercept, slope)` of round seconds against the mean context ((0, 0): plain)
+        and the tuning rounds' mean context per B, the profile gets context terms: the four-feature model is
+        fitted once to the speculative cells' intercepts and once to their slopes.
+        """
         sizes = sorted(plain)
-        return cls(depth, sizes, [plain[b] for b in sizes], [fit_coefficients(cells[b], depth) for b in sizes])
+        profile = cls(depth, sizes, [plain[b] for b in sizes], [fit_coefficients(cells[b], depth) for b in sizes])
+        if lines is None:
+            return profile
+        if reference_context is None:
+            raise ValueError("context lines need the reference (mean) context of the tuning rounds")
+        spec = [{c: line for c, line in lines[b].items() if c[0] > 0} for b in sizes]
+        return cls(
+            depth,
+            profile.batch_sizes,
+            profile.plain_seconds,
+            profile.coefficients,
+            reference_context=[reference_context[b] for b in sizes],
+            plain_intercept=[lines[b][(0, 0)][0] for b in sizes],
+            plain_slope=[lines[b][(0, 0)][1] for b in sizes],
+            intercept_coefficients=[fit_coefficients({c: a for c, (a, _) in row.items()}, depth) for row in spec],
+            slope_coefficients=[fit_coefficients({c: slope for c, (_, slope) in row.items()}, depth) for row in spec],
+        )
 
     def _at(self, values: Sequence[float], batch: int) -> float:
         sizes = self.batch_sizes
@@ -112,19 +186,56 @@ class CostProfile:
         return values[i - 1] + w * (values[i] - values[i - 1])
 
     def spec_seconds_at_profiled(self, k: int, d: int) -> list[float]:
-        """Predicted round seconds of (K, d) at each profiled batch size."""
+        """Predicted round seconds of (K, d) at each profiled batch size (averaged over the tuning contexts)."""
         x = round_features(k, d, self.depth)
         return [sum(c * f for c, f in zip(coef, x)) for coef in self.coefficients]
 
-    def predict(self, k: int, d: int, batch: int) -> float:
-        """Seconds of one round of (K, d) (K = 0: plain) for a batch of `batch` requests (> 0)."""
+    def seconds_at_context(self, k: int, d: int, context: float) -> list[float]:
+        """Predicted round seconds of (K, d) (K = 0: plain) at mean context `context`, per profiled batch size.
+
+        Slopes are clamped at 0: a longer context never makes a round cheaper, whatever the fit's noise.
+        """
+        a_plain, b_plain = self.plain_intercept, self.plain_slope
+        a_rows, b_rows = self.intercept_coefficients, self.slope_coefficients
+        assert a_plain is not None and b_plain is not None and a_rows is not None and b_rows is not None
+        c = max(context, 0.0)
+        if k <= 0:
+            return [a + max(b, 0.0) * c for a, b in zip(a_plain, b_plain)]
+        x = round_features(k, d, self.depth)
+        out = []
+        for a_row, b_row in zip(a_rows, b_rows):
+            a = sum(coef * f for coef, f in zip(a_row, x))
+            b = sum(coef * f for coef, f in zip(b_row, x))
+            out.append(a + max(b, 0.0) * c)
+        return out
+
+    def predict(self, k: int, d: int, batch: int, context: float | None = None) -> float:
+        """Seconds of one round of (K, d) (K = 0: plain) for a batch of `batch` requests (> 0).
+
+        `context`: the batch's mean context (tokens in the KV per request at the round's start). None, or a
+        profile without context terms, gives the prediction averaged over the tuning runs' contexts.
+        """
+        if context is not None and self.has_context:
+            return max(self._at(self.seconds_at_context(k, d, context), batch), 1e-9)
         if k <= 0:
             return max(self._at(self.plain_seconds, batch), 1e-9)
         return max(self._at(self.spec_seconds_at_profiled(k, d), batch), 1e-9)
 
     def to_dict(self) -> dict:
-        return {
+        """The `CostConfig` fields; context terms only when the profile has them (old presets stay as they were)."""
+        out: dict = {
             "batch_sizes": self.batch_sizes,
             "plain_seconds": self.plain_seconds,
             "coefficients": self.coefficients,
         }
+        if self.has_context:
+            out.update({name: getattr(self, name) for name in CONTEXT_FIELDS})
+        return out
+
+
+def _copy(values: Sequence[float] | None) -> list[float] | None:
+    return None if values is None else list(values)
+
+
+def _copy_rows(rows: Sequence[Sequence[float]] | None) -> list[list[float]] | None:
+    return None if rows is None else [list(r) for r in rows]

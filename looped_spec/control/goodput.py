@@ -10,11 +10,13 @@ list has no K=0 candidate) it predicts, at the round's actual batch size B,
   `acceptance.markov_tokens` with α_d learned online from counterfactual depth agreement (`depth_matches /
   depth_trials`, all depths at once, measured in a fraction of the rounds, plain rounds included), starting
   from the preset's offline α_d as a prior worth `prior_trials` positions, and the preset's persistence ρ_d.
-- T, the cost side, is a property of the hardware: the preset's measured `CostProfile` when it has one.
-  Then no exploration is needed: every option is predicted from the start and the first plan is already
-  the best predicted one. Online timing refines the profile only where it is robust: once an option has
-  run `CORRECTION_MIN_ROUNDS` full-shape rounds (no counterfactual readouts, every request drafting K),
-  its predicted round time is scaled by the median of measured ÷ predicted over its last
+- T, the cost side, is a property of the hardware: the preset's measured `CostProfile` when it has one,
+  at the round's batch size and, when the profile has context terms, at the batch's mean context (passed
+  by the engine through `select`; round cost grows with the context, plain and speculative rounds at
+  different rates). Then no exploration is needed: every option is predicted from the start and the first
+  plan is already the best predicted one. Online timing refines the profile only where it is robust: once
+  an option has run `CORRECTION_MIN_ROUNDS` full-shape rounds (no counterfactual readouts, every request
+  drafting K), its predicted round time is scaled by the median of measured ÷ predicted over its last
   `CORRECTION_WINDOW` such rounds — a ratio at the round's own batch size, so timings of different batch
   sizes are never compared, and per bucket; options not run yet are scaled like plain decoding (the
   fallback, so the reference of how fast this machine runs now against the profile), or by the median of
@@ -172,9 +174,8 @@ class GoodputPolicy(Policy):
             full_depth, acceptance_memory, prior, prior_trials if prior else 0.0, from_rounds=not measured_depths
         )
         self.rho = list(acceptance.rho) if acceptance is not None else [0.0] * full_depth  # [D]
-        self.profile = (
-            CostProfile(full_depth, cost.batch_sizes, cost.plain_seconds, cost.coefficients) if cost else None
-        )
+        self.profile = CostProfile(full_depth, **cost.model_dump()) if cost else None
+        self.context: float | None = None  # mean context of the round last planned (prices its feedback)
         self.reexplore_every = 0 if self.profile is not None else reexplore_every
         self.cost_ratios: dict[tuple[int, int, int], deque[float]] = {}  # (bucket, k, d) -> measured / profile
         self.states: list[GoodputState] = []
@@ -192,9 +193,10 @@ class GoodputPolicy(Policy):
                 st.next_reexplore = reexplore_every
             self.states.append(st)
 
-    def select(self, bucket: int, batch_size: int, plan_id: int) -> tuple[int, int, int]:
+    def select(self, bucket: int, batch_size: int, plan_id: int, context: float | None = None) -> tuple[int, int, int]:
         st = self.states[bucket]
         self.last_event = None
+        self.context = context
         st.rounds += 1
         if st.queue:
             return st.options[st.queue.pop()]
@@ -203,14 +205,14 @@ class GoodputPolicy(Policy):
             return st.options[st.trial]
         if st.rounds >= st.next_decision:
             st.next_decision = st.rounds + self.buckets[bucket].config.interval
-            self._decide(st, max(batch_size, 1))
+            self._decide(st, max(batch_size, 1), context)
         if self.reexplore_every and st.rounds >= st.next_reexplore:
             st.next_reexplore = st.rounds + self.reexplore_every
             st.queue = [o for o in range(len(st.options)) if o != st.current]
         return st.options[st.current]
 
-    def _decide(self, st: GoodputState, batch_size: int) -> None:
-        rates = self.rates(st, batch_size)
+    def _decide(self, st: GoodputState, batch_size: int, context: float | None = None) -> None:
+        rates = self.rates(st, batch_size, context)
         st.predicted = rates
         eligible = self._eligible(st, rates)
         best = max(eligible, key=rates.__getitem__)
@@ -276,15 +278,18 @@ class GoodputPolicy(Policy):
             if b == bucket and len(ratios) >= CORRECTION_MIN_ROUNDS
         }
 
-    def rates(self, st: GoodputState, batch_size: int) -> list[float]:
-        """Predicted committed tokens/s of every option of a bucket at `batch_size`."""
+    def rates(self, st: GoodputState, batch_size: int, context: float | None = None) -> list[float]:
+        """Predicted committed tokens/s of every option of a bucket at `batch_size` and mean `context`.
+
+        The context matters only with a context-aware profile; None prices at the tuning runs' contexts.
+        """
         out = []
         if st.cost is None:
             assert self.profile is not None
             factors = self.cost_factors(st.index)
             default = factors.get((0, 0), statistics.median(factors.values()) if factors else 1.0)
             for k, d, _ in st.options:
-                seconds = self.profile.predict(k, d, batch_size) * factors.get((k, d), default)
+                seconds = self.profile.predict(k, d, batch_size, context) * factors.get((k, d), default)
                 out.append(batch_size * self.tokens(k, d) / seconds)
             return out
         for k, d, _ in st.options:
@@ -317,7 +322,8 @@ class GoodputPolicy(Policy):
         ratios = self.cost_ratios.get(key)
         if ratios is None:
             ratios = self.cost_ratios[key] = deque(maxlen=CORRECTION_WINDOW)
-        ratios.append(seconds / self.profile.predict(k, key[2], fb.batch_size))
+        # the engine runs one round at a time, so the feedback is of the round planned last, at `self.context`
+        ratios.append(seconds / self.profile.predict(k, key[2], fb.batch_size, self.context))
 
     def describe(self) -> list[dict]:
         out = []

@@ -45,8 +45,12 @@ class Policy:
     name = "base"
     last_event: str | None = None
 
-    def select(self, bucket: int, batch_size: int, plan_id: int) -> tuple[int, int, int]:
-        """(k, d, candidate index) for this round in `bucket`."""
+    def select(self, bucket: int, batch_size: int, plan_id: int, context: float | None = None) -> tuple[int, int, int]:
+        """(k, d, candidate index) for this round in `bucket`.
+
+        `context`: the batch's mean context (tokens in the KV per request at the round's start), or None when
+        unknown; a policy whose predictions do not depend on it ignores it.
+        """
         raise NotImplementedError
 
     def observe(self, fb: RoundFeedback) -> None:
@@ -116,7 +120,8 @@ class CandidatePolicy(Policy):
         return st
 
     # ------------------------------------------------------------------ plan time
-    def select(self, bucket: int, batch_size: int, plan_id: int) -> tuple[int, int, int]:
+    def select(self, bucket: int, batch_size: int, plan_id: int, context: float | None = None) -> tuple[int, int, int]:
+        # acceptance thresholds do not depend on the context: `context` is ignored
         b = self.buckets[bucket]
         st = self.states[bucket]
         self.last_event = None

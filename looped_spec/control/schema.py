@@ -20,6 +20,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from looped_spec.control.costprofile import CONTEXT_FIELDS
+
 _STRICT = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
 
 
@@ -129,6 +131,18 @@ class CostConfig(BaseModel):
     """Median seconds of one plain round at each profiled batch size."""
     coefficients: list[list[float]]
     """Per profiled batch size: seconds per d(K+1), per (D-d), per (D-d)(K+1), and per round."""
+    # Context terms (optional, all or none; presets tuned before them have none and predict as before)
+    reference_context: list[Annotated[float, Field(ge=0.0)]] | None = None
+    """Per profiled batch size: mean context (tokens in the KV per request at a round's start) of the timed
+    rounds, i.e. the contexts `plain_seconds` and `coefficients` are averaged over."""
+    plain_intercept: list[float] | None = None
+    """Per profiled batch size: seconds of a plain round extrapolated to an empty context."""
+    plain_slope: list[Annotated[float, Field(ge=0.0)]] | None = None
+    """Per profiled batch size: seconds a plain round adds per token of mean context."""
+    intercept_coefficients: list[list[float]] | None = None
+    """Per profiled batch size: the four coefficients (as `coefficients`) of a speculative round's intercept."""
+    slope_coefficients: list[list[float]] | None = None
+    """Per profiled batch size: the four coefficients of a speculative round's seconds per token of context."""
 
     @model_validator(mode="after")
     def _shape(self) -> CostConfig:
@@ -142,10 +156,34 @@ class CostConfig(BaseModel):
                 f"{n} batch sizes need {n} plain_seconds (got {len(self.plain_seconds)}) and {n} coefficient "
                 f"rows (got {len(self.coefficients)})"
             )
-        for i, row in enumerate(self.coefficients):
-            if len(row) != 4:
-                raise ValueError(f"coefficients[{i}]: expected 4 numbers, got {len(row)}")
+        _check_rows("coefficients", self.coefficients)
+        self._check_context(n)
         return self
+
+    def _check_context(self, n: int) -> None:
+        """The context terms come together, one value (or coefficient row) per profiled batch size."""
+        terms = {name: getattr(self, name) for name in CONTEXT_FIELDS}
+        missing = [name for name, value in terms.items() if value is None]
+        if len(missing) == len(terms):
+            return
+        if missing:
+            raise ValueError(f"context terms come together: {', '.join(missing)} missing")
+        for name, value in terms.items():
+            if len(value) != n:
+                raise ValueError(f"{name}: {n} batch sizes need {n} entries, got {len(value)}")
+        _check_rows("intercept_coefficients", terms["intercept_coefficients"])
+        _check_rows("slope_coefficients", terms["slope_coefficients"])
+
+    @property
+    def has_context(self) -> bool:
+        """True when the profile carries context terms."""
+        return self.slope_coefficients is not None
+
+
+def _check_rows(name: str, rows: list[list[float]]) -> None:
+    for i, row in enumerate(rows):
+        if len(row) != 4:
+            raise ValueError(f"{name}[{i}]: expected 4 numbers, got {len(row)}")
 
 
 class AdaptiveSpecConfig(BaseModel):

@@ -1,6 +1,7 @@
 """JSONL trace of controller events: one JSON object per line, flushed on `close()`.
 
-Events (field `event`): ``plan`` (the SpeculationPlan fields and ``batch``, the running requests),
+Events (field `event`): ``plan`` (the SpeculationPlan fields, ``batch``, the running requests, and
+``context``, their mean context in tokens or null when the caller gave none),
 ``feedback`` (the RoundFeedback fields, named as there) and ``decision`` (bucket, what the policy decided,
 after which plan_id). Every line carries ``t``, seconds since the trace was opened.
 """
@@ -31,8 +32,8 @@ class TraceWriter:
         record = {"event": event, "t": round(time.perf_counter() - self._t0, 6), **fields}
         self._file.write(json.dumps(record, separators=(",", ":")) + "\n")
 
-    def plan(self, plan: SpeculationPlan, batch_size: int) -> None:
-        self.write("plan", **asdict(plan), batch=batch_size)
+    def plan(self, plan: SpeculationPlan, batch_size: int, context: float | None = None) -> None:
+        self.write("plan", **asdict(plan), batch=batch_size, context=None if context is None else round(context, 2))
 
     def feedback(self, fb: RoundFeedback) -> None:
         self.write("feedback", **asdict(fb))
