@@ -392,6 +392,10 @@ class LoopedSpecEngine:
                 t1 - t0,
                 result.depth_matches,
                 result.depth_trials,
+                [e for ds, toks in zip(result.exit_depths, result.committed) for e in ds[: len(toks)]]
+                if result.exit_depths is not None
+                else [],
+                self.runner.exit_mode == "skip",
             )
         )
         stats.phase_seconds["control"] += time.perf_counter() - t1

@@ -46,6 +46,11 @@ class RoundFeedback:
     commit_time: float = 0.0  # appending the tokens and releasing KV
     depth_matches: list[int] = field(default_factory=list)
     depth_trials: list[int] = field(default_factory=list)
+    # early exit: the exit depth of every committed token's forward in this round (requests without early exit
+    # count at full depth D); empty when no request of the round exits early. `exit_skips`: skip mode (the
+    # loops after an exit are not run), else select mode (every loop runs)
+    exit_depths: list[int] = field(default_factory=list)
+    exit_skips: bool = False
 
     @property
     def total_proposed(self) -> int:

@@ -185,6 +185,24 @@ class CostProfile:
         w = (batch - b0) / (b1 - b0)
         return values[i - 1] + w * (values[i] - values[i - 1])
 
+    def terms(self, k: int, d: int, batch: int, context: float | None = None) -> list[float]:
+        """The round's predicted seconds split by `FEATURES` (draft loops, verify loops' fixed part, verify
+        loops' per-query part, other) at `batch` (and `context` when the profile has context terms). Their
+        sum is the fitted model's prediction, which may differ a little from a measured plain time."""
+        x = round_features(k, d, self.depth)
+        out = []
+        for i, f in enumerate(x):
+            if context is not None and self.has_context:
+                assert self.intercept_coefficients is not None and self.slope_coefficients is not None
+                c = max(context, 0.0)
+                per_b = [
+                    a[i] + max(s[i], 0.0) * c for a, s in zip(self.intercept_coefficients, self.slope_coefficients)
+                ]
+            else:
+                per_b = [row[i] for row in self.coefficients]
+            out.append(self._at(per_b, batch) * f)
+        return out
+
     def spec_seconds_at_profiled(self, k: int, d: int) -> list[float]:
         """Predicted round seconds of (K, d) at each profiled batch size (averaged over the tuning contexts)."""
         x = round_features(k, d, self.depth)

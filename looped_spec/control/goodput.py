@@ -47,6 +47,7 @@ from looped_spec.control.acceptance import markov_tokens
 from looped_spec.control.buckets import CompiledBucket
 from looped_spec.control.costmodel import RoundCostModel
 from looped_spec.control.costprofile import CostProfile
+from looped_spec.control.exits import ExitDepths
 from looped_spec.control.policy import Policy
 from looped_spec.control.schema import AcceptanceConfig, CostConfig, DisableConfig
 from looped_spec.plan import RoundFeedback
@@ -99,7 +100,8 @@ class DepthAcceptance:
             for j in range(min(len(self.trials), len(fb.depth_trials))):
                 if fb.depth_trials[j]:
                     self._add(j, fb.depth_matches[j], fb.depth_trials[j])
-        elif self.from_rounds and fb.k > 0 and 1 <= fb.d <= len(self.trials):
+        # rounds with early exit take no counterfactual readouts: their verified drafts are the measurement
+        elif (self.from_rounds or fb.exit_depths) and fb.k > 0 and 1 <= fb.d <= len(self.trials):
             accepted = sum(fb.num_accepted)
             rejected = sum(1 for a, k in zip(fb.num_accepted, fb.num_proposed) if a < k)
             if accepted + rejected:
@@ -128,6 +130,7 @@ class GoodputState:
     trial: int = -1  # option run for its cost to be measured (profiled presets), -1: none
     trial_left: int = 0  # rounds of the trial still to run
     tried: set[int] = field(default_factory=set)  # options whose cost trial has run
+    exits: ExitDepths | None = None  # early exit: exit depths of this bucket's committed tokens (control/exits.py)
 
 
 #: Full-shape rounds an option must have run before its measured cost corrects the profile's prediction.
@@ -191,6 +194,7 @@ class GoodputPolicy(Policy):
                 queue.reverse()
                 st = GoodputState(len(self.states), options, current, queue, RoundCostModel(full_depth, cost_decay))
                 st.next_reexplore = reexplore_every
+            st.exits = ExitDepths(full_depth)
             self.states.append(st)
 
     def select(self, bucket: int, batch_size: int, plan_id: int, context: float | None = None) -> tuple[int, int, int]:
@@ -263,12 +267,16 @@ class GoodputPolicy(Policy):
             self.last_event = f"cost trial of k={k} d={d} ({rates[o]:.4g} tok/s predicted vs best {top:.4g})"
             return
 
-    def tokens(self, k: int, d: int) -> float:
-        """Expected committed tokens per request per round of (K, d) under the current acceptance estimate."""
+    def tokens(self, k: int, d: int, exits: ExitDepths | None = None) -> float:
+        """Expected committed tokens per request per round of (K, d) under the current acceptance estimate
+        (with early exit, drafts that exit within d always pass: `ExitDepths.effective_alpha`)."""
         if k <= 0:
             return 1.0
         alpha = self.acceptance.alpha(d)
-        return markov_tokens(self.prior_alpha if alpha is None else alpha, self.rho[d - 1], k)
+        alpha = self.prior_alpha if alpha is None else alpha
+        if exits is not None and exits.seen:
+            alpha = exits.effective_alpha(alpha, d)
+        return markov_tokens(alpha, self.rho[d - 1], k)
 
     def cost_factors(self, bucket: int) -> dict[tuple[int, int], float]:
         """Median measured ÷ profile round time of every option of `bucket` with enough full-shape rounds."""
@@ -288,12 +296,15 @@ class GoodputPolicy(Policy):
             assert self.profile is not None
             factors = self.cost_factors(st.index)
             default = factors.get((0, 0), statistics.median(factors.values()) if factors else 1.0)
+            exits = st.exits if st.exits is not None and st.exits.seen else None
             for k, d, _ in st.options:
                 seconds = self.profile.predict(k, d, batch_size, context) * factors.get((k, d), default)
-                out.append(batch_size * self.tokens(k, d) / seconds)
+                if exits is not None:  # skip mode: the loops early exit saves
+                    seconds *= exits.cost_factor(self.profile, k, d, batch_size, context)
+                out.append(batch_size * self.tokens(k, d, exits) / seconds)
             return out
-        for k, d, _ in st.options:
-            out.append(batch_size * self.tokens(k, d) / st.cost.predict(k, d, batch_size))
+        for k, d, _ in st.options:  # the online cost model measures rounds as they run, exits included
+            out.append(batch_size * self.tokens(k, d, st.exits) / st.cost.predict(k, d, batch_size))
         return out
 
     def observe(self, fb: RoundFeedback) -> None:
@@ -302,6 +313,9 @@ class GoodputPolicy(Policy):
         if self.profile is not None and self.refine_cost:
             self._observe_cost(fb)
         if 0 <= fb.bucket < len(self.states):
+            exits = self.states[fb.bucket].exits
+            if fb.exit_depths and exits is not None:
+                exits.observe(fb.exit_depths, fb.exit_skips)
             cost = self.states[fb.bucket].cost
             if cost is not None:
                 k = fb.k if sum(fb.num_proposed) else 0  # nothing drafted: the round ran as plain decoding
