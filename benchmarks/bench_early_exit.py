@@ -1,15 +1,18 @@
-"""Early exit: full depth vs a tau sweep in both modes (vs adaptive speculation at full depth), with its cost.
+"""Early exit: full depth vs a tau sweep in both modes vs early exit + adaptive speculation, with its cost.
 
 One persistent engine per configuration, all on one loaded model: `plain` (full depth, no speculation),
 `plain-B` (a second plain engine: the A/A control), `adaptive` (full depth + adaptive speculation), then for
-mode in skip, select: every threshold tau in `--taus` and every fixed depth k in `--exit-at-steps`. For each
+mode in skip, select: every threshold tau in `--taus` and every fixed depth k in `--exit-at-steps`, each
+without speculation and, for the modes in `--spec-modes` (default skip), also with adaptive speculation
+("+ spec": the target is the same early-exit model, so its greedy output must equal the twin's). For each
 batch size B the benchmark runs `--repeats` rounds; in each round every configuration decodes the same B
 prompts once (greedy, `--max-tokens` new tokens each, eos ignored), in an order shuffled per round. The first
 round is a warm-up and is discarded. Ratios are taken within a round: (config decode tokens/s) / (plain
 decode tokens/s of the same round); the table shows their median over the measured rounds and their spread,
 [min-max] of those per-round ratios; the A/A line (plain-B vs plain) is the noise floor. Decode time = wall
 time of `generate` minus its prefill time; decode tokens = generated tokens - B. The greedy outputs of the
-full-depth configurations (plain-B, adaptive) are checked token for token against plain's of the same round.
+full-depth configurations (plain-B, adaptive) are checked token for token against plain's of the same round,
+and those of every "+ spec" configuration against its early-exit twin's.
 
 Speed is never shown without quality: for each configuration, besides the ratio to plain, it prints the
 mean loops run per token (over the measured rounds; select mode runs all D) and the mean readout depth, the
@@ -72,7 +75,7 @@ LABELS = {"plain": "full depth (plain)", "plain-B": "plain-B (A/A control)", "ad
 
 
 # ----------------------------------------------------------------------------------------- configurations
-def config_specs(depth_rules: list[tuple[str, float | int]]) -> dict[str, dict[str, Any]]:
+def config_specs(depth_rules: list[tuple[str, float | int]], spec_modes=("skip",)) -> dict[str, dict[str, Any]]:
     """name -> {kind, mode, rule, value}; the early-exit configurations in mode, then rule, order."""
     specs: dict[str, dict[str, Any]] = {
         "plain": {"kind": "plain"},
@@ -81,15 +84,24 @@ def config_specs(depth_rules: list[tuple[str, float | int]]) -> dict[str, dict[s
     }
     for mode in ("skip", "select"):
         for rule, value in depth_rules:
-            specs[f"{mode} {rule}={value}"] = {"kind": "early-exit", "mode": mode, "rule": rule, "value": value}
+            base = {"kind": "early-exit", "mode": mode, "rule": rule, "value": value}
+            specs[f"{mode} {rule}={value}"] = base
+            if mode in spec_modes:
+                specs[f"{mode} {rule}={value} + spec"] = {**base, "speculation": "adaptive"}
     return specs
+
+
+def twin(name: str) -> str | None:
+    """The early-exit configuration without speculation whose greedy output `name` must reproduce."""
+    return name.removesuffix(" + spec") if name.endswith(" + spec") else None
 
 
 def build(bench: Bench, spec: dict[str, Any], greedy: SamplingParams, max_batch: int):
     """(engine, sampling params) of one configuration."""
     if spec["kind"] == "early-exit":
         field = "exit_threshold" if spec["rule"] == "tau" else "exit_at_step"
-        engine = bench.engine("off", early_exit=spec["mode"], max_batch_size=max_batch)
+        speculation = spec.get("speculation", "off")
+        engine = bench.engine(speculation, early_exit=spec["mode"], max_batch_size=max_batch)
         return engine, greedy.model_copy(update={field: spec["value"]})
     return bench.engine("off" if spec["kind"] == "plain" else "adaptive", max_batch_size=max_batch), greedy
 
@@ -166,6 +178,11 @@ def bench_batch(configs, prompts: list[Any], b: int, args, rng: random.Random, b
         for name in FULL_DEPTH_GREEDY:
             check_equal(name, [o.token_ids for o in outputs[name]], reference, f"B={b}, round {r}")
             checks += 1
+        for name in names:  # early exit + speculation: the same early-exit model, so the same greedy output
+            if twin(name) is not None:
+                want = [o.token_ids for o in outputs[twin(name)]]
+                check_equal(name, [o.token_ids for o in outputs[name]], want, f"B={b}, round {r}")
+                checks += 1
         rounds.append(runs)
         orders.append(order)
     data = {"rounds": rounds, "orders": orders, "equality_checks": checks}
@@ -223,6 +240,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--taus", default="0.5,0.7,0.9", help="exit thresholds, in the family rule's units")
     parser.add_argument("--exit-at-steps", default="", help="also fixed depths, e.g. 2,3")
+    parser.add_argument(
+        "--spec-modes", default="skip", help="modes whose early-exit configurations also run with adaptive "
+        "speculation: skip, select, skip,select or none",
+    )  # fmt: skip
     parser.add_argument("--prompts", default="eval", choices=PROMPT_KINDS)
     parser.add_argument("--seed", type=int, default=0, help="seeds the run order, the random prompts, every request")
     parser.add_argument("--repeats", type=int, default=4, help="rounds per batch size; the first is discarded")
@@ -237,6 +258,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         args.tau_list = [float(t) for t in args.taus.split(",") if t.strip()]
     except ValueError as exc:
         parser.error(str(exc))
+    modes = [m.strip() for m in args.spec_modes.split(",") if m.strip()]
+    if modes == ["none"]:
+        modes = []
+    if any(m not in ("skip", "select") for m in modes):
+        parser.error(f"--spec-modes {args.spec_modes!r}: use skip, select, skip,select or none")
+    args.spec_mode_list = modes
     args.parser = parser
     return args
 
@@ -265,7 +292,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         "per batch size, the first discarded"
     )
     print(f"ratios: median over the measured rounds of (config tok/s / plain tok/s in the same round); {SPREAD}")
-    specs = config_specs(rules)
+    specs = config_specs(rules, args.spec_mode_list)
     greedy = SamplingParams(max_tokens=args.max_tokens, ignore_eos=True, seed=args.seed)
     configs = {name: build(bench, spec, greedy, max_batch) for name, spec in specs.items()}
     overlap = check_overlap({name: engine for name, (engine, _) in configs.items()}, specs, prompts)
@@ -287,7 +314,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
         for engine, _ in configs.values():
             engine.close()
     checks = sum(data["equality_checks"] for data in batch_sizes.values())
-    print(f"\nfull-depth greedy outputs (plain-B, adaptive) equal to plain's: {checks} of {checks} checks")
+    print(f"\ngreedy outputs equal to their reference (plain-B, adaptive: plain's; + spec: its early-exit twin's): "
+          f"{checks} of {checks} checks")  # fmt: skip
     if args.out:
         report = {
             **run_record(command, now, adapter),

@@ -127,8 +127,8 @@ def test_early_exit_bench_prints_quality_beside_speed(monkeypatch, tmp_path, cap
     assert lines[0].startswith("$ ") and any(line.startswith("A/A (plain-B vs plain): ") for line in lines)
     header = next(line for line in lines if line.lstrip().startswith("batch")).split()
     assert header[-5:] == ["loops/tok", "depth", "agree", "prefix", "NLL"]
-    names = ["full depth (plain)", "plain-B (A/A control)", "full depth + adaptive spec", "skip tau=0.5", "skip k=1",
-             "select tau=0.5", "select k=1"]  # fmt: skip
+    names = ["full depth (plain)", "plain-B (A/A control)", "full depth + adaptive spec", "skip tau=0.5",
+             "skip tau=0.5 + spec", "skip k=1", "skip k=1 + spec", "select tau=0.5", "select k=1"]  # fmt: skip
     assert [r["configuration"] for r in rows] == names
     for row in rows:  # repeats 2: one measured round
         assert row["ratio"]["min"] <= row["ratio"]["median"] <= row["ratio"]["max"]
@@ -138,9 +138,12 @@ def test_early_exit_bench_prints_quality_beside_speed(monkeypatch, tmp_path, cap
     assert plain["readout_depth"] == 4
     for full in (control, adaptive):  # greedy at full depth: equal to plain's (checked every round)
         assert full["agreement"] == 1.0 and full["nll"] == plain["nll"]
-    skip, select = rows[4], rows[6]
+    skip, skip_spec, select = rows[5], rows[6], rows[8]
     # exit_at_step=1: the first token is read from the prompt's last position, which ran all 4 loops
-    assert skip["loops_per_token"] == (4 + 1 + 1) / 3 and select["loops_per_token"] == 4
+    assert skip["loops_per_token"] == skip_spec["loops_per_token"] == (4 + 1 + 1) / 3
+    assert select["loops_per_token"] == 4
+    for twin in (rows[4], skip_spec):  # + spec: the same early-exit model, so the same greedy output (checked)
+        assert twin["agreement"] == rows[rows.index(twin) - 1]["agreement"]
     assert skip["readout_depth"] == select["readout_depth"] == 1
     assert all(r["nll"] > 0 and 0 <= r["agreement"] <= 1 and r["tokens_per_s"] > 0 for r in rows)
     data = json.loads((tmp_path / "ee.json").read_text())
@@ -148,7 +151,7 @@ def test_early_exit_bench_prints_quality_beside_speed(monkeypatch, tmp_path, cap
     batch = data["batch_sizes"]["2"]
     assert batch["aa"] == control["ratio"] and batch["noise_floor"] >= 0
     assert len(batch["rounds"]) == len(batch["orders"]) == 2 and set(batch["rounds"][0]) == set(data["configs"])
-    assert batch["equality_checks"] == 2 * 2  # plain-B and adaptive, each round
+    assert batch["equality_checks"] == 2 * 4  # plain-B, adaptive and the two "+ spec" twins, each round
 
 
 def test_results_table_renders_a_committed_result(capsys):
