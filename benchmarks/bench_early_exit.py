@@ -25,15 +25,25 @@ Thresholds are in the family rule's units (Ouro: cumulative exit probability; Hu
 steps, 5e-4 in its paper, or the latent change with --adapter-option exit_criterion=latent); a family without
 an exit signal (Nanbeige) runs the fixed depths only.
 
+`--quality-only` measures no speed: one deterministic pass per configuration and batch size (greedy, CPU), no
+A/A control, no adaptive engine, no warm-up, no rounds; the table keeps loops/token, readout depth, agreement,
+matching prefix and NLL. It is what compares two exit gates (docs/tiny-models.md, "Ouro exit gate").
+
 `--out FILE` writes FILE.json: the command, the rows, and per batch size the A/A spread and every round's runs
-and order. As in bench_speculative.py, the benchmark exits with status 2 when the adaptive engine's preset
-records any of the evaluation prompts among its tuning prompts.
+and order (with --quality-only: each configuration's exit counters). As in bench_speculative.py, the benchmark
+exits with status 2 when the adaptive engine's preset records any of the evaluation prompts among its tuning
+prompts.
 
 The README's early-exit table (and another family):
 
     python benchmarks/bench_early_exit.py --model tiny-ouro --batch-sizes 1,8 --max-tokens 32 \
         --taus 0.5,0.7,0.9 --exit-at-steps 2,3 --repeats 4 --out benchmarks/results/early-exit-tiny-ouro
     python benchmarks/bench_early_exit.py --model tiny-huginn --taus 5e-4,1e-2 --exit-at-steps 4
+
+Quality only (deterministic; the gate comparison of docs/tiny-models.md):
+
+    python benchmarks/bench_early_exit.py --model tiny-ouro --quality-only --batch-sizes 64 --max-tokens 32 \
+        --taus 0.3,0.5,0.7,0.9,0.95,0.99 --exit-at-steps 1,2,3
 """
 
 from __future__ import annotations
@@ -75,18 +85,20 @@ LABELS = {"plain": "full depth (plain)", "plain-B": "plain-B (A/A control)", "ad
 
 
 # ----------------------------------------------------------------------------------------- configurations
-def config_specs(depth_rules: list[tuple[str, float | int]], spec_modes=("skip",)) -> dict[str, dict[str, Any]]:
-    """name -> {kind, mode, rule, value}; the early-exit configurations in mode, then rule, order."""
-    specs: dict[str, dict[str, Any]] = {
-        "plain": {"kind": "plain"},
-        "plain-B": {"kind": "plain"},
-        "adaptive": {"kind": "adaptive"},
-    }
+def config_specs(
+    depth_rules: list[tuple[str, float | int]], spec_modes=("skip",), quality_only: bool = False
+) -> dict[str, dict[str, Any]]:
+    """name -> {kind, mode, rule, value[, speculation]}; the early-exit configurations in mode, then rule, order.
+    Quality only: no A/A control, no adaptive engine and no "+ spec" twins (they are there for the timing; a
+    twin's greedy output is its early-exit configuration's)."""
+    specs: dict[str, dict[str, Any]] = {"plain": {"kind": "plain"}}
+    if not quality_only:
+        specs |= {"plain-B": {"kind": "plain"}, "adaptive": {"kind": "adaptive"}}
     for mode in ("skip", "select"):
         for rule, value in depth_rules:
             base = {"kind": "early-exit", "mode": mode, "rule": rule, "value": value}
             specs[f"{mode} {rule}={value}"] = base
-            if mode in spec_modes:
+            if mode in spec_modes and not quality_only:
                 specs[f"{mode} {rule}={value} + spec"] = {**base, "speculation": "adaptive"}
     return specs
 
@@ -107,23 +119,37 @@ def build(bench: Bench, spec: dict[str, Any], greedy: SamplingParams, max_batch:
 
 
 # ----------------------------------------------------------------------------------------- one run
+def exit_counters(stats) -> tuple[int, int]:
+    """(tokens read out by the exit path, loops they ran) so far."""
+    return sum(stats.exit_depth_histogram.values()), stats.num_exit_loops_run
+
+
 def timed_run(engine, prompts: list[Any], params: SamplingParams) -> tuple[dict[str, Any], list]:
     """One `generate`: decode time and tokens, and the early-exit counters' deltas (tokens read out by the
     exit path, loops they ran)."""
     stats = engine.stats
-    prefill0, loops0 = stats.phase_seconds["prefill"], stats.num_exit_loops_run
-    exited0 = sum(stats.exit_depth_histogram.values())
+    prefill0 = stats.phase_seconds["prefill"]
+    exited0, loops0 = exit_counters(stats)
     start = time.perf_counter()
     outputs = engine.generate(prompts, params)
     decode_s = time.perf_counter() - start - (stats.phase_seconds["prefill"] - prefill0)
     decode_tokens = sum(len(o.token_ids) for o in outputs) - len(prompts)  # the first token comes from prefill
+    exited1, loops1 = exit_counters(stats)
     return {
         "decode_s": decode_s,
         "decode_tokens": decode_tokens,
         "tokens_per_s": decode_tokens / decode_s if decode_s > 0 else float("nan"),
-        "exited_tokens": sum(stats.exit_depth_histogram.values()) - exited0,
-        "exit_loops": stats.num_exit_loops_run - loops0,
+        "exited_tokens": exited1 - exited0,
+        "exit_loops": loops1 - loops0,
     }, outputs
+
+
+def counted_run(engine, prompts: list[Any], params: SamplingParams) -> tuple[dict[str, Any], list]:
+    """One `generate`, untimed (--quality-only): the early-exit counters' deltas."""
+    exited0, loops0 = exit_counters(engine.stats)
+    outputs = engine.generate(prompts, params)
+    exited1, loops1 = exit_counters(engine.stats)
+    return {"exited_tokens": exited1 - exited0, "exit_loops": loops1 - loops0}, outputs
 
 
 # ----------------------------------------------------------------------------------------- quality
@@ -189,32 +215,63 @@ def bench_batch(configs, prompts: list[Any], b: int, args, rng: random.Random, b
     return data, outputs
 
 
+def quality_fields(runs: list[dict[str, Any]], outs: list, reference: list[list[int]], adapter) -> dict[str, Any]:
+    """Loops per token (over `runs`), mean readout depth, agreement, matching prefix and NLL of `outs`."""
+    depth = adapter.full_depth
+    exited = sum(x["exited_tokens"] for x in runs)
+    agree, prefix = agreement([o.token_ids for o in outs], reference)
+    return {
+        "loops_per_token": sum(x["exit_loops"] for x in runs) / exited if exited else float(depth),
+        "readout_depth": mean_readout_depth(outs, depth),
+        "agreement": agree,
+        "prefix": prefix,
+        "nll": nll_under_full_depth(adapter, outs),
+    }
+
+
 def batch_rows(b: int, data: dict[str, Any], outputs: dict[str, list], adapter) -> list[dict[str, Any]]:
     """One row per configuration: speed over the measured rounds, quality of the last round's outputs."""
-    depth = adapter.full_depth
     measured = data["rounds"][1:]
     plain_tps = [rd["plain"]["tokens_per_s"] for rd in measured]
     reference = [o.token_ids for o in outputs["plain"]]
     rows = []
     for name, outs in outputs.items():
         runs = [rd[name] for rd in measured]
-        exited = sum(x["exited_tokens"] for x in runs)
-        agree, prefix = agreement([o.token_ids for o in outs], reference)
         rows.append({
             "batch": b,
             "configuration": LABELS.get(name, name),
             "tokens_per_s": statistics.median(x["tokens_per_s"] for x in runs),
             "ratio": spread([x["tokens_per_s"] / p for x, p in zip(runs, plain_tps)]),
-            "loops_per_token": sum(x["exit_loops"] for x in runs) / exited if exited else float(depth),
-            "readout_depth": mean_readout_depth(outs, depth),
-            "agreement": agree,
-            "prefix": prefix,
-            "nll": nll_under_full_depth(adapter, outs),
+            **quality_fields(runs, outs, reference, adapter),
         })  # fmt: skip
     data["plain_tokens_per_s"] = statistics.median(plain_tps)
     data["aa"] = rows[list(outputs).index("plain-B")]["ratio"]
     data["noise_floor"] = noise_floor(data["aa"])
     return rows
+
+
+def quality_batch(configs, prompts: list[Any], b: int, adapter, bar) -> tuple[dict, list[dict[str, Any]]]:
+    """--quality-only: one untimed pass of every configuration at batch size b; (exit counters, rows)."""
+    runs, outputs = {}, {}
+    for name, (engine, params) in configs.items():
+        runs[name], outputs[name] = counted_run(engine, prompts[:b], params)
+        bar.update(1)
+    reference = [o.token_ids for o in outputs["plain"]]
+    rows = [
+        {"batch": b, "configuration": LABELS.get(name, name), **quality_fields([runs[name]], outs, reference, adapter)}
+        for name, outs in outputs.items()
+    ]
+    return {"runs": runs}, rows
+
+
+def print_quality(b: int, rows: list[dict[str, Any]]) -> None:
+    print(f"\nB={b} (quality only, no timing)")
+    print(f"{'batch':>5} {'configuration':<26} {'loops/tok':>9} {'depth':>5} {'agree':>6} {'prefix':>6} {'NLL':>7}")
+    for row in rows:
+        print(
+            f"{b:>5} {row['configuration']:<26} {row['loops_per_token']:>9.2f} {row['readout_depth']:>5.2f} "
+            f"{row['agreement']:>6.1%} {row['prefix']:>6.1%} {row['nll']:>7.3f}"
+        )
 
 
 def print_batch(b: int, data: dict[str, Any], rows: list[dict[str, Any]]) -> None:
@@ -247,11 +304,18 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--prompts", default="eval", choices=PROMPT_KINDS)
     parser.add_argument("--seed", type=int, default=0, help="seeds the run order, the random prompts, every request")
     parser.add_argument("--repeats", type=int, default=4, help="rounds per batch size; the first is discarded")
+    parser.add_argument(
+        "--quality-only", action="store_true", help="no timing: one pass per configuration (no A/A, no adaptive)"
+    )
     parser.add_argument("--threads", type=int, default=1, help="torch threads (0 = torch default)")
     parser.add_argument("--adapter-option", action="append", metavar="KEY=VALUE", help="passed to the adapter")
     parser.add_argument("--out", default=None, help="write OUT.json (rows and per-round data)")
     args = parser.parse_args(argv)
-    check_rounds(parser, args)
+    if args.quality_only:  # --repeats does not apply
+        if args.max_tokens < 2:
+            parser.error("--max-tokens must be >= 2 (the first token comes from prefill)")
+    else:
+        check_rounds(parser, args)
     try:
         args.batches = parse_int_list(args.batch_sizes, "--batch-sizes")
         args.steps = parse_int_list(args.exit_at_steps, "--exit-at-steps") if args.exit_at_steps.strip() else []
@@ -286,36 +350,45 @@ def main(argv: list[str] | None = None) -> list[dict]:
         prompts, prompt_desc = load_prompts(args.prompts, max_batch, adapter, args.seed)
     except PromptSetError as exc:
         args.parser.error(str(exc))
+    passes = "one untimed pass per configuration" if args.quality_only else f"{args.repeats} rounds"
     print(
         f"model {adapter.name} ({adapter.model_type}) D={depth}, {torch.get_num_threads()} threads; prompts: "
-        f"{prompt_desc}; {args.max_tokens} new tokens per request (greedy, eos ignored); {args.repeats} rounds "
-        "per batch size, the first discarded"
+        f"{prompt_desc}; {args.max_tokens} new tokens per request (greedy, eos ignored); {passes} per batch size"
+        + ("" if args.quality_only else ", the first discarded")
     )
-    print(f"ratios: median over the measured rounds of (config tok/s / plain tok/s in the same round); {SPREAD}")
-    specs = config_specs(rules, args.spec_mode_list)
+    if not args.quality_only:
+        print(f"ratios: median over the measured rounds of (config tok/s / plain tok/s in the same round); {SPREAD}")
+    specs = config_specs(rules, args.spec_mode_list, args.quality_only)
     greedy = SamplingParams(max_tokens=args.max_tokens, ignore_eos=True, seed=args.seed)
     configs = {name: build(bench, spec, greedy, max_batch) for name, spec in specs.items()}
     overlap = check_overlap({name: engine for name, (engine, _) in configs.items()}, specs, prompts)
-    for engine, params in configs.values():  # warm up at the full batch shape
-        engine.generate(prompts, params.model_copy(update={"max_tokens": 4}))
+    if not args.quality_only:
+        for engine, params in configs.values():  # warm up at the full batch shape
+            engine.generate(prompts, params.model_copy(update={"max_tokens": 4}))
     rng = random.Random(args.seed)
-    bar = _progress(args.repeats * len(configs) * len(args.batches))
+    bar = _progress((1 if args.quality_only else args.repeats) * len(configs) * len(args.batches))
     table, batch_sizes = [], {}
     try:
         for b in args.batches:
-            data, outputs = bench_batch(configs, prompts, b, args, rng, bar)
-            rows = batch_rows(b, data, outputs, adapter)
-            bar.clear()
-            print_batch(b, data, rows)
+            if args.quality_only:
+                data, rows = quality_batch(configs, prompts, b, adapter, bar)
+                bar.clear()
+                print_quality(b, rows)
+            else:
+                data, outputs = bench_batch(configs, prompts, b, args, rng, bar)
+                rows = batch_rows(b, data, outputs, adapter)
+                bar.clear()
+                print_batch(b, data, rows)
             table += rows
             batch_sizes[str(b)] = data
     finally:
         bar.close()
         for engine, _ in configs.values():
             engine.close()
-    checks = sum(data["equality_checks"] for data in batch_sizes.values())
-    print(f"\ngreedy outputs equal to their reference (plain-B, adaptive: plain's; + spec: its early-exit twin's): "
-          f"{checks} of {checks} checks")  # fmt: skip
+    checks = sum(data.get("equality_checks", 0) for data in batch_sizes.values())
+    if not args.quality_only:
+        print(f"\ngreedy outputs equal to their reference (plain-B, adaptive: plain's; + spec: its early-exit "
+              f"twin's): {checks} of {checks} checks")  # fmt: skip
     if args.out:
         report = {
             **run_record(command, now, adapter),
@@ -323,7 +396,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
             "prompts": {"kind": args.prompts, "description": prompt_desc, "fingerprints": prompt_fingerprints(prompts)},
             "configs": specs,
             "overlap_check": overlap,
-            "spread": SPREAD,
+            "spread": None if args.quality_only else SPREAD,
             "rows": table,
             "batch_sizes": batch_sizes,
             "equality_checks": checks,

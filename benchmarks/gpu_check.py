@@ -290,6 +290,15 @@ def check_model(name: str, config: dict, args, report: dict, deadline: float, sa
                 spec_same[f"{k},{d}"] = sum(a == b for a, b in zip(eager_tokens, spec_tokens))
                 del engine
         c["speculative_vs_plain_identical_requests"] = spec_same
+        # early exit (skip mode, a fixed depth: no gate needed on random weights), plain vs speculative
+        exit_params = SamplingParams(max_tokens=shape["check_new"], ignore_eos=True, exit_at_step=max(1, depth // 2))
+        exit_same = {}
+        plain_exit = [o.token_ids for o in make().generate(check_prompts, exit_params)]
+        for k, d in [(2, 1), (3, depth - 1)]:
+            if 1 <= d < depth:
+                outs = make(SpeculativeConfig(k=k, d=d)).generate(check_prompts, exit_params)
+                exit_same[f"{k},{d}"] = sum(a == b.token_ids for a, b in zip(plain_exit, outs))
+        c["early_exit_speculative_vs_plain_identical_requests"] = exit_same
         print(f"[{name}] correctness: {c}; graphs: {entry['graphs']}", flush=True)
 
     # ----- decode at the reference shape: plain graphs vs eager, speculation (forced acceptance) vs plain -----
@@ -414,6 +423,8 @@ def markdown(report: dict) -> str:
             f"{c.get('eager_vs_reference_identical_requests')}/{c.get('requests')} requests token-identical",
             f"- graphs vs eager: {c.get('graphs_vs_eager_identical_requests')}/{c.get('requests')} token-identical",
             f"- speculative vs plain: {c.get('speculative_vs_plain_identical_requests')}",
+            f"- early exit (skip, fixed depth), speculative vs plain: "
+            f"{c.get('early_exit_speculative_vs_plain_identical_requests')}",
             f"- graphs: {g.get('count')} captured in {g.get('capture_seconds', 0):.1f} s, "
             f"{g.get('capture_bytes', 0) / 2**20:.0f} MiB; contexts {g.get('contexts')}",
             f"- workload: {entry.get('workload')}",

@@ -159,3 +159,25 @@ def test_results_table_renders_a_committed_result(capsys):
     table.main([str(ROOT / "benchmarks" / "results" / "tiny-huginn.json")])
     printed = capsys.readouterr().out
     assert printed.startswith("**tiny-huginn (D=8)**") and "| 32 |" in printed and "Changing workload" in printed
+
+
+def test_early_exit_bench_quality_only_runs_no_timing_and_is_deterministic(monkeypatch, tmp_path, capsys):
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    module = load_script("bench_early_exit")
+    argv = ["--model", FIXTURE, "--prompts", "random", "--batch-sizes", "2", "--max-tokens", "3", "--quality-only"]
+    argv += ["--taus", "0.5", "--exit-at-steps", "1", "--repeats", "1"]  # --repeats does not apply
+    rows = module.main([*argv, "--out", str(tmp_path / "q")])
+    printed = capsys.readouterr().out
+    assert "A/A" not in printed and "tok/s" not in printed and "quality only, no timing" in printed
+    header = next(line for line in printed.splitlines() if line.lstrip().startswith("batch")).split()
+    assert header[-5:] == ["loops/tok", "depth", "agree", "prefix", "NLL"]
+    names = ["full depth (plain)", "skip tau=0.5", "skip k=1", "select tau=0.5", "select k=1"]
+    assert [r["configuration"] for r in rows] == names
+    assert all("ratio" not in r and "tokens_per_s" not in r for r in rows)
+    plain, skip, select = rows[0], rows[2], rows[4]
+    assert plain["agreement"] == plain["prefix"] == 1.0 and plain["readout_depth"] == 4
+    assert skip["loops_per_token"] == (4 + 1 + 1) / 3 and select["loops_per_token"] == 4
+    data = json.loads((tmp_path / "q.json").read_text())
+    assert data["rows"] == json.loads(json.dumps(rows))
+    assert set(data["batch_sizes"]["2"]["runs"]) == set(data["configs"])
+    assert module.main(argv) == rows  # one untimed pass: the same numbers every time

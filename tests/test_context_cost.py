@@ -148,8 +148,14 @@ def test_predict_without_context_is_the_old_prediction():
 
 
 @pytest.mark.parametrize("name", ["tiny-ouro", "tiny-nanbeige", "tiny-huginn"])
-def test_a_shipped_preset_loads_and_predicts_as_before(name):
-    path = PRESETS / f"{name}.json"
+def test_an_old_format_preset_loads_and_predicts_as_before(name, tmp_path):
+    """A shipped preset with its context terms removed (the format before them) loads, ignores contexts and
+    is written back unchanged."""
+    data = json.loads((PRESETS / f"{name}.json").read_text())
+    for field in CONTEXT_FIELDS:
+        data["cost"].pop(field, None)
+    path = tmp_path / f"{name}.json"
+    path.write_text(json.dumps(data))
     config = read_preset_file(path)
     cost = config.cost
     assert cost is not None and not cost.has_context
@@ -166,8 +172,23 @@ def test_a_shipped_preset_loads_and_predicts_as_before(name):
     st = policy.states[0]
     assert policy.rates(st, 4, 3000.0) == policy.rates(st, 4)  # the policy ignores a context it cannot use
     # written back (as `looped-spec tune --cost-from` does) the cost section is unchanged: no null fields
-    original = json.loads(path.read_text())["cost"]
-    assert json.loads(dump_json(preset_data(config)))["cost"] == original
+    assert json.loads(dump_json(preset_data(config)))["cost"] == data["cost"]
+
+
+@pytest.mark.parametrize("name", ["tiny-ouro", "tiny-nanbeige", "tiny-huginn"])
+def test_shipped_presets_carry_context_terms_that_agree_with_their_averages(name):
+    """Re-tuned with the context-aware tuner: at each profiled batch size's own reference context the line
+    predicts a plain round within 30% of the averaged (trimmed-mean) cost, and cost grows with the context."""
+    path = PRESETS / f"{name}.json"
+    config = read_preset_file(path)
+    cost = config.cost
+    assert cost is not None and cost.has_context
+    profile = CostProfile(config.full_depth, **cost.model_dump())
+    for b, ref, plain in zip(profile.batch_sizes, profile.reference_context, profile.plain_seconds):
+        at_ref = profile.predict(0, 0, b, ref)
+        assert abs(at_ref - plain) <= 0.3 * plain, (b, at_ref, plain)
+        assert profile.predict(0, 0, b, ref + 500) >= at_ref
+    assert json.loads(dump_json(preset_data(config)))["cost"] == json.loads(path.read_text())["cost"]
 
 
 def context_config(data: dict | None = None) -> dict:
