@@ -77,3 +77,33 @@ def test_cli_reports_bad_model_cleanly(capsys):
 
     assert main(["generate", "--model", "no-such-model", "--prompt", "x"]) == 2
     assert "no-such-model" in capsys.readouterr().err
+
+
+def shipped_exit_params(adapter) -> list[SamplingParams]:
+    """A τ sweep in the family's units (none for Nanbeige, which has no exit signal) and fixed depths."""
+    depth = adapter.full_depth
+    taus = {"ouro": [0.7, 0.9, 0.95], "huginn_raven": [1e-3, 1e-2, 0.1]}.get(adapter.model_type, [])
+    fixed = sorted({1, max(1, depth // 2)})
+    return [SamplingParams(exit_threshold=t) for t in taus] + [SamplingParams(exit_at_step=k) for k in fixed]
+
+
+def test_skip_mode_early_exit_matches_the_independent_reference(shipped):
+    """Issue 13 on the shipped models: plain and speculative skip-mode decoding against the token-by-token
+    reference of test_early_exit.py (its own KV store, skipped planes filled by the documented rule)."""
+    from test_early_exit import reference_generate
+
+    name, adapter = shipped
+    family = {"ouro": "ouro", "huginn_raven": "huginn"}.get(adapter.model_type, "nanbeige")
+    plain = LoopedSpecEngine(adapter, speculation="off", early_exit="skip")
+    speculative = LoopedSpecEngine(adapter, speculation=SpeculativeConfig(k=3, d=1), early_exit="skip")
+    prompt = plain.tokenizer.encode(PROMPTS[0])
+    depths_seen = set()
+    for params in shipped_exit_params(adapter):
+        params = params.model_copy(update={"max_tokens": 8, "ignore_eos": True, "seed": 5})
+        tokens, _, depths = reference_generate(adapter, family, prompt, 8, params, "skip", seed=5)
+        want = (tokens, {e: depths.count(e) for e in set(depths)})
+        for engine in (plain, speculative):
+            out = engine.generate([prompt], params)[0]
+            assert (out.token_ids, out.metrics.exit_depth_histogram) == want, (name, params)
+        depths_seen.update(depths)
+    assert min(depths_seen) < adapter.full_depth
