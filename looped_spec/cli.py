@@ -200,8 +200,9 @@ def _models(args: argparse.Namespace) -> int:
 def _tune(args: argparse.Namespace) -> int:
     import shlex
 
+    from looped_spec.control.costprofile import CostProfile
     from looped_spec.control.presets import load_preset, read_preset_file
-    from looped_spec.tuner import tune
+    from looped_spec.tuner import refit_context_terms, tune
     from looped_spec.tuner_inputs import TunerError, parse_adapter_options
     from looped_spec.tuner_report import dump_json, format_report, preset_data, write_heatmap
 
@@ -227,10 +228,19 @@ def _tune(args: argparse.Namespace) -> int:
             raise TunerError(f"--cost-from {args.cost_from}: the preset has no measured cost profile")
         prov = source.provenance if isinstance(source.provenance, dict) else {}
         measured = prov.get("cost_measured") or prov.get("date")
+        given = refit = None
+        if source.full_depth is not None:
+            given = CostProfile(source.full_depth, **source.cost.model_dump())
+            refit = refit_context_terms(given, prov.get("cost", {}))
         cost = {
-            "cost_profile": source.cost.model_dump(),
+            "cost_profile": refit.to_dict() if refit is not None else source.cost.model_dump(),
             "cost_report": prov.get("cost", {}),
-            "cost_profile_source": f"from {args.cost_from}",
+            "cost_profile_source": f"from {args.cost_from}"
+            + (
+                " (context terms refit from its per-cell lines)"
+                if refit is not None and given is not None and refit.to_dict() != given.to_dict()
+                else ""
+            ),
             "cost_measured": measured,
         }
     start = time.perf_counter()

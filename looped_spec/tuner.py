@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 from looped_spec.control.acceptance import bit_statistics, markov_tokens, simulate_tokens
-from looped_spec.control.costprofile import CostProfile
+from looped_spec.control.costprofile import CONTEXT_FIELDS, CostProfile, nondecreasing
 from looped_spec.control.derive import RULES, BucketModel, bucket_ranges, derive_buckets
 from looped_spec.control.presets import AdaptiveSpecConfig
 from looped_spec.engine import LoopedSpecEngine
@@ -223,18 +223,6 @@ def run_cost(runs: list[list[float]]) -> tuple[float, float]:
     return best, (max(costs) - best) / best if best > 0 else 0.0
 
 
-def nondecreasing(values: list[float]) -> list[float]:
-    """Least-squares non-decreasing fit (pool adjacent violators): round cost never falls as the batch grows."""
-    blocks: list[list[float]] = []  # [sum, count]
-    for v in values:
-        blocks.append([v, 1.0])
-        while len(blocks) > 1 and blocks[-2][0] / blocks[-2][1] > blocks[-1][0] / blocks[-1][1]:
-            total, count = blocks.pop()
-            blocks[-1][0] += total
-            blocks[-1][1] += count
-    return [s / c for s, c in blocks for _ in range(int(c))]
-
-
 #: Theil–Sen looks at every pair of rounds of a run; beyond this many pairs (per cell, all runs together) at a
 #: seeded sample of them: the median of 40 000 pair slopes is as good as all of them, and a long
 #: --profile-tokens would otherwise spend minutes here.
@@ -326,6 +314,39 @@ def fit_profile(depth: int, samples: Samples) -> tuple[CostProfile, dict]:
 
 def _seconds(runs: list[list[TimedRound]]) -> list[list[float]]:
     return [[r.seconds for r in run] for run in runs]
+
+
+def refit_context_terms(profile: CostProfile, report: dict[str, Any]) -> CostProfile:
+    """`profile` with its context terms fitted again by the current code from the per-cell lines (and costs)
+    its tuning run's report keeps, without timing anything (`looped-spec tune --cost-from`). A profile without
+    context terms, or a report without lines for every profiled batch size, comes back unchanged."""
+    if not profile.has_context or profile.reference_context is None:
+        return profile
+    lines: dict[int, dict[tuple[int, int], tuple[float, float]]] = {}
+    costs: dict[int, dict[tuple[int, int], float]] = {}
+    for b in profile.batch_sizes:
+        cells = report.get(str(b), {})
+        row = {}
+        for key, cell in cells.items():
+            if isinstance(cell, dict) and {"intercept_s", "slope_s_per_token", "cost_s"} <= cell.keys():
+                k, d = (int(x) for x in key.split(","))
+                row[(k, d)] = (float(cell["intercept_s"]), float(cell["slope_s_per_token"]))
+                costs.setdefault(b, {})[(k, d)] = float(cell["cost_s"])
+        if (0, 0) not in row or len(row) < 2:
+            return profile
+        lines[b] = row
+    refit = CostProfile.fit(
+        profile.depth,
+        dict(zip(profile.batch_sizes, profile.plain_seconds)),
+        {b: {c: v for c, v in costs[b].items() if c[0] > 0} for b in profile.batch_sizes},
+        lines,
+        dict(zip(profile.batch_sizes, profile.reference_context)),
+    )
+    # the averaged terms stay exactly as stored (the report's costs are rounded)
+    return CostProfile(
+        profile.depth, profile.batch_sizes, profile.plain_seconds, profile.coefficients,
+        **{name: getattr(refit, name) for name in CONTEXT_FIELDS},
+    )  # fmt: skip
 
 
 def _cell_report(

@@ -12,7 +12,7 @@ from conftest import make_engine
 
 from looped_spec import SamplingParams
 from looped_spec.control import AdaptiveController, AdaptiveSpecConfig, OffController, read_preset_file
-from looped_spec.control.costprofile import CONTEXT_FIELDS, CostProfile, round_features
+from looped_spec.control.costprofile import CONTEXT_FIELDS, CostProfile, fit_pass_slopes, passes, round_features
 from looped_spec.control.presets import load_preset
 from looped_spec.control.schema import CostConfig
 from looped_spec.tuner import TimedRound, context_lines, fit_profile, theil_sen_slope
@@ -22,10 +22,14 @@ PRESETS = Path(__file__).resolve().parents[1] / "presets"
 DEPTH = 4
 GRID = [(k, d) for k in (1, 2, 3, 5) for d in (1, 2, 3)]
 #: Known truth per batch size: plain (intercept s, slope s/token), the four-feature coefficients of the
-#: speculative rounds' intercepts and of their slopes (order of `round_features`).
+#: speculative rounds' intercepts and of their slopes (order of `round_features`). Slopes follow the pass
+#: model: per-pass a and per-query-pass b seconds per context token give [a + b, a, b, 0], plain D·(a + b).
+PASS_SLOPES = {1: (3.0e-7, 2.0e-7), 8: (2.5e-6, 1.25e-6)}
 TRUTH = {
-    1: ((0.004, 2.0e-6), [6.0e-4, 2.0e-4, 4.0e-4, 2.0e-3], [4.0e-7, 1.0e-7, 3.0e-7, 2.0e-7]),
-    8: ((0.011, 1.5e-5), [1.0e-3, 3.0e-4, 9.0e-4, 3.0e-3], [3.0e-6, 1.0e-6, 2.5e-6, 1.0e-6]),
+    b: ((intercept, DEPTH * (a + q)), coef, [a + q, a, q, 0.0])
+    for (b, (a, q)), (intercept, coef) in zip(
+        PASS_SLOPES.items(), [(0.004, [6.0e-4, 2.0e-4, 4.0e-4, 2.0e-3]), (0.011, [1.0e-3, 3.0e-4, 9.0e-4, 3.0e-3])]
+    )
 }
 PROMPT = {1: 30.0, 8: 45.5}  # mean prompt length of the batch: the first decode round's context
 
@@ -290,3 +294,32 @@ def test_engine_context_reaches_the_goodput_policy():
     assert seen and seen[0] == (2, 4.0)
     assert all(b == 2 and c is not None and c >= 4.0 for b, c in seen)
     assert [c for _, c in seen] == sorted(c for _, c in seen)  # the context only grows
+
+
+def test_pass_model_slopes_are_recovered_and_kept_non_negative():
+    """Slopes a·passes + b·query_passes come back from the cells' slopes; noise cannot make them negative."""
+    a, b = 3.0e-7, 2.0e-7
+    cells = [(0, 0), *GRID]
+    exact = {c: a * passes(*c, DEPTH)[0] + b * passes(*c, DEPTH)[1] for c in cells}
+    assert fit_pass_slopes(exact, DEPTH) == pytest.approx((a, b), rel=1e-9)
+    assert passes(0, 0, DEPTH) == (4, 4) and passes(4, 3, DEPTH) == (16, 20)
+    only_pass = {c: 5e-7 * passes(*c, DEPTH)[0] - 1e-9 * passes(*c, DEPTH)[1] for c in cells}
+    got = fit_pass_slopes(only_pass, DEPTH)
+    assert got[1] == 0.0 and got[0] > 0.0  # the unconstrained fit would give b < 0
+    assert fit_pass_slopes({c: -1.0 for c in cells}, DEPTH) == (0.0, 0.0)
+
+
+def test_a_slope_measured_loosely_is_replaced_by_the_pass_model():
+    """One cell's measured slope of 0 (as tiny-ouro's (4,3) at B = 1 once was) does not survive the fit: its
+    slope comes from the model, and its line still goes through its value at the reference context."""
+    samples = synthetic_samples(seed=5, noise=0.0, outliers=0.0)
+    lines = context_lines(samples)
+    ref = 80.0
+    broken = {b: dict(row) for b, row in lines.items()}
+    a43, s43 = broken[1][(3, 3)]
+    broken[1][(3, 3)] = (a43 + s43 * ref, 0.0)  # the same value at ref, no slope
+    plain = {b: row[(0, 0)][0] for b, row in lines.items()}
+    cells = {b: {c: v[0] for c, v in row.items() if c[0] > 0} for b, row in lines.items()}
+    profile = CostProfile.fit(DEPTH, plain, cells, broken, {1: ref, 8: ref})
+    slope = profile.predict(3, 3, 1, ref + 100) - profile.predict(3, 3, 1, ref)
+    assert slope / 100 == pytest.approx(true_line(1, 3, 3)[1], rel=0.05)

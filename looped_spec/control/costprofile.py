@@ -67,6 +67,76 @@ def fit_coefficients(times: Mapping[tuple[int, int], float], depth: int) -> list
     return _solve(a, b)
 
 
+def passes(k: int, d: int, depth: int) -> tuple[int, int]:
+    """(loop passes, query-loop passes) of one round: plain runs D passes of one query per request; a (K, d)
+    round d·(K+1) draft passes of one query and D − d verify passes of K + 1 queries."""
+    if k <= 0:
+        return depth, depth
+    return d * (k + 1) + (depth - d), depth * (k + 1)
+
+
+def fit_pass_slopes(slopes: Mapping[tuple[int, int], float], depth: int) -> tuple[float, float]:
+    """Per-pass and per-query-pass context cost (seconds per context token), both >= 0, from measured slopes.
+
+    The pass model: every loop pass reads the whole context of every request once (the KV gather) and every
+    query attends over it, so a round's slope is a·passes + b·query_passes. Two coefficients for all cells of
+    a batch size, where the four-feature model would take four per B from slopes that one 64-token horizon
+    pins only loosely (on tiny-ouro B = 1 that fit gave (4,3) a slope of 0; the pass model gives it about 4x
+    plain's, as measured). Least absolute deviations (iteratively reweighted least squares), so one cell's
+    bad slope does not drag the others; a, b >= 0 (the best one-coefficient fit when the free one goes
+    negative).
+    """
+    rows = [(*passes(k, d, depth), s) for (k, d), s in slopes.items()]
+    if not rows:
+        return 0.0, 0.0
+    floor = 1e-3 * (sum(abs(s) for _, _, s in rows) / len(rows)) + 1e-300
+    weights = [1.0] * len(rows)
+    best = (0.0, 0.0)
+    for _ in range(30):
+        best = _nonnegative_fit(rows, weights)
+        weights = [1.0 / max(abs(best[0] * p + best[1] * q - s), floor) for p, q, s in rows]
+    return best
+
+
+def _nonnegative_fit(rows: list[tuple[int, int, float]], weights: list[float]) -> tuple[float, float]:
+    """Weighted least squares of s = a·p + b·q with a, b >= 0."""
+
+    def residual(a: float, b: float) -> float:
+        return sum(w * (a * p + b * q - s) ** 2 for (p, q, s), w in zip(rows, weights))
+
+    spp = sum(w * p * p for (p, _, _), w in zip(rows, weights))
+    sqq = sum(w * q * q for (_, q, _), w in zip(rows, weights))
+    spq = sum(w * p * q for (p, q, _), w in zip(rows, weights))
+    sps = sum(w * p * s for (p, _, s), w in zip(rows, weights))
+    sqs = sum(w * q * s for (_, q, s), w in zip(rows, weights))
+    candidates = [(0.0, 0.0), (max(sps / spp, 0.0), 0.0), (0.0, max(sqs / sqq, 0.0))]
+    det = spp * sqq - spq * spq
+    if abs(det) > 1e-12 * spp * sqq:
+        a, b = (sps * sqq - sqs * spq) / det, (sqs * spp - sps * spq) / det
+        if a >= 0.0 and b >= 0.0:
+            candidates.append((a, b))
+    return min(candidates, key=lambda ab: residual(*ab))
+
+
+def pass_slope(row: Sequence[float], cell: tuple[int, int], depth: int) -> float:
+    """A cell's slope from a slope-coefficient row in the `FEATURES` basis ((0, 0): plain)."""
+    k, d = cell
+    x = round_features(k, d, depth) if k > 0 else round_features(0, depth, depth)
+    return sum(c * f for c, f in zip(row, x))
+
+
+def nondecreasing(values: list[float]) -> list[float]:
+    """Least-squares non-decreasing fit (pool adjacent violators)."""
+    blocks: list[list[float]] = []  # [sum, count]
+    for v in values:
+        blocks.append([v, 1.0])
+        while len(blocks) > 1 and blocks[-2][0] / blocks[-2][1] > blocks[-1][0] / blocks[-1][1]:
+            total, count = blocks.pop()
+            blocks[-1][0] += total
+            blocks[-1][1] += count
+    return [s / c for s, c in blocks for _ in range(int(c))]
+
+
 def _solve(a: list[list[float]], b: list[float]) -> list[float]:
     """Gaussian elimination with partial pivoting (a is symmetric positive definite here)."""
     n = len(b)
@@ -149,8 +219,11 @@ class CostProfile:
         """From robust round seconds: `plain[B]` and `cells[B][(K, d)]` for every profiled B.
 
         With `lines[B][(K, d)] = (intercept, slope)` of round seconds against the mean context ((0, 0): plain)
-        and the tuning rounds' mean context per B, the profile gets context terms: the four-feature model is
-        fitted once to the speculative cells' intercepts and once to their slopes.
+        and the tuning rounds' mean context per B, the profile gets context terms. The slopes follow the pass
+        model (`fit_pass_slopes`: two non-negative coefficients for all cells and plain, not four free ones per
+        B: a cell's slope alone is loosely pinned by one short horizon); each line then keeps its value at the
+        reference context (its intercept moves by the slope's change times that context), and the four-feature
+        model is fitted to the speculative cells' intercepts.
         """
         sizes = sorted(plain)
         profile = cls(depth, sizes, [plain[b] for b in sizes], [fit_coefficients(cells[b], depth) for b in sizes])
@@ -158,17 +231,26 @@ class CostProfile:
             return profile
         if reference_context is None:
             raise ValueError("context lines need the reference (mean) context of the tuning rounds")
-        spec = [{c: line for c, line in lines[b].items() if c[0] > 0} for b in sizes]
+        passes = [fit_pass_slopes({c: s for c, (_, s) in lines[b].items()}, depth) for b in sizes]
+        per_pass = nondecreasing([a for a, _ in passes])  # cost never falls as the batch grows
+        per_query_pass = nondecreasing([q for _, q in passes])
+        slope_rows = [[a + q, a, q, 0.0] for a, q in zip(per_pass, per_query_pass)]
+        refs = [reference_context[b] for b in sizes]
+        moved: list[dict[tuple[int, int], float]] = []  # intercepts of lines kept at the reference context
+        for b, row, ref in zip(sizes, slope_rows, refs):
+            moved.append(
+                {c: a + (s - pass_slope(row, c, depth)) * ref for c, (a, s) in lines[b].items()}
+            )  # fmt: skip
         return cls(
             depth,
             profile.batch_sizes,
             profile.plain_seconds,
             profile.coefficients,
-            reference_context=[reference_context[b] for b in sizes],
-            plain_intercept=[lines[b][(0, 0)][0] for b in sizes],
-            plain_slope=[lines[b][(0, 0)][1] for b in sizes],
-            intercept_coefficients=[fit_coefficients({c: a for c, (a, _) in row.items()}, depth) for row in spec],
-            slope_coefficients=[fit_coefficients({c: slope for c, (_, slope) in row.items()}, depth) for row in spec],
+            reference_context=refs,
+            plain_intercept=[m[(0, 0)] for m in moved],
+            plain_slope=[pass_slope(row, (0, 0), depth) for row in slope_rows],
+            intercept_coefficients=[fit_coefficients({c: a for c, a in m.items() if c[0] > 0}, depth) for m in moved],
+            slope_coefficients=slope_rows,
         )
 
     def _at(self, values: Sequence[float], batch: int) -> float:
