@@ -25,9 +25,10 @@ KV per request at the round's start):
     T_plain(B, c) = a_plain(B) + b_plain(B)·c
     T(K, d, B, c) = x(K, d)·A(B) + max(x(K, d)·S(B), 0)·c
 
-with x the four `round_features`, A the coefficients fitted to the measured cells' intercepts and S those
-fitted to their slopes (both are linear in the same features: each term is a number of loop passes over
-some queries, and each such pass costs a fixed part plus a part proportional to the context it reads).
+with x the four `round_features`, S(B) = (a + b, a, b, 0) the pass model's slope row (`fit_pass_slopes`:
+a per loop pass, b per query-pass, both >= 0, one pair per B for every cell and plain) and A the coefficients
+fitted to the cells' intercepts once each line is moved to that slope through its value at the reference
+context (docs/adaptive.md, "Cost profile").
 `predict(..., context=c)` uses these; without a context, or on a profile without them (older presets), the
 averaged terms above are used exactly as before: they describe the tuning runs' own contexts, whose mean
 per batch size is stored as `reference_context`.
