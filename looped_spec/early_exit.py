@@ -92,22 +92,27 @@ def read_out_by_depth(runner, requests, positions, context_lens, states, depths:
     return logits
 
 
-@torch.inference_mode()
-def decode_with_exit(runner, requests: list[Request], mode: ExitMode) -> tuple[torch.Tensor, list[int]]:
-    """Plain decode of each request's last token with early exit -> (logits [R, V], exit depth per request)."""
-    full_depth, device = runner.full_depth, runner.device
-    num_reqs = len(requests)
-    positions = [r.num_computed for r in requests]
-    context_lens = [p + 1 for p in positions]
-    ctx = runner.context(requests, [1] * num_reqs, context_lens)
-    state = runner.embed(runner.token_tensor([r.token_ids[p] for r, p in zip(requests, positions)]), ctx)
-    tracker = ExitTracker(runner.adapter, requests, device)
+LoopsResult = tuple[torch.Tensor, list[int], torch.Tensor, "ExitTracker", list[int]]
+
+
+def loops_with_exit(
+    runner, requests: list[Request], positions: list[int], state: torch.Tensor, ctx, num_loops: int, mode: ExitMode
+) -> LoopsResult:
+    """Loops 1..num_loops of one token per request (at `positions`) under the exit rule.
+
+    Returns the state after the last loop run (skip mode: of the rows still looping, `live`; select: every
+    row), each row's exit depth (0: it did not exit), the exit states [n, S] (rows that exited), the tracker
+    (its carry belongs to `live` in skip mode, to every row in select mode) and `live`. Skip mode: a row that
+    exits leaves the pass and its deeper loop planes get its exit loop's KV at once.
+    """
+    num_rows = len(requests)
+    tracker = ExitTracker(runner.adapter, requests, runner.device)
     exit_state = torch.empty_like(state)
-    exit_depth = [full_depth] * num_reqs
-    active = list(range(num_reqs))  # rows still looping (skip mode); select keeps every row
+    exit_depth = [0] * num_rows
+    live = list(range(num_rows))  # rows still looping (skip mode); select keeps every row
+    decided = torch.zeros(num_rows, dtype=torch.bool, device=runner.device)
     pass_ctx = ctx
-    decided = torch.zeros(num_reqs, dtype=torch.bool, device=device)
-    for i in range(full_depth):
+    for i in range(num_loops):
         prev, state = state, runner.adapter.loop(state, i, pass_ctx)
         exits = tracker.step(i + 1, state, prev, pass_ctx)
         if mode == "select":  # every row runs every loop; the first exit fixes the readout depth
@@ -119,22 +124,34 @@ def decode_with_exit(runner, requests: list[Request], mode: ExitMode) -> tuple[t
             continue
         if not bool(exits.any()):
             continue
-        leaving = exits.nonzero().flatten().tolist()
-        rows = [active[j] for j in leaving]
-        exit_state[rows] = state[exits]
-        for row in rows:
+        leaving = [live[j] for j in exits.nonzero().flatten().tolist()]
+        exit_state[leaving] = state[exits]
+        for row in leaving:
             exit_depth[row] = i + 1
-        if i + 1 < full_depth:
-            slots = token_slots([requests[r] for r in rows], [positions[r] for r in rows], runner.kv.block_size, device)
+        if i + 1 < runner.full_depth:
+            slots = token_slots([requests[r] for r in leaving], [positions[r] for r in leaving], runner.kv.block_size,
+                                runner.device)  # fmt: skip
             fill_skipped_loops(runner, slots, i + 1)
         stay = ~exits
-        if not bool(stay.any()):
+        live = [r for r, s in zip(live, stay.tolist()) if s]
+        if not live:
             break
-        active = [a for a, s in zip(active, stay.tolist()) if s]
         state = state[stay]
         tracker.keep(stay)
         # the rows that go on form a smaller pass: that is where skip mode saves compute
-        pass_ctx = runner.context([requests[a] for a in active], [1] * len(active), [context_lens[a] for a in active])
+        pass_ctx = runner.context([requests[r] for r in live], [1] * len(live), [positions[r] + 1 for r in live])
+    return state, exit_depth, exit_state, tracker, live
+
+
+@torch.inference_mode()
+def decode_with_exit(runner, requests: list[Request], mode: ExitMode) -> tuple[torch.Tensor, list[int]]:
+    """Plain decode of each request's last token with early exit -> (logits [R, V], exit depth per request)."""
+    positions = [r.num_computed for r in requests]
+    context_lens = [p + 1 for p in positions]
+    ctx = runner.context(requests, [1] * len(requests), context_lens)
+    state = runner.embed(runner.token_tensor([r.token_ids[p] for r, p in zip(requests, positions)]), ctx)
+    # every row exits by depth D (the tracker says so at D), so every exit depth is set
+    _, exit_depth, exit_state, _, _ = loops_with_exit(runner, requests, positions, state, ctx, runner.full_depth, mode)
     logits = read_out_by_depth(runner, requests, positions, context_lens, exit_state, exit_depth, ctx)
     return logits, exit_depth
 

@@ -22,11 +22,11 @@ from dataclasses import dataclass
 
 import torch
 
-from looped_spec.early_exit import ExitMode, ExitTracker, fill_skipped_loops, token_slots
+from looped_spec.early_exit import ExitMode, ExitTracker, fill_skipped_loops, loops_with_exit
 from looped_spec.model_runner import ModelRunner
 from looped_spec.request import Request
-from looped_spec.sampler import SamplingRows, probabilities, sample_from
-from looped_spec.speculative.proposer import Draft
+from looped_spec.sampler import SamplingRows
+from looped_spec.speculative.proposer import Draft, draw_drafts
 
 
 @dataclass
@@ -73,53 +73,20 @@ def _readout_rows(runner: ModelRunner, requests, positions, states, depths: list
 def _draft_position(
     runner: ModelRunner, requests: list[Request], positions: list[int], tokens: torch.Tensor, d: int, mode: ExitMode
 ) -> tuple[torch.Tensor, list[int], torch.Tensor, torch.Tensor | None]:
-    """Loops 1..d of one position per request under the exit rule -> (state after d, exit depth per row
-    (0: none), exit states, the rule's carry after d)."""
-    adapter, device = runner.adapter, runner.device
-    num_rows = len(requests)
-    ctx = runner.context(requests, [1] * num_rows, [p + 1 for p in positions])
+    """Loops 1..d of one position per request under the exit rule -> (state after d (skip mode: rows that
+    exited hold their exit state), exit depth per row (0: none), exit states, the rule's carry after d)."""
+    ctx = runner.context(requests, [1] * len(requests), [p + 1 for p in positions])
     state = runner.embed(tokens, ctx)
-    tracker = ExitTracker(adapter, requests, device)
-    exit_state = torch.empty_like(state)
-    exit_depth = [0] * num_rows
-    live = list(range(num_rows))  # skip mode: rows still looping
-    decided = torch.zeros(num_rows, dtype=torch.bool, device=device)
-    pass_ctx = ctx
-    for i in range(d):
-        prev, state = state, adapter.loop(state, i, pass_ctx)
-        exits = tracker.step(i + 1, state, prev, pass_ctx)
-        if mode == "select":  # every row runs every loop; the first exit fixes the readout depth
-            new = exits & ~decided
-            decided |= new
-            exit_state[new] = state[new]
-            for row in new.nonzero().flatten().tolist():
-                exit_depth[row] = i + 1
-            continue
-        if not bool(exits.any()):
-            continue
-        leaving = [live[j] for j in exits.nonzero().flatten().tolist()]
-        exit_state[leaving] = state[exits]
-        for row in leaving:
-            exit_depth[row] = i + 1
-        if i + 1 < adapter.full_depth:
-            fill_skipped_loops(
-                runner, token_slots([requests[r] for r in leaving], [positions[r] for r in leaving],
-                                    runner.kv.block_size, device), i + 1,
-            )  # fmt: skip
-        stay = ~exits
-        live = [r for r, s in zip(live, stay.tolist()) if s]
-        if not live:
-            return exit_state.clone(), exit_depth, exit_state, None
-        state = state[stay]
-        tracker.keep(stay)
-        pass_ctx = runner.context([requests[r] for r in live], [1] * len(live), [positions[r] + 1 for r in live])
+    state, exit_depth, exit_state, tracker, live = loops_with_exit(runner, requests, positions, state, ctx, d, mode)
     if mode == "select":
         return state, exit_depth, exit_state, tracker.carry
     final = exit_state.clone()
+    if not live:
+        return final, exit_depth, exit_state, None
     final[live] = state
     carry = None
     if tracker.carry is not None:
-        carry = tracker.carry.new_zeros(num_rows, *tracker.carry.shape[1:])
+        carry = tracker.carry.new_zeros(len(requests), *tracker.carry.shape[1:])
         carry[live] = tracker.carry
     return final, exit_depth, exit_state, carry
 
@@ -161,13 +128,8 @@ def propose_with_exit(
         if num_next == 0:
             break
         assert logits is not None
-        next_logits = logits[:num_next]
-        sub = rows if rows.all_greedy else SamplingRows.build(active[:num_next], device)
-        if sub.all_greedy:
-            drafted = next_logits.argmax(-1)
-        else:
-            q = probabilities(next_logits, sub)
-            drafted = sample_from(q, sub.uniforms(1)[:, 0])
+        drafted, q = draw_drafts(logits[:num_next], rows, active[:num_next])
+        if q is not None:
             if q_probs is None:
                 q_probs = torch.zeros(num_reqs, max_k, q.shape[-1], device=device)
             q_probs[:num_next, j] = q

@@ -22,6 +22,19 @@ class Draft:
     depth_preds: torch.Tensor | None  # [d, num_reqs, max_k + 1] argmax of readout at depth 1..d, -1 if none
 
 
+def draw_drafts(
+    logits: torch.Tensor, rows: SamplingRows, requests: list[Request]
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Draft tokens [n] from the readout `logits` [n, V] of the first n rows that still draft, and their draft
+    distributions q [n, V] (None when those rows are all greedy). Decided per step, not per batch: the sampled
+    rows may all have dropped out (smaller K)."""
+    sub = rows if rows.all_greedy else SamplingRows.build(requests, logits.device)
+    if sub.all_greedy:
+        return logits.argmax(-1), None
+    q = probabilities(logits, sub)
+    return sample_from(q, sub.uniforms(1)[:, 0]), q
+
+
 class DraftProposer:
     """Runs loops 1..d for position j of every request with K >= j; reads out draft token j+1 at depth d."""
 
@@ -62,14 +75,8 @@ class DraftProposer:
             states.append(state)
             if num_next == 0:
                 break
-            logits = logits[:num_next]
-            # decide per step, not per batch: the sampled rows may all have dropped out (smaller K)
-            sub = rows if rows.all_greedy else SamplingRows.build(active[:num_next], device)
-            if sub.all_greedy:
-                drafted = logits.argmax(-1)
-            else:
-                q = probabilities(logits, sub)
-                drafted = sample_from(q, sub.uniforms(1)[:, 0])
+            drafted, q = draw_drafts(logits[:num_next], rows, active[:num_next])
+            if q is not None:
                 if q_probs is None:
                     q_probs = torch.zeros(num_reqs, max_k, q.shape[-1], device=device)
                 q_probs[:num_next, j] = q
