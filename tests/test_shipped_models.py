@@ -90,7 +90,7 @@ def shipped_exit_params(adapter) -> list[SamplingParams]:
 def test_skip_mode_early_exit_matches_the_independent_reference(shipped):
     """Issue 13 on the shipped models: plain and speculative skip-mode decoding against the token-by-token
     reference of test_early_exit.py (its own KV store, skipped planes filled by the documented rule)."""
-    from test_early_exit import reference_generate
+    from test_early_exit import engine_generate, reference_generate
 
     name, adapter = shipped
     family = {"ouro": "ouro", "huginn_raven": "huginn"}.get(adapter.model_type, "nanbeige")
@@ -100,10 +100,13 @@ def test_skip_mode_early_exit_matches_the_independent_reference(shipped):
     depths_seen = set()
     for params in shipped_exit_params(adapter):
         params = params.model_copy(update={"max_tokens": 8, "ignore_eos": True, "seed": 5})
-        tokens, _, depths = reference_generate(adapter, family, prompt, 8, params, "skip", seed=5)
+        tokens, logits, depths = reference_generate(adapter, family, prompt, 8, params, "skip", seed=5)
         want = (tokens, {e: depths.count(e) for e in set(depths)})
-        for engine in (plain, speculative):
-            out = engine.generate([prompt], params)[0]
-            assert (out.token_ids, out.metrics.exit_depth_histogram) == want, (name, params)
+        out, got_logits, got_depths = engine_generate(plain, prompt, params)  # plain: logits and depths too
+        assert (out.token_ids, got_depths) == (tokens, depths), (name, params)
+        for got, ref in zip(got_logits, logits):
+            assert (got - ref).abs().max() <= 1e-4 * (1 + ref.abs().max()), (name, params)
+        out = speculative.generate([prompt], params)[0]
+        assert (out.token_ids, out.metrics.exit_depth_histogram) == want, (name, params)
         depths_seen.update(depths)
     assert min(depths_seen) < adapter.full_depth
