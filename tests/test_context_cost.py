@@ -323,3 +323,20 @@ def test_a_slope_measured_loosely_is_replaced_by_the_pass_model():
     profile = CostProfile.fit(DEPTH, plain, cells, broken, {1: ref, 8: ref})
     slope = profile.predict(3, 3, 1, ref + 100) - profile.predict(3, 3, 1, ref)
     assert slope / 100 == pytest.approx(true_line(1, 3, 3)[1], rel=0.05)
+
+
+def test_a_line_moved_to_the_model_slope_stays_non_negative():
+    """Three cells (the four-feature fit then goes through every cell's intercept) and one of them measured
+    with a tiny value and no slope, as a 3-token horizon can: moved to the model's steep slope its intercept
+    would go negative, and so would its predictions at short contexts; it is held at 0 instead."""
+    cells3 = [(1, 1), (2, 1), (1, 2)]
+    lines = {}
+    for b in TRUTH:
+        lines[b] = {c: true_line(b, *c) for c in [(0, 0), *cells3]}
+    lines[1][(2, 1)] = (1e-4, 0.0)
+    plain = {b: row[(0, 0)][0] for b, row in lines.items()}
+    cells = {b: {c: v[0] for c, v in row.items() if c[0] > 0} for b, row in lines.items()}
+    profile = CostProfile.fit(DEPTH, plain, cells, lines, {1: 200.0, 8: 200.0})
+    for k, d in [(0, 0), *cells3]:
+        for context in (1.0, 40.0):  # at 0 the held line is 0, then clamped to a tiny positive time
+            assert profile.predict(k, d, 1, context) > 1e-7, (k, d, context)

@@ -239,8 +239,10 @@ class CostProfile:
         refs = [reference_context[b] for b in sizes]
         moved: list[dict[tuple[int, int], float]] = []  # intercepts of lines kept at the reference context
         for b, row, ref in zip(sizes, slope_rows, refs):
+            # a line moved to a steeper slope must not go below zero at context 0 (a short, noisy horizon can
+            # measure a cell's slope far below the model's); it then prices contexts below `ref` a little high
             moved.append(
-                {c: a + (s - pass_slope(row, c, depth)) * ref for c, (a, s) in lines[b].items()}
+                {c: max(a + (s - pass_slope(row, c, depth)) * ref, 0.0) for c, (a, s) in lines[b].items()}
             )  # fmt: skip
         return cls(
             depth,
