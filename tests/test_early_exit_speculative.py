@@ -195,3 +195,51 @@ def test_speculative_sampling_keeps_the_early_exit_distribution(mode, exit_field
     outs = engine.generate([prompt] * n, params)
     assert engine.stats.num_accepted_tokens > 0
     assert_distribution((tuple(o.token_ids[:2]) for o in outs), exact)
+
+
+@pytest.mark.parametrize("d", [1, 2])
+def test_speculative_target_logits_equal_plain_logits_in_skip_mode(monkeypatch, d):
+    """Stronger than equal tokens: every committed token's target logits in speculative rounds equal those
+    plain skip-mode decoding drew it from (a wrong KV plane shifts logits long before it flips an argmax)."""
+    from test_early_exit import record_logits
+
+    import looped_spec.speculative.round as round_module
+
+    adapter = load("ouro")
+    params = [SamplingParams(max_tokens=12, ignore_eos=True, exit_threshold=t) for t in (0.3, 0.5, 0.6, 0.7, 0.9)]
+    prompts = batch_prompts("ouro", len(params))
+    plain = LoopedSpecEngine(adapter, speculation="off", early_exit="skip", max_batch_size=8)
+    plain_logits = record_logits(plain)
+    plain_ids = [o.request_id for o in plain.generate(prompts, params)]
+    engine = LoopedSpecEngine(adapter, speculation=SpeculativeConfig(k=3, d=d), early_exit="skip", max_batch_size=8)
+    spec_logits = record_logits(engine)  # prefill (first tokens) and plain rounds
+    verify = round_module.verify_with_exit
+
+    def recording_verify(runner, requests, k, dd, steps, mode):
+        out = verify(runner, requests, k, dd, steps, mode)
+        start = 0
+        for request, kr in zip(requests, k):  # positions 0..K of each request, request after request
+            pending.append((request.request_id, out.logits[start : start + kr + 1].clone()))
+            start += kr + 1
+        return out
+
+    pending: list = []
+    monkeypatch.setattr(round_module, "verify_with_exit", recording_verify)
+    original_finish = engine._finish_round
+
+    def finish(requests, k, plan, result):  # keep the committed positions' logits, in commit order
+        by_id = dict(pending)
+        for request, committed in zip(requests, result.committed):
+            if request.request_id in by_id:
+                spec_logits.setdefault(request.request_id, []).extend(by_id[request.request_id][: len(committed)])
+        pending.clear()
+        return original_finish(requests, k, plan, result)
+
+    engine._finish_round = finish
+    outs = engine.generate(prompts, params)
+    assert engine.stats.num_spec_rounds > 0
+    for out, plain_id in zip(outs, plain_ids):
+        got, want = spec_logits[out.request_id], plain_logits[plain_id]
+        assert len(got) >= len(out.token_ids) and len(want) == len(out.token_ids)
+        for a, b in zip(got, want):
+            assert (a - b).abs().max() <= 1e-4 * (1 + b.abs().max())

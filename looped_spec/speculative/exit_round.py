@@ -22,11 +22,12 @@ from dataclasses import dataclass
 
 import torch
 
-from looped_spec.early_exit import ExitMode, ExitTracker, fill_skipped_loops, loops_with_exit
+from looped_spec.early_exit import ExitMode, ExitTracker, fill_skipped_loops, loops_with_exit, read_out_by_depth
 from looped_spec.model_runner import ModelRunner
 from looped_spec.request import Request
 from looped_spec.sampler import SamplingRows
 from looped_spec.speculative.proposer import Draft, draw_drafts
+from looped_spec.speculative.verifier import position_index
 
 
 @dataclass
@@ -43,31 +44,10 @@ class ExitDraftStep:
 @dataclass
 class ExitVerification:
     logits: torch.Tensor  # [sum(K+1), V] target logits, request after request (decided rows: the draft's)
+    row_index: torch.Tensor  # [sum(K+1)] request row of each position
+    pos_index: torch.Tensor  # [sum(K+1)] position j (0..K) of each position within its request
     decided: torch.Tensor  # [R, K_max + 1] bool: position j's target readout came from the draft
     exit_depths: list[list[int]]  # per request, per position 0..K: its exit depth
-
-
-def _readout_rows(runner: ModelRunner, requests, positions, states, depths: list[int]) -> torch.Tensor:
-    """Logits [n, V] of single-token rows, each at its own depth; a readout that attends gets a context of
-    exactly these rows (it writes their readout KV)."""
-    ctx = None
-    if runner.adapter.readout_uses_kv:
-        ctx = runner.context(requests, [1] * len(requests), [p + 1 for p in positions])
-    logits = None
-    for depth in sorted(set(depths)):
-        rows = [i for i, e in enumerate(depths) if e == depth]
-        if len(rows) == len(depths):
-            return runner.readout(states, depth, ctx)
-        sub_ctx = ctx
-        if ctx is not None:
-            picked = [requests[i] for i in rows]
-            sub_ctx = runner.context(picked, [1] * len(rows), [positions[i] + 1 for i in rows])
-        part = runner.readout(states[rows], depth, sub_ctx)
-        if logits is None:
-            logits = part.new_empty(len(depths), part.shape[-1])
-        logits[rows] = part
-    assert logits is not None
-    return logits
 
 
 def _draft_position(
@@ -118,10 +98,11 @@ def propose_with_exit(
             states = torch.where(
                 torch.tensor([exit_depth[i] > 0 for i in need], device=device)[:, None], exit_state[need], state[need]
             )
-            part = _readout_rows(
-                runner, [active[i] for i in need], [positions[i] for i in need], states,
-                [exit_depth[i] or d for i in need],
-            )  # fmt: skip
+            picked, at = [active[i] for i in need], [positions[i] for i in need]
+            lens = [p + 1 for p in at]
+            # a readout that attends gets a context of exactly these rows (it writes their readout KV)
+            ctx = runner.context(picked, [1] * len(need), lens) if runner.adapter.readout_uses_kv else None
+            part = read_out_by_depth(runner, picked, at, lens, states, [exit_depth[i] or d for i in need], ctx)
             logits = part.new_zeros(num_rows, part.shape[-1])
             logits[need] = part
         steps.append(ExitDraftStep(state, exit_depth, exit_state, logits, carry))
@@ -178,10 +159,13 @@ def verify_with_exit(
         if tracker.any_rule:
             tracker.carry = _gather_carry(steps, pass_rows, tracker.carry)
         rows = pass_rows
+        for n, (r, j) in enumerate(rows):  # exits the draft already decided
+            if depth[r][j] > 0:
+                final_states[(r, j)] = exit_state[n]
+        ctx = _pass_context(runner, requests, rows)
         for i in range(d, full_depth):
-            ctx = _pass_context(runner, requests, rows)
-            if mode == "skip" and bool(done.any()):
-                ctx.write_index = (~done).nonzero().flatten()  # exited positions keep their filled planes
+            # skip mode: exited positions keep their filled planes
+            ctx.write_index = (~done).nonzero().flatten() if mode == "skip" and bool(done.any()) else None
             prev, state = state, adapter.loop(state, i, ctx)
             new = tracker.step(i + 1, state, prev, ctx) & ~done
             if bool(new.any()):
@@ -189,12 +173,10 @@ def verify_with_exit(
                 for n in new.nonzero().flatten().tolist():
                     r, j = rows[n]
                     depth[r][j] = i + 1
+                    final_states[(r, j)] = exit_state[n]
                 if mode == "skip" and i + 1 < full_depth:
                     fill_skipped_loops(runner, ctx.slot_mapping[new], i + 1)
                 done = done | new
-            for n, (r, j) in enumerate(rows):
-                if depth[r][j] > 0 and (r, j) not in final_states:
-                    final_states[(r, j)] = exit_state[n]
             if mode == "select":  # every loop runs and is cached, whatever the exits
                 continue
             if bool(done.all()):
@@ -205,11 +187,13 @@ def verify_with_exit(
                     rows = [row for row, kept in zip(rows, keep.tolist()) if kept]
                     state, exit_state, done = state[keep], exit_state[keep], done[keep]
                     tracker.keep(keep)
+                    ctx = _pass_context(runner, requests, rows)
     logits = _target_logits(runner, requests, steps, decided, depth, readout_rows, final_states)
     decided_grid = torch.zeros(num_reqs, max_k + 1, dtype=torch.bool, device=device)
     for r, row in enumerate(decided):
         decided_grid[r, : len(row)] = torch.tensor(row)
-    return ExitVerification(logits, decided_grid, depth)
+    row_index, pos_index = position_index(k)
+    return ExitVerification(logits, row_index.to(device), pos_index.to(device), decided_grid, depth)
 
 
 def _gather_carry(steps: list[ExitDraftStep], rows, like: torch.Tensor | None) -> torch.Tensor | None:
@@ -254,23 +238,16 @@ def _span_of_live(rows: list[tuple[int, int]], done: torch.Tensor) -> torch.Tens
 def _target_logits(runner, requests, steps, decided, depth, readout_rows, final_states) -> torch.Tensor:
     """[sum(K+1), V]: decided positions keep the draft's readout; the others are read out at their exit
     state (a readout that attends runs once over each request's span, so its KV is written causally)."""
-    adapter = runner.adapter
     verified = None
     if readout_rows:
-        states = torch.stack(
-            [final_states[(r, j)] if (r, j) in final_states else steps[j].exit_state[r] for r, j in readout_rows]
-        )
-        if adapter.readout_uses_kv:  # depth-independent readouts that attend (prefill_with_exit does the same)
+        states = torch.stack([final_states[row] for row in readout_rows])  # every pass row exits by D
+        if runner.adapter.readout_uses_kv:  # depth-independent readouts that attend (prefill_with_exit does the same)
             verified = runner.readout(states, runner.full_depth, _pass_context(runner, requests, readout_rows))
         else:
+            reqs = [requests[r] for r, _ in readout_rows]
+            positions = [requests[r].num_computed + j for r, j in readout_rows]
             depths = [depth[r][j] for r, j in readout_rows]
-            verified = None
-            for e in sorted(set(depths)):
-                sel = [n for n, x in enumerate(depths) if x == e]
-                part = runner.readout(states[sel], e, None)
-                if verified is None:
-                    verified = part.new_empty(len(depths), part.shape[-1])
-                verified[sel] = part
+            verified = read_out_by_depth(runner, reqs, positions, [p + 1 for p in positions], states, depths, None)
     out = []
     index = {row: n for n, row in enumerate(readout_rows)}
     for r, row in enumerate(decided):

@@ -58,88 +58,68 @@ class SpeculativeRound:
     def run(self, requests: list[Request], k: list[int], d: int, measure_depths: bool = False) -> RoundResult:
         if max(k) == 0:
             return self._plain(requests, measure_depths)
-        if any(r.exits_early for r in requests):
-            return self._run_with_exit(requests, k, d)
+        # early exit: the target is the early-exit model (exit_round.py); no counterfactual depth readouts then
+        # (a token's depth is the rule's)
+        exits = any(r.exits_early for r in requests)
+        measure_depths = measure_depths and not exits
         order = sorted(range(len(requests)), key=lambda i: -k[i])
         reqs = [requests[i] for i in order]
         ks = [k[i] for i in order]
-        device = self.runner.device
+        device, mode = self.runner.device, self.runner.exit_mode
         rows = SamplingRows.build(reqs, device)
 
         t0 = time.perf_counter()
-        draft = self.proposer.propose(reqs, ks, d, rows, measure_depths)
+        if exits:
+            draft, steps = propose_with_exit(self.runner, reqs, ks, d, rows, mode)
+        else:
+            draft = self.proposer.propose(reqs, ks, d, rows, measure_depths)
         self._sync()
         t1 = time.perf_counter()
-        verification = self.verifier.verify(reqs, ks, d, draft, measure_depths)
+        if exits:
+            verification = verify_with_exit(self.runner, reqs, ks, d, steps, mode)
+        else:
+            verification = self.verifier.verify(reqs, ks, d, draft, measure_depths)
         self._sync()
         t2 = time.perf_counter()
         k_t = torch.tensor(ks, device=device)
+        decided = verification.decided[:, : max(ks)] if exits else None  # [R, K_max]: drafts the target drew
         num_accepted, next_token = accept(
-            draft.tokens, k_t, verification.logits, verification.row_index, verification.pos_index, rows, draft.q_probs
-        )
+            draft.tokens, k_t, verification.logits, verification.row_index, verification.pos_index, rows,
+            draft.q_probs, decided=decided,
+        )  # fmt: skip
         committed_grid = torch.cat([draft.tokens, torch.zeros_like(draft.tokens[:, :1])], dim=1)
         committed_grid.scatter_(1, num_accepted[:, None], next_token[:, None])  # [R, K_max + 1]
         acc = num_accepted.tolist()
         grid = committed_grid.tolist()
-        committed_sorted = [grid[r][: acc[r] + 1] for r in range(len(reqs))]
         matches: list[int] = []
         trials: list[int] = []
         if measure_depths:
             matches, trials = self._depth_agreement(draft, verification, committed_grid, num_accepted, d)
         t3 = time.perf_counter()
 
-        committed: list[list[int]] = [[] for _ in requests]
-        accepted: list[int] = [0] * len(requests)
-        for pos, i in enumerate(order):
-            committed[i] = committed_sorted[pos]
-            accepted[i] = acc[pos]
-        return RoundResult(committed, accepted, t1 - t0, t2 - t1, t3 - t2, 0.0, matches, trials)
-
-    def _run_with_exit(self, requests: list[Request], k: list[int], d: int) -> RoundResult:
-        """A round whose target is the early-exit model (exit_round.py); no counterfactual depth readouts
-        (under early exit a token's depth is the rule's)."""
-        order = sorted(range(len(requests)), key=lambda i: -k[i])
-        reqs = [requests[i] for i in order]
-        ks = [k[i] for i in order]
-        device, mode = self.runner.device, self.runner.exit_mode
-        rows = SamplingRows.build(reqs, device)
-        t0 = time.perf_counter()
-        draft, steps = propose_with_exit(self.runner, reqs, ks, d, rows, mode)
-        self._sync()
-        t1 = time.perf_counter()
-        verification = verify_with_exit(self.runner, reqs, ks, d, steps, mode)
-        self._sync()
-        t2 = time.perf_counter()
-        k_t = torch.tensor(ks, device=device)
-        row_index = torch.repeat_interleave(torch.arange(len(reqs)), torch.tensor(ks) + 1).to(device)
-        pos_index = torch.cat([torch.arange(kr + 1) for kr in ks]).to(device)
-        decided = verification.decided[:, : max(ks)]
-        num_accepted, next_token = accept(
-            draft.tokens, k_t, verification.logits, row_index, pos_index, rows, draft.q_probs, decided=decided
+        result = RoundResult(
+            [[] for _ in requests], [0] * len(requests), t1 - t0, t2 - t1, t3 - t2, 0.0, matches, trials
         )
-        committed_grid = torch.cat([draft.tokens, torch.zeros_like(draft.tokens[:, :1])], dim=1)
-        committed_grid.scatter_(1, num_accepted[:, None], next_token[:, None])  # [R, K_max + 1]
-        acc = num_accepted.tolist()
-        grid = committed_grid.tolist()
-        decided_list = decided.tolist()
-        t3 = time.perf_counter()
-        committed: list[list[int]] = [[] for _ in requests]
-        accepted = [0] * len(requests)
-        exit_depths: list[list[int]] = [[] for _ in requests]
-        proposed_v = [0] * len(requests)
-        accepted_v = [0] * len(requests)
         for pos, i in enumerate(order):
-            a, kr = acc[pos], ks[pos]
-            committed[i] = grid[pos][: a + 1]
-            accepted[i] = a
-            exit_depths[i] = verification.exit_depths[pos][: a + 1]
-            verified = [not x for x in decided_list[pos][:kr]]  # draft token j+1 was checked against the target
-            proposed_v[i] = sum(verified)
-            accepted_v[i] = sum(verified[:a])
-        return RoundResult(
-            committed, accepted, t1 - t0, t2 - t1, t3 - t2, exit_depths=exit_depths,
-            verified_proposed=proposed_v, verified_accepted=accepted_v,
-        )  # fmt: skip
+            result.committed[i] = grid[pos][: acc[pos] + 1]
+            result.num_accepted[i] = acc[pos]
+        if exits:
+            self._exit_counts(result, order, ks, acc, verification)
+        return result
+
+    @staticmethod
+    def _exit_counts(result: RoundResult, order: list[int], ks: list[int], acc: list[int], verification) -> None:
+        """Early exit: each request's committed positions' exit depths, and its verified drafts (those the
+        target did not draw itself), proposed and accepted, for the controller."""
+        n = len(order)
+        result.exit_depths = [[] for _ in range(n)]
+        result.verified_proposed, result.verified_accepted = [0] * n, [0] * n
+        decided = verification.decided.tolist()
+        for pos, i in enumerate(order):
+            verified = [not x for x in decided[pos][: ks[pos]]]  # draft token j+1 was checked against the target
+            result.exit_depths[i] = verification.exit_depths[pos][: acc[pos] + 1]
+            result.verified_proposed[i] = sum(verified)
+            result.verified_accepted[i] = sum(verified[: acc[pos]])
 
     @torch.inference_mode()
     def _plain(self, requests: list[Request], measure_depths: bool) -> RoundResult:

@@ -20,6 +20,12 @@ class Verification:
     depth_preds: torch.Tensor | None  # [D - d - 1, sum(K+1)] argmax at depths d+1..D-1
 
 
+def position_index(k: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(request row, position j) of every verified position [sum(K+1)], request after request (CPU)."""
+    row_index = torch.repeat_interleave(torch.arange(len(k)), torch.tensor(k) + 1)
+    return row_index, torch.cat([torch.arange(kr + 1) for kr in k])
+
+
 class Verifier:
     """Continues the draft's own loop-d states (its KV for loops 1..d is already cached)."""
 
@@ -30,8 +36,7 @@ class Verifier:
     def verify(self, requests: list[Request], k: list[int], d: int, draft: Draft, measure_depths: bool) -> Verification:
         runner = self.runner
         device = runner.device
-        row_index = torch.repeat_interleave(torch.arange(len(requests)), torch.tensor(k) + 1)
-        pos_index = torch.cat([torch.arange(kr + 1) for kr in k])
+        row_index, pos_index = position_index(k)
         # draft.states[j] holds rows 0..rows_j-1; flatten to pick (row, j) pairs in request order
         offsets = [0]
         for s in draft.states[:-1]:
