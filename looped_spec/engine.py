@@ -396,6 +396,7 @@ class LoopedSpecEngine:
                 if result.exit_depths is not None
                 else [],
                 self.runner.exit_mode == "skip",
+                measure_time=result.measure_time,
             )
         )
         stats.phase_seconds["control"] += time.perf_counter() - t1

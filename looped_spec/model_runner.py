@@ -100,6 +100,8 @@ class ModelRunner:
         self.exit_mode: ExitMode = "skip"  # how requests that exit early are run (early_exit.py)
         # the paged kernel reads each token's own keys in place (decode, draft, verify); prefill keeps SDPA
         self.paged_kernel = kernel_available(self.device, kv_cache.layout.head_dim)
+        # seconds spent on counterfactual readouts (`speculative/readouts.py`), read per round by the caller
+        self.readout_seconds = 0.0
 
     def context(self, requests: list[Request], query_lens: list[int], context_lens: list[int]) -> PagedContext:
         return build_paged_context(

@@ -51,6 +51,8 @@ class RoundFeedback:
     # loops after an exit are not run), else select mode (every loop runs)
     exit_depths: list[int] = field(default_factory=list)
     exit_skips: bool = False
+    # of the round's seconds, those spent on the counterfactual readouts (control/measurement.py); 0 if none
+    measure_time: float = 0.0
 
     @property
     def total_proposed(self) -> int:

@@ -11,13 +11,15 @@
    prompts for `profile_tokens` generated tokens per request, every round timed, on persistent engines,
    configurations interleaved in a shuffled order per repeat, the first repeat discarded. Timing the same
    stretch of generation prices plain and speculative rounds at the same contexts (a round's cost grows with
-   the context). A cell's cost is the smallest over repeats of the run's trimmed mean round time (a shared
-   machine only ever adds time: the best run is the least disturbed one; spread = (largest − smallest) /
-   smallest run cost), made non-decreasing in the batch size (a bigger batch never costs less per round),
-   then fitted by the round-cost model of `costprofile.py`. Every timed round also records the batch's mean
-   context, and per batch size and configuration round seconds are fitted as a line in it (Theil–Sen slope,
-   intercept from the best run; `context_lines`), so the profile also predicts at contexts other than the
-   tuning runs' own (`CostProfile.predict(..., context=)`).
+   the context). Plain decoding is the reference every plan is compared with, and this machine's speed drifts
+   by ±20 % within seconds, so plain runs are spread through every repeat (one before the first cell and one
+   after every `PLAIN_EVERY` cells) and each cell run is drift-corrected by the plain runs on either side of
+   it (`drift_correct`). A configuration's cost is the median over repeats of its runs' trimmed mean round
+   time (spread = (largest − smallest) / smallest), made non-decreasing in the batch size (a bigger batch
+   never costs less per round), then fitted by the round-cost model of `costprofile.py`. Every timed round
+   also records the batch's mean context, and per batch size and configuration round seconds are fitted as a
+   line in it (Theil–Sen slope, median intercept over the runs; `context_lines`), so the profile also
+   predicts at contexts other than the tuning runs' own (`CostProfile.predict(..., context=)`).
 3. Preset: buckets, candidates, initial choices and thresholds from 1 + 2 (`control/derive.py`), plus both
    measurements (`acceptance`, `cost` sections) for the goodput policy, provenance with the tuning prompts'
    fingerprints (the benchmark refuses to evaluate on them). Given a cost profile (`cost_profile=`) the
@@ -107,6 +109,29 @@ def acceptance_report(bits: list[list[list[int]]], grid: Sequence[tuple[int, int
     }
 
 
+#: Random batches of tuning prompts per bucket whose acceptance offers its fastest plan as a candidate.
+VARIANTS = 32
+
+
+def acceptance_variants(
+    bits: list[list[list[int]]], batch: int, count: int = VARIANTS, seed: int = 0
+) -> list[tuple[list[float], list[float]]]:
+    """(alpha, rho per depth) of `count` random batches of `batch` tuning prompts (seeded; none when the batch
+    takes every prompt). Text moves the depths' agreement unevenly (a prompt can be easy for depth 1 and not
+    for depth 3), which the difficulty sweep of `control/derive.py` (one factor for every depth) cannot show;
+    the fastest plan of each such batch becomes a candidate (RULES["order"])."""
+    num = len(bits[0]) if bits else 0
+    if batch >= num:
+        return []
+    rng = random.Random(seed)
+    out = []
+    for _ in range(count):
+        chosen = rng.sample(range(num), batch)
+        stats = [bit_statistics([depth_bits[i] for i in chosen]) for depth_bits in bits]
+        out.append(([s[0] for s in stats], [s[1] for s in stats]))
+    return out
+
+
 # ----------------------------------------------------------------------------------------- cost
 class TimedRound(NamedTuple):
     """One timed decode round: wall seconds and the batch's mean context (KV tokens per request) at its start."""
@@ -174,6 +199,43 @@ class RoundTimer:
             engine.close()
 
 
+#: In every repeat of the cost profile a plain run precedes the first cell and follows every this many cells.
+PLAIN_EVERY = 4
+
+
+def repeat_order(cells: Sequence[tuple[int, int]], rng: random.Random) -> list[tuple[int, int]]:
+    """One repeat's run order: the cells shuffled, plain (0, 0) first, after every `PLAIN_EVERY` cells and last,
+    so every cell run has a plain run on either side of it within a few runs."""
+    order = list(cells)
+    rng.shuffle(order)
+    out: list[tuple[int, int]] = []
+    for i, cell in enumerate(order):
+        if i % PLAIN_EVERY == 0:
+            out.append((0, 0))
+        out.append(cell)
+    out.append((0, 0))
+    return out
+
+
+def drift_correct(order: Sequence[tuple[int, int]], runs: Sequence[list[TimedRound]], reference: float) -> list[float]:
+    """Per run of one repeat: the factor that brings it to the machine speed at which plain runs cost `reference`.
+
+    The local plain level of a cell run is the mean of the trimmed mean round times of the nearest plain run
+    before and after it; the factor is `reference` / that level (plain runs themselves: 1). This machine's
+    speed drifts by ±20 % over seconds; a cell measured during a fast spell would otherwise look cheap against
+    plain measured in a slow one, which is the one number every plan is compared with.
+    """
+    levels = [trimmed_mean([r.seconds for r in run]) if run else float("nan") for run in runs]
+    plain_at = [i for i, cell in enumerate(order) if cell[0] == 0 and levels[i] == levels[i]]
+    factors = []
+    for i, cell in enumerate(order):
+        before = [levels[j] for j in plain_at if j < i][-1:]
+        after = [levels[j] for j in plain_at if j > i][:1]
+        local = before + after
+        factors.append(1.0 if cell[0] == 0 or not local else reference * len(local) / sum(local))
+    return factors
+
+
 def profile_costs(
     timer: RoundTimer,
     cells: Sequence[tuple[int, int]],
@@ -184,22 +246,36 @@ def profile_costs(
     seed: int,
     bar=None,
 ) -> Samples:
-    """Timed rounds per batch size, cell (plain = (0, 0)) and run; configurations interleaved, first repeat dropped."""
+    """Timed rounds per batch size, cell (plain = (0, 0)) and run, cell runs drift-corrected (`drift_correct`)
+    to the median plain run; configurations interleaved (`repeat_order`), the first repeat dropped."""
     rng = random.Random(seed)
     samples: Samples = {}
     for b in batch_sizes:
-        configs = [(0, 0), *cells]
-        samples[b] = {c: [] for c in configs}
+        kept: list[tuple[list[tuple[int, int]], list[list[TimedRound]]]] = []
         for repeat in range(repeats + 1):
-            order = configs[:]
-            rng.shuffle(order)
+            order = repeat_order(cells, rng)
+            runs = []
             for cell in order:
-                times = timer.time_rounds(cell, prompts[:b], horizon)
-                if repeat > 0 and times:
-                    samples[b][cell].append(times)
+                runs.append(timer.time_rounds(cell, prompts[:b], horizon))
                 if bar is not None:
                     bar.update(1)
+            if repeat > 0:
+                kept.append((order, runs))
+        plain_levels = [
+            trimmed_mean([r.seconds for r in run]) for o, rs in kept for c, run in zip(o, rs) if not c[0] and run
+        ]
+        reference = statistics.median(plain_levels) if plain_levels else 1.0
+        samples[b] = {c: [] for c in [(0, 0), *cells]}
+        for order, runs in kept:
+            for cell, run, f in zip(order, runs, drift_correct(order, runs, reference)):
+                if run:
+                    samples[b][cell].append([TimedRound(r.seconds * f, r.context) for r in run])
     return samples
+
+
+def runs_per_repeat(num_cells: int) -> int:
+    """Runs in one repeat of `repeat_order`: every cell once and plain 1 + ceil(num_cells / PLAIN_EVERY) times."""
+    return num_cells + 1 + -(-num_cells // PLAIN_EVERY)
 
 
 def trimmed_mean(values: Sequence[float], trim: float = 0.1) -> float:
@@ -211,16 +287,18 @@ def trimmed_mean(values: Sequence[float], trim: float = 0.1) -> float:
 
 
 def run_cost(runs: list[list[float]]) -> tuple[float, float]:
-    """(smallest run cost, (largest - smallest) / smallest run cost) of one cell's timed runs.
+    """(median run cost, (largest - smallest) / smallest run cost) of one configuration's timed runs.
 
     A run's cost is the 10%-trimmed mean of its round seconds: a mean, because the rounds of a run sit at
     growing contexts and throughput is set by their sum; trimmed, so one stalled round does not decide it.
+    Over the runs the median: the runs are drift-corrected to one machine speed (`drift_correct`), and the
+    smallest of them would be the luckiest, with more plain runs than cell runs to be lucky in.
     """
     if not runs:
         raise TunerError("a configuration produced no full-shape decode round to time; raise --profile-tokens")
     costs = [trimmed_mean(r) for r in runs]
     best = min(costs)
-    return best, (max(costs) - best) / best if best > 0 else 0.0
+    return statistics.median(costs), (max(costs) - best) / best if best > 0 else 0.0
 
 
 #: Theil–Sen looks at every pair of rounds of a run; beyond this many pairs (per cell, all runs together) at a
@@ -248,13 +326,13 @@ def theil_sen_slope(runs: Sequence[Sequence[tuple[float, float]]], max_pairs: in
 
 
 def line_intercept(runs: list[list[TimedRound]], slope: float) -> float:
-    """Intercept of round seconds = intercept + slope·context: the smallest over runs of the median of y − slope·x.
+    """Intercept of round seconds = intercept + slope·context: the median over runs of the median of y − slope·x.
 
-    The median, where `run_cost` takes a 10 %-trimmed mean: the line is to price an undisturbed round at any
-    context, and a trimmed mean still follows outlier rounds beyond its trim. The smallest over runs for the
-    same reason as there: a shared machine only ever adds time, the best run is the least disturbed one.
+    The median over a run, where `run_cost` takes a 10 %-trimmed mean: the line is to price an undisturbed round
+    at any context, and a trimmed mean still follows outlier rounds beyond its trim. The median over the
+    (drift-corrected) runs for the same reason as in `run_cost`.
     """
-    return min(statistics.median(r.seconds - slope * r.context for r in run) for run in runs)
+    return statistics.median(statistics.median(r.seconds - slope * r.context for r in run) for run in runs)
 
 
 def context_lines(samples: Samples) -> dict[int, dict[tuple[int, int], tuple[float, float]]]:
@@ -354,7 +432,7 @@ def _cell_report(
     runs: list[list[TimedRound]],
     cell: tuple[int, int],
     batch: int,
-    best: float,
+    median: float,
     cost: float,
     spread: float,
     line: tuple[float, float],
@@ -364,7 +442,8 @@ def _cell_report(
     rounds = [r for run in runs for r in run]
     context = sum(r.context for r in rounds) / len(rounds)
     out: dict[str, Any] = {
-        "best_run_s": round(best, 6),
+        "median_run_s": round(median, 6),  # drift-corrected runs (`run_cost`)
+        "best_run_s": round(min(trimmed_mean([r.seconds for r in run]) for run in runs), 6),
         "cost_s": round(cost, 6),
         "spread": round(spread, 3),
         "runs": len(runs),
@@ -435,7 +514,7 @@ def tune(
         raise TunerError(f"prompts of up to {longest} tokens + the output tokens exceed {adapter.max_positions}")
     profile = CostProfile(depth, **cost_profile) if isinstance(cost_profile, dict) else cost_profile
     timed = profile is None
-    total = num_prompts + (len(sizes) * (repeats + 1) * (len(cells) + 1) if timed else 0)
+    total = num_prompts + (len(sizes) * (repeats + 1) * runs_per_repeat(len(cells)) if timed else 0)
     bar = _progress(total, progress)
     timer = None
     try:
@@ -453,7 +532,12 @@ def tune(
         if timer is not None:
             timer.close()
     assert profile is not None
-    models = {b: BucketModel(accept["alpha"], accept["rho"], lambda k, d, b=b: profile.predict(k, d, b)) for b in sizes}
+    models = {
+        b: BucketModel(
+            accept["alpha"], accept["rho"], lambda k, d, b=b: profile.predict(k, d, b), acceptance_variants(bits, b)
+        )
+        for b in sizes
+    }
     buckets, disable, decisions = derive_buckets(models, cells, bucket_ranges(sizes), margin=margin)
     tag = hardware or hardware_tag(adapter.device)
     now = datetime.now(timezone.utc).astimezone().isoformat(timespec="seconds")

@@ -33,8 +33,9 @@ def format_report(report: dict[str, Any], preset: dict[str, Any] | None = None) 
     for b, cells in report.get("cost", {}).items():
         plain = cells["0,0"]
         lines.append(
-            f"B={b}: plain round {1e3 * plain['cost_s']:.2f} ms (best run {1e3 * plain['best_run_s']:.2f} ms, "
-            f"runs spread {100 * plain['spread']:.0f}%)" + _context_note(plain)
+            f"B={b}: plain round {1e3 * plain['cost_s']:.2f} ms (median of {plain['runs']} runs; best run "
+            f"{1e3 * plain['best_run_s']:.2f} ms, runs spread {100 * plain['spread']:.0f}%; cells drift-corrected "
+            "by the plain runs around them)" + _context_note(plain)
         )
         lines.append(f"  {'K,d':>5} {'cost ms':>8} {'fit ms':>7} {'spread':>6}{'   ms + us/token x context':>26}")
         for key, cell in cells.items():

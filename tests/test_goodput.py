@@ -9,6 +9,7 @@ import pytest
 from looped_spec.control import AdaptiveController, AdaptiveSpecConfig
 from looped_spec.control.costmodel import LinearFit2, RoundCostModel
 from looped_spec.control.goodput import DepthAcceptance, expected_accept_rate, expected_tokens
+from looped_spec.control.measurement import MeasureSchedule
 from looped_spec.control.simulate import SyntheticWorkload
 from looped_spec.plan import RoundFeedback
 
@@ -86,7 +87,7 @@ def test_explores_every_option_first():
 
 def simulate(policy: str, phases, seed: int = 7, timed: bool = True):
     ctl = AdaptiveController(sim_config(), 4, policy=policy)
-    ctl.measure_every = 1  # learn acceptance every round
+    ctl.measure = MeasureSchedule(every=1)  # learn acceptance every round
     sim = SyntheticWorkload(4, ALPHA, seed=seed, timed=timed, **COSTS)
     options = [tuple(c) for c in CANDIDATES]
     report = []

@@ -185,7 +185,7 @@ def test_errors_name_the_file(tmp_path: Path):
     with pytest.raises(PresetError, match="broken.json: invalid JSON"):
         read_preset_file(path)
     with pytest.raises(
-        PresetError, match=r"ouro-1\.4b\.json: buckets\[0\]\.candidates\[1\]: d=2 must be < full depth 2"
+        PresetError, match=r"ouro-1\.4b\.json: buckets\[0\]\.candidates\[\d\]: d=\d must be < full depth 2"
     ):
         load_preset("Ouro-1.4B", 2)
 

@@ -72,7 +72,9 @@ def test_cli_tune_writes_a_valid_preset_and_heatmap(tmp_path, capsys):
         cells = prov["cost"][b]
         assert set(cells) == {"0,0", "1,1", "2,1", "1,2"}
         assert all(c["best_run_s"] > 0 and c["cost_s"] > 0 for c in cells.values())
-        assert all(c["runs"] == 1 and c["spread"] == 0.0 for c in cells.values())
+        # --repeats 1: each cell ran once; plain before the first cell and after the last (`repeat_order`)
+        assert all(c["runs"] == 1 and c["spread"] == 0.0 for key, c in cells.items() if key != "0,0")
+        assert cells["0,0"]["runs"] == 2
         assert all(c["slope_s_per_token"] >= 0 and c["context"] > 0 and c["context_fit_s"] > 0 for c in cells.values())
     assert "us/token x context" in printed
     assert png.is_file() and png.stat().st_size > 1000
@@ -218,7 +220,8 @@ def test_dump_json():
 def test_run_cost_and_monotone_profile():
     from looped_spec.tuner import nondecreasing, run_cost, trimmed_mean
 
-    assert run_cost([[3.0, 1.0, 2.0], [5.0, 4.0, 6.0]]) == (2.0, 1.5)  # best run mean, spread of run means
+    assert run_cost([[3.0, 1.0, 2.0], [5.0, 4.0, 6.0]]) == (3.5, 1.5)  # median of run means, their spread
+    assert run_cost([[2.0], [9.0], [3.0]])[0] == 3.0  # one disturbed run does not move it
     # ten rounds: the smallest and the largest are dropped (one stalled round does not decide a run's cost)
     assert trimmed_mean([1.0, 2.0, 2.0, 2.0, 2.0, 2.0, 2.0, 2.0, 2.0, 50.0]) == 2.0
     assert trimmed_mean([1.0, 3.0]) == 2.0  # too few rounds to trim
@@ -271,3 +274,81 @@ def test_round_timer_times_plain_and_speculative_rounds_over_the_same_generated_
         assert not engine.has_unfinished_requests() and engine.num_free_blocks == engine.kv.num_blocks
     finally:
         timer.close()
+
+
+def test_repeat_order_puts_plain_around_every_cell():
+    import random
+
+    from looped_spec.tuner import PLAIN_EVERY, repeat_order, runs_per_repeat
+
+    cells = [(k, d) for k in (1, 2, 3, 5) for d in (1, 2, 3)]
+    order = repeat_order(cells, random.Random(3))
+    assert sorted(c for c in order if c[0]) == sorted(cells) and len(order) == runs_per_repeat(len(cells))
+    assert order[0] == order[-1] == (0, 0)
+    at = [n for n, c in enumerate(order) if c == (0, 0)]
+    gaps = [b - a - 1 for a, b in zip(at, at[1:])]
+    assert max(gaps) <= PLAIN_EVERY  # at most PLAIN_EVERY cells between two plain runs
+
+
+def test_drift_correction_recovers_cost_ratios_under_machine_drift():
+    """Synthetic repeat: the machine's speed drifts run by run (x0.7 .. x1.4); each run's rounds carry their
+    configuration's true cost times the drift. Corrected by the plain runs around it, every cell's ratio to plain
+    comes back to within the drift's change between neighbouring runs, where the raw best runs are off by up to
+    the drift's whole range."""
+    import random
+
+    from looped_spec.tuner import TimedRound, drift_correct, repeat_order, run_cost
+
+    true = {(0, 0): 1.0, (1, 1): 1.7, (2, 1): 2.1, (3, 2): 2.9, (1, 3): 1.6, (4, 3): 4.3}
+    rng = random.Random(0)
+    samples = {c: [] for c in true}
+    for _ in range(5):
+        order = repeat_order([c for c in true if c[0]], rng)
+        drift = [1.0]
+        for _ in order[1:]:
+            drift.append(min(max(drift[-1] * rng.uniform(0.9, 1.1), 0.7), 1.4))  # slow wander
+        runs = [[TimedRound(true[c] * f * 1e-3, 50.0)] * 8 for c, f in zip(order, drift)]
+        for c, run, g in zip(order, runs, drift_correct(order, runs, 1e-3)):
+            samples[c].append([TimedRound(r.seconds * g, r.context) for r in run])
+    plain = run_cost([[r.seconds for r in run] for run in samples[(0, 0)]])[0]
+    for cell, want in true.items():
+        got = run_cost([[r.seconds for r in run] for run in samples[cell]])[0] / plain
+        assert abs(got / want - 1.0) < 0.08, (cell, got, want)
+
+
+def test_acceptance_variants_add_the_plans_uneven_text_needs():
+    """The difficulty sweep moves every depth's agreement together; text on which depth 2 agrees far more often
+    than the sweep says (0.9 where depth 1 is at 0.5) wants a d = 2 plan that the sweep of this acceptance never
+    makes fastest. That text's acceptance as a variant puts the plan among the candidates; the sweep's path stays."""
+    from looped_spec.control.derive import BucketModel, derive_bucket, ideal_seconds
+
+    grid = [(k, d) for k in (1, 2, 3, 5) for d in (1, 2, 3)]
+    seconds = ideal_seconds(4, 1, 8.0)
+    alpha, rho = [0.45, 0.6, 0.93, 1.0], [0.0] * 4
+    easy_shallow = ([0.5, 0.9, 0.95, 1.0], [0.0] * 4)
+
+    def chain(model):
+        data, _ = derive_bucket(model, grid, 1)
+        return [(c["k"], c["d"]) for c in data["candidates"]]
+
+    base = chain(BucketModel(alpha, rho, seconds))
+    winner = BucketModel(*easy_shallow, seconds).fastest([(0, 0), *grid], 1.0)
+    assert winner[1] == 2 and winner not in base
+    with_variant = chain(BucketModel(alpha, rho, seconds, [easy_shallow]))
+    assert winner in with_variant and set(base) <= set(with_variant)
+    # the EMA ladder stays usable: the inserted plan's thresholds bracket its own acceptance around its place
+    # in the order (the first version bisected over the whole sweep and gave such plans [0.03, 0.03])
+    data, _ = derive_bucket(BucketModel(alpha, rho, seconds, [easy_shallow]), grid, 1)
+    inserted = next(c for c in data["candidates"] if (c["k"], c["d"]) == winner)
+    assert 0.2 < inserted["theta_down"] <= inserted["theta_up"]
+
+
+def test_acceptance_variants_sample_batches_of_tuning_prompts():
+    from looped_spec.tuner import acceptance_variants
+
+    bits = [[[1, 1, 0, 1], [0, 0, 0, 0], [1, 1, 1, 1]], [[1, 1, 1, 1]] * 3]  # [depth][prompt][position]
+    variants = acceptance_variants(bits, 1, count=20)
+    assert len(variants) == 20 and {v[0][0] for v in variants} == {0.75, 0.0, 1.0}  # each prompt alone
+    assert all(v[0][1] == 1.0 for v in variants)
+    assert acceptance_variants(bits, 3) == []  # a batch of every prompt is the base acceptance itself
+    assert acceptance_variants(bits, 2, seed=4) == acceptance_variants(bits, 2, seed=4)

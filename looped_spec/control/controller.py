@@ -20,6 +20,7 @@ from typing import Any
 
 from looped_spec.control.buckets import BucketTable, compile_buckets
 from looped_spec.control.goodput import GoodputPolicy
+from looped_spec.control.measurement import MeasureSchedule
 from looped_spec.control.policy import CandidatePolicy, Policy
 from looped_spec.control.schema import AdaptiveSpecConfig
 from looped_spec.control.trace import TraceWriter
@@ -27,12 +28,6 @@ from looped_spec.plan import RoundFeedback, SpeculationPlan
 
 POLICIES = ("goodput", "ema")
 DEFAULT_POLICY = "goodput"
-#: With depth measurement on, one speculative round in this many reads out every depth (the counterfactual
-#: agreement the goodput policy learns acceptance from): reading out D−1 extra depths costs 10–30 % of a
-#: round on the tiny models, so measuring every round would cost more than a wrong plan.
-SPEC_MEASURE_EVERY = 16
-#: ... and one plain (K = 0) round in this many, so acceptance keeps being learned while speculation is off.
-PLAIN_MEASURE_EVERY = 32
 #: A batch stays in its bucket while its size is within this factor of the bucket's range (docs/adaptive.md
 #: "bucket hysteresis"), so a batch hovering at an edge neither flips plans every round nor re-enters buckets.
 BUCKET_STICKINESS = 1.25
@@ -130,8 +125,8 @@ class AdaptiveController(BaseController):
     """Per-round (K, d) from a preset: batch size -> bucket -> the policy's current candidate.
 
     `policy`: "goodput" (default, `GoodputPolicy`) or "ema" (the EMA-threshold policy, `CandidatePolicy`).
-    With "goodput" the plans ask the engine for counterfactual per-depth agreement (`measure_depths`), in
-    every `measure_every`-th speculative plan and every `plain_measure_every`-th plain plan.
+    With "goodput" the plans ask the engine for counterfactual per-depth agreement (`measure_depths`) in the
+    rounds `measure` (a `MeasureSchedule`) picks: as often as 1 % of the decode time allows.
     Bucket changes have hysteresis: the batch stays in the current bucket while its size is within
     `BUCKET_STICKINESS` of the bucket's range.
     The preset is checked (or rescaled, depth rule "scale") for `full_depth` and compiled into plain
@@ -162,8 +157,7 @@ class AdaptiveController(BaseController):
             self.policy = GoodputPolicy(
                 buckets, disable, full_depth, acceptance=self.config.acceptance, cost=self.config.cost
             )
-        self.measure_every = SPEC_MEASURE_EVERY
-        self.plain_measure_every = PLAIN_MEASURE_EVERY
+        self.measure = MeasureSchedule()
         self._table = BucketTable(buckets)
         self._bucket = -1  # bucket of the previous plan
         super().__init__(trace_path)
@@ -194,9 +188,7 @@ class AdaptiveController(BaseController):
         plan_id = self._next_id
         self._next_id = plan_id + 1
         k, d, cand = policy.select(bucket, num_running, plan_id, context)
-        # plain rounds measure rarely: while speculation is off it must cost (almost) nothing
-        every = self.measure_every if k > 0 else self.plain_measure_every
-        measure = self.measure_depths and plan_id % every == 0
+        measure = self.measure_depths and self.measure.due(k > 0)
         plan = SpeculationPlan(plan_id, k, d, bucket, cand, measure)
         self.num_plans += 1
         if trace is not None:
@@ -210,6 +202,8 @@ class AdaptiveController(BaseController):
         """Fold in a committed round; updates only the (bucket, candidate) the feedback's plan carried."""
         t0 = perf_counter()
         self.num_observed += 1
+        if feedback.depth_trials:
+            self.measure.observe(feedback.k > 0, feedback.measure_time, feedback.round_time)
         policy = self.policy
         policy.observe(feedback)
         trace = self._trace

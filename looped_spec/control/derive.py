@@ -38,7 +38,10 @@ RULES = {
     "order": (
         "sweep the difficulty h (alpha_d(h) = clamp(1 - h(1 - alpha_d))) from hard (h where every alpha is 0, at "
         "most 64) to easy (1/16), 40 log-spaced points per decade; candidates = plain followed by the options in "
-        "the order they first become the fastest; at most `max_candidates`, cut around the fastest at h = 1"
+        "the order they first become the fastest; then the fastest option of every acceptance variant (the "
+        "tuner's: alpha and rho of random batches of tuning prompts of the bucket's size, whose depths do not "
+        "move together as h moves them), each placed at the h where it comes closest to the fastest; at most "
+        "`max_candidates`, cut around the fastest at h = 1"
     ),
     "initial": "initial_index = the fastest option at h = 1 (the measured acceptance)",
     "thresholds": (
@@ -71,6 +74,9 @@ class BucketModel:
     alpha: Sequence[float]  # [D] measured (or assumed) agreement of depth d with full depth
     rho: Sequence[float]  # [D] persistence of that agreement
     seconds: Callable[[int, int], float]  # (K, d) -> round seconds at this batch (K = 0: plain)
+    # acceptance (alpha, rho per depth) of workloads the bucket may meet (e.g. random batches of tuning prompts):
+    # their fastest options join the candidates
+    variants: Sequence[tuple[Sequence[float], Sequence[float]]] = ()
 
     def alpha_at(self, d: int, h: float) -> float:
         return min(max(1.0 - h * (1.0 - self.alpha[d - 1]), 0.0), 1.0)
@@ -93,6 +99,22 @@ class BucketModel:
             if s > best_speed * (1.0 + 1e-9):
                 best, best_speed = option, s
         return best
+
+
+def _closest_h(model: BucketModel, option: tuple[int, int], options, sweep: Sequence[float]) -> float:
+    """The difficulty of the sweep where `option` comes closest to the fastest option (ties: the harder)."""
+    return max(sweep, key=lambda h: (model.speed(option, h) / model.speed(model.fastest(options, h), h), h))
+
+
+def _variant_winners(model: BucketModel, options, path) -> list[tuple[int, int]]:
+    """Fastest option of each acceptance variant at h = 1 that the sweep's path does not have, in first-seen order."""
+    out: list[tuple[int, int]] = []
+    for alpha, rho in model.variants:
+        variant = BucketModel(alpha, rho, model.seconds)
+        option = variant.fastest(options, 1.0)
+        if option not in path and option not in out:
+            out.append(option)
+    return out
 
 
 def _hardest(model: BucketModel, options: Sequence[tuple[int, int]]) -> float:
@@ -124,7 +146,7 @@ def derive_bucket(
     grid: Sequence[tuple[int, int]],
     batch: float,
     *,
-    max_candidates: int = 6,
+    max_candidates: int = 8,
     margin: float = 0.03,
 ) -> tuple[dict[str, Any], dict[str, Any]]:
     """(bucket data without min/max_batch, decision notes) for one bucket at batch size `batch`."""
@@ -133,13 +155,20 @@ def derive_bucket(
     points = max(2, int(POINTS_PER_DECADE * math.log10(hard / H_EASY)) + 1)
     sweep = {math.exp(math.log(hard) + (math.log(H_EASY) - math.log(hard)) * i / (points - 1)) for i in range(points)}
     path: list[tuple[int, int]] = []
-    for h in sorted(sweep | {1.0}, reverse=True):  # hard -> easy, through the measured acceptance (h = 1)
+    first_h: dict[tuple[int, int], float] = {}
+    levels = sorted(sweep | {1.0}, reverse=True)
+    for h in levels:  # hard -> easy, through the measured acceptance (h = 1)
         option = model.fastest(options, h)
         if option not in path:
             path.append(option)
+            first_h[option] = h
+    for option in _variant_winners(model, options, path):  # placed where they come closest to winning
+        first_h[option] = _closest_h(model, option, options, levels)
+        path.append(option)
+    # plain first, whatever it placed; the rest by place (stable: the sweep's own order where the h ties)
+    path = [(0, 0), *sorted((o for o in path if o != (0, 0)), key=lambda o: -first_h[o])]
+    first_h[(0, 0)] = max(first_h.get((0, 0), hard), *(first_h[o] for o in path[1:]), hard)
     nominal = model.fastest(options, 1.0)
-    if path[0] != (0, 0):
-        path.insert(0, (0, 0))
     spec = path[1:]
     if not spec:  # nothing ever beats plain: keep the most conservative option as the probe target
         spec = [max(options[1:], key=lambda o: model.speed(o, H_EASY))] if len(options) > 1 else []
@@ -149,7 +178,10 @@ def derive_bucket(
         first = min(max(centre - room // 2, 0), len(spec) - room)
         spec = spec[first : first + room]
     chain = [(0, 0), *spec]
-    crossings = [_crossing(model, chain[i], chain[i + 1], hard, H_EASY) for i in range(len(chain) - 1)]
+    # neighbours change places between the difficulties where each was placed (for the sweep's own options
+    # that bracket holds their crossing anyway; it keeps a variant's thresholds in order around its place)
+    placed = [first_h.get(option, hard) for option in chain]
+    crossings = [_crossing(model, chain[i], chain[i + 1], placed[i], placed[i + 1]) for i in range(len(chain) - 1)]
     candidates: list[dict[str, Any]] = [{"k": 0, "d": 0}]
     for i in range(1, len(chain)):
         option = chain[i]

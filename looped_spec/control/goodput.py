@@ -8,7 +8,7 @@ list has no K=0 candidate) it predicts, at the round's actual batch size B,
 (docs/adaptive.md "goodput policy"). The two factors come from different kinds of knowledge:
 - E, the acceptance side, is a property of the model and the text. It is the Markov-chain expectation of
   `acceptance.markov_tokens` with α_d learned online from counterfactual depth agreement (`depth_matches /
-  depth_trials`, all depths at once, measured in a fraction of the rounds, plain rounds included), starting
+  depth_trials`, all depths at once, measured in the rounds `MeasureSchedule` picks, plain rounds included), starting
   from the preset's offline α_d as a prior worth `prior_trials` positions, and the preset's persistence ρ_d.
 - T, the cost side, is a property of the hardware: the preset's measured `CostProfile` when it has one,
   at the round's batch size and, when the profile has context terms, at the batch's mean context (passed
@@ -158,7 +158,7 @@ class GoodputPolicy(Policy):
         measured_depths: bool = True,
         explore_rounds: int = 2,
         hysteresis: float = 0.03,
-        plain_margin: float = 0.10,
+        plain_margin: float = 0.05,
         refine_cost: bool = False,
         reexplore_every: int = 256,
         acceptance_memory: float = 400.0,

@@ -41,6 +41,8 @@ class RoundResult:
     # None: `num_accepted` out of K
     verified_proposed: list[int] | None = None
     verified_accepted: list[int] | None = None
+    # seconds of the round's counterfactual readouts (0 when depths were not measured)
+    measure_time: float = 0.0
 
 
 class SpeculativeRound:
@@ -56,8 +58,17 @@ class SpeculativeRound:
             torch.cuda.synchronize()
 
     def run(self, requests: list[Request], k: list[int], d: int, measure_depths: bool = False) -> RoundResult:
+        """One round: plain decoding when every K is 0, else draft -> verify -> accept; with `measure_depths`
+        the committed positions' counterfactual readouts too (their seconds in `measure_time`)."""
+        before = self.runner.readout_seconds
         if max(k) == 0:
-            return self._plain(requests, measure_depths)
+            result = self._plain(requests, measure_depths)
+        else:
+            result = self._speculative(requests, k, d, measure_depths)
+        result.measure_time = self.runner.readout_seconds - before
+        return result
+
+    def _speculative(self, requests: list[Request], k: list[int], d: int, measure_depths: bool) -> RoundResult:
         # early exit: the target is the early-exit model (exit_round.py); no counterfactual depth readouts then
         # (a token's depth is the rule's)
         exits = any(r.exits_early for r in requests)
