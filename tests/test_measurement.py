@@ -13,27 +13,37 @@ def due_pattern(schedule: MeasureSchedule, speculative: bool, rounds: int) -> li
     return [schedule.due(speculative) for _ in range(rounds)]
 
 
-def test_interval_follows_the_readouts_cost_fraction():
-    s = MeasureSchedule(budget=0.01, min_every=2, max_every=64)
-    assert s.due(False) and s.due(True)  # the first round of each kind is measured, to learn the cost
-    s.observe(False, 0.03, 1.03)  # readouts cost 3 % of the rest of a plain round -> every 3rd plain round
-    s.observe(True, 0.2, 1.2)  # 20 % of a speculative round -> every 20th
-    assert s.every(False) == 3 and s.every(True) == 20
+def test_interval_follows_the_measured_rounds_extra_cost():
+    """A measured round is compared with the median of unmeasured rounds of its own shape (batch size, K, d);
+    the interval is the extra cost fraction over the 1 % budget."""
+    s = MeasureSchedule(budget=0.01, min_every=2, max_every=64, initial_every=8)
+    assert s.due(False) and s.due(True)  # the first round of each kind is measured
+    assert s.every(False) == s.every(True) == 8  # until a cost is known
+    for t in (1.0, 1.02, 0.98, 1.0, 5.0):  # unmeasured plain rounds at B=4 (one stalled)
+        s.observe((4, 0, 0), False, t)
+    s.observe((4, 0, 0), True, 1.03)  # 3 % dearer than the median unmeasured round -> every 3rd plain round
+    assert s.every(False) == 3
     assert due_pattern(s, False, 6) == [False, False, True, False, False, True]
-    assert sum(due_pattern(s, True, 200)) == 10
-    s.observe(False, 0.0001, 1.0)  # nearly free: still not every round
-    s.observe(False, 0.0001, 1.0)
-    assert s.every(False) == 2
-    for _ in range(8):  # the median of the last WINDOW measured rounds: old fractions age out
-        s.observe(True, 5.0, 6.0)
+    for t in (2.0, 2.0, 2.0, 2.0):
+        s.observe((4, 3, 1), False, t)
+    s.observe((8, 3, 1), True, 4.8, 0.8)  # another batch size: never compared; only its readouts' own time counts
+    assert s.every(True) == 20  # 0.8 s of readouts in a 4.8 s round: 20 % of the rest
+    s.observe((4, 3, 1), True, 2.4)  # 20 % dearer than its own shape
+    assert s.every(True) == 20 and sum(due_pattern(s, True, 200)) == 10
+    for _ in range(8):  # the median of the last WINDOW estimates: old ones age out; clamped to max_every
+        s.observe((4, 3, 1), True, 5.0)
     assert s.every(True) == 64
+    for _ in range(8):  # a measured round no dearer than the unmeasured ones: still not every round
+        s.observe((4, 0, 0), True, 0.9)
+    assert s.every(False) == 2
 
 
 def test_fixed_interval_and_bad_settings():
     s = MeasureSchedule(every=1)
-    s.observe(False, 0.5, 1.0)
+    s.observe((1, 0, 0), True, 1.0, 0.5)
     assert all(due_pattern(s, False, 5)) and s.every(True) == 1
-    for bad in ({"budget": 0.0}, {"min_every": 0}, {"min_every": 9, "max_every": 4}, {"every": 0}):
+    bad_settings = ({"budget": 0.0}, {"min_every": 0}, {"min_every": 9, "max_every": 4}, {"initial_every": 99})
+    for bad in (*bad_settings, {"every": 0}):
         with pytest.raises(ValueError):
             MeasureSchedule(**bad)
 

@@ -202,8 +202,9 @@ class AdaptiveController(BaseController):
         """Fold in a committed round; updates only the (bucket, candidate) the feedback's plan carried."""
         t0 = perf_counter()
         self.num_observed += 1
-        if feedback.depth_trials:
-            self.measure.observe(feedback.k > 0, feedback.measure_time, feedback.round_time)
+        if self.measure_depths:
+            shape = (feedback.batch_size, feedback.k, feedback.d if feedback.k > 0 else 0)
+            self.measure.observe(shape, bool(feedback.depth_trials), feedback.round_time, feedback.measure_time)
         policy = self.policy
         policy.observe(feedback)
         trace = self._trace

@@ -37,7 +37,7 @@ per batch size is stored as `reference_context`.
 from __future__ import annotations
 
 from bisect import bisect_left
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 FEATURES = ("d(K+1)", "D-d", "(D-d)(K+1)", "1")
 
@@ -257,18 +257,24 @@ class CostProfile:
         )
 
     def _at(self, values: Sequence[float], batch: int) -> float:
+        return self._interpolate(values.__getitem__, batch)
+
+    def _interpolate(self, value_at: Callable[[int], float], batch: int) -> float:
+        """The value at `batch` from `value_at(i)` at profiled batch size i: linear between the two profiled
+        sizes around it, extrapolated from the last two beyond them (evaluates at most two indices)."""
         sizes = self.batch_sizes
         if len(sizes) == 1:
-            return values[0] * max(batch, 1) / sizes[0] if batch > sizes[0] else values[0]
+            return value_at(0) * max(batch, 1) / sizes[0] if batch > sizes[0] else value_at(0)
         i = bisect_left(sizes, batch)
         if i < len(sizes) and sizes[i] == batch:
-            return values[i]
+            return value_at(i)
         if i == 0:
-            return values[0]
+            return value_at(0)
         i = min(i, len(sizes) - 1)
         b0, b1 = sizes[i - 1], sizes[i]
         w = (batch - b0) / (b1 - b0)
-        return values[i - 1] + w * (values[i] - values[i - 1])
+        v0 = value_at(i - 1)
+        return v0 + w * (value_at(i) - v0)
 
     def terms(self, k: int, d: int, batch: int, context: float | None = None) -> list[float]:
         """The round's predicted seconds split by `FEATURES` (draft loops, verify loops' fixed part, verify
@@ -293,24 +299,25 @@ class CostProfile:
         x = round_features(k, d, self.depth)
         return [sum(c * f for c, f in zip(coef, x)) for coef in self.coefficients]
 
-    def seconds_at_context(self, k: int, d: int, context: float) -> list[float]:
-        """Predicted round seconds of (K, d) (K = 0: plain) at mean context `context`, per profiled batch size.
-
-        Slopes are clamped at 0: a longer context never makes a round cheaper, whatever the fit's noise.
-        """
+    def _seconds_at_context(self, k: int, d: int, context: float, i: int) -> float:
+        """`seconds_at_context(k, d, context)[i]` alone."""
         a_plain, b_plain = self.plain_intercept, self.plain_slope
         a_rows, b_rows = self.intercept_coefficients, self.slope_coefficients
         assert a_plain is not None and b_plain is not None and a_rows is not None and b_rows is not None
         c = max(context, 0.0)
         if k <= 0:
-            return [a + max(b, 0.0) * c for a, b in zip(a_plain, b_plain)]
+            return a_plain[i] + max(b_plain[i], 0.0) * c
         x = round_features(k, d, self.depth)
-        out = []
-        for a_row, b_row in zip(a_rows, b_rows):
-            a = sum(coef * f for coef, f in zip(a_row, x))
-            b = sum(coef * f for coef, f in zip(b_row, x))
-            out.append(a + max(b, 0.0) * c)
-        return out
+        a = sum(coef * f for coef, f in zip(a_rows[i], x))
+        b = sum(coef * f for coef, f in zip(b_rows[i], x))
+        return a + max(b, 0.0) * c
+
+    def seconds_at_context(self, k: int, d: int, context: float) -> list[float]:
+        """Predicted round seconds of (K, d) (K = 0: plain) at mean context `context`, per profiled batch size.
+
+        Slopes are clamped at 0: a longer context never makes a round cheaper, whatever the fit's noise.
+        """
+        return [self._seconds_at_context(k, d, context, i) for i in range(len(self.batch_sizes))]
 
     def predict(self, k: int, d: int, batch: int, context: float | None = None) -> float:
         """Seconds of one round of (K, d) (K = 0: plain) for a batch of `batch` requests (> 0).
@@ -318,8 +325,8 @@ class CostProfile:
         `context`: the batch's mean context (tokens in the KV per request at the round's start). None, or a
         profile without context terms, gives the prediction averaged over the tuning runs' contexts.
         """
-        if context is not None and self.has_context:
-            return max(self._at(self.seconds_at_context(k, d, context), batch), 1e-9)
+        if context is not None and self.has_context:  # per round on the hot path: only the sizes it needs
+            return max(self._interpolate(lambda i: self._seconds_at_context(k, d, context, i), batch), 1e-9)
         if k <= 0:
             return max(self._at(self.plain_seconds, batch), 1e-9)
         return max(self._at(self.spec_seconds_at_profiled(k, d), batch), 1e-9)

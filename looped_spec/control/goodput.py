@@ -158,7 +158,7 @@ class GoodputPolicy(Policy):
         measured_depths: bool = True,
         explore_rounds: int = 2,
         hysteresis: float = 0.03,
-        plain_margin: float = 0.05,
+        plain_margin: float = 0.10,
         refine_cost: bool = False,
         reexplore_every: int = 256,
         acceptance_memory: float = 400.0,

@@ -1,17 +1,21 @@
 """Which rounds take counterfactual depth readouts: as often as a small time budget allows.
 
 The goodput policy learns acceptance from counterfactual readouts (every shallower depth read out on the
-committed positions, docs/adaptive.md "acceptance model"). Their cost is a property of the model: measured on
-this project's CPU, every-round readouts cost 3 % of tiny-ouro's plain rounds, 4–5 % of tiny-nanbeige's and
-20–40 % of tiny-huginn's (its readout runs the coda layers). A fixed interval is wrong for one of them either
-way: every 32nd plain round wastes nothing on Huginn but gives a single stream 2 readouts per 64-token
-generation on Ouro, where every 3rd would cost 1 %.
+committed positions, docs/adaptive.md "acceptance model"). What a measured round costs extra is a property of
+the model and the batch: on this project's CPU, measuring every plain round cost 3 % of tiny-ouro's decode
+time at B = 1 when timed end to end, 4–5 % of tiny-nanbeige's and 20–40 % of tiny-huginn's (its readout runs
+the coda layers). A fixed interval is wrong for one of them either way: every 32nd plain round wastes nothing
+on Huginn but gives a single Ouro stream 2 readouts per 64-token generation.
 
-`MeasureSchedule` keeps, per kind of round (plain, speculative), the cost fraction f = readout seconds /
-(round seconds − readout seconds) of the rounds it measured — the readout seconds are timed inside the round
-(`RoundFeedback.measure_time`), so no two rounds are compared — and measures every ceil(f / budget)-th round
-of that kind (median f of the last `WINDOW` measured rounds; the interval clamped to [min_every, max_every]).
-The first round of each kind is measured, to learn f.
+`MeasureSchedule` estimates, per kind of round (plain, speculative), the extra cost fraction f of a measured
+round and measures every ceil(f / budget)-th round of that kind (median f of the last `WINDOW` estimates; the
+interval clamped to [min_every, max_every]). An estimate compares a measured round's seconds with the median
+of the last unmeasured rounds of the same shape — same batch size, same (K, d) — so timings of different
+batch sizes or plans are never compared; the median keeps one stalled round from moving it. Timing only the
+readouts themselves (`RoundFeedback.measure_time`) undercounts: on tiny-ouro at B = 1 they were a third of
+the measured rounds' extra time, the rest being the comparisons and bookkeeping around them. That timing is
+the fallback, a lower bound, while a shape has no unmeasured rounds to compare with yet. Until the first
+estimate every `initial_every`-th round measures.
 """
 
 from __future__ import annotations
@@ -20,16 +24,21 @@ import math
 import statistics
 from collections import deque
 
-#: Share of decode time the readouts may take (1 %).
+#: Share of decode time the measured rounds may cost extra (1 %).
 MEASURE_BUDGET = 0.01
-#: Measured rounds whose cost fractions are kept per kind.
+#: Cost-fraction estimates kept per kind of round.
 WINDOW = 8
+#: Unmeasured rounds per shape whose median a measured round is compared with (at least BASELINE_MIN of them).
+BASELINE = 16
+BASELINE_MIN = 4
+
+Shape = tuple[int, int, int]  # (batch size, K, d); K = d = 0 for plain rounds
 
 
 class MeasureSchedule:
     """Decides per planned round whether it takes counterfactual readouts (see the module docstring).
 
-    `every`: a fixed interval for both kinds instead (e.g. 1: every round, as tests and the tuner want).
+    `every`: a fixed interval for both kinds instead (e.g. 1: every round, as some tests want).
     """
 
     def __init__(
@@ -37,25 +46,29 @@ class MeasureSchedule:
         budget: float = MEASURE_BUDGET,
         min_every: int = 2,
         max_every: int = 64,
+        initial_every: int = 8,
         every: int | None = None,
     ) -> None:
-        if budget <= 0.0 or not 1 <= min_every <= max_every or (every is not None and every < 1):
-            raise ValueError("need budget > 0, 1 <= min_every <= max_every and every >= 1")
+        if budget <= 0.0 or not 1 <= min_every <= initial_every <= max_every or (every is not None and every < 1):
+            raise ValueError("need budget > 0, 1 <= min_every <= initial_every <= max_every and every >= 1")
         self.budget = budget
-        self.min_every, self.max_every = min_every, max_every
+        self.min_every, self.max_every, self.initial_every = min_every, max_every, initial_every
         self.fixed = every
         self.fractions: dict[bool, deque[float]] = {False: deque(maxlen=WINDOW), True: deque(maxlen=WINDOW)}
         self.since: dict[bool, int | None] = {False: None, True: None}  # rounds since the last measured one
+        self.unmeasured: dict[Shape, deque[float]] = {}  # seconds of recent unmeasured rounds per shape
+        self._every = {False: initial_every, True: initial_every}  # from `fractions`, updated as they come
 
     def every(self, speculative: bool) -> int:
         """Current interval for this kind of round (1 = every round)."""
         if self.fixed is not None:
             return self.fixed
+        return self._every[speculative]
+
+    def _update(self, speculative: bool) -> None:
         kept = self.fractions[speculative]
-        if not kept:
-            return 1
         wanted = math.ceil(statistics.median(kept) / self.budget - 1e-9)
-        return min(max(wanted, self.min_every), self.max_every)
+        self._every[speculative] = min(max(wanted, self.min_every), self.max_every)
 
     def due(self, speculative: bool) -> bool:
         """Called once per planned round of this kind: True when it is to measure."""
@@ -66,8 +79,19 @@ class MeasureSchedule:
         self.since[speculative] = since + 1
         return False
 
-    def observe(self, speculative: bool, measure_time: float, round_time: float) -> None:
-        """A measured round's readout seconds and its total seconds (readouts included)."""
-        rest = round_time - measure_time
-        if measure_time > 0.0 and rest > 0.0:
-            self.fractions[speculative].append(measure_time / rest)
+    def observe(self, shape: Shape, measured: bool, round_time: float, measure_time: float = 0.0) -> None:
+        """A finished round: its shape, whether it measured, its seconds and (measured) its readouts' seconds."""
+        if round_time <= 0.0:
+            return
+        if not measured:
+            self.unmeasured.setdefault(shape, deque(maxlen=BASELINE)).append(round_time)
+            return
+        baseline = self.unmeasured.get(shape)
+        if baseline is not None and len(baseline) >= BASELINE_MIN:
+            fraction = round_time / statistics.median(baseline) - 1.0
+        elif round_time > measure_time > 0.0:
+            fraction = measure_time / (round_time - measure_time)
+        else:
+            return
+        self.fractions[shape[1] > 0].append(max(fraction, 0.0))
+        self._update(shape[1] > 0)
