@@ -395,6 +395,9 @@ def bench_batch(engines, specs, prompts, b: int, args, rng: random.Random, bar) 
             "best_of_ratio": max(x["tokens_per_s"] for x in runs) / max(plain_tps),
             "acceptance": sum(x["accepted_tokens"] for x in runs) / draft if draft else None,
             "tokens_per_round": sum(x["decode_tokens"] for x in runs) / max(sum(x["request_rounds"] for x in runs), 1),
+            # mean share of the batch in a decode round: under speculation requests drift apart and a batch
+            # that started together runs short of requests while its slowest ones finish
+            "batch_fill": sum(x["request_rounds"] for x in runs) / max(b * sum(x["rounds"] for x in runs), 1),
             "plans": sum_plans(runs),
             "control_us_per_round": 1e6 * sum(x["control_s"] for x in runs) / max(sum(x["rounds"] for x in runs), 1),
         }
@@ -439,11 +442,12 @@ def print_batch(b: int, row: dict[str, Any], specs) -> None:
     print(f"A/A (plain-B vs plain): {fmt(row['aa'])}  noise floor +-{100 * noise_floor(row['aa']):.0f}%")
     if "predicted_bucket" in row:
         print(f"  pred = the preset tuner's predicted ratio for bucket {row['predicted_bucket']}")
+    print("  fill = mean share of the batch's requests still decoding in a round (1.00: all, every round)")
     if row["preemptions"]:
         print(f"  warning: {row['preemptions']} KV-cache preemptions; times include recomputation")
     print(
         f"  {'config':<18} {'ratio [min-max]':>20} {'best-of':>7} {'pred':>6} {'accept':>7} {'tok/round':>9} "
-        f"{'ctrl us':>8}  plans"
+        f"{'fill':>5} {'ctrl us':>8}  plans"
     )
     for name, cell in row["configs"].items():
         if name in ("plain", "plain-B"):
@@ -453,7 +457,7 @@ def print_batch(b: int, row: dict[str, Any], specs) -> None:
         pred = f"{cell['predicted_ratio']:.2f}x" if "predicted_ratio" in cell else "-"
         print(
             f"  {name:<18} {fmt(cell['ratio']):>20} {cell['best_of_ratio']:>6.2f}x {pred:>6} {acc:>7} "
-            f"{cell['tokens_per_round']:>9.2f} {cell['control_us_per_round']:>8.0f}  {plans}"
+            f"{cell['tokens_per_round']:>9.2f} {cell['batch_fill']:>5.2f} {cell['control_us_per_round']:>8.0f}  {plans}"
         )
     s = row["summary"]
     if "best_fixed" in s:
