@@ -123,3 +123,27 @@ def test_goodput_without_timings_still_decides_from_acceptance():
     # untimed, a round costs loop steps d(K+1) + (D - d) (plain: D). Per step at alpha_1 = 0.7, alpha_2 = 0.88:
     # plain 1/4 = 0.25, (1, 2): 1.88/6 = 0.31, (4, 1): 2.77/8 = 0.35, (6, 1): 3.06/10 = 0.31
     assert report[0][2] == (4, 1)
+
+
+def test_reexploration_backs_off_while_it_changes_nothing():
+    """Without a cost profile each bucket re-runs its other options every `reexplore_every` rounds to keep their
+    costs current. Where nothing beats plain (zero acceptance) the re-runs change nothing, and the gap doubles
+    each time (up to REEXPLORE_BACKOFF times): over 8000 rounds 5 re-explorations instead of 31."""
+    from looped_spec.control.goodput import REEXPLORE_BACKOFF
+
+    ctl = AdaptiveController(sim_config(), 4, policy="goodput")
+    sim = SyntheticWorkload(4, [0.0, 0.0, 0.0, 1.0], seed=3, **COSTS)
+    speculative = []
+    for r in range(8000):
+        plan = ctl.plan(8)
+        ctl.observe(sim.feedback(plan, 8))
+        if plan.k > 0:
+            speculative.append(r)
+    late = [r for r in speculative if r >= 100]  # after the first exploration
+    policy = ctl.policy
+    assert policy.states[ctl.bucket_for(8)].options[policy.states[ctl.bucket_for(8)].current][0] == 0  # plain
+    base = policy.reexplore_every
+    starts = [r for i, r in enumerate(late) if i == 0 or r - late[i - 1] > 1]
+    # re-explorations start when the gap since the previous one has passed: 256, then gaps of 256, 512, 1024, 2048
+    assert [round(r / base) * base for r in starts] == [base, 2 * base, 4 * base, 8 * base, 16 * base]
+    assert policy.states[ctl.bucket_for(8)].reexplore_gap == REEXPLORE_BACKOFF * base  # capped at 16 x 256

@@ -66,3 +66,5 @@ def test_engine_times_the_readouts_and_sets_the_interval():
     schedule = engine.controller.measure
     kinds = {fb.k > 0 for fb in measured}
     assert all(2 <= schedule.every(kind) <= 64 for kind in kinds)
+    every = engine.controller.stats()["measure_every"]
+    assert every == {"plain": schedule.every(False), "speculative": schedule.every(True)}

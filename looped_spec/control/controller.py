@@ -217,4 +217,6 @@ class AdaptiveController(BaseController):
     def stats(self) -> dict[str, Any]:
         out = super().stats()
         out.update(policy=self.policy_name, model=self.config.model, buckets=self.policy.describe())
+        if self.measure_depths:  # how often rounds take counterfactual readouts now (control/measurement.py)
+            out["measure_every"] = {"plain": self.measure.every(False), "speculative": self.measure.every(True)}
         return out

@@ -27,7 +27,9 @@ list has no K=0 candidate) it predicts, at the round's actual batch size B,
   between rounds of different options (±10–30 %) moved plans more often than profile errors did.
   Without a profile (e.g. the generic preset) T is a `RoundCostModel` fitted online per bucket from
   measured phase times, which needs each option to be tried: each bucket first runs every option
-  `explore_rounds` times round-robin and re-runs the others once every `reexplore_every` rounds.
+  `explore_rounds` times round-robin and re-runs the others once every `reexplore_every` rounds — a gap
+  that doubles (up to `REEXPLORE_BACKOFF` times) each time a re-exploration leaves the plan as it was, so a
+  bucket where nothing beats plain decoding (the random-weight fixture) stops paying for re-runs.
 
 Without counterfactual measurements (``measure_depths=False``) the planned depth's α is estimated from the
 rounds themselves (successes ΣA over trials ΣA + #(requests rejected before K_actual)).
@@ -125,6 +127,8 @@ class GoodputState:
     rounds: int = 0
     next_decision: int = 0
     next_reexplore: int = 0
+    reexplore_gap: int = 0  # rounds until the next re-exploration (doubles while re-runs change nothing)
+    reexplored_from: int = -1  # the plan in use when the last re-exploration started
     switches: int = 0
     predicted: list[float] | None = None  # [O] tokens/s at the last decision
     trial: int = -1  # option run for its cost to be measured (profiled presets), -1: none
@@ -133,6 +137,8 @@ class GoodputState:
     exits: ExitDepths | None = None  # early exit: exit depths of this bucket's committed tokens (control/exits.py)
 
 
+#: A bucket's re-exploration gap grows to at most this multiple of `reexplore_every`.
+REEXPLORE_BACKOFF = 16
 #: Full-shape rounds an option must have run before its measured cost corrects the profile's prediction.
 CORRECTION_MIN_ROUNDS = 8
 #: Rounds per option whose measured ÷ predicted cost ratios are kept (the median of these scales T).
@@ -193,7 +199,7 @@ class GoodputPolicy(Policy):
                 queue = list(range(len(options))) * explore_rounds
                 queue.reverse()
                 st = GoodputState(len(self.states), options, current, queue, RoundCostModel(full_depth, cost_decay))
-                st.next_reexplore = reexplore_every
+                st.next_reexplore = st.reexplore_gap = reexplore_every
             st.exits = ExitDepths(full_depth)
             self.states.append(st)
 
@@ -211,7 +217,11 @@ class GoodputPolicy(Policy):
             st.next_decision = st.rounds + self.buckets[bucket].config.interval
             self._decide(st, max(batch_size, 1), context)
         if self.reexplore_every and st.rounds >= st.next_reexplore:
-            st.next_reexplore = st.rounds + self.reexplore_every
+            unchanged = st.reexplored_from == st.current
+            base = self.reexplore_every
+            st.reexplore_gap = min(2 * st.reexplore_gap, REEXPLORE_BACKOFF * base) if unchanged else base
+            st.reexplored_from = st.current
+            st.next_reexplore = st.rounds + st.reexplore_gap
             st.queue = [o for o in range(len(st.options)) if o != st.current]
         return st.options[st.current]
 
