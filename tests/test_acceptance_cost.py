@@ -181,7 +181,7 @@ def test_goodput_switches_off_when_acceptance_collapses():
     ctl = AdaptiveController(profiled_config([0.9, 0.95, 0.99, 1.0]), 4)
     first = ctl.plan(1)
     assert first.k > 0
-    for _ in range(1000):  # measured rounds (every 2nd..64th) of zero agreement
+    for _ in range(1000):  # measured rounds (every 4th..64th) of zero agreement
         plan = ctl.plan(1)
         matches = [0, 0, 0, plan.k + 1] if plan.measure_depths else []
         trials = [plan.k + 1] * 4 if plan.measure_depths else []
@@ -261,3 +261,21 @@ def test_sampled_plain_rounds_report_the_real_full_depth_agreement():
     matches = sum(fb.depth_matches[-1] for fb in seen)
     trials = sum(fb.depth_trials[-1] for fb in seen)
     assert trials == 29 and matches < trials // 2  # a random-weight model sampled at T=1.5 rarely hits its argmax
+
+
+def test_goodput_decides_every_few_rounds_and_when_the_batch_size_changes():
+    """Deciding every round cost tiny models 2-3 % of a round; the estimates move slowly. Decisions come every
+    max(interval, MIN_DECISION_GAP) rounds of a bucket, and at once when the batch size changes."""
+    from looped_spec.control.goodput import MIN_DECISION_GAP
+
+    ctl = AdaptiveController(profiled_config([0.9, 0.95, 0.99, 1.0]), 4)
+    policy = ctl.policy
+    decided = []
+    decide = policy._decide
+    policy._decide = lambda st, batch, context=None: (decided.append((st.rounds, batch)), decide(st, batch, context))
+    for _ in range(40):
+        ctl.plan(2)
+    gap = max(policy.buckets[ctl.bucket_for(2)].config.interval, MIN_DECISION_GAP)
+    assert [r for r, _ in decided] == list(range(1, 41, gap))
+    ctl.plan(1)  # same bucket, another batch size: decided now
+    assert decided[-1][1] == 1 and len(decided) == len(range(1, 41, gap)) + 1

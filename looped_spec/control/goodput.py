@@ -36,7 +36,9 @@ rounds themselves (successes ΣA over trials ΣA + #(requests rejected before K_
 Acceptance is shared by all buckets (it does not depend on the batch size). A switch needs the best option
 to beat the current one by more than `hysteresis` (relative), or by `plain_margin` to leave plain decoding
 (a wrong speculative plan costs more than a missed small gain): a speculative option is eligible only while its
-prediction beats plain decoding's by `plain_margin`, whichever plan runs. Checked every `interval` rounds.
+prediction beats plain decoding's by `plain_margin`, whichever plan runs. Checked every max(`interval`,
+`MIN_DECISION_GAP`) rounds of a bucket, and at once when the batch size changes: acceptance estimates move
+slowly (they remember ~400 positions), and deciding every round cost tiny models 2–3 % of a round.
 """
 
 from __future__ import annotations
@@ -126,6 +128,7 @@ class GoodputState:
     cost: RoundCostModel | None  # online fit; None when the preset's cost profile is used
     rounds: int = 0
     next_decision: int = 0
+    decided_batch: int = 0  # batch size of the last decision
     next_reexplore: int = 0
     reexplore_gap: int = 0  # rounds until the next re-exploration (doubles while re-runs change nothing)
     reexplored_from: int = -1  # the plan in use when the last re-exploration started
@@ -137,6 +140,8 @@ class GoodputState:
     exits: ExitDepths | None = None  # early exit: exit depths of this bucket's committed tokens (control/exits.py)
 
 
+#: Rounds between two decisions of a bucket at least (a preset's `interval` may ask for more).
+MIN_DECISION_GAP = 8
 #: A bucket's re-exploration gap grows to at most this multiple of `reexplore_every`.
 REEXPLORE_BACKOFF = 16
 #: Full-shape rounds an option must have run before its measured cost corrects the profile's prediction.
@@ -213,8 +218,9 @@ class GoodputPolicy(Policy):
         if st.trial_left > 0:
             st.trial_left -= 1
             return st.options[st.trial]
-        if st.rounds >= st.next_decision:
-            st.next_decision = st.rounds + self.buckets[bucket].config.interval
+        if st.rounds >= st.next_decision or batch_size != st.decided_batch:
+            st.next_decision = st.rounds + max(self.buckets[bucket].config.interval, MIN_DECISION_GAP)
+            st.decided_batch = batch_size
             self._decide(st, max(batch_size, 1), context)
         if self.reexplore_every and st.rounds >= st.next_reexplore:
             unchanged = st.reexplored_from == st.current

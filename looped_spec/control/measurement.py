@@ -44,7 +44,7 @@ class MeasureSchedule:
     def __init__(
         self,
         budget: float = MEASURE_BUDGET,
-        min_every: int = 2,
+        min_every: int = 4,
         max_every: int = 64,
         initial_every: int = 8,
         every: int | None = None,
