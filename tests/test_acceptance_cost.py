@@ -273,9 +273,10 @@ def test_goodput_decides_every_few_rounds_and_when_the_batch_size_changes():
     decided = []
     decide = policy._decide
     policy._decide = lambda st, batch, context=None: (decided.append((st.rounds, batch)), decide(st, batch, context))
-    for _ in range(40):
-        ctl.plan(2)
     gap = max(policy.buckets[ctl.bucket_for(2)].config.interval, MIN_DECISION_GAP)
-    assert [r for r, _ in decided] == list(range(1, 41, gap))
-    ctl.plan(1)  # same bucket, another batch size: decided now
-    assert decided[-1][1] == 1 and len(decided) == len(range(1, 41, gap)) + 1
+    rounds = 4 * gap + 2  # the next scheduled decision is gap - 2 rounds away
+    for _ in range(rounds):
+        ctl.plan(2)
+    assert [r for r, _ in decided] == list(range(1, rounds + 1, gap))
+    ctl.plan(1)  # same bucket, another batch size: decided now, ahead of the schedule
+    assert decided[-1] == (rounds + 1, 1) and len(decided) == len(range(1, rounds + 1, gap)) + 1

@@ -101,9 +101,10 @@ class BucketModel:
         return best
 
 
-def _closest_h(model: BucketModel, option: tuple[int, int], options, sweep: Sequence[float]) -> float:
-    """The difficulty of the sweep where `option` comes closest to the fastest option (ties: the harder)."""
-    return max(sweep, key=lambda h: (model.speed(option, h) / model.speed(model.fastest(options, h), h), h))
+def _closest_h(model: BucketModel, option: tuple[int, int], fastest: dict[float, tuple[int, int]]) -> float:
+    """The difficulty of the sweep (`fastest`: h -> fastest option there) where `option` comes closest to the
+    fastest option (ties: the harder)."""
+    return max(fastest, key=lambda h: (model.speed(option, h) / model.speed(fastest[h], h), h))
 
 
 def _variant_winners(model: BucketModel, options, path) -> list[tuple[int, int]]:
@@ -156,18 +157,18 @@ def derive_bucket(
     sweep = {math.exp(math.log(hard) + (math.log(H_EASY) - math.log(hard)) * i / (points - 1)) for i in range(points)}
     path: list[tuple[int, int]] = []
     first_h: dict[tuple[int, int], float] = {}
-    levels = sorted(sweep | {1.0}, reverse=True)
-    for h in levels:  # hard -> easy, through the measured acceptance (h = 1)
-        option = model.fastest(options, h)
+    # hard -> easy, through the measured acceptance (h = 1)
+    fastest = {h: model.fastest(options, h) for h in sorted(sweep | {1.0}, reverse=True)}
+    for h, option in fastest.items():
         if option not in path:
             path.append(option)
             first_h[option] = h
     for option in _variant_winners(model, options, path):  # placed where they come closest to winning
-        first_h[option] = _closest_h(model, option, options, levels)
+        first_h[option] = _closest_h(model, option, fastest)
         path.append(option)
-    # plain first, whatever it placed; the rest by place (stable: the sweep's own order where the h ties)
+    # plain first, at the hardest place; the rest by place (stable: the sweep's own order where the h ties)
     path = [(0, 0), *sorted((o for o in path if o != (0, 0)), key=lambda o: -first_h[o])]
-    first_h[(0, 0)] = max(first_h.get((0, 0), hard), *(first_h[o] for o in path[1:]), hard)
+    first_h[(0, 0)] = hard
     nominal = model.fastest(options, 1.0)
     spec = path[1:]
     if not spec:  # nothing ever beats plain: keep the most conservative option as the probe target
