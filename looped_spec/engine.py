@@ -276,7 +276,9 @@ class LoopedSpecEngine:
                 self.stats.phase_seconds["prefill"] += time.perf_counter() - t0
             return
         t0 = time.perf_counter()
-        plan = self.controller.plan(len(batch.requests), mean_context(batch.requests))
+        # with nothing waiting a finished request's slot stays empty: the controller may price draining the batch
+        remaining = None if self.scheduler.waiting else [r.remaining_budget for r in batch.requests]
+        plan = self.controller.plan(len(batch.requests), mean_context(batch.requests), remaining)
         # a request whose exit rule reads out through attention (Huginn's "kl") cannot be verified position by
         # position inside one pass (exit_round.py): it decodes plainly (K = 0) within the round
         wants = [0 if self._exit_rule_reads_kv(r) else plan.k for r in batch.requests]

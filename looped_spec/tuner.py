@@ -36,7 +36,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from looped_spec.control.acceptance import bit_statistics, markov_tokens, simulate_tokens
+from looped_spec.control.acceptance import bit_statistics, markov_tokens, prompt_spread, simulate_tokens
 from looped_spec.control.costprofile import CONTEXT_FIELDS, CostProfile, nondecreasing
 from looped_spec.control.derive import RULES, BucketModel, bucket_ranges, derive_buckets
 from looped_spec.control.presets import AdaptiveSpecConfig
@@ -104,6 +104,7 @@ def acceptance_report(bits: list[list[list[int]]], grid: Sequence[tuple[int, int
     return {
         "alpha": [round(s[0], 4) for s in stats],
         "rho": [round(s[1], 4) for s in stats],
+        "spread": [round(min(prompt_spread(b), 0.5), 4) for b in bits],
         "positions": stats[0][2] if stats else 0,
         "cells": cells,
     }
@@ -582,7 +583,12 @@ def tune(
         "depth_rule": "exact",
         "buckets": buckets,
         "disable": disable,
-        "acceptance": {"alpha": accept["alpha"], "rho": accept["rho"], "positions": accept["positions"]},
+        "acceptance": {
+            "alpha": accept["alpha"],
+            "rho": accept["rho"],
+            "positions": accept["positions"],
+            "spread": accept["spread"],
+        },
         "cost": {k: _rounded(v) for k, v in profile.to_dict().items()},
         "provenance": report,
     }

@@ -163,7 +163,7 @@ def test_goodput_speculates_only_while_a_prediction_clears_the_margin_over_plain
     assert [o[:2] for o in policy.states[0].options] == [(0, 0), (1, 1), (3, 1), (2, 2), (5, 1)]
     assert policy.plain_margin == pytest.approx(0.10) and policy.hysteresis == pytest.approx(0.03)
     predicted = [100.0, 108.0, 105.0, 90.0, 80.0]  # tokens/s per option
-    policy.rates = lambda st, batch, context=None: list(predicted)
+    policy.rates = lambda st, batch, context=None, remaining=None: list(predicted)
 
     def plans(n=40):
         return {(p.k, p.d) for p in (ctl.plan(1) for _ in range(n))}
@@ -272,7 +272,10 @@ def test_goodput_decides_every_few_rounds_and_when_the_batch_size_changes():
     policy = ctl.policy
     decided = []
     decide = policy._decide
-    policy._decide = lambda st, batch, context=None: (decided.append((st.rounds, batch)), decide(st, batch, context))
+    policy._decide = lambda st, batch, context=None, remaining=None: (
+        decided.append((st.rounds, batch)),
+        decide(st, batch, context, remaining),
+    )
     gap = max(policy.buckets[ctl.bucket_for(2)].config.interval, MIN_DECISION_GAP)
     rounds = 4 * gap + 2  # the next scheduled decision is gap - 2 rounds away
     for _ in range(rounds):

@@ -264,10 +264,12 @@ class RecordingController(OffController):
     def __init__(self) -> None:
         super().__init__()
         self.calls: list[tuple[int, float | None]] = []
+        self.remaining: list[list[int] | None] = []
 
-    def plan(self, num_running: int, context: float | None = None):
+    def plan(self, num_running: int, context: float | None = None, remaining=None):
         self.calls.append((num_running, context))
-        return super().plan(num_running, context)
+        self.remaining.append(None if remaining is None else list(remaining))
+        return super().plan(num_running, context, remaining)
 
 
 def test_engine_passes_the_batch_mean_context_to_the_controller():
@@ -285,9 +287,9 @@ def test_engine_context_reaches_the_goodput_policy():
     seen = []
     select = policy.select
 
-    def record(bucket, batch_size, plan_id, context=None):
+    def record(bucket, batch_size, plan_id, context=None, remaining=None):
         seen.append((batch_size, context))
-        return select(bucket, batch_size, plan_id, context)
+        return select(bucket, batch_size, plan_id, context, remaining)
 
     policy.select = record
     engine.generate([[5, 6, 7], [8, 9, 10, 11, 12]], SamplingParams(max_tokens=6, ignore_eos=True))

@@ -1,8 +1,8 @@
 """Adaptive-speculation control: presets (data), policies (EMA thresholds, goodput) and controllers.
 
-Per round the engine calls ``plan = controller.plan(num_running, context)`` (context: the batch's mean
-tokens in the KV per request), runs the plan, commits, then
-``controller.observe(feedback)``. Everything here is pure logic (no model code, no torch).
+Per round the engine calls ``plan = controller.plan(num_running, context, remaining)`` (context: the batch's
+mean tokens in the KV per request; remaining: the requests' token budgets left, when nothing waits), runs the
+plan, commits, then ``controller.observe(feedback)``. Everything here is pure logic (no model code, no torch).
 
 Exported here is what a user of presets and controllers needs: the preset schema, reading and choosing
 presets, and the three controllers. The parts behind them (policies, acceptance and cost models, the

@@ -89,6 +89,16 @@ def bit_statistics(bits: Sequence[Sequence[int]]) -> tuple[float, float, int]:
     return alpha, min(max(rho, 0.0), 1.0), total
 
 
+def prompt_spread(bits: Sequence[Sequence[int]]) -> float:
+    """Standard deviation over sequences of each sequence's own agreement (sequences without positions skipped):
+    the text-to-text spread the drain pricing of `control/drain.py` spreads requests by."""
+    means = [sum(seq) / len(seq) for seq in bits if seq]
+    if len(means) < 2:
+        return 0.0
+    mean = sum(means) / len(means)
+    return (sum((m - mean) ** 2 for m in means) / len(means)) ** 0.5
+
+
 class AcceptanceModel:
     """alpha and rho per draft depth 1..D; `tokens(k, d)` is the expected committed tokens per round."""
 

@@ -1,7 +1,10 @@
-"""Controllers the engine drives once per round: ``plan = c.plan(num_running, context)`` ... ``c.observe(feedback)``.
+"""Controllers the engine drives once per round: ``plan = c.plan(num_running, context, remaining)`` ...
+``c.observe(feedback)``.
 
 `context` is the batch's mean context (tokens already in the KV per request at the round's start), or None
-when unknown; only the goodput policy with a context-aware cost profile uses it.
+when unknown; only the goodput policy with a context-aware cost profile uses it. `remaining` are the running
+requests' token budgets left, passed only when no request waits; the goodput policy then prices plans by the
+time to drain them (control/drain.py).
 
 - `AdaptiveController`: batch size -> preset bucket -> the policy's candidate -> `SpeculationPlan`.
 - `FixedController(k, d)`: always the same (K, d) (``speculation=SpeculativeConfig(k, d)``).
@@ -14,6 +17,7 @@ plan, feedback and decision to a JSONL trace (`trace_path`, flushed by `close()`
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 from time import perf_counter
 from typing import Any
@@ -46,7 +50,9 @@ class BaseController:
         self._next_id = 0
         self._trace = TraceWriter(trace_path) if trace_path is not None else None
 
-    def plan(self, num_running: int, context: float | None = None) -> SpeculationPlan:
+    def plan(
+        self, num_running: int, context: float | None = None, remaining: Sequence[int] | None = None
+    ) -> SpeculationPlan:
         raise NotImplementedError
 
     def observe(self, feedback: RoundFeedback) -> None:
@@ -101,7 +107,9 @@ class FixedController(BaseController):
         """Every (K, d) this controller can hand out (K = 0 included), for sizing CUDA-graph capture."""
         return sorted({(0, 0), (self.k, self.d)})
 
-    def plan(self, num_running: int, context: float | None = None) -> SpeculationPlan:
+    def plan(
+        self, num_running: int, context: float | None = None, remaining: Sequence[int] | None = None
+    ) -> SpeculationPlan:
         t0 = perf_counter()
         plan = SpeculationPlan(self._next_id, self.k, self.d, measure_depths=self.measure_depths)
         self._next_id += 1
@@ -173,8 +181,13 @@ class AdaptiveController(BaseController):
             shapes.update((c.k, c.d) for c in bucket.candidates if c.k > 0)
         return sorted(shapes)
 
-    def plan(self, num_running: int, context: float | None = None) -> SpeculationPlan:
-        """The plan for this round (batch of `num_running` requests at mean `context`); fixed until its feedback."""
+    def plan(
+        self, num_running: int, context: float | None = None, remaining: Sequence[int] | None = None
+    ) -> SpeculationPlan:
+        """The plan for this round (batch of `num_running` requests at mean `context`); fixed until its feedback.
+
+        `remaining`: the running requests' token budgets left, passed when no request waits (control/drain.py).
+        """
         t0 = perf_counter()
         policy = self.policy
         trace = self._trace
@@ -187,7 +200,7 @@ class AdaptiveController(BaseController):
             self._bucket = bucket
         plan_id = self._next_id
         self._next_id = plan_id + 1
-        k, d, cand = policy.select(bucket, num_running, plan_id, context)
+        k, d, cand = policy.select(bucket, num_running, plan_id, context, remaining)
         measure = self.measure_depths and self.measure.due(k > 0)
         plan = SpeculationPlan(plan_id, k, d, bucket, cand, measure)
         self.num_plans += 1

@@ -31,6 +31,10 @@ list has no K=0 candidate) it predicts, at the round's actual batch size B,
   that doubles (up to `REEXPLORE_BACKOFF` times) each time a re-exploration leaves the plan as it was, so a
   bucket where nothing beats plain decoding (the random-weight fixture) stops paying for re-runs.
 
+When no request waits (the engine passes the running requests' budgets left) and the preset measured the
+text-to-text spread of acceptance, every option's price is scaled by the time to drain the batch
+(control/drain.py): speculation spreads requests of one batch apart, and a batch nobody refills runs short.
+
 Without counterfactual measurements (``measure_depths=False``) the planned depth's α is estimated from the
 rounds themselves (successes ΣA over trials ΣA + #(requests rejected before K_actual)).
 Acceptance is shared by all buckets (it does not depend on the batch size). A switch needs the best option
@@ -45,12 +49,16 @@ from __future__ import annotations
 
 import statistics
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+
+import numpy as np
 
 from looped_spec.control.acceptance import markov_tokens
 from looped_spec.control.buckets import CompiledBucket
 from looped_spec.control.costmodel import RoundCostModel
 from looped_spec.control.costprofile import CostProfile
+from looped_spec.control.drain import drain_factor, request_rates
 from looped_spec.control.exits import ExitDepths
 from looped_spec.control.policy import Policy
 from looped_spec.control.schema import AcceptanceConfig, CostConfig, DisableConfig
@@ -138,6 +146,7 @@ class GoodputState:
     trial_left: int = 0  # rounds of the trial still to run
     tried: set[int] = field(default_factory=set)  # options whose cost trial has run
     exits: ExitDepths | None = None  # early exit: exit depths of this bucket's committed tokens (control/exits.py)
+    drained: bool = False  # the last decision priced the options by draining the running requests
 
 
 #: Rounds between two decisions of a bucket at least (a preset's `interval` may ask for more).
@@ -188,6 +197,9 @@ class GoodputPolicy(Policy):
             full_depth, acceptance_memory, prior, prior_trials if prior else 0.0, from_rounds=not measured_depths
         )
         self.rho = list(acceptance.rho) if acceptance is not None else [0.0] * full_depth  # [D]
+        # [D] text-to-text spread of agreement; with a cost profile it prices plans by draining (control/drain.py)
+        self.spread = list(acceptance.spread) if acceptance is not None and acceptance.spread is not None else None
+        self._cost_tables: dict[tuple[int, int], np.ndarray] = {}  # (k, d) -> [n] profile seconds, n = 0..
         self.profile = CostProfile(full_depth, **cost.model_dump()) if cost else None
         self.context: float | None = None  # mean context of the round last planned (prices its feedback)
         self.reexplore_every = 0 if self.profile is not None else reexplore_every
@@ -208,7 +220,14 @@ class GoodputPolicy(Policy):
             st.exits = ExitDepths(full_depth)
             self.states.append(st)
 
-    def select(self, bucket: int, batch_size: int, plan_id: int, context: float | None = None) -> tuple[int, int, int]:
+    def select(
+        self,
+        bucket: int,
+        batch_size: int,
+        plan_id: int,
+        context: float | None = None,
+        remaining: Sequence[int] | None = None,
+    ) -> tuple[int, int, int]:
         st = self.states[bucket]
         self.last_event = None
         self.context = context
@@ -221,7 +240,7 @@ class GoodputPolicy(Policy):
         if st.rounds >= st.next_decision or batch_size != st.decided_batch:
             st.next_decision = st.rounds + max(self.buckets[bucket].config.interval, MIN_DECISION_GAP)
             st.decided_batch = batch_size
-            self._decide(st, max(batch_size, 1), context)
+            self._decide(st, max(batch_size, 1), context, remaining)
         if self.reexplore_every and st.rounds >= st.next_reexplore:
             unchanged = st.reexplored_from == st.current
             base = self.reexplore_every
@@ -231,8 +250,10 @@ class GoodputPolicy(Policy):
             st.queue = [o for o in range(len(st.options)) if o != st.current]
         return st.options[st.current]
 
-    def _decide(self, st: GoodputState, batch_size: int, context: float | None = None) -> None:
-        rates = self.rates(st, batch_size, context)
+    def _decide(
+        self, st: GoodputState, batch_size: int, context: float | None = None, remaining: Sequence[int] | None = None
+    ) -> None:
+        rates = self.rates(st, batch_size, context, remaining)
         st.predicted = rates
         eligible = self._eligible(st, rates)
         best = max(eligible, key=rates.__getitem__)
@@ -288,11 +309,35 @@ class GoodputPolicy(Policy):
         (with early exit, drafts that exit within d always pass: `ExitDepths.effective_alpha`)."""
         if k <= 0:
             return 1.0
+        return markov_tokens(self._alpha(d, exits), self.rho[d - 1], k)
+
+    def _alpha(self, d: int, exits: ExitDepths | None) -> float:
         alpha = self.acceptance.alpha(d)
         alpha = self.prior_alpha if alpha is None else alpha
         if exits is not None and exits.seen:
             alpha = exits.effective_alpha(alpha, d)
-        return markov_tokens(alpha, self.rho[d - 1], k)
+        return alpha
+
+    def _drain_factor(self, k: int, d: int, tokens: float, remaining: Sequence[int], exits: ExitDepths | None) -> float:
+        """Drain-priced ÷ per-round-priced tokens/s of (K, d) for requests with `remaining` budgets."""
+        assert self.spread is not None and self.profile is not None
+        if k > 0:
+            alpha = self._alpha(d, exits)
+            rates = request_rates(alpha, self.spread[d - 1], self.rho[d - 1], k)
+        else:
+            rates = request_rates(1.0, 0.0, 0.0, 0)
+        return drain_factor(remaining, rates, tokens, self._cost_table(k, d, len(remaining)))
+
+    def _cost_table(self, k: int, d: int, batch: int) -> np.ndarray:
+        """[≥ batch+1] profile seconds of one (K, d) round with n = 0.. requests (context-free; cached)."""
+        key = (k, d if k else 0)
+        table = self._cost_tables.get(key)
+        if table is None or table.shape[0] <= batch:
+            assert self.profile is not None
+            size = max(batch + 1, 2 * (table.shape[0] if table is not None else 0))
+            table = np.array([0.0] + [self.profile.predict(k, key[1], n) for n in range(1, size)])
+            self._cost_tables[key] = table
+        return table
 
     def cost_factors(self, bucket: int) -> dict[tuple[int, int], float]:
         """Median measured ÷ profile round time of every option of `bucket` with enough full-shape rounds."""
@@ -302,10 +347,18 @@ class GoodputPolicy(Policy):
             if b == bucket and len(ratios) >= CORRECTION_MIN_ROUNDS
         }
 
-    def rates(self, st: GoodputState, batch_size: int, context: float | None = None) -> list[float]:
+    def rates(
+        self,
+        st: GoodputState,
+        batch_size: int,
+        context: float | None = None,
+        remaining: Sequence[int] | None = None,
+    ) -> list[float]:
         """Predicted committed tokens/s of every option of a bucket at `batch_size` and mean `context`.
 
         The context matters only with a context-aware profile; None prices at the tuning runs' contexts.
+        `remaining` (the running requests' budgets left, given when nothing waits) prices every option by the
+        time to drain them (control/drain.py) when the preset measured the acceptance spread.
         """
         out = []
         if st.cost is None:
@@ -313,11 +366,18 @@ class GoodputPolicy(Policy):
             factors = self.cost_factors(st.index)
             default = factors.get((0, 0), statistics.median(factors.values()) if factors else 1.0)
             exits = st.exits if st.exits is not None and st.exits.seen else None
+            drain = self.spread is not None and remaining is not None and len(remaining) > 1
+            st.drained = drain
             for k, d, _ in st.options:
                 seconds = self.profile.predict(k, d, batch_size, context) * factors.get((k, d), default)
                 if exits is not None:  # skip mode: the loops early exit saves
                     seconds *= exits.cost_factor(self.profile, k, d, batch_size, context)
-                out.append(batch_size * self.tokens(k, d, exits) / seconds)
+                tokens = self.tokens(k, d, exits)
+                rate = batch_size * tokens / seconds
+                if drain:
+                    assert remaining is not None
+                    rate *= self._drain_factor(k, d, tokens, remaining, exits)
+                out.append(rate)
             return out
         for k, d, _ in st.options:  # the online cost model measures rounds as they run, exits included
             out.append(batch_size * self.tokens(k, d, st.exits) / st.cost.predict(k, d, batch_size))
@@ -370,6 +430,7 @@ class GoodputPolicy(Policy):
                     "switches": st.switches,
                     "options": [list(o) for o in st.options],
                     "predicted_tokens_per_s": st.predicted,
+                    "drain_priced": st.drained,
                     "alpha": [self.acceptance.alpha(j) for j in range(1, self.full_depth + 1)],
                     "cost": "profile" if st.cost is None else "online",
                     "cost_factors": {f"{k},{d}": round(v, 3) for (k, d), v in self.cost_factors(st.index).items()},

@@ -29,6 +29,7 @@ leaves and re-enters it: acceptance does not change with the batch size, so re-e
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from looped_spec.control.buckets import CompiledBucket
@@ -45,11 +46,20 @@ class Policy:
     name = "base"
     last_event: str | None = None
 
-    def select(self, bucket: int, batch_size: int, plan_id: int, context: float | None = None) -> tuple[int, int, int]:
+    def select(
+        self,
+        bucket: int,
+        batch_size: int,
+        plan_id: int,
+        context: float | None = None,
+        remaining: Sequence[int] | None = None,
+    ) -> tuple[int, int, int]:
         """(k, d, candidate index) for this round in `bucket`.
 
         `context`: the batch's mean context (tokens in the KV per request at the round's start), or None when
-        unknown; a policy whose predictions do not depend on it ignores it.
+        unknown; `remaining`: the running requests' token budgets left when no request waits (a finished
+        request's slot will not be refilled), else None. A policy whose predictions do not depend on them
+        ignores them.
         """
         raise NotImplementedError
 
@@ -120,8 +130,15 @@ class CandidatePolicy(Policy):
         return st
 
     # ------------------------------------------------------------------ plan time
-    def select(self, bucket: int, batch_size: int, plan_id: int, context: float | None = None) -> tuple[int, int, int]:
-        # acceptance thresholds do not depend on the context: `context` is ignored
+    def select(
+        self,
+        bucket: int,
+        batch_size: int,
+        plan_id: int,
+        context: float | None = None,
+        remaining: Sequence[int] | None = None,
+    ) -> tuple[int, int, int]:
+        # acceptance thresholds depend on neither the context nor the budgets left: both are ignored
         b = self.buckets[bucket]
         st = self.states[bucket]
         self.last_event = None

@@ -110,11 +110,16 @@ class AcceptanceConfig(BaseModel):
     """[D] lag-1 persistence of those agreements (0: independent positions)."""
     positions: int = Field(default=0, ge=0)
     """Generated positions the numbers were measured on (0: assumed, not measured)."""
+    spread: list[Annotated[float, Field(ge=0.0, le=0.5)]] | None = None
+    """[D] standard deviation over the tuning prompts of each prompt's own agreement at depth d: how far apart
+    texts pull requests under speculation (control/drain.py); None: not measured, no drain pricing."""
 
     @model_validator(mode="after")
     def _lengths(self) -> AcceptanceConfig:
         if len(self.alpha) != len(self.rho):
             raise ValueError(f"alpha has {len(self.alpha)} depths but rho has {len(self.rho)}")
+        if self.spread is not None and len(self.spread) != len(self.alpha):
+            raise ValueError(f"spread has {len(self.spread)} depths but alpha has {len(self.alpha)}")
         if not self.alpha:
             raise ValueError("alpha: at least one depth is required")
         return self
