@@ -161,19 +161,19 @@ def test_goodput_speculates_only_while_a_prediction_clears_the_margin_over_plain
     ctl = AdaptiveController(profiled_config([0.9, 0.95, 0.99, 1.0]), 4)
     policy = ctl.policy
     assert [o[:2] for o in policy.states[0].options] == [(0, 0), (1, 1), (3, 1), (2, 2), (5, 1)]
-    assert policy.plain_margin == pytest.approx(0.10) and policy.hysteresis == pytest.approx(0.03)
-    predicted = [100.0, 108.0, 105.0, 90.0, 80.0]  # tokens/s per option
+    assert policy.plain_margin == pytest.approx(0.05) and policy.hysteresis == pytest.approx(0.03)
+    predicted = [100.0, 104.0, 102.5, 90.0, 80.0]  # tokens/s per option
     policy.rates = lambda st, batch, context=None, remaining=None: list(predicted)
 
     def plans(n=40):
         return {(p.k, p.d) for p in (ctl.plan(1) for _ in range(n))}
 
-    assert plans() == {(0, 0)}  # the best speculative option is 8 % over plain: not enough to start
-    predicted[1] = 115.0
-    assert (1, 1) in plans() and plans() == {(1, 1)}  # 15 % over plain: speculate
-    predicted[1], predicted[2] = 108.5, 109.0  # (1, 1) keeps its place down to 1.1 * 0.97 = 1.067x plain;
-    assert plans() == {(1, 1)}  # (3, 1) is 0.5 % better but not eligible (under 1.10x plain)
-    predicted[1] = 105.0  # in use, but under the hold bar: (3, 1) at 1.09x is not eligible either
+    assert plans() == {(0, 0)}  # the best speculative option is 4 % over plain: not enough to start
+    predicted[1] = 108.0
+    assert (1, 1) in plans() and plans() == {(1, 1)}  # 8 % over plain: speculate
+    predicted[1], predicted[2] = 104.0, 104.5  # (1, 1) keeps its place down to 1.05 * 0.97 = 1.0185x plain;
+    assert plans() == {(1, 1)}  # (3, 1) is 0.5 % better but not eligible (under 1.05x plain)
+    predicted[1] = 101.0  # in use, but under the hold bar: (3, 1) at 1.045x is not eligible either
     assert (0, 0) in plans() and plans() == {(0, 0)}  # -> plain, not the other speculative option
 
 

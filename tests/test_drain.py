@@ -94,6 +94,10 @@ def test_goodput_prices_draining_only_when_nothing_waits():
     # a single request, or a preset without a measured spread, is priced per round
     assert AdaptiveController(drain_config([0.25, 0.2, 0.1, 0.0]), 4).plan(1, None, [64]).k == 3
     assert AdaptiveController(drain_config(None), 4).plan(8, None, [64] * 8).k == 3
+    # an option under plain's bar per round is left unpriced (draining would only lower it further)
+    low = AdaptiveController(drain_config([0.25, 0.2, 0.1, 0.0], alpha=(0.3, 0.9, 0.95, 1.0)), 4).policy
+    per_round, drained = low.rates(low.states[0], 8), low.rates(low.states[0], 8, None, [64] * 8)
+    assert per_round[1] < per_round[0] and drained == per_round
 
 
 def test_spread_must_have_one_entry_per_depth():

@@ -178,7 +178,7 @@ class GoodputPolicy(Policy):
         measured_depths: bool = True,
         explore_rounds: int = 2,
         hysteresis: float = 0.03,
-        plain_margin: float = 0.10,
+        plain_margin: float = 0.05,
         refine_cost: bool = False,
         reexplore_every: int = 256,
         acceptance_memory: float = 400.0,
@@ -368,16 +368,26 @@ class GoodputPolicy(Policy):
             exits = st.exits if st.exits is not None and st.exits.seen else None
             drain = self.spread is not None and remaining is not None and len(remaining) > 1
             st.drained = drain
+            tokens = []
             for k, d, _ in st.options:
                 seconds = self.profile.predict(k, d, batch_size, context) * factors.get((k, d), default)
                 if exits is not None:  # skip mode: the loops early exit saves
                     seconds *= exits.cost_factor(self.profile, k, d, batch_size, context)
-                tokens = self.tokens(k, d, exits)
-                rate = batch_size * tokens / seconds
-                if drain:
-                    assert remaining is not None
-                    rate *= self._drain_factor(k, d, tokens, remaining, exits)
-                out.append(rate)
+                tokens.append(self.tokens(k, d, exits))
+                out.append(batch_size * tokens[-1] / seconds)
+            if drain:
+                assert remaining is not None
+                plain = []
+                for o, (k, _, _) in enumerate(st.options):
+                    if k == 0:
+                        out[o] *= self._drain_factor(0, 0, 1.0, remaining, None)
+                        plain.append(out[o])
+                # draining does not make a plan cheaper than in lockstep (a round costs no less than its share of a
+                # full one): a speculative option under plain's eligibility bar per round stays under it, unpriced
+                floor = plain[0] * (1.0 + self.plain_margin) * (1.0 - self.hysteresis) if plain else 0.0
+                for o, (k, d, _) in enumerate(st.options):
+                    if k > 0 and out[o] > floor:
+                        out[o] *= self._drain_factor(k, d, tokens[o], remaining, exits)
             return out
         for k, d, _ in st.options:  # the online cost model measures rounds as they run, exits included
             out.append(batch_size * self.tokens(k, d, st.exits) / st.cost.predict(k, d, batch_size))
