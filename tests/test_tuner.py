@@ -236,8 +236,12 @@ def test_cli_tune_cost_from_reuses_a_measured_profile(tmp_path, capsys):
     base = ["tune", "--model", str(fixture_dir("ouro")), "--grid", GRID, *TINY]
     assert main([*base, "--out", str(first)]) == 0
     assert main([*base, "--out", str(second), "--cost-from", str(first)]) == 0
+    again = tmp_path / "again.json"
+    assert main([*base, "--out", str(again), "--cost-from", str(first)]) == 0
     a, b = read_preset_file(first), read_preset_file(second)
-    assert a.acceptance == b.acceptance and a.buckets == b.buckets
+    # the same profile gives the same preset; not necessarily the first run's buckets: the written profile is
+    # rounded and its context terms refit, which can move a crossing threshold in its last digit
+    assert a.acceptance == b.acceptance and b.buckets == read_preset_file(again).buckets
     averaged = ("batch_sizes", "plain_seconds", "coefficients")
     assert all(getattr(a.cost, f) == getattr(b.cost, f) for f in averaged)
     # the context terms are fitted again from the report's per-cell lines (rounded there: 1 us, 4 digits)
