@@ -147,3 +147,35 @@ def test_reexploration_backs_off_while_it_changes_nothing():
     # re-explorations start when the gap since the previous one has passed: 256, then gaps of 256, 512, 1024, 2048
     assert [round(r / base) * base for r in starts] == [base, 2 * base, 4 * base, 8 * base, 16 * base]
     assert policy.states[ctl.bucket_for(8)].reexplore_gap == REEXPLORE_BACKOFF * base  # capped at 16 x 256
+
+
+def test_goodput_learns_each_plans_own_committed_tokens():
+    """E of the plan that runs comes from its rounds (Markov expectation as a 32-round prior); requests cut
+    below K near their end and early-exit rounds are left out; a plan that commits less than predicted is left."""
+    from test_acceptance_cost import profiled_config
+
+    from looped_spec.control.acceptance import markov_tokens
+    from looped_spec.control.goodput import REALIZED_PRIOR
+
+    ctl = AdaptiveController(profiled_config([0.9, 0.95, 0.99, 1.0]), 4)
+    policy = ctl.policy
+    first = ctl.plan(1)
+    k, d = first.k, first.d
+    assert k > 0
+    expected = markov_tokens(0.9 if d == 1 else 0.95, 0.0, k)
+    assert policy.tokens(k, d) == pytest.approx(expected)
+    fb = RoundFeedback(first.plan_id, k, d, first.bucket, first.candidate, 3, [k, k, k - 1], [k, 0, 0])
+    ctl.observe(fb)  # full-K requests commit k + 1 and 1 token; the third drafted k - 1: not counted
+    assert policy.tokens(k, d) == pytest.approx((expected * REALIZED_PRIOR + k + 2) / (REALIZED_PRIOR + 2))
+    before = list(policy.realized[(k, d)])
+    ctl.observe(RoundFeedback(1, k, d, 0, first.candidate, 1, [k], [0], exit_depths=[4]))  # early exit: ExitDepths'
+    assert policy.realized[(k, d)] == before
+    # the plan keeps rejecting its first draft (one token per round; no readouts, so α_d does not move):
+    # only its own rounds can tell, and they make the policy leave it
+    for _ in range(200):
+        plan = ctl.plan(1)
+        if (plan.k, plan.d) != (k, d):
+            break
+        ctl.observe(RoundFeedback(plan.plan_id, plan.k, plan.d, plan.bucket, plan.candidate, 1, [plan.k], [0]))
+    assert (plan.k, plan.d) != (k, d)
+    assert policy.tokens(k, d) < 0.9 * expected  # left as soon as another plan was predicted 3 % better

@@ -9,7 +9,9 @@ list has no K=0 candidate) it predicts, at the round's actual batch size B,
 - E, the acceptance side, is a property of the model and the text. It is the Markov-chain expectation of
   `acceptance.markov_tokens` with α_d learned online from counterfactual depth agreement (`depth_matches /
   depth_trials`, all depths at once, measured in the rounds `MeasureSchedule` picks, plain rounds included), starting
-  from the preset's offline α_d as a prior worth `prior_trials` positions, and the preset's persistence ρ_d.
+  from the preset's offline α_d as a prior worth `prior_trials` positions, and the preset's persistence ρ_d. For a
+  plan that has run, that expectation is a prior worth `REALIZED_PRIOR` request-rounds against the tokens its own
+  full-K rounds committed (discounted, `REALIZED_MEMORY`): a direct measurement of E on this text.
 - T, the cost side, is a property of the hardware: the preset's measured `CostProfile` when it has one,
   at the round's batch size and, when the profile has context terms, at the batch's mean context (passed
   by the engine through `select`; round cost grows with the context, plain and speculative rounds at
@@ -157,6 +159,10 @@ REEXPLORE_BACKOFF = 16
 CORRECTION_MIN_ROUNDS = 8
 #: Rounds per option whose measured ÷ predicted cost ratios are kept (the median of these scales T).
 CORRECTION_WINDOW = 32
+#: Request-rounds of an option's own committed tokens its expected tokens per round remembers (discounted).
+REALIZED_MEMORY = 256.0
+#: The Markov expectation counts as this many request-rounds against an option's realized tokens per round.
+REALIZED_PRIOR = 32.0
 #: An option whose cost was never measured but whose predicted tokens/s is at least this fraction of the best
 #: gets one trial of CORRECTION_MIN_ROUNDS + 2 rounds, so a plan the profile over-prices is found too.
 TRIAL_WITHIN = 0.75
@@ -200,6 +206,8 @@ class GoodputPolicy(Policy):
         # [D] text-to-text spread of agreement; with a cost profile it prices plans by draining (control/drain.py)
         self.spread = list(acceptance.spread) if acceptance is not None and acceptance.spread is not None else None
         self._cost_tables: dict[tuple[int, int], np.ndarray] = {}  # (k, d) -> [n] profile seconds, n = 0..
+        # (k, d) -> [discounted committed tokens, discounted request-rounds] of full-K rounds that plan ran
+        self.realized: dict[tuple[int, int], list[float]] = {}
         self.profile = CostProfile(full_depth, **cost.model_dump()) if cost else None
         self.context: float | None = None  # mean context of the round last planned (prices its feedback)
         self.reexplore_every = 0 if self.profile is not None else reexplore_every
@@ -309,7 +317,34 @@ class GoodputPolicy(Policy):
         (with early exit, drafts that exit within d always pass: `ExitDepths.effective_alpha`)."""
         if k <= 0:
             return 1.0
-        return markov_tokens(self._alpha(d, exits), self.rho[d - 1], k)
+        expected = markov_tokens(self._alpha(d, exits), self.rho[d - 1], k)
+        seen = self.realized.get((k, d)) if exits is None else None
+        if seen is None:
+            return expected
+        # what the plan itself committed on this text, with the model's expectation as a prior
+        return (expected * REALIZED_PRIOR + seen[0]) / (REALIZED_PRIOR + seen[1])
+
+    def _observe_realized(self, fb: RoundFeedback) -> None:
+        """Fold in the committed tokens of a speculative round's requests that drafted the plan's full K.
+
+        A direct measurement of E for the plan that runs (greedy or not, measured round or not): the Markov
+        expectation from α_d and the preset's ρ_d misjudges texts whose persistence differs, and α_d learned
+        from a few readouts per generation can sit a few points off for long. Rounds with early exit are left
+        to `ExitDepths` (their drafts that exit within d pass unverified).
+        """
+        if fb.k <= 0 or fb.exit_depths:
+            return
+        tokens = rounds = 0
+        for accepted, proposed in zip(fb.num_accepted, fb.num_proposed):
+            if proposed == fb.k:
+                tokens += accepted + 1
+                rounds += 1
+        if not rounds:
+            return
+        seen = self.realized.setdefault((fb.k, fb.d), [0.0, 0.0])
+        keep = REALIZED_MEMORY / (REALIZED_MEMORY + rounds)
+        seen[0] = keep * seen[0] + tokens
+        seen[1] = keep * seen[1] + rounds
 
     def _alpha(self, d: int, exits: ExitDepths | None) -> float:
         alpha = self.acceptance.alpha(d)
@@ -324,6 +359,8 @@ class GoodputPolicy(Policy):
         if k > 0:
             alpha = self._alpha(d, exits)
             rates = request_rates(alpha, self.spread[d - 1], self.rho[d - 1], k)
+            scale = tokens / markov_tokens(alpha, self.rho[d - 1], k)  # realized tokens move every slice alike
+            rates = [min(r * scale, k + 1.0) for r in rates]
         else:
             rates = request_rates(1.0, 0.0, 0.0, 0)
         return drain_factor(remaining, rates, tokens, self._cost_table(k, d, len(remaining)))
@@ -396,6 +433,7 @@ class GoodputPolicy(Policy):
     def observe(self, fb: RoundFeedback) -> None:
         self.last_event = None
         self.acceptance.observe(fb)
+        self._observe_realized(fb)
         if self.profile is not None and self.refine_cost:
             self._observe_cost(fb)
         if 0 <= fb.bucket < len(self.states):
