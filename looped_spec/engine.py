@@ -277,7 +277,8 @@ class LoopedSpecEngine:
             return
         t0 = time.perf_counter()
         # with nothing waiting a finished request's slot stays empty: the controller may price draining the batch
-        remaining = None if self.scheduler.waiting else [r.remaining_budget for r in batch.requests]
+        drains = self.controller.uses_budgets and not self.scheduler.waiting
+        remaining = [r.remaining_budget for r in batch.requests] if drains else None
         plan = self.controller.plan(len(batch.requests), mean_context(batch.requests), remaining)
         # a request whose exit rule reads out through attention (Huginn's "kl") cannot be verified position by
         # position inside one pass (exit_round.py): it decodes plainly (K = 0) within the round

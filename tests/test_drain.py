@@ -88,12 +88,13 @@ def test_goodput_prices_draining_only_when_nothing_waits():
     assert drained[0] == pytest.approx(per_round[0])  # plain with equal budgets stays in step
     assert drained[1] < 1.05 * drained[0]  # ... drained, requests of different texts spread apart: it does not
     assert ctl.plan(8, None, [64] * 8).k == 0
-    assert ctl.stats()["buckets"][0]["drain_priced"] is True
+    assert ctl.stats()["buckets"][0]["drain_priced"] is True and ctl.uses_budgets
     fresh = AdaptiveController(drain_config([0.25, 0.2, 0.1, 0.0]), 4)
     assert fresh.plan(8).k == 3  # requests wait (no budgets passed): slots are refilled, per-round pricing
     # a single request, or a preset without a measured spread, is priced per round
     assert AdaptiveController(drain_config([0.25, 0.2, 0.1, 0.0]), 4).plan(1, None, [64]).k == 3
     assert AdaptiveController(drain_config(None), 4).plan(8, None, [64] * 8).k == 3
+    assert not AdaptiveController(drain_config(None), 4).uses_budgets  # the engine builds no budgets for it
     # an option under plain's bar per round is left unpriced (draining would only lower it further)
     low = AdaptiveController(drain_config([0.25, 0.2, 0.1, 0.0], alpha=(0.3, 0.9, 0.95, 1.0)), 4).policy
     per_round, drained = low.rates(low.states[0], 8), low.rates(low.states[0], 8, None, [64] * 8)
@@ -108,6 +109,8 @@ def test_spread_must_have_one_entry_per_depth():
 
 
 class BudgetRecorder(OffController):
+    uses_budgets = True
+
     def __init__(self) -> None:
         super().__init__()
         self.seen: list[list[int] | None] = []

@@ -41,6 +41,8 @@ class BaseController:
     """Shared bookkeeping: plan ids, overhead timing, trace, `stats()` and `close()`."""
 
     name = "base"
+    #: Whether `plan` reads `remaining` (the engine builds that list each round only for a controller that does).
+    uses_budgets = False
 
     def __init__(self, trace_path: str | Path | None = None) -> None:
         self.overhead_seconds = 0.0
@@ -166,6 +168,7 @@ class AdaptiveController(BaseController):
                 buckets, disable, full_depth, acceptance=self.config.acceptance, cost=self.config.cost
             )
         self.measure = MeasureSchedule()
+        self.uses_budgets = isinstance(self.policy, GoodputPolicy) and self.policy.prices_draining
         self._table = BucketTable(buckets)
         self._bucket = -1  # bucket of the previous plan
         super().__init__(trace_path)

@@ -228,6 +228,11 @@ class GoodputPolicy(Policy):
             st.exits = ExitDepths(full_depth)
             self.states.append(st)
 
+    @property
+    def prices_draining(self) -> bool:
+        """Whether budgets left change prices: a measured acceptance spread and a cost profile."""
+        return self.spread is not None and self.profile is not None
+
     def select(
         self,
         bucket: int,
@@ -403,7 +408,7 @@ class GoodputPolicy(Policy):
             factors = self.cost_factors(st.index)
             default = factors.get((0, 0), statistics.median(factors.values()) if factors else 1.0)
             exits = st.exits if st.exits is not None and st.exits.seen else None
-            drain = self.spread is not None and remaining is not None and len(remaining) > 1
+            drain = self.prices_draining and remaining is not None and len(remaining) > 1
             st.drained = drain
             tokens = []
             for k, d, _ in st.options:
