@@ -150,12 +150,13 @@ def test_reexploration_backs_off_while_it_changes_nothing():
 
 
 def test_goodput_learns_each_plans_own_committed_tokens():
-    """E of the plan that runs comes from its rounds (Markov expectation as a 32-round prior); requests cut
-    below K near their end and early-exit rounds are left out; a plan that commits less than predicted is left."""
+    """E of the plan that runs comes from its rounds (Markov expectation as a 32-round prior) once it has run
+    REALIZED_MIN full-K request-rounds (fewer are a few neighbouring positions of one text); requests cut below
+    K near their end and early-exit rounds are left out; a plan that commits less than predicted is left."""
     from test_acceptance_cost import profiled_config
 
     from looped_spec.control.acceptance import markov_tokens
-    from looped_spec.control.goodput import REALIZED_PRIOR
+    from looped_spec.control.goodput import REALIZED_MEMORY, REALIZED_MIN, REALIZED_PRIOR
 
     ctl = AdaptiveController(profiled_config([0.9, 0.95, 0.99, 1.0]), 4)
     policy = ctl.policy
@@ -166,7 +167,15 @@ def test_goodput_learns_each_plans_own_committed_tokens():
     assert policy.tokens(k, d) == pytest.approx(expected)
     fb = RoundFeedback(first.plan_id, k, d, first.bucket, first.candidate, 3, [k, k, k - 1], [k, 0, 0])
     ctl.observe(fb)  # full-K requests commit k + 1 and 1 token; the third drafted k - 1: not counted
-    assert policy.tokens(k, d) == pytest.approx((expected * REALIZED_PRIOR + k + 2) / (REALIZED_PRIOR + 2))
+    assert policy.realized[(k, d)] == [k + 2, 2]
+    assert policy.tokens(k, d) == pytest.approx(expected)  # 2 request-rounds: not yet evidence
+    tokens, rounds = float(k + 2), 2.0
+    while rounds < REALIZED_MIN:  # rounds of 4 requests, each committing one token
+        ctl.observe(RoundFeedback(first.plan_id, k, d, first.bucket, first.candidate, 4, [k] * 4, [0] * 4))
+        keep = REALIZED_MEMORY / (REALIZED_MEMORY + 4)
+        tokens, rounds = keep * tokens + 4, keep * rounds + 4
+    assert policy.realized[(k, d)] == pytest.approx([tokens, rounds])
+    assert policy.tokens(k, d) == pytest.approx((expected * REALIZED_PRIOR + tokens) / (REALIZED_PRIOR + rounds))
     before = list(policy.realized[(k, d)])
     ctl.observe(RoundFeedback(1, k, d, 0, first.candidate, 1, [k], [0], exit_depths=[4]))  # early exit: ExitDepths'
     assert policy.realized[(k, d)] == before
@@ -179,3 +188,31 @@ def test_goodput_learns_each_plans_own_committed_tokens():
         ctl.observe(RoundFeedback(plan.plan_id, plan.k, plan.d, plan.bucket, plan.candidate, 1, [plan.k], [0]))
     assert (plan.k, plan.d) != (k, d)
     assert policy.tokens(k, d) < 0.9 * expected  # left as soon as another plan was predicted 3 % better
+
+
+def test_goodput_measures_every_round_while_its_acceptance_is_young():
+    """For its first YOUNG_ROUNDS rounds, or until YOUNG_POSITIONS positions were read out if sooner, the
+    controller asks for readouts at the young budget (every round while their cost is unknown); then at the
+    schedule's normal interval."""
+    from test_acceptance_cost import profiled_config
+
+    from looped_spec.control.goodput import YOUNG_POSITIONS, YOUNG_ROUNDS
+
+    def rounds_young(positions_per_round: int) -> int:
+        ctl = AdaptiveController(profiled_config([0.9, 0.95, 0.99, 1.0]), 4)
+        rounds = 0
+        while ctl.policy.acceptance_young:
+            plan = ctl.plan(4)
+            assert plan.measure_depths
+            n = positions_per_round
+            ctl.observe(
+                RoundFeedback(plan.plan_id, plan.k, plan.d, plan.bucket, plan.candidate, 4, [plan.k] * 4,
+                              [plan.k] * 4, depth_matches=[n] * 4, depth_trials=[n] * 4)
+            )  # fmt: skip
+            rounds += 1
+        measured = sum(ctl.plan(4).measure_depths for _ in range(400))
+        assert 400 / 12 < measured < 400 / 4  # then initial_every = 8, jittered
+        return rounds
+
+    assert rounds_young(1) == YOUNG_ROUNDS  # few positions per round: the round limit ends it
+    assert rounds_young(32) == YOUNG_POSITIONS // 32  # many: the positions do

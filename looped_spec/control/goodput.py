@@ -88,7 +88,7 @@ class DepthAcceptance:
     roughly the last `memory` trials of each depth whatever the batch size.
     """
 
-    __slots__ = ("matches", "trials", "memory", "from_rounds")
+    __slots__ = ("matches", "trials", "memory", "from_rounds", "positions")
 
     def __init__(
         self,
@@ -103,6 +103,7 @@ class DepthAcceptance:
         self.trials = [prior_trials] * full_depth  # [D]
         self.memory = memory
         self.from_rounds = from_rounds  # estimate the planned depth from rounds without counterfactuals
+        self.positions = 0  # positions measured so far (not discounted, prior excluded)
 
     def _add(self, j: int, matches: float, trials: float) -> None:
         g = self.memory / (self.memory + trials)
@@ -111,6 +112,7 @@ class DepthAcceptance:
 
     def observe(self, fb: RoundFeedback) -> None:
         if fb.depth_trials:
+            self.positions += max(fb.depth_trials)
             for j in range(min(len(self.trials), len(fb.depth_trials))):
                 if fb.depth_trials[j]:
                     self._add(j, fb.depth_matches[j], fb.depth_trials[j])
@@ -119,6 +121,7 @@ class DepthAcceptance:
             accepted = sum(fb.num_accepted)
             rejected = sum(1 for a, k in zip(fb.num_accepted, fb.num_proposed) if a < k)
             if accepted + rejected:
+                self.positions += accepted + rejected
                 self._add(fb.d - 1, accepted, accepted + rejected)
 
     def alpha(self, d: int) -> float | None:
@@ -163,6 +166,15 @@ CORRECTION_WINDOW = 32
 REALIZED_MEMORY = 256.0
 #: The Markov expectation counts as this many request-rounds against an option's realized tokens per round.
 REALIZED_PRIOR = 32.0
+#: An option's realized tokens count once it has run this many full-K request-rounds: fewer are a few
+#: neighbouring positions of one text (tiny-ouro, B = 1: (3, 1) dropped after 5 rounds of a hard stretch
+#: committing 1.6 tokens per round, where the whole text commits 2.5).
+REALIZED_MIN = 32.0
+#: Acceptance is young (rounds measure at `MeasureSchedule`'s young budget, 5 % instead of 1 %) for the first
+#: YOUNG_ROUNDS rounds the policy sees, or until YOUNG_POSITIONS positions were read out if that comes first:
+#: the prior is the tuning text's, ~0.1 off on other texts (tiny-ouro α₁: 0.61 tuned, 0.70 on the eval group).
+YOUNG_ROUNDS = 64
+YOUNG_POSITIONS = 256
 #: An option whose cost was never measured but whose predicted tokens/s is at least this fraction of the best
 #: gets one trial of CORRECTION_MIN_ROUNDS + 2 rounds, so a plan the profile over-prices is found too.
 TRIAL_WITHIN = 0.75
@@ -210,6 +222,7 @@ class GoodputPolicy(Policy):
         self.realized: dict[tuple[int, int], list[float]] = {}
         self.profile = CostProfile(full_depth, **cost.model_dump()) if cost else None
         self.context: float | None = None  # mean context of the round last planned (prices its feedback)
+        self.rounds_seen = 0  # rounds observed (the young phase: `acceptance_young`)
         self.reexplore_every = 0 if self.profile is not None else reexplore_every
         self.cost_ratios: dict[tuple[int, int, int], deque[float]] = {}  # (bucket, k, d) -> measured / profile
         self.states: list[GoodputState] = []
@@ -227,6 +240,12 @@ class GoodputPolicy(Policy):
                 st.next_reexplore = st.reexplore_gap = reexplore_every
             st.exits = ExitDepths(full_depth)
             self.states.append(st)
+
+    @property
+    def acceptance_young(self) -> bool:
+        """Whether acceptance is young: fewer than `YOUNG_ROUNDS` rounds seen and `YOUNG_POSITIONS` positions
+        read out (measure more)."""
+        return self.rounds_seen < YOUNG_ROUNDS and self.acceptance.positions < YOUNG_POSITIONS
 
     @property
     def prices_draining(self) -> bool:
@@ -324,7 +343,7 @@ class GoodputPolicy(Policy):
             return 1.0
         expected = markov_tokens(self._alpha(d, exits), self.rho[d - 1], k)
         seen = self.realized.get((k, d)) if exits is None else None
-        if seen is None:
+        if seen is None or seen[1] < REALIZED_MIN:
             return expected
         # what the plan itself committed on this text, with the model's expectation as a prior
         return (expected * REALIZED_PRIOR + seen[0]) / (REALIZED_PRIOR + seen[1])
@@ -437,6 +456,7 @@ class GoodputPolicy(Policy):
 
     def observe(self, fb: RoundFeedback) -> None:
         self.last_event = None
+        self.rounds_seen += 1
         self.acceptance.observe(fb)
         self._observe_realized(fb)
         if self.profile is not None and self.refine_cost:

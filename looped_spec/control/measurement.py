@@ -16,16 +16,35 @@ readouts themselves (`RoundFeedback.measure_time`) undercounts: on tiny-ouro at 
 the measured rounds' extra time, the rest being the comparisons and bookkeeping around them. That timing is
 the fallback, a lower bound, while a shape has no unmeasured rounds to compare with yet. Until the first
 estimate every `initial_every`-th round measures.
+
+Gaps are jittered: after a measured round the next gap is drawn uniformly from every·[0.5, 1.5) (mean
+`every`; seeded, so a run is reproducible). A fixed gap samples fixed positions of a generation: a prompt
+decoded again (a benchmark's repeats; a client retrying) is read out at the same few positions every time,
+and acceptance learned from them stays as far off as those positions happen to be — on tiny-ouro's first
+evaluation prompt 0.68 after 8 generations against the text's 0.75.
+
+While the policy's acceptance estimate is young (`due(..., young=True)`: its first rounds, when its prior —
+the tuning text's acceptance — still weighs), the budget is `young_budget` (5 %) where a measured round costs
+at most `young_max_fraction` (10 %) extra: a wrong early plan costs more than such readouts. On tiny-ouro at
+B = 1 that is every round (α₁ within 0.03 of the text's after one 64-token generation instead of eight).
+Where readouts are dear (tiny-huginn, 20–40 % of a round) the interval stays the budget's: every 6th round
+at 5 % would cost more than the few points of α it gains there. The policy bounds the young phase
+(goodput: 64 rounds), so its extra cost is bounded too.
 """
 
 from __future__ import annotations
 
 import math
+import random
 import statistics
 from collections import deque
 
 #: Share of decode time the measured rounds may cost extra (1 %).
 MEASURE_BUDGET = 0.01
+#: Share of decode time measured rounds may cost extra while the policy's acceptance estimate is young (5 %),
+#: where a measured round costs at most YOUNG_MAX_FRACTION extra (10 %).
+YOUNG_BUDGET = 0.05
+YOUNG_MAX_FRACTION = 0.10
 #: Cost-fraction estimates kept per kind of round.
 WINDOW = 8
 #: Unmeasured rounds per shape whose median a measured round is compared with (at least BASELINE_MIN of them).
@@ -48,33 +67,50 @@ class MeasureSchedule:
         max_every: int = 64,
         initial_every: int = 8,
         every: int | None = None,
+        young_budget: float = YOUNG_BUDGET,
+        young_max_fraction: float = YOUNG_MAX_FRACTION,
+        seed: int = 0,
     ) -> None:
-        if budget <= 0.0 or not 1 <= min_every <= initial_every <= max_every or (every is not None and every < 1):
-            raise ValueError("need budget > 0, 1 <= min_every <= initial_every <= max_every and every >= 1")
-        self.budget = budget
+        if budget <= 0.0 or young_budget < budget:
+            raise ValueError("need budget > 0 and young_budget >= budget")
+        if not 1 <= min_every <= initial_every <= max_every or (every is not None and every < 1):
+            raise ValueError("need 1 <= min_every <= initial_every <= max_every and every >= 1")
+        self.budget, self.young_budget, self.young_max_fraction = budget, young_budget, young_max_fraction
         self.min_every, self.max_every, self.initial_every = min_every, max_every, initial_every
         self.fixed = every
         self.fractions: dict[bool, deque[float]] = {False: deque(maxlen=WINDOW), True: deque(maxlen=WINDOW)}
         self.since: dict[bool, int | None] = {False: None, True: None}  # rounds since the last measured one
         self.unmeasured: dict[Shape, deque[float]] = {}  # seconds of recent unmeasured rounds per shape
         self._every = {False: initial_every, True: initial_every}  # from `fractions`, updated as they come
+        self._young_every = {False: 1, True: 1}  # the same at `young_budget` (floor 1) where readouts are cheap
+        self._rng = random.Random(seed)
+        self._jitter = {False: 0.0, True: 0.0}  # uniform draw of the current gap, in [0, 1)
 
-    def every(self, speculative: bool) -> int:
-        """Current interval for this kind of round (1 = every round)."""
+    def every(self, speculative: bool, young: bool = False) -> int:
+        """Current mean interval for this kind of round (1 = every round)."""
         if self.fixed is not None:
             return self.fixed
-        return self._every[speculative]
+        return self._young_every[speculative] if young else self._every[speculative]
 
     def _update(self, speculative: bool) -> None:
-        kept = self.fractions[speculative]
-        wanted = math.ceil(statistics.median(kept) / self.budget - 1e-9)
-        self._every[speculative] = min(max(wanted, self.min_every), self.max_every)
+        fraction = statistics.median(self.fractions[speculative])
+        wanted = math.ceil(fraction / self.budget - 1e-9)
+        self._every[speculative] = every = min(max(wanted, self.min_every), self.max_every)
+        young = min(max(math.ceil(fraction / self.young_budget - 1e-9), 1), every)
+        self._young_every[speculative] = young if fraction <= self.young_max_fraction else every
 
-    def due(self, speculative: bool) -> bool:
-        """Called once per planned round of this kind: True when it is to measure."""
+    def due(self, speculative: bool, young: bool = False) -> bool:
+        """Called once per planned round of this kind: True when it is to measure.
+
+        The gap after a measured round is max(1, round(every·(0.5 + u))) for a uniform u drawn then and the
+        interval current now, so a change of interval (an estimate, the end of the young phase) applies at once.
+        """
         since = self.since[speculative]
-        if since is None or since + 1 >= self.every(speculative):
+        every = self.every(speculative, young)
+        gap = every if self.fixed is not None else max(1, round(every * (0.5 + self._jitter[speculative])))
+        if since is None or since + 1 >= gap:
             self.since[speculative] = 0
+            self._jitter[speculative] = self._rng.random()
             return True
         self.since[speculative] = since + 1
         return False

@@ -45,6 +45,8 @@ class Policy:
 
     name = "base"
     last_event: str | None = None
+    #: A policy learning acceptance from readouts sets this while its estimate rests on few of them.
+    acceptance_young: bool = False
 
     def select(
         self,
