@@ -24,7 +24,7 @@ from looped_spec.kv_cache import KVCache
 from looped_spec.model_adapter import ModelAdapter, load_adapter
 from looped_spec.model_runner import ModelRunner
 from looped_spec.plan import RoundFeedback, SpeculationPlan
-from looped_spec.request import Request, RequestOutput, RequestStatus, ScheduledBatch, mean_context
+from looped_spec.request import Request, RequestOutput, RequestStatus, ScheduledBatch, is_static, mean_context
 from looped_spec.sampler import SamplingRows, sample
 from looped_spec.sampling_params import SamplingParams
 from looped_spec.scheduler import Scheduler
@@ -271,13 +271,17 @@ class LoopedSpecEngine:
                     None if all(e is None for e in exit_depths) else [[] if e is None else [e] for e in exit_depths]
                 )
                 self._commit(batch.requests, tokens, chunk_lens=batch.chunk_lens, exit_depths=depths)
+                for request in batch.requests:
+                    request.admitted_round = self.stats.num_rounds
                 self.stats.num_prefill_steps += 1
                 self.stats.num_prompt_tokens += sum(batch.chunk_lens)
                 self.stats.phase_seconds["prefill"] += time.perf_counter() - t0
             return
         t0 = time.perf_counter()
-        # with nothing waiting a finished request's slot stays empty: the controller may price draining the batch
-        drains = self.controller.uses_budgets and not self.scheduler.waiting
+        # a static batch (admitted together, nothing waiting) is not refilled as its requests finish: the
+        # controller may price draining it. A batch that took a request in while decoding is open (a server):
+        # what finishes now is likely refilled, even when the queue is empty this instant
+        drains = self.controller.uses_budgets and not self.scheduler.waiting and is_static(batch.requests)
         remaining = [r.remaining_budget for r in batch.requests] if drains else None
         plan = self.controller.plan(len(batch.requests), mean_context(batch.requests), remaining)
         # a request whose exit rule reads out through attention (Huginn's "kl") cannot be verified position by

@@ -265,7 +265,8 @@ def test_sampled_plain_rounds_report_the_real_full_depth_agreement():
 
 def test_goodput_decides_every_few_rounds_and_when_the_batch_size_changes():
     """Deciding every round cost tiny models 2-3 % of a round; the estimates move slowly. Decisions come every
-    max(interval, MIN_DECISION_GAP) rounds of a bucket, and at once when the batch size changes."""
+    max(interval, MIN_DECISION_GAP) rounds of a bucket, and at once when the batch size moves by an eighth
+    (at least 1)."""
     from looped_spec.control.goodput import MIN_DECISION_GAP
 
     ctl = AdaptiveController(profiled_config([0.9, 0.95, 0.99, 1.0]), 4)

@@ -134,3 +134,20 @@ def test_tuner_reports_the_spread_of_per_prompt_agreement():
     report = acceptance_report(bits, [(1, 1)])
     assert report["spread"][0] == pytest.approx(statistics.pstdev([0.75, 1 / 3, 1.0]), abs=1e-4)
     assert report["spread"][1] == 0.0
+
+
+def test_engine_passes_no_budgets_to_a_batch_that_took_a_request_in_while_decoding():
+    """A static batch (admitted together) is drain-priced; once a request joins while others decode, the batch
+    is open - a server's - and is priced per round even when nothing waits; a batch of one is static."""
+    engine = make_engine("ouro", max_batch_size=4)
+    engine.controller = recorder = BudgetRecorder()
+    params = SamplingParams(max_tokens=6, ignore_eos=True)
+    engine.add_request([5, 6, 7], params)
+    engine.add_request([8, 9, 10, 11], params)
+    for _ in range(3):  # prefill, then two decode rounds of the pair
+        engine.step()
+    engine.add_request([1, 2, 3], SamplingParams(max_tokens=8, ignore_eos=True))
+    while engine.has_unfinished_requests():
+        engine.step()
+    # the pair: 5 and 4 tokens left; with the newcomer (open): three rounds unpriced; then the newcomer alone
+    assert recorder.seen == [[5, 5], [4, 4], None, None, None, [4], [3], [2], [1]]

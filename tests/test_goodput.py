@@ -152,7 +152,8 @@ def test_reexploration_backs_off_while_it_changes_nothing():
 def test_goodput_learns_each_plans_own_committed_tokens():
     """E of the plan that runs comes from its rounds (Markov expectation as a 32-round prior) once it has run
     REALIZED_MIN full-K request-rounds (fewer are a few neighbouring positions of one text); requests cut below
-    K near their end and early-exit rounds are left out; a plan that commits less than predicted is left."""
+    K near their end and early-exit rounds are left out; every plan's tokens fade with the positions committed
+    since (REALIZED_MEMORY, any plan's); a plan that commits less than predicted is left."""
     from test_acceptance_cost import profiled_config
 
     from looped_spec.control.acceptance import markov_tokens
@@ -178,7 +179,12 @@ def test_goodput_learns_each_plans_own_committed_tokens():
     assert policy.tokens(k, d) == pytest.approx((expected * REALIZED_PRIOR + tokens) / (REALIZED_PRIOR + rounds))
     before = list(policy.realized[(k, d)])
     ctl.observe(RoundFeedback(1, k, d, 0, first.candidate, 1, [k], [0], exit_depths=[4]))  # early exit: ExitDepths'
-    assert policy.realized[(k, d)] == before
+    fade = REALIZED_MEMORY / (REALIZED_MEMORY + 1)  # ... but its committed token is text the memory moves past
+    assert policy.realized[(k, d)] == pytest.approx([fade * x for x in before])
+    before = list(policy.realized[(k, d)])
+    ctl.observe(RoundFeedback(2, 0, 0, 0, -1, 8, [0] * 8, [0] * 8))  # plain rounds: every plan's tokens fade too
+    fade = REALIZED_MEMORY / (REALIZED_MEMORY + 8)
+    assert policy.realized[(k, d)] == pytest.approx([fade * x for x in before])
     # the plan keeps rejecting its first draft (one token per round; no readouts, so α_d does not move):
     # only its own rounds can tell, and they make the policy leave it
     for _ in range(200):
@@ -216,3 +222,24 @@ def test_goodput_measures_every_round_while_its_acceptance_is_young():
 
     assert rounds_young(1) == YOUNG_ROUNDS  # few positions per round: the round limit ends it
     assert rounds_young(32) == YOUNG_POSITIONS // 32  # many: the positions do
+
+
+def test_goodput_redecides_when_the_batch_moves_by_an_eighth():
+    """Between its periodic decisions a bucket decides again once the batch size has moved by an eighth of the
+    last decided size (at least one request), not on every request a static batch's tail loses."""
+    from test_acceptance_cost import profiled_config
+
+    ctl = AdaptiveController(profiled_config([0.9, 0.95, 0.99, 1.0]), 4)
+    policy = ctl.policy
+    ctl.plan(32)
+    state = policy.states[ctl.bucket_for(32)]
+    assert state.decided_batch == 32
+    ctl.plan(31)
+    ctl.plan(29)
+    assert state.decided_batch == 32  # 3 < 32 // 8
+    ctl.plan(28)
+    assert state.decided_batch == 28
+    small = AdaptiveController(profiled_config([0.9, 0.95, 0.99, 1.0]), 4)
+    small.plan(3)
+    small.plan(2)
+    assert small.policy.states[small.bucket_for(2)].decided_batch == 2  # a single request is an eighth of 3

@@ -2,13 +2,15 @@
 
 The goodput policy prices a plan per round: tokens per request per round × batch size ÷ round time. That is
 the right objective while requests wait — a request that finishes early frees a slot the scheduler refills
-at once. When nothing waits, the running requests are all the work there is, and speculation spreads them
-apart: every request accepts at its own rate (its text), so some finish early and the slowest run on in
-rounds with fewer and fewer requests, whose cost per request is higher (a round's cost grows less than its
-batch). Plain decoding keeps requests of equal budgets in step. Measured on tiny-ouro at B = 8 (64 tokens,
-evaluation prompts): the per-round model ranked (2, 1) 9 % above plain, the batch ran 0.67 full on average
-and the plan measured 0.90x plain; replaying the prompts' own draft agreement through this model (with the
-same cost profile) priced it 0.95x and ranked the fixed plans as measured (docs/adaptive.md "Draining").
+at once. When nothing waits and the batch is static (admitted together: `request.is_static`; a server's
+batch that takes requests in as they arrive is not), the running requests are all the work there is, and
+speculation spreads them apart: every request accepts at its own rate (its text), so some finish early and
+the slowest run on in rounds with fewer and fewer requests, whose cost per request is higher (a round's cost
+grows less than its batch). Plain decoding keeps requests of equal budgets in step. Measured on tiny-ouro at
+B = 8 (64 tokens, evaluation prompts): the per-round model ranked (2, 1) 9 % above plain, the batch ran 0.67
+full on average and the plan measured 0.90x plain; replaying the prompts' own draft agreement through this
+model (with the same cost profile) priced it 0.95x and ranked the fixed plans as measured (docs/adaptive.md
+"Draining").
 
 The model: request i has `remaining[i]` tokens to commit; its tokens per round under a plan are uncertain
 through its text — its agreement is α + σ·z with z standard normal (σ: the spread of per-prompt agreement

@@ -43,8 +43,10 @@ Acceptance is shared by all buckets (it does not depend on the batch size). A sw
 to beat the current one by more than `hysteresis` (relative), or by `plain_margin` to leave plain decoding
 (a wrong speculative plan costs more than a missed small gain): a speculative option is eligible only while its
 prediction beats plain decoding's by `plain_margin`, whichever plan runs. Checked every max(`interval`,
-`MIN_DECISION_GAP`) rounds of a bucket, and at once when the batch size changes: acceptance estimates move
-slowly (they remember ~400 positions), and deciding every round cost tiny models 2–3 % of a round.
+`MIN_DECISION_GAP`) rounds of a bucket, and at once when the batch size moves by an eighth of the last decided
+one (at least 1): acceptance estimates move slowly (they remember ~400 positions), and deciding every round
+cost tiny models 2–3 % of a round — as did re-deciding on every request that finished in a static batch's
+tail, where each decision prices every option's drain.
 """
 
 from __future__ import annotations
@@ -162,8 +164,10 @@ REEXPLORE_BACKOFF = 16
 CORRECTION_MIN_ROUNDS = 8
 #: Rounds per option whose measured ÷ predicted cost ratios are kept (the median of these scales T).
 CORRECTION_WINDOW = 32
-#: Request-rounds of an option's own committed tokens its expected tokens per round remembers (discounted).
-REALIZED_MEMORY = 256.0
+#: Committed positions (any plan's) over which the options' own committed tokens are remembered (discounted):
+#: the stretch of text α_d's counts remember too, so a plan that ran on other text (a B = 1 phase's single
+#: prompt) does not carry that text's tokens into the next batch for long.
+REALIZED_MEMORY = 400.0
 #: The Markov expectation counts as this many request-rounds against an option's realized tokens per round.
 REALIZED_PRIOR = 32.0
 #: An option's realized tokens count once it has run this many full-K request-rounds: fewer are a few
@@ -269,7 +273,7 @@ class GoodputPolicy(Policy):
         if st.trial_left > 0:
             st.trial_left -= 1
             return st.options[st.trial]
-        if st.rounds >= st.next_decision or batch_size != st.decided_batch:
+        if st.rounds >= st.next_decision or abs(batch_size - st.decided_batch) >= max(1, st.decided_batch // 8):
             st.next_decision = st.rounds + max(self.buckets[bucket].config.interval, MIN_DECISION_GAP)
             st.decided_batch = batch_size
             self._decide(st, max(batch_size, 1), context, remaining)
@@ -356,6 +360,12 @@ class GoodputPolicy(Policy):
         from a few readouts per generation can sit a few points off for long. Rounds with early exit are left
         to `ExitDepths` (their drafts that exit within d pass unverified).
         """
+        # what every plan saw fades with the text committed since, whichever plan committed it: all plans'
+        # measurements describe the last ~REALIZED_MEMORY positions, as α_d's counts do
+        keep = REALIZED_MEMORY / (REALIZED_MEMORY + sum(fb.num_accepted) + len(fb.num_accepted))
+        for seen in self.realized.values():
+            seen[0] *= keep
+            seen[1] *= keep
         if fb.k <= 0 or fb.exit_depths:
             return
         tokens = rounds = 0
@@ -363,12 +373,10 @@ class GoodputPolicy(Policy):
             if proposed == fb.k:
                 tokens += accepted + 1
                 rounds += 1
-        if not rounds:
-            return
-        seen = self.realized.setdefault((fb.k, fb.d), [0.0, 0.0])
-        keep = REALIZED_MEMORY / (REALIZED_MEMORY + rounds)
-        seen[0] = keep * seen[0] + tokens
-        seen[1] = keep * seen[1] + rounds
+        if rounds:
+            seen = self.realized.setdefault((fb.k, fb.d), [0.0, 0.0])
+            seen[0] += tokens
+            seen[1] += rounds
 
     def _alpha(self, d: int, exits: ExitDepths | None) -> float:
         alpha = self.acceptance.alpha(d)
