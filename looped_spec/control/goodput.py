@@ -33,6 +33,9 @@ list has no K=0 candidate) it predicts, at the round's actual batch size B,
   that doubles (up to `REEXPLORE_BACKOFF` times) each time a re-exploration leaves the plan as it was, so a
   bucket where nothing beats plain decoding (the random-weight fixture) stops paying for re-runs.
 
+With a profile, plans near plain decoding are also checked against it side by side: every 16th round is a
+plain probe, and the plan's next round prices its cost error against plain at one moment (control/probes.py).
+
 When no request waits (the engine passes the running requests' budgets left) and the preset measured the
 text-to-text spread of acceptance, every option's price is scaled by the time to drain the batch
 (control/drain.py): speculation spreads requests of one batch apart, and a batch nobody refills runs short.
@@ -65,6 +68,7 @@ from looped_spec.control.costprofile import CostProfile
 from looped_spec.control.drain import drain_factor, request_rates
 from looped_spec.control.exits import ExitDepths
 from looped_spec.control.policy import Policy
+from looped_spec.control.probes import CostProbes
 from looped_spec.control.schema import AcceptanceConfig, CostConfig, DisableConfig
 from looped_spec.plan import RoundFeedback
 
@@ -202,6 +206,7 @@ class GoodputPolicy(Policy):
         hysteresis: float = 0.03,
         plain_margin: float = 0.05,
         refine_cost: bool = False,
+        probe_costs: bool = True,
         reexplore_every: int = 256,
         acceptance_memory: float = 400.0,
         prior_trials: float = 16.0,
@@ -229,6 +234,8 @@ class GoodputPolicy(Policy):
         self.rounds_seen = 0  # rounds observed (the young phase: `acceptance_young`)
         self.reexplore_every = 0 if self.profile is not None else reexplore_every
         self.cost_ratios: dict[tuple[int, int, int], deque[float]] = {}  # (bucket, k, d) -> measured / profile
+        # plain probes: a plan's cost against plain decoding's, side by side (control/probes.py)
+        self.probes = CostProbes(len(buckets)) if self.profile is not None and probe_costs else None
         self.states: list[GoodputState] = []
         for b in buckets:
             options = [(k, d, j) for j, (k, d) in enumerate(zip(b.ks, b.ds))]
@@ -284,7 +291,12 @@ class GoodputPolicy(Policy):
             st.reexplored_from = st.current
             st.next_reexplore = st.rounds + st.reexplore_gap
             st.queue = [o for o in range(len(st.options)) if o != st.current]
-        return st.options[st.current]
+        choice = st.options[st.current]
+        if self.probes is not None and choice[0] > 0 and st.predicted is not None:
+            plain = next((o for o, opt in enumerate(st.options) if opt[0] == 0), -1)
+            if plain >= 0 and self.probes.due(bucket, plan_id, st.predicted[st.current], st.predicted[plain]):
+                return st.options[plain]
+        return choice
 
     def _decide(
         self, st: GoodputState, batch_size: int, context: float | None = None, remaining: Sequence[int] | None = None
@@ -438,8 +450,11 @@ class GoodputPolicy(Policy):
             drain = self.prices_draining and remaining is not None and len(remaining) > 1
             st.drained = drain
             tokens = []
+            probes = self.probes
             for k, d, _ in st.options:
                 seconds = self.profile.predict(k, d, batch_size, context) * factors.get((k, d), default)
+                if probes is not None:
+                    seconds *= probes.factor(st.index, k, d)
                 if exits is not None:  # skip mode: the loops early exit saves
                     seconds *= exits.cost_factor(self.profile, k, d, batch_size, context)
                 tokens.append(self.tokens(k, d, exits))
@@ -469,6 +484,8 @@ class GoodputPolicy(Policy):
         self._observe_realized(fb)
         if self.profile is not None and self.refine_cost:
             self._observe_cost(fb)
+        if self.probes is not None and 0 <= fb.bucket < len(self.states) and fb.round_time > 0.0:
+            self._observe_probe(fb)
         if 0 <= fb.bucket < len(self.states):
             exits = self.states[fb.bucket].exits
             if fb.exit_depths and exits is not None:
@@ -477,6 +494,16 @@ class GoodputPolicy(Policy):
             if cost is not None:
                 k = fb.k if sum(fb.num_proposed) else 0  # nothing drafted: the round ran as plain decoding
                 cost.observe(k, fb.d, fb.batch_size, fb.draft_time, fb.full_depth_time, fb.commit_time)
+
+    def _observe_probe(self, fb: RoundFeedback) -> None:
+        """Measured ÷ profile seconds of the round, for the plain probes (control/probes.py)."""
+        assert self.probes is not None and self.profile is not None
+        k = fb.k if sum(fb.num_proposed) else 0  # nothing drafted: the round ran as plain decoding
+        d = fb.d if k else 0
+        full_shape = not fb.depth_trials and not fb.exit_depths and all(p == k for p in fb.num_proposed)
+        # the engine runs one round at a time, so the feedback is of the round planned last, at `self.context`
+        predicted = self.profile.predict(k, d, fb.batch_size, self.context)
+        self.probes.observe(fb.bucket, fb.plan_id, k, d, fb.batch_size, fb.round_time / predicted, full_shape)
 
     def _observe_cost(self, fb: RoundFeedback) -> None:
         """Keep measured ÷ predicted round time of full-shape rounds without counterfactual readouts."""

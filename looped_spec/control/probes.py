@@ -1,0 +1,76 @@
+"""A speculative plan's round cost checked against plain decoding side by side, not hours apart.
+
+The goodput policy prices plans with the preset's cost profile, measured when the preset was tuned. This
+machine's speed drifts, and not by one factor for every plan: on 2026-11-30 at 22:45 UTC a tiny-ouro plain
+round at B = 32 took 8–15 ms where the profile (tuned at 17:08) says 24 ms, and a (3, 1) round cost 2.8x a
+plain one at the short contexts of random-token prompts where the profile says 2.0x; adaptive ran (2, 3)
+there at 0.88x plain. Timing a plan's rounds against plain rounds from minutes earlier mixes in the drift
+between them (±10–30 % here: why the policy's `refine_cost` is off by default).
+
+A probe is one plain round run in place of a round of the speculative plan in use. The plan's next round of
+the same batch size and full shape (every request drafting K, no counterfactual readouts) is compared with
+it: each priced by the profile at its own context, the pair's ratio
+
+    (measured ÷ predicted of the plan's round) ÷ (measured ÷ predicted of the plain probe)
+
+is the plan's cost error relative to plain decoding, taken at one moment. The median of a plan's last
+`PROBE_WINDOW` pairs, once `PROBE_MIN` are in, scales its predicted round time (`factor`). A probe is due
+every `PROBE_EVERY` rounds of a plan, and only while its predicted tokens/s is within `PROBE_BAND` of plain
+decoding's: where speculation pays far more than any cost error (tiny-huginn, 1.3–1.8x plain) a plain round
+only loses time. Each probe costs the plan's gain over plain for one round in `PROBE_EVERY` (≤ 0.2 / 16 of
+a round's time inside the band).
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections import deque
+
+#: Rounds of a speculative plan between two plain probes (while the plan is within PROBE_BAND of plain).
+PROBE_EVERY = 16
+#: A plan predicted more than this much faster than plain decoding is not probed.
+PROBE_BAND = 0.20
+#: Probe pairs per plan whose median scales its predicted round time; the median needs this many first.
+PROBE_WINDOW = 16
+PROBE_MIN = 4
+
+
+class CostProbes:
+    """Per bucket: when to probe, the pending probe's cost ratio, and per plan the pairs' ratios."""
+
+    def __init__(self, num_buckets: int) -> None:
+        self.since = [0] * num_buckets  # rounds of speculative plans since the bucket's last probe
+        self.probe_plan = [-1] * num_buckets  # plan id of the bucket's outstanding probe
+        self.plain_ratio: list[tuple[int, float] | None] = [None] * num_buckets  # (batch, measured ÷ predicted)
+        self.ratios: dict[tuple[int, int, int], deque[float]] = {}  # (bucket, k, d) -> pair ratios
+
+    def due(self, bucket: int, plan_id: int, rate: float, plain_rate: float) -> bool:
+        """Called when the bucket is about to run a speculative plan predicted at `rate` tokens/s against plain
+        decoding's `plain_rate`: True when this round is to be a plain probe instead."""
+        self.since[bucket] += 1
+        if rate > plain_rate * (1.0 + PROBE_BAND) or self.since[bucket] < PROBE_EVERY:
+            return False
+        self.since[bucket] = 0
+        self.probe_plan[bucket] = plan_id
+        return True
+
+    def observe(self, bucket: int, plan_id: int, k: int, d: int, batch: int, ratio: float, full_shape: bool) -> None:
+        """A round's measured ÷ profile-predicted seconds (`full_shape`: every request drafted K, no readouts)."""
+        if plan_id == self.probe_plan[bucket]:
+            self.probe_plan[bucket] = -1
+            self.plain_ratio[bucket] = (batch, ratio) if full_shape else None
+            return
+        pending = self.plain_ratio[bucket]
+        if k <= 0 or pending is None:
+            return
+        self.plain_ratio[bucket] = None  # one pair per probe: the round right after it
+        if full_shape and pending[0] == batch and pending[1] > 0.0:
+            pairs = self.ratios.setdefault((bucket, k, d), deque(maxlen=PROBE_WINDOW))
+            pairs.append(ratio / pending[1])
+
+    def factor(self, bucket: int, k: int, d: int) -> float:
+        """Measured ÷ profile round time of (K, d) relative to plain decoding's, 1.0 until PROBE_MIN pairs."""
+        pairs = self.ratios.get((bucket, k, d))
+        if k <= 0 or pairs is None or len(pairs) < PROBE_MIN:
+            return 1.0
+        return statistics.median(pairs)

@@ -1,0 +1,83 @@
+"""Plain probes: a speculative plan's round cost against plain decoding's, side by side (control/probes.py)."""
+
+from __future__ import annotations
+
+import pytest
+from test_acceptance_cost import profiled_config
+
+from looped_spec.control.controller import AdaptiveController
+from looped_spec.control.probes import PROBE_BAND, PROBE_EVERY, PROBE_MIN, CostProbes
+from looped_spec.plan import RoundFeedback
+
+
+def test_probes_pair_a_plain_round_with_the_plans_next_round_of_the_same_shape():
+    probes = CostProbes(1)
+    due = [probes.due(0, plan_id, 105.0, 100.0) for plan_id in range(3 * PROBE_EVERY)]
+    assert [i for i, d in enumerate(due) if d] == [PROBE_EVERY - 1, 2 * PROBE_EVERY - 1, 3 * PROBE_EVERY - 1]
+    far = CostProbes(1)  # a plan predicted beyond the band over plain is never probed
+    assert not any(far.due(0, i, 100.0 * (1.0 + PROBE_BAND) + 1.0, 100.0) for i in range(4 * PROBE_EVERY))
+
+    def probe_then(ratio_plain, ratio_plan, batch=8, plan_batch=8, full_shape=True, k=2):
+        probes.since[0] = PROBE_EVERY - 1
+        assert probes.due(0, 100, 105.0, 100.0)
+        probes.observe(0, 100, 0, 0, batch, ratio_plain, True)
+        probes.observe(0, 101, k, 1, plan_batch, ratio_plan, full_shape)
+
+    for _ in range(PROBE_MIN - 1):
+        probe_then(0.5, 0.65)  # the machine runs at half the profile's time, the plan 30 % dearer than plain
+    assert probes.factor(0, 2, 1) == 1.0  # not enough pairs yet
+    probe_then(0.5, 0.65)
+    assert probes.factor(0, 2, 1) == pytest.approx(1.3)
+    probe_then(0.5, 5.0, plan_batch=7)  # another batch size: no pair
+    probe_then(0.5, 5.0, full_shape=False)  # readouts or a cut draft in the plan's round: no pair
+    probe_then(0.5, 5.0, k=3)  # pairs are per plan
+    assert len(probes.ratios[(0, 2, 1)]) == PROBE_MIN and probes.factor(0, 3, 1) == 1.0
+    probes.observe(0, 102, 2, 1, 8, 5.0, True)  # a round with no probe before it: nothing
+    assert len(probes.ratios[(0, 2, 1)]) == PROBE_MIN
+    assert probes.factor(0, 0, 0) == 1.0
+
+
+def run_rounds(ctl: AdaptiveController, batch: int, rounds: int, plan_cost: float, accept=None) -> list:
+    """Rounds whose seconds are the profile's, speculative ones `plan_cost` times dearer; request i accepts its
+    whole draft if accept[i] (default: every request)."""
+    policy = ctl.policy
+    plans = []
+    for _ in range(rounds):
+        plan = ctl.plan(batch)
+        plans.append((plan.k, plan.d))
+        seconds = policy.profile.predict(plan.k, plan.d, batch) * (plan_cost if plan.k else 1.0)
+        accepted = [plan.k if accept is None or accept[i] else 0 for i in range(batch)]
+        ctl.observe(
+            RoundFeedback(plan.plan_id, plan.k, plan.d, plan.bucket, plan.candidate, batch, [plan.k] * batch,
+                          accepted, full_depth_time=seconds)
+        )  # fmt: skip
+    return plans
+
+
+@pytest.mark.parametrize("plan_cost", [1.0, 1.4])
+def test_goodput_leaves_a_plan_its_probes_find_dearer_than_the_profile(plan_cost):
+    """A plan near plain whose rounds cost 40 % more against plain than the profile says is left for plain
+    decoding once PROBE_MIN probes have paired; one priced right keeps running, one plain round in 16."""
+    ctl = AdaptiveController(profiled_config([0.375, 0.95, 0.99, 1.0], candidates=[[0, 0], [1, 1]]), 4)
+    ctl.measure.fixed = 10**9  # no readouts: every round is full shape
+    ctl.measure.since = {False: 0, True: 0}
+    policy = ctl.policy
+    st = policy.states[0]
+    accept = [True] * 3 + [False] * 5  # 1.375 tokens per request-round: what α_1 = 0.375 predicts
+    first = run_rounds(ctl, 8, 1, plan_cost, accept)
+    assert first == [(1, 1)]
+    assert st.predicted[0] * (1.0 + policy.plain_margin) < st.predicted[1] < st.predicted[0] * (1.0 + PROBE_BAND)
+    plans = run_rounds(ctl, 8, PROBE_EVERY * (PROBE_MIN + 2), plan_cost, accept)
+    if plan_cost == 1.0:
+        assert plans.count((0, 0)) == PROBE_MIN + 2 and policy.probes.factor(0, 1, 1) == pytest.approx(1.0)
+    else:
+        assert plans[-PROBE_EVERY:] == [(0, 0)] * PROBE_EVERY
+        assert policy.probes.factor(0, 1, 1) == pytest.approx(plan_cost)
+
+
+def test_goodput_does_not_probe_a_plan_far_above_plain():
+    ctl = AdaptiveController(profiled_config([0.99, 0.995, 0.999, 1.0]), 4)
+    plans = run_rounds(ctl, 1, 4 * PROBE_EVERY, 1.0)
+    st = ctl.policy.states[0]
+    assert max(st.predicted) > st.predicted[0] * (1.0 + PROBE_BAND)
+    assert (0, 0) not in plans
