@@ -484,7 +484,8 @@ class GoodputPolicy(Policy):
         self._observe_realized(fb)
         if self.profile is not None and self.refine_cost:
             self._observe_cost(fb)
-        if self.probes is not None and 0 <= fb.bucket < len(self.states) and fb.round_time > 0.0:
+        probes = self.probes
+        if probes is not None and 0 <= fb.bucket < len(self.states) and probes.wants(fb.bucket, fb.plan_id):
             self._observe_probe(fb)
         if 0 <= fb.bucket < len(self.states):
             exits = self.states[fb.bucket].exits
@@ -503,6 +504,7 @@ class GoodputPolicy(Policy):
         full_shape = not fb.depth_trials and not fb.exit_depths and all(p == k for p in fb.num_proposed)
         # the engine runs one round at a time, so the feedback is of the round planned last, at `self.context`
         predicted = self.profile.predict(k, d, fb.batch_size, self.context)
+        full_shape = full_shape and fb.round_time > 0.0
         self.probes.observe(fb.bucket, fb.plan_id, k, d, fb.batch_size, fb.round_time / predicted, full_shape)
 
     def _observe_cost(self, fb: RoundFeedback) -> None:

@@ -54,6 +54,11 @@ class CostProbes:
         self.probe_plan[bucket] = plan_id
         return True
 
+    def wants(self, bucket: int, plan_id: int) -> bool:
+        """Whether the feedback of `plan_id` is a probe or the round right after one (else `observe` is a no-op:
+        the caller need not price the round)."""
+        return plan_id == self.probe_plan[bucket] or self.plain_ratio[bucket] is not None
+
     def observe(self, bucket: int, plan_id: int, k: int, d: int, batch: int, ratio: float, full_shape: bool) -> None:
         """A round's measured ÷ profile-predicted seconds (`full_shape`: every request drafted K, no readouts)."""
         if plan_id == self.probe_plan[bucket]:
