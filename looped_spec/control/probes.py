@@ -1,7 +1,7 @@
 """A speculative plan's round cost checked against plain decoding side by side, not hours apart.
 
 The goodput policy prices plans with the preset's cost profile, measured when the preset was tuned. This
-machine's speed drifts, and not by one factor for every plan: on 2026-11-30 at 22:45 UTC a tiny-ouro plain
+machine's speed drifts, and not by one factor for every plan: on 2026-11-30 at 22:30 UTC a tiny-ouro plain
 round at B = 32 took 8–15 ms where the profile (tuned at 17:08) says 24 ms, and a (3, 1) round cost 2.8x a
 plain one at the short contexts of random-token prompts where the profile says 2.0x; adaptive ran (2, 3)
 there at 0.88x plain. Timing a plan's rounds against plain rounds from minutes earlier mixes in the drift
