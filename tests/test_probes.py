@@ -6,20 +6,21 @@ import pytest
 from test_acceptance_cost import profiled_config
 
 from looped_spec.control.controller import AdaptiveController
-from looped_spec.control.probes import PROBE_BAND, PROBE_EVERY, PROBE_MIN, CostProbes
+from looped_spec.control.probes import PROBE_BAND, PROBE_EVERY, PROBE_EVERY_NEW, PROBE_MIN, CostProbes
 from looped_spec.plan import RoundFeedback
 
 
 def test_probes_pair_a_plain_round_with_the_plans_next_round_of_the_same_shape():
     probes = CostProbes(1)
-    due = [probes.due(0, plan_id, 105.0, 100.0) for plan_id in range(3 * PROBE_EVERY)]
-    assert [i for i, d in enumerate(due) if d] == [PROBE_EVERY - 1, 2 * PROBE_EVERY - 1, 3 * PROBE_EVERY - 1]
+    due = [probes.due(0, plan_id, 2, 1, 105.0, 100.0) for plan_id in range(3 * PROBE_EVERY_NEW)]
+    # a plan without PROBE_MIN pairs yet is probed every PROBE_EVERY_NEW rounds
+    assert [i for i, d in enumerate(due) if d] == [n * PROBE_EVERY_NEW - 1 for n in (1, 2, 3)]
     far = CostProbes(1)  # a plan predicted beyond the band over plain is never probed
-    assert not any(far.due(0, i, 100.0 * (1.0 + PROBE_BAND) + 1.0, 100.0) for i in range(4 * PROBE_EVERY))
+    assert not any(far.due(0, i, 2, 1, 100.0 * (1.0 + PROBE_BAND) + 1.0, 100.0) for i in range(4 * PROBE_EVERY))
 
     def probe_then(ratio_plain, ratio_plan, batch=8, plan_batch=8, full_shape=True, k=2):
         probes.since[0] = PROBE_EVERY - 1
-        assert probes.due(0, 100, 105.0, 100.0)
+        assert probes.due(0, 100, k, 1, 105.0, 100.0)
         probes.observe(0, 100, 0, 0, batch, ratio_plain, True)
         probes.observe(0, 101, k, 1, plan_batch, ratio_plan, full_shape)
 
@@ -35,6 +36,9 @@ def test_probes_pair_a_plain_round_with_the_plans_next_round_of_the_same_shape()
     probes.observe(0, 102, 2, 1, 8, 5.0, True)  # a round with no probe before it: nothing
     assert len(probes.ratios[(0, 2, 1)]) == PROBE_MIN
     assert probes.factor(0, 0, 0) == 1.0
+    probes.since[0] = 0  # a plan with PROBE_MIN pairs: every PROBE_EVERY rounds
+    due = [probes.due(0, plan_id, 2, 1, 105.0, 100.0) for plan_id in range(2 * PROBE_EVERY)]
+    assert [i for i, d in enumerate(due) if d] == [PROBE_EVERY - 1, 2 * PROBE_EVERY - 1]
 
 
 def run_rounds(ctl: AdaptiveController, batch: int, rounds: int, plan_cost: float, accept=None) -> list:
@@ -57,7 +61,8 @@ def run_rounds(ctl: AdaptiveController, batch: int, rounds: int, plan_cost: floa
 @pytest.mark.parametrize("plan_cost", [1.0, 1.4])
 def test_goodput_leaves_a_plan_its_probes_find_dearer_than_the_profile(plan_cost):
     """A plan near plain whose rounds cost 40 % more against plain than the profile says is left for plain
-    decoding once PROBE_MIN probes have paired; one priced right keeps running, one plain round in 16."""
+    decoding once PROBE_MIN probes (one in 4 rounds) have paired; one priced right keeps running, then with one
+    plain round in 16."""
     ctl = AdaptiveController(profiled_config([0.375, 0.95, 0.99, 1.0], candidates=[[0, 0], [1, 1]]), 4)
     ctl.measure.fixed = 10**9  # no readouts: every round is full shape
     ctl.measure.since = {False: 0, True: 0}
@@ -67,7 +72,7 @@ def test_goodput_leaves_a_plan_its_probes_find_dearer_than_the_profile(plan_cost
     first = run_rounds(ctl, 8, 1, plan_cost, accept)
     assert first == [(1, 1)]
     assert st.predicted[0] * (1.0 + policy.plain_margin) < st.predicted[1] < st.predicted[0] * (1.0 + PROBE_BAND)
-    plans = run_rounds(ctl, 8, PROBE_EVERY * (PROBE_MIN + 2), plan_cost, accept)
+    plans = run_rounds(ctl, 8, PROBE_EVERY_NEW * PROBE_MIN + PROBE_EVERY * 2, plan_cost, accept)
     if plan_cost == 1.0:
         assert plans.count((0, 0)) == PROBE_MIN + 2 and policy.probes.factor(0, 1, 1) == pytest.approx(1.0)
     else:

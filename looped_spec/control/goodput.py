@@ -294,7 +294,8 @@ class GoodputPolicy(Policy):
         choice = st.options[st.current]
         if self.probes is not None and choice[0] > 0 and st.predicted is not None:
             plain = next((o for o, opt in enumerate(st.options) if opt[0] == 0), -1)
-            if plain >= 0 and self.probes.due(bucket, plan_id, st.predicted[st.current], st.predicted[plain]):
+            rates = st.predicted
+            if plain >= 0 and self.probes.due(bucket, plan_id, choice[0], choice[1], rates[st.current], rates[plain]):
                 return st.options[plain]
         return choice
 

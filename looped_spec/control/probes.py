@@ -15,10 +15,10 @@ it: each priced by the profile at its own context, the pair's ratio
 
 is the plan's cost error relative to plain decoding, taken at one moment. The median of a plan's last
 `PROBE_WINDOW` pairs, once `PROBE_MIN` are in, scales its predicted round time (`factor`). A probe is due
-every `PROBE_EVERY` rounds of a plan, and only while its predicted tokens/s is within `PROBE_BAND` of plain
-decoding's: where speculation pays far more than any cost error (tiny-huginn, 1.3–1.8x plain) a plain round
-only loses time. Each probe costs the plan's gain over plain for one round in `PROBE_EVERY` (≤ 0.2 / 16 of
-a round's time inside the band).
+every `PROBE_EVERY` rounds of a plan (every `PROBE_EVERY_NEW` until it has `PROBE_MIN` pairs), and only while
+its predicted tokens/s is within `PROBE_BAND` of plain decoding's: where speculation pays far more than any cost
+error (tiny-huginn, 1.3–1.8x plain) a plain round only loses time. Each probe costs the plan's gain over plain
+for one round (≤ 0.2 of a round's time inside the band).
 """
 
 from __future__ import annotations
@@ -26,8 +26,11 @@ from __future__ import annotations
 import statistics
 from collections import deque
 
-#: Rounds of a speculative plan between two plain probes (while the plan is within PROBE_BAND of plain).
+#: Rounds of a speculative plan between two plain probes (while the plan is within PROBE_BAND of plain) ...
 PROBE_EVERY = 16
+#: ... and until the plan has PROBE_MIN pairs: a plan chosen at a static batch's start may have run its whole
+#: batch before a probe every 16 rounds priced it (tiny-ouro, B = 32: ~19 rounds per 64-token batch).
+PROBE_EVERY_NEW = 4
 #: A plan predicted more than this much faster than plain decoding is not probed.
 PROBE_BAND = 0.20
 #: Probe pairs per plan whose median scales its predicted round time; the median needs this many first.
@@ -44,11 +47,13 @@ class CostProbes:
         self.plain_ratio: list[tuple[int, float] | None] = [None] * num_buckets  # (batch, measured ÷ predicted)
         self.ratios: dict[tuple[int, int, int], deque[float]] = {}  # (bucket, k, d) -> pair ratios
 
-    def due(self, bucket: int, plan_id: int, rate: float, plain_rate: float) -> bool:
-        """Called when the bucket is about to run a speculative plan predicted at `rate` tokens/s against plain
-        decoding's `plain_rate`: True when this round is to be a plain probe instead."""
+    def due(self, bucket: int, plan_id: int, k: int, d: int, rate: float, plain_rate: float) -> bool:
+        """Called when the bucket is about to run speculative plan (K, d), predicted at `rate` tokens/s against
+        plain decoding's `plain_rate`: True when this round is to be a plain probe instead."""
         self.since[bucket] += 1
-        if rate > plain_rate * (1.0 + PROBE_BAND) or self.since[bucket] < PROBE_EVERY:
+        pairs = self.ratios.get((bucket, k, d))
+        every = PROBE_EVERY if pairs is not None and len(pairs) >= PROBE_MIN else PROBE_EVERY_NEW
+        if rate > plain_rate * (1.0 + PROBE_BAND) or self.since[bucket] < every:
             return False
         self.since[bucket] = 0
         self.probe_plan[bucket] = plan_id
