@@ -73,6 +73,11 @@ from looped_spec.control.schema import AcceptanceConfig, CostConfig, DisableConf
 from looped_spec.plan import RoundFeedback
 
 
+def ran_k(fb: RoundFeedback) -> int:
+    """The K a round ran with: 0 when nothing was drafted (it ran as plain decoding)."""
+    return fb.k if sum(fb.num_proposed) else 0
+
+
 def expected_tokens(alpha: float, k: int) -> float:
     """Expected committed tokens per request per round: (1 − α^{K+1}) / (1 − α) (geometric acceptance)."""
     if k <= 0:
@@ -158,6 +163,7 @@ class GoodputState:
     tried: set[int] = field(default_factory=set)  # options whose cost trial has run
     exits: ExitDepths | None = None  # early exit: exit depths of this bucket's committed tokens (control/exits.py)
     drained: bool = False  # the last decision priced the options by draining the running requests
+    plain: int = -1  # index of the (first) plain option, -1 without one (Phase 2 off)
 
 
 #: Rounds between two decisions of a bucket at least (a preset's `interval` may ask for more).
@@ -250,6 +256,7 @@ class GoodputPolicy(Policy):
                 st = GoodputState(len(self.states), options, current, queue, RoundCostModel(full_depth, cost_decay))
                 st.next_reexplore = st.reexplore_gap = reexplore_every
             st.exits = ExitDepths(full_depth)
+            st.plain = next((o for o, opt in enumerate(options) if opt[0] == 0), -1)
             self.states.append(st)
 
     @property
@@ -292,11 +299,10 @@ class GoodputPolicy(Policy):
             st.next_reexplore = st.rounds + st.reexplore_gap
             st.queue = [o for o in range(len(st.options)) if o != st.current]
         choice = st.options[st.current]
-        if self.probes is not None and choice[0] > 0 and st.predicted is not None:
-            plain = next((o for o, opt in enumerate(st.options) if opt[0] == 0), -1)
+        if self.probes is not None and choice[0] > 0 and st.predicted is not None and st.plain >= 0:
             rates = st.predicted
-            if plain >= 0 and self.probes.due(bucket, plan_id, choice[0], choice[1], rates[st.current], rates[plain]):
-                return st.options[plain]
+            if self.probes.due(bucket, plan_id, choice[0], choice[1], rates[st.current], rates[st.plain]):
+                return st.options[st.plain]
         return choice
 
     def _decide(
@@ -328,10 +334,9 @@ class GoodputPolicy(Policy):
         its place down to the margin less `hysteresis`, so a prediction hovering at the bar does not flip.
         Without a plain option (Phase 2 off) every option is eligible.
         """
-        plain = [o for o, opt in enumerate(st.options) if opt[0] == 0]
-        if not plain:
+        if st.plain < 0:
             return list(range(len(rates)))
-        bar = rates[plain[0]] * (1.0 + self.plain_margin)
+        bar = rates[st.plain] * (1.0 + self.plain_margin)
         return [
             o
             for o, (k, _, _) in enumerate(st.options)
@@ -494,18 +499,17 @@ class GoodputPolicy(Policy):
                 exits.observe(fb.exit_depths, fb.exit_skips)
             cost = self.states[fb.bucket].cost
             if cost is not None:
-                k = fb.k if sum(fb.num_proposed) else 0  # nothing drafted: the round ran as plain decoding
-                cost.observe(k, fb.d, fb.batch_size, fb.draft_time, fb.full_depth_time, fb.commit_time)
+                cost.observe(ran_k(fb), fb.d, fb.batch_size, fb.draft_time, fb.full_depth_time, fb.commit_time)
 
     def _observe_probe(self, fb: RoundFeedback) -> None:
         """Measured ÷ profile seconds of the round, for the plain probes (control/probes.py)."""
         assert self.probes is not None and self.profile is not None
-        k = fb.k if sum(fb.num_proposed) else 0  # nothing drafted: the round ran as plain decoding
+        k = ran_k(fb)
         d = fb.d if k else 0
-        full_shape = not fb.depth_trials and not fb.exit_depths and all(p == k for p in fb.num_proposed)
+        full_shape = fb.round_time > 0.0 and not fb.depth_trials and not fb.exit_depths
+        full_shape = full_shape and all(p == k for p in fb.num_proposed)
         # the engine runs one round at a time, so the feedback is of the round planned last, at `self.context`
         predicted = self.profile.predict(k, d, fb.batch_size, self.context)
-        full_shape = full_shape and fb.round_time > 0.0
         self.probes.observe(fb.bucket, fb.plan_id, k, d, fb.batch_size, fb.round_time / predicted, full_shape)
 
     def _observe_cost(self, fb: RoundFeedback) -> None:
