@@ -168,23 +168,23 @@ def test_goodput_learns_each_plans_own_committed_tokens():
     assert policy.tokens(k, d) == pytest.approx(expected)
     fb = RoundFeedback(first.plan_id, k, d, first.bucket, first.candidate, 3, [k, k, k - 1], [k, 0, 0])
     ctl.observe(fb)  # full-K requests commit k + 1 and 1 token; the third drafted k - 1: not counted
-    assert policy.realized[(k, d)] == [k + 2, 2]
+    assert policy.realized_of(k, d) == pytest.approx((k + 2, 2))
     assert policy.tokens(k, d) == pytest.approx(expected)  # 2 request-rounds: not yet evidence
     tokens, rounds = float(k + 2), 2.0
     while rounds < REALIZED_MIN:  # rounds of 4 requests, each committing one token
         ctl.observe(RoundFeedback(first.plan_id, k, d, first.bucket, first.candidate, 4, [k] * 4, [0] * 4))
         keep = REALIZED_MEMORY / (REALIZED_MEMORY + 4)
         tokens, rounds = keep * tokens + 4, keep * rounds + 4
-    assert policy.realized[(k, d)] == pytest.approx([tokens, rounds])
+    assert policy.realized_of(k, d) == pytest.approx((tokens, rounds))
     assert policy.tokens(k, d) == pytest.approx((expected * REALIZED_PRIOR + tokens) / (REALIZED_PRIOR + rounds))
-    before = list(policy.realized[(k, d)])
+    before = policy.realized_of(k, d)
     ctl.observe(RoundFeedback(1, k, d, 0, first.candidate, 1, [k], [0], exit_depths=[4]))  # early exit: ExitDepths'
     fade = REALIZED_MEMORY / (REALIZED_MEMORY + 1)  # ... but its committed token is text the memory moves past
-    assert policy.realized[(k, d)] == pytest.approx([fade * x for x in before])
-    before = list(policy.realized[(k, d)])
+    assert policy.realized_of(k, d) == pytest.approx([fade * x for x in before])
+    before = policy.realized_of(k, d)
     ctl.observe(RoundFeedback(2, 0, 0, 0, -1, 8, [0] * 8, [0] * 8))  # plain rounds: every plan's tokens fade too
     fade = REALIZED_MEMORY / (REALIZED_MEMORY + 8)
-    assert policy.realized[(k, d)] == pytest.approx([fade * x for x in before])
+    assert policy.realized_of(k, d) == pytest.approx([fade * x for x in before])
     # the plan keeps rejecting its first draft (one token per round; no readouts, so α_d does not move):
     # only its own rounds can tell, and they make the policy leave it
     for _ in range(200):
@@ -243,3 +243,50 @@ def test_goodput_redecides_when_the_batch_moves_by_an_eighth():
     small.plan(3)
     small.plan(2)
     assert small.policy.states[small.bucket_for(2)].decided_batch == 2  # a single request is an eighth of 3
+
+
+def test_goodput_decides_once_enough_text_was_committed_since_its_last_decision():
+    """After the young phase a periodic decision also waits for DECISION_POSITIONS committed positions: a single
+    plain stream commits one per round, so it re-decides every 32 rounds, not every 8; a batch of 8 every 8."""
+    from test_acceptance_cost import profiled_config
+
+    from looped_spec.control.goodput import DECISION_POSITIONS, MIN_DECISION_GAP, YOUNG_ROUNDS
+
+    def decision_rounds(batch: int, rounds: int) -> list[int]:
+        ctl = AdaptiveController(profiled_config([0.3, 0.4, 0.5, 1.0]), 4)
+        policy = ctl.policy
+        decided = []
+        decide = policy._decide
+        policy._decide = lambda st, b, context=None, remaining=None: (decided.append(policy.rounds_seen),
+                                                                       decide(st, b, context, remaining))  # fmt: skip
+        for _ in range(rounds):
+            plan = ctl.plan(batch)  # every request commits one token a round, whatever the plan
+            k = [plan.k] * batch
+            ctl.observe(RoundFeedback(plan.plan_id, plan.k, plan.d, plan.bucket, plan.candidate, batch, k, [0] * batch))
+        return [r for r in decided if r >= YOUNG_ROUNDS]
+
+    single = decision_rounds(1, YOUNG_ROUNDS + 200)
+    assert single and {b - a for a, b in zip(single, single[1:])} == {DECISION_POSITIONS}
+    eight = decision_rounds(8, YOUNG_ROUNDS + 80)
+    assert eight and {b - a for a, b in zip(eight, eight[1:])} == {MIN_DECISION_GAP}
+
+
+def test_realized_tokens_survive_the_fade_underflowing():
+    """Every plan's realized tokens fade by one shared scale per round; before that scale underflows it is folded
+    into the stored values, so a plan's counts stay exact over any number of rounds."""
+    from test_acceptance_cost import profiled_config
+
+    from looped_spec.control.goodput import REALIZED_MEMORY
+
+    ctl = AdaptiveController(profiled_config([0.9, 0.95, 0.99, 1.0]), 4)
+    policy = ctl.policy
+    policy.observe(RoundFeedback(0, 2, 1, 0, 1, 1, [2], [2]))  # (2, 1): 3 tokens in one request-round
+    heavy = RoundFeedback(1, 0, 0, 0, 0, 64, [0] * 64, [5] * 64)  # 384 positions: the scale halves each round
+    for _ in range(400):  # 0.51 ** 400 ~ 1e-117: past the fold at 1e-100
+        policy.observe(heavy)
+    policy.observe(RoundFeedback(2, 2, 1, 0, 1, 2, [2, 2], [1, 0]))  # 2 + 1 tokens in two request-rounds
+    assert policy.realized_of(2, 1) == pytest.approx((3.0, 2.0), rel=1e-9)  # the old round faded to ~1e-117
+    assert policy._realized_scale > 1e-100 and all(v < 1e120 for pair in policy.realized.values() for v in pair)
+    policy.observe(RoundFeedback(3, 0, 0, 0, 0, 1, [0], [0]))
+    fade = REALIZED_MEMORY / (REALIZED_MEMORY + 1)
+    assert policy.realized_of(2, 1) == pytest.approx((3.0 * fade, 2.0 * fade), rel=1e-9)

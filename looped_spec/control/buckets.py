@@ -73,11 +73,12 @@ def compile_buckets(config: AdaptiveSpecConfig) -> list[CompiledBucket]:
 class BucketTable:
     """Batch size -> bucket index by binary search over the buckets' upper bounds."""
 
-    __slots__ = ("_upper", "_lower")
+    __slots__ = ("_upper", "_lower", "_sticky")
 
     def __init__(self, buckets: list[CompiledBucket]) -> None:
         self._upper = [b.config.max_batch for b in buckets[:-1]]  # validated: all but the last are bounded
         self._lower = [b.config.min_batch for b in buckets]
+        self._sticky: tuple[int, float, float, float] = (-1, 0.0, 0.0, 0.0)  # (bucket, factor, low, high) last used
 
     def lookup(self, batch_size: int) -> int:
         """Bucket index for `batch_size` (values < 1 count as 1)."""
@@ -86,8 +87,12 @@ class BucketTable:
     def lookup_sticky(self, batch_size: int, current: int, factor: float) -> int:
         """`current` while `batch_size` lies within its range widened by `factor` (and ±1), else `lookup`."""
         if 0 <= current < len(self._lower):
-            low = min(self._lower[current] - 1, self._lower[current] / factor)
-            high = self._upper[current] if current < len(self._upper) else None
-            if batch_size >= low and (high is None or batch_size <= max(high + 1, high * factor)):
+            cached, cached_factor, low, high = self._sticky
+            if cached != current or cached_factor != factor:  # once per bucket change: plan() runs every round
+                low = min(self._lower[current] - 1, self._lower[current] / factor)
+                upper = self._upper[current] if current < len(self._upper) else None
+                high = float("inf") if upper is None else max(upper + 1, upper * factor)
+                self._sticky = (current, factor, low, high)
+            if low <= batch_size <= high:
                 return current
         return self.lookup(batch_size)

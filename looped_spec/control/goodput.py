@@ -46,7 +46,8 @@ Acceptance is shared by all buckets (it does not depend on the batch size). A sw
 to beat the current one by more than `hysteresis` (relative), or by `plain_margin` to leave plain decoding
 (a wrong speculative plan costs more than a missed small gain): a speculative option is eligible only while its
 prediction beats plain decoding's by `plain_margin`, whichever plan runs. Checked every max(`interval`,
-`MIN_DECISION_GAP`) rounds of a bucket, and at once when the batch size moves by an eighth of the last decided
+`MIN_DECISION_GAP`) rounds of a bucket once `DECISION_POSITIONS` positions were committed since (not waiting
+for them while acceptance is young), and at once when the batch size moves by an eighth of the last decided
 one (at least 1): acceptance estimates move slowly (they remember ~400 positions), and deciding every round
 cost tiny models 2–3 % of a round — as did re-deciding on every request that finished in a static batch's
 tail, where each decision prices every option's drain.
@@ -153,6 +154,7 @@ class GoodputState:
     rounds: int = 0
     next_decision: int = 0
     decided_batch: int = 0  # batch size of the last decision
+    decided_positions: float = 0.0  # the policy's `committed` at the last decision
     next_reexplore: int = 0
     reexplore_gap: int = 0  # rounds until the next re-exploration (doubles while re-runs change nothing)
     reexplored_from: int = -1  # the plan in use when the last re-exploration started
@@ -166,8 +168,12 @@ class GoodputState:
     plain: int = -1  # index of the (first) plain option, -1 without one (Phase 2 off)
 
 
-#: Rounds between two decisions of a bucket at least (a preset's `interval` may ask for more).
+#: Rounds between two decisions of a bucket at least (a preset's `interval` may ask for more) ...
 MIN_DECISION_GAP = 8
+#: ... and, once acceptance is no longer young, positions committed (all buckets) since its last decision: the
+#: estimates remember ~400 positions, so a single plain stream re-deciding every 8 rounds priced every option
+#: again for 8 new positions (~5 µs a round on the fixture, 0.3 % of its round).
+DECISION_POSITIONS = 32
 #: A bucket's re-exploration gap grows to at most this multiple of `reexplore_every`.
 REEXPLORE_BACKOFF = 16
 #: Full-shape rounds an option must have run before its measured cost corrects the profile's prediction.
@@ -233,11 +239,14 @@ class GoodputPolicy(Policy):
         # [D] text-to-text spread of agreement; with a cost profile it prices plans by draining (control/drain.py)
         self.spread = list(acceptance.spread) if acceptance is not None and acceptance.spread is not None else None
         self._cost_tables: dict[tuple[int, int], np.ndarray] = {}  # (k, d) -> [n] profile seconds, n = 0..
-        # (k, d) -> [discounted committed tokens, discounted request-rounds] of full-K rounds that plan ran
+        # (k, d) -> [committed tokens, request-rounds] of full-K rounds that plan ran, discounted: the true values
+        # are these times `_realized_scale` (one multiplication per round fades them all; `realized_of`)
         self.realized: dict[tuple[int, int], list[float]] = {}
+        self._realized_scale = 1.0
         self.profile = CostProfile(full_depth, **cost.model_dump()) if cost else None
         self.context: float | None = None  # mean context of the round last planned (prices its feedback)
         self.rounds_seen = 0  # rounds observed (the young phase: `acceptance_young`)
+        self.committed = 0.0  # positions committed in the rounds observed (decision spacing)
         self.reexplore_every = 0 if self.profile is not None else reexplore_every
         self.cost_ratios: dict[tuple[int, int, int], deque[float]] = {}  # (bucket, k, d) -> measured / profile
         # plain probes: a plan's cost against plain decoding's, side by side (control/probes.py)
@@ -287,9 +296,13 @@ class GoodputPolicy(Policy):
         if st.trial_left > 0:
             st.trial_left -= 1
             return st.options[st.trial]
-        if st.rounds >= st.next_decision or abs(batch_size - st.decided_batch) >= max(1, st.decided_batch // 8):
+        if (
+            st.rounds >= st.next_decision
+            and (self.committed - st.decided_positions >= DECISION_POSITIONS or self.acceptance_young)
+        ) or abs(batch_size - st.decided_batch) >= max(1, st.decided_batch // 8):
             st.next_decision = st.rounds + max(self.buckets[bucket].config.interval, MIN_DECISION_GAP)
             st.decided_batch = batch_size
+            st.decided_positions = self.committed
             self._decide(st, max(batch_size, 1), context, remaining)
         if self.reexplore_every and st.rounds >= st.next_reexplore:
             unchanged = st.reexplored_from == st.current
@@ -364,13 +377,20 @@ class GoodputPolicy(Policy):
         if k <= 0:
             return 1.0
         expected = markov_tokens(self._alpha(d, exits), self.rho[d - 1], k)
-        seen = self.realized.get((k, d)) if exits is None else None
+        seen = self.realized_of(k, d) if exits is None else None
         if seen is None or seen[1] < REALIZED_MIN:
             return expected
         # what the plan itself committed on this text, with the model's expectation as a prior
         return (expected * REALIZED_PRIOR + seen[0]) / (REALIZED_PRIOR + seen[1])
 
-    def _observe_realized(self, fb: RoundFeedback) -> None:
+    def realized_of(self, k: int, d: int) -> tuple[float, float] | None:
+        """(committed tokens, request-rounds) of (K, d)'s full-K rounds, discounted; None if it never ran."""
+        seen = self.realized.get((k, d))
+        if seen is None:
+            return None
+        return seen[0] * self._realized_scale, seen[1] * self._realized_scale
+
+    def _observe_realized(self, fb: RoundFeedback, committed: int) -> None:
         """Fold in the committed tokens of a speculative round's requests that drafted the plan's full K.
 
         A direct measurement of E for the plan that runs (greedy or not, measured round or not): the Markov
@@ -380,21 +400,24 @@ class GoodputPolicy(Policy):
         """
         # what every plan saw fades with the text committed since, whichever plan committed it: all plans'
         # measurements describe the last ~REALIZED_MEMORY positions, as α_d's counts do
-        keep = REALIZED_MEMORY / (REALIZED_MEMORY + sum(fb.num_accepted) + len(fb.num_accepted))
-        for seen in self.realized.values():
-            seen[0] *= keep
-            seen[1] *= keep
+        scale = self._realized_scale * REALIZED_MEMORY / (REALIZED_MEMORY + committed)
+        if scale < 1e-100:  # fold the scale into the stored values before it underflows
+            for seen in self.realized.values():
+                seen[0] *= scale
+                seen[1] *= scale
+            scale = 1.0
+        self._realized_scale = scale
         if fb.k <= 0 or fb.exit_depths:
             return
-        tokens = rounds = 0
-        for accepted, proposed in zip(fb.num_accepted, fb.num_proposed):
-            if proposed == fb.k:
-                tokens += accepted + 1
-                rounds += 1
+        rounds = fb.num_proposed.count(fb.k)
+        if rounds == len(fb.num_proposed):  # the usual round: every request drafted K (counted in C, no loop)
+            tokens = committed
+        else:
+            tokens = sum(a + 1 for a, p in zip(fb.num_accepted, fb.num_proposed) if p == fb.k)
         if rounds:
             seen = self.realized.setdefault((fb.k, fb.d), [0.0, 0.0])
-            seen[0] += tokens
-            seen[1] += rounds
+            seen[0] += tokens / scale
+            seen[1] += rounds / scale
 
     def _alpha(self, d: int, exits: ExitDepths | None) -> float:
         alpha = self.acceptance.alpha(d)
@@ -486,20 +509,22 @@ class GoodputPolicy(Policy):
     def observe(self, fb: RoundFeedback) -> None:
         self.last_event = None
         self.rounds_seen += 1
+        committed = sum(fb.num_accepted) + len(fb.num_accepted)  # positions the round committed
+        self.committed += committed
         self.acceptance.observe(fb)
-        self._observe_realized(fb)
+        self._observe_realized(fb, committed)
         if self.profile is not None and self.refine_cost:
             self._observe_cost(fb)
+        if not 0 <= fb.bucket < len(self.states):
+            return
         probes = self.probes
-        if probes is not None and 0 <= fb.bucket < len(self.states) and probes.wants(fb.bucket, fb.plan_id):
+        if probes is not None and probes.wants(fb.bucket, fb.plan_id):
             self._observe_probe(fb)
-        if 0 <= fb.bucket < len(self.states):
-            exits = self.states[fb.bucket].exits
-            if fb.exit_depths and exits is not None:
-                exits.observe(fb.exit_depths, fb.exit_skips)
-            cost = self.states[fb.bucket].cost
-            if cost is not None:
-                cost.observe(ran_k(fb), fb.d, fb.batch_size, fb.draft_time, fb.full_depth_time, fb.commit_time)
+        st = self.states[fb.bucket]
+        if fb.exit_depths and st.exits is not None:
+            st.exits.observe(fb.exit_depths, fb.exit_skips)
+        if st.cost is not None:
+            st.cost.observe(ran_k(fb), fb.d, fb.batch_size, fb.draft_time, fb.full_depth_time, fb.commit_time)
 
     def _observe_probe(self, fb: RoundFeedback) -> None:
         """Measured ÷ profile seconds of the round, for the plain probes (control/probes.py)."""

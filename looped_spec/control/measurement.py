@@ -120,7 +120,10 @@ class MeasureSchedule:
         if round_time <= 0.0:
             return
         if not measured:
-            self.unmeasured.setdefault(shape, deque(maxlen=BASELINE)).append(round_time)
+            recent = self.unmeasured.get(shape)
+            if recent is None:
+                recent = self.unmeasured[shape] = deque(maxlen=BASELINE)
+            recent.append(round_time)
             return
         baseline = self.unmeasured.get(shape)
         if baseline is not None and len(baseline) >= BASELINE_MIN:
