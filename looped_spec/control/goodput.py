@@ -35,6 +35,9 @@ list has no K=0 candidate) it predicts, at the round's actual batch size B,
 
 With a profile, plans near plain decoding are also checked against it side by side: every 16th round is a
 plain probe, and the plan's next round prices its cost error against plain at one moment (control/probes.py).
+A speculative option predicted near the best eligible one but without such evidence of its own (its tokens,
+its probe pairs) is put on an evidence trial, spaced so trials take at most ~5 % of a bucket's rounds; with
+evidence its margin over plain is EVIDENCE_MARGIN instead of `plain_margin` (docs/adaptive.md "Evidence trials").
 
 When no request waits (the engine passes the running requests' budgets left) and the preset measured the
 text-to-text spread of acceptance, every option's price is scaled by the time to drain the batch
@@ -69,7 +72,7 @@ from looped_spec.control.costprofile import CostProfile
 from looped_spec.control.drain import drain_factor, request_rates
 from looped_spec.control.exits import ExitDepths
 from looped_spec.control.policy import Policy
-from looped_spec.control.probes import CostProbes
+from looped_spec.control.probes import PROBE_BAND, CostProbes
 from looped_spec.control.schema import AcceptanceConfig, CostConfig, DisableConfig
 from looped_spec.plan import RoundFeedback
 
@@ -160,9 +163,13 @@ class GoodputState:
     reexplored_from: int = -1  # the plan in use when the last re-exploration started
     switches: int = 0
     predicted: list[float] | None = None  # [O] tokens/s at the last decision
-    trial: int = -1  # option run for its cost to be measured (profiled presets), -1: none
-    trial_left: int = 0  # rounds of the trial still to run
+    trial: int = -1  # option on trial (profiled presets: its cost, or evidence of a near plan), -1: none
+    trial_left: int = 0  # rounds of the trial still to run at most
+    trial_evidence: bool = False  # the trial ends as soon as the option has evidence (`_has_evidence`)
     tried: set[int] = field(default_factory=set)  # options whose cost trial has run
+    evidence_tried: dict[int, float] = field(default_factory=dict)  # option -> `committed` when its trial ended
+    trial_started: int = 0  # `rounds` when the evidence trial began
+    next_trial: int = 0  # no evidence trial before this many rounds of the bucket
     exits: ExitDepths | None = None  # early exit: exit depths of this bucket's committed tokens (control/exits.py)
     drained: bool = False  # the last decision priced the options by draining the running requests
     plain: int = -1  # index of the (first) plain option, -1 without one (Phase 2 off)
@@ -198,6 +205,19 @@ YOUNG_POSITIONS = 256
 #: An option whose cost was never measured but whose predicted tokens/s is at least this fraction of the best
 #: gets one trial of CORRECTION_MIN_ROUNDS + 2 rounds, so a plan the profile over-prices is found too.
 TRIAL_WITHIN = 0.75
+#: Evidence trials (profiled presets, docs/adaptive.md "Evidence trials"): a speculative option without evidence
+#: of its own predicted at least EVIDENCE_TRIAL_FROM of the best eligible option runs until it has evidence -
+#: REALIZED_MIN full-K request-rounds and, while within the probes' band of plain, EVIDENCE_PAIRS probe pairs -
+#: or EVIDENCE_TRIAL_ROUNDS rounds; not again before EVIDENCE_TRIAL_GAP positions were committed since, and a
+#: bucket's next trial of any option waits EVIDENCE_TRIAL_SPACING times the rounds the last one ran (≤ 5 % of
+#: its rounds in trials: tiny-ouro at B = 8 has eight options within 3 % of plain, and tried them one after another).
+EVIDENCE_TRIAL_FROM = 0.95
+EVIDENCE_TRIAL_ROUNDS = 64
+EVIDENCE_TRIAL_GAP = 2000.0
+EVIDENCE_TRIAL_SPACING = 20
+EVIDENCE_PAIRS = 8
+#: An option with evidence is eligible once predicted this much over plain decoding (without: `plain_margin`).
+EVIDENCE_MARGIN = 0.02
 
 
 class GoodputPolicy(Policy):
@@ -293,9 +313,16 @@ class GoodputPolicy(Policy):
         st.rounds += 1
         if st.queue:
             return st.options[st.queue.pop()]
-        if st.trial_left > 0:
-            st.trial_left -= 1
-            return st.options[st.trial]
+        if st.trial >= 0:
+            if st.trial_left > 0 and not (st.trial_evidence and self._has_evidence(st, st.trial)):
+                st.trial_left -= 1  # a cost trial times the option itself; an evidence trial probes it eagerly
+                return self._probe_or(st, st.trial, plan_id, True) if st.trial_evidence else st.options[st.trial]
+            if st.trial_evidence:  # decide now, on the evidence
+                st.evidence_tried[st.trial] = self.committed
+                st.next_trial = st.rounds + EVIDENCE_TRIAL_SPACING * (st.rounds - st.trial_started)
+                st.next_decision = st.rounds
+                st.decided_positions = -float(DECISION_POSITIONS)
+            st.trial = -1
         if (
             st.rounds >= st.next_decision
             and (self.committed - st.decided_positions >= DECISION_POSITIONS or self.acceptance_young)
@@ -311,12 +338,30 @@ class GoodputPolicy(Policy):
             st.reexplored_from = st.current
             st.next_reexplore = st.rounds + st.reexplore_gap
             st.queue = [o for o in range(len(st.options)) if o != st.current]
-        choice = st.options[st.current]
+        return self._probe_or(st, st.current, plan_id)  # a trial the decision started runs from the next round
+
+    def _probe_or(self, st: GoodputState, option: int, plan_id: int, eager: bool = False) -> tuple[int, int, int]:
+        """The option to run, or plain decoding when a probe of it is due (control/probes.py; `eager`: every
+        PROBE_EVERY_NEW rounds until the plan has evidence)."""
+        choice = st.options[option]
         if self.probes is not None and choice[0] > 0 and st.predicted is not None and st.plain >= 0:
             rates = st.predicted
-            if self.probes.due(bucket, plan_id, choice[0], choice[1], rates[st.current], rates[st.plain]):
+            k, d, _ = choice
+            if self.probes.due(st.index, plan_id, k, d, rates[option], rates[st.plain], eager):
                 return st.options[st.plain]
         return choice
+
+    def _has_evidence(self, st: GoodputState, option: int) -> bool:
+        """Whether a speculative option has measured its own tokens (REALIZED_MIN full-K request-rounds) and, where
+        plain probes price it (within their band of plain), EVIDENCE_PAIRS probe pairs."""
+        k, d, _ = st.options[option]
+        seen = self.realized_of(k, d)
+        if k <= 0 or seen is None or seen[1] < REALIZED_MIN:
+            return False
+        probes, rates = self.probes, st.predicted
+        if probes is None or rates is None or st.plain < 0 or rates[option] > rates[st.plain] * (1.0 + PROBE_BAND):
+            return True
+        return probes.pairs(st.index, k, d) >= EVIDENCE_PAIRS
 
     def _decide(
         self, st: GoodputState, batch_size: int, context: float | None = None, remaining: Sequence[int] | None = None
@@ -338,6 +383,29 @@ class GoodputPolicy(Policy):
             st.switches += 1
         if st.cost is None and self.refine_cost:
             self._maybe_trial(st, rates)
+        # no trial in a static batch priced by draining: its plans' probe pairs (same batch size, every request
+        # drafting K) rarely form while requests finish apart, so the trial would end without evidence
+        if st.cost is None and st.trial < 0 and st.rounds >= st.next_trial and not st.drained:
+            if not self.acceptance_young:
+                self._maybe_evidence_trial(st, rates, eligible)
+
+    def _maybe_evidence_trial(self, st: GoodputState, rates: list[float], eligible: list[int]) -> None:
+        """Put the most promising speculative option without evidence on trial if it is predicted near the best
+        eligible option: a prediction within the margin cannot tell a plan 4 % faster than plain from one 2 %
+        slower, and only the plan's own rounds and probes can (docs/adaptive.md "Evidence trials")."""
+        top = max(rates[o] for o in eligible)
+        for o in sorted(range(len(rates)), key=rates.__getitem__, reverse=True):
+            if rates[o] < EVIDENCE_TRIAL_FROM * top:
+                return
+            k, d, _ = st.options[o]
+            if k <= 0 or o == st.current or self._has_evidence(st, o):
+                continue
+            if self.committed - st.evidence_tried.get(o, -EVIDENCE_TRIAL_GAP) < EVIDENCE_TRIAL_GAP:
+                continue
+            st.trial, st.trial_left, st.trial_evidence = o, EVIDENCE_TRIAL_ROUNDS, True
+            st.trial_started = st.rounds
+            self.last_event = f"evidence trial of k={k} d={d} ({rates[o]:.4g} tok/s predicted vs best {top:.4g})"
+            return
 
     def _eligible(self, st: GoodputState, rates: list[float]) -> list[int]:
         """Options that may run: plain, and speculative ones predicted to beat plain by `plain_margin`.
@@ -349,12 +417,17 @@ class GoodputPolicy(Policy):
         """
         if st.plain < 0:
             return list(range(len(rates)))
-        bar = rates[st.plain] * (1.0 + self.plain_margin)
-        return [
-            o
-            for o, (k, _, _) in enumerate(st.options)
-            if k == 0 or rates[o] > bar * (1.0 - (self.hysteresis if o == st.current else 0.0))
-        ]
+        plain = rates[st.plain]
+        out = []
+        for o, (k, _, _) in enumerate(st.options):
+            if k == 0:
+                out.append(o)
+                continue
+            margin = EVIDENCE_MARGIN if self._has_evidence(st, o) else self.plain_margin
+            bar = plain * (1.0 + margin) * (1.0 - (self.hysteresis if o == st.current else 0.0))
+            if rates[o] > max(bar, plain):  # a plan in use keeps its place only while predicted over plain
+                out.append(o)
+        return out
 
     def _maybe_trial(self, st: GoodputState, rates: list[float]) -> None:
         """Run the most promising option whose cost was never measured here, if it is near the best."""
@@ -367,7 +440,7 @@ class GoodputPolicy(Policy):
             if o == st.current or o in st.tried or (k, d if k else 0) in measured:
                 continue
             st.tried.add(o)
-            st.trial, st.trial_left = o, CORRECTION_MIN_ROUNDS + 2
+            st.trial, st.trial_left, st.trial_evidence = o, CORRECTION_MIN_ROUNDS + 2, False
             self.last_event = f"cost trial of k={k} d={d} ({rates[o]:.4g} tok/s predicted vs best {top:.4g})"
             return
 

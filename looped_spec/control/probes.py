@@ -47,12 +47,14 @@ class CostProbes:
         self.plain_ratio: list[tuple[int, float] | None] = [None] * num_buckets  # (batch, measured ÷ predicted)
         self.ratios: dict[tuple[int, int, int], deque[float]] = {}  # (bucket, k, d) -> pair ratios
 
-    def due(self, bucket: int, plan_id: int, k: int, d: int, rate: float, plain_rate: float) -> bool:
+    def due(
+        self, bucket: int, plan_id: int, k: int, d: int, rate: float, plain_rate: float, eager: bool = False
+    ) -> bool:
         """Called when the bucket is about to run speculative plan (K, d), predicted at `rate` tokens/s against
-        plain decoding's `plain_rate`: True when this round is to be a plain probe instead."""
+        plain decoding's `plain_rate`: True when this round is to be a plain probe instead. `eager`: probe every
+        PROBE_EVERY_NEW rounds whatever the plan's pairs (a plan on trial to gather evidence)."""
         self.since[bucket] += 1
-        pairs = self.ratios.get((bucket, k, d))
-        every = PROBE_EVERY if pairs is not None and len(pairs) >= PROBE_MIN else PROBE_EVERY_NEW
+        every = PROBE_EVERY if not eager and self.pairs(bucket, k, d) >= PROBE_MIN else PROBE_EVERY_NEW
         if rate > plain_rate * (1.0 + PROBE_BAND) or self.since[bucket] < every:
             return False
         self.since[bucket] = 0
@@ -77,6 +79,11 @@ class CostProbes:
         if full_shape and pending[0] == batch and pending[1] > 0.0:
             pairs = self.ratios.setdefault((bucket, k, d), deque(maxlen=PROBE_WINDOW))
             pairs.append(ratio / pending[1])
+
+    def pairs(self, bucket: int, k: int, d: int) -> int:
+        """Probe pairs of (K, d) kept (at most PROBE_WINDOW)."""
+        pairs = self.ratios.get((bucket, k, d))
+        return 0 if pairs is None else len(pairs)
 
     def factor(self, bucket: int, k: int, d: int) -> float:
         """Measured ÷ profile round time of (K, d) relative to plain decoding's, 1.0 until PROBE_MIN pairs."""

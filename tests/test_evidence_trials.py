@@ -1,0 +1,104 @@
+"""Evidence trials: a speculative plan predicted near the best runs until its own rounds and probes price it
+(control/goodput.py, docs/adaptive.md "Evidence trials")."""
+
+from __future__ import annotations
+
+from collections import deque
+
+from test_acceptance_cost import profiled_config
+from test_drain import drain_config
+from test_probes import run_rounds
+
+from looped_spec.control.controller import AdaptiveController
+from looped_spec.control.goodput import (
+    EVIDENCE_MARGIN,
+    EVIDENCE_PAIRS,
+    EVIDENCE_TRIAL_FROM,
+    EVIDENCE_TRIAL_ROUNDS,
+    EVIDENCE_TRIAL_SPACING,
+    REALIZED_MIN,
+    YOUNG_ROUNDS,
+)
+from looped_spec.control.probes import PROBE_EVERY
+from looped_spec.plan import RoundFeedback
+
+
+def near_plain(alpha1: float = 0.55) -> AdaptiveController:
+    """Plain and (2, 1); at α_1 = 0.55 the profile predicts (2, 1) at 1.01x plain: under the 5 % bar."""
+    ctl = AdaptiveController(profiled_config([alpha1, 0.95, 0.99, 1.0], candidates=[[0, 0], [2, 1]]), 4)
+    ctl.measure.fixed = 10**9  # no readouts: α_1 stays at the prior, every round is full shape
+    ctl.measure.since = {False: 0, True: 0}
+    return ctl
+
+
+def rel(ctl: AdaptiveController) -> float:
+    st = ctl.policy.states[0]
+    return st.predicted[1] / st.predicted[st.plain]
+
+
+def test_a_plan_near_plain_is_tried_after_the_young_phase_and_kept_on_its_evidence():
+    ctl = near_plain()
+    young = run_rounds(ctl, 1, YOUNG_ROUNDS, 1.0)
+    assert young == [(0, 0)] * YOUNG_ROUNDS and 1.0 < rel(ctl) < 1.0 + ctl.policy.plain_margin
+    plans = run_rounds(ctl, 1, EVIDENCE_TRIAL_ROUNDS + 40, 1.0)  # every draft accepted: 3 tokens a round
+    start = plans.index((2, 1))
+    trial = plans[start:]
+    st = ctl.policy.states[0]
+    ran = (st.next_trial - st.trial_started) // (EVIDENCE_TRIAL_SPACING + 1)  # rounds the trial ran
+    assert st.trial == -1 and int(REALIZED_MIN) < ran < EVIDENCE_TRIAL_ROUNDS  # ended on evidence
+    assert trial[:ran].count((0, 0)) >= EVIDENCE_PAIRS  # probed eagerly: one round in 4
+    assert rel(ctl) > 1.2  # its own tokens: 3 a round where α_1 = 0.55 predicts 1.85
+    after = trial[ran + 1 :]
+    assert len(after) > 16 and after.count((2, 1)) >= len(after) - len(after) // PROBE_EVERY - 1  # kept
+
+
+def test_a_trial_that_commits_little_returns_to_plain_and_the_next_waits():
+    ctl = near_plain()
+    st = ctl.policy.states[0]
+    run_rounds(ctl, 1, YOUNG_ROUNDS, 1.0)
+    plans = run_rounds(ctl, 1, 200, 1.0, accept=[False])  # the plan's drafts are all rejected: 1 token a round
+    first = plans.index((2, 1))
+    ended = first + len(plans[first:]) - plans[first:][::-1].index((2, 1))
+    assert plans[ended:] == [(0, 0)] * (200 - ended)  # plain again, and no second trial yet
+    assert st.next_trial >= st.trial_started + EVIDENCE_TRIAL_SPACING * (ended - first) - 2
+
+
+def test_a_plan_predicted_far_under_the_best_is_never_tried():
+    ctl = near_plain(alpha1=0.4)
+    run_rounds(ctl, 1, YOUNG_ROUNDS, 1.0)
+    assert rel(ctl) < EVIDENCE_TRIAL_FROM
+    assert run_rounds(ctl, 1, 400, 1.0) == [(0, 0)] * 400
+
+
+def test_evidence_lowers_the_margin_over_plain():
+    ctl = near_plain()
+    policy = ctl.policy
+    st = policy.states[0]
+    rates = [100.0, 100.0 * (1.0 + (EVIDENCE_MARGIN + policy.plain_margin) / 2)]  # between the two margins
+    st.current, st.predicted = 0, rates
+    assert policy._eligible(st, rates) == [0]
+    policy.realized[(2, 1)] = [3.0 * REALIZED_MIN, float(REALIZED_MIN)]  # its own tokens ...
+    assert policy._eligible(st, rates) == [0]  # ... but no probe pairs while within the probes' band
+    policy.probes.ratios[(0, 2, 1)] = deque([1.0] * EVIDENCE_PAIRS)
+    assert policy._eligible(st, rates) == [0, 1]
+    st.current = 1  # in use, it keeps its place while predicted over plain, not below
+    for rates, eligible in ([100.0, 100.5], [0, 1]), ([100.0, 99.5], [0]):
+        st.predicted = rates
+        assert policy._eligible(st, rates) == eligible
+
+
+def test_no_trial_in_a_static_batch_priced_by_draining():
+    ctl = AdaptiveController(drain_config([0.2, 0.13, 0.07, 0.0], alpha=(0.6, 0.9, 0.95, 1.0)), 4)
+    ctl.measure.fixed = 10**9
+    ctl.measure.since = {False: 0, True: 0}
+    policy = ctl.policy
+    for _ in range(YOUNG_ROUNDS + 200):
+        plan = ctl.plan(4, None, [500] * 4)
+        seconds = policy.profile.predict(plan.k, plan.d, 4)
+        ctl.observe(
+            RoundFeedback(plan.plan_id, plan.k, plan.d, plan.bucket, plan.candidate, 4, [plan.k] * 4, [plan.k] * 4,
+                          full_depth_time=seconds)
+        )  # fmt: skip
+        assert plan.k == 0
+    st = policy.states[0]
+    assert st.drained and EVIDENCE_TRIAL_FROM < rel(ctl) < 1.0 + policy.plain_margin and st.trial == -1
