@@ -6,7 +6,6 @@ from __future__ import annotations
 from collections import deque
 
 from test_acceptance_cost import profiled_config
-from test_drain import drain_config
 from test_probes import run_rounds
 
 from looped_spec.control.controller import AdaptiveController
@@ -20,7 +19,6 @@ from looped_spec.control.goodput import (
     YOUNG_ROUNDS,
 )
 from looped_spec.control.probes import PROBE_EVERY
-from looped_spec.plan import RoundFeedback
 
 
 def near_plain(alpha1: float = 0.55) -> AdaptiveController:
@@ -85,20 +83,3 @@ def test_evidence_lowers_the_margin_over_plain():
     for rates, eligible in ([100.0, 100.5], [0, 1]), ([100.0, 99.5], [0]):
         st.predicted = rates
         assert policy._eligible(st, rates) == eligible
-
-
-def test_no_trial_in_a_static_batch_priced_by_draining():
-    ctl = AdaptiveController(drain_config([0.2, 0.13, 0.07, 0.0], alpha=(0.6, 0.9, 0.95, 1.0)), 4)
-    ctl.measure.fixed = 10**9
-    ctl.measure.since = {False: 0, True: 0}
-    policy = ctl.policy
-    for _ in range(YOUNG_ROUNDS + 200):
-        plan = ctl.plan(4, None, [500] * 4)
-        seconds = policy.profile.predict(plan.k, plan.d, 4)
-        ctl.observe(
-            RoundFeedback(plan.plan_id, plan.k, plan.d, plan.bucket, plan.candidate, 4, [plan.k] * 4, [plan.k] * 4,
-                          full_depth_time=seconds)
-        )  # fmt: skip
-        assert plan.k == 0
-    st = policy.states[0]
-    assert st.drained and EVIDENCE_TRIAL_FROM < rel(ctl) < 1.0 + policy.plain_margin and st.trial == -1

@@ -86,3 +86,30 @@ def test_goodput_does_not_probe_a_plan_far_above_plain():
     st = ctl.policy.states[0]
     assert max(st.predicted) > st.predicted[0] * (1.0 + PROBE_BAND)
     assert (0, 0) not in plans
+
+
+def test_a_probe_and_the_round_priced_against_it_take_no_readouts():
+    """Both rounds of a probe pair are timed in full shape: readouts due then wait for the round after."""
+    ctl = AdaptiveController(profiled_config([0.375, 0.95, 0.99, 1.0], candidates=[[0, 0], [1, 1]]), 4)
+    ctl.measure.fixed = 1  # every round would measure
+    policy = ctl.policy
+    rounds = []
+    for _ in range(4 * PROBE_EVERY_NEW * PROBE_MIN):
+        plan = ctl.plan(8)
+        timed = policy.probes.wants(plan.bucket, plan.plan_id)
+        rounds.append((plan.k, plan.measure_depths, timed))
+        seconds = policy.profile.predict(plan.k, plan.d, 8)
+        accepted = [plan.k] * 3 + [0] * 5
+        n = 8 * (plan.k + 1) if plan.measure_depths else 0  # readouts agreeing as the prior says
+        matches = [round(a * n) for a in (0.375, 0.95, 0.99, 1.0)] if n else []
+        ctl.observe(
+            RoundFeedback(plan.plan_id, plan.k, plan.d, plan.bucket, plan.candidate, 8, [plan.k] * 8, accepted,
+                          full_depth_time=seconds, depth_matches=matches, depth_trials=[n] * 4 if n else [])
+        )  # fmt: skip
+    probes = [i for i, (k, _, _) in enumerate(rounds[:-1]) if k == 0]
+    assert len(probes) >= PROBE_MIN
+    for i in probes:
+        assert rounds[i][2] and not rounds[i][1]  # the probe: timed, no readouts
+        assert rounds[i + 1][0] == 1 and rounds[i + 1][2] and not rounds[i + 1][1]  # the plan's next round too
+    assert all(measured for _, measured, timed in rounds if not timed)  # every other round measured
+    assert policy.probes.pairs(0, 1, 1) == len(probes)  # every probe paired

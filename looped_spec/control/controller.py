@@ -204,7 +204,12 @@ class AdaptiveController(BaseController):
         plan_id = self._next_id
         self._next_id = plan_id + 1
         k, d, cand = policy.select(bucket, num_running, plan_id, context, remaining)
-        measure = self.measure_depths and self.measure.due(k > 0, policy.acceptance_young)
+        # a probe pair is timed in the plans' full shape: its two rounds leave their readouts to the next round
+        measure = (
+            self.measure_depths
+            and not policy.times_round(bucket, plan_id)
+            and self.measure.due(k > 0, policy.acceptance_young)
+        )
         plan = SpeculationPlan(plan_id, k, d, bucket, cand, measure)
         self.num_plans += 1
         if trace is not None:

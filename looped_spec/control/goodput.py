@@ -351,6 +351,9 @@ class GoodputPolicy(Policy):
                 return st.options[st.plain]
         return choice
 
+    def times_round(self, bucket: int, plan_id: int) -> bool:
+        return self.probes is not None and self.probes.wants(bucket, plan_id)
+
     def _has_evidence(self, st: GoodputState, option: int) -> bool:
         """Whether a speculative option has measured its own tokens (REALIZED_MIN full-K request-rounds) and, where
         plain probes price it (within their band of plain), EVIDENCE_PAIRS probe pairs."""
@@ -383,11 +386,8 @@ class GoodputPolicy(Policy):
             st.switches += 1
         if st.cost is None and self.refine_cost:
             self._maybe_trial(st, rates)
-        # no trial in a static batch priced by draining: its plans' probe pairs (same batch size, every request
-        # drafting K) rarely form while requests finish apart, so the trial would end without evidence
-        if st.cost is None and st.trial < 0 and st.rounds >= st.next_trial and not st.drained:
-            if not self.acceptance_young:
-                self._maybe_evidence_trial(st, rates, eligible)
+        if st.cost is None and st.trial < 0 and st.rounds >= st.next_trial and not self.acceptance_young:
+            self._maybe_evidence_trial(st, rates, eligible)
 
     def _maybe_evidence_trial(self, st: GoodputState, rates: list[float], eligible: list[int]) -> None:
         """Put the most promising speculative option without evidence on trial if it is predicted near the best

@@ -68,6 +68,11 @@ class Policy:
     def observe(self, fb: RoundFeedback) -> None:
         raise NotImplementedError
 
+    def times_round(self, bucket: int, plan_id: int) -> bool:
+        """Whether the round `plan_id` just selected is timed against another (a plain probe or the round priced
+        against it): it must then run in its plan's full shape, without counterfactual readouts."""
+        return False
+
     def enter(self, bucket: int) -> None:
         """The batch moved into `bucket` from another bucket."""
 
