@@ -290,3 +290,29 @@ def test_realized_tokens_survive_the_fade_underflowing():
     policy.observe(RoundFeedback(3, 0, 0, 0, 0, 1, [0], [0]))
     fade = REALIZED_MEMORY / (REALIZED_MEMORY + 1)
     assert policy.realized_of(2, 1) == pytest.approx((3.0 * fade, 2.0 * fade), rel=1e-9)
+
+
+@pytest.mark.parametrize("round_seconds, gap", [(0.1, 8), (0.01, 20), (0.001, 64)])
+def test_goodput_spaces_decisions_so_they_cost_half_a_percent_of_the_rounds(monkeypatch, round_seconds, gap):
+    """A decision timed at 1 ms (a fake clock) in a bucket whose rounds take `round_seconds`: the next one comes
+    after max(MIN_DECISION_GAP, 1 ms ÷ (DECISION_BUDGET · round)) rounds, at most MAX_DECISION_GAP."""
+    from test_acceptance_cost import profiled_config
+
+    import looped_spec.control.goodput as goodput
+
+    assert (goodput.DECISION_BUDGET, goodput.MIN_DECISION_GAP, goodput.MAX_DECISION_GAP) == (0.005, 8, 64)
+    clock = iter(range(10**6))
+    monkeypatch.setattr(goodput, "perf_counter", lambda: next(clock) * 1e-3)  # every call: 1 ms later
+    ctl = AdaptiveController(profiled_config([0.05, 0.05, 0.05, 1.0]), 4)  # plain, nothing near: no trials
+    policy = ctl.policy
+    decided = []
+    decide = policy._decide
+    policy._decide = lambda st, b, context=None, remaining=None: (decided.append(st.rounds),
+                                                                   decide(st, b, context, remaining))  # fmt: skip
+    for _ in range(goodput.YOUNG_ROUNDS + 3 * gap + 1):  # eight requests: 8 positions a round
+        plan = ctl.plan(8)
+        k = [plan.k] * 8
+        ctl.observe(RoundFeedback(plan.plan_id, plan.k, plan.d, plan.bucket, plan.candidate, 8, k, [0] * 8,
+                                  full_depth_time=round_seconds))  # fmt: skip
+    late = [r for r in decided if r > goodput.YOUNG_ROUNDS]
+    assert len(late) >= 2 and {b - a for a, b in zip(late, late[1:])} == {gap}

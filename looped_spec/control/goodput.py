@@ -50,7 +50,8 @@ to beat the current one by more than `hysteresis` (relative), or by `plain_margi
 (a wrong speculative plan costs more than a missed small gain): a speculative option is eligible only while its
 prediction beats plain decoding's by `plain_margin`, whichever plan runs. Checked every max(`interval`,
 `MIN_DECISION_GAP`) rounds of a bucket once `DECISION_POSITIONS` positions were committed since (not waiting
-for them while acceptance is young), and at once when the batch size moves by an eighth of the last decided
+for them while acceptance is young) and, where a decision is dear (drain pricing), no more often than it costs
+`DECISION_BUDGET` of the round time, and at once when the batch size moves by an eighth of the last decided
 one (at least 1): acceptance estimates move slowly (they remember ~400 positions), and deciding every round
 cost tiny models 2–3 % of a round — as did re-deciding on every request that finished in a static batch's
 tail, where each decision prices every option's drain.
@@ -58,10 +59,12 @@ tail, where each decision prices every option's drain.
 
 from __future__ import annotations
 
+import math
 import statistics
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from time import perf_counter
 
 import numpy as np
 
@@ -172,6 +175,8 @@ class GoodputState:
     next_trial: int = 0  # no evidence trial before this many rounds of the bucket
     exits: ExitDepths | None = None  # early exit: exit depths of this bucket's committed tokens (control/exits.py)
     drained: bool = False  # the last decision priced the options by draining the running requests
+    decide_seconds: float = 0.0  # wall time of the bucket's last decision (its own cost: DECISION_BUDGET)
+    round_seconds: float = 0.0  # wall time of the bucket's last round that reported one
     plain: int = -1  # index of the (first) plain option, -1 without one (Phase 2 off)
 
 
@@ -181,6 +186,11 @@ MIN_DECISION_GAP = 8
 #: estimates remember ~400 positions, so a single plain stream re-deciding every 8 rounds priced every option
 #: again for 8 new positions (~5 µs a round on the fixture, 0.3 % of its round).
 DECISION_POSITIONS = 32
+#: ... and at least so many rounds that deciding costs at most this share of the bucket's round time (up to
+#: MAX_DECISION_GAP rounds): pricing eight options by draining a static batch took ~0.7 ms on tiny-ouro at B = 8,
+#: 2.4 % of its 5 ms rounds when deciding every 8th.
+DECISION_BUDGET = 0.005
+MAX_DECISION_GAP = 64
 #: A bucket's re-exploration gap grows to at most this multiple of `reexplore_every`.
 REEXPLORE_BACKOFF = 16
 #: Full-shape rounds an option must have run before its measured cost corrects the profile's prediction.
@@ -327,10 +337,16 @@ class GoodputPolicy(Policy):
             st.rounds >= st.next_decision
             and (self.committed - st.decided_positions >= DECISION_POSITIONS or self.acceptance_young)
         ) or abs(batch_size - st.decided_batch) >= max(1, st.decided_batch // 8):
-            st.next_decision = st.rounds + max(self.buckets[bucket].config.interval, MIN_DECISION_GAP)
             st.decided_batch = batch_size
             st.decided_positions = self.committed
+            start = perf_counter()
             self._decide(st, max(batch_size, 1), context, remaining)
+            st.decide_seconds = perf_counter() - start
+            gap = max(self.buckets[bucket].config.interval, MIN_DECISION_GAP)
+            if st.round_seconds > 0.0:  # rounds whose time the decision may cost DECISION_BUDGET of
+                paying = st.decide_seconds / (DECISION_BUDGET * st.round_seconds)
+                gap = max(gap, min(MAX_DECISION_GAP, math.ceil(paying - 1e-9)))
+            st.next_decision = st.rounds + gap
         if self.reexplore_every and st.rounds >= st.next_reexplore:
             unchanged = st.reexplored_from == st.current
             base = self.reexplore_every
@@ -408,7 +424,8 @@ class GoodputPolicy(Policy):
             return
 
     def _eligible(self, st: GoodputState, rates: list[float]) -> list[int]:
-        """Options that may run: plain, and speculative ones predicted to beat plain by `plain_margin`.
+        """Options that may run: plain, and speculative ones predicted to beat plain by `plain_margin`
+        (`EVIDENCE_MARGIN` for an option with evidence of its own, `_has_evidence`).
 
         A wrong speculative plan costs more than a missed small gain, so every speculative option - not just
         the first step away from plain - must clear the margin over plain decoding; the option in use keeps
@@ -594,6 +611,8 @@ class GoodputPolicy(Policy):
         if probes is not None and probes.wants(fb.bucket, fb.plan_id):
             self._observe_probe(fb)
         st = self.states[fb.bucket]
+        if fb.round_time > 0.0:
+            st.round_seconds = fb.round_time
         if fb.exit_depths and st.exits is not None:
             st.exits.observe(fb.exit_depths, fb.exit_skips)
         if st.cost is not None:
