@@ -173,6 +173,7 @@ class GoodputState:
     evidence_tried: dict[int, float] = field(default_factory=dict)  # option -> `committed` when its trial ended
     trial_started: int = 0  # `rounds` when the evidence trial began
     next_trial: int = 0  # no evidence trial before this many rounds of the bucket
+    decide_now: bool = False  # decide at the next round whatever the schedule (an evidence trial just ended)
     exits: ExitDepths | None = None  # early exit: exit depths of this bucket's committed tokens (control/exits.py)
     drained: bool = False  # the last decision priced the options by draining the running requests
     decide_seconds: float = 0.0  # wall time of the bucket's last decision (its own cost: DECISION_BUDGET)
@@ -327,16 +328,9 @@ class GoodputPolicy(Policy):
             if st.trial_left > 0 and not (st.trial_evidence and self._has_evidence(st, st.trial)):
                 st.trial_left -= 1  # a cost trial times the option itself; an evidence trial probes it eagerly
                 return self._probe_or(st, st.trial, plan_id, True) if st.trial_evidence else st.options[st.trial]
-            if st.trial_evidence:  # decide now, on the evidence
-                st.evidence_tried[st.trial] = self.committed
-                st.next_trial = st.rounds + EVIDENCE_TRIAL_SPACING * (st.rounds - st.trial_started)
-                st.next_decision = st.rounds
-                st.decided_positions = -float(DECISION_POSITIONS)
-            st.trial = -1
-        if (
-            st.rounds >= st.next_decision
-            and (self.committed - st.decided_positions >= DECISION_POSITIONS or self.acceptance_young)
-        ) or abs(batch_size - st.decided_batch) >= max(1, st.decided_batch // 8):
+            self._end_trial(st)
+        if st.decide_now or self._decision_due(st, batch_size):
+            st.decide_now = False
             st.decided_batch = batch_size
             st.decided_positions = self.committed
             start = perf_counter()
@@ -355,6 +349,24 @@ class GoodputPolicy(Policy):
             st.next_reexplore = st.rounds + st.reexplore_gap
             st.queue = [o for o in range(len(st.options)) if o != st.current]
         return self._probe_or(st, st.current, plan_id)  # a trial the decision started runs from the next round
+
+    def _decision_due(self, st: GoodputState, batch_size: int) -> bool:
+        """The bucket's periodic decision is due (rounds, and positions once acceptance is no longer young), or
+        the batch moved by an eighth of the last decided size (at least 1)."""
+        if abs(batch_size - st.decided_batch) >= max(1, st.decided_batch // 8):
+            return True
+        if st.rounds < st.next_decision:
+            return False
+        return self.committed - st.decided_positions >= DECISION_POSITIONS or self.acceptance_young
+
+    def _end_trial(self, st: GoodputState) -> None:
+        """The trial ran its rounds (or an evidence trial has its evidence): an evidence trial is stamped, spaces
+        the bucket's next one and has the bucket decide at once, on the evidence."""
+        if st.trial_evidence:
+            st.evidence_tried[st.trial] = self.committed
+            st.next_trial = st.rounds + EVIDENCE_TRIAL_SPACING * (st.rounds - st.trial_started)
+            st.decide_now = True
+        st.trial = -1
 
     def _probe_or(self, st: GoodputState, option: int, plan_id: int, eager: bool = False) -> tuple[int, int, int]:
         """The option to run, or plain decoding when a probe of it is due (control/probes.py; `eager`: every
