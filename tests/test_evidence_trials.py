@@ -83,3 +83,19 @@ def test_evidence_lowers_the_margin_over_plain():
     for rates, eligible in ([100.0, 100.5], [0, 1]), ([100.0, 99.5], [0]):
         st.predicted = rates
         assert policy._eligible(st, rates) == eligible
+
+
+def test_the_bucket_decides_in_the_round_an_evidence_trial_ends(monkeypatch):
+    """The decision on the evidence comes at once, not at the bucket's next scheduled decision (here far off)."""
+    import looped_spec.control.goodput as goodput
+
+    ctl = near_plain()
+    policy = ctl.policy
+    run_rounds(ctl, 1, YOUNG_ROUNDS, 1.0)
+    monkeypatch.setattr(goodput, "MIN_DECISION_GAP", 10 * EVIDENCE_TRIAL_ROUNDS)
+    ended, decided = [], []
+    end, decide = policy._end_trial, policy._decide
+    policy._end_trial = lambda st: (ended.append(st.rounds), end(st))
+    policy._decide = lambda st, *args: (decided.append(st.rounds), decide(st, *args))
+    run_rounds(ctl, 1, EVIDENCE_TRIAL_ROUNDS + 40, 1.0)
+    assert ended and all(r in decided for r in ended)
