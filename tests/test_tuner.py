@@ -332,7 +332,7 @@ def test_acceptance_variants_add_the_plans_uneven_text_needs():
     easy_shallow = ([0.5, 0.9, 0.95, 1.0], [0.0] * 4)
 
     def chain(model):
-        data, _ = derive_bucket(model, grid, 1)
+        data, _ = derive_bucket(model, grid, 1, near=0.0)  # the variants' own contribution
         return [(c["k"], c["d"]) for c in data["candidates"]]
 
     base = chain(BucketModel(alpha, rho, seconds))
@@ -345,6 +345,32 @@ def test_acceptance_variants_add_the_plans_uneven_text_needs():
     data, _ = derive_bucket(BucketModel(alpha, rho, seconds, [easy_shallow]), grid, 1)
     inserted = next(c for c in data["candidates"] if (c["k"], c["d"]) == winner)
     assert 0.2 < inserted["theta_down"] <= inserted["theta_up"]
+
+
+def test_options_near_the_fastest_are_candidates_though_never_fastest():
+    """(1, 1) is never the fastest option anywhere in the difficulty sweep - (2, 1) overtakes plain first - but
+    within the measurements' band it comes within 1 % of the fastest: a profile a few percent off decides
+    between them, so it is a candidate unless `near` is 0; the cap keeps the options closest to the fastest."""
+    seconds = {(0, 0): 1.0, (1, 1): 1.6, (2, 1): 1.9, (5, 1): 40.0}
+    model = BucketModel([0.5, 1.0], [0.0, 0.0], lambda k, d: seconds[(k, d)])
+    grid = [(1, 1), (2, 1), (5, 1)]
+    sweep = [2.0 ** (i / 8) for i in range(-60, 40)]
+    assert all(model.fastest([(0, 0), *grid], h) != (1, 1) for h in sweep)
+
+    def chain(**options):
+        data, _ = derive_bucket(model, grid, 1, **options)
+        return [(c["k"], c["d"]) for c in data["candidates"]]
+
+    assert chain(near=0.0) == [(0, 0), (2, 1)]
+    assert chain()[0] == (0, 0) and set(chain()) == {(0, 0), (1, 1), (2, 1)}
+    assert chain(max_candidates=2) == [(0, 0), (2, 1)]  # (2, 1) is the fastest in the band; (1, 1) only near
+    # independently of the rules' sweep: every option within 6 % of the fastest at the measured acceptance
+    tuned = _linear_profile_model([0.7, 0.85, 0.95, 1.0], [0.3, 0.2, 0.1, 0.0])
+    grid4 = [(k, d) for k in range(1, 6) for d in range(1, 4)]
+    data, _ = derive_bucket(tuned, grid4, 1)
+    cands = {(c["k"], c["d"]) for c in data["candidates"]}
+    top = max(tuned.speed(o, 1.0) for o in [(0, 0), *grid4])
+    assert {o for o in grid4 if tuned.speed(o, 1.0) >= 0.94 * top} <= cands
 
 
 def test_acceptance_variants_sample_batches_of_tuning_prompts():

@@ -40,8 +40,9 @@ RULES = {
         "most 64) to easy (1/16), 40 log-spaced points per decade; candidates = plain followed by the options in "
         "the order they first become the fastest; then the fastest option of every acceptance variant (the "
         "tuner's: alpha and rho of random batches of tuning prompts of the bucket's size, whose depths do not "
-        "move together as h moves them), each placed at the h where it comes closest to the fastest; at most "
-        "`max_candidates`, cut around the fastest at h = 1"
+        "move together as h moves them), each placed at the h where it comes closest to the fastest; then every "
+        "option predicted within `near` (6 %) of the fastest at an h within a factor 1.5 of 1 or at a variant, "
+        "placed likewise; at most `max_candidates` (10): those that come closest to the fastest there, in order"
     ),
     "initial": "initial_index = the fastest option at h = 1 (the measured acceptance)",
     "thresholds": (
@@ -61,6 +62,12 @@ RULES = {
     ),
 }
 
+#: Options predicted within NEAR of the fastest (at a difficulty within a factor NEAR_BAND of the measured
+#: acceptance, or at an acceptance variant) are candidates too: a profile a few percent off, or text a little
+#: easier than the tuning prompts, reorders them (tiny-ouro, 2026-12-01: (2, 1) measured fastest at B = 1 where
+#: the profile put it 11 % behind the fastest, and no list offered it).
+NEAR = 0.06
+NEAR_BAND = 1.5
 H_EASY = 1.0 / 16.0
 H_HARD_MAX = 64.0
 POINTS_PER_DECADE = 40
@@ -118,6 +125,22 @@ def _variant_winners(model: BucketModel, options, path) -> list[tuple[int, int]]
     return out
 
 
+def _closeness(
+    model: BucketModel, options: Sequence[tuple[int, int]], fastest: dict[float, tuple[int, int]]
+) -> dict[tuple[int, int], float]:
+    """Per option, the highest ratio of its predicted speed to the fastest option's over the acceptances the
+    measurements allow: the sweep's difficulties within a factor NEAR_BAND of h = 1 and every acceptance variant."""
+    situations = [(model, h) for h in fastest if 1.0 / NEAR_BAND <= h <= NEAR_BAND]
+    situations += [(BucketModel(alpha, rho, model.seconds), 1.0) for alpha, rho in model.variants]
+    out = dict.fromkeys(options, 0.0)
+    for m, h in situations:
+        speeds = {o: m.speed(o, h) for o in options}
+        top = max(speeds.values())
+        for o, s in speeds.items():
+            out[o] = max(out[o], s / top)
+    return out
+
+
 def _hardest(model: BucketModel, options: Sequence[tuple[int, int]]) -> float:
     misses = [1.0 - model.alpha[d - 1] for k, d in options if k > 0]
     smallest = min((m for m in misses if m > 0.0), default=1.0 / H_HARD_MAX)
@@ -147,8 +170,9 @@ def derive_bucket(
     grid: Sequence[tuple[int, int]],
     batch: float,
     *,
-    max_candidates: int = 8,
+    max_candidates: int = 10,
     margin: float = 0.03,
+    near: float = NEAR,
 ) -> tuple[dict[str, Any], dict[str, Any]]:
     """(bucket data without min/max_batch, decision notes) for one bucket at batch size `batch`."""
     options = [(0, 0), *[tuple(c) for c in grid if c[0] > 0]]
@@ -166,6 +190,12 @@ def derive_bucket(
     for option in _variant_winners(model, options, path):  # placed where they come closest to winning
         first_h[option] = _closest_h(model, option, fastest)
         path.append(option)
+    # options the measurements cannot tell from the fastest join too, so the online policy can find out
+    closeness = _closeness(model, options, fastest)
+    for option in sorted(options[1:], key=lambda o: -closeness[o]):
+        if closeness[option] >= 1.0 - near and option not in path:
+            first_h[option] = _closest_h(model, option, fastest)
+            path.append(option)
     # plain first, at the hardest place; the rest by place (stable: the sweep's own order where the h ties)
     path = [(0, 0), *sorted((o for o in path if o != (0, 0)), key=lambda o: -first_h[o])]
     first_h[(0, 0)] = hard
@@ -174,10 +204,9 @@ def derive_bucket(
     if not spec:  # nothing ever beats plain: keep the most conservative option as the probe target
         spec = [max(options[1:], key=lambda o: model.speed(o, H_EASY))] if len(options) > 1 else []
     room = max_candidates - 1
-    if len(spec) > room:
-        centre = spec.index(nominal) if nominal in spec else 0
-        first = min(max(centre - room // 2, 0), len(spec) - room)
-        spec = spec[first : first + room]
+    if len(spec) > room:  # keep those closest to the fastest near the measured acceptance, in their order
+        kept = set(sorted(spec, key=lambda o: (-closeness.get(o, 0.0), abs(math.log(first_h[o]))))[:room])
+        spec = [o for o in spec if o in kept]
     chain = [(0, 0), *spec]
     # neighbours change places between the difficulties where each was placed (for the sweep's own options
     # that bracket holds their crossing anyway; it keeps a variant's thresholds in order around its place)
@@ -282,7 +311,10 @@ def derive_preset(
 
     Each bucket is derived at its geometric-mean batch size (2·min for the unbounded last one); the
     assumed acceptance goes into the preset's `acceptance` section (persistence 0, positions 0 = assumed).
+    Such a preset has no cost profile, so the policy explores every candidate online and each one costs
+    rounds: the lists stay at 8 without the options merely near the fastest (`near` 0) unless asked.
     """
+    derive_options = {"near": 0.0, "max_candidates": 8, **derive_options}
     rho = [0.0] * depth
     grid = [(k, d) for k in range(1, max_k + 1) for d in range(1, depth)]
     models = {}
