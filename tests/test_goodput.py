@@ -316,3 +316,29 @@ def test_goodput_spaces_decisions_so_they_cost_half_a_percent_of_the_rounds(monk
                                   full_depth_time=round_seconds))  # fmt: skip
     late = [r for r in decided if r > goodput.YOUNG_ROUNDS]
     assert len(late) >= 2 and {b - a for a, b in zip(late, late[1:])} == {gap}
+
+
+def test_a_shrinking_batch_redecides_only_once_the_last_decision_is_paid_for(monkeypatch):
+    """A static batch loses a request every few rounds in its tail; each loss of an eighth asks for a decision,
+    but not before the last one cost at most DECISION_BUDGET of the rounds since (1 ms decisions, 10 ms rounds:
+    every 20th round), so the tail does not re-price every option's drain at each request that finishes."""
+    from test_acceptance_cost import profiled_config
+
+    import looped_spec.control.goodput as goodput
+
+    clock = iter(range(10**6))
+    monkeypatch.setattr(goodput, "perf_counter", lambda: next(clock) * 1e-3)  # every call: 1 ms later
+    ctl = AdaptiveController(profiled_config([0.05, 0.05, 0.05, 1.0]), 4)
+    policy = ctl.policy
+    decided = []
+    decide = policy._decide
+    policy._decide = lambda st, b, context=None, remaining=None: (decided.append((st.rounds, b)),
+                                                                   decide(st, b, context, remaining))  # fmt: skip
+    for batch in [8] * 30 + [7, 6, 5, 4] * 6:  # one request fewer every round, then again (within a bucket)
+        plan = ctl.plan(batch)
+        k = [plan.k] * batch
+        ctl.observe(RoundFeedback(plan.plan_id, plan.k, plan.d, plan.bucket, plan.candidate, batch, k, [0] * batch,
+                                  full_depth_time=0.01))  # fmt: skip
+    tail = [r for r, _ in decided if r > 30]
+    assert tail and all(b - a >= 20 for a, b in zip([r for r, _ in decided], [r for r, _ in decided][1:]) if b > 30)
+    assert len(tail) <= 24 // 20 + 1
