@@ -371,6 +371,18 @@ def test_options_near_the_fastest_are_candidates_though_never_fastest():
     cands = {(c["k"], c["d"]) for c in data["candidates"]}
     top = max(tuned.speed(o, 1.0) for o in [(0, 0), *grid4])
     assert {o for o in grid4 if tuned.speed(o, 1.0) >= 0.94 * top} <= cands
+    # the cap keeps the options that come closest to the fastest near the measured acceptance, whatever their order
+    from looped_spec.control.derive import NEAR_BAND
+
+    def closeness(option):
+        hs = [NEAR_BAND ** (i / 20) for i in range(-20, 21)]
+        return max(tuned.speed(option, h) / max(tuned.speed(o, h) for o in [(0, 0), *grid4]) for h in hs)
+
+    full = [(c["k"], c["d"]) for c in data["candidates"]][1:]
+    capped, _ = derive_bucket(tuned, grid4, 1, max_candidates=4)
+    kept = [(c["k"], c["d"]) for c in capped["candidates"]][1:]
+    assert len(kept) == 3 and set(kept) <= set(full) and kept == [o for o in full if o in kept]
+    assert min(closeness(o) for o in kept) >= max(closeness(o) for o in full if o not in kept) - 0.01
 
 
 def test_acceptance_variants_sample_batches_of_tuning_prompts():
