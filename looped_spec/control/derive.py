@@ -205,7 +205,7 @@ def derive_bucket(
         spec = [max(options[1:], key=lambda o: model.speed(o, H_EASY))] if len(options) > 1 else []
     room = max_candidates - 1
     if len(spec) > room:  # keep those closest to the fastest near the measured acceptance, in their order
-        kept = set(sorted(spec, key=lambda o: (-closeness.get(o, 0.0), abs(math.log(first_h[o]))))[:room])
+        kept = set(sorted(spec, key=lambda o: (-closeness[o], abs(math.log(first_h[o]))))[:room])
         spec = [o for o in spec if o in kept]
     chain = [(0, 0), *spec]
     # neighbours change places between the difficulties where each was placed (for the sweep's own options

@@ -160,8 +160,7 @@ class GoodputState:
     rounds: int = 0
     next_decision: int = 0
     decided_batch: int = 0  # batch size of the last decision
-    decided_round: int = 0  # `rounds` at the last decision
-    paying_gap: int = 1  # rounds after which the last decision cost at most DECISION_BUDGET of their time
+    paid_round: int = 0  # `rounds` from which the last decision has cost at most DECISION_BUDGET of the rounds since
     decided_positions: float = 0.0  # the policy's `committed` at the last decision
     next_reexplore: int = 0
     reexplore_gap: int = 0  # rounds until the next re-exploration (doubles while re-runs change nothing)
@@ -338,12 +337,13 @@ class GoodputPolicy(Policy):
             start = perf_counter()
             self._decide(st, max(batch_size, 1), context, remaining)
             st.decide_seconds = perf_counter() - start
-            st.decided_round = st.rounds
-            st.paying_gap = 1
+            paying = 1
             if st.round_seconds > 0.0:  # rounds whose time the decision may cost DECISION_BUDGET of
-                paying = st.decide_seconds / (DECISION_BUDGET * st.round_seconds)
-                st.paying_gap = min(MAX_DECISION_GAP, max(1, math.ceil(paying - 1e-9)))
-            st.next_decision = st.rounds + max(self.buckets[bucket].config.interval, MIN_DECISION_GAP, st.paying_gap)
+                paying = min(
+                    MAX_DECISION_GAP, max(1, math.ceil(st.decide_seconds / (DECISION_BUDGET * st.round_seconds) - 1e-9))
+                )
+            st.paid_round = st.rounds + paying
+            st.next_decision = st.rounds + max(self.buckets[bucket].config.interval, MIN_DECISION_GAP, paying)
         if self.reexplore_every and st.rounds >= st.next_reexplore:
             unchanged = st.reexplored_from == st.current
             base = self.reexplore_every
@@ -358,9 +358,8 @@ class GoodputPolicy(Policy):
         the batch moved by an eighth of the last decided size (at least 1) and the last decision is paid for
         (DECISION_BUDGET): a static batch of 8 loses a request every few rounds in its tail, and re-pricing
         every option's drain at each loss took ~60 µs a round of tiny-nanbeige's 5 ms (1 %)."""
-        if abs(batch_size - st.decided_batch) >= max(1, st.decided_batch // 8):
-            if st.rounds - st.decided_round >= st.paying_gap:
-                return True
+        if st.rounds >= st.paid_round and abs(batch_size - st.decided_batch) >= max(1, st.decided_batch // 8):
+            return True
         if st.rounds < st.next_decision:
             return False
         return self.committed - st.decided_positions >= DECISION_POSITIONS or self.acceptance_young
