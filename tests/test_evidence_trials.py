@@ -15,10 +15,10 @@ from looped_spec.control.goodput import (
     EVIDENCE_TRIAL_FROM,
     EVIDENCE_TRIAL_ROUNDS,
     EVIDENCE_TRIAL_SPACING,
-    REALIZED_MIN,
     YOUNG_ROUNDS,
 )
 from looped_spec.control.probes import PROBE_EVERY
+from looped_spec.control.realized import REALIZED_MIN
 
 
 def near_plain(alpha1: float = 0.55) -> AdaptiveController:
@@ -75,7 +75,7 @@ def test_evidence_lowers_the_margin_over_plain():
     rates = [100.0, 100.0 * (1.0 + (EVIDENCE_MARGIN + policy.plain_margin) / 2)]  # between the two margins
     st.current, st.predicted = 0, rates
     assert policy._eligible(st, rates) == [0]
-    policy.realized[(2, 1)] = [3.0 * REALIZED_MIN, float(REALIZED_MIN)]  # its own tokens ...
+    policy.realized.plans.add((2, 1), 3.0 * REALIZED_MIN, REALIZED_MIN)  # its own tokens ...
     assert policy._eligible(st, rates) == [0]  # ... but no probe pairs while within the probes' band
     policy.probes.ratios[(0, 2, 1)] = deque([1.0] * EVIDENCE_PAIRS)
     assert policy._eligible(st, rates) == [0, 1]

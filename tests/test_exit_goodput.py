@@ -9,6 +9,7 @@ from test_acceptance_cost import profiled_config
 from looped_spec.control import AdaptiveController
 from looped_spec.control.costprofile import CostProfile
 from looped_spec.control.exits import ExitDepths
+from looped_spec.control.realized import RealizedTokens
 from looped_spec.plan import RoundFeedback
 
 
@@ -63,7 +64,7 @@ def test_rounds_without_early_exit_leave_the_prediction_unchanged():
         with_fb.observe(feedback(plan, []))
     st_a, st_b = with_fb.policy.states[0], without.policy.states[0]
     assert not st_a.exits.seen
-    with_fb.policy.realized.clear()  # the plan's own committed tokens are learned from every round (test_goodput)
+    with_fb.policy.realized = RealizedTokens()  # what the plans committed is learned from every round (test_goodput)
     assert with_fb.policy.rates(st_a, 1) == without.policy.rates(st_b, 1)
 
 

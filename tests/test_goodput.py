@@ -157,26 +157,31 @@ def test_goodput_learns_each_plans_own_committed_tokens():
     from test_acceptance_cost import profiled_config
 
     from looped_spec.control.acceptance import markov_tokens
-    from looped_spec.control.goodput import REALIZED_MEMORY, REALIZED_MIN, REALIZED_PRIOR
+    from looped_spec.control.realized import REALIZED_MEMORY, REALIZED_MIN, REALIZED_PRIOR
 
     ctl = AdaptiveController(profiled_config([0.9, 0.95, 0.99, 1.0]), 4)
     policy = ctl.policy
     first = ctl.plan(1)
     k, d = first.k, first.d
     assert k > 0
-    expected = markov_tokens(0.9 if d == 1 else 0.95, 0.0, k)
-    assert policy.tokens(k, d) == pytest.approx(expected)
+    chain = markov_tokens(0.9 if d == 1 else 0.95, 0.0, k)
+    assert policy.tokens(k, d) == pytest.approx(chain)  # nothing ran: the chain as it is
     fb = RoundFeedback(first.plan_id, k, d, first.bucket, first.candidate, 3, [k, k, k - 1], [k, 0, 0])
     ctl.observe(fb)  # full-K requests commit k + 1 and 1 token; the third drafted k - 1: not counted
     assert policy.realized_of(k, d) == pytest.approx((k + 2, 2))
-    assert policy.tokens(k, d) == pytest.approx(expected)  # 2 request-rounds: not yet evidence
+
+    def expected() -> float:  # the chain with the depth's error on accepted tokens (tested on its own below)
+        return 1.0 + (chain - 1.0) * policy.realized.error(d)
+
+    assert policy.realized.error(d) < 1.0
+    assert policy.tokens(k, d) == pytest.approx(expected())  # 2 request-rounds: not yet evidence
     tokens, rounds = float(k + 2), 2.0
     while rounds < REALIZED_MIN:  # rounds of 4 requests, each committing one token
         ctl.observe(RoundFeedback(first.plan_id, k, d, first.bucket, first.candidate, 4, [k] * 4, [0] * 4))
         keep = REALIZED_MEMORY / (REALIZED_MEMORY + 4)
         tokens, rounds = keep * tokens + 4, keep * rounds + 4
     assert policy.realized_of(k, d) == pytest.approx((tokens, rounds))
-    assert policy.tokens(k, d) == pytest.approx((expected * REALIZED_PRIOR + tokens) / (REALIZED_PRIOR + rounds))
+    assert policy.tokens(k, d) == pytest.approx((expected() * REALIZED_PRIOR + tokens) / (REALIZED_PRIOR + rounds))
     before = policy.realized_of(k, d)
     ctl.observe(RoundFeedback(1, k, d, 0, first.candidate, 1, [k], [0], exit_depths=[4]))  # early exit: ExitDepths'
     fade = REALIZED_MEMORY / (REALIZED_MEMORY + 1)  # ... but its committed token is text the memory moves past
@@ -193,7 +198,7 @@ def test_goodput_learns_each_plans_own_committed_tokens():
             break
         ctl.observe(RoundFeedback(plan.plan_id, plan.k, plan.d, plan.bucket, plan.candidate, 1, [plan.k], [0]))
     assert (plan.k, plan.d) != (k, d)
-    assert policy.tokens(k, d) < 0.9 * expected  # left as soon as another plan was predicted 3 % better
+    assert policy.tokens(k, d) < 0.9 * chain  # left as soon as another plan was predicted 3 % better
 
 
 def test_goodput_measures_every_round_while_its_acceptance_is_young():
@@ -253,7 +258,7 @@ def test_goodput_decides_once_enough_text_was_committed_since_its_last_decision(
     from looped_spec.control.goodput import DECISION_POSITIONS, MIN_DECISION_GAP, YOUNG_ROUNDS
 
     def decision_rounds(batch: int, rounds: int) -> list[int]:
-        ctl = AdaptiveController(profiled_config([0.3, 0.4, 0.5, 1.0]), 4)
+        ctl = AdaptiveController(profiled_config([0.05, 0.1, 0.15, 1.0]), 4)  # plain, no trials: nothing pays
         policy = ctl.policy
         decided = []
         decide = policy._decide
@@ -276,7 +281,7 @@ def test_realized_tokens_survive_the_fade_underflowing():
     into the stored values, so a plan's counts stay exact over any number of rounds."""
     from test_acceptance_cost import profiled_config
 
-    from looped_spec.control.goodput import REALIZED_MEMORY
+    from looped_spec.control.realized import REALIZED_MEMORY
 
     ctl = AdaptiveController(profiled_config([0.9, 0.95, 0.99, 1.0]), 4)
     policy = ctl.policy
@@ -286,7 +291,8 @@ def test_realized_tokens_survive_the_fade_underflowing():
         policy.observe(heavy)
     policy.observe(RoundFeedback(2, 2, 1, 0, 1, 2, [2, 2], [1, 0]))  # 2 + 1 tokens in two request-rounds
     assert policy.realized_of(2, 1) == pytest.approx((3.0, 2.0), rel=1e-9)  # the old round faded to ~1e-117
-    assert policy._realized_scale > 1e-100 and all(v < 1e120 for pair in policy.realized.values() for v in pair)
+    plans = policy.realized.plans
+    assert plans.scale > 1e-100 and all(v < 1e120 for pair in plans.sums.values() for v in pair)
     policy.observe(RoundFeedback(3, 0, 0, 0, 0, 1, [0], [0]))
     fade = REALIZED_MEMORY / (REALIZED_MEMORY + 1)
     assert policy.realized_of(2, 1) == pytest.approx((3.0 * fade, 2.0 * fade), rel=1e-9)

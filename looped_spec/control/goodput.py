@@ -9,9 +9,10 @@ list has no K=0 candidate) it predicts, at the round's actual batch size B,
 - E, the acceptance side, is a property of the model and the text. It is the Markov-chain expectation of
   `acceptance.markov_tokens` with α_d learned online from counterfactual depth agreement (`depth_matches /
   depth_trials`, all depths at once, measured in the rounds `MeasureSchedule` picks, plain rounds included), starting
-  from the preset's offline α_d as a prior worth `prior_trials` positions, and the preset's persistence ρ_d. For a
-  plan that has run, that expectation is a prior worth `REALIZED_PRIOR` request-rounds against the tokens its own
-  full-K rounds committed (discounted, `REALIZED_MEMORY`): a direct measurement of E on this text.
+  from the preset's offline α_d as a prior worth `prior_trials` positions, and the preset's persistence ρ_d,
+  corrected by what the plans committed on this text (control/realized.py): per depth, the chain's error on the
+  accepted tokens of every plan that ran at that depth (pooled over depths for a depth not run); per plan that
+  has run, its own committed tokens against that expectation as a prior.
 - T, the cost side, is a property of the hardware: the preset's measured `CostProfile` when it has one,
   at the round's batch size and, when the profile has context terms, at the batch's mean context (passed
   by the engine through `select`; round cost grows with the context, plain and speculative rounds at
@@ -76,6 +77,7 @@ from looped_spec.control.drain import drain_factor, request_rates
 from looped_spec.control.exits import ExitDepths
 from looped_spec.control.policy import Policy
 from looped_spec.control.probes import PROBE_BAND, CostProbes
+from looped_spec.control.realized import RealizedTokens
 from looped_spec.control.schema import AcceptanceConfig, CostConfig, DisableConfig
 from looped_spec.plan import RoundFeedback
 
@@ -199,16 +201,6 @@ REEXPLORE_BACKOFF = 16
 CORRECTION_MIN_ROUNDS = 8
 #: Rounds per option whose measured ÷ predicted cost ratios are kept (the median of these scales T).
 CORRECTION_WINDOW = 32
-#: Committed positions (any plan's) over which the options' own committed tokens are remembered (discounted):
-#: the stretch of text α_d's counts remember too, so a plan that ran on other text (a B = 1 phase's single
-#: prompt) does not carry that text's tokens into the next batch for long.
-REALIZED_MEMORY = 400.0
-#: The Markov expectation counts as this many request-rounds against an option's realized tokens per round.
-REALIZED_PRIOR = 32.0
-#: An option's realized tokens count once it has run this many full-K request-rounds: fewer are a few
-#: neighbouring positions of one text (tiny-ouro, B = 1: (3, 1) dropped after 5 rounds of a hard stretch
-#: committing 1.6 tokens per round, where the whole text commits 2.5).
-REALIZED_MIN = 32.0
 #: Acceptance is young (rounds measure at `MeasureSchedule`'s young budget, 5 % instead of 1 %) for the first
 #: YOUNG_ROUNDS rounds the policy sees, or until YOUNG_POSITIONS positions were read out if that comes first:
 #: the prior is the tuning text's, ~0.1 off on other texts (tiny-ouro α₁: 0.61 tuned, 0.70 on the eval group).
@@ -271,10 +263,7 @@ class GoodputPolicy(Policy):
         # [D] text-to-text spread of agreement; with a cost profile it prices plans by draining (control/drain.py)
         self.spread = list(acceptance.spread) if acceptance is not None and acceptance.spread is not None else None
         self._cost_tables: dict[tuple[int, int], np.ndarray] = {}  # (k, d) -> [n] profile seconds, n = 0..
-        # (k, d) -> [committed tokens, request-rounds] of full-K rounds that plan ran, discounted: the true values
-        # are these times `_realized_scale` (one multiplication per round fades them all; `realized_of`)
-        self.realized: dict[tuple[int, int], list[float]] = {}
-        self._realized_scale = 1.0
+        self.realized = RealizedTokens()  # what the plans that ran committed on this text (control/realized.py)
         self.profile = CostProfile(full_depth, **cost.model_dump()) if cost else None
         self.context: float | None = None  # mean context of the round last planned (prices its feedback)
         self.rounds_seen = 0  # rounds observed (the young phase: `acceptance_young`)
@@ -388,11 +377,11 @@ class GoodputPolicy(Policy):
         return self.probes is not None and self.probes.wants(bucket, plan_id)
 
     def _has_evidence(self, st: GoodputState, option: int) -> bool:
-        """Whether a speculative option has measured its own tokens (REALIZED_MIN full-K request-rounds) and, where
-        plain probes price it (within their band of plain), EVIDENCE_PAIRS probe pairs."""
+        """Whether a speculative option's tokens are measured (its own REALIZED_MIN full-K request-rounds, or its
+        depth's error on BIAS_PRIOR expected tokens: `RealizedTokens.measured`) and, where plain probes price it
+        (within their band of plain), it has EVIDENCE_PAIRS probe pairs."""
         k, d, _ = st.options[option]
-        seen = self.realized_of(k, d)
-        if k <= 0 or seen is None or seen[1] < REALIZED_MIN:
+        if k <= 0 or not self.realized.measured(k, d):
             return False
         probes, rates = self.probes, st.predicted
         if probes is None or rates is None or st.plain < 0 or rates[option] > rates[st.plain] * (1.0 + PROBE_BAND):
@@ -479,52 +468,17 @@ class GoodputPolicy(Policy):
             return
 
     def tokens(self, k: int, d: int, exits: ExitDepths | None = None) -> float:
-        """Expected committed tokens per request per round of (K, d) under the current acceptance estimate
-        (with early exit, drafts that exit within d always pass: `ExitDepths.effective_alpha`)."""
+        """Expected committed tokens per request per round of (K, d) under the current acceptance estimate,
+        corrected by what the plans committed on this text (control/realized.py; with early exit, drafts that
+        exit within d always pass: `ExitDepths.effective_alpha`, and the Markov expectation is used as is)."""
         if k <= 0:
             return 1.0
         expected = markov_tokens(self._alpha(d, exits), self.rho[d - 1], k)
-        seen = self.realized_of(k, d) if exits is None else None
-        if seen is None or seen[1] < REALIZED_MIN:
-            return expected
-        # what the plan itself committed on this text, with the model's expectation as a prior
-        return (expected * REALIZED_PRIOR + seen[0]) / (REALIZED_PRIOR + seen[1])
+        return expected if exits is not None else self.realized.tokens(k, d, expected)
 
     def realized_of(self, k: int, d: int) -> tuple[float, float] | None:
         """(committed tokens, request-rounds) of (K, d)'s full-K rounds, discounted; None if it never ran."""
-        seen = self.realized.get((k, d))
-        if seen is None:
-            return None
-        return seen[0] * self._realized_scale, seen[1] * self._realized_scale
-
-    def _observe_realized(self, fb: RoundFeedback, committed: int) -> None:
-        """Fold in the committed tokens of a speculative round's requests that drafted the plan's full K.
-
-        A direct measurement of E for the plan that runs (greedy or not, measured round or not): the Markov
-        expectation from α_d and the preset's ρ_d misjudges texts whose persistence differs, and α_d learned
-        from a few readouts per generation can sit a few points off for long. Rounds with early exit are left
-        to `ExitDepths` (their drafts that exit within d pass unverified).
-        """
-        # what every plan saw fades with the text committed since, whichever plan committed it: all plans'
-        # measurements describe the last ~REALIZED_MEMORY positions, as α_d's counts do
-        scale = self._realized_scale * REALIZED_MEMORY / (REALIZED_MEMORY + committed)
-        if scale < 1e-100:  # fold the scale into the stored values before it underflows
-            for seen in self.realized.values():
-                seen[0] *= scale
-                seen[1] *= scale
-            scale = 1.0
-        self._realized_scale = scale
-        if fb.k <= 0 or fb.exit_depths:
-            return
-        rounds = fb.num_proposed.count(fb.k)
-        if rounds == len(fb.num_proposed):  # the usual round: every request drafted K (counted in C, no loop)
-            tokens = committed
-        else:
-            tokens = sum(a + 1 for a, p in zip(fb.num_accepted, fb.num_proposed) if p == fb.k)
-        if rounds:
-            seen = self.realized.setdefault((fb.k, fb.d), [0.0, 0.0])
-            seen[0] += tokens / scale
-            seen[1] += rounds / scale
+        return self.realized.of(k, d)
 
     def _alpha(self, d: int, exits: ExitDepths | None) -> float:
         alpha = self.acceptance.alpha(d)
@@ -619,7 +573,9 @@ class GoodputPolicy(Policy):
         committed = sum(fb.num_accepted) + len(fb.num_accepted)  # positions the round committed
         self.committed += committed
         self.acceptance.observe(fb)
-        self._observe_realized(fb, committed)
+        speculative = fb.k > 0 and 1 <= fb.d <= self.full_depth
+        chain = markov_tokens(self._alpha(fb.d, None), self.rho[fb.d - 1], fb.k) if speculative else 1.0
+        self.realized.observe(fb, committed, chain)
         if self.profile is not None and self.refine_cost:
             self._observe_cost(fb)
         if not 0 <= fb.bucket < len(self.states):
