@@ -344,10 +344,14 @@ def context_lines(samples: Samples) -> dict[int, dict[tuple[int, int], tuple[flo
     put with up to ~29 % of the rounds arbitrarily wrong, where a single stalled round drags a least-squares
     slope (the rounds at the ends of the horizon, which pin the slope, have the most leverage); it also needs
     no binning choice (per-bin means would). Guards: slopes are clamped at 0 (a longer context never makes a
-    round cheaper), then slopes and intercepts are each made non-decreasing in the batch size, so a round's
-    predicted cost never falls with B at any context (a line's order at c = 0 and as c grows).
+    round cheaper) and made non-decreasing in the batch size, and so are the lines' values at each batch size's
+    reference context (`mean_contexts`, where the rounds were timed), so a round's predicted cost does not fall
+    with B from those contexts on. The values at the reference are pooled, not the intercepts at context 0: a
+    short horizon's noisy slope puts its intercept far below its rounds, and pooling that extrapolation once
+    dragged the line of a smaller batch below zero (an 8-token tune: (2, 1) at B = 1 timed at 3.5 ms, priced ~0).
     """
     sizes = sorted(samples)
+    refs = mean_contexts(samples)
     lines: dict[int, dict[tuple[int, int], tuple[float, float]]] = {b: {} for b in sizes}
     for cell in samples[sizes[0]]:
         slopes = []
@@ -355,9 +359,9 @@ def context_lines(samples: Samples) -> dict[int, dict[tuple[int, int], tuple[flo
             runs = [[(r.context, r.seconds) for r in run] for run in samples[b][cell]]
             slopes.append(max(theil_sen_slope(runs), 0.0))
         slopes = nondecreasing(slopes)
-        intercepts = nondecreasing([line_intercept(samples[b][cell], s) for b, s in zip(sizes, slopes)])
-        for b, a, slope in zip(sizes, intercepts, slopes):
-            lines[b][cell] = (a, slope)
+        levels = nondecreasing([line_intercept(samples[b][cell], s) + s * refs[b] for b, s in zip(sizes, slopes)])
+        for b, level, slope in zip(sizes, levels, slopes):
+            lines[b][cell] = (level - slope * refs[b], slope)
     return lines
 
 

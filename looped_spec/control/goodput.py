@@ -211,7 +211,7 @@ YOUNG_POSITIONS = 256
 TRIAL_WITHIN = 0.75
 #: Evidence trials (profiled presets, docs/adaptive.md "Evidence trials"): a speculative option without evidence
 #: of its own predicted at least EVIDENCE_TRIAL_FROM of the best eligible option runs until it has evidence -
-#: REALIZED_MIN full-K request-rounds and, while within the probes' band of plain, EVIDENCE_PAIRS probe pairs -
+#: its tokens measured (`RealizedTokens.measured`) and, while within the probes' band of plain, EVIDENCE_PAIRS pairs -
 #: or EVIDENCE_TRIAL_ROUNDS rounds; not again before EVIDENCE_TRIAL_GAP positions were committed since, and a
 #: bucket's next trial of any option waits EVIDENCE_TRIAL_SPACING times the rounds the last one ran (≤ 5 % of
 #: its rounds in trials: tiny-ouro at B = 8 has eight options within 3 % of plain, and tried them one after another).
