@@ -22,6 +22,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import numpy as np
+
 
 def markov_tokens(alpha: float, rho: float, k: int) -> float:
     """Expected committed tokens per request per round of a K-token draft (1 for K = 0)."""
@@ -37,6 +39,20 @@ def markov_tokens(alpha: float, rho: float, k: int) -> float:
     to_one_from_1 = p11 * p11**k
     denom = 1.0 - to_one_from_1 + to_one_from_0
     pi1 = 1.0 if denom <= 0.0 else to_one_from_0 / denom
+    return 1.0 + run * ((1.0 - pi1) * p01 + pi1 * p11)
+
+
+def markov_tokens_array(alpha: np.ndarray, rho: float, k: int) -> np.ndarray:
+    """`markov_tokens` of every agreement in `alpha` at once (the same chain, elementwise; K ≥ 1)."""
+    alpha = np.clip(alpha, 0.0, 1.0)
+    rho = min(max(rho, 0.0), 1.0)
+    p01 = alpha * (1.0 - rho)
+    p11 = rho + p01
+    with np.errstate(divide="ignore", invalid="ignore"):
+        run = np.where(p11 >= 1.0, float(k), (1.0 - p11**k) / (1.0 - p11))
+        to_one_from_0 = p01 * p11**k
+        denom = 1.0 - p11 * p11**k + to_one_from_0
+        pi1 = np.where(denom <= 0.0, 1.0, to_one_from_0 / np.where(denom <= 0.0, 1.0, denom))
     return 1.0 + run * ((1.0 - pi1) * p01 + pi1 * p11)
 
 

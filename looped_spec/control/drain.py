@@ -14,32 +14,53 @@ model (with the same cost profile) priced it 0.95x and ranked the fixed plans as
 
 The model: request i has `remaining[i]` tokens to commit; its tokens per round under a plan are uncertain
 through its text — its agreement is α + σ·z with z standard normal (σ: the spread of per-prompt agreement
-the tuner measured, `AcceptanceConfig.spread`), evaluated at the midpoints of `QUANTILES` equal-probability
-slices. The expected number of requests still running after r rounds is n(r) = Σ_i P(remaining_i / t_i > r)
+the tuner measured, `AcceptanceConfig.spread`), evaluated at the midpoints of equal-probability slices of z.
+The expected number of requests still running after r rounds is n(r) = Σ_i P(remaining_i / t_i > r)
 (exact by linearity of expectation), and the expected drain time is Σ_r cost(n(r)) with the round cost
 interpolated between whole batch sizes (close to E[cost(n)], the cost being near-affine in n).
+
+How many slices: the drain's length is set by the batch's slowest request, and of B requests the slowest sits
+near z ≈ −2 at B = 32, where 8 slices end at −1.53 (their outermost midpoint): with 8 slices the model put
+draining (2, 2) on tiny-ouro at B = 32 at 0.944 of its lockstep price where a Monte Carlo over continuous z
+gives 0.931 (and (2, 1): 0.908 against 0.891), and within 0.3 % of it with 2·B slices (`slices`); at B = 8 the
+two slicings differ by at most 0.4 %.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from functools import lru_cache
 from statistics import NormalDist
 
 import numpy as np
 
-from looped_spec.control.acceptance import markov_tokens
+from looped_spec.control.acceptance import markov_tokens_array
 
-#: Equal-probability slices of text difficulty a request's acceptance is spread over.
+#: Equal-probability slices of text difficulty a request's acceptance is spread over, at least ...
 QUANTILES = 8
-#: Standard-normal value at the middle of each slice.
-SLICE_Z = [NormalDist().inv_cdf((q + 0.5) / QUANTILES) for q in range(QUANTILES)]
+#: ... and this many per running request (the tail the slowest request of a large batch reaches).
+SLICES_PER_REQUEST = 2
 
 
-def request_rates(alpha: float, spread: float, rho: float, k: int) -> list[float]:
-    """[QUANTILES] committed tokens per round of a request at each slice of agreement α + spread·z."""
+@lru_cache(maxsize=64)
+def slice_z(count: int) -> np.ndarray:
+    """[count] standard-normal values at the middle of `count` equal-probability slices (read-only)."""
+    z = np.array([NormalDist().inv_cdf((q + 0.5) / count) for q in range(count)])
+    z.setflags(write=False)
+    return z
+
+
+def slices(batch: int) -> int:
+    """Slices of z for a batch of `batch` running requests."""
+    return max(QUANTILES, SLICES_PER_REQUEST * batch)
+
+
+def request_rates(alpha: float, spread: float, rho: float, k: int, count: int = QUANTILES) -> np.ndarray:
+    """[count] committed tokens per round of a request at each slice of agreement α + spread·z (K = 0: one slice
+    of 1 token: plain decoding commits one token a round whatever the text)."""
     if k <= 0:
-        return [1.0] * QUANTILES
-    return [markov_tokens(min(max(alpha + spread * z, 0.0), 1.0), rho, k) for z in SLICE_Z]
+        return np.ones(1)
+    return markov_tokens_array(alpha + spread * slice_z(count), rho, k)
 
 
 def drain_seconds(remaining: Sequence[int], rates: Sequence[float], cost: np.ndarray) -> float:

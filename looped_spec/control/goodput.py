@@ -73,7 +73,7 @@ from looped_spec.control.acceptance import markov_tokens
 from looped_spec.control.buckets import CompiledBucket
 from looped_spec.control.costmodel import RoundCostModel
 from looped_spec.control.costprofile import CostProfile
-from looped_spec.control.drain import drain_factor, request_rates
+from looped_spec.control.drain import drain_factor, request_rates, slices
 from looped_spec.control.exits import ExitDepths
 from looped_spec.control.policy import Policy
 from looped_spec.control.probes import PROBE_BAND, CostProbes
@@ -492,9 +492,9 @@ class GoodputPolicy(Policy):
         assert self.spread is not None and self.profile is not None
         if k > 0:
             alpha = self._alpha(d, exits)
-            rates = request_rates(alpha, self.spread[d - 1], self.rho[d - 1], k)
+            rates = request_rates(alpha, self.spread[d - 1], self.rho[d - 1], k, slices(len(remaining)))
             scale = tokens / markov_tokens(alpha, self.rho[d - 1], k)  # realized tokens move every slice alike
-            rates = [min(r * scale, k + 1.0) for r in rates]
+            rates = np.minimum(rates * scale, k + 1.0)
         else:
             rates = request_rates(1.0, 0.0, 0.0, 0)
         return drain_factor(remaining, rates, tokens, self._cost_table(k, d, len(remaining)))
