@@ -67,7 +67,7 @@ def test_request_rates_spread_agreement_over_normal_slices():
     assert list(request_rates(0.7, 0.0, 0.0, 2)) == [pytest.approx(1 + 0.7 + 0.49)] * QUANTILES
     assert list(request_rates(0.5, 0.2, 0.0, 0)) == [1.0]  # plain: one token a round whatever the text
     assert max(request_rates(0.95, 0.5, 0.0, 3)) == pytest.approx(4.0)  # agreement clipped at 1
-    assert slices(1) == slices(4) == QUANTILES and slices(32) == 64
+    assert slices(1) == slices(4) == QUANTILES and slices(32) == 64 and slices(1000) == 128
 
 
 def test_the_vectorized_chain_equals_the_scalar_one():

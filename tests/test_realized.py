@@ -74,3 +74,22 @@ def test_a_plan_never_run_is_priced_with_its_depths_error():
     assert seen is not None and seen[1] >= REALIZED_MIN
     assert seen[0] / seen[1] == pytest.approx(1.875)
     assert before[(1, 1)] < policy.tokens(1, 1) < 1.875  # its own tokens, the corrected chain as a prior
+
+
+def test_a_depths_measured_error_is_token_evidence_that_outlasts_the_plans_own_tokens():
+    """Evidence of tokens (for the evidence margin) is the plan's own REALIZED_MIN request-rounds, or its depth's
+    error resting on BIAS_PRIOR expected accepted tokens; the plan's own tokens fade within ~REALIZED_MEMORY
+    positions, the depth's error over BIAS_MEMORY, so a trial's evidence survives the next batches of plain."""
+    realized = RealizedTokens()
+    assert not realized.measured(1, 1)
+    for _ in range(40):  # (1, 1) at B = 8: 320 request-rounds, chain 1.6 -> 192 expected accepted tokens
+        realized.observe(round_of(1, 1, [1] * 5 + [0] * 3), 13, 1.6)
+    assert realized.measured(1, 1) and not realized.measured(3, 1)  # ~180 faded < BIAS_PRIOR: only its own
+    for _ in range(40):
+        realized.observe(round_of(1, 1, [1] * 5 + [0] * 3), 13, 1.6)
+    assert realized.errors.get(1)[1] >= BIAS_PRIOR
+    assert realized.measured(3, 1) and not realized.measured(1, 2)  # the depth's error covers every K at d = 1
+    for _ in range(150):  # 1200 positions of plain decoding
+        realized.observe(round_of(0, 0, [0] * 8), 8, 1.0)
+    assert realized.of(1, 1)[1] < REALIZED_MIN  # its own tokens have faded ...
+    assert realized.measured(1, 1) and realized.measured(3, 1)  # ... the depth's error has not

@@ -38,8 +38,11 @@ from looped_spec.control.acceptance import markov_tokens_array
 
 #: Equal-probability slices of text difficulty a request's acceptance is spread over, at least ...
 QUANTILES = 8
-#: ... and this many per running request (the tail the slowest request of a large batch reaches).
+#: ... and this many per running request (the tail the slowest request of a large batch reaches), ...
 SLICES_PER_REQUEST = 2
+#: ... and at most this many: a decision prices ~10 plans over B·slices finish times each (at B = 256, 512 slices
+#: would sort 131 072 a plan); 128 slices reach z = −2.66, near the slowest of 256 requests (≈ −2.8).
+MAX_SLICES = 128
 
 
 @lru_cache(maxsize=64)
@@ -52,7 +55,7 @@ def slice_z(count: int) -> np.ndarray:
 
 def slices(batch: int) -> int:
     """Slices of z for a batch of `batch` running requests."""
-    return max(QUANTILES, SLICES_PER_REQUEST * batch)
+    return min(max(QUANTILES, SLICES_PER_REQUEST * batch), MAX_SLICES)
 
 
 def request_rates(alpha: float, spread: float, rho: float, k: int, count: int = QUANTILES) -> np.ndarray:

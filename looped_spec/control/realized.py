@@ -11,11 +11,11 @@ online and ρ_d the tuning text's persistence. Two measurements correct it where
   the accepted tokens the Markov expectation predicted for them at the α_d of their round. α_d tracks the text;
   what the ratio keeps is how the chain's shape (ρ_d) misjudges this text, which changes slowly, so it is
   remembered over `BIAS_MEMORY` positions and carries to every K at that depth — plans that never ran included.
-  Measured on tiny-ouro's evaluation prompts (16 of them, exact replay of their recorded match bits): ρ is 0.10
-  / 0.04 at d = 1 / 2 where the tuning text's is 0.37 / 0.30, and plans at d = 1 commit 2–11 % more accepted
-  tokens than the chain with the tuned ρ predicts, at d = 2 1–5 %, at d = 3 1–3 % fewer (the tuning text's own
-  replay agrees with its chain within 2 %); (1, 2), which adaptive never ran at B = 8, was priced from a chain
-  5 % short on its accepted tokens.
+  Measured on tiny-ouro's evaluation prompts (16 of them, exact replay of their recorded match bits, full-K
+  rounds only): ρ is 0.10 / 0.04 at d = 1 / 2 where the tuning text's is 0.37 / 0.30, and plans with K = 1..5
+  commit 5–13 % more accepted tokens than the chain with the tuned ρ predicts at d = 1, 3–7 % at d = 2, within
+  2 % at d = 3 (the tuning text's own replay agrees with its chain within 2 %); (1, 2), which adaptive never ran
+  at B = 8, was priced from a chain 7 % short on its accepted tokens.
   The depth's ratio shrinks to the pooled one, and that to 1, with `BIAS_PRIOR` expected accepted tokens of prior.
 """
 
