@@ -573,8 +573,9 @@ class GoodputPolicy(Policy):
         committed = sum(fb.num_accepted) + len(fb.num_accepted)  # positions the round committed
         self.committed += committed
         self.acceptance.observe(fb)
-        speculative = fb.k > 0 and 1 <= fb.d <= self.full_depth
-        chain = markov_tokens(self._alpha(fb.d, None), self.rho[fb.d - 1], fb.k) if speculative else 1.0
+        # the chain's expectation prices the round's full-K tokens; rounds with early exit are not counted
+        counted = fb.k > 0 and not fb.exit_depths and 1 <= fb.d <= self.full_depth
+        chain = markov_tokens(self._alpha(fb.d, None), self.rho[fb.d - 1], fb.k) if counted else 1.0
         self.realized.observe(fb, committed, chain)
         if self.profile is not None and self.refine_cost:
             self._observe_cost(fb)
