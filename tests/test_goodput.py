@@ -125,28 +125,51 @@ def test_goodput_without_timings_still_decides_from_acceptance():
     assert report[0][2] == (4, 1)
 
 
-def test_reexploration_backs_off_while_it_changes_nothing():
-    """Without a cost profile each bucket re-runs its other options every `reexplore_every` rounds to keep their
-    costs current. Where nothing beats plain (zero acceptance) the re-runs change nothing, and the gap doubles
-    each time (up to REEXPLORE_BACKOFF times): over 8000 rounds 5 re-explorations instead of 31."""
-    from looped_spec.control.goodput import REEXPLORE_BACKOFF
-
+def reexplored_rounds(alpha: list[float], rounds: int = 8000) -> tuple[AdaptiveController, list[tuple[int, int, int]]]:
+    """(controller, [(round, k, d)] of the speculative rounds after the first exploration) at B = 8."""
     ctl = AdaptiveController(sim_config(), 4, policy="goodput")
-    sim = SyntheticWorkload(4, [0.0, 0.0, 0.0, 1.0], seed=3, **COSTS)
+    sim = SyntheticWorkload(4, alpha, seed=3, **COSTS)
     speculative = []
-    for r in range(8000):
+    for r in range(rounds):
         plan = ctl.plan(8)
         ctl.observe(sim.feedback(plan, 8))
-        if plan.k > 0:
-            speculative.append(r)
-    late = [r for r in speculative if r >= 100]  # after the first exploration
+        if plan.k > 0 and r >= 100:
+            speculative.append((r, plan.k, plan.d))
+    return ctl, speculative
+
+
+def test_reexploration_backs_off_while_it_changes_nothing():
+    """Without a cost profile each bucket re-runs its other options every `reexplore_every` rounds to keep their
+    costs current. Where nothing beats plain the re-runs change nothing, and the gap doubles each time (up to
+    REEXPLORE_BACKOFF times): over 8000 rounds 5 re-explorations instead of 31. Only options predicted within
+    REEXPLORE_WITHIN of the best are re-run: at α₂ = 0.5 (1, 2) commits 1.5 tokens a round for ~1.7x plain's
+    cost (~0.9x plain), (4, 1) and (6, 1) at α₁ = 0 one token for 2-2.5x (≤ 0.5x plain)."""
+    from looped_spec.control.goodput import REEXPLORE_BACKOFF, REEXPLORE_WITHIN
+
+    ctl, speculative = reexplored_rounds([0.0, 0.5, 0.0, 1.0])
     policy = ctl.policy
-    assert policy.states[ctl.bucket_for(8)].options[policy.states[ctl.bucket_for(8)].current][0] == 0  # plain
+    st = policy.states[ctl.bucket_for(8)]
+    assert st.options[st.current][0] == 0  # plain
+    plain = st.predicted[st.plain]
+    near = [st.options[o][:2] for o, rate in enumerate(st.predicted) if rate >= REEXPLORE_WITHIN * plain]
+    assert sorted(near) == [(0, 0), (1, 2)]
+    assert {(k, d) for _, k, d in speculative} == {(1, 2)}  # the options far below plain are not re-run
     base = policy.reexplore_every
+    late = [r for r, _, _ in speculative]
     starts = [r for i, r in enumerate(late) if i == 0 or r - late[i - 1] > 1]
     # re-explorations start when the gap since the previous one has passed: 256, then gaps of 256, 512, 1024, 2048
     assert [round(r / base) * base for r in starts] == [base, 2 * base, 4 * base, 8 * base, 16 * base]
-    assert policy.states[ctl.bucket_for(8)].reexplore_gap == REEXPLORE_BACKOFF * base  # capped at 16 x 256
+    assert st.reexplore_gap == REEXPLORE_BACKOFF * base  # capped at 16 x 256
+
+
+def test_reexploration_skips_options_that_cannot_pay():
+    """At zero acceptance every speculative option commits one token a round for more than a plain round costs:
+    after the first exploration no round speculates (the random-weight fixture re-ran three such plans every
+    256-4096 rounds)."""
+    ctl, speculative = reexplored_rounds([0.0, 0.0, 0.0, 1.0])
+    assert speculative == []
+    st = ctl.policy.states[ctl.bucket_for(8)]
+    assert st.options[st.current][0] == 0 and st.reexplore_gap > ctl.policy.reexplore_every  # still backing off
 
 
 def test_goodput_learns_each_plans_own_committed_tokens():

@@ -30,7 +30,8 @@ list has no K=0 candidate) it predicts, at the round's actual batch size B,
   between rounds of different options (±10–30 %) moved plans more often than profile errors did.
   Without a profile (e.g. the generic preset) T is a `RoundCostModel` fitted online per bucket from
   measured phase times, which needs each option to be tried: each bucket first runs every option
-  `explore_rounds` times round-robin and re-runs the others once every `reexplore_every` rounds — a gap
+  `explore_rounds` times round-robin and re-runs the others predicted within `REEXPLORE_WITHIN` of the best
+  once every `reexplore_every` rounds — a gap
   that doubles (up to `REEXPLORE_BACKOFF` times) each time a re-exploration leaves the plan as it was, so a
   bucket where nothing beats plain decoding (the random-weight fixture) stops paying for re-runs.
 
@@ -197,6 +198,10 @@ DECISION_BUDGET = 0.005
 MAX_DECISION_GAP = 64
 #: A bucket's re-exploration gap grows to at most this multiple of `reexplore_every`.
 REEXPLORE_BACKOFF = 16
+#: A re-exploration re-runs only the options predicted at least this fraction of the best at the last decision
+#: (at B = 8 the random-weight fixture re-ran (2, 2), priced at 0.55-0.58x plain, every 256-4096 rounds; at B = 1
+#: it re-ran (3, 1) at 0.45-0.47x beside two plans within a few % of plain: `GoodputState.predicted`).
+REEXPLORE_WITHIN = 0.8
 #: Full-shape rounds an option must have run before its measured cost corrects the profile's prediction.
 CORRECTION_MIN_ROUNDS = 8
 #: Rounds per option whose measured ÷ predicted cost ratios are kept (the median of these scales T).
@@ -339,8 +344,16 @@ class GoodputPolicy(Policy):
             st.reexplore_gap = min(2 * st.reexplore_gap, REEXPLORE_BACKOFF * base) if unchanged else base
             st.reexplored_from = st.current
             st.next_reexplore = st.rounds + st.reexplore_gap
-            st.queue = [o for o in range(len(st.options)) if o != st.current]
+            st.queue = [o for o in range(len(st.options)) if o != st.current and self._worth_rerun(st, o)]
         return self._probe_or(st, st.current, plan_id)  # a trial the decision started runs from the next round
+
+    def _worth_rerun(self, st: GoodputState, option: int) -> bool:
+        """Whether a re-exploration re-runs `option`: its prediction at the last decision reaches REEXPLORE_WITHIN
+        of the best. Its cost was timed in the exploration, and its acceptance is read out every measured round
+        whichever plan runs, so an option priced far below the best is not one a fresher timing would pick; a
+        text on which it pays raises its prediction into the band first."""
+        rates = st.predicted
+        return rates is None or rates[option] >= REEXPLORE_WITHIN * max(rates)
 
     def _decision_due(self, st: GoodputState, batch_size: int) -> bool:
         """The bucket's periodic decision is due (rounds, and positions once acceptance is no longer young), or
