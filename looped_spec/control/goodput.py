@@ -344,16 +344,17 @@ class GoodputPolicy(Policy):
             st.reexplore_gap = min(2 * st.reexplore_gap, REEXPLORE_BACKOFF * base) if unchanged else base
             st.reexplored_from = st.current
             st.next_reexplore = st.rounds + st.reexplore_gap
-            st.queue = [o for o in range(len(st.options)) if o != st.current and self._worth_rerun(st, o)]
+            st.queue = self._rerun_options(st)
         return self._probe_or(st, st.current, plan_id)  # a trial the decision started runs from the next round
 
-    def _worth_rerun(self, st: GoodputState, option: int) -> bool:
-        """Whether a re-exploration re-runs `option`: its prediction at the last decision reaches REEXPLORE_WITHIN
-        of the best. Its cost was timed in the exploration, and its acceptance is read out every measured round
-        whichever plan runs, so an option priced far below the best is not one a fresher timing would pick; a
-        text on which it pays raises its prediction into the band first."""
+    def _rerun_options(self, st: GoodputState) -> list[int]:
+        """The options a re-exploration re-runs: all but the current one whose prediction at the last decision
+        reaches REEXPLORE_WITHIN of the best. An option's cost was timed in the exploration, and its acceptance
+        is read out every measured round whichever plan runs, so an option priced far below the best is not one
+        a fresher timing would pick; a text on which it pays raises its prediction into the band first."""
         rates = st.predicted
-        return rates is None or rates[option] >= REEXPLORE_WITHIN * max(rates)
+        floor = REEXPLORE_WITHIN * max(rates) if rates is not None else -math.inf
+        return [o for o in range(len(st.options)) if o != st.current and (rates is None or rates[o] >= floor)]
 
     def _decision_due(self, st: GoodputState, batch_size: int) -> bool:
         """The bucket's periodic decision is due (rounds, and positions once acceptance is no longer young), or
