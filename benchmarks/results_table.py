@@ -4,7 +4,8 @@
 
 One table per file: per batch size the plain decode tokens/s, the A/A line, the best fixed (K, d), adaptive
 against plain, against the best fixed (same-round choice and held-out choice) and adaptive's plans; then a
-line for the changing workload when the file has one. Values are median [min-max] of per-round ratios.
+table of the confirmation rounds when the file has them (`--confirm-repeats`), and a line for the changing
+workload when the file has one. Values are median [min-max] of per-round ratios.
 """
 
 from __future__ import annotations
@@ -42,6 +43,24 @@ def table(result: dict[str, Any], name: str = "adaptive") -> str:
             f"| {fmt(entry.get('vs_best_fixed'))} | {fmt(entry.get('vs_best_fixed_held_out'))} "
             f"| {plans(entry.get('plans', {}))} |"
         )
+    confirmed = {b: row["confirm"] for b, row in result["batch_sizes"].items() if "confirm" in row}
+    if confirmed:
+        lines += [
+            "",
+            "Confirmation rounds (plain, plain-B, the screen's top fixed cells and adaptive only):",
+            "",
+            "| B | rounds | A/A | screen's best fixed (K,d) | adaptive ÷ plain | adaptive ÷ best fixed | ÷ best of the "
+            "top cells, held-out choice | adaptive's plans (rounds) |",
+            "|---|---|---|---|---|---|---|---|",
+        ]
+        for b, c in confirmed.items():
+            entry = c["adaptive"].get(name, {})
+            best = c["best_fixed"]
+            lines.append(
+                f"| {b} | {len(c['rounds'])} | {fmt(c['aa'])} | {best}: {fmt(c['ratio'][best])} "
+                f"| {fmt(entry.get('vs_plain'))} | {fmt(entry.get('vs_best_fixed'))} "
+                f"| {fmt(entry.get('vs_best_fixed_held_out'))} | {plans(entry.get('plans', {}))} |"
+            )
     wl = result.get("workload")
     if wl:
         entry = wl["adaptive"].get(name, {})

@@ -59,6 +59,36 @@ def test_bench_runs_side_by_side_with_an_aa_line(bench, tmp_path, capsys):
     assert data["prompts"]["fingerprints"] == prompt_fingerprints(random_prompts(2, 256, 0))
 
 
+def test_bench_confirmation_reruns_the_screens_top_cells(bench, tmp_path, capsys):
+    grid = ["--grid", "1,1;2,1;1,2", "--batch-sizes", "2", "--confirm-repeats", "3", "--confirm-top", "2"]
+    report = bench.main([*SMALL, *grid, "--out", str(tmp_path / "c")])
+    row = report["batch_sizes"]["2"]
+    screen = {n: row["configs"][n]["ratio"]["median"] for n in ("1,1", "2,1", "1,2")}
+    c = row["confirm"]
+    top = c["configs"][2:4]
+    assert c["configs"][:2] == ["plain", "plain-B"] and c["configs"][4:] == ["adaptive"]
+    assert sorted(screen, key=lambda n: -screen[n])[:2] == top and c["best_fixed"] == top[0]
+    assert len(c["rounds"]) == 3 and all(set(rd) == set(c["configs"]) for rd in c["rounds"])
+    assert c["equality_checks"] == 4 * 3  # plain-B, two cells and adaptive against plain, 3 rounds
+    assert report["equality_checks"] == row["equality_checks"] + 12
+    entry = c["adaptive"]["adaptive"]
+    first = c["rounds"][0]
+    assert entry["vs_best_fixed"]["per_round"][0] == first["adaptive"]["tokens_per_s"] / first[top[0]]["tokens_per_s"]
+    assert len(entry["vs_best_fixed_held_out"]["per_round"]) == 3
+    assert c["aa"]["per_round"][0] == first["plain-B"]["tokens_per_s"] / first["plain"]["tokens_per_s"]
+    printed = capsys.readouterr().out
+    assert "confirmation (3 more rounds" in printed and "confirmed (3 rounds)" in printed
+    tables = load_script("results_table")
+    assert "Confirmation rounds" in tables.table(json.loads((tmp_path / "c.json").read_text()))
+
+
+@pytest.mark.parametrize("bad", [["--confirm-repeats", "1"], ["--confirm-repeats", "-2"], ["--confirm-top", "0"]])
+def test_bench_confirmation_options_are_checked(bench, bad, capsys):
+    with pytest.raises(SystemExit) as exc:
+        bench.main([*SMALL, *bad])
+    assert exc.value.code == 2 and "--confirm-" in capsys.readouterr().err
+
+
 def test_bench_workload_reports_the_oracle(bench):
     report = bench.main([*SMALL, "--batch-sizes", "1", "--workload", "--workload-phases", "1,2,1", "--max-tokens", "3"])
     wl = report["workload"]
