@@ -16,7 +16,8 @@ in each measured round, the cell that is best on the other rounds (likewise the 
 screen's `--confirm-top` best fixed cells and the adaptive engines only. The screen picked its best cell with its
 own noise; measured again in rounds that took no part in the choice, that cell's ratio is not flattered, and with
 a handful of configurations a round is short, so the comparisons the acceptance criteria are about get more
-rounds for the same time.
+rounds for the same time. With `--workload` the workload gets one too: plain, plain-B, the screen's best single
+fixed cell, the screen's per-phase oracle (each phase on the engine the screen chose for it) and adaptive.
 Decode time = wall time of `generate` minus its prefill time; decode tokens = generated tokens - B (the first
 token of a request comes from prefill). Every speculative and adaptive output is checked token for token
 against plain's output of the same round.
@@ -620,6 +621,57 @@ def bench_workload(engines, specs, prompts, phases, args, rng: random.Random, ba
                 [total_time(rd, best_single) / total_time(rd, name) for rd in measured]
             )
         out["adaptive"][name] = entry
+    if args.confirm_repeats:
+        out["confirm"] = confirm_workload(engines, specs, prompts, phases, oracle, best_single, args, rng, bar)
+    return out
+
+
+def confirm_workload(engines, specs, prompts, phases, oracle, best_single, args, rng, bar) -> dict[str, Any]:
+    """The workload's confirmation stage: `--confirm-repeats` more interleaved rounds of plain, plain-B, the
+    screen's best single fixed cell, the screen's per-phase oracle (phase p on the engine the screen chose for
+    it) and the adaptive engines. Like the per-batch-size stage, the choices are the screen's, so neither the
+    oracle nor the best single cell is flattered by the noise that chose it."""
+    offsets = [sum(phases[:i]) for i in range(len(phases))]
+    adaptive = [n for n in engines if specs[n]["kind"] == "adaptive"]
+    names = ["plain", "plain-B", *([best_single] if best_single else []), "oracle", *adaptive]
+    measured, checks = [], 0
+
+    def run_phases(name):
+        chosen = oracle if name == "oracle" else [name] * len(phases)
+        done = [
+            timed_generate(engines[n], prompts[off : off + size], args.max_tokens)
+            for n, size, off in zip(chosen, phases, offsets)
+        ]
+        return [record for record, _ in done], [out for _, out in done]
+
+    for r, _order, runs, outs in interleaved_rounds(names, args.confirm_repeats, rng, bar, run_phases):
+        for name in names[1:]:
+            for p, (got, want) in enumerate(zip(outs[name], outs["plain"])):
+                check_equal(name, got, want, f"workload confirmation round {r}, phase {p} (B={phases[p]})")
+                checks += 1
+        measured.append(runs)
+
+    def total_time(rd, name):
+        return sum(run["decode_s"] for run in rd[name])
+
+    out: dict[str, Any] = {"configs": names, "oracle_phases": list(oracle), "rounds": measured}
+    out["equality_checks"] = checks
+    # same tokens in every config (outputs are checked equal), so a time ratio is a tokens/s ratio
+    out["ratio"] = {n: spread([total_time(rd, "plain") / total_time(rd, n) for rd in measured]) for n in names[1:]}
+    out["aa"] = out["ratio"]["plain-B"]
+    out["best_single_fixed"] = best_single
+    out["adaptive"] = {}
+    for name in adaptive:
+        entry = {
+            "vs_plain": out["ratio"][name],
+            "vs_oracle": spread([total_time(rd, "oracle") / total_time(rd, name) for rd in measured]),
+            "plans": sum_plans([run for rd in measured for run in rd[name]]),
+        }
+        if best_single:
+            entry["vs_best_single_fixed"] = spread(
+                [total_time(rd, best_single) / total_time(rd, name) for rd in measured]
+            )
+        out["adaptive"][name] = entry
     return out
 
 
@@ -637,6 +689,18 @@ def print_workload(wl: dict[str, Any]) -> None:
         if "vs_best_single_fixed" in entry:
             line += f", vs best single fixed {fmt(entry['vs_best_single_fixed'])}"
         print(line + f", vs plain {fmt(entry['vs_plain'])}; plans {entry['plans']}")
+    c = wl.get("confirm")
+    if c is not None:
+        print(
+            f"  confirmation ({len(c['rounds'])} more rounds of plain, plain-B, the best single fixed, the oracle, "
+            "adaptive):"
+        )
+        print(f"    A/A {fmt(c['aa'])}; " + "; ".join(f"{n} {fmt(c['ratio'][n])}" for n in c["configs"][2:]))
+        for name, entry in c["adaptive"].items():
+            line = f"    {name}: vs oracle {fmt(entry['vs_oracle'])}"
+            if "vs_best_single_fixed" in entry:
+                line += f", vs best single fixed {fmt(entry['vs_best_single_fixed'])}"
+            print(line + f", vs plain {fmt(entry['vs_plain'])}; plans {entry['plans']}")
 
 
 def print_summary(results: dict[str, Any], workload: dict[str, Any] | None) -> None:
@@ -670,6 +734,15 @@ def print_summary(results: dict[str, Any], workload: dict[str, Any] | None) -> N
                 text += f", {fmt(entry['vs_best_single_fixed'])} of best single fixed"
             parts.append(text + f", {fmt(entry['vs_plain'])} of plain")
         print("  " + "; ".join(parts))
+        c = workload.get("confirm")
+        if c is not None:
+            parts = [f"  confirmed ({len(c['rounds'])} rounds): A/A {fmt(c['aa'])}"]
+            for name, entry in c["adaptive"].items():
+                text = f"{name} {fmt(entry['vs_oracle'])} of oracle"
+                if "vs_best_single_fixed" in entry:
+                    text += f", {fmt(entry['vs_best_single_fixed'])} of best single fixed"
+                parts.append(text + f", {fmt(entry['vs_plain'])} of plain")
+            print("  " + "; ".join(parts))
 
 
 # ----------------------------------------------------------------------------------------- main
@@ -795,7 +868,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     adaptive = len(engines) - 2 - len(grid)
     confirm_runs = args.confirm_repeats * (2 + min(args.confirm_top, len(grid)) + adaptive) if grid else 0
     screen_runs = args.repeats * len(engines) * (len(args.batches) + (1 if phases else 0))
-    bar = _progress(screen_runs + confirm_runs * len(args.batches))
+    workload_confirm = args.confirm_repeats * (3 + (1 if grid else 0) + adaptive) if phases else 0
+    bar = _progress(screen_runs + confirm_runs * len(args.batches) + workload_confirm)
     results: dict[str, Any] = {}
     try:
         for b in args.batches:
@@ -811,7 +885,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         print_workload(workload)
     print_summary(results, workload)
     checks = sum(r["equality_checks"] + r.get("confirm", {}).get("equality_checks", 0) for r in results.values())
-    checks += workload["equality_checks"] if workload else 0
+    checks += workload["equality_checks"] + workload.get("confirm", {}).get("equality_checks", 0) if workload else 0
     print(f"\ngreedy outputs equal to plain's: {checks} of {checks} checks")
     report = {
         **run_record(command, now, adapter),

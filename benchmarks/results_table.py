@@ -73,6 +73,15 @@ def table(result: dict[str, Any], name: str = "adaptive") -> str:
             f"÷ best single fixed ({wl['best_single_fixed']}) {fmt(entry.get('vs_best_single_fixed'))}, "
             f"÷ plain {fmt(entry.get('vs_plain'))}.",
         ]
+        c = wl.get("confirm")
+        if c is not None:
+            entry = c["adaptive"].get(name, {})
+            lines += [
+                "",
+                f"Workload confirmation ({len(c['rounds'])} rounds, A/A {fmt(c['aa'])}): adaptive ÷ the screen's "
+                f"oracle {fmt(entry.get('vs_oracle'))}, ÷ the screen's best single fixed ({c['best_single_fixed']}) "
+                f"{fmt(entry.get('vs_best_single_fixed'))}, ÷ plain {fmt(entry.get('vs_plain'))}.",
+            ]
     return "\n".join(lines)
 
 

@@ -99,6 +99,28 @@ def test_bench_workload_reports_the_oracle(bench):
     assert wl["equality_checks"] == 3 * 3 * 2  # 3 non-plain configs x 3 phases x 2 rounds
 
 
+def test_bench_workload_confirmation_runs_the_screens_oracle(bench):
+    argv = [*SMALL, "--batch-sizes", "1", "--grid", "1,1;2,1", "--workload", "--workload-phases", "1,2,1"]
+    report = bench.main([*argv, "--max-tokens", "3", "--confirm-repeats", "2"])
+    wl = report["workload"]
+    c = wl["confirm"]
+    assert c["oracle_phases"] == wl["oracle_phases"] and c["best_single_fixed"] == wl["best_single_fixed"]
+    assert c["configs"] == ["plain", "plain-B", wl["best_single_fixed"], "oracle", "adaptive"]
+    assert len(c["rounds"]) == 2 and c["equality_checks"] == 4 * 3 * 2  # 4 configs x 3 phases x 2 rounds
+    first = c["rounds"][0]
+
+    def total(name):
+        return sum(run["decode_s"] for run in first[name])
+
+    # the oracle's phases ran on the engines the screen chose: each phase's plans are its engine's
+    for run, chosen in zip(first["oracle"], wl["oracle_phases"]):
+        # (a fixed cell's last round may be plain: a request with one token left drafts nothing)
+        assert set(run["plans"]) == {"0,0"} if chosen == "plain" else chosen in run["plans"]
+    entry = c["adaptive"]["adaptive"]
+    assert entry["vs_oracle"]["per_round"][0] == total("oracle") / total("adaptive")
+    assert entry["vs_plain"]["per_round"][0] == total("plain") / total("adaptive")
+
+
 def test_held_out_choice_scores_each_round_with_a_choice_made_on_the_others(bench):
     # two cells, three rounds: "b" wins on average, but only thanks to round 0's noise
     rounds = [{"a": 1.0, "b": 3.0}, {"a": 1.2, "b": 1.0}, {"a": 1.1, "b": 0.9}]
@@ -211,3 +233,23 @@ def test_early_exit_bench_quality_only_runs_no_timing_and_is_deterministic(monke
     assert data["rows"] == json.loads(json.dumps(rows))
     assert set(data["batch_sizes"]["2"]["runs"]) == set(data["configs"])
     assert module.main(argv) == rows  # one untimed pass: the same numbers every time
+
+
+def test_drain_check_prices_plain_in_lockstep_and_inverts_the_chain():
+    module = load_script("bench_drain")
+    for tokens, rho, k in [(1.4, 0.0, 1), (2.2, 0.3, 3), (1.05, 0.5, 2)]:
+        assert module.markov_tokens(module.chain_alpha(tokens, rho, k), rho, k) == pytest.approx(tokens, abs=1e-9)
+    argv = ["--model", "tiny-ouro", "--batch-size", "2", "--max-tokens", "6", "--repeats", "2", "--threads", "1"]
+    result = module.main([*argv, "--plans", "0,0;2,1"])
+    plain, spec = result["plans"]["0,0"], result["plans"]["2,1"]
+    assert plain["fill"] == 1.0 and plain["tokens_per_round"] == 1.0 and plain["vs_plain"] == 1.0
+    # plain decoding keeps equal budgets in step: its rounds as they ran are its lockstep rounds, as the model says
+    assert plain["occupancy_vs_lockstep"] == pytest.approx(1.0) and plain["model_vs_lockstep"] == pytest.approx(1.0)
+    assert 0.0 < spec["fill"] <= 1.0 and spec["tokens_per_round"] >= 1.0 and spec["model_vs_lockstep"] > 0.0
+
+
+def test_drain_check_refuses_a_preset_without_a_cost_profile(capsys):
+    module = load_script("bench_drain")
+    with pytest.raises(SystemExit) as exc:
+        module.main(["--model", FIXTURE, "--batch-size", "2", "--max-tokens", "4", "--repeats", "2"])
+    assert exc.value.code == 2 and "no cost profile" in capsys.readouterr().err
