@@ -727,22 +727,23 @@ def print_summary(results: dict[str, Any], workload: dict[str, Any] | None) -> N
                 parts.append(text + f" ({fmt(entry['vs_best_fixed_held_out'])} held-out)")
             print("  " + "; ".join(parts))
     if workload is not None:
-        parts = [f"workload: A/A {fmt(workload['aa'])}"]
-        for name, entry in workload["adaptive"].items():
-            text = f"{name} {fmt(entry['vs_oracle'])} of oracle ({fmt(entry['vs_oracle_held_out'])} held-out)"
-            if "vs_best_single_fixed" in entry:
-                text += f", {fmt(entry['vs_best_single_fixed'])} of best single fixed"
-            parts.append(text + f", {fmt(entry['vs_plain'])} of plain")
-        print("  " + "; ".join(parts))
+        print("  " + workload_summary("workload: ", workload))
         c = workload.get("confirm")
         if c is not None:
-            parts = [f"  confirmed ({len(c['rounds'])} rounds): A/A {fmt(c['aa'])}"]
-            for name, entry in c["adaptive"].items():
-                text = f"{name} {fmt(entry['vs_oracle'])} of oracle"
-                if "vs_best_single_fixed" in entry:
-                    text += f", {fmt(entry['vs_best_single_fixed'])} of best single fixed"
-                parts.append(text + f", {fmt(entry['vs_plain'])} of plain")
-            print("  " + "; ".join(parts))
+            print("  " + workload_summary(f"  confirmed ({len(c['rounds'])} rounds): ", c))
+
+
+def workload_summary(head: str, wl: dict[str, Any]) -> str:
+    """One summary line of the workload's screen or confirmation stage (the latter has no held-out choice)."""
+    parts = [f"{head}A/A {fmt(wl['aa'])}"]
+    for name, entry in wl["adaptive"].items():
+        text = f"{name} {fmt(entry['vs_oracle'])} of oracle"
+        if "vs_oracle_held_out" in entry:
+            text += f" ({fmt(entry['vs_oracle_held_out'])} held-out)"
+        if "vs_best_single_fixed" in entry:
+            text += f", {fmt(entry['vs_best_single_fixed'])} of best single fixed"
+        parts.append(text + f", {fmt(entry['vs_plain'])} of plain")
+    return "; ".join(parts)
 
 
 # ----------------------------------------------------------------------------------------- main
