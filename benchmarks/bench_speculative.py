@@ -443,6 +443,10 @@ def bench_batch(engines, specs, prompts, b: int, args, rng: random.Random, bar) 
     if args.confirm_repeats and fixed:
         top = sorted(fixed, key=lambda n: -row["configs"][n]["ratio"]["median"])[: args.confirm_top]
         row["confirm"] = confirm_batch(engines, specs, prompts, b, top, args, rng, bar)
+    # what each adaptive engine's policy believes after this batch size (per bucket: predictions, factors)
+    row["controller_state"] = {
+        name: engines[name].controller.stats().get("buckets") for name in names if specs[name]["kind"] == "adaptive"
+    }
     return row
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections import deque
 
+import pytest
 from test_acceptance_cost import profiled_config
 from test_probes import run_rounds
 
@@ -17,7 +18,7 @@ from looped_spec.control.goodput import (
     EVIDENCE_TRIAL_SPACING,
     YOUNG_ROUNDS,
 )
-from looped_spec.control.probes import PROBE_EVERY
+from looped_spec.control.probes import MAD_SIGMA, MEDIAN_SE, PROBE_EVERY, PROBE_Z
 from looped_spec.control.realized import REALIZED_MIN
 
 
@@ -83,6 +84,30 @@ def test_evidence_lowers_the_margin_over_plain():
     for rates, eligible in ([100.0, 100.5], [0, 1]), ([100.0, 99.5], [0]):
         st.predicted = rates
         assert policy._eligible(st, rates) == eligible
+
+
+def test_a_plan_its_noisy_probes_price_must_clear_plain_by_their_standard_error():
+    """Eight probe pairs with median 1.0: tight pairs leave the evidence margin as it is; pairs spread as on a
+    machine whose speed moves between rounds raise the bar to PROBE_Z standard errors of their median."""
+    ctl = near_plain()
+    policy = ctl.policy
+    st = policy.states[0]
+    policy.realized.plans.add((2, 1), 3.0 * REALIZED_MIN, REALIZED_MIN)
+    rates = [100.0, 100.0 * (1.0 + EVIDENCE_MARGIN + 0.005)]
+    st.current, st.predicted = 0, rates
+    tight = [0.99, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.01]
+    policy.probes.ratios[(0, 2, 1)] = deque(tight)
+    assert policy.probes.error(0, 2, 1) == pytest.approx(0.0) and policy._eligible(st, rates) == [0, 1]
+    noisy = [0.85, 0.9, 0.95, 1.0, 1.0, 1.05, 1.1, 1.15]  # MAD 0.075: σ ≈ 0.11, the median's error ≈ 4.9 %
+    policy.probes.ratios[(0, 2, 1)] = deque(noisy)
+    error = policy.probes.error(0, 2, 1)
+    assert error == pytest.approx(MEDIAN_SE * MAD_SIGMA * 0.075 / 8**0.5)
+    assert policy.probes.factor(0, 2, 1) == pytest.approx(1.0) and PROBE_Z * error > EVIDENCE_MARGIN + 0.005
+    assert policy._eligible(st, rates) == [0]
+    rates = [100.0, 100.0 * (1.0 + PROBE_Z * error + 0.005)]  # clearing the wider bar
+    st.predicted = rates
+    assert policy._eligible(st, rates) == [0, 1]
+    assert policy.probes.error(0, 3, 1) == 0.0 and policy.probes.error(0, 0, 0) == 0.0  # no pairs: no error
 
 
 def test_the_bucket_decides_in_the_round_an_evidence_trial_ends(monkeypatch):

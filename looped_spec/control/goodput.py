@@ -77,7 +77,7 @@ from looped_spec.control.costprofile import CostProfile
 from looped_spec.control.drain import drain_factor, request_rates, slices
 from looped_spec.control.exits import ExitDepths
 from looped_spec.control.policy import Policy
-from looped_spec.control.probes import PROBE_BAND, CostProbes
+from looped_spec.control.probes import PROBE_BAND, PROBE_Z, CostProbes
 from looped_spec.control.realized import RealizedTokens
 from looped_spec.control.schema import AcceptanceConfig, CostConfig, DisableConfig
 from looped_spec.plan import RoundFeedback
@@ -448,19 +448,23 @@ class GoodputPolicy(Policy):
         (`EVIDENCE_MARGIN` for an option with evidence of its own, `_has_evidence`).
 
         A wrong speculative plan costs more than a missed small gain, so every speculative option - not just
-        the first step away from plain - must clear the margin over plain decoding; the option in use keeps
+        the first step away from plain - must clear the margin over plain decoding, and a plan its probes price
+        (control/probes.py) PROBE_Z standard errors of their median if that is more; the option in use keeps
         its place down to the margin less `hysteresis`, so a prediction hovering at the bar does not flip.
         Without a plain option (Phase 2 off) every option is eligible.
         """
         if st.plain < 0:
             return list(range(len(rates)))
         plain = rates[st.plain]
+        probes = self.probes
         out = []
-        for o, (k, _, _) in enumerate(st.options):
+        for o, (k, d, _) in enumerate(st.options):
             if k == 0:
                 out.append(o)
                 continue
             margin = EVIDENCE_MARGIN if self._has_evidence(st, o) else self.plain_margin
+            if probes is not None:  # a price its probes moved is only as good as their median
+                margin = max(margin, PROBE_Z * probes.error(st.index, k, d))
             bar = plain * (1.0 + margin) * (1.0 - (self.hysteresis if o == st.current else 0.0))
             if rates[o] > max(bar, plain):  # a plan in use keeps its place only while predicted over plain
                 out.append(o)
@@ -654,6 +658,16 @@ class GoodputPolicy(Policy):
                     "alpha": [self.acceptance.alpha(j) for j in range(1, self.full_depth + 1)],
                     "cost": "profile" if st.cost is None else "online",
                     "cost_factors": {f"{k},{d}": round(v, 3) for (k, d), v in self.cost_factors(st.index).items()},
+                    # per plan with probe pairs: [factor, its relative standard error, pairs] (control/probes.py)
+                    "probe_factors": {
+                        f"{k},{d}": [
+                            round(self.probes.factor(st.index, k, d), 4),
+                            round(self.probes.error(st.index, k, d), 4),
+                            self.probes.pairs(st.index, k, d),
+                        ]
+                        for k, d, _ in st.options
+                        if self.probes is not None and self.probes.pairs(st.index, k, d)
+                    },
                 }
             )
         return out

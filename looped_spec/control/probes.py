@@ -14,7 +14,9 @@ it: each priced by the profile at its own context, the pair's ratio
     (measured ÷ predicted of the plan's round) ÷ (measured ÷ predicted of the plain probe)
 
 is the plan's cost error relative to plain decoding, taken at one moment. The median of a plan's last
-`PROBE_WINDOW` pairs, once `PROBE_MIN` are in, scales its predicted round time (`factor`). A probe is due
+`PROBE_WINDOW` pairs, once `PROBE_MIN` are in, scales its predicted round time (`factor`), and their spread
+says how far that median can be trusted (`error`): the goodput policy asks a plan priced by its probes to clear
+plain decoding by PROBE_Z standard errors too. A probe is due
 every `PROBE_EVERY` rounds of a plan (every `PROBE_EVERY_NEW` until it has `PROBE_MIN` pairs), and only while
 its predicted tokens/s is within `PROBE_BAND` of plain decoding's: where speculation pays far more than any cost
 error (tiny-huginn, 1.3–1.8x plain) a plain round only loses time. Each probe costs the plan's gain over plain
@@ -36,6 +38,13 @@ PROBE_BAND = 0.20
 #: Probe pairs per plan whose median scales its predicted round time; the median needs this many first.
 PROBE_WINDOW = 16
 PROBE_MIN = 4
+#: A plan priced by its probes must clear plain decoding's price by at least this many standard errors of their
+#: median (`error`) as well as by the policy's margin: on a machine whose speed moves between two rounds, a
+#: median of a few pairs can price a plan several % cheaper than it is, and a 2 % margin does not cover that.
+PROBE_Z = 2.0
+#: Standard error of the median of n normal samples ≈ MEDIAN_SE · σ / √n, and σ ≈ MAD_SIGMA · MAD.
+MEDIAN_SE = 1.2533
+MAD_SIGMA = 1.4826
 
 
 class CostProbes:
@@ -84,6 +93,16 @@ class CostProbes:
         """Probe pairs of (K, d) kept (at most PROBE_WINDOW)."""
         pairs = self.ratios.get((bucket, k, d))
         return 0 if pairs is None else len(pairs)
+
+    def error(self, bucket: int, k: int, d: int) -> float:
+        """Relative standard error of `factor` from the spread of the pairs (robust: their median absolute
+        deviation), 0.0 while `factor` is 1.0 for want of pairs."""
+        pairs = self.ratios.get((bucket, k, d))
+        if k <= 0 or pairs is None or len(pairs) < PROBE_MIN:
+            return 0.0
+        median = statistics.median(pairs)
+        mad = statistics.median(abs(x - median) for x in pairs)
+        return MEDIAN_SE * MAD_SIGMA * mad / (len(pairs) ** 0.5 * median) if median > 0.0 else 0.0
 
     def factor(self, bucket: int, k: int, d: int) -> float:
         """Measured ÷ profile round time of (K, d) relative to plain decoding's, 1.0 until PROBE_MIN pairs."""
