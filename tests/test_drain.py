@@ -15,6 +15,7 @@ from looped_spec.control import AdaptiveController, AdaptiveSpecConfig, OffContr
 from looped_spec.control.acceptance import markov_tokens, markov_tokens_array
 from looped_spec.control.costprofile import CostProfile
 from looped_spec.control.drain import QUANTILES, drain_factor, drain_seconds, request_rates, slice_z, slices
+from looped_spec.control.goodput import EVIDENCE_TRIAL_FROM
 from looped_spec.tuner import acceptance_report
 
 
@@ -127,10 +128,16 @@ def test_goodput_prices_draining_only_when_nothing_waits():
     assert AdaptiveController(drain_config([0.25, 0.2, 0.1, 0.0]), 4).plan(1, None, [64]).k == 3
     assert AdaptiveController(drain_config(None), 4).plan(8, None, [64] * 8).k == 3
     assert not AdaptiveController(drain_config(None), 4).uses_budgets  # the engine builds no budgets for it
-    # an option under plain's bar per round is left unpriced (draining would only lower it further)
+    # an option under EVIDENCE_TRIAL_FROM of plain per round is left unpriced (draining would only lower it
+    # further: it can be neither eligible nor tried) ...
     low = AdaptiveController(drain_config([0.25, 0.2, 0.1, 0.0], alpha=(0.3, 0.9, 0.95, 1.0)), 4).policy
     per_round, drained = low.rates(low.states[0], 8), low.rates(low.states[0], 8, None, [64] * 8)
-    assert per_round[1] < per_round[0] and drained == per_round
+    assert per_round[1] < EVIDENCE_TRIAL_FROM * per_round[0] and drained == per_round
+    # ... one above it is priced even under plain's eligibility bar: its drained price ranks it for trials
+    near = AdaptiveController(drain_config([0.25, 0.2, 0.1, 0.0], alpha=(0.58, 0.9, 0.95, 1.0)), 4).policy
+    per_round, drained = near.rates(near.states[0], 8), near.rates(near.states[0], 8, None, [64] * 8)
+    assert EVIDENCE_TRIAL_FROM < per_round[1] / per_round[0] < 1.0 + near.plain_margin
+    assert drained[1] / drained[0] < 0.9 * per_round[1] / per_round[0]
 
 
 def test_spread_must_have_one_entry_per_depth():
