@@ -13,12 +13,10 @@ from looped_spec.control.controller import AdaptiveController
 from looped_spec.control.goodput import (
     EVIDENCE_MARGIN,
     EVIDENCE_PAIRS,
-    EVIDENCE_TRIAL_BUDGET,
     EVIDENCE_TRIAL_FROM,
     EVIDENCE_TRIAL_ROUNDS,
     EVIDENCE_TRIAL_SPACING,
     YOUNG_ROUNDS,
-    trial_spacing,
 )
 from looped_spec.control.probes import MAD_SIGMA, MEDIAN_SE, PROBE_EVERY, PROBE_Z
 from looped_spec.control.realized import REALIZED_MIN
@@ -45,9 +43,8 @@ def test_a_plan_near_plain_is_tried_after_the_young_phase_and_kept_on_its_eviden
     start = plans.index((2, 1))
     trial = plans[start:]
     st = ctl.policy.states[0]
-    ran = st.trial_ran
+    ran = (st.next_trial - st.trial_started) // (EVIDENCE_TRIAL_SPACING + 1)  # rounds the trial ran
     assert st.trial == -1 and int(REALIZED_MIN) < ran < EVIDENCE_TRIAL_ROUNDS  # ended on evidence
-    assert st.next_trial == st.trial_started + 2 * ran  # a trial whose plan then runs waits its own length only
     assert trial[:ran].count((0, 0)) >= EVIDENCE_PAIRS  # probed eagerly: one round in 4
     assert rel(ctl) > 1.2  # its own tokens: 3 a round where α_1 = 0.55 predicts 1.85
     after = trial[ran + 1 :]
@@ -62,44 +59,7 @@ def test_a_trial_that_commits_little_returns_to_plain_and_the_next_waits():
     first = plans.index((2, 1))
     ended = first + len(plans[first:]) - plans[first:][::-1].index((2, 1))
     assert plans[ended:] == [(0, 0)] * (200 - ended)  # plain again, and no second trial yet
-    # priced on its evidence far under plain (still ~10 % under now): the next trial waits up to 20x its rounds
-    assert abs(st.trial_ran - (ended - first)) <= 2
-    gap = st.next_trial - st.trial_started - st.trial_ran
-    assert 1.0 - rel(ctl) > 0.05 and trial_spacing(0.05) * st.trial_ran < gap <= EVIDENCE_TRIAL_SPACING * st.trial_ran
-
-
-def test_trial_spacing_keeps_what_trials_lose_under_the_budget():
-    assert trial_spacing(0.0) == 1.0 and trial_spacing(0.5 * EVIDENCE_TRIAL_BUDGET) == 1.0
-    assert trial_spacing(1.0) == EVIDENCE_TRIAL_SPACING
-    for loss in (2 * EVIDENCE_TRIAL_BUDGET, 0.05, 0.13):
-        s = trial_spacing(loss)
-        assert 1.0 < s <= EVIDENCE_TRIAL_SPACING and loss / (1.0 + s) < EVIDENCE_TRIAL_BUDGET
-    assert trial_spacing(0.05) < trial_spacing(0.13)
-
-
-def test_a_trial_whose_plan_lost_a_little_lets_the_next_trial_come_soon():
-    """Plain, (1, 1) and (2, 2), both predicted within 4 % of plain at B = 2 and both 15 % dearer than the profile
-    says: the first trial's plan, priced on its evidence ~7 % under plain, spaces the second trial by that loss
-    over the budget, not by EVIDENCE_TRIAL_SPACING times the trial's rounds; both then give way to plain."""
-    ctl = AdaptiveController(profiled_config([0.35, 0.5, 0.99, 1.0], candidates=[[0, 0], [1, 1], [2, 2]]), 4)
-    ctl.measure.fixed = 10**9
-    ctl.measure.since = {False: 0, True: 0}
-    policy = ctl.policy
-    st = policy.states[0]
-    assert run_rounds(ctl, 2, YOUNG_ROUNDS, 1.0) == [(0, 0)] * YOUNG_ROUNDS
-    assert all(0.96 < r / st.predicted[0] < 1.04 for r in st.predicted[1:])
-    tried, end = [], policy._end_trial
-
-    def ended(st):
-        tried.append((st.options[st.trial][:2], st.rounds - st.trial_started, st.rounds))
-        end(st)
-
-    policy._end_trial = ended
-    plans = run_rounds(ctl, 2, 600, 1.15, accept=[True, False])  # one request takes its whole draft, one none
-    (first, ran, first_end), (second, _, second_end) = tried[:2]
-    assert first != second and second_end - first_end < EVIDENCE_TRIAL_SPACING * ran // 2
-    assert max(r / st.predicted[0] for r in st.predicted[1:]) < 1.0  # priced on their evidence: under plain
-    assert plans[second_end - YOUNG_ROUNDS + 1 :] == [(0, 0)] * (600 - second_end + YOUNG_ROUNDS - 1)
+    assert st.next_trial >= st.trial_started + EVIDENCE_TRIAL_SPACING * (ended - first) - 2
 
 
 def test_a_plan_predicted_far_under_the_best_is_never_tried():

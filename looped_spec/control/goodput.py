@@ -176,8 +176,6 @@ class GoodputState:
     tried: set[int] = field(default_factory=set)  # options whose cost trial has run
     evidence_tried: dict[int, float] = field(default_factory=dict)  # option -> `committed` when its trial ended
     trial_started: int = 0  # `rounds` when the evidence trial began
-    trial_ran: int = 0  # rounds the last evidence trial ran
-    spacing_for: int = -1  # option whose ended trial's spacing waits for the decision on its evidence, -1: none
     next_trial: int = 0  # no evidence trial before this many rounds of the bucket
     decide_now: bool = False  # decide at the next round whatever the schedule (an evidence trial just ended)
     exits: ExitDepths | None = None  # early exit: exit depths of this bucket's committed tokens (control/exits.py)
@@ -220,26 +218,15 @@ TRIAL_WITHIN = 0.75
 #: of its own predicted at least EVIDENCE_TRIAL_FROM of the best eligible option runs until it has evidence -
 #: its tokens measured (`RealizedTokens.measured`) and, while within the probes' band of plain, EVIDENCE_PAIRS pairs -
 #: or EVIDENCE_TRIAL_ROUNDS rounds; not again before EVIDENCE_TRIAL_GAP positions were committed since, and a
-#: bucket's next trial of any option waits `trial_spacing` times the rounds the last one ran: as many as keep what
-#: trials lose at their measured prices under EVIDENCE_TRIAL_BUDGET of the bucket's time, at least once and at most
-#: EVIDENCE_TRIAL_SPACING times (tiny-ouro at B = 8 has eight options within 3 % of plain; tried one after another
-#: they ran at 0.90x plain, and at a fixed 20x spacing the one that paid waited behind one that lost 13 %).
+#: bucket's next trial of any option waits EVIDENCE_TRIAL_SPACING times the rounds the last one ran (≤ 5 % of
+#: its rounds in trials: tiny-ouro at B = 8 has eight options within 3 % of plain, and tried them one after another).
 EVIDENCE_TRIAL_FROM = 0.95
 EVIDENCE_TRIAL_ROUNDS = 64
 EVIDENCE_TRIAL_GAP = 2000.0
 EVIDENCE_TRIAL_SPACING = 20
-EVIDENCE_TRIAL_BUDGET = 0.01
 EVIDENCE_PAIRS = 8
 #: An option with evidence is eligible once predicted this much over plain decoding (without: `plain_margin`).
 EVIDENCE_MARGIN = 0.02
-
-
-def trial_spacing(loss: float) -> float:
-    """Rounds to wait after an evidence trial, per round it ran, when its plan priced on its evidence is `loss`
-    (a fraction) under the best eligible option: s = loss / EVIDENCE_TRIAL_BUDGET, between 1 and
-    EVIDENCE_TRIAL_SPACING. Trials then take a share 1 / (1 + s) of the rounds and lose loss / (1 + s) of the time,
-    under the budget wherever the cap does not bind (a loss up to 21 %)."""
-    return min(float(EVIDENCE_TRIAL_SPACING), max(1.0, loss / EVIDENCE_TRIAL_BUDGET))
 
 
 class GoodputPolicy(Policy):
@@ -385,9 +372,7 @@ class GoodputPolicy(Policy):
         the bucket's next one and has the bucket decide at once, on the evidence."""
         if st.trial_evidence:
             st.evidence_tried[st.trial] = self.committed
-            st.trial_ran = st.rounds - st.trial_started
-            st.next_trial = st.rounds + EVIDENCE_TRIAL_SPACING * st.trial_ran  # until the decision prices it
-            st.spacing_for = st.trial
+            st.next_trial = st.rounds + EVIDENCE_TRIAL_SPACING * (st.rounds - st.trial_started)
             st.decide_now = True
         st.trial = -1
 
@@ -435,10 +420,6 @@ class GoodputPolicy(Policy):
             self.last_event = f"switch to k={k} d={d} ({rates[best]:.4g} tok/s vs {rates[st.current]:.4g})"
             st.current = best
             st.switches += 1
-        if st.spacing_for >= 0:  # the decision on an evidence trial's evidence: what the trial's plan loses
-            loss = max(0.0, 1.0 - rates[st.spacing_for] / max(rates[o] for o in eligible))
-            st.next_trial = st.rounds + math.ceil(trial_spacing(loss) * st.trial_ran)
-            st.spacing_for = -1
         if st.cost is None and self.refine_cost:
             self._maybe_trial(st, rates)
         if st.cost is None and st.trial < 0 and st.rounds >= st.next_trial and not self.acceptance_young:
