@@ -171,6 +171,10 @@ class AdaptiveController(BaseController):
         self.uses_budgets = isinstance(self.policy, GoodputPolicy) and self.policy.prices_draining
         self._table = BucketTable(buckets)
         self._bucket = -1  # bucket of the previous plan
+        # quiet rounds (docs/adaptive.md "Quiet rounds"): [batch size, rounds left] the policy vouched for
+        self.quiet_path = True  # False: every round takes the full path (tests compare the two)
+        self._quiet_batch = -1
+        self._quiet_left = 0
         super().__init__(trace_path)
 
     def bucket_for(self, num_running: int) -> int:
@@ -194,6 +198,22 @@ class AdaptiveController(BaseController):
         t0 = perf_counter()
         policy = self.policy
         trace = self._trace
+        if self._quiet_left > 0 and num_running == self._quiet_batch:
+            # a round the policy vouched for: same batch size (so the same bucket), nothing due but counters
+            self._quiet_left -= 1
+            bucket = self._bucket
+            plan_id = self._next_id
+            self._next_id = plan_id + 1
+            k, d, cand = policy.repeat(bucket, context)
+            if self.measure_depths:
+                self.measure.skip(k > 0)
+            plan = SpeculationPlan(plan_id, k, d, bucket, cand, False)
+            self.num_plans += 1
+            if trace is not None:
+                trace.plan(plan, num_running, context)
+            self.overhead_seconds += perf_counter() - t0
+            return plan
+        self._quiet_left = 0
         bucket = self._table.lookup_sticky(num_running, self._bucket, BUCKET_STICKINESS)
         if bucket != self._bucket:
             if self._bucket >= 0:
@@ -211,6 +231,11 @@ class AdaptiveController(BaseController):
             and self.measure.due(k > 0, policy.acceptance_young)
         )
         plan = SpeculationPlan(plan_id, k, d, bucket, cand, measure)
+        if self.quiet_path and not measure:  # a measured round's feedback may move the readout interval
+            quiet = policy.quiet_rounds(bucket, num_running, (k, d, cand))
+            if quiet and self.measure_depths:
+                quiet = min(quiet, self.measure.quiet_rounds(k > 0, policy.acceptance_young))
+            self._quiet_batch, self._quiet_left = num_running, quiet
         self.num_plans += 1
         if trace is not None:
             if policy.last_event is not None:

@@ -347,6 +347,46 @@ class GoodputPolicy(Policy):
             st.queue = self._rerun_options(st)
         return self._probe_or(st, st.current, plan_id)  # a trial the decision started runs from the next round
 
+    def quiet_rounds(self, bucket: int, batch_size: int, choice: tuple[int, int, int]) -> int:
+        """Rounds `select` is sure to answer with `choice`, the option in use, and only its counters (`repeat`).
+
+        None after another option (a probe, an exploration's last run), while exploring, on trial, young
+        (observed rounds move the young bar) or refining costs (observe reads the round's context); else until
+        the earliest round a decision, re-exploration or probe may fall due. A decision waits for
+        DECISION_POSITIONS committed positions, and a round of B requests commits at most B·(K+1), so the
+        positions bound how soon it can come whatever the feedback (docs/adaptive.md "Quiet rounds").
+        """
+        st = self.states[bucket]
+        if st.queue or st.trial >= 0 or st.decide_now or st.current < 0 or self.acceptance_young or self.refine_cost:
+            return 0
+        if choice != st.options[st.current]:
+            return 0
+        probes = self.probes
+        if probes is not None and not probes.idle(bucket):
+            return 0
+        k, d, _ = choice
+        quiet = st.next_decision - 1 - st.rounds
+        deficit = DECISION_POSITIONS - (self.committed - st.decided_positions)
+        if deficit > 0:
+            quiet = max(quiet, math.ceil(deficit / (max(batch_size, 1) * (k + 1))) - 1)
+        if abs(batch_size - st.decided_batch) >= max(1, st.decided_batch // 8):
+            quiet = min(quiet, st.paid_round - 1 - st.rounds)
+        if self.reexplore_every:
+            quiet = min(quiet, st.next_reexplore - 1 - st.rounds)
+        rates = st.predicted
+        if probes is not None and k > 0 and rates is not None and st.plain >= 0:
+            quiet = min(quiet, probes.quiet_rounds(bucket, k, d, rates[st.current], rates[st.plain]))
+        return max(quiet, 0)
+
+    def repeat(self, bucket: int, context: float | None = None) -> tuple[int, int, int]:
+        st = self.states[bucket]
+        self.context = context
+        st.rounds += 1
+        choice = st.options[st.current]
+        if self.probes is not None and choice[0] > 0 and st.predicted is not None and st.plain >= 0:
+            self.probes.since[bucket] += 1  # what `CostProbes.due` counts when no probe is due
+        return choice
+
     def _rerun_options(self, st: GoodputState) -> list[int]:
         """The options a re-exploration re-runs: all but the current one whose prediction at the last decision
         reaches REEXPLORE_WITHIN of the best. An option's cost was timed in the exploration, and its acceptance

@@ -115,6 +115,22 @@ class MeasureSchedule:
         self.since[speculative] = since + 1
         return False
 
+    def quiet_rounds(self, speculative: bool, young: bool = False) -> int:
+        """How many next `due` calls of this kind are sure to return False, asked after an unmeasured round (the
+        interval changes when a measured round is observed): a caller may then `skip` them."""
+        since = self.since[speculative]
+        if since is None:
+            return 0
+        every = self.every(speculative, young)
+        gap = every if self.fixed is not None else max(1, round(every * (0.5 + self._jitter[speculative])))
+        return max(gap - 1 - since, 0)
+
+    def skip(self, speculative: bool) -> None:
+        """A `due` call known to return False (`quiet_rounds`)."""
+        since = self.since[speculative]
+        assert since is not None
+        self.since[speculative] = since + 1
+
     def observe(self, shape: Shape, measured: bool, round_time: float, measure_time: float = 0.0) -> None:
         """A finished round: its shape, whether it measured, its seconds and (measured) its readouts' seconds."""
         if round_time <= 0.0:

@@ -76,6 +76,16 @@ class Policy:
     def enter(self, bucket: int) -> None:
         """The batch moved into `bucket` from another bucket."""
 
+    def quiet_rounds(self, bucket: int, batch_size: int, choice: tuple[int, int, int]) -> int:
+        """How many next `select` calls of `bucket` at `batch_size` are sure to return `choice` (what `select`
+        just returned) with no event, whatever the feedback observed meanwhile: the controller may answer them
+        with `repeat` (0: none)."""
+        return 0
+
+    def repeat(self, bucket: int, context: float | None = None) -> tuple[int, int, int]:
+        """What `select` returns and does in a round `quiet_rounds` vouched for (only counters advance)."""
+        raise NotImplementedError
+
     def describe(self) -> list[dict]:
         """Per-bucket state for `stats()` (not on the hot path)."""
         return []

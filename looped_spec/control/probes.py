@@ -70,6 +70,18 @@ class CostProbes:
         self.probe_plan[bucket] = plan_id
         return True
 
+    def quiet_rounds(self, bucket: int, k: int, d: int, rate: float, plain_rate: float) -> int:
+        """How many next `due` calls of plan (K, d) at these rates are sure to return False (a large number
+        outside PROBE_BAND): the pairs that set the interval change only by a probe."""
+        if rate > plain_rate * (1.0 + PROBE_BAND):
+            return 1 << 30
+        every = PROBE_EVERY if self.pairs(bucket, k, d) >= PROBE_MIN else PROBE_EVERY_NEW
+        return max(every - 1 - self.since[bucket], 0)
+
+    def idle(self, bucket: int) -> bool:
+        """No probe outstanding in `bucket` and no probe waiting for its pair round."""
+        return self.probe_plan[bucket] < 0 and self.plain_ratio[bucket] is None
+
     def wants(self, bucket: int, plan_id: int) -> bool:
         """Whether the feedback of `plan_id` is a probe or the round right after one (else `observe` is a no-op:
         the caller need not price the round)."""
