@@ -257,3 +257,21 @@ def test_drain_check_refuses_a_preset_without_a_cost_profile(capsys):
     with pytest.raises(SystemExit) as exc:
         module.main(["--model", FIXTURE, "--batch-size", "2", "--max-tokens", "4", "--repeats", "2"])
     assert exc.value.code == 2 and "no cost profile" in capsys.readouterr().err
+
+
+def test_probe_pair_check_logs_plain_rounds_where_asked_and_reports_each_plan():
+    module = load_script("bench_probe_pairs")
+    argv = ["--model", "tiny-nanbeige", "--batch-size", "2", "--max-tokens", "24", "--repeats", "1", "--every", "4"]
+    report = module.main([*argv, "--plans", "1,1"])
+    row = report["plans"]["1,1"]
+    assert row["rounds"][2] >= 1 and row["profile_ratio"] > 1.0  # a (1, 1) round costs more than a plain one
+    assert row["probe_bias"] == pytest.approx(row["pair_ratio"] / row["steady_ratio"])
+    controller = module.PlainEvery(2, 1, 2, 4)
+    assert [controller.plan(2).k for _ in range(8)] == [2, 2, 2, 0, 2, 2, 2, 0]
+
+
+def test_probe_pair_check_refuses_too_short_a_plain_interval(capsys):
+    module = load_script("bench_probe_pairs")
+    with pytest.raises(SystemExit) as exc:
+        module.main(["--model", FIXTURE, "--every", "3"])
+    assert exc.value.code == 2 and "--every" in capsys.readouterr().err
