@@ -212,9 +212,10 @@ def test_early_exit_bench_prints_quality_beside_speed(monkeypatch, tmp_path, cap
 
 def test_results_table_renders_a_committed_result(capsys):
     table = load_script("results_table")
-    table.main([str(ROOT / "benchmarks" / "results" / "tiny-huginn.json")])
+    table.main([str(ROOT / "benchmarks" / "results" / "tiny-nanbeige.json")])  # per B, confirmation, workload
     printed = capsys.readouterr().out
-    assert printed.startswith("**tiny-huginn (D=8)**") and "| 32 |" in printed and "Changing workload" in printed
+    assert printed.startswith("**tiny-nanbeige (D=2)**") and "| 32 |" in printed and "Changing workload" in printed
+    assert "Confirmation rounds" in printed and "Workload confirmation" in printed
 
 
 def test_early_exit_bench_quality_only_runs_no_timing_and_is_deterministic(monkeypatch, tmp_path, capsys):
