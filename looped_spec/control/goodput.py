@@ -373,8 +373,8 @@ class GoodputPolicy(Policy):
             quiet = min(quiet, st.paid_round - 1 - st.rounds)
         if self.reexplore_every:
             quiet = min(quiet, st.next_reexplore - 1 - st.rounds)
-        rates = st.predicted
-        if probes is not None and k > 0 and rates is not None and st.plain >= 0:
+        if self._probed(st, choice):
+            rates = st.predicted
             quiet = min(quiet, probes.quiet_rounds(bucket, k, d, rates[st.current], rates[st.plain]))
         return max(quiet, 0)
 
@@ -383,7 +383,7 @@ class GoodputPolicy(Policy):
         self.context = context
         st.rounds += 1
         choice = st.options[st.current]
-        if self.probes is not None and choice[0] > 0 and st.predicted is not None and st.plain >= 0:
+        if self._probed(st, choice):
             self.probes.since[bucket] += 1  # what `CostProbes.due` counts when no probe is due
         return choice
 
@@ -416,11 +416,16 @@ class GoodputPolicy(Policy):
             st.decide_now = True
         st.trial = -1
 
+    def _probed(self, st: GoodputState, choice: tuple[int, int, int]) -> bool:
+        """Whether running `choice` counts towards a plain probe (`CostProbes.due`): a speculative plan, priced,
+        in a bucket with a plain option."""
+        return self.probes is not None and choice[0] > 0 and st.predicted is not None and st.plain >= 0
+
     def _probe_or(self, st: GoodputState, option: int, plan_id: int, eager: bool = False) -> tuple[int, int, int]:
         """The option to run, or plain decoding when a probe of it is due (control/probes.py; `eager`: every
         PROBE_EVERY_NEW rounds until the plan has evidence)."""
         choice = st.options[option]
-        if self.probes is not None and choice[0] > 0 and st.predicted is not None and st.plain >= 0:
+        if self._probed(st, choice):
             rates = st.predicted
             k, d, _ = choice
             if self.probes.due(st.index, plan_id, k, d, rates[option], rates[st.plain], eager):

@@ -106,8 +106,7 @@ class MeasureSchedule:
         interval current now, so a change of interval (an estimate, the end of the young phase) applies at once.
         """
         since = self.since[speculative]
-        every = self.every(speculative, young)
-        gap = every if self.fixed is not None else max(1, round(every * (0.5 + self._jitter[speculative])))
+        gap = self._gap(speculative, young)
         if since is None or since + 1 >= gap:
             self.since[speculative] = 0
             self._jitter[speculative] = self._rng.random()
@@ -119,11 +118,12 @@ class MeasureSchedule:
         """How many next `due` calls of this kind are sure to return False, asked after an unmeasured round (the
         interval changes when a measured round is observed): a caller may then `skip` them."""
         since = self.since[speculative]
-        if since is None:
-            return 0
+        return 0 if since is None else max(self._gap(speculative, young) - 1 - since, 0)
+
+    def _gap(self, speculative: bool, young: bool) -> int:
+        """Rounds from one measured round of this kind to the next: the interval current now, jittered."""
         every = self.every(speculative, young)
-        gap = every if self.fixed is not None else max(1, round(every * (0.5 + self._jitter[speculative])))
-        return max(gap - 1 - since, 0)
+        return every if self.fixed is not None else max(1, round(every * (0.5 + self._jitter[speculative])))
 
     def skip(self, speculative: bool) -> None:
         """A `due` call known to return False (`quiet_rounds`)."""

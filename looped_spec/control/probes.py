@@ -63,8 +63,7 @@ class CostProbes:
         plain decoding's `plain_rate`: True when this round is to be a plain probe instead. `eager`: probe every
         PROBE_EVERY_NEW rounds whatever the plan's pairs (a plan on trial to gather evidence)."""
         self.since[bucket] += 1
-        every = PROBE_EVERY if not eager and self.pairs(bucket, k, d) >= PROBE_MIN else PROBE_EVERY_NEW
-        if rate > plain_rate * (1.0 + PROBE_BAND) or self.since[bucket] < every:
+        if rate > plain_rate * (1.0 + PROBE_BAND) or self.since[bucket] < self._every(bucket, k, d, eager):
             return False
         self.since[bucket] = 0
         self.probe_plan[bucket] = plan_id
@@ -75,8 +74,11 @@ class CostProbes:
         outside PROBE_BAND): the pairs that set the interval change only by a probe."""
         if rate > plain_rate * (1.0 + PROBE_BAND):
             return 1 << 30
-        every = PROBE_EVERY if self.pairs(bucket, k, d) >= PROBE_MIN else PROBE_EVERY_NEW
-        return max(every - 1 - self.since[bucket], 0)
+        return max(self._every(bucket, k, d) - 1 - self.since[bucket], 0)
+
+    def _every(self, bucket: int, k: int, d: int, eager: bool = False) -> int:
+        """Rounds of plan (K, d) from one probe to the next."""
+        return PROBE_EVERY if not eager and self.pairs(bucket, k, d) >= PROBE_MIN else PROBE_EVERY_NEW
 
     def idle(self, bucket: int) -> bool:
         """No probe outstanding in `bucket` and no probe waiting for its pair round."""
