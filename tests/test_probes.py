@@ -2,11 +2,23 @@
 
 from __future__ import annotations
 
+from collections import deque
+
 import pytest
 from test_acceptance_cost import profiled_config
 
 from looped_spec.control.controller import AdaptiveController
-from looped_spec.control.probes import PROBE_BAND, PROBE_EVERY, PROBE_EVERY_NEW, PROBE_MIN, CostProbes
+from looped_spec.control.goodput import YOUNG_ROUNDS
+from looped_spec.control.probes import (
+    PROBE_BAND,
+    PROBE_EVERY,
+    PROBE_EVERY_NEW,
+    PROBE_MIN,
+    RIVAL_EVERY,
+    RIVAL_EVERY_MIN,
+    CostProbes,
+    rival_every,
+)
 from looped_spec.plan import RoundFeedback
 
 
@@ -113,3 +125,70 @@ def test_a_probe_and_the_round_priced_against_it_take_no_readouts():
         assert rounds[i + 1][0] == 1 and rounds[i + 1][2] and not rounds[i + 1][1]  # the plan's next round too
     assert all(measured for _, measured, timed in rounds if not timed)  # every other round measured
     assert policy.probes.pairs(0, 1, 1) == len(probes)  # every probe paired
+
+
+def test_a_rival_probe_prices_the_rival_against_the_plan_in_use_in_that_plans_factor():
+    assert [rival_every(loss, 0) for loss in (0.0, 0.05, 0.15, 0.5)] == [RIVAL_EVERY_MIN, 5, 15, RIVAL_EVERY]
+    assert rival_every(0.05, PROBE_MIN) == RIVAL_EVERY  # a rival with PROBE_MIN pairs
+    probes = CostProbes(1)
+    due = [probes.due_rival(0, plan_id, 5) for plan_id in range(15)]
+    assert [i for i, d in enumerate(due) if d] == [4, 9, 14]
+    probes.ratios[(0, 2, 2)] = deque([1.1] * PROBE_MIN)  # the plan in use: 10 % dearer than the profile says
+
+    def rival_then(ratio_rival, ratio_plan, rival=(5, 1), plan=(2, 2), batch=1, plan_batch=1, full_shape=True):
+        probes.since[0] = RIVAL_EVERY - 1
+        assert probes.due_rival(0, 100, RIVAL_EVERY)
+        probes.observe(0, 100, *rival, batch, ratio_rival, True)
+        probes.observe(0, 101, *plan, plan_batch, ratio_plan, full_shape)
+
+    for _ in range(PROBE_MIN):
+        rival_then(0.35, 0.5)  # the rival's round 30 % cheaper against the profile than the plan's
+    assert probes.factor(0, 5, 1) == pytest.approx(0.7 * 1.1)  # relative to plain, through the plan's factor
+    assert probes.factor(0, 2, 2) == pytest.approx(1.1)  # the plan's own pairs are untouched
+    rival_then(5.0, 0.5, plan_batch=2)  # another batch size: no pair
+    rival_then(5.0, 0.5, full_shape=False)  # readouts or a cut draft in the plan's round: no pair
+    rival_then(5.0, 0.5, plan=(5, 1))  # the rival again (a decision switched to it): no pair
+    rival_then(5.0, 0.5, plan=(0, 0))  # plain decoding next: no pair, and nothing left waiting
+    assert probes.idle(0) and len(probes.ratios[(0, 5, 1)]) == PROBE_MIN
+
+
+def run_priced(ctl: AdaptiveController, batch: int, rounds: int, cost: dict) -> list:
+    """Rounds whose seconds are the profile's times cost[(K, d)] (default 1), every draft accepted, no readouts."""
+    policy = ctl.policy
+    plans = []
+    for _ in range(rounds):
+        plan = ctl.plan(batch)
+        plans.append((plan.k, plan.d))
+        seconds = policy.profile.predict(plan.k, plan.d, batch) * cost.get((plan.k, plan.d), 1.0)
+        ctl.observe(
+            RoundFeedback(plan.plan_id, plan.k, plan.d, plan.bucket, plan.candidate, batch, [plan.k] * batch,
+                          [plan.k] * batch, full_depth_time=seconds)
+        )  # fmt: skip
+    return plans
+
+
+@pytest.mark.parametrize("rival_cost", [1.0, 0.75])
+def test_goodput_moves_to_a_rival_far_above_plain_that_its_rival_probes_find_cheaper(rival_cost):
+    """Every plan is far above plain (no plain probes). A rival predicted a little under the plan in use whose rounds
+    cost 25 % less against the plan's than the profile says is run once rival probes have priced it; one priced
+    right only gets its probe rounds, then one in RIVAL_EVERY."""
+    ctl = AdaptiveController(profiled_config([0.99, 0.995, 0.999, 1.0], candidates=[[0, 0], [3, 1], [5, 1]]), 4)
+    ctl.measure.fixed = 10**9  # no readouts: every round is full shape
+    ctl.measure.since = {False: 0, True: 0}
+    policy = ctl.policy
+    st = policy.states[0]
+    young = run_priced(ctl, 1, YOUNG_ROUNDS, {})
+    assert set(young) == {young[0]}  # no rival probes while acceptance is young
+    current = st.options[st.current][:2]
+    rival = st.options[policy._rival(st, st.current)][:2]
+    assert st.predicted[0] * (1.0 + PROBE_BAND) < min(st.predicted[1:])
+    assert rival != current and rival[0] > 0
+    plans = run_priced(ctl, 1, RIVAL_EVERY * PROBE_MIN + RIVAL_EVERY * 3, {rival: rival_cost})
+    assert (0, 0) not in plans
+    if rival_cost == 1.0:
+        assert policy.probes.factor(0, *rival) == pytest.approx(1.0)
+        assert st.options[st.current][:2] == current
+        assert plans[-RIVAL_EVERY * 3 :].count(rival) <= 3  # one in RIVAL_EVERY once it has pairs
+    else:
+        assert policy.probes.factor(0, *rival) == pytest.approx(rival_cost)
+        assert st.options[st.current][:2] == rival and plans[-8:] == [rival] * 8

@@ -21,6 +21,7 @@ from looped_spec.control.simulate import SyntheticWorkload
 PRESETS = {  # preset, full depth, simulated acceptance per depth
     "tiny-ouro": (4, [0.7, 0.8, 0.92, 1.0]),
     "tiny-nanbeige": (2, [0.83, 1.0]),
+    "tiny-huginn": (8, [0.83, 0.95, 0.99, 1.0, 1.0, 1.0, 1.0, 1.0]),  # plans far above plain: rival probes
     "default": (4, [0.0, 0.0, 0.0, 1.0]),
 }
 

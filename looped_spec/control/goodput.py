@@ -37,6 +37,8 @@ list has no K=0 candidate) it predicts, at the round's actual batch size B,
 
 With a profile, plans near plain decoding are also checked against it side by side: every 16th round is a
 plain probe, and the plan's next round prices its cost error against plain at one moment (control/probes.py).
+Beyond that band a plan's rivals (speculative options predicted near it) are priced against it the same way: a
+round of the rival in place of the plan's, paired with the plan's next round (rival probes).
 A speculative option predicted near the best eligible one but without such evidence of its own (its tokens,
 its probe pairs) is put on an evidence trial, spaced so trials take at most ~5 % of a bucket's rounds; with
 evidence its margin over plain is EVIDENCE_MARGIN instead of `plain_margin` (docs/adaptive.md "Evidence trials").
@@ -77,7 +79,7 @@ from looped_spec.control.costprofile import CostProfile
 from looped_spec.control.drain import drain_factor, request_rates, slices
 from looped_spec.control.exits import ExitDepths
 from looped_spec.control.policy import Policy
-from looped_spec.control.probes import PROBE_BAND, PROBE_Z, CostProbes
+from looped_spec.control.probes import PROBE_BAND, PROBE_MIN, PROBE_Z, RIVAL_FROM, CostProbes, rival_every
 from looped_spec.control.realized import RealizedTokens
 from looped_spec.control.schema import AcceptanceConfig, CostConfig, DisableConfig
 from looped_spec.plan import RoundFeedback
@@ -248,6 +250,7 @@ class GoodputPolicy(Policy):
         plain_margin: float = 0.05,
         refine_cost: bool = False,
         probe_costs: bool = True,
+        rival_probes: bool = True,
         reexplore_every: int = 256,
         acceptance_memory: float = 400.0,
         prior_trials: float = 16.0,
@@ -277,6 +280,7 @@ class GoodputPolicy(Policy):
         self.cost_ratios: dict[tuple[int, int, int], deque[float]] = {}  # (bucket, k, d) -> measured / profile
         # plain probes: a plan's cost against plain decoding's, side by side (control/probes.py)
         self.probes = CostProbes(len(buckets)) if self.profile is not None and probe_costs else None
+        self.rival_probes = rival_probes  # beyond the probes' band, rivals priced against the plan in use
         self.states: list[GoodputState] = []
         for b in buckets:
             options = [(k, d, j) for j, (k, d) in enumerate(zip(b.ks, b.ds))]
@@ -375,7 +379,11 @@ class GoodputPolicy(Policy):
             quiet = min(quiet, st.next_reexplore - 1 - st.rounds)
         if self._probed(st, choice):
             rates = st.predicted
-            quiet = min(quiet, probes.quiet_rounds(bucket, k, d, rates[st.current], rates[st.plain]))
+            rival = self._rival(st, st.current)
+            if rival >= 0:
+                quiet = min(quiet, probes.rival_quiet_rounds(bucket, self._rival_every(st, st.current, rival)))
+            else:
+                quiet = min(quiet, probes.quiet_rounds(bucket, k, d, rates[st.current], rates[st.plain]))
         return max(quiet, 0)
 
     def repeat(self, bucket: int, context: float | None = None) -> tuple[int, int, int]:
@@ -422,15 +430,47 @@ class GoodputPolicy(Policy):
         return self.probes is not None and choice[0] > 0 and st.predicted is not None and st.plain >= 0
 
     def _probe_or(self, st: GoodputState, option: int, plan_id: int, eager: bool = False) -> tuple[int, int, int]:
-        """The option to run, or plain decoding when a probe of it is due (control/probes.py; `eager`: every
-        PROBE_EVERY_NEW rounds until the plan has evidence)."""
+        """The option to run, or plain decoding when a probe of it is due, or a rival of the plan in use when a
+        rival probe is due (control/probes.py; `eager`: every PROBE_EVERY_NEW rounds until the plan has evidence)."""
         choice = st.options[option]
         if self._probed(st, choice):
             rates = st.predicted
             k, d, _ = choice
-            if self.probes.due(st.index, plan_id, k, d, rates[option], rates[st.plain], eager):
+            rival = self._rival(st, option) if not eager else -1
+            if rival >= 0:
+                if self.probes.due_rival(st.index, plan_id, self._rival_every(st, option, rival)):
+                    return st.options[rival]
+            elif self.probes.due(st.index, plan_id, k, d, rates[option], rates[st.plain], eager):
                 return st.options[st.plain]
         return choice
+
+    def _rival(self, st: GoodputState, option: int) -> int:
+        """The rival a rival probe of the plan in use `option` would run, or -1 (control/probes.py): with the plan
+        beyond PROBE_BAND over plain, the speculative options beyond it too, predicted at RIVAL_FROM of the plan or
+        more; the fastest predicted with fewer than PROBE_MIN pairs, else the one with the fewest pairs. None while
+        acceptance is young: readouts come first, and the prices that pick a rival rest on the prior."""
+        rates = st.predicted
+        if not self.rival_probes or option != st.current or rates is None or st.plain < 0 or self.acceptance_young:
+            return -1
+        band = rates[st.plain] * (1.0 + PROBE_BAND)
+        if rates[option] <= band:
+            return -1
+        floor = max(band, RIVAL_FROM * rates[option])
+        best, best_key = -1, None
+        for o, (k, d, _) in enumerate(st.options):
+            if k <= 0 or o == option or rates[o] < floor:
+                continue
+            pairs = self.probes.pairs(st.index, k, d)
+            key = (pairs >= PROBE_MIN, pairs if pairs >= PROBE_MIN else 0, -rates[o])
+            if best_key is None or key < best_key:
+                best, best_key = o, key
+        return best
+
+    def _rival_every(self, st: GoodputState, option: int, rival: int) -> int:
+        """Rounds between rival probes of `rival` while `option` runs (`probes.rival_every`)."""
+        rates = st.predicted
+        k, d, _ = st.options[rival]
+        return rival_every(1.0 - rates[rival] / rates[option], self.probes.pairs(st.index, k, d))
 
     def times_round(self, bucket: int, plan_id: int) -> bool:
         return self.probes is not None and self.probes.wants(bucket, plan_id)
@@ -459,7 +499,7 @@ class GoodputPolicy(Policy):
             k, d, _ = st.options[best]
             self.last_event = f"start at k={k} d={d} ({rates[best]:.4g} tok/s predicted)"
         elif best != st.current and (
-            st.current not in eligible or rates[best] > rates[st.current] * (1.0 + self.hysteresis)
+            st.current not in eligible or rates[best] > rates[st.current] * self._bar(st, best)
         ):
             k, d, _ = st.options[best]
             self.last_event = f"switch to k={k} d={d} ({rates[best]:.4g} tok/s vs {rates[st.current]:.4g})"
@@ -469,6 +509,15 @@ class GoodputPolicy(Policy):
             self._maybe_trial(st, rates)
         if st.cost is None and st.trial < 0 and st.rounds >= st.next_trial and not self.acceptance_young:
             self._maybe_evidence_trial(st, rates, eligible)
+
+    def _bar(self, st: GoodputState, option: int) -> float:
+        """How many times the plan in use's price `option` must reach to replace it: 1 + `hysteresis`, or more where
+        its probes priced it, by PROBE_Z standard errors of their median (a rival's few pairs on a noisy machine)."""
+        margin = self.hysteresis
+        if self.probes is not None:
+            k, d, _ = st.options[option]
+            margin = max(margin, PROBE_Z * self.probes.error(st.index, k, d))
+        return 1.0 + margin
 
     def _maybe_evidence_trial(self, st: GoodputState, rates: list[float], eligible: list[int]) -> None:
         """Put the most promising speculative option without evidence on trial if it is predicted near the best

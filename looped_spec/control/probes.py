@@ -21,10 +21,21 @@ every `PROBE_EVERY` rounds of a plan (every `PROBE_EVERY_NEW` until it has `PROB
 its predicted tokens/s is within `PROBE_BAND` of plain decoding's: where speculation pays far more than any cost
 error (tiny-huginn, 1.3–1.8x plain) a plain round only loses time. Each probe costs the plan's gain over plain
 for one round (≤ 0.2 of a round's time inside the band).
+
+Beyond the band plain rounds only cost time, yet the choice *between* speculative plans still rests on the
+profile, and a profile taken on another day ranks them wrongly: on 2026-12-01 tiny-huginn's profile put (5, 1)
+at B = 1 at 0.84 of (4, 2), which ran, while (5, 1) measured 1.1–1.3x faster (the machine ran 3x slower than when
+it was tuned). So there a *rival probe* runs one round of a rival (another speculative plan beyond the band,
+predicted at `RIVAL_FROM` of the plan in use or more) in place of the plan's round, and the plan's next round is
+the reference: the pair's ratio, times the plan's own factor, is the rival's factor. A rival probe is due every
+`rival_every` rounds of the plan: as often as costs `RIVAL_BUDGET` of the time at the predicted prices while the
+rival has fewer than `PROBE_MIN` pairs (the fastest such rival first), then every `RIVAL_EVERY` rounds, rivals in
+turn (docs/adaptive.md "Rival probes").
 """
 
 from __future__ import annotations
 
+import math
 import statistics
 from collections import deque
 
@@ -45,15 +56,32 @@ PROBE_Z = 2.0
 #: Standard error of the median of n normal samples ≈ MEDIAN_SE · σ / √n, and σ ≈ MAD_SIGMA · MAD.
 MEDIAN_SE = 1.2533
 MAD_SIGMA = 1.4826
+#: Rival probes (beyond PROBE_BAND): a speculative option predicted at RIVAL_FROM of the plan in use or more is a
+#: rival. One round of it runs in place of the plan's as often as costs RIVAL_BUDGET of the time at the prices
+#: (a rival predicted 5 % under the plan every 5th round, 15 % under every 15th), every RIVAL_EVERY_MIN rounds at
+#: most and RIVAL_EVERY at least; a rival with PROBE_MIN pairs every RIVAL_EVERY rounds.
+RIVAL_FROM = 0.85
+RIVAL_BUDGET = 0.01
+RIVAL_EVERY_MIN = 4
+RIVAL_EVERY = 32
+
+
+def rival_every(loss: float, rival_pairs: int) -> int:
+    """Rounds of the plan in use from one rival probe to the next, for a rival predicted `loss` (relative) under it."""
+    if rival_pairs >= PROBE_MIN:
+        return RIVAL_EVERY
+    return min(max(math.ceil(loss / RIVAL_BUDGET - 1e-9), RIVAL_EVERY_MIN), RIVAL_EVERY)
 
 
 class CostProbes:
-    """Per bucket: when to probe, the pending probe's cost ratio, and per plan the pairs' ratios."""
+    """Per bucket: when to probe, the pending probe's cost ratio, and per plan the pairs' ratios (relative to plain
+    decoding: a rival's pairs are taken against the plan in use and carry that plan's factor)."""
 
     def __init__(self, num_buckets: int) -> None:
         self.since = [0] * num_buckets  # rounds of speculative plans since the bucket's last probe
         self.probe_plan = [-1] * num_buckets  # plan id of the bucket's outstanding probe
-        self.plain_ratio: list[tuple[int, float] | None] = [None] * num_buckets  # (batch, measured ÷ predicted)
+        # the probe round's (batch, measured ÷ predicted, k, d) while it waits for the round it pairs with
+        self.pending: list[tuple[int, float, int, int] | None] = [None] * num_buckets
         self.ratios: dict[tuple[int, int, int], deque[float]] = {}  # (bucket, k, d) -> pair ratios
 
     def due(
@@ -69,6 +97,20 @@ class CostProbes:
         self.probe_plan[bucket] = plan_id
         return True
 
+    def due_rival(self, bucket: int, plan_id: int, every: int) -> bool:
+        """Called instead of `due` when the plan in use is beyond PROBE_BAND over plain and has a rival to be probed
+        every `every` rounds (`rival_every`): True when this round is to be a round of the rival instead."""
+        self.since[bucket] += 1
+        if self.since[bucket] < every:
+            return False
+        self.since[bucket] = 0
+        self.probe_plan[bucket] = plan_id
+        return True
+
+    def rival_quiet_rounds(self, bucket: int, every: int) -> int:
+        """How many next `due_rival` calls at this interval are sure to return False."""
+        return max(every - 1 - self.since[bucket], 0)
+
     def quiet_rounds(self, bucket: int, k: int, d: int, rate: float, plain_rate: float) -> int:
         """How many next `due` calls of plan (K, d) at these rates are sure to return False (a large number
         outside PROBE_BAND): the pairs that set the interval change only by a probe."""
@@ -82,26 +124,35 @@ class CostProbes:
 
     def idle(self, bucket: int) -> bool:
         """No probe outstanding in `bucket` and no probe waiting for its pair round."""
-        return self.probe_plan[bucket] < 0 and self.plain_ratio[bucket] is None
+        return self.probe_plan[bucket] < 0 and self.pending[bucket] is None
 
     def wants(self, bucket: int, plan_id: int) -> bool:
         """Whether the feedback of `plan_id` is a probe or the round right after one (else `observe` is a no-op:
         the caller need not price the round)."""
-        return plan_id == self.probe_plan[bucket] or self.plain_ratio[bucket] is not None
+        return plan_id == self.probe_plan[bucket] or self.pending[bucket] is not None
 
     def observe(self, bucket: int, plan_id: int, k: int, d: int, batch: int, ratio: float, full_shape: bool) -> None:
-        """A round's measured ÷ profile-predicted seconds (`full_shape`: every request drafted K, no readouts)."""
+        """A round's measured ÷ profile-predicted seconds (`full_shape`: every request drafted K, no readouts).
+
+        A plain probe pairs with the next speculative round and prices that round's plan; a rival probe (K > 0)
+        pairs with the next round, which is the plan in use, and prices the rival in that plan's factor."""
         if plan_id == self.probe_plan[bucket]:
             self.probe_plan[bucket] = -1
-            self.plain_ratio[bucket] = (batch, ratio) if full_shape else None
+            self.pending[bucket] = (batch, ratio, k, d) if full_shape else None
             return
-        pending = self.plain_ratio[bucket]
-        if k <= 0 or pending is None:
+        pending = self.pending[bucket]
+        if pending is None or (pending[2] <= 0 and k <= 0):
+            return  # a plain probe waits for a speculative round
+        self.pending[bucket] = None  # one pair per probe: the round right after it
+        probe_batch, probe_ratio, probe_k, probe_d = pending
+        if not full_shape or probe_batch != batch or probe_ratio <= 0.0 or ratio <= 0.0:
             return
-        self.plain_ratio[bucket] = None  # one pair per probe: the round right after it
-        if full_shape and pending[0] == batch and pending[1] > 0.0:
+        if probe_k <= 0:
             pairs = self.ratios.setdefault((bucket, k, d), deque(maxlen=PROBE_WINDOW))
-            pairs.append(ratio / pending[1])
+            pairs.append(ratio / probe_ratio)
+        elif k > 0 and (k, d) != (probe_k, probe_d):
+            pairs = self.ratios.setdefault((bucket, probe_k, probe_d), deque(maxlen=PROBE_WINDOW))
+            pairs.append(probe_ratio / ratio * self.factor(bucket, k, d))
 
     def pairs(self, bucket: int, k: int, d: int) -> int:
         """Probe pairs of (K, d) kept (at most PROBE_WINDOW)."""
