@@ -114,16 +114,29 @@ def parse_int_list(text: str, what: str) -> list[int]:
     return values
 
 
-def parse_policies(text: str) -> list[str | None]:
-    """'default' (the engine's default policy: no policy argument), 'ema', 'goodput'; 'none' = no adaptive."""
-    out: list[str | None] = []
+def parse_policies(text: str) -> list[tuple[str | None, tuple[str, ...]]]:
+    """'default' (the engine's default policy: no policy argument), 'ema', 'goodput'; 'none' = no adaptive. Each
+    may turn policy switches off for an A/B in one process: 'default:rival_probes=off' (several: joined by '+')."""
+    out: list[tuple[str | None, tuple[str, ...]]] = []
     for item in (p.strip().lower() for p in text.split(",") if p.strip()):
         if item == "none":
             return []
-        policy = None if item == "default" else item
+        name, _, switches = item.partition(":")
+        off = []
+        for switch in (x for x in switches.split("+") if x):
+            key, _, value = switch.partition("=")
+            if value != "off":
+                raise ValueError(f"--policies {item!r}: a switch is written NAME=off, got {switch!r}")
+            off.append(key)
+        policy = (None if name == "default" else name, tuple(off))
         if policy not in out:
             out.append(policy)
     return out
+
+
+def adaptive_name(policy: str | None, off: tuple[str, ...]) -> str:
+    name = "adaptive" if policy is None else f"adaptive-{policy}"
+    return name + "".join(f"[{key}=off]" for key in off)
 
 
 def load_prompts(kind: str, count: int, adapter, seed: int) -> tuple[list[Any], str]:
@@ -148,8 +161,9 @@ def config_specs(grid, policies) -> dict[str, dict[str, Any]]:
     }
     for k, d in grid:
         specs[f"{k},{d}"] = {"kind": "fixed", "k": k, "d": d}
-    for policy in policies:
-        specs["adaptive" if policy is None else f"adaptive-{policy}"] = {"kind": "adaptive", "policy": policy}
+    for policy, off in policies:
+        base = adaptive_name(policy, ()) if off else None  # the engine an A/B compares this one with
+        specs[adaptive_name(policy, off)] = {"kind": "adaptive", "policy": policy, "off": list(off), "base": base}
     return specs
 
 
@@ -165,7 +179,13 @@ def build_engine(adapter, spec: dict[str, Any], max_batch: int, preset: str | No
         kwargs["policy"] = spec["policy"]
     if preset is not None:
         kwargs["preset"] = preset
-    return LoopedSpecEngine(adapter, speculation="adaptive", **kwargs)
+    engine = LoopedSpecEngine(adapter, speculation="adaptive", **kwargs)
+    policy = engine.controller.policy
+    for key in spec.get("off", []):  # a policy switch off, for an A/B against the engine with it on
+        if not isinstance(getattr(policy, key, None), bool):
+            raise ValueError(f"--policies: {type(policy).__name__} has no on/off switch {key!r}")
+        setattr(policy, key, False)
+    return engine
 
 
 def describe_adaptive(engine: LoopedSpecEngine) -> dict[str, Any]:
@@ -432,6 +452,7 @@ def bench_batch(engines, specs, prompts, b: int, args, rng: random.Random, bar) 
             entry["vs_best_fixed_held_out"] = spread(
                 held_out(measured, pick, lambda rd, n, name=name: rd[name]["tokens_per_s"] / rd[n]["tokens_per_s"])
             )
+        add_vs_base(entry, name, specs, measured, lambda rd, n: rd[n]["tokens_per_s"])
         summary["adaptive"][name] = entry
     row["summary"] = summary
     found = predicted_for(args.predictions, b)
@@ -494,7 +515,19 @@ def confirm_batch(engines, specs, prompts, b: int, top: list[str], args, rng: ra
             "vs_best_fixed_held_out": spread(held_out(measured, pick, lambda rd, n, a=name: tps(rd, a) / tps(rd, n))),
             "plans": sum_plans([rd[name] for rd in measured]),
         }
+        add_vs_base(out["adaptive"][name], name, specs, measured, tps)
     return out
+
+
+def add_vs_base(entry: dict[str, Any], name: str, specs, measured: list, tps) -> None:
+    """An adaptive engine with policy switches off: its per-round ratio to the same policy with them on (the A/B)."""
+    base = specs[name].get("base")
+    if base in specs:
+        entry["vs_base"] = {"base": base, **spread([tps(rd, name) / tps(rd, base) for rd in measured])}
+
+
+def fmt_vs_base(entry: dict[str, Any]) -> str:
+    return f", vs {entry['vs_base']['base']} {fmt(entry['vs_base'])}" if "vs_base" in entry else ""
 
 
 def print_batch(b: int, row: dict[str, Any], specs) -> None:
@@ -527,7 +560,7 @@ def print_batch(b: int, row: dict[str, Any], specs) -> None:
         if "vs_best_fixed" in entry:
             line += f", vs best fixed {fmt(entry['vs_best_fixed'])}"
             line += f" (held-out choice {fmt(entry['vs_best_fixed_held_out'])})"
-        print(line + f"; plans {entry['plans']}")
+        print(line + fmt_vs_base(entry) + f"; plans {entry['plans']}")
     if "confirm" in row:
         print_confirm(row["confirm"])
 
@@ -540,7 +573,7 @@ def print_confirm(c: dict[str, Any]) -> None:
         print(
             f"    {name}: vs plain {fmt(entry['vs_plain'])}, vs the screen's best fixed ({c['best_fixed']}) "
             f"{fmt(entry['vs_best_fixed'])}, vs the best of the top cells chosen on the other rounds "
-            f"{fmt(entry['vs_best_fixed_held_out'])}; plans {entry['plans']}"
+            f"{fmt(entry['vs_best_fixed_held_out'])}{fmt_vs_base(entry)}; plans {entry['plans']}"
         )
 
 
@@ -781,7 +814,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--policies",
         default="default",
-        help="adaptive policies: comma list of default (the engine's default), ema, goodput; none = no adaptive",
+        help="adaptive policies: comma list of default (the engine's default), ema, goodput; none = no adaptive. "
+        "NAME:SWITCH=off adds that policy with an on/off switch of it off (an A/B: its rows show the ratio to the "
+        "policy with it on), e.g. default,default:rival_probes=off",
     )
     parser.add_argument("--preset", default=None, help="preset file for the adaptive engines (default: the model's)")
     parser.add_argument("--workload", action="store_true", help="also run the changing workload (--workload-phases)")
@@ -805,7 +840,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         args.options = parse_adapter_options(args.adapter_option)
     except ValueError as exc:
         parser.error(str(exc))
-    for p in args.policy_list:
+    for p, _ in args.policy_list:
         if p not in (None, "ema", "goodput"):
             parser.error(f"--policies: unknown policy {p!r} (default, ema, goodput, none)")
     args.parser = parser
@@ -859,7 +894,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     )
     print("ratios: median over the measured rounds of (config tok/s / plain tok/s in the same round)")
     print(f"spread: {SPREAD}; {BEST_OF}")
-    engines = {name: build_engine(adapter, spec, max_batch, args.preset) for name, spec in specs.items()}
+    try:
+        engines = {name: build_engine(adapter, spec, max_batch, args.preset) for name, spec in specs.items()}
+    except ValueError as exc:
+        args.parser.error(str(exc))
     for name, spec in specs.items():
         if spec["kind"] == "adaptive":
             spec.update(describe_adaptive(engines[name]))

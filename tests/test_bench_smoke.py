@@ -89,6 +89,27 @@ def test_bench_confirmation_options_are_checked(bench, bad, capsys):
     assert exc.value.code == 2 and "--confirm-" in capsys.readouterr().err
 
 
+def test_bench_ab_of_a_policy_switch_reports_the_ratio_to_the_policy_with_it_on(bench, capsys):
+    argv = [*SMALL, "--batch-sizes", "2", "--policies", "default,default:rival_probes=off", "--confirm-repeats", "2"]
+    report = bench.main(argv)
+    row = report["batch_sizes"]["2"]
+    assert "adaptive[rival_probes=off]" in report["configs"]
+    for entries in (row["summary"]["adaptive"], row["confirm"]["adaptive"]):
+        assert "vs_base" not in entries["adaptive"]
+        assert entries["adaptive[rival_probes=off]"]["vs_base"]["base"] == "adaptive"
+    assert "vs adaptive " in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    "policies, message",
+    [("default:rival_probes=on", "NAME=off"), ("default:no_such_switch=off", "no on/off switch 'no_such_switch'")],
+)
+def test_bench_policy_switches_are_checked(bench, policies, message, capsys):
+    with pytest.raises(SystemExit) as exc:
+        bench.main([*SMALL, "--policies", policies])
+    assert exc.value.code == 2 and message in capsys.readouterr().err
+
+
 def test_bench_workload_reports_the_oracle(bench):
     report = bench.main([*SMALL, "--batch-sizes", "1", "--workload", "--workload-phases", "1,2,1", "--max-tokens", "3"])
     wl = report["workload"]
