@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 from pathlib import Path
 from typing import Any
 
@@ -82,7 +83,41 @@ def table(result: dict[str, Any], name: str = "adaptive") -> str:
                 f"oracle {fmt(entry.get('vs_oracle'))}, ÷ the screen's best single fixed ({c['best_single_fixed']}) "
                 f"{fmt(entry.get('vs_best_single_fixed'))}, ÷ plain {fmt(entry.get('vs_plain'))}.",
             ]
+    lines += ab_lines(result, name)
     return "\n".join(lines)
+
+
+def per_round_quotient(variant: dict[str, Any] | None, base: dict[str, Any] | None) -> str:
+    """The per-round ratio of two engines' ratios to plain of the same rounds (median [min–max]), or '-'."""
+    if not variant or not base or "per_round" not in variant or "per_round" not in base:
+        return "-"
+    values = [v / b for v, b in zip(variant["per_round"], base["per_round"])]
+    return fmt({"median": statistics.median(values), "min": min(values), "max": max(values)})
+
+
+def ab_lines(result: dict[str, Any], name: str) -> list[str]:
+    """A/B lines for the adaptive engines run with a policy switch off against `name` (bench_speculative.py
+    --policies NAME:SWITCH=off): per batch size, screen and confirmation, and the workload."""
+    variants = [v for v, spec in result["configs"].items() if spec.get("base") == name]
+    out = []
+    for variant in variants:
+        cells = []
+        for b, row in result["batch_sizes"].items():
+            s = row["summary"]["adaptive"]
+            screen = per_round_quotient(s.get(variant, {}).get("vs_plain"), s.get(name, {}).get("vs_plain"))
+            c = row.get("confirm", {}).get("adaptive", {})
+            confirm = per_round_quotient(c.get(variant, {}).get("vs_plain"), c.get(name, {}).get("vs_plain"))
+            cells.append(f"B = {b}: {screen}, confirmed {confirm}")
+        wl = result.get("workload")
+        if wl:
+            w = per_round_quotient(
+                wl["adaptive"].get(variant, {}).get("vs_plain"), wl["adaptive"].get(name, {}).get("vs_plain")
+            )
+            c = wl.get("confirm", {}).get("adaptive", {})
+            confirm = per_round_quotient(c.get(variant, {}).get("vs_plain"), c.get(name, {}).get("vs_plain"))
+            cells.append(f"workload: {w}, confirmed {confirm}")
+        out += ["", f"A/B, {variant} ÷ {name} per round: " + "; ".join(cells) + "."]
+    return out
 
 
 def main(argv: list[str] | None = None) -> None:

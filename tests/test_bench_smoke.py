@@ -237,6 +237,16 @@ def test_results_table_renders_a_committed_result(capsys):
     printed = capsys.readouterr().out
     assert printed.startswith("**tiny-nanbeige (D=2)**") and "| 32 |" in printed and "Changing workload" in printed
     assert "Confirmation rounds" in printed and "Workload confirmation" in printed
+    # its run had a second adaptive engine with rival probes off: the A/B line divides the two per round
+    assert "A/B, adaptive[rival_probes=off] ÷ adaptive per round: B = 1: " in printed and "workload: " in printed
+
+
+def test_results_table_ab_line_divides_the_two_engines_ratios_round_by_round():
+    table = load_script("results_table")
+    variant = {"median": 1.1, "min": 1.0, "max": 1.4, "per_round": [1.0, 1.1, 1.4]}
+    base = {"median": 1.0, "min": 0.5, "max": 2.0, "per_round": [0.5, 1.0, 2.0]}
+    assert table.per_round_quotient(variant, base) == table.fmt({"median": 1.1, "min": 0.7, "max": 2.0})
+    assert table.per_round_quotient(None, base) == "-"
 
 
 def test_early_exit_bench_quality_only_runs_no_timing_and_is_deterministic(monkeypatch, tmp_path, capsys):
