@@ -145,11 +145,17 @@ def test_a_rival_probe_prices_the_rival_against_the_plan_in_use_in_that_plans_fa
         rival_then(0.35, 0.5)  # the rival's round 30 % cheaper against the profile than the plan's
     assert probes.factor(0, 5, 1) == pytest.approx(0.7 * 1.1)  # relative to plain, through the plan's factor
     assert probes.factor(0, 2, 2) == pytest.approx(1.1)  # the plan's own pairs are untouched
+    assert probes.rival_pairs(0, 5, 1) == PROBE_MIN and probes.pairs(0, 5, 1) == 0  # kept apart from plain pairs
     rival_then(5.0, 0.5, plan_batch=2)  # another batch size: no pair
     rival_then(5.0, 0.5, full_shape=False)  # readouts or a cut draft in the plan's round: no pair
     rival_then(5.0, 0.5, plan=(5, 1))  # the rival again (a decision switched to it): no pair
     rival_then(5.0, 0.5, plan=(0, 0))  # plain decoding next: no pair, and nothing left waiting
-    assert probes.idle(0) and len(probes.ratios[(0, 5, 1)]) == PROBE_MIN
+    assert probes.idle(0) and probes.rival_pairs(0, 5, 1) == PROBE_MIN
+    # plain pairs, where a plan has PROBE_MIN of them, price it against plain directly, whatever its rival pairs
+    probes.ratios[(0, 5, 1)] = deque([0.9] * (PROBE_MIN - 1))
+    assert probes.factor(0, 5, 1) == pytest.approx(0.7 * 1.1)
+    probes.ratios[(0, 5, 1)].append(0.9)
+    assert probes.factor(0, 5, 1) == pytest.approx(0.9) and probes.error(0, 5, 1) == 0.0
 
 
 def run_priced(ctl: AdaptiveController, batch: int, rounds: int, cost: dict) -> list:

@@ -47,6 +47,7 @@ def policy_state(ctl: AdaptiveController) -> list:
         )
     if pol.probes is not None:
         out += [pol.probes.since, pol.probes.probe_plan, {k: list(v) for k, v in pol.probes.ratios.items()}]
+        out += [{k: list(v) for k, v in pol.probes.rival_ratios.items()}]
     out += [ctl.measure.since, ctl.measure._jitter, ctl.measure._every]
     return out
 

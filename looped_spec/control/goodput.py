@@ -460,7 +460,7 @@ class GoodputPolicy(Policy):
         for o, (k, d, _) in enumerate(st.options):
             if k <= 0 or o == option or rates[o] < floor:
                 continue
-            pairs = self.probes.pairs(st.index, k, d)
+            pairs = self.probes.rival_pairs(st.index, k, d)
             key = (pairs >= PROBE_MIN, pairs if pairs >= PROBE_MIN else 0, -rates[o])
             if best_key is None or key < best_key:
                 best, best_key = o, key
@@ -470,7 +470,7 @@ class GoodputPolicy(Policy):
         """Rounds between rival probes of `rival` while `option` runs (`probes.rival_every`)."""
         rates = st.predicted
         k, d, _ = st.options[rival]
-        return rival_every(1.0 - rates[rival] / rates[option], self.probes.pairs(st.index, k, d))
+        return rival_every(1.0 - rates[rival] / rates[option], self.probes.rival_pairs(st.index, k, d))
 
     def times_round(self, bucket: int, plan_id: int) -> bool:
         return self.probes is not None and self.probes.wants(bucket, plan_id)
@@ -755,15 +755,18 @@ class GoodputPolicy(Policy):
                     "alpha": [self.acceptance.alpha(j) for j in range(1, self.full_depth + 1)],
                     "cost": "profile" if st.cost is None else "online",
                     "cost_factors": {f"{k},{d}": round(v, 3) for (k, d), v in self.cost_factors(st.index).items()},
-                    # per plan with probe pairs: [factor, its relative standard error, pairs] (control/probes.py)
+                    # per plan with probe pairs: [factor, its relative standard error, plain pairs, rival pairs]
+                    # (control/probes.py)
                     "probe_factors": {
                         f"{k},{d}": [
                             round(self.probes.factor(st.index, k, d), 4),
                             round(self.probes.error(st.index, k, d), 4),
                             self.probes.pairs(st.index, k, d),
+                            self.probes.rival_pairs(st.index, k, d),
                         ]
                         for k, d, _ in st.options
-                        if self.probes is not None and self.probes.pairs(st.index, k, d)
+                        if self.probes is not None
+                        and (self.probes.pairs(st.index, k, d) or self.probes.rival_pairs(st.index, k, d))
                     },
                 }
             )

@@ -82,7 +82,12 @@ class CostProbes:
         self.probe_plan = [-1] * num_buckets  # plan id of the bucket's outstanding probe
         # the probe round's (batch, measured ÷ predicted, k, d) while it waits for the round it pairs with
         self.pending: list[tuple[int, float, int, int] | None] = [None] * num_buckets
-        self.ratios: dict[tuple[int, int, int], deque[float]] = {}  # (bucket, k, d) -> pair ratios
+        self.ratios: dict[tuple[int, int, int], deque[float]] = {}  # (bucket, k, d) -> plain pairs' ratios
+        # (bucket, k, d) -> rival pairs' ratios (times the reference plan's factor); kept apart from the plain pairs,
+        # which price a plan against plain directly and take precedence: a rival pair carries two plans' round noise
+        # and the reference's factor, and mixed into a plan's plain window its spread raised the plan's bar over
+        # plain (tiny-ouro, B = 1, 2026-12-02: (2, 1) left for plain decoding for eight generations)
+        self.rival_ratios: dict[tuple[int, int, int], deque[float]] = {}
 
     def due(
         self, bucket: int, plan_id: int, k: int, d: int, rate: float, plain_rate: float, eager: bool = False
@@ -151,27 +156,41 @@ class CostProbes:
             pairs = self.ratios.setdefault((bucket, k, d), deque(maxlen=PROBE_WINDOW))
             pairs.append(ratio / probe_ratio)
         elif k > 0 and (k, d) != (probe_k, probe_d):
-            pairs = self.ratios.setdefault((bucket, probe_k, probe_d), deque(maxlen=PROBE_WINDOW))
+            pairs = self.rival_ratios.setdefault((bucket, probe_k, probe_d), deque(maxlen=PROBE_WINDOW))
             pairs.append(probe_ratio / ratio * self.factor(bucket, k, d))
 
     def pairs(self, bucket: int, k: int, d: int) -> int:
-        """Probe pairs of (K, d) kept (at most PROBE_WINDOW)."""
+        """Plain probe pairs of (K, d) kept (at most PROBE_WINDOW)."""
         pairs = self.ratios.get((bucket, k, d))
         return 0 if pairs is None else len(pairs)
 
+    def rival_pairs(self, bucket: int, k: int, d: int) -> int:
+        """Rival probe pairs of (K, d) kept (at most PROBE_WINDOW)."""
+        pairs = self.rival_ratios.get((bucket, k, d))
+        return 0 if pairs is None else len(pairs)
+
+    def _window(self, bucket: int, k: int, d: int) -> deque[float] | None:
+        """The pairs that price (K, d): its plain pairs once PROBE_MIN, else its rival pairs once PROBE_MIN."""
+        if k <= 0:
+            return None
+        for ratios in (self.ratios, self.rival_ratios):
+            pairs = ratios.get((bucket, k, d))
+            if pairs is not None and len(pairs) >= PROBE_MIN:
+                return pairs
+        return None
+
     def error(self, bucket: int, k: int, d: int) -> float:
-        """Relative standard error of `factor` from the spread of the pairs (robust: their median absolute
+        """Relative standard error of `factor` from the spread of its pairs (robust: their median absolute
         deviation), 0.0 while `factor` is 1.0 for want of pairs."""
-        pairs = self.ratios.get((bucket, k, d))
-        if k <= 0 or pairs is None or len(pairs) < PROBE_MIN:
+        pairs = self._window(bucket, k, d)
+        if pairs is None:
             return 0.0
         median = statistics.median(pairs)
         mad = statistics.median(abs(x - median) for x in pairs)
         return MEDIAN_SE * MAD_SIGMA * mad / (len(pairs) ** 0.5 * median) if median > 0.0 else 0.0
 
     def factor(self, bucket: int, k: int, d: int) -> float:
-        """Measured ÷ profile round time of (K, d) relative to plain decoding's, 1.0 until PROBE_MIN pairs."""
-        pairs = self.ratios.get((bucket, k, d))
-        if k <= 0 or pairs is None or len(pairs) < PROBE_MIN:
-            return 1.0
-        return statistics.median(pairs)
+        """Measured ÷ profile round time of (K, d) relative to plain decoding's: the median of its plain pairs, or
+        of its rival pairs while it has fewer than PROBE_MIN plain ones; 1.0 until PROBE_MIN of either."""
+        pairs = self._window(bucket, k, d)
+        return 1.0 if pairs is None else statistics.median(pairs)
