@@ -95,16 +95,15 @@ class CostProbes:
         """Called when the bucket is about to run speculative plan (K, d), predicted at `rate` tokens/s against
         plain decoding's `plain_rate`: True when this round is to be a plain probe instead. `eager`: probe every
         PROBE_EVERY_NEW rounds whatever the plan's pairs (a plan on trial to gather evidence)."""
-        self.since[bucket] += 1
-        if rate > plain_rate * (1.0 + PROBE_BAND) or self.since[bucket] < self._every(bucket, k, d, eager):
+        if rate > plain_rate * (1.0 + PROBE_BAND):
+            self.since[bucket] += 1
             return False
-        self.since[bucket] = 0
-        self.probe_plan[bucket] = plan_id
-        return True
+        return self.due_rival(bucket, plan_id, self._every(bucket, k, d, eager))
 
     def due_rival(self, bucket: int, plan_id: int, every: int) -> bool:
-        """Called instead of `due` when the plan in use is beyond PROBE_BAND over plain and has a rival to be probed
-        every `every` rounds (`rival_every`): True when this round is to be a round of the rival instead."""
+        """Counts a round of the plan in use towards a probe due every `every` rounds (a rival probe: called instead
+        of `due` when the plan is beyond PROBE_BAND over plain and has a rival, `rival_every`): True when this round
+        is to be the probe instead."""
         self.since[bucket] += 1
         if self.since[bucket] < every:
             return False
@@ -121,7 +120,7 @@ class CostProbes:
         outside PROBE_BAND): the pairs that set the interval change only by a probe."""
         if rate > plain_rate * (1.0 + PROBE_BAND):
             return 1 << 30
-        return max(self._every(bucket, k, d) - 1 - self.since[bucket], 0)
+        return self.rival_quiet_rounds(bucket, self._every(bucket, k, d))
 
     def _every(self, bucket: int, k: int, d: int, eager: bool = False) -> int:
         """Rounds of plan (K, d) from one probe to the next."""
