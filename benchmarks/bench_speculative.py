@@ -3,8 +3,10 @@
 One persistent engine per configuration, all on one loaded model: `plain`, `plain-B` (a second plain engine:
 the A/A control), every grid cell `K,d` (a fixed `SpeculativeConfig(k, d)`) and every adaptive policy asked
 for. For each batch size B the benchmark runs `--repeats` rounds; in each round every configuration decodes
-the same B prompts once (greedy, `--max-tokens` new tokens each, eos ignored), in an order shuffled per round.
-The first round is a warm-up and is discarded.
+the same B prompts once (greedy, `--max-tokens` new tokens each, eos ignored). The first round is a warm-up and
+is discarded. Within a round all configurations decode at once, taking turns of at least `--slice-ms` (20 ms)
+of engine steps in an order shuffled every turn, so they share whatever speed the machine has at that moment
+(docs/benchmarking.md); `--slice-ms 0` runs them one whole `generate` after another in a shuffled order instead.
 
 Ratios are taken within a round: (config decode tokens/s) / (plain decode tokens/s of the same round); the
 table shows their median over the measured rounds and their spread, [min-max] of those per-round ratios,
@@ -17,13 +19,14 @@ screen's `--confirm-top` best fixed cells and the adaptive engines only. The scr
 own noise; measured again in rounds that took no part in the choice, that cell's ratio is not flattered, and with
 a handful of configurations a round is short, so the comparisons the acceptance criteria are about get more
 rounds for the same time. With `--workload` the workload gets one too: plain, plain-B, the screen's best single
-fixed cell, the screen's per-phase oracle (each phase on the engine the screen chose for it) and adaptive.
-Decode time = wall time of `generate` minus its prefill time; decode tokens = generated tokens - B (the first
-token of a request comes from prefill). Every speculative and adaptive output is checked token for token
-against plain's output of the same round.
+fixed cell, the screen's per-phase oracle (each phase on the engine the screen chose for it, sharing that
+engine's run of the phase when it is in the round anyway) and adaptive.
+Decode time = the wall time of a run's turns (or of its `generate`) minus its prefill time; decode tokens =
+generated tokens - B (the first token of a request comes from prefill). Every speculative and adaptive output
+is checked token for token against plain's output of the same round.
 
-`--workload` also runs the changing workload (`--workload-phases`, default 1->8->32->8->1; one `generate`
-per phase, consecutive prompt slices) on every configuration, interleaved and repeated the same way, and
+`--workload` also runs the changing workload (`--workload-phases`, default 1->8->32->8->1; one batch per
+phase, consecutive prompt slices) on every configuration, each phase interleaved and repeated the same way, and
 compares adaptive with the per-phase oracle (each phase at its best of plain and the fixed cells by median
 phase time, times summed per round), with the best single fixed cell and with plain.
 
@@ -66,7 +69,10 @@ from looped_spec.prompt_sets import (
 from looped_spec.tuner_inputs import has_tokenizer, parse_adapter_options
 
 PROMPT_KINDS = ("eval", "tune", "random", "builtin", "humaneval")
-SPREAD = "min-max of the per-round ratios over the measured rounds (first round discarded)"
+SPREAD = (
+    "±half the width of the median's ~95 % confidence interval and [min-max] of the per-round ratios over the "
+    "measured rounds (first round discarded)"
+)
 BEST_OF = "best-of = fastest measured run of the config / fastest measured run of plain (robust to slowdowns)"
 
 
@@ -287,19 +293,18 @@ def _stats(engine: LoopedSpecEngine) -> dict[str, Any]:
     }
 
 
-def timed_generate(engine: LoopedSpecEngine, prompts: list[Any], max_tokens: int) -> tuple[dict[str, Any], list]:
-    """One `generate` of `prompts`; decode time, decode tokens and the engine-counter deltas."""
-    params = [SamplingParams(max_tokens=max_tokens, ignore_eos=True, seed=i) for i in range(len(prompts))]
-    s0 = _stats(engine)
-    start = time.perf_counter()
-    outputs = engine.generate(prompts, params)
-    wall = time.perf_counter() - start
-    s1 = _stats(engine)
+def greedy_params(count: int, max_tokens: int) -> list[SamplingParams]:
+    """What every timed run decodes with: greedy, eos ignored, `max_tokens` new tokens, request i seeded i."""
+    return [SamplingParams(max_tokens=max_tokens, ignore_eos=True, seed=i) for i in range(count)]
+
+
+def _record(s0: dict[str, Any], s1: dict[str, Any], wall: float, outputs: list) -> dict[str, Any]:
+    """A timed run's record: decode time and tokens and the engine-counter deltas (`_stats` before and after)."""
     prefill = s1["prefill"] - s0["prefill"]
-    decode_tokens = sum(len(o.token_ids) for o in outputs) - len(prompts)
+    decode_tokens = sum(len(o.token_ids) for o in outputs) - len(outputs)
     decode_seconds = wall - prefill
     plans = {k: v - s0["plans"].get(k, 0) for k, v in s1["plans"].items() if v - s0["plans"].get(k, 0)}
-    run = {
+    return {
         "wall_s": wall,
         "prefill_s": prefill,
         "decode_s": decode_seconds,
@@ -313,7 +318,78 @@ def timed_generate(engine: LoopedSpecEngine, prompts: list[Any], max_tokens: int
         "preemptions": s1["preemptions"] - s0["preemptions"],
         "plans": plans,
     }
-    return run, [list(o.token_ids) for o in outputs]
+
+
+def timed_generate(engine: LoopedSpecEngine, prompts: list[Any], max_tokens: int) -> tuple[dict[str, Any], list]:
+    """One `generate` of `prompts`; decode time, decode tokens and the engine-counter deltas."""
+    params = greedy_params(len(prompts), max_tokens)
+    s0 = _stats(engine)
+    start = time.perf_counter()
+    outputs = engine.generate(prompts, params)
+    wall = time.perf_counter() - start
+    return _record(s0, _stats(engine), wall, outputs), [list(o.token_ids) for o in outputs]
+
+
+def timed_slices(
+    engines: dict[str, LoopedSpecEngine], prompts: list[Any], max_tokens: int, slice_s: float, rng: random.Random
+) -> dict[str, tuple[dict[str, Any], list]]:
+    """Every engine decodes `prompts` at once, the engines taking turns of at least `slice_s` seconds of steps
+    (the order shuffled every turn); per engine the record and outputs `timed_generate` would give.
+
+    Why (docs/benchmarking.md): this machine's speed drifts over seconds (run times of consecutive 0.3 s
+    generates correlate at 0.7), so engines timed one whole `generate` after another see different machines;
+    taking turns within ~20 ms they see the same one, and the A/A spread shrinks several times. Turns are
+    measured in time, not steps: a step-by-step alternation made every step start after another engine's and
+    charged that switch once per step, so the engine with more, shorter steps (plain decoding) paid it more
+    often and speculation looked 5-10 % better than whole-`generate` timing said at B = 1.
+    """
+    params = greedy_params(len(prompts), max_tokens)
+    before, wall, ids, done = {}, {}, {}, {}
+    for name, engine in engines.items():
+        before[name] = _stats(engine)
+        start = time.perf_counter()
+        ids[name] = [engine.add_request(p, sp) for p, sp in zip(prompts, params)]
+        wall[name] = time.perf_counter() - start
+        done[name] = {}
+    active = list(engines)
+    while active:
+        rng.shuffle(active)
+        for name in active:
+            engine, finished, want = engines[name], done[name], len(ids[name])
+            start = now = time.perf_counter()
+            while len(finished) < want and now - start < slice_s:
+                if not engine.has_unfinished_requests():
+                    raise RuntimeError(f"{name}: engine stopped with {want - len(finished)} requests unfinished")
+                for out in engine.step():
+                    if out.finished:
+                        finished[out.request_id] = out
+                now = time.perf_counter()
+            wall[name] += now - start
+        active = [n for n in active if len(done[n]) < len(ids[n])]
+    out = {}
+    for name, engine in engines.items():
+        outputs = [done[name][i] for i in ids[name]]
+        out[name] = (_record(before[name], _stats(engine), wall[name], outputs), [list(o.token_ids) for o in outputs])
+    return out
+
+
+def timed_phase(
+    jobs: dict[str, LoopedSpecEngine], prompts: list[Any], args, rng: random.Random
+) -> dict[str, tuple[dict[str, Any], list]]:
+    """Time every engine of `jobs` on `prompts` in an order shuffled here: in turns of `--slice-ms` (`timed_slices`)
+    or, with 0, one whole `generate` after another. Names sharing an engine (the workload's oracle runs a phase
+    on a configuration's own engine) share its one run: an engine cannot decode two batches at once."""
+    order = list(jobs)
+    rng.shuffle(order)
+    names_of: dict[int, list[str]] = {}
+    for name in order:
+        names_of.setdefault(id(jobs[name]), []).append(name)
+    runs = {names[0]: jobs[names[0]] for names in names_of.values()}
+    if args.slice_ms > 0:
+        done = timed_slices(runs, prompts, args.max_tokens, args.slice_ms / 1000.0, rng)
+    else:
+        done = {name: timed_generate(engine, prompts, args.max_tokens) for name, engine in runs.items()}
+    return {name: done[names[0]] for names in names_of.values() for name in names}
 
 
 def check_equal(name: str, outputs: list, reference: list, where: str) -> None:
@@ -330,11 +406,31 @@ def check_equal(name: str, outputs: list, reference: list, where: str) -> None:
 
 
 # ----------------------------------------------------------------------------------------- statistics
+def median_ci(values: list[float], z: float = 1.96) -> tuple[float, float]:
+    """Distribution-free ~95 % confidence interval of the median: the order statistics j and k of the sorted
+    values with j = floor((n - z sqrt(n)) / 2) and k = ceil(1 + (n + z sqrt(n)) / 2) (1-based, clamped to 1..n);
+    with few values it is their whole range."""
+    ordered = sorted(values)
+    n = len(ordered)
+    j = max(int((n - z * n**0.5) // 2), 1)
+    k = min(-int(-(1 + (n + z * n**0.5) / 2) // 1), n)
+    return ordered[j - 1], ordered[k - 1]
+
+
 def spread(values: list[float]) -> dict[str, Any]:
+    """Median, min, max and the median's ~95 % confidence interval (`median_ci`) of per-round values."""
     finite = [v for v in values if v == v]
     if not finite:
-        return {"median": float("nan"), "min": float("nan"), "max": float("nan"), "per_round": values}
-    return {"median": statistics.median(finite), "min": min(finite), "max": max(finite), "per_round": values}
+        nan = float("nan")
+        return {"median": nan, "min": nan, "max": nan, "ci": [nan, nan], "per_round": values}
+    low, high = median_ci(finite)
+    return {
+        "median": statistics.median(finite),
+        "min": min(finite),
+        "max": max(finite),
+        "ci": [low, high],
+        "per_round": values,
+    }
 
 
 def noise_floor(aa: dict[str, Any]) -> float:
@@ -355,7 +451,9 @@ def held_out(measured: list, choose, value) -> list[float]:
 
 
 def fmt(stat: dict[str, Any]) -> str:
-    return f"{stat['median']:.2f}x [{stat['min']:.2f}-{stat['max']:.2f}]"
+    """median ±half the width of its ~95 % confidence interval [min-max]."""
+    half = f" ±{(stat['ci'][1] - stat['ci'][0]) / 2:.2f}" if "ci" in stat else ""
+    return f"{stat['median']:.2f}x{half} [{stat['min']:.2f}-{stat['max']:.2f}]"
 
 
 def sum_plans(runs: list[dict[str, Any]]) -> dict[str, int]:
@@ -371,10 +469,9 @@ def _progress(total: int) -> tqdm:
 
 
 def interleaved_rounds(names: list[str], repeats: int, rng: random.Random, bar, run):
-    """`repeats` rounds; in each, every configuration runs once, in an order shuffled afresh per round.
-
-    `run(name)` -> (timing record, outputs). Yields (round index, order, records, outputs) per round.
-    """
+    """`repeats` rounds; in each, every configuration runs once (`run(name)` -> (record, outputs)), one after
+    another in an order shuffled afresh per round (bench_early_exit.py's rounds). Yields (round index, order,
+    records, outputs) per round."""
     for r in range(repeats):
         order = list(names)
         rng.shuffle(order)
@@ -385,21 +482,39 @@ def interleaved_rounds(names: list[str], repeats: int, rng: random.Random, bar, 
         yield r, order, records, outs
 
 
+def phase_rounds(names: list[str], repeats: int, rng: random.Random, bar, phases, args):
+    """`repeats` rounds; in each, every configuration runs every phase once, all of a phase's runs interleaved
+    (`timed_phase`: in turns of `--slice-ms`, or whole runs in an order shuffled afresh).
+
+    `phases`: per phase (engine_of(name), prompts). Yields (round index, order, records, outputs) per round,
+    records[name] and outputs[name] being lists over the phases; order is the first phase's run order.
+    """
+    for r in range(repeats):
+        records: dict[str, list] = {name: [] for name in names}
+        outs: dict[str, list] = {name: [] for name in names}
+        order: list[str] = []
+        for engine_of, prompts in phases:
+            done = timed_phase({name: engine_of(name) for name in names}, prompts, args, rng)
+            order = order or list(done)
+            for name in names:
+                records[name].append(done[name][0])
+                outs[name].append(done[name][1])
+        bar.update(len(names))
+        yield r, order, records, outs
+
+
 # ----------------------------------------------------------------------------------------- batch sizes
 def bench_batch(engines, specs, prompts, b: int, args, rng: random.Random, bar) -> dict[str, Any]:
     """`repeats` interleaved rounds of every configuration at batch size b; round 0 is discarded."""
     names = list(engines)
     rounds, orders, checks = [], [], 0
-
-    def run(name):
-        return timed_generate(engines[name], prompts[:b], args.max_tokens)
-
-    for r, order, runs, outs in interleaved_rounds(names, args.repeats, rng, bar, run):
+    phase = [(engines.__getitem__, prompts[:b])]
+    for r, order, runs, outs in phase_rounds(names, args.repeats, rng, bar, phase, args):
         for name in names:
             if name != "plain":
-                check_equal(name, outs[name], outs["plain"], f"B={b}, round {r}")
+                check_equal(name, outs[name][0], outs["plain"][0], f"B={b}, round {r}")
                 checks += 1
-        rounds.append(runs)
+        rounds.append({name: runs[name][0] for name in names})
         orders.append(order)
     measured = rounds[1:]
     plain_tps = [rd["plain"]["tokens_per_s"] for rd in measured]
@@ -482,15 +597,12 @@ def confirm_batch(engines, specs, prompts, b: int, top: list[str], args, rng: ra
     """
     names = ["plain", "plain-B", *top, *(n for n in engines if specs[n]["kind"] == "adaptive")]
     measured, checks = [], 0
-
-    def run(name):
-        return timed_generate(engines[name], prompts[:b], args.max_tokens)
-
-    for r, _order, runs, outs in interleaved_rounds(names, args.confirm_repeats, rng, bar, run):
+    phase = [(engines.__getitem__, prompts[:b])]
+    for r, _order, runs, outs in phase_rounds(names, args.confirm_repeats, rng, bar, phase, args):
         for name in names[1:]:
-            check_equal(name, outs[name], outs["plain"], f"B={b}, confirmation round {r}")
+            check_equal(name, outs[name][0], outs["plain"][0], f"B={b}, confirmation round {r}")
             checks += 1
-        measured.append(runs)
+        measured.append({name: runs[name][0] for name in names})
 
     def tps(rd, name):
         return rd[name]["tokens_per_s"]
@@ -583,15 +695,8 @@ def bench_workload(engines, specs, prompts, phases, args, rng: random.Random, ba
     names = list(engines)
     offsets = [sum(phases[:i]) for i in range(len(phases))]
     rounds, orders, checks = [], [], 0
-
-    def run_phases(name):
-        done = [
-            timed_generate(engines[name], prompts[off : off + size], args.max_tokens)
-            for size, off in zip(phases, offsets)
-        ]
-        return [record for record, _ in done], [out for _, out in done]
-
-    for r, order, runs, outs in interleaved_rounds(names, args.repeats, rng, bar, run_phases):
+    steps = [(engines.__getitem__, prompts[off : off + size]) for size, off in zip(phases, offsets)]
+    for r, order, runs, outs in phase_rounds(names, args.repeats, rng, bar, steps, args):
         for name in names:
             if name != "plain":
                 for p, (got, want) in enumerate(zip(outs[name], outs["plain"])):
@@ -673,15 +778,11 @@ def confirm_workload(engines, specs, prompts, phases, oracle, best_single, args,
     names = ["plain", "plain-B", *([best_single] if best_single else []), "oracle", *adaptive]
     measured, checks = [], 0
 
-    def run_phases(name):
-        chosen = oracle if name == "oracle" else [name] * len(phases)
-        done = [
-            timed_generate(engines[n], prompts[off : off + size], args.max_tokens)
-            for n, size, off in zip(chosen, phases, offsets)
-        ]
-        return [record for record, _ in done], [out for _, out in done]
+    def phase(p: int):  # the oracle runs phase p on the engine the screen chose for it
+        return lambda name: engines[oracle[p] if name == "oracle" else name]
 
-    for r, _order, runs, outs in interleaved_rounds(names, args.confirm_repeats, rng, bar, run_phases):
+    steps = [(phase(p), prompts[off : off + size]) for p, (size, off) in enumerate(zip(phases, offsets))]
+    for r, _order, runs, outs in phase_rounds(names, args.confirm_repeats, rng, bar, steps, args):
         for name in names[1:]:
             for p, (got, want) in enumerate(zip(outs[name], outs["plain"])):
                 check_equal(name, got, want, f"workload confirmation round {r}, phase {p} (B={phases[p]})")
@@ -821,6 +922,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--preset", default=None, help="preset file for the adaptive engines (default: the model's)")
     parser.add_argument("--workload", action="store_true", help="also run the changing workload (--workload-phases)")
     parser.add_argument("--workload-phases", default="1,8,32,8,1", help="batch size of each workload phase")
+    parser.add_argument(
+        "--slice-ms",
+        type=float,
+        default=20.0,
+        help="a round's runs take turns of at least this many ms of decode steps (default 20); 0: each run is one "
+        "whole generate, one after another (the spread is several times wider on a machine whose speed drifts)",
+    )
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch default)")
     parser.add_argument("--adapter-option", action="append", default=[], metavar="KEY=VALUE")
     parser.add_argument("--dtype", default="float32")
@@ -833,6 +941,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         parser.error("--confirm-repeats must be 0 (none) or >= 2 (the held-out choice needs another round)")
     if args.confirm_top < 1:
         parser.error("--confirm-top must be >= 1")
+    if not args.slice_ms >= 0.0:
+        parser.error("--slice-ms must be >= 0 (0: whole generates one after another)")
     try:
         args.batches = parse_int_list(args.batch_sizes, "--batch-sizes")
         args.phases = parse_int_list(args.workload_phases, "--workload-phases") if args.workload else []
@@ -893,6 +1003,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         f"(greedy, eos ignored); {args.repeats} rounds per batch size, the first discarded"
     )
     print("ratios: median over the measured rounds of (config tok/s / plain tok/s in the same round)")
+    if args.slice_ms > 0:
+        print(f"interleave: a round's runs decode at once, taking turns of >= {args.slice_ms:g} ms of steps")
+    else:
+        print("interleave: a round's runs are whole generates, one after another in a shuffled order")
     print(f"spread: {SPREAD}; {BEST_OF}")
     try:
         engines = {name: build_engine(adapter, spec, max_batch, args.preset) for name, spec in specs.items()}

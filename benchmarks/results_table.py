@@ -5,7 +5,8 @@
 One table per file: per batch size the plain decode tokens/s, the A/A line, the best fixed (K, d), adaptive
 against plain, against the best fixed (same-round choice and held-out choice) and adaptive's plans; then a
 table of the confirmation rounds when the file has them (`--confirm-repeats`), and a line for the changing
-workload when the file has one. Values are median [min-max] of per-round ratios.
+workload when the file has one. Values are median ±half the width of the median's ~95 % confidence interval
+(result files written since that was recorded) [min-max] of per-round ratios.
 """
 
 from __future__ import annotations
@@ -18,9 +19,12 @@ from typing import Any
 
 
 def fmt(stat: dict[str, Any] | None) -> str:
+    """median, ± half the width of its ~95 % confidence interval (files that have one), [min–max]."""
     if not stat:
         return "-"
-    return f"{stat['median']:.2f}x [{stat['min']:.2f}–{stat['max']:.2f}]"
+    ci = stat.get("ci")
+    half = f" ±{(ci[1] - ci[0]) / 2:.2f}" if ci else ""
+    return f"{stat['median']:.2f}x{half} [{stat['min']:.2f}–{stat['max']:.2f}]"
 
 
 def plans(counts: dict[str, int]) -> str:

@@ -146,6 +146,97 @@ def test_bench_workload_confirmation_runs_the_screens_oracle(bench):
     assert entry["vs_plain"]["per_round"][0] == total("plain") / total("adaptive")
 
 
+def _logged_steps(engines: dict, log: list) -> None:
+    """Record which engine steps, in order (wraps each engine's `step`)."""
+    for name, engine in engines.items():
+        step = engine.step
+
+        def logged(step=step, name=name):
+            log.append(name)
+            return step()
+
+        engine.step = logged
+
+
+def test_sliced_runs_take_turns_and_decode_what_whole_generates_decode(bench):
+    import random
+
+    from looped_spec import SpeculativeConfig
+
+    prompts = random_prompts(3, 256, 5)
+    engines = {
+        "plain": LoopedSpecEngine(FIXTURE, speculation="off", device="cpu", dtype="float32"),
+        "spec": LoopedSpecEngine(FIXTURE, speculation=SpeculativeConfig(k=2, d=1), device="cpu", dtype="float32"),
+    }
+    want = {name: bench.timed_generate(engine, prompts, 6) for name, engine in engines.items()}
+    log: list = []
+    _logged_steps(engines, log)
+    got = bench.timed_slices(engines, prompts, 6, 1e-9, random.Random(0))  # a turn is a single step
+    for name in engines:
+        record, outputs = got[name]
+        assert outputs == want[name][1]
+        assert record["decode_tokens"] == want[name][0]["decode_tokens"] == 3 * 5
+        assert record["rounds"] == want[name][0]["rounds"] and record["decode_s"] > 0.0
+    # one step of each engine per turn while both run: the engines alternate until the shorter one is done
+    both = log[: 2 * log.count("spec")]
+    assert all(sorted(both[i : i + 2]) == ["plain", "spec"] for i in range(0, len(both), 2))
+    log.clear()
+    bench.timed_slices(engines, prompts, 6, 60.0, random.Random(0))  # a turn long enough for a whole run
+    first = log[0]
+    assert log == [first] * log.count(first) + [n for n in log if n != first]
+
+
+def test_a_phase_runs_each_engine_once_for_the_names_sharing_it(bench):
+    import argparse
+    import random
+
+    engine = LoopedSpecEngine(FIXTURE, speculation="off", device="cpu", dtype="float32")
+    other = LoopedSpecEngine(FIXTURE, speculation="off", device="cpu", dtype="float32")
+    for slice_ms in (0.0, 20.0):
+        args = argparse.Namespace(slice_ms=slice_ms, max_tokens=4)
+        rounds = engine.stats.num_rounds
+        done = bench.timed_phase(
+            {"plain": engine, "oracle": engine, "plain-B": other}, [[5, 6, 7]], args, random.Random(1)
+        )
+        assert done["oracle"] is done["plain"] and done["plain-B"] is not done["plain"]
+        assert engine.stats.num_rounds - rounds == done["plain"][0]["rounds"] == 3  # one run, not two
+
+
+@pytest.mark.parametrize("slice_ms", ["-1", "nan"])
+def test_bench_slice_option_is_checked(bench, slice_ms, capsys):
+    with pytest.raises(SystemExit) as exc:
+        bench.main([*SMALL, "--slice-ms", slice_ms])
+    assert exc.value.code == 2 and "--slice-ms" in capsys.readouterr().err
+
+
+def test_bench_whole_generate_interleave_still_runs(bench, capsys):
+    report = bench.main([*SMALL, "--batch-sizes", "2", "--slice-ms", "0"])
+    assert report["args"]["slice_ms"] == 0.0 and report["equality_checks"] == 3 * 2
+    assert "one after another" in capsys.readouterr().out
+
+
+def test_interleave_check_reports_every_mode_and_cell(capsys):
+    script = load_script("bench_interleave")
+    argv = ["--model", FIXTURE, "--prompts", "random", "--grid", "1,1", "--max-tokens", "3", "--rounds", "3"]
+    results = script.main(argv)
+    assert set(results) == {"generate", "slice", "step"}
+    for cells in results.values():
+        assert set(cells) == {"plain-B", "1,1"}
+        assert all(ratio > 0.0 and sd >= 0.0 and se >= 0.0 for ratio, sd, se in cells.values())
+    assert "slice" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        script.main([*argv, "--modes", "steps"])
+
+
+def test_median_confidence_interval_is_the_order_statistics_around_the_median(bench):
+    values = [float(v) for v in range(20, 0, -1)]  # 1..20, unsorted
+    assert bench.median_ci(values) == (5.0, 16.0)  # j = floor((20 - 1.96 sqrt 20) / 2), k = ceil(1 + (20 + ..) / 2)
+    assert bench.median_ci([3.0, 1.0, 2.0]) == (1.0, 3.0)  # too few values: their whole range
+    stat = bench.spread([1.0, float("nan"), 2.0, 3.0])
+    assert stat["ci"] == [1.0, 3.0] and stat["median"] == 2.0 and len(stat["per_round"]) == 4
+    assert bench.fmt(stat) == "2.00x ±1.00 [1.00-3.00]"
+
+
 def test_held_out_choice_scores_each_round_with_a_choice_made_on_the_others(bench):
     # two cells, three rounds: "b" wins on average, but only thanks to round 0's noise
     rounds = [{"a": 1.0, "b": 3.0}, {"a": 1.2, "b": 1.0}, {"a": 1.1, "b": 0.9}]
