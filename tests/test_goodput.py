@@ -371,3 +371,47 @@ def test_a_shrinking_batch_redecides_only_once_the_last_decision_is_paid_for(mon
     tail = [r for r, _ in decided if r > 30]
     assert tail and all(b - a >= 20 for a, b in zip([r for r, _ in decided], [r for r, _ in decided][1:]) if b > 30)
     assert len(tail) <= 24 // 20 + 1
+
+
+def measured_plain_rounds(alpha: list[float], rounds: int = 2000) -> tuple[AdaptiveController, int, int]:
+    """A profiled controller at B = 4 with acceptance `alpha` (all depths read out); measured rounds cost 5 %
+    more than unmeasured ones. Returns it, its plain rounds and its measured plain rounds after the young phase."""
+    from test_acceptance_cost import profiled_config
+
+    ctl = AdaptiveController(profiled_config(alpha), 4)
+    plain = measured = 0
+    for _ in range(rounds):
+        plan = ctl.plan(4)
+        seconds = 1.05 if plan.measure_depths else 1.0
+        trials = [4] * 4 if plan.measure_depths else []
+        matches = [round(4 * a) for a in alpha] if plan.measure_depths else []
+        ctl.observe(
+            RoundFeedback(plan.plan_id, plan.k, plan.d, plan.bucket, plan.candidate, 4, [plan.k] * 4, [plan.k] * 4,
+                          full_depth_time=seconds, depth_matches=matches, depth_trials=trials)
+        )  # fmt: skip
+        if plan.k == 0 and not ctl.policy.acceptance_young:
+            plain += 1
+            measured += plan.measure_depths
+    return ctl, plain, measured
+
+
+def test_plain_rounds_take_fewer_readouts_when_no_plan_is_near_a_switch():
+    """With acceptance so low that every speculative option is predicted > 10 % under plain decoding, plain rounds
+    are measured at the far budget (every ~20th round for a 5 % readout cost, against every ~5th); with one near
+    plain they are measured at the normal budget (control/measurement.py, GoodputPolicy.readouts_far)."""
+    from looped_spec.control.goodput import READOUTS_FAR_FROM
+
+    ctl, plain, measured = measured_plain_rounds([0.05, 0.1, 0.2, 1.0])
+    policy = ctl.policy
+    st = policy.states[0]
+    rates = st.predicted
+    assert st.options[st.current][0] == 0 and policy.readouts_far(0)
+    assert max(r for o, r in zip(st.options, rates) if o[0] > 0) < READOUTS_FAR_FROM * rates[st.plain]
+    assert ctl.measure.every(False) == 5 and ctl.measure.every(False, far=True) == 20
+    assert plain > 1500 and plain / 26 < measured < plain / 15
+    near, _, _ = measured_plain_rounds([0.6, 0.8, 0.9, 1.0], rounds=400)
+    st = near.policy.states[0]
+    assert not near.policy.readouts_far(0)
+    assert st.options[st.current][0] > 0 or max(st.predicted[o] for o in range(len(st.options)) if o != st.plain) >= (
+        READOUTS_FAR_FROM * st.predicted[st.plain]
+    )

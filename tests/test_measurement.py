@@ -89,6 +89,28 @@ def test_young_estimates_measure_at_the_young_budget():
         MeasureSchedule(budget=0.02, young_budget=0.01)
 
 
+def test_plain_rounds_far_from_a_switch_measure_at_the_far_budget():
+    """`far`: the interval is the extra cost over the 0.25 % budget (at least the normal interval, at most
+    max_every); a young estimate still measures at the young budget; the first estimate before any cost is the
+    initial interval either way."""
+    s = MeasureSchedule(budget=0.01, min_every=4, initial_every=8, max_every=64)
+    assert s.every(False, far=True) == s.every(False) == 8
+    for t in (1.0, 1.0, 1.0, 1.0):
+        s.observe((1, 0, 0), False, t)
+    s.observe((1, 0, 0), True, 1.04)  # 4 %: every 4th round, every 16th far from a switch
+    assert s.every(False) == 4 and s.every(False, far=True) == 16
+    assert s.every(False, young=True, far=True) == 1  # young wins: its estimate needs the readouts
+    far = gaps([s.due(False, far=True) for _ in range(8000)])
+    assert 15.0 < sum(far) / len(far) < 17.0 and min(far) >= 8 and max(far) <= 24
+    assert s.quiet_rounds(False, far=True) <= 23
+    for _ in range(8):
+        s.observe((1, 0, 0), True, 1.3)  # 30 %: every 30th round; far 120, clamped to max_every
+    assert s.every(False) == 30 and s.every(False, far=True) == 64
+    for bad in (0.0, 0.02):
+        with pytest.raises(ValueError):
+            MeasureSchedule(budget=0.01, far_budget=bad)
+
+
 def due_pattern_young(schedule: MeasureSchedule, rounds: int) -> list[bool]:
     return [schedule.due(False, young=True) for _ in range(rounds)]
 
@@ -122,4 +144,8 @@ def test_engine_times_the_readouts_and_sets_the_interval():
     kinds = {fb.k > 0 for fb in measured}
     assert all(2 <= schedule.every(kind) <= 64 for kind in kinds)
     every = engine.controller.stats()["measure_every"]
-    assert every == {"plain": schedule.every(False), "speculative": schedule.every(True)}
+    assert every == {
+        "plain": schedule.every(False),
+        "plain_far": schedule.every(False, far=True),
+        "speculative": schedule.every(True),
+    }

@@ -272,16 +272,17 @@ class AdaptiveController(BaseController):
         self._next_id = plan_id + 1
         k, d, cand = policy.select(bucket, num_running, plan_id, context, remaining)
         # a probe pair is timed in the plans' full shape: its two rounds leave their readouts to the next round
+        far = k == 0 and policy.readouts_far(bucket)  # nothing near a switch: readouts at the far budget
         measure = (
             self.measure_depths
             and not policy.times_round(bucket, plan_id)
-            and self._measure.due(k > 0, policy.acceptance_young)
+            and self._measure.due(k > 0, policy.acceptance_young, far)
         )
         plan = SpeculationPlan(plan_id, k, d, bucket, cand, measure)
         if self.quiet_path and not measure:  # a measured round's feedback may move the readout interval
             quiet = policy.quiet_rounds(bucket, num_running, (k, d, cand))
             if quiet and self.measure_depths:
-                quiet = min(quiet, self._measure.quiet_rounds(k > 0, policy.acceptance_young))
+                quiet = min(quiet, self._measure.quiet_rounds(k > 0, policy.acceptance_young, far))
             self._quiet_batch, self._quiet_left = num_running, quiet
         self.num_plans += 1
         if trace is not None:
@@ -314,5 +315,9 @@ class AdaptiveController(BaseController):
         out = super().stats()
         out.update(policy=self.policy_name, model=self.config.model, buckets=self.policy.describe())
         if self.measure_depths:  # how often rounds take counterfactual readouts now (control/measurement.py)
-            out["measure_every"] = {"plain": self.measure.every(False), "speculative": self.measure.every(True)}
+            out["measure_every"] = {
+                "plain": self.measure.every(False),
+                "plain_far": self.measure.every(False, far=True),
+                "speculative": self.measure.every(True),
+            }
         return out

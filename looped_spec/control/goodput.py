@@ -185,6 +185,7 @@ class GoodputState:
     decide_seconds: float = 0.0  # wall time of the bucket's last decision (its own cost: DECISION_BUDGET)
     round_seconds: float = 0.0  # wall time of the bucket's last round that reported one
     plain: int = -1  # index of the (first) plain option, -1 without one (Phase 2 off)
+    far: bool = False  # at the last decision: plain in use, every speculative option under READOUTS_FAR_FROM of it
 
 
 #: Rounds between two decisions of a bucket at least (a preset's `interval` may ask for more) ...
@@ -229,6 +230,9 @@ EVIDENCE_TRIAL_SPACING = 20
 EVIDENCE_PAIRS = 8
 #: An option with evidence is eligible once predicted this much over plain decoding (without: `plain_margin`).
 EVIDENCE_MARGIN = 0.02
+#: With plain decoding in use and every speculative option predicted under this fraction of it, plain rounds take
+#: readouts at the far budget (control/measurement.py: nothing is near a switch).
+READOUTS_FAR_FROM = 0.9
 
 
 class GoodputPolicy(Policy):
@@ -475,6 +479,9 @@ class GoodputPolicy(Policy):
     def times_round(self, bucket: int, plan_id: int) -> bool:
         return self.probes is not None and self.probes.wants(bucket, plan_id)
 
+    def readouts_far(self, bucket: int) -> bool:
+        return self.states[bucket].far
+
     def _has_evidence(self, st: GoodputState, option: int) -> bool:
         """Whether a speculative option's tokens are measured (its own REALIZED_MIN full-K request-rounds, or its
         depth's error on BIAS_PRIOR expected tokens: `RealizedTokens.measured`) and, where plain probes price it
@@ -505,6 +512,10 @@ class GoodputPolicy(Policy):
             self.last_event = f"switch to k={k} d={d} ({rates[best]:.4g} tok/s vs {rates[st.current]:.4g})"
             st.current = best
             st.switches += 1
+        plain = rates[st.plain] if st.plain >= 0 else math.inf
+        st.far = st.options[st.current][0] == 0 and all(
+            rates[o] < READOUTS_FAR_FROM * plain for o, (k, _, _) in enumerate(st.options) if k > 0
+        )
         if st.cost is None and self.refine_cost:
             self._maybe_trial(st, rates)
         if st.cost is None and st.trial < 0 and st.rounds >= st.next_trial and not self.acceptance_young:

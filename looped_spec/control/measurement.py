@@ -30,6 +30,14 @@ B = 1 that is every round (α₁ within 0.03 of the text's after one 64-token ge
 Where readouts are dear (tiny-huginn, 20–40 % of a round) the interval stays the budget's: every 6th round
 at 5 % would cost more than the few points of α it gains there. The policy bounds the young phase
 (goodput: 64 rounds), so its extra cost is bounded too.
+
+Where nothing is near a switch (`due(..., far=True)`: the goodput policy runs plain decoding and predicts every
+speculative option at least 10 % under it, `GoodputPolicy.readouts_far`) a readout can only show that acceptance
+moved a long way, and the budget is `far_budget` (0.25 %). On the random-weight fixture, where speculation never
+pays, readouts at the 1 % budget were most of what the adaptive engine cost over plain decoding: measured plain
+rounds cost 12 % (B = 1) and 6 % (B = 8) extra and ran every 6-8 rounds, and the engine measured 0.977x and
+0.976x plain, against 1.007x and 0.987x with readouts off (docs/benchmarking.md's interleaved timing, 40
+rounds). As estimates move an option into the 10 %, the 1 % budget applies again at once.
 """
 
 from __future__ import annotations
@@ -45,6 +53,8 @@ MEASURE_BUDGET = 0.01
 #: where a measured round costs at most YOUNG_MAX_FRACTION extra (10 %).
 YOUNG_BUDGET = 0.05
 YOUNG_MAX_FRACTION = 0.10
+#: Share of decode time measured rounds may cost extra where no plan is near a switch (0.25 %).
+FAR_BUDGET = 0.0025
 #: Cost-fraction estimates kept per kind of round.
 WINDOW = 8
 #: Unmeasured rounds per shape whose median a measured round is compared with (at least BASELINE_MIN of them).
@@ -69,13 +79,15 @@ class MeasureSchedule:
         every: int | None = None,
         young_budget: float = YOUNG_BUDGET,
         young_max_fraction: float = YOUNG_MAX_FRACTION,
+        far_budget: float = FAR_BUDGET,
         seed: int = 0,
     ) -> None:
-        if budget <= 0.0 or young_budget < budget:
-            raise ValueError("need budget > 0 and young_budget >= budget")
+        if budget <= 0.0 or young_budget < budget or not 0.0 < far_budget <= budget:
+            raise ValueError("need budget > 0, young_budget >= budget and 0 < far_budget <= budget")
         if not 1 <= min_every <= initial_every <= max_every or (every is not None and every < 1):
             raise ValueError("need 1 <= min_every <= initial_every <= max_every and every >= 1")
         self.budget, self.young_budget, self.young_max_fraction = budget, young_budget, young_max_fraction
+        self.far_budget = far_budget
         self.min_every, self.max_every, self.initial_every = min_every, max_every, initial_every
         self.fixed = every
         self.fractions: dict[bool, deque[float]] = {False: deque(maxlen=WINDOW), True: deque(maxlen=WINDOW)}
@@ -83,14 +95,17 @@ class MeasureSchedule:
         self.unmeasured: dict[Shape, deque[float]] = {}  # seconds of recent unmeasured rounds per shape
         self._every = {False: initial_every, True: initial_every}  # from `fractions`, updated as they come
         self._young_every = {False: 1, True: 1}  # the same at `young_budget` (floor 1) where readouts are cheap
+        self._far_every = {False: initial_every, True: initial_every}  # the same at `far_budget`
         self._rng = random.Random(seed)
         self._jitter = {False: 0.0, True: 0.0}  # uniform draw of the current gap, in [0, 1)
 
-    def every(self, speculative: bool, young: bool = False) -> int:
-        """Current mean interval for this kind of round (1 = every round)."""
+    def every(self, speculative: bool, young: bool = False, far: bool = False) -> int:
+        """Current mean interval for this kind of round (1 = every round); `young` wins over `far`."""
         if self.fixed is not None:
             return self.fixed
-        return self._young_every[speculative] if young else self._every[speculative]
+        if young:
+            return self._young_every[speculative]
+        return self._far_every[speculative] if far else self._every[speculative]
 
     def _update(self, speculative: bool) -> None:
         fraction = statistics.median(self.fractions[speculative])
@@ -98,15 +113,17 @@ class MeasureSchedule:
         self._every[speculative] = every = min(max(wanted, self.min_every), self.max_every)
         young = min(max(math.ceil(fraction / self.young_budget - 1e-9), 1), every)
         self._young_every[speculative] = young if fraction <= self.young_max_fraction else every
+        far = math.ceil(fraction / self.far_budget - 1e-9)
+        self._far_every[speculative] = min(max(far, every), self.max_every)
 
-    def due(self, speculative: bool, young: bool = False) -> bool:
-        """Called once per planned round of this kind: True when it is to measure.
+    def due(self, speculative: bool, young: bool = False, far: bool = False) -> bool:
+        """Called once per planned round of this kind: True when it is to measure (at `far_budget` if `far`).
 
         The gap after a measured round is max(1, round(every·(0.5 + u))) for a uniform u drawn then and the
         interval current now, so a change of interval (an estimate, the end of the young phase) applies at once.
         """
         since = self.since[speculative]
-        gap = self._gap(speculative, young)
+        gap = self._gap(speculative, young, far)
         if since is None or since + 1 >= gap:
             self.since[speculative] = 0
             self._jitter[speculative] = self._rng.random()
@@ -114,15 +131,15 @@ class MeasureSchedule:
         self.since[speculative] = since + 1
         return False
 
-    def quiet_rounds(self, speculative: bool, young: bool = False) -> int:
+    def quiet_rounds(self, speculative: bool, young: bool = False, far: bool = False) -> int:
         """How many next `due` calls of this kind are sure to return False, asked after an unmeasured round (the
         interval changes when a measured round is observed): a caller may then `skip` them."""
         since = self.since[speculative]
-        return 0 if since is None else max(self._gap(speculative, young) - 1 - since, 0)
+        return 0 if since is None else max(self._gap(speculative, young, far) - 1 - since, 0)
 
-    def _gap(self, speculative: bool, young: bool) -> int:
+    def _gap(self, speculative: bool, young: bool, far: bool = False) -> int:
         """Rounds from one measured round of this kind to the next: the interval current now, jittered."""
-        every = self.every(speculative, young)
+        every = self.every(speculative, young, far)
         return every if self.fixed is not None else max(1, round(every * (0.5 + self._jitter[speculative])))
 
     def skip(self, speculative: bool) -> None:

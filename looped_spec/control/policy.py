@@ -76,6 +76,11 @@ class Policy:
     def enter(self, bucket: int) -> None:
         """The batch moved into `bucket` from another bucket."""
 
+    def readouts_far(self, bucket: int) -> bool:
+        """Whether plain rounds of `bucket` may take readouts at the far budget (control/measurement.py): no plan is
+        near a switch, so a readout can only tell that acceptance moved a long way."""
+        return False
+
     def quiet_rounds(self, bucket: int, batch_size: int, choice: tuple[int, int, int]) -> int:
         """How many next `select` calls of `bucket` at `batch_size` are sure to return `choice` (what `select`
         just returned) with no event, whatever the feedback observed meanwhile: the controller may answer them
