@@ -14,6 +14,7 @@ from looped_spec.control.probes import (
     PROBE_EVERY,
     PROBE_EVERY_NEW,
     PROBE_MIN,
+    PROBE_WINDOW,
     RIVAL_EVERY,
     RIVAL_EVERY_MIN,
     CostProbes,
@@ -198,3 +199,35 @@ def test_goodput_moves_to_a_rival_far_above_plain_that_its_rival_probes_find_che
     else:
         assert policy.probes.factor(0, *rival) == pytest.approx(rival_cost)
         assert st.options[st.current][:2] == rival and plans[-8:] == [rival] * 8
+
+
+def test_an_undecided_rival_is_probed_often_until_its_pairs_can_decide():
+    """A rival its few pairs price a little over the plan in use, inside the error bar of so few pairs, is probed
+    first and every RIVAL_EVERY_MIN rounds (not RIVAL_EVERY) until it has PROBE_WINDOW pairs; with them the bar
+    narrows and the decision takes it."""
+    assert rival_every(-0.05, PROBE_MIN, undecided=True) == RIVAL_EVERY_MIN
+    assert rival_every(-0.05, PROBE_MIN) == RIVAL_EVERY
+    ctl = AdaptiveController(profiled_config([0.99, 0.995, 0.999, 1.0], candidates=[[0, 0], [3, 1], [5, 1]]), 4)
+    ctl.measure.fixed = 10**9  # no readouts
+    ctl.measure.since = {False: 0, True: 0}
+    policy = ctl.policy
+    st = policy.states[0]
+    run_priced(ctl, 1, YOUNG_ROUNDS, {})
+    current = st.current
+    rival = policy._rival(st, current)
+    k, d, _ = st.options[rival]
+    assert policy._rival_every(st, current, rival) > RIVAL_EVERY_MIN  # predicted under the plan: the budget's rate
+    # four noisy pairs whose median prices the rival 4 % over the plan in use
+    factor = st.predicted[rival] / (1.04 * st.predicted[current])
+    policy.probes.rival_ratios[(0, k, d)] = deque(factor * x for x in (0.8, 1.0, 1.0, 1.2))
+    policy._decide(st, 1)
+    assert st.current == current and st.predicted[rival] == pytest.approx(1.04 * st.predicted[current], rel=0.01)
+    assert policy._bar(st, rival) > 1.04  # the error bar of four pairs keeps the plan in use
+    assert policy._rival(st, current) == rival
+    assert policy._rival_every(st, current, rival) == RIVAL_EVERY_MIN
+    policy.probes.rival_ratios[(0, k, d)].extend([factor] * (PROBE_WINDOW - PROBE_MIN))
+    policy.undecided_rivals = False  # the switch (an A/B in bench_speculative.py): back to one in RIVAL_EVERY
+    assert policy._rival_every(st, current, rival) == RIVAL_EVERY
+    policy.undecided_rivals = True
+    policy._decide(st, 1)
+    assert st.current == rival  # sixteen pairs: the bar is the hysteresis, and the rival clears it

@@ -79,7 +79,15 @@ from looped_spec.control.costprofile import CostProfile
 from looped_spec.control.drain import drain_factor, request_rates, slices
 from looped_spec.control.exits import ExitDepths
 from looped_spec.control.policy import Policy
-from looped_spec.control.probes import PROBE_BAND, PROBE_MIN, PROBE_Z, RIVAL_FROM, CostProbes, rival_every
+from looped_spec.control.probes import (
+    PROBE_BAND,
+    PROBE_MIN,
+    PROBE_WINDOW,
+    PROBE_Z,
+    RIVAL_FROM,
+    CostProbes,
+    rival_every,
+)
 from looped_spec.control.realized import RealizedTokens
 from looped_spec.control.schema import AcceptanceConfig, CostConfig, DisableConfig
 from looped_spec.plan import RoundFeedback
@@ -255,6 +263,7 @@ class GoodputPolicy(Policy):
         refine_cost: bool = False,
         probe_costs: bool = True,
         rival_probes: bool = True,
+        undecided_rivals: bool = True,
         reexplore_every: int = 256,
         acceptance_memory: float = 400.0,
         prior_trials: float = 16.0,
@@ -285,6 +294,7 @@ class GoodputPolicy(Policy):
         # plain probes: a plan's cost against plain decoding's, side by side (control/probes.py)
         self.probes = CostProbes(len(buckets)) if self.profile is not None and probe_costs else None
         self.rival_probes = rival_probes  # beyond the probes' band, rivals priced against the plan in use
+        self.undecided_rivals = undecided_rivals  # a rival priced over the plan in use is probed until it is decided
         self.states: list[GoodputState] = []
         for b in buckets:
             options = [(k, d, j) for j, (k, d) in enumerate(zip(b.ks, b.ds))]
@@ -451,7 +461,8 @@ class GoodputPolicy(Policy):
     def _rival(self, st: GoodputState, option: int) -> int:
         """The rival a rival probe of the plan in use `option` would run, or -1 (control/probes.py): with the plan
         beyond PROBE_BAND over plain, the speculative options beyond it too, predicted at RIVAL_FROM of the plan or
-        more; the fastest predicted with fewer than PROBE_MIN pairs, else the one with the fewest pairs. None while
+        more; the fastest predicted with fewer than PROBE_MIN pairs or undecided (`_undecided`), else the one with
+        the fewest pairs. None while
         acceptance is young: readouts come first, and the prices that pick a rival rest on the prior."""
         rates = st.predicted
         if not self.rival_probes or option != st.current or rates is None or st.plain < 0 or self.acceptance_young:
@@ -465,7 +476,8 @@ class GoodputPolicy(Policy):
             if k <= 0 or o == option or rates[o] < floor:
                 continue
             pairs = self.probes.rival_pairs(st.index, k, d)
-            key = (pairs >= PROBE_MIN, pairs if pairs >= PROBE_MIN else 0, -rates[o])
+            wants = pairs < PROBE_MIN or self._undecided(st, option, o)
+            key = (not wants, 0 if wants else pairs, -rates[o])
             if best_key is None or key < best_key:
                 best, best_key = o, key
         return best
@@ -474,7 +486,19 @@ class GoodputPolicy(Policy):
         """Rounds between rival probes of `rival` while `option` runs (`probes.rival_every`)."""
         rates = st.predicted
         k, d, _ = st.options[rival]
-        return rival_every(1.0 - rates[rival] / rates[option], self.probes.rival_pairs(st.index, k, d))
+        pairs = self.probes.rival_pairs(st.index, k, d)
+        return rival_every(1.0 - rates[rival] / rates[option], pairs, self._undecided(st, option, rival))
+
+    def _undecided(self, st: GoodputState, option: int, rival: int) -> bool:
+        """A rival its pairs price over the plan in use `option` that has not replaced it (the decisions' error bar,
+        `_bar`, was too wide for its pairs) and has fewer than PROBE_WINDOW rival pairs: more pairs decide it. On
+        tiny-huginn at B = 1 (2026-12-02) (5, 2) was priced 7 % over (4, 2) in use with four pairs, a bar of 9 %, and
+        measured 1.82x plain against (4, 2)'s 1.73x, while one more pair came every RIVAL_EVERY rounds."""
+        if not self.undecided_rivals:
+            return False
+        rates = st.predicted
+        k, d, _ = st.options[rival]
+        return rates[rival] > rates[option] and self.probes.rival_pairs(st.index, k, d) < PROBE_WINDOW
 
     def times_round(self, bucket: int, plan_id: int) -> bool:
         return self.probes is not None and self.probes.wants(bucket, plan_id)

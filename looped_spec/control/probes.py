@@ -30,7 +30,9 @@ predicted at `RIVAL_FROM` of the plan in use or more) in place of the plan's rou
 the reference: the pair's ratio, times the plan's own factor, is the rival's factor. A rival probe is due every
 `rival_every` rounds of the plan: as often as costs `RIVAL_BUDGET` of the time at the predicted prices while the
 rival has fewer than `PROBE_MIN` pairs (the fastest such rival first), then every `RIVAL_EVERY` rounds, rivals in
-turn (docs/adaptive.md "Rival probes").
+turn. A rival its pairs price *over* the plan in use, but not far enough over to clear the error bar of so few
+pairs, is undecided: it is probed first and every `RIVAL_EVERY_MIN` rounds until it has `PROBE_WINDOW` pairs
+(docs/adaptive.md "Rival probes").
 """
 
 from __future__ import annotations
@@ -66,9 +68,12 @@ RIVAL_EVERY_MIN = 4
 RIVAL_EVERY = 32
 
 
-def rival_every(loss: float, rival_pairs: int) -> int:
-    """Rounds of the plan in use from one rival probe to the next, for a rival predicted `loss` (relative) under it."""
-    if rival_pairs >= PROBE_MIN:
+def rival_every(loss: float, rival_pairs: int, undecided: bool = False) -> int:
+    """Rounds of the plan in use from one rival probe to the next, for a rival predicted `loss` (relative) under it
+    (negative: over it). `undecided`: a rival predicted over the plan in use with fewer than PROBE_WINDOW pairs is
+    probed at the rate of one without pairs, whatever its pairs (its probes cost nothing at the prices, and only more
+    pairs narrow the error bar that keeps the plan in use)."""
+    if rival_pairs >= PROBE_MIN and not undecided:
         return RIVAL_EVERY
     return min(max(math.ceil(loss / RIVAL_BUDGET - 1e-9), RIVAL_EVERY_MIN), RIVAL_EVERY)
 
