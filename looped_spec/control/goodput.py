@@ -462,8 +462,8 @@ class GoodputPolicy(Policy):
         """The rival a rival probe of the plan in use `option` would run, or -1 (control/probes.py): with the plan
         beyond PROBE_BAND over plain, the speculative options beyond it too, predicted at RIVAL_FROM of the plan or
         more; the fastest predicted with fewer than PROBE_MIN pairs or undecided (`_undecided`), else the one with
-        the fewest pairs. None while
-        acceptance is young: readouts come first, and the prices that pick a rival rest on the prior."""
+        the fewest pairs. None while acceptance is young: readouts come first, and the prices that pick a rival
+        rest on the prior."""
         rates = st.predicted
         if not self.rival_probes or option != st.current or rates is None or st.plain < 0 or self.acceptance_young:
             return -1
@@ -476,7 +476,7 @@ class GoodputPolicy(Policy):
             if k <= 0 or o == option or rates[o] < floor:
                 continue
             pairs = self.probes.rival_pairs(st.index, k, d)
-            wants = pairs < PROBE_MIN or self._undecided(st, option, o)
+            wants = pairs < PROBE_MIN or self._undecided(st, option, o, pairs)
             key = (not wants, 0 if wants else pairs, -rates[o])
             if best_key is None or key < best_key:
                 best, best_key = o, key
@@ -487,18 +487,14 @@ class GoodputPolicy(Policy):
         rates = st.predicted
         k, d, _ = st.options[rival]
         pairs = self.probes.rival_pairs(st.index, k, d)
-        return rival_every(1.0 - rates[rival] / rates[option], pairs, self._undecided(st, option, rival))
+        return rival_every(1.0 - rates[rival] / rates[option], pairs, self._undecided(st, option, rival, pairs))
 
-    def _undecided(self, st: GoodputState, option: int, rival: int) -> bool:
+    def _undecided(self, st: GoodputState, option: int, rival: int, pairs: int) -> bool:
         """A rival its pairs price over the plan in use `option` that has not replaced it (the decisions' error bar,
         `_bar`, was too wide for its pairs) and has fewer than PROBE_WINDOW rival pairs: more pairs decide it. On
         tiny-huginn at B = 1 (2026-12-02) (5, 2) was priced 7 % over (4, 2) in use with four pairs, a bar of 9 %, and
         measured 1.82x plain against (4, 2)'s 1.73x, while one more pair came every RIVAL_EVERY rounds."""
-        if not self.undecided_rivals:
-            return False
-        rates = st.predicted
-        k, d, _ = st.options[rival]
-        return rates[rival] > rates[option] and self.probes.rival_pairs(st.index, k, d) < PROBE_WINDOW
+        return self.undecided_rivals and st.predicted[rival] > st.predicted[option] and pairs < PROBE_WINDOW
 
     def times_round(self, bucket: int, plan_id: int) -> bool:
         return self.probes is not None and self.probes.wants(bucket, plan_id)
@@ -536,9 +532,8 @@ class GoodputPolicy(Policy):
             self.last_event = f"switch to k={k} d={d} ({rates[best]:.4g} tok/s vs {rates[st.current]:.4g})"
             st.current = best
             st.switches += 1
-        plain = rates[st.plain] if st.plain >= 0 else math.inf
         st.far = st.options[st.current][0] == 0 and all(
-            rates[o] < READOUTS_FAR_FROM * plain for o, (k, _, _) in enumerate(st.options) if k > 0
+            rates[o] < READOUTS_FAR_FROM * rates[st.current] for o, (k, _, _) in enumerate(st.options) if k > 0
         )
         if st.cost is None and self.refine_cost:
             self._maybe_trial(st, rates)
