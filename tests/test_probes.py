@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections import deque
 
 import pytest
@@ -19,20 +20,28 @@ from looped_spec.control.probes import (
     RIVAL_EVERY_MIN,
     CostProbes,
     rival_every,
+    shrunk,
 )
 from looped_spec.plan import RoundFeedback
 
 
 def test_probes_pair_a_plain_round_with_the_plans_next_round_of_the_same_shape():
     probes = CostProbes(1)
-    due = [probes.due(0, plan_id, 2, 1, 105.0, 100.0) for plan_id in range(3 * PROBE_EVERY_NEW)]
-    # a plan without PROBE_MIN pairs yet is probed every PROBE_EVERY_NEW rounds
-    assert [i for i, d in enumerate(due) if d] == [n * PROBE_EVERY_NEW - 1 for n in (1, 2, 3)]
+    due = []
+    for plan_id in range(3 * PROBE_EVERY_NEW):
+        due.append(probes.due(0, plan_id, 2, 1, 105.0, 100.0))
+        if due[-1]:  # a probe is two plain rounds: an untimed lead-in, then the timed round
+            assert probes.probe_plan[0] == (plan_id if not probes.lead[0] else -1) and not probes.idle(0)
+    # a plan without PROBE_MIN pairs yet is probed every PROBE_EVERY_NEW rounds of its own
+    every = PROBE_EVERY_NEW + 1
+    assert [i for i, d in enumerate(due) if d] == [n * every + j for n in (0, 1) for j in (every - 2, every - 1)]
     far = CostProbes(1)  # a plan predicted beyond the band over plain is never probed
     assert not any(far.due(0, i, 2, 1, 100.0 * (1.0 + PROBE_BAND) + 1.0, 100.0) for i in range(4 * PROBE_EVERY))
 
     def probe_then(ratio_plain, ratio_plan, batch=8, plan_batch=8, full_shape=True, k=2):
         probes.since[0] = PROBE_EVERY - 1
+        assert probes.due(0, 99, k, 1, 105.0, 100.0)  # the lead-in: its time is not taken
+        probes.observe(0, 99, 0, 0, batch, 9.0, True)
         assert probes.due(0, 100, k, 1, 105.0, 100.0)
         probes.observe(0, 100, 0, 0, batch, ratio_plain, True)
         probes.observe(0, 101, k, 1, plan_batch, ratio_plan, full_shape)
@@ -50,8 +59,8 @@ def test_probes_pair_a_plain_round_with_the_plans_next_round_of_the_same_shape()
     assert len(probes.ratios[(0, 2, 1)]) == PROBE_MIN
     assert probes.factor(0, 0, 0) == 1.0
     probes.since[0] = 0  # a plan with PROBE_MIN pairs: every PROBE_EVERY rounds
-    due = [probes.due(0, plan_id, 2, 1, 105.0, 100.0) for plan_id in range(2 * PROBE_EVERY)]
-    assert [i for i, d in enumerate(due) if d] == [PROBE_EVERY - 1, 2 * PROBE_EVERY - 1]
+    due = [probes.due(0, plan_id, 2, 1, 105.0, 100.0) for plan_id in range(2 * PROBE_EVERY + 2)]
+    assert [i for i, d in enumerate(due) if d] == [PROBE_EVERY - 1, PROBE_EVERY, 2 * PROBE_EVERY, 2 * PROBE_EVERY + 1]
 
 
 def run_rounds(ctl: AdaptiveController, batch: int, rounds: int, plan_cost: float, accept=None) -> list:
@@ -87,7 +96,9 @@ def test_goodput_leaves_a_plan_its_probes_find_dearer_than_the_profile(plan_cost
     assert st.predicted[0] * (1.0 + policy.plain_margin) < st.predicted[1] < st.predicted[0] * (1.0 + PROBE_BAND)
     plans = run_rounds(ctl, 8, PROBE_EVERY_NEW * PROBE_MIN + PROBE_EVERY * 2, plan_cost, accept)
     if plan_cost == 1.0:
-        assert plans.count((0, 0)) == PROBE_MIN + 2 and policy.probes.factor(0, 1, 1) == pytest.approx(1.0)
+        pairs = policy.probes.pairs(0, 1, 1)  # every probe two plain rounds (a lead-in and the timed one)
+        assert plans.count((0, 0)) == 2 * pairs and pairs > PROBE_MIN
+        assert policy.probes.factor(0, 1, 1) == pytest.approx(1.0)
     else:
         assert plans[-PROBE_EVERY:] == [(0, 0)] * PROBE_EVERY
         assert policy.probes.factor(0, 1, 1) == pytest.approx(plan_cost)
@@ -119,11 +130,13 @@ def test_a_probe_and_the_round_priced_against_it_take_no_readouts():
             RoundFeedback(plan.plan_id, plan.k, plan.d, plan.bucket, plan.candidate, 8, [plan.k] * 8, accepted,
                           full_depth_time=seconds, depth_matches=matches, depth_trials=[n] * 4 if n else [])
         )  # fmt: skip
-    probes = [i for i, (k, _, _) in enumerate(rounds[:-1]) if k == 0]
+    probes = [i for i, (k, _, timed) in enumerate(rounds[:-1]) if k == 0 and timed]
     assert len(probes) >= PROBE_MIN
     for i in probes:
-        assert rounds[i][2] and not rounds[i][1]  # the probe: timed, no readouts
+        assert not rounds[i][1]  # the probe: timed, no readouts
+        assert rounds[i - 1][0] == 0 and not rounds[i - 1][2]  # after its lead-in: plain, not timed
         assert rounds[i + 1][0] == 1 and rounds[i + 1][2] and not rounds[i + 1][1]  # the plan's next round too
+    assert [i for i, (k, _, _) in enumerate(rounds[:-1]) if k == 0] == sorted(probes + [i - 1 for i in probes])
     assert all(measured for _, measured, timed in rounds if not timed)  # every other round measured
     assert policy.probes.pairs(0, 1, 1) == len(probes)  # every probe paired
 
@@ -211,6 +224,7 @@ def test_an_undecided_rival_is_probed_often_until_its_pairs_can_decide():
     ctl.measure.fixed = 10**9  # no readouts
     ctl.measure.since = {False: 0, True: 0}
     policy = ctl.policy
+    policy.probe_prior = False  # factors as the pairs' median, so the test can set one (the prior: test_probe_prior)
     st = policy.states[0]
     run_priced(ctl, 1, YOUNG_ROUNDS, {})
     current = st.current
@@ -231,3 +245,44 @@ def test_an_undecided_rival_is_probed_often_until_its_pairs_can_decide():
     policy.undecided_rivals = True
     policy._decide(st, 1)
     assert st.current == rival  # sixteen pairs: the bar is the hysteresis, and the rival clears it
+
+
+def numeric_posterior(median: float, se: float) -> tuple[float, float]:
+    """Posterior mean and sd of the log cost error on a fine grid: prior density (the two-part mixture) times the
+    likelihood of the median, integrated numerically (independent of `shrunk`'s closed form)."""
+    import numpy as np
+
+    from looped_spec.control.probes import PRIOR_FAR, PRIOR_NEAR, PRIOR_NEAR_WEIGHT
+
+    x = np.linspace(-2.0, 2.0, 400_001)
+
+    def normal(v, sd):
+        return np.exp(-0.5 * (v / sd) ** 2) / sd
+
+    prior = PRIOR_NEAR_WEIGHT * normal(x, PRIOR_NEAR) + (1.0 - PRIOR_NEAR_WEIGHT) * normal(x, PRIOR_FAR)
+    weight = prior * normal(x - median, se)
+    mean = float((weight * x).sum() / weight.sum())
+    return mean, float(np.sqrt((weight * (x - mean) ** 2).sum() / weight.sum()))
+
+
+@pytest.mark.parametrize("median,se", [(-0.066, 0.047), (-0.26, 0.09), (-0.26, 0.045), (0.1, 0.03), (0.02, 0.2)])
+def test_probe_prior_is_the_posterior_of_a_two_part_prior(median, se):
+    mean, sd = shrunk(median, se)
+    ref_mean, ref_sd = numeric_posterior(median, se)
+    assert mean == pytest.approx(ref_mean, abs=1e-4) and sd == pytest.approx(ref_sd, abs=1e-4)
+
+
+def test_probe_prior_pulls_a_median_near_the_profile_back_and_keeps_one_far_from_it():
+    """A median one or two standard errors from the profile (noise on this machine) moves the price by a fraction
+    of itself; one many standard errors out (the profile of another day) is kept nearly whole; pairs without
+    spread are taken as they are."""
+    near, _ = shrunk(math.log(0.937), 0.047)  # tiny-ouro (4, 1) at B = 1: 16 pairs 1.4 standard errors under
+    assert abs(near) < 0.6 * abs(math.log(0.937))
+    far, _ = shrunk(math.log(0.77), 0.045)  # 30 % off, 6 standard errors
+    assert far == pytest.approx(math.log(0.77), rel=0.05)
+    assert shrunk(0.05, 0.0) == (pytest.approx(0.05), 0.0)
+    probes = CostProbes(1)
+    probes.ratios[(0, 2, 1)] = deque([0.8, 0.9, 0.95, 1.0, 1.05])  # median 0.95, spread wide
+    assert 0.95 < probes.factor(0, 2, 1) < 1.0 and probes.error(0, 2, 1) > 0.0
+    probes.prior = False  # the switch (an A/B): the median as it is
+    assert probes.factor(0, 2, 1) == pytest.approx(0.95)

@@ -338,7 +338,7 @@ class GoodputPolicy(Policy):
         if st.queue:
             return st.options[st.queue.pop()]
         if st.trial >= 0:
-            if st.trial_left > 0 and not (st.trial_evidence and self._has_evidence(st, st.trial)):
+            if st.trial_left > 0 and not (st.trial_evidence and self._has_evidence(st, st.trial, own=True)):
                 st.trial_left -= 1  # a cost trial times the option itself; an evidence trial probes it eagerly
                 return self._probe_or(st, st.trial, plan_id, True) if st.trial_evidence else st.options[st.trial]
             self._end_trial(st)
@@ -496,18 +496,28 @@ class GoodputPolicy(Policy):
         measured 1.82x plain against (4, 2)'s 1.73x, while one more pair came every RIVAL_EVERY rounds."""
         return self.undecided_rivals and st.predicted[rival] > st.predicted[option] and pairs < PROBE_WINDOW
 
+    @property
+    def probe_prior(self) -> bool:
+        """Whether probe factors are pulled towards the profile (control/probes.py `shrunk`); an A/B switch."""
+        return self.probes is not None and self.probes.prior
+
+    @probe_prior.setter
+    def probe_prior(self, on: bool) -> None:
+        if self.probes is not None:
+            self.probes.prior = on
+
     def times_round(self, bucket: int, plan_id: int) -> bool:
         return self.probes is not None and self.probes.wants(bucket, plan_id)
 
     def readouts_far(self, bucket: int) -> bool:
         return self.states[bucket].far
 
-    def _has_evidence(self, st: GoodputState, option: int) -> bool:
-        """Whether a speculative option's tokens are measured (its own REALIZED_MIN full-K request-rounds, or its
-        depth's error on BIAS_PRIOR expected tokens: `RealizedTokens.measured`) and, where plain probes price it
-        (within their band of plain), it has EVIDENCE_PAIRS probe pairs."""
+    def _has_evidence(self, st: GoodputState, option: int, own: bool = False) -> bool:
+        """Whether a speculative option's tokens are measured (its own REALIZED_MIN full-K request-rounds, or - unless
+        `own` - its depth's error on BIAS_PRIOR expected tokens: `RealizedTokens.measured`) and, where plain probes
+        price it (within their band of plain), it has EVIDENCE_PAIRS probe pairs."""
         k, d, _ = st.options[option]
-        if k <= 0 or not self.realized.measured(k, d):
+        if k <= 0 or not self.realized.measured(k, d, own):
             return False
         probes, rates = self.probes, st.predicted
         if probes is None or rates is None or st.plain < 0 or rates[option] > rates[st.plain] * (1.0 + PROBE_BAND):
@@ -552,13 +562,17 @@ class GoodputPolicy(Policy):
     def _maybe_evidence_trial(self, st: GoodputState, rates: list[float], eligible: list[int]) -> None:
         """Put the most promising speculative option without evidence on trial if it is predicted near the best
         eligible option: a prediction within the margin cannot tell a plan 4 % faster than plain from one 2 %
-        slower, and only the plan's own rounds and probes can (docs/adaptive.md "Evidence trials")."""
+        slower, and only the plan's own rounds and probes can (docs/adaptive.md "Evidence trials"). While plain
+        decoding runs, evidence means the option's own tokens: its depth's error was learned from other plans, and
+        plain rounds add none (tiny-ouro at B = 1: every plan priced 1.02-1.07x plain on such evidence and the
+        bucket ran plain for eight generations, where (2, 2) measures 1.09-1.13x)."""
         top = max(rates[o] for o in eligible)
+        own = st.options[st.current][0] == 0
         for o in sorted(range(len(rates)), key=rates.__getitem__, reverse=True):
             if rates[o] < EVIDENCE_TRIAL_FROM * top:
                 return
             k, d, _ = st.options[o]
-            if k <= 0 or o == st.current or self._has_evidence(st, o):
+            if k <= 0 or o == st.current or self._has_evidence(st, o, own):
                 continue
             if self.committed - st.evidence_tried.get(o, -EVIDENCE_TRIAL_GAP) < EVIDENCE_TRIAL_GAP:
                 continue

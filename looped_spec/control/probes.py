@@ -7,9 +7,12 @@ plain one at the short contexts of random-token prompts where the profile says 2
 there at 0.88x plain. Timing a plan's rounds against plain rounds from minutes earlier mixes in the drift
 between them (±10–30 % here: why the policy's `refine_cost` is off by default).
 
-A probe is one plain round run in place of a round of the speculative plan in use. The plan's next round of
-the same batch size and full shape (every request drafting K, no counterfactual readouts) is compared with
-it: each priced by the profile at its own context, the pair's ratio
+A probe is two plain rounds run in place of two rounds of the speculative plan in use; the second is the one
+timed. The first is a lead-in: a plain round right after speculative ones runs slower than in a stream of plain
+rounds (tiny-ouro at B = 1, 2026-12-02: 5-9 % slower, the next ones within 1-2 %; between two speculative plans no
+such step was seen), and pricing it made every plan look 5-9 % cheaper against plain than a fixed engine measures.
+The plan's next round of the same batch size and full shape (every request drafting K, no counterfactual readouts)
+is compared with the timed one: each priced by the profile at its own context, the pair's ratio
 
     (measured ÷ predicted of the plan's round) ÷ (measured ÷ predicted of the plain probe)
 
@@ -20,7 +23,7 @@ plain decoding by PROBE_Z standard errors too. A probe is due
 every `PROBE_EVERY` rounds of a plan (every `PROBE_EVERY_NEW` until it has `PROBE_MIN` pairs), and only while
 its predicted tokens/s is within `PROBE_BAND` of plain decoding's: where speculation pays far more than any cost
 error (tiny-huginn, 1.3–1.8x plain) a plain round only loses time. Each probe costs the plan's gain over plain
-for one round (≤ 0.2 of a round's time inside the band).
+for two rounds (≤ 0.2 of a round's time each inside the band).
 
 Beyond the band plain rounds only cost time, yet the choice *between* speculative plans still rests on the
 profile, and a profile taken on another day ranks them wrongly: on 2026-12-01 tiny-huginn's profile put (5, 1)
@@ -33,6 +36,14 @@ rival has fewer than `PROBE_MIN` pairs (the fastest such rival first), then ever
 turn. A rival its pairs price *over* the plan in use, but not far enough over to clear the error bar of so few
 pairs, is undecided: it is probed first and every `RIVAL_EVERY_MIN` rounds until it has `PROBE_WINDOW` pairs
 (docs/adaptive.md "Rival probes").
+
+A median of a few pairs is noisy (one pair's ratio varies by ~20 % at B = 1 on this machine), and the profile it
+corrects is usually right within a few %: taken at face value, 16 pairs moved tiny-ouro's plans at B = 1 by ±5 %,
+as much as separates them, and the policy ran (4, 1) or (3, 2) at 0.94-0.96x of (2, 2). So `factor` is the
+posterior of the plan's cost error given its pairs under a two-part prior (`shrunk`): mostly a profile right within
+PRIOR_NEAR, sometimes one off by a lot (another day's machine, PRIOR_FAR). A median within a standard error or two
+of 1 is pulled most of the way back to the profile; one many standard errors out is kept nearly whole
+(docs/adaptive.md "Probe factors: trusting the profile until the pairs disagree").
 """
 
 from __future__ import annotations
@@ -66,6 +77,13 @@ RIVAL_FROM = 0.85
 RIVAL_BUDGET = 0.01
 RIVAL_EVERY_MIN = 4
 RIVAL_EVERY = 32
+#: The prior of a plan's cost error relative to plain (log of measured ÷ profile round time, against plain's): with
+#: probability PRIOR_NEAR_WEIGHT the profile is right within PRIOR_NEAR (its errors on tiny-ouro at B = 1, measured
+#: against fixed engines on the day it ran: −7 % to +5 %), else within PRIOR_FAR (profiles on another day's machine:
+#: tiny-huginn's (5, 1) at B = 1 was 30 % dear, tiny-ouro's (2, 3) at B = 32 10 % cheap).
+PRIOR_NEAR = 0.04
+PRIOR_FAR = 0.25
+PRIOR_NEAR_WEIGHT = 0.7
 
 
 def rival_every(loss: float, rival_pairs: int, undecided: bool = False) -> int:
@@ -85,6 +103,7 @@ class CostProbes:
     def __init__(self, num_buckets: int) -> None:
         self.since = [0] * num_buckets  # rounds of speculative plans since the bucket's last probe
         self.probe_plan = [-1] * num_buckets  # plan id of the bucket's outstanding probe
+        self.lead = [False] * num_buckets  # a plain probe's lead-in round ran: its timed round is next
         # the probe round's (batch, measured ÷ predicted, k, d) while it waits for the round it pairs with
         self.pending: list[tuple[int, float, int, int] | None] = [None] * num_buckets
         self.ratios: dict[tuple[int, int, int], deque[float]] = {}  # (bucket, k, d) -> plain pairs' ratios
@@ -93,6 +112,8 @@ class CostProbes:
         # and the reference's factor, and mixed into a plan's plain window its spread raised the plan's bar over
         # plain (tiny-ouro, B = 1, 2026-12-02: (2, 1) left for plain decoding for eight generations)
         self.rival_ratios: dict[tuple[int, int, int], deque[float]] = {}
+        self.prior = True  # price with the prior (`shrunk`); False: the pairs' median as it is (an A/B switch)
+        self._posteriors: dict[tuple, tuple[float, float]] = {}  # (prior, *window) -> (factor, error)
 
     def due(
         self, bucket: int, plan_id: int, k: int, d: int, rate: float, plain_rate: float, eager: bool = False
@@ -103,7 +124,15 @@ class CostProbes:
         if rate > plain_rate * (1.0 + PROBE_BAND):
             self.since[bucket] += 1
             return False
-        return self.due_rival(bucket, plan_id, self._every(bucket, k, d, eager))
+        if self.lead[bucket]:  # the lead-in ran: this round is the timed plain round
+            self.lead[bucket] = False
+            self.probe_plan[bucket] = plan_id
+            return True
+        if self.due_rival(bucket, plan_id, self._every(bucket, k, d, eager)):
+            self.probe_plan[bucket] = -1  # this round is the lead-in, not timed
+            self.lead[bucket] = True
+            return True
+        return False
 
     def due_rival(self, bucket: int, plan_id: int, every: int) -> bool:
         """Counts a round of the plan in use towards a probe due every `every` rounds (a rival probe: called instead
@@ -132,8 +161,8 @@ class CostProbes:
         return PROBE_EVERY if not eager and self.pairs(bucket, k, d) >= PROBE_MIN else PROBE_EVERY_NEW
 
     def idle(self, bucket: int) -> bool:
-        """No probe outstanding in `bucket` and no probe waiting for its pair round."""
-        return self.probe_plan[bucket] < 0 and self.pending[bucket] is None
+        """No probe outstanding in `bucket` (its lead-in included) and no probe waiting for its pair round."""
+        return self.probe_plan[bucket] < 0 and self.pending[bucket] is None and not self.lead[bucket]
 
     def wants(self, bucket: int, plan_id: int) -> bool:
         """Whether the feedback of `plan_id` is a probe or the round right after one (else `observe` is a no-op:
@@ -183,18 +212,55 @@ class CostProbes:
                 return pairs
         return None
 
-    def error(self, bucket: int, k: int, d: int) -> float:
-        """Relative standard error of `factor` from the spread of its pairs (robust: their median absolute
-        deviation), 0.0 while `factor` is 1.0 for want of pairs."""
+    def _posterior(self, bucket: int, k: int, d: int) -> tuple[float, float]:
+        """(factor, relative standard error) of (K, d) from its window (`_window`): (1.0, 0.0) without one."""
         pairs = self._window(bucket, k, d)
-        if pairs is None:
-            return 0.0
-        median = statistics.median(pairs)
-        mad = statistics.median(abs(x - median) for x in pairs)
-        return MEDIAN_SE * MAD_SIGMA * mad / (len(pairs) ** 0.5 * median) if median > 0.0 else 0.0
+        if pairs is None or min(pairs) <= 0.0:
+            return 1.0, 0.0
+        key = (self.prior, *pairs)  # a decision asks for every option's factor and error: computed once per window
+        known = self._posteriors.get(key)
+        if known is None:
+            if len(self._posteriors) >= 256:
+                self._posteriors.clear()
+            known = self._posteriors[key] = self._compute_posterior(pairs)
+        return known
+
+    def _compute_posterior(self, pairs: deque[float]) -> tuple[float, float]:
+        """(factor, error) of a window of pairs: their log median and its standard error, through `shrunk`."""
+        logs = [math.log(x) for x in pairs]
+        median = statistics.median(logs)
+        mad = statistics.median(abs(x - median) for x in logs)
+        se = MEDIAN_SE * MAD_SIGMA * mad / len(logs) ** 0.5
+        if not self.prior:
+            return math.exp(median), se
+        mean, sd = shrunk(median, se)
+        return math.exp(mean), sd
+
+    def error(self, bucket: int, k: int, d: int) -> float:
+        """Relative standard error of `factor` (from the spread of its pairs - robust: their median absolute
+        deviation - and the prior, `shrunk`), 0.0 while `factor` is 1.0 for want of pairs."""
+        return self._posterior(bucket, k, d)[1]
 
     def factor(self, bucket: int, k: int, d: int) -> float:
         """Measured ÷ profile round time of (K, d) relative to plain decoding's: the median of its plain pairs, or
-        of its rival pairs while it has fewer than PROBE_MIN plain ones; 1.0 until PROBE_MIN of either."""
-        pairs = self._window(bucket, k, d)
-        return 1.0 if pairs is None else statistics.median(pairs)
+        of its rival pairs while it has fewer than PROBE_MIN plain ones, pulled towards 1.0 (the profile) as far as
+        their spread leaves it near it (`shrunk`); 1.0 until PROBE_MIN of either."""
+        return self._posterior(bucket, k, d)[0]
+
+
+def shrunk(median: float, se: float) -> tuple[float, float]:
+    """Posterior mean and standard deviation of a log cost error whose pairs' median is `median` with standard error
+    `se`, under the prior PRIOR_NEAR_WEIGHT · N(0, PRIOR_NEAR²) + (1 − PRIOR_NEAR_WEIGHT) · N(0, PRIOR_FAR²).
+
+    Each part alone is the normal-normal update (the median shrunk by prior var ÷ (prior var + se²)); the parts are
+    weighed by how likely each makes the median (a median of N(0, prior var + se²)). With se = 0 it is the median."""
+    parts = []
+    for weight, sd in ((PRIOR_NEAR_WEIGHT, PRIOR_NEAR), (1.0 - PRIOR_NEAR_WEIGHT, PRIOR_FAR)):
+        var = sd * sd + se * se
+        likelihood = weight * math.exp(-0.5 * median * median / var) / math.sqrt(var)
+        gain = sd * sd / var
+        parts.append((likelihood, gain * median, gain * se * se))  # (weight, posterior mean, posterior variance)
+    total = sum(p[0] for p in parts)
+    mean = sum(w * m for w, m, _ in parts) / total
+    second = sum(w * (v + m * m) for w, m, v in parts) / total
+    return mean, math.sqrt(max(second - mean * mean, 0.0))
