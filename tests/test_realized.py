@@ -89,7 +89,9 @@ def test_a_depths_measured_error_is_token_evidence_that_outlasts_the_plans_own_t
         realized.observe(round_of(1, 1, [1] * 5 + [0] * 3), 13, 1.6)
     assert realized.errors.get(1)[1] >= BIAS_PRIOR
     assert realized.measured(3, 1) and not realized.measured(1, 2)  # the depth's error covers every K at d = 1
+    assert realized.measured(1, 1, own=True) and not realized.measured(3, 1, own=True)  # own: the plan's tokens
     for _ in range(150):  # 1200 positions of plain decoding
         realized.observe(round_of(0, 0, [0] * 8), 8, 1.0)
     assert realized.of(1, 1)[1] < REALIZED_MIN  # its own tokens have faded ...
     assert realized.measured(1, 1) and realized.measured(3, 1)  # ... the depth's error has not
+    assert not realized.measured(1, 1, own=True)

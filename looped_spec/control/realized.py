@@ -104,13 +104,15 @@ class RealizedTokens:
         """(committed tokens, full-K request-rounds) of (K, d), discounted; None if it never ran."""
         return self.plans.get((k, d))
 
-    def measured(self, k: int, d: int) -> bool:
-        """Whether (K, d)'s tokens are a measurement: REALIZED_MIN request-rounds of its own, or its depth's error
-        resting on BIAS_PRIOR expected accepted tokens (the plan's own rounds fade within ~REALIZED_MEMORY
-        positions, the depth's error over BIAS_MEMORY)."""
-        own = self.of(k, d)
-        if own is not None and own[1] >= REALIZED_MIN:
+    def measured(self, k: int, d: int, own: bool = False) -> bool:
+        """Whether (K, d)'s tokens are a measurement: REALIZED_MIN request-rounds of its own, or (unless `own`) its
+        depth's error resting on BIAS_PRIOR expected accepted tokens (the plan's own rounds fade within
+        ~REALIZED_MEMORY positions, the depth's error over BIAS_MEMORY)."""
+        seen = self.of(k, d)
+        if seen is not None and seen[1] >= REALIZED_MIN:
             return True
+        if own:
+            return False
         depth = self.errors.get(d)
         return depth is not None and depth[1] >= BIAS_PRIOR
 
