@@ -482,23 +482,51 @@ def interleaved_rounds(names: list[str], repeats: int, rng: random.Random, bar, 
         yield r, order, records, outs
 
 
+#: With prompt rotation, round n of a run reads the prompt pool from offset n · ROTATION_STRIDE (wrapping) ...
+ROTATION_STRIDE = 7
+#: ... of the whole prompt group, or of this many random token-id prompts.
+ROTATION_POOL = 64
+
+
+class PromptPool:
+    """The prompts a run's rounds decode. Without rotation every round of a batch size decodes the pool's first B
+    (a workload phase its slice); with rotation (the default) the n-th round of the whole run reads the pool from
+    offset n · ROTATION_STRIDE, so rounds decode different prompts and a cell's median is over texts, not over
+    repeats of one (docs/benchmarking.md "Rotating prompts": at B = 1 one 64-token text decides which (K, d) is
+    best by how its drafts happen to align with it)."""
+
+    def __init__(self, prompts: list[Any], rotate: bool) -> None:
+        self.prompts, self.rotate, self.rounds = prompts, rotate, 0
+
+    def slice(self, start: int, size: int) -> list[Any]:
+        """The round's prompts `start` .. `start + size` of the (rotated) pool."""
+        offset = self.rounds * ROTATION_STRIDE if self.rotate else 0
+        return [self.prompts[(offset + start + i) % len(self.prompts)] for i in range(size)]
+
+    def next_round(self) -> None:
+        self.rounds += 1
+
+
 def phase_rounds(names: list[str], repeats: int, rng: random.Random, bar, phases, args):
     """`repeats` rounds; in each, every configuration runs every phase once, all of a phase's runs interleaved
     (`timed_phase`: in turns of `--slice-ms`, or whole runs in an order shuffled afresh).
 
-    `phases`: per phase (engine_of(name), prompts). Yields (round index, order, records, outputs) per round,
+    `phases`: per phase (engine_of(name), start, size): the phase decodes `args.pool.slice(start, size)`, the same
+    prompts for every configuration of a round. Yields (round index, order, records, outputs) per round,
     records[name] and outputs[name] being lists over the phases; order is the first phase's run order.
     """
     for r in range(repeats):
         records: dict[str, list] = {name: [] for name in names}
         outs: dict[str, list] = {name: [] for name in names}
         order: list[str] = []
-        for engine_of, prompts in phases:
+        for engine_of, start, size in phases:
+            prompts = args.pool.slice(start, size)
             done = timed_phase({name: engine_of(name) for name in names}, prompts, args, rng)
             order = order or list(done)
             for name in names:
                 records[name].append(done[name][0])
                 outs[name].append(done[name][1])
+        args.pool.next_round()
         bar.update(len(names))
         yield r, order, records, outs
 
@@ -508,7 +536,7 @@ def bench_batch(engines, specs, prompts, b: int, args, rng: random.Random, bar) 
     """`repeats` interleaved rounds of every configuration at batch size b; round 0 is discarded."""
     names = list(engines)
     rounds, orders, checks = [], [], 0
-    phase = [(engines.__getitem__, prompts[:b])]
+    phase = [(engines.__getitem__, 0, b)]
     for r, order, runs, outs in phase_rounds(names, args.repeats, rng, bar, phase, args):
         for name in names:
             if name != "plain":
@@ -597,7 +625,7 @@ def confirm_batch(engines, specs, prompts, b: int, top: list[str], args, rng: ra
     """
     names = ["plain", "plain-B", *top, *(n for n in engines if specs[n]["kind"] == "adaptive")]
     measured, checks = [], 0
-    phase = [(engines.__getitem__, prompts[:b])]
+    phase = [(engines.__getitem__, 0, b)]
     for r, _order, runs, outs in phase_rounds(names, args.confirm_repeats, rng, bar, phase, args):
         for name in names[1:]:
             check_equal(name, outs[name][0], outs["plain"][0], f"B={b}, confirmation round {r}")
@@ -695,7 +723,7 @@ def bench_workload(engines, specs, prompts, phases, args, rng: random.Random, ba
     names = list(engines)
     offsets = [sum(phases[:i]) for i in range(len(phases))]
     rounds, orders, checks = [], [], 0
-    steps = [(engines.__getitem__, prompts[off : off + size]) for size, off in zip(phases, offsets)]
+    steps = [(engines.__getitem__, off, size) for size, off in zip(phases, offsets)]
     for r, order, runs, outs in phase_rounds(names, args.repeats, rng, bar, steps, args):
         for name in names:
             if name != "plain":
@@ -781,7 +809,7 @@ def confirm_workload(engines, specs, prompts, phases, oracle, best_single, args,
     def phase(p: int):  # the oracle runs phase p on the engine the screen chose for it
         return lambda name: engines[oracle[p] if name == "oracle" else name]
 
-    steps = [(phase(p), prompts[off : off + size]) for p, (size, off) in enumerate(zip(phases, offsets))]
+    steps = [(phase(p), off, size) for p, (size, off) in enumerate(zip(phases, offsets))]
     for r, _order, runs, outs in phase_rounds(names, args.confirm_repeats, rng, bar, steps, args):
         for name in names[1:]:
             for p, (got, want) in enumerate(zip(outs[name], outs["plain"])):
@@ -934,6 +962,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--seed", type=int, default=0, help="seeds the run order and the random prompts")
+    parser.add_argument(
+        "--same-prompts",
+        action="store_true",
+        help="every round of a batch size decodes the same first B prompts (before 2026-12-02 the only way); "
+        f"default: rounds rotate through the prompt set, round n reading it from offset {ROTATION_STRIDE}n",
+    )
     parser.add_argument("--out", default=None, help="write OUT.json (everything) and OUT.png (heatmap)")
     args = parser.parse_args(argv)
     check_rounds(parser, args)
@@ -993,9 +1027,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     max_batch = max(args.batches + phases)
     count = max(max(args.batches), sum(phases))
     try:
+        if not args.same_prompts:  # rotation draws from the whole set (random token ids: a pool of ROTATION_POOL)
+            count = max(count, ROTATION_POOL if args.prompts == "random" else len(prompt_group(args.prompts)))
         prompts, prompt_desc = load_prompts(args.prompts, count, adapter, args.seed)
     except PromptSetError as exc:
         args.parser.error(str(exc))
+    args.pool = PromptPool(prompts, rotate=not args.same_prompts)
+    if args.pool.rotate:
+        prompt_desc += f"; rounds rotate through them (round n from offset {ROTATION_STRIDE}n)"
     specs = config_specs(grid, args.policy_list)
     print(
         f"model {adapter.name} ({adapter.model_type}) D={depth}, {args.dtype} on {args.device}, "

@@ -56,6 +56,25 @@ def test_bench_runs_side_by_side_with_an_aa_line(bench, tmp_path, capsys):
         assert all(run["decode_tokens"] == int(b) * 3 for run in row["rounds"][1].values())
     assert data["equality_checks"] == 12
     assert data["workload"] is None
+    # rounds rotate through a pool of prompts, every one of them checked against the preset's tuning prompts
+    assert data["prompts"]["fingerprints"] == prompt_fingerprints(random_prompts(bench.ROTATION_POOL, 256, 0))
+
+
+def test_rounds_rotate_through_the_prompts_unless_asked_for_the_same_ones(bench, tmp_path):
+    pool = bench.PromptPool(list(range(10)), rotate=True)
+    seen = []
+    for _ in range(3):
+        seen.append((pool.slice(0, 2), pool.slice(2, 3)))  # a round's phases: consecutive slices
+        pool.next_round()
+    stride = bench.ROTATION_STRIDE
+    assert seen[0] == ([0, 1], [2, 3, 4])
+    assert seen[1] == ([stride % 10, (stride + 1) % 10], [(stride + 2 + i) % 10 for i in range(3)])  # wraps
+    assert seen[2][0] == [(2 * stride) % 10, (2 * stride + 1) % 10]
+    same = bench.PromptPool(list(range(10)), rotate=False)
+    same.next_round()
+    assert same.slice(0, 2) == [0, 1]
+    bench.main([*SMALL, "--same-prompts", "--out", str(tmp_path / "same")])
+    data = json.loads((tmp_path / "same.json").read_text())
     assert data["prompts"]["fingerprints"] == prompt_fingerprints(random_prompts(2, 256, 0))
 
 
@@ -277,7 +296,7 @@ def test_bench_refuses_prompts_the_preset_was_tuned_on(bench, tmp_path, capsys):
     with pytest.raises(SystemExit) as exc:
         bench.main([*SMALL, "--preset", str(preset)])
     assert exc.value.code == 2
-    assert "1 of the 2 distinct evaluation prompts" in capsys.readouterr().err
+    assert f"1 of the {bench.ROTATION_POOL} distinct evaluation prompts" in capsys.readouterr().err
 
 
 def test_controller_overhead_script_runs():
