@@ -5,9 +5,10 @@ the A/A control), every grid cell `K,d` (a fixed `SpeculativeConfig(k, d)`) and 
 for. For each batch size B the benchmark runs `--repeats` rounds; in each round every configuration decodes
 the same B prompts once (greedy, `--max-tokens` new tokens each, eos ignored), and the rounds rotate through the
 prompt set (round n of the run from offset 7n: `PromptPool`; `--same-prompts`: every round the first B). The
-first round is a warm-up and is discarded. Within a round all configurations decode at once, taking turns of at least `--slice-ms` (20 ms)
-of engine steps in an order shuffled every turn, so they share whatever speed the machine has at that moment
-(docs/benchmarking.md); `--slice-ms 0` runs them one whole `generate` after another in a shuffled order instead.
+first round is a warm-up and is discarded. Within a round all configurations decode at once, taking turns of at
+least `--slice-ms` (20 ms) of engine steps in an order shuffled every turn, so they share whatever speed the
+machine has at that moment (docs/benchmarking.md); `--slice-ms 0` runs them one whole `generate` after another in
+a shuffled order instead.
 
 Ratios are taken within a round: (config decode tokens/s) / (plain decode tokens/s of the same round); the
 table shows their median over the measured rounds and their spread, [min-max] of those per-round ratios,

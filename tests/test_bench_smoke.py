@@ -347,8 +347,8 @@ def test_results_table_renders_a_committed_result(capsys):
     printed = capsys.readouterr().out
     assert printed.startswith("**tiny-nanbeige (D=2)**") and "| 32 |" in printed and "Changing workload" in printed
     assert "Confirmation rounds" in printed and "Workload confirmation" in printed
-    # its run had a second adaptive engine with rival probes off: the A/B line divides the two per round
-    assert "A/B, adaptive[rival_probes=off] ÷ adaptive per round: B = 1: " in printed and "workload: " in printed
+    # its run had a second adaptive engine with the probe prior off: the A/B line divides the two per round
+    assert "A/B, adaptive[probe_prior=off] ÷ adaptive per round: B = 1: " in printed and "workload: " in printed
 
 
 def test_results_table_ab_line_divides_the_two_engines_ratios_round_by_round():

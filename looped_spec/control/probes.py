@@ -43,7 +43,7 @@ as much as separates them, and the policy ran (4, 1) or (3, 2) at 0.94-0.96x of 
 posterior of the plan's cost error given its pairs under a two-part prior (`shrunk`): mostly a profile right within
 PRIOR_NEAR, sometimes one off by a lot (another day's machine, PRIOR_FAR). A median within a standard error or two
 of 1 is pulled most of the way back to the profile; one many standard errors out is kept nearly whole
-(docs/adaptive.md "Probe factors: trusting the profile until the pairs disagree").
+(docs/adaptive.md "Plain probes").
 """
 
 from __future__ import annotations
