@@ -396,7 +396,7 @@ def measured_plain_rounds(alpha: list[float], rounds: int = 2000) -> tuple[Adapt
 
 
 def test_plain_rounds_take_fewer_readouts_when_no_plan_is_near_a_switch():
-    """With acceptance so low that every speculative option is predicted > 10 % under plain decoding, plain rounds
+    """With acceptance so low that every speculative option is predicted under plain decoding, plain rounds
     are measured at the far budget (every ~20th round for a 5 % readout cost, against every ~5th); with one near
     plain they are measured at the normal budget (control/measurement.py, GoodputPolicy.readouts_far)."""
     from looped_spec.control.goodput import READOUTS_FAR_FROM
@@ -415,3 +415,18 @@ def test_plain_rounds_take_fewer_readouts_when_no_plan_is_near_a_switch():
     assert st.options[st.current][0] > 0 or max(st.predicted[o] for o in range(len(st.options)) if o != st.plain) >= (
         READOUTS_FAR_FROM * st.predicted[st.plain]
     )
+
+
+def test_readouts_go_far_once_no_option_is_predicted_over_plain(monkeypatch):
+    """The far budget needs every speculative option under plain decoding's price (READOUTS_FAR_FROM = 1.0): an
+    option 3 % under plain is not within the margin it would need to run; one 1 % over plain keeps the 1 % budget."""
+    ctl, _, _ = measured_plain_rounds([0.05, 0.1, 0.2, 1.0])
+    policy = ctl.policy
+    st = policy.states[0]
+    first = next(i for i, o in enumerate(st.options) if o[0] > 0)
+    for top, far in ((0.97, True), (1.01, False), (0.97, True)):
+        rates = [100.0 if o[0] == 0 else 50.0 for o in st.options]
+        rates[first] = 100.0 * top
+        monkeypatch.setattr(policy, "rates", lambda *args, rates=rates, **kwargs: list(rates))
+        policy._decide(st, 1)
+        assert st.options[st.current][0] == 0 and policy.readouts_far(0) is far

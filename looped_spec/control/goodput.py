@@ -239,8 +239,11 @@ EVIDENCE_PAIRS = 8
 #: An option with evidence is eligible once predicted this much over plain decoding (without: `plain_margin`).
 EVIDENCE_MARGIN = 0.02
 #: With plain decoding in use and every speculative option predicted under this fraction of it, plain rounds take
-#: readouts at the far budget (control/measurement.py: nothing is near a switch).
-READOUTS_FAR_FROM = 0.9
+#: readouts at the far budget (control/measurement.py: nothing is near a switch). 1.0: no option is even predicted
+#: over plain, so none is within the margin it would need to run. Readouts at the 1 % budget cost an adaptive
+#: engine running plain 1.3-2 % (2026-12-02, B = 1, rotating prompts, 60-80 interleaved rounds: tiny-nanbeige 0.970x
+#: plain with the earlier 0.9 here, 0.986x with 1.0, 0.994x without readouts; tiny-ouro 0.979x, 0.982x, 0.994x).
+READOUTS_FAR_FROM = 1.0
 
 
 class GoodputPolicy(Policy):
@@ -295,6 +298,7 @@ class GoodputPolicy(Policy):
         self.probes = CostProbes(len(buckets)) if self.profile is not None and probe_costs else None
         self.rival_probes = rival_probes  # beyond the probes' band, rivals priced against the plan in use
         self.undecided_rivals = undecided_rivals  # a rival priced over the plan in use is probed until it is decided
+        self.readouts_far_from = READOUTS_FAR_FROM  # plain in use, every option under this share of it: far readouts
         self.states: list[GoodputState] = []
         for b in buckets:
             options = [(k, d, j) for j, (k, d) in enumerate(zip(b.ks, b.ds))]
@@ -543,7 +547,7 @@ class GoodputPolicy(Policy):
             st.current = best
             st.switches += 1
         st.far = st.options[st.current][0] == 0 and all(
-            rates[o] < READOUTS_FAR_FROM * rates[st.current] for o, (k, _, _) in enumerate(st.options) if k > 0
+            rates[o] < self.readouts_far_from * rates[st.current] for o, (k, _, _) in enumerate(st.options) if k > 0
         )
         if st.cost is None and self.refine_cost:
             self._maybe_trial(st, rates)
