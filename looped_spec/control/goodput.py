@@ -35,8 +35,10 @@ list has no K=0 candidate) it predicts, at the round's actual batch size B,
   that doubles (up to `REEXPLORE_BACKOFF` times) each time a re-exploration leaves the plan as it was, so a
   bucket where nothing beats plain decoding (the random-weight fixture) stops paying for re-runs.
 
-With a profile, plans near plain decoding are also checked against it side by side: every 16th round is a
-plain probe, and the plan's next round prices its cost error against plain at one moment (control/probes.py).
+With a profile, plans near plain decoding are also checked against it side by side: every 16th round starts a
+plain probe (two plain rounds, the first an untimed lead-in), and the plan's next round prices its cost error
+against plain at one moment (control/probes.py: the median of its pairs, under a prior that trusts the profile
+within a few %).
 Beyond that band a plan's rivals (speculative options predicted near it) are priced against it the same way: a
 round of the rival in place of the plan's, paired with the plan's next round (rival probes).
 A speculative option predicted near the best eligible one but without such evidence of its own (its tokens,
