@@ -417,3 +417,16 @@ def test_probe_pair_check_refuses_too_short_a_plain_interval(capsys):
     with pytest.raises(SystemExit) as exc:
         module.main(["--model", FIXTURE, "--every", "3"])
     assert exc.value.code == 2 and "--every" in capsys.readouterr().err
+
+
+def test_overhead_bench_compares_adaptive_with_and_without_readouts(monkeypatch, capsys):
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))  # it imports bench_speculative.py
+    module = load_script("bench_overhead")
+    argv = ["--model", FIXTURE, "--prompts", "random", "--batch-size", "2", "--rounds", "3", "--max-tokens", "3"]
+    results = module.main(argv)
+    assert set(results) == {"plain-B", "adaptive", "adaptive far-readouts", "adaptive no-readouts"}
+    assert all(ratio > 0.0 and se >= 0.0 for ratio, se in results.values())
+    printed = capsys.readouterr().out
+    assert "(rotating)" in printed and "µs/round" in printed
+    engine = module.adaptive_engine(module.load_adapter(FIXTURE), "none")
+    assert not engine.controller.measure.due(False)  # no readouts, not even the first round

@@ -1,0 +1,94 @@
+"""What the adaptive engine costs over plain decoding, and how much of it is counterfactual readouts.
+
+Engines, one persistent each, interleaved in turns of `--slice-ms` (bench_speculative.py's `timed_slices`), on
+prompts that rotate round by round (round n from offset 7n of the set): plain, plain-B (the A/A control),
+`adaptive` (the default engine), `adaptive far-readouts` (readouts at the far budget in every round,
+`MeasureSchedule(budget=FAR_BUDGET)`) and `adaptive no-readouts` (none at all: acceptance stays at the preset's
+prior, so this engine's plans are not the default's; it bounds what readouts cost, not what adaptive would do
+without them). Printed per engine: the median ratio to plain over the measured rounds with the standard error of
+that median (1.25 sd / sqrt(n) of the per-round log-ratios), the controller's microseconds per round, and the plans
+it ran. Used for docs/adaptive.md "Acceptance model" (the far-readout threshold) and README "Measurements".
+
+    python benchmarks/bench_overhead.py --model tiny-nanbeige --batch-size 1 --rounds 80 --threads 1
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import random
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+
+from looped_spec import LoopedSpecEngine, load_adapter
+from looped_spec.control.measurement import FAR_BUDGET, MeasureSchedule
+from looped_spec.prompt_sets import prompt_group
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_speculative import ROTATION_POOL, ROTATION_STRIDE, load_prompts, timed_slices  # noqa: E402
+
+
+def adaptive_engine(adapter, readouts: str) -> LoopedSpecEngine:
+    """The default adaptive engine with readouts as asked: "default", "far" (far budget always) or "none"."""
+    engine = LoopedSpecEngine(adapter, speculation="adaptive")
+    if readouts == "far":
+        engine.controller.measure = MeasureSchedule(budget=FAR_BUDGET, far_budget=FAR_BUDGET)
+    elif readouts == "none":
+        engine.controller.measure = MeasureSchedule(every=1 << 30)
+        engine.controller.measure.since = {False: 0, True: 0}  # not even a first round
+    return engine
+
+
+def main(argv: list[str] | None = None) -> dict[str, tuple[float, float]]:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="tiny-ouro")
+    parser.add_argument("--prompts", default="eval", choices=("eval", "tune", "random"))
+    parser.add_argument("--batch-size", type=int, default=1)
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--rounds", type=int, default=40, help="rounds; the first is discarded")
+    parser.add_argument("--slice-ms", type=float, default=20.0)
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    if args.rounds < 3 or args.batch_size < 1 or args.max_tokens < 2 or not args.slice_ms > 0.0:
+        parser.error("need --rounds >= 3, --batch-size >= 1, --max-tokens >= 2 and --slice-ms > 0")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    adapter = load_adapter(args.model)
+    whole = ROTATION_POOL if args.prompts == "random" else len(prompt_group(args.prompts))  # as bench_speculative.py
+    pool, described = load_prompts(args.prompts, max(whole, args.batch_size), adapter, args.seed)
+    engines = {name: LoopedSpecEngine(adapter, speculation="off") for name in ("plain", "plain-B")}
+    for readouts in ("default", "far", "none"):
+        name = {"default": "adaptive", "far": "adaptive far-readouts", "none": "adaptive no-readouts"}[readouts]
+        engines[name] = adaptive_engine(adapter, readouts)
+    rotating = f"{described} (rotating), {args.max_tokens} new tokens, {args.rounds} rounds"
+    print(f"{adapter.name}, B={args.batch_size}, {rotating}")
+    rng = random.Random(args.seed)
+    rounds = []
+    for r in range(args.rounds):
+        prompts = [pool[(ROTATION_STRIDE * r + i) % len(pool)] for i in range(args.batch_size)]
+        done = timed_slices(engines, prompts, args.max_tokens, args.slice_ms / 1000.0, rng)
+        rounds.append({name: record for name, (record, _) in done.items()})
+    measured = rounds[1:]
+    results = {}
+    for name in engines:
+        if name == "plain":
+            continue
+        logs = [math.log(rd["plain"]["decode_s"] / rd[name]["decode_s"]) for rd in measured]
+        se = 1.25 * statistics.pstdev(logs) / math.sqrt(len(logs))
+        results[name] = (math.exp(statistics.median(logs)), se)
+        control_us = statistics.median(rd[name]["control_s"] / max(rd[name]["rounds"], 1) for rd in measured) * 1e6
+        plans: dict[str, int] = {}
+        for rd in measured:
+            for plan, count in rd[name]["plans"].items():
+                plans[plan] = plans.get(plan, 0) + count
+        top = ", ".join(f"{p}: {c}" for p, c in sorted(plans.items(), key=lambda kv: -kv[1])[:3])
+        print(f"{name:26} {results[name][0]:.3f}x ±{se:.3f} (se)  control {control_us:.0f} µs/round  plans {top}")
+    return results
+
+
+if __name__ == "__main__":
+    main()
