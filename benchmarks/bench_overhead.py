@@ -25,10 +25,9 @@ import torch
 
 from looped_spec import LoopedSpecEngine, load_adapter
 from looped_spec.control.measurement import FAR_BUDGET, MeasureSchedule
-from looped_spec.prompt_sets import prompt_group
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_speculative import ROTATION_POOL, ROTATION_STRIDE, load_prompts, timed_slices  # noqa: E402
+from bench_speculative import PromptPool, load_prompts, rotation_size, timed_slices  # noqa: E402
 
 
 def adaptive_engine(adapter, readouts: str) -> LoopedSpecEngine:
@@ -58,8 +57,8 @@ def main(argv: list[str] | None = None) -> dict[str, tuple[float, float]]:
     if args.threads:
         torch.set_num_threads(args.threads)
     adapter = load_adapter(args.model)
-    whole = ROTATION_POOL if args.prompts == "random" else len(prompt_group(args.prompts))  # as bench_speculative.py
-    pool, described = load_prompts(args.prompts, max(whole, args.batch_size), adapter, args.seed)
+    prompts, described = load_prompts(args.prompts, rotation_size(args.prompts, args.batch_size), adapter, args.seed)
+    pool = PromptPool(prompts, rotate=True)
     engines = {name: LoopedSpecEngine(adapter, speculation="off") for name in ("plain", "plain-B")}
     for readouts in ("default", "far", "none"):
         name = {"default": "adaptive", "far": "adaptive far-readouts", "none": "adaptive no-readouts"}[readouts]
@@ -68,9 +67,9 @@ def main(argv: list[str] | None = None) -> dict[str, tuple[float, float]]:
     print(f"{adapter.name}, B={args.batch_size}, {rotating}")
     rng = random.Random(args.seed)
     rounds = []
-    for r in range(args.rounds):
-        prompts = [pool[(ROTATION_STRIDE * r + i) % len(pool)] for i in range(args.batch_size)]
-        done = timed_slices(engines, prompts, args.max_tokens, args.slice_ms / 1000.0, rng)
+    for _ in range(args.rounds):
+        done = timed_slices(engines, pool.slice(0, args.batch_size), args.max_tokens, args.slice_ms / 1000.0, rng)
+        pool.next_round()
         rounds.append({name: record for name, (record, _) in done.items()})
     measured = rounds[1:]
     results = {}

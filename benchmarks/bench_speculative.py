@@ -509,6 +509,11 @@ class PromptPool:
         self.rounds += 1
 
 
+def rotation_size(kind: str, count: int) -> int:
+    """Prompts to load for rotation: the whole set of `kind` (random token ids: ROTATION_POOL), at least `count`."""
+    return max(count, ROTATION_POOL if kind == "random" else len(prompt_group(kind)))
+
+
 def phase_rounds(names: list[str], repeats: int, rng: random.Random, bar, phases, args):
     """`repeats` rounds; in each, every configuration runs every phase once, all of a phase's runs interleaved
     (`timed_phase`: in turns of `--slice-ms`, or whole runs in an order shuffled afresh).
@@ -1029,8 +1034,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     max_batch = max(args.batches + phases)
     count = max(max(args.batches), sum(phases))
     try:
-        if not args.same_prompts:  # rotation draws from the whole set (random token ids: a pool of ROTATION_POOL)
-            count = max(count, ROTATION_POOL if args.prompts == "random" else len(prompt_group(args.prompts)))
+        if not args.same_prompts:
+            count = rotation_size(args.prompts, count)
         prompts, prompt_desc = load_prompts(args.prompts, count, adapter, args.seed)
     except PromptSetError as exc:
         args.parser.error(str(exc))
