@@ -80,6 +80,53 @@ def run_rounds(ctl: AdaptiveController, batch: int, rounds: int, plan_cost: floa
     return plans
 
 
+def test_a_round_no_probe_counts_drops_a_probe_waiting_for_its_next_round():
+    """A lead-in or a timed plain probe whose bucket then runs plain decoding as its plan is dropped: the pair would
+    join rounds far apart, and while it waits the bucket takes no readouts (`wants`) and no quiet rounds (`idle`)."""
+    probes = CostProbes(1)
+    probes.since[0] = PROBE_EVERY_NEW - 1
+    assert probes.due(0, 1, 2, 1, 105.0, 100.0) and probes.lead[0]  # the lead-in
+    probes.interrupt(0)  # the policy switched to plain decoding
+    assert probes.idle(0) and not probes.wants(0, 2)
+    probes.since[0] = PROBE_EVERY_NEW - 1
+    assert probes.due(0, 3, 2, 1, 105.0, 100.0) and probes.due(0, 4, 2, 1, 105.0, 100.0)  # lead-in, timed round
+    probes.observe(0, 4, 0, 0, 8, 0.5, True)
+    assert probes.wants(0, 5) and not probes.idle(0)
+    probes.interrupt(0)
+    assert probes.idle(0) and not probes.wants(0, 5)
+    probes.observe(0, 6, 2, 1, 8, 0.6, True)  # a later round of the plan: no pair
+    assert probes.pairs(0, 2, 1) == 0
+    probes.since[0] = PROBE_EVERY_NEW - 1
+    assert probes.due(0, 7, 2, 1, 105.0, 100.0) and probes.due(0, 8, 2, 1, 105.0, 100.0)
+    probes.observe(0, 8, 0, 0, 8, 0.5, True)
+    probes.observe(0, 9, 0, 0, 8, 0.5, True)  # a plain round right after a plain probe: dropped, not a pair
+    assert probes.idle(0) and probes.ratios.get((0, 0, 0)) is None and probes.pairs(0, 2, 1) == 0
+    # a rival probe is not dropped by plain decoding's interrupt: it pairs with the plan in use's next round
+    probes.pending[0] = (8, 0.5, 3, 1)
+    probes.interrupt(0)
+    assert probes.pending[0] == (8, 0.5, 3, 1)
+
+
+def test_goodput_drops_a_probe_when_it_leaves_the_plan_for_plain_decoding():
+    """The policy interrupts the bucket's probes whenever the round it runs is plain decoding as its plan."""
+    ctl = AdaptiveController(profiled_config([0.375, 0.95, 0.99, 1.0], candidates=[[0, 0], [1, 1]]), 4)
+    ctl.measure.fixed = 10**9
+    ctl.measure.since = {False: 0, True: 0}
+    policy = ctl.policy
+    st = policy.states[0]
+    run_rounds(ctl, 8, 1, 1.0, [True] * 3 + [False] * 5)
+    assert st.options[st.current][0] == 1
+    policy.probes.since[0] = PROBE_EVERY_NEW - 1
+    plan = ctl.plan(8)
+    assert plan.k == 0 and policy.probes.lead[0]  # the lead-in of a probe of (1, 1)
+    st.current = st.plain  # as a decision leaving (1, 1) would
+    st.next_decision = st.rounds + 10**6
+    st.paid_round = st.rounds + 10**6
+    ctl.observe(RoundFeedback(plan.plan_id, 0, 0, 0, plan.candidate, 8, [0] * 8, [0] * 8, full_depth_time=1e-3))
+    plan = ctl.plan(8)
+    assert plan.k == 0 and policy.probes.idle(0) and not policy.times_round(0, plan.plan_id + 1)
+
+
 @pytest.mark.parametrize("plan_cost", [1.0, 1.4])
 def test_goodput_leaves_a_plan_its_probes_find_dearer_than_the_profile(plan_cost):
     """A plan near plain whose rounds cost 40 % more against plain than the profile says is left for plain

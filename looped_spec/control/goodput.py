@@ -451,17 +451,21 @@ class GoodputPolicy(Policy):
 
     def _probe_or(self, st: GoodputState, option: int, plan_id: int, eager: bool = False) -> tuple[int, int, int]:
         """The option to run, or plain decoding when a probe of it is due, or a rival of the plan in use when a
-        rival probe is due (control/probes.py; `eager`: every PROBE_EVERY_NEW rounds until the plan has evidence)."""
+        rival probe is due (control/probes.py; `eager`: every PROBE_EVERY_NEW rounds until the plan has evidence). A
+        round no probe counts drops a probe waiting for its next round (`CostProbes.interrupt`)."""
         choice = st.options[option]
-        if self._probed(st, choice):
-            rates = st.predicted
-            k, d, _ = choice
-            rival = self._rival(st, option) if not eager else -1
-            if rival >= 0:
-                if self.probes.due_rival(st.index, plan_id, self._rival_every(st, option, rival)):
-                    return st.options[rival]
-            elif self.probes.due(st.index, plan_id, k, d, rates[option], rates[st.plain], eager):
-                return st.options[st.plain]
+        if not self._probed(st, choice):
+            if self.probes is not None:
+                self.probes.interrupt(st.index)
+            return choice
+        rates = st.predicted
+        k, d, _ = choice
+        rival = self._rival(st, option) if not eager else -1
+        if rival >= 0:
+            if self.probes.due_rival(st.index, plan_id, self._rival_every(st, option, rival)):
+                return st.options[rival]
+        elif self.probes.due(st.index, plan_id, k, d, rates[option], rates[st.plain], eager):
+            return st.options[st.plain]
         return choice
 
     def _rival(self, st: GoodputState, option: int) -> int:

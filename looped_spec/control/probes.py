@@ -160,6 +160,16 @@ class CostProbes:
         """Rounds of plan (K, d) from one probe to the next."""
         return PROBE_EVERY if not eager and self.pairs(bucket, k, d) >= PROBE_MIN else PROBE_EVERY_NEW
 
+    def interrupt(self, bucket: int) -> None:
+        """The bucket runs a round no probe counts (plain decoding as its plan): a lead-in waiting for its timed
+        round, or a plain probe waiting for its pair, is dropped. A pair stands for one moment; kept, it waited for
+        the next speculative round however late, and while it waited the bucket took no readouts (`wants`) and no
+        quiet rounds (`idle`) - ~300 rounds of tiny-nanbeige at B = 1 after a trial ended on plain decoding."""
+        self.lead[bucket] = False
+        pending = self.pending[bucket]
+        if pending is not None and pending[2] <= 0:
+            self.pending[bucket] = None
+
     def idle(self, bucket: int) -> bool:
         """No probe outstanding in `bucket` (its lead-in included) and no probe waiting for its pair round."""
         return self.probe_plan[bucket] < 0 and self.pending[bucket] is None and not self.lead[bucket]
@@ -172,20 +182,23 @@ class CostProbes:
     def observe(self, bucket: int, plan_id: int, k: int, d: int, batch: int, ratio: float, full_shape: bool) -> None:
         """A round's measured ÷ profile-predicted seconds (`full_shape`: every request drafted K, no readouts).
 
-        A plain probe pairs with the next speculative round and prices that round's plan; a rival probe (K > 0)
-        pairs with the next round, which is the plan in use, and prices the rival in that plan's factor."""
+        A plain probe pairs with the round right after it when that round is speculative, and prices its plan (a
+        plain round there drops it); a rival probe (K > 0) pairs with the next round, which is the plan in use, and
+        prices the rival in that plan's factor."""
         if plan_id == self.probe_plan[bucket]:
             self.probe_plan[bucket] = -1
             self.pending[bucket] = (batch, ratio, k, d) if full_shape else None
             return
         pending = self.pending[bucket]
-        if pending is None or (pending[2] <= 0 and k <= 0):
-            return  # a plain probe waits for a speculative round
+        if pending is None:
+            return
         self.pending[bucket] = None  # one pair per probe: the round right after it
         probe_batch, probe_ratio, probe_k, probe_d = pending
         if not full_shape or probe_batch != batch or probe_ratio <= 0.0 or ratio <= 0.0:
             return
         if probe_k <= 0:
+            if k <= 0:
+                return  # a plain probe pairs with a speculative round only
             pairs = self.ratios.setdefault((bucket, k, d), deque(maxlen=PROBE_WINDOW))
             pairs.append(ratio / probe_ratio)
         elif k > 0 and (k, d) != (probe_k, probe_d):
