@@ -49,6 +49,10 @@ def policy_state(ctl: AdaptiveController) -> list:
         out += [pol.probes.since, pol.probes.probe_plan, {k: list(v) for k, v in pol.probes.ratios.items()}]
         out += [{k: list(v) for k, v in pol.probes.rival_ratios.items()}]
     out += [ctl.measure.since, ctl.measure._jitter, ctl.measure._every]
+    out += [{shape: list(times) for shape, times in ctl.measure.unmeasured.items()}]
+    out += [[s.round_seconds for s in pol.states], pol.last_event]
+    for faded in (pol.realized.plans, pol.realized.errors):  # the true values: stored x scale
+        out.append({key: (x * faded.scale, y * faded.scale) for key, (x, y) in faded.sums.items()})
     return out
 
 
