@@ -11,11 +11,11 @@ import math
 import torch
 import torch.nn.functional as F
 
-from looped_spec.checkpoint import TensorSpec
-from looped_spec.config_fields import float_field, int_field, rope_theta
-from looped_spec.kv_cache import KVLayout
-from looped_spec.layers import apply_rope_interleaved, fused_swiglu, memo_angles, rms_norm
-from looped_spec.model_adapter import ModelAdapter, register_adapter
+from looped_spec.models.adapter import ModelAdapter, register_adapter
+from looped_spec.models.checkpoint import TensorSpec
+from looped_spec.models.config_fields import float_field, int_field, rope_theta
+from looped_spec.models.kv_layout import KVLayout
+from looped_spec.models.layers import apply_rope_interleaved, fused_swiglu, memo_angles, rms_norm
 
 _MIX = 0x9E3779B97F4A7C15  # odd 64-bit constant: spreads (seed, position) over generator seeds
 

@@ -6,11 +6,11 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from looped_spec.checkpoint import TensorSpec
-from looped_spec.config_fields import float_field, int_field, rope_theta
-from looped_spec.kv_cache import KVLayout
-from looped_spec.layers import memo_half_rope, self_attention, swiglu
-from looped_spec.model_adapter import ModelAdapter
+from looped_spec.models.adapter import ModelAdapter
+from looped_spec.models.checkpoint import TensorSpec
+from looped_spec.models.config_fields import float_field, int_field, rope_theta
+from looped_spec.models.kv_layout import KVLayout
+from looped_spec.models.layers import memo_half_rope, self_attention, swiglu
 
 
 def llama_dims(config: dict) -> tuple[int, int, int, int, int, int]:

@@ -5,10 +5,10 @@ from __future__ import annotations
 import torch
 
 from looped_spec.adapters.llama_style import LlamaStyleLooped, check_llama_style, llama_layer_specs
-from looped_spec.checkpoint import TensorSpec
-from looped_spec.config_fields import int_field
-from looped_spec.layers import rms_norm
-from looped_spec.model_adapter import register_adapter
+from looped_spec.models.adapter import register_adapter
+from looped_spec.models.checkpoint import TensorSpec
+from looped_spec.models.config_fields import int_field
+from looped_spec.models.layers import rms_norm
 
 # Nanbeige architecture switches this adapter does not implement: set, they change the math, so loading
 # such a checkpoint as plain looped Llama would generate different tokens silently.

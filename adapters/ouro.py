@@ -6,10 +6,10 @@ import torch
 import torch.nn.functional as F
 
 from looped_spec.adapters.llama_style import LlamaStyleLooped, check_llama_style, llama_layer_specs
-from looped_spec.checkpoint import TensorSpec
-from looped_spec.config_fields import float_field, int_field
-from looped_spec.layers import rms_norm
-from looped_spec.model_adapter import register_adapter
+from looped_spec.models.adapter import register_adapter
+from looped_spec.models.checkpoint import TensorSpec
+from looped_spec.models.config_fields import float_field, int_field
+from looped_spec.models.layers import rms_norm
 
 
 @register_adapter

@@ -15,9 +15,9 @@ import time
 
 import torch
 
-import looped_spec.attention as attention
+import looped_spec.execution.attention as attention
 from looped_spec import LoopedSpecEngine, SamplingParams, load_adapter
-from looped_spec.attention import PagedContext
+from looped_spec.execution.attention import PagedContext
 
 SPENT = {"gather": 0.0, "sdpa": 0.0}  # seconds of one-token-per-request calls (decode, draft) (--breakdown)
 

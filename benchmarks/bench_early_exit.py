@@ -77,8 +77,8 @@ from bench_speculative import (
 from common import Bench
 
 from looped_spec import SamplingParams
-from looped_spec.prompt_sets import PromptSetError, prompt_fingerprints
-from looped_spec.tuner_inputs import parse_adapter_options
+from looped_spec.tuning.inputs import parse_adapter_options
+from looped_spec.tuning.prompt_sets import PromptSetError, prompt_fingerprints
 
 FULL_DEPTH_GREEDY = ("plain-B", "adaptive")  # must reproduce plain's output exactly
 LABELS = {"plain": "full depth (plain)", "plain-B": "plain-B (A/A control)", "adaptive": "full depth + adaptive spec"}

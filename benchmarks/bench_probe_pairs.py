@@ -32,8 +32,8 @@ import torch
 from looped_spec import LoopedSpecEngine, load_adapter
 from looped_spec.control.controller import FixedController
 from looped_spec.control.costprofile import CostProfile
+from looped_spec.control.plan import RoundFeedback, SpeculationPlan
 from looped_spec.control.presets import load_preset
-from looped_spec.plan import RoundFeedback, SpeculationPlan
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_speculative import load_prompts, timed_generate  # noqa: E402

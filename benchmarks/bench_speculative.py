@@ -37,7 +37,7 @@ phase time, times summed per round), with the best single fixed cell and with pl
     python benchmarks/bench_speculative.py --model tests/fixtures/ouro-tiny --prompts random --max-tokens 8 \
         --repeats 2 --batch-sizes 1,2
 
-Prompts: `--prompts eval` (default) is `looped_spec.prompt_sets`' evaluation group, disjoint from the tuning
+Prompts: `--prompts eval` (default) is `looped_spec.tuning.prompt_sets`' evaluation group, disjoint from the tuning
 group; the benchmark exits with status 2 when an adaptive engine's preset records (provenance["prompts"]
 ["fingerprints"]) any of the prompts it is about to use. A checkpoint without a tokenizer gets random token ids.
 """
@@ -60,7 +60,8 @@ from tqdm import tqdm
 
 from looped_spec import LoopedSpecEngine, SamplingParams, SpeculativeConfig, load_adapter
 from looped_spec.control.controller import AdaptiveController
-from looped_spec.prompt_sets import (
+from looped_spec.tuning.inputs import has_tokenizer, parse_adapter_options
+from looped_spec.tuning.prompt_sets import (
     PromptSetError,
     check_disjoint,
     prompt_fingerprints,
@@ -68,7 +69,6 @@ from looped_spec.prompt_sets import (
     provenance_fingerprints,
     random_prompts,
 )
-from looped_spec.tuner_inputs import has_tokenizer, parse_adapter_options
 
 PROMPT_KINDS = ("eval", "tune", "random", "builtin", "humaneval")
 SPREAD = (
@@ -1114,9 +1114,9 @@ def write_outputs(report: dict[str, Any], out: Path, model: str, prompts: str) -
     json_path.write_text(json.dumps(report, indent=1, default=str))
     print(f"wrote {json_path}")
     try:
-        from looped_spec.tuner_report import write_heatmap
+        from looped_spec.tuning.report import write_heatmap
     except ImportError:
-        print("heatmap skipped: looped_spec.tuner_report.write_heatmap is not available")
+        print("heatmap skipped: looped_spec.tuning.report.write_heatmap is not available")
         return
     cells = {}
     for b, row in report["batch_sizes"].items():

@@ -1,7 +1,7 @@
 """Shared benchmark plumbing for bench_plain.py: random prompts and timing of one engine configuration.
 
 Prompt groups (tuning vs evaluation, held-out standard-library snippets, HumanEval) live in
-`looped_spec.prompt_sets`; bench_speculative.py times configurations interleaved on its own.
+`looped_spec.tuning.prompt_sets`; bench_speculative.py times configurations interleaved on its own.
 """
 
 from __future__ import annotations

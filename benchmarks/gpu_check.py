@@ -46,7 +46,7 @@ import torch
 from costmodel_fit import expected_tokens
 
 from looped_spec import LoopedSpecEngine, SamplingParams, SpeculativeConfig
-from looped_spec.model_adapter import adapter_class
+from looped_spec.models.adapter import adapter_class
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))  # OracleDraft, the tests' draft override, forces an acceptance rate

@@ -28,7 +28,7 @@ from looped_spec import (
     TensorSpec,
     register_adapter,
 )
-from looped_spec.layers import memo_half_rope, rms_norm, self_attention
+from looped_spec.models.layers import memo_half_rope, rms_norm, self_attention
 
 
 @register_adapter("toy_looped")

@@ -12,22 +12,22 @@ from typing import TYPE_CHECKING
 __version__ = "0.1.0"
 
 _EXPORTS = {
-    "CheckpointError": "looped_spec.checkpoint",
-    "EngineConfig": "looped_spec.engine_config",
-    "KVLayout": "looped_spec.kv_cache",
-    "LoopedSpecEngine": "looped_spec.engine",
-    "AsyncLoopedSpecEngine": "looped_spec.async_engine",
-    "ModelAdapter": "looped_spec.model_adapter",
+    "CheckpointError": "looped_spec.models.checkpoint",
+    "EngineConfig": "looped_spec.engine.config",
+    "KVLayout": "looped_spec.execution.kv_cache",
+    "LoopedSpecEngine": "looped_spec.engine.engine",
+    "AsyncLoopedSpecEngine": "looped_spec.engine.async_engine",
+    "ModelAdapter": "looped_spec.models.adapter",
     "RequestMetrics": "looped_spec.request",
     "RequestOutput": "looped_spec.request",
-    "RoundFeedback": "looped_spec.plan",
+    "RoundFeedback": "looped_spec.control.plan",
     "SamplingParams": "looped_spec.sampling_params",
-    "SpeculationPlan": "looped_spec.plan",
-    "SpeculativeConfig": "looped_spec.engine_config",
-    "TensorSpec": "looped_spec.checkpoint",
-    "load_adapter": "looped_spec.model_adapter",
-    "register_adapter": "looped_spec.model_adapter",
-    "registered_model_types": "looped_spec.model_adapter",
+    "SpeculationPlan": "looped_spec.control.plan",
+    "SpeculativeConfig": "looped_spec.engine.config",
+    "TensorSpec": "looped_spec.models.checkpoint",
+    "load_adapter": "looped_spec.models.adapter",
+    "register_adapter": "looped_spec.models.adapter",
+    "registered_model_types": "looped_spec.models.adapter",
 }
 __all__ = [
     "AsyncLoopedSpecEngine",
@@ -49,13 +49,13 @@ __all__ = [
 ]
 
 if TYPE_CHECKING:
-    from looped_spec.async_engine import AsyncLoopedSpecEngine
-    from looped_spec.checkpoint import CheckpointError, TensorSpec
-    from looped_spec.engine import LoopedSpecEngine
-    from looped_spec.engine_config import EngineConfig, SpeculativeConfig
-    from looped_spec.kv_cache import KVLayout
-    from looped_spec.model_adapter import ModelAdapter, load_adapter, register_adapter, registered_model_types
-    from looped_spec.plan import RoundFeedback, SpeculationPlan
+    from looped_spec.control.plan import RoundFeedback, SpeculationPlan
+    from looped_spec.engine.async_engine import AsyncLoopedSpecEngine
+    from looped_spec.engine.config import EngineConfig, SpeculativeConfig
+    from looped_spec.engine.engine import LoopedSpecEngine
+    from looped_spec.models.adapter import ModelAdapter, load_adapter, register_adapter, registered_model_types
+    from looped_spec.models.checkpoint import CheckpointError, TensorSpec
+    from looped_spec.models.kv_layout import KVLayout
     from looped_spec.request import RequestMetrics, RequestOutput
     from looped_spec.sampling_params import SamplingParams
 

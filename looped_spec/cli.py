@@ -14,7 +14,7 @@ API_KEY_ENV = "LOOPED_SPEC_API_KEY"
 
 def _engine_options(args: argparse.Namespace) -> dict:
     """LoopedSpecEngine keyword arguments from the shared engine flags."""
-    from looped_spec.tuner_inputs import parse_adapter_options
+    from looped_spec.tuning.inputs import parse_adapter_options
 
     return dict(dtype=args.dtype, device=args.device, speculation=args.speculation, preset=args.preset,
                 policy=args.policy, seed=args.seed, trace_path=args.trace, max_batch_size=args.max_batch_size,
@@ -202,9 +202,9 @@ def _tune(args: argparse.Namespace) -> int:
 
     from looped_spec.control.costprofile import CostProfile
     from looped_spec.control.presets import load_preset, read_preset_file
-    from looped_spec.tuner import refit_context_terms, tune
-    from looped_spec.tuner_inputs import TunerError, parse_adapter_options
-    from looped_spec.tuner_report import dump_json, format_report, preset_data, write_heatmap
+    from looped_spec.tuning.inputs import TunerError, parse_adapter_options
+    from looped_spec.tuning.report import dump_json, format_report, preset_data, write_heatmap
+    from looped_spec.tuning.tuner import refit_context_terms, tune
 
     out = _output_file(args.out, "--out")  # before measuring, which takes minutes
     if args.heatmap:
@@ -372,7 +372,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="measure acceptance and round cost, write a preset file",
         description="Measure per-depth acceptance with counterfactual readouts (deterministic) and the round "
         "cost of every (K, d) per batch size (interleaved, repeated, medians), then derive a validated "
-        "adaptive-speculation preset (rules: looped_spec.control.derive; docs/adaptive.md).",
+        "adaptive-speculation preset (rules: looped_spec.tuning.derive; docs/adaptive.md).",
         formatter_class=fmt,
     )
     tune.add_argument("--model", required=True, help="checkpoint folder or shipped model name")

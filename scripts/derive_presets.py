@@ -2,7 +2,7 @@
 
 Each preset keeps its assumptions in its provenance (`assumed_alpha_by_depth`, `assumed_n_sat`, their
 calibration notes); this script recomputes buckets, candidates and thresholds from them with
-`looped_spec.control.derive.derive_preset` (the same rules `looped-spec tune` applies to measurements),
+`looped_spec.tuning.derive.derive_preset` (the same rules `looped-spec tune` applies to measurements),
 so a change of the rules reaches every preset:
 
     python scripts/derive_presets.py            # rewrite presets/{ouro-1.4b,ouro-2.6b,huginn-0125,...}.json
@@ -16,14 +16,14 @@ import json
 import sys
 from pathlib import Path
 
-from looped_spec.control.derive import derive_preset
 from looped_spec.control.presets import AdaptiveSpecConfig
-from looped_spec.tuner_report import dump_json, preset_data
+from looped_spec.tuning.derive import derive_preset
+from looped_spec.tuning.report import dump_json, preset_data
 
 PRESETS = Path(__file__).resolve().parent.parent / "presets"
 DERIVED = ("ouro-1.4b", "ouro-2.6b", "huginn-0125", "nanbeige4.2-3b", "default")
 METHOD = (
-    "looped_spec.control.derive.derive_preset (scripts/derive_presets.py): the tuner's rules (docs/adaptive.md) "
+    "looped_spec.tuning.derive.derive_preset (scripts/derive_presets.py): the tuner's rules (docs/adaptive.md) "
     "with the idealised cost model (docs/adaptive.md) T_spec = d(K+1)*c(B) + (D-d)*c(B(K+1)), T_plain = D*c(B), "
     "c(N) = 1 + N/n_sat, and the assumed acceptance per depth (persistence 0) in place of measurements"
 )

@@ -59,7 +59,7 @@ from safetensors.torch import load_file, save_file
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from train_tiny import EVAL_WINDOWS, collect_corpus, eval_windows, staged_forward, token_stream  # noqa: E402
 
-from looped_spec.model_adapter import ModelAdapter, load_adapter  # noqa: E402
+from looped_spec.models.adapter import ModelAdapter, load_adapter  # noqa: E402
 
 GATE_TENSORS = ("model.early_exit_gate.weight", "model.early_exit_gate.bias")
 OBJECTIVES = ("cumulative", "per-step", "improvement")
@@ -170,7 +170,7 @@ def with_gate(adapter: ModelAdapter, weight: torch.Tensor, bias: torch.Tensor) -
 
 @torch.no_grad()
 def rule_depths(adapter: ModelAdapter, states: torch.Tensor, tau: float) -> torch.Tensor:
-    """[N] exit depth of each token under the adapter's own rule (as looped_spec.early_exit.ExitTracker)."""
+    """[N] exit depth of each token under the adapter's own rule (as looped_spec.execution.early_exit.ExitTracker)."""
     num, depth = states.shape[0], adapter.full_depth
     carry = adapter.exit_carry(num)
     threshold = torch.full((num,), tau, dtype=torch.float32)

@@ -48,8 +48,8 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import AutoTokenizer
 
 from looped_spec.adapters.huginn import reference_freqs_cis
-from looped_spec.attention import DenseContext
-from looped_spec.model_adapter import ModelAdapter, adapter_class, load_adapter
+from looped_spec.models.adapter import ModelAdapter, adapter_class, load_adapter
+from looped_spec.models.dense import DenseContext
 
 EOS = "<|endoftext|>"
 SKIP_DIRS = {"test", "tests", "idle_test", "site-packages", "dist-packages", "__pycache__"}

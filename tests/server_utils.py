@@ -8,7 +8,7 @@ import time
 
 import uvicorn
 
-from looped_spec.async_engine import AsyncLoopedSpecEngine
+from looped_spec.engine.async_engine import AsyncLoopedSpecEngine
 from looped_spec.server import build_app
 
 

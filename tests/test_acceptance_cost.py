@@ -10,8 +10,8 @@ from looped_spec import LoopedSpecEngine, SamplingParams, SpeculativeConfig, loa
 from looped_spec.control import AdaptiveController, AdaptiveSpecConfig
 from looped_spec.control.acceptance import bit_statistics, markov_tokens, simulate_tokens
 from looped_spec.control.costprofile import CostProfile, fit_coefficients, round_features
-from looped_spec.plan import RoundFeedback
-from looped_spec.tuner import measure_match_bits
+from looped_spec.control.plan import RoundFeedback
+from looped_spec.tuning.tuner import measure_match_bits
 
 
 def markov_bits(alpha: float, rho: float, length: int, count: int, seed: int) -> list[list[int]]:

@@ -6,8 +6,8 @@ import pytest
 import torch
 from conftest import FAMILIES, load, reference, reference_tensors
 
-from looped_spec.attention import build_paged_context
-from looped_spec.kv_cache import KVCache
+from looped_spec.execution.attention import build_paged_context
+from looped_spec.execution.kv_cache import KVCache
 
 
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
@@ -34,7 +34,7 @@ def test_dense_logits_batched_equals_single():
 
 def test_ouro_gate_logits_and_exit_pdf():
     adapter, ref, tensors = load("ouro"), reference("ouro"), reference_tensors("ouro")
-    from looped_spec.attention import DenseContext
+    from looped_spec.models.dense import DenseContext
 
     for i, prompt in enumerate(ref["prompts"]):
         ids = torch.tensor(prompt)

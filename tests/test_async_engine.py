@@ -10,7 +10,7 @@ from conftest import make_engine
 from server_utils import wait_until
 
 from looped_spec import AsyncLoopedSpecEngine, SamplingParams
-from looped_spec.async_engine import QueueFullError
+from looped_spec.engine.async_engine import QueueFullError
 
 PROMPTS = [[1, 5, 9, 2], [3, 3, 7], [8, 1, 4, 4, 6]]
 

@@ -11,9 +11,9 @@ import torch
 from conftest import FAMILIES, engine_with_graphs, load
 
 import looped_spec.presets
-from looped_spec.attention import PagedContext
-from looped_spec.cuda_graph import batch_buckets, context_buckets, graph_keys, pad_to
-from looped_spec.model_runner import StepInput
+from looped_spec.execution.attention import PagedContext
+from looped_spec.execution.cuda_graph import batch_buckets, context_buckets, graph_keys, pad_to
+from looped_spec.execution.model_runner import StepInput
 
 MAX_MODEL_LEN = 100
 

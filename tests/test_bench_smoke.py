@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from looped_spec import LoopedSpecEngine
-from looped_spec.prompt_sets import prompt_fingerprints, random_prompts
+from looped_spec.tuning.prompt_sets import prompt_fingerprints, random_prompts
 
 ROOT = Path(__file__).resolve().parent.parent
 FIXTURE = str(ROOT / "tests" / "fixtures" / "ouro-tiny")

@@ -15,8 +15,8 @@ from looped_spec.control import AdaptiveController, AdaptiveSpecConfig, OffContr
 from looped_spec.control.costprofile import CONTEXT_FIELDS, CostProfile, fit_pass_slopes, passes, round_features
 from looped_spec.control.presets import load_preset
 from looped_spec.control.schema import CostConfig
-from looped_spec.tuner import TimedRound, context_lines, fit_profile, mean_contexts, theil_sen_slope
-from looped_spec.tuner_report import dump_json, preset_data
+from looped_spec.tuning.report import dump_json, preset_data
+from looped_spec.tuning.tuner import TimedRound, context_lines, fit_profile, mean_contexts, theil_sen_slope
 
 PRESETS = Path(__file__).resolve().parents[1] / "presets"
 DEPTH = 4

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from looped_spec.control import AdaptiveController, AdaptiveSpecConfig, FixedController, OffController
-from looped_spec.plan import RoundFeedback, SpeculationPlan
+from looped_spec.control.plan import RoundFeedback, SpeculationPlan
 
 
 def config(buckets: list[dict], **disable) -> AdaptiveSpecConfig:

@@ -7,7 +7,7 @@ import torch
 from conftest import FAMILIES, engine_with_graphs, fixture_dir, load
 
 from looped_spec import LoopedSpecEngine, SamplingParams, load_adapter
-from looped_spec.cuda_graph import batch_buckets, context_buckets, graph_keys, pad_batch, pad_to
+from looped_spec.execution.cuda_graph import batch_buckets, context_buckets, graph_keys, pad_batch, pad_to
 
 PROMPTS = [[5, 9, 13], [200, 1, 77, 4, 4, 19, 88, 23, 7, 150, 3], [42], [17, 18, 19, 20, 21, 22], [99, 98, 97]]
 MAX_TOKENS = [12, 7, 15, 3, 10]

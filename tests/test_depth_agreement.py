@@ -47,8 +47,8 @@ import torch
 from conftest import FAMILIES, engine_with_graphs, fixture_dir, load
 
 from looped_spec import ModelAdapter, SamplingParams, SpeculativeConfig, load_adapter
-from looped_spec.attention import DenseContext
-from looped_spec.plan import RoundFeedback
+from looped_spec.control.plan import RoundFeedback
+from looped_spec.models.dense import DenseContext
 
 # Prompts chosen so that shallow depths agree with the committed token at some positions and not at
 # others, for every family (a constant prediction cannot reproduce the counts; see

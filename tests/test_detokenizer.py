@@ -7,7 +7,7 @@ import json
 import pytest
 
 from looped_spec.detokenizer import REPLACEMENT_CHAR, IncrementalDetokenizer
-from looped_spec.inputs import load_tokenizer
+from looped_spec.engine.inputs import load_tokenizer
 from looped_spec.models import shipped_model_path
 from looped_spec.server.chat import GenerationDefaults, NoChatTemplateError, render_chat
 

@@ -16,7 +16,7 @@ from looped_spec.control.acceptance import markov_tokens, markov_tokens_array
 from looped_spec.control.costprofile import CostProfile
 from looped_spec.control.drain import QUANTILES, drain_factor, drain_seconds, request_rates, slice_z, slices
 from looped_spec.control.goodput import EVIDENCE_TRIAL_FROM
-from looped_spec.tuner import acceptance_report
+from looped_spec.tuning.tuner import acceptance_report
 
 
 def enumerated_drain(remaining, rates, per_request_second):

@@ -10,7 +10,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from pydantic import ValidationError
 
 from looped_spec import EngineConfig, LoopedSpecEngine, SamplingParams
-from looped_spec.stats import EngineStats
+from looped_spec.engine.stats import EngineStats
 
 FILLER = [[9, 8, 7, 6, 5, 4, 3, 2, 1, 10, 11], [40, 41], [100, 3, 3, 3, 77]]
 
@@ -207,8 +207,8 @@ def test_stats_dict_and_prometheus():
 
 
 def test_start_up_logs_device_dtype_kv_cache_and_controller(caplog):
-    with caplog.at_level("INFO", logger="looped_spec.engine"):
+    with caplog.at_level("INFO", logger="looped_spec.engine.engine"):
         engine = make_engine("ouro", speculation="off", num_kv_blocks=80, block_size=8, max_batch_size=3)
-    line = next(r.getMessage() for r in caplog.records if r.name == "looped_spec.engine")
+    line = next(r.getMessage() for r in caplog.records if r.name == "looped_spec.engine.engine")
     assert "on cpu, float32" in line and "KV cache 80 blocks x 8 tokens" in line
     assert "max_batch_size 3" in line and f"controller {type(engine.controller).__name__}" in line

@@ -9,8 +9,8 @@ from test_acceptance_cost import profiled_config
 from looped_spec.control import AdaptiveController
 from looped_spec.control.costprofile import CostProfile
 from looped_spec.control.exits import ExitDepths
+from looped_spec.control.plan import RoundFeedback
 from looped_spec.control.realized import RealizedTokens
-from looped_spec.plan import RoundFeedback
 
 
 def one_size_profile() -> CostProfile:

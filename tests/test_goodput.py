@@ -10,8 +10,8 @@ from looped_spec.control import AdaptiveController, AdaptiveSpecConfig
 from looped_spec.control.costmodel import LinearFit2, RoundCostModel
 from looped_spec.control.goodput import DepthAcceptance, expected_accept_rate, expected_tokens
 from looped_spec.control.measurement import MeasureSchedule
+from looped_spec.control.plan import RoundFeedback
 from looped_spec.control.simulate import SyntheticWorkload
-from looped_spec.plan import RoundFeedback
 
 CANDIDATES = [[0, 0], [1, 2], [4, 1], [6, 1]]
 ALPHA = [0.7, 0.88, 0.96, 1.0]

@@ -13,8 +13,8 @@ SCRIPT = textwrap.dedent(
     """
     import resource, torch
     from looped_spec import LoopedSpecEngine, SamplingParams, load_adapter
-    from looped_spec.host_memory import keep_freed_memory
-    from looped_spec.prompt_sets import prompt_group
+    from looped_spec.execution.host_memory import keep_freed_memory
+    from looped_spec.tuning.prompt_sets import prompt_group
     torch.set_num_threads(1)
     engine = LoopedSpecEngine(load_adapter("tiny-ouro"), speculation="off", max_batch_size=8)
     prompts, params = prompt_group("eval", 8), SamplingParams(max_tokens=24, ignore_eos=True)

@@ -16,7 +16,7 @@ import pytest
 import torch
 from conftest import FAMILIES, engine_with_graphs, fixture_dir
 
-from looped_spec.attention import build_paged_context
+from looped_spec.execution.attention import build_paged_context
 
 # the subprocesses import the tests' helpers and this checkout's looped_spec
 SUBPROCESS_PATH = os.pathsep.join([str(Path(__file__).parent), str(Path(__file__).parent.parent)])
@@ -59,7 +59,7 @@ def attend_both(case, plane: int, splits: int | None = None, shift: int | None =
 INTERPRETER_CHECK = """
 import torch
 from test_paged_kernel import attend_both, ragged_case
-from looped_spec.paged_kernel import kernel_available
+from looped_spec.execution.paged_kernel import kernel_available
 assert kernel_available("cpu", 32)
 for heads, kv_heads in ((4, 4), (6, 2), (8, 1)):
     case = ragged_case("cpu", torch.float32, heads, kv_heads, 32)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from looped_spec.control import AdaptiveController, AdaptiveSpecConfig
-from looped_spec.plan import RoundFeedback, SpeculationPlan
+from looped_spec.control.plan import RoundFeedback, SpeculationPlan
 
 
 def make(buckets: list[dict], disable: dict | None = None, full_depth: int = 4) -> AdaptiveController:

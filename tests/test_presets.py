@@ -57,7 +57,7 @@ def test_every_shipped_preset_loads_for_its_depth(name):
     assert cfg.full_depth == depth
     assert cfg.provenance
     if name.startswith("tiny-"):  # the shipped trained models' presets were measured by the tuner
-        assert cfg.provenance["tool"] == "looped_spec.tuner" and cfg.provenance["cost"]
+        assert cfg.provenance["tool"] == "looped_spec.tuning.tuner" and cfg.provenance["cost"]
         assert cfg.acceptance is not None and cfg.acceptance.positions > 0 and cfg.cost is not None
     loaded = load_preset(name, depth)
     assert loaded.model == name

@@ -10,6 +10,7 @@ from test_acceptance_cost import profiled_config
 
 from looped_spec.control.controller import AdaptiveController
 from looped_spec.control.goodput import YOUNG_ROUNDS
+from looped_spec.control.plan import RoundFeedback
 from looped_spec.control.probes import (
     PROBE_BAND,
     PROBE_EVERY,
@@ -22,7 +23,6 @@ from looped_spec.control.probes import (
     rival_every,
     shrunk,
 )
-from looped_spec.plan import RoundFeedback
 
 
 def test_probes_pair_a_plain_round_with_the_plans_next_round_of_the_same_shape():

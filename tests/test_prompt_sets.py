@@ -9,8 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from looped_spec import prompt_sets
-from looped_spec.prompt_sets import (
+from looped_spec.tuning import prompt_sets
+from looped_spec.tuning.inputs import BUILTIN_CODE_PROMPTS, BUILTIN_PROSE_PROMPTS, random_token_prompts
+from looped_spec.tuning.prompt_sets import (
     PromptSetError,
     check_disjoint,
     file_snippets,
@@ -21,7 +22,6 @@ from looped_spec.prompt_sets import (
     provenance_fingerprints,
     random_prompts,
 )
-from looped_spec.tuner_inputs import BUILTIN_CODE_PROMPTS, BUILTIN_PROSE_PROMPTS, random_token_prompts
 
 
 @pytest.fixture

@@ -7,8 +7,8 @@ from test_acceptance_cost import profiled_config
 
 from looped_spec.control import AdaptiveController
 from looped_spec.control.acceptance import markov_tokens
+from looped_spec.control.plan import RoundFeedback
 from looped_spec.control.realized import BIAS_MEMORY, BIAS_PRIOR, REALIZED_MIN, RealizedTokens
-from looped_spec.plan import RoundFeedback
 
 
 def round_of(k: int, d: int, accepted: list[int], proposed: list[int] | None = None, **kw) -> RoundFeedback:

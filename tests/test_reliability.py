@@ -7,7 +7,7 @@ from conftest import make_engine
 from pydantic import ValidationError
 
 from looped_spec import SamplingParams, SpeculativeConfig
-from looped_spec.sampler import SamplingRows
+from looped_spec.execution.sampler import SamplingRows
 
 PROMPTS = [[5, 9, 13], [200, 1, 77, 4, 4, 19], [42, 43], [17, 18, 19, 20]]
 

@@ -22,7 +22,7 @@ def no_measuring(monkeypatch) -> None:
     def fail(*args, **kwargs):
         raise AssertionError("tune measured before checking its arguments")
 
-    monkeypatch.setattr("looped_spec.tuner.tune", fail)
+    monkeypatch.setattr("looped_spec.tuning.tuner.tune", fail)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a torch without CUDA")

@@ -10,10 +10,9 @@ from conftest import fixture_dir, load
 from looped_spec.cli import main
 from looped_spec.control.acceptance import markov_accept_rate
 from looped_spec.control.costprofile import CostProfile
-from looped_spec.control.derive import BucketModel, bucket_ranges, derive_bucket, derive_preset, ideal_seconds
 from looped_spec.control.presets import AdaptiveSpecConfig, load_preset, read_preset_file
-from looped_spec.tuner import tune
-from looped_spec.tuner_inputs import (
+from looped_spec.tuning.derive import BucketModel, bucket_ranges, derive_bucket, derive_preset, ideal_seconds
+from looped_spec.tuning.inputs import (
     TunerError,
     auto_grid,
     load_prompts,
@@ -21,7 +20,8 @@ from looped_spec.tuner_inputs import (
     parse_batch_sizes,
     parse_grid,
 )
-from looped_spec.tuner_report import dump_json
+from looped_spec.tuning.report import dump_json
+from looped_spec.tuning.tuner import tune
 
 GRID = "1,1;2,1;1,2"
 TINY = ["--batch-sizes", "1,4", "--acceptance-tokens", "6", "--num-prompts", "2", "--profile-tokens", "3"]
@@ -128,7 +128,9 @@ def test_tune_refuses_when_nothing_was_measured(monkeypatch):
     with pytest.raises(TunerError, match="acceptance_tokens"):
         tune(load("ouro"), [1], "builtin", "1,1", acceptance_tokens=1, cost_profile=PROFILE, progress=False)
     # e.g. every request stopped at its first token: no decode round, nothing drafted or measured
-    monkeypatch.setattr("looped_spec.tuner.measure_match_bits", lambda adapter, prompts, *a: [[[]] * len(prompts)] * 4)
+    monkeypatch.setattr(
+        "looped_spec.tuning.tuner.measure_match_bits", lambda adapter, prompts, *a: [[[]] * len(prompts)] * 4
+    )
     with pytest.raises(TunerError, match="no generated position"):
         tune(load("ouro"), [1], "builtin", "1,1", acceptance_tokens=2, cost_profile=PROFILE, progress=False)
 
@@ -220,7 +222,7 @@ def test_dump_json():
 
 
 def test_run_cost_and_monotone_profile():
-    from looped_spec.tuner import nondecreasing, run_cost, trimmed_mean
+    from looped_spec.tuning.tuner import nondecreasing, run_cost, trimmed_mean
 
     assert run_cost([[3.0, 1.0, 2.0], [5.0, 4.0, 6.0]]) == (3.5, 1.5)  # median of run means, their spread
     assert run_cost([[2.0], [9.0], [3.0]])[0] == 3.0  # one disturbed run does not move it
@@ -261,7 +263,7 @@ def test_cli_tune_cost_from_reuses_a_measured_profile(tmp_path, capsys):
 
 def test_round_timer_times_plain_and_speculative_rounds_over_the_same_generated_tokens():
     """Every timed round is full-shape and the rounds cover `horizon` generated tokens per request, whatever K."""
-    from looped_spec.tuner import RoundTimer
+    from looped_spec.tuning.tuner import RoundTimer
 
     adapter = load("ouro")  # random weights: drafts are (almost) never accepted, one token per round
     prompts = [[5, 6, 7, 8], [9, 10, 11], [12, 13, 14, 15, 16]]
@@ -285,7 +287,7 @@ def test_round_timer_times_plain_and_speculative_rounds_over_the_same_generated_
 def test_repeat_order_puts_plain_around_every_cell():
     import random
 
-    from looped_spec.tuner import PLAIN_EVERY, repeat_order, runs_per_repeat
+    from looped_spec.tuning.tuner import PLAIN_EVERY, repeat_order, runs_per_repeat
 
     cells = [(k, d) for k in (1, 2, 3, 5) for d in (1, 2, 3)]
     order = repeat_order(cells, random.Random(3))
@@ -303,7 +305,7 @@ def test_drift_correction_recovers_cost_ratios_under_machine_drift():
     the drift's whole range."""
     import random
 
-    from looped_spec.tuner import TimedRound, drift_correct, repeat_order, run_cost
+    from looped_spec.tuning.tuner import TimedRound, drift_correct, repeat_order, run_cost
 
     true = {(0, 0): 1.0, (1, 1): 1.7, (2, 1): 2.1, (3, 2): 2.9, (1, 3): 1.6, (4, 3): 4.3}
     rng = random.Random(0)
@@ -326,7 +328,7 @@ def test_acceptance_variants_add_the_plans_uneven_text_needs():
     """The difficulty sweep moves every depth's agreement together; text on which depth 2 agrees far more often
     than the sweep says (0.9 where depth 1 is at 0.5) wants a d = 2 plan that the sweep of this acceptance never
     makes fastest. That text's acceptance as a variant puts the plan among the candidates; the sweep's path stays."""
-    from looped_spec.control.derive import BucketModel, derive_bucket, ideal_seconds
+    from looped_spec.tuning.derive import BucketModel, derive_bucket, ideal_seconds
 
     grid = [(k, d) for k in (1, 2, 3, 5) for d in (1, 2, 3)]
     seconds = ideal_seconds(4, 1, 8.0)
@@ -374,7 +376,7 @@ def test_options_near_the_fastest_are_candidates_though_never_fastest():
     top = max(tuned.speed(o, 1.0) for o in [(0, 0), *grid4])
     assert {o for o in grid4 if tuned.speed(o, 1.0) >= 0.94 * top} <= cands
     # the cap keeps the options that come closest to the fastest near the measured acceptance, whatever their order
-    from looped_spec.control.derive import NEAR_BAND
+    from looped_spec.tuning.derive import NEAR_BAND
 
     def closeness(option):
         hs = [NEAR_BAND ** (i / 20) for i in range(-20, 21)]
@@ -388,7 +390,7 @@ def test_options_near_the_fastest_are_candidates_though_never_fastest():
 
 
 def test_acceptance_variants_sample_batches_of_tuning_prompts():
-    from looped_spec.tuner import acceptance_variants
+    from looped_spec.tuning.tuner import acceptance_variants
 
     bits = [[[1, 1, 0, 1], [0, 0, 0, 0], [1, 1, 1, 1]], [[1, 1, 1, 1]] * 3]  # [depth][prompt][position]
     variants = acceptance_variants(bits, 1, count=20)

@@ -25,10 +25,10 @@ from typing import Any
 from looped_spec.control.buckets import BucketTable, compile_buckets
 from looped_spec.control.goodput import GoodputPolicy
 from looped_spec.control.measurement import MeasureSchedule
+from looped_spec.control.plan import RoundFeedback, SpeculationPlan
 from looped_spec.control.policy import CandidatePolicy, Policy
 from looped_spec.control.schema import AdaptiveSpecConfig
 from looped_spec.control.trace import TraceWriter
-from looped_spec.plan import RoundFeedback, SpeculationPlan
 
 POLICIES = ("goodput", "ema")
 DEFAULT_POLICY = "goodput"

@@ -6,7 +6,7 @@ from typing import Any
 
 from looped_spec.control.controller import DEFAULT_POLICY, AdaptiveController, FixedController, OffController
 from looped_spec.control.presets import load_preset
-from looped_spec.engine_config import SpeculativeConfig, parse_speculation
+from looped_spec.engine.config import SpeculativeConfig, parse_speculation
 
 
 def make_controller(speculation: Any, adapter, *, preset=None, policy: str = DEFAULT_POLICY, trace_path=None):

@@ -80,6 +80,7 @@ from looped_spec.control.costmodel import RoundCostModel
 from looped_spec.control.costprofile import CostProfile
 from looped_spec.control.drain import drain_factor, request_rates, slices
 from looped_spec.control.exits import ExitDepths
+from looped_spec.control.plan import RoundFeedback
 from looped_spec.control.policy import Policy
 from looped_spec.control.probes import (
     PROBE_BAND,
@@ -92,7 +93,6 @@ from looped_spec.control.probes import (
 )
 from looped_spec.control.realized import RealizedTokens
 from looped_spec.control.schema import AcceptanceConfig, CostConfig, DisableConfig
-from looped_spec.plan import RoundFeedback
 
 
 def ran_k(fb: RoundFeedback) -> int:

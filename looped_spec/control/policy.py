@@ -33,8 +33,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from looped_spec.control.buckets import CompiledBucket
+from looped_spec.control.plan import RoundFeedback
 from looped_spec.control.schema import DisableConfig
-from looped_spec.plan import RoundFeedback
 
 
 class Policy:

@@ -21,7 +21,7 @@ online and ρ_d the tuning text's persistence. Two measurements correct it where
 
 from __future__ import annotations
 
-from looped_spec.plan import RoundFeedback
+from looped_spec.control.plan import RoundFeedback
 
 #: Committed positions (any plan's) over which the plans' own committed tokens are remembered (discounted).
 REALIZED_MEMORY = 400.0

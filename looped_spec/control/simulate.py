@@ -19,7 +19,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from looped_spec.control.goodput import expected_tokens
-from looped_spec.plan import RoundFeedback, SpeculationPlan
+from looped_spec.control.plan import RoundFeedback, SpeculationPlan
 
 
 @dataclass

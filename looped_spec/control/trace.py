@@ -14,7 +14,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from looped_spec.plan import RoundFeedback, SpeculationPlan
+from looped_spec.control.plan import RoundFeedback, SpeculationPlan
 
 
 class TraceWriter:

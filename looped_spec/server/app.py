@@ -10,7 +10,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from looped_spec.async_engine import AsyncLoopedSpecEngine
+from looped_spec.engine.async_engine import AsyncLoopedSpecEngine
 from looped_spec.request import RequestOutput
 from looped_spec.server.chat import NoChatTemplateError, render_chat
 from looped_spec.server.errors import APIError, on_api_error, on_http_error, on_validation_error

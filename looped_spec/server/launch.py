@@ -6,8 +6,8 @@ import socket
 
 import uvicorn
 
-from looped_spec.async_engine import AsyncLoopedSpecEngine
-from looped_spec.engine import LoopedSpecEngine
+from looped_spec.engine.async_engine import AsyncLoopedSpecEngine
+from looped_spec.engine.engine import LoopedSpecEngine
 from looped_spec.server.app import build_app
 
 

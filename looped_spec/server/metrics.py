@@ -7,8 +7,8 @@ from collections.abc import AsyncIterator
 
 from prometheus_client import CollectorRegistry, Histogram
 
+from looped_spec.engine.stats import PREFIX, EngineCollector
 from looped_spec.request import RequestOutput
-from looped_spec.stats import PREFIX, EngineCollector
 
 LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0,
                    20.0, 40.0, 80.0)  # fmt: skip

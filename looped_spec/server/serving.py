@@ -11,8 +11,8 @@ from contextlib import aclosing
 from fastapi import Request
 from pydantic import ValidationError
 
-from looped_spec.async_engine import AsyncLoopedSpecEngine, EngineDeadError, EngineFaultError, QueueFullError
-from looped_spec.inputs import load_tokenizer
+from looped_spec.engine.async_engine import AsyncLoopedSpecEngine, EngineDeadError, EngineFaultError, QueueFullError
+from looped_spec.engine.inputs import load_tokenizer
 from looped_spec.request import RequestOutput
 from looped_spec.sampling_params import SamplingParams
 from looped_spec.server.chat import GenerationDefaults

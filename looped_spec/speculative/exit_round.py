@@ -22,10 +22,16 @@ from dataclasses import dataclass
 
 import torch
 
-from looped_spec.early_exit import ExitMode, ExitTracker, fill_skipped_loops, loops_with_exit, read_out_by_depth
-from looped_spec.model_runner import ModelRunner
+from looped_spec.execution.early_exit import (
+    ExitMode,
+    ExitTracker,
+    fill_skipped_loops,
+    loops_with_exit,
+    read_out_by_depth,
+)
+from looped_spec.execution.model_runner import ModelRunner
+from looped_spec.execution.sampler import SamplingRows
 from looped_spec.request import Request
-from looped_spec.sampler import SamplingRows
 from looped_spec.speculative.proposer import Draft, draw_drafts
 from looped_spec.speculative.verifier import position_index
 

@@ -6,7 +6,7 @@ import time
 
 import torch
 
-from looped_spec.model_runner import ModelRunner, StepInput, StepOutput
+from looped_spec.execution.model_runner import ModelRunner, StepInput, StepOutput
 
 
 def read_out_depths(runner: ModelRunner, inp: StepInput, out: StepOutput) -> tuple[list[torch.Tensor], torch.Tensor]:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from looped_spec.sampler import SamplingRows, probabilities, sample_from
+from looped_spec.execution.sampler import SamplingRows, probabilities, sample_from
 
 
 def pad_positions(

@@ -11,9 +11,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from looped_spec.model_runner import ModelRunner
+from looped_spec.execution.model_runner import ModelRunner
+from looped_spec.execution.sampler import SamplingRows, sample
 from looped_spec.request import Request
-from looped_spec.sampler import SamplingRows, sample
 from looped_spec.speculative.exit_round import propose_with_exit, verify_with_exit
 from looped_spec.speculative.proposer import DraftProposer
 from looped_spec.speculative.readouts import read_out_depths

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from looped_spec.model_runner import ModelRunner, StepInput
+from looped_spec.execution.model_runner import ModelRunner, StepInput
 from looped_spec.request import Request
 from looped_spec.speculative.proposer import Draft
 from looped_spec.speculative.readouts import read_out_depths

@@ -1,10 +1,8 @@
-"""Attention contexts: where a layer's keys/values live and who it may attend to.
+"""The paged attention context: where a layer's keys/values live and who it may attend to.
 
 Model code computes (q, k, v) for a flat batch of tokens and calls
 `ctx.attention(plane, q, k, v)`. The context decides the rest:
 
-* `DenseContext`: cache-free causal attention over equal-length sequences
-  (the reference path behind `ModelAdapter.dense_logits`).
 * `PagedContext`: ragged batch of requests, each adding some new tokens at its
   own positions; keys/values are written into the paged `KVCache` plane and
   attention reads each request's blocks: SDPA over copied blocks (the reference,
@@ -17,43 +15,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
-import torch.nn.functional as F
 
-from looped_spec.paged_kernel import KernelBatch, num_splits_for
-
-
-def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask=None, causal=False) -> torch.Tensor:
-    """q: [B, H, Tq, hd], k/v: [B, KVH, Tk, hd] -> [B, H, Tq, hd] (grouped-query when KVH < H)."""
-    return F.scaled_dot_product_attention(
-        q, k, v, attn_mask=mask, is_causal=causal, enable_gqa=k.shape[1] != q.shape[1]
-    )
-
-
-@dataclass
-class DenseContext:
-    """Cache-free causal attention for `batch_size` sequences of `seq_len` tokens each."""
-
-    batch_size: int
-    seq_len: int
-    positions: torch.Tensor  # [num_tokens] long
-    seeds: list[int] | None = None  # one per sequence (Huginn's random initial state)
-    memo: dict = field(default_factory=dict)
-
-    def attention(self, plane: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        b, t = self.batch_size, self.seq_len
-        out = _sdpa(
-            q.view(b, t, *q.shape[1:]).transpose(1, 2),
-            k.view(b, t, *k.shape[1:]).transpose(1, 2),
-            v.view(b, t, *v.shape[1:]).transpose(1, 2),
-            causal=True,
-        )
-        return out.transpose(1, 2).reshape(q.shape)
-
-    def token_seeds(self) -> list[tuple[int, int]]:
-        """(request seed, position) per token, for per-token deterministic random draws."""
-        seeds = self.seeds or [0] * self.batch_size
-        pos = self.positions.tolist()
-        return [(seeds[i // self.seq_len], pos[i]) for i in range(len(pos))]
+from looped_spec.execution.paged_kernel import KernelBatch, num_splits_for
+from looped_spec.models.dense import sdpa
 
 
 @dataclass
@@ -113,7 +77,7 @@ class PagedContext:
             queries = q.new_zeros(self.num_reqs * self.max_query, num_heads, head_dim)
             queries.index_copy_(0, self.pad_index, q)
             queries = queries.view(self.num_reqs, self.max_query, num_heads, head_dim)
-        out = _sdpa(queries.transpose(1, 2), keys, values, mask=self.mask)
+        out = sdpa(queries.transpose(1, 2), keys, values, mask=self.mask)
         out = out.transpose(1, 2).reshape(self.num_reqs * self.max_query, num_heads, head_dim)
         return out if self.pad_index is None else out.index_select(0, self.pad_index)
 

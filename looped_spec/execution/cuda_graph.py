@@ -31,9 +31,9 @@ from dataclasses import dataclass
 
 import torch
 
-from looped_spec.attention import PagedContext
-from looped_spec.model_runner import StepInput, StepOutput
-from looped_spec.paged_kernel import KernelBatch, kernel_available, num_splits_for
+from looped_spec.execution.attention import PagedContext
+from looped_spec.execution.model_runner import StepInput, StepOutput
+from looped_spec.execution.paged_kernel import KernelBatch, kernel_available, num_splits_for
 
 
 @dataclass(frozen=True)

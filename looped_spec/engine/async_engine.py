@@ -16,7 +16,7 @@ import threading
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
-from looped_spec.engine import LoopedSpecEngine
+from looped_spec.engine.engine import LoopedSpecEngine
 from looped_spec.request import RequestOutput
 from looped_spec.sampling_params import SamplingParams
 

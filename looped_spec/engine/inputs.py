@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from looped_spec.checkpoint import CheckpointError
+from looped_spec.models.checkpoint import CheckpointError
 
 Prompt = str | list[int]
 

@@ -7,11 +7,11 @@ from typing import Protocol
 
 import torch
 
-from looped_spec.attention import PagedContext, build_paged_context
-from looped_spec.early_exit import ExitMode, decode_with_exit, prefill_with_exit
-from looped_spec.kv_cache import KVCache
-from looped_spec.model_adapter import ModelAdapter
-from looped_spec.paged_kernel import MAX_KERNEL_QUERY, kernel_available
+from looped_spec.execution.attention import PagedContext, build_paged_context
+from looped_spec.execution.early_exit import ExitMode, decode_with_exit, prefill_with_exit
+from looped_spec.execution.kv_cache import KVCache
+from looped_spec.execution.paged_kernel import MAX_KERNEL_QUERY, kernel_available
+from looped_spec.models.adapter import ModelAdapter
 from looped_spec.request import Request
 
 

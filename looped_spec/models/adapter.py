@@ -19,8 +19,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from looped_spec.attention import DenseContext
-from looped_spec.checkpoint import (
+from looped_spec.models.checkpoint import (
     CheckpointError,
     TensorSpec,
     check_tensors,
@@ -29,9 +28,10 @@ from looped_spec.checkpoint import (
     resolve_device,
     resolve_dtype,
 )
-from looped_spec.config_fields import token_ids_field
-from looped_spec.generation_config import GenerationConfig, read_generation_config
-from looped_spec.kv_cache import KVLayout
+from looped_spec.models.config_fields import token_ids_field
+from looped_spec.models.dense import DenseContext
+from looped_spec.models.generation_config import GenerationConfig, read_generation_config
+from looped_spec.models.kv_layout import KVLayout
 
 
 class ModelAdapter(ABC):

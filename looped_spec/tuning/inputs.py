@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from looped_spec.model_adapter import ModelAdapter
+from looped_spec.models.adapter import ModelAdapter
 
 BUILTIN_CODE_PROMPTS = (  # each ends where the body starts, so a code model writes code, not blank lines
     'def is_palindrome(text: str) -> bool:\n    """Return True if text reads the same backwards."""\n    ',
@@ -115,12 +115,12 @@ def random_token_prompts(count: int, vocab_size: int, seed: int = 0) -> list[lis
 def load_prompts(source: str | Sequence[Any], adapter: ModelAdapter, count: int) -> tuple[list[Any], str]:
     """`count` prompts (cycled) and a description.
 
-    `source`: "tune" (the tuning prompt group of `looped_spec.prompt_sets`: built-in prompts and held-out
+    `source`: "tune" (the tuning prompt group of `looped_spec.tuning.prompt_sets`: built-in prompts and held-out
     standard-library snippets, disjoint from the "eval" group), "builtin", a .txt (one prompt a line) /
     .jsonl file, or a list. A model without a tokenizer gets random token-id prompts for "tune"/"builtin".
     """
     if isinstance(source, str) and source == "tune" and has_tokenizer(adapter.path):
-        from looped_spec.prompt_sets import prompt_group
+        from looped_spec.tuning.prompt_sets import prompt_group
 
         base = list(prompt_group("tune"))
         what = f"tune group: {len(base)} prompts (built-in + held-out stdlib half A; disjoint from the eval group)"
@@ -148,7 +148,7 @@ def load_prompts(source: str | Sequence[Any], adapter: ModelAdapter, count: int)
 
 def prompt_fingerprints(prompts: Sequence[Any]) -> list[str]:
     """Distinct fingerprints of the prompts (stored in a tuned preset, checked by the benchmark)."""
-    from looped_spec.prompt_sets import prompt_fingerprints as fingerprints
+    from looped_spec.tuning.prompt_sets import prompt_fingerprints as fingerprints
 
     return sorted(set(fingerprints(prompts)))
 

@@ -41,7 +41,7 @@ from functools import cache
 from pathlib import Path
 from typing import Any
 
-from looped_spec.tuner_inputs import BUILTIN_CODE_PROMPTS, BUILTIN_PROSE_PROMPTS
+from looped_spec.tuning.inputs import BUILTIN_CODE_PROMPTS, BUILTIN_PROSE_PROMPTS
 
 HELDOUT_MOD = 20  # scripts/train_tiny.py: HELDOUT_MOD
 SKIP_DIRS = frozenset({"test", "tests", "idle_test", "site-packages", "dist-packages", "__pycache__"})

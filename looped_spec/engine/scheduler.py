@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections import deque
 
-from looped_spec.kv_cache import KVCache
+from looped_spec.execution.kv_cache import KVCache
 from looped_spec.request import Request, RequestStatus, ScheduledBatch
 
 

@@ -15,21 +15,21 @@ from tqdm import tqdm
 
 from looped_spec.control.controller import FixedController
 from looped_spec.control.factory import make_controller
-from looped_spec.cuda_graph import CudaGraphRunner, batch_buckets
+from looped_spec.control.plan import RoundFeedback, SpeculationPlan
 from looped_spec.detokenizer import IncrementalDetokenizer
-from looped_spec.engine_config import EngineConfig
-from looped_spec.host_memory import keep_freed_memory
-from looped_spec.inputs import load_tokenizer, normalize_prompts, to_token_ids
-from looped_spec.kv_cache import KVCache
-from looped_spec.model_adapter import ModelAdapter, load_adapter
-from looped_spec.model_runner import ModelRunner
-from looped_spec.plan import RoundFeedback, SpeculationPlan
+from looped_spec.engine.config import EngineConfig
+from looped_spec.engine.inputs import load_tokenizer, normalize_prompts, to_token_ids
+from looped_spec.engine.scheduler import Scheduler
+from looped_spec.engine.stats import EngineStats
+from looped_spec.execution.cuda_graph import CudaGraphRunner, batch_buckets
+from looped_spec.execution.host_memory import keep_freed_memory
+from looped_spec.execution.kv_cache import KVCache
+from looped_spec.execution.model_runner import ModelRunner
+from looped_spec.execution.sampler import SamplingRows, sample
+from looped_spec.models.adapter import ModelAdapter, load_adapter
 from looped_spec.request import Request, RequestOutput, RequestStatus, ScheduledBatch, is_static, mean_context
-from looped_spec.sampler import SamplingRows, sample
 from looped_spec.sampling_params import SamplingParams
-from looped_spec.scheduler import Scheduler
 from looped_spec.speculative.round import RoundResult, SpeculativeRound
-from looped_spec.stats import EngineStats
 
 logger = logging.getLogger(__name__)
 

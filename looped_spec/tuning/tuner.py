@@ -38,15 +38,15 @@ from typing import Any, NamedTuple
 
 from looped_spec.control.acceptance import bit_statistics, markov_tokens, prompt_spread, simulate_tokens
 from looped_spec.control.costprofile import CONTEXT_FIELDS, CostProfile, nondecreasing
-from looped_spec.control.derive import RULES, BucketModel, bucket_ranges, derive_buckets
 from looped_spec.control.presets import AdaptiveSpecConfig
-from looped_spec.engine import LoopedSpecEngine
-from looped_spec.engine_config import SpeculativeConfig
-from looped_spec.inputs import load_tokenizer, to_token_ids
-from looped_spec.model_adapter import ModelAdapter, load_adapter
+from looped_spec.engine.config import SpeculativeConfig
+from looped_spec.engine.engine import LoopedSpecEngine
+from looped_spec.engine.inputs import load_tokenizer, to_token_ids
+from looped_spec.models.adapter import ModelAdapter, load_adapter
 from looped_spec.request import mean_context
 from looped_spec.sampling_params import SamplingParams
-from looped_spec.tuner_inputs import (
+from looped_spec.tuning.derive import RULES, BucketModel, bucket_ranges, derive_buckets
+from looped_spec.tuning.inputs import (
     TunerError,
     hardware_tag,
     load_prompts,
@@ -547,8 +547,8 @@ def tune(
     tag = hardware or hardware_tag(adapter.device)
     now = datetime.now(timezone.utc).astimezone().isoformat(timespec="seconds")
     report = {
-        "tool": "looped_spec.tuner",
-        "command": command or f"looped_spec.tuner.tune({adapter.name!r}, batch_sizes={sizes}, grid={grid!r})",
+        "tool": "looped_spec.tuning.tuner",
+        "command": command or f"looped_spec.tuning.tuner.tune({adapter.name!r}, batch_sizes={sizes}, grid={grid!r})",
         "date": now,
         "cost_measured": now if timed else cost_measured,
         "wall_seconds": round(time.perf_counter() - started, 1),

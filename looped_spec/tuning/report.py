@@ -1,6 +1,6 @@
 """Tuner output: a text report, heatmaps and compact JSON of the preset.
 
-Input is the tuner's report (`looped_spec.tuner.tune`'s provenance): acceptance per depth and per grid cell
+Input is the tuner's report (`looped_spec.tuning.tuner.tune`'s provenance): acceptance per depth and per grid cell
 (replayed on the tuning trajectories vs the Markov model), the cost profile's median round times per batch
 size and cell (with their lines in the batch's mean context, when measured), and the decisions per bucket
 (predicted ratio to plain of every cell).

@@ -8,8 +8,8 @@ from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
-from looped_spec.checkpoint import CheckpointError
-from looped_spec.config_fields import token_ids_field
+from looped_spec.models.checkpoint import CheckpointError
+from looped_spec.models.config_fields import token_ids_field
 from looped_spec.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
