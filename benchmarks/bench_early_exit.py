@@ -59,7 +59,6 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from bench_speculative import (
-    PROMPT_KINDS,
     SPREAD,
     _progress,
     check_equal,
@@ -68,17 +67,16 @@ from bench_speculative import (
     command_line,
     fmt,
     interleaved_rounds,
-    load_prompts,
     noise_floor,
-    parse_int_list,
     run_record,
     spread,
 )
 from common import Bench
 
 from looped_spec import SamplingParams
+from looped_spec.tuning.grid import parse_batch_sizes, parse_int_list
 from looped_spec.tuning.inputs import parse_adapter_options
-from looped_spec.tuning.prompt_sets import PromptSetError, prompt_fingerprints
+from looped_spec.tuning.prompt_sets import EVALUATION_SOURCES, PromptSetError, load_prompts, prompt_fingerprints
 
 FULL_DEPTH_GREEDY = ("plain-B", "adaptive")  # must reproduce plain's output exactly
 LABELS = {"plain": "full depth (plain)", "plain-B": "plain-B (A/A control)", "adaptive": "full depth + adaptive spec"}
@@ -301,7 +299,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--spec-modes", default="skip", help="modes whose early-exit configurations also run with adaptive "
         "speculation: skip, select, skip,select or none",
     )  # fmt: skip
-    parser.add_argument("--prompts", default="eval", choices=PROMPT_KINDS)
+    parser.add_argument("--prompts", default="eval", choices=EVALUATION_SOURCES)
     parser.add_argument("--seed", type=int, default=0, help="seeds the run order, the random prompts, every request")
     parser.add_argument("--repeats", type=int, default=4, help="rounds per batch size; the first is discarded")
     parser.add_argument(
@@ -317,7 +315,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     else:
         check_rounds(parser, args)
     try:
-        args.batches = parse_int_list(args.batch_sizes, "--batch-sizes")
+        args.batches = parse_batch_sizes(args.batch_sizes)
         args.steps = parse_int_list(args.exit_at_steps, "--exit-at-steps") if args.exit_at_steps.strip() else []
         args.tau_list = [float(t) for t in args.taus.split(",") if t.strip()]
     except ValueError as exc:
@@ -347,7 +345,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         rules = [(kind, value) for kind, value in rules if kind != "tau"]
     max_batch = max(args.batches)
     try:
-        prompts, prompt_desc = load_prompts(args.prompts, max_batch, adapter, args.seed)
+        prompts, prompt_desc = load_prompts(args.prompts, max_batch, adapter, seed=args.seed)
     except PromptSetError as exc:
         args.parser.error(str(exc))
     passes = "one untimed pass per configuration" if args.quality_only else f"{args.repeats} rounds"

@@ -29,9 +29,11 @@ from pathlib import Path
 import torch
 
 from looped_spec import LoopedSpecEngine, SpeculativeConfig, load_adapter
+from looped_spec.tuning.grid import parse_grid
+from looped_spec.tuning.prompt_sets import EVALUATION_SOURCES, PromptSetError, load_prompts
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_speculative import load_prompts, parse_grid, timed_generate, timed_slices  # noqa: E402
+from bench_speculative import timed_generate, timed_slices  # noqa: E402
 
 MODES = ("generate", "slice", "step")
 
@@ -57,9 +59,11 @@ def summary(rounds: list[dict[str, float]], name: str) -> tuple[float, float, fl
 def main(argv: list[str] | None = None) -> dict[str, dict[str, tuple[float, float, float]]]:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="tests/fixtures/ouro-tiny")
-    parser.add_argument("--prompts", default="eval", choices=("eval", "tune", "random"))
+    parser.add_argument("--prompts", default="eval", choices=EVALUATION_SOURCES)
     parser.add_argument("--batch-size", type=int, default=1)
-    parser.add_argument("--grid", default="3,2;1,1;5,1", help='fixed cells "K,d;K,d" (default 3,2;1,1;5,1)')
+    parser.add_argument(
+        "--grid", default="3,2;1,1;5,1", help='fixed cells "K,d;K,d" (default 3,2;1,1;5,1), auto or full'
+    )
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=40, help="rounds per mode; the first of each is discarded")
     parser.add_argument("--modes", default="generate,slice,step")
@@ -79,7 +83,10 @@ def main(argv: list[str] | None = None) -> dict[str, dict[str, tuple[float, floa
         grid = parse_grid(args.grid, adapter.full_depth)
     except ValueError as exc:
         parser.error(str(exc))
-    prompts, described = load_prompts(args.prompts, args.batch_size, adapter, args.seed)
+    try:
+        prompts, described = load_prompts(args.prompts, args.batch_size, adapter, seed=args.seed)
+    except PromptSetError as exc:
+        parser.error(str(exc))
     engines = {name: LoopedSpecEngine(adapter, speculation="off") for name in ("plain", "plain-B")}
     for k, d in grid:
         engines[f"{k},{d}"] = LoopedSpecEngine(adapter, speculation=SpeculativeConfig(k=k, d=d))

@@ -2,12 +2,12 @@
 
 Engines, one persistent each, interleaved in turns of `--slice-ms` (bench_speculative.py's `timed_slices`), on
 prompts that rotate round by round (round n from offset 7n of the set): plain, plain-B (the A/A control),
-`adaptive` (the default engine), `adaptive far-readouts` (readouts at the far budget in every round,
-`MeasureSchedule(budget=FAR_BUDGET)`) and `adaptive no-readouts` (none at all: acceptance stays at the preset's
-prior, so this engine's plans are not the default's; it bounds what readouts cost, not what adaptive would do
-without them). Printed per engine: the median ratio to plain over the measured rounds with the standard error of
-that median (1.25 sd / sqrt(n) of the per-round log-ratios), the controller's microseconds per round, and the plans
-it ran. Used for docs/adaptive.md "Acceptance model" (the far-readout threshold) and README "Measurements".
+`adaptive` (the default engine), `adaptive few-readouts` (readout budget a tenth of the default's) and `adaptive
+no-readouts` (a budget so small that only the first round reads out: acceptance stays near the preset's prior, so
+this engine's plans need not be the default's; it bounds what readouts cost, not what adaptive would do without
+them). Printed per engine: the median ratio to plain over the measured rounds with the standard error of that
+median (1.25 sd / sqrt(n) of the per-round log-ratios), the controller's microseconds per round, and the plans it
+ran. Used for docs/adaptive.md "Tunables" (the readout budget).
 
     python benchmarks/bench_overhead.py --model tiny-nanbeige --batch-size 1 --rounds 80 --threads 1
 """
@@ -24,27 +24,23 @@ from pathlib import Path
 import torch
 
 from looped_spec import LoopedSpecEngine, load_adapter
-from looped_spec.control.measurement import FAR_BUDGET, MeasureSchedule
+from looped_spec.control.settings import ControlSettings
+from looped_spec.tuning.prompt_sets import EVALUATION_SOURCES, load_prompts
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_speculative import PromptPool, load_prompts, rotation_size, timed_slices  # noqa: E402
+from bench_speculative import PromptPool, rotation_size, timed_slices  # noqa: E402
 
 
 def adaptive_engine(adapter, readouts: str) -> LoopedSpecEngine:
-    """The default adaptive engine with readouts as asked: "default", "far" (far budget always) or "none"."""
-    engine = LoopedSpecEngine(adapter, speculation="adaptive")
-    if readouts == "far":
-        engine.controller.measure = MeasureSchedule(budget=FAR_BUDGET, far_budget=FAR_BUDGET)
-    elif readouts == "none":
-        engine.controller.measure = MeasureSchedule(every=1 << 30)
-        engine.controller.measure.since = {False: 0, True: 0}  # not even a first round
-    return engine
+    """The default adaptive engine with readouts as asked: "default", "few" (a tenth of the budget) or "none"."""
+    budget = {"default": ControlSettings.readout_budget, "few": ControlSettings.readout_budget / 10, "none": 1e-9}
+    return LoopedSpecEngine(adapter, speculation="adaptive", control={"readout_budget": budget[readouts]})
 
 
 def main(argv: list[str] | None = None) -> dict[str, tuple[float, float]]:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="tiny-ouro")
-    parser.add_argument("--prompts", default="eval", choices=("eval", "tune", "random"))
+    parser.add_argument("--prompts", default="eval", choices=EVALUATION_SOURCES)
     parser.add_argument("--batch-size", type=int, default=1)
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=40, help="rounds; the first is discarded")
@@ -57,11 +53,12 @@ def main(argv: list[str] | None = None) -> dict[str, tuple[float, float]]:
     if args.threads:
         torch.set_num_threads(args.threads)
     adapter = load_adapter(args.model)
-    prompts, described = load_prompts(args.prompts, rotation_size(args.prompts, args.batch_size), adapter, args.seed)
+    count = rotation_size(args.prompts, args.batch_size)
+    prompts, described = load_prompts(args.prompts, count, adapter, seed=args.seed)
     pool = PromptPool(prompts, rotate=True)
     engines = {name: LoopedSpecEngine(adapter, speculation="off") for name in ("plain", "plain-B")}
-    for readouts in ("default", "far", "none"):
-        name = {"default": "adaptive", "far": "adaptive far-readouts", "none": "adaptive no-readouts"}[readouts]
+    for readouts in ("default", "few", "none"):
+        name = {"default": "adaptive", "few": "adaptive few-readouts", "none": "adaptive no-readouts"}[readouts]
         engines[name] = adaptive_engine(adapter, readouts)
     rotating = f"{described} (rotating), {args.max_tokens} new tokens, {args.rounds} rounds"
     print(f"{adapter.name}, B={args.batch_size}, {rotating}")

@@ -11,7 +11,10 @@ import argparse
 import time
 
 import torch
-from common import Bench, random_prompts
+from common import Bench
+
+from looped_spec.tuning.grid import parse_batch_sizes
+from looped_spec.tuning.prompt_sets import random_prompts
 
 
 def naive_dense(adapter, prompts: list[list[int]], max_tokens: int) -> tuple[float, list[list[int]]]:
@@ -37,7 +40,11 @@ def main() -> None:
     bench = Bench(args.model, **({"initial_state": "zeros"} if "huginn" in args.model else {}))
     print(f"model {bench.adapter.name} D={bench.adapter.full_depth}  max_tokens={args.max_tokens}")
     print(f"{'batch':>5} {'paged tok/s':>12} {'naive tok/s':>12} {'paged/naive':>12}  same tokens")
-    for batch in [int(b) for b in args.batch_sizes.split(",")]:
+    try:
+        batches = parse_batch_sizes(args.batch_sizes)
+    except ValueError as exc:
+        parser.error(str(exc))
+    for batch in batches:
         prompts = [p[: args.prompt_len] + [3] * (args.prompt_len - len(p)) for p in random_prompts(batch, 200)]
         paged = bench.run(bench.engine("off"), prompts, args.max_tokens)
         naive_s, naive_out = naive_dense(bench.adapter, prompts, args.max_tokens)

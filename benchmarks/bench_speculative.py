@@ -28,18 +28,26 @@ generated tokens - B (the first token of a request comes from prefill). Every sp
 is checked token for token against plain's output of the same round.
 
 `--workload` also runs the changing workload (`--workload-phases`, default 1->8->32->8->1; one batch per
-phase, consecutive prompt slices) on every configuration, each phase interleaved and repeated the same way, and
-compares adaptive with the per-phase oracle (each phase at its best of plain and the fixed cells by median
-phase time, times summed per round), with the best single fixed cell and with plain.
+phase) on every configuration, each phase interleaved and repeated the same way, and compares adaptive with the
+per-phase oracle (each phase at its best of plain and the fixed cells by median phase time, times summed per
+round), with the best single fixed cell and with plain. A phase is `B` or `B:GROUP` (`looped_spec.tuning.grid.
+parse_phases`): `--workload-phases 8:eval,8:code,32:prose,8:eval` switches the text mid-run between prompt
+groups; a phase without a group decodes `--prompts`. The phases of one group read consecutive slices of that
+group's prompts (rotated by round like the batch sizes'); the result reports each phase's group.
 
     python benchmarks/bench_speculative.py --model tiny-ouro --batch-sizes 1,8,32 --workload \
         --out benchmarks/results/tiny-ouro
     python benchmarks/bench_speculative.py --model tests/fixtures/ouro-tiny --prompts random --max-tokens 8 \
         --repeats 2 --batch-sizes 1,2
+    python benchmarks/bench_speculative.py --model tiny-ouro --batch-sizes 1 --workload \
+        --workload-phases 8:eval,8:code,32:prose,8:eval     # text of another kind, mid-run
 
 Prompts: `--prompts eval` (default) is `looped_spec.tuning.prompt_sets`' evaluation group, disjoint from the tuning
-group; the benchmark exits with status 2 when an adaptive engine's preset records (provenance["prompts"]
-["fingerprints"]) any of the prompts it is about to use. A checkpoint without a tokenizer gets random token ids.
+group; `code` (torch's sources) and `prose` (Python reference documentation) are evaluation groups of other kinds
+of text. The benchmark exits with status 2 when an adaptive engine's preset records (provenance["prompts"]
+["fingerprints"]) any of the prompts it is about to use, those of every workload phase included. A checkpoint
+without a tokenizer gets random token ids (every group, one pool). `--grid` and `--batch-sizes` are parsed by
+`looped_spec.tuning.grid`, as `looped-spec tune` parses them (the same `auto`).
 """
 
 from __future__ import annotations
@@ -60,17 +68,21 @@ from tqdm import tqdm
 
 from looped_spec import LoopedSpecEngine, SamplingParams, SpeculativeConfig, load_adapter
 from looped_spec.control.controller import AdaptiveController
-from looped_spec.tuning.inputs import has_tokenizer, parse_adapter_options
+from looped_spec.control.settings import ControlSettings
+from looped_spec.tuning.grid import Phase, parse_batch_sizes, parse_grid, parse_phases
+from looped_spec.tuning.inputs import parse_adapter_options
 from looped_spec.tuning.prompt_sets import (
+    EVALUATION_SOURCES,
     PromptSetError,
     check_disjoint,
+    has_tokenizer,
+    load_prompts,
     prompt_fingerprints,
     prompt_group,
     provenance_fingerprints,
-    random_prompts,
 )
 
-PROMPT_KINDS = ("eval", "tune", "random", "builtin", "humaneval")
+PROMPT_KINDS = EVALUATION_SOURCES  # --prompts and a workload phase's GROUP (prompt_sets.load_prompts)
 SPREAD = (
     "±half the width of the median's ~95 % confidence interval and [min-max] of the per-round ratios over the "
     "measured rounds (first round discarded)"
@@ -83,82 +95,62 @@ class OutputMismatch(AssertionError):
 
 
 # ----------------------------------------------------------------------------------------- inputs
-def auto_grid(depth: int, full: bool = False) -> list[tuple[int, int]]:
-    """'auto': K in {1,2,3,5} x d in {1, D//2, D-1}; 'full': K in 1..5 x d in 1..D-1 ({1,2,D/4,D/2,D-1} for D > 5)."""
-    if full:
-        ds = range(1, depth) if depth <= 5 else sorted({d for d in (1, 2, depth // 4, depth // 2, depth - 1) if d})
-        return [(k, d) for k in range(1, 6) for d in ds]
-    ds = sorted({d for d in (1, depth // 2, depth - 1) if 1 <= d < depth})
-    return [(k, d) for k in (1, 2, 3, 5) for d in ds]
-
-
-def parse_grid(text: str, depth: int) -> list[tuple[int, int]]:
-    """'auto', 'full' or 'K,d;K,d' -> distinct cells (1 <= K <= 64, 1 <= d < D)."""
-    text = text.strip().lower()
-    if text in ("auto", "full"):
-        return auto_grid(depth, full=text == "full")
-    if text in ("", "none"):
-        return []
-    cells: list[tuple[int, int]] = []
-    for entry in (e.strip() for e in text.split(";")):
-        parts = entry.split(",")
-        if len(parts) != 2 or not all(p.strip().isdigit() for p in parts):
-            raise ValueError(f"--grid entry {entry!r}: expected 'K,d' with integers K and d")
-        k, d = int(parts[0]), int(parts[1])
-        if not 1 <= k <= 64 or not 1 <= d < depth:
-            raise ValueError(f"--grid entry {entry!r}: need 1 <= K <= 64 and 1 <= d < D={depth}")
-        if (k, d) not in cells:
-            cells.append((k, d))
-    return cells
-
-
-def parse_int_list(text: str, what: str) -> list[int]:
-    try:
-        values = [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise ValueError(f"{what} {text!r}: expected comma-separated integers") from None
-    if not values or min(values) < 1:
-        raise ValueError(f"{what} {text!r}: need at least one value, all >= 1")
-    return values
-
-
-def parse_policies(text: str) -> list[tuple[str | None, tuple[str, ...]]]:
+def parse_policies(text: str) -> list[tuple[str | None, tuple[tuple[str, Any], ...]]]:
     """'default' (the engine's default policy: no policy argument), 'ema', 'goodput'; 'none' = no adaptive. Each
-    may turn policy switches off for an A/B in one process: 'default:rival_probes=off' (several: joined by '+')."""
-    out: list[tuple[str | None, tuple[str, ...]]] = []
+    may change the controller's tunables (`ControlSettings` fields) for an A/B in one process:
+    'default:change_z=none' or 'default:plain_margin=0.1+hysteresis=0' (several joined by '+'; 'none' = None)."""
+    out: list[tuple[str | None, tuple[tuple[str, Any], ...]]] = []
+    fields = set(ControlSettings.__dataclass_fields__)
     for item in (p.strip().lower() for p in text.split(",") if p.strip()):
         if item == "none":
             return []
-        name, _, switches = item.partition(":")
-        off = []
-        for switch in (x for x in switches.split("+") if x):
-            key, _, value = switch.partition("=")
-            if value != "off":
-                raise ValueError(f"--policies {item!r}: a switch is written NAME=off, got {switch!r}")
-            off.append(key)
-        policy = (None if name == "default" else name, tuple(off))
+        name, _, changes = item.partition(":")
+        settings = []
+        for change in (x for x in changes.split("+") if x):
+            key, sep, value = change.partition("=")
+            if not sep or key not in fields:
+                raise ValueError(f"--policies {item!r}: {change!r} is not FIELD=VALUE of {sorted(fields)}")
+            settings.append((key, None if value == "none" else json.loads(value)))
+        policy = (None if name == "default" else name, tuple(settings))
         if policy not in out:
             out.append(policy)
     return out
 
 
-def adaptive_name(policy: str | None, off: tuple[str, ...]) -> str:
+def adaptive_name(policy: str | None, settings: tuple[tuple[str, Any], ...]) -> str:
     name = "adaptive" if policy is None else f"adaptive-{policy}"
-    return name + "".join(f"[{key}=off]" for key in off)
+    return name + "".join(f"[{key}={'none' if value is None else value}]" for key, value in settings)
 
 
-def load_prompts(kind: str, count: int, adapter, seed: int) -> tuple[list[Any], str]:
-    """`count` prompts of group `kind` (text), or random token ids when asked or when there is no tokenizer."""
-    if kind != "random" and not has_tokenizer(adapter.path):
-        print(f"note: {adapter.name} has no tokenizer; --prompts {kind} replaced by random token-id prompts")
-        kind = "random"
-    if kind == "random":
-        prompts = random_prompts(count, adapter.vocab_size, seed)
-        return prompts, f"random token ids (seed {seed}, {count} prompts, vocab {adapter.vocab_size})"
-    group = prompt_group(kind)
-    prompts = prompt_group(kind, count)
-    cycled = f", cycled from {len(group)}" if count > len(group) else ""
-    return prompts, f"group {kind!r} ({count} prompts{cycled})"
+def prompt_source(group: str, adapter) -> str:
+    """What a group decodes on `adapter`: the group, or "random" (token ids) when the model has no tokenizer."""
+    return group if group == "random" or has_tokenizer(adapter.path) else "random"
+
+
+def phase_slices(phases: list[Phase], source_of) -> list[tuple[str, int, int]]:
+    """(pool, start, size) per workload phase: the phases of one pool read consecutive slices of it."""
+    used: dict[str, int] = {}
+    out = []
+    for phase in phases:
+        source = source_of(phase.group)
+        out.append((source, used.get(source, 0), phase.batch))
+        used[source] = used.get(source, 0) + phase.batch
+    return out
+
+
+def load_pools(args, adapter) -> dict[str, tuple[list[Any], str]]:
+    """The prompts (and their description) of every pool the run decodes: `--prompts`' for the batch sizes
+    (at least max B), and per workload phase group as many as its phases read in a row; with rotation at least
+    the whole group (`rotation_size`)."""
+    need = {args.source: max(args.batches)}
+    for source, start, size in args.phase_slices:
+        need[source] = max(need.get(source, 0), start + size)
+    pools = {}
+    for source, count in need.items():
+        if not args.same_prompts:
+            count = rotation_size(source, count)
+        pools[source] = load_prompts(source, count, adapter, seed=args.seed)
+    return pools
 
 
 # ----------------------------------------------------------------------------------------- engines
@@ -169,9 +161,11 @@ def config_specs(grid, policies) -> dict[str, dict[str, Any]]:
     }
     for k, d in grid:
         specs[f"{k},{d}"] = {"kind": "fixed", "k": k, "d": d}
-    for policy, off in policies:
-        base = adaptive_name(policy, ()) if off else None  # the engine an A/B compares this one with
-        specs[adaptive_name(policy, off)] = {"kind": "adaptive", "policy": policy, "off": list(off), "base": base}
+    for policy, settings in policies:
+        base = adaptive_name(policy, ()) if settings else None  # the engine an A/B compares this one with
+        specs[adaptive_name(policy, settings)] = {
+            "kind": "adaptive", "policy": policy, "settings": dict(settings), "base": base
+        }  # fmt: skip
     return specs
 
 
@@ -187,13 +181,9 @@ def build_engine(adapter, spec: dict[str, Any], max_batch: int, preset: str | No
         kwargs["policy"] = spec["policy"]
     if preset is not None:
         kwargs["preset"] = preset
-    engine = LoopedSpecEngine(adapter, speculation="adaptive", **kwargs)
-    policy = engine.controller.policy
-    for key in spec.get("off", []):  # a policy switch off, for an A/B against the engine with it on
-        if not isinstance(getattr(policy, key, None), bool):
-            raise ValueError(f"--policies: {type(policy).__name__} has no on/off switch {key!r}")
-        setattr(policy, key, False)
-    return engine
+    if spec.get("settings"):  # tunables changed, for an A/B against the engine with the defaults
+        kwargs["control"] = spec["settings"]
+    return LoopedSpecEngine(adapter, speculation="adaptive", **kwargs)
 
 
 def describe_adaptive(engine: LoopedSpecEngine) -> dict[str, Any]:
@@ -495,7 +485,8 @@ class PromptPool:
     (a workload phase its slice); with rotation (the default) the n-th round of the whole run reads the pool from
     offset n · ROTATION_STRIDE, so rounds decode different prompts and a cell's median is over texts, not over
     repeats of one (docs/benchmarking.md "Rotating prompts": at B = 1 one 64-token text decides which (K, d) is
-    best by how its drafts happen to align with it)."""
+    best by how its drafts happen to align with it). A run has one pool per prompt group it decodes (`--prompts`
+    and the workload phases' groups), all advanced together every round."""
 
     def __init__(self, prompts: list[Any], rotate: bool) -> None:
         self.prompts, self.rotate, self.rounds = prompts, rotate, 0
@@ -518,22 +509,24 @@ def phase_rounds(names: list[str], repeats: int, rng: random.Random, bar, phases
     """`repeats` rounds; in each, every configuration runs every phase once, all of a phase's runs interleaved
     (`timed_phase`: in turns of `--slice-ms`, or whole runs in an order shuffled afresh).
 
-    `phases`: per phase (engine_of(name), start, size): the phase decodes `args.pool.slice(start, size)`, the same
-    prompts for every configuration of a round. Yields (round index, order, records, outputs) per round,
-    records[name] and outputs[name] being lists over the phases; order is the first phase's run order.
+    `phases`: per phase (engine_of(name), pool, start, size): the phase decodes `args.pools[pool].slice(start,
+    size)`, the same prompts for every configuration of a round. Yields (round index, order, records, outputs) per
+    round, records[name] and outputs[name] being lists over the phases; order is the first phase's run order.
+    Every pool moves on to its next round after each round.
     """
     for r in range(repeats):
         records: dict[str, list] = {name: [] for name in names}
         outs: dict[str, list] = {name: [] for name in names}
         order: list[str] = []
-        for engine_of, start, size in phases:
-            prompts = args.pool.slice(start, size)
+        for engine_of, pool, start, size in phases:
+            prompts = args.pools[pool].slice(start, size)
             done = timed_phase({name: engine_of(name) for name in names}, prompts, args, rng)
             order = order or list(done)
             for name in names:
                 records[name].append(done[name][0])
                 outs[name].append(done[name][1])
-        args.pool.next_round()
+        for pool in args.pools.values():
+            pool.next_round()
         bar.update(len(names))
         yield r, order, records, outs
 
@@ -543,7 +536,7 @@ def bench_batch(engines, specs, prompts, b: int, args, rng: random.Random, bar) 
     """`repeats` interleaved rounds of every configuration at batch size b; round 0 is discarded."""
     names = list(engines)
     rounds, orders, checks = [], [], 0
-    phase = [(engines.__getitem__, 0, b)]
+    phase = [(engines.__getitem__, args.source, 0, b)]
     for r, order, runs, outs in phase_rounds(names, args.repeats, rng, bar, phase, args):
         for name in names:
             if name != "plain":
@@ -632,7 +625,7 @@ def confirm_batch(engines, specs, prompts, b: int, top: list[str], args, rng: ra
     """
     names = ["plain", "plain-B", *top, *(n for n in engines if specs[n]["kind"] == "adaptive")]
     measured, checks = [], 0
-    phase = [(engines.__getitem__, 0, b)]
+    phase = [(engines.__getitem__, args.source, 0, b)]
     for r, _order, runs, outs in phase_rounds(names, args.confirm_repeats, rng, bar, phase, args):
         for name in names[1:]:
             check_equal(name, outs[name][0], outs["plain"][0], f"B={b}, confirmation round {r}")
@@ -728,14 +721,13 @@ def print_confirm(c: dict[str, Any]) -> None:
 def bench_workload(engines, specs, prompts, phases, args, rng: random.Random, bar) -> dict[str, Any]:
     """Every configuration runs the phases back to back; interleaved, repeated, round 0 discarded."""
     names = list(engines)
-    offsets = [sum(phases[:i]) for i in range(len(phases))]
     rounds, orders, checks = [], [], 0
-    steps = [(engines.__getitem__, off, size) for size, off in zip(phases, offsets)]
+    steps = [(engines.__getitem__, *where) for where in args.phase_slices]
     for r, order, runs, outs in phase_rounds(names, args.repeats, rng, bar, steps, args):
         for name in names:
             if name != "plain":
                 for p, (got, want) in enumerate(zip(outs[name], outs["plain"])):
-                    check_equal(name, got, want, f"workload round {r}, phase {p} (B={phases[p]})")
+                    check_equal(name, got, want, f"workload round {r}, phase {p} ({phase_label(phases[p])})")
                     checks += 1
         rounds.append(runs)
         orders.append(order)
@@ -747,7 +739,14 @@ def bench_workload(engines, specs, prompts, phases, args, rng: random.Random, ba
     def total_tps(rd, name):
         return sum(run["decode_tokens"] for run in rd[name]) / total_time(rd, name)
 
-    out: dict[str, Any] = {"phases": list(phases), "rounds": rounds, "orders": orders, "equality_checks": checks}
+    out: dict[str, Any] = {
+        "phases": [phase.batch for phase in phases],
+        "phase_groups": [phase.group for phase in phases],  # the group each phase asked for
+        "phase_prompts": [pool for pool, _, _ in args.phase_slices],  # what it decoded: the group, or "random"
+        "rounds": rounds,
+        "orders": orders,
+        "equality_checks": checks,
+    }
     out["configs"] = {
         name: {
             **specs[name],
@@ -808,7 +807,6 @@ def confirm_workload(engines, specs, prompts, phases, oracle, best_single, args,
     screen's best single fixed cell, the screen's per-phase oracle (phase p on the engine the screen chose for
     it) and the adaptive engines. Like the per-batch-size stage, the choices are the screen's, so neither the
     oracle nor the best single cell is flattered by the noise that chose it."""
-    offsets = [sum(phases[:i]) for i in range(len(phases))]
     adaptive = [n for n in engines if specs[n]["kind"] == "adaptive"]
     names = ["plain", "plain-B", *([best_single] if best_single else []), "oracle", *adaptive]
     measured, checks = [], 0
@@ -816,11 +814,11 @@ def confirm_workload(engines, specs, prompts, phases, oracle, best_single, args,
     def phase(p: int):  # the oracle runs phase p on the engine the screen chose for it
         return lambda name: engines[oracle[p] if name == "oracle" else name]
 
-    steps = [(phase(p), off, size) for p, (size, off) in enumerate(zip(phases, offsets))]
+    steps = [(phase(p), *where) for p, where in enumerate(args.phase_slices)]
     for r, _order, runs, outs in phase_rounds(names, args.confirm_repeats, rng, bar, steps, args):
         for name in names[1:]:
             for p, (got, want) in enumerate(zip(outs[name], outs["plain"])):
-                check_equal(name, got, want, f"workload confirmation round {r}, phase {p} (B={phases[p]})")
+                check_equal(name, got, want, f"workload confirmation round {r}, phase {p} ({phase_label(phases[p])})")
                 checks += 1
         measured.append(runs)
 
@@ -848,14 +846,28 @@ def confirm_workload(engines, specs, prompts, phases, oracle, best_single, args,
     return out
 
 
+def phase_label(phase: Phase) -> str:
+    return f"B={phase.batch}, {phase.group}"
+
+
+def workload_labels(wl: dict[str, Any]) -> list[str]:
+    """Per phase "B:GROUP" (GROUP the group it asked for, "->random" added when it decoded random token ids)."""
+    groups = wl.get("phase_groups") or [None] * len(wl["phases"])
+    decoded = wl.get("phase_prompts") or groups
+    return [
+        str(b) if g is None else f"{b}:{g}" + ("" if d == g else f"->{d}")
+        for b, g, d in zip(wl["phases"], groups, decoded)
+    ]
+
+
 def print_workload(wl: dict[str, Any]) -> None:
-    phases = "->".join(map(str, wl["phases"]))
-    print(f"\nchanging workload {phases} (total decode tokens/s as a ratio to plain, per round):")
+    labels = workload_labels(wl)
+    print(f"\nchanging workload {' -> '.join(labels)} (total decode tokens/s as a ratio to plain, per round):")
     print(f"A/A (plain-B vs plain): {fmt(wl['aa'])}  noise floor +-{100 * noise_floor(wl['aa']):.0f}%")
     for name, cell in wl["configs"].items():
         if name not in ("plain", "plain-B"):
             print(f"  {name:<18} {fmt(cell['ratio']):>20}  best-of {cell['best_of_ratio']:.2f}x")
-    print(f"  per-phase oracle: {' '.join(f'B{b}:{n}' for b, n in zip(wl['phases'], wl['oracle_phases']))}")
+    print(f"  per-phase oracle: {'; '.join(f'{label} {n}' for label, n in zip(labels, wl['oracle_phases']))}")
     print(f"  oracle vs plain {fmt(wl['oracle_ratio'])}; best single fixed: {wl['best_single_fixed']}")
     for name, entry in wl["adaptive"].items():
         line = f"  {name}: vs oracle {fmt(entry['vs_oracle'])} (held-out choice {fmt(entry['vs_oracle_held_out'])})"
@@ -931,14 +943,21 @@ def check_rounds(parser: argparse.ArgumentParser, args: argparse.Namespace) -> N
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="tests/fixtures/ouro-tiny", help="checkpoint folder or shipped name")
-    parser.add_argument("--batch-sizes", default="1,8,32")
+    parser.add_argument("--batch-sizes", default="1,8,32", help="comma-separated batch sizes (run in increasing order)")
     parser.add_argument(
         "--grid",
         default="auto",
-        help='"K,d;K,d", auto (K in 1,2,3,5 x d in 1, D/2, D-1), full (K 1..5 x every d), or none',
+        help="auto (K 1..5 x d 1..D-1; d in 1,2,D/4,D/2,D-1 for D > 5: the tuner's grid), full (K 1..8 x every d), "
+        '"K,d;K,d" or none (looped_spec.tuning.grid)',
     )
     parser.add_argument("--max-tokens", type=int, default=64, help="new tokens per request (default 64)")
-    parser.add_argument("--prompts", default="eval", choices=PROMPT_KINDS)
+    parser.add_argument(
+        "--prompts",
+        default="eval",
+        choices=PROMPT_KINDS,
+        help="prompt group (looped_spec.tuning.prompt_sets): eval (default), code, prose, tune, builtin, humaneval, "
+        "or random token ids",
+    )
     parser.add_argument("--repeats", type=int, default=5, help="rounds per batch size; the first is discarded")
     parser.add_argument(
         "--confirm-repeats",
@@ -956,7 +975,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     parser.add_argument("--preset", default=None, help="preset file for the adaptive engines (default: the model's)")
     parser.add_argument("--workload", action="store_true", help="also run the changing workload (--workload-phases)")
-    parser.add_argument("--workload-phases", default="1,8,32,8,1", help="batch size of each workload phase")
+    parser.add_argument(
+        "--workload-phases",
+        default="1,8,32,8,1",
+        help="the workload's phases: B or B:GROUP each, e.g. 8:eval,8:code,32:prose,8:eval (no GROUP: --prompts)",
+    )
     parser.add_argument(
         "--slice-ms",
         type=float,
@@ -985,8 +1008,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if not args.slice_ms >= 0.0:
         parser.error("--slice-ms must be >= 0 (0: whole generates one after another)")
     try:
-        args.batches = parse_int_list(args.batch_sizes, "--batch-sizes")
-        args.phases = parse_int_list(args.workload_phases, "--workload-phases") if args.workload else []
+        args.batches = parse_batch_sizes(args.batch_sizes)
+        args.phase_list = parse_phases(args.workload_phases, args.prompts) if args.workload else []
+        args.phases = [phase.batch for phase in args.phase_list]
+        args.phase_groups = [phase.group for phase in args.phase_list]
         args.policy_list = parse_policies(args.policies)
         args.options = parse_adapter_options(args.adapter_option)
     except ValueError as exc:
@@ -1027,21 +1052,30 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     adapter = load_adapter(args.model, dtype=args.dtype, device=args.device, **args.options)
     depth = adapter.full_depth
     try:
-        grid = parse_grid(args.grid, depth)
+        grid = parse_grid(args.grid, depth, allow_none=True)
     except ValueError as exc:
         args.parser.error(str(exc))
-    phases = args.phases
-    max_batch = max(args.batches + phases)
-    count = max(max(args.batches), sum(phases))
+    phases = args.phase_list
+    max_batch = max(args.batches + args.phases)
+    args.source = prompt_source(args.prompts, adapter)
+    args.phase_slices = phase_slices(phases, lambda group: prompt_source(group, adapter))
+    replaced = sorted({g for g in [args.prompts, *args.phase_groups] if prompt_source(g, adapter) != g})
+    if replaced:
+        print(f"note: {adapter.name} has no tokenizer; prompt group(s) {', '.join(replaced)} replaced by random "
+              "token-id prompts (one pool)")  # fmt: skip
     try:
-        if not args.same_prompts:
-            count = rotation_size(args.prompts, count)
-        prompts, prompt_desc = load_prompts(args.prompts, count, adapter, args.seed)
+        loaded = load_pools(args, adapter)
     except PromptSetError as exc:
         args.parser.error(str(exc))
-    args.pool = PromptPool(prompts, rotate=not args.same_prompts)
-    if args.pool.rotate:
-        prompt_desc += f"; rounds rotate through them (round n from offset {ROTATION_STRIDE}n)"
+    args.pools = {source: PromptPool(p, rotate=not args.same_prompts) for source, (p, _) in loaded.items()}
+    args.pool = args.pools[args.source]  # --prompts' pool (the batch sizes')
+    prompts, prompt_desc = loaded[args.source]
+    rotating = f"; rounds rotate through them (round n from offset {ROTATION_STRIDE}n)" if args.pool.rotate else ""
+    prompt_desc += rotating
+    others = [f"{source}: {desc}" for source, (_, desc) in loaded.items() if source != args.source]
+    if others:
+        prompt_desc += "; workload phases also: " + "; ".join(others)
+    every_prompt = [p for pool, _ in loaded.values() for p in pool]  # all the run decodes, every phase's too
     specs = config_specs(grid, args.policy_list)
     print(
         f"model {adapter.name} ({adapter.model_type}) D={depth}, {args.dtype} on {args.device}, "
@@ -1062,9 +1096,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         if spec["kind"] == "adaptive":
             spec.update(describe_adaptive(engines[name]))
     print("configs: " + ", ".join(_label(name, spec) for name, spec in specs.items()))
-    overlap = check_overlap(engines, specs, prompts)
+    overlap = check_overlap(engines, specs, every_prompt)
     args.predictions = preset_predictions(engines, specs)
-    warm = prompts[:max_batch]
+    warm = [prompts[i % len(prompts)] for i in range(max_batch)]
     for engine in engines.values():  # warm up at the full batch shape
         engine.generate(warm, SamplingParams(max_tokens=4, ignore_eos=True))
     rng = random.Random(args.seed)
@@ -1092,9 +1126,18 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     print(f"\ngreedy outputs equal to plain's: {checks} of {checks} checks")
     report = {
         **run_record(command, now, adapter),
-        "args": {k: v for k, v in vars(args).items() if k not in ("parser", "predictions")},
+        "args": {k: v for k, v in vars(args).items() if k not in ("parser", "predictions", "pools", "phase_list")},
         "preset_predictions": args.predictions,
-        "prompts": {"kind": args.prompts, "description": prompt_desc, "fingerprints": prompt_fingerprints(prompts)},
+        "prompts": {
+            "kind": args.prompts,
+            "description": prompt_desc,
+            "fingerprints": prompt_fingerprints(prompts),
+            # every pool the run decoded (--prompts' and the workload phases' groups), each checked for overlap
+            "groups": {
+                source: {"description": desc, "count": len(pool), "fingerprints": prompt_fingerprints(pool)}
+                for source, (pool, desc) in loaded.items()
+            },
+        },
         "configs": specs,
         "overlap_check": overlap,
         "spread": SPREAD,

@@ -1,7 +1,8 @@
-"""Shared benchmark plumbing for bench_plain.py: random prompts and timing of one engine configuration.
+"""Shared benchmark plumbing for bench_plain.py and bench_early_exit.py: timing of one engine configuration.
 
-Prompt groups (tuning vs evaluation, held-out standard-library snippets, HumanEval) live in
-`looped_spec.tuning.prompt_sets`; bench_speculative.py times configurations interleaved on its own.
+Prompts (the groups, random token ids, files: `load_prompts`, `random_prompts`) live in
+`looped_spec.tuning.prompt_sets`, and batch sizes and the (K, d) grid are parsed by `looped_spec.tuning.grid`, for
+every benchmark and the tuner alike; bench_speculative.py times configurations interleaved on its own.
 """
 
 from __future__ import annotations
@@ -9,15 +10,7 @@ from __future__ import annotations
 import statistics
 import time
 
-import torch
-
 from looped_spec import LoopedSpecEngine, SamplingParams, load_adapter
-
-
-def random_prompts(count: int, vocab: int, seed: int = 0) -> list[list[int]]:
-    gen = torch.Generator().manual_seed(seed)
-    lengths = torch.randint(8, 24, (count,), generator=gen).tolist()
-    return [torch.randint(3, vocab, (n,), generator=gen).tolist() for n in lengths]
 
 
 class Bench:

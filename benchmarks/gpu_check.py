@@ -233,9 +233,7 @@ def check_model(name: str, config: dict, args, report: dict, deadline: float, sa
     report["models"][name] = entry
 
     def make(spec="off", graphs_mode=graphs, kernel=None, **kw):
-        engine = LoopedSpecEngine(adapter, speculation=spec, cuda_graphs=graphs_mode is True, **{**engine_kw, **kw})
-        if graphs_mode == "emulate":  # the graph runner's padded path, run eagerly (the engine's private hook)
-            engine._enable_graphs(capture=False)
+        engine = LoopedSpecEngine(adapter, speculation=spec, cuda_graphs=graphs_mode, **{**engine_kw, **kw})
         if kernel is not None:
             engine.runner.paged_kernel = kernel
         return engine

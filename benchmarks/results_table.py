@@ -69,7 +69,9 @@ def table(result: dict[str, Any], name: str = "adaptive") -> str:
     wl = result.get("workload")
     if wl:
         entry = wl["adaptive"].get(name, {})
-        phases = "→".join(map(str, wl["phases"]))
+        groups = wl.get("phase_groups")  # since B:GROUP phases: the prompt group of each phase
+        labels = [f"{b}:{g}" for b, g in zip(wl["phases"], groups)] if groups and len(set(groups)) > 1 else None
+        phases = "→".join(labels or map(str, wl["phases"]))
         oracle = ", ".join(wl["oracle_phases"])
         lines += [
             "",

@@ -27,7 +27,7 @@ def main() -> None:
 
     # the same as: looped-spec tune --model tiny-ouro --batch-sizes 1,4 --grid "1,1;2,1;1,2" ... --out ...
     rc = looped_spec_cli(["tune", "--model", args.model, "--batch-sizes", "1,4", "--grid", "1,1;2,1;1,2",
-                          "--acceptance-tokens", str(args.tokens), "--num-prompts", "4", "--profile-tokens", "4",
+                          "--acceptance-tokens", str(args.tokens), "--num-prompts", "4", "--round-tokens", "4",
                           "--repeats", "1", "--threads", "1", "--quiet", "--out", args.out])  # fmt: skip
     if rc != 0:
         sys.exit(rc)

@@ -200,11 +200,10 @@ def _models(args: argparse.Namespace) -> int:
 def _tune(args: argparse.Namespace) -> int:
     import shlex
 
-    from looped_spec.control.costprofile import CostProfile
     from looped_spec.control.presets import load_preset, read_preset_file
-    from looped_spec.tuning.inputs import TunerError, parse_adapter_options
+    from looped_spec.tuning.inputs import parse_adapter_options
     from looped_spec.tuning.report import dump_json, format_report, preset_data, write_heatmap
-    from looped_spec.tuning.tuner import refit_context_terms, tune
+    from looped_spec.tuning.tuner import tune
 
     out = _output_file(args.out, "--out")  # before measuring, which takes minutes
     if args.heatmap:
@@ -216,7 +215,7 @@ def _tune(args: argparse.Namespace) -> int:
             raise UsageError("--heatmap needs matplotlib (pip install matplotlib)") from None
     _at_least(args.threads, 0, "--threads", " (0: torch's default)")
     _at_least(args.acceptance_tokens, 2, "--acceptance-tokens", " (the first token comes from prefill)")
-    _at_least(args.profile_tokens, 2, "--profile-tokens")
+    _at_least(args.round_tokens, 2, "--round-tokens")
     for option in ("num_prompts", "repeats"):
         _at_least(getattr(args, option), 1, "--" + option.replace("_", "-"))
     _set_threads(args.threads)
@@ -224,24 +223,12 @@ def _tune(args: argparse.Namespace) -> int:
     cost = {}
     if args.cost_from:
         source = read_preset_file(args.cost_from)
-        if source.cost is None:
-            raise TunerError(f"--cost-from {args.cost_from}: the preset has no measured cost profile")
         prov = source.provenance if isinstance(source.provenance, dict) else {}
-        measured = prov.get("cost_measured") or prov.get("date")
-        given = refit = None
-        if source.full_depth is not None:
-            given = CostProfile(source.full_depth, **source.cost.model_dump())
-            refit = refit_context_terms(given, prov.get("cost", {}))
         cost = {
-            "cost_profile": refit.to_dict() if refit is not None else source.cost.model_dump(),
+            "cost_profile": source.cost.model_dump(),
             "cost_report": prov.get("cost", {}),
-            "cost_profile_source": f"from {args.cost_from}"
-            + (
-                " (context terms refit from its per-cell lines)"
-                if refit is not None and given is not None and refit.to_dict() != given.to_dict()
-                else ""
-            ),
-            "cost_measured": measured,
+            "cost_profile_source": f"from {args.cost_from}",
+            "cost_measured": prov.get("cost_measured") or prov.get("date"),
         }
     start = time.perf_counter()
     config, report = tune(
@@ -251,7 +238,7 @@ def _tune(args: argparse.Namespace) -> int:
         args.grid,
         acceptance_tokens=args.acceptance_tokens,
         num_prompts=args.num_prompts,
-        profile_tokens=args.profile_tokens,
+        round_tokens=args.round_tokens,
         repeats=args.repeats,
         hardware=args.hardware,
         dtype=args.dtype,
@@ -265,7 +252,7 @@ def _tune(args: argparse.Namespace) -> int:
     data = preset_data(config)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(dump_json(data), encoding="utf-8")
-    load_preset(config.model, config.full_depth or 1, preset=out)  # re-read: what the engine will see
+    load_preset(config.model, config.full_depth, preset=out)  # re-read: what the engine will see
     print(format_report(report, data))
     print(f"wrote {out} in {time.perf_counter() - start:.1f} s")
     if args.heatmap is not None:
@@ -370,23 +357,29 @@ def build_parser() -> argparse.ArgumentParser:
     tune = sub.add_parser(
         "tune",
         help="measure acceptance and round cost, write a preset file",
-        description="Measure per-depth acceptance with counterfactual readouts (deterministic) and the round "
-        "cost of every (K, d) per batch size (interleaved, repeated, medians), then derive a validated "
+        description="Measure per-depth acceptance with counterfactual readouts (deterministic) and the pass-cost "
+        "profile (timed steps on a grid of shapes and interleaved rounds of a few plans), then derive a validated "
         "adaptive-speculation preset (rules: looped_spec.tuning.derive; docs/adaptive.md).",
         formatter_class=fmt,
     )
     tune.add_argument("--model", required=True, help="checkpoint folder or shipped model name")
     tune.add_argument("--batch-sizes", default="1,2,4,8,16,32", help="comma-separated batch sizes to profile")
     tune.add_argument(
-        "--prompts", default="tune", help="tune | builtin | FILE (.txt: one prompt a line; .jsonl: prompt)"
+        "--prompts",
+        default="tune",
+        help="tune | builtin | random | FILE (.txt: one prompt a line; .jsonl: prompt); the evaluation groups "
+        "(eval, code, prose) are refused (looped_spec.tuning.prompt_sets)",
     )
     tune.add_argument("--out", required=True, help="preset JSON to write, e.g. presets/NAME.json")
-    tune.add_argument("--grid", default="auto", help='auto | "K,d;K,d;..." (1 <= d < D)')
+    tune.add_argument(
+        "--grid",
+        default="auto",
+        help='auto (K 1..5 x d 1..D-1; d in 1,2,D/4,D/2,D-1 for D > 5) | full (K 1..8 x every d) | "K,d;K,d;..." '
+        "(1 <= d < D; looped_spec.tuning.grid)",
+    )
     tune.add_argument("--acceptance-tokens", type=int, default=96, help="greedy tokens per prompt (acceptance pass)")
     tune.add_argument("--num-prompts", type=int, default=32, help="prompts in the acceptance pass")
-    tune.add_argument(
-        "--profile-tokens", type=int, default=64, help="generated tokens per request over which rounds are timed"
-    )
+    tune.add_argument("--round-tokens", type=int, default=32, help="generated tokens per request in the timed rounds")
     tune.add_argument("--repeats", type=int, default=4, help="timed repeats (one more is run and dropped)")
     tune.add_argument("--seed", type=int, default=0, help="seed of the interleaving order")
     tune.add_argument(

@@ -114,9 +114,6 @@ class Request:
         # + i): in skip mode a generated token's deeper loop planes hold its exit loop's KV, and a readout that
         # writes KV (Huginn's coda) wrote it at that depth, so a recompute after preemption redoes exactly that
         self.exit_depths: list[int] = []
-        # decode rounds the engine had run when this request was last prefilled: requests admitted between
-        # the same two decode rounds form a static batch (docs/adaptive.md "Draining")
-        self.admitted_round = -1
 
     @property
     def exits_early(self) -> bool:
@@ -175,12 +172,3 @@ def mean_context(requests: list[Request]) -> float:
     for every round, no device sync.
     """
     return sum(r.num_computed for r in requests) / len(requests) if requests else 0.0
-
-
-def is_static(requests: list[Request]) -> bool:
-    """Whether the running requests were all admitted between the same two decode rounds (`admitted_round`).
-
-    Such a batch started together; a batch that took a request in while others decoded is open — requests
-    arrive while it runs — and a slot that frees up is likely filled again.
-    """
-    return len({r.admitted_round for r in requests}) <= 1

@@ -24,8 +24,9 @@ PRESETS = Path(__file__).resolve().parent.parent / "presets"
 DERIVED = ("ouro-1.4b", "ouro-2.6b", "huginn-0125", "nanbeige4.2-3b", "default")
 METHOD = (
     "looped_spec.tuning.derive.derive_preset (scripts/derive_presets.py): the tuner's rules (docs/adaptive.md) "
-    "with the idealised cost model (docs/adaptive.md) T_spec = d(K+1)*c(B) + (D-d)*c(B(K+1)), T_plain = D*c(B), "
-    "c(N) = 1 + N/n_sat, and the assumed acceptance per depth (persistence 0) in place of measurements"
+    "with the idealised pass-cost profile (control/passcost.py ideal_cost): a loop pass over n positions costs "
+    "1 + n/n_sat units, a readout 8 % of one, and the assumed acceptance per depth (persistence 0) in place of "
+    "measurements"
 )
 
 
@@ -44,8 +45,7 @@ def derive(name: str) -> str:
         disable={"probe_base": 32, "probe_cap": 1024},
         provenance=prov,
     )
-    data["depth_rule"] = old["depth_rule"]
-    if old["depth_rule"] == "scale":  # rescaled to other depths: per-depth acceptance would not fit them
+    if name == "default":  # a family-generic preset: per-depth acceptance of no model in particular
         del data["acceptance"]
     return dump_json(preset_data(AdaptiveSpecConfig.parse(data, source=str(path))))
 

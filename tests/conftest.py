@@ -51,14 +51,11 @@ def make_engine(family: str, **kwargs):
 
 
 def engine_with_graphs(model, graphs: bool | str, **kwargs):
-    """A LoopedSpecEngine with `cuda_graphs=graphs`, or with graphs="emulate": the CUDA-graph runner's padded
-    static-buffer path run eagerly without capture (the engine's private hook), so CPU tests cover it."""
+    """A LoopedSpecEngine with `cuda_graphs=graphs` ("emulate": the CUDA-graph runner's padded static-buffer path
+    run eagerly without capture, so CPU tests cover it)."""
     from looped_spec import LoopedSpecEngine
 
-    engine = LoopedSpecEngine(model, cuda_graphs=graphs if graphs != "emulate" else False, **kwargs)
-    if graphs == "emulate":
-        engine._enable_graphs(capture=False)
-    return engine
+    return LoopedSpecEngine(model, cuda_graphs=graphs, **kwargs)
 
 
 @pytest.fixture(params=FAMILIES)

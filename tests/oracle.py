@@ -1,4 +1,4 @@
-"""A draft override for tests (and benchmarks/gpu_check.py): propose a known continuation to force an
+"""A draft proposer for tests (and benchmarks/gpu_check.py): propose a known continuation to force an
 acceptance pattern."""
 
 from __future__ import annotations
@@ -7,10 +7,12 @@ from collections.abc import Callable
 
 import torch
 
+from looped_spec.speculative.proposer import DraftProposer
+
 
 class OracleDraft:
     """Drafts each request's known continuation (e.g. its plain greedy output), replaced by a wrong token
-    wherever `miss(j)` is true for draft index j. `attach(engine)` makes the engine's proposer use it;
+    wherever `miss(j)` is true for draft index j. `attach(engine)` gives the engine a proposer that drafts so;
     greedy requests only (sampled rows keep their own draft distribution)."""
 
     def __init__(
@@ -21,11 +23,11 @@ class OracleDraft:
         self.miss = miss
 
     def attach(self, engine):
-        """Use this oracle for `engine`'s drafts (the proposer's `draft_override` hook); returns the engine."""
-        engine.spec_round.proposer.draft_override = self
+        """Draft `engine`'s tokens with this oracle from now on; returns the engine."""
+        engine.spec_round.proposer = OracleProposer(engine.runner, self)
         return engine
 
-    def __call__(self, requests, j: int, drafted: torch.Tensor) -> torch.Tensor:
+    def tokens(self, requests, j: int) -> torch.Tensor:
         out = []
         for request in requests:
             seq = self.sequences[tuple(request.token_ids[: request.num_prompt_tokens])]
@@ -33,3 +35,18 @@ class OracleDraft:
             token = seq[pos] if pos < len(seq) else 0
             out.append((token + 1) % self.vocab_size if self.miss(j) else token)
         return torch.tensor(out)
+
+
+class OracleProposer(DraftProposer):
+    """The engine's proposer, drafting greedy rows' tokens from an `OracleDraft` instead of their readout (before
+    the token is embedded, so the cached draft KV always matches the tokens verified)."""
+
+    def __init__(self, runner, oracle: OracleDraft) -> None:
+        super().__init__(runner)
+        self.oracle = oracle
+
+    def draw(self, logits, rows, requests, j):
+        drafted, q = super().draw(logits, rows, requests, j)
+        if q is not None:
+            return drafted, q
+        return self.oracle.tokens(requests, j).to(drafted.device), None

@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 
 from looped_spec import LoopedSpecEngine
-from looped_spec.tuning.prompt_sets import prompt_fingerprints, random_prompts
+from looped_spec.tuning.grid import Phase
+from looped_spec.tuning.prompt_sets import prompt_fingerprints, prompt_group, random_prompts
 
 ROOT = Path(__file__).resolve().parent.parent
 FIXTURE = str(ROOT / "tests" / "fixtures" / "ouro-tiny")
@@ -108,20 +109,20 @@ def test_bench_confirmation_options_are_checked(bench, bad, capsys):
     assert exc.value.code == 2 and "--confirm-" in capsys.readouterr().err
 
 
-def test_bench_ab_of_a_policy_switch_reports_the_ratio_to_the_policy_with_it_on(bench, capsys):
-    argv = [*SMALL, "--batch-sizes", "2", "--policies", "default,default:rival_probes=off", "--confirm-repeats", "2"]
+def test_bench_ab_of_a_tunable_reports_the_ratio_to_the_defaults(bench, capsys):
+    argv = [*SMALL, "--batch-sizes", "2", "--policies", "default,default:change_z=none", "--confirm-repeats", "2"]
     report = bench.main(argv)
     row = report["batch_sizes"]["2"]
-    assert "adaptive[rival_probes=off]" in report["configs"]
+    assert "adaptive[change_z=none]" in report["configs"]
     for entries in (row["summary"]["adaptive"], row["confirm"]["adaptive"]):
         assert "vs_base" not in entries["adaptive"]
-        assert entries["adaptive[rival_probes=off]"]["vs_base"]["base"] == "adaptive"
+        assert entries["adaptive[change_z=none]"]["vs_base"]["base"] == "adaptive"
     assert "vs adaptive " in capsys.readouterr().out
 
 
 @pytest.mark.parametrize(
     "policies, message",
-    [("default:rival_probes=on", "NAME=off"), ("default:no_such_switch=off", "no on/off switch 'no_such_switch'")],
+    [("default:change_z", "FIELD=VALUE"), ("default:no_such_field=1", "'no_such_field=1' is not FIELD=VALUE")],
 )
 def test_bench_policy_switches_are_checked(bench, policies, message, capsys):
     with pytest.raises(SystemExit) as exc:
@@ -268,9 +269,9 @@ def test_held_out_choice_scores_each_round_with_a_choice_made_on_the_others(benc
     assert bench.held_out(rounds[:1], choose, lambda rd, n: rd[n]) != [1.0]  # nan: no other round to choose on
 
 
-def write_preset(path: Path, provenance: dict) -> Path:
-    """The fixture's own adaptive preset with the given provenance."""
-    engine = LoopedSpecEngine(FIXTURE, speculation="adaptive", device="cpu", dtype="float32")
+def write_preset(path: Path, provenance: dict, model: str = FIXTURE) -> Path:
+    """The model's (default: the fixture's) own adaptive preset with the given provenance."""
+    engine = LoopedSpecEngine(model, speculation="adaptive", device="cpu", dtype="float32")
     data = engine.controller.config.model_dump(mode="json")
     data["provenance"] = provenance
     path.write_text(json.dumps(data))
@@ -299,10 +300,87 @@ def test_bench_refuses_prompts_the_preset_was_tuned_on(bench, tmp_path, capsys):
     assert f"1 of the {bench.ROTATION_POOL} distinct evaluation prompts" in capsys.readouterr().err
 
 
+#: a shipped model with a tokenizer (text prompt groups), the fastest of the three
+TEXT = ["--model", "tiny-nanbeige", "--batch-sizes", "1", "--grid", "1,1", "--max-tokens", "3", "--repeats", "2"]
+TEXT += ["--threads", "1"]
+
+
+def test_workload_phases_switch_prompt_groups_and_report_each_phases_group(bench, monkeypatch):
+    seen: list[list] = []
+    timed_phase = bench.timed_phase
+
+    def recording(jobs, prompts, args, rng):
+        seen.append(list(prompts))
+        return timed_phase(jobs, prompts, args, rng)
+
+    monkeypatch.setattr(bench, "timed_phase", recording)
+    report = bench.main([*TEXT, "--workload", "--workload-phases", "1:code,2:prose,1"])
+    wl = report["workload"]
+    assert wl["phases"] == [1, 2, 1] and report["args"]["phases"] == [1, 2, 1]  # the old fields, unchanged
+    assert wl["phase_groups"] == wl["phase_prompts"] == ["code", "prose", "eval"]  # no group: --prompts (eval)
+    groups = report["prompts"]["groups"]
+    assert set(groups) == {"eval", "code", "prose"}
+    for name in ("code", "prose"):  # rotation: a pool is the whole group, and every one of its prompts was checked
+        assert groups[name]["fingerprints"] == prompt_fingerprints(prompt_group(name))
+    assert report["prompts"]["fingerprints"] == groups["eval"]["fingerprints"]
+    assert report["overlap_check"]["checked"] == ["adaptive"]
+    workload_calls = seen[-3 * 2 :]  # 2 rounds x 3 phases, after the batch-size rounds
+    for call, group in zip(workload_calls, ["code", "prose", "eval"] * 2):
+        assert set(call) <= set(prompt_group(group)), group
+    assert [len(call) for call in workload_calls] == [1, 2, 1, 1, 2, 1]
+    assert wl["equality_checks"] == 3 * 3 * 2
+
+
+def test_phases_of_one_pool_read_consecutive_slices(bench):
+    phases = [Phase(1, "eval"), Phase(2, "code"), Phase(3, "eval")]
+    assert bench.phase_slices(phases, lambda g: g) == [("eval", 0, 1), ("code", 0, 2), ("eval", 1, 3)]
+    # a model without a tokenizer decodes random token ids for every group: one pool, as before groups
+    assert bench.phase_slices(phases, lambda g: "random") == [("random", 0, 1), ("random", 1, 2), ("random", 3, 3)]
+
+
+def test_workload_groups_without_a_tokenizer_become_random_ids(bench, capsys):
+    report = bench.main(
+        [*SMALL, "--batch-sizes", "1", "--workload", "--workload-phases", "1:code,2", "--max-tokens", "3"]
+    )
+    wl = report["workload"]
+    assert wl["phase_groups"] == ["code", "random"] and wl["phase_prompts"] == ["random", "random"]
+    assert set(report["prompts"]["groups"]) == {"random"}
+    assert "group(s) code replaced by random token-id prompts" in capsys.readouterr().out
+
+
+def test_bench_refuses_a_preset_tuned_on_a_workload_phases_prompts(bench, tmp_path, capsys):
+    tuned = prompt_group("code")[5:6]  # not in --prompts eval: only the code phase decodes it
+    provenance = {"prompts": {"fingerprints": prompt_fingerprints(tuned)}}
+    preset = write_preset(tmp_path / "tiny-nanbeige.json", provenance, model="tiny-nanbeige")
+    argv = [*TEXT, "--preset", str(preset), "--workload"]
+    with pytest.raises(SystemExit) as exc:
+        bench.main([*argv, "--workload-phases", "1,1:code"])
+    assert exc.value.code == 2
+    distinct = len(set(prompt_group("eval") + prompt_group("code")))
+    assert f"1 of the {distinct} distinct evaluation prompts" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "phases, message",
+    [("8:novel", "unknown prompt group 'novel'"), ("0", "entry '0': batch size 0 must be >= 1"), ("2:", "B:GROUP")],
+)
+def test_bench_workload_phase_errors_name_the_entry(bench, phases, message, capsys):
+    with pytest.raises(SystemExit) as exc:
+        bench.main([*SMALL, "--workload", "--workload-phases", phases])
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and "--workload-phases" in err and message in err
+
+
+def test_bench_grid_errors_name_the_flag_and_entry(bench, capsys):
+    with pytest.raises(SystemExit) as exc:
+        bench.main([*SMALL, "--grid", "1,1;1,7"])
+    assert exc.value.code == 2 and "--grid entry '1,7': d=7 must be in 1..3" in capsys.readouterr().err
+
+
 def test_controller_overhead_script_runs():
     module = load_script("bench_controller")
     for policy in ("ema", "goodput"):
-        assert module.overhead_us(policy, "ouro-1.4b", 4, [0.7, 0.87, 0.94, 1.0], 50) > 0.0
+        assert module.overhead_us(policy, "ouro-1.4b", [0.7, 0.87, 0.94, 1.0], 100) > 0.0
 
 
 def test_early_exit_bench_prints_quality_beside_speed(monkeypatch, tmp_path, capsys):
@@ -347,8 +425,8 @@ def test_results_table_renders_a_committed_result(capsys):
     printed = capsys.readouterr().out
     assert printed.startswith("**tiny-nanbeige (D=2)**") and "| 32 |" in printed and "Changing workload" in printed
     assert "Confirmation rounds" in printed and "Workload confirmation" in printed
-    # its run had a second adaptive engine with the probe prior off: the A/B line divides the two per round
-    assert "A/B, adaptive[probe_prior=off] ÷ adaptive per round: B = 1: " in printed and "workload: " in printed
+    # its run had a second adaptive engine with the change detector off: the A/B line divides the two per round
+    assert "A/B, adaptive[change_z=none] ÷ adaptive per round: B = 1: " in printed and "workload: " in printed
 
 
 def test_results_table_ab_line_divides_the_two_engines_ratios_round_by_round():
@@ -381,52 +459,15 @@ def test_early_exit_bench_quality_only_runs_no_timing_and_is_deterministic(monke
     assert module.main(argv) == rows  # one untimed pass: the same numbers every time
 
 
-def test_drain_check_prices_plain_in_lockstep_and_inverts_the_chain():
-    module = load_script("bench_drain")
-    for tokens, rho, k in [(1.4, 0.0, 1), (2.2, 0.3, 3), (1.05, 0.5, 2)]:
-        assert module.markov_tokens(module.chain_alpha(tokens, rho, k), rho, k) == pytest.approx(tokens, abs=1e-9)
-    argv = ["--model", "tiny-ouro", "--batch-size", "2", "--max-tokens", "6", "--repeats", "2", "--threads", "1"]
-    result = module.main([*argv, "--plans", "0,0;2,1"])
-    plain, spec = result["plans"]["0,0"], result["plans"]["2,1"]
-    assert plain["fill"] == 1.0 and plain["tokens_per_round"] == 1.0 and plain["vs_plain"] == 1.0
-    # plain decoding keeps equal budgets in step: its rounds as they ran are its lockstep rounds, as the model says
-    assert plain["occupancy_vs_lockstep"] == pytest.approx(1.0) and plain["model_vs_lockstep"] == pytest.approx(1.0)
-    assert 0.0 < spec["fill"] <= 1.0 and spec["tokens_per_round"] >= 1.0 and spec["model_vs_lockstep"] > 0.0
-
-
-def test_drain_check_refuses_a_preset_without_a_cost_profile(capsys):
-    module = load_script("bench_drain")
-    with pytest.raises(SystemExit) as exc:
-        module.main(["--model", FIXTURE, "--batch-size", "2", "--max-tokens", "4", "--repeats", "2"])
-    assert exc.value.code == 2 and "no cost profile" in capsys.readouterr().err
-
-
-def test_probe_pair_check_logs_plain_rounds_where_asked_and_reports_each_plan():
-    module = load_script("bench_probe_pairs")
-    argv = ["--model", "tiny-nanbeige", "--batch-size", "2", "--max-tokens", "24", "--repeats", "1", "--every", "4"]
-    report = module.main([*argv, "--plans", "1,1"])
-    row = report["plans"]["1,1"]
-    assert row["rounds"][2] >= 1 and row["profile_ratio"] > 1.0  # a (1, 1) round costs more than a plain one
-    assert row["probe_bias"] == pytest.approx(row["pair_ratio"] / row["steady_ratio"])
-    controller = module.PlainEvery(2, 1, 2, 4)
-    assert [controller.plan(2).k for _ in range(8)] == [2, 2, 2, 0, 2, 2, 2, 0]
-
-
-def test_probe_pair_check_refuses_too_short_a_plain_interval(capsys):
-    module = load_script("bench_probe_pairs")
-    with pytest.raises(SystemExit) as exc:
-        module.main(["--model", FIXTURE, "--every", "3"])
-    assert exc.value.code == 2 and "--every" in capsys.readouterr().err
-
-
 def test_overhead_bench_compares_adaptive_with_and_without_readouts(monkeypatch, capsys):
     monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))  # it imports bench_speculative.py
     module = load_script("bench_overhead")
     argv = ["--model", FIXTURE, "--prompts", "random", "--batch-size", "2", "--rounds", "3", "--max-tokens", "3"]
     results = module.main(argv)
-    assert set(results) == {"plain-B", "adaptive", "adaptive far-readouts", "adaptive no-readouts"}
+    assert set(results) == {"plain-B", "adaptive", "adaptive few-readouts", "adaptive no-readouts"}
     assert all(ratio > 0.0 and se >= 0.0 for ratio, se in results.values())
     printed = capsys.readouterr().out
     assert "(rotating)" in printed and "µs/round" in printed
     engine = module.adaptive_engine(module.load_adapter(FIXTURE), "none")
-    assert not engine.controller.measure.due(False)  # no readouts, not even the first round
+    assert engine.controller.plan(2, 10.0).measure_depths  # the first round reads out ...
+    assert not any(engine.controller.plan(2, 10.0).measure_depths for _ in range(100))  # ... and none after it

@@ -227,13 +227,13 @@ def test_speculative_target_logits_equal_plain_logits_in_skip_mode(monkeypatch, 
     monkeypatch.setattr(round_module, "verify_with_exit", recording_verify)
     original_finish = engine._finish_round
 
-    def finish(requests, k, plan, result):  # keep the committed positions' logits, in commit order
+    def finish(requests, k, plan, result, *timing):  # keep the committed positions' logits, in commit order
         by_id = dict(pending)
         for request, committed in zip(requests, result.committed):
             if request.request_id in by_id:
                 spec_logits.setdefault(request.request_id, []).extend(by_id[request.request_id][: len(committed)])
         pending.clear()
-        return original_finish(requests, k, plan, result)
+        return original_finish(requests, k, plan, result, *timing)
 
     engine._finish_round = finish
     outs = engine.generate(prompts, params)

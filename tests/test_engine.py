@@ -176,7 +176,7 @@ def test_bad_input_is_rejected_and_nothing_accepted_is_lost():
         SamplingParams(unknown_field=1)
     with pytest.raises(ValueError, match="speculation="):
         make_engine("ouro", speculation="sometimes")
-    with pytest.raises(ValueError, match=r"speculation.d=4 must be in 1\.\.3"):
+    with pytest.raises(ValueError, match=r"speculation\.d=4: must be in 1\.\.3"):
         make_engine("ouro", speculation="2,4")
     outs = []
     while engine.has_unfinished_requests():

@@ -11,7 +11,7 @@ import pytest
 from conftest import FAMILIES, fixture_dir, load
 
 from looped_spec.control import AdaptiveSpecConfig, PresetError, find_preset, load_preset, read_preset_file
-from looped_spec.control.factory import make_controller
+from looped_spec.control.passcost import ideal_cost
 from looped_spec.control.presets import generic_preset, match_preset_name, preset_dir
 
 SHIPPED_DEPTHS = {
@@ -26,6 +26,8 @@ SHIPPED_DEPTHS = {
 
 BASE = {
     "model": "test",
+    "full_depth": 3,
+    "cost": ideal_cost(64),
     "buckets": [
         {"min_batch": 1, "max_batch": 4, "candidates": [[1, 2], [2, 1]], "theta_up": 0.8, "theta_down": 0.4},
         {"min_batch": 5, "max_batch": None, "candidates": [[0, 0], [1, 1]], "theta_up": 0.8, "theta_down": 0.4},
@@ -46,14 +48,14 @@ def bad(edit) -> str:
 def test_base_is_valid_and_compact_candidates_parse():
     cfg = AdaptiveSpecConfig.parse(BASE)
     assert [(c.k, c.d) for c in cfg.buckets[0].candidates] == [(1, 2), (2, 1)]
-    cfg.validate_for_depth(3)
+    assert cfg.for_depth(3) == (cfg, None)
 
 
 @pytest.mark.parametrize("name", sorted(SHIPPED_DEPTHS))
 def test_every_shipped_preset_loads_for_its_depth(name):
     depth = SHIPPED_DEPTHS[name]
     cfg = read_preset_file(preset_dir() / f"{name}.json")
-    cfg.validate_for_depth(depth)
+    assert cfg.for_depth(depth) == (cfg, None)
     assert cfg.full_depth == depth
     assert cfg.provenance
     if name.startswith("tiny-"):  # the shipped trained models' presets were measured by the tuner
@@ -65,21 +67,22 @@ def test_every_shipped_preset_loads_for_its_depth(name):
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_fixture_checkpoints_carry_their_own_preset(family):
-    """The random-weight fixtures' hand-written presets are preset.json in each fixture folder, not shipped."""
+    """The random-weight fixtures' presets are preset.json in each fixture folder (tuned on random prompts)."""
+    from looped_spec import LoopedSpecEngine
+
     folder = fixture_dir(family)
     path, reason = find_preset(folder.name, folder)
     assert path == folder / "preset.json" and reason == "preset.json in the checkpoint folder"
     assert not (preset_dir() / f"{folder.name}.json").exists()
-    adapter = load(family)
-    controller = make_controller("adaptive", adapter)
-    assert controller.config.model == folder.name
-    assert controller.config.provenance["status"].startswith("hand-written for the random-weight test fixtures")
+    engine = LoopedSpecEngine(load(family), speculation="adaptive")
+    assert engine.controller.config.model == folder.name
+    assert engine.controller.config.provenance["prompts"]["source"] == "random"
 
 
 @pytest.mark.parametrize("depth", [1, 2, 3, 4, 8, 32, 64])
 def test_generic_default_works_for_any_depth(depth):
     cfg = generic_preset(depth)
-    cfg.validate_for_depth(depth)
+    assert cfg.full_depth == depth
     for bucket in cfg.buckets:
         pairs = [(c.k, c.d) for c in bucket.candidates]
         assert len(pairs) == len(set(pairs))  # duplicates from clamping are merged
@@ -91,17 +94,23 @@ def test_generic_default_works_for_any_depth(depth):
         assert all(c.k == 0 for b in cfg.buckets for c in b.candidates)
 
 
-def test_scale_rule_rescales_and_merges():
+def test_another_depth_rescales_candidates_and_interpolates_acceptance():
     data = copy.deepcopy(BASE)
-    data.update(full_depth=4, depth_rule="scale")
+    data.update(full_depth=4, acceptance={"alpha": [0.6, 0.8, 0.9, 1.0], "rho": [0.2, 0.1, 0.0, 0.0]})
     data["buckets"][0]["candidates"] = [[1, 3], [1, 2], [2, 1]]
     data["buckets"][0]["initial_index"] = 1
     cfg = AdaptiveSpecConfig.parse(data)
-    at8 = cfg.for_depth(8)
+    at8, note = cfg.for_depth(8)
+    assert note is not None and "depth 4" in note and "8" in note
+    assert at8.full_depth == 8
     assert [(c.k, c.d) for c in at8.buckets[0].candidates] == [(1, 6), (1, 4), (2, 2)]
-    at2 = cfg.for_depth(2)  # (1,3) and (1,2) both clamp to (1,1): merged, initial follows
+    # depth 2 of 8 is depth 1 of 4 (same relative depth); depth 1 of 8 halfway to depth 0 (agreement 0)
+    assert at8.acceptance.alpha == pytest.approx([0.3, 0.6, 0.7, 0.8, 0.85, 0.9, 0.95, 1.0])
+    assert at8.acceptance.rho[1] == pytest.approx(0.2) and at8.acceptance.rho[3] == pytest.approx(0.1)
+    at2, _ = cfg.for_depth(2)  # (1,3) and (1,2) both clamp to (1,1): merged, initial follows
     assert [(c.k, c.d) for c in at2.buckets[0].candidates] == [(1, 1), (2, 1)]
     assert at2.buckets[0].initial_index == 0
+    assert at2.acceptance.alpha == pytest.approx([0.8, 1.0])
 
 
 @pytest.mark.parametrize(
@@ -169,7 +178,8 @@ def test_preset_argument_wins(tmp_path: Path):
     assert load_preset("Ouro-1.4B", 4, str(path)).model == "test"
     assert load_preset("Ouro-1.4B", 4, "tiny-ouro").model == "tiny-ouro"
     cfg = AdaptiveSpecConfig.parse(BASE)
-    assert load_preset("Ouro-1.4B", 4, cfg) is cfg
+    assert load_preset("Ouro-1.4B", 3, cfg) is cfg  # at its own depth, as it is
+    assert load_preset("Ouro-1.4B", 4, cfg).full_depth == 4  # at another, fitted to it
 
 
 def test_errors_name_the_file(tmp_path: Path):
@@ -184,10 +194,6 @@ def test_errors_name_the_file(tmp_path: Path):
     path.write_text("{not json")
     with pytest.raises(PresetError, match="broken.json: invalid JSON"):
         read_preset_file(path)
-    with pytest.raises(
-        PresetError, match=r"ouro-1\.4b\.json: buckets\[0\]\.candidates\[\d\]: d=\d must be < full depth 2"
-    ):
-        load_preset("Ouro-1.4B", 2)
 
 
 # ---------------------------------------------------------------- one test per validation rule
@@ -214,14 +220,19 @@ def test_rule_empty_candidates():
 
 
 def test_rule_d_at_least_full_depth():
-    data = copy.deepcopy(BASE)
-    data["buckets"][1]["candidates"] = [[0, 0], [1, 1], [2, 4]]
-    cfg = AdaptiveSpecConfig.parse(data)
-    with pytest.raises(PresetError) as err:
-        cfg.validate_for_depth(4)
-    assert str(err.value) == "buckets[1].candidates[2]: d=4 must be < full depth 4"
-    data["full_depth"] = 4  # with full_depth in the file, parsing already rejects it
-    assert "buckets[1].candidates[2]: d=4 must be < full depth 4" in bad(lambda d: d.update(data))
+    assert "buckets[1].candidates[2]: d=3 must be < full depth 3" in bad(
+        lambda d: d["buckets"][1].update(candidates=[[0, 0], [1, 1], [2, 3]])
+    )
+
+
+def test_rule_full_depth_and_cost_required():
+    assert "full_depth: Field required" in bad(lambda d: d.pop("full_depth"))
+    assert "cost: Field required" in bad(lambda d: d.pop("cost"))
+    assert "cost.pass_seconds: 6 pass widths need 6 entries, got 2" in bad(
+        lambda d: d["cost"].update(pass_seconds=[1e-3, 2e-3])
+    ) or "cost: pass_seconds: 6 pass widths need 6 entries, got 2" in bad(
+        lambda d: d["cost"].update(pass_seconds=[1e-3, 2e-3])
+    )
 
 
 def test_rule_d_below_one_with_k():
@@ -260,6 +271,9 @@ def test_rule_beta_above_one():
 def test_rule_unknown_key():
     assert "buckets[0].bogus: Extra inputs are not permitted" in bad(lambda d: d["buckets"][0].update(bogus=1))
     assert "disable.probe_bse: Extra inputs are not permitted" in bad(lambda d: d.update(disable={"probe_bse": 3}))
+    # fields of older presets that nothing reads any more are errors, not shrugs
+    assert "depth_rule: Extra inputs are not permitted" in bad(lambda d: d.update(depth_rule="scale"))
+    assert "disable.use_timing: Extra inputs are not permitted" in bad(lambda d: d.update(disable={"use_timing": True}))
 
 
 def test_rule_initial_index_out_of_range():

@@ -4,24 +4,36 @@ from __future__ import annotations
 
 import builtins
 import hashlib
+import json
 import sys
 from pathlib import Path
 
 import pytest
 
 from looped_spec.tuning import prompt_sets
-from looped_spec.tuning.inputs import BUILTIN_CODE_PROMPTS, BUILTIN_PROSE_PROMPTS, random_token_prompts
+from looped_spec.tuning.inputs import TunerError
 from looped_spec.tuning.prompt_sets import (
+    BUILTIN_CODE_PROMPTS,
+    BUILTIN_PROSE_PROMPTS,
+    DATA_GROUPS,
+    EVALUATION_GROUPS,
     PromptSetError,
     check_disjoint,
+    distinct_fingerprints,
     file_snippets,
     heldout_files,
+    load_prompt_data,
+    load_prompts,
     prompt_fingerprint,
     prompt_fingerprints,
     prompt_group,
     provenance_fingerprints,
     random_prompts,
+    random_token_prompts,
+    validate_prompt_data,
 )
+
+ROOT = Path(__file__).resolve().parent.parent
 
 
 @pytest.fixture
@@ -80,7 +92,7 @@ def test_heldout_files_follow_the_training_rule():
 
 
 def test_heldout_rule_is_the_training_scripts():
-    source = (Path(__file__).resolve().parent.parent / "scripts" / "train_tiny.py").read_text()
+    source = (ROOT / "scripts" / "train_tiny.py").read_text()
     assert "int(key[:8], 16) % HELDOUT_MOD == 0" in source and "HELDOUT_MOD = 20" in source
     assert "return hashlib.sha256(rel.encode()).hexdigest()" in source  # _path_key
     assert 'SKIP_DIRS = {"test", "tests", "idle_test", "site-packages", "dist-packages", "__pycache__"}' in source
@@ -146,3 +158,128 @@ def test_provenance_fingerprints():
     assert provenance_fingerprints("tuned by hand") is None
     assert provenance_fingerprints({"tool": "x"}) is None
     assert provenance_fingerprints({"prompts": {"fingerprints": ["ab", "cd"]}}) == ["ab", "cd"]
+
+
+# ----------------------------------------------------------------------------------------- other kinds of text
+@pytest.mark.parametrize("name", DATA_GROUPS)
+def test_shipped_groups_load_and_are_disjoint_from_every_other_group(name):
+    group = prompt_group(name)
+    assert 50 <= len(group) <= 80 and len(set(group)) == len(group)
+    assert len(set(distinct_fingerprints(group))) == len(group)  # every prompt has its own fingerprint
+    others = {other: set(prompt_group(other)) for other in ("tune", "eval", "builtin", *DATA_GROUPS) if other != name}
+    for other, prompts in others.items():
+        assert not set(group) & prompts, f"{name} overlaps {other}"
+    check_disjoint(prompt_fingerprints(prompt_group("tune")), group)  # the benchmark's check passes
+    assert not set(group) & set(prompt_sets.humaneval_prompts())
+    assert prompt_group(name, len(group) + 3)[-3:] == group[:3]  # cycled like the others
+
+
+def test_shipped_groups_are_deterministic_data():
+    first = {name: prompt_group(name) for name in DATA_GROUPS}
+    load_prompt_data.cache_clear()
+    assert {name: prompt_group(name) for name in DATA_GROUPS} == first
+    for name in DATA_GROUPS:  # the files hold them in this order, nothing about this machine changes them
+        data = json.loads(prompt_sets.data_path(name).read_text(encoding="utf-8"))
+        assert [s["text"] for s in data["snippets"]] == first[name]
+
+
+@pytest.mark.parametrize("name", DATA_GROUPS)
+def test_data_files_validate(name):
+    path = prompt_sets.data_path(name)
+    assert path.is_file() and path.stat().st_size < 100_000  # well under 1 MB
+    data = json.loads(path.read_text(encoding="utf-8"))
+    texts = validate_prompt_data(data, name)
+    assert data["group"] == name and data["generated_by"] == "scripts/extract_prompts.py"
+    assert data["source"]["package"] and data["source"]["version"] and data["source"]["files"]
+    assert data["licence"]["name"] in ("BSD-3-Clause", "PSF-2.0") and data["licence"]["copyright"]
+    assert "Redistribution" in data["licence"]["text"] or "PSF" in data["licence"]["text"]
+    assert all(prompt_sets.MIN_SNIPPET_CHARS <= len(t) <= prompt_sets.SNIPPET_CHARS for t in texts)
+    sources = [s["source"] for s in data["snippets"]]
+    assert {src.partition(":")[0] for src in sources} <= set(data["source"]["files"])
+    # round-robin across files (topics): the first B prompts come from B different sources
+    first = sources[: len(set(sources))]
+    assert len(set(first)) == len(first) >= 30
+    if name == "code":
+        assert data["source"]["package"] == "torch" and data["licence"]["name"] == "BSD-3-Clause"
+        assert all(t.startswith(("def ", "async def ")) and t == t.rstrip() for t in texts)
+        assert all(src.startswith("torch/") and src.endswith(".py") for src in sources)
+    else:
+        assert data["source"]["files"] == ["pydoc_data/topics.py"] and data["licence"]["name"] == "PSF-2.0"
+        assert all("\n" not in t and len(t.split()) >= 12 for t in texts)  # one reflowed paragraph each
+
+
+def _shipped(name: str) -> dict:
+    return json.loads(prompt_sets.data_path(name).read_text(encoding="utf-8"))
+
+
+@pytest.mark.parametrize(
+    "damage, message",
+    [
+        (lambda d: d.pop("licence"), "missing header field"),
+        (lambda d: d.update(group="prose"), "group 'prose'"),
+        (lambda d: d["licence"].update(text="", copyright=[]), "licence needs"),
+        (lambda d: d["source"].pop("version"), "source needs"),
+        (lambda d: d["snippets"][3].update(text="def f(): pass"), "snippet 3 has 13 characters"),
+        (lambda d: d["snippets"][4].update(text="def g():\n" + "    x = 1\n" * 40), "snippet 4 has"),
+        (lambda d: d["snippets"][5].update(text="def h(x):\n" + "    x += 1\n" * 9), "snippet 5 ends in whitespace"),
+        (lambda d: d["snippets"][6].pop("source"), "snippet 6: expected an object"),
+        (lambda d: d["snippets"].append(dict(d["snippets"][0])), "repeated snippets"),
+        (lambda d: d.update(snippets=[]), "no snippets"),
+    ],
+)
+def test_damaged_data_files_are_refused_with_the_problem_named(damage, message):
+    data = _shipped("code")
+    damage(data)
+    with pytest.raises(PromptSetError, match=message):
+        validate_prompt_data(data, "code")
+
+
+def test_extraction_script_reproduces_the_shipped_files():
+    """scripts/extract_prompts.py --check: a fresh extraction equals the shipped bytes (same torch and Python)."""
+    import platform
+
+    import torch
+
+    if _shipped("code")["source"]["version"] != torch.__version__:
+        pytest.skip(f"torch {torch.__version__} here, the data came from {_shipped('code')['source']['version']}")
+    if _shipped("prose")["source"]["version"] != platform.python_version():
+        pytest.skip(f"Python {platform.python_version()} here, the data came from another")
+    sys.path.insert(0, str(ROOT / "scripts"))
+    try:
+        import extract_prompts
+    finally:
+        sys.path.remove(str(ROOT / "scripts"))
+    lines: list[str] = []
+    assert extract_prompts.main(["--check"], report=lines.append) == 0, lines
+    assert len(lines) == 2 and all("same as" in line for line in lines)
+
+
+# ----------------------------------------------------------------------------------------- load_prompts
+class FakeAdapter:
+    def __init__(self, path, vocab_size=256):
+        self.path, self.vocab_size = path, vocab_size
+
+
+def test_load_prompts_gives_every_group_to_the_benchmarks_and_only_tuning_text_to_the_tuner():
+    with_tokenizer = FakeAdapter(str(ROOT / "looped_spec" / "models" / "tiny-ouro"))
+    for name in ("eval", "code", "prose", "tune", "builtin"):
+        prompts, what = load_prompts(name, 5, with_tokenizer)
+        assert prompts == prompt_group(name, 5) and f"group {name!r}" in what
+    for name in (*EVALUATION_GROUPS, "humaneval"):
+        with pytest.raises(TunerError, match="reserved for evaluation"):  # a PromptSetError is a TunerError
+            load_prompts(name, 5, with_tokenizer, purpose="tune")
+    assert load_prompts("tune", 3, with_tokenizer, purpose="tune")[0] == prompt_group("tune", 3)
+    assert load_prompts("random", 4, with_tokenizer, seed=2)[0] == random_prompts(4, 256, 2)
+    assert load_prompts("random", 4, with_tokenizer, purpose="tune")[0] == random_token_prompts(4, 256)
+    with pytest.raises(PromptSetError, match="no-such-group"):
+        load_prompts("no-such-group", 2, with_tokenizer)
+    with pytest.raises(ValueError, match="purpose"):
+        load_prompts("eval", 2, with_tokenizer, purpose="bench")
+
+
+def test_load_prompts_without_a_tokenizer_gives_random_ids_of_the_purposes_stream(tmp_path):
+    bare = FakeAdapter(str(tmp_path))
+    for name in ("eval", "code", "prose"):
+        prompts, what = load_prompts(name, 6, bare, seed=1)
+        assert prompts == random_prompts(6, 256, 1) and "no tokenizer" in what and repr(name) in what
+    assert load_prompts("builtin", 6, bare, purpose="tune")[0] == random_token_prompts(6, 256)

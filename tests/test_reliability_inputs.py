@@ -62,7 +62,7 @@ def test_item06_sampling_params_bounds():
         ({"adapter_options": {"no_such_option": 1}}, "no_such_option"),
         ({"max_batch_szie": 8}, "unknown option 'max_batch_szie': did you mean 'max_batch_size'"),
         ({"draft_override": object()}, "unknown option 'draft_override'"),
-        ({"cuda_graphs": "emulate"}, "cuda_graphs"),
+        ({"cuda_graphs": "always"}, "cuda_graphs"),
         ({"speculation": "sometimes"}, "speculation='sometimes'"),
     ],
 )

@@ -1,29 +1,27 @@
-"""Adaptive-speculation control: presets (data), policies (EMA thresholds, goodput) and controllers.
+"""Adaptive-speculation control: which (K, d) each decode round runs. Pure logic on numbers (no model, no torch).
 
-Per round the engine calls ``plan = controller.plan(num_running, context, remaining)`` (context: the batch's
-mean tokens in the KV per request; remaining: the requests' token budgets left, when nothing waits), runs the
-plan, commits, then ``controller.observe(feedback)``. Everything here is pure logic (no model code, no torch).
-
-Exported here is what a user of presets and controllers needs: the preset schema, reading and choosing
-presets, and the three controllers. The parts behind them (policies, acceptance and cost models, the
-tuner's derivation rules, the workload simulator) are imported from their modules, e.g.
-``from looped_spec.control.goodput import GoodputPolicy``.
+Per round the engine calls ``plan = controller.plan(batch_size, context)``, runs the plan, commits, then
+``controller.observe(feedback)`` (`plan.py`). The adaptive controller reads a preset (`schema.py`, `presets.py`),
+prices plans by passes (`passcost.py`) and acceptance (`acceptance.py`, `exits.py`), and lets a policy choose:
+`goodput.py` (the default) or `ema.py`. Its tunables are in `settings.py`.
 """
 
-from looped_spec.control.controller import AdaptiveController, FixedController, OffController
+from looped_spec.control.controller import AdaptiveController, FixedController, make_controller
 from looped_spec.control.presets import find_preset, load_preset, read_preset_file
 from looped_spec.control.schema import AdaptiveSpecConfig, BucketConfig, CandidateConfig, DisableConfig, PresetError
+from looped_spec.control.settings import ControlSettings
 
 __all__ = [
     "AdaptiveController",
     "AdaptiveSpecConfig",
     "BucketConfig",
     "CandidateConfig",
+    "ControlSettings",
     "DisableConfig",
     "FixedController",
-    "OffController",
     "PresetError",
     "find_preset",
     "load_preset",
+    "make_controller",
     "read_preset_file",
 ]

@@ -1,132 +1,149 @@
-"""Acceptance from data: how many draft tokens a depth-d draft gets accepted, without timing anything.
+"""Acceptance: how many drafted tokens a depth-d draft gets accepted (docs/adaptive.md "Acceptance").
 
-Greedy acceptance is a property of the model and the text. Along a greedy trajectory x_1, x_2, ... of the
-full-depth model, let m_t(d) = 1 when the depth-d readout at position t-1 predicts x_t (the counterfactual
-readouts of `measure_depths` give these bits). A depth-d draft that starts after the committed token x_s
-proposes exactly the depth-d readouts as long as its prefix is right, so a round of K draft tokens accepts
-a = the number of consecutive ones in m_{s+1}, m_{s+2}, ... capped at K, commits a + 1 tokens, and the next
-round starts at s + a + 1. `simulate_tokens` replays that exactly on recorded bits.
+Along the committed tokens x_1, x_2, ... let m_t(d) = 1 when the depth-d readout at position t-1 predicts x_t.
+A depth-d draft proposes exactly those readouts while its prefix is right, so a K-token round accepts the
+run of ones that follows the last committed token, capped at K. Two numbers per depth describe the bits:
+the agreement α_d (the share of ones) and the persistence ρ_d = P(1 | 1) − P(1 | 0) (matches come in runs).
+`markov_tokens` is the expected committed tokens per round of that two-state chain; ρ = 0 gives the
+geometric (1 − α^{K+1}) / (1 − α).
 
-Online we only keep two numbers per depth (docs/adaptive.md "acceptance model"):
-- alpha_d, the fraction of ones (stationary agreement rate), and
-- rho_d, the lag-1 persistence: P(m_{t+1}=1 | m_t=1) − P(m_{t+1}=1 | m_t=0).
-Matches come in runs (a repetitive stretch of text is easy at every position), so rho > 0 and the
-independent-tokens (geometric) expectation (1 − α^{K+1}) / (1 − α) is wrong for long drafts. With a
-two-state Markov chain of the bits, p11 = ρ + α(1 − ρ), p01 = α(1 − ρ), and a round starting in state s (the
-last committed position's bit) accepts a ≥ j with probability p_s·p11^{j−1}; the next round starts in
-state 1 only when all K were accepted and the bonus token also matched (p_s·p11^K). `markov_tokens` is the
-stationary expectation of committed tokens per round of that chain; with rho = 0 it is the geometric one.
+`AcceptanceEstimator` learns α_d online from counterfactual readouts (a measured round reads out every depth
+on its committed positions: unbiased bits for every depth at once) and from the speculative rounds' own
+outcomes (the planned depth's bits until the first rejection), starting from the preset's α as a prior
+worth `prior_weight` positions; older positions fade so that the estimate remembers about `memory` of them.
+A second estimate remembers only `CHANGE_MEMORY` positions; when it leaves the first by more than `change_z`
+standard errors the text has changed (a workload switched), and the first restarts from it instead of
+forgetting the old text over `memory` positions. ρ stays the preset's: it needs runs of consecutive
+readouts, which single-position plain rounds do not give.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import numpy as np
 
 
-def markov_tokens(alpha: float, rho: float, k: int) -> float:
-    """Expected committed tokens per request per round of a K-token draft (1 for K = 0)."""
-    if k <= 0:
-        return 1.0
-    alpha = min(max(alpha, 0.0), 1.0)
-    rho = min(max(rho, 0.0), 1.0)
-    p01 = alpha * (1.0 - rho)
-    p11 = rho + p01
-    # E[a | start state s] = p_s · (1 + p11 + ... + p11^{K-1})
-    run = float(k) if p11 >= 1.0 else (1.0 - p11**k) / (1.0 - p11)
-    to_one_from_0 = p01 * p11**k  # P(next round starts in state 1 | this one started in state 0)
-    to_one_from_1 = p11 * p11**k
-    denom = 1.0 - to_one_from_1 + to_one_from_0
-    pi1 = 1.0 if denom <= 0.0 else to_one_from_0 / denom
-    return 1.0 + run * ((1.0 - pi1) * p01 + pi1 * p11)
-
-
-def markov_tokens_array(alpha: np.ndarray, rho: float, k: int) -> np.ndarray:
-    """`markov_tokens` of every agreement in `alpha` at once (the same chain, elementwise; K ≥ 1)."""
-    alpha = np.clip(alpha, 0.0, 1.0)
-    rho = min(max(rho, 0.0), 1.0)
-    p01 = alpha * (1.0 - rho)
-    p11 = rho + p01
-    with np.errstate(divide="ignore", invalid="ignore"):
-        run = np.where(p11 >= 1.0, float(k), (1.0 - p11**k) / (1.0 - p11))
-        to_one_from_0 = p01 * p11**k
-        denom = 1.0 - p11 * p11**k + to_one_from_0
+def markov_tokens(alpha, rho, k):
+    """Expected committed tokens per request per round of a K-token draft (1 where K = 0); arrays broadcast."""
+    alpha = np.clip(np.asarray(alpha, dtype=float), 0.0, 1.0)
+    rho = np.clip(np.asarray(rho, dtype=float), 0.0, 1.0)
+    k = np.asarray(k, dtype=float)
+    p01 = alpha * (1.0 - rho)  # P(match | previous position missed)
+    p11 = rho + p01  # P(match | previous position matched)
+    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
+        pk = p11**k
+        run = np.where(p11 >= 1.0, k, (1.0 - pk) / np.where(p11 >= 1.0, 1.0, 1.0 - p11))
+        # the next round starts after a match only when all K drafts and the bonus token matched
+        to_one_from_0 = p01 * pk
+        denom = 1.0 - p11 * pk + to_one_from_0
         pi1 = np.where(denom <= 0.0, 1.0, to_one_from_0 / np.where(denom <= 0.0, 1.0, denom))
-    return 1.0 + run * ((1.0 - pi1) * p01 + pi1 * p11)
+    tokens = 1.0 + run * ((1.0 - pi1) * p01 + pi1 * p11)
+    return np.where(k > 0, tokens, 1.0)
 
 
-def markov_accept_rate(alpha: float, rho: float, k: int) -> float:
-    """Expected ΣA/ΣK of rounds with K draft tokens (what the EMA policy measures)."""
-    return (markov_tokens(alpha, rho, k) - 1.0) / k if k > 0 else 0.0
+def accept_rate(alpha, rho, k):
+    """Expected ΣA/ΣK of K-token rounds (what the EMA policy measures); 0 where K = 0."""
+    k = np.asarray(k, dtype=float)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        return np.where(k > 0, (markov_tokens(alpha, rho, k) - 1.0) / np.where(k > 0, k, 1.0), 0.0)
 
 
-def simulate_tokens(bits: Sequence[Sequence[int]], k: int) -> tuple[int, int]:
-    """Replay K-token rounds on recorded match bits; returns (committed tokens, rounds) over all sequences.
-
-    `bits[r][t]` is m_{t+1} of request r: whether the draft depth's readout at generated position t
-    predicted generated token t+1 (so len(bits[r]) = generated tokens − 1). Near the end of a sequence the
-    draft is cut to the tokens left, as the scheduler does (K_actual = min(K, remaining − 1)).
-    """
-    tokens = rounds = 0
-    for seq in bits:
-        n = len(seq) + 1  # generated tokens; the first comes from prefill
-        s = 0  # index (0-based) of the last committed generated token
-        while s < n - 1:
-            left = n - 1 - s
-            k_actual = max(0, min(k, left - 1))
-            a = 0
-            while a < k_actual and seq[s + a]:
-                a += 1
-            s += a + 1
-            tokens += a + 1
-            rounds += 1
-    return tokens, rounds
+#: Positions the change detector's short estimate remembers
+CHANGE_MEMORY = 32.0
 
 
-def bit_statistics(bits: Sequence[Sequence[int]]) -> tuple[float, float, int]:
-    """(alpha, rho, positions) of recorded match bits; rho from lag-1 transitions inside each sequence."""
-    ones = total = 0
-    n1 = n11 = n0 = n01 = 0
-    for seq in bits:
-        ones += sum(seq)
-        total += len(seq)
-        for prev, cur in zip(seq, seq[1:]):
-            if prev:
-                n1 += 1
-                n11 += cur
-            else:
-                n0 += 1
-                n01 += cur
-    alpha = ones / total if total else 0.0
-    if n1 == 0 or n0 == 0:
-        return alpha, 0.0, total
-    rho = n11 / n1 - n01 / n0
-    return alpha, min(max(rho, 0.0), 1.0), total
+class AcceptanceEstimator:
+    """α per draft depth 1..D from faded agreement counts; the prior counts as `prior_weight` positions."""
 
+    def __init__(
+        self,
+        depth: int,
+        prior_alpha: Sequence[float] | None,
+        prior_rho: Sequence[float] | None,
+        prior_weight: float,
+        memory: float,
+        change_z: float | None = 3.0,
+    ) -> None:
+        alpha = list(prior_alpha) if prior_alpha is not None else [0.0] * depth
+        if len(alpha) != depth:
+            raise ValueError(f"acceptance prior has {len(alpha)} depths, the model {depth}")
+        weight = prior_weight if prior_alpha is not None else 0.0
+        self.depth = depth
+        self.memory = memory
+        self.change_z = change_z
+        # per depth, faded counts (plain floats: a handful of depths, updated every round)
+        self.trials = [weight] * depth
+        self.matches = [a * weight for a in alpha]
+        self.recent_trials = [0.0] * depth
+        self.recent_matches = [0.0] * depth
+        self.rho = np.asarray(prior_rho if prior_rho is not None else [0.0] * depth, dtype=float)
+        self.positions = 0  # positions observed online (readouts and round outcomes)
+        self.changes = 0  # times the text was seen to change
+        self._unchecked = 0.0  # positions added since the last change check
+        self._alpha: np.ndarray | None = None
 
-def prompt_spread(bits: Sequence[Sequence[int]]) -> float:
-    """Standard deviation over sequences of each sequence's own agreement (sequences without positions skipped):
-    the text-to-text spread the drain pricing of `control/drain.py` spreads requests by."""
-    means = [sum(seq) / len(seq) for seq in bits if seq]
-    if len(means) < 2:
-        return 0.0
-    mean = sum(means) / len(means)
-    return (sum((m - mean) ** 2 for m in means) / len(means)) ** 0.5
+    @property
+    def alpha(self) -> np.ndarray:
+        """[D] the current estimate (computed when read: decisions read it every few rounds, rounds add to it)."""
+        if self._alpha is None:
+            alpha = np.array([m / t if t > 0.0 else 0.0 for m, t in zip(self.matches, self.trials)])
+            alpha[-1] = 1.0  # full depth agrees with itself
+            self._alpha = alpha
+        return self._alpha
 
+    def _add(self, j: int, matches: float, trials: float) -> None:
+        fade = self.memory / (self.memory + trials)  # about `memory` positions remembered per depth
+        self.matches[j] = fade * self.matches[j] + matches
+        self.trials[j] = fade * self.trials[j] + trials
+        fade = CHANGE_MEMORY / (CHANGE_MEMORY + trials)
+        self.recent_matches[j] = fade * self.recent_matches[j] + matches
+        self.recent_trials[j] = fade * self.recent_trials[j] + trials
+        self._alpha = None
 
-class AcceptanceModel:
-    """alpha and rho per draft depth 1..D; `tokens(k, d)` is the expected committed tokens per round."""
+    def _check_change(self, added: float) -> None:
+        """Every quarter window of new positions: restart a depth's estimate from its recent positions when they
+        disagree with it by more than `change_z` standard errors (the text changed)."""
+        self._unchecked += added
+        if self.change_z is None or self._unchecked < CHANGE_MEMORY / 4:
+            return
+        self._unchecked = 0.0
+        changed = False
+        for j in range(self.depth):
+            recent = self.recent_trials[j]
+            if recent < CHANGE_MEMORY / 2:
+                continue
+            long = self.matches[j] / max(self.trials[j], 1e-12)
+            short = self.recent_matches[j] / recent
+            if abs(short - long) > self.change_z * math.sqrt(max(long * (1.0 - long), 0.01) / recent):
+                self.matches[j], self.trials[j] = self.recent_matches[j], recent
+                changed = True
+        if changed:
+            self.changes += 1
+            self._alpha = None
 
-    __slots__ = ("alpha", "rho")
+    def observe_readouts(self, matches: Sequence[int], trials: Sequence[int]) -> None:
+        """A measured round: per depth, how many committed positions its readout predicted, out of how many."""
+        if len(trials) != self.depth or not max(trials):
+            return
+        for j in range(self.depth):
+            if trials[j]:
+                self._add(j, matches[j], trials[j])
+        self.positions += max(trials)
+        self._check_change(max(trials))
 
-    def __init__(self, alpha: Sequence[float], rho: Sequence[float]) -> None:
-        if len(alpha) != len(rho):
-            raise ValueError(f"alpha has {len(alpha)} depths, rho {len(rho)}")
-        self.alpha = list(alpha)  # [D]
-        self.rho = list(rho)  # [D]
+    def observe_drafts(self, d: int, accepted: int, rejected: int) -> None:
+        """An unmeasured speculative round at depth d: its drafts accepted, and the drafts rejected (each
+        request stops at its first rejection, so the bits after it are unknown)."""
+        if not 1 <= d <= self.depth or accepted + rejected == 0:
+            return
+        self._add(d - 1, accepted, accepted + rejected)
+        self.positions += accepted + rejected
+        self._check_change(accepted + rejected)
 
-    def tokens(self, k: int, d: int) -> float:
-        if k <= 0:
-            return 1.0
-        return markov_tokens(self.alpha[d - 1], self.rho[d - 1], k)
+    def tokens(self, ks: np.ndarray, ds: np.ndarray, alpha: np.ndarray | None = None) -> np.ndarray:
+        """Expected committed tokens per request per round of each option (K = 0: 1)."""
+        alpha = self.alpha if alpha is None else alpha
+        index = np.maximum(np.asarray(ds, dtype=int) - 1, 0)
+        return markov_tokens(alpha[index], self.rho[index], ks)

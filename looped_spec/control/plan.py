@@ -1,17 +1,22 @@
-"""What a speculative round runs (SpeculationPlan) and what it reports back (RoundFeedback)."""
+"""The two messages between the engine and the controller: the plan of a round, and what the round reported.
+
+`SpeculationPlan` is fixed for one round (the controller hands it out, the engine runs it). `RoundFeedback`
+comes back after the round's tokens and KV are committed; `round_feedback` is the one place that builds it.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 
 @dataclass(slots=True)
 class SpeculationPlan:
-    """Fixed for one round (nothing changes it after `plan()`; not frozen only because a frozen dataclass costs
-    2 µs to build against 0.5, once per round). `k == 0` means plain full-depth decoding with no speculative work.
+    """One round's plan: draft `k` tokens with the first `d` loops (`k == 0`: plain full-depth decoding).
 
-    `bucket` / `candidate` locate the plan in the controller's preset (-1 for a fixed plan), so
-    feedback updates exactly the (bucket, candidate) that produced the plan.
+    `bucket` / `candidate` locate the plan in the preset (-1 for a fixed plan), so feedback updates exactly the
+    (bucket, candidate) that produced it. `measure_depths`: the round also reads out every depth on the
+    committed positions (counterfactual acceptance; costs extra readouts).
     """
 
     plan_id: int
@@ -19,16 +24,18 @@ class SpeculationPlan:
     d: int
     bucket: int = -1
     candidate: int = -1
-    measure_depths: bool = False  # read out other depths for counterfactual acceptance (costs head projections)
+    measure_depths: bool = False
 
 
 @dataclass(slots=True)
 class RoundFeedback:
-    """Sent to the controller after a round's tokens and KV are committed.
+    """What one committed decode round tells the controller.
 
-    `depth_matches[j]` / `depth_trials[j]` count, over the round's committed positions, how often a
-    greedy readout at depth j+1 agreed with the committed token (only where that depth's state
-    existed: draft depths <= d, verifier depths > d). Empty when depths were not measured.
+    `depth_matches[j]` / `depth_trials[j]`: over the round's committed positions, how often a greedy readout at
+    depth j+1 agreed with the committed token (empty when the round did not measure depths). `num_proposed` /
+    `num_accepted`: per request, drafted and accepted tokens, counting only drafts the target checked (under
+    early exit a draft that exited within the draft depth is the target's own sample). `exit_depths`: the
+    readout depth of every committed token when some request exits early, else empty.
     """
 
     plan_id: int
@@ -37,23 +44,16 @@ class RoundFeedback:
     bucket: int
     candidate: int
     batch_size: int
-    num_proposed: list[int]  # per request: K_actual
-    num_accepted: list[int]  # per request: accepted draft tokens (excludes the bonus/corrected token)
-    # seconds of the round's phases; `round_time` is their sum
-    draft_time: float = 0.0  # loops 1..d, one position at a time (0 in a plain round)
-    # the full-depth pass that decides the committed tokens, and the decision: loops d+1..D over the K+1
-    # positions plus acceptance; in a plain round (k = 0, d = 0, nothing drafted) loops 1..D and the sample
-    full_depth_time: float = 0.0
-    commit_time: float = 0.0  # appending the tokens and releasing KV
+    context: float  # the batch's mean tokens in the KV per request at the round's start
+    num_proposed: list[int]
+    num_accepted: list[int]
+    seconds: float  # the round's wall time, from scheduling to commit
+    draft_seconds: float = 0.0  # of which the draft passes (0 in a plain round)
+    measure_seconds: float = 0.0  # of which the counterfactual readouts (0 when not measured)
     depth_matches: list[int] = field(default_factory=list)
     depth_trials: list[int] = field(default_factory=list)
-    # early exit: the exit depth of every committed token's forward in this round (requests without early exit
-    # count at full depth D); empty when no request of the round exits early. `exit_skips`: skip mode (the
-    # loops after an exit are not run), else select mode (every loop runs)
     exit_depths: list[int] = field(default_factory=list)
-    exit_skips: bool = False
-    # of the round's seconds, those spent on the counterfactual readouts (control/measurement.py); 0 if none
-    measure_time: float = 0.0
+    exit_skips: bool = False  # early exit in skip mode: the loops after an exit were not run
 
     @property
     def total_proposed(self) -> int:
@@ -64,5 +64,42 @@ class RoundFeedback:
         return sum(self.num_accepted)
 
     @property
-    def round_time(self) -> float:
-        return self.draft_time + self.full_depth_time + self.commit_time
+    def committed(self) -> int:
+        """Tokens the round committed (every request commits its accepted drafts plus one)."""
+        return sum(self.num_accepted) + len(self.num_accepted)
+
+
+def round_feedback(
+    plan: SpeculationPlan,
+    *,
+    batch_size: int,
+    context: float,
+    num_proposed: Sequence[int],
+    num_accepted: Sequence[int],
+    seconds: float,
+    draft_seconds: float = 0.0,
+    measure_seconds: float = 0.0,
+    depth_matches: Sequence[int] = (),
+    depth_trials: Sequence[int] = (),
+    exit_depths: Sequence[int] = (),
+    exit_skips: bool = False,
+) -> RoundFeedback:
+    """The feedback of a round that ran `plan`; every field by keyword, so no two are swapped silently."""
+    return RoundFeedback(
+        plan.plan_id,
+        plan.k,
+        plan.d,
+        plan.bucket,
+        plan.candidate,
+        batch_size,
+        context,
+        list(num_proposed),
+        list(num_accepted),
+        seconds,
+        draft_seconds,
+        measure_seconds,
+        list(depth_matches),
+        list(depth_trials),
+        list(exit_depths),
+        exit_skips,
+    )

@@ -13,7 +13,11 @@ Shipped presets live in the `looped_spec.presets` package (the repository's `pre
    then config.json's ``_name_or_path``. A name matches lower-cased, first exactly (``"Ouro-1.4B"`` ->
    ``ouro-1.4b.json``), then by the longest preset name that is a prefix followed by ``-``, ``_`` or
    ``.`` (``"Ouro-1.4B-Thinking"`` -> ``ouro-1.4b.json``);
-3. the family-generic ``default.json``, rescaled to the model's depth (see `schema.py`, depth rule "scale").
+3. the family-generic ``default.json``.
+
+Whatever depth a preset was measured at, it serves a model of another depth (Huginn's `num_steps` changes at test
+time): `AdaptiveSpecConfig.for_depth` rescales its candidates and interpolates its acceptance, and the choice is
+logged.
 
 `load_preset` logs the choice and the reason (logger ``looped_spec.control.presets``, level INFO).
 Preset files are JSON.
@@ -100,14 +104,15 @@ def match_preset_name(model_name: str) -> str | None:
 
 
 def _checked(config: AdaptiveSpecConfig, full_depth: int, source: str) -> AdaptiveSpecConfig:
-    errors = config.depth_errors(full_depth)
-    if errors:
-        raise PresetError("\n".join(f"{source}: {line}" for line in errors))
-    return config.for_depth(full_depth)
+    """`config` fitted to depth `full_depth` (schema.py `for_depth`); a change is logged with its source."""
+    fitted, note = config.for_depth(full_depth)
+    if note is not None:
+        logger.info("adaptive preset %s: %s", source, note)
+    return fitted
 
 
 def generic_preset(full_depth: int) -> AdaptiveSpecConfig:
-    """The family-generic preset (`default.json`) rescaled to depth `full_depth` (any D >= 1)."""
+    """The family-generic preset (`default.json`) fitted to depth `full_depth` (any D >= 1)."""
     path = shipped_preset_path(GENERIC_PRESET)
     if path is None:
         raise PresetError(f"{preset_dir()}: the generic preset {GENERIC_PRESET}.json is missing")
@@ -166,8 +171,8 @@ def load_preset(
     """The preset to serve `model_name` of loop depth `full_depth` with; logs which one and why.
 
     `preset` wins when given: a config object, a file path, or the name of a shipped preset. Otherwise
-    `find_preset(model_name, folder, config)` picks it. The result is validated for (or, with depth rule
-    "scale", rescaled to) `full_depth`; errors name the file.
+    `find_preset(model_name, folder, config)` picks it. The result is fitted to `full_depth` (logged when that
+    changes it); errors name the file.
     """
     if isinstance(preset, AdaptiveSpecConfig):
         logger.info("adaptive preset for %s: the config object given (model %r)", model_name, preset.model)

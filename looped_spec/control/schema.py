@@ -1,26 +1,17 @@
 """Preset schema: the validated data an `AdaptiveController` is built from (pydantic, `extra="forbid"`).
 
-A preset lists, per batch-size range ("bucket"), the candidate (K, d) settings ordered from most
-conservative to most aggressive, and the knobs of the EMA policy. Everything is checked when the preset
-is parsed; the model's full depth D is only known once the model is loaded, so `validate_for_depth(D)` /
-`for_depth(D)` check the depths later.
-
-Depth rule (`depth_rule`):
-- ``"exact"``: every `d` is an absolute loop count and must be < D of the model it is used with.
-- ``"scale"``: the `d` values were written for `full_depth` and are rescaled to the model's D:
-  ``d' = clamp(floor(d * D / full_depth + 0.5), 1, D - 1)``. Candidates that become identical to an
-  earlier one of the same bucket are dropped (the earlier, more conservative position wins, its
-  thresholds are kept), and `initial_index` follows its candidate. For D < 2 every speculative candidate
-  is dropped; a bucket left empty becomes ``[K=0]`` (plain decoding).
+A preset lists, per batch-size range ("bucket"), candidate (K, d) settings ordered from most conservative to
+most aggressive with the EMA policy's knobs, and two measurements kept apart: acceptance per draft depth
+(model + text) and the pass-cost profile (hardware). Everything is checked when the preset is parsed; the
+model's depth D is known only once the model is loaded, and `for_depth(D)` fits a preset measured at another
+depth to it (see `for_depth`).
 """
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
-
-from looped_spec.control.costprofile import CONTEXT_FIELDS
 
 _STRICT = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
 
@@ -94,9 +85,7 @@ class DisableConfig(BaseModel):
     probe_cap: int = Field(default=1024, ge=1)
     """... up to this many rounds."""
     probe_rounds: int = Field(default=2, ge=1)
-    """Speculative rounds one probe runs; their pooled acceptance (and speed) decide."""
-    use_timing: bool = False
-    """EMA policy: also compare measured tokens/s of speculative and plain rounds of the same batch size."""
+    """Speculative rounds one probe runs; their pooled acceptance decides."""
 
 
 class AcceptanceConfig(BaseModel):
@@ -110,85 +99,55 @@ class AcceptanceConfig(BaseModel):
     """[D] lag-1 persistence of those agreements (0: independent positions)."""
     positions: int = Field(default=0, ge=0)
     """Generated positions the numbers were measured on (0: assumed, not measured)."""
-    spread: list[Annotated[float, Field(ge=0.0, le=0.5)]] | None = None
-    """[D] standard deviation over the tuning prompts of each prompt's own agreement at depth d: how far apart
-    texts pull requests under speculation (control/drain.py); None: not measured, no drain pricing."""
 
     @model_validator(mode="after")
     def _lengths(self) -> AcceptanceConfig:
         if len(self.alpha) != len(self.rho):
             raise ValueError(f"alpha has {len(self.alpha)} depths but rho has {len(self.rho)}")
-        if self.spread is not None and len(self.spread) != len(self.alpha):
-            raise ValueError(f"spread has {len(self.spread)} depths but alpha has {len(self.alpha)}")
         if not self.alpha:
             raise ValueError("alpha: at least one depth is required")
         return self
 
 
+Seconds = Annotated[float, Field(ge=0.0)]
+
+
 class CostConfig(BaseModel):
-    """Round-cost profile of the hardware (docs/adaptive.md "cost profile"), measured by the tuner."""
+    """Pass-cost profile of the hardware (control/passcost.py; docs/adaptive.md "Pricing plans by passes")."""
 
     model_config = _STRICT
 
-    batch_sizes: list[Annotated[int, Field(ge=1)]]
-    """Profiled batch sizes, strictly increasing."""
-    plain_seconds: list[Annotated[float, Field(gt=0.0)]]
-    """Median seconds of one plain round at each profiled batch size."""
-    coefficients: list[list[float]]
-    """Per profiled batch size: seconds per d(K+1), per (D-d), per (D-d)(K+1), and per round."""
-    # Context terms (optional, all or none; presets tuned before them have none and predict as before)
-    reference_context: list[Annotated[float, Field(ge=0.0)]] | None = None
-    """Per profiled batch size: mean context (tokens in the KV per request at a round's start) of the timed
-    rounds, i.e. the contexts `plain_seconds` and `coefficients` are averaged over."""
-    plain_intercept: list[float] | None = None
-    """Per profiled batch size: seconds of a plain round extrapolated to an empty context."""
-    plain_slope: list[Annotated[float, Field(ge=0.0)]] | None = None
-    """Per profiled batch size: seconds a plain round adds per token of mean context."""
-    intercept_coefficients: list[list[float]] | None = None
-    """Per profiled batch size: the four coefficients (as `coefficients`) of a speculative round's intercept."""
-    slope_coefficients: list[list[float]] | None = None
-    """Per profiled batch size: the four coefficients of a speculative round's seconds per token of context."""
+    positions: list[Annotated[int, Field(ge=1)]]
+    """Grid of pass widths n (positions in one loop pass), strictly increasing."""
+    pass_seconds: list[Seconds]
+    """w(n) at each grid width: the part of one loop pass that grows with its positions."""
+    request_seconds: Seconds
+    """g: seconds a loop pass adds per request."""
+    request_context_seconds: Seconds
+    """h: seconds a loop pass adds per request and token of its context (reading that request's keys/values)."""
+    query_context_seconds: Seconds = 0.0
+    """a: seconds a loop pass adds per position and token of context (its attention scores)."""
+    step_seconds: tuple[Seconds, Seconds, Seconds]
+    """A runner step's own cost (building its context): s0 + s_r per request + s_n per position."""
+    embed_seconds: tuple[Seconds, Seconds]
+    """Embedding a step's tokens (Huginn: its prelude): e0 + e_n per position."""
+    readout_seconds: tuple[Seconds, Seconds]
+    """One depth's readout: ro0 + ro_n per position."""
+    round_seconds: tuple[Seconds, Seconds]
+    """A decode round's work outside the runner (schedule, sample, commit, control): o0 + o_B per request."""
+    speculative_seconds: tuple[Seconds, Seconds, Seconds]
+    """A speculative round's extra work outside the runner: v0 + v_K per draft step + v_n per verified position."""
 
     @model_validator(mode="after")
     def _shape(self) -> CostConfig:
-        n = len(self.batch_sizes)
-        if n == 0:
-            raise ValueError("batch_sizes: at least one profiled batch size is required")
-        if self.batch_sizes != sorted(set(self.batch_sizes)):
-            raise ValueError(f"batch_sizes {self.batch_sizes} must be strictly increasing")
-        if len(self.plain_seconds) != n or len(self.coefficients) != n:
+        if not self.positions or self.positions != sorted(set(self.positions)):
+            raise ValueError(f"positions: {self.positions} must be non-empty and strictly increasing")
+        if len(self.pass_seconds) != len(self.positions):
             raise ValueError(
-                f"{n} batch sizes need {n} plain_seconds (got {len(self.plain_seconds)}) and {n} coefficient "
-                f"rows (got {len(self.coefficients)})"
+                f"pass_seconds: {len(self.positions)} pass widths need {len(self.positions)} entries, "
+                f"got {len(self.pass_seconds)}"
             )
-        _check_rows("coefficients", self.coefficients)
-        self._check_context(n)
         return self
-
-    def _check_context(self, n: int) -> None:
-        """The context terms come together, one value (or coefficient row) per profiled batch size."""
-        terms = {name: getattr(self, name) for name in CONTEXT_FIELDS}
-        missing = [name for name, value in terms.items() if value is None]
-        if len(missing) == len(terms):
-            return
-        if missing:
-            raise ValueError(f"context terms come together: {', '.join(missing)} missing")
-        for name, value in terms.items():
-            if len(value) != n:
-                raise ValueError(f"{name}: {n} batch sizes need {n} entries, got {len(value)}")
-        _check_rows("intercept_coefficients", terms["intercept_coefficients"])
-        _check_rows("slope_coefficients", terms["slope_coefficients"])
-
-    @property
-    def has_context(self) -> bool:
-        """True when the profile carries context terms."""
-        return self.slope_coefficients is not None
-
-
-def _check_rows(name: str, rows: list[list[float]]) -> None:
-    for i, row in enumerate(rows):
-        if len(row) != 4:
-            raise ValueError(f"{name}[{i}]: expected 4 numbers, got {len(row)}")
 
 
 class AdaptiveSpecConfig(BaseModel):
@@ -200,18 +159,17 @@ class AdaptiveSpecConfig(BaseModel):
     """Model (checkpoint folder) name the preset is for."""
     hardware: str = "any"
     """Hardware tag the numbers are for, e.g. "h100-80g", "cpu"."""
-    full_depth: int | None = Field(default=None, ge=1)
-    """Loop depth D the numbers were derived for; required by depth_rule "scale"."""
-    depth_rule: Literal["exact", "scale"] = "exact"
-    """How `d` values meet a model's D (see the module docstring)."""
+    full_depth: int = Field(ge=1)
+    """Loop depth D the preset was measured or derived at."""
     buckets: list[BucketConfig]
     """Ordered, non-overlapping batch-size ranges covering 1..unbounded."""
     disable: DisableConfig = DisableConfig()
-    """Phase 2 settings."""
+    """Switching speculation off and probing it again (EMA policy); `enabled` also lets the goodput policy run
+    plain decoding in a bucket whose candidates have no K = 0."""
     acceptance: AcceptanceConfig | None = None
-    """Measured acceptance per draft depth (the goodput policy's prior); None: learned online only."""
-    cost: CostConfig | None = None
-    """Measured round-cost profile (the goodput policy's cost model); None: fitted online from timings."""
+    """Measured acceptance per draft depth (the online estimate's prior); None: learned online only."""
+    cost: CostConfig
+    """The pass-cost profile every plan is priced by."""
     provenance: str | dict[str, Any] = ""
     """How and on what the numbers were measured or derived."""
 
@@ -223,38 +181,33 @@ class AdaptiveSpecConfig(BaseModel):
         return self
 
     # ------------------------------------------------------------------ depth
-    def depth_errors(self, full_depth: int) -> list[str]:
-        """Problems of using this preset with a model of depth `full_depth` (empty: fine)."""
+    def for_depth(self, full_depth: int) -> tuple[AdaptiveSpecConfig, str | None]:
+        """This preset fitted to a model of depth `full_depth`, and what was changed (None: nothing).
+
+        At another depth than the preset's: every candidate's d is rescaled, d' = clamp(round(d·D'/D), 1, D'-1)
+        (a candidate that becomes equal to an earlier one of its bucket is dropped; plain only below D' = 2), and
+        the acceptance per depth is interpolated at the same relative depth d'/D' (linear between the measured
+        depths; α below the first measured depth falls linearly to 0 at depth 0); the persistence alike. The
+        pass costs do not depend on the depth. The online estimates correct the rest within rounds.
+        """
         if full_depth < 1:
-            return [f"full depth {full_depth} must be >= 1"]
-        errors = []
-        if self.acceptance is not None and len(self.acceptance.alpha) != full_depth:
-            errors.append(
-                f"acceptance.alpha: measured for {len(self.acceptance.alpha)} depths, the model has D={full_depth}"
-            )
-        if self.depth_rule == "scale":
-            return errors
-        for i, bucket in enumerate(self.buckets):
-            for j, cand in enumerate(bucket.candidates):
-                if cand.k > 0 and cand.d >= full_depth:
-                    errors.append(f"buckets[{i}].candidates[{j}]: d={cand.d} must be < full depth {full_depth}")
-        return errors
-
-    def validate_for_depth(self, full_depth: int) -> None:
-        """Raise `PresetError` naming every candidate that cannot run on a model of depth `full_depth`."""
-        errors = self.depth_errors(full_depth)
-        if errors:
-            raise PresetError("\n".join(errors))
-
-    def for_depth(self, full_depth: int) -> AdaptiveSpecConfig:
-        """This preset as it applies to depth `full_depth`: validated ("exact") or rescaled ("scale")."""
-        self.validate_for_depth(full_depth)
-        if self.depth_rule == "exact":
-            return self
-        buckets = [_scale_bucket(b, self.full_depth or full_depth, full_depth) for b in self.buckets]
+            raise PresetError(f"full depth {full_depth} must be >= 1")
+        if full_depth == self.full_depth:
+            return self, None
         data = self.model_dump()
-        data.update(full_depth=full_depth, depth_rule="exact", buckets=buckets)
-        return AdaptiveSpecConfig.model_validate(data)
+        data["full_depth"] = full_depth
+        data["buckets"] = [_scale_bucket(b, self.full_depth, full_depth) for b in self.buckets]
+        if self.acceptance is not None:
+            alpha = _rescale_depths(self.acceptance.alpha, full_depth)
+            alpha[-1] = 1.0
+            data["acceptance"] = dict(
+                data["acceptance"], alpha=alpha, rho=_rescale_depths(self.acceptance.rho, full_depth)
+            )
+        note = (
+            f"measured at depth {self.full_depth}, the model runs {full_depth}: candidates' d rescaled by "
+            f"{full_depth}/{self.full_depth}, acceptance interpolated at the same relative depth"
+        )
+        return AdaptiveSpecConfig.model_validate(data), note
 
     # ------------------------------------------------------------------ parsing
     @classmethod
@@ -287,8 +240,6 @@ def _structure_errors(cfg: AdaptiveSpecConfig) -> list[str]:
     errors: list[str] = []
     if not cfg.buckets:
         return ["buckets: at least one bucket is required"]
-    if cfg.depth_rule == "scale" and cfg.full_depth is None:
-        errors.append("full_depth: required when depth_rule is 'scale'")
     last = len(cfg.buckets) - 1
     for i, b in enumerate(cfg.buckets):
         where = f"buckets[{i}]"
@@ -341,7 +292,7 @@ def _candidate_errors(cfg: AdaptiveSpecConfig, i: int, b: BucketConfig) -> list[
         else:
             if c.d < 1:
                 errors.append(f"{where}: d={c.d} must be >= 1 when k={c.k}")
-            if cfg.full_depth is not None and c.d >= cfg.full_depth:
+            if c.d >= cfg.full_depth:
                 errors.append(f"{where}: d={c.d} must be < full depth {cfg.full_depth}")
             up = c.theta_up if c.theta_up is not None else b.theta_up
             down = c.theta_down if c.theta_down is not None else b.theta_down
@@ -378,4 +329,18 @@ def _scale_bucket(b: BucketConfig, from_depth: int, to_depth: int) -> dict[str, 
         kept.append({"k": 0, "d": 0})
     out = b.model_dump()
     out.update(candidates=kept, initial_index=min(initial, len(kept) - 1))
+    return out
+
+
+def _rescale_depths(values: list[float], to_depth: int) -> list[float]:
+    """Per-depth values measured at depths 1..D, read at the same relative depths of 1..to_depth."""
+    depth = len(values)
+    xs = [0.0] + [j / depth for j in range(1, depth + 1)]
+    ys = [0.0] + list(values)
+    out = []
+    for j in range(1, to_depth + 1):
+        x = j / to_depth
+        i = next(i for i in range(1, len(xs)) if xs[i] >= x - 1e-12)
+        w = (x - xs[i - 1]) / (xs[i] - xs[i - 1])
+        out.append(round(min(max(ys[i - 1] + w * (ys[i] - ys[i - 1]), 0.0), 1.0), 6))
     return out

@@ -25,6 +25,7 @@ from pydantic import (
 )
 
 from looped_spec.control.controller import DEFAULT_POLICY
+from looped_spec.control.settings import ControlSettings
 
 
 class SpeculativeConfig(BaseModel):
@@ -44,21 +45,44 @@ class SpeculativeConfig(BaseModel):
 
 
 def parse_speculation(speculation: Any) -> Any:
-    """'off' | 'adaptive' | 'K,d' | SpeculativeConfig | dict -> 'off' | 'adaptive' | SpeculativeConfig."""
+    """'off' | 'adaptive' | 'K,d' | SpeculativeConfig | dict -> 'off' | 'adaptive' | SpeculativeConfig.
+
+    Errors name the field inside `speculation` that is wrong: ``speculation.K: unknown field (did you mean 'k'?)``,
+    ``speculation.k=65: Input should be less than or equal to 64``.
+    """
     if speculation is None:
         return "off"
     if isinstance(speculation, SpeculativeConfig):
         return speculation
     if isinstance(speculation, dict):
-        return SpeculativeConfig(**speculation)
+        return _speculative_config(speculation)
     if isinstance(speculation, str):
         text = speculation.strip().lower()
         if text in ("off", "adaptive"):
             return text
         parts = text.replace(" ", "").split(",")
         if len(parts) == 2 and all(p.isdigit() for p in parts):
-            return SpeculativeConfig(k=int(parts[0]), d=int(parts[1]))
+            return _speculative_config({"k": int(parts[0]), "d": int(parts[1])})
     raise ValueError("use 'off', 'adaptive', 'K,d' or SpeculativeConfig(k=..., d=...)")
+
+
+def _speculative_config(data: dict[str, Any]) -> SpeculativeConfig:
+    try:
+        return SpeculativeConfig(**data)
+    except ValidationError as exc:
+        fields = list(SpeculativeConfig.model_fields)
+        problems = []
+        for error in exc.errors():
+            name = ".".join(str(part) for part in error["loc"])
+            if error["type"] == "extra_forbidden":
+                close = difflib.get_close_matches(name.lower(), fields, n=1)
+                hint = f"did you mean {close[0]!r}? " if close else ""
+                problems.append(f"speculation.{name}: unknown field ({hint}fields: {', '.join(fields)})")
+            elif name:
+                problems.append(f"speculation.{name}={data.get(name)!r}: {error['msg'].removeprefix('Value error, ')}")
+            else:
+                problems.append(f"speculation: {error['msg'].removeprefix('Value error, ')}")
+        raise ValueError("; ".join(problems)) from None
 
 
 class EngineConfig(BaseModel):
@@ -76,6 +100,8 @@ class EngineConfig(BaseModel):
     preset: Any = None  # a preset file, a shipped preset name or an AdaptiveSpecConfig; None = matched by model
     policy: Literal["goodput", "ema"] = DEFAULT_POLICY
     trace_path: str | os.PathLike | None = None  # every plan and its feedback as JSONL
+    # the adaptive controller's tunables: a ControlSettings or a dict of its fields (docs/adaptive.md "Tunables")
+    control: ControlSettings | None = None
     # limits
     max_batch_size: StrictInt = Field(32, ge=1)
     max_model_len: StrictInt | None = Field(None, ge=2)  # None = the model's max positions
@@ -85,7 +111,9 @@ class EngineConfig(BaseModel):
     block_size: StrictInt = Field(16, ge=1, le=1 << 16)
     num_kv_blocks: StrictInt | None = Field(None, ge=1)
     kv_cache_memory_gb: float | None = None
-    cuda_graphs: StrictBool | None = None  # None = on for CUDA devices
+    # None = on for CUDA devices; "emulate": the graph runner's padded static-buffer path run eagerly on any
+    # device, without capture (how the CPU tests cover that path)
+    cuda_graphs: StrictBool | Literal["emulate"] | None = None
     early_exit: Literal["skip", "select"] = "skip"  # how tokens that exit early run (docs/architecture.md)
 
     @field_validator("speculation")
@@ -93,6 +121,19 @@ class EngineConfig(BaseModel):
     def _speculation(cls, value: Any) -> Any:
         parse_speculation(value)  # the error names the option; the value is kept as given (for messages)
         return value
+
+    @field_validator("control", mode="before")
+    @classmethod
+    def _control(cls, value: Any) -> Any:
+        if value is None or isinstance(value, ControlSettings):
+            return value
+        if not isinstance(value, dict):
+            raise ValueError(f"must be a ControlSettings or a dict of its fields, got {type(value).__name__}")
+        fields = set(ControlSettings.__dataclass_fields__)
+        unknown = sorted(set(value) - fields)
+        if unknown:
+            raise ValueError(f"unknown field(s) {', '.join(unknown)} (fields: {', '.join(sorted(fields))})")
+        return ControlSettings(**value)
 
     @field_validator("preset")
     @classmethod
@@ -136,5 +177,8 @@ def _problems(exc: ValidationError, given: dict[str, Any]) -> list[str]:
             problems.setdefault(name, f"unknown option {name!r}: {hint}(options: {', '.join(known)})")
             continue
         message = error["msg"].removeprefix("Value error, ")
-        problems.setdefault(name, f"{name}={given.get(name)!r}: {message}")
+        if message.startswith(f"{name}.") or message.startswith(f"{name}:"):  # names its own sub-field
+            problems.setdefault(name, message)
+        else:
+            problems.setdefault(name, f"{name}={given.get(name)!r}: {message}")
     return list(problems.values())

@@ -13,11 +13,11 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-from looped_spec.control.controller import FixedController
-from looped_spec.control.factory import make_controller
-from looped_spec.control.plan import RoundFeedback, SpeculationPlan
+from looped_spec.control.controller import FixedController, make_controller
+from looped_spec.control.plan import SpeculationPlan, round_feedback
+from looped_spec.control.presets import load_preset
 from looped_spec.detokenizer import IncrementalDetokenizer
-from looped_spec.engine.config import EngineConfig
+from looped_spec.engine.config import EngineConfig, SpeculativeConfig, parse_speculation
 from looped_spec.engine.inputs import load_tokenizer, normalize_prompts, to_token_ids
 from looped_spec.engine.scheduler import Scheduler
 from looped_spec.engine.stats import EngineStats
@@ -27,7 +27,7 @@ from looped_spec.execution.kv_cache import KVCache
 from looped_spec.execution.model_runner import ModelRunner
 from looped_spec.execution.sampler import SamplingRows, sample
 from looped_spec.models.adapter import ModelAdapter, load_adapter
-from looped_spec.request import Request, RequestOutput, RequestStatus, ScheduledBatch, is_static, mean_context
+from looped_spec.request import Request, RequestOutput, RequestStatus, ScheduledBatch, mean_context
 from looped_spec.sampling_params import SamplingParams
 from looped_spec.speculative.round import RoundResult, SpeculativeRound
 
@@ -74,11 +74,8 @@ class LoopedSpecEngine:
             raise ValueError(
                 f"max_model_len={config.max_model_len} must be in [2, {limit}] (the model's max positions)"
             )
-        self.controller = make_controller(
-            config.speculation, self.adapter, preset=config.preset, policy=config.policy, trace_path=config.trace_path
-        )
+        self.controller = self._controller(config)
         self.speculation = config.speculation
-        self.speculates = not (isinstance(self.controller, FixedController) and self.controller.k == 0)
         self.max_batch_size = config.max_batch_size
         self.kv = KVCache(
             self.adapter.kv_layout,
@@ -106,13 +103,7 @@ class LoopedSpecEngine:
             type(self.controller).__name__,
         )
         self.scheduler = Scheduler(self.kv, config.max_batch_size, config.max_num_batched_tokens)
-        self.runner = ModelRunner(self.adapter, self.kv)
-        self.runner.exit_mode = config.early_exit
-        on_cuda = self.adapter.device.type == "cuda"
-        if config.cuda_graphs and not on_cuda:
-            raise ValueError("cuda_graphs=True needs a CUDA device")
-        if on_cuda if config.cuda_graphs is None else config.cuda_graphs:
-            self._enable_graphs(capture=True)
+        self.runner = ModelRunner(self.adapter, self.kv, config.early_exit, self._graph_runner(config.cuda_graphs))
         self.spec_round = SpeculativeRound(self.runner)
         self.tokenizer = load_tokenizer(self.adapter.path)
         self.stats = EngineStats()
@@ -123,6 +114,20 @@ class LoopedSpecEngine:
         self._reports: dict[str, Request] = {}  # outputs owed to the caller (advanced, finished, aborted)
         self._suspects: list[Request] = []  # requests of a failed step, to be run one at a time
         self._failed_alone: dict[str, int] = {}  # suspect id -> consecutive failures running alone
+
+    def _controller(self, config: EngineConfig) -> FixedController:
+        """The plan source of `config.speculation` (a preset only for "adaptive")."""
+        spec = parse_speculation(config.speculation)
+        depth = self.adapter.full_depth
+        preset = None
+        if spec == "adaptive" and depth >= 2:
+            adapter = self.adapter
+            preset = load_preset(adapter.name, depth, config.preset, folder=adapter.path, config=adapter.config)
+        if isinstance(spec, SpeculativeConfig):
+            spec = (spec.k, spec.d, spec.measure_depths)
+        return make_controller(
+            spec, depth, preset, policy=config.policy, settings=config.control, trace_path=config.trace_path
+        )
 
     def resolve_exit(self, params: SamplingParams) -> tuple[float | None, int | None]:
         """(exit_threshold, exit_at_step) a request with `params` runs with (None: no rule / up to D).
@@ -165,16 +170,21 @@ class LoopedSpecEngine:
             )
         return num_kv_blocks
 
-    def _enable_graphs(self, capture: bool) -> None:
-        """Run the shapes the controller's plans need through the CUDA-graph runner. `capture=False` runs the
-        same padded static-buffer path eagerly, on any device (how the CPU tests cover it)."""
-        self.runner.graphs = CudaGraphRunner(
+    def _graph_runner(self, cuda_graphs: bool | str | None) -> CudaGraphRunner | None:
+        """The CUDA-graph runner for the shapes the controller's plans need, or None. "emulate" runs the same padded
+        static-buffer path eagerly without capture, on any device (how the CPU tests cover it)."""
+        on_cuda = self.adapter.device.type == "cuda"
+        if cuda_graphs is True and not on_cuda:
+            raise ValueError("cuda_graphs=True needs a CUDA device (cuda_graphs='emulate' runs the path on any device)")
+        if not (on_cuda if cuda_graphs is None else cuda_graphs):
+            return None
+        return CudaGraphRunner(
             self.adapter,
             self.kv,
             self.max_model_len,
             batch_buckets(self.max_batch_size),
             self.controller.plan_shapes(),
-            capture=capture,
+            capture=cuda_graphs != "emulate",
         )
 
     # ----- requests -----
@@ -263,32 +273,16 @@ class LoopedSpecEngine:
         if batch is None:
             return
         if batch.is_prefill:
-            t0 = time.perf_counter()
-            done = self._transaction(suspect, batch.requests, lambda: self._run_prefill(batch))
-            if done is not None:
-                tokens, exit_depths = done
-                depths = (
-                    None if all(e is None for e in exit_depths) else [[] if e is None else [e] for e in exit_depths]
-                )
-                self._commit(batch.requests, tokens, chunk_lens=batch.chunk_lens, exit_depths=depths)
-                for request in batch.requests:
-                    request.admitted_round = self.stats.num_rounds
-                self.stats.num_prefill_steps += 1
-                self.stats.num_prompt_tokens += sum(batch.chunk_lens)
-                self.stats.phase_seconds["prefill"] += time.perf_counter() - t0
+            self._prefill_step(suspect, batch)
             return
-        t0 = time.perf_counter()
-        # a static batch (admitted together, nothing waiting) is not refilled as its requests finish: the
-        # controller may price draining it. A batch that took a request in while decoding is open (a server):
-        # what finishes now is likely refilled, even when the queue is empty this instant
-        drains = self.controller.uses_budgets and not self.scheduler.waiting and is_static(batch.requests)
-        remaining = [r.remaining_budget for r in batch.requests] if drains else None
-        plan = self.controller.plan(len(batch.requests), mean_context(batch.requests), remaining)
+        t1 = time.perf_counter()
+        context = mean_context(batch.requests)
+        plan = self.controller.plan(len(batch.requests), context)
         # a request whose exit rule reads out through attention (Huginn's "kl") cannot be verified position by
         # position inside one pass (exit_round.py): it decodes plainly (K = 0) within the round
         wants = [0 if self._exit_rule_reads_kv(r) else plan.k for r in batch.requests]
         requests, k = self.scheduler.reserve_decode(batch.requests, wants)
-        self.stats.phase_seconds["control"] += time.perf_counter() - t0
+        self.stats.phase_seconds["control"] += time.perf_counter() - t1
         self.stats.num_preemptions = self.scheduler.num_preemptions
         if not requests:
             return
@@ -297,7 +291,19 @@ class LoopedSpecEngine:
             suspect, requests, lambda: self.spec_round.run(requests, k, plan.d, plan.measure_depths)
         )
         if result is not None:
-            self._finish_round(requests, k, plan, result)
+            self._finish_round(requests, k, plan, result, t0, context)
+
+    def _prefill_step(self, suspect: Request | None, batch: ScheduledBatch) -> None:
+        t0 = time.perf_counter()
+        done = self._transaction(suspect, batch.requests, lambda: self._run_prefill(batch))
+        if done is None:
+            return
+        tokens, exit_depths = done
+        depths = None if all(e is None for e in exit_depths) else [[] if e is None else [e] for e in exit_depths]
+        self._commit(batch.requests, tokens, chunk_lens=batch.chunk_lens, exit_depths=depths)
+        self.stats.num_prefill_steps += 1
+        self.stats.num_prompt_tokens += sum(batch.chunk_lens)
+        self.stats.phase_seconds["prefill"] += time.perf_counter() - t0
 
     def _exit_rule_reads_kv(self, request: Request) -> bool:
         return request.exit_threshold is not None and self.adapter.exit_rule_reads_kv
@@ -362,7 +368,10 @@ class LoopedSpecEngine:
                 tokens[i] = [token]
         return tokens, exit_depths
 
-    def _finish_round(self, requests: list[Request], k: list[int], plan: SpeculationPlan, result: RoundResult) -> None:
+    def _finish_round(
+        self, requests: list[Request], k: list[int], plan: SpeculationPlan, result: RoundResult, start: float,
+        context: float,
+    ) -> None:  # fmt: skip
         """Commit a decode round, then tell the controller (feedback goes out only after the commit)."""
         t0 = time.perf_counter()
         self._commit(
@@ -384,28 +393,24 @@ class LoopedSpecEngine:
         stats.batch_size_histogram[len(requests)] += 1
         stats.plan_histogram[f"{max(k)},{plan.d if max(k) else 0}"] += 1
         stats.phase_seconds["commit"] += t1 - t0
-        self.controller.observe(
-            RoundFeedback(
-                plan.plan_id,
-                plan.k,
-                plan.d,
-                plan.bucket,
-                plan.candidate,
-                len(requests),
-                k if result.verified_proposed is None else result.verified_proposed,
-                result.num_accepted if result.verified_accepted is None else result.verified_accepted,
-                result.draft_time,
-                result.verify_time + result.accept_time + result.decode_time,  # RoundFeedback.full_depth_time
-                t1 - t0,
-                result.depth_matches,
-                result.depth_trials,
-                [e for ds, toks in zip(result.exit_depths, result.committed) for e in ds[: len(toks)]]
-                if result.exit_depths is not None
-                else [],
-                self.runner.exit_mode == "skip",
-                measure_time=result.measure_time,
-            )
+        exit_depths = []
+        if result.exit_depths is not None:
+            exit_depths = [e for ds, toks in zip(result.exit_depths, result.committed) for e in ds[: len(toks)]]
+        feedback = round_feedback(
+            plan,
+            batch_size=len(requests),
+            context=context,
+            num_proposed=k if result.verified_proposed is None else result.verified_proposed,
+            num_accepted=result.num_accepted if result.verified_accepted is None else result.verified_accepted,
+            seconds=t1 - start,
+            draft_seconds=result.draft_time,
+            measure_seconds=result.measure_time,
+            depth_matches=result.depth_matches,
+            depth_trials=result.depth_trials,
+            exit_depths=exit_depths,
+            exit_skips=self.runner.exit_mode == "skip",
         )
+        self.controller.observe(feedback)
         stats.phase_seconds["control"] += time.perf_counter() - t1
 
     def _commit(self, requests: list[Request], tokens: list[list[int]], **counts: Any) -> None:

@@ -186,7 +186,7 @@ class EngineCollector(StatsCollector):
         yield from self._plans()
 
     def _plans(self) -> Iterator[Metric]:
-        """The plan each batch-size bucket would run now: K (0 = speculation off) and d."""
+        """The plan each batch-size bucket runs now: K (0 = speculation off) and d (buckets that ran)."""
         k_family = GaugeMetricFamily(PREFIX + "spec_plan_k", "Current draft length K per batch-size bucket "
                                      "(0 = speculation off).", labels=["model_name", "bucket"])  # fmt: skip
         d_family = GaugeMetricFamily(
@@ -197,6 +197,8 @@ class EngineCollector(StatsCollector):
         if buckets is None and hasattr(controller, "k"):  # a fixed plan: one bucket for every batch size
             buckets = [{"batch": "all", "k": controller.k, "d": controller.d}]
         for bucket in buckets or []:
+            if bucket["k"] is None:  # no batch of this size has run yet: no plan to report
+                continue
             k_family.add_metric([self.model_name, str(bucket["batch"])], bucket["k"])
             d_family.add_metric([self.model_name, str(bucket["batch"])], bucket["d"])
         yield k_family

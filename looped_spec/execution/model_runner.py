@@ -11,6 +11,7 @@ from looped_spec.execution.attention import PagedContext, build_paged_context
 from looped_spec.execution.early_exit import ExitMode, decode_with_exit, prefill_with_exit
 from looped_spec.execution.kv_cache import KVCache
 from looped_spec.execution.paged_kernel import MAX_KERNEL_QUERY, kernel_available
+from looped_spec.execution.timing import Span
 from looped_spec.models.adapter import ModelAdapter
 from looped_spec.request import Request
 
@@ -90,18 +91,20 @@ class ModelRunner:
     the index tensors that every loop and layer reuse.
     """
 
-    def __init__(self, adapter: ModelAdapter, kv_cache: KVCache) -> None:
+    def __init__(
+        self, adapter: ModelAdapter, kv_cache: KVCache, exit_mode: ExitMode = "skip", graphs: StepRunner | None = None
+    ) -> None:
         self.adapter = adapter
         self.kv = kv_cache
         self.device = adapter.device
         self.full_depth = adapter.full_depth
         self.eager = EagerStepRunner(self)
-        self.graphs: StepRunner | None = None  # a CudaGraphRunner, when the engine enables graphs
-        self.exit_mode: ExitMode = "skip"  # how requests that exit early are run (early_exit.py)
+        self.graphs = graphs  # a CudaGraphRunner: takes the shapes it captured
+        self.exit_mode = exit_mode  # how requests that exit early are run (early_exit.py)
         # the paged kernel reads each token's own keys in place (decode, draft, verify); prefill keeps SDPA
         self.paged_kernel = kernel_available(self.device, kv_cache.layout.head_dim)
-        # seconds spent on counterfactual readouts (`speculative/readouts.py`), read per round by the caller
-        self.readout_seconds = 0.0
+        # when set, the time inside `run` goes into it (the tuner separates pass time from the rest of a round)
+        self.run_span: Span | None = None
 
     def context(self, requests: list[Request], query_lens: list[int], context_lens: list[int]) -> PagedContext:
         return build_paged_context(
@@ -128,12 +131,15 @@ class ModelRunner:
     def run(self, inp: StepInput) -> StepOutput:
         """The one entry point for a loop-range pass, uniform or ragged: the CUDA-graph step runner takes the
         shapes it has captured (uniform, without kept states), the eager one everything else."""
-        for step_runner in (self.graphs, self.eager):
-            if step_runner is not None:
-                out = step_runner.step(inp)
-                if out is not None:
-                    return out
-        raise RuntimeError("no step runner took the batch")  # unreachable: the eager runner takes everything
+        span = self.run_span
+        if span is not None:
+            span.start()
+        out = self.graphs.step(inp) if self.graphs is not None else None
+        if out is None:
+            out = self.eager.step(inp)
+        if span is not None:
+            span.stop()
+        return out
 
     # ----- whole steps -----
     @torch.inference_mode()

@@ -8,6 +8,7 @@ import torch
 
 from looped_spec.execution.model_runner import ModelRunner, StepInput
 from looped_spec.execution.sampler import SamplingRows, probabilities, sample_from
+from looped_spec.execution.timing import Span
 from looped_spec.request import Request
 from looped_spec.speculative.readouts import read_out_depths
 
@@ -40,13 +41,19 @@ class DraftProposer:
 
     def __init__(self, runner: ModelRunner) -> None:
         self.runner = runner
-        # Test/benchmark hook for greedy rows (tests/oracle.py): override(requests, j, drafted [rows]) -> tokens
-        # to use as draft j+1 instead (e.g. to force a known acceptance pattern). Applied before the token is
-        # embedded, so the cached draft KV always matches the tokens verified.
-        self.draft_override = None
+
+    def draw(
+        self, logits: torch.Tensor, rows: SamplingRows, requests: list[Request], j: int
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Draft token j+1 of the first `len(requests)` rows from their depth-d readout, and its distribution."""
+        return draw_drafts(logits, rows, requests)
 
     @torch.inference_mode()
-    def propose(self, requests: list[Request], k: list[int], d: int, rows: SamplingRows, measure_depths: bool) -> Draft:
+    def propose(
+        self, requests: list[Request], k: list[int], d: int, rows: SamplingRows, measure: Span | None = None
+    ) -> Draft:
+        """K tokens per request (rows sorted by K descending); with `measure`, every depth 1..d is read out too."""
+        measure_depths = measure is not None
         runner = self.runner
         num_reqs, max_k = len(requests), max(k)
         device = runner.device
@@ -69,19 +76,17 @@ class DraftProposer:
             out = runner.run(inp)
             state, logits = out.state, out.logits
             if measure_depths:  # depths 1..d-1 from the kept states, then the draft's own depth d
-                preds, logits = read_out_depths(runner, inp, out)
+                preds, logits = read_out_depths(runner, inp, out, measure)
                 for depth, pred in enumerate([*preds, logits.argmax(-1)], start=1):
                     depth_preds[depth - 1, :num_rows, j] = pred
             states.append(state)
             if num_next == 0:
                 break
-            drafted, q = draw_drafts(logits[:num_next], rows, active[:num_next])
+            drafted, q = self.draw(logits[:num_next], rows, active[:num_next], j)
             if q is not None:
                 if q_probs is None:
                     q_probs = torch.zeros(num_reqs, max_k, q.shape[-1], device=device)
                 q_probs[:num_next, j] = q
-            if self.draft_override is not None:
-                drafted = self.draft_override(active[:num_next], j, drafted).to(device)
             tokens[:num_next, j] = drafted
             step_tokens = drafted
         return Draft(tokens=tokens, q_probs=q_probs, states=states, depth_preds=depth_preds)

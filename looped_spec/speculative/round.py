@@ -6,13 +6,13 @@ verify or acceptance bookkeeping. Nothing here changes request state; the schedu
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
 
 import torch
 
 from looped_spec.execution.model_runner import ModelRunner
 from looped_spec.execution.sampler import SamplingRows, sample
+from looped_spec.execution.timing import Span, Stopwatch
 from looped_spec.request import Request
 from looped_spec.speculative.exit_round import propose_with_exit, verify_with_exit
 from looped_spec.speculative.proposer import DraftProposer
@@ -48,50 +48,48 @@ class RoundResult:
 class SpeculativeRound:
     """Drives proposer -> verifier -> rejection sampler over a batch with ragged K (K >= 0 per request)."""
 
-    def __init__(self, runner: ModelRunner) -> None:
+    def __init__(self, runner: ModelRunner, proposer: DraftProposer | None = None) -> None:
         self.runner = runner
-        self.proposer = DraftProposer(runner)
+        self.proposer = proposer or DraftProposer(runner)
         self.verifier = Verifier(runner)
-
-    def _sync(self) -> None:
-        if self.runner.device.type == "cuda":
-            torch.cuda.synchronize()
+        self.watch = Stopwatch(runner.device)
 
     def run(self, requests: list[Request], k: list[int], d: int, measure_depths: bool = False) -> RoundResult:
         """One round: plain decoding when every K is 0, else draft -> verify -> accept; with `measure_depths`
-        the committed positions' counterfactual readouts too (their seconds in `measure_time`)."""
-        before = self.runner.readout_seconds
+        the committed positions' counterfactual readouts too (their seconds in `measure_time`). Phase times are
+        read once the round's tokens reached the host (timing.py: no synchronization for telemetry)."""
+        span = Span(self.watch) if measure_depths else None
         if max(k) == 0:
-            result = self._plain(requests, measure_depths)
+            result = self._plain(requests, span)
         else:
-            result = self._speculative(requests, k, d, measure_depths)
-        result.measure_time = self.runner.readout_seconds - before
+            result = self._speculative(requests, k, d, span)
+        result.measure_time = span.total() if span is not None else 0.0
         return result
 
-    def _speculative(self, requests: list[Request], k: list[int], d: int, measure_depths: bool) -> RoundResult:
+    def _speculative(self, requests: list[Request], k: list[int], d: int, span: Span | None) -> RoundResult:
         # early exit: the target is the early-exit model (exit_round.py); no counterfactual depth readouts then
         # (a token's depth is the rule's)
         exits = any(r.exits_early for r in requests)
-        measure_depths = measure_depths and not exits
+        measure_depths = span is not None and not exits
+        span = span if measure_depths else None
         order = sorted(range(len(requests)), key=lambda i: -k[i])
         reqs = [requests[i] for i in order]
         ks = [k[i] for i in order]
         device, mode = self.runner.device, self.runner.exit_mode
         rows = SamplingRows.build(reqs, device)
 
-        t0 = time.perf_counter()
+        watch = self.watch
+        t0 = watch.mark()
         if exits:
             draft, steps = propose_with_exit(self.runner, reqs, ks, d, rows, mode)
         else:
-            draft = self.proposer.propose(reqs, ks, d, rows, measure_depths)
-        self._sync()
-        t1 = time.perf_counter()
+            draft = self.proposer.propose(reqs, ks, d, rows, span)
+        t1 = watch.mark()
         if exits:
             verification = verify_with_exit(self.runner, reqs, ks, d, steps, mode)
         else:
-            verification = self.verifier.verify(reqs, ks, d, draft, measure_depths)
-        self._sync()
-        t2 = time.perf_counter()
+            verification = self.verifier.verify(reqs, ks, d, draft, span)
+        t2 = watch.mark()
         k_t = torch.tensor(ks, device=device)
         decided = verification.decided[:, : max(ks)] if exits else None  # [R, K_max]: drafts the target drew
         num_accepted, next_token = accept(
@@ -106,11 +104,13 @@ class SpeculativeRound:
         trials: list[int] = []
         if measure_depths:
             matches, trials = self._depth_agreement(draft, verification, committed_grid, num_accepted, d)
-        t3 = time.perf_counter()
+        t3 = watch.mark()
 
+        seconds = watch.seconds
         result = RoundResult(
-            [[] for _ in requests], [0] * len(requests), t1 - t0, t2 - t1, t3 - t2, 0.0, matches, trials
-        )
+            [[] for _ in requests], [0] * len(requests), seconds(t0, t1), seconds(t1, t2), seconds(t2, t3), 0.0,
+            matches, trials,
+        )  # fmt: skip
         for pos, i in enumerate(order):
             result.committed[i] = grid[pos][: acc[pos] + 1]
             result.num_accepted[i] = acc[pos]
@@ -133,16 +133,16 @@ class SpeculativeRound:
             result.verified_accepted[i] = sum(verified[: acc[pos]])
 
     @torch.inference_mode()
-    def _plain(self, requests: list[Request], measure_depths: bool) -> RoundResult:
+    def _plain(self, requests: list[Request], span: Span | None) -> RoundResult:
         """K = 0: plain full-depth decoding and a sample per request."""
-        t0 = time.perf_counter()
+        t0 = self.watch.mark()
         full_depth = self.runner.full_depth
         depth_preds = None
         exit_depths = None
         # counterfactual depths are measured on full-depth rounds only (under early exit the depth is the rule's)
-        if measure_depths and full_depth > 1 and not any(r.exits_early for r in requests):
+        if span is not None and full_depth > 1 and not any(r.exits_early for r in requests):
             inp = self.runner.decode_input(requests, keep_states=True)
-            preds, logits = read_out_depths(self.runner, inp, self.runner.run(inp))
+            preds, logits = read_out_depths(self.runner, inp, self.runner.run(inp), span)
             depth_preds = torch.stack(preds)  # [D - 1, R]: depths 1..D-1
         else:
             logits, exit_depths = self.runner.decode_with_depths(requests)
@@ -155,7 +155,7 @@ class SpeculativeRound:
             matches = torch.cat([(depth_preds == sampled[None]).sum(dim=1), full[None]]).tolist()
             trials = [len(requests)] * full_depth
         committed = [[t] for t in sampled.tolist()]
-        decode_time = time.perf_counter() - t0
+        decode_time = self.watch.seconds(t0, self.watch.mark())
         accepted = [0] * len(requests)
         return RoundResult(
             committed,

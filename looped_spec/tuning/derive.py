@@ -23,7 +23,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from looped_spec.control.acceptance import markov_accept_rate, markov_tokens
+from looped_spec.control.acceptance import accept_rate, markov_tokens
+from looped_spec.control.passcost import PassCost, ideal_cost
+from looped_spec.control.schema import CostConfig
 
 RULES = {
     "buckets": (
@@ -92,11 +94,11 @@ class BucketModel:
         k, d = option
         if k == 0:
             return 1.0 / self.seconds(0, 0)
-        return markov_tokens(self.alpha_at(d, h), self.rho[d - 1], k) / self.seconds(k, d)
+        return float(markov_tokens(self.alpha_at(d, h), self.rho[d - 1], k)) / self.seconds(k, d)
 
     def accept_rate(self, option: tuple[int, int], h: float) -> float:
         k, d = option
-        return markov_accept_rate(self.alpha_at(d, h), self.rho[d - 1], k)
+        return float(accept_rate(self.alpha_at(d, h), self.rho[d - 1], k))
 
     def fastest(self, options: Sequence[tuple[int, int]], h: float) -> tuple[int, int]:
         """Fastest option at difficulty h (the earlier, i.e. more conservative, wins ties)."""
@@ -274,21 +276,15 @@ def derive_buckets(
         "probe_base": 16,
         "probe_cap": 256,
         "probe_rounds": 2,
-        "use_timing": False,
     }
     return buckets, disable, notes
 
 
-def ideal_seconds(depth: int, batch: float, n_sat: float) -> Callable[[int, int], float]:
-    """The design's idealised round cost in units of one single-token loop step: c(N) = 1 + N / n_sat."""
-
-    def cost(n: float) -> float:
-        return 1.0 + n / n_sat
+def pass_seconds(cost: PassCost, batch: float, context: float) -> Callable[[int, int], float]:
+    """(K, d) -> predicted round seconds at `batch` and mean `context` from a pass-cost profile."""
 
     def seconds(k: int, d: int) -> float:
-        if k == 0:
-            return depth * cost(batch)
-        return d * (k + 1) * cost(batch) + (depth - d) * cost(batch * (k + 1))
+        return float(cost.profile_seconds([k], [d], round(batch), context)[0])
 
     return seconds
 
@@ -311,16 +307,18 @@ def derive_preset(
 
     Each bucket is derived at its geometric-mean batch size (2·min for the unbounded last one); the
     assumed acceptance goes into the preset's `acceptance` section (persistence 0, positions 0 = assumed).
-    Such a preset has no cost profile, so the policy explores every candidate online and each one costs
-    rounds: the lists stay at 8 without the options merely near the fastest (`near` 0) unless asked.
+    The cost is the design's idealised pass profile (`passcost.ideal_cost`: a pass costs 1 + n / n_sat units);
+    the lists stay at 8 without the options merely near the fastest (`near` 0) unless asked.
     """
     derive_options = {"near": 0.0, "max_candidates": 8, **derive_options}
     rho = [0.0] * depth
     grid = [(k, d) for k in range(1, max_k + 1) for d in range(1, depth)]
     models = {}
+    cost_data = ideal_cost(n_sat)
+    cost = PassCost(CostConfig.model_validate(cost_data), depth)
     for lo, hi in buckets:
         batch = math.sqrt(lo * hi) if hi is not None else 2.0 * lo
-        models[batch] = BucketModel(nominal, rho, ideal_seconds(depth, batch, n_sat))
+        models[batch] = BucketModel(nominal, rho, pass_seconds(cost, batch, 0.0))
     out_buckets, rule_disable, _ = derive_buckets(models, grid, list(buckets), **derive_options)
     for b in out_buckets:
         b.update(bucket_knobs or {})
@@ -328,9 +326,9 @@ def derive_preset(
         "model": model,
         "hardware": hardware,
         "full_depth": depth,
-        "depth_rule": "exact",
         "buckets": out_buckets,
         "disable": {**rule_disable, **(disable or {})},
         "acceptance": {"alpha": [round(a, 4) for a in nominal], "rho": rho, "positions": 0},
+        "cost": cost_data,
         "provenance": provenance or {},
     }

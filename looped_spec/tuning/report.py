@@ -1,9 +1,8 @@
 """Tuner output: a text report, heatmaps and compact JSON of the preset.
 
 Input is the tuner's report (`looped_spec.tuning.tuner.tune`'s provenance): acceptance per depth and per grid cell
-(replayed on the tuning trajectories vs the Markov model), the cost profile's median round times per batch
-size and cell (with their lines in the batch's mean context, when measured), and the decisions per bucket
-(predicted ratio to plain of every cell).
+(replayed on the tuning trajectories vs the Markov model), the pass-cost profile's check against the timed
+rounds, and the decisions per bucket (predicted ratio to plain of every cell).
 """
 
 from __future__ import annotations
@@ -30,20 +29,17 @@ def format_report(report: dict[str, Any], preset: dict[str, Any] | None = None) 
     ]
     for key, cell in accept["cells"].items():
         lines.append(f"  {key:>5} {cell['replayed_tokens_per_round']:>22.3f} {cell['markov_tokens_per_round']:>7.3f}")
-    for b, cells in report.get("cost", {}).items():
-        plain = cells["0,0"]
+    validation = report.get("cost", {}).get("validation", {})
+    if validation:
         lines.append(
-            f"B={b}: plain round {1e3 * plain['cost_s']:.2f} ms (median of {plain['runs']} runs; best run "
-            f"{1e3 * plain['best_run_s']:.2f} ms, runs spread {100 * plain['spread']:.0f}%; cells drift-corrected "
-            "by the plain runs around them)" + _context_note(plain)
+            f"pass-cost profile against {report['cost']['rounds_timed']} timed rounds (median measured / predicted "
+            "round seconds; relative to plain decoding at the same batch size):"
         )
-        lines.append(f"  {'K,d':>5} {'cost ms':>8} {'fit ms':>7} {'spread':>6}{'   ms + us/token x context':>26}")
-        for key, cell in cells.items():
-            if key != "0,0":
-                lines.append(
-                    f"  {key:>5} {1e3 * cell['cost_s']:>8.2f} {1e3 * cell['fit_s']:>7.2f} {100 * cell['spread']:>5.0f}%"
-                    + _context_note(cell)
-                )
+        for key, cell in validation.items():
+            lines.append(
+                f"  {key:>8} {cell['measured_over_predicted']:6.3f} {cell['relative_to_plain']:6.3f}"
+                f"  ({cell['rounds']} rounds)"
+            )
     for bucket, note in report.get("decisions", {}).items():
         best = sorted(note["predicted_ratio"].items(), key=lambda kv: -kv[1])[:4]
         lines.append(
@@ -61,16 +57,6 @@ def format_report(report: dict[str, Any], preset: dict[str, Any] | None = None) 
                 items.append(f"{mark}({c['k']},{c['d']}){band}")
             lines.append(f"  B {bucket['min_batch']}..{hi}: " + " ".join(items))
     return "\n".join(lines)
-
-
-def _context_note(cell: dict[str, Any]) -> str:
-    """ "  a ms + b us/token x context (mean c)" of a cell's context line; empty in reports made before them."""
-    if "slope_s_per_token" not in cell:
-        return ""
-    return (
-        f"   {1e3 * cell['intercept_s']:.2f} ms + {1e6 * cell['slope_s_per_token']:.2f} us/token x context "
-        f"(mean {cell['context']:.0f})"
-    )
 
 
 def heatmap_cells(report: dict[str, Any]) -> dict[int, dict[str, dict[str, float]]]:
@@ -136,8 +122,6 @@ def write_heatmap(cells_by_batch: dict[int, dict[str, dict[str, float]]] | dict[
 def preset_data(config: Any) -> dict[str, Any]:
     """A validated `AdaptiveSpecConfig` as plain data without unset optional fields (bounds stay explicit)."""
     data = config.model_dump(mode="json")
-    if data.get("cost") is not None:  # a profile without context terms is written as before
-        data["cost"] = {k: v for k, v in data["cost"].items() if v is not None}
     for bucket in data["buckets"]:
         for name in ("theta_up", "theta_down"):
             if bucket[name] is None:

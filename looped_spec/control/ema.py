@@ -1,0 +1,185 @@
+"""The EMA policy (`policy="ema"`): the RFC's thresholds on measured acceptance (docs/adaptive.md "EMA policy").
+
+Per bucket the candidates are ordered from conservative to aggressive. Each keeps an EMA of its rounds'
+acceptance r = ΣA/ΣK: E ← (1 − β)·E + β·r (E starts at the candidate's prior). After `min_samples` rounds at a
+candidate, and then every `interval` rounds, the bucket moves one candidate up when E > θ_up, one down when
+E < θ_down, and from its most conservative speculative candidate off (plain decoding) when E is below the off
+threshold.
+
+Off, it probes the most conservative candidate for `probe_rounds` rounds after `probe_base` plain rounds; a probe
+whose pooled acceptance clears the off threshold switches speculation back on, a failed one doubles the wait (up to
+`probe_cap`). A workload change probes at once: the batch entering the bucket, or the counterfactual readouts
+(the acceptance estimator) predicting the probe candidate's acceptance over the off threshold.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from looped_spec.control.acceptance import AcceptanceEstimator, accept_rate
+from looped_spec.control.buckets import CompiledBucket
+from looped_spec.control.plan import RoundFeedback
+from looped_spec.control.schema import DisableConfig
+from looped_spec.control.settings import ControlSettings
+
+
+@dataclass(slots=True)
+class _Bucket:
+    index: int  # current candidate
+    ema: list[float | None]  # [C]
+    visit: int = 0  # rounds at `index` since the bucket moved there
+    off: bool = False
+    wait: int = 0  # plain rounds left before the next probe
+    backoff: int = 0
+    probe_left: int = 0  # probe rounds still to plan
+    probe_pending: int = 0  # probe rounds whose feedback has not come
+    probe_accepted: int = 0
+    probe_proposed: int = 0
+    moves: int = 0
+    probes: int = 0
+    probed_at: int = 0  # acceptance positions observed when the last probe started
+    history: list[str] = field(default_factory=list)
+
+
+class EmaPolicy:
+    name = "ema"
+
+    def __init__(
+        self,
+        buckets: list[CompiledBucket],
+        disable: DisableConfig,
+        acceptance: AcceptanceEstimator,
+        settings: ControlSettings,
+    ) -> None:
+        self.buckets = buckets
+        self.new_evidence = settings.probe_evidence
+        self.disable = disable
+        self.acceptance = acceptance
+        self.states = []
+        for b in buckets:
+            st = _Bucket(index=b.config.initial_index, ema=list(b.prior))
+            if b.ks[st.index] == 0:
+                self._switch_off(st, b, "")
+            self.states.append(st)
+        self.last_event: str | None = None
+
+    def select(self, bucket: int, batch: int, context: float) -> tuple[int, int, int]:
+        b, st = self.buckets[bucket], self.states[bucket]
+        self.last_event = None
+        if not st.off:
+            return b.ks[st.index], b.ds[st.index], st.index
+        lo = b.lowest_spec
+        if lo < 0:
+            return 0, 0, b.plain_candidate
+        if st.probe_left == 0 and st.probe_pending == 0:
+            st.wait -= 1
+            if st.wait <= 0 or self._readouts_say_on(b, lo, st):
+                st.probe_left = self.disable.probe_rounds
+                st.probed_at = self.acceptance.positions
+                st.probe_accepted = st.probe_proposed = 0
+                st.probes += 1
+                self.last_event = f"probe K={b.ks[lo]} d={b.ds[lo]}"
+        if st.probe_left > 0:
+            st.probe_left -= 1
+            st.probe_pending += 1
+            return b.ks[lo], b.ds[lo], lo
+        return 0, 0, b.plain_candidate
+
+    def _readouts_say_on(self, b: CompiledBucket, lo: int, st: _Bucket) -> bool:
+        """The counterfactual readouts taken since the last probe (at least `probe_evidence` positions) predict the
+        probe candidate's acceptance over the off threshold."""
+        if self.acceptance.positions < st.probed_at + self.new_evidence:
+            return False
+        d = b.ds[lo]
+        return float(accept_rate(self.acceptance.alpha[d - 1], self.acceptance.rho[d - 1], b.ks[lo])) >= b.off_threshold
+
+    def observe(self, fb: RoundFeedback) -> None:
+        self.last_event = None
+        if (
+            not 0 <= fb.bucket < len(self.buckets)
+            or fb.k == 0
+            or not 0 <= fb.candidate < len(self.buckets[fb.bucket].ks)
+        ):
+            return
+        b, st, c = self.buckets[fb.bucket], self.states[fb.bucket], fb.candidate
+        proposed, accepted = fb.total_proposed, fb.total_accepted
+        if st.off:
+            if c == b.lowest_spec and st.probe_pending > 0:
+                st.probe_pending -= 1
+                st.probe_accepted += accepted
+                st.probe_proposed += proposed
+                if st.probe_pending == 0 and st.probe_left == 0:
+                    self._end_probe(st, b)
+            return
+        if proposed == 0:
+            return
+        beta = b.config.beta
+        old = st.ema[c]
+        st.ema[c] = accepted / proposed if old is None else (1.0 - beta) * old + beta * accepted / proposed
+        if c != st.index:
+            return
+        st.visit += 1
+        due = st.visit - b.config.min_samples
+        if due >= 0 and due % b.config.interval == 0:
+            self._decide(st, b)
+
+    def _decide(self, st: _Bucket, b: CompiledBucket) -> None:
+        i, e = st.index, st.ema[st.index]
+        assert e is not None
+        if e > b.theta_up[i] and i + 1 < len(b.ks):
+            self._move(st, i + 1, f"up (E={e:.3f} > {b.theta_up[i]})")
+        elif i == b.lowest_spec and b.off_threshold >= 0.0 and e < b.off_threshold:
+            self._switch_off(st, b, f"off (E={e:.3f} < {b.off_threshold})")
+        elif e < b.theta_down[i] and i > b.lowest_spec:
+            self._move(st, i - 1, f"down (E={e:.3f} < {b.theta_down[i]})")
+
+    def _move(self, st: _Bucket, to: int, why: str) -> None:
+        st.index, st.visit = to, 0
+        st.moves += 1
+        self._note(st, f"{why} -> candidate {to}")
+
+    def _switch_off(self, st: _Bucket, b: CompiledBucket, why: str) -> None:
+        st.off, st.visit = True, 0
+        st.index = b.plain_candidate if b.ks[0] == 0 else st.index
+        st.backoff = st.wait = self.disable.probe_base
+        if why:
+            self._note(st, why)
+
+    def _end_probe(self, st: _Bucket, b: CompiledBucket) -> None:
+        if st.probe_proposed == 0:  # nothing drafted: inconclusive, probe again at once
+            st.wait = 0
+            return
+        rate = st.probe_accepted / st.probe_proposed
+        if rate >= b.off_threshold:
+            st.off, st.index, st.visit = False, b.lowest_spec, 0
+            st.ema[b.lowest_spec] = rate
+            self._note(st, f"on (probe r={rate:.3f})")
+            return
+        st.backoff = st.wait = min(2 * st.backoff, self.disable.probe_cap)
+        self._note(st, f"probe failed (r={rate:.3f}); next in {st.backoff} rounds")
+
+    def _note(self, st: _Bucket, event: str) -> None:
+        self.last_event = event
+        st.history = [*st.history[-15:], event]
+
+    def enter(self, bucket: int) -> None:
+        st = self.states[bucket]
+        if st.off:
+            st.wait = 0  # a workload change: probe at once
+
+    def describe(self) -> list[dict]:
+        return [
+            {
+                "batch": b.label(),
+                "candidate": b.plain_candidate if st.off else st.index,
+                "k": 0 if st.off else b.ks[st.index],
+                "d": 0 if st.off else b.ds[st.index],
+                "off": st.off,
+                "ema": list(st.ema),
+                "moves": st.moves,
+                "probes": st.probes,
+                "backoff": st.backoff,
+                "history": list(st.history[-8:]),
+            }
+            for b, st in zip(self.buckets, self.states)
+        ]

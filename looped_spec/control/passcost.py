@@ -1,0 +1,231 @@
+"""Round time from loop passes (docs/adaptive.md "Pricing plans by passes").
+
+A looped model applies one block again and again, so every plan is a sequence of runner steps, and every
+step is a few loop passes: one pass-cost curve prices every (K, d) at every batch size. The preset's `cost`
+section (`CostConfig`, measured by `looped-spec tune`) holds the curve and the few other costs of a round:
+
+    pass(r, n, L)   = w(n) + g·r + h·r·L + a·n·L     one loop iteration over n positions of r requests whose mean
+                                                     context is L (w piecewise linear on a grid of n)
+    step(r, n)      = s0 + s_r·r + s_n·n (+ e0 + e_n·n when it embeds tokens)   a runner step's own cost
+    readout(n)      = ro0 + ro_n·n                   one depth's readout of n positions
+    outside(B, K)   = o0 + o_B·B (+ v0 + v_K·(K+1) + v_n·B(K+1) when speculative)   a round's work outside the
+                                                     runner (scheduling, sampling, acceptance, commit)
+
+A plain round at batch B and mean context L is one step over B positions with D passes and a readout. A
+(K, d) round is K+1 draft steps (d passes over B positions each, the context one token longer every step, a
+readout after all but the last) and one verify step (D − d passes over B(K+1) positions, a readout of all).
+Every price is linear in the coefficients: `features` writes a round as counts of each coefficient's unit and
+`profile_seconds` weighs them; the tuner fits the coefficients to the same features of what it timed.
+
+Online, one drift factor (measured ÷ predicted round time, smoothed in log space over `drift_rounds`) follows
+the machine's state. It scales every prediction alike, so it never changes which plan is fastest; it keeps
+the predicted seconds honest where absolute time matters (the readout budget).
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+#: The coefficients after the pass curve's grid values, in `features` order (`CostConfig` field[index])
+TERMS = (
+    "request_seconds", "request_context_seconds", "query_context_seconds",
+    "step_seconds[0]", "step_seconds[1]", "step_seconds[2]", "embed_seconds[0]", "embed_seconds[1]",
+    "readout_seconds[0]", "readout_seconds[1]",
+    "round_seconds[0]", "round_seconds[1]",
+    "speculative_seconds[0]", "speculative_seconds[1]", "speculative_seconds[2]",
+)  # fmt: skip
+#: The outside terms are the last five
+OUTSIDE = 5
+
+
+def width_weights(grid: np.ndarray, n) -> np.ndarray:
+    """[len(n), len(grid)]: w(n) = weights @ w(grid), linear between grid points, the last segment extrapolated."""
+    n = np.atleast_1d(np.asarray(n, dtype=float))
+    out = np.zeros((len(n), len(grid)))
+    if len(grid) == 1:
+        out[:, 0] = np.maximum(n, 1.0) / grid[0]
+        return out
+    i = np.clip(np.searchsorted(grid, n), 1, len(grid) - 1)
+    w = (np.maximum(n, grid[0]) - grid[i - 1]) / (grid[i] - grid[i - 1])
+    rows = np.arange(len(n))
+    out[rows, i - 1] = 1.0 - w
+    out[rows, i] = w
+    return out
+
+
+class PassCost:
+    """Predicted seconds of rounds from a preset's `cost` section (see the module docstring)."""
+
+    def __init__(
+        self, cost, depth: int, drift_rounds: float = 64.0, options: list[tuple[int, int]] | None = None
+    ) -> None:
+        self.depth = depth
+        # the plans a controller prices: their round seconds are kept as lines in the context per batch size
+        self.options = sorted(set(options or [(0, 0)]) | {(0, 0)})
+        self.option_index = {o: i for i, o in enumerate(self.options)}
+        self._ks = np.array([k for k, _ in self.options])
+        self._ds = np.array([d for _, d in self.options])
+        self.grid = np.asarray(cost.positions, dtype=float)
+        self.theta = np.concatenate([
+            cost.pass_seconds, [cost.request_seconds, cost.request_context_seconds, cost.query_context_seconds],
+            cost.step_seconds, cost.embed_seconds, cost.readout_seconds, cost.round_seconds, cost.speculative_seconds,
+        ]).astype(float)  # fmt: skip
+        self.drift = 1.0
+        self._log_drift = 0.0
+        self._drift_weight = 1.0 / max(drift_rounds, 1.0)
+        self._lines: dict[tuple, tuple[np.ndarray, np.ndarray]] = {}
+
+    # ------------------------------------------------------------------ features
+    def _zeros(self, rows: int) -> np.ndarray:
+        return np.zeros((rows, len(self.theta)))
+
+    def pass_features(self, requests, positions, context) -> np.ndarray:
+        """[len, P]: one loop pass each (arrays broadcast)."""
+        r, n, c = np.broadcast_arrays(
+            *(np.atleast_1d(np.asarray(x, dtype=float)) for x in (requests, positions, context))
+        )
+        out = self._zeros(len(n))
+        g = len(self.grid)
+        out[:, :g] = width_weights(self.grid, n)
+        out[:, g], out[:, g + 1], out[:, g + 2] = r, r * c, n * c
+        return out
+
+    def step_features(self, requests, positions, embeds) -> np.ndarray:
+        """[len, P]: one runner step's own cost each (its loops and readout not included)."""
+        r, n, e = np.broadcast_arrays(
+            *(np.atleast_1d(np.asarray(x, dtype=float)) for x in (requests, positions, embeds))
+        )
+        out = self._zeros(len(n))
+        g = len(self.grid) + 3
+        out[:, g], out[:, g + 1], out[:, g + 2], out[:, g + 3], out[:, g + 4] = 1.0, r, n, e, e * n
+        return out
+
+    def readout_features(self, positions) -> np.ndarray:
+        n = np.atleast_1d(np.asarray(positions, dtype=float))
+        out = self._zeros(len(n))
+        g = len(self.grid) + 8
+        out[:, g], out[:, g + 1] = 1.0, n
+        return out
+
+    def outside_features(self, ks, batch: float) -> np.ndarray:
+        ks = np.atleast_1d(np.asarray(ks, dtype=float))
+        spec = (ks > 0).astype(float)
+        out = self._zeros(len(ks))
+        g = len(self.theta) - OUTSIDE
+        out[:, g], out[:, g + 1] = 1.0, batch
+        out[:, g + 2], out[:, g + 3], out[:, g + 4] = spec, spec * (ks + 1.0), spec * batch * (ks + 1.0)
+        return out
+
+    def features(self, ks, ds, batch: int, context: float, survival: np.ndarray | None = None) -> np.ndarray:
+        """[O, P]: one round of each option (K = 0: plain) at batch `batch` and mean context `context`, as counts
+        of each coefficient's unit.
+
+        `survival[i]` = P(a token is still looping at loop i+1) under early exit in skip mode (None: every token
+        runs every loop): a synchronous pass narrows to the tokens still looping and runs while any does.
+        """
+        ks = np.asarray(ks, dtype=float)
+        ds = np.asarray(ds, dtype=int)
+        b = float(max(batch, 1))
+        depth = self.depth
+        context = float(max(context, 0.0))
+        alive = np.ones(depth) if survival is None else np.asarray(survival, dtype=float)
+        live = np.maximum(b * alive, 1.0)  # loop i over one position per request: the requests still looping
+        per_loop = (1.0 - (1.0 - alive) ** b)[:, None] * self.pass_features(live, live, context)  # [D, P]
+        loops = np.vstack([self._zeros(1), np.cumsum(per_loop, axis=0)])  # loops[d]: loops 1..d
+        one_step = self.step_features(b, b, 1.0)[0]
+        readout_b = self.readout_features(b)[0]
+        plain = one_step + loops[depth] + readout_b
+        # K+1 draft steps, the context one token longer at each: 0 + 1 + ... + K more tokens per pass
+        grow = np.zeros(len(self.theta))
+        grow[len(self.grid) + 1] = grow[len(self.grid) + 2] = b
+        triangle = ks * (ks + 1.0) / 2.0
+        draft = (ks + 1.0)[:, None] * (one_step + loops[ds]) + (ds * triangle)[:, None] * grow
+        draft = draft + ks[:, None] * readout_b
+        wide = b * (ks + 1.0)
+        verify = self.step_features(b, wide, 0.0) + self.readout_features(wide)
+        for i in range(depth):  # loop i+1 of the verify step, for the options whose draft stopped before it
+            runs = (1.0 - (1.0 - alive[i]) ** wide) * (ds <= i)
+            positions = np.maximum(wide * alive[i], 1.0)
+            requests = np.maximum(b * (1.0 - (1.0 - alive[i]) ** (ks + 1.0)), 1.0)
+            verify = verify + runs[:, None] * self.pass_features(requests, positions, context + ks)
+        rounds = np.where((ks > 0)[:, None], draft + verify, plain[None, :])
+        return rounds + self.outside_features(ks, b)
+
+    # ------------------------------------------------------------------ seconds
+    def profile_seconds(self, ks, ds, batch: int, context: float, survival: np.ndarray | None = None) -> np.ndarray:
+        """Seconds of one round of each option as the profile prices them (without the drift factor)."""
+        return self.features(ks, ds, batch, context, survival) @ self.theta
+
+    def lines(self, batch: int, exits=None) -> tuple[np.ndarray, np.ndarray]:
+        """(intercept, slope) per option of `options`: a round's profile seconds at mean context L are
+        intercept + slope·L (a round is linear in the context). Cached per batch size and `exits` (an `ExitDepths`
+        or None, keyed by its version), so the per-round path evaluates no passes."""
+        key = (batch, None if exits is None else exits.version)
+        out = self._lines.get(key)
+        if out is None:
+            survival = None if exits is None else exits.survival()
+            at0 = self.profile_seconds(self._ks, self._ds, batch, 0.0, survival)
+            out = (at0, (self.profile_seconds(self._ks, self._ds, batch, 1024.0, survival) - at0) / 1024.0)
+            if len(self._lines) > 512:
+                self._lines.clear()
+            self._lines[key] = out
+        return out
+
+    def seconds(self, k: int, d: int, batch: int, context: float, exits=None) -> float:
+        """Profile seconds of one (K, d) round (K = 0: plain), without the drift factor."""
+        i = self.option_index.get((k, d if k else 0))
+        if i is None:  # not a plan of the options: priced directly
+            survival = None if exits is None else exits.survival()
+            return float(self.profile_seconds([k], [d], batch, context, survival)[0])
+        intercept, slope = self.lines(batch, exits)
+        return float(intercept[i] + slope[i] * context)
+
+    def predict(self, k: int, d: int, batch: int, context: float) -> float:
+        """Predicted seconds of one (K, d) round (K = 0: plain) now: the profile times the drift factor."""
+        return self.seconds(k, d, batch, context) * self.drift
+
+    def _readout(self, positions: float) -> float:
+        g = len(self.grid) + 8
+        return float(self.theta[g] + self.theta[g + 1] * positions)
+
+    def measure_seconds(self, k: int, d: int, batch: int) -> float:
+        """The extra readouts of a round that also reads out every other depth (counterfactual acceptance)."""
+        b = float(max(batch, 1))
+        if k <= 0:
+            return (self.depth - 1) * self._readout(b) * self.drift
+        # the draft reads out depths 1..d-1 at each of its K+1 positions and depth d at the last one; the
+        # verifier depths d+1..D-1 at all K+1 positions of each request
+        draft = ((d - 1) * (k + 1) + 1) * self._readout(b)
+        verify = max(self.depth - d - 1, 0) * self._readout(b * (k + 1))
+        return (draft + verify) * self.drift
+
+    def observe(self, measured: float, predicted_by_profile: float) -> None:
+        """A round that ran: move the drift factor towards measured ÷ predicted (log space, a step clipped so one
+        stalled round cannot move it far)."""
+        if measured <= 0.0 or predicted_by_profile <= 0.0:
+            return
+        step = min(max(math.log(measured / predicted_by_profile) - self._log_drift, -0.5), 0.5)
+        self._log_drift += self._drift_weight * step
+        self.drift = math.exp(self._log_drift)
+
+
+def ideal_cost(positions_at_saturation: float, readout_share: float = 0.08) -> dict:
+    """A `CostConfig` for hardware we cannot time (the design's idealised model, docs/adaptive.md): a loop pass
+    over n positions costs 1 + n / n_sat units (the block's weights read once, compute-bound past n_sat
+    positions), a readout `readout_share` of that (a 1.4B Ouro's head is ~8 % of its block's weights)."""
+    unit = 1e-3
+    grid = [1, 4, 16, 64, 256, 1024]
+    return {
+        "positions": grid,
+        "pass_seconds": [unit * (1.0 + n / positions_at_saturation) for n in grid],
+        "request_seconds": 0.0,
+        "request_context_seconds": 0.0,
+        "query_context_seconds": 0.0,
+        "step_seconds": [0.0, 0.0, 0.0],
+        "embed_seconds": [0.0, 0.0],
+        "readout_seconds": [unit * readout_share, unit * readout_share / positions_at_saturation],
+        "round_seconds": [0.0, 0.0],
+        "speculative_seconds": [0.0, 0.0, 0.0],
+    }

@@ -1,0 +1,80 @@
+"""A synthetic workload with a known truth, for outcome tests of the controller (no model involved).
+
+Each phase has a batch size and a true agreement per depth. A round of plan (K, d) accepts, per request,
+each draft token with probability α_d until the first rejection (the geometric model); a measured round
+reports every depth's agreement on the committed positions, each drawn with its α. Its seconds are a true
+`PassCost` profile's times a log-normal noise. `Workload.goodput(k, d, phase)` is the expected tokens per
+second of a plan in a phase, which scores a controller's choices against the per-phase oracle.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from looped_spec.control.acceptance import markov_tokens
+from looped_spec.control.passcost import PassCost
+from looped_spec.control.plan import RoundFeedback, SpeculationPlan, round_feedback
+
+
+@dataclass
+class Phase:
+    batch: int
+    alpha: Sequence[float]  # [D] true agreement of depth j+1 with full depth (alpha[D-1] = 1)
+    rounds: int
+    context: float = 120.0
+
+
+class Workload:
+    def __init__(self, truth: PassCost, noise: float = 0.05, seed: int = 0) -> None:
+        self.truth = truth
+        self.noise = noise
+        self.rng = random.Random(seed)
+
+    def seconds(self, k: int, d: int, batch: int, context: float) -> float:
+        return float(self.truth.profile_seconds([k], [d], batch, context)[0])
+
+    def goodput(self, k: int, d: int, phase: Phase) -> float:
+        tokens = float(markov_tokens(phase.alpha[d - 1], 0.0, k)) if k else 1.0
+        return phase.batch * tokens / self.seconds(k, d, phase.batch, phase.context)
+
+    def oracle(self, phase: Phase, options: Sequence[tuple[int, int]]) -> tuple[tuple[int, int], float]:
+        """The best option of `options` in `phase` and its goodput."""
+        best = max(options, key=lambda o: self.goodput(o[0], o[1], phase))
+        return best, self.goodput(best[0], best[1], phase)
+
+    def feedback(self, plan: SpeculationPlan, phase: Phase) -> RoundFeedback:
+        rng, alpha, b = self.rng, phase.alpha, phase.batch
+        k, d = plan.k, plan.d
+        accepted = []
+        for _ in range(b):
+            a = 0
+            while a < k and rng.random() < alpha[d - 1]:
+                a += 1
+            accepted.append(a)
+        seconds = self.seconds(k, d, b, phase.context) * math.exp(rng.gauss(0.0, self.noise))
+        matches, trials = [], []
+        if plan.measure_depths:
+            positions = sum(accepted) + b
+            matches = [int(np.random.default_rng(rng.randrange(1 << 30)).binomial(positions, a)) for a in alpha]
+            trials = [positions] * len(alpha)
+        return round_feedback(
+            plan, batch_size=b, context=phase.context, num_proposed=[k] * b, num_accepted=accepted,
+            seconds=seconds, depth_matches=matches, depth_trials=trials,
+        )  # fmt: skip
+
+    def run(self, controller, phases: Sequence[Phase]) -> list[list[tuple[int, int]]]:
+        """Drive `controller` through the phases; the (K, d) it planned each round, per phase."""
+        plans: list[list[tuple[int, int]]] = []
+        for phase in phases:
+            chosen = []
+            for _ in range(phase.rounds):
+                plan = controller.plan(phase.batch, phase.context)
+                chosen.append((plan.k, plan.d))
+                controller.observe(self.feedback(plan, phase))
+            plans.append(chosen)
+        return plans
