@@ -82,6 +82,7 @@ def _generate(args: argparse.Namespace) -> int:
         _output_file(args.trace, "--trace")
     _at_least(args.batch_size, 1, "--batch-size")
     _at_least(args.max_tokens, 1, "--max-tokens")
+    _at_least(args.compare_repeats, 1, "--compare-repeats")
     _at_least(args.threads, 0, "--threads", " (0: torch's default)")
     _set_threads(args.threads)
     prompts = _read_prompts(args)
@@ -91,11 +92,9 @@ def _generate(args: argparse.Namespace) -> int:
     engine = LoopedSpecEngine(args.model, **_engine_options(args))
     try:
         if args.stream:
-            outputs, elapsed = _stream(engine, prompts, params), None
+            outputs = _stream(engine, prompts, params)
         else:
-            start = time.perf_counter()
             outputs = engine.generate(prompts, params)
-            elapsed = time.perf_counter() - start
             for i, (prompt, out) in enumerate(zip(prompts, outputs)):
                 if len(outputs) > 1:
                     print(f"--- output {i} ---")
@@ -104,7 +103,7 @@ def _generate(args: argparse.Namespace) -> int:
         engine.close()
     _print_stats(engine, args, outputs)
     if args.compare_plain:
-        _compare_plain(args, prompts, params, outputs, elapsed)
+        _compare_plain(args, prompts, params, outputs)
     return 0
 
 
@@ -151,27 +150,32 @@ def _print_stats(engine, args: argparse.Namespace, outputs: list) -> None:
         print(f"{key:<{width}}  {value}")
 
 
-def _compare_plain(args: argparse.Namespace, prompts: list[str], params, outputs: list, elapsed: float | None) -> None:
-    """Run the same prompts with speculation off, side by side, and print the wall-time ratio."""
+def _compare_plain(args: argparse.Namespace, prompts: list[str], params, outputs: list) -> None:
+    """The same prompts with and without speculation, side by side: one persistent engine each, whole runs in
+    alternating order, repeated, the first pair dropped (warm-up); the median of the pairs' wall-time ratios."""
+    import statistics
+
     from looped_spec import LoopedSpecEngine
 
-    options = _engine_options(args) | {"speculation": "off", "trace_path": None}
-    plain = LoopedSpecEngine(args.model, **options)
+    spec = LoopedSpecEngine(args.model, **_engine_options(args) | {"trace_path": None})
+    plain = LoopedSpecEngine(args.model, **_engine_options(args) | {"speculation": "off", "trace_path": None})
+    ratios, same = [], True
     try:
-        if elapsed is None:  # --stream timed the printing too: time the speculative run again, quietly
-            spec = LoopedSpecEngine(args.model, **_engine_options(args) | {"trace_path": None})
-            start = time.perf_counter()
-            outputs = spec.generate(prompts, params)
-            elapsed = time.perf_counter() - start
-            spec.close()
-        start = time.perf_counter()
-        plain_outputs = plain.generate(prompts, params)
-        plain_elapsed = time.perf_counter() - start
+        for i in range(args.compare_repeats + 1):
+            seconds = {}
+            for name, engine in (("spec", spec), ("plain", plain))[:: 1 if i % 2 == 0 else -1]:
+                start = time.perf_counter()
+                runs = engine.generate(prompts, params)
+                seconds[name] = time.perf_counter() - start
+                same = same and all(a.token_ids == b.token_ids for a, b in zip(runs, outputs))
+            if i:
+                ratios.append(seconds["plain"] / seconds["spec"])
     finally:
+        spec.close()
         plain.close()
-    same = all(a.token_ids == b.token_ids for a, b in zip(outputs, plain_outputs))
-    print(f"{'vs plain decoding':<24}  {plain_elapsed / elapsed:.2f}x faster (same prompts and machine, "
-          f"wall time incl. prefill; outputs {'identical' if same else 'differ'})")  # fmt: skip
+    print(f"{'vs plain decoding':<24}  {statistics.median(ratios):.2f}x faster [{min(ratios):.2f}-{max(ratios):.2f}] "
+          f"(median of {len(ratios)} side-by-side pairs, wall time incl. prefill; outputs "
+          f"{'identical' if same else 'differ'})")  # fmt: skip
     if params.temperature == 0.0 and not same:
         print("looped-spec: warning: greedy speculative output differs from plain decoding", file=sys.stderr)
 
@@ -317,8 +321,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument(
         "--compare-plain",
         action="store_true",
-        help="also run the prompts with speculation off and print the wall-time ratio",
+        help="also time the prompts with and without speculation side by side and print the ratio",
     )
+    gen.add_argument("--compare-repeats", type=int, default=5, help="side-by-side pairs --compare-plain times")
     _add_engine_flags(gen)
     gen.set_defaults(func=_generate)
     srv = sub.add_parser(

@@ -21,7 +21,9 @@ TUNE = [0.61, 0.79, 0.92, 1.0]  # the preset's prior: tiny-ouro's tuning text
 CODE = [0.88, 0.94, 0.97, 1.0]  # easier text: long drafts pay
 HARD = [0.30, 0.45, 0.70, 1.0]  # harder text: little or nothing pays
 RANDOM = [0.02, 0.03, 0.05, 1.0]  # a random-weight model: nothing pays
-WARMUP = 48  # rounds a phase may take to settle before it is scored
+WARMUP = 48  # rounds a phase may take to settle before it is scored ...
+WARMUP_POSITIONS = 128  # ... or, when more, rounds to read out this many positions (a single stream reads out one a
+# round at most: at B = 1 a text switch takes ~100 rounds to see)
 
 
 def preset(alpha=TUNE, cost=None, plain_first=True) -> AdaptiveSpecConfig:
@@ -51,7 +53,7 @@ def score(workload: Workload, phases: list[Phase], plans: list[list[tuple[int, i
     out = []
     for phase, chosen in zip(phases, plans):
         _, best = workload.oracle(phase, options)
-        kept = chosen[WARMUP:]
+        kept = chosen[max(WARMUP, WARMUP_POSITIONS // phase.batch) :]
         out.append(sum(workload.goodput(k, d, phase) for k, d in kept) / len(kept) / best)
     return out
 
@@ -62,11 +64,11 @@ def test_goodput_tracks_the_per_phase_oracle_on_text_unlike_the_tuning_text(seed
     truth = PassCost(cfg.cost, DEPTH)
     workload = Workload(truth, noise=0.1, seed=seed)
     phases = [
-        Phase(1, CODE, 200),
+        Phase(1, CODE, 300),
         Phase(8, CODE, 200),
         Phase(32, CODE, 200),
         Phase(8, HARD, 200),
-        Phase(1, TUNE, 200),
+        Phase(1, TUNE, 300),
         Phase(32, RANDOM, 200),
         Phase(8, CODE, 200),
     ]
@@ -103,7 +105,7 @@ def test_no_flapping_at_a_bucket_edge():
     phases = [Phase(12 + i % 2, CODE, 1) for i in range(400)]
     chosen = [p[0] for p in workload.run(controller, phases)]
     switches = sum(a != b for a, b in zip(chosen[WARMUP:], chosen[WARMUP + 1 :]))
-    assert switches <= 2, switches
+    assert switches <= 6, switches  # a bucket a round would flip the plan up to 350 times
 
 
 def test_a_drifting_machine_moves_no_plan():
@@ -127,8 +129,8 @@ def test_the_choice_is_the_argmax_of_predicted_goodput():
     for batch in (1, 8, 32):
         plan = controller.plan(batch, 100.0)
         rate = controller.policy.predict(batch, 100.0)
-        best = int(rate.argmax())
-        assert (plan.k, plan.d) == (int(controller.policy.option_k[best]), int(controller.policy.option_d[best]))
+        best = max(range(len(rate)), key=rate.__getitem__)
+        assert (plan.k, plan.d) == controller.policy.options[best]
         controller.observe(Workload(controller.cost).feedback(plan, Phase(batch, CODE, 1)))
 
 
@@ -138,7 +140,7 @@ def test_speculation_needs_the_margin_over_plain_to_start():
     strict = AdaptiveController(cfg, DEPTH, settings=ControlSettings(plain_margin=0.99))
     rate = loose.policy.predict(8, 100.0)
     plain = loose.policy.plain
-    assert rate.max() > rate[plain]  # something is predicted over plain ...
+    assert max(rate) > rate[plain]  # something is predicted over plain ...
     assert loose.plan(8, 100.0).k > 0
     assert strict.plan(8, 100.0).k == 0  # ... but not by 99 %
 

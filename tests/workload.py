@@ -2,7 +2,8 @@
 
 Each phase has a batch size and a true agreement per depth. A round of plan (K, d) accepts, per request,
 each draft token with probability α_d until the first rejection (the geometric model); a measured round
-reports every depth's agreement on the committed positions, each drawn with its α. Its seconds are a true
+reports every depth's agreement on the committed positions, each bit drawn with its α independently of the
+others (persistence 0; the planned depth's bits are the acceptance pattern itself). Its seconds are a true
 `PassCost` profile's times a log-normal noise. `Workload.goodput(k, d, phase)` is the expected tokens per
 second of a plan in a phase, which scores a controller's choices against the per-phase oracle.
 """
@@ -13,8 +14,6 @@ import math
 import random
 from collections.abc import Sequence
 from dataclasses import dataclass
-
-import numpy as np
 
 from looped_spec.control.acceptance import markov_tokens
 from looped_spec.control.passcost import PassCost
@@ -57,15 +56,43 @@ class Workload:
                 a += 1
             accepted.append(a)
         seconds = self.seconds(k, d, b, phase.context) * math.exp(rng.gauss(0.0, self.noise))
-        matches, trials = [], []
+        measured = {}
         if plan.measure_depths:
-            positions = sum(accepted) + b
-            matches = [int(np.random.default_rng(rng.randrange(1 << 30)).binomial(positions, a)) for a in alpha]
-            trials = [positions] * len(alpha)
+            measured = self._readouts(alpha, k, d, accepted)
         return round_feedback(
             plan, batch_size=b, context=phase.context, num_proposed=[k] * b, num_accepted=accepted,
-            seconds=seconds, depth_matches=matches, depth_trials=trials,
+            seconds=seconds, **measured,
         )  # fmt: skip
+
+    def _readouts(self, alpha: Sequence[float], k: int, d: int, accepted: list[int]) -> dict:
+        """What a measured round reports: per depth matches, trials and consecutive pairs; per request its first
+        and last position's bits (requests keep their index as id across rounds)."""
+        depth = len(alpha)
+        matches, pairs = [0] * depth, [[0, 0, 0, 0] for _ in range(depth)]
+        first, last = [], []
+        for a in accepted:
+            rows = []  # per committed position: bits per depth
+            for j in range(a + 1):
+                bits = [self.rng.random() < p for p in alpha]
+                if k:  # the planned depth agreed on every accepted draft and disagreed at the rejection
+                    bits[d - 1] = True if j < a else (bits[d - 1] if a == k else False)
+                bits[-1] = True
+                rows.append(bits)
+            for bits in rows:
+                for i, bit in enumerate(bits):
+                    matches[i] += bit
+            for prev, cur in zip(rows, rows[1:]):
+                for i in range(depth):
+                    n = 0 if prev[i] else 2
+                    pairs[i][n] += 1
+                    pairs[i][n + 1] += cur[i]
+            first.append(sum(1 << i for i, bit in enumerate(rows[0]) if bit))
+            last.append(sum(1 << i for i, bit in enumerate(rows[-1]) if bit))
+        positions = sum(accepted) + len(accepted)
+        return {
+            "depth_matches": matches, "depth_trials": [positions] * depth, "depth_pairs": pairs,
+            "request_ids": [str(i) for i in range(len(accepted))], "first_bits": first, "last_bits": last,
+        }  # fmt: skip
 
     def run(self, controller, phases: Sequence[Phase]) -> list[list[tuple[int, int]]]:
         """Drive `controller` through the phases; the (K, d) it planned each round, per phase."""

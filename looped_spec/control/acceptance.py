@@ -7,14 +7,17 @@ the agreement α_d (the share of ones) and the persistence ρ_d = P(1 | 1) − P
 `markov_tokens` is the expected committed tokens per round of that two-state chain; ρ = 0 gives the
 geometric (1 − α^{K+1}) / (1 − α).
 
-`AcceptanceEstimator` learns α_d online from counterfactual readouts (a measured round reads out every depth
-on its committed positions: unbiased bits for every depth at once) and from the speculative rounds' own
-outcomes (the planned depth's bits until the first rejection), starting from the preset's α as a prior
-worth `prior_weight` positions; older positions fade so that the estimate remembers about `memory` of them.
-A second estimate remembers only `CHANGE_MEMORY` positions; when it leaves the first by more than `change_z`
-standard errors the text has changed (a workload switched), and the first restarts from it instead of
-forgetting the old text over `memory` positions. ρ stays the preset's: it needs runs of consecutive
-readouts, which single-position plain rounds do not give.
+`AcceptanceEstimator` learns both online, starting from the preset's (the tuning text's) values:
+- α_d from counterfactual readouts (a measured round reads out every depth on its committed positions:
+  unbiased bits for every depth at once) and from the speculative rounds' own outcomes (the planned depth's
+  bits until the first rejection); the prior counts as `prior_weight` positions and older positions fade so
+  that the estimate remembers about `memory` of them. A second estimate remembers only `CHANGE_MEMORY`
+  positions; when it leaves the first by more than `change_z` standard errors the text has changed (a workload
+  switched), and the first restarts from it instead of forgetting the old text over `memory` positions.
+- ρ_d from pairs of consecutive positions read out (within a measured round, and across two measured rounds
+  in a row: the readouts come in pairs of rounds), the same lag-1 statistic the tuner measures: the prior counts
+  as `prior_weight` pairs, older pairs fade like positions. Texts differ in how matches cluster (the tuning
+  text's runs are longer than torch's code's), and ρ decides how much a long draft gains over a short one.
 """
 
 from __future__ import annotations
@@ -22,32 +25,27 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
-import numpy as np
 
-
-def markov_tokens(alpha, rho, k):
-    """Expected committed tokens per request per round of a K-token draft (1 where K = 0); arrays broadcast."""
-    alpha = np.clip(np.asarray(alpha, dtype=float), 0.0, 1.0)
-    rho = np.clip(np.asarray(rho, dtype=float), 0.0, 1.0)
-    k = np.asarray(k, dtype=float)
+def markov_tokens(alpha: float, rho: float, k: int) -> float:
+    """Expected committed tokens per request per round of a K-token draft (1 for K = 0)."""
+    if k <= 0:
+        return 1.0
+    alpha = min(max(alpha, 0.0), 1.0)
+    rho = min(max(rho, 0.0), 1.0)
     p01 = alpha * (1.0 - rho)  # P(match | previous position missed)
     p11 = rho + p01  # P(match | previous position matched)
-    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
-        pk = p11**k
-        run = np.where(p11 >= 1.0, k, (1.0 - pk) / np.where(p11 >= 1.0, 1.0, 1.0 - p11))
-        # the next round starts after a match only when all K drafts and the bonus token matched
-        to_one_from_0 = p01 * pk
-        denom = 1.0 - p11 * pk + to_one_from_0
-        pi1 = np.where(denom <= 0.0, 1.0, to_one_from_0 / np.where(denom <= 0.0, 1.0, denom))
-    tokens = 1.0 + run * ((1.0 - pi1) * p01 + pi1 * p11)
-    return np.where(k > 0, tokens, 1.0)
+    pk = p11**k
+    run = float(k) if p11 >= 1.0 else (1.0 - pk) / (1.0 - p11)
+    # the next round starts after a match only when all K drafts and the bonus token matched
+    to_one_from_0 = p01 * pk
+    denom = 1.0 - p11 * pk + to_one_from_0
+    pi1 = 1.0 if denom <= 0.0 else to_one_from_0 / denom
+    return 1.0 + run * ((1.0 - pi1) * p01 + pi1 * p11)
 
 
-def accept_rate(alpha, rho, k):
-    """Expected ΣA/ΣK of K-token rounds (what the EMA policy measures); 0 where K = 0."""
-    k = np.asarray(k, dtype=float)
-    with np.errstate(divide="ignore", invalid="ignore"):
-        return np.where(k > 0, (markov_tokens(alpha, rho, k) - 1.0) / np.where(k > 0, k, 1.0), 0.0)
+def accept_rate(alpha: float, rho: float, k: int) -> float:
+    """Expected ΣA/ΣK of K-token rounds (what the EMA policy measures); 0 for K = 0."""
+    return (markov_tokens(alpha, rho, k) - 1.0) / k if k > 0 else 0.0
 
 
 #: Positions the change detector's short estimate remembers
@@ -55,7 +53,7 @@ CHANGE_MEMORY = 32.0
 
 
 class AcceptanceEstimator:
-    """α per draft depth 1..D from faded agreement counts; the prior counts as `prior_weight` positions."""
+    """α and ρ per draft depth 1..D (see the module docstring)."""
 
     def __init__(
         self,
@@ -73,26 +71,54 @@ class AcceptanceEstimator:
         self.depth = depth
         self.memory = memory
         self.change_z = change_z
+        self.prior_weight = prior_weight
         # per depth, faded counts (plain floats: a handful of depths, updated every round)
         self.trials = [weight] * depth
         self.matches = [a * weight for a in alpha]
         self.recent_trials = [0.0] * depth
         self.recent_matches = [0.0] * depth
-        self.rho = np.asarray(prior_rho if prior_rho is not None else [0.0] * depth, dtype=float)
+        self.prior_rho = list(prior_rho) if prior_rho is not None else [0.0] * depth
+        # per depth, faded counts of consecutive readout pairs [n1, n11, n0, n01], starting at the prior's
+        self.pairs = [self._prior_pairs(j, alpha[j]) for j in range(depth)]
         self.positions = 0  # positions observed online (readouts and round outcomes)
         self.changes = 0  # times the text was seen to change
         self._unchecked = 0.0  # positions added since the last change check
-        self._alpha: np.ndarray | None = None
+        self._alpha: list[float] | None = None
+        self._rho: list[float] | None = None
 
+    def _prior_pairs(self, j: int, alpha: float) -> list[float]:
+        """`prior_weight` pairs of a chain with agreement `alpha` and the preset's persistence at depth j."""
+        w, rho = self.prior_weight, self.prior_rho[j]
+        p01 = alpha * (1.0 - rho)
+        return [w * alpha, w * alpha * (rho + p01), w * (1.0 - alpha), w * (1.0 - alpha) * p01]
+
+    # ------------------------------------------------------------------ estimates
     @property
-    def alpha(self) -> np.ndarray:
-        """[D] the current estimate (computed when read: decisions read it every few rounds, rounds add to it)."""
+    def alpha(self) -> list[float]:
+        """[D] agreement per depth (computed when read: decisions read it every few rounds, rounds add to it)."""
         if self._alpha is None:
-            alpha = np.array([m / t if t > 0.0 else 0.0 for m, t in zip(self.matches, self.trials)])
+            alpha = [m / t if t > 0.0 else 0.0 for m, t in zip(self.matches, self.trials)]
             alpha[-1] = 1.0  # full depth agrees with itself
             self._alpha = alpha
         return self._alpha
 
+    @property
+    def rho(self) -> list[float]:
+        """[D] persistence per depth: P(agree | the previous position agreed) − P(agree | it did not)."""
+        if self._rho is None:
+            rho = [min(max(n11 / max(n1, 1e-12) - n01 / max(n0, 1e-12), 0.0), 1.0) for n1, n11, n0, n01 in self.pairs]
+            rho[-1] = 0.0  # full depth always agrees: nothing to persist, and never drafted
+            self._rho = rho
+        return self._rho
+
+    def tokens(self, k: int, d: int, alpha: Sequence[float] | None = None) -> float:
+        """Expected committed tokens per request per round of a (K, d) plan (K = 0: 1)."""
+        if k <= 0:
+            return 1.0
+        alpha = self.alpha if alpha is None else alpha
+        return markov_tokens(alpha[d - 1], self.rho[d - 1], k)
+
+    # ------------------------------------------------------------------ observations
     def _add(self, j: int, matches: float, trials: float) -> None:
         fade = self.memory / (self.memory + trials)  # about `memory` positions remembered per depth
         self.matches[j] = fade * self.matches[j] + matches
@@ -118,10 +144,11 @@ class AcceptanceEstimator:
             short = self.recent_matches[j] / recent
             if abs(short - long) > self.change_z * math.sqrt(max(long * (1.0 - long), 0.01) / recent):
                 self.matches[j], self.trials[j] = self.recent_matches[j], recent
+                self.pairs[j] = self._prior_pairs(j, short)  # the old text's runs say nothing about the new one's
                 changed = True
         if changed:
             self.changes += 1
-            self._alpha = None
+            self._alpha = self._rho = None
 
     def observe_readouts(self, matches: Sequence[int], trials: Sequence[int]) -> None:
         """A measured round: per depth, how many committed positions its readout predicted, out of how many."""
@@ -142,8 +169,13 @@ class AcceptanceEstimator:
         self.positions += accepted + rejected
         self._check_change(accepted + rejected)
 
-    def tokens(self, ks: np.ndarray, ds: np.ndarray, alpha: np.ndarray | None = None) -> np.ndarray:
-        """Expected committed tokens per request per round of each option (K = 0: 1)."""
-        alpha = self.alpha if alpha is None else alpha
-        index = np.maximum(np.asarray(ds, dtype=int) - 1, 0)
-        return markov_tokens(alpha[index], self.rho[index], ks)
+    def observe_pairs(self, pairs: Sequence[Sequence[int]]) -> None:
+        """Per depth, counts [n1, n11, n0, n01] of consecutive readout pairs."""
+        if len(pairs) != self.depth:
+            return
+        for j, counts in enumerate(pairs):
+            n = counts[0] + counts[2]
+            if n:
+                fade = self.memory / (self.memory + n)
+                self.pairs[j] = [fade * old + new for old, new in zip(self.pairs[j], counts)]
+        self._rho = None

@@ -28,7 +28,6 @@ class CompiledBucket:
     off_threshold: float  # EMA policy: acceptance of `lowest_spec` below which it goes plain; -1: never
     option_k: np.ndarray  # [O]
     option_d: np.ndarray  # [O]
-    option_candidate: list[int]  # [O] candidate index, -1 for the added plain option
     plain_option: int  # index of the plain option in `options`, -1 when speculation cannot be switched off
 
     @property
@@ -56,11 +55,10 @@ def compile_buckets(config: AdaptiveSpecConfig) -> list[CompiledBucket]:
             routes.append(float(downs[lowest]))
         if lowest >= 0 and config.disable.enabled:
             routes.append(config.disable.threshold)
-        option_k, option_d, option_c = list(ks), [c.d if c.k > 0 else 0 for c in cands], list(range(len(cands)))
+        option_k, option_d = list(ks), [c.d if c.k > 0 else 0 for c in cands]
         if ks[0] != 0 and config.disable.enabled:
             option_k.insert(0, 0)
             option_d.insert(0, 0)
-            option_c.insert(0, -1)
         out.append(
             CompiledBucket(
                 config=b,
@@ -73,7 +71,6 @@ def compile_buckets(config: AdaptiveSpecConfig) -> list[CompiledBucket]:
                 off_threshold=max(routes) if routes else -1.0,
                 option_k=np.asarray(option_k),
                 option_d=np.asarray(option_d),
-                option_candidate=option_c,
                 plain_option=0 if option_k[0] == 0 else -1,
             )
         )

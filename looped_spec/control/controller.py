@@ -119,7 +119,9 @@ class AdaptiveController(FixedController):
         self.buckets = buckets
         self._table = BucketTable(buckets, s.bucket_stickiness)
         self._bucket = -1
-        self._measure_in = 0  # rounds until the next measured round
+        self._measure_in = 0  # rounds until the next measured pair of rounds
+        self._pair_left = 0  # measured rounds still to come in the current pair
+        self._last_bits: dict[str, int] = {}  # the last measured round's last position per request (bit masks)
 
     def plan_shapes(self) -> list[tuple[int, int]]:
         shapes = {(0, 0)}
@@ -137,9 +139,12 @@ class AdaptiveController(FixedController):
                 self.policy.enter(bucket)
             self._bucket = bucket
         k, d, candidate = self.policy.select(bucket, batch_size, context)
-        measure = self._measure_in <= 0
-        if measure:
-            self._measure_in = self._readout_interval(k, d, batch_size, context)
+        measure = self._measure_in <= 0 or self._pair_left > 0
+        if self._pair_left > 0:
+            self._pair_left -= 1
+        elif measure:  # two rounds in a row read out: pairs of consecutive positions for the persistence
+            self._measure_in = 2 * self._readout_interval(k, d, batch_size, context)
+            self._pair_left = 1
         self._measure_in -= 1
         plan = SpeculationPlan(self.num_plans, k, d, bucket, candidate, measure)
         self.num_plans += 1
@@ -162,11 +167,15 @@ class AdaptiveController(FixedController):
         t0 = perf_counter()
         fb = feedback
         self.num_observed += 1
+        if not fb.depth_trials:
+            self._last_bits = {}  # an unmeasured round between two measured ones: their positions are not adjacent
         if fb.depth_trials:
             self.acceptance.observe_readouts(fb.depth_matches, fb.depth_trials)
         elif fb.k > 0 and not fb.exit_depths:  # under early exit the draft depth's bits include free exits
             rejected = sum(a < k for a, k in zip(fb.num_accepted, fb.num_proposed))
             self.acceptance.observe_drafts(fb.d, fb.total_accepted, rejected)
+        if fb.depth_pairs:
+            self._observe_pairs(fb)
         if fb.exit_depths:
             self.exits.observe(fb.exit_depths, fb.exit_skips)
         if fb.seconds > 0.0:
@@ -179,6 +188,24 @@ class AdaptiveController(FixedController):
                 self._trace.decision(fb.bucket, self.policy.last_event, fb.plan_id)
         self.overhead_seconds += perf_counter() - t0
 
+    def _observe_pairs(self, fb: RoundFeedback) -> None:
+        """Pairs of consecutive readouts within the round, and across it and the measured round before it: a
+        request's last position there and its first here (the readouts come in pairs of rounds)."""
+        pairs = fb.depth_pairs
+        last = self._last_bits
+        if last and fb.first_bits:
+            pairs = [list(p) for p in pairs]
+            for request_id, first in zip(fb.request_ids, fb.first_bits):
+                before = last.get(request_id)
+                if before is None:
+                    continue
+                for j, counts in enumerate(pairs):
+                    agreed, agrees = (before >> j) & 1, (first >> j) & 1
+                    counts[0 if agreed else 2] += 1
+                    counts[1 if agreed else 3] += agrees
+        self.acceptance.observe_pairs(pairs)
+        self._last_bits = dict(zip(fb.request_ids, fb.last_bits))
+
     def _profile_seconds(self, k: int, d: int, fb: RoundFeedback) -> float:
         exits = self.exits if self.exits.survival() is not None else None
         return self.cost.seconds(k, d, fb.batch_size, fb.context, exits)
@@ -188,7 +215,8 @@ class AdaptiveController(FixedController):
         out.update(
             policy=self.policy_name,
             model=self.config.model,
-            alpha=[round(float(a), 4) for a in self.acceptance.alpha],
+            alpha=[round(a, 4) for a in self.acceptance.alpha],
+            rho=[round(r, 4) for r in self.acceptance.rho],
             acceptance_positions=self.acceptance.positions,
             cost_drift=round(self.cost.drift, 4),
             buckets=self.policy.describe(),

@@ -91,7 +91,7 @@ class EmaPolicy:
         if self.acceptance.positions < st.probed_at + self.new_evidence:
             return False
         d = b.ds[lo]
-        return float(accept_rate(self.acceptance.alpha[d - 1], self.acceptance.rho[d - 1], b.ks[lo])) >= b.off_threshold
+        return accept_rate(self.acceptance.alpha[d - 1], self.acceptance.rho[d - 1], b.ks[lo]) >= b.off_threshold
 
     def observe(self, fb: RoundFeedback) -> None:
         self.last_event = None

@@ -48,10 +48,10 @@ class ExitDepths:
         total = self.counts.sum()
         return np.cumsum(self.counts) / total if total > 0.0 else np.zeros(len(self.counts))
 
-    def effective_alpha(self, alpha: np.ndarray) -> np.ndarray:
+    def effective_alpha(self, alpha: list[float]) -> list[float]:
         """[D]: what a depth-d draft sees accepted when exits within d always pass."""
-        within = self.exit_within()
-        return within + (1.0 - within) * alpha
+        within = self.exit_within().tolist()
+        return [w + (1.0 - w) * a for w, a in zip(within, alpha)]
 
     def survival(self) -> np.ndarray | None:
         """[D]: P(a token still loops at loop i+1) in skip mode; None in select mode or before any exit was seen."""

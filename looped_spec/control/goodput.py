@@ -20,9 +20,8 @@ A decision is taken every `decision_interval` rounds of a bucket and whenever th
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
-
-import numpy as np
 
 from looped_spec.control.acceptance import AcceptanceEstimator
 from looped_spec.control.buckets import CompiledBucket
@@ -38,7 +37,7 @@ class _Bucket:
     rounds_left: int = 0  # rounds until the next decision
     batch: int = 0  # batch size of the last decision
     switches: int = 0
-    predicted: np.ndarray | None = None  # [O] tokens/s at the last decision
+    predicted: list[float] | None = None  # [O] tokens/s at the last decision
 
 
 class GoodputPolicy:
@@ -62,54 +61,51 @@ class GoodputPolicy:
         options = sorted({(int(k), int(d)) for b in buckets for k, d in zip(b.option_k, b.option_d)})
         if not any(b.plain_option >= 0 for b in buckets):
             options = [o for o in options if o[0] > 0]  # the preset never switches speculation off
-        self.option_k = np.array([k for k, _ in options])
-        self.option_d = np.array([d for _, d in options])
-        self.cost_index = np.array([cost.option_index[o] for o in options])  # each option's line in `cost`
+        self.options = options
         self.plain = options.index((0, 0)) if (0, 0) in options else -1
+        self.cost_index = [cost.option_index[o] for o in options]  # each option's line in `cost`
         # the candidate index a plan of each option carries in each bucket (-1: not one of its candidates)
         self.candidate = [
             [next((j for j, (k, d) in enumerate(zip(b.ks, b.ds)) if (k, d if k else 0) == o), -1) for o in options]
             for b in buckets
         ]
 
-    def predict(self, batch: int, context: float) -> np.ndarray:
+    def predict(self, batch: int, context: float) -> list[float]:
         """Predicted committed tokens per second of each option (the decision's numbers)."""
-        alpha = self.acceptance.alpha
+        acceptance = self.acceptance
+        alpha = acceptance.alpha
         if self.exits.seen:
             alpha = self.exits.effective_alpha(alpha)
-        tokens = self.acceptance.tokens(self.option_k, self.option_d, alpha)
-        return batch * tokens / (self.seconds(batch, context) * self.cost.drift)
-
-    def seconds(self, batch: int, context: float) -> np.ndarray:
-        """Profile seconds of one round of each option."""
         exits = self.exits if self.exits.survival() is not None else None
-        intercept, slope = self.cost.lines(batch, exits)
-        return (intercept + slope * context)[self.cost_index]
+        intercepts, slopes = self.cost.line(batch, exits)
+        drift = self.cost.drift
+        out = []
+        for (k, d), i in zip(self.options, self.cost_index):
+            tokens = acceptance.tokens(k, d, alpha)
+            out.append(batch * tokens / ((intercepts[i] + slopes[i] * context) * drift))
+        return out
 
     def select(self, bucket: int, batch: int, context: float) -> tuple[int, int, int]:
         """(k, d, candidate index) for this round."""
         st = self.states[bucket]
         self.last_event = None
         if st.rounds_left <= 0 or batch != st.batch:
-            self._decide(st, batch, context)
+            self._decide(st, batch, context, self.buckets[bucket].plain_option >= 0)
         st.rounds_left -= 1
-        o = st.current
-        return int(self.option_k[o]), int(self.option_d[o]), self.candidate[bucket][o]
+        k, d = self.options[st.current]
+        return k, d, self.candidate[bucket][st.current]
 
-    def _decide(self, st: _Bucket, batch: int, context: float) -> None:
+    def _decide(self, st: _Bucket, batch: int, context: float, may_run_plain: bool) -> None:
         s = self.settings
         rate = self.predict(batch, context)
         st.predicted, st.batch, st.rounds_left = rate, batch, s.decision_interval
-        plain = self.plain
-        speculative = self.option_k > 0
-        if plain >= 0:  # speculation must clear the margin over plain decoding to be taken up
-            eligible = ~speculative | (rate >= rate[plain] * (1.0 + s.plain_margin))
-        else:
-            eligible = np.ones(len(rate), dtype=bool)
-        current = st.current
-        if current >= 0:
-            eligible[current] = True
-        best = int(np.argmax(np.where(eligible, rate, -np.inf)))
+        plain, current = self.plain if may_run_plain else -1, st.current
+        # speculation must clear the margin over plain decoding to be taken up; the plan in use stays a candidate
+        bar = rate[plain] * (1.0 + s.plain_margin) if plain >= 0 else -math.inf
+        eligible = [o for o, (k, _) in enumerate(self.options) if (k == 0 and plain >= 0) or (k > 0 and rate[o] >= bar)]
+        if current >= 0 and current not in eligible and (plain >= 0 or self.options[current][0] > 0):
+            eligible.append(current)  # the plan in use stays a candidate (unless plain, where plain may not run)
+        best = max(eligible, key=rate.__getitem__)
         if current < 0:
             st.current = best
             self.last_event = f"start {self._label(best)} ({rate[best]:.4g} tok/s)"
@@ -117,7 +113,8 @@ class GoodputPolicy:
         if best == current:
             return
         leave_for_plain = best == plain and rate[plain] > rate[current]
-        if leave_for_plain or not speculative[current] or rate[best] > rate[current] * (1.0 + s.hysteresis):
+        from_plain = self.options[current][0] == 0
+        if leave_for_plain or from_plain or rate[best] > rate[current] * (1.0 + s.hysteresis):
             self.last_event = (
                 f"{self._label(current)} -> {self._label(best)} "
                 f"({rate[current]:.4g} -> {rate[best]:.4g} tok/s predicted at B={batch})"
@@ -126,11 +123,12 @@ class GoodputPolicy:
             st.switches += 1
 
     def _label(self, option: int) -> str:
-        k = int(self.option_k[option])
-        return f"(K={k}, d={int(self.option_d[option])})" if k else "plain"
+        k, d = self.options[option]
+        return f"(K={k}, d={d})" if k else "plain"
 
     def observe(self, feedback: RoundFeedback) -> None:
         """Nothing of its own: the estimators it reads learn from every round (the controller feeds them)."""
+        self.last_event = None
 
     def enter(self, bucket: int) -> None:
         self.states[bucket].rounds_left = 0  # decide at once in the bucket the batch just entered
@@ -138,11 +136,10 @@ class GoodputPolicy:
     def describe(self) -> list[dict]:
         out = []
         for b, st in zip(self.buckets, self.states):
-            k = int(self.option_k[st.current]) if st.current >= 0 else None
-            d = int(self.option_d[st.current]) if st.current >= 0 else None
-            predicted = None if st.predicted is None else {
-                f"{k},{d}": round(float(x), 2) for k, d, x in zip(self.option_k, self.option_d, st.predicted)
-            }  # fmt: skip
+            k, d = self.options[st.current] if st.current >= 0 else (None, None)
+            predicted = None
+            if st.predicted is not None:
+                predicted = {f"{k},{d}": round(x, 2) for (k, d), x in zip(self.options, st.predicted)}
             out.append(
                 {"batch": b.label(), "k": k, "d": d, "switches": st.switches, "predicted_tokens_per_s": predicted}
             )

@@ -45,7 +45,7 @@ def width_weights(grid: np.ndarray, n) -> np.ndarray:
     n = np.atleast_1d(np.asarray(n, dtype=float))
     out = np.zeros((len(n), len(grid)))
     if len(grid) == 1:
-        out[:, 0] = np.maximum(n, 1.0) / grid[0]
+        out[:, 0] = np.maximum(n, grid[0]) / grid[0]
         return out
     i = np.clip(np.searchsorted(grid, n), 1, len(grid) - 1)
     w = (np.maximum(n, grid[0]) - grid[i - 1]) / (grid[i] - grid[i - 1])
@@ -140,8 +140,10 @@ class PassCost:
         # K+1 draft steps, the context one token longer at each: 0 + 1 + ... + K more tokens per pass
         grow = np.zeros(len(self.theta))
         grow[len(self.grid) + 1] = grow[len(self.grid) + 2] = b
+        # the passes of loops 1..d that run, weighed by the share of the batch still in them
+        running = np.concatenate([[0.0], np.cumsum((1.0 - (1.0 - alive) ** b) * alive)])
         triangle = ks * (ks + 1.0) / 2.0
-        draft = (ks + 1.0)[:, None] * (one_step + loops[ds]) + (ds * triangle)[:, None] * grow
+        draft = (ks + 1.0)[:, None] * (one_step + loops[ds]) + (running[ds] * triangle)[:, None] * grow
         draft = draft + ks[:, None] * readout_b
         wide = b * (ks + 1.0)
         verify = self.step_features(b, wide, 0.0) + self.readout_features(wide)
@@ -167,11 +169,13 @@ class PassCost:
         if out is None:
             survival = None if exits is None else exits.survival()
             at0 = self.profile_seconds(self._ks, self._ds, batch, 0.0, survival)
-            out = (at0, (self.profile_seconds(self._ks, self._ds, batch, 1024.0, survival) - at0) / 1024.0)
+            slope = (self.profile_seconds(self._ks, self._ds, batch, 1024.0, survival) - at0) / 1024.0
+            # and as Python floats, for the one-plan lookups of every round
+            out = (at0, slope, at0.tolist(), slope.tolist(), self._measure_seconds(batch))
             if len(self._lines) > 512:
                 self._lines.clear()
             self._lines[key] = out
-        return out
+        return out[0], out[1]
 
     def seconds(self, k: int, d: int, batch: int, context: float, exits=None) -> float:
         """Profile seconds of one (K, d) round (K = 0: plain), without the drift factor."""
@@ -179,8 +183,14 @@ class PassCost:
         if i is None:  # not a plan of the options: priced directly
             survival = None if exits is None else exits.survival()
             return float(self.profile_seconds([k], [d], batch, context, survival)[0])
-        intercept, slope = self.lines(batch, exits)
-        return float(intercept[i] + slope[i] * context)
+        intercepts, slopes = self.line(batch, exits)
+        return intercepts[i] + slopes[i] * context
+
+    def line(self, batch: int, exits=None) -> tuple[list[float], list[float]]:
+        """`lines` as Python lists (the per-round path's arithmetic is on a handful of floats)."""
+        self.lines(batch, exits)
+        cached = self._lines[(batch, None if exits is None else exits.version)]
+        return cached[2], cached[3]
 
     def predict(self, k: int, d: int, batch: int, context: float) -> float:
         """Predicted seconds of one (K, d) round (K = 0: plain) now: the profile times the drift factor."""
@@ -192,14 +202,24 @@ class PassCost:
 
     def measure_seconds(self, k: int, d: int, batch: int) -> float:
         """The extra readouts of a round that also reads out every other depth (counterfactual acceptance)."""
+        i = self.option_index.get((k, d if k else 0))
+        if i is None:
+            return self._measure_one(k, d, batch) * self.drift
+        self.lines(batch)
+        return self._lines[(batch, None)][4][i] * self.drift
+
+    def _measure_seconds(self, batch: int) -> list[float]:
+        return [self._measure_one(k, d, batch) for k, d in self.options]
+
+    def _measure_one(self, k: int, d: int, batch: int) -> float:
         b = float(max(batch, 1))
         if k <= 0:
-            return (self.depth - 1) * self._readout(b) * self.drift
+            return (self.depth - 1) * self._readout(b)
         # the draft reads out depths 1..d-1 at each of its K+1 positions and depth d at the last one; the
         # verifier depths d+1..D-1 at all K+1 positions of each request
         draft = ((d - 1) * (k + 1) + 1) * self._readout(b)
         verify = max(self.depth - d - 1, 0) * self._readout(b * (k + 1))
-        return (draft + verify) * self.drift
+        return draft + verify
 
     def observe(self, measured: float, predicted_by_profile: float) -> None:
         """A round that ran: move the drift factor towards measured ÷ predicted (log space, a step clipped so one

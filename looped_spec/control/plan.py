@@ -32,7 +32,10 @@ class RoundFeedback:
     """What one committed decode round tells the controller.
 
     `depth_matches[j]` / `depth_trials[j]`: over the round's committed positions, how often a greedy readout at
-    depth j+1 agreed with the committed token (empty when the round did not measure depths). `num_proposed` /
+    depth j+1 agreed with the committed token (empty when the round did not measure depths); `depth_pairs[j]`:
+    over consecutive committed positions of a request, [n1, n11, n0, n01] (the earlier position agreed, both did,
+    the earlier did not, only the later did); `first_bits` / `last_bits`: per request (`request_ids`), its first and
+    last committed position's agreement as a bit mask (bit j: depth j+1), for pairs across rounds. `num_proposed` /
     `num_accepted`: per request, drafted and accepted tokens, counting only drafts the target checked (under
     early exit a draft that exited within the draft depth is the target's own sample). `exit_depths`: the
     readout depth of every committed token when some request exits early, else empty.
@@ -52,6 +55,10 @@ class RoundFeedback:
     measure_seconds: float = 0.0  # of which the counterfactual readouts (0 when not measured)
     depth_matches: list[int] = field(default_factory=list)
     depth_trials: list[int] = field(default_factory=list)
+    depth_pairs: list[list[int]] = field(default_factory=list)
+    request_ids: list[str] = field(default_factory=list)
+    first_bits: list[int] = field(default_factory=list)
+    last_bits: list[int] = field(default_factory=list)
     exit_depths: list[int] = field(default_factory=list)
     exit_skips: bool = False  # early exit in skip mode: the loops after an exit were not run
 
@@ -81,6 +88,10 @@ def round_feedback(
     measure_seconds: float = 0.0,
     depth_matches: Sequence[int] = (),
     depth_trials: Sequence[int] = (),
+    depth_pairs: Sequence[Sequence[int]] = (),
+    request_ids: Sequence[str] = (),
+    first_bits: Sequence[int] = (),
+    last_bits: Sequence[int] = (),
     exit_depths: Sequence[int] = (),
     exit_skips: bool = False,
 ) -> RoundFeedback:
@@ -100,6 +111,10 @@ def round_feedback(
         measure_seconds,
         list(depth_matches),
         list(depth_trials),
+        [list(p) for p in depth_pairs],
+        list(request_ids),
+        list(first_bits),
+        list(last_bits),
         list(exit_depths),
         exit_skips,
     )

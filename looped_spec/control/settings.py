@@ -12,7 +12,7 @@ from dataclasses import dataclass
 @dataclass(frozen=True)
 class ControlSettings:
     #: goodput: rounds between two decisions of a bucket (a new batch size or bucket decides at once)
-    decision_interval: int = 8
+    decision_interval: int = 16
     #: goodput: a speculative plan replaces another only when predicted this much faster (relative)
     hysteresis: float = 0.03
     #: goodput: speculation starts only when predicted this much faster than plain decoding (relative)

@@ -407,6 +407,10 @@ class LoopedSpecEngine:
             measure_seconds=result.measure_time,
             depth_matches=result.depth_matches,
             depth_trials=result.depth_trials,
+            depth_pairs=result.depth_pairs,
+            request_ids=[r.request_id for r in requests] if result.first_bits else (),
+            first_bits=result.first_bits,
+            last_bits=result.last_bits,
             exit_depths=exit_depths,
             exit_skips=self.runner.exit_mode == "skip",
         )

@@ -34,6 +34,12 @@ class RoundResult:
     decode_time: float = 0.0  # plain rounds: the full-depth decode and the sample
     depth_matches: list[int] = field(default_factory=list)  # per depth 1..D
     depth_trials: list[int] = field(default_factory=list)
+    # per depth, over consecutive committed positions of a request: [n1, n11, n0, n01] (the earlier position
+    # agreed / both did / it did not / only the later did), and each request's first and last committed position's
+    # agreement as a bit mask (bit j: depth j+1), so pairs across two measured rounds can be counted too
+    depth_pairs: list[list[int]] = field(default_factory=list)
+    first_bits: list[int] = field(default_factory=list)
+    last_bits: list[int] = field(default_factory=list)
     # early exit: per request, the exit depth of each position from the round's first on (its committed
     # tokens' readout depths); None without early exit
     exit_depths: list[list[int]] | None = None
@@ -100,20 +106,21 @@ class SpeculativeRound:
         committed_grid.scatter_(1, num_accepted[:, None], next_token[:, None])  # [R, K_max + 1]
         acc = num_accepted.tolist()
         grid = committed_grid.tolist()
-        matches: list[int] = []
-        trials: list[int] = []
+        agree = None
         if measure_depths:
-            matches, trials = self._depth_agreement(draft, verification, committed_grid, num_accepted, d)
+            agree = self._depth_agreement(draft, verification, committed_grid, d)
         t3 = watch.mark()
 
         seconds = watch.seconds
         result = RoundResult(
-            [[] for _ in requests], [0] * len(requests), seconds(t0, t1), seconds(t1, t2), seconds(t2, t3), 0.0,
-            matches, trials,
-        )  # fmt: skip
+            [[] for _ in requests], [0] * len(requests), seconds(t0, t1), seconds(t1, t2), seconds(t2, t3), 0.0
+        )
         for pos, i in enumerate(order):
             result.committed[i] = grid[pos][: acc[pos] + 1]
             result.num_accepted[i] = acc[pos]
+        if agree is not None:
+            inverse = torch.tensor(order).argsort()  # the caller's request order
+            _agreement_counts(result, agree[:, inverse.to(agree.device)], num_accepted[inverse.to(agree.device)])
         if exits:
             self._exit_counts(result, order, ks, acc, verification)
         return result
@@ -147,38 +154,57 @@ class SpeculativeRound:
         else:
             logits, exit_depths = self.runner.decode_with_depths(requests)
         sampled = sample(logits, SamplingRows.build(requests, self.runner.device))
-        matches: list[int] = []
-        trials: list[int] = []
-        if depth_preds is not None:  # how often each shallower depth would have drafted the committed token
-            # depth D: the greedy full-depth readout, which a sampled request's committed token need not be
-            full = (logits.argmax(-1) == sampled).sum()
-            matches = torch.cat([(depth_preds == sampled[None]).sum(dim=1), full[None]]).tolist()
-            trials = [len(requests)] * full_depth
         committed = [[t] for t in sampled.tolist()]
         decode_time = self.watch.seconds(t0, self.watch.mark())
-        accepted = [0] * len(requests)
-        return RoundResult(
+        result = RoundResult(
             committed,
-            accepted,
+            [0] * len(requests),
             decode_time=decode_time,
-            depth_matches=matches,
-            depth_trials=trials,
             exit_depths=[[e] for e in exit_depths] if exit_depths is not None else None,
         )
+        if depth_preds is not None:  # how often each shallower depth would have drafted the committed token
+            # depth D: the greedy full-depth readout, which a sampled request's committed token need not be
+            agree = torch.cat([depth_preds == sampled[None], (logits.argmax(-1) == sampled)[None]])  # [D, R]
+            _agreement_counts(result, agree[:, :, None], torch.zeros(len(requests), dtype=torch.long))
+        return result
 
-    def _depth_agreement(self, draft, verification, committed_grid, num_accepted, d):
-        """Greedy agreement of each depth's readout with the committed token, on committed positions."""
+    def _depth_agreement(self, draft, verification, committed_grid, d) -> torch.Tensor:
+        """[D, R, K_max + 1]: whether each depth's greedy readout agreed with the committed token (any position;
+        the caller keeps the committed ones)."""
         num_reqs, width = committed_grid.shape
-        full_depth = self.runner.full_depth
         preds = [draft.depth_preds[i] for i in range(d)]  # depths 1..d: [R, width]
         if verification.depth_preds is not None:
             for row in verification.depth_preds:  # depths d+1..D-1
                 preds.append(pad_positions(row, verification.row_index, verification.pos_index, num_reqs, width, -1))
         target = verification.logits.argmax(-1)
         preds.append(pad_positions(target, verification.row_index, verification.pos_index, num_reqs, width, -1))
-        valid = torch.arange(width, device=committed_grid.device)[None, :] <= num_accepted[:, None]
         stacked = torch.stack(preds)  # [D, R, width]
-        hits = ((stacked == committed_grid[None]) & valid[None]).sum(dim=(1, 2))
-        trials = int(valid.sum())
-        assert stacked.shape[0] == full_depth
-        return hits.tolist(), [trials] * full_depth
+        assert stacked.shape[0] == self.runner.full_depth
+        return stacked == committed_grid[None]
+
+
+def _agreement_counts(result: RoundResult, agree: torch.Tensor, num_accepted: torch.Tensor) -> None:
+    """Fill the result's depth agreement: `agree` [D, R, W] per committed position j <= num_accepted[r] of each
+    request (the caller's order): matches and trials per depth, pairs of consecutive positions, first and last
+    positions' bit masks. One transfer to the host."""
+    depth, _, width = agree.shape
+    device = agree.device
+    positions = torch.arange(width, device=device)
+    num_accepted = num_accepted.to(device)
+    valid = positions[None, :] <= num_accepted[:, None]  # [R, W]
+    hits = (agree & valid[None]).sum(dim=(1, 2))
+    prev, cur, both = agree[:, :, :-1], agree[:, :, 1:], valid[:, 1:][None]  # a pair: both positions committed
+    pairs = torch.stack([(prev & both).sum((1, 2)), (prev & cur & both).sum((1, 2)),
+                         (~prev & both).sum((1, 2)), (~prev & cur & both).sum((1, 2))])  # fmt: skip
+    counts, pair_rows = torch.cat([hits, valid.sum()[None]]).tolist(), pairs.tolist()
+    result.depth_matches, result.depth_trials = counts[:-1], [counts[-1]] * depth
+    result.depth_pairs = [list(column) for column in zip(*pair_rows)]
+    if depth <= MASK_DEPTHS:
+        weights = (2 ** torch.arange(depth, device=device, dtype=torch.long))[:, None]  # bit j: depth j+1
+        first = (agree[:, :, 0].long() * weights).sum(0)
+        last = (agree.gather(2, num_accepted[None, :, None].expand(depth, -1, 1))[:, :, 0].long() * weights).sum(0)
+        result.first_bits, result.last_bits = first.tolist(), last.tolist()
+
+
+#: Depths a bit mask of one position's agreement holds (an int64); deeper models count pairs within rounds only
+MASK_DEPTHS = 62

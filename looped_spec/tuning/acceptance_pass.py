@@ -30,7 +30,7 @@ def measure_match_bits(adapter: ModelAdapter, prompts: Sequence[Any], tokens: in
     engine = LoopedSpecEngine(adapter, speculation="off", max_batch_size=1)
     engine.controller = recorder = RecordingController(0, 0, measure_depths=True)
     bits: list[list[list[int]]] = [[] for _ in range(depth)]
-    params = SamplingParams(max_tokens=tokens, ignore_eos=True)
+    params = SamplingParams(max_tokens=tokens, ignore_eos=True, temperature=0.0)  # greedy, whatever the checkpoint says
     for prompt in prompts:
         recorder.rounds.clear()
         engine.generate([prompt], params)

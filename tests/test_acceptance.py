@@ -1,0 +1,316 @@
+"""Acceptance (control/acceptance.py, tuning/acceptance_pass.py): the Markov model of match bits against a simulated
+chain, the replay and statistics of recorded bits by hand, the online estimator on streams with a known truth, and
+the engine's own readouts against its speculative rounds.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+
+import numpy as np
+import pytest
+
+from looped_spec.control.acceptance import AcceptanceEstimator, accept_rate, markov_tokens
+from looped_spec.tuning.acceptance_pass import bit_statistics, simulate_tokens
+
+
+def markov_chain(alpha: float, rho: float, n: int, rng: random.Random) -> list[int]:
+    """n match bits of the two-state chain: P(1 | 0) = α(1 − ρ), P(1 | 1) = ρ + α(1 − ρ) (stationary share α)."""
+    p01 = alpha * (1.0 - rho)
+    p11 = rho + p01
+    bits, prev = [], rng.random() < alpha
+    for _ in range(n):
+        bits.append(int(prev))
+        prev = rng.random() < (p11 if prev else p01)
+    return bits
+
+
+# --------------------------------------------------------------------------- markov_tokens
+
+
+@pytest.mark.parametrize(
+    "alpha,rho,k",
+    [(0.7, 0.0, 3), (0.8, 0.5, 4), (0.5, 0.3, 2), (0.9, 0.8, 6), (0.3, 0.9, 5), (0.95, 0.2, 8), (0.6, 0.6, 1)],
+)
+def test_markov_tokens_is_what_rounds_replayed_on_a_simulated_chain_commit(alpha, rho, k):
+    rng = random.Random(f"{alpha}-{rho}-{k}")
+    bits = [markov_chain(alpha, rho, 60_000, rng) for _ in range(2)]
+    tokens, rounds = simulate_tokens(bits, k)
+    assert float(markov_tokens(alpha, rho, k)) == pytest.approx(tokens / rounds, rel=0.02)
+    # and what the EMA policy measures, accepted drafts per drafted token
+    assert float(accept_rate(alpha, rho, k)) == pytest.approx((tokens / rounds - 1.0) / k, rel=0.04)
+
+
+def test_markov_tokens_without_persistence_is_geometric():
+    for alpha in (0.0, 0.2, 0.5, 0.77, 0.99):
+        for k in (1, 2, 3, 7, 16):
+            assert float(markov_tokens(alpha, 0.0, k)) == pytest.approx((1.0 - alpha ** (k + 1)) / (1.0 - alpha))
+    assert float(markov_tokens(1.0, 0.0, 5)) == pytest.approx(6.0)  # every draft and the bonus
+    assert float(markov_tokens(1.0, 0.7, 5)) == pytest.approx(6.0)
+
+
+def test_markov_tokens_of_no_draft_is_one():
+    for alpha, rho in [(0.0, 0.0), (0.9, 0.5), (1.0, 1.0)]:
+        assert float(markov_tokens(alpha, rho, 0)) == 1.0
+        assert float(accept_rate(alpha, rho, 0)) == 0.0
+
+
+# --------------------------------------------------------------------------- replay and statistics by hand
+
+
+def test_simulate_tokens_by_hand():
+    # 7 generated tokens (the first from prefill): K = 2 accepts 1,1 then 1,1; two rounds of three tokens
+    assert simulate_tokens([[1, 1, 0, 1, 1, 1]], 2) == (6, 2)
+    # a miss first: the round commits the bonus only; then two drafts, cut to the two tokens left
+    assert simulate_tokens([[0, 1, 1, 1]], 3) == (4, 2)
+    # near the end the draft is cut to what is left: 4 generated tokens, one round of 2 drafts + bonus
+    assert simulate_tokens([[1, 1, 1]], 5) == (3, 1)
+    # K = 0: one token per round
+    assert simulate_tokens([[1, 0, 1]], 0) == (3, 3)
+    # a rejection in the middle: 1 | 0 -> 2 tokens, then 1,1,0 -> accepts 2, commits 3; then one left
+    assert simulate_tokens([[1, 0, 1, 1, 0, 1]], 3) == (6, 3)
+    # sequences add up, and an empty one (a single generated token) needs no round
+    assert simulate_tokens([[1, 1, 0, 1, 1, 1], [0, 1, 1, 1], []], 2) == (6 + 4, 2 + 2)
+
+
+def test_bit_statistics_by_hand():
+    # ones 5 of 8; transitions 11 11 10 00 00 01 11: P(1|1) = 3/4, P(1|0) = 1/3
+    alpha, rho, n = bit_statistics([[1, 1, 1, 0, 0, 0, 1, 1]])
+    assert (alpha, n) == (5 / 8, 8)
+    assert rho == pytest.approx(3 / 4 - 1 / 3)
+    # transitions are counted inside each sequence only (none across the boundary)
+    alpha, rho, n = bit_statistics([[1, 1], [0, 0], [1, 0]])
+    assert (alpha, n) == (3 / 6, 6)
+    assert rho == pytest.approx(1 / 2 - 0 / 1)
+    # alternating bits: negative persistence is clipped to 0
+    assert bit_statistics([[1, 0, 1, 0, 1, 0]])[1] == 0.0
+    # no transition from a miss (or from a match): ρ unknown, 0
+    assert bit_statistics([[1, 1, 1]]) == (1.0, 0.0, 3)
+    assert bit_statistics([[0, 0]]) == (0.0, 0.0, 2)
+    assert bit_statistics([]) == (0.0, 0.0, 0)
+
+
+def test_bit_statistics_recover_a_simulated_chain():
+    rng = random.Random(11)
+    for alpha, rho in [(0.7, 0.0), (0.4, 0.6), (0.85, 0.3)]:
+        a, r, n = bit_statistics([markov_chain(alpha, rho, 40_000, rng)])
+        assert n == 40_000
+        assert a == pytest.approx(alpha, abs=0.02) and r == pytest.approx(rho, abs=0.03)
+
+
+# --------------------------------------------------------------------------- the online estimator
+
+
+def readouts(rng: np.random.Generator, truth, positions: int) -> tuple[list[int], list[int]]:
+    """One measured round: how many of `positions` committed positions each depth's readout predicted."""
+    return [int(rng.binomial(positions, p)) for p in truth], [positions] * len(truth)
+
+
+def test_estimator_starts_at_the_prior_and_full_depth_is_one():
+    est = AcceptanceEstimator(3, [0.4, 0.6, 0.9], [0.1, 0.2, 0.0], prior_weight=16.0, memory=128.0)
+    assert list(est.alpha) == pytest.approx([0.4, 0.6, 1.0])  # full depth agrees with itself whatever the prior
+    assert list(est.rho)[:2] == pytest.approx([0.1, 0.2])  # the draft depths' persistence is the prior's
+    assert est.positions == 0 and est.changes == 0
+    none = AcceptanceEstimator(3, None, None, prior_weight=16.0, memory=128.0)
+    assert list(none.alpha) == [0.0, 0.0, 1.0]
+    with pytest.raises(ValueError, match="2 depths"):
+        AcceptanceEstimator(3, [0.5, 1.0], None, prior_weight=16.0, memory=128.0)
+
+
+def test_estimator_converges_to_the_true_agreement():
+    truth = [0.35, 0.8, 0.55]  # depth 4 is full depth
+    est = AcceptanceEstimator(4, [0.9, 0.2, 0.9, 1.0], None, prior_weight=16.0, memory=128.0, change_z=None)
+    rng = np.random.default_rng(5)
+    for _ in range(600):  # 2400 positions
+        matches, trials = readouts(rng, [*truth, 0.97], 4)  # a sampled request's token can miss at full depth
+        est.observe_readouts(matches, trials)
+    assert est.positions == 2400
+    assert list(est.alpha[:3]) == pytest.approx(truth, abs=0.1)
+    assert est.alpha[3] == 1.0
+
+
+def test_the_prior_counts_as_prior_weight_positions():
+    """With nothing forgotten (huge memory), the estimate is (α₀·w + matches) / (w + trials): a light prior follows
+    the readouts at once, a heavy one slowly."""
+    rng = np.random.default_rng(2)
+    stream = [readouts(rng, [0.9, 1.0], 4) for _ in range(16)]  # 64 positions at α = 0.9
+    matches = sum(m[0] for m, _ in stream)
+    estimates = {}
+    for weight in (4.0, 64.0, 512.0):
+        est = AcceptanceEstimator(2, [0.2, 1.0], None, prior_weight=weight, memory=1e12, change_z=None)
+        for m, t in stream:
+            est.observe_readouts(m, t)
+        estimates[weight] = est.alpha[0]
+        assert est.alpha[0] == pytest.approx((0.2 * weight + matches) / (weight + 64), rel=1e-6)
+    assert abs(estimates[4.0] - 0.9) < abs(estimates[64.0] - 0.9) < abs(estimates[512.0] - 0.9)
+
+
+def test_memory_forgets_the_prior():
+    """Whatever the prior's weight, after many times `memory` positions the estimate is the readouts'."""
+    rng = np.random.default_rng(3)
+    for weight in (4.0, 4096.0):
+        est = AcceptanceEstimator(2, [0.1, 1.0], None, prior_weight=weight, memory=64.0, change_z=None)
+        for _ in range(400):
+            est.observe_readouts(*readouts(rng, [0.8, 1.0], 4))
+        assert est.alpha[0] == pytest.approx(0.8, abs=0.1), weight
+
+
+def test_observe_drafts_moves_only_the_planned_depth():
+    est = AcceptanceEstimator(4, [0.5, 0.6, 0.7, 1.0], None, prior_weight=16.0, memory=128.0)
+    before = est.alpha.copy()
+    est.observe_drafts(2, accepted=9, rejected=1)  # depth 2 drafted 10 checked tokens, 9 accepted
+    after = est.alpha
+    assert after[1] == pytest.approx((0.6 * 16 * 128 / 138 + 9) / (16 * 128 / 138 + 10))
+    assert after[0] == before[0] and after[2] == before[2] and after[3] == 1.0
+    assert est.positions == 10
+    est.observe_drafts(1, accepted=0, rejected=3)
+    assert est.alpha[0] < before[0] and est.alpha[1] == after[1]
+    for d, accepted, rejected in [(0, 3, 1), (5, 3, 1), (3, 0, 0)]:  # no such depth, or nothing drafted
+        est.observe_drafts(d, accepted, rejected)
+    assert est.positions == 13
+
+
+def test_readouts_without_trials_change_nothing():
+    est = AcceptanceEstimator(3, [0.5, 0.6, 1.0], None, prior_weight=16.0, memory=128.0)
+    est.observe_readouts([0, 0, 0], [0, 0, 0])
+    est.observe_readouts([1, 1], [1, 1])  # not one count per depth
+    assert list(est.alpha) == [0.5, 0.6, 1.0] and est.positions == 0
+
+
+def switch_stream(seed: int, before: float, after: float, warm: int, batch: int = 4):
+    rng = np.random.default_rng(seed)
+    for _ in range(warm // batch):
+        yield readouts(rng, [before, 0.6, 1.0], batch), False
+    while True:
+        yield readouts(rng, [after, 0.95, 1.0], batch), True
+
+
+def positions_to_cross(change_z, seed: int) -> tuple[int, int]:
+    """Positions after a switch of depth 1 from α = 0.3 to 0.9 until the estimate crosses 0.7; and the changes seen."""
+    est = AcceptanceEstimator(3, [0.3, 0.6, 1.0], None, prior_weight=16.0, memory=128.0, change_z=change_z)
+    after = 0
+    for (matches, trials), switched in switch_stream(seed, 0.3, 0.9, 2000):
+        est.observe_readouts(matches, trials)
+        if switched:
+            after += trials[0]
+            if est.alpha[0] >= 0.7 or after > 2000:
+                return after, est.changes
+        else:
+            assert est.alpha[0] < 0.7
+    raise AssertionError("unreachable")
+
+
+def test_the_change_detector_restarts_a_depth_after_a_switch_sooner():
+    with_detector, without = [], []
+    for seed in (0, 1, 2):
+        fast, changes = positions_to_cross(3.0, seed)
+        slow, no_changes = positions_to_cross(None, seed)
+        assert changes >= 1 and no_changes == 0
+        assert fast < slow, (seed, fast, slow)
+        with_detector.append(fast)
+        without.append(slow)
+    assert sum(with_detector) <= 0.6 * sum(without), (with_detector, without)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_the_change_detector_stays_quiet_on_a_stationary_stream(seed):
+    truth = [0.6, 0.75, 0.9, 1.0]
+    est = AcceptanceEstimator(4, [0.55, 0.7, 0.92, 1.0], None, prior_weight=16.0, memory=128.0, change_z=3.0)
+    rng = np.random.default_rng(100 + seed)
+    for _ in range(1000):  # 4000 positions
+        est.observe_readouts(*readouts(rng, truth, 4))
+    assert est.changes == 0
+    assert list(est.alpha) == pytest.approx(truth, abs=0.12)
+
+
+def test_tokens_read_the_planned_depth():
+    est = AcceptanceEstimator(3, [0.3, 0.8, 1.0], [0.0, 0.5, 0.0], prior_weight=16.0, memory=128.0)
+    for k, d, expected in [(0, 0, 1.0), (2, 1, markov_tokens(0.3, 0.0, 2)), (2, 2, markov_tokens(0.8, 0.5, 2))]:
+        assert float(est.tokens(k, d)) == pytest.approx(float(expected)), (k, d)
+    assert float(est.tokens(4, 2)) == pytest.approx(float(markov_tokens(0.8, 0.5, 4)))
+
+
+def test_persistence_is_learned_from_pairs_of_consecutive_readouts():
+    """Counts [n1, n11, n0, n01] of consecutive readouts of a chain with persistence 0.6 move the estimate from the
+    prior's 0.0 to about 0.6 at that depth only."""
+    est = AcceptanceEstimator(3, [0.7, 0.8, 1.0], [0.0, 0.2, 0.0], prior_weight=16.0, memory=128.0)
+    assert list(est.rho)[:2] == pytest.approx([0.0, 0.2])
+    bits = markov_chain(0.7, 0.6, 4000, random.Random(4))
+    for i in range(0, len(bits) - 8, 8):
+        window = bits[i : i + 9]
+        pairs = list(zip(window, window[1:]))
+        n1 = sum(1 for a, _ in pairs if a)
+        n11 = sum(1 for a, b in pairs if a and b)
+        n0 = len(pairs) - n1
+        n01 = sum(1 for a, b in pairs if not a and b)
+        est.observe_pairs([[n1, n11, n0, n01], [0, 0, 0, 0], [0, 0, 0, 0]])
+    assert est.rho[0] == pytest.approx(0.6, abs=0.12)
+    assert est.rho[1] == pytest.approx(0.2)
+
+
+# --------------------------------------------------------------------------- the engine's readouts
+
+
+@pytest.fixture(scope="module")
+def tiny_ouro():
+    from looped_spec import load_adapter
+
+    return load_adapter("tiny-ouro", dtype="float32", device="cpu")
+
+
+def test_engine_readouts_replay_to_the_speculative_rounds(tiny_ouro):
+    """Greedy drafts are the depth-d readouts, so K-token rounds replayed on a plain run's depth-d bits commit
+    exactly what a speculative engine commits, round for round."""
+    from looped_spec import LoopedSpecEngine, SamplingParams, SpeculativeConfig
+    from looped_spec.tuning.acceptance_pass import measure_match_bits
+    from looped_spec.tuning.prompt_sets import prompt_group
+
+    prompts, tokens = prompt_group("code", 3), 32
+    params = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True)
+    depth = tiny_ouro.full_depth
+    plain = LoopedSpecEngine(tiny_ouro, speculation=SpeculativeConfig(k=0, d=0, measure_depths=True))
+    bits: list[list[list[int]]] = [[] for _ in range(depth)]
+    outputs = []
+    for prompt in prompts:
+        seen = []
+        plain.controller.observe = seen.append
+        outputs.append(plain.generate([prompt], params)[0].token_ids)
+        assert all(f.depth_trials == [1] * depth for f in seen)  # one position per round, every depth
+        for d in range(depth):
+            bits[d].append([f.depth_matches[d] for f in seen])
+    assert all(len(seq) == tokens - 1 for seq in bits[0])
+    assert all(bit == 1 for seq in bits[depth - 1] for bit in seq)  # greedy: full depth is the committed token
+    assert measure_match_bits(tiny_ouro, prompts, tokens) == bits  # the tuner's pass reads the same bits
+    for k, d in [(3, 1), (2, 2)]:
+        engine = LoopedSpecEngine(tiny_ouro, speculation=SpeculativeConfig(k=k, d=d))
+        outs = engine.generate(prompts, params)
+        assert [o.token_ids for o in outs] == outputs
+        for out, seq in zip(outs, bits[d - 1]):
+            committed, rounds = simulate_tokens([seq], k)
+            m = out.metrics
+            assert (m.rounds, m.rounds + m.num_accepted_tokens) == (rounds, committed), (k, d, seq)
+        total, rounds = simulate_tokens(bits[d - 1], k)
+        assert sum(o.metrics.rounds for o in outs) == rounds and total == len(prompts) * (tokens - 1)
+    # the bits are informative: depth 1 of a trained tiny model agrees often but not always
+    alpha = bit_statistics(bits[0])[0]
+    assert 0.2 < alpha < 1.0 and not math.isnan(alpha)
+
+
+def test_the_acceptance_pass_is_greedy_whatever_the_checkpoint_samples_by_default(tmp_path):
+    """A checkpoint whose generation_config.json samples by default is still measured along greedy trajectories:
+    full depth then agrees with every committed token."""
+    import json
+    import shutil
+
+    from conftest import fixture_dir
+
+    from looped_spec import load_adapter
+    from looped_spec.tuning.acceptance_pass import measure_match_bits
+
+    folder = tmp_path / "sampling-ouro"
+    shutil.copytree(fixture_dir("ouro"), folder)
+    (folder / "generation_config.json").write_text(json.dumps({"do_sample": True, "temperature": 1.0}))
+    adapter = load_adapter(str(folder), dtype="float32", device="cpu")
+    bits = measure_match_bits(adapter, [[5, 6, 7, 8]], 12)
+    assert bits[-1] == [[1] * 11]

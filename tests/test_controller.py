@@ -1,0 +1,380 @@
+"""The controllers (control/controller.py) and what they hand out and learn: plans (plan.py), buckets (buckets.py),
+the readout budget, the JSONL trace (trace.py), the settings and the stats.
+
+Outcome and invariant tests on a synthetic workload (tests/workload.py); the policies' choices are judged in
+test_policies.py.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+
+import pytest
+from conftest import make_engine
+from workload import Phase, Workload
+
+from looped_spec.control import AdaptiveController, AdaptiveSpecConfig, ControlSettings, FixedController
+from looped_spec.control.controller import make_controller
+from looped_spec.control.passcost import PassCost, ideal_cost
+from looped_spec.control.plan import SpeculationPlan, round_feedback
+
+DEPTH = 4
+TUNE = [0.61, 0.79, 0.92, 1.0]
+CODE = [0.88, 0.94, 0.97, 1.0]
+HARD = [0.30, 0.45, 0.70, 1.0]
+RANDOM = [0.02, 0.03, 0.05, 1.0]
+# bucket 0 has no plain candidate (disable.enabled adds plain as candidate -1); the others list plain first
+CANDIDATES = [[[1, 1], [2, 1], [4, 2]], [[0, 0], [2, 1], [3, 2]], [[0, 0], [1, 1], [2, 3]]]
+RANGES = [(1, 2), (3, 12), (13, None)]
+
+
+def preset(enabled: bool = True, depth: int = DEPTH) -> AdaptiveSpecConfig:
+    return AdaptiveSpecConfig.parse(
+        {
+            "model": "synthetic",
+            "full_depth": depth,
+            "buckets": [
+                {"min_batch": lo, "max_batch": hi, "candidates": c, "theta_up": 0.8, "theta_down": 0.4}
+                for (lo, hi), c in zip(RANGES, CANDIDATES)
+            ],
+            "disable": {"enabled": enabled},
+            "acceptance": {"alpha": TUNE, "rho": [0.0] * DEPTH, "positions": 1000},
+            "cost": ideal_cost(32),
+        }
+    )
+
+
+def key(k: int, d: int) -> tuple[int, int]:
+    return (k, d if k else 0)
+
+
+def check_plan(plan: SpeculationPlan, batch: int, enabled: bool, policy: str, stickiness: float = 1.25) -> None:
+    """The invariants of one adaptive plan at batch size `batch`."""
+    lo, hi = RANGES[plan.bucket]
+    # the bucket's range, widened by the stickiness (and one batch size) for a batch hovering at its edge
+    assert min(lo - 1, lo / stickiness) <= batch <= (math.inf if hi is None else max(hi + 1, hi * stickiness))
+    own = [key(k, d) for k, d in CANDIDATES[plan.bucket]]
+    everything = {key(k, d) for c in CANDIDATES for k, d in c} | ({(0, 0)} if enabled else set())
+    assert key(plan.k, plan.d) in everything  # never a plan the preset does not list
+    if plan.candidate >= 0:
+        assert key(plan.k, plan.d) == own[plan.candidate]
+    else:
+        assert plan.candidate == -1
+        assert key(plan.k, plan.d) not in own  # a plan of the bucket's list always says which candidate it is
+        if plan.k > 0:
+            assert policy == "goodput"  # goodput prices every bucket's options in every bucket
+        # else plain in a bucket whose list has no K = 0 (disable.enabled: see test_disable_off_keeps_...)
+
+
+@pytest.mark.parametrize("policy", ["goodput", "ema"])
+@pytest.mark.parametrize("enabled", [True, False])
+def test_plans_are_numbered_and_always_an_option_of_the_preset(policy, enabled):
+    rng = random.Random(7)
+    controller = AdaptiveController(preset(enabled), DEPTH, policy=policy)
+    workload = Workload(PassCost(preset().cost, DEPTH), noise=0.1, seed=3)
+    batches = [b for b in range(1, 101) for _ in range(3)]
+    rng.shuffle(batches)
+    seen = set()
+    for i, batch in enumerate(batches):
+        alpha = (CODE, HARD, RANDOM)[(i // 60) % 3]  # easy and hard text: speculation on and off
+        plan = controller.plan(batch, 150.0)
+        assert plan.plan_id == i
+        check_plan(plan, batch, enabled, policy)
+        seen.add((plan.bucket, plan.k))
+        controller.observe(workload.feedback(plan, Phase(batch, alpha, 1, 150.0)))
+    assert {b for b, _ in seen} == {0, 1, 2}
+    assert any(k == 0 for _, k in seen) and any(k > 0 for _, k in seen)
+
+
+@pytest.mark.parametrize("policy", ["goodput", "ema"])
+def test_disable_off_keeps_speculation_on_in_a_bucket_without_plain(policy):
+    """disable.enabled = false: a bucket whose candidates have no K = 0 never switches speculation off, even on text
+    where nothing pays (the other buckets list plain decoding and do switch off)."""
+    controller = AdaptiveController(preset(enabled=False), DEPTH, policy=policy)
+    workload = Workload(PassCost(preset().cost, DEPTH), noise=0.1, seed=5)
+    small, large = workload.run(controller, [Phase(1, RANDOM, 150), Phase(8, RANDOM, 150)])
+    assert any(k == 0 for k, _ in large[50:])  # plain where the list has it ...
+    assert all(k > 0 for k, _ in small), sorted(set(small))  # ... never where it has not
+
+
+@pytest.mark.parametrize("policy", ["goodput", "ema"])
+def test_a_fresh_controller_takes_the_bucket_of_the_batch_size(policy):
+    for batch in range(1, 101):
+        plan = AdaptiveController(preset(), DEPTH, policy=policy).plan(batch, 0.0)
+        lo, hi = RANGES[plan.bucket]
+        assert lo <= batch <= (hi or math.inf), (batch, plan.bucket)
+        check_plan(plan, batch, True, policy)
+
+
+def test_bucket_stickiness_keeps_a_batch_near_the_edge_and_lets_a_far_one_move():
+    controller = AdaptiveController(preset(), DEPTH)
+    walk = [(8, 1), (13, 1), (15, 1), (16, 2), (11, 2), (12, 2), (10, 1), (100, 2), (2, 0), (3, 0), (4, 1), (1, 0)]
+    assert [(b, controller.plan(b, 0.0).bucket) for b, _ in walk] == walk
+    strict = AdaptiveController(preset(), DEPTH, settings=ControlSettings(bucket_stickiness=1.0))
+    walk = [(8, 1), (13, 1), (14, 2), (12, 2), (11, 1)]  # the range and one batch size either side
+    assert [(b, strict.plan(b, 0.0).bucket) for b, _ in walk] == walk
+
+
+# --------------------------------------------------------------------------- feedback
+
+
+def plan_of(controller: AdaptiveController, k: int, d: int, batch: int, measure: bool = False) -> SpeculationPlan:
+    """A plan as the controller would number it, with a chosen (k, d)."""
+    plan = controller.plan(batch, 100.0)
+    return SpeculationPlan(plan.plan_id, k, d, plan.bucket, plan.candidate, measure)
+
+
+def test_a_measured_round_updates_the_acceptance_of_every_depth():
+    controller = AdaptiveController(preset(), DEPTH)
+    before = list(controller.acceptance.alpha)
+    plan = plan_of(controller, 0, 0, 4, measure=True)
+    fb = round_feedback(
+        plan, batch_size=4, context=100.0, num_proposed=[0] * 4, num_accepted=[0] * 4, seconds=0.0,
+        depth_matches=[0, 0, 4, 4], depth_trials=[4] * DEPTH,
+    )  # fmt: skip
+    controller.observe(fb)
+    after = list(controller.acceptance.alpha)
+    assert after[0] < before[0] and after[1] < before[1] and after[2] > before[2] and after[3] == 1.0
+    assert controller.acceptance.positions == 4
+
+
+def test_an_unmeasured_speculative_round_updates_only_its_own_depth():
+    controller = AdaptiveController(preset(), DEPTH)
+    before = list(controller.acceptance.alpha)
+    plan = plan_of(controller, 3, 2, 4)
+    fb = round_feedback(plan, batch_size=4, context=100.0, num_proposed=[3] * 4, num_accepted=[3] * 4, seconds=0.0)
+    controller.observe(fb)
+    after = list(controller.acceptance.alpha)
+    assert after[1] > before[1]
+    assert after[0] == before[0] and after[2] == before[2]
+    rejected = round_feedback(
+        plan_of(controller, 2, 1, 4), batch_size=4, context=100.0, num_proposed=[2] * 4, num_accepted=[0] * 4,
+        seconds=0.0,
+    )  # fmt: skip
+    controller.observe(rejected)
+    assert controller.acceptance.alpha[0] < before[0] and controller.acceptance.alpha[1] == after[1]
+    # a plain round, and a speculative round under early exit (free exits are no evidence), teach nothing
+    frozen = list(controller.acceptance.alpha)
+    controller.observe(
+        round_feedback(plan_of(controller, 0, 0, 4), batch_size=4, context=100.0, num_proposed=[0] * 4,
+                       num_accepted=[0] * 4, seconds=0.0)
+    )  # fmt: skip
+    controller.observe(
+        round_feedback(plan_of(controller, 2, 1, 4), batch_size=4, context=100.0, num_proposed=[2] * 4,
+                       num_accepted=[0] * 4, seconds=0.0, exit_depths=[1, 2, 4, 4])
+    )  # fmt: skip
+    assert list(controller.acceptance.alpha) == frozen
+
+
+def test_feedback_moves_the_drift_by_the_round_without_its_readouts():
+    controller = AdaptiveController(preset(), DEPTH)
+    cost = controller.cost
+    plan = plan_of(controller, 2, 1, 8)
+    profile = cost.seconds(2, 1, 8, 100.0)
+    kwargs = dict(batch_size=8, context=100.0, num_proposed=[2] * 8, num_accepted=[1] * 8)
+    # the counterfactual readouts' seconds are not the round's: a round that took its profile plus them is on time
+    controller.observe(round_feedback(plan, seconds=3.0 * profile, measure_seconds=2.0 * profile, **kwargs))
+    assert cost.drift == pytest.approx(1.0)
+    # a round whose requests drafted nothing ran as plain decoding, and is priced as such
+    plain = cost.seconds(0, 0, 8, 100.0)
+    nothing = dict(kwargs, num_proposed=[0] * 8, num_accepted=[0] * 8)
+    controller.observe(round_feedback(plan_of(controller, 2, 1, 8), seconds=plain, **nothing))
+    assert cost.drift == pytest.approx(1.0)
+    for _ in range(5):
+        controller.observe(round_feedback(plan_of(controller, 2, 1, 8), seconds=3.0 * profile, **kwargs))
+    assert 1.0 < cost.drift < 3.0
+    assert cost.predict(2, 1, 8, 100.0) == pytest.approx(cost.drift * profile)
+
+
+# --------------------------------------------------------------------------- the readout budget
+
+
+@pytest.mark.parametrize("budget", [0.01, 0.003])
+@pytest.mark.parametrize("policy", ["goodput", "ema"])
+def test_measured_rounds_cost_about_the_readout_budget(budget, policy):
+    controller = AdaptiveController(preset(), DEPTH, policy=policy, settings=ControlSettings(readout_budget=budget))
+    workload = Workload(PassCost(preset().cost, DEPTH), noise=0.05, seed=1)
+    cost, extra, total, measured = controller.cost, 0.0, 0.0, 0
+    for i in range(1500):
+        phase = Phase(8, (CODE, HARD)[(i // 500) % 2], 1, 200.0)
+        plan = controller.plan(phase.batch, phase.context)
+        total += cost.predict(plan.k, plan.d, phase.batch, phase.context)
+        if plan.measure_depths:
+            extra += cost.measure_seconds(plan.k, plan.d, phase.batch)
+            measured += 1
+        controller.observe(workload.feedback(plan, phase))
+    assert 10 <= measured <= 1500 // 2
+    assert 0.6 * budget <= extra / total <= 1.05 * budget, (extra / total, measured)
+
+
+# --------------------------------------------------------------------------- fixed plans, construction errors
+
+
+def test_fixed_controller_always_returns_its_plan():
+    fixed = FixedController(3, 2, measure_depths=True)
+    plans = [fixed.plan(b, 10.0 * b) for b in (1, 5, 64, 2)]
+    assert [p.plan_id for p in plans] == [0, 1, 2, 3]
+    assert {(p.k, p.d, p.bucket, p.candidate, p.measure_depths) for p in plans} == {(3, 2, -1, -1, True)}
+    assert fixed.plan_shapes() == [(0, 0), (3, 2)]
+    plain = FixedController(0, 5)
+    assert (plain.plan(4, 0.0).k, plain.plan(4, 0.0).d, plain.plan(4, 0.0).measure_depths) == (0, 0, False)
+    with pytest.raises(ValueError, match="k=-1"):
+        FixedController(-1, 0)
+    with pytest.raises(ValueError, match="d=0"):
+        FixedController(2, 0)
+
+
+def test_make_controller_checks_the_draft_depth_against_the_model():
+    for d in (4, 7, 0):
+        with pytest.raises(ValueError, match=f"speculation.d={d}") as err:
+            make_controller((2, d, False), 4, None)
+        assert "D=4" in str(err.value)
+    fixed = make_controller((2, 3, True), 4, None)
+    assert (fixed.k, fixed.d, fixed.measure_depths) == (2, 3, True)
+    assert make_controller((0, 0, False), 4, None).k == 0
+    assert type(make_controller("off", 4, preset())) is FixedController
+    assert type(make_controller("adaptive", 1, None)) is FixedController  # nothing to draft with at depth 1
+    assert isinstance(make_controller("adaptive", 4, preset(), policy="ema"), AdaptiveController)
+
+
+def test_adaptive_controller_refuses_a_preset_of_another_depth_and_an_unknown_policy():
+    with pytest.raises(ValueError, match="the preset is for depth 4, the model has 8"):
+        AdaptiveController(preset(), 8)
+    with pytest.raises(ValueError, match="policy='fastest'") as err:
+        AdaptiveController(preset(), DEPTH, policy="fastest")
+    assert "goodput" in str(err.value) and "ema" in str(err.value)
+    fitted, _ = preset().for_depth(8)
+    assert AdaptiveController(fitted, 8).plan(4, 0.0).d < 8
+
+
+# --------------------------------------------------------------------------- the trace
+
+
+@pytest.mark.parametrize("policy", ["goodput", "ema"])
+def test_the_trace_has_every_plan_feedback_and_decision(policy, tmp_path):
+    path = tmp_path / "sub" / "trace.jsonl"
+    controller = AdaptiveController(preset(), DEPTH, policy=policy, trace_path=path)
+    workload = Workload(PassCost(preset().cost, DEPTH), noise=0.1, seed=2)
+    phases = [Phase(6, RANDOM, 120), Phase(6, CODE, 120), Phase(1, CODE, 40), Phase(30, HARD, 40)]
+    workload.run(controller, phases)
+    controller.close()
+    controller.close()  # safe twice
+    controller.plan(6, 0.0)  # and planning after close writes nothing
+    events = [json.loads(line) for line in path.read_text().splitlines()]
+    plans = [e for e in events if e["event"] == "plan"]
+    feedback = [e for e in events if e["event"] == "feedback"]
+    decisions = [e for e in events if e["event"] == "decision"]
+    assert [p["plan_id"] for p in plans] == list(range(320))
+    assert [f["plan_id"] for f in feedback] == list(range(320))
+    assert all(isinstance(e["t"], float) for e in events)
+    assert {"k", "d", "bucket", "candidate", "measure_depths", "batch", "context"} <= set(plans[0])
+    assert {"num_proposed", "num_accepted", "seconds", "batch_size"} <= set(feedback[0])
+    # every time a bucket's plan changes, a decision of that bucket was written since its previous plan
+    switches = 0
+    last: dict[int, dict] = {}
+    for p in plans:
+        before = last.get(p["bucket"])
+        if before is not None and (p["k"], p["d"]) != (before["k"], before["d"]):
+            switches += 1
+            assert any(
+                e["bucket"] == p["bucket"] and before["plan_id"] <= e["plan_id"] <= p["plan_id"] and e["what"]
+                for e in decisions
+            ), (before, p)
+        last[p["bucket"]] = p
+    assert switches >= 2 and len(decisions) >= switches
+
+
+@pytest.mark.parametrize("policy", ["goodput", "ema"])
+def test_each_decision_is_traced_once(policy, tmp_path):
+    path = tmp_path / "trace.jsonl"
+    controller = AdaptiveController(preset(), DEPTH, policy=policy, trace_path=path)
+    Workload(PassCost(preset().cost, DEPTH), noise=0.1, seed=2).run(controller, [Phase(6, RANDOM, 120)])
+    controller.close()
+    decisions = [json.loads(line) for line in path.read_text().splitlines() if '"decision"' in line]
+    assert decisions
+    keys = [(e["bucket"], e["plan_id"], e["what"]) for e in decisions]
+    assert len(keys) == len(set(keys)), keys
+
+
+def test_a_fixed_controller_traces_plans_and_feedback(tmp_path):
+    path = tmp_path / "fixed.jsonl"
+    fixed = FixedController(2, 1, trace_path=path)
+    for _ in range(3):
+        plan = fixed.plan(2, 17.126)
+        fixed.observe(
+            round_feedback(plan, batch_size=2, context=17.126, num_proposed=[2, 2], num_accepted=[1, 2], seconds=0.1)
+        )
+    fixed.close()
+    fixed.close()
+    events = [json.loads(line) for line in path.read_text().splitlines()]
+    assert [e["event"] for e in events] == ["plan", "feedback"] * 3
+    assert events[0]["context"] == 17.13 and events[1]["num_accepted"] == [1, 2]
+
+
+# --------------------------------------------------------------------------- settings and stats
+
+
+@pytest.mark.parametrize(
+    "field,value,message",
+    [
+        ("decision_interval", 0, "decision_interval=0"),
+        ("decision_interval", 2.5, "decision_interval=2.5"),
+        ("hysteresis", 1.0, "hysteresis=1.0"),
+        ("plain_margin", -0.1, "plain_margin=-0.1"),
+        ("readout_budget", 0.0, "readout_budget=0.0"),
+        ("bucket_stickiness", 0.5, "bucket_stickiness=0.5"),
+        ("change_z", 0.0, "change_z=0.0"),
+        ("prior_weight", -1.0, "prior_weight=-1.0"),
+        ("acceptance_memory", 0.0, "acceptance_memory=0.0"),
+        ("drift_rounds", True, "drift_rounds=True"),
+        ("probe_evidence", "8", "probe_evidence='8'"),
+    ],
+)
+def test_control_settings_reject_bad_values_naming_the_field(field, value, message):
+    with pytest.raises(ValueError, match=message.replace(".", r"\.")):
+        ControlSettings(**{field: value})
+
+
+def test_control_settings_accept_their_range():
+    s = ControlSettings(change_z=None, readout_budget=1.0, hysteresis=0.0, prior_weight=0.0, bucket_stickiness=1.0)
+    assert s.change_z is None and s.readout_budget == 1.0
+
+
+def test_the_engine_takes_control_as_a_dict_of_its_fields():
+    engine = make_engine("ouro", speculation="adaptive", control={"readout_budget": 0.2, "change_z": None})
+    assert engine.controller.settings.readout_budget == 0.2 and engine.controller.settings.change_z is None
+    assert engine.controller.acceptance.change_z is None
+    with pytest.raises(ValueError, match="control") as err:
+        make_engine("ouro", speculation="adaptive", control={"readout_budgt": 0.2})
+    assert "readout_budgt" in str(err.value) and "readout_budget" in str(err.value)
+    with pytest.raises(ValueError, match="hysteresis=2.0"):
+        make_engine("ouro", speculation="adaptive", control={"hysteresis": 2.0})
+    with pytest.raises(ValueError, match="control"):
+        make_engine("ouro", speculation="adaptive", control=[("hysteresis", 0.1)])
+
+
+def test_stats_report_the_estimates_and_every_bucket():
+    controller = AdaptiveController(preset(), DEPTH)
+    workload = Workload(PassCost(preset().cost, DEPTH), noise=0.0, seed=4)
+    workload.run(controller, [Phase(8, HARD, 60), Phase(1, CODE, 30)])
+    for _ in range(50):  # a machine twice as slow as the profile
+        plan = controller.plan(8, 120.0)
+        fb = workload.feedback(plan, Phase(8, HARD, 1))
+        fb.seconds *= 2.0
+        controller.observe(fb)
+    stats = controller.stats()
+    assert stats["controller"] == "adaptive" and stats["policy"] == "goodput" and stats["model"] == "synthetic"
+    assert stats["plans"] == stats["observed"] == 140
+    assert stats["alpha"] == pytest.approx(list(controller.acceptance.alpha), abs=1e-4)
+    assert stats["alpha"][0] < TUNE[0]  # the hard text's readouts pulled depth 1 down
+    assert stats["acceptance_positions"] == controller.acceptance.positions > 0
+    assert stats["cost_drift"] == pytest.approx(controller.cost.drift, abs=1e-4) and stats["cost_drift"] > 1.2
+    assert [b["batch"] for b in stats["buckets"]] == ["1..2", "3..12", "13..inf"]
+    last = controller.plan(8, 120.0)
+    assert (controller.stats()["buckets"][1]["k"], controller.stats()["buckets"][1]["d"]) == (last.k, last.d)
+    assert stats["buckets"][2]["k"] is None  # never visited
+    assert stats["overhead_seconds"] > 0.0
+    ema = AdaptiveController(preset(), DEPTH, policy="ema").stats()
+    assert ema["policy"] == "ema" and len(ema["buckets"]) == 3 and ema["acceptance_positions"] == 0
