@@ -264,10 +264,17 @@ def _round_shape(fb: RoundFeedback) -> tuple[int, int]:
     return k, fb.d if k else 0
 
 
+def full_shape(rounds: Sequence[tuple[RoundFeedback, float]]) -> list[tuple[RoundFeedback, float]]:
+    """The rounds in which every request drafted the plan's K (near the end of a request the scheduler drafts
+    fewer, and such a round is cheaper than its plan's price: it would bias the fit and the check)."""
+    return [(fb, s) for fb, s in rounds if all(k == fb.k for k in fb.num_proposed)]
+
+
 def fit_profile(
     depth: int, steps: Sequence[dict[str, Any]], rounds: Sequence[tuple[RoundFeedback, float]]
 ) -> dict[str, Any]:
-    """The `CostConfig` data fitted to timed steps and rounds (see the module docstring)."""
+    """The `CostConfig` data fitted to timed steps and full-shape rounds (see the module docstring)."""
+    rounds = full_shape(rounds)
     cost = PassCost(CostConfig.model_validate(_cost_data(np.zeros(len(WIDTHS) + 15))), depth)
     inside_at = len(cost.theta) - OUTSIDE
     step_rows = _step_rows(cost, steps)[:, :inside_at]
@@ -329,11 +336,11 @@ def _cost_data(theta: np.ndarray) -> dict[str, Any]:
 
 
 def validate(cost_data: dict[str, Any], rounds: Sequence[tuple[RoundFeedback, float]], depth: int) -> dict[str, Any]:
-    """Per "K,d@B" (rounds at the profiled batch sizes): the median of measured ÷ predicted round seconds, the same
-    relative to plain decoding's at that B (what decides between plans), and how many rounds."""
+    """Per "K,d@B" (full-shape rounds at the profiled batch sizes): the median of measured ÷ predicted round seconds,
+    the same relative to plain decoding's at that B (what decides between plans), and how many rounds."""
     cost = PassCost(CostConfig.model_validate(cost_data), depth)
     ratios: dict[tuple[int, int, int], list[float]] = {}
-    for fb, _ in rounds:
+    for fb, _ in full_shape(rounds):
         k, d = _round_shape(fb)
         predicted = float(cost.profile_seconds([k], [d], fb.batch_size, fb.context)[0])
         key = (k, d, fb.batch_size)
