@@ -86,13 +86,12 @@ def test_speculative_output_at_another_depth_is_the_dense_reference(model, n):
 
 @pytest.mark.parametrize("n", [3, 6])
 def test_random_weight_huginn_fixture_is_lossless_at_other_depths(n, caplog):
-    """The goodput policy keeps a random-weight model plain (nothing pays); the EMA policy starts at the preset's
-    speculative candidate, so the fitted draft depths run too."""
+    """Adaptive speculation (both policies) on the fixture's preset fitted to depth n is lossless; a random-weight
+    model rarely pays for a draft, so a fixed plan at a rescaled depth runs the speculative path too."""
     caplog.set_level(logging.INFO, logger=PRESET_LOGGER)
     prompts = [[5, 9, 13, 200, 7], [1, 2, 3], [100, 42, 42, 17, 250, 3, 9]]
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
     plain = [o.token_ids for o in engine(fixture_dir("huginn"), n, "off").generate(prompts, params)]
-    speculative_rounds = 0
     for policy in ("goodput", "ema"):
         caplog.clear()
         adaptive = engine(fixture_dir("huginn"), n, "adaptive", policy=policy)
@@ -101,5 +100,6 @@ def test_random_weight_huginn_fixture_is_lossless_at_other_depths(n, caplog):
         outs = adaptive.generate(prompts, params)
         assert [o.token_ids for o in outs] == plain, policy
         assert adaptive.num_free_blocks == adaptive.kv.num_blocks
-        speculative_rounds += adaptive.stats.num_spec_rounds
-    assert speculative_rounds > 0
+    fixed = engine(fixture_dir("huginn"), n, f"2,{n - 1}")
+    assert [o.token_ids for o in fixed.generate(prompts, params)] == plain
+    assert fixed.stats.num_spec_rounds > 0
