@@ -98,7 +98,7 @@ class OutputMismatch(AssertionError):
 def parse_policies(text: str) -> list[tuple[str | None, tuple[tuple[str, Any], ...]]]:
     """'default' (the engine's default policy: no policy argument), 'ema', 'goodput'; 'none' = no adaptive. Each
     may change the controller's tunables (`ControlSettings` fields) for an A/B in one process:
-    'default:change_z=none' or 'default:plain_margin=0.1+hysteresis=0' (several joined by '+'; 'none' = None)."""
+    'default:readout_budget=0.01' or 'default:plain_margin=0.1+hysteresis=0' (several joined by '+'; 'none' = None)."""
     out: list[tuple[str | None, tuple[tuple[str, Any], ...]]] = []
     fields = set(ControlSettings.__dataclass_fields__)
     for item in (p.strip().lower() for p in text.split(",") if p.strip()):
@@ -970,8 +970,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--policies",
         default="default",
         help="adaptive policies: comma list of default (the engine's default), ema, goodput; none = no adaptive. "
-        "NAME:SWITCH=off adds that policy with an on/off switch of it off (an A/B: its rows show the ratio to the "
-        "policy with it on), e.g. default,default:rival_probes=off",
+        "NAME:FIELD=VALUE adds that policy with a tunable changed (ControlSettings; several joined by +, none = None; "
+        "an A/B: its rows show the ratio to the policy with the defaults), e.g. default,default:readout_budget=0.01",
     )
     parser.add_argument("--preset", default=None, help="preset file for the adaptive engines (default: the model's)")
     parser.add_argument("--workload", action="store_true", help="also run the changing workload (--workload-phases)")

@@ -111,7 +111,7 @@ def test_estimator_starts_at_the_prior_and_full_depth_is_one():
     est = AcceptanceEstimator(3, [0.4, 0.6, 0.9], [0.1, 0.2, 0.0], prior_weight=16.0, memory=128.0)
     assert list(est.alpha) == pytest.approx([0.4, 0.6, 1.0])  # full depth agrees with itself whatever the prior
     assert list(est.rho)[:2] == pytest.approx([0.1, 0.2])  # the draft depths' persistence is the prior's
-    assert est.positions == 0 and est.changes == 0
+    assert est.positions == 0
     none = AcceptanceEstimator(3, None, None, prior_weight=16.0, memory=128.0)
     assert list(none.alpha) == [0.0, 0.0, 1.0]
     with pytest.raises(ValueError, match="2 depths"):
@@ -120,7 +120,7 @@ def test_estimator_starts_at_the_prior_and_full_depth_is_one():
 
 def test_estimator_converges_to_the_true_agreement():
     truth = [0.35, 0.8, 0.55]  # depth 4 is full depth
-    est = AcceptanceEstimator(4, [0.9, 0.2, 0.9, 1.0], None, prior_weight=16.0, memory=128.0, change_z=None)
+    est = AcceptanceEstimator(4, [0.9, 0.2, 0.9, 1.0], None, prior_weight=16.0, memory=128.0)
     rng = np.random.default_rng(5)
     for _ in range(600):  # 2400 positions
         matches, trials = readouts(rng, [*truth, 0.97], 4)  # a sampled request's token can miss at full depth
@@ -138,7 +138,7 @@ def test_the_prior_counts_as_prior_weight_positions():
     matches = sum(m[0] for m, _ in stream)
     estimates = {}
     for weight in (4.0, 64.0, 512.0):
-        est = AcceptanceEstimator(2, [0.2, 1.0], None, prior_weight=weight, memory=1e12, change_z=None)
+        est = AcceptanceEstimator(2, [0.2, 1.0], None, prior_weight=weight, memory=1e12)
         for m, t in stream:
             est.observe_readouts(m, t)
         estimates[weight] = est.alpha[0]
@@ -150,7 +150,7 @@ def test_memory_forgets_the_prior():
     """Whatever the prior's weight, after many times `memory` positions the estimate is the readouts'."""
     rng = np.random.default_rng(3)
     for weight in (4.0, 4096.0):
-        est = AcceptanceEstimator(2, [0.1, 1.0], None, prior_weight=weight, memory=64.0, change_z=None)
+        est = AcceptanceEstimator(2, [0.1, 1.0], None, prior_weight=weight, memory=64.0)
         for _ in range(400):
             est.observe_readouts(*readouts(rng, [0.8, 1.0], 4))
         assert est.alpha[0] == pytest.approx(0.8, abs=0.1), weight
@@ -186,42 +186,26 @@ def switch_stream(seed: int, before: float, after: float, warm: int, batch: int 
         yield readouts(rng, [after, 0.95, 1.0], batch), True
 
 
-def positions_to_cross(change_z, seed: int) -> tuple[int, int]:
-    """Positions after a switch of depth 1 from α = 0.3 to 0.9 until the estimate crosses 0.7; and the changes seen."""
-    est = AcceptanceEstimator(3, [0.3, 0.6, 1.0], None, prior_weight=16.0, memory=128.0, change_z=change_z)
-    after = 0
-    for (matches, trials), switched in switch_stream(seed, 0.3, 0.9, 2000):
-        est.observe_readouts(matches, trials)
-        if switched:
-            after += trials[0]
-            if est.alpha[0] >= 0.7 or after > 2000:
-                return after, est.changes
-        else:
-            assert est.alpha[0] < 0.7
-    raise AssertionError("unreachable")
-
-
-def test_the_change_detector_restarts_a_depth_after_a_switch_sooner():
-    with_detector, without = [], []
+def test_a_switch_of_text_is_followed_within_the_memory():
+    """After a switch of depth 1 from α = 0.3 to 0.9, the estimate crosses 0.7 within about its memory of positions
+    (it forgets the old text as it fades, no detector needed) and settles near the new agreement."""
     for seed in (0, 1, 2):
-        fast, changes = positions_to_cross(3.0, seed)
-        slow, no_changes = positions_to_cross(None, seed)
-        assert changes >= 1 and no_changes == 0
-        assert fast < slow, (seed, fast, slow)
-        with_detector.append(fast)
-        without.append(slow)
-    assert sum(with_detector) <= 0.6 * sum(without), (with_detector, without)
-
-
-@pytest.mark.parametrize("seed", [0, 1, 2])
-def test_the_change_detector_stays_quiet_on_a_stationary_stream(seed):
-    truth = [0.6, 0.75, 0.9, 1.0]
-    est = AcceptanceEstimator(4, [0.55, 0.7, 0.92, 1.0], None, prior_weight=16.0, memory=128.0, change_z=3.0)
-    rng = np.random.default_rng(100 + seed)
-    for _ in range(1000):  # 4000 positions
-        est.observe_readouts(*readouts(rng, truth, 4))
-    assert est.changes == 0
-    assert list(est.alpha) == pytest.approx(truth, abs=0.12)
+        est = AcceptanceEstimator(3, [0.3, 0.6, 1.0], None, prior_weight=16.0, memory=128.0)
+        after, crossed = 0, None
+        for (matches, trials), switched in switch_stream(seed, 0.3, 0.9, 2000):
+            est.observe_readouts(matches, trials)
+            if not switched:
+                assert est.alpha[0] < 0.7
+                continue
+            after += trials[0]
+            if crossed is None and est.alpha[0] >= 0.7:
+                crossed = after
+            if after >= 1000:
+                break
+        # an exponential memory of 128 positions keeps e^-1 of the old text after 128 positions and a third
+        # (what 0.7 allows) after ~141: the bound leaves room for the noise of 2000 positions before the switch
+        assert crossed is not None and crossed <= 192, (seed, crossed)
+        assert abs(est.alpha[0] - 0.9) < 0.06, (seed, est.alpha[0])
 
 
 def test_tokens_read_the_planned_depth():

@@ -110,19 +110,19 @@ def test_bench_confirmation_options_are_checked(bench, bad, capsys):
 
 
 def test_bench_ab_of_a_tunable_reports_the_ratio_to_the_defaults(bench, capsys):
-    argv = [*SMALL, "--batch-sizes", "2", "--policies", "default,default:change_z=none", "--confirm-repeats", "2"]
+    argv = [*SMALL, "--batch-sizes", "2", "--policies", "default,default:readout_positions=8", "--confirm-repeats", "2"]
     report = bench.main(argv)
     row = report["batch_sizes"]["2"]
-    assert "adaptive[change_z=none]" in report["configs"]
+    assert "adaptive[readout_positions=8]" in report["configs"]
     for entries in (row["summary"]["adaptive"], row["confirm"]["adaptive"]):
         assert "vs_base" not in entries["adaptive"]
-        assert entries["adaptive[change_z=none]"]["vs_base"]["base"] == "adaptive"
+        assert entries["adaptive[readout_positions=8]"]["vs_base"]["base"] == "adaptive"
     assert "vs adaptive " in capsys.readouterr().out
 
 
 @pytest.mark.parametrize(
     "policies, message",
-    [("default:change_z", "FIELD=VALUE"), ("default:no_such_field=1", "'no_such_field=1' is not FIELD=VALUE")],
+    [("default:readout_positions", "FIELD=VALUE"), ("default:no_such_field=1", "'no_such_field=1' is not FIELD=VALUE")],
 )
 def test_bench_policy_switches_are_checked(bench, policies, message, capsys):
     with pytest.raises(SystemExit) as exc:

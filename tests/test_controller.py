@@ -325,7 +325,7 @@ def test_a_fixed_controller_traces_plans_and_feedback(tmp_path):
         ("plain_margin", -0.1, "plain_margin=-0.1"),
         ("readout_budget", 0.0, "readout_budget=0.0"),
         ("bucket_stickiness", 0.5, "bucket_stickiness=0.5"),
-        ("change_z", 0.0, "change_z=0.0"),
+        ("readout_positions", 0.0, "readout_positions=0.0"),
         ("prior_weight", -1.0, "prior_weight=-1.0"),
         ("acceptance_memory", 0.0, "acceptance_memory=0.0"),
         ("drift_rounds", True, "drift_rounds=True"),
@@ -338,14 +338,15 @@ def test_control_settings_reject_bad_values_naming_the_field(field, value, messa
 
 
 def test_control_settings_accept_their_range():
-    s = ControlSettings(change_z=None, readout_budget=1.0, hysteresis=0.0, prior_weight=0.0, bucket_stickiness=1.0)
-    assert s.change_z is None and s.readout_budget == 1.0
+    s = ControlSettings(
+        readout_positions=0.5, readout_budget=1.0, hysteresis=0.0, prior_weight=0.0, bucket_stickiness=1.0
+    )
+    assert s.readout_positions == 0.5 and s.readout_budget == 1.0
 
 
 def test_the_engine_takes_control_as_a_dict_of_its_fields():
-    engine = make_engine("ouro", speculation="adaptive", control={"readout_budget": 0.2, "change_z": None})
-    assert engine.controller.settings.readout_budget == 0.2 and engine.controller.settings.change_z is None
-    assert engine.controller.acceptance.change_z is None
+    engine = make_engine("ouro", speculation="adaptive", control={"readout_budget": 0.2, "readout_positions": 2.0})
+    assert engine.controller.settings.readout_budget == 0.2 and engine.controller.settings.readout_positions == 2.0
     with pytest.raises(ValueError, match="control") as err:
         make_engine("ouro", speculation="adaptive", control={"readout_budgt": 0.2})
     assert "readout_budgt" in str(err.value) and "readout_budget" in str(err.value)

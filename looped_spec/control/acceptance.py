@@ -11,18 +11,18 @@ geometric (1 − α^{K+1}) / (1 − α).
 - α_d from counterfactual readouts (a measured round reads out every depth on its committed positions:
   unbiased bits for every depth at once) and from the speculative rounds' own outcomes (the planned depth's
   bits until the first rejection); the prior counts as `prior_weight` positions and older positions fade so
-  that the estimate remembers about `memory` of them. A second estimate remembers only `CHANGE_MEMORY`
-  positions; when it leaves the first by more than `change_z` standard errors the text has changed (a workload
-  switched), and the first restarts from it instead of forgetting the old text over `memory` positions.
+  that the estimate remembers about `memory` of them.
 - ρ_d from pairs of consecutive positions read out (within a measured round, and across two measured rounds
-  in a row: the readouts come in pairs of rounds), the same lag-1 statistic the tuner measures: the prior counts
-  as `prior_weight` pairs, older pairs fade like positions. Texts differ in how matches cluster (the tuning
-  text's runs are longer than torch's code's), and ρ decides how much a long draft gains over a short one.
+  in a row: the readouts come in pairs of rounds): their lag-1 correlation around the current α_d (for a
+  two-state chain that is ρ), faded like positions, the prior counting as `prior_weight` pairs. Around the
+  current α, not around the pairs' own mean: pairs pooled from two texts of different agreement correlate even
+  where neither text's matches persist, and a text switch would otherwise read as persistence. Texts differ
+  in how matches cluster (the tuning text's runs are longer than torch's code's), and ρ decides how much a
+  long draft gains over a short one.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 
 
@@ -48,10 +48,6 @@ def accept_rate(alpha: float, rho: float, k: int) -> float:
     return (markov_tokens(alpha, rho, k) - 1.0) / k if k > 0 else 0.0
 
 
-#: Positions the change detector's short estimate remembers
-CHANGE_MEMORY = 32.0
-
-
 class AcceptanceEstimator:
     """α and ρ per draft depth 1..D (see the module docstring)."""
 
@@ -62,7 +58,6 @@ class AcceptanceEstimator:
         prior_rho: Sequence[float] | None,
         prior_weight: float,
         memory: float,
-        change_z: float | None = 3.0,
     ) -> None:
         alpha = list(prior_alpha) if prior_alpha is not None else [0.0] * depth
         if len(alpha) != depth:
@@ -70,27 +65,17 @@ class AcceptanceEstimator:
         weight = prior_weight if prior_alpha is not None else 0.0
         self.depth = depth
         self.memory = memory
-        self.change_z = change_z
         self.prior_weight = prior_weight
         # per depth, faded counts (plain floats: a handful of depths, updated every round)
         self.trials = [weight] * depth
         self.matches = [a * weight for a in alpha]
-        self.recent_trials = [0.0] * depth
-        self.recent_matches = [0.0] * depth
         self.prior_rho = list(prior_rho) if prior_rho is not None else [0.0] * depth
-        # per depth, faded counts of consecutive readout pairs [n1, n11, n0, n01], starting at the prior's
-        self.pairs = [self._prior_pairs(j, alpha[j]) for j in range(depth)]
+        # per depth, faded sums over consecutive readout pairs (x, y) of (x − α)(y − α) and of α(1 − α), with α the
+        # estimate when they came; their ratio is the persistence. They start at `prior_weight` pairs of the prior
+        self.persistence = [[weight * r * _spread(a), weight * _spread(a)] for r, a in zip(self.prior_rho, alpha)]
         self.positions = 0  # positions observed online (readouts and round outcomes)
-        self.changes = 0  # times the text was seen to change
-        self._unchecked = 0.0  # positions added since the last change check
         self._alpha: list[float] | None = None
         self._rho: list[float] | None = None
-
-    def _prior_pairs(self, j: int, alpha: float) -> list[float]:
-        """`prior_weight` pairs of a chain with agreement `alpha` and the preset's persistence at depth j."""
-        w, rho = self.prior_weight, self.prior_rho[j]
-        p01 = alpha * (1.0 - rho)
-        return [w * alpha, w * alpha * (rho + p01), w * (1.0 - alpha), w * (1.0 - alpha) * p01]
 
     # ------------------------------------------------------------------ estimates
     @property
@@ -106,7 +91,7 @@ class AcceptanceEstimator:
     def rho(self) -> list[float]:
         """[D] persistence per depth: P(agree | the previous position agreed) − P(agree | it did not)."""
         if self._rho is None:
-            rho = [min(max(n11 / max(n1, 1e-12) - n01 / max(n0, 1e-12), 0.0), 1.0) for n1, n11, n0, n01 in self.pairs]
+            rho = [min(max(cov / var, 0.0), 1.0) if var > 0.0 else 0.0 for cov, var in self.persistence]
             rho[-1] = 0.0  # full depth always agrees: nothing to persist, and never drafted
             self._rho = rho
         return self._rho
@@ -123,32 +108,7 @@ class AcceptanceEstimator:
         fade = self.memory / (self.memory + trials)  # about `memory` positions remembered per depth
         self.matches[j] = fade * self.matches[j] + matches
         self.trials[j] = fade * self.trials[j] + trials
-        fade = CHANGE_MEMORY / (CHANGE_MEMORY + trials)
-        self.recent_matches[j] = fade * self.recent_matches[j] + matches
-        self.recent_trials[j] = fade * self.recent_trials[j] + trials
         self._alpha = None
-
-    def _check_change(self, added: float) -> None:
-        """Every quarter window of new positions: restart a depth's estimate from its recent positions when they
-        disagree with it by more than `change_z` standard errors (the text changed)."""
-        self._unchecked += added
-        if self.change_z is None or self._unchecked < CHANGE_MEMORY / 4:
-            return
-        self._unchecked = 0.0
-        changed = False
-        for j in range(self.depth):
-            recent = self.recent_trials[j]
-            if recent < CHANGE_MEMORY / 2:
-                continue
-            long = self.matches[j] / max(self.trials[j], 1e-12)
-            short = self.recent_matches[j] / recent
-            if abs(short - long) > self.change_z * math.sqrt(max(long * (1.0 - long), 0.01) / recent):
-                self.matches[j], self.trials[j] = self.recent_matches[j], recent
-                self.pairs[j] = self._prior_pairs(j, short)  # the old text's runs say nothing about the new one's
-                changed = True
-        if changed:
-            self.changes += 1
-            self._alpha = self._rho = None
 
     def observe_readouts(self, matches: Sequence[int], trials: Sequence[int]) -> None:
         """A measured round: per depth, how many committed positions its readout predicted, out of how many."""
@@ -158,7 +118,6 @@ class AcceptanceEstimator:
             if trials[j]:
                 self._add(j, matches[j], trials[j])
         self.positions += max(trials)
-        self._check_change(max(trials))
 
     def observe_drafts(self, d: int, accepted: int, rejected: int) -> None:
         """An unmeasured speculative round at depth d: its drafts accepted, and the drafts rejected (each
@@ -167,15 +126,26 @@ class AcceptanceEstimator:
             return
         self._add(d - 1, accepted, accepted + rejected)
         self.positions += accepted + rejected
-        self._check_change(accepted + rejected)
 
     def observe_pairs(self, pairs: Sequence[Sequence[int]]) -> None:
-        """Per depth, counts [n1, n11, n0, n01] of consecutive readout pairs."""
+        """Per depth, counts [n1, n11, n0, n01] of consecutive readout pairs (the earlier position agreed, both did,
+        the earlier did not, only the later did)."""
         if len(pairs) != self.depth:
             return
-        for j, counts in enumerate(pairs):
-            n = counts[0] + counts[2]
-            if n:
-                fade = self.memory / (self.memory + n)
-                self.pairs[j] = [fade * old + new for old, new in zip(self.pairs[j], counts)]
+        alpha = self.alpha
+        for j, (n1, n11, n0, n01) in enumerate(pairs):
+            n = n1 + n0
+            if not n:
+                continue
+            a = alpha[j]
+            fade = self.memory / (self.memory + n)
+            cov = n11 - a * (n1 + n11 + n01) + n * a * a  # sum of (x − a)(y − a) over the pairs
+            sums = self.persistence[j]
+            sums[0] = fade * sums[0] + cov
+            sums[1] = fade * sums[1] + n * _spread(a)
         self._rho = None
+
+
+def _spread(alpha: float) -> float:
+    """Variance of one agreement bit, floored so that a depth that always (or never) agrees stays finite."""
+    return max(alpha * (1.0 - alpha), 0.01)

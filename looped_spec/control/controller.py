@@ -106,9 +106,8 @@ class AdaptiveController(FixedController):
         buckets = compile_buckets(config)
         acc = config.acceptance
         self.acceptance = AcceptanceEstimator(
-            full_depth, acc.alpha if acc else None, acc.rho if acc else None, s.prior_weight, s.acceptance_memory,
-            s.change_z,
-        )  # fmt: skip
+            full_depth, acc.alpha if acc else None, acc.rho if acc else None, s.prior_weight, s.acceptance_memory
+        )
         options = [(c.k, c.d if c.k else 0) for b in config.buckets for c in b.candidates]
         self.cost = PassCost(config.cost, full_depth, s.drift_rounds, options)
         self.exits = ExitDepths(full_depth, s.exit_memory)
@@ -156,24 +155,26 @@ class AdaptiveController(FixedController):
         return plan
 
     def _readout_interval(self, k: int, d: int, batch: int, context: float) -> int:
-        """Rounds from one measured round to the next: a measured round's extra readouts cost at most
-        `readout_budget` of the rounds in between."""
+        """Rounds per measured round: enough that the readouts give `readout_positions` positions a round (a measured
+        round reads out at least one position per request), and no fewer than keep their extra cost within
+        `readout_budget` of the decode time."""
+        s = self.settings
         extra = self.cost.measure_seconds(k, d, batch)
-        round_seconds = self.cost.predict(k, d, batch, context)
-        return max(1, math.ceil(extra / (self.settings.readout_budget * round_seconds)))
+        by_time = extra / (s.readout_budget * self.cost.predict(k, d, batch, context))
+        return max(1, math.ceil(by_time), math.ceil(batch / s.readout_positions))
 
     def observe(self, feedback: RoundFeedback) -> None:
         """Fold in a committed round: acceptance, exit depths, the cost drift, then the policy."""
         t0 = perf_counter()
         fb = feedback
         self.num_observed += 1
-        if not fb.depth_trials:
-            self._last_bits = {}  # an unmeasured round between two measured ones: their positions are not adjacent
         if fb.depth_trials:
             self.acceptance.observe_readouts(fb.depth_matches, fb.depth_trials)
-        elif fb.k > 0 and not fb.exit_depths:  # under early exit the draft depth's bits include free exits
-            rejected = sum(a < k for a, k in zip(fb.num_accepted, fb.num_proposed))
-            self.acceptance.observe_drafts(fb.d, fb.total_accepted, rejected)
+        else:
+            self._last_bits = {}  # an unmeasured round between two measured ones: their positions are not adjacent
+            if fb.k > 0 and not fb.exit_depths:  # under early exit the draft depth's bits include free exits
+                rejected = sum(a < k for a, k in zip(fb.num_accepted, fb.num_proposed))
+                self.acceptance.observe_drafts(fb.d, fb.total_accepted, rejected)
         if fb.depth_pairs:
             self._observe_pairs(fb)
         if fb.exit_depths:

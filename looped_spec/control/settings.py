@@ -21,10 +21,9 @@ class ControlSettings:
     acceptance_memory: float = 128.0
     #: acceptance: positions the preset's agreement counts as before any online readout
     prior_weight: float = 16.0
-    #: acceptance: standard errors between the recent and the remembered agreement that mean the text changed (the
-    #: estimate then restarts from the recent positions); None: never
-    change_z: float | None = 3.0
-    #: share of decode time the counterfactual readouts may cost
+    #: positions per round the counterfactual readouts aim for (a measured round reads out about one per request) ...
+    readout_positions: float = 4.0
+    #: ... and the share of decode time they may cost at most
     readout_budget: float = 0.03
     #: cost: rounds the drift factor (measured ÷ predicted round time) remembers
     drift_rounds: float = 64.0
@@ -37,8 +36,6 @@ class ControlSettings:
 
     def __post_init__(self) -> None:
         for name, value in vars(self).items():
-            if value is None and name == "change_z":
-                continue
             if isinstance(value, bool) or not isinstance(value, (int, float)):
                 raise ValueError(f"{name}={value!r} must be a number")
         for name in ("decision_interval", "probe_evidence"):
@@ -52,10 +49,10 @@ class ControlSettings:
         for name in ("acceptance_memory", "drift_rounds", "exit_memory"):
             if getattr(self, name) <= 0.0:
                 raise ValueError(f"{name}={getattr(self, name)} must be > 0")
-        if self.change_z is not None and self.change_z <= 0.0:
-            raise ValueError(f"change_z={self.change_z} must be > 0 (or None: no change detection)")
         if self.prior_weight < 0.0:
             raise ValueError(f"prior_weight={self.prior_weight} must be >= 0")
+        if self.readout_positions <= 0.0:
+            raise ValueError(f"readout_positions={self.readout_positions} must be > 0")
         if not 0.0 < self.readout_budget <= 1.0:
             raise ValueError(f"readout_budget={self.readout_budget} must be in (0, 1]")
         if self.bucket_stickiness < 1.0:

@@ -1,10 +1,10 @@
 """Preset rules: from an acceptance model and a round-cost function to buckets, candidates and thresholds.
 
-One set of rules serves both kinds of preset (docs/adaptive.md "from measurements to a preset"):
+One set of rules serves both kinds of preset (docs/adaptive.md "Presets"):
 - tuned presets (`looped-spec tune`): acceptance per depth measured by counterfactual readouts, round cost
-  from the measured `CostProfile`;
+  from the measured pass-cost profile (control/passcost.py);
 - derived presets for models we cannot run here (`derive_preset`): the design's reported acceptance and its
-  idealised cost model T = d(K+1)·c(B) + (D−d)·c(B(K+1)), c(N) = 1 + N / n_sat.
+  idealised pass cost, a pass over n positions 1 + n / n_sat units (`passcost.ideal_cost`).
 
 Per bucket, at its representative batch size, every option (K, d) of the grid and plain decoding gets a
 predicted speed E(K, d) / T(K, d) (E: expected committed tokens per request per round, the Markov
