@@ -421,11 +421,11 @@ def test_early_exit_bench_prints_quality_beside_speed(monkeypatch, tmp_path, cap
 
 def test_results_table_renders_a_committed_result(capsys):
     table = load_script("results_table")
-    table.main([str(ROOT / "benchmarks" / "results" / "tiny-nanbeige.json")])  # per B, confirmation, workload
+    # the run that decided the change detector's removal: per B, confirmation, workload and an A/B engine
+    table.main([str(ROOT / "benchmarks" / "results" / "ab-change-detector.json")])
     printed = capsys.readouterr().out
-    assert printed.startswith("**tiny-nanbeige (D=2)**") and "| 32 |" in printed and "Changing workload" in printed
+    assert printed.startswith("**tiny-ouro (D=4)**") and "| 32 |" in printed and "Changing workload" in printed
     assert "Confirmation rounds" in printed and "Workload confirmation" in printed
-    # its run had a second adaptive engine with the change detector off: the A/B line divides the two per round
     assert "A/B, adaptive[change_z=none] ÷ adaptive per round: B = 1: " in printed and "workload: " in printed
 
 

@@ -168,15 +168,19 @@ def test_an_unmeasured_speculative_round_updates_only_its_own_depth():
     assert list(controller.acceptance.alpha) == frozen
 
 
-def test_feedback_moves_the_drift_by_the_round_without_its_readouts():
+def test_feedback_moves_the_drift_by_ordinary_rounds_and_the_measure_share_by_measured_ones():
     controller = AdaptiveController(preset(), DEPTH)
     cost = controller.cost
     plan = plan_of(controller, 2, 1, 8)
     profile = cost.seconds(2, 1, 8, 100.0)
     kwargs = dict(batch_size=8, context=100.0, num_proposed=[2] * 8, num_accepted=[1] * 8)
-    # the counterfactual readouts' seconds are not the round's: a round that took its profile plus them is on time
-    controller.observe(round_feedback(plan, seconds=3.0 * profile, measure_seconds=2.0 * profile, **kwargs))
+    readouts = dict(depth_matches=[4, 8, 12, 12], depth_trials=[12] * 4)
+    # a measured round that took 1.2x its unmeasured profile: the drift stays, the measure share learns 20 %
+    before = cost.measure_share(2, 1, 8, 100.0)
+    assert before < 0.05
+    controller.observe(round_feedback(plan, seconds=1.2 * profile, **kwargs, **readouts))
     assert cost.drift == pytest.approx(1.0)
+    assert cost.measure_share(2, 1, 8, 100.0) == pytest.approx(0.2)
     # a round whose requests drafted nothing ran as plain decoding, and is priced as such
     plain = cost.seconds(0, 0, 8, 100.0)
     nothing = dict(kwargs, num_proposed=[0] * 8, num_accepted=[0] * 8)
@@ -191,22 +195,27 @@ def test_feedback_moves_the_drift_by_the_round_without_its_readouts():
 # --------------------------------------------------------------------------- the readout budget
 
 
+@pytest.mark.parametrize("overhead", [0.0, 0.15])
 @pytest.mark.parametrize("budget", [0.01, 0.003])
 @pytest.mark.parametrize("policy", ["goodput", "ema"])
-def test_measured_rounds_cost_about_the_readout_budget(budget, policy):
+def test_measured_rounds_cost_about_the_readout_budget(budget, policy, overhead):
+    """Also when a measured round costs more than the profile's readouts (`overhead`: a share of the round that the
+    profile does not see, as the agreement bookkeeping on a CPU): the controller learns it from measured rounds."""
     controller = AdaptiveController(preset(), DEPTH, policy=policy, settings=ControlSettings(readout_budget=budget))
-    workload = Workload(PassCost(preset().cost, DEPTH), noise=0.05, seed=1)
-    cost, extra, total, measured = controller.cost, 0.0, 0.0, 0
-    for i in range(1500):
+    truth = PassCost(preset().cost, DEPTH)
+    workload = Workload(truth, noise=0.05, seed=1, measure_overhead=overhead)
+    extra, total, measured = 0.0, 0.0, 0
+    for i in range(3000):
         phase = Phase(8, (CODE, HARD)[(i // 500) % 2], 1, 200.0)
         plan = controller.plan(phase.batch, phase.context)
-        total += cost.predict(plan.k, plan.d, phase.batch, phase.context)
+        seconds = workload.seconds(plan.k, plan.d, phase.batch, phase.context)
+        total += seconds
         if plan.measure_depths:
-            extra += cost.measure_seconds(plan.k, plan.d, phase.batch)
+            extra += overhead * seconds + truth.measure_seconds(plan.k, plan.d, phase.batch)
             measured += 1
         controller.observe(workload.feedback(plan, phase))
-    assert 10 <= measured <= 1500 // 2
-    assert 0.6 * budget <= extra / total <= 1.05 * budget, (extra / total, measured)
+    assert 10 <= measured <= 3000 // 2
+    assert 0.5 * budget <= extra / total <= 1.1 * budget, (extra / total, measured)
 
 
 # --------------------------------------------------------------------------- fixed plans, construction errors

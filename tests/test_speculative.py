@@ -156,7 +156,7 @@ def test_request_metrics_and_depth_measurements():
     assert m.acceptance_rate == pytest.approx(10 / 14) and m.mean_accepted_length == pytest.approx(3.0)
     # every round measures its 3 committed positions at every depth; full depth is the greedy target itself
     assert all(f.depth_trials == [3] * depth and f.depth_matches[-1] == 3 for f in seen)
-    assert all(0 < f.draft_seconds < f.seconds and 0 < f.measure_seconds < f.seconds for f in seen)
+    assert all(0 < f.draft_seconds < f.seconds for f in seen)
 
 
 def exact_pair_distribution(adapter, prompt, keep) -> dict[tuple[int, int], float]:

@@ -4,7 +4,8 @@ Each phase has a batch size and a true agreement per depth. A round of plan (K, 
 each draft token with probability α_d until the first rejection (the geometric model); a measured round
 reports every depth's agreement on the committed positions, each bit drawn with its α independently of the
 others (persistence 0; the planned depth's bits are the acceptance pattern itself). Its seconds are a true
-`PassCost` profile's times a log-normal noise. `Workload.goodput(k, d, phase)` is the expected tokens per
+`PassCost` profile's times a log-normal noise; a measured round takes the profile's extra readouts and
+`measure_overhead` (a share of the round) more. `Workload.goodput(k, d, phase)` is the expected tokens per
 second of a plan in a phase, which scores a controller's choices against the per-phase oracle.
 """
 
@@ -29,9 +30,10 @@ class Phase:
 
 
 class Workload:
-    def __init__(self, truth: PassCost, noise: float = 0.05, seed: int = 0) -> None:
+    def __init__(self, truth: PassCost, noise: float = 0.05, seed: int = 0, measure_overhead: float = 0.0) -> None:
         self.truth = truth
         self.noise = noise
+        self.measure_overhead = measure_overhead
         self.rng = random.Random(seed)
 
     def seconds(self, k: int, d: int, batch: int, context: float) -> float:
@@ -59,6 +61,7 @@ class Workload:
         measured = {}
         if plan.measure_depths:
             measured = self._readouts(alpha, k, d, accepted)
+            seconds = seconds * (1.0 + self.measure_overhead) + self.truth.measure_seconds(k, d, b)
         return round_feedback(
             plan, batch_size=b, context=phase.context, num_proposed=[k] * b, num_accepted=accepted,
             seconds=seconds, **measured,

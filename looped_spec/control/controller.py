@@ -3,7 +3,8 @@
 
 - `AdaptiveController`: batch size -> preset bucket -> the policy's option -> `SpeculationPlan`; it feeds every
   round to the shared estimators (acceptance, pass-cost drift, exit depths) and decides which rounds also read
-  out every depth (counterfactual acceptance), as often as `readout_budget` of the decode time allows.
+  out every depth (counterfactual acceptance): pairs of consecutive rounds, spaced so that the readouts give
+  about `readout_positions` positions a round and cost at most `readout_budget` of the decode time.
 - `FixedController(k, d)`: the same plan every round (`k = 0`: plain decoding).
 
 Both number plans with increasing ids, time themselves (`overhead_seconds`) and can write a JSONL trace of
@@ -156,12 +157,11 @@ class AdaptiveController(FixedController):
 
     def _readout_interval(self, k: int, d: int, batch: int, context: float) -> int:
         """Rounds per measured round: enough that the readouts give `readout_positions` positions a round (a measured
-        round reads out at least one position per request), and no fewer than keep their extra cost within
-        `readout_budget` of the decode time."""
+        round reads out at least one position per request), no fewer than keep their extra cost within
+        `readout_budget` of the decode time, and at least two (the drift factor learns from unmeasured rounds)."""
         s = self.settings
-        extra = self.cost.measure_seconds(k, d, batch)
-        by_time = extra / (s.readout_budget * self.cost.predict(k, d, batch, context))
-        return max(1, math.ceil(by_time), math.ceil(batch / s.readout_positions))
+        by_time = self.cost.measure_share(k, d, batch, context) / s.readout_budget
+        return max(2, math.ceil(by_time), math.ceil(batch / s.readout_positions))
 
     def observe(self, feedback: RoundFeedback) -> None:
         """Fold in a committed round: acceptance, exit depths, the cost drift, then the policy."""
@@ -181,7 +181,7 @@ class AdaptiveController(FixedController):
             self.exits.observe(fb.exit_depths, fb.exit_skips)
         if fb.seconds > 0.0:
             k = fb.k if fb.total_proposed else 0
-            self.cost.observe(fb.seconds - fb.measure_seconds, self._profile_seconds(k, fb.d if k else 0, fb))
+            self.cost.observe(fb.seconds, self._profile_seconds(k, fb.d if k else 0, fb), bool(fb.depth_trials))
         self.policy.observe(fb)
         if self._trace is not None:
             self._trace.feedback(fb)

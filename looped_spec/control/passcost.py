@@ -17,9 +17,11 @@ readout after all but the last) and one verify step (D − d passes over B(K+1) 
 Every price is linear in the coefficients: `features` writes a round as counts of each coefficient's unit and
 `profile_seconds` weighs them; the tuner fits the coefficients to the same features of what it timed.
 
-Online, one drift factor (measured ÷ predicted round time, smoothed in log space over `drift_rounds`) follows
-the machine's state. It scales every prediction alike, so it never changes which plan is fastest; it keeps
-the predicted seconds honest where absolute time matters (the readout budget).
+Online, one drift factor (measured ÷ predicted time of ordinary rounds, smoothed in log space over
+`drift_rounds`) follows the machine's state. It scales every prediction alike, so it never changes which plan
+is fastest; it keeps predicted seconds honest where they are reported. A second online number is what reading
+out every depth adds to a round (`measure_share`, learned from the measured rounds' excess over the
+drift-corrected prediction): the profile times the extra readouts but not the bookkeeping around them.
 """
 
 from __future__ import annotations
@@ -75,6 +77,10 @@ class PassCost:
         self.drift = 1.0
         self._log_drift = 0.0
         self._drift_weight = 1.0 / max(drift_rounds, 1.0)
+        # a measured round's time over its prediction unmeasured (log), learned from the measured rounds: it holds
+        # what the profile's readouts miss (the agreement bookkeeping, a fixed cost a round)
+        self._log_measured = 0.0
+        self.measured_rounds = 0
         self._lines: dict[tuple, tuple[np.ndarray, np.ndarray]] = {}
 
     # ------------------------------------------------------------------ features
@@ -221,14 +227,29 @@ class PassCost:
         verify = max(self.depth - d - 1, 0) * self._readout(b * (k + 1))
         return draft + verify
 
-    def observe(self, measured: float, predicted_by_profile: float) -> None:
-        """A round that ran: move the drift factor towards measured ÷ predicted (log space, a step clipped so one
-        stalled round cannot move it far)."""
+    def measure_share(self, k: int, d: int, batch: int, context: float) -> float:
+        """What reading out every depth adds to a (K, d) round, relative to the round: learned from measured rounds
+        once some ran (never below what the profile's readouts add), the profile's readouts before."""
+        profile = self.measure_seconds(k, d, batch) / self.predict(k, d, batch, context)
+        if not self.measured_rounds:
+            return profile
+        return max(profile, math.exp(self._log_measured) - 1.0)
+
+    def observe(self, measured: float, predicted_by_profile: float, measured_depths: bool = False) -> None:
+        """A round that ran (`predicted_by_profile`: the profile's seconds of that round unmeasured). An ordinary
+        round moves the drift factor towards measured ÷ predicted; a measured one moves the measured rounds' excess
+        over the drift-corrected prediction. Both in log space, a step clipped so one stalled round cannot move
+        them far; the excess is a running mean over its first rounds (it starts from nothing)."""
         if measured <= 0.0 or predicted_by_profile <= 0.0:
             return
-        step = min(max(math.log(measured / predicted_by_profile) - self._log_drift, -0.5), 0.5)
-        self._log_drift += self._drift_weight * step
-        self.drift = math.exp(self._log_drift)
+        x = math.log(measured / predicted_by_profile)
+        if not measured_depths:
+            self._log_drift += self._drift_weight * min(max(x - self._log_drift, -0.5), 0.5)
+            self.drift = math.exp(self._log_drift)
+            return
+        self.measured_rounds += 1
+        weight = max(1.0 / self.measured_rounds, self._drift_weight)
+        self._log_measured += weight * min(max(x - self._log_drift - self._log_measured, -0.5), 0.5)
 
 
 def ideal_cost(positions_at_saturation: float, readout_share: float = 0.08) -> dict:

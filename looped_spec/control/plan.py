@@ -52,7 +52,6 @@ class RoundFeedback:
     num_accepted: list[int]
     seconds: float  # the round's wall time, from scheduling to commit
     draft_seconds: float = 0.0  # of which the draft passes (0 in a plain round)
-    measure_seconds: float = 0.0  # of which the counterfactual readouts (0 when not measured)
     depth_matches: list[int] = field(default_factory=list)
     depth_trials: list[int] = field(default_factory=list)
     depth_pairs: list[list[int]] = field(default_factory=list)
@@ -85,7 +84,6 @@ def round_feedback(
     num_accepted: Sequence[int],
     seconds: float,
     draft_seconds: float = 0.0,
-    measure_seconds: float = 0.0,
     depth_matches: Sequence[int] = (),
     depth_trials: Sequence[int] = (),
     depth_pairs: Sequence[Sequence[int]] = (),
@@ -108,7 +106,6 @@ def round_feedback(
         list(num_accepted),
         seconds,
         draft_seconds,
-        measure_seconds,
         list(depth_matches),
         list(depth_trials),
         [list(p) for p in depth_pairs],

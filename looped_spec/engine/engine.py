@@ -404,7 +404,6 @@ class LoopedSpecEngine:
             num_accepted=result.num_accepted if result.verified_accepted is None else result.verified_accepted,
             seconds=t1 - start,
             draft_seconds=result.draft_time,
-            measure_seconds=result.measure_time,
             depth_matches=result.depth_matches,
             depth_trials=result.depth_trials,
             depth_pairs=result.depth_pairs,

@@ -8,7 +8,6 @@ import torch
 
 from looped_spec.execution.model_runner import ModelRunner, StepInput
 from looped_spec.execution.sampler import SamplingRows, probabilities, sample_from
-from looped_spec.execution.timing import Span
 from looped_spec.request import Request
 from looped_spec.speculative.readouts import read_out_depths
 
@@ -50,17 +49,16 @@ class DraftProposer:
 
     @torch.inference_mode()
     def propose(
-        self, requests: list[Request], k: list[int], d: int, rows: SamplingRows, measure: Span | None = None
+        self, requests: list[Request], k: list[int], d: int, rows: SamplingRows, measure: bool = False
     ) -> Draft:
         """K tokens per request (rows sorted by K descending); with `measure`, every depth 1..d is read out too."""
-        measure_depths = measure is not None
         runner = self.runner
         num_reqs, max_k = len(requests), max(k)
         device = runner.device
         tokens = torch.full((num_reqs, max_k), -1, dtype=torch.long, device=device)
         q_probs = None
         depth_preds = None
-        if measure_depths:
+        if measure:
             depth_preds = torch.full((d, num_reqs, max_k + 1), -1, dtype=torch.long, device=device)
         states: list[torch.Tensor] = []
         step_tokens = runner.token_tensor([r.token_ids[r.num_computed] for r in requests])
@@ -71,12 +69,12 @@ class DraftProposer:
             context_lens = [r.num_computed + j + 1 for r in active]
             inp = StepInput(
                 active, [1] * num_rows, context_lens, 0, d, tokens=step_tokens[:num_rows],
-                readout=num_next > 0 and not measure_depths, keep_states=measure_depths,
+                readout=num_next > 0 and not measure, keep_states=measure,
             )  # fmt: skip
             out = runner.run(inp)
             state, logits = out.state, out.logits
-            if measure_depths:  # depths 1..d-1 from the kept states, then the draft's own depth d
-                preds, logits = read_out_depths(runner, inp, out, measure)
+            if measure:  # depths 1..d-1 from the kept states, then the draft's own depth d
+                preds, logits = read_out_depths(runner, inp, out)
                 for depth, pred in enumerate([*preds, logits.argmax(-1)], start=1):
                     depth_preds[depth - 1, :num_rows, j] = pred
             states.append(state)

@@ -12,7 +12,7 @@ import torch
 
 from looped_spec.execution.model_runner import ModelRunner
 from looped_spec.execution.sampler import SamplingRows, sample
-from looped_spec.execution.timing import Span, Stopwatch
+from looped_spec.execution.timing import Stopwatch
 from looped_spec.request import Request
 from looped_spec.speculative.exit_round import propose_with_exit, verify_with_exit
 from looped_spec.speculative.proposer import DraftProposer
@@ -47,8 +47,6 @@ class RoundResult:
     # None: `num_accepted` out of K
     verified_proposed: list[int] | None = None
     verified_accepted: list[int] | None = None
-    # seconds of the round's counterfactual readouts (0 when depths were not measured)
-    measure_time: float = 0.0
 
 
 class SpeculativeRound:
@@ -62,22 +60,17 @@ class SpeculativeRound:
 
     def run(self, requests: list[Request], k: list[int], d: int, measure_depths: bool = False) -> RoundResult:
         """One round: plain decoding when every K is 0, else draft -> verify -> accept; with `measure_depths`
-        the committed positions' counterfactual readouts too (their seconds in `measure_time`). Phase times are
-        read once the round's tokens reached the host (timing.py: no synchronization for telemetry)."""
-        span = Span(self.watch) if measure_depths else None
+        the committed positions' counterfactual readouts too. Phase times are read once the round's tokens
+        reached the host (timing.py: no synchronization for telemetry)."""
         if max(k) == 0:
-            result = self._plain(requests, span)
-        else:
-            result = self._speculative(requests, k, d, span)
-        result.measure_time = span.total() if span is not None else 0.0
-        return result
+            return self._plain(requests, measure_depths)
+        return self._speculative(requests, k, d, measure_depths)
 
-    def _speculative(self, requests: list[Request], k: list[int], d: int, span: Span | None) -> RoundResult:
+    def _speculative(self, requests: list[Request], k: list[int], d: int, measure_depths: bool) -> RoundResult:
         # early exit: the target is the early-exit model (exit_round.py); no counterfactual depth readouts then
         # (a token's depth is the rule's)
         exits = any(r.exits_early for r in requests)
-        measure_depths = span is not None and not exits
-        span = span if measure_depths else None
+        measure_depths = measure_depths and not exits
         order = sorted(range(len(requests)), key=lambda i: -k[i])
         reqs = [requests[i] for i in order]
         ks = [k[i] for i in order]
@@ -89,12 +82,12 @@ class SpeculativeRound:
         if exits:
             draft, steps = propose_with_exit(self.runner, reqs, ks, d, rows, mode)
         else:
-            draft = self.proposer.propose(reqs, ks, d, rows, span)
+            draft = self.proposer.propose(reqs, ks, d, rows, measure_depths)
         t1 = watch.mark()
         if exits:
             verification = verify_with_exit(self.runner, reqs, ks, d, steps, mode)
         else:
-            verification = self.verifier.verify(reqs, ks, d, draft, span)
+            verification = self.verifier.verify(reqs, ks, d, draft, measure_depths)
         t2 = watch.mark()
         k_t = torch.tensor(ks, device=device)
         decided = verification.decided[:, : max(ks)] if exits else None  # [R, K_max]: drafts the target drew
@@ -140,16 +133,16 @@ class SpeculativeRound:
             result.verified_accepted[i] = sum(verified[: acc[pos]])
 
     @torch.inference_mode()
-    def _plain(self, requests: list[Request], span: Span | None) -> RoundResult:
+    def _plain(self, requests: list[Request], measure_depths: bool) -> RoundResult:
         """K = 0: plain full-depth decoding and a sample per request."""
         t0 = self.watch.mark()
         full_depth = self.runner.full_depth
         depth_preds = None
         exit_depths = None
         # counterfactual depths are measured on full-depth rounds only (under early exit the depth is the rule's)
-        if span is not None and full_depth > 1 and not any(r.exits_early for r in requests):
+        if measure_depths and full_depth > 1 and not any(r.exits_early for r in requests):
             inp = self.runner.decode_input(requests, keep_states=True)
-            preds, logits = read_out_depths(self.runner, inp, self.runner.run(inp), span)
+            preds, logits = read_out_depths(self.runner, inp, self.runner.run(inp))
             depth_preds = torch.stack(preds)  # [D - 1, R]: depths 1..D-1
         else:
             logits, exit_depths = self.runner.decode_with_depths(requests)

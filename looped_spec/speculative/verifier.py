@@ -7,7 +7,6 @@ from dataclasses import dataclass
 import torch
 
 from looped_spec.execution.model_runner import ModelRunner, StepInput
-from looped_spec.execution.timing import Span
 from looped_spec.request import Request
 from looped_spec.speculative.proposer import Draft
 from looped_spec.speculative.readouts import read_out_depths
@@ -35,7 +34,7 @@ class Verifier:
 
     @torch.inference_mode()
     def verify(
-        self, requests: list[Request], k: list[int], d: int, draft: Draft, measure: Span | None = None
+        self, requests: list[Request], k: list[int], d: int, draft: Draft, measure: bool = False
     ) -> Verification:
         """Full-depth logits of every drafted position; with `measure`, depths d+1..D-1 are read out too."""
         runner = self.runner
@@ -49,7 +48,7 @@ class Verifier:
         gather = torch.tensor(offsets, dtype=torch.long)[pos_index] + row_index
         state = flat_states[gather.to(device)]  # [sum(K+1), state_dim]
         context_lens = [r.num_computed + kr + 1 for r, kr in zip(requests, k)]
-        keep = measure is not None and runner.full_depth - d > 1  # depths d+1..D-1 to read out
+        keep = measure and runner.full_depth - d > 1  # depths d+1..D-1 to read out
         inp = StepInput(
             requests, [kr + 1 for kr in k], context_lens, d, runner.full_depth, state=state,
             readout=not keep, keep_states=keep,
@@ -57,6 +56,6 @@ class Verifier:
         out = runner.run(inp)
         logits, depth_preds = out.logits, None
         if keep:
-            preds, logits = read_out_depths(runner, inp, out, measure)
+            preds, logits = read_out_depths(runner, inp, out)
             depth_preds = torch.stack(preds)
         return Verification(logits, row_index.to(device), pos_index.to(device), depth_preds)
