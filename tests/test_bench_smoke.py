@@ -471,3 +471,22 @@ def test_overhead_bench_compares_adaptive_with_and_without_readouts(monkeypatch,
     engine = module.adaptive_engine(module.load_adapter(FIXTURE), "none")
     plans = [engine.controller.plan(2, 10.0).measure_depths for _ in range(100)]
     assert plans[:2] == [True, True] and not any(plans[2:])  # the first pair of rounds reads out, none after it
+
+
+def test_adaptation_rounds_summarises_when_a_phase_moved_and_settled():
+    summary = load_script("adaptation_rounds").phase_summary
+    assert summary(["2,1", "2,1", "3,1", "3,1", "3,1"], "2,1") == (2, 2, "3,1", 0.6)
+    assert summary(["0,0", "0,0"], "0,0") == (None, 0, "0,0", 1.0)  # never moved
+    assert summary(["1,1", "0,0", "0,0"], None) == (0, 1, "0,0", pytest.approx(2 / 3))  # the first phase
+
+
+def test_adaptation_rounds_reports_every_phase_of_every_repeat(tmp_path, capsys):
+    script = load_script("adaptation_rounds")
+    script.main(["--model", FIXTURE, "--workload-phases", "1:code,2:prose", "--repeats", "2", "--max-tokens", "6"])
+    rows = [line.split() for line in capsys.readouterr().out.splitlines()[2:]]
+    assert [(r[0], r[1]) for r in rows] == [("0", "1:code"), ("0", "2:prose"), ("1", "1:code"), ("1", "2:prose")]
+    assert all(1 <= int(r[2]) <= 5 for r in rows)  # 6 tokens: the prefill's, then 1-5 decode rounds
+    result = tmp_path / "result.json"
+    result.write_text(json.dumps({"workload": {"oracle_phases": ["1,1"]}}))
+    with pytest.raises(SystemExit, match="1 oracle phases, --workload-phases has 2"):
+        script.main(["--model", FIXTURE, "--workload-phases", "1:code,2:prose", "--result", str(result)])

@@ -77,6 +77,11 @@ class FixedController:
             "overhead_us_per_call": 1e6 * self.overhead_seconds / calls if calls else 0.0,
         }
 
+    def flush_trace(self) -> None:
+        """Write out the buffered trace lines (if tracing), so a reader can follow a live trace."""
+        if self._trace is not None:
+            self._trace.flush()
+
     def close(self) -> None:
         """Flush and close the trace (if any). Safe to call twice."""
         if self._trace is not None:

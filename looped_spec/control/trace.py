@@ -41,6 +41,10 @@ class TraceWriter:
     def decision(self, bucket: int, what: str, plan_id: int) -> None:
         self.write("decision", bucket=bucket, what=what, plan_id=plan_id)
 
+    def flush(self) -> None:
+        if not self._file.closed:
+            self._file.flush()
+
     def close(self) -> None:
         if not self._file.closed:
             self._file.flush()

@@ -1,0 +1,110 @@
+"""How many rounds adaptive speculation needs to move when the workload changes (no timing involved).
+
+Runs one adaptive engine through a changing workload, the phases of `bench_speculative.py --workload` (each
+phase one batch of B prompts from its group, decoded to the end), repeated; the engine keeps what it learned
+from phase to phase. Per phase it reads the plan of every decode round from the controller's trace and prints:
+
+- `moved`: the first round whose plan differs from the last plan of the phase before (`-`: it never moved);
+- `settled`: the first round on the plan the phase ran most (its `mode`), and the share of rounds on it;
+- `alpha1`: the learned agreement at draft depth 1 after the phase (the preset's tuning value in the header).
+
+Plans follow acceptance, which is deterministic for a text, and the pass-cost profile; what timing feeds in (the
+drift factor scales every plan alike, the measured-round share spaces the readouts) barely moves them. With
+`--result` (a bench_speculative.py result with `--workload`) the screen's per-phase oracle is printed beside
+the mode.
+
+    python benchmarks/adaptation_rounds.py --model tiny-ouro --workload-phases 1:code,8:prose,32:code,8:eval,1:prose \
+        --result benchmarks/results/tiny-ouro-code.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import tempfile
+from pathlib import Path
+
+import torch
+
+from looped_spec import LoopedSpecEngine, SamplingParams, load_adapter
+from looped_spec.tuning.grid import parse_phases
+from looped_spec.tuning.prompt_sets import EVALUATION_SOURCES, load_prompts
+
+ROTATION = 7  # bench_speculative.py's rotation: round n reads a group from offset 7n
+
+
+def phase_prompts(adapter, phases, repeat: int) -> list[list]:
+    """Each phase's prompts in one repeat: consecutive slices of its group, rotated by the repeat."""
+    pools, used, out = {}, collections.Counter(), []
+    for phase in phases:
+        if phase.group not in pools:
+            count = sum(p.batch for p in phases if p.group == phase.group) + ROTATION * (repeat + 1)
+            pools[phase.group] = load_prompts(phase.group, max(count, 64), adapter)[0]
+        pool = pools[phase.group]
+        start = ROTATION * repeat + used[phase.group]
+        out.append([pool[(start + i) % len(pool)] for i in range(phase.batch)])
+        used[phase.group] += phase.batch
+    return out
+
+
+def plans_of(trace: Path, start: int) -> tuple[list[str], int]:
+    """The decode rounds' plans ("K,d") in the trace after line `start`, and the new line count."""
+    lines = trace.read_text().splitlines()
+    plans = []
+    for line in lines[start:]:
+        event = json.loads(line)
+        if event["event"] == "plan":
+            plans.append(f"{event['k']},{event['d']}")
+    return plans, len(lines)
+
+
+def phase_summary(plans: list[str], before: str | None) -> tuple[int | None, int, str, float]:
+    """(moved, settled, mode, its share) of one phase's plans; `before`: the last plan of the phase before."""
+    mode, count = collections.Counter(plans).most_common(1)[0]
+    moved = 0 if before is None else next((r for r, p in enumerate(plans) if p != before), None)
+    return moved, plans.index(mode), mode, count / len(plans)
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", default="tiny-ouro")
+    ap.add_argument("--prompts", default="code", choices=EVALUATION_SOURCES, help="group of phases without one")
+    ap.add_argument("--workload-phases", default="1:code,8:prose,32:code,8:eval,1:prose")
+    ap.add_argument("--repeats", type=int, default=3, help="times the whole workload runs on the same engine")
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--threads", type=int, default=1, help="torch CPU threads (0: torch's default)")
+    ap.add_argument("--result", type=Path, help="a bench_speculative.py --workload result: print its oracle")
+    args = ap.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    phases = parse_phases(args.workload_phases, args.prompts)
+    oracle = json.loads(args.result.read_text())["workload"]["oracle_phases"] if args.result else None
+    if oracle is not None and len(oracle) != len(phases):
+        raise SystemExit(f"--result {args.result}: {len(oracle)} oracle phases, --workload-phases has {len(phases)}")
+
+    adapter = load_adapter(args.model)
+    with tempfile.TemporaryDirectory() as tmp:
+        trace = Path(tmp) / "trace.jsonl"
+        engine = LoopedSpecEngine(adapter, max_batch_size=max(p.batch for p in phases), seed=0, trace_path=trace)
+        params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
+        print(f"{args.model}: preset alpha1 {engine.controller.stats()['alpha'][0]:.2f}; phases {args.workload_phases}")
+        print("repeat  phase      rounds  moved  settled  mode (share)      alpha1  " + ("oracle" if oracle else ""))
+        seen, last = 0, None
+        for repeat in range(args.repeats):
+            for i, (phase, prompts) in enumerate(zip(phases, phase_prompts(adapter, phases, repeat), strict=True)):
+                engine.generate(prompts, params)
+                engine.controller.flush_trace()
+                plans, seen = plans_of(trace, seen)
+                moved, settled, mode, share = phase_summary(plans, last)
+                alpha1 = engine.controller.stats()["alpha"][0]
+                shown = "-" if moved is None else moved
+                line = f"{repeat:>6}  {phase.batch:>3}:{phase.group:<6} {len(plans):>6}  {shown:>5}"
+                line += f"  {settled:>7}  {mode:<5} ({share:.2f})      {alpha1:.2f}"
+                print(line + (f"  {oracle[i]}" if oracle else ""))
+                last = plans[-1]
+        engine.close()
+
+
+if __name__ == "__main__":
+    main()
