@@ -66,8 +66,7 @@ RULES = {
 
 #: Options predicted within NEAR of the fastest (at a difficulty within a factor NEAR_BAND of the measured
 #: acceptance, or at an acceptance variant) are candidates too: a profile a few percent off, or text a little
-#: easier than the tuning prompts, reorders them (tiny-ouro, 2026-12-01: (2, 1) measured fastest at B = 1 where
-#: the profile put it 11 % behind the fastest, and no list offered it).
+#: easier than the tuning prompts, reorders them (docs/adaptive.md "Presets").
 NEAR = 0.06
 NEAR_BAND = 1.5
 H_EASY = 1.0 / 16.0

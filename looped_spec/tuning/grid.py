@@ -3,9 +3,8 @@
 The (K, d) grid (`parse_grid`, the ``--grid`` flag of `looped-spec tune` and of the benchmarks):
 
 - ``auto``: K in 1..5 x d in 1..D-1, or d in {1, 2, D/4, D/2, D-1} when D > 5 (`auto_grid`). The tuner's grid
-  and the benchmarks' default. (Until 2026-12 benchmarks/bench_speculative.py had an ``auto`` of its own, K in
-  {1, 2, 3, 5} x d in {1, D/2, D-1}, and called this grid ``full``; result files written before then record
-  the command with the old meaning.)
+  and the benchmarks' default (older result files may record an ``auto`` of another meaning: docs/benchmarking.md
+  "One grid, one prompt loader").
 - ``full``: K in 1..8 x every d in 1..D-1 (`full_grid`): a larger screen for a benchmark that wants every depth
   and longer drafts (D = 4: 24 cells; D = 8: 56).
 - ``none`` (only where the caller allows no cells, e.g. a benchmark of plain vs adaptive only): no cells.
