@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import collections
 import json
+import sys
 import tempfile
 from pathlib import Path
 
@@ -31,32 +32,14 @@ from looped_spec import LoopedSpecEngine, SamplingParams, load_adapter
 from looped_spec.tuning.grid import parse_phases
 from looped_spec.tuning.prompt_sets import EVALUATION_SOURCES, load_prompts
 
-ROTATION = 7  # bench_speculative.py's rotation: round n reads a group from offset 7n
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_speculative import PromptPool, phase_slices, rotation_size  # noqa: E402
 
 
-def phase_prompts(adapter, phases, repeat: int) -> list[list]:
-    """Each phase's prompts in one repeat: consecutive slices of its group, rotated by the repeat."""
-    pools, used, out = {}, collections.Counter(), []
-    for phase in phases:
-        if phase.group not in pools:
-            count = sum(p.batch for p in phases if p.group == phase.group) + ROTATION * (repeat + 1)
-            pools[phase.group] = load_prompts(phase.group, max(count, 64), adapter)[0]
-        pool = pools[phase.group]
-        start = ROTATION * repeat + used[phase.group]
-        out.append([pool[(start + i) % len(pool)] for i in range(phase.batch)])
-        used[phase.group] += phase.batch
-    return out
-
-
-def plans_of(trace: Path, start: int) -> tuple[list[str], int]:
-    """The decode rounds' plans ("K,d") in the trace after line `start`, and the new line count."""
-    lines = trace.read_text().splitlines()
-    plans = []
-    for line in lines[start:]:
-        event = json.loads(line)
-        if event["event"] == "plan":
-            plans.append(f"{event['k']},{event['d']}")
-    return plans, len(lines)
+def new_plans(trace) -> list[str]:
+    """The decode rounds' plans ("K,d") written to the open trace file since the last call."""
+    events = (json.loads(line) for line in trace.read().splitlines())
+    return [f"{e['k']},{e['d']}" for e in events if e["event"] == "plan"]
 
 
 def phase_summary(plans: list[str], before: str | None) -> tuple[int | None, int, str, float]:
@@ -84,25 +67,36 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(f"--result {args.result}: {len(oracle)} oracle phases, --workload-phases has {len(phases)}")
 
     adapter = load_adapter(args.model)
+    # the bench's prompt pools and slices: each group loaded once, the phases of a group reading consecutive slices,
+    # every pool rotated by the repeat
+    slices = phase_slices(phases, lambda group: group)
+    pools = {}
+    for source, _, _ in slices:
+        if source not in pools:
+            count = rotation_size(source, sum(size for s, _, size in slices if s == source))
+            pools[source] = PromptPool(load_prompts(source, count, adapter)[0], rotate=True)
     with tempfile.TemporaryDirectory() as tmp:
-        trace = Path(tmp) / "trace.jsonl"
-        engine = LoopedSpecEngine(adapter, max_batch_size=max(p.batch for p in phases), seed=0, trace_path=trace)
+        path = Path(tmp) / "trace.jsonl"
+        engine = LoopedSpecEngine(adapter, max_batch_size=max(p.batch for p in phases), seed=0, trace_path=path)
         params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
         print(f"{args.model}: preset alpha1 {engine.controller.stats()['alpha'][0]:.2f}; phases {args.workload_phases}")
         print("repeat  phase      rounds  moved  settled  mode (share)      alpha1  " + ("oracle" if oracle else ""))
-        seen, last = 0, None
-        for repeat in range(args.repeats):
-            for i, (phase, prompts) in enumerate(zip(phases, phase_prompts(adapter, phases, repeat), strict=True)):
-                engine.generate(prompts, params)
-                engine.controller.flush_trace()
-                plans, seen = plans_of(trace, seen)
-                moved, settled, mode, share = phase_summary(plans, last)
-                alpha1 = engine.controller.stats()["alpha"][0]
-                shown = "-" if moved is None else moved
-                line = f"{repeat:>6}  {phase.batch:>3}:{phase.group:<6} {len(plans):>6}  {shown:>5}"
-                line += f"  {settled:>7}  {mode:<5} ({share:.2f})      {alpha1:.2f}"
-                print(line + (f"  {oracle[i]}" if oracle else ""))
-                last = plans[-1]
+        last = None
+        with path.open(encoding="utf-8") as trace:
+            for repeat in range(args.repeats):
+                for i, (phase, (source, start, size)) in enumerate(zip(phases, slices, strict=True)):
+                    engine.generate(pools[source].slice(start, size), params)
+                    engine.controller.flush_trace()
+                    plans = new_plans(trace)
+                    moved, settled, mode, share = phase_summary(plans, last)
+                    alpha1 = engine.controller.stats()["alpha"][0]
+                    shown = "-" if moved is None else moved
+                    line = f"{repeat:>6}  {phase.batch:>3}:{phase.group:<6} {len(plans):>6}  {shown:>5}"
+                    line += f"  {settled:>7}  {mode:<5} ({share:.2f})      {alpha1:.2f}"
+                    print(line + (f"  {oracle[i]}" if oracle else ""))
+                    last = plans[-1]
+                for pool in pools.values():
+                    pool.next_round()
         engine.close()
 
 

@@ -306,9 +306,9 @@ def main(argv: list[str] | None = None, out: Path = OUT, report: Callable[[str],
     groups = build()
     differ = []
     for name, data in groups.items():
-        prompt_sets.validate_prompt_data(json.loads(dump(data)), name)
-        path = out / f"{name}.json"
         text = dump(data)
+        prompt_sets.validate_prompt_data(json.loads(text), name)
+        path = out / f"{name}.json"
         files = len(data["source"]["files"])
         summary = f"{name}: {len(data['snippets'])} snippets from {files} file(s) / topic(s), {len(text)} bytes"
         if args.check:

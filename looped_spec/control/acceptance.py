@@ -65,14 +65,13 @@ class AcceptanceEstimator:
         weight = prior_weight if prior_alpha is not None else 0.0
         self.depth = depth
         self.memory = memory
-        self.prior_weight = prior_weight
         # per depth, faded counts (plain floats: a handful of depths, updated every round)
         self.trials = [weight] * depth
         self.matches = [a * weight for a in alpha]
-        self.prior_rho = list(prior_rho) if prior_rho is not None else [0.0] * depth
+        rho = list(prior_rho) if prior_rho is not None else [0.0] * depth
         # per depth, faded sums over consecutive readout pairs (x, y) of (x − α)(y − α) and of α(1 − α), with α the
         # estimate when they came; their ratio is the persistence. They start at `prior_weight` pairs of the prior
-        self.persistence = [[weight * r * _spread(a), weight * _spread(a)] for r, a in zip(self.prior_rho, alpha)]
+        self.persistence = [[weight * r * _spread(a), weight * _spread(a)] for r, a in zip(rho, alpha)]
         self.positions = 0  # positions observed online (readouts and round outcomes)
         self._alpha: list[float] | None = None
         self._rho: list[float] | None = None

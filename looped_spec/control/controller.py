@@ -213,7 +213,7 @@ class AdaptiveController(FixedController):
         self._last_bits = dict(zip(fb.request_ids, fb.last_bits))
 
     def _profile_seconds(self, k: int, d: int, fb: RoundFeedback) -> float:
-        exits = self.exits if self.exits.survival() is not None else None
+        exits = self.exits if self.exits.prices_passes else None
         return self.cost.seconds(k, d, fb.batch_size, fb.context, exits)
 
     def stats(self) -> dict[str, Any]:

@@ -25,6 +25,7 @@ class ExitDepths:
         self.counts = np.zeros(depth)
         self.memory = memory
         self.skips = False
+        self.seen = False  # any committed token's exit depth observed yet
         # bumped every `REFRESH` observed rounds: what prices passes by the survival may cache on it meanwhile
         self.version = 0
         self._since = 0
@@ -35,13 +36,15 @@ class ExitDepths:
         new = np.bincount(np.clip(np.asarray(depths), 1, len(self.counts)) - 1, minlength=len(self.counts))
         self.counts = self.counts * (self.memory / (self.memory + len(depths))) + new
         self.skips = skips
+        self.seen = True
         self._since += 1
         if self._since >= REFRESH or self.version == 0:
             self.version, self._since = self.version + 1, 0
 
     @property
-    def seen(self) -> bool:
-        return bool(self.counts.sum() > 0.0)
+    def prices_passes(self) -> bool:
+        """Whether the exit depths narrow the passes (skip mode, once an exit was seen): `survival()` is not None."""
+        return self.skips and self.seen
 
     def exit_within(self) -> np.ndarray:
         """[D]: P(e <= d) for d = 1..D (zeros before any token was seen)."""
@@ -55,7 +58,7 @@ class ExitDepths:
 
     def survival(self) -> np.ndarray | None:
         """[D]: P(a token still loops at loop i+1) in skip mode; None in select mode or before any exit was seen."""
-        if not self.skips or not self.seen:
+        if not self.prices_passes:
             return None
         within = self.exit_within()
         return np.concatenate([[1.0], 1.0 - within[:-1]])

@@ -76,7 +76,7 @@ class GoodputPolicy:
         alpha = acceptance.alpha
         if self.exits.seen:
             alpha = self.exits.effective_alpha(alpha)
-        exits = self.exits if self.exits.survival() is not None else None
+        exits = self.exits if self.exits.prices_passes else None
         intercepts, slopes = self.cost.line(batch, exits)
         drift = self.cost.drift
         out = []

@@ -81,7 +81,7 @@ class PassCost:
         # what the profile's readouts miss (the agreement bookkeeping, a fixed cost a round)
         self._log_measured = 0.0
         self.measured_rounds = 0
-        self._lines: dict[tuple, tuple[np.ndarray, np.ndarray]] = {}
+        self._lines: dict[tuple, tuple] = {}  # `_cached` per (batch size, exits version)
 
     # ------------------------------------------------------------------ features
     def _zeros(self, rows: int) -> np.ndarray:
@@ -170,18 +170,8 @@ class PassCost:
         """(intercept, slope) per option of `options`: a round's profile seconds at mean context L are
         intercept + slope·L (a round is linear in the context). Cached per batch size and `exits` (an `ExitDepths`
         or None, keyed by its version), so the per-round path evaluates no passes."""
-        key = (batch, None if exits is None else exits.version)
-        out = self._lines.get(key)
-        if out is None:
-            survival = None if exits is None else exits.survival()
-            at0 = self.profile_seconds(self._ks, self._ds, batch, 0.0, survival)
-            slope = (self.profile_seconds(self._ks, self._ds, batch, 1024.0, survival) - at0) / 1024.0
-            # and as Python floats, for the one-plan lookups of every round
-            out = (at0, slope, at0.tolist(), slope.tolist(), self._measure_seconds(batch))
-            if len(self._lines) > 512:
-                self._lines.clear()
-            self._lines[key] = out
-        return out[0], out[1]
+        cached = self._cached(batch, exits)
+        return cached[0], cached[1]
 
     def seconds(self, k: int, d: int, batch: int, context: float, exits=None) -> float:
         """Profile seconds of one (K, d) round (K = 0: plain), without the drift factor."""
@@ -194,9 +184,24 @@ class PassCost:
 
     def line(self, batch: int, exits=None) -> tuple[list[float], list[float]]:
         """`lines` as Python lists (the per-round path's arithmetic is on a handful of floats)."""
-        self.lines(batch, exits)
-        cached = self._lines[(batch, None if exits is None else exits.version)]
+        cached = self._cached(batch, exits)
         return cached[2], cached[3]
+
+    def _cached(self, batch: int, exits) -> tuple:
+        """(intercepts, slopes, the same as lists, the options' measure seconds or None under exits) of a batch size."""
+        key = (batch, None if exits is None else exits.version)
+        out = self._lines.get(key)
+        if out is None:
+            survival = None if exits is None else exits.survival()
+            at0 = self.profile_seconds(self._ks, self._ds, batch, 0.0, survival)
+            slope = (self.profile_seconds(self._ks, self._ds, batch, 1024.0, survival) - at0) / 1024.0
+            # and as Python floats, for the one-plan lookups of every round
+            measure = self._measure_seconds(batch) if exits is None else None
+            out = (at0, slope, at0.tolist(), slope.tolist(), measure)
+            if len(self._lines) > 512:
+                self._lines.clear()
+            self._lines[key] = out
+        return out
 
     def predict(self, k: int, d: int, batch: int, context: float) -> float:
         """Predicted seconds of one (K, d) round (K = 0: plain) now: the profile times the drift factor."""
@@ -211,8 +216,7 @@ class PassCost:
         i = self.option_index.get((k, d if k else 0))
         if i is None:
             return self._measure_one(k, d, batch) * self.drift
-        self.lines(batch)
-        return self._lines[(batch, None)][4][i] * self.drift
+        return self._cached(batch, None)[4][i] * self.drift
 
     def _measure_seconds(self, batch: int) -> list[float]:
         return [self._measure_one(k, d, batch) for k, d in self.options]

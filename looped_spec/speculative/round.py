@@ -52,9 +52,9 @@ class RoundResult:
 class SpeculativeRound:
     """Drives proposer -> verifier -> rejection sampler over a batch with ragged K (K >= 0 per request)."""
 
-    def __init__(self, runner: ModelRunner, proposer: DraftProposer | None = None) -> None:
+    def __init__(self, runner: ModelRunner) -> None:
         self.runner = runner
-        self.proposer = proposer or DraftProposer(runner)
+        self.proposer = DraftProposer(runner)
         self.verifier = Verifier(runner)
         self.watch = Stopwatch(runner.device)
 
@@ -112,8 +112,8 @@ class SpeculativeRound:
             result.committed[i] = grid[pos][: acc[pos] + 1]
             result.num_accepted[i] = acc[pos]
         if agree is not None:
-            inverse = torch.tensor(order).argsort()  # the caller's request order
-            _agreement_counts(result, agree[:, inverse.to(agree.device)], num_accepted[inverse.to(agree.device)])
+            inverse = torch.tensor(order).argsort().to(agree.device)  # the caller's request order
+            _agreement_counts(result, agree[:, inverse], num_accepted[inverse])
         if exits:
             self._exit_counts(result, order, ks, acc, verification)
         return result

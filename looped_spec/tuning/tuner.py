@@ -30,8 +30,7 @@ from looped_spec.tuning.acceptance_pass import acceptance_report, acceptance_var
 from looped_spec.tuning.derive import RULES, BucketModel, bucket_ranges, derive_buckets, pass_seconds
 from looped_spec.tuning.grid import parse_batch_sizes, parse_grid
 from looped_spec.tuning.inputs import TunerError, hardware_tag, machine_info
-from looped_spec.tuning.prompt_sets import distinct_fingerprints as prompt_fingerprints
-from looped_spec.tuning.prompt_sets import load_prompts
+from looped_spec.tuning.prompt_sets import distinct_fingerprints, load_prompts
 
 
 def _progress(total: int, enabled: bool):
@@ -114,7 +113,8 @@ def tune(
     cells = parse_grid(grid, depth)
     prompt_list, prompt_what = load_prompts(prompts, max(num_prompts, max(sizes)), adapter, purpose="tune")
     tokenizer = load_tokenizer(adapter.path) if any(isinstance(p, str) for p in prompt_list) else None
-    longest = max(len(to_token_ids(p, tokenizer, adapter.vocab_size, f"prompt {p!r}")) for p in prompt_list)
+    tokenized = [to_token_ids(p, tokenizer, adapter.vocab_size, f"prompt {p!r}") for p in prompt_list]
+    longest = max(map(len, tokenized))
     need = longest + max(acceptance_tokens, round_tokens + max(k for k, _ in cells) + 2)
     if need >= adapter.max_positions:
         raise TunerError(f"prompts of up to {longest} tokens + the output tokens exceed {adapter.max_positions}")
@@ -127,7 +127,6 @@ def tune(
         if accept["positions"] == 0:
             raise TunerError("the acceptance pass measured no generated position: nothing was drafted; no preset")
         if timed:
-            tokenized = [to_token_ids(p, tokenizer, adapter.vocab_size, "prompt") for p in prompt_list]
             cost_profile, cost_report = measure_cost(
                 adapter, tokenized, sizes, repeats=repeats, round_tokens=round_tokens, seed=seed, bar=bar
             )
@@ -159,7 +158,7 @@ def tune(
         "prompts": {
             "source": prompts if isinstance(prompts, str) else "caller",
             "description": prompt_what,
-            "fingerprints": prompt_fingerprints(prompt_list),
+            "fingerprints": distinct_fingerprints(prompt_list),
         },
         "settings": {
             "batch_sizes": sizes,
