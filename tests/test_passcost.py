@@ -323,3 +323,17 @@ def test_loops_that_exit_before_they_run_read_no_more_context():
     for b, context in [(1, 10.0), (8, 120.0)]:
         at1, at2 = cost.profile_seconds([3, 3], [1, 2], b, context, first)
         assert at2 == pytest.approx(at1, rel=1e-12)
+
+
+def test_exits_narrow_the_passes_only_in_skip_mode():
+    # select mode runs every loop whatever the exit: the round costs what it costs without early exit
+    cost = PassCost(config(), D, options=[(2, 1), (3, 2)])
+    select, skip = ExitDepths(D, memory=64.0), ExitDepths(D, memory=64.0)
+    assert not skip.prices_passes and skip.survival() is None  # nothing seen yet
+    select.observe([1, 1, 2, 4], skips=False)
+    skip.observe([1, 1, 2, 4], skips=True)
+    assert not select.prices_passes and select.survival() is None
+    assert skip.prices_passes and skip.survival() is not None
+    plain = cost.seconds(3, 2, 6, 50.0)
+    assert cost.seconds(3, 2, 6, 50.0, select) == pytest.approx(plain, rel=1e-12)
+    assert cost.seconds(3, 2, 6, 50.0, skip) < plain

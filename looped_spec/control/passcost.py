@@ -189,6 +189,8 @@ class PassCost:
 
     def _cached(self, batch: int, exits) -> tuple:
         """(intercepts, slopes, the same as lists, the options' measure seconds or None under exits) of a batch size."""
+        if exits is not None and not exits.prices_passes:
+            exits = None  # exits that do not narrow the passes price a round as no exits do
         key = (batch, None if exits is None else exits.version)
         out = self._lines.get(key)
         if out is None:
