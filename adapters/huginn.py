@@ -264,6 +264,7 @@ class HuginnAdapter(ModelAdapter):
 
     # ----- early exit: convergence between successive steps -----
     has_exit_rule = True
+    exit_rule_uses_depth = False  # the rule reads the state (and carry), not the loop count
     default_exit_threshold_source = "adapter option exit_threshold"
     #: the Huginn paper's KL threshold: a request opts in with SamplingParams(exit_threshold=...), or every
     #: request by default with the adapter option exit_threshold

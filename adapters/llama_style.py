@@ -87,6 +87,7 @@ class LlamaStyleLooped(ModelAdapter):
     """Shared plumbing of the Llama-named looped families (Ouro, Nanbeige)."""
 
     uniform_loops = True  # every loop runs the same layers; the readout (norm + head) ignores depth
+    embed_uses_context = False  # a table lookup
 
     def __init__(self, config, weights, **kwargs):
         super().__init__(config, weights, **kwargs)

@@ -59,6 +59,7 @@ class OuroAdapter(LlamaStyleLooped):
 
     # ----- early exit: the first step whose cumulative exit probability reaches tau -----
     has_exit_rule = True
+    exit_rule_uses_depth = False  # the rule reads the state (and carry), not the loop count
     default_exit_threshold_source = "config early_exit_threshold"
 
     @property

@@ -19,6 +19,7 @@ def _engine_options(args: argparse.Namespace) -> dict:
     return dict(dtype=args.dtype, device=args.device, speculation=args.speculation, preset=args.preset,
                 policy=args.policy, seed=args.seed, trace_path=args.trace, max_batch_size=args.max_batch_size,
                 max_model_len=args.max_model_len, early_exit=getattr(args, "early_exit", "skip"),
+                batching=args.batching,
                 adapter_options=parse_adapter_options(args.adapter_option) or None)  # fmt: skip
 
 
@@ -132,12 +133,18 @@ def _print_stats(engine, args: argparse.Namespace, outputs: list) -> None:
         ("speculation", str(args.speculation)),
         ("requests", str(len(outputs))),
         ("tokens generated", str(num_tokens)),
-        ("decode rounds", f"{stats.num_rounds} ({stats.num_spec_rounds} speculative)"),
-        ("tokens per round", f"{(num_tokens - len(outputs)) / max(stats.num_rounds, 1):.2f}"),
-        ("draft tokens accepted",
-         f"{stats.num_accepted_tokens}/{stats.num_draft_tokens} ({100 * stats.acceptance_rate:.1f}%)"),
-        ("plans used (K,d: rounds)", ", ".join(f"{k}: {v}" for k, v in sorted(stats.plan_histogram.items()))),
-    ]  # fmt: skip
+    ]
+    if stats.num_loop_passes:  # loop-level batching: passes, not rounds
+        occupancy = stats.num_loop_pass_positions / stats.num_loop_passes
+        rows.append(("loop passes (positions per pass)", f"{stats.num_loop_passes} ({occupancy:.2f})"))
+    else:
+        rows += [
+            ("decode rounds", f"{stats.num_rounds} ({stats.num_spec_rounds} speculative)"),
+            ("tokens per round", f"{(num_tokens - len(outputs)) / max(stats.num_rounds, 1):.2f}"),
+            ("draft tokens accepted",
+             f"{stats.num_accepted_tokens}/{stats.num_draft_tokens} ({100 * stats.acceptance_rate:.1f}%)"),
+            ("plans used (K,d: rounds)", ", ".join(f"{k}: {v}" for k, v in sorted(stats.plan_histogram.items()))),
+        ]  # fmt: skip
     if stats.exit_depth_histogram:
         histogram = ", ".join(f"{d}: {n}" for d, n in sorted(stats.exit_depth_histogram.items()))
         rows += [
@@ -283,6 +290,9 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
         help="torch CPU threads (0: torch's default); more than one collapses on a busy small box",
     )
     p.add_argument("--trace", default=None, help="write the controller's JSONL trace here")
+    p.add_argument("--batching", default="step", choices=["step", "loop"],
+                   help="step: a decode step is a token for the batch; loop: one loop pass serves every request at "
+                   "its own loop (plain decoding, with --speculation off)")  # fmt: skip
     p.add_argument("--adapter-option", action="append", metavar="KEY=VALUE", help="passed to the adapter (repeatable)")
 
 

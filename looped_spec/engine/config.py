@@ -115,6 +115,23 @@ class EngineConfig(BaseModel):
     # device, without capture (how the CPU tests cover that path)
     cuda_graphs: StrictBool | Literal["emulate"] | None = None
     early_exit: Literal["skip", "select"] = "skip"  # how tokens that exit early run (docs/architecture.md)
+    # "step": a decode step is a whole token (or speculative round) for the batch; "loop": one pass of the
+    # block serves every request at whatever loop it is on (docs/architecture.md, "Loop-level batching")
+    batching: Literal["step", "loop"] = "step"
+
+    @model_validator(mode="after")
+    def _loop_batching(self) -> EngineConfig:
+        if self.batching != "loop":
+            return self
+        spec = parse_speculation(self.speculation)
+        if spec != "off" and not (isinstance(spec, SpeculativeConfig) and spec.k == 0):
+            raise ValueError(
+                f"batching='loop' decodes plainly so far (speculation on loop-level batching is not built yet): "
+                f"set speculation='off' (got speculation={self.speculation!r})"
+            )
+        if self.cuda_graphs:
+            raise ValueError(f"batching='loop' runs its passes eagerly so far: cuda_graphs={self.cuda_graphs!r}")
+        return self
 
     @field_validator("speculation")
     @classmethod
@@ -177,7 +194,9 @@ def _problems(exc: ValidationError, given: dict[str, Any]) -> list[str]:
             problems.setdefault(name, f"unknown option {name!r}: {hint}(options: {', '.join(known)})")
             continue
         message = error["msg"].removeprefix("Value error, ")
-        if message.startswith(f"{name}.") or message.startswith(f"{name}:"):  # names its own sub-field
+        if not error["loc"]:  # a check across options: its message names them
+            problems.setdefault(message, message)
+        elif message.startswith(f"{name}.") or message.startswith(f"{name}:"):  # names its own sub-field
             problems.setdefault(name, message)
         else:
             problems.setdefault(name, f"{name}={given.get(name)!r}: {message}")

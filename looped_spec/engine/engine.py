@@ -24,6 +24,7 @@ from looped_spec.engine.stats import EngineStats
 from looped_spec.execution.cuda_graph import CudaGraphRunner, batch_buckets
 from looped_spec.execution.host_memory import keep_freed_memory
 from looped_spec.execution.kv_cache import KVCache
+from looped_spec.execution.loop_pass import LoopBatcher
 from looped_spec.execution.model_runner import ModelRunner
 from looped_spec.execution.sampler import SamplingRows, sample
 from looped_spec.models.adapter import ModelAdapter, load_adapter
@@ -103,7 +104,10 @@ class LoopedSpecEngine:
             type(self.controller).__name__,
         )
         self.scheduler = Scheduler(self.kv, config.max_batch_size, config.max_num_batched_tokens)
-        self.runner = ModelRunner(self.adapter, self.kv, config.early_exit, self._graph_runner(config.cuda_graphs))
+        graphs = self._graph_runner(config.cuda_graphs) if config.batching == "step" else None
+        self.runner = ModelRunner(self.adapter, self.kv, config.early_exit, graphs)
+        # loop-level batching: decode steps are single loop passes over the tokens in flight (loop_pass.py)
+        self.loop_batcher = LoopBatcher(self.runner) if config.batching == "loop" else None
         self.spec_round = SpeculativeRound(self.runner)
         self.tokenizer = load_tokenizer(self.adapter.path)
         self.stats = EngineStats()
@@ -150,6 +154,11 @@ class LoopedSpecEngine:
             threshold = adapter.default_exit_threshold
         if threshold is not None and not adapter.exit_rule_can_fire(threshold):
             threshold = None
+        if threshold is not None and adapter.exit_rule_reads_kv and self.config.batching == "loop":
+            raise ValueError(
+                f"exit_threshold={threshold}: this exit rule reads out through attention, which batching='loop' "
+                "does not run yet (use batching='step')"
+            )
         return threshold, None
 
     def _num_blocks(self, block_size: int, num_kv_blocks: int | None, memory_gb: float | None) -> int:
@@ -275,6 +284,9 @@ class LoopedSpecEngine:
         if batch.is_prefill:
             self._prefill_step(suspect, batch)
             return
+        if self.loop_batcher is not None:
+            self._loop_pass(suspect, batch)
+            return
         t1 = time.perf_counter()
         context = mean_context(batch.requests)
         plan = self.controller.plan(len(batch.requests), context)
@@ -304,6 +316,31 @@ class LoopedSpecEngine:
         self.stats.num_prefill_steps += 1
         self.stats.num_prompt_tokens += sum(batch.chunk_lens)
         self.stats.phase_seconds["prefill"] += time.perf_counter() - t0
+
+    def _loop_pass(self, suspect: Request | None, batch: ScheduledBatch) -> None:
+        """One loop pass over every running request's token in flight; tokens that finished it are committed."""
+        t0 = time.perf_counter()
+        batcher = self.loop_batcher
+        # a token in flight holds its KV slot already: only the requests entering their next token reserve one
+        entering = [r for r in batch.requests if not batcher.in_flight(r)]
+        if entering:
+            self.scheduler.reserve_decode(entering, [0] * len(entering))
+            self.stats.num_preemptions = self.scheduler.num_preemptions
+        requests = [r for r in batch.requests if r.status is RequestStatus.RUNNING]
+        if not requests:
+            return
+        # while nothing waits to join the passes, loops in which no token can leave run back to back
+        max_loops = self.adapter.full_depth if not self.scheduler.waiting else 1
+        result = self._transaction(suspect, requests, lambda: batcher.run(requests, max_loops))
+        if result is None:
+            return
+        self._commit(requests, result.tokens, exit_depths=result.exit_depths)
+        batcher.commit(result)
+        stats = self.stats
+        stats.num_loop_passes += result.loops
+        stats.num_loop_pass_positions += result.positions * result.loops
+        stats.num_loop_pass_embeds += result.entered
+        stats.phase_seconds["decode"] += time.perf_counter() - t0
 
     def _exit_rule_reads_kv(self, request: Request) -> bool:
         return request.exit_threshold is not None and self.adapter.exit_rule_reads_kv

@@ -37,6 +37,11 @@ class EngineStats:
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
     num_preemptions: int = 0
+    # loop-level batching: loop passes, the positions they ran over (occupancy = positions / passes), and the
+    # tokens they embedded (entered loop 1)
+    num_loop_passes: int = 0
+    num_loop_pass_positions: int = 0
+    num_loop_pass_embeds: int = 0
     accepted_per_position: Counter = field(default_factory=Counter)  # draft position (0-based) -> accepted
     batch_size_histogram: Counter = field(default_factory=Counter)  # decode round batch size -> rounds
     plan_histogram: Counter = field(default_factory=Counter)  # "K,d" -> rounds
@@ -149,6 +154,10 @@ class StatsCollector(Collector):
             phases.add_metric([self.model_name, phase], seconds)
         yield phases
         yield _histogram("batch_size", "Decode-round batch sizes.", s.batch_size_histogram, BATCH_SIZE_BOUNDS, labels)
+        yield _counter("loop_passes", "Loop passes (loop-level batching).", s.num_loop_passes, labels)
+        yield _counter("loop_pass_positions", "Positions the loop passes ran over (occupancy = positions / passes).",
+                       s.num_loop_pass_positions, labels)  # fmt: skip
+        yield _counter("loop_pass_embeds", "Tokens entering loop 1 in a loop pass.", s.num_loop_pass_embeds, labels)
         yield from self._exits()
 
     def _exits(self) -> Iterator[Metric]:

@@ -55,6 +55,10 @@ class PagedContext:
     # tokens whose k/v this pass writes (None = all): early exit's skip mode keeps an exited token's
     # cached (copied) KV in deeper loop planes while the other tokens of the pass go on
     write_index: torch.Tensor | None = None
+    # loop-level batching: planes added to the plane index per request ([num_reqs] long) and per token
+    # ([num_tokens]), so that one call of loop 0 serves each request at its own loop (loop_pass.py)
+    request_planes: torch.Tensor | None = None
+    token_planes: torch.Tensor | None = None
 
     def attention(self, plane: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         num_planes, num_slots, kv_heads, head_dim = self.key_cache.shape
@@ -64,7 +68,11 @@ class PagedContext:
         slots, k_new, v_new = self.slot_mapping, k, v
         if self.write_index is not None:  # the other tokens keep their cached KV in this plane
             slots, k_new, v_new = slots[self.write_index], k[self.write_index], v[self.write_index]
-        write_slots = slots + plane_index * num_slots
+        if self.token_planes is not None:
+            planes = self.token_planes if self.write_index is None else self.token_planes[self.write_index]
+            write_slots = slots + (planes + plane_index) * num_slots
+        else:
+            write_slots = slots + plane_index * num_slots
         keys_flat.index_copy_(0, write_slots, k_new.to(keys_flat.dtype))
         values_flat.index_copy_(0, write_slots, v_new.to(values_flat.dtype))
         if self.kernel is not None:
@@ -96,6 +104,8 @@ class PagedContext:
                 self.value_cache[plane_index, keys].unsqueeze(0).transpose(1, 2),
             )
         blocks_per_plane = num_slots // self.block_size
+        if self.request_planes is not None:
+            plane_index = (self.request_planes + plane_index)[:, None]
         ids = (self.block_table + plane_index * blocks_per_plane).view(-1)
         shape = (num_planes * blocks_per_plane, self.block_size, kv_heads, head_dim)
         out = []

@@ -55,13 +55,13 @@ class ExitTracker:
 
 
 def fill_skipped_loops(runner, slots: torch.Tensor, exit_depth: int) -> None:
-    """Skip mode: the loop planes after `exit_depth` get the exit loop's KV at `slots`."""
+    """Skip mode: the loop planes after `exit_depth` get the exit loop's KV at `slots` (one copy for all of them)."""
     adapter = runner.adapter
     if exit_depth >= adapter.full_depth:
         return
     src = adapter.loop_planes(exit_depth - 1)
-    for loop_index in range(exit_depth, adapter.full_depth):
-        runner.kv.copy_planes(src, adapter.loop_planes(loop_index), slots)
+    later = range(exit_depth, adapter.full_depth)
+    runner.kv.copy_planes([p for _ in later for p in src], [p for i in later for p in adapter.loop_planes(i)], slots)
 
 
 def token_slots(requests: list[Request], positions: list[int], block_size: int, device) -> torch.Tensor:

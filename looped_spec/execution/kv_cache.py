@@ -9,6 +9,8 @@ last kept block are overwritten before they are read again.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 from looped_spec.models.kv_layout import KVLayout
@@ -67,10 +69,15 @@ class KVCache:
     def free(self, table: list[int]) -> None:
         self.truncate(table, 0)
 
-    def copy_planes(self, src_planes: range, dst_planes: range, slots: torch.Tensor) -> None:
+    def copy_planes(self, src_planes: Sequence[int], dst_planes: Sequence[int], slots: torch.Tensor) -> None:
         """Keys/values of `slots` in `src_planes` copied into `dst_planes` (same length, plane by plane)."""
         src = torch.tensor(list(src_planes), device=self.key_cache.device)[:, None]
         dst = torch.tensor(list(dst_planes), device=self.key_cache.device)[:, None]
         slots = slots[None, :]
         self.key_cache[dst, slots] = self.key_cache[src, slots]
         self.value_cache[dst, slots] = self.value_cache[src, slots]
+
+    def copy_entries(self, src_planes: torch.Tensor, dst_planes: torch.Tensor, slots: torch.Tensor) -> None:
+        """Entry i: the keys/values of slot `slots[i]` in plane `src_planes[i]` copied into plane `dst_planes[i]`."""
+        self.key_cache[dst_planes, slots] = self.key_cache[src_planes, slots]
+        self.value_cache[dst_planes, slots] = self.value_cache[src_planes, slots]

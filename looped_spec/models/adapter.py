@@ -46,6 +46,9 @@ class ModelAdapter(ABC):
     #: True when `readout` attends over cached keys (Huginn's coda): every cached position must then be
     #: read out, and a readout writes its plane's KV.
     readout_uses_kv: ClassVar[bool] = False
+    #: True when `embed` reads its context (attends, as Huginn's prelude does, or draws per-token seeds); False lets
+    #: a loop pass embed the tokens entering it without a context of their own (execution/loop_pass.py)
+    embed_uses_context: ClassVar[bool] = True
     #: True when `loop(state, i)` is `loop(state, 0)` with every plane moved by i * (loop planes / depth),
     #: and `readout(state, depth)` does not depend on depth: one CUDA graph of loop 0 then serves every loop.
     uniform_loops: ClassVar[bool] = False
@@ -157,6 +160,10 @@ class ModelAdapter(ABC):
         depends on the readout KV of the tokens before it, final only once they exited, so a speculative round
         cannot decide several positions of a request in one pass; the engine gives such requests K = 0."""
         return False
+
+    #: False when `exit_rule` does not depend on its `depth` argument (Ouro's gate, Huginn's latent change): a loop
+    #: pass then decides rows at different depths in one call (execution/loop_pass.py)
+    exit_rule_uses_depth: ClassVar[bool] = True
 
     def exit_carry(self, num_rows: int) -> torch.Tensor | None:
         """What the exit rule carries from loop to loop, one row per token ([num_rows, ...]), or None."""

@@ -1,0 +1,296 @@
+"""Loop-level batching (issue 35): one loop pass serves every request at whatever loop it is on.
+
+The invariant is identity with the step engine: the same tokens, greedy and sampled (a request's generator draws
+once per token in both), in every early-exit mode, with requests arriving mid-run, preempted and aborted mid-token,
+and no KV block leaked. A property test drives random workloads with faults against each prompt run alone.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+
+import pytest
+from conftest import FAMILIES, load, make_engine
+from hypothesis import HealthCheck, event, given, settings
+from hypothesis import strategies as st
+
+from looped_spec import LoopedSpecEngine, SamplingParams
+from looped_spec.execution.loop_pass import LoopBatcher
+
+PROMPTS = [[5, 9, 2, 7], [1, 2, 3], [44, 8, 19, 20, 21, 3, 7], [100], [6, 6, 6, 6, 6], [17, 3, 90, 4]]
+
+
+def exit_params(family: str) -> list[dict]:
+    """Per family: full depth, its exit rule in skip-able thresholds, and fixed exits."""
+    depth = load(family).full_depth
+    rule = {"ouro": [0.3, 0.7], "huginn": [], "nanbeige": []}[family]
+    return [{}] + [{"exit_threshold": t} for t in rule] + [{"exit_at_step": s} for s in sorted({1, depth // 2})]
+
+
+def run(engine: LoopedSpecEngine, prompts, params) -> list[list[int]]:
+    return [out.token_ids for out in engine.generate(prompts, params)]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("early_exit", ["skip", "select"])
+def test_greedy_and_sampled_outputs_equal_the_step_engine(family, early_exit):
+    for extra in exit_params(family):
+        for temperature in (0.0, 0.8):
+            params = [
+                SamplingParams(max_tokens=6 + i, temperature=temperature, seed=i, ignore_eos=True, **extra)
+                for i in range(len(PROMPTS))
+            ]
+            step = make_engine(family, early_exit=early_exit)
+            loop = make_engine(family, early_exit=early_exit, batching="loop")
+            assert run(loop, PROMPTS, params) == run(step, PROMPTS, params), (extra, temperature)
+            assert loop.num_free_blocks == loop.kv.num_blocks
+            assert loop.stats.num_loop_passes > 0 and loop.stats.num_rounds == 0
+
+
+def test_huginn_latent_rule_equals_the_step_engine():
+    from conftest import fixture_dir
+
+    from looped_spec import load_adapter
+
+    adapter = load_adapter(fixture_dir("huginn"), initial_state="zeros", exit_criterion="latent")
+    params = SamplingParams(max_tokens=8, ignore_eos=True, exit_threshold=0.2)
+    step = LoopedSpecEngine(adapter, speculation="off")
+    loop = LoopedSpecEngine(adapter, speculation="off", batching="loop")
+    assert run(loop, PROMPTS, params) == run(step, PROMPTS, params)
+    assert loop.stats.mean_loops_per_token < adapter.full_depth  # the rule fired
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_early_exit_fills_the_passes(family):
+    """Skip mode: a request whose token exited starts its next token at once, so passes per token follow the mean
+    exit depth, not the batch's deepest; full depth runs D passes per token."""
+    depth = load(family).full_depth
+    params = SamplingParams(max_tokens=10, ignore_eos=True, exit_at_step=1)
+    loop = make_engine(family, batching="loop")
+    run(loop, PROMPTS[:4], [params] + [SamplingParams(max_tokens=10, ignore_eos=True)] * 3)
+    stats = loop.stats
+    # one request at depth 1 next to three at depth D: its 9 tokens decode in 9 passes while the others decode
+    # theirs in 9 D (the first token of each comes from the prompt's prefill)
+    assert stats.num_loop_passes == 9 * depth
+    assert stats.num_loop_pass_embeds == 9 * 4
+    assert stats.num_loop_pass_positions == 9 * depth * 3 + 9
+
+
+def test_requests_arriving_and_aborted_mid_token():
+    family = "ouro"
+    params = SamplingParams(max_tokens=9, ignore_eos=True, exit_threshold=0.5)
+    reference = make_engine(family, max_batch_size=1)
+    expected = {tuple(p): run(reference, [p], params)[0] for p in PROMPTS}
+    engine = make_engine(family, batching="loop")
+    ids = {engine.add_request(PROMPTS[0], params): PROMPTS[0]}
+    outputs = {}
+    aborted = None
+    for step in range(200):
+        if step in (2, 3, 5, 7):  # arrivals while tokens are mid-loop
+            prompt = PROMPTS[len(ids)]
+            ids[engine.add_request(prompt, params)] = prompt
+        if step == 6:
+            aborted = next(i for i in ids if i not in outputs)
+            engine.abort(aborted)
+        for out in engine.step():
+            if out.finished:
+                assert out.request_id not in outputs
+                outputs[out.request_id] = out
+        if not engine.has_unfinished_requests():
+            break
+    assert sorted(outputs) == sorted(ids)
+    for request_id, out in outputs.items():
+        want = expected[tuple(ids[request_id])]
+        if request_id == aborted:
+            assert out.finish_reason == "abort" and out.token_ids == want[: len(out.token_ids)]
+        else:
+            assert out.token_ids == want
+    assert engine.num_free_blocks == engine.kv.num_blocks
+    assert not engine.loop_batcher.items
+
+
+def test_preemption_mid_token_recomputes_the_same_tokens():
+    params = SamplingParams(max_tokens=12, ignore_eos=True, exit_threshold=0.6)
+    reference = make_engine("ouro", max_batch_size=1)
+    expected = [run(reference, [p], params)[0] for p in PROMPTS[:4]]
+    engine = make_engine("ouro", batching="loop", block_size=4, num_kv_blocks=12, max_model_len=24)
+    assert run(engine, PROMPTS[:4], params) == expected
+    assert engine.scheduler.num_preemptions > 0
+    assert engine.num_free_blocks == engine.kv.num_blocks
+
+
+def test_a_failed_pass_leaves_every_item_as_it_was():
+    params = SamplingParams(max_tokens=7, ignore_eos=True, exit_threshold=0.5)
+    expected = run(make_engine("ouro"), PROMPTS[:3], params)
+    engine = make_engine("ouro", batching="loop")
+    adapter = engine.adapter
+    original, calls = adapter.loop, {"n": 0}
+
+    def failing(*args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] in (4, 9):
+            raise RuntimeError("injected")
+        return original(*args, **kwargs)
+
+    adapter.loop = failing
+    try:
+        ids = [engine.add_request(p, params) for p in PROMPTS[:3]]
+        outputs = {}
+        for _ in range(300):
+            if not engine.has_unfinished_requests():
+                break
+            try:
+                outputs.update({o.request_id: o for o in engine.step() if o.finished})
+            except RuntimeError:
+                pass
+    finally:
+        del adapter.loop
+    assert [outputs[i].token_ids for i in ids] == expected
+
+
+def test_loop_batching_options_that_are_not_built_are_errors():
+    with pytest.raises(ValueError, match="batching='loop'.*speculation='off'"):
+        LoopedSpecEngine(load("ouro"), batching="loop")
+    with pytest.raises(ValueError, match="batching='loop'.*cuda_graphs='emulate'"):
+        LoopedSpecEngine(load("ouro"), batching="loop", speculation="off", cuda_graphs="emulate")
+    with pytest.raises(ValueError, match="batching"):
+        LoopedSpecEngine(load("ouro"), batching="token", speculation="off")
+    from conftest import fixture_dir
+
+    from looped_spec import load_adapter
+
+    kl = LoopedSpecEngine(load_adapter(fixture_dir("huginn"), initial_state="zeros"), speculation="off",
+                          batching="loop")  # fmt: skip
+    with pytest.raises(ValueError, match="exit_threshold=0.001: .*batching='loop'"):
+        kl.add_request([1, 2], SamplingParams(exit_threshold=1e-3))
+
+
+def test_one_pass_serves_requests_at_different_loops():
+    """Rows at different loop indices share a pass (each reads and writes its own plane) and decode as alone."""
+    engine = make_engine("nanbeige", batching="loop")
+    batcher = engine.loop_batcher
+    assert isinstance(batcher, LoopBatcher) and engine.adapter.uniform_loops
+    seen: list[list[int]] = []
+    original = batcher._loop
+
+    def recording(state, loops, ctx, items):
+        seen.append(list(loops))
+        return original(state, loops, ctx, items)
+
+    batcher._loop = recording
+    params = [SamplingParams(max_tokens=5, ignore_eos=True, exit_at_step=s) for s in (None, 1, 2)]
+    outs = run(engine, PROMPTS[:3], params)
+    alone = make_engine("nanbeige", max_batch_size=1)
+    assert outs == [run(alone, [p], [q])[0] for p, q in zip(PROMPTS[:3], params)]
+    assert any(len(set(loops)) > 1 for loops in seen)
+
+
+EXAMPLES = int(os.environ.get("LOOPED_SPEC_HYPOTHESIS_EXAMPLES", "40"))
+request_st = st.fixed_dictionaries(
+    {
+        "prompt": st.lists(st.integers(1, 255), min_size=1, max_size=10),
+        "max_tokens": st.integers(1, 10),
+        "sampled": st.booleans(),
+        "seed": st.integers(0, 2**31 - 1),
+        "exit": st.sampled_from([None, ("exit_at_step", 1), ("exit_at_step", 2), ("exit_threshold", 0.5)]),
+    }
+)
+
+
+def params_of(spec: dict, family: str) -> SamplingParams:
+    extra = {}
+    if spec["exit"] is not None and (spec["exit"][0] == "exit_at_step" or family == "ouro"):
+        extra = {spec["exit"][0]: spec["exit"][1]}
+    temperature = 0.9 if spec["sampled"] else 0.0
+    return SamplingParams(max_tokens=spec["max_tokens"], temperature=temperature, seed=spec["seed"], ignore_eos=True,
+                          **extra)  # fmt: skip
+
+
+@pytest.mark.slow
+@settings(max_examples=EXAMPLES, deadline=None, derandomize=True, database=None,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])  # fmt: skip
+@given(
+    family=st.sampled_from(FAMILIES),
+    early_exit=st.sampled_from(["skip", "select"]),
+    num_kv_blocks=st.integers(8, 16),
+    initial=st.lists(request_st, min_size=1, max_size=4),
+    actions=st.lists(
+        st.one_of(
+            st.just(("step",)),
+            st.tuples(st.just("add"), request_st),
+            st.tuples(st.just("abort"), st.integers(0, 9)),
+            st.tuples(st.just("fault"), st.integers(0, 6)),
+        ),
+        max_size=16,
+    ),
+)
+def test_random_arrivals_exits_aborts_and_faults_equal_each_request_alone(
+    family, early_exit, num_kv_blocks, initial, actions
+):
+    engine = make_engine(family, batching="loop", early_exit=early_exit, block_size=4, num_kv_blocks=num_kv_blocks,
+                         max_model_len=24, max_batch_size=4, max_num_batched_tokens=8)  # fmt: skip
+    reference = make_engine(family, early_exit=early_exit, max_model_len=24, max_batch_size=1)
+    adapter = engine.adapter
+    original, countdown, fired = adapter.loop, {"n": None}, {"n": 0}
+
+    def faulty(*args, **kwargs):
+        if countdown["n"] is not None:
+            countdown["n"] -= 1
+            if countdown["n"] < 0:
+                countdown["n"] = None
+                fired["n"] += 1
+                raise RuntimeError("injected fault")
+        return original(*args, **kwargs)
+
+    adapter.loop = faulty
+    specs, finished, aborted = {}, {}, set()
+
+    def step() -> None:
+        try:
+            outputs = engine.step()
+        except RuntimeError:
+            return
+        for out in outputs:
+            if out.finished:
+                assert out.request_id not in finished
+                finished[out.request_id] = out
+        live = list(engine.scheduler.running) + list(engine.scheduler.waiting)
+        assert engine.num_free_blocks + sum(len(r.block_table) for r in live) == engine.kv.num_blocks
+
+    try:
+        for spec in initial:
+            specs[engine.add_request(spec["prompt"], params_of(spec, family))] = spec
+        for action in actions:
+            if action[0] == "step":
+                step()
+            elif action[0] == "add":
+                specs[engine.add_request(action[1]["prompt"], params_of(action[1], family))] = action[1]
+            elif action[0] == "abort":
+                live = [i for i in specs if i not in finished]
+                if live:
+                    engine.abort(live[action[1] % len(live)])
+                    aborted.add(live[action[1] % len(live)])
+            elif countdown["n"] is None:
+                countdown["n"] = action[1]
+        for _ in range(800):
+            if not engine.has_unfinished_requests():
+                break
+            step()
+        countdown["n"] = None
+        assert sorted(finished) == sorted(specs)
+        assert engine.num_free_blocks == engine.kv.num_blocks and not engine.loop_batcher.items
+        for request_id, out in finished.items():
+            spec = specs[request_id]
+            want = run(reference, [spec["prompt"]], params_of(spec, family))[0]
+            if request_id in aborted and out.finish_reason == "abort":
+                assert out.token_ids == want[: len(out.token_ids)]
+            else:
+                assert out.finish_reason != "error" and out.token_ids == want, request_id
+        event(f"preempted: {engine.scheduler.num_preemptions > 0}")
+        event(f"fault fired: {fired['n'] > 0}")
+        event(f"aborted: {bool(aborted)}")
+        event(f"tokens exited early: {engine.stats.num_exit_loops_saved > 0}")
+    finally:
+        del adapter.loop
+        gc.collect()
