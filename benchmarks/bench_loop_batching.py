@@ -1,12 +1,13 @@
 """Loop-level batching vs the step engine, side by side in one process (docs/benchmarking.md "Loop-level batching").
 
-Three persistent engines with speculation off — `step`, a second `step-B` (the A/A control) and `loop` (batching=
-"loop") — decode the same rotating prompts in turns of `--slice-ms` (order shuffled every turn), for every early-exit
-mode asked (`full`: every token at depth D; `tau0.7`: the family rule at threshold 0.7; `step2`: exit_at_step=2;
-...). Per mode: the median over rounds (the first discarded) of step ÷ loop decode time (prefill excluded) with the
-standard error of that median (1.25 sd / sqrt(n) of the log-ratios), the A/A line beside it, the loops per token,
-and the loop engine's passes per token and positions per pass (occupancy) against the step engine's loop calls per
-token, so the ratio can be read against the pass counts. Greedy outputs of the three engines are checked equal.
+Three persistent engines — `step`, a second `step-B` (the A/A control) and `loop` (batching="loop"), all with
+speculation off or all with one fixed plan (`--speculation K,d`) — decode the same rotating prompts in turns of
+`--slice-ms` (order shuffled every turn), for every early-exit mode asked (`full`: every token at depth D; `tau0.7`:
+the family rule at threshold 0.7; `step2`: exit_at_step=2; ...). Per mode: the median over rounds (the first
+discarded) of step ÷ loop decode time (prefill excluded) with the standard error of that median (1.25 sd / sqrt(n)
+of the log-ratios), the A/A line beside it, the loops per token, and the loop engine's passes per token and
+positions per pass (occupancy) against the step engine's loop calls per token, so the ratio can be read against the
+pass counts (with speculation, per committed token). Greedy outputs of the three engines are checked equal.
 
     python benchmarks/bench_loop_batching.py --model tiny-ouro --batch-size 8 --modes full,tau0.7,tau0.9,step2
 """
@@ -121,6 +122,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--modes", default="full,tau0.7")
     parser.add_argument("--early-exit", default="skip", choices=["skip", "select"])
+    parser.add_argument("--speculation", default="off", help="off, or a fixed plan K,d every engine runs")
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=12, help="rounds per mode; the first is discarded")
     parser.add_argument("--slice-ms", type=float, default=20.0)
@@ -140,14 +142,15 @@ def main(argv: list[str] | None = None) -> dict:
         args.prompts, rotation_size(args.prompts, args.batch_size), adapter, seed=args.seed
     )
     pool = PromptPool(prompts, rotate=True)
-    options = dict(speculation="off", early_exit=args.early_exit, max_batch_size=max(args.batch_size, 1))
+    options = dict(speculation=args.speculation, early_exit=args.early_exit, max_batch_size=max(args.batch_size, 1))
     engines = {
         "step": LoopedSpecEngine(adapter, **options),
         "step-B": LoopedSpecEngine(adapter, **options),
         "loop": LoopedSpecEngine(adapter, batching="loop", **options),
     }
     print(f"{adapter.name} (D={adapter.full_depth}), B={args.batch_size}, {described} (rotating), "
-          f"{args.max_tokens} new tokens, {args.early_exit} mode, threads {torch.get_num_threads()}")  # fmt: skip
+          f"{args.max_tokens} new tokens, {args.early_exit} mode, speculation {args.speculation}, "
+          f"threads {torch.get_num_threads()}")  # fmt: skip
     print(f"{'mode':8} {'loop vs step':>16} {'A/A (step-B)':>16} {'loops/token':>12} {'passes/token':>13} "
           f"{'positions/pass':>15} {'step loop calls/token':>22}")  # fmt: skip
     rng = random.Random(args.seed)

@@ -137,6 +137,9 @@ def _print_stats(engine, args: argparse.Namespace, outputs: list) -> None:
     if stats.num_loop_passes:  # loop-level batching: passes, not rounds
         occupancy = stats.num_loop_pass_positions / stats.num_loop_passes
         rows.append(("loop passes (positions per pass)", f"{stats.num_loop_passes} ({occupancy:.2f})"))
+        if stats.num_draft_tokens:
+            accepted = f"{stats.num_accepted_tokens}/{stats.num_draft_tokens} ({100 * stats.acceptance_rate:.1f}%)"
+            rows.append(("draft tokens accepted", accepted))
     else:
         rows += [
             ("decode rounds", f"{stats.num_rounds} ({stats.num_spec_rounds} speculative)"),

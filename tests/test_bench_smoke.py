@@ -490,3 +490,17 @@ def test_adaptation_rounds_reports_every_phase_of_every_repeat(tmp_path, capsys)
     result.write_text(json.dumps({"workload": {"oracle_phases": ["1,1"]}}))
     with pytest.raises(SystemExit, match="1 oracle phases, --workload-phases has 2"):
         script.main(["--model", FIXTURE, "--workload-phases", "1:code,2:prose", "--result", str(result)])
+
+
+def test_loop_batching_bench_reports_every_mode_beside_an_aa_line(tmp_path, capsys):
+    bench = load_script("bench_loop_batching")
+    out = tmp_path / "loop.json"
+    table = bench.main(["--model", FIXTURE, "--prompts", "random", "--batch-size", "2", "--modes", "full,tau0.5,step1",
+                        "--rounds", "3", "--max-tokens", "4", "--speculation", "2,1", "--out", str(out)])  # fmt: skip
+    printed = capsys.readouterr().out
+    assert set(table) == {"full", "tau0.5", "step1"} and "A/A" in printed and "speculation 2,1" in printed
+    # exits run no rounds: generated tokens at depth 1 (a first token comes from the prompt's full-depth prefill)
+    assert table["step1"]["loops_per_token"] < table["full"]["loops_per_token"]
+    assert json.loads(out.read_text())["table"]["full"]["positions_per_pass"] > 2  # a verification's K+1 positions
+    with pytest.raises(SystemExit):
+        bench.main(["--model", FIXTURE, "--prompts", "random", "--modes", "deep", "--rounds", "3"])

@@ -15,8 +15,8 @@ from conftest import FAMILIES, load, make_engine
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from looped_spec import LoopedSpecEngine, SamplingParams
-from looped_spec.execution.loop_pass import LoopBatcher
+from looped_spec import LoopedSpecEngine, SamplingParams, SpeculativeConfig
+from looped_spec.loop_batching import LoopBatcher
 
 PROMPTS = [[5, 9, 2, 7], [1, 2, 3], [44, 8, 19, 20, 21, 3, 7], [100], [6, 6, 6, 6, 6], [17, 3, 90, 4]]
 
@@ -30,6 +30,43 @@ def exit_params(family: str) -> list[dict]:
 
 def run(engine: LoopedSpecEngine, prompts, params) -> list[list[int]]:
     return [out.token_ids for out in engine.generate(prompts, params)]
+
+
+def plans(family: str) -> list:
+    """Plain decoding and two fixed plans (a short and a long draft) at the family's depth."""
+    depth = load(family).full_depth
+    return ["off", SpeculativeConfig(k=2, d=1), SpeculativeConfig(k=4, d=max(1, depth // 2))]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_speculative_rounds_on_loop_passes_equal_the_step_engine(family):
+    """Drafts are tokens whose exit is forced at d, a verification one item of K+1 positions at loops d+1..D: greedy
+    and sampled outputs and the accepted drafts equal the step engine's speculative rounds (each request draws from
+    its own generator in the same order: K draft draws, then K+1 in the rejection sampler)."""
+    for spec in plans(family)[1:]:
+        for temperature in (0.0, 0.8):
+            params = [
+                SamplingParams(max_tokens=5 + 2 * i, temperature=temperature, seed=i, ignore_eos=True)
+                for i in range(len(PROMPTS))
+            ]
+            step = make_engine(family, speculation=spec)
+            loop = make_engine(family, speculation=spec, batching="loop")
+            assert run(loop, PROMPTS, params) == run(step, PROMPTS, params), (spec, temperature)
+            assert loop.stats.num_accepted_tokens == step.stats.num_accepted_tokens
+            assert loop.stats.num_draft_tokens == step.stats.num_draft_tokens > 0
+            assert loop.num_free_blocks == loop.kv.num_blocks and not loop.loop_batcher.items
+
+
+def test_requests_that_exit_early_decode_plainly_beside_speculative_rounds():
+    """Under a fixed plan a request with early exit runs no rounds; its greedy output is plain early-exit decoding."""
+    spec = SpeculativeConfig(k=3, d=1)
+    exits = SamplingParams(max_tokens=8, ignore_eos=True, exit_threshold=0.6)
+    plain = SamplingParams(max_tokens=8, ignore_eos=True)
+    loop = make_engine("ouro", speculation=spec, batching="loop")
+    outs = run(loop, PROMPTS[:4], [exits, plain, exits, plain])
+    reference = make_engine("ouro")
+    assert outs == run(reference, PROMPTS[:4], [exits, plain, exits, plain])
+    assert loop.stats.num_exit_loops_saved > 0 and loop.stats.num_draft_tokens > 0
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -150,8 +187,10 @@ def test_a_failed_pass_leaves_every_item_as_it_was():
 
 
 def test_loop_batching_options_that_are_not_built_are_errors():
-    with pytest.raises(ValueError, match="batching='loop'.*speculation='off'"):
+    with pytest.raises(ValueError, match="batching='loop'.*speculation='off' or 'K,d'.*'adaptive'"):
         LoopedSpecEngine(load("ouro"), batching="loop")
+    with pytest.raises(ValueError, match="batching='loop'.*measure_depths=True"):
+        LoopedSpecEngine(load("ouro"), batching="loop", speculation=SpeculativeConfig(k=2, d=1, measure_depths=True))
     with pytest.raises(ValueError, match="batching='loop'.*cuda_graphs='emulate'"):
         LoopedSpecEngine(load("ouro"), batching="loop", speculation="off", cuda_graphs="emulate")
     with pytest.raises(ValueError, match="batching"):
@@ -186,11 +225,11 @@ def test_one_pass_serves_requests_at_different_loops():
     assert any(len(set(loops)) > 1 for loops in seen)
 
 
-EXAMPLES = int(os.environ.get("LOOPED_SPEC_HYPOTHESIS_EXAMPLES", "40"))
+EXAMPLES = int(os.environ.get("LOOPED_SPEC_HYPOTHESIS_EXAMPLES", "60"))
 request_st = st.fixed_dictionaries(
     {
         "prompt": st.lists(st.integers(1, 255), min_size=1, max_size=10),
-        "max_tokens": st.integers(1, 10),
+        "max_tokens": st.integers(1, 14),
         "sampled": st.booleans(),
         "seed": st.integers(0, 2**31 - 1),
         "exit": st.sampled_from([None, ("exit_at_step", 1), ("exit_at_step", 2), ("exit_threshold", 0.5)]),
@@ -213,8 +252,9 @@ def params_of(spec: dict, family: str) -> SamplingParams:
 @given(
     family=st.sampled_from(FAMILIES),
     early_exit=st.sampled_from(["skip", "select"]),
-    num_kv_blocks=st.integers(8, 16),
-    initial=st.lists(request_st, min_size=1, max_size=4),
+    plan=st.integers(0, 2),
+    num_kv_blocks=st.integers(6, 9),  # block_size 4, max_model_len 24: one request needs up to 6
+    initial=st.lists(request_st, min_size=1, max_size=5),
     actions=st.lists(
         st.one_of(
             st.just(("step",)),
@@ -226,11 +266,24 @@ def params_of(spec: dict, family: str) -> SamplingParams:
     ),
 )
 def test_random_arrivals_exits_aborts_and_faults_equal_each_request_alone(
-    family, early_exit, num_kv_blocks, initial, actions
+    family, early_exit, plan, num_kv_blocks, initial, actions
 ):
-    engine = make_engine(family, batching="loop", early_exit=early_exit, block_size=4, num_kv_blocks=num_kv_blocks,
-                         max_model_len=24, max_batch_size=4, max_num_batched_tokens=8)  # fmt: skip
-    reference = make_engine(family, early_exit=early_exit, max_model_len=24, max_batch_size=1)
+    """Against each request run alone by the step engine with the same plan (greedy and sampled: the same draws); a
+    request that exits early runs no speculative rounds on loop passes, so its reference decodes plainly."""
+    speculation = plans(family)[plan]
+    engine = make_engine(family, batching="loop", early_exit=early_exit, speculation=speculation, block_size=4,
+                         num_kv_blocks=num_kv_blocks, max_model_len=24, max_batch_size=4,
+                         max_num_batched_tokens=8)  # fmt: skip
+    references = {
+        exits: make_engine(
+            family,
+            early_exit=early_exit,
+            speculation="off" if exits else speculation,
+            max_model_len=24,
+            max_batch_size=1,
+        )  # fmt: skip
+        for exits in (False, True)
+    }
     adapter = engine.adapter
     original, countdown, fired = adapter.loop, {"n": None}, {"n": 0}
 
@@ -246,11 +299,15 @@ def test_random_arrivals_exits_aborts_and_faults_equal_each_request_alone(
     adapter.loop = faulty
     specs, finished, aborted = {}, {}, set()
 
+    last_ok = {"ok": True}
+
     def step() -> None:
         try:
             outputs = engine.step()
         except RuntimeError:
+            last_ok["ok"] = False
             return
+        last_ok["ok"] = True
         for out in outputs:
             if out.finished:
                 assert out.request_id not in finished
@@ -271,7 +328,7 @@ def test_random_arrivals_exits_aborts_and_faults_equal_each_request_alone(
                 if live:
                     engine.abort(live[action[1] % len(live)])
                     aborted.add(live[action[1] % len(live)])
-            elif countdown["n"] is None:
+            elif countdown["n"] is None and last_ok["ok"]:  # one-shot: never the step right after a fault
                 countdown["n"] = action[1]
         for _ in range(800):
             if not engine.has_unfinished_requests():
@@ -282,7 +339,11 @@ def test_random_arrivals_exits_aborts_and_faults_equal_each_request_alone(
         assert engine.num_free_blocks == engine.kv.num_blocks and not engine.loop_batcher.items
         for request_id, out in finished.items():
             spec = specs[request_id]
-            want = run(reference, [spec["prompt"]], params_of(spec, family))[0]
+            params = params_of(spec, family)
+            exits = engine.resolve_exit(params) != (None, None)  # exit_at_step = D is full depth
+            if spec["sampled"] and plan and not exits:
+                continue  # K is capped by the KV the batch leaves, and other K draw other numbers: same law, not draws
+            want = run(references[exits], [spec["prompt"]], params)[0]
             if request_id in aborted and out.finish_reason == "abort":
                 assert out.token_ids == want[: len(out.token_ids)]
             else:
@@ -291,6 +352,7 @@ def test_random_arrivals_exits_aborts_and_faults_equal_each_request_alone(
         event(f"fault fired: {fired['n'] > 0}")
         event(f"aborted: {bool(aborted)}")
         event(f"tokens exited early: {engine.stats.num_exit_loops_saved > 0}")
+        event(f"drafts: {engine.stats.num_draft_tokens > 0}")
     finally:
         del adapter.loop
         gc.collect()

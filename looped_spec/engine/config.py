@@ -124,10 +124,11 @@ class EngineConfig(BaseModel):
         if self.batching != "loop":
             return self
         spec = parse_speculation(self.speculation)
-        if spec != "off" and not (isinstance(spec, SpeculativeConfig) and spec.k == 0):
+        if spec == "adaptive" or (isinstance(spec, SpeculativeConfig) and spec.measure_depths):
             raise ValueError(
-                f"batching='loop' decodes plainly so far (speculation on loop-level batching is not built yet): "
-                f"set speculation='off' (got speculation={self.speculation!r})"
+                f"batching='loop' runs plain decoding or a fixed plan so far (adaptive plans and depth measurements "
+                f"on loop passes are not built yet): set speculation='off' or 'K,d' (got speculation="
+                f"{self.speculation!r})"
             )
         if self.cuda_graphs:
             raise ValueError(f"batching='loop' runs its passes eagerly so far: cuda_graphs={self.cuda_graphs!r}")

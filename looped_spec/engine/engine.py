@@ -24,9 +24,9 @@ from looped_spec.engine.stats import EngineStats
 from looped_spec.execution.cuda_graph import CudaGraphRunner, batch_buckets
 from looped_spec.execution.host_memory import keep_freed_memory
 from looped_spec.execution.kv_cache import KVCache
-from looped_spec.execution.loop_pass import LoopBatcher
 from looped_spec.execution.model_runner import ModelRunner
 from looped_spec.execution.sampler import SamplingRows, sample
+from looped_spec.loop_batching import LoopBatcher
 from looped_spec.models.adapter import ModelAdapter, load_adapter
 from looped_spec.request import Request, RequestOutput, RequestStatus, ScheduledBatch, mean_context
 from looped_spec.sampling_params import SamplingParams
@@ -106,8 +106,14 @@ class LoopedSpecEngine:
         self.scheduler = Scheduler(self.kv, config.max_batch_size, config.max_num_batched_tokens)
         graphs = self._graph_runner(config.cuda_graphs) if config.batching == "step" else None
         self.runner = ModelRunner(self.adapter, self.kv, config.early_exit, graphs)
-        # loop-level batching: decode steps are single loop passes over the tokens in flight (loop_pass.py)
-        self.loop_batcher = LoopBatcher(self.runner) if config.batching == "loop" else None
+        # loop-level batching: decode steps are loop passes over the work in flight (loop_batching/); a fixed plan's
+        # rounds are per request there: K drafts with the first d loops, then one verification item
+        self.loop_batcher = None
+        self._loop_k = 0
+        if config.batching == "loop":
+            spec = parse_speculation(config.speculation)
+            self._loop_k = spec.k if isinstance(spec, SpeculativeConfig) else 0
+            self.loop_batcher = LoopBatcher(self.runner, spec.d if self._loop_k else 0)
         self.spec_round = SpeculativeRound(self.runner)
         self.tokenizer = load_tokenizer(self.adapter.path)
         self.stats = EngineStats()
@@ -318,23 +324,32 @@ class LoopedSpecEngine:
         self.stats.phase_seconds["prefill"] += time.perf_counter() - t0
 
     def _loop_pass(self, suspect: Request | None, batch: ScheduledBatch) -> None:
-        """One loop pass over every running request's token in flight; tokens that finished it are committed."""
+        """One loop pass over every running request's work in flight; the tokens it finished are committed."""
         t0 = time.perf_counter()
         batcher = self.loop_batcher
-        # a token in flight holds its KV slot already: only the requests entering their next token reserve one
+        # work in flight holds its KV slots already: only the requests entering their next token (or speculative
+        # round: K drafts, which requests that exit early do not make) reserve theirs
         entering = [r for r in batch.requests if not batcher.in_flight(r)]
+        rounds: dict[str, int] = {}
         if entering:
-            self.scheduler.reserve_decode(entering, [0] * len(entering))
+            wants = [0 if r.exits_early else self._loop_k for r in entering]
+            kept, k = self.scheduler.reserve_decode(entering, wants)
+            rounds = {r.request_id: kr for r, kr in zip(kept, k)}
             self.stats.num_preemptions = self.scheduler.num_preemptions
         requests = [r for r in batch.requests if r.status is RequestStatus.RUNNING]
         if not requests:
             return
-        # while nothing waits to join the passes, loops in which no token can leave run back to back
+        # while nothing waits to join the passes, loops in which no item can stop run back to back
         max_loops = self.adapter.full_depth if not self.scheduler.waiting else 1
-        result = self._transaction(suspect, requests, lambda: batcher.run(requests, max_loops))
+        result = self._transaction(suspect, requests, lambda: batcher.run(requests, rounds, max_loops))
         if result is None:
             return
-        self._commit(requests, result.tokens, exit_depths=result.exit_depths)
+        if result.finished:
+            self._commit(
+                result.finished, result.tokens, num_proposed=result.proposed, num_accepted=result.accepted,
+                exit_depths=result.exit_depths,
+            )  # fmt: skip
+            self.stats.record_drafts(result.proposed, result.accepted)
         batcher.commit(result)
         stats = self.stats
         stats.num_loop_passes += result.loops

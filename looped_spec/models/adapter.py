@@ -47,7 +47,7 @@ class ModelAdapter(ABC):
     #: read out, and a readout writes its plane's KV.
     readout_uses_kv: ClassVar[bool] = False
     #: True when `embed` reads its context (attends, as Huginn's prelude does, or draws per-token seeds); False lets
-    #: a loop pass embed the tokens entering it without a context of their own (execution/loop_pass.py)
+    #: a loop pass embed the tokens entering it without a context of their own (loop_batching/batcher.py)
     embed_uses_context: ClassVar[bool] = True
     #: True when `loop(state, i)` is `loop(state, 0)` with every plane moved by i * (loop planes / depth),
     #: and `readout(state, depth)` does not depend on depth: one CUDA graph of loop 0 then serves every loop.
@@ -162,7 +162,7 @@ class ModelAdapter(ABC):
         return False
 
     #: False when `exit_rule` does not depend on its `depth` argument (Ouro's gate, Huginn's latent change): a loop
-    #: pass then decides rows at different depths in one call (execution/loop_pass.py)
+    #: pass then decides rows at different depths in one call (loop_batching/batcher.py)
     exit_rule_uses_depth: ClassVar[bool] = True
 
     def exit_carry(self, num_rows: int) -> torch.Tensor | None:

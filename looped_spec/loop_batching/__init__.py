@@ -1,0 +1,7 @@
+"""Loop-level batching: one pass of the shared block serves every request at whatever loop it is on
+(docs/architecture.md, "Loop-level batching")."""
+
+from looped_spec.loop_batching.batcher import LoopBatcher
+from looped_spec.loop_batching.items import DraftRound, Item, PassResult
+
+__all__ = ["DraftRound", "Item", "LoopBatcher", "PassResult"]

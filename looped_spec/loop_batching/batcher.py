@@ -1,0 +1,343 @@
+"""LoopBatcher: the items in flight and the pass over them (docs/architecture.md, "Loop-level batching").
+
+A pass embeds the tokens that enter (a request's next token, or its next drafted token), runs one loop of every
+item together — each at its own loop index, reading and writing its own KV plane — and finishes the items that
+reached their stop depth: a plain token is read out at its depth (D, or its exit depth) and sampled; a draft is read
+out at d and its next draft drawn, or, after the K-th, its round's K+1 loop-d states become one verification item;
+a verification is read out at D and accepted as the speculative round accepts (the same rejection sampler).
+
+`run` computes a pass without changing any item (a failed pass leaves them as they were; its KV writes are redone
+alike by the retry); `commit` applies it once the engine has committed the finished tokens.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from looped_spec.execution.early_exit import read_out_by_depth
+from looped_spec.execution.sampler import SamplingRows, sample
+from looped_spec.loop_batching.items import DraftRound, Item, NextDraft, PassResult
+from looped_spec.request import Request
+from looped_spec.speculative.proposer import draw_drafts
+from looped_spec.speculative.rejection_sampler import accept
+from looped_spec.speculative.verifier import position_index
+
+
+class LoopBatcher:
+    """Runs loop passes; `d` is the draft depth of speculative rounds (the engine hands each round its K)."""
+
+    def __init__(self, runner, d: int = 0) -> None:
+        self.runner = runner
+        self.adapter = runner.adapter
+        self.depth = runner.full_depth
+        self.d = d
+        self.items: dict[str, Item] = {}
+        self.next_drafts: dict[str, NextDraft] = {}
+        # the last pass's context, reused while the same positions loop (at full depth: D passes in a row)
+        self._ctx_key: tuple = ()
+        self._ctx = None
+        self._loop_planes = [list(self.adapter.loop_planes(i)) for i in range(self.depth)]
+
+    def in_flight(self, request: Request) -> bool:
+        """Whether the request has work in flight (it then holds the KV slots of its positions)."""
+        item, draft = self.items.get(request.request_id), self.next_drafts.get(request.request_id)
+        return (item is not None and item.fresh()) or (draft is not None and draft.fresh())
+
+    @torch.inference_mode()
+    def run(self, requests: list[Request], rounds: dict[str, int] | None = None, max_loops: int = 1) -> PassResult:
+        """One pass over the requests' work in flight. A request with none enters its next token: a speculative
+        round of K = `rounds[request_id]` drafts when that is > 0, else a plain token. With `max_loops` > 1 the pass
+        runs up to that many loops back to back while no item can stop: the same items would make up each of those
+        passes, so only the per-pass overhead changes (the engine allows it while no other work waits to join)."""
+        items = self._enter(requests, rounds or {})
+        entered = sum(1 for it in items if it.loops == 0)
+        ctx = self._pass_context(items)
+        state = torch.cat([it.state for it in items])
+        loops = [it.loops for it in items]
+        num_loops = min(max_loops, self._loops_before_a_stop(items))
+        prev = state
+        for _ in range(num_loops):
+            prev, state = state, self._loop(state, loops, ctx, items)
+            loops = [n + 1 for n in loops]
+        rows = self._rows(items)
+        out = _Finished(requests)
+        exits, carries = self._exits(items, loops, state, prev, rows, ctx)
+        skip = self.runner.exit_mode == "skip"
+        plain, drafts, verifies = [], [], []
+        for i, (it, n) in enumerate(zip(items, loops)):
+            rs = rows[i]
+            new = Item(it.request, it.base, it.preemptions, it.position, state[rs], it.stop, n, prev[rs], carries[i],
+                       it.exit_depth, it.exit_state, it.round, it.verify)  # fmt: skip
+            if it.round is None:
+                if exits[i] and not new.exit_depth:
+                    new.exit_depth, new.exit_state = n, new.state
+                if n >= self.depth or (skip and new.exit_depth):
+                    plain.append(new)
+                    continue
+            elif n >= it.stop:
+                (verifies if it.verify else drafts).append(new)
+                continue
+            out.items[it.request.request_id] = new
+        if plain:
+            self._finish_plain(plain, ctx, items, out)
+        if drafts:
+            self._finish_drafts(drafts, ctx, items, out)
+        if verifies:
+            self._finish_verifies(verifies, ctx, items, out)
+        return out.result(positions=sum(it.num_positions for it in items), entered=entered, loops=num_loops)
+
+    def commit(self, result: PassResult) -> None:
+        """Apply a pass whose tokens the engine has committed: its requests' work becomes the work that goes on."""
+        for request in result.requests:
+            self.items.pop(request.request_id, None)
+            self.next_drafts.pop(request.request_id, None)
+        self.items.update(result.items)
+        self.next_drafts.update(result.next_drafts)
+        for pending in (self.items, self.next_drafts):
+            for request_id in [i for i, work in pending.items() if not work.fresh()]:
+                del pending[request_id]  # finished, aborted or preempted meanwhile
+
+    # ----- entering -----
+    def _enter(self, requests: list[Request], rounds: dict[str, int]) -> list[Item]:
+        """Every request's item; requests without one enter their next token, embedded here (in a context of its own
+        unless every token of the pass enters or the family's embedding reads none)."""
+        items: list[Item | None] = []
+        entering: list[tuple[int, Request, int, int, DraftRound | None]] = []  # row, request, position, token, round
+        for row, request in enumerate(requests):
+            item = self.items.get(request.request_id)
+            if item is not None and item.fresh():
+                items.append(item)
+                continue
+            items.append(None)
+            draft = self.next_drafts.get(request.request_id)
+            if draft is not None and draft.fresh():
+                position = draft.round.start + len(draft.round.tokens)
+                entering.append((row, request, position, draft.token, draft.round))
+                continue
+            position, k = request.num_computed, rounds.get(request.request_id, 0)
+            round_ = DraftRound(position, k, self.d) if k > 0 else None
+            entering.append((row, request, position, request.token_ids[position], round_))
+        if entering:
+            runner = self.runner
+            reqs = [e[1] for e in entering]
+            positions = [e[2] for e in entering]
+            ctx = None
+            if self.adapter.embed_uses_context or len(entering) == len(requests):
+                ctx = runner.context(reqs, [1] * len(reqs), [p + 1 for p in positions])
+                if len(entering) == len(requests):  # the pass's context too (same positions)
+                    self._ctx_key, self._ctx = self._key(reqs, positions, [1] * len(reqs)), ctx
+            state = runner.embed(runner.token_tensor([e[3] for e in entering]), ctx)
+            ruled = any(r.exit_threshold is not None for r in reqs)
+            carry = self.adapter.exit_carry(len(reqs)) if ruled else None
+            for j, (row, request, position, _, round_) in enumerate(entering):
+                base = position if round_ is None else round_.start
+                stop = self.depth if round_ is None else round_.d
+                items[row] = Item(request, base, request.metrics.num_preemptions, position, state[j : j + 1], stop,
+                                  carry=None if carry is None else carry[j : j + 1], round=round_)  # fmt: skip
+        return items  # type: ignore[return-value]
+
+    # ----- the pass -----
+    @staticmethod
+    def _key(requests: list[Request], positions: list[int], counts: list[int]) -> tuple:
+        return tuple((id(r), r.metrics.num_preemptions, p, n) for r, p, n in zip(requests, positions, counts))
+
+    def _pass_context(self, items: list[Item]):
+        """The context of the items' positions; only the planes change from pass to pass."""
+        requests = [it.request for it in items]
+        positions, counts = [it.position for it in items], [it.num_positions for it in items]
+        key = self._key(requests, positions, counts)
+        if key != self._ctx_key or self._ctx is None:
+            self._ctx = self._context(items)
+            self._ctx_key = key
+        return self._ctx
+
+    def _context(self, items: list[Item]):
+        counts = [it.num_positions for it in items]
+        lens = [it.position + n for it, n in zip(items, counts)]
+        return self.runner.context([it.request for it in items], counts, lens)
+
+    @staticmethod
+    def _rows(items: list[Item]) -> list[slice]:
+        rows, start = [], 0
+        for it in items:
+            rows.append(slice(start, start + it.num_positions))
+            start += it.num_positions
+        return rows
+
+    def _loops_before_a_stop(self, items: list[Item]) -> int:
+        """Loops every item runs before one may stop: an exit rule may fire after any loop, a fixed exit, the draft
+        depth or depth D stop an item after a known number."""
+        out = self.depth
+        for it in items:
+            request = it.request
+            if it.round is None and request.exit_threshold is not None:
+                return 1
+            stop = it.stop if it.round is not None else (request.exit_at_step or self.depth)
+            out = min(out, stop - it.loops)
+        return max(out, 1)
+
+    def _loop(self, state: torch.Tensor, loops: list[int], ctx, items: list[Item]) -> torch.Tensor:
+        """One loop of every item, item i at loop `loops[i]` (0-based): one call when the family's loops are loop 0 on
+        moved planes (`uniform_loops`), else one call per distinct loop index."""
+        adapter = self.adapter
+        if len(set(loops)) == 1:  # every item at one loop (lockstep): the step engine's call
+            return adapter.loop(state, loops[0], ctx)
+        if adapter.uniform_loops:
+            device = state.device
+            per_request = torch.tensor(loops, dtype=torch.long, device=device) * len(self._loop_planes[0])
+            counts = torch.tensor([it.num_positions for it in items], device=device)
+            ctx.request_planes, ctx.token_planes = per_request, per_request.repeat_interleave(counts)
+            ctx.kernel, ctx.contiguous_from = None, None  # the paged kernel and in-place reads take one plane
+            try:
+                return adapter.loop(state, 0, ctx)
+            finally:  # the readouts after the pass (Huginn's coda attends) use their own planes
+                ctx.request_planes = ctx.token_planes = None
+        out = torch.empty_like(state)
+        rows = self._rows(items)
+        for loop_index in sorted(set(loops)):
+            chosen = [i for i, n in enumerate(loops) if n == loop_index]
+            index = torch.cat([torch.arange(rows[i].start, rows[i].stop) for i in chosen]).to(state.device)
+            out[index] = adapter.loop(state[index], loop_index, self._context([items[i] for i in chosen]))
+        return out
+
+    def _exits(self, items, loops, state, prev, rows, ctx) -> tuple[list[bool], list]:
+        """Per plain item: whether its token exits after its loop (rule fired, exit_at_step reached; depth D is the
+        caller's), and its new carry. The rule runs once per depth over the items that have one, or once for all
+        when it does not depend on the depth (`exit_rule_uses_depth`); items that carry nothing yet apart."""
+        exits = [
+            it.round is None and it.request.exit_at_step is not None and n >= it.request.exit_at_step
+            for it, n in zip(items, loops)
+        ]
+        carries = [it.carry for it in items]
+        groups: dict[tuple, list[int]] = {}
+        for i, (it, n) in enumerate(zip(items, loops)):
+            if it.round is None and it.request.exit_threshold is not None and n < self.depth:
+                key = (n if self.adapter.exit_rule_uses_depth else 0, carries[i] is None)
+                groups.setdefault(key, []).append(i)
+        for chosen in groups.values():
+            index = [rows[i].start for i in chosen]  # plain items hold one position
+            threshold = torch.tensor([items[i].request.exit_threshold for i in chosen], device=state.device)
+            carry = None if carries[chosen[0]] is None else torch.cat([carries[i] for i in chosen])
+            # the pass's context: a rule that reads through it (exit_rule_reads_kv) is refused with loop batching
+            fired, carry = self.adapter.exit_rule(state[index], loops[chosen[0]], prev[index], carry, threshold, ctx)
+            for j, (i, hit) in enumerate(zip(chosen, fired.tolist())):
+                exits[i] = exits[i] or hit
+                carries[i] = None if carry is None else carry[j : j + 1]
+        return exits, carries
+
+    # ----- finishing -----
+    def _readout_context(self, done: list[Item], ctx, items: list[Item]):
+        """A readout that attends (Huginn's coda) writes KV: then the context of exactly the items read out."""
+        if not self.adapter.readout_uses_kv or len(done) == len(items):
+            return ctx
+        return self._context(done)
+
+    def _finish_plain(self, done: list[Item], ctx, items: list[Item], out: _Finished) -> None:
+        """Plain tokens: read out at their exit depth (skip mode: the loop planes after it get the exit loop's KV)
+        and sampled."""
+        runner = self.runner
+        depths = [it.exit_depth or self.depth for it in done]
+        if runner.exit_mode == "skip":
+            self._fill_skipped_loops(done, depths)
+        requests = [it.request for it in done]
+        positions = [it.position for it in done]
+        lens = [p + 1 for p in positions]
+        exit_states = torch.cat([it.exit_state if it.exit_depth else it.state for it in done])
+        read_ctx = self._readout_context(done, ctx, items)
+        logits = read_out_by_depth(runner, requests, positions, lens, exit_states, depths, read_ctx)
+        tokens = sample(logits, SamplingRows.build(requests, runner.device)).tolist()
+        for it, token, depth in zip(done, tokens, depths):
+            out.finish(it.request, [token], 0, 0, [depth] if it.request.exits_early else [])
+
+    def _finish_drafts(self, done: list[Item], ctx, items: list[Item], out: _Finished) -> None:
+        """Drafts at depth d: keep the loop-d state; draw the next draft, or hand the round to its verification."""
+        drawing = []
+        for it in done:
+            r = it.round.grown(it.state)  # a new round: the pass changes nothing it was given
+            if len(r.tokens) < r.k:
+                drawing.append((it, r))
+            else:  # the K-th draft's own position: all K+1 loop-d states are there
+                out.items[it.request.request_id] = Item(
+                    it.request, r.start, it.preemptions, r.start, torch.cat(r.states), self.depth, r.d,
+                    round=r, verify=True,
+                )  # fmt: skip
+        if not drawing:
+            return
+        requests = [it.request for it, _ in drawing]
+        state = torch.cat([it.state for it, _ in drawing])
+        logits = self.runner.readout(state, self.d, self._readout_context([it for it, _ in drawing], ctx, items))
+        tokens, q = draw_drafts(logits, SamplingRows.build(requests, self.runner.device), requests)
+        for j, ((it, r), token) in enumerate(zip(drawing, tokens.tolist())):
+            r.tokens.append(token)
+            r.q.append(None if q is None else q[j])
+            out.next_drafts[it.request.request_id] = NextDraft(it.request, it.preemptions, token, r)
+
+    def _finish_verifies(self, done: list[Item], ctx, items: list[Item], out: _Finished) -> None:
+        """Verifications at depth D: accept as the speculative round does (greedy prefix or rejection sampling)."""
+        runner, device = self.runner, self.runner.device
+        requests = [it.request for it in done]
+        ks = [it.round.k for it in done]
+        logits = runner.readout(
+            torch.cat([it.state for it in done]), self.depth, self._readout_context(done, ctx, items)
+        )
+        draft_tokens = torch.full((len(done), max(ks)), -1, dtype=torch.long, device=device)
+        q_probs = None
+        for i, it in enumerate(done):
+            draft_tokens[i, : it.round.k] = torch.tensor(it.round.tokens, device=device)
+            for j, q in enumerate(it.round.q):
+                if q is not None:
+                    if q_probs is None:
+                        q_probs = torch.zeros(len(done), max(ks), q.shape[-1], device=device)
+                    q_probs[i, j] = q
+        row_index, pos_index = position_index(ks)
+        rows = SamplingRows.build(requests, device)
+        k_t = torch.tensor(ks, device=device)
+        accepted, next_token = accept(
+            draft_tokens, k_t, logits, row_index.to(device), pos_index.to(device), rows, q_probs
+        )
+        for it, a, token in zip(done, accepted.tolist(), next_token.tolist()):
+            out.finish(it.request, [*it.round.tokens[:a], token], it.round.k, a, [])
+
+    def _fill_skipped_loops(self, done: list[Item], depths: list[int]) -> None:
+        """Skip mode: the loop planes after each token's exit depth get its exit loop's KV (early_exit.py), all
+        tokens in one copy."""
+        src, dst, slots = [], [], []
+        block_size, planes = self.runner.kv.block_size, self._loop_planes
+        for it, exit_depth in zip(done, depths):
+            if exit_depth >= self.depth:
+                continue
+            table, position = it.request.block_table, it.position
+            slot = table[position // block_size] * block_size + position % block_size
+            for loop_index in range(exit_depth, self.depth):
+                src += planes[exit_depth - 1]
+                dst += planes[loop_index]
+            slots += [slot] * (len(planes[0]) * (self.depth - exit_depth))
+        if slots:
+            device = self.runner.device
+            self.runner.kv.copy_entries(*(torch.tensor(x, dtype=torch.long, device=device) for x in (src, dst, slots)))
+
+
+class _Finished:
+    """What a pass finished, gathered while it finishes its items."""
+
+    def __init__(self, requests: list[Request]) -> None:
+        self.requests = requests
+        self.finished: list[Request] = []
+        self.tokens: list[list[int]] = []
+        self.proposed: list[int] = []
+        self.accepted: list[int] = []
+        self.exit_depths: list[list[int]] = []
+        self.items: dict[str, Item] = {}
+        self.next_drafts: dict[str, NextDraft] = {}
+
+    def finish(self, request: Request, tokens: list[int], proposed: int, accepted: int, depths: list[int]) -> None:
+        self.finished.append(request)
+        self.tokens.append(tokens)
+        self.proposed.append(proposed)
+        self.accepted.append(accepted)
+        self.exit_depths.append(depths)
+
+    def result(self, positions: int, entered: int, loops: int) -> PassResult:
+        exit_depths = self.exit_depths if any(r.exits_early for r in self.finished) else None
+        return PassResult(self.requests, self.finished, self.tokens, self.proposed, self.accepted, exit_depths,
+                          self.items, self.next_drafts, positions, entered, loops)  # fmt: skip

@@ -1,0 +1,97 @@
+"""What loop-level batching keeps between passes: the items in flight and a request's speculative round.
+
+An item is one request's work in flight: one position for a token decoded plainly or drafted, the K+1 positions
+of a speculative round's verification. It advances one loop per pass until its stop depth: D for a plain token or
+a verification, the draft depth d for a drafted token (a draft is a token whose exit is forced at d).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from looped_spec.request import Request, RequestStatus
+
+
+@dataclass(slots=True)
+class DraftRound:
+    """A request's speculative round in flight: K drafts from loops 1..d of positions start..start+K-1, the loop-d
+    state of every position start..start+K, then one verification of them at loops d+1..D."""
+
+    start: int  # the round's first position (its request's num_computed while the round runs)
+    k: int
+    d: int
+    tokens: list[int] = field(default_factory=list)  # drafts drawn so far
+    q: list[torch.Tensor | None] = field(default_factory=list)  # [V] each draft's distribution (None: greedy)
+    states: list[torch.Tensor] = field(default_factory=list)  # [1, S] loop-d state of each position so far
+
+    def grown(self, state: torch.Tensor) -> DraftRound:
+        """A copy with one more position's loop-d state (a pass builds new rounds, leaving its inputs as they were)."""
+        return DraftRound(self.start, self.k, self.d, list(self.tokens), list(self.q), [*self.states, state])
+
+
+@dataclass(slots=True)
+class Item:
+    """One request's work in flight: positions `position .. position + n - 1` (n = the state's rows)."""
+
+    request: Request
+    base: int  # the request's num_computed when its work began: an item is stale once that changed
+    preemptions: int  # its request's preemption count then: a preempted request's item is stale
+    position: int
+    state: torch.Tensor  # [n, S] after `loops` loops
+    stop: int  # the depth at which the item is done
+    loops: int = 0
+    prev: torch.Tensor | None = None  # [n, S] before the last loop (exit rules comparing successive states)
+    carry: torch.Tensor | None = None  # [n, ...] what the exit rule carries from loop to loop
+    exit_depth: int = 0  # select mode: the readout depth once decided (the item runs on to D)
+    exit_state: torch.Tensor | None = None
+    round: DraftRound | None = None  # a draft or verification of this speculative round
+    verify: bool = False
+
+    @property
+    def num_positions(self) -> int:
+        return self.state.shape[0]
+
+    def fresh(self) -> bool:
+        return is_fresh(self.request, self.base, self.preemptions)
+
+
+@dataclass(slots=True)
+class NextDraft:
+    """The drafted token a request enters on its next pass (position `round.start + len(round.tokens)`)."""
+
+    request: Request
+    preemptions: int
+    token: int
+    round: DraftRound
+
+    def fresh(self) -> bool:
+        return is_fresh(self.request, self.round.start, self.preemptions)
+
+
+def is_fresh(request: Request, base: int, preemptions: int) -> bool:
+    return (
+        request.status is RequestStatus.RUNNING
+        and request.num_computed == base
+        and request.metrics.num_preemptions == preemptions
+    )
+
+
+@dataclass
+class PassResult:
+    """A computed pass. `finished` are the requests whose token or round the pass finished, with the tokens each
+    commits, its drafts proposed and accepted (0 for a plain token) and, when some request exits early, each one's
+    readout depths; `items` and `next_drafts` are the work that goes on."""
+
+    requests: list[Request]
+    finished: list[Request]
+    tokens: list[list[int]]
+    proposed: list[int]
+    accepted: list[int]
+    exit_depths: list[list[int]] | None
+    items: dict[str, Item]
+    next_drafts: dict[str, NextDraft]
+    positions: int  # positions one loop of the pass ran over (its occupancy)
+    entered: int  # tokens embedded by the pass
+    loops: int  # loops the pass ran back to back (1 unless the engine let it run on while nothing changes)
