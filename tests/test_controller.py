@@ -218,6 +218,32 @@ def test_measured_rounds_cost_about_the_readout_budget(budget, policy, overhead)
     assert 0.5 * budget <= extra / total <= 1.1 * budget, (extra / total, measured)
 
 
+def test_readouts_cost_less_the_further_speculation_is_from_paying():
+    """goodput: while plain decoding runs and the best speculative plan is predicted at r of plain's rate, the readouts
+    may cost `readout_budget` × r² (they are worth what they may change); where speculation pays, the whole budget."""
+
+    def readout_share(alpha) -> tuple[float, float]:
+        budget = 0.01
+        controller = AdaptiveController(preset(), DEPTH, settings=ControlSettings(readout_budget=budget))
+        truth = PassCost(preset().cost, DEPTH)
+        workload = Workload(truth, noise=0.0, seed=1)
+        extra = total = 0.0
+        for _ in range(2000):
+            phase = Phase(8, alpha, 1, 200.0)
+            plan = controller.plan(phase.batch, phase.context)
+            seconds = workload.seconds(plan.k, plan.d, phase.batch, phase.context)
+            total += seconds
+            extra += truth.measure_seconds(plan.k, plan.d, phase.batch) if plan.measure_depths else 0.0
+            controller.observe(workload.feedback(plan, phase))
+        return extra / total / budget, controller.policy.outlook(controller._bucket)
+
+    never_pays, outlook = readout_share(RANDOM)
+    pays, speculating = readout_share(CODE)
+    assert outlook < 0.8 and speculating == 1.0
+    assert 0.5 * outlook**2 <= never_pays <= 1.1 * outlook**2
+    assert 0.5 <= pays <= 1.1
+
+
 # --------------------------------------------------------------------------- fixed plans, construction errors
 
 

@@ -4,7 +4,8 @@
 - `AdaptiveController`: batch size -> preset bucket -> the policy's option -> `SpeculationPlan`; it feeds every
   round to the shared estimators (acceptance, pass-cost drift, exit depths) and decides which rounds also read
   out every depth (counterfactual acceptance): pairs of consecutive rounds, spaced so that the readouts give
-  about `readout_positions` positions a round and cost at most `readout_budget` of the decode time.
+  about `readout_positions` positions a round and cost at most `readout_budget` of the decode time (less while
+  plain decoding runs far from where speculation would pay).
 - `FixedController(k, d)`: the same plan every round (`k = 0`: plain decoding).
 
 Both number plans with increasing ids, time themselves (`overhead_seconds`) and can write a JSONL trace of
@@ -148,7 +149,7 @@ class AdaptiveController(FixedController):
         if self._pair_left > 0:
             self._pair_left -= 1
         elif measure:  # two rounds in a row read out: pairs of consecutive positions for the persistence
-            self._measure_in = 2 * self._readout_interval(k, d, batch_size, context)
+            self._measure_in = 2 * self._readout_interval(k, d, batch_size, context, self.policy.outlook(bucket))
             self._pair_left = 1
         self._measure_in -= 1
         plan = SpeculationPlan(self.num_plans, k, d, bucket, candidate, measure)
@@ -160,12 +161,14 @@ class AdaptiveController(FixedController):
         self.overhead_seconds += perf_counter() - t0
         return plan
 
-    def _readout_interval(self, k: int, d: int, batch: int, context: float) -> int:
+    def _readout_interval(self, k: int, d: int, batch: int, context: float, outlook: float) -> int:
         """Rounds per measured round: enough that the readouts give `readout_positions` positions a round (a measured
-        round reads out at least one position per request), no fewer than keep their extra cost within
-        `readout_budget` of the decode time, and at least two (the drift factor learns from unmeasured rounds)."""
+        round reads out at least one position per request), no fewer than keep their extra cost within the budget,
+        and at least two (the drift factor learns from unmeasured rounds). The budget is `readout_budget` times
+        outlook² (outlook: the best speculative plan's predicted rate ÷ plain's while plain runs, else 1): readouts
+        are worth what they may change, and the further speculation is from paying the less they may change."""
         s = self.settings
-        by_time = self.cost.measure_share(k, d, batch, context) / s.readout_budget
+        by_time = self.cost.measure_share(k, d, batch, context) / (s.readout_budget * outlook * outlook)
         return max(2, math.ceil(by_time), math.ceil(batch / s.readout_positions))
 
     def observe(self, feedback: RoundFeedback) -> None:

@@ -123,6 +123,10 @@ class EmaPolicy:
         if due >= 0 and due % b.config.interval == 0:
             self._decide(st, b)
 
+    def outlook(self, bucket: int) -> float:
+        """Always 1.0: the readouts call this policy's probes, so their budget is never cut."""
+        return 1.0
+
     def _decide(self, st: _Bucket, b: CompiledBucket) -> None:
         i, e = st.index, st.ema[st.index]
         assert e is not None

@@ -122,6 +122,16 @@ class GoodputPolicy:
             st.current = best
             st.switches += 1
 
+    def outlook(self, bucket: int) -> float:
+        """The best speculative option's predicted rate ÷ plain decoding's at the bucket's last decision (1.0 while a
+        speculative plan runs, before a decision, or when plain cannot run): how far speculation is from paying."""
+        st = self.states[bucket]
+        if st.predicted is None or self.plain < 0 or self.options[st.current][0] > 0:
+            return 1.0
+        best = max((x for (k, _), x in zip(self.options, st.predicted) if k > 0), default=None)
+        plain = st.predicted[self.plain]
+        return 1.0 if best is None or best <= 0.0 or plain <= 0.0 else min(best / plain, 1.0)
+
     def _label(self, option: int) -> str:
         k, d = self.options[option]
         return f"(K={k}, d={d})" if k else "plain"
