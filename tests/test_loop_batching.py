@@ -83,6 +83,8 @@ def test_greedy_and_sampled_outputs_equal_the_step_engine(family, early_exit):
             assert run(loop, PROMPTS, params) == run(step, PROMPTS, params), (extra, temperature)
             assert loop.num_free_blocks == loop.kv.num_blocks
             assert loop.stats.num_loop_passes > 0 and loop.stats.num_rounds == 0
+            stages = loop.stats.phase_seconds
+            assert stages["pass_loops"] > 0 and stages["pass_embed"] > 0 and stages["pass_finish"] > 0
 
 
 def test_huginn_latent_rule_equals_the_step_engine():

@@ -355,6 +355,8 @@ class LoopedSpecEngine:
         stats.num_loop_passes += result.loops
         stats.num_loop_pass_positions += result.positions * result.loops
         stats.num_loop_pass_embeds += result.entered
+        for stage, seconds in result.stage_seconds.items():
+            stats.phase_seconds["pass_" + stage] += seconds
         stats.phase_seconds["decode"] += time.perf_counter() - t0
 
     def _exit_rule_reads_kv(self, request: Request) -> bool:

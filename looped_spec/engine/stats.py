@@ -18,7 +18,10 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-PHASES = ("schedule", "prefill", "decode", "draft", "verify", "accept", "commit", "control")
+# loop-level batching adds the stages of its passes (within "decode"): embedding the entering tokens, the loops,
+# finishing (readouts, draws, acceptance)
+PHASES = ("schedule", "prefill", "decode", "draft", "verify", "accept", "commit", "control", "pass_embed",
+          "pass_loops", "pass_finish")  # fmt: skip
 BATCH_SIZE_BOUNDS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 PREFIX = "looped_spec:"
 

@@ -16,6 +16,7 @@ import torch
 
 from looped_spec.execution.early_exit import read_out_by_depth
 from looped_spec.execution.sampler import SamplingRows, sample
+from looped_spec.execution.timing import Stopwatch
 from looped_spec.loop_batching.items import DraftRound, Item, NextDraft, PassResult
 from looped_spec.request import Request
 from looped_spec.speculative.proposer import draw_drafts
@@ -37,6 +38,7 @@ class LoopBatcher:
         self._ctx_key: tuple = ()
         self._ctx = None
         self._loop_planes = [list(self.adapter.loop_planes(i)) for i in range(self.depth)]
+        self.watch = Stopwatch(runner.device)
 
     def in_flight(self, request: Request) -> bool:
         """Whether the request has work in flight (it then holds the KV slots of its positions)."""
@@ -49,8 +51,11 @@ class LoopBatcher:
         round of K = `rounds[request_id]` drafts when that is > 0, else a plain token. With `max_loops` > 1 the pass
         runs up to that many loops back to back while no item can stop: the same items would make up each of those
         passes, so only the per-pass overhead changes (the engine allows it while no other work waits to join)."""
+        watch = self.watch
+        t0 = watch.mark()
         items = self._enter(requests, rounds or {})
         entered = sum(1 for it in items if it.loops == 0)
+        t1 = watch.mark()
         ctx = self._pass_context(items)
         state = torch.cat([it.state for it in items])
         loops = [it.loops for it in items]
@@ -59,6 +64,7 @@ class LoopBatcher:
         for _ in range(num_loops):
             prev, state = state, self._loop(state, loops, ctx, items)
             loops = [n + 1 for n in loops]
+        t2 = watch.mark()
         rows = self._rows(items)
         out = _Finished(requests)
         exits, carries = self._exits(items, loops, state, prev, rows, ctx)
@@ -66,25 +72,38 @@ class LoopBatcher:
         plain, drafts, verifies = [], [], []
         for i, (it, n) in enumerate(zip(items, loops)):
             rs = rows[i]
-            new = Item(it.request, it.base, it.preemptions, it.position, state[rs], it.stop, n, prev[rs], carries[i],
-                       it.exit_depth, it.exit_state, it.round, it.verify)  # fmt: skip
             if it.round is None:
-                if exits[i] and not new.exit_depth:
-                    new.exit_depth, new.exit_state = n, new.state
-                if n >= self.depth or (skip and new.exit_depth):
-                    plain.append(new)
+                exit_depth, exit_state = it.exit_depth, it.exit_state
+                if exits[i] and not exit_depth:
+                    exit_depth, exit_state = n, None  # None: this pass's row
+                if n >= self.depth or (skip and exit_depth):
+                    plain.append((it, rs.start, exit_depth, exit_state))
                     continue
+                if exit_depth and exit_state is None:
+                    exit_state = state[rs]
             elif n >= it.stop:
-                (verifies if it.verify else drafts).append(new)
+                (verifies if it.verify else drafts).append(self._moved(it, state[rs], n, prev[rs], carries[i]))
                 continue
+            else:
+                exit_depth, exit_state = 0, None
+            new = self._moved(it, state[rs], n, prev[rs], carries[i])
+            new.exit_depth, new.exit_state = exit_depth, exit_state
             out.items[it.request.request_id] = new
         if plain:
-            self._finish_plain(plain, ctx, items, out)
+            self._finish_plain(plain, state, ctx, items, out)
         if drafts:
             self._finish_drafts(drafts, ctx, items, out)
         if verifies:
             self._finish_verifies(verifies, ctx, items, out)
-        return out.result(positions=sum(it.num_positions for it in items), entered=entered, loops=num_loops)
+        t3 = watch.mark()  # read after the finished tokens reached the host (timing.py)
+        stages = {"embed": watch.seconds(t0, t1), "loops": watch.seconds(t1, t2), "finish": watch.seconds(t2, t3)}
+        return out.result(sum(it.num_positions for it in items), entered, num_loops, stages)
+
+    @staticmethod
+    def _moved(it: Item, state: torch.Tensor, loops: int, prev: torch.Tensor, carry) -> Item:
+        """The item after this pass's loops (a new object: the pass leaves its inputs as they were)."""
+        return Item(it.request, it.base, it.preemptions, it.position, state, it.stop, loops, prev, carry,
+                    it.exit_depth, it.exit_state, it.round, it.verify)  # fmt: skip
 
     def commit(self, result: PassResult) -> None:
         """Apply a pass whose tokens the engine has committed: its requests' work becomes the work that goes on."""
@@ -232,21 +251,26 @@ class LoopBatcher:
             return ctx
         return self._context(done)
 
-    def _finish_plain(self, done: list[Item], ctx, items: list[Item], out: _Finished) -> None:
-        """Plain tokens: read out at their exit depth (skip mode: the loop planes after it get the exit loop's KV)
-        and sampled."""
+    def _finish_plain(self, done: list[tuple], state: torch.Tensor, ctx, items: list[Item], out: _Finished) -> None:
+        """Plain tokens (item, its row in this pass, exit depth, exit state or None for this pass's row): read out at
+        their exit depth (skip mode: the loop planes after it get the exit loop's KV) and sampled."""
         runner = self.runner
-        depths = [it.exit_depth or self.depth for it in done]
+        finished = [it for it, _, _, _ in done]
+        depths = [depth or self.depth for _, _, depth, _ in done]
         if runner.exit_mode == "skip":
-            self._fill_skipped_loops(done, depths)
-        requests = [it.request for it in done]
-        positions = [it.position for it in done]
+            self._fill_skipped_loops(finished, depths)
+        requests = [it.request for it in finished]
+        positions = [it.position for it in finished]
         lens = [p + 1 for p in positions]
-        exit_states = torch.cat([it.exit_state if it.exit_depth else it.state for it in done])
-        read_ctx = self._readout_context(done, ctx, items)
+        rows = [row for _, row, _, _ in done]
+        if all(kept is None for _, _, _, kept in done):  # every exit state is this pass's row
+            exit_states = state if len(rows) == state.shape[0] else state[torch.tensor(rows, device=state.device)]
+        else:
+            exit_states = torch.cat([state[row : row + 1] if kept is None else kept for _, row, _, kept in done])
+        read_ctx = self._readout_context(finished, ctx, items)
         logits = read_out_by_depth(runner, requests, positions, lens, exit_states, depths, read_ctx)
         tokens = sample(logits, SamplingRows.build(requests, runner.device)).tolist()
-        for it, token, depth in zip(done, tokens, depths):
+        for it, token, depth in zip(finished, tokens, depths):
             out.finish(it.request, [token], 0, 0, [depth] if it.request.exits_early else [])
 
     def _finish_drafts(self, done: list[Item], ctx, items: list[Item], out: _Finished) -> None:
@@ -337,7 +361,7 @@ class _Finished:
         self.accepted.append(accepted)
         self.exit_depths.append(depths)
 
-    def result(self, positions: int, entered: int, loops: int) -> PassResult:
+    def result(self, positions: int, entered: int, loops: int, stages: dict[str, float]) -> PassResult:
         exit_depths = self.exit_depths if any(r.exits_early for r in self.finished) else None
         return PassResult(self.requests, self.finished, self.tokens, self.proposed, self.accepted, exit_depths,
-                          self.items, self.next_drafts, positions, entered, loops)  # fmt: skip
+                          self.items, self.next_drafts, positions, entered, loops, stages)  # fmt: skip

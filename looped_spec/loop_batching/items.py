@@ -95,3 +95,4 @@ class PassResult:
     positions: int  # positions one loop of the pass ran over (its occupancy)
     entered: int  # tokens embedded by the pass
     loops: int  # loops the pass ran back to back (1 unless the engine let it run on while nothing changes)
+    stage_seconds: dict[str, float]  # "embed" (entering tokens), "loops", "finish" (readouts, draws, acceptance)
