@@ -3,7 +3,8 @@
 # `bash benchmarks/fetch_device_wheels.sh`). Installs nothing from the network: only the carried wheels.
 # Correctness first (the cuda-marked tests: graph replay == eager == the SDPA reference, the Triton paged
 # kernel == reference on ragged paged batches), then gpu_check.py's correctness + timing at the RFC's
-# shape (512-token prompts, 2048 new tokens, a 16k-token context, B=1/8/32, the 1-8-32-8-1 workload).
+# shape (512-token prompts, 2048 new tokens, a 16k-token context, B=1/8/32, the 1-8-32-8-1 workload) and loop-level
+# batching against the step engine (both eager: identity, then speed at full depth and a fixed exit).
 # Everything is written under $OUT (default: benchmarks/results/gpu).
 #   run: bash benchmarks/device_run.sh      (timeout_s 540: tests <= 150 s, the GPU check starts no section after
 #   240 s and is stopped at 330 s; each section is saved as it ends)

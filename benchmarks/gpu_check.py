@@ -376,9 +376,44 @@ def check_model(name: str, config: dict, args, report: dict, deadline: float, sa
         print(f"[{name}] workload: {entry['workload']}", flush=True)
         del plain, adaptive
 
+    # ----- loop-level batching (eager: no graphs yet) against the step engine, eager too: identity, then speed -----
+    def loop_batching() -> None:
+        check_prompts = prompts_for(shape["check_batch"], adapter.vocab_size, shape["prompt"])
+        batch = max(batches)
+        prompts = batch_prompts[batch]
+        eager_new = shape["eager_new"]
+        rows = {}
+        for label, extra in [
+            ("full depth", {}),
+            (f"exit_at_step {max(1, depth // 2)}", {"exit_at_step": max(1, depth // 2)}),
+        ]:
+            check = SamplingParams(max_tokens=shape["check_new"], ignore_eos=True, **extra)
+            step_engine = make(graphs_mode=False)
+            loop_engine = make(graphs_mode=False, batching="loop")
+            same = sum(
+                a.token_ids == b.token_ids
+                for a, b in zip(step_engine.generate(check_prompts, check), loop_engine.generate(check_prompts, check))
+            )
+            params = SamplingParams(max_tokens=eager_new, ignore_eos=True, **extra)
+            seconds = {}
+            for engine_label, engine in (("step", step_engine), ("loop", loop_engine)):
+                engine.generate(prompts[:2], SamplingParams(max_tokens=4, ignore_eos=True, **extra))  # warm
+                sync(device)
+                start = time.perf_counter()
+                engine.generate(prompts, params)
+                sync(device)
+                seconds[engine_label] = time.perf_counter() - start
+            rows[label] = {"identical_requests": same, "of": len(check_prompts), "batch": batch,
+                           "loop_vs_step": seconds["step"] / seconds["loop"],
+                           "loop_passes": loop_engine.stats.num_loop_passes}  # fmt: skip
+            del step_engine, loop_engine
+            free_memory(device)
+        entry["loop_batching"] = rows
+        print(f"[{name}] loop batching: {rows}", flush=True)
+
     grid = sorted({(k, d) for k, d in [(3, 1), (3, depth // 2)] if 1 <= d < depth and (k, d) != (2, 1)})
     sections = [("correctness", correctness), ("plain", plain_timing), ("K=2,d=1", lambda: spec_timing(2, 1)),
-                ("long context", long_context), ("workload", workload)]  # fmt: skip
+                ("long context", long_context), ("workload", workload), ("loop batching", loop_batching)]  # fmt: skip
     if not tiny:
         sections += [(f"K={k},d={d}", lambda k=k, d=d: spec_timing(k, d)) for k, d in grid]
     for label, section in sections:

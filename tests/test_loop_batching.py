@@ -358,3 +358,42 @@ def test_random_arrivals_exits_aborts_and_faults_equal_each_request_alone(
     finally:
         del adapter.loop
         gc.collect()
+
+
+def test_the_server_streams_loop_batched_outputs_and_exports_the_passes():
+    """An OpenAI client against a server whose engine batches by loops: concurrent completions equal offline greedy,
+    and /metrics counts the passes, their positions and their stages."""
+    import threading
+
+    import httpx
+    import openai
+    from server_utils import ServerThread, wait_until
+
+    prompts = ["def fibonacci(n):", "import os", "class Stack:"]
+    offline = LoopedSpecEngine("tiny-ouro", speculation="off", max_model_len=96)
+    params = SamplingParams(max_tokens=12, ignore_eos=True, exit_threshold=0.7)
+    expected = [out.text for out in offline.generate(prompts, params)]
+    engine = LoopedSpecEngine("tiny-ouro", speculation="2,1", batching="loop", max_model_len=96)
+    with ServerThread(engine, "tiny-ouro") as server:
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+        got: dict[int, str] = {}
+
+        def ask(i: int) -> None:
+            # exit_threshold: a request with early exit decodes plainly next to the others' speculative rounds
+            extra = {"ignore_eos": True} | ({"exit_threshold": 0.7} if i != 1 else {})
+            out = client.completions.create(model="tiny-ouro", prompt=prompts[i], max_tokens=12, temperature=0,
+                                            extra_body=extra)  # fmt: skip
+            got[i] = out.choices[0].text
+
+        threads = [threading.Thread(target=ask, args=(i,)) for i in range(len(prompts))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        wait_until(lambda: not server.engine.has_unfinished_requests(), what="server idle")
+        metrics = httpx.get(server.url + "/metrics").text
+    plain = offline.generate(prompts[1], SamplingParams(max_tokens=12, ignore_eos=True))[0].text
+    assert got == {0: expected[0], 1: plain, 2: expected[2]}
+    passes = [line for line in metrics.splitlines() if line.startswith("looped_spec:loop_passes_total")]
+    assert passes and float(passes[0].split()[-1]) > 0
+    assert 'phase="pass_loops"' in metrics
