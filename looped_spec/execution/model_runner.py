@@ -98,13 +98,18 @@ class ModelRunner:
         self.kv = kv_cache
         self.device = adapter.device
         self.full_depth = adapter.full_depth
-        self.eager = EagerStepRunner(self)
         self.graphs = graphs  # a CudaGraphRunner: takes the shapes it captured
         self.exit_mode = exit_mode  # how requests that exit early are run (early_exit.py)
         # the paged kernel reads each token's own keys in place (decode, draft, verify); prefill keeps SDPA
         self.paged_kernel = kernel_available(self.device, kv_cache.layout.head_dim)
         # when set, the time inside `run` goes into it (the tuner separates pass time from the rest of a round)
         self.run_span: Span | None = None
+
+    @property
+    def eager(self) -> EagerStepRunner:
+        """The eager step runner (made per use: holding it would tie the runner into a reference cycle, and an engine
+        dropped without `gc.collect()` would keep its KV cache)."""
+        return EagerStepRunner(self)
 
     def context(self, requests: list[Request], query_lens: list[int], context_lens: list[int]) -> PagedContext:
         return build_paged_context(
