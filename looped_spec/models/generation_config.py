@@ -6,7 +6,7 @@ import json
 import logging
 from pathlib import Path
 
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict, PrivateAttr, ValidationError
 
 from looped_spec.models.checkpoint import CheckpointError
 from looped_spec.models.config_fields import token_ids_field
@@ -28,15 +28,21 @@ class GenerationConfig(BaseModel):
     temperature: float | None = None
     top_k: int | None = None
     top_p: float | None = None
+    _from_file: bool = PrivateAttr(False)  # read from a checkpoint's file (without one, nothing is asked)
 
     def stop_token_ids(self) -> list[int]:
         return token_ids_field(self.eos_token_id, "eos_token_id")
 
     def sampling_defaults(self) -> dict:
-        """SamplingParams fields a request gets when it does not set them: HF semantics, so a file with
-        `do_sample: false` (or none) means greedy whatever its temperature says."""
-        if not self.do_sample:
+        """What the file asks of a request that sets no sampling fields, with HF's meaning (the file's format is
+        HF's): `do_sample: true` samples with the file's temperature, top_k and top_p (those it gives); `do_sample`
+        false or absent decodes greedily, whatever temperature the file states. Offline requests and the server take
+        these for the fields a request leaves unset (the server: OpenAI's defaults for the rest). Without a file
+        nothing is asked."""
+        if not self._from_file:
             return {}
+        if not self.do_sample:
+            return {"temperature": 0.0}
         return {k: v for k in ("temperature", "top_k", "top_p") if (v := getattr(self, k)) is not None}
 
 
@@ -50,6 +56,7 @@ def read_generation_config(folder: str | Path) -> GenerationConfig:
         if not isinstance(data, dict):
             raise CheckpointError(f"{path}: expected a JSON object")
         config = GenerationConfig(**data)
+        config._from_file = True
         config.stop_token_ids()
         SamplingParams(**config.sampling_defaults())
     except (json.JSONDecodeError, ValidationError, ValueError) as exc:

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from looped_spec.models.generation_config import GenerationConfig, read_generation_config
 
 
 class NoChatTemplateError(ValueError):
@@ -22,10 +23,9 @@ def render_chat(tokenizer, messages: list[dict], add_generation_prompt: bool = T
 
 @dataclass
 class GenerationDefaults:
-    """Sampling defaults and extra end-of-turn tokens from the checkpoint's `generation_config.json`.
-
-    A request's own values win; without the file the OpenAI defaults apply (temperature 1, top_p 1).
-    """
+    """The server's sampling defaults and extra end-of-turn tokens: what the checkpoint's `generation_config.json` asks
+    (`GenerationConfig.sampling_defaults`, the one reading offline and server share), OpenAI's defaults (temperature
+    1, top_p 1) for what it does not say. A request's own values win."""
 
     temperature: float = 1.0
     top_p: float = 1.0
@@ -33,23 +33,16 @@ class GenerationDefaults:
     eos_token_ids: list[int] = field(default_factory=list)
 
     @classmethod
-    def load(cls, folder: str | Path | None, tokenizer=None) -> GenerationDefaults:
-        defaults = cls()
-        path = Path(folder) / "generation_config.json" if folder is not None else None
-        if path is not None and path.is_file():
-            config = json.loads(path.read_text(encoding="utf-8"))
-            if config.get("do_sample") is False:
-                defaults.temperature = 0.0
-            elif config.get("temperature") is not None:
-                defaults.temperature = float(config["temperature"])
-            if config.get("top_p") is not None:
-                defaults.top_p = float(config["top_p"])
-            if config.get("top_k") is not None:
-                defaults.top_k = int(config["top_k"])
-            eos = config.get("eos_token_id")
-            defaults.eos_token_ids = list(eos) if isinstance(eos, list) else [] if eos is None else [int(eos)]
+    def from_config(cls, generation: GenerationConfig, tokenizer=None) -> GenerationDefaults:
+        defaults = cls(**generation.sampling_defaults())
+        defaults.eos_token_ids = generation.stop_token_ids()
         # the template's end-of-turn token is the tokenizer's eos (e.g. <|im_end|> for chat models)
         eos_id = getattr(tokenizer, "eos_token_id", None) if tokenizer is not None else None
         if eos_id is not None and eos_id not in defaults.eos_token_ids:
             defaults.eos_token_ids.append(int(eos_id))
         return defaults
+
+    @classmethod
+    def load(cls, folder: str | Path | None, tokenizer=None) -> GenerationDefaults:
+        """`from_config` of the folder's generation_config.json (none: nothing asked)."""
+        return cls.from_config(read_generation_config(folder) if folder is not None else GenerationConfig(), tokenizer)

@@ -35,7 +35,7 @@ class OpenAIServing:
         self.tokenizer = load_tokenizer(core.adapter.path)
         self.vocab_size = core.adapter.vocab_size
         self.max_model_len = core.max_model_len
-        self.defaults = GenerationDefaults.load(core.adapter.path, self.tokenizer)
+        self.defaults = GenerationDefaults.from_config(core.adapter.generation, self.tokenizer)
         self.metrics = ServerMetrics(core, model_name)
 
     # ----- request -> engine -----
