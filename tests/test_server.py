@@ -201,27 +201,68 @@ def test_non_streaming_client_that_leaves_has_its_request_aborted(server, monkey
     assert server.engine.stats.num_generation_tokens - before < 150
 
 
-def test_engine_fault_ends_streams_with_error_and_server_keeps_serving(server, client, monkeypatch):
+def test_a_one_shot_engine_fault_is_retried_and_the_stream_completes(server, client, reference_engine, monkeypatch):
+    """One failure policy (the engine's): a step that fails once leaves every request as it was and is retried."""
     engine = server.engine
     calls = {"n": 0}
-    real_decode, real_round = engine.runner.decode, engine.spec_round.run
+    real_round = engine.spec_round.run
 
-    def failing(real):
-        def run(*args, **kwargs):
-            calls["n"] += 1
-            if calls["n"] == 3:
-                raise RuntimeError("injected fault")
-            return real(*args, **kwargs)
+    def fails_once(*args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise RuntimeError("injected fault")
+        return real_round(*args, **kwargs)
 
-        return run
-
-    monkeypatch.setattr(engine.runner, "decode", failing(real_decode))
-    monkeypatch.setattr(engine.spec_round, "run", failing(real_round))
+    monkeypatch.setattr(engine.spec_round, "run", fails_once)
     stream = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=20, temperature=0, stream=True)
-    with pytest.raises(openai.APIError, match="injected fault"):
-        for _ in stream:
-            pass
+    text = "".join(chunk.choices[0].text for chunk in stream if chunk.choices)
+    assert calls["n"] > 3
+    assert text == greedy(reference_engine, PROMPT, 20).text
+    wait_until(lambda: idle(server), what="request freed")
+
+
+def test_a_poisoned_request_fails_alone_and_the_concurrent_streams_complete(server, client, reference_engine,
+                                                                           monkeypatch):  # fmt: skip
+    """A fault that strikes every step the poisoned request is in: the engine runs the failed step's requests alone,
+    the poisoned one fails alone twice and ends with an error event; the others complete equal to offline greedy, and
+    the server keeps serving."""
+    import threading
+
+    engine = server.engine
+    poison = "Ω poisoned"
+    poison_ids = set(engine.tokenizer.encode(poison, add_special_tokens=False)) - set(
+        engine.tokenizer.encode("def fibonacci(n): import os class A:", add_special_tokens=False)
+    )
+    assert poison_ids
+    real_embed = engine.adapter.embed
+
+    def embed(token_ids, ctx):
+        if poison_ids & set(token_ids.tolist()):
+            raise RuntimeError("injected fault: poisoned token")
+        return real_embed(token_ids, ctx)
+
+    monkeypatch.setattr(engine.adapter, "embed", embed)
+    prompts = ["def fibonacci(n):", poison, "import os", "class A:"]
+    results: dict[int, object] = {}
+
+    def ask(i: int) -> None:
+        try:
+            stream = client.completions.create(model=MODEL, prompt=prompts[i], max_tokens=10, temperature=0,
+                                               stream=True)  # fmt: skip
+            results[i] = "".join(chunk.choices[0].text for chunk in stream if chunk.choices)
+        except openai.APIError as exc:
+            results[i] = exc
+
+    threads = [threading.Thread(target=ask, args=(i,)) for i in range(len(prompts))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert isinstance(results[1], openai.APIError) and "poisoned token" in str(results[1])
+    for i in (0, 2, 3):
+        assert results[i] == greedy(reference_engine, prompts[i], 10).text, i
     wait_until(lambda: idle(server), what="failed request freed")
+    monkeypatch.undo()
     out = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=4, temperature=0)
     assert out.usage.completion_tokens == 4
 

@@ -153,6 +153,7 @@ class AsyncLoopedSpecEngine:
     # ----- the worker thread -----
     def _run(self) -> None:
         engine = self.engine
+        failures = 0  # steps failed in a row
         while not self._stop.is_set():
             # block for work when idle; otherwise take what arrived during the last step
             block = not engine.has_unfinished_requests()
@@ -168,9 +169,20 @@ class AsyncLoopedSpecEngine:
             try:
                 outputs = engine.step()
             except Exception as exc:  # one bad step must not take the server down
-                logger.exception("engine step failed; ending the affected requests")
-                self._recover(exc)
+                # the engine's own rule (docs/architecture.md, "Failure semantics"): the step left every request as
+                # it was; its requests run alone next, and one that fails alone twice is finished with an error
+                # output (its stream ends with an error event). Only failures outside that rule — more in a row
+                # than it can take to blame every request — end every stream.
+                failures += 1
+                limit = engine.FAILURES_TO_BLAME * (len(engine._requests) + 1)
+                if failures > limit:
+                    logger.exception("engine step failed %d times in a row; ending every request", failures)
+                    self._recover(exc)
+                    failures = 0
+                else:
+                    logger.warning("engine step failed (%d in a row); retrying by the engine's rule: %r", failures, exc)
                 continue
+            failures = 0
             for out in outputs:
                 self._deliver(out.request_id, out, out.finished)
 
@@ -198,7 +210,8 @@ class AsyncLoopedSpecEngine:
             stream.loop.call_soon_threadsafe(stream.queue.put_nowait, item)
 
     def _recover(self, exc: Exception) -> None:
-        """A step raised: end every request the engine holds, free their KV, keep the worker alive."""
+        """Steps keep failing beyond the engine's rule: end every request it holds, free their KV, keep the worker
+        alive."""
         engine = self.engine
         affected = list(engine._requests)
         for request_id in affected:

@@ -148,7 +148,7 @@ class OpenAIServing:
             except (ValueError, TypeError) as exc:  # the engine refused the request (its own validation)
                 raise APIError(400, str(exc)) from exc
         if out.finish_reason == "error":
-            raise APIError(500, "engine error while generating this request")
+            raise APIError(500, f"engine error while generating this request: {out.error}")
         return out
 
     async def sse(self, outputs: AsyncIterator[RequestOutput], make_chunks, usage_chunk) -> AsyncIterator[str]:
@@ -158,7 +158,7 @@ class OpenAIServing:
             try:
                 async for out in outputs:
                     if out.finish_reason == "error":
-                        raise EngineFaultError("engine error while generating this request")
+                        raise EngineFaultError(f"engine error while generating this request: {out.error}")
                     last = out
                     for chunk in make_chunks(out):
                         yield f"data: {chunk.model_dump_json()}\n\n"
