@@ -100,9 +100,9 @@ def _generate(args: argparse.Namespace) -> int:
                 if len(outputs) > 1:
                     print(f"--- output {i} ---")
                 print(prompt + (out.text if out.text is not None else " ".join(map(str, out.token_ids))))
+        _print_stats(engine, args, outputs)
     finally:
         engine.close()
-    _print_stats(engine, args, outputs)
     if args.compare_plain:
         _compare_plain(args, prompts, params, outputs)
     return 0

@@ -9,7 +9,7 @@ from conftest import FAMILIES, adapter_options, fixture_dir, make_engine, refere
 from prometheus_client.parser import text_string_to_metric_families
 from pydantic import ValidationError
 
-from looped_spec import EngineConfig, LoopedSpecEngine, SamplingParams
+from looped_spec import EngineConfig, LoopedSpecEngine, SamplingParams, load_adapter
 from looped_spec.engine.stats import EngineStats
 
 FILLER = [[9, 8, 7, 6, 5, 4, 3, 2, 1, 10, 11], [40, 41], [100, 3, 3, 3, 77]]
@@ -240,3 +240,34 @@ def test_a_dropped_engine_frees_its_kv_cache_and_weights_without_the_cycle_colle
         assert [ref() is None for ref in held] == [True] * len(held)
     finally:
         gc.enable()
+
+
+def test_close_releases_the_kv_cache_and_owned_weights_and_refuses_work_after():
+    import gc
+    import weakref
+
+    from looped_spec.engine.async_engine import AsyncLoopedSpecEngine
+
+    with LoopedSpecEngine("tiny-ouro", max_model_len=64, speculation="2,1") as engine:
+        engine.generate(["def f(x):"], SamplingParams(max_tokens=4))
+        engine.add_request("import os", SamplingParams(max_tokens=50))  # unfinished at close: dropped
+        engine.step()
+        held = [weakref.ref(x) for x in (engine.kv.key_cache, engine.adapter, engine.runner)]
+    gc.disable()
+    try:
+        engine.close()  # twice is fine
+        assert [ref() is None for ref in held] == [True] * 3  # while `engine` itself is still referenced
+    finally:
+        gc.enable()
+    assert not engine.has_unfinished_requests()
+    for call in (lambda: engine.generate(["x"]), lambda: engine.add_request("x"), engine.step):
+        with pytest.raises(RuntimeError, match="closed"):
+            call()
+    # an adapter the caller passed in is the caller's: close() leaves it usable
+    adapter = load_adapter("tiny-ouro")
+    with LoopedSpecEngine(adapter, speculation="off") as first:
+        first.generate(["x"], SamplingParams(max_tokens=2))
+    with AsyncLoopedSpecEngine(LoopedSpecEngine(adapter, speculation="off")) as front:
+        assert front.is_running
+    assert not front.is_running and front.engine.closed
+    assert LoopedSpecEngine(adapter, speculation="off").generate(["x"], SamplingParams(max_tokens=2))[0].token_ids

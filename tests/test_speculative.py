@@ -208,8 +208,8 @@ def test_adaptive_greedy_equals_plain(family, policy, plain_outputs, tmp_path):
         outs = engine.generate(prompts, [greedy(n) for n in max_tokens])
         start = PROMPTS.index(prompts[0])
         assert [o.token_ids for o in outs] == plain_outputs[family][start : start + len(prompts)]
-    engine.close()
     assert engine.num_free_blocks == engine.kv.num_blocks
+    engine.close()  # flushes the trace
     assert trace.read_text().count("\n") >= engine.stats.num_rounds
 
 

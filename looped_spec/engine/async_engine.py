@@ -101,7 +101,8 @@ class AsyncLoopedSpecEngine:
         self._thread.start()
 
     def shutdown(self) -> None:
-        """Stop the worker (after its current step) and end every open stream."""
+        """Stop the worker (after its current step), end every open stream and close the engine (its KV cache and,
+        when it loaded them, its weights are released)."""
         self._stop.set()
         self._commands.put(("wake", None))
         if self._thread is not None:
@@ -109,6 +110,13 @@ class AsyncLoopedSpecEngine:
             self._thread = None
         self._fail_all(EngineDeadError("the engine was shut down"))
         self.engine.close()
+
+    def __enter__(self) -> AsyncLoopedSpecEngine:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
 
     @property
     def is_running(self) -> bool:

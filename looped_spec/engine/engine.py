@@ -63,7 +63,9 @@ class LoopedSpecEngine:
             if config.adapter_options:
                 raise ValueError("adapter_options apply when loading a checkpoint, not to a ModelAdapter instance")
             self.adapter = model
+            self._owns_adapter = False  # the caller's: close() leaves its weights alone
         else:
+            self._owns_adapter = True
             self.adapter = load_adapter(
                 model, dtype=config.dtype, device=config.device, **(config.adapter_options or {})
             )
@@ -124,6 +126,7 @@ class LoopedSpecEngine:
         self._reports: dict[str, Request] = {}  # outputs owed to the caller (advanced, finished, aborted)
         self._suspects: list[Request] = []  # requests of a failed step, to be run one at a time
         self._failed_alone: dict[str, int] = {}  # suspect id -> consecutive failures running alone
+        self._closed = False
 
     def _controller(self, config: EngineConfig) -> FixedController:
         """The plan source of `config.speculation` (a preset only for "adaptive")."""
@@ -207,6 +210,7 @@ class LoopedSpecEngine:
         self, prompt: str | list[int], params: SamplingParams | None = None, request_id: str | None = None
     ) -> str:
         """Validate and queue one request; returns its id. Nothing is queued if validation fails."""
+        self._check_open()
         request = self._new_request(prompt, params, request_id)
         self._queue(request)
         return request.request_id
@@ -255,6 +259,7 @@ class LoopedSpecEngine:
 
     def abort(self, request_id: str) -> None:
         """Stop a request now; its output (finish_reason "abort") comes from the next `step()`."""
+        self._check_open()
         request = self._requests.get(str(request_id))
         if request is None:
             raise KeyError(f"unknown request_id {request_id!r}")
@@ -276,6 +281,7 @@ class LoopedSpecEngine:
         time until each has stepped once, and a request whose step fails twice in a row by itself finishes
         with finish_reason "error". Outputs not yet returned (a failed step, an abort) come with a later step.
         """
+        self._check_open()
         self._step_once()
         return self._take_outputs()
 
@@ -536,6 +542,7 @@ class LoopedSpecEngine:
         Requests added with `add_request` keep running alongside; their outputs stay for `step()`. If a step
         fails, this call's requests are aborted (and forgotten) and the error is raised.
         """
+        self._check_open()
         items = normalize_prompts(prompts)
         params_list = params if isinstance(params, list) else [params or SamplingParams()] * len(items)
         if len(params_list) != len(items):
@@ -583,8 +590,38 @@ class LoopedSpecEngine:
             self._requests.pop(request.request_id, None)
 
     def close(self) -> None:
-        """Flush and close the controller's trace (if any). Safe to call twice."""
+        """Release what the engine holds: its unfinished requests (dropped: their outputs are not returned), the KV
+        cache, the CUDA graphs, the controller's trace and, when the engine loaded them, the weights. Safe to call
+        twice; afterwards the engine refuses work with a RuntimeError. `with LoopedSpecEngine(...) as engine:` closes
+        it at the end of the block."""
+        if self._closed:
+            return
+        self._closed = True
         self.controller.close()
+        for queue in (self.scheduler.waiting, self.scheduler.running):
+            queue.clear()
+        self._requests.clear()
+        self._reports.clear()
+        self._suspects.clear()
+        self.kv.release()
+        self.runner = self.spec_round = self.loop_batcher = None  # they hold the adapter (and the graphs)
+        if self._owns_adapter:
+            self.adapter = None
+
+    @property
+    def closed(self) -> bool:
+        """Whether `close()` ran (the engine then refuses work)."""
+        return self._closed
+
+    def __enter__(self) -> LoopedSpecEngine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("this LoopedSpecEngine is closed (close() released its KV cache and weights)")
 
     @property
     def num_free_blocks(self) -> int:

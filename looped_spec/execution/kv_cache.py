@@ -81,3 +81,10 @@ class KVCache:
         """Entry i: the keys/values of slot `slots[i]` in plane `src_planes[i]` copied into plane `dst_planes[i]`."""
         self.key_cache[dst_planes, slots] = self.key_cache[src_planes, slots]
         self.value_cache[dst_planes, slots] = self.value_cache[src_planes, slots]
+
+    def release(self) -> None:
+        """Give the storage back (a closed engine): no block can be handed out afterwards."""
+        empty = self.key_cache.new_empty(0)
+        self.key_cache, self.value_cache = empty, empty.clone()
+        self._free = []
+        self.num_blocks = 0
