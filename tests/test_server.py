@@ -189,6 +189,69 @@ def test_full_queue_is_429_and_disconnect_aborts(server, client, monkeypatch):
     assert client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=2).usage.completion_tokens == 2
 
 
+def test_a_real_burst_gets_429_beyond_the_queue_and_the_admitted_requests_complete(reference_engine):
+    """Many concurrent clients at once against a server admitting batch + queue: the rest get 429 with Retry-After,
+    every admitted request completes equal to offline greedy, and the server serves after the burst."""
+    import asyncio
+
+    engine = LoopedSpecEngine(MODEL, speculation="off", max_batch_size=2, max_model_len=128)
+    runner = engine.runner
+    runner.decode = slowed(runner.decode, 0.01)  # the burst arrives while the first requests still decode
+    prompts = ["def fibonacci(n):", "import os", "class A:", "x = ["]
+    expected = {p: greedy(reference_engine, p, 8).text for p in prompts}
+    with ServerThread(engine, MODEL, max_queued=2) as running:
+        client = openai.AsyncOpenAI(base_url=running.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+
+        async def one(i: int):
+            prompt = prompts[i % len(prompts)]
+            try:
+                out = await client.completions.create(model=MODEL, prompt=prompt, max_tokens=8, temperature=0)
+            except openai.RateLimitError as exc:
+                return "429", exc.response.headers.get("retry-after")
+            return prompt, out.choices[0].text
+
+        async def burst():
+            return await asyncio.gather(*(one(i) for i in range(24)))
+
+        results = asyncio.run(burst())
+        limited = [r for r in results if r[0] == "429"]
+        served = [r for r in results if r[0] != "429"]
+        assert limited and all(retry == "1" for _, retry in limited)
+        assert len(served) >= 4 and all(text == expected[prompt] for prompt, text in served)
+        wait_until(lambda: idle(running), what="burst drained")
+        after = openai.OpenAI(base_url=running.url + "/v1", api_key="unused", max_retries=0)
+        assert (
+            after.completions.create(model=MODEL, prompt=prompts[0], max_tokens=8, temperature=0).choices[0].text
+            == expected[prompts[0]]
+        )
+
+
+def test_a_stopped_engine_is_503_and_a_shutdown_ends_open_streams_with_an_error(reference_engine):
+    """Shutting the engine down mid-stream ends the open stream with an error event (never a hang); afterwards
+    completions are 503 with Retry-After and /health reports 503."""
+    import threading
+
+    engine = LoopedSpecEngine(MODEL, speculation="off", max_model_len=256)
+    engine.runner.decode = slowed(engine.runner.decode, 0.02)
+    with ServerThread(engine, MODEL) as running:
+        client = openai.OpenAI(base_url=running.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+        assert httpx.get(running.url + "/health").status_code == 200
+        stream = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=200, temperature=0, stream=True,
+                                           extra_body={"ignore_eos": True})  # fmt: skip
+        chunks = iter(stream)
+        next(chunks)  # generating
+        threading.Thread(target=running.async_engine.shutdown).start()
+        with pytest.raises(openai.APIError, match="shut down"):
+            for _ in chunks:
+                pass
+        wait_until(lambda: not running.async_engine.is_running, what="engine stopped")
+        with pytest.raises(openai.APIStatusError) as err:
+            client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=2)
+        assert err.value.status_code == 503 and err.value.response.headers["retry-after"] == "1"
+        health = httpx.get(running.url + "/health")
+        assert health.status_code == 503 and health.json() == {"status": "engine stopped"}
+
+
 def test_non_streaming_client_that_leaves_has_its_request_aborted(server, monkeypatch):
     monkeypatch.setattr(server.engine.runner, "decode", slowed(server.engine.runner.decode, 0.05))
     monkeypatch.setattr(server.engine.spec_round, "run", slowed(server.engine.spec_round.run, 0.05))
