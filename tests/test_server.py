@@ -120,13 +120,56 @@ def test_stop_strings_cut_the_text_and_stop_generation(server, client, reference
     assert "".join(c.choices[0].text for c in chunks) == cut
 
 
+def test_prompt_lists_and_n_choices(server, client, plain_server, reference_engine):
+    """A list of prompts gives one choice per prompt (batched into the engine together); `n` > 1 gives independent
+    samples per prompt, reproducible with a seed (choice j draws with seed + j), in OpenAI's order (prompt i's j-th
+    sample is choice i * n + j); usage counts each prompt once and every choice's tokens."""
+    prompts = ["def fibonacci(n):", "import os", "class A:"]
+    out = client.completions.create(model=MODEL, prompt=prompts, max_tokens=6, temperature=0)
+    assert [c.index for c in out.choices] == [0, 1, 2]
+    assert [c.text for c in out.choices] == [greedy(reference_engine, p, 6).text for p in prompts]
+    num_prompt = sum(len(reference_engine.tokenizer.encode(p, add_special_tokens=False)) for p in prompts)
+    assert out.usage.prompt_tokens == num_prompt and out.usage.completion_tokens == 18
+
+    # seeded samples are reproducible where the plans are: on a server decoding plainly (adaptive plans follow the
+    # machine, and another K draws other numbers)
+    plain = openai.OpenAI(base_url=plain_server.url + "/v1", api_key="unused", max_retries=0)
+    sampled = dict(model=MODEL, prompt=prompts[:2], max_tokens=6, temperature=1.0, n=2, seed=11)
+    first, again = plain.completions.create(**sampled), plain.completions.create(**sampled)
+    texts = [c.text for c in first.choices]
+    assert [c.index for c in first.choices] == list(range(4)) and texts == [c.text for c in again.choices]
+    assert texts[0] != texts[1]  # independent samples of one prompt
+    for k, text in enumerate(texts):  # choice i * n + j: prompt i sampled with seed 11 + j
+        params = SamplingParams(max_tokens=6, temperature=1.0, seed=11 + k % 2)
+        assert text == reference_engine.generate(prompts[k // 2], params)[0].text, k
+
+    stream = plain.completions.create(**sampled, stream=True, stream_options={"include_usage": True})
+    pieces: dict[int, str] = {}
+    usage = None
+    for chunk in stream:
+        for c in chunk.choices:
+            pieces[c.index] = pieces.get(c.index, "") + c.text
+        usage = chunk.usage or usage
+    assert [pieces[k] for k in range(4)] == texts and usage.completion_tokens == 24
+    # more choices than the server ever admits at once (batch 4, no queue) is a 400 naming n, not a 429
+    with pytest.raises(openai.BadRequestError, match="^Error code: 400.*n: 6 choices"):
+        client.completions.create(**(sampled | {"n": 3, "prompt": prompts[:2]}))
+
+    chat = dict(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=5, temperature=1.0, n=2, seed=3)
+    try:
+        replies = client.chat.completions.create(**chat)
+    except openai.BadRequestError:  # the shipped tiny model has no chat template
+        return
+    assert [c.index for c in replies.choices] == [0, 1]
+
+
 def test_bad_requests_are_400_naming_the_field(server, client):
     cases = [
         (dict(temperature=-1), "temperature"),
         (dict(top_p=0), "top_p"),
         (dict(max_tokens=0), "max_tokens"),
         (dict(max_tokens=10_000), "max_tokens"),
-        (dict(n=2), "n"),
+        (dict(n=17), "n"),
         (dict(extra_body={"logprobs": 3}), "logprobs"),
         (dict(extra_body={"stop_token_ids": ["x"]}), "stop_token_ids"),
     ]

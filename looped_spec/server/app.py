@@ -74,25 +74,29 @@ def build_app(
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
         serving.check_model(body.model)
-        ids = serving.prompt_ids(body.prompt)
-        params = serving.sampling_params(body, len(ids), body.max_tokens)
-        outputs = serving.start(ids, params)
+        prompts = serving.prompt_lists(body.prompt)
+        # choice i * n + j: prompt i's j-th sample (OpenAI's order); all admitted together or none
+        choices = [(ids, j) for ids in prompts for j in range(body.n)]
+        params = [serving.sampling_params(body, len(ids), body.max_tokens, j) for ids, j in choices]
+        outputs = serving.start_all([ids for ids, _ in choices], params)
+        num_prompt = sum(len(ids) for ids in prompts)
         cid = new_id("cmpl")
         if body.stream:
 
-            def chunks(out: RequestOutput):
+            def chunks(index: int, out: RequestOutput):
                 if out.new_text or out.finished:
-                    choice = CompletionChoice(text=out.new_text, finish_reason=finish_reason(out))
+                    choice = CompletionChoice(index=index, text=out.new_text, finish_reason=finish_reason(out))
                     yield CompletionResponse(id=cid, model=model_name, choices=[choice])
 
             usage = None
             if body.stream_options is not None and body.stream_options.include_usage:
-                usage = lambda out: CompletionResponse(id=cid, model=model_name, choices=[],
-                                                       usage=serving.usage(len(ids), out))  # fmt: skip
+                usage = lambda outs: CompletionResponse(id=cid, model=model_name, choices=[],
+                                                        usage=serving.usage(num_prompt, outs))  # fmt: skip
             return StreamingResponse(serving.sse(outputs, chunks, usage), media_type="text/event-stream")
-        out = await serving.final_output(outputs, request)
-        choice = CompletionChoice(text=out.text or "", finish_reason=out.finish_reason)
-        return CompletionResponse(id=cid, model=model_name, choices=[choice], usage=serving.usage(len(ids), out))
+        outs = await serving.final_outputs(outputs, request)
+        result = [CompletionChoice(index=k, text=out.text or "", finish_reason=out.finish_reason)
+                  for k, out in enumerate(outs)]  # fmt: skip
+        return CompletionResponse(id=cid, model=model_name, choices=result, usage=serving.usage(num_prompt, outs))
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
@@ -104,30 +108,31 @@ def build_app(
             raise APIError(400, str(exc), "messages") from exc
         ids = serving.prompt_ids(prompt, "messages")
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-        params = serving.sampling_params(body, len(ids), max_tokens)
-        outputs = serving.start(ids, params)
+        params = [serving.sampling_params(body, len(ids), max_tokens, j) for j in range(body.n)]
+        outputs = serving.start_all([ids] * body.n, params)
         cid = new_id("chatcmpl")
         if body.stream:
-            first = True
+            started: set[int] = set()
 
-            def chunks(out: RequestOutput):
-                nonlocal first
-                if first:  # OpenAI streams the role first
-                    first = False
+            def chunks(index: int, out: RequestOutput):
+                if index not in started:  # OpenAI streams each choice's role first
+                    started.add(index)
                     delta = DeltaMessage(role="assistant", content="")
-                    yield ChatCompletionChunk(id=cid, model=model_name, choices=[ChatStreamChoice(delta=delta)])
+                    yield ChatCompletionChunk(id=cid, model=model_name,
+                                              choices=[ChatStreamChoice(index=index, delta=delta)])  # fmt: skip
                 if out.new_text or out.finished:
-                    choice = ChatStreamChoice(delta=DeltaMessage(content=out.new_text or None),
+                    choice = ChatStreamChoice(index=index, delta=DeltaMessage(content=out.new_text or None),
                                               finish_reason=finish_reason(out))  # fmt: skip
                     yield ChatCompletionChunk(id=cid, model=model_name, choices=[choice])
 
             usage = None
             if body.stream_options is not None and body.stream_options.include_usage:
-                usage = lambda out: ChatCompletionChunk(id=cid, model=model_name, choices=[],
-                                                        usage=serving.usage(len(ids), out))  # fmt: skip
+                usage = lambda outs: ChatCompletionChunk(id=cid, model=model_name, choices=[],
+                                                         usage=serving.usage(len(ids), outs))  # fmt: skip
             return StreamingResponse(serving.sse(outputs, chunks, usage), media_type="text/event-stream")
-        out = await serving.final_output(outputs, request)
-        choice = ChatChoice(message=ChatResponseMessage(content=out.text or ""), finish_reason=out.finish_reason)
-        return ChatCompletionResponse(id=cid, model=model_name, choices=[choice], usage=serving.usage(len(ids), out))
+        outs = await serving.final_outputs(outputs, request)
+        result = [ChatChoice(index=k, message=ChatResponseMessage(content=out.text or ""),
+                             finish_reason=out.finish_reason) for k, out in enumerate(outs)]  # fmt: skip
+        return ChatCompletionResponse(id=cid, model=model_name, choices=result, usage=serving.usage(len(ids), outs))
 
     return app

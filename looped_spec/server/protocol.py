@@ -30,7 +30,9 @@ class SamplingFields(BaseModel):
     temperature: float | None = Field(None, ge=0.0, le=2.0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
     top_k: int | None = Field(None, ge=-1)
-    n: int = Field(1, ge=1, le=1, description="Only one choice per request is supported.")
+    n: int = Field(
+        1, ge=1, le=16, description="Independent choices per prompt (with `seed` s, choice j draws with s + j)."
+    )
     stream: bool = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = Field(None, description="Stop strings (at most 16), cut from the output.")

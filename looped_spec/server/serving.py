@@ -21,6 +21,7 @@ from looped_spec.server.metrics import ServerMetrics
 from looped_spec.server.protocol import SamplingFields, UsageInfo
 
 MAX_STOP_STRINGS = 16
+MAX_PROMPTS = 64  # prompts in one completions request (each with `n` choices)
 RETRY_AFTER_S = "1"
 
 
@@ -43,11 +44,15 @@ class OpenAIServing:
         if model != self.model_name:
             raise APIError(404, f"model {model!r} does not exist; this server serves {self.model_name!r}", "model")
 
-    def prompt_ids(self, prompt, param: str = "prompt") -> list[int]:
+    def prompt_lists(self, prompt, param: str = "prompt") -> list[list[int]]:
+        """Token ids of each prompt of a completions request (a string, token ids, or a list of either)."""
         if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
-            if len(prompt) != 1:
-                raise APIError(400, f"{param}: one prompt per request is supported (got {len(prompt)})", param)
-            prompt = prompt[0]
+            if len(prompt) > MAX_PROMPTS:
+                raise APIError(400, f"{param}: at most {MAX_PROMPTS} prompts per request (got {len(prompt)})", param)
+            return [self.prompt_ids(p, f"{param}[{i}]") for i, p in enumerate(prompt)]
+        return [self.prompt_ids(prompt, param)]
+
+    def prompt_ids(self, prompt, param: str = "prompt") -> list[int]:
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise APIError(400, f"{param}: the model has no tokenizer; send token ids", param)
@@ -65,7 +70,11 @@ class OpenAIServing:
                            param)  # fmt: skip
         return ids
 
-    def sampling_params(self, body: SamplingFields, num_prompt_tokens: int, max_tokens: int | None) -> SamplingParams:
+    def sampling_params(
+        self, body: SamplingFields, num_prompt_tokens: int, max_tokens: int | None, choice: int = 0
+    ) -> SamplingParams:
+        """The engine's parameters of one choice; with `seed` s, choice j of a request draws with seed s + j (so `n`
+        choices are independent, and reproducible)."""
         room = self.max_model_len - num_prompt_tokens
         if max_tokens is None:
             max_tokens = room
@@ -88,7 +97,7 @@ class OpenAIServing:
                 temperature=d.temperature if body.temperature is None else body.temperature,
                 top_p=d.top_p if body.top_p is None else body.top_p,
                 top_k=d.top_k if body.top_k is None else body.top_k,
-                seed=body.seed,
+                seed=None if body.seed is None else (body.seed + choice) % 2**63,
                 stop=stop,
                 stop_token_ids=stop_token_ids,
                 ignore_eos=body.ignore_eos,
@@ -115,52 +124,72 @@ class OpenAIServing:
 
     def start(self, ids: list[int], params: SamplingParams) -> AsyncIterator[RequestOutput]:
         """Admit the request now (429 / 503 before any response starts); its outputs, timed."""
+        return self.start_all([ids], [params])[0]
+
+    def start_all(self, prompts: list[list[int]], params: list[SamplingParams]) -> list[AsyncIterator[RequestOutput]]:
+        """Admit every choice of an API request together, or none (429 / 503 before any response starts; 400 for more
+        choices than the server ever admits at once)."""
+        if len(prompts) > self.engine.max_in_flight:
+            raise APIError(400, f"n: {len(prompts)} choices (prompts × n) exceed the {self.engine.max_in_flight} "
+                           "requests this server runs or queues at once", "n")  # fmt: skip
+        streams = []
         try:
-            stream = self.engine.add_request(ids, params)
-        except QueueFullError as exc:
-            raise APIError(429, f"server busy: {exc}; retry later", headers={"Retry-After": RETRY_AFTER_S}) from exc
-        except EngineDeadError as exc:
+            for ids, choice_params in zip(prompts, params):
+                streams.append(self.engine.add_request(ids, choice_params))
+        except (QueueFullError, EngineDeadError) as exc:
+            for stream in streams:
+                stream.abort()
+            if isinstance(exc, QueueFullError):
+                raise APIError(429, f"server busy: {exc}; retry later", headers={"Retry-After": RETRY_AFTER_S}) from exc
             raise APIError(503, str(exc), headers={"Retry-After": RETRY_AFTER_S}) from exc
-        return self.metrics.timed(aiter(stream), time.perf_counter())
+        arrival = time.perf_counter()
+        return [self.metrics.timed(aiter(stream), arrival) for stream in streams]
 
     # ----- engine -> response -----
     @staticmethod
-    def usage(num_prompt: int, out: RequestOutput | None) -> UsageInfo:
-        num_completion = len(out.token_ids) if out is not None else 0
+    def usage(num_prompt: int, outs: list[RequestOutput | None]) -> UsageInfo:
+        """Prompt tokens once per prompt, completion tokens over every choice."""
+        num_completion = sum(len(out.token_ids) for out in outs if out is not None)
         return UsageInfo(prompt_tokens=num_prompt, completion_tokens=num_completion,
                          total_tokens=num_prompt + num_completion)  # fmt: skip
 
+    async def final_outputs(self, outputs: list[AsyncIterator[RequestOutput]], request: Request) -> list[RequestOutput]:
+        """Every choice's finished output; aborts them all if the client disconnects first."""
+        task = asyncio.ensure_future(asyncio.gather(*(_last(o) for o in outputs), return_exceptions=True))
+        gone = asyncio.ensure_future(_disconnected(request))
+        await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
+        if not task.done():
+            task.cancel()  # each request's stream aborts it in the engine
+            await asyncio.gather(task, return_exceptions=True)
+            raise APIError(499, "client disconnected")
+        gone.cancel()
+        outs = task.result()
+        for out in outs:
+            if isinstance(out, (EngineFaultError, EngineDeadError)):
+                raise APIError(500, str(out)) from out
+            if isinstance(out, (ValueError, TypeError)):  # the engine refused the request (its own validation)
+                raise APIError(400, str(out)) from out
+            if isinstance(out, BaseException):
+                raise out
+            if out.finish_reason == "error":
+                raise APIError(500, f"engine error while generating this request: {out.error}")
+        return outs
+
     async def final_output(self, outputs: AsyncIterator[RequestOutput], request: Request) -> RequestOutput:
         """The finished output; aborts the request if the client disconnects first."""
-        async with aclosing(outputs):
-            task = asyncio.ensure_future(_last(outputs))
-            gone = asyncio.ensure_future(_disconnected(request))
-            await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
-            if not task.done():
-                task.cancel()  # the request's stream aborts it in the engine
-                await asyncio.gather(task, return_exceptions=True)
-                raise APIError(499, "client disconnected")
-            gone.cancel()
-            try:
-                out = task.result()
-            except (EngineFaultError, EngineDeadError) as exc:
-                raise APIError(500, str(exc)) from exc
-            except (ValueError, TypeError) as exc:  # the engine refused the request (its own validation)
-                raise APIError(400, str(exc)) from exc
-        if out.finish_reason == "error":
-            raise APIError(500, f"engine error while generating this request: {out.error}")
-        return out
+        return (await self.final_outputs([outputs], request))[0]
 
-    async def sse(self, outputs: AsyncIterator[RequestOutput], make_chunks, usage_chunk) -> AsyncIterator[str]:
-        """Server-sent events: chunks per output, an error event on an engine fault, then [DONE]."""
-        last = None
-        async with aclosing(outputs):
+    async def sse(self, outputs: list[AsyncIterator[RequestOutput]], make_chunks, usage_chunk) -> AsyncIterator[str]:
+        """Server-sent events: chunks per output of every choice as they come (`make_chunks(index, output)`), an
+        error event on an engine fault, then the usage chunk (`usage_chunk(last outputs)`) and [DONE]."""
+        last: list[RequestOutput | None] = [None] * len(outputs)
+        async with aclosing(_merged(outputs)) as merged:
             try:
-                async for out in outputs:
+                async for index, out in merged:
                     if out.finish_reason == "error":
                         raise EngineFaultError(f"engine error while generating this request: {out.error}")
-                    last = out
-                    for chunk in make_chunks(out):
+                    last[index] = out
+                    for chunk in make_chunks(index, out):
                         yield f"data: {chunk.model_dump_json()}\n\n"
             except (EngineFaultError, EngineDeadError) as exc:
                 yield f"data: {json.dumps(error_body(500, str(exc)))}\n\n"
@@ -169,6 +198,28 @@ class OpenAIServing:
         if usage_chunk is not None:
             yield f"data: {usage_chunk(last).model_dump_json()}\n\n"
         yield "data: [DONE]\n\n"
+
+
+async def _merged(outputs: list[AsyncIterator[RequestOutput]]) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """(choice index, output) from every choice's stream as each comes; closing it closes (aborts) them all."""
+    pending = {asyncio.ensure_future(anext(it)): i for i, it in enumerate(outputs)}
+    try:
+        while pending:
+            done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            for task in done:
+                index = pending.pop(task)
+                try:
+                    out = task.result()
+                except StopAsyncIteration:
+                    continue
+                yield index, out
+                pending[asyncio.ensure_future(anext(outputs[index]))] = index
+    finally:
+        for task in pending:
+            task.cancel()
+        await asyncio.gather(*pending, return_exceptions=True)
+        for it in outputs:
+            await it.aclose()
 
 
 def finish_reason(out: RequestOutput) -> str | None:
