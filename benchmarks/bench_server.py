@@ -1,18 +1,23 @@
 """Bounded loopback load test of `looped-spec serve`: concurrent streaming clients, checked answers.
 
 Starts the server as a subprocess on 127.0.0.1 (a free port), runs `--clients` concurrent clients that
-each stream `--requests-per-client` greedy completions through the official `openai` client, then:
+each stream `--requests-per-client` greedy completions through the official `openai` client — or, with
+`--arrival-rate R`, an open loop: the same number of requests arriving as a Poisson process of R requests per second
+(seeded), each streamed by its own client — then:
 
 - checks every response is complete and equal to the offline greedy output of the same prompt
   (an offline engine with speculation off, in this process),
 - checks no KV block leaked (the server's /metrics: KV usage 0, no running or waiting request),
-- prints p50/p99 time to first token, p50/p99 end-to-end latency and throughput.
+- prints p50/p99 time to first token, p50/p99 inter-token latency (between streamed chunks), p50/p99 end-to-end
+  latency and throughput.
 
 Finite by construction: `clients × requests-per-client` requests, each `--max-tokens` long; a request
 timeout bounds a stuck one. Exit code 1 when a check fails. The numbers are for one machine at one
 moment (no timed assertion); compare runs side by side.
 
     python benchmarks/bench_server.py --model tiny-ouro --clients 32 --max-tokens 32
+    python benchmarks/bench_server.py --model tiny-ouro --speculation off --batching loop --exit-threshold 0.7 \
+        --arrival-rate 20 --clients 64 --requests-per-client 1
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import random
 import socket
 import statistics
 import subprocess
@@ -52,7 +58,8 @@ def free_port() -> int:
 def start_server(args: argparse.Namespace, port: int) -> subprocess.Popen:
     command = [sys.executable, "-m", "looped_spec.cli", "serve", args.model, "--port", str(port),
                "--max-batch-size", str(args.max_batch_size), "--max-queued", str(args.clients),
-               "--speculation", args.speculation, "--threads", str(args.threads), "--log-level", "warning"]  # fmt: skip
+               "--speculation", args.speculation, "--threads", str(args.threads), "--log-level", "warning",
+               "--batching", args.batching]  # fmt: skip
     return subprocess.Popen(command, env=os.environ | {"OMP_NUM_THREADS": str(args.threads)})
 
 
@@ -77,26 +84,36 @@ def offline_references(args: argparse.Namespace) -> dict[str, str]:
 
     torch.set_num_threads(args.threads)
     engine = LoopedSpecEngine(args.model, speculation="off")
-    outputs = engine.generate(PROMPTS, SamplingParams(max_tokens=args.max_tokens, temperature=0.0))
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, exit_threshold=args.exit_threshold)
+    outputs = engine.generate(PROMPTS, params)
     engine.close()
     return {p: o.text for p, o in zip(PROMPTS, outputs)}
 
 
+async def one_request(client: openai.AsyncOpenAI, model: str, prompt: str, args, results: list) -> None:
+    start = time.perf_counter()
+    first, parts, finish, gaps, last = None, [], None, [], None
+    extra = {} if args.exit_threshold is None else {"exit_threshold": args.exit_threshold}
+    stream = await client.completions.create(model=model, prompt=prompt, max_tokens=args.max_tokens,
+                                             temperature=0, stream=True, extra_body=extra)  # fmt: skip
+    async for chunk in stream:
+        if not chunk.choices:
+            continue
+        if chunk.choices[0].text:
+            now = time.perf_counter()
+            if first is None:
+                first = now - start
+            else:
+                gaps.append(now - last)
+            last = now
+        parts.append(chunk.choices[0].text)
+        finish = chunk.choices[0].finish_reason or finish
+    results.append((prompt, "".join(parts), finish, first, time.perf_counter() - start, gaps))
+
+
 async def one_client(client: openai.AsyncOpenAI, model: str, index: int, args, results: list) -> None:
     for r in range(args.requests_per_client):
-        prompt = PROMPTS[(index + r) % len(PROMPTS)]
-        start = time.perf_counter()
-        first, parts, finish = None, [], None
-        stream = await client.completions.create(model=model, prompt=prompt, max_tokens=args.max_tokens,
-                                                 temperature=0, stream=True)  # fmt: skip
-        async for chunk in stream:
-            if not chunk.choices:
-                continue
-            if chunk.choices[0].text and first is None:
-                first = time.perf_counter() - start
-            parts.append(chunk.choices[0].text)
-            finish = chunk.choices[0].finish_reason or finish
-        results.append((prompt, "".join(parts), finish, first, time.perf_counter() - start))
+        await one_request(client, model, PROMPTS[(index + r) % len(PROMPTS)], args, results)
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -113,7 +130,15 @@ async def load(url: str, model: str, args) -> tuple[list, float]:
     client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=args.timeout)
     results: list = []
     start = time.perf_counter()
-    await asyncio.gather(*(one_client(client, model, i, args, results) for i in range(args.clients)))
+    if args.arrival_rate is None:
+        await asyncio.gather(*(one_client(client, model, i, args, results) for i in range(args.clients)))
+    else:  # open loop: Poisson arrivals, each request its own client
+        rng = random.Random(0)
+        tasks = []
+        for i in range(args.clients * args.requests_per_client):
+            tasks.append(asyncio.ensure_future(one_request(client, model, PROMPTS[i % len(PROMPTS)], args, results)))
+            await asyncio.sleep(rng.expovariate(args.arrival_rate))
+        await asyncio.gather(*tasks)
     elapsed = time.perf_counter() - start
     await client.close()
     return results, elapsed
@@ -129,7 +154,13 @@ def main() -> int:
     parser.add_argument("--speculation", default="adaptive", help="the server's speculation setting")
     parser.add_argument("--threads", type=int, default=1, help="torch threads of the server and the references")
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds before one request fails")
+    parser.add_argument("--batching", default="step", choices=["step", "loop"], help="the server's batching")
+    parser.add_argument("--exit-threshold", type=float, default=None, help="every request's early-exit threshold")
+    open_loop = "open loop: requests per second, Poisson (clients x requests-per-client of them)"
+    parser.add_argument("--arrival-rate", type=float, default=None, help=open_loop)
     args = parser.parse_args()
+    if args.arrival_rate is not None and not args.arrival_rate > 0:
+        parser.error("--arrival-rate must be > 0")
 
     references = offline_references(args)
     port = free_port()
@@ -145,15 +176,22 @@ def main() -> int:
         server.terminate()
         server.wait(timeout=60)
 
-    failures = [(p, text) for p, text, finish, _, _ in results if finish is None or text != references[p]]
+    failures = [(p, text) for p, text, finish, *_ in results if finish is None or text != references[p]]
     leaked = gauges.get("looped_spec:kv_cache_usage_perc", 1.0) != 0.0
     busy = gauges.get("looped_spec:num_requests_running", 1) + gauges.get("looped_spec:num_requests_waiting", 1)
     ttft = [r[3] for r in results if r[3] is not None]
     e2e = [r[4] for r in results]
+    itl = [gap for r in results for gap in r[5]]
     tokens = gauges.get("looped_spec:generation_tokens_total", 0.0)
-    print(f"{len(results)} streamed requests from {args.clients} clients, {args.max_tokens} tokens each, "
-          f"server max batch {args.max_batch_size}, speculation {args.speculation}")  # fmt: skip
+    arrivals = f"Poisson arrivals at {args.arrival_rate}/s" if args.arrival_rate else f"{args.clients} clients"
+    print(f"{len(results)} streamed requests ({arrivals}), {args.max_tokens} tokens each, server max batch "
+          f"{args.max_batch_size}, speculation {args.speculation}, batching {args.batching}, exit threshold "
+          f"{args.exit_threshold}")  # fmt: skip
     print(f"TTFT            p50 {1000 * statistics.median(ttft):8.1f} ms   p99 {1000 * percentile(ttft, 0.99):8.1f} ms")
+    if itl:
+        print(
+            f"inter-token     p50 {1000 * statistics.median(itl):8.1f} ms   p99 {1000 * percentile(itl, 0.99):8.1f} ms"
+        )
     print(f"end to end      p50 {1000 * statistics.median(e2e):8.1f} ms   p99 {1000 * percentile(e2e, 0.99):8.1f} ms")
     print(f"throughput      {tokens / elapsed:8.1f} generated tokens/s over {elapsed:.2f} s (this machine, now)")
     accepted = gauges.get("looped_spec:spec_decode_num_accepted_tokens_total", 0.0)

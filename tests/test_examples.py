@@ -45,3 +45,14 @@ def test_server_load_test_passes_its_checks():
     done = subprocess.run([sys.executable, str(script), *args], capture_output=True, text=True, timeout=600, env=env)
     assert done.returncode == 0, done.stdout + done.stderr
     assert "12/12 equal to offline greedy" in done.stdout and "after the run: none" in done.stdout
+
+
+def test_server_load_test_runs_an_open_loop_against_loop_batching():
+    """bench_server.py with Poisson arrivals, loop batching and early exit: answers equal offline, ITL reported."""
+    script = EXAMPLES.parent / "benchmarks" / "bench_server.py"
+    args = ["--clients", "6", "--requests-per-client", "1", "--max-tokens", "6", "--max-batch-size", "4"]
+    args += ["--speculation", "off", "--batching", "loop", "--exit-threshold", "0.7", "--arrival-rate", "50"]
+    env = os.environ | {"OMP_NUM_THREADS": "1"}
+    done = subprocess.run([sys.executable, str(script), *args], capture_output=True, text=True, timeout=600, env=env)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "6/6 equal to offline greedy" in done.stdout and "inter-token" in done.stdout

@@ -158,7 +158,9 @@ class LoopBatcher:
     # ----- the pass -----
     @staticmethod
     def _key(requests: list[Request], positions: list[int], counts: list[int]) -> tuple:
-        return tuple((id(r), r.metrics.num_preemptions, p, n) for r, p, n in zip(requests, positions, counts))
+        # a request by its admission number (unique in the engine; an object id can be reused once a finished
+        # request is freed), and its preemption count: a recomputed request holds other blocks
+        return tuple((r.arrival, r.metrics.num_preemptions, p, n) for r, p, n in zip(requests, positions, counts))
 
     def _pass_context(self, items: list[Item]):
         """The context of the items' positions; only the planes change from pass to pass."""
