@@ -504,3 +504,15 @@ def test_loop_batching_bench_reports_every_mode_beside_an_aa_line(tmp_path, caps
     assert json.loads(out.read_text())["table"]["full"]["positions_per_pass"] > 2  # a verification's K+1 positions
     with pytest.raises(SystemExit):
         bench.main(["--model", FIXTURE, "--prompts", "random", "--modes", "deep", "--rounds", "3"])
+
+
+def test_draft_confidence_auc_ranks_and_reports_every_depth(tmp_path, capsys):
+    script = load_script("draft_confidence_auc")
+    assert script.auc([0.9, 0.8], [0.1, 0.2]) == 1.0 and script.auc([0.1], [0.9, 0.8]) == 0.0
+    assert script.auc([0.5, 0.5], [0.5]) == 0.5 and script.auc([], [0.3]) is None
+    assert script.auc([0.3, 0.7], [0.5]) == 0.5  # one above, one below
+    out = tmp_path / "auc.json"
+    table = script.main(["--model", FIXTURE, "--prompts", "random", "--count", "3", "--max-tokens", "6",
+                         "--out", str(out)])  # fmt: skip
+    assert sorted(table) == [1, 2, 3] and all(row["positions"] == 18 for row in table.values())
+    assert "AUC exit signal" in capsys.readouterr().out and json.loads(out.read_text())["table"]
