@@ -17,6 +17,15 @@ class RequestStatus(enum.Enum):
     FINISHED = "finished"
 
 
+@dataclass(frozen=True)
+class TokenLogprob:
+    """One token's log-probability given the tokens before it, and the `top` most likely tokens there."""
+
+    token: int
+    logprob: float
+    top: list[tuple[int, float]]
+
+
 @dataclass
 class RequestMetrics:
     """Per-request speculation counters."""

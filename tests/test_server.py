@@ -163,6 +163,42 @@ def test_prompt_lists_and_n_choices(server, client, plain_server, reference_engi
     assert [c.index for c in replies.choices] == [0, 1]
 
 
+def test_logprobs_echo_and_scoring_equal_the_models_own_log_probabilities(server, client, reference_engine):
+    """Completions for evaluation harnesses: `logprobs` (top-N per generated token), `echo` (the prompt with its
+    scores, the first None) and `max_tokens: 0` (score only). The numbers are log-softmax of the model's full-depth
+    logits (an independent cache-free forward here); on a speculating server they are the target's, and the greedy
+    token is each position's top-1; echoing a generated text scores its tokens as the generation did."""
+    import torch
+
+    ids = reference_engine.tokenizer.encode(PROMPT, add_special_tokens=False)
+    out = client.completions.create(model=MODEL, prompt=ids, max_tokens=8, temperature=0, logprobs=3, seed=4)
+    lp = out.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 8 and lp.text_offset[0] == 0
+    offline = greedy(reference_engine, ids, 8).token_ids
+    dense = torch.log_softmax(reference_engine.adapter.dense_logits(ids + offline)[0].float(), -1)
+    expected = [dense[len(ids) - 1 + i, t].item() for i, t in enumerate(offline)]
+    assert lp.token_logprobs == pytest.approx(expected, abs=1e-4)
+    for top, value in zip(lp.top_logprobs, lp.token_logprobs):  # greedy: each token is its position's top-1
+        assert 1 <= len(top) <= 3 and max(top.values()) == pytest.approx(value, abs=1e-6)
+
+    # echo + max_tokens 0 over prompt + generation: the prompt's scores, then the generation's own
+    scored = client.completions.create(model=MODEL, prompt=ids + offline, max_tokens=0, echo=True, logprobs=1)
+    echo = scored.choices[0].logprobs
+    assert echo.token_logprobs[0] is None and len(echo.token_logprobs) == len(ids) + 8
+    prompt_expected = [dense[i - 1, t].item() for i, t in enumerate(ids) if i > 0]
+    assert echo.token_logprobs[1 : len(ids)] == pytest.approx(prompt_expected, abs=1e-4)
+    assert echo.token_logprobs[len(ids) :] == pytest.approx(lp.token_logprobs, abs=1e-4)
+    assert scored.choices[0].text == reference_engine.tokenizer.decode(ids + offline)
+    assert scored.usage.completion_tokens == 0
+
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=4,
+                                          temperature=0, logprobs=True, top_logprobs=2)  # fmt: skip
+    content = chat.choices[0].logprobs.content
+    assert len(content) >= 1 and all(len(c.top_logprobs) == 2 for c in content)
+    assert all(c.logprob == pytest.approx(c.top_logprobs[0].logprob, abs=1e-6) for c in content)
+    assert "".join(c.token for c in content).startswith(chat.choices[0].message.content[:1])
+
+
 def test_bad_requests_are_400_naming_the_field(server, client):
     cases = [
         (dict(temperature=-1), "temperature"),
@@ -170,7 +206,11 @@ def test_bad_requests_are_400_naming_the_field(server, client):
         (dict(max_tokens=0), "max_tokens"),
         (dict(max_tokens=10_000), "max_tokens"),
         (dict(n=17), "n"),
-        (dict(extra_body={"logprobs": 3}), "logprobs"),
+        (dict(logprobs=21), "logprobs"),
+        (dict(max_tokens=0), "max_tokens"),
+        (dict(logprobs=2, stream=True), "logprobs"),
+        (dict(echo=True, stream=True), "echo"),
+        (dict(logprobs=2, extra_body={"exit_at_step": 2}), "logprobs"),
         (dict(extra_body={"stop_token_ids": ["x"]}), "stop_token_ids"),
     ]
     for kwargs, field in cases:

@@ -109,6 +109,14 @@ class AsyncLoopedSpecEngine:
             self._thread.join()
             self._thread = None
         self._fail_all(EngineDeadError("the engine was shut down"))
+        while True:  # scores asked for after the worker's last step
+            try:
+                kind, payload = self._commands.get_nowait()
+            except queue.Empty:
+                break
+            if kind == "score":
+                future = payload[-1]
+                future.get_loop().call_soon_threadsafe(_settle, future, EngineDeadError("the engine was shut down"))
         self.engine.close()
 
     def __enter__(self) -> AsyncLoopedSpecEngine:
@@ -150,6 +158,14 @@ class AsyncLoopedSpecEngine:
         """`add_request` and iterate its outputs until it finishes."""
         async for output in self.add_request(prompt, params, request_id):
             yield output
+
+    async def score(self, token_ids: list[int], top_n: int = 0, seed: int = 0) -> list:
+        """`LoopedSpecEngine.score`, run by the worker between two steps (the engine is the worker's)."""
+        if not self.is_running:
+            raise EngineDeadError("the engine is not running")
+        future = asyncio.get_running_loop().create_future()
+        self._commands.put(("score", (token_ids, top_n, seed, future)))
+        return await future
 
     def abort(self, request_id: str) -> None:
         """Abort a request (no-op once it finished); its stream ends without a further output."""
@@ -204,6 +220,14 @@ class AsyncLoopedSpecEngine:
                 self.engine.add_request(prompt, params, request_id=request_id)
             except (ValueError, TypeError) as exc:
                 self._deliver(request_id, exc, True)
+        elif kind == "score":
+            token_ids, top_n, seed, future = payload
+            try:
+                result: object = self.engine.score(token_ids, top_n, seed)
+            except Exception as exc:  # the caller's error, not the worker's
+                result = exc
+            loop = future.get_loop()
+            loop.call_soon_threadsafe(_settle, future, result)
         elif kind == "abort":
             try:
                 self.engine.abort(payload)
@@ -239,3 +263,12 @@ class AsyncLoopedSpecEngine:
             streams = [self._streams.pop(i) for i in ids]
         for stream in streams:
             stream.loop.call_soon_threadsafe(stream.queue.put_nowait, exc)
+
+
+def _settle(future: asyncio.Future, result: object) -> None:
+    if future.done():  # the caller went away
+        return
+    if isinstance(result, BaseException):
+        future.set_exception(result)
+    else:
+        future.set_result(result)

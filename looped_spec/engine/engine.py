@@ -28,7 +28,7 @@ from looped_spec.execution.model_runner import ModelRunner
 from looped_spec.execution.sampler import SamplingRows, sample
 from looped_spec.loop_batching import LoopBatcher
 from looped_spec.models.adapter import ModelAdapter, load_adapter
-from looped_spec.request import Request, RequestOutput, RequestStatus, ScheduledBatch, mean_context
+from looped_spec.request import Request, RequestOutput, RequestStatus, ScheduledBatch, TokenLogprob, mean_context
 from looped_spec.sampling_params import SamplingParams
 from looped_spec.speculative.round import RoundResult, SpeculativeRound
 
@@ -588,6 +588,27 @@ class LoopedSpecEngine:
                 self.scheduler.finish(request, "abort")
             self._reports.pop(request.request_id, None)
             self._requests.pop(request.request_id, None)
+
+    @torch.inference_mode()
+    def score(self, token_ids: list[int], top_n: int = 0, seed: int = 0) -> list[TokenLogprob | None]:
+        """The log-probability of every token given the ones before it (the first: None) and the `top_n` most likely
+        tokens at each position, from the model's full-depth logits before temperature: a cache-free forward of the
+        whole sequence (the reference path; the engine's decode logits equal it, dense == incremental). `seed` is the
+        request seed a family with per-token random draws (Huginn's initial state) uses. It scores a prompt, and the
+        tokens of a finished generation that ran at full depth (plain or speculative: the target's logits)."""
+        self._check_open()
+        if not token_ids:
+            return []
+        ids = torch.tensor(token_ids, device=self.adapter.device)
+        logprobs = torch.log_softmax(self.adapter.dense_logits(ids, seeds=[seed])[0].float(), dim=-1)[:-1]
+        chosen = logprobs.gather(1, ids[1:, None])[:, 0].tolist()
+        top = logprobs.topk(top_n, dim=-1) if top_n > 0 else None
+        top_ids = top.indices.tolist() if top is not None else [[]] * len(chosen)
+        top_values = top.values.tolist() if top is not None else [[]] * len(chosen)
+        return [None] + [
+            TokenLogprob(token, value, list(zip(i, v)))
+            for token, value, i, v in zip(token_ids[1:], chosen, top_ids, top_values)
+        ]
 
     def close(self) -> None:
         """Release what the engine holds: its unfinished requests (dropped: their outputs are not returned), the KV

@@ -1,7 +1,7 @@
 """OpenAI request and response schemas for the fields looped-spec supports (pydantic at the boundary).
 
-Requests forbid unknown fields, so an unsupported OpenAI option (`logprobs`, `presence_penalty`, ...)
-is a 400 naming it rather than silently ignored. Extensions beyond OpenAI's schema, as in vLLM:
+Requests forbid unknown fields, so an unsupported OpenAI option (`presence_penalty`, ...) is a 400 naming it
+rather than silently ignored. Extensions beyond OpenAI's schema, as in vLLM:
 `top_k`, `ignore_eos`, `stop_token_ids` (and `seed`, which OpenAI has too); and looped-spec's early exit,
 `exit_threshold` / `exit_at_step` (checked by `SamplingParams` and the engine, errors naming the field).
 """
@@ -49,7 +49,9 @@ class SamplingFields(BaseModel):
 
 class CompletionRequest(SamplingFields):
     prompt: str | list[int] | list[str] | list[list[int]]
-    max_tokens: int | None = Field(16, gt=0)
+    max_tokens: int | None = Field(16, ge=0, description="0 with `echo`: score the prompt, generate nothing.")
+    logprobs: int | None = Field(None, ge=0, le=20, description="Log-probability of each token and the N most likely.")
+    echo: bool = Field(False, description="Return the prompt before the completion (its tokens scored by `logprobs`).")
 
 
 class TextPart(BaseModel):
@@ -77,6 +79,8 @@ class ChatCompletionRequest(SamplingFields):
     max_tokens: int | None = Field(None, gt=0)
     max_completion_tokens: int | None = Field(None, gt=0)
     add_generation_prompt: bool = True
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=20)
 
 
 class UsageInfo(BaseModel):
@@ -93,10 +97,20 @@ def now() -> int:
     return int(time.time())
 
 
+class CompletionLogprobs(BaseModel):
+    """OpenAI's completions log-probabilities: per token its text, log-probability (None for a first prompt token),
+    the most likely tokens there and the token's character offset in the choice's text."""
+
+    tokens: list[str]
+    token_logprobs: list[float | None]
+    top_logprobs: list[dict[str, float] | None]
+    text_offset: list[int]
+
+
 class CompletionChoice(BaseModel):
     index: int = 0
     text: str
-    logprobs: None = None
+    logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
 
 
@@ -114,10 +128,24 @@ class ChatResponseMessage(BaseModel):
     content: str
 
 
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int]
+
+
+class ChatTokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(BaseModel):
+    content: list[ChatTokenLogprob]
+
+
 class ChatChoice(BaseModel):
     index: int = 0
     message: ChatResponseMessage
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import random
 import time
 from collections.abc import AsyncIterator
 from contextlib import aclosing
@@ -18,7 +19,14 @@ from looped_spec.sampling_params import SamplingParams
 from looped_spec.server.chat import GenerationDefaults
 from looped_spec.server.errors import APIError, error_body, validation_message
 from looped_spec.server.metrics import ServerMetrics
-from looped_spec.server.protocol import SamplingFields, UsageInfo
+from looped_spec.server.protocol import (
+    ChatLogprobs,
+    ChatTokenLogprob,
+    CompletionLogprobs,
+    SamplingFields,
+    TopLogprob,
+    UsageInfo,
+)
 
 MAX_STOP_STRINGS = 16
 MAX_PROMPTS = 64  # prompts in one completions request (each with `n` choices)
@@ -71,7 +79,12 @@ class OpenAIServing:
         return ids
 
     def sampling_params(
-        self, body: SamplingFields, num_prompt_tokens: int, max_tokens: int | None, choice: int = 0
+        self,
+        body: SamplingFields,
+        num_prompt_tokens: int,
+        max_tokens: int | None,
+        choice: int = 0,
+        seed: int | None = None,
     ) -> SamplingParams:
         """The engine's parameters of one choice; with `seed` s, choice j of a request draws with seed s + j (so `n`
         choices are independent, and reproducible)."""
@@ -91,13 +104,14 @@ class OpenAIServing:
             raise APIError(400, "exit_at_step: set at most one of exit_threshold (each token chooses its depth) and "
                            "exit_at_step (a fixed depth)", "exit_at_step")  # fmt: skip
         d = self.defaults
+        seed = body.seed if seed is None else seed
         try:
             params = SamplingParams(
                 max_tokens=max_tokens,
                 temperature=d.temperature if body.temperature is None else body.temperature,
                 top_p=d.top_p if body.top_p is None else body.top_p,
                 top_k=d.top_k if body.top_k is None else body.top_k,
-                seed=None if body.seed is None else (body.seed + choice) % 2**63,
+                seed=None if seed is None else (seed + choice) % 2**63,
                 stop=stop,
                 stop_token_ids=stop_token_ids,
                 ignore_eos=body.ignore_eos,
@@ -144,6 +158,54 @@ class OpenAIServing:
             raise APIError(503, str(exc), headers={"Retry-After": RETRY_AFTER_S}) from exc
         arrival = time.perf_counter()
         return [self.metrics.timed(aiter(stream), arrival) for stream in streams]
+
+    # ----- log-probabilities (scored by the engine's reference forward: LoopedSpecEngine.score) -----
+    def scoring_seed(self, body: SamplingFields, wanted: bool) -> int | None:
+        """The seed the choices run with when their tokens are scored afterwards: the request's, else one drawn here
+        (a family with per-token random draws scores with the seed it generated with)."""
+        if not wanted or body.seed is not None:
+            return body.seed
+        return random.randrange(2**31)
+
+    def check_logprobs(self, params: SamplingParams, stream: bool, field: str) -> None:
+        """Log-probabilities come from a full-depth forward: not for tokens read out at an exit depth, not streamed."""
+        if stream:
+            raise APIError(400, f"{field}: not available with stream (yet); ask without stream", field)
+        if self.engine.engine.resolve_exit(params) != (None, None):
+            raise APIError(400, f"{field}: not available for tokens read out at an early-exit depth (yet)", field)
+
+    async def score(self, token_ids: list[int], top_n: int, seed: int) -> list:
+        try:
+            return await self.engine.score(token_ids, top_n, seed)
+        except EngineDeadError as exc:
+            raise APIError(503, str(exc), headers={"Retry-After": RETRY_AFTER_S}) from exc
+
+    def token_text(self, token: int) -> str:
+        return self.tokenizer.decode([token]) if self.tokenizer is not None else str(token)
+
+    def completion_logprobs(self, token_ids: list[int], entries: list) -> CompletionLogprobs:
+        """OpenAI's completions shape for `token_ids` with their scores (None: a first prompt token, unscored)."""
+        out = CompletionLogprobs(tokens=[], token_logprobs=[], top_logprobs=[], text_offset=[])
+        offset = 0
+        for token, entry in zip(token_ids, entries):
+            text = self.token_text(token)
+            out.tokens.append(text)
+            out.token_logprobs.append(None if entry is None else entry.logprob)
+            out.top_logprobs.append(None if entry is None else {self.token_text(t): v for t, v in entry.top})
+            out.text_offset.append(offset)
+            offset += len(text)
+        return out
+
+    def chat_logprobs(self, entries: list) -> ChatLogprobs:
+        def top(token: int, value: float) -> TopLogprob:
+            text = self.token_text(token)
+            return TopLogprob(token=text, logprob=value, bytes=list(text.encode("utf-8")))
+
+        content = []
+        for entry in entries:
+            head = top(entry.token, entry.logprob)
+            content.append(ChatTokenLogprob(**head.model_dump(), top_logprobs=[top(t, v) for t, v in entry.top]))
+        return ChatLogprobs(content=content)
 
     # ----- engine -> response -----
     @staticmethod
