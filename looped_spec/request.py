@@ -35,6 +35,9 @@ class RequestMetrics:
     num_accepted_tokens: int = 0
     num_preemptions: int = 0
     exit_depth_histogram: dict[int, int] = field(default_factory=dict)  # readout depth -> generated tokens
+    arrival_time: float = 0.0  # time.perf_counter() at add_request
+    first_token_time: float | None = None  # ... when its first generated token was committed
+    last_token_time: float | None = None  # ... when its latest one was
 
     @property
     def mean_exit_depth(self) -> float:

@@ -271,3 +271,18 @@ def test_close_releases_the_kv_cache_and_owned_weights_and_refuses_work_after():
         assert front.is_running
     assert not front.is_running and front.engine.closed
     assert LoopedSpecEngine(adapter, speculation="off").generate(["x"], SamplingParams(max_tokens=2))[0].token_ids
+
+
+@pytest.mark.parametrize(
+    "options", [{"speculation": "off"}, {"speculation": "3,1"}, {"batching": "loop", "speculation": "off"}]
+)
+def test_time_to_first_token_and_inter_token_latency_count_every_generated_token(options):
+    engine = LoopedSpecEngine("tiny-ouro", max_model_len=64, **options)
+    outs = engine.generate(["def f(x):", "import os", "x = ["], SamplingParams(max_tokens=9, ignore_eos=True))
+    stats = engine.stats
+    assert stats.time_to_first_token.count == 3  # one first token per request
+    assert stats.inter_token_latency.count == sum(len(o.token_ids) for o in outs) - 3
+    assert 0.0 < stats.time_to_first_token.mean and sum(stats.inter_token_latency.buckets) == 24
+    exported = stats.to_prometheus("m")
+    assert 'looped_spec:engine_time_to_first_token_seconds_count{model_name="m"} 3.0' in exported
+    assert stats.to_dict()["inter_token_latency"]["count"] == 24

@@ -251,6 +251,7 @@ class LoopedSpecEngine:
             detokenizer, prompt_text,
         )  # fmt: skip
         request.exit_threshold, request.exit_at_step = exit_threshold, exit_at_step
+        request.metrics.arrival_time = time.perf_counter()
         return request
 
     def _queue(self, request: Request) -> None:
@@ -487,12 +488,30 @@ class LoopedSpecEngine:
             skipped = self.runner.exit_mode == "skip" and "chunk_lens" not in counts
             depths = [d for ds, n in zip(exit_depths, appended) for d in ds[:n]]
             self.stats.count_exits(depths, self.adapter.full_depth, skipped=skipped)
+        now = time.perf_counter()
         for request, n in zip(requests, appended):
+            if n:
+                self._time_tokens(request, n, now)
             if n or request.finished:
                 self._reports[request.request_id] = request
             if request.finished:
                 self.stats.num_requests_finished += 1
         self.stats.num_generation_tokens += sum(appended)
+
+    def _time_tokens(self, request: Request, count: int, now: float) -> None:
+        """Time to first token and inter-token latency of `count` tokens the request just committed."""
+        metrics = self.stats
+        m = request.metrics
+        if m.first_token_time is None:
+            m.first_token_time = now
+            metrics.time_to_first_token.observe(now - m.arrival_time)
+            count -= 1
+        elif count:
+            metrics.inter_token_latency.observe((now - m.last_token_time) / count, count)
+            count = 0
+        if count:  # the first token and more in one commit (a first round after a recompute): no gap between them
+            metrics.inter_token_latency.observe(0.0, count)
+        m.last_token_time = now
 
     def _take_outputs(self, only: set[str] | None = None) -> list[RequestOutput]:
         """Outputs owed to the caller (all, or those in `only`); each finished request is returned once."""

@@ -26,6 +26,29 @@ BATCH_SIZE_BOUNDS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 PREFIX = "looped_spec:"
 
 
+#: bucket upper bounds (seconds) of the engine's latency histograms
+LATENCY_BOUNDS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+
+
+@dataclass
+class Latencies:
+    """A latency histogram: counts per bucket of `LATENCY_BOUNDS` (the last: above them), their sum and count."""
+
+    buckets: list[int] = field(default_factory=lambda: [0] * (len(LATENCY_BOUNDS) + 1))
+    total: float = 0.0
+    count: int = 0
+
+    def observe(self, seconds: float, times: int = 1) -> None:
+        index = next((i for i, b in enumerate(LATENCY_BOUNDS) if seconds <= b), len(LATENCY_BOUNDS))
+        self.buckets[index] += times
+        self.total += seconds * times
+        self.count += times
+
+    @property
+    def mean(self) -> float:
+        return self.total / self.count if self.count else 0.0
+
+
 @dataclass
 class EngineStats:
     """Cumulative counters of one engine."""
@@ -45,6 +68,10 @@ class EngineStats:
     num_loop_passes: int = 0
     num_loop_pass_positions: int = 0
     num_loop_pass_embeds: int = 0
+    # per request, seconds from admission (add_request) to its first generated token, and between its later tokens
+    # (a commit of several tokens, a speculative round, spreads its gap over them), as the engine commits them
+    time_to_first_token: Latencies = field(default_factory=Latencies)
+    inter_token_latency: Latencies = field(default_factory=Latencies)
     accepted_per_position: Counter = field(default_factory=Counter)  # draft position (0-based) -> accepted
     batch_size_histogram: Counter = field(default_factory=Counter)  # decode round batch size -> rounds
     plan_histogram: Counter = field(default_factory=Counter)  # "K,d" -> rounds
@@ -88,6 +115,9 @@ class EngineStats:
         # not dataclasses.asdict: it rebuilds a Counter from its (key, count) pairs, counting the pairs
         out = {f.name: getattr(self, f.name) for f in fields(self)}
         for key, value in out.items():
+            if isinstance(value, Latencies):
+                value = {"count": value.count, "sum": value.total, "buckets": dict(zip((*LATENCY_BOUNDS, "inf"),
+                                                                                       value.buckets))}  # fmt: skip
             out[key] = dict(sorted(value.items())) if isinstance(value, Counter) else copy(value)
         out.update(acceptance_rate=self.acceptance_rate, mean_loops_per_token=self.mean_loops_per_token)
         return out
@@ -119,6 +149,16 @@ def _histogram(name: str, doc: str, counts: dict[int, int], bounds, labels: dict
     buckets.append(("+Inf", sum(counts.values())))
     family = HistogramMetricFamily(PREFIX + name, doc, labels=list(labels))
     family.add_metric(list(labels.values()), buckets, sum(value * c for value, c in counts.items()))
+    return family
+
+
+def _latency(name: str, doc: str, latencies: Latencies, labels: dict[str, str]) -> HistogramMetricFamily:
+    cumulative, buckets = 0, []
+    for bound, count in zip((*LATENCY_BOUNDS, "+Inf"), latencies.buckets):
+        cumulative += count
+        buckets.append((str(bound), cumulative))
+    family = HistogramMetricFamily(PREFIX + name, doc, labels=list(labels))
+    family.add_metric(list(labels.values()), buckets, latencies.total)
     return family
 
 
@@ -157,6 +197,10 @@ class StatsCollector(Collector):
             phases.add_metric([self.model_name, phase], seconds)
         yield phases
         yield _histogram("batch_size", "Decode-round batch sizes.", s.batch_size_histogram, BATCH_SIZE_BOUNDS, labels)
+        yield _latency("engine_time_to_first_token_seconds", "Admission to first generated token, in the engine.",
+                       s.time_to_first_token, labels)  # fmt: skip
+        yield _latency("engine_inter_token_latency_seconds", "Between a request's generated tokens, in the engine.",
+                       s.inter_token_latency, labels)  # fmt: skip
         yield _counter("loop_passes", "Loop passes (loop-level batching).", s.num_loop_passes, labels)
         yield _counter("loop_pass_positions", "Positions the loop passes ran over (occupancy = positions / passes).",
                        s.num_loop_pass_positions, labels)  # fmt: skip
