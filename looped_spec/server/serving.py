@@ -136,10 +136,6 @@ class OpenAIServing:
             message = str(exc) if str(exc).startswith(field) else f"{field}: {exc}"
             raise APIError(400, message, field) from exc
 
-    def start(self, ids: list[int], params: SamplingParams) -> AsyncIterator[RequestOutput]:
-        """Admit the request now (429 / 503 before any response starts); its outputs, timed."""
-        return self.start_all([ids], [params])[0]
-
     def start_all(self, prompts: list[list[int]], params: list[SamplingParams]) -> list[AsyncIterator[RequestOutput]]:
         """Admit every choice of an API request together, or none (429 / 503 before any response starts; 400 for more
         choices than the server ever admits at once)."""
@@ -236,10 +232,6 @@ class OpenAIServing:
             if out.finish_reason == "error":
                 raise APIError(500, f"engine error while generating this request: {out.error}")
         return outs
-
-    async def final_output(self, outputs: AsyncIterator[RequestOutput], request: Request) -> RequestOutput:
-        """The finished output; aborts the request if the client disconnects first."""
-        return (await self.final_outputs([outputs], request))[0]
 
     async def sse(self, outputs: list[AsyncIterator[RequestOutput]], make_chunks, usage_chunk) -> AsyncIterator[str]:
         """Server-sent events: chunks per output of every choice as they come (`make_chunks(index, output)`), an
