@@ -18,6 +18,11 @@ moment (no timed assertion); compare runs side by side.
     python benchmarks/bench_server.py --model tiny-ouro --clients 32 --max-tokens 32
     python benchmarks/bench_server.py --model tiny-ouro --speculation off --batching loop --exit-threshold 0.7 \
         --arrival-rate 20 --clients 64 --requests-per-client 1
+    python benchmarks/bench_server.py --replicas 1,2 --clients 32    # Ray Serve replicas (pip install -e ".[ray]")
+
+With `--replicas 1,2` each count runs in turn as `looped-spec serve --replicas N` (Ray Serve, one engine per
+replica, every replica's own metrics port read and summed), and a last table puts throughput and TTFT side by side.
+On a small CPU box the replicas share the cores: the table reports, it does not promise a speed-up.
 """
 
 from __future__ import annotations
@@ -55,11 +60,13 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def start_server(args: argparse.Namespace, port: int) -> subprocess.Popen:
+def start_server(args: argparse.Namespace, port: int, replicas: int | None, metrics_port: int) -> subprocess.Popen:
     command = [sys.executable, "-m", "looped_spec.cli", "serve", args.model, "--port", str(port),
                "--max-batch-size", str(args.max_batch_size), "--max-queued", str(args.clients),
                "--speculation", args.speculation, "--threads", str(args.threads), "--log-level", "warning",
                "--batching", args.batching]  # fmt: skip
+    if replicas is not None:
+        command += ["--replicas", str(replicas), "--metrics-port", str(metrics_port)]
     return subprocess.Popen(command, env=os.environ | {"OMP_NUM_THREADS": str(args.threads)})
 
 
@@ -121,9 +128,15 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
 
 
-def server_gauges(url: str) -> dict[str, float]:
-    text = httpx.get(url + "/metrics").text
-    return {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples}
+def server_gauges(urls: list[str]) -> dict[str, float]:
+    """Every metrics endpoint's samples, summed over endpoints (KV usage: the largest)."""
+    total: dict[str, float] = {}
+    for url in urls:
+        text = httpx.get(url + "/metrics").text
+        for sample in (s for f in text_string_to_metric_families(text) for s in f.samples):
+            merge = max if sample.name == "looped_spec:kv_cache_usage_perc" else (lambda a, b: a + b)
+            total[sample.name] = merge(total.get(sample.name, 0.0), sample.value)
+    return total
 
 
 async def load(url: str, model: str, args) -> tuple[list, float]:
@@ -158,20 +171,42 @@ def main() -> int:
     parser.add_argument("--exit-threshold", type=float, default=None, help="every request's early-exit threshold")
     open_loop = "open loop: requests per second, Poisson (clients x requests-per-client of them)"
     parser.add_argument("--arrival-rate", type=float, default=None, help=open_loop)
+    parser.add_argument("--replicas", default=None, metavar="N[,N...]",
+                        help="run the server as N Ray Serve replicas, each count in turn (e.g. 1,2)")  # fmt: skip
     args = parser.parse_args()
+    if args.replicas is not None and not all(n.isdigit() and int(n) > 0 for n in args.replicas.split(",")):
+        parser.error("--replicas: a comma-separated list of replica counts > 0, e.g. 1,2")
     if args.arrival_rate is not None and not args.arrival_rate > 0:
         parser.error("--arrival-rate must be > 0")
 
     references = offline_references(args)
-    port = free_port()
+    counts = [None] if args.replicas is None else [int(n) for n in args.replicas.split(",")]
+    rows, ok = [], True
+    for replicas in counts:
+        if replicas is not None:
+            print(f"--- {replicas} replica(s) behind Ray Serve's proxy")
+        row, passed = run_server(args, references, replicas)
+        rows.append(row)
+        ok = ok and passed
+    if args.replicas is not None:
+        print(f"{'replicas':>8}  {'tokens/s':>9}  {'TTFT p50 ms':>11}  {'TTFT p99 ms':>11}  (one run each, in turn)")
+        for replicas, (throughput, ttft50, ttft99) in zip(counts, rows):
+            print(f"{replicas:>8}  {throughput:9.1f}  {1000 * ttft50:11.1f}  {1000 * ttft99:11.1f}")
+    return 0 if ok else 1
+
+
+def run_server(args: argparse.Namespace, references: dict[str, str], replicas: int | None) -> tuple[tuple, bool]:
+    """Start a server, run the load, check and print; ((throughput, TTFT p50, TTFT p99), checks passed)."""
+    port, metrics_port = free_port(), free_port()
     url = f"http://127.0.0.1:{port}"
-    server = start_server(args, port)
+    server = start_server(args, port, replicas, metrics_port)
+    metrics_urls = [url] if replicas is None else [f"http://127.0.0.1:{metrics_port + r}" for r in range(replicas)]
     try:
         wait_healthy(url, server)
         model = Path(str(args.model)).name
         results, elapsed = asyncio.run(load(url, model, args))
         time.sleep(0.5)  # let the worker hand back the last requests
-        gauges = server_gauges(url)
+        gauges = server_gauges(metrics_urls)
     finally:
         server.terminate()
         server.wait(timeout=60)
@@ -203,7 +238,7 @@ def main() -> int:
     for prompt, text in failures[:3]:
         print(f"MISMATCH {prompt!r}: got {text!r}, offline {references[prompt]!r}", file=sys.stderr)
     ok = not failures and not leaked and busy == 0 and len(results) == args.clients * args.requests_per_client
-    return 0 if ok else 1
+    return (tokens / elapsed, statistics.median(ttft), percentile(ttft, 0.99)), ok
 
 
 if __name__ == "__main__":

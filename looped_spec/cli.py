@@ -194,12 +194,46 @@ def _serve(args: argparse.Namespace) -> int:
     from looped_spec import LoopedSpecEngine
     from looped_spec.server.launch import serve
 
+    api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
+    scaling = dict(num_replicas=args.replicas, min_replicas=args.min_replicas, max_replicas=args.max_replicas,
+                   target_ongoing_requests=args.target_ongoing_requests, metrics_port=args.metrics_port)  # fmt: skip
+    if any(value is not None for value in scaling.values()):
+        return _serve_replicas(args, api_key, scaling)
     _set_threads(args.threads)
     engine = LoopedSpecEngine(args.model, **_engine_options(args))
-    api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
     name = args.served_model_name or Path(str(args.model)).name
     serve(engine, name, host=args.host, port=args.port, api_key=api_key, max_queued=args.max_queued,
           max_body_bytes=args.max_body_bytes, log_level=args.log_level)  # fmt: skip
+    return 0
+
+
+_REPLICA_FLAGS = {"num_replicas": "--replicas", "min_replicas": "--min-replicas", "max_replicas": "--max-replicas",
+                  "target_ongoing_requests": "--target-ongoing-requests", "metrics_port": "--metrics-port"}  # fmt: skip
+
+
+def _serve_replicas(args: argparse.Namespace, api_key: str | None, scaling: dict) -> int:
+    """`serve` with replicas: the same app under Ray Serve, one engine per replica (server/replicas.py)."""
+    try:
+        from looped_spec.server.replicas import ReplicaAppArgs, parse_args, run_replicas
+    except ImportError as exc:
+        raise UsageError(f"--replicas needs Ray Serve ({exc}): pip install -e '.[ray]'") from None
+    options = _engine_options(args)
+    options = {key: value for key, value in options.items() if value is not None}  # JSON-able, defaults left out
+    if options.get("dtype") is not None:
+        options["dtype"] = str(options["dtype"])
+    given = {key: value for key, value in scaling.items() if value is not None}
+    try:
+        app_args: ReplicaAppArgs = parse_args(dict(model=str(args.model), served_model_name=args.served_model_name,
+                                                   api_key=api_key, max_queued=args.max_queued,
+                                                   max_body_bytes=args.max_body_bytes, threads=args.threads,
+                                                   engine=options, **given))  # fmt: skip
+        app_args.engine_config()
+    except ValueError as exc:  # name the flags, not the application's fields
+        message = str(exc).removeprefix("looped-spec application args: ").removeprefix("engine: ")
+        for field, flag in _REPLICA_FLAGS.items():
+            message = message.replace(field, flag)
+        raise UsageError(message) from None
+    run_replicas(app_args, args.host, args.port)
     return 0
 
 
@@ -360,6 +394,15 @@ def build_parser() -> argparse.ArgumentParser:
         help="requests that may wait beyond the running batch; more get 429 + Retry-After",
     )
     srv.add_argument("--max-body-bytes", type=int, default=1 << 20, help="larger request bodies get 413")
+    ray_flags = srv.add_argument_group("replicas (Ray Serve; pip install -e '.[ray]')")
+    ray_flags.add_argument("--replicas", type=int, default=None, help="serve with this many engine replicas behind "
+                           "Ray Serve's proxy (on CUDA one GPU each; RAY_ADDRESS joins a running cluster)")  # fmt: skip
+    ray_flags.add_argument("--min-replicas", type=int, default=None, help="autoscaling: fewest replicas")
+    ray_flags.add_argument("--max-replicas", type=int, default=None, help="autoscaling: most replicas")
+    ray_flags.add_argument("--target-ongoing-requests", type=float, default=None,
+                           help="autoscaling: in-flight requests per replica it aims at")  # fmt: skip
+    ray_flags.add_argument("--metrics-port", type=int, default=None,
+                           help="replica r also serves its /metrics on port + r (labelled by replica)")  # fmt: skip
     srv.add_argument("--early-exit", default="skip", choices=["skip", "select"],
                      help="how requests' exit_threshold / exit_at_step run (with --speculation off)")  # fmt: skip
     srv.add_argument(

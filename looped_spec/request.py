@@ -76,6 +76,8 @@ class RequestOutput:
     new_text: str = ""
     stop_reason: str | None = None  # the stop string that ended the request, if one did
     error: str | None = None  # with finish_reason "error": what went wrong
+    # with SamplingParams.logprobs: one entry per token of `token_ids` (the last len(new_token_ids) are new)
+    logprobs: list[TokenLogprob] | None = None
 
 
 class Request:
@@ -126,6 +128,10 @@ class Request:
         # + i): in skip mode a generated token's deeper loop planes hold its exit loop's KV, and a readout that
         # writes KV (Huginn's coda) wrote it at that depth, so a recompute after preemption redoes exactly that
         self.exit_depths: list[int] = []
+        # SamplingParams.logprobs: how many most likely tokens to return per generated token (None: no
+        # log-probabilities), and the entries of the tokens generated so far
+        self.logprobs_top: int | None = params.logprobs
+        self.logprobs: list[TokenLogprob] = []
 
     @property
     def exits_early(self) -> bool:

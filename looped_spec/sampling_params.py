@@ -41,6 +41,14 @@ class SamplingParams(BaseModel):
     stop: list[str] = Field(
         default_factory=list, description="Strings that end the request, checked on the decoded text (cut off)."
     )
+    logprobs: int | None = Field(
+        None,
+        ge=0,
+        le=20,
+        description="Return each generated token's log-probability and this many most likely tokens at its "
+        "position: the log-softmax of the logits it was read out from, before temperature / top-k / top-p (the "
+        "target's under speculation, the exit depth's under early exit). None = none.",
+    )
 
     @field_validator("stop")
     @classmethod

@@ -56,3 +56,16 @@ def test_server_load_test_runs_an_open_loop_against_loop_batching():
     done = subprocess.run([sys.executable, str(script), *args], capture_output=True, text=True, timeout=600, env=env)
     assert done.returncode == 0, done.stdout + done.stderr
     assert "6/6 equal to offline greedy" in done.stdout and "inter-token" in done.stdout
+
+
+@pytest.mark.slow
+def test_server_load_test_runs_against_ray_serve_replicas():
+    """bench_server.py --replicas 2: two Ray Serve replicas, every answer equal offline greedy, KV freed in both."""
+    script = EXAMPLES.parent / "benchmarks" / "bench_server.py"
+    args = ["--clients", "6", "--requests-per-client", "1", "--max-tokens", "6", "--max-batch-size", "4"]
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"} | {"OMP_NUM_THREADS": "1"}
+    done = subprocess.run([sys.executable, str(script), *args, "--replicas", "2"], capture_output=True, text=True,
+                          timeout=600, env=env)  # fmt: skip
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "6/6 equal to offline greedy" in done.stdout and "after the run: none" in done.stdout
+    assert "replicas   tokens/s" in done.stdout

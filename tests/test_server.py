@@ -199,6 +199,38 @@ def test_logprobs_echo_and_scoring_equal_the_models_own_log_probabilities(server
     assert "".join(c.token for c in content).startswith(chat.choices[0].message.content[:1])
 
 
+def test_streamed_and_early_exit_logprobs_are_the_generations_own(server, client, reference_engine):
+    """Streamed chunks carry the entries of their new tokens (completions and chat), echo streams the prompt first;
+    under early exit the entries are those of the depth each token was read out at (the engine's, offline)."""
+    ids = reference_engine.tokenizer.encode(PROMPT, add_special_tokens=False)
+    whole = client.completions.create(model=MODEL, prompt=ids, max_tokens=10, temperature=0, logprobs=2, echo=True)
+    chunks = list(client.completions.create(model=MODEL, prompt=ids, max_tokens=10, temperature=0, logprobs=2,
+                                            echo=True, stream=True))  # fmt: skip
+    pieces = [c.choices[0].logprobs for c in chunks if c.choices and c.choices[0].logprobs is not None]
+    joined = [v for piece in pieces for v in piece.token_logprobs]
+    assert joined == pytest.approx(whole.choices[0].logprobs.token_logprobs, abs=1e-6)
+    assert [o for piece in pieces for o in piece.text_offset] == whole.choices[0].logprobs.text_offset
+    assert chunks[0].choices[0].text == reference_engine.tokenizer.decode(ids)  # the prompt first
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == whole.choices[0].text
+
+    # early exit: each token's entry is its exit depth's readout, as the engine returns it offline
+    exit_fields = {"exit_threshold": 0.6}
+    offline = reference_engine.generate(ids, SamplingParams(max_tokens=10, temperature=0.0, logprobs=1, seed=0,
+                                                            **exit_fields))[0]  # fmt: skip
+    assert len(offline.metrics.exit_depth_histogram) > 1  # mixed depths
+    served = client.completions.create(model=MODEL, prompt=ids, max_tokens=10, temperature=0, logprobs=1,
+                                       extra_body=exit_fields)  # fmt: skip
+    expected = [e.logprob for e in offline.logprobs]
+    assert served.choices[0].logprobs.token_logprobs == pytest.approx(expected, abs=1e-4)
+    streamed = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}],
+                                              max_tokens=6, temperature=0, logprobs=True, top_logprobs=1,
+                                              stream=True, extra_body=exit_fields)  # fmt: skip
+    content = [c for chunk in streamed if chunk.choices and chunk.choices[0].logprobs
+               for c in chunk.choices[0].logprobs.content]  # fmt: skip
+    assert len(content) == 6 and all(c.logprob == pytest.approx(c.top_logprobs[0].logprob, abs=1e-6) for c in content)
+    wait_until(lambda: idle(server), what="the server idle")
+
+
 def test_bad_requests_are_400_naming_the_field(server, client):
     cases = [
         (dict(temperature=-1), "temperature"),
@@ -208,9 +240,6 @@ def test_bad_requests_are_400_naming_the_field(server, client):
         (dict(n=17), "n"),
         (dict(logprobs=21), "logprobs"),
         (dict(max_tokens=0), "max_tokens"),
-        (dict(logprobs=2, stream=True), "logprobs"),
-        (dict(echo=True, stream=True), "echo"),
-        (dict(logprobs=2, extra_body={"exit_at_step": 2}), "logprobs"),
         (dict(extra_body={"stop_token_ids": ["x"]}), "stop_token_ids"),
     ]
     for kwargs, field in cases:

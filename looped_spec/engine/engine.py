@@ -24,6 +24,7 @@ from looped_spec.engine.stats import EngineStats
 from looped_spec.execution.cuda_graph import CudaGraphRunner, batch_buckets
 from looped_spec.execution.host_memory import keep_freed_memory
 from looped_spec.execution.kv_cache import KVCache
+from looped_spec.execution.logprobs import logprobs_of_rows
 from looped_spec.execution.model_runner import ModelRunner
 from looped_spec.execution.sampler import SamplingRows, sample
 from looped_spec.loop_batching import LoopBatcher
@@ -142,6 +143,11 @@ class LoopedSpecEngine:
             spec, depth, preset, policy=config.policy, settings=config.control, trace_path=config.trace_path
         )
 
+    def check_logprobs(self, params: SamplingParams) -> None:
+        """Log-probabilities come from the step engine's readouts; loop passes do not keep them (yet)."""
+        if params.logprobs is not None and self.loop_batcher is not None:
+            raise ValueError("logprobs: not available with batching='loop' (yet); use batching='step'")
+
     def resolve_exit(self, params: SamplingParams) -> tuple[float | None, int | None]:
         """(exit_threshold, exit_at_step) a request with `params` runs with (None: no rule / up to D).
 
@@ -243,6 +249,7 @@ class LoopedSpecEngine:
         if params.stop and self.tokenizer is None:
             raise ValueError("stop strings need the model's tokenizer files; use stop_token_ids instead")
         exit_threshold, exit_at_step = self.resolve_exit(params)
+        self.check_logprobs(params)
         seed = params.seed if params.seed is not None else self._rng.randrange(2**31)
         detokenizer = IncrementalDetokenizer(self.tokenizer, params.stop) if self.tokenizer is not None else None
         prompt_text = prompt if isinstance(prompt, str) else None
@@ -323,9 +330,9 @@ class LoopedSpecEngine:
         done = self._transaction(suspect, batch.requests, lambda: self._run_prefill(batch))
         if done is None:
             return
-        tokens, exit_depths = done
+        tokens, exit_depths, logprobs = done
         depths = None if all(e is None for e in exit_depths) else [[] if e is None else [e] for e in exit_depths]
-        self._commit(batch.requests, tokens, chunk_lens=batch.chunk_lens, exit_depths=depths)
+        self._commit(batch.requests, tokens, chunk_lens=batch.chunk_lens, exit_depths=depths, logprobs=logprobs)
         self.stats.num_prefill_steps += 1
         self.stats.num_prompt_tokens += sum(batch.chunk_lens)
         self.stats.phase_seconds["prefill"] += time.perf_counter() - t0
@@ -416,18 +423,27 @@ class LoopedSpecEngine:
         self.stats.num_requests_finished += 1
         self._reports[request.request_id] = request
 
-    def _run_prefill(self, batch: ScheduledBatch) -> tuple[list[list[int]], list[int | None]]:
+    def _run_prefill(
+        self, batch: ScheduledBatch
+    ) -> tuple[list[list[int]], list[int | None], list[list[TokenLogprob]] | None]:
         """Prompt chunks at full depth; the first generated token of each request whose prompt completes
         (read out at its exit depth under early exit, which is also returned)."""
         requests, chunk_lens = batch.requests, batch.chunk_lens
         logits, exit_depths = self.runner.prefill_with_depths(requests, chunk_lens)
         ends = [i for i, (r, n) in enumerate(zip(requests, chunk_lens)) if r.num_computed + n == r.num_tokens]
         tokens: list[list[int]] = [[] for _ in requests]
+        logprobs: list[list[TokenLogprob]] | None = None
         if ends:
-            rows = SamplingRows.build([requests[i] for i in ends], self.adapter.device)
-            for i, token in zip(ends, sample(logits[ends], rows).tolist()):
+            finishing = [requests[i] for i in ends]
+            sampled = sample(logits[ends], SamplingRows.build(finishing, self.adapter.device))
+            for i, token in zip(ends, sampled.tolist()):
                 tokens[i] = [token]
-        return tokens, exit_depths
+            entries = logprobs_of_rows(finishing, logits[ends], sampled)
+            if entries is not None:
+                logprobs = [[] for _ in requests]
+                for i, entry in zip(ends, entries):
+                    logprobs[i] = entry
+        return tokens, exit_depths, logprobs
 
     def _finish_round(
         self, requests: list[Request], k: list[int], plan: SpeculationPlan, result: RoundResult, start: float,
@@ -436,8 +452,9 @@ class LoopedSpecEngine:
         """Commit a decode round, then tell the controller (feedback goes out only after the commit)."""
         t0 = time.perf_counter()
         self._commit(
-            requests, result.committed, num_proposed=k, num_accepted=result.num_accepted, exit_depths=result.exit_depths
-        )
+            requests, result.committed, num_proposed=k, num_accepted=result.num_accepted,
+            exit_depths=result.exit_depths, logprobs=result.logprobs,
+        )  # fmt: skip
         t1 = time.perf_counter()
         stats = self.stats
         if max(k) == 0:
@@ -550,6 +567,7 @@ class LoopedSpecEngine:
             new_text,
             detok.stop_hit if detok is not None else None,
             request.error,
+            list(request.logprobs) if request.logprobs_top is not None else None,
         )
 
     # ----- offline API -----

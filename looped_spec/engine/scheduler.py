@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections import deque
 
 from looped_spec.execution.kv_cache import KVCache
-from looped_spec.request import Request, RequestStatus, ScheduledBatch
+from looped_spec.request import Request, RequestStatus, ScheduledBatch, TokenLogprob
 
 
 class Scheduler:
@@ -132,6 +132,7 @@ class Scheduler:
         num_proposed: list[int] | None = None,
         num_accepted: list[int] | None = None,
         exit_depths: list[list[int]] | None = None,
+        logprobs: list[list[TokenLogprob]] | None = None,
     ) -> list[int]:
         """The one place a step changes request state, once everything it computed is known.
 
@@ -140,7 +141,8 @@ class Scheduler:
         limit; KV then covers every committed token but the last, blocks past it are released, and a
         finished request gives back all its blocks. `exit_depths[i]` (early exit) are the exit depths of the
         positions request i computed in this step from its last committed token on: the readout depth of each
-        token it commits. Returns how many tokens each request appended.
+        token it commits. `logprobs[i]` (requests that asked for them) are the entries of request i's tokens; those
+        of the tokens it appended are kept. Returns how many tokens each request appended.
         """
         appended: list[int] = []
         for i, (request, new) in enumerate(zip(requests, tokens)):
@@ -161,6 +163,8 @@ class Scheduler:
                 if request.append(token):
                     break
             appended.append(count)
+            if logprobs is not None and logprobs[i]:
+                request.logprobs.extend(logprobs[i][:count])
             request.prefilled = True
             if request.finish_reason is not None:
                 self.finish(request)

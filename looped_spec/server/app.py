@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request
@@ -14,7 +15,7 @@ from looped_spec.engine.async_engine import AsyncLoopedSpecEngine
 from looped_spec.request import RequestOutput
 from looped_spec.server.chat import NoChatTemplateError, render_chat
 from looped_spec.server.errors import APIError, on_api_error, on_http_error, on_validation_error
-from looped_spec.server.middleware import APIKeyMiddleware, BodyLimitMiddleware
+from looped_spec.server.middleware import APIKeyMiddleware, BodyLimitMiddleware, ReplicaHeaderMiddleware
 from looped_spec.server.protocol import (
     ChatChoice,
     ChatCompletionChunk,
@@ -23,6 +24,7 @@ from looped_spec.server.protocol import (
     ChatResponseMessage,
     ChatStreamChoice,
     CompletionChoice,
+    CompletionLogprobs,
     CompletionRequest,
     CompletionResponse,
     DeltaMessage,
@@ -38,9 +40,17 @@ def build_app(
     model_name: str,
     api_key: str | None = None,
     max_body_bytes: int = 1 << 20,
+    replica: str | None = None,
+    readiness: Callable[[], Awaitable[str | None]] | None = None,
 ) -> FastAPI:
-    """The FastAPI app around a started-on-startup async engine."""
+    """The FastAPI app around a started-on-startup async engine.
+
+    Behind a router of replicas (server/replicas.py) `replica` names this one: every /metrics series carries it as
+    a `replica` label and every response an `x-looped-spec-replica` header; `readiness()` returns why the whole
+    deployment is not ready yet (None once it is), and /health reports it.
+    """
     serving = OpenAIServing(engine, model_name)
+    exposed = serving.metrics.exposed({"replica": replica} if replica else None)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -50,22 +60,29 @@ def build_app(
 
     app = FastAPI(title="looped-spec", lifespan=lifespan)
     app.state.serving = serving
+    app.state.metrics_registry = exposed
     app.add_exception_handler(RequestValidationError, on_validation_error)
     app.add_exception_handler(APIError, on_api_error)
     app.add_exception_handler(StarletteHTTPException, on_http_error)
     if api_key:
         app.add_middleware(APIKeyMiddleware, api_key=api_key)
     app.add_middleware(BodyLimitMiddleware, max_bytes=max_body_bytes)  # outermost: runs before auth
+    if replica:
+        app.add_middleware(ReplicaHeaderMiddleware, replica=replica)
 
     @app.get("/health")
     async def health() -> Response:
+        extra = {"replica": replica} if replica else {}
         if not engine.is_running:
-            return JSONResponse({"status": "engine stopped"}, status_code=503)
-        return JSONResponse({"status": "ok"})
+            return JSONResponse({"status": "engine stopped", **extra}, status_code=503)
+        waiting_for = await readiness() if readiness is not None else None
+        if waiting_for is not None:
+            return JSONResponse({"status": f"not ready: {waiting_for}", **extra}, status_code=503)
+        return JSONResponse({"status": "ok", **extra})
 
     @app.get("/metrics")
     async def metrics() -> Response:
-        return Response(generate_latest(serving.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+        return Response(generate_latest(exposed), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/v1/models")
     async def models() -> ModelList:
@@ -79,48 +96,78 @@ def build_app(
             raise APIError(400, "max_tokens: 0 generates nothing; with echo it returns (and scores) the prompt",
                            "max_tokens")  # fmt: skip
         scored = body.logprobs is not None
-        seed = serving.scoring_seed(body, scored)
+        # the prompt's scores (echo) come from a forward run afterwards with the seed the choice prefilled with
+        seed = serving.scoring_seed(body, scored and body.echo)
         # choice i * n + j: prompt i's j-th sample (OpenAI's order); all admitted together or none
         choices = [(ids, j) for ids in prompts for j in range(body.n)]
         # score only (max_tokens 0): the parameters still carry the seed and the exit fields the scores depend on
         max_tokens = 1 if body.max_tokens == 0 else body.max_tokens
-        params = [serving.sampling_params(body, len(ids), max_tokens, j, seed) for ids, j in choices]
+        params = [serving.sampling_params(body, len(ids), max_tokens, j, seed, body.logprobs) for ids, j in choices]
         if scored:
-            serving.check_logprobs(params[0], body.stream, "logprobs")
-        if body.echo and body.stream:
-            raise APIError(400, "echo: not available with stream (yet); ask without stream", "echo")
+            serving.check_logprobs(params[0], "logprobs")
         num_prompt = sum(len(ids) for ids in prompts)
         cid = new_id("cmpl")
+
+        async def echoed(k: int) -> tuple[str, CompletionLogprobs | None]:
+            """Choice k's prompt as echo returns it: its text and, with logprobs, its scores (the first None)."""
+            ids = choices[k][0]
+            text = serving.tokenizer.decode(ids) if serving.tokenizer is not None else ""
+            if not scored:
+                return text, None
+            return text, serving.completion_logprobs(ids, await serving.score(ids, body.logprobs, params[k].seed))
+
         if body.max_tokens == 0:  # score only
-            outs = [None] * len(choices)
-        else:
-            outputs = serving.start_all([ids for ids, _ in choices], params)
-            if body.stream:
+            result = []
+            for k in range(len(choices)):
+                text, logprobs = await echoed(k)
+                result.append(CompletionChoice(index=k, text=text, logprobs=logprobs, finish_reason="length"))
+            return CompletionResponse(id=cid, model=model_name, choices=result,
+                                      usage=serving.usage(num_prompt, [None] * len(choices)))  # fmt: skip
+        echoes = [await echoed(k) for k in range(len(choices))] if body.echo else None
+        outputs = serving.start_all([ids for ids, _ in choices], params)
+        if body.stream:
+            sent = [0] * len(choices)  # characters of each choice's text so far (its tokens' text offsets)
+            if echoes is not None:
+                sent = [len("".join(lp.tokens)) if lp is not None else len(text) for text, lp in echoes]
 
-                def chunks(index: int, out: RequestOutput):
-                    if out.new_text or out.finished:
-                        choice = CompletionChoice(index=index, text=out.new_text, finish_reason=finish_reason(out))
-                        yield CompletionResponse(id=cid, model=model_name, choices=[choice])
+            def chunks(index: int, out: RequestOutput):
+                if echoes is not None and echoes[index] is not None:  # the prompt first, once
+                    text, logprobs = echoes[index]
+                    echoes[index] = None
+                    choice = CompletionChoice(index=index, text=text, logprobs=logprobs)
+                    yield CompletionResponse(id=cid, model=model_name, choices=[choice])
+                logprobs = None
+                if scored and out.new_token_ids:
+                    logprobs = serving.completion_logprobs(out.new_token_ids, serving.new_logprobs(out), sent[index])
+                    sent[index] += len("".join(logprobs.tokens))
+                if out.new_text or out.finished or logprobs is not None:
+                    choice = CompletionChoice(index=index, text=out.new_text, logprobs=logprobs,
+                                              finish_reason=finish_reason(out))  # fmt: skip
+                    yield CompletionResponse(id=cid, model=model_name, choices=[choice])
 
-                usage = None
-                if body.stream_options is not None and body.stream_options.include_usage:
-                    usage = lambda outs: CompletionResponse(id=cid, model=model_name, choices=[],
-                                                            usage=serving.usage(num_prompt, outs))  # fmt: skip
-                return StreamingResponse(serving.sse(outputs, chunks, usage), media_type="text/event-stream")
-            outs = await serving.final_outputs(outputs, request)
+            usage = None
+            if body.stream_options is not None and body.stream_options.include_usage:
+                usage = lambda outs: CompletionResponse(id=cid, model=model_name, choices=[],
+                                                        usage=serving.usage(num_prompt, outs))  # fmt: skip
+            return StreamingResponse(serving.sse(outputs, chunks, usage), media_type="text/event-stream")
+        outs = await serving.final_outputs(outputs, request)
         result = []
-        for k, ((ids, _), out) in enumerate(zip(choices, outs)):
-            generated = list(out.token_ids) if out is not None else []
-            text = (out.text or "") if out is not None else ""
-            logprobs = None
+        for k, out in enumerate(outs):
+            text, logprobs = out.text or "", None
             if scored:
-                entries = await serving.score(ids + generated, body.logprobs, params[k].seed)
-                shown = ids + generated if body.echo else generated
-                logprobs = serving.completion_logprobs(shown, entries if body.echo else entries[len(ids) :])
-            if body.echo:
-                text = serving.tokenizer.decode(ids) + text if serving.tokenizer is not None else text
-            reason = out.finish_reason if out is not None else "length"
-            result.append(CompletionChoice(index=k, text=text, logprobs=logprobs, finish_reason=reason))
+                logprobs = serving.completion_logprobs(list(out.token_ids), out.logprobs or [])
+            if echoes is not None:
+                prompt_text, prompt_logprobs = echoes[k]
+                text = prompt_text + text
+                if prompt_logprobs is not None:
+                    shift = len("".join(prompt_logprobs.tokens))
+                    logprobs = CompletionLogprobs(
+                        tokens=prompt_logprobs.tokens + logprobs.tokens,
+                        token_logprobs=prompt_logprobs.token_logprobs + logprobs.token_logprobs,
+                        top_logprobs=prompt_logprobs.top_logprobs + logprobs.top_logprobs,
+                        text_offset=prompt_logprobs.text_offset + [shift + o for o in logprobs.text_offset],
+                    )
+            result.append(CompletionChoice(index=k, text=text, logprobs=logprobs, finish_reason=out.finish_reason))
         return CompletionResponse(id=cid, model=model_name, choices=result, usage=serving.usage(num_prompt, outs))
 
     @app.post("/v1/chat/completions")
@@ -133,12 +180,12 @@ def build_app(
             raise APIError(400, str(exc), "messages") from exc
         ids = serving.prompt_ids(prompt, "messages")
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-        seed = serving.scoring_seed(body, body.logprobs)
-        params = [serving.sampling_params(body, len(ids), max_tokens, j, seed) for j in range(body.n)]
+        top_n = (body.top_logprobs or 0) if body.logprobs else None
+        params = [serving.sampling_params(body, len(ids), max_tokens, j, None, top_n) for j in range(body.n)]
         if body.top_logprobs is not None and not body.logprobs:
             raise APIError(400, "top_logprobs: needs logprobs: true", "top_logprobs")
         if body.logprobs:
-            serving.check_logprobs(params[0], body.stream, "logprobs")
+            serving.check_logprobs(params[0], "logprobs")
         outputs = serving.start_all([ids] * body.n, params)
         cid = new_id("chatcmpl")
         if body.stream:
@@ -150,9 +197,12 @@ def build_app(
                     delta = DeltaMessage(role="assistant", content="")
                     yield ChatCompletionChunk(id=cid, model=model_name,
                                               choices=[ChatStreamChoice(index=index, delta=delta)])  # fmt: skip
-                if out.new_text or out.finished:
+                logprobs = None
+                if body.logprobs and out.new_token_ids:
+                    logprobs = serving.chat_logprobs(serving.new_logprobs(out))
+                if out.new_text or out.finished or logprobs is not None:
                     choice = ChatStreamChoice(index=index, delta=DeltaMessage(content=out.new_text or None),
-                                              finish_reason=finish_reason(out))  # fmt: skip
+                                              logprobs=logprobs, finish_reason=finish_reason(out))  # fmt: skip
                     yield ChatCompletionChunk(id=cid, model=model_name, choices=[choice])
 
             usage = None
@@ -163,10 +213,7 @@ def build_app(
         outs = await serving.final_outputs(outputs, request)
         result = []
         for k, out in enumerate(outs):
-            logprobs = None
-            if body.logprobs:
-                entries = await serving.score(ids + list(out.token_ids), body.top_logprobs or 0, params[k].seed)
-                logprobs = serving.chat_logprobs(entries[len(ids) :])
+            logprobs = serving.chat_logprobs(out.logprobs or []) if body.logprobs else None
             result.append(ChatChoice(index=k, message=ChatResponseMessage(content=out.text or ""), logprobs=logprobs,
                                      finish_reason=out.finish_reason))  # fmt: skip
         return ChatCompletionResponse(id=cid, model=model_name, choices=result, usage=serving.usage(len(ids), outs))

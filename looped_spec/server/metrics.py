@@ -6,6 +6,8 @@ import time
 from collections.abc import AsyncIterator
 
 from prometheus_client import CollectorRegistry, Histogram
+from prometheus_client.metrics_core import Metric
+from prometheus_client.registry import Collector
 
 from looped_spec.engine.stats import PREFIX, EngineCollector
 from looped_spec.request import RequestOutput
@@ -32,6 +34,14 @@ class ServerMetrics:
         self.e2e = Histogram(PREFIX + "e2e_request_latency_seconds", "Arrival to last token.", labels,
                              registry=self.registry, buckets=LATENCY_BUCKETS).labels(model_name)  # fmt: skip
 
+    def exposed(self, extra_labels: dict[str, str] | None) -> CollectorRegistry:
+        """The registry /metrics renders: every series of this server's, with `extra_labels` added (a replica's id)."""
+        if not extra_labels:
+            return self.registry
+        exposed = CollectorRegistry()
+        exposed.register(_Labelled(self.registry, extra_labels))
+        return exposed
+
     async def timed(self, outputs: AsyncIterator[RequestOutput], arrival: float) -> AsyncIterator[RequestOutput]:
         """Pass outputs through, observing TTFT, inter-token and end-to-end latency."""
         last = None
@@ -43,3 +53,17 @@ class ServerMetrics:
             if out.finished and out.finish_reason in ("stop", "length"):
                 self.e2e.observe(time.perf_counter() - arrival)
             yield out
+
+
+class _Labelled(Collector):
+    """Another registry's metrics with constant labels added to every sample."""
+
+    def __init__(self, registry: CollectorRegistry, labels: dict[str, str]) -> None:
+        self.registry = registry
+        self.labels = labels
+
+    def collect(self):
+        for metric in self.registry.collect():
+            labelled = Metric(metric.name, metric.documentation, metric.type, metric.unit)
+            labelled.samples = [s._replace(labels={**s.labels, **self.labels}) for s in metric.samples]
+            yield labelled

@@ -1,4 +1,4 @@
-"""ASGI middleware: bearer-token auth for /v1/*, and a bound on request body size."""
+"""ASGI middleware: bearer-token auth for /v1/*, a bound on request body size, the replica's name on responses."""
 
 from __future__ import annotations
 
@@ -74,3 +74,23 @@ class BodyLimitMiddleware:
             return await receive()  # later calls wait for http.disconnect, as usual
 
         await self.app(scope, replay, send)
+
+
+class ReplicaHeaderMiddleware:
+    """Name the replica that answered in an `x-looped-spec-replica` response header (behind a router of replicas)."""
+
+    def __init__(self, app: ASGIApp, replica: str) -> None:
+        self.app = app
+        self.header = (b"x-looped-spec-replica", replica.encode())
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+
+        async def send_named(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                message = {**message, "headers": [*message.get("headers", []), self.header]}
+            await send(message)
+
+        await self.app(scope, receive, send_named)

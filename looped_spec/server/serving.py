@@ -85,6 +85,7 @@ class OpenAIServing:
         max_tokens: int | None,
         choice: int = 0,
         seed: int | None = None,
+        logprobs: int | None = None,
     ) -> SamplingParams:
         """The engine's parameters of one choice; with `seed` s, choice j of a request draws with seed s + j (so `n`
         choices are independent, and reproducible)."""
@@ -117,6 +118,7 @@ class OpenAIServing:
                 ignore_eos=body.ignore_eos,
                 exit_threshold=body.exit_threshold,
                 exit_at_step=body.exit_at_step,
+                logprobs=logprobs,
             )
         except ValidationError as exc:
             message, param = validation_message(exc.errors())
@@ -163,12 +165,12 @@ class OpenAIServing:
             return body.seed
         return random.randrange(2**31)
 
-    def check_logprobs(self, params: SamplingParams, stream: bool, field: str) -> None:
-        """Log-probabilities come from a full-depth forward: not for tokens read out at an exit depth, not streamed."""
-        if stream:
-            raise APIError(400, f"{field}: not available with stream (yet); ask without stream", field)
-        if self.engine.engine.resolve_exit(params) != (None, None):
-            raise APIError(400, f"{field}: not available for tokens read out at an early-exit depth (yet)", field)
+    def check_logprobs(self, params: SamplingParams, field: str) -> None:
+        """Log-probabilities the engine cannot return (loop batching): 400 before the request starts."""
+        try:
+            self.engine.engine.check_logprobs(params)
+        except ValueError as exc:
+            raise APIError(400, str(exc).replace("logprobs", field, 1), field) from exc
 
     async def score(self, token_ids: list[int], top_n: int, seed: int) -> list:
         try:
@@ -179,10 +181,10 @@ class OpenAIServing:
     def token_text(self, token: int) -> str:
         return self.tokenizer.decode([token]) if self.tokenizer is not None else str(token)
 
-    def completion_logprobs(self, token_ids: list[int], entries: list) -> CompletionLogprobs:
-        """OpenAI's completions shape for `token_ids` with their scores (None: a first prompt token, unscored)."""
+    def completion_logprobs(self, token_ids: list[int], entries: list, offset: int = 0) -> CompletionLogprobs:
+        """OpenAI's completions shape for `token_ids` with their scores (None: a first prompt token, unscored); text
+        offsets count from `offset` (a streamed chunk's: the characters of the tokens before it)."""
         out = CompletionLogprobs(tokens=[], token_logprobs=[], top_logprobs=[], text_offset=[])
-        offset = 0
         for token, entry in zip(token_ids, entries):
             text = self.token_text(token)
             out.tokens.append(text)
@@ -204,6 +206,12 @@ class OpenAIServing:
         return ChatLogprobs(content=content)
 
     # ----- engine -> response -----
+    @staticmethod
+    def new_logprobs(out: RequestOutput) -> list:
+        """The entries of the tokens this output adds (its last len(new_token_ids))."""
+        entries = out.logprobs or []
+        return entries[len(entries) - len(out.new_token_ids) :] if out.new_token_ids else []
+
     @staticmethod
     def usage(num_prompt: int, outs: list[RequestOutput | None]) -> UsageInfo:
         """Prompt tokens once per prompt, completion tokens over every choice."""

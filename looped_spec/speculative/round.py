@@ -10,10 +10,11 @@ from dataclasses import dataclass, field
 
 import torch
 
+from looped_spec.execution.logprobs import logprobs_of_rows, token_logprobs, wants_logprobs
 from looped_spec.execution.model_runner import ModelRunner
 from looped_spec.execution.sampler import SamplingRows, sample
 from looped_spec.execution.timing import Stopwatch
-from looped_spec.request import Request
+from looped_spec.request import Request, TokenLogprob
 from looped_spec.speculative.exit_round import propose_with_exit, verify_with_exit
 from looped_spec.speculative.proposer import DraftProposer
 from looped_spec.speculative.readouts import read_out_depths
@@ -47,6 +48,9 @@ class RoundResult:
     # None: `num_accepted` out of K
     verified_proposed: list[int] | None = None
     verified_accepted: list[int] | None = None
+    # per request, the entries of its committed tokens when it asked for log-probabilities ([] when it did not);
+    # None when no request of the round did
+    logprobs: list[list[TokenLogprob]] | None = None
 
 
 class SpeculativeRound:
@@ -116,6 +120,8 @@ class SpeculativeRound:
             _agreement_counts(result, agree[:, inverse], num_accepted[inverse])
         if exits:
             self._exit_counts(result, order, ks, acc, verification)
+        if wants_logprobs(reqs):
+            result.logprobs = _committed_logprobs(reqs, order, ks, acc, grid, verification.logits)
         return result
 
     @staticmethod
@@ -148,12 +154,14 @@ class SpeculativeRound:
             logits, exit_depths = self.runner.decode_with_depths(requests)
         sampled = sample(logits, SamplingRows.build(requests, self.runner.device))
         committed = [[t] for t in sampled.tolist()]
+        logprobs = logprobs_of_rows(requests, logits, sampled)
         decode_time = self.watch.seconds(t0, self.watch.mark())
         result = RoundResult(
             committed,
             [0] * len(requests),
             decode_time=decode_time,
             exit_depths=[[e] for e in exit_depths] if exit_depths is not None else None,
+            logprobs=logprobs,
         )
         if depth_preds is not None:  # how often each shallower depth would have drafted the committed token
             # depth D: the greedy full-depth readout, which a sampled request's committed token need not be
@@ -174,6 +182,31 @@ class SpeculativeRound:
         stacked = torch.stack(preds)  # [D, R, width]
         assert stacked.shape[0] == self.runner.full_depth
         return stacked == committed_grid[None]
+
+
+def _committed_logprobs(
+    reqs: list[Request], order: list[int], ks: list[int], acc: list[int], grid: list[list[int]], logits: torch.Tensor
+) -> list[list[TokenLogprob]]:
+    """Entries of each committed token, from the target's verify readout of its position (`logits`: [sum(K+1), V],
+    request after request in K-descending order); in the caller's request order."""
+    starts = [0]
+    for kr in ks[:-1]:
+        starts.append(starts[-1] + kr + 1)
+    rows, tokens, top_n, owners = [], [], [], []
+    for pos, request in enumerate(reqs):
+        if request.logprobs_top is None:
+            continue
+        for j in range(acc[pos] + 1):
+            rows.append(starts[pos] + j)
+            tokens.append(grid[pos][j])
+            top_n.append(request.logprobs_top)
+            owners.append(pos)
+    index = torch.tensor(rows, device=logits.device)
+    entries = token_logprobs(logits[index], torch.tensor(tokens, device=logits.device), top_n)
+    out: list[list[TokenLogprob]] = [[] for _ in reqs]
+    for pos, entry in zip(owners, entries):
+        out[order[pos]].append(entry)
+    return out
 
 
 def _agreement_counts(result: RoundResult, agree: torch.Tensor, num_accepted: torch.Tensor) -> None:

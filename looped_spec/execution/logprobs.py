@@ -1,0 +1,49 @@
+"""Log-probabilities of committed tokens, read from the logits they were sampled from.
+
+A token's log-probability is the log-softmax of the logits row it was read out from, before temperature,
+top-k or top-p (what vLLM returns by default): the full-depth readout in plain decoding, the target's
+verify readout for a speculative round's tokens (so speculation never changes them), the exit depth's
+readout under early exit. Only the requests that asked for them pay: one log-softmax over their rows and
+one transfer to the host.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from looped_spec.request import Request, TokenLogprob
+
+
+def wants_logprobs(requests: list[Request]) -> bool:
+    return any(r.logprobs_top is not None for r in requests)
+
+
+def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, top_n: list[int]) -> list[TokenLogprob]:
+    """One entry per row: `tokens[i]`'s log-probability under `logits[i]` [n, V] and the `top_n[i]` most likely."""
+    if logits.shape[0] == 0:
+        return []
+    logprobs = torch.log_softmax(logits.float(), dim=-1)
+    chosen = logprobs.gather(1, tokens.to(logprobs.device).long()[:, None])[:, 0]
+    width = max(top_n)
+    top = logprobs.topk(width, dim=-1) if width > 0 else None
+    values = chosen.tolist()
+    top_ids = top.indices.tolist() if top is not None else [[]] * len(values)
+    top_values = top.values.tolist() if top is not None else [[]] * len(values)
+    token_list = tokens.tolist()
+    return [
+        TokenLogprob(token, value, list(zip(ids[:n], vals[:n])))
+        for token, value, ids, vals, n in zip(token_list, values, top_ids, top_values, top_n)
+    ]
+
+
+def logprobs_of_rows(
+    requests: list[Request], logits: torch.Tensor, tokens: torch.Tensor
+) -> list[list[TokenLogprob]] | None:
+    """Per request (one row each, a plain step): [its token's entry], or [] when it did not ask; None if none did."""
+    if not wants_logprobs(requests):
+        return None
+    rows = [i for i, r in enumerate(requests) if r.logprobs_top is not None]
+    index = torch.tensor(rows, device=logits.device)
+    entries = iter(token_logprobs(logits[index], tokens[index.to(tokens.device)],
+                                  [requests[i].logprobs_top for i in rows]))  # fmt: skip
+    return [[next(entries)] if r.logprobs_top is not None else [] for r in requests]

@@ -1,0 +1,188 @@
+"""Ray Serve replicas: the same FastAPI app, one engine per replica, behind Ray's HTTP proxy.
+
+`looped-spec serve MODEL --replicas N` (or `--min-replicas/--max-replicas`) runs this on a local Ray
+cluster (or the one `RAY_ADDRESS` names); `serve run docs/ray-serve.yaml` and KubeRay's RayService take
+`build_application` with the same arguments (`ReplicaAppArgs`). Ray routes each request to one replica;
+everything inside a replica is the single-process server (server/app.py). docs/serving.md has the
+commands, the config file and how to scrape each replica's metrics.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+from typing import Any
+
+import ray
+from prometheus_client import start_http_server
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from ray import serve
+from ray.serve.config import AutoscalingConfig
+
+from looped_spec.engine.async_engine import AsyncLoopedSpecEngine
+from looped_spec.engine.config import EngineConfig
+from looped_spec.engine.engine import LoopedSpecEngine
+from looped_spec.server.app import build_app
+
+APP_NAME = "looped-spec"
+DEPLOYMENT_NAME = "LoopedSpecServer"
+API_KEY_ENV = "LOOPED_SPEC_API_KEY"
+
+
+class ReplicaAppArgs(BaseModel):
+    """The application's arguments (`args:` in a Serve config file; `looped-spec serve` fills them from its flags)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: str = Field("tiny-ouro", description="Checkpoint folder or shipped model name, as every replica sees it.")
+    served_model_name: str | None = Field(None, description="Model id in the API (default: the folder name).")
+    api_key: str | None = Field(None, description=f"Bearer key for /v1/* (default: ${API_KEY_ENV} on the replica).")
+    max_queued: int = Field(256, ge=0, description="Requests a replica queues beyond its batch; more get 429.")
+    max_body_bytes: int = Field(1 << 20, ge=1, description="Larger request bodies get 413.")
+    threads: int = Field(1, ge=0, description="torch CPU threads per replica (0: torch's default).")
+    engine: dict[str, Any] = Field(default_factory=dict, description="LoopedSpecEngine options (EngineConfig).")
+    num_replicas: int | None = Field(None, ge=1, description="Fixed replica count (default 1 without autoscaling).")
+    min_replicas: int | None = Field(None, ge=0, description="Autoscaling: fewest replicas.")
+    max_replicas: int | None = Field(None, ge=1, description="Autoscaling: most replicas.")
+    target_ongoing_requests: float | None = Field(None, gt=0, description="Autoscaling: requests per replica aimed at.")
+    num_gpus: float | None = Field(None, ge=0, description="GPUs per replica (default: 1 when the engine's device is "
+                                   "cuda, or auto on a cluster with GPUs; else 0).")  # fmt: skip
+    metrics_port: int | None = Field(None, ge=1, le=65535, description="Replica with local rank r also serves "
+                                     "/metrics on metrics_port + r (each series labelled by replica).")  # fmt: skip
+
+    @model_validator(mode="after")
+    def _scaling(self) -> ReplicaAppArgs:
+        autoscaling = [n for n in ("min_replicas", "max_replicas", "target_ongoing_requests") if getattr(self, n)
+                       is not None]  # fmt: skip
+        if autoscaling and self.num_replicas is not None:
+            raise ValueError(f"num_replicas: a fixed count excludes autoscaling ({', '.join(autoscaling)})")
+        if autoscaling and self.max_replicas is None:
+            raise ValueError("max_replicas: autoscaling needs the most replicas it may start")
+        if self.min_replicas is not None and self.max_replicas is not None and self.min_replicas > self.max_replicas:
+            raise ValueError(f"min_replicas={self.min_replicas} exceeds max_replicas={self.max_replicas}")
+        return self
+
+    def engine_config(self) -> EngineConfig:
+        """The engine options, checked before any replica starts (the error names `engine.<option>`)."""
+        try:
+            return EngineConfig.from_options(**self.engine)
+        except ValueError as exc:
+            raise ValueError(f"engine: {exc}") from None
+
+
+def parse_args(args: dict[str, Any] | ReplicaAppArgs) -> ReplicaAppArgs:
+    """`ReplicaAppArgs` from a config file's `args:`; a wrong field is a ValueError naming it."""
+    if isinstance(args, ReplicaAppArgs):
+        return args
+    try:
+        return ReplicaAppArgs(**args)
+    except ValidationError as exc:
+        problems = [f"{'.'.join(str(p) for p in e['loc']) or 'args'}: {e['msg']}" for e in exc.errors()]
+        raise ValueError("looped-spec application args: " + "; ".join(problems)) from None
+
+
+@serve.ingress()
+class LoopedSpecServer:
+    """One replica: its own engine and async front, the single-process FastAPI app around them."""
+
+    def __init__(self, args: dict[str, Any]) -> None:
+        self.args = args = parse_args(args)
+        if args.threads:
+            import torch
+
+            torch.set_num_threads(args.threads)
+        context = serve.get_replica_context()
+        self.replica = context.replica_tag
+        self.app_name, self.deployment_name = context.app_name, context.deployment
+        self.engine = AsyncLoopedSpecEngine(LoopedSpecEngine(args.model, **args.engine), max_queued=args.max_queued)
+        self.metrics_port = args.metrics_port + context.rank.local_rank if args.metrics_port is not None else None
+        self.metrics_server = None
+
+    def __serve_build_asgi_app__(self):
+        args = self.args
+        api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
+        name = args.served_model_name or os.path.basename(os.path.normpath(args.model))
+        app = build_app(self.engine, name, api_key, args.max_body_bytes, replica=self.replica,
+                        readiness=lambda: deployment_readiness(self.app_name, self.deployment_name))  # fmt: skip
+        if self.metrics_port is not None:
+            self.metrics_server, _ = start_http_server(self.metrics_port, registry=app.state.metrics_registry)
+        return app
+
+    def check_health(self) -> None:
+        """Ray's periodic health check: a replica whose engine worker stopped is replaced."""
+        if not self.engine.is_running:
+            raise RuntimeError(f"replica {self.replica}: engine worker stopped")
+
+    def __del__(self) -> None:
+        if self.metrics_server is not None:
+            self.metrics_server.shutdown()
+
+
+async def deployment_readiness(app_name: str, deployment_name: str) -> str | None:
+    """Why the deployment is not serving at full strength yet (None once every replica it wants is running)."""
+    status = await asyncio.to_thread(serve.status)
+    app = status.applications.get(app_name)
+    if app is None or deployment_name not in app.deployments:
+        return f"deployment {app_name}/{deployment_name} not found"
+    deployment = app.deployments[deployment_name]
+    if deployment.status != "HEALTHY":
+        running = deployment.replica_states.get("RUNNING", 0)
+        return f"deployment {deployment.status.lower()} ({running} replicas running)"
+    return None
+
+
+def build_application(args: dict[str, Any] | ReplicaAppArgs) -> serve.Application:
+    """The Serve application (the `import_path` of a Serve config file or KubeRay RayService)."""
+    args = parse_args(args)
+    config = args.engine_config()
+    options: dict[str, Any] = {
+        # a replica admits its whole batch and queue; beyond that it answers 429 itself
+        "max_ongoing_requests": config.max_batch_size + args.max_queued,
+        "ray_actor_options": {"num_cpus": max(args.threads, 1), "num_gpus": _gpus_per_replica(args, config)},
+    }
+    if args.max_replicas is not None:
+        min_replicas = args.min_replicas if args.min_replicas is not None else 1
+        autoscaling = {"min_replicas": min_replicas, "max_replicas": args.max_replicas}
+        if args.target_ongoing_requests is not None:
+            autoscaling["target_ongoing_requests"] = args.target_ongoing_requests
+        options["autoscaling_config"] = AutoscalingConfig(**autoscaling)
+    else:
+        options["num_replicas"] = args.num_replicas or 1
+    deployment = serve.deployment(LoopedSpecServer, name=DEPLOYMENT_NAME, **options)
+    return deployment.bind(args.model_dump())
+
+
+def _gpus_per_replica(args: ReplicaAppArgs, config: EngineConfig) -> float:
+    if args.num_gpus is not None:
+        return args.num_gpus
+    device = str(config.device)
+    if device.startswith("cuda"):
+        return 1
+    if device == "auto" and ray.is_initialized():
+        return 1 if ray.cluster_resources().get("GPU", 0) > 0 else 0
+    return 0
+
+
+def run_replicas(args: ReplicaAppArgs, host: str, port: int) -> None:
+    """Start (or join, with RAY_ADDRESS) a Ray cluster, serve the application on host:port until interrupted."""
+    application_args = parse_args(args)
+    application_args.engine_config()  # a bad option fails here, before Ray starts
+    ray.init(address=os.environ.get("RAY_ADDRESS"), include_dashboard=False, log_to_driver=True)
+    # SIGTERM ends the server like Ctrl-C (after ray.init, which installs its own handler): the application is
+    # deleted and a local cluster this process started is shut down with it
+    signal.signal(signal.SIGTERM, _interrupt)
+    try:
+        serve.start(http_options={"host": host, "port": port})
+        serve.run(build_application(application_args), name=APP_NAME, route_prefix="/", blocking=False)
+        print(f"looped-spec: serving on http://{host}:{port} through Ray Serve", flush=True)
+        signal.pause()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+
+
+def _interrupt(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt

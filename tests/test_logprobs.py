@@ -1,0 +1,135 @@
+"""Engine-side log-probabilities (SamplingParams.logprobs): each generated token's log-softmax of the logits it was
+read out from, before temperature. Checked against independent references: the cache-free full-depth forward
+(plain and speculative decoding, greedy and sampled), the cache-free forward at a fixed depth, and the token-by-token
+early-exit reference of test_early_exit.py (plain and speculative, skip and select)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import FAMILIES, load, reference
+from test_early_exit import exit_params, reference_generate
+
+from looped_spec import LoopedSpecEngine, SamplingParams, SpeculativeConfig
+
+TOP = 3
+
+
+def dense_logprobs(adapter, prompt: list[int], tokens: list[int], seed: int, depth: int | None = None) -> list:
+    """log p(token) of each generated token from one cache-free forward of prompt + tokens (the reference)."""
+    ids = torch.tensor(prompt + tokens)
+    logprobs = torch.log_softmax(adapter.dense_logits(ids, depth, seeds=[seed])[0].float(), dim=-1)
+    n = len(prompt)
+    return [logprobs[n - 1 + i, t].item() for i, t in enumerate(tokens)]
+
+
+def check_entries(out, expected: list[float]) -> None:
+    entries = out.logprobs
+    assert len(entries) == len(out.token_ids) == len(expected)
+    assert [e.token for e in entries] == list(out.token_ids)
+    assert [e.logprob for e in entries] == pytest.approx(expected, abs=2e-4)
+    for entry in entries:  # the top list: TOP most likely, descending, the chosen one's value among them if there
+        values = [v for _, v in entry.top]
+        assert len(values) == TOP and values == sorted(values, reverse=True) and values[0] >= entry.logprob - 1e-5
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("speculation", ["off", SpeculativeConfig(k=3, d=1), "adaptive"])
+def test_full_depth_logprobs_are_the_models_own_with_or_without_speculation(family, speculation):
+    """Greedy and sampled requests side by side: every token's entry equals the cache-free forward's."""
+    adapter = load(family)
+    prompts = [reference(family)["prompts"][i % 2] for i in range(3)]
+    engine = LoopedSpecEngine(adapter, speculation=speculation, max_batch_size=4)
+    params = [
+        SamplingParams(max_tokens=9, logprobs=TOP, ignore_eos=True, seed=5),
+        SamplingParams(max_tokens=7, logprobs=TOP, ignore_eos=True, temperature=0.9, top_k=20, seed=6),
+        SamplingParams(max_tokens=8, ignore_eos=True, seed=7),  # did not ask: no entries, no cost
+    ]
+    outs = engine.generate(prompts, params)
+    for prompt, p, out in zip(prompts, params[:2], outs[:2]):
+        check_entries(out, dense_logprobs(adapter, prompt, list(out.token_ids), p.seed))
+    assert outs[2].logprobs is None
+    assert engine.num_free_blocks == engine.kv.num_blocks
+
+
+def test_greedy_speculative_logprobs_equal_plain_ones_and_stop_where_the_output_stops():
+    adapter = load("ouro")
+    prompts = reference("ouro")["prompts"][:2]
+    params = SamplingParams(max_tokens=12, logprobs=2, ignore_eos=True, seed=1)
+    plain = LoopedSpecEngine(adapter, speculation="off").generate(prompts, params)
+    spec = LoopedSpecEngine(adapter, speculation=SpeculativeConfig(k=4, d=1)).generate(prompts, params)
+    for a, b in zip(plain, spec):
+        assert a.token_ids == b.token_ids
+        assert [e.logprob for e in a.logprobs] == pytest.approx([e.logprob for e in b.logprobs], abs=1e-5)
+    # a stop token inside a speculative round: the entries end with the output
+    stop = plain[0].token_ids[4]
+    cut = LoopedSpecEngine(adapter, speculation=SpeculativeConfig(k=4, d=1)).generate(
+        prompts[:1], params.model_copy(update={"stop_token_ids": [stop]})
+    )[0]
+    assert len(cut.logprobs) == len(cut.token_ids) == plain[0].token_ids.index(stop) + 1
+
+
+def test_streamed_outputs_carry_the_entries_of_their_new_tokens_and_survive_preemption():
+    """Through step(): the last len(new_token_ids) entries are the new ones; a KV cache small enough to preempt
+    (and recompute) requests gives the entries of a roomy one."""
+    adapter = load("ouro")
+    prompts = [reference("ouro")["prompts"][i % 2] for i in range(4)]
+    params = SamplingParams(max_tokens=24, logprobs=1, ignore_eos=True, seed=2)
+    roomy = LoopedSpecEngine(adapter, speculation=SpeculativeConfig(k=2, d=1)).generate(prompts, params)
+    tight = LoopedSpecEngine(
+        adapter, speculation=SpeculativeConfig(k=2, d=1), block_size=4, num_kv_blocks=20, max_model_len=64
+    )
+    for prompt in prompts:
+        tight.add_request(prompt, params)
+    streamed: dict[str, list] = {}
+    finals = {}
+    while tight.has_unfinished_requests():
+        for out in tight.step():
+            new = out.logprobs[len(out.logprobs) - len(out.new_token_ids) :] if out.new_token_ids else []
+            streamed.setdefault(out.request_id, []).extend(new)
+            if out.finished:
+                finals[out.request_id] = out
+    assert tight.scheduler.num_preemptions > 0
+    for i, want in enumerate(roomy):
+        got = finals[str(i)]
+        assert got.token_ids == want.token_ids and streamed[str(i)] == got.logprobs
+        assert [e.logprob for e in got.logprobs] == pytest.approx([e.logprob for e in want.logprobs], abs=1e-5)
+
+
+def test_fixed_depth_logprobs_are_the_readout_at_that_depth():
+    """exit_at_step = e: a looped model's loops 1..e never see deeper ones, so the cache-free forward at depth e
+    reads out every generated token exactly as the engine did."""
+    adapter = load("ouro")
+    prompts = reference("ouro")["prompts"][:2]
+    for speculation in ("off", SpeculativeConfig(k=3, d=1)):
+        engine = LoopedSpecEngine(adapter, speculation=speculation)
+        for e in range(1, adapter.full_depth):
+            params = SamplingParams(max_tokens=8, logprobs=TOP, ignore_eos=True, exit_at_step=e, seed=1)
+            for prompt, out in zip(prompts, engine.generate(prompts, params)):
+                check_entries(out, dense_logprobs(adapter, prompt, list(out.token_ids), 1, depth=e))
+
+
+@pytest.mark.parametrize("mode", ["skip", "select"])
+@pytest.mark.parametrize("family", ["ouro", "huginn"])
+def test_early_exit_logprobs_are_the_exit_depths_readout(family, mode):
+    """Rules that exit at mixed depths: the entries equal the token-by-token early-exit reference's logits, with
+    and without speculation."""
+    adapter = load(family)
+    prompt = reference(family)["prompts"][0]
+    for base in exit_params(family):
+        params = base.model_copy(update={"max_tokens": 8, "ignore_eos": True, "seed": 3, "logprobs": TOP})
+        tokens, logits, _ = reference_generate(adapter, family, prompt, 8, params, mode, 3)
+        expected = [torch.log_softmax(row.float(), -1)[t].item() for row, t in zip(logits, tokens)]
+        for speculation in ("off", SpeculativeConfig(k=3, d=1)):
+            engine = LoopedSpecEngine(adapter, speculation=speculation, early_exit=mode)
+            out = engine.generate([prompt], params)[0]
+            assert list(out.token_ids) == tokens, (base, speculation)
+            check_entries(out, expected)
+
+
+def test_logprobs_are_refused_where_the_engine_cannot_return_them():
+    engine = LoopedSpecEngine(load("ouro"), speculation="off", batching="loop")
+    with pytest.raises(ValueError, match="^logprobs: not available with batching='loop'"):
+        engine.add_request([1, 2, 3], SamplingParams(logprobs=1))
+    with pytest.raises(ValueError, match="logprobs"):
+        SamplingParams(logprobs=21)

@@ -1,0 +1,363 @@
+"""Ray Serve replicas (looped_spec/server/replicas.py): arguments, the application, the config file, and two real
+CPU replicas behind Ray's HTTP proxy driven with the official openai client (a replica killed mid-load included)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+import yaml
+from prometheus_client.parser import text_string_to_metric_families
+from ray.serve.schema import ServeDeploySchema
+from server_utils import ServerThread
+
+from looped_spec import LoopedSpecEngine, SamplingParams
+from looped_spec.server.replicas import DEPLOYMENT_NAME, build_application, parse_args
+
+ROOT = Path(__file__).resolve().parents[1]
+CONFIG_FILE = ROOT / "examples" / "ray_serve.yaml"
+PROMPTS = ["def fibonacci(n):", "import os\n", "class Stack:", "for i in range(10):", "def read_file(path):"]
+
+
+def test_arguments_are_checked_and_errors_name_the_field():
+    with pytest.raises(ValueError, match="num_replica: Extra inputs"):
+        parse_args({"num_replica": 2})
+    with pytest.raises(ValueError, match="num_replicas: a fixed count excludes autoscaling"):
+        parse_args({"num_replicas": 2, "max_replicas": 4})
+    with pytest.raises(ValueError, match="max_replicas: autoscaling needs"):
+        parse_args({"target_ongoing_requests": 8})
+    with pytest.raises(ValueError, match="min_replicas=3 exceeds max_replicas=2"):
+        parse_args({"min_replicas": 3, "max_replicas": 2})
+    with pytest.raises(ValueError, match="engine: .*max_batch_sise"):
+        build_application({"engine": {"max_batch_sise": 8}})  # checked before any replica starts
+    with pytest.raises(ValueError, match="threads: Input should be greater than or equal to 0"):
+        parse_args({"threads": -1})
+
+
+def test_application_options_follow_the_arguments():
+    fixed = build_application({"num_replicas": 2, "max_queued": 4, "threads": 2, "engine": {"max_batch_size": 8}})
+    deployment = fixed._bound_deployment
+    assert deployment.name == DEPLOYMENT_NAME and deployment.num_replicas == 2
+    assert deployment.max_ongoing_requests == 8 + 4  # the replica's own batch + queue; beyond it answers 429
+    assert deployment.ray_actor_options == {"num_cpus": 2, "num_gpus": 0}
+    scaled = build_application({"min_replicas": 0, "max_replicas": 3, "target_ongoing_requests": 4})
+    autoscaling = scaled._bound_deployment._deployment_config.autoscaling_config
+    assert (autoscaling.min_replicas, autoscaling.max_replicas, autoscaling.target_ongoing_requests) == (0, 3, 4)
+    on_gpu = build_application({"engine": {"device": "cuda"}})._bound_deployment
+    assert on_gpu.ray_actor_options["num_gpus"] == 1 and on_gpu.num_replicas == 1
+
+
+def test_config_file_is_a_valid_serve_config_and_builds_the_application():
+    """examples/ray_serve.yaml: what `serve run` and KubeRay's serveConfigV2 take (Ray's own schema), buildable."""
+    config = ServeDeploySchema(**yaml.safe_load(CONFIG_FILE.read_text()))
+    (app,) = config.applications
+    module, name = app.import_path.split(":")
+    builder = getattr(__import__(module, fromlist=[name]), name)
+    built = builder(app.args)  # what `serve run` does with an application builder and its args
+    assert built._bound_deployment.name == DEPLOYMENT_NAME
+    assert built._bound_deployment._deployment_config.autoscaling_config.max_replicas == app.args["max_replicas"]
+
+
+def test_replica_app_labels_metrics_names_itself_and_reports_readiness():
+    """The single-process app as a replica runs it: a replica label on every series, a header, /health readiness."""
+    waiting: list[str | None] = ["deployment updating (1 replicas running)"]
+
+    async def readiness() -> str | None:
+        return waiting[0]
+
+    engine = LoopedSpecEngine("tiny-ouro", speculation="off")
+    with ServerThread(engine, "tiny-ouro", replica="r7", readiness=readiness) as server:
+        health = httpx.get(server.url + "/health")
+        assert health.status_code == 503 and "updating" in health.json()["status"]
+        assert health.headers["x-looped-spec-replica"] == "r7"
+        waiting[0] = None
+        assert httpx.get(server.url + "/health").json() == {"status": "ok", "replica": "r7"}
+        body = {"model": "tiny-ouro", "prompt": "def f(", "max_tokens": 2}
+        httpx.post(server.url + "/v1/completions", json=body).raise_for_status()
+        families = list(text_string_to_metric_families(httpx.get(server.url + "/metrics").text))
+        samples = [s for f in families for s in f.samples]
+        assert samples and all(s.labels.get("replica") == "r7" for s in samples)
+        assert any(s.name == "looped_spec:request_success_total" and s.value == 1 for s in samples)
+
+
+# --- two real replicas through Ray's proxy -------------------------------------------------------------------
+
+
+def _free_port(then_free: int = 0) -> int:
+    """A free TCP port on 127.0.0.1 whose next `then_free` ports are free too."""
+    import socket
+
+    while True:
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        try:
+            for offset in range(1, then_free + 1):
+                with socket.socket() as sock:
+                    sock.bind(("127.0.0.1", port + offset))
+        except OSError:
+            continue
+        return port
+
+
+def _processes(key: int, field: int) -> dict[int, str]:
+    """pid -> process title of the live processes whose /proc stat `field` is `key` (3: parent, 5: session)."""
+    found = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            if int(fields[field - 2]) == key and fields[0] != "Z":
+                found[int(stat.parent.name)] = (stat.parent / "cmdline").read_bytes().split(b"\0")[0].decode()
+        except (OSError, IndexError, UnicodeDecodeError, ValueError):
+            continue
+    return found
+
+
+def _descendants(root: int) -> dict[int, str]:
+    found, frontier = {}, [root]
+    while frontier:
+        children = _processes(frontier.pop(), 3)
+        frontier += [pid for pid in children if pid not in found]
+        found |= children
+    return found
+
+
+def _replica_metrics(port: int) -> dict[str, float] | None:
+    """One replica's own metrics endpoint: {replica: its id, running: requests in its batch}; None if it is down."""
+    try:
+        text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=2).text
+    except httpx.TransportError:
+        return None
+    found: dict = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == "looped_spec:num_requests_running":
+                found |= {"replica": sample.labels["replica"], "running": sample.value}
+            if sample.name == "looped_spec:request_success_total":
+                found["finished"] = sample.value
+    return found or None
+
+
+def _wait(condition, timeout: float, what: str):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = condition()
+        if value:
+            return value
+        time.sleep(0.25)
+    raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
+
+
+@pytest.fixture(scope="module")
+def offline_greedy():
+    """Offline greedy text per (prompt, max_tokens): plain decoding, no server, no speculation."""
+    engine = LoopedSpecEngine("tiny-ouro", speculation="off")
+    cache: dict = {}
+
+    def text(prompt: str, max_tokens: int) -> str:
+        if (prompt, max_tokens) not in cache:
+            params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+            cache[prompt, max_tokens] = engine.generate([prompt], params)[0].text
+        return cache[prompt, max_tokens]
+
+    yield text
+    engine.close()
+
+
+@pytest.mark.slow
+def test_two_replicas_through_the_ray_proxy(offline_greedy, tmp_path):
+    port = _free_port()
+    metrics_port = _free_port(then_free=1)  # replica r serves its metrics on metrics_port + r
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"} | {"OMP_NUM_THREADS": "1"}
+    log = (tmp_path / "server.log").open("w")
+    server = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "looped_spec.cli",
+            "serve",
+            "tiny-ouro",
+            "--replicas",
+            "2",
+            "--port",
+            str(port),
+            "--metrics-port",
+            str(metrics_port),
+            "--api-key",
+            "sekret",
+            "--max-batch-size",
+            "8",
+            "--log-level",
+            "warning",
+        ],  # fmt: skip
+        env=env,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        _wait(lambda: server.poll() is None and _health(url) == "ok", 150, "both replicas ready")
+        _check_serving(url, metrics_port, offline_greedy)
+        _check_replica_killed_mid_load(url, server.pid, metrics_port, offline_greedy)
+    except BaseException:
+        log.flush()
+        print((tmp_path / "server.log").read_text()[-6000:])
+        raise
+    finally:
+        server.send_signal(signal.SIGTERM)  # the CLI deletes the application and shuts its local Ray cluster down
+        try:
+            server.wait(timeout=60)
+        finally:
+            time.sleep(1)
+            leftovers = _processes(server.pid, 5)  # anything the server's session started still running
+            if server.poll() is None or leftovers:
+                os.killpg(server.pid, signal.SIGKILL)
+            log.close()
+    assert server.returncode == 0 and not leftovers, leftovers
+
+
+def _health(url: str) -> str | None:
+    try:
+        response = httpx.get(url + "/health", timeout=5)
+    except httpx.TransportError:
+        return None
+    return response.json().get("status") if response.headers.get("content-type") == "application/json" else None
+
+
+def _client(url: str, key: str = "sekret") -> openai.AsyncOpenAI:
+    return openai.AsyncOpenAI(base_url=url + "/v1", api_key=key, timeout=120, max_retries=0)
+
+
+async def _complete(client, prompt: str, max_tokens: int, stream: bool) -> tuple[str | None, str]:
+    """(the replica that answered, the text) of one greedy completion."""
+    kwargs = dict(model="tiny-ouro", prompt=prompt, max_tokens=max_tokens, temperature=0.0,
+                  extra_body={"ignore_eos": True})  # fmt: skip
+    raw = await client.completions.with_raw_response.create(stream=stream, **kwargs)
+    replica = raw.headers.get("x-looped-spec-replica")
+    if not stream:
+        return replica, raw.parse().choices[0].text
+    text = ""
+    async for chunk in raw.parse():
+        text += "".join(choice.text for choice in chunk.choices)
+    return replica, text
+
+
+def _check_serving(url: str, metrics_port: int, offline_greedy) -> None:
+    # the API key is enforced through the proxy (/health and /metrics stay open)
+    assert httpx.post(url + "/v1/completions", json={"prompt": "x", "max_tokens": 1}).status_code == 401
+
+    async def denied():
+        async with _client(url, key="wrong") as client:
+            with pytest.raises(openai.AuthenticationError):
+                await client.completions.create(model="tiny-ouro", prompt="x", max_tokens=1)
+
+    asyncio.run(denied())
+
+    async def load():
+        jobs = [(PROMPTS[i % len(PROMPTS)], 12, i % 2 == 0) for i in range(16)]
+        async with _client(url) as client:
+            answers = await asyncio.gather(*(_complete(client, p, n, stream) for p, n, stream in jobs))
+        return jobs, answers
+
+    jobs, answers = asyncio.run(load())
+    for (prompt, max_tokens, _), (_, text) in zip(jobs, answers):
+        assert text == offline_greedy(prompt, max_tokens), prompt
+    replicas = {replica for replica, _ in answers}
+    assert len(replicas) == 2, f"one replica served every request: {replicas}"
+    # each replica's own metrics endpoint: labelled by replica, counting what that replica served
+    seen = [_replica_metrics(metrics_port + rank) for rank in range(2)]
+    assert {m["replica"] for m in seen} == replicas
+    assert sum(m["finished"] for m in seen) == len(jobs) and all(m["finished"] > 0 for m in seen)
+
+
+def _check_replica_killed_mid_load(url: str, server_pid: int, metrics_port: int, offline_greedy) -> None:
+    before = {_replica_metrics(metrics_port + rank)["replica"] for rank in range(2)}
+    long_tokens = 900  # seconds of work each: still running when the replica is killed
+
+    async def load():
+        async with _client(url) as client:
+            return await _killing(client)
+
+    async def _killing(client):
+        jobs = [(PROMPTS[i % len(PROMPTS)], long_tokens, i % 2 == 0) for i in range(8)]
+        tasks = [asyncio.ensure_future(_complete(client, p, n, stream)) for p, n, stream in jobs]
+        # kill a replica (the one with local rank 0) while both have requests in their batch
+        victim_metrics = _replica_metrics(metrics_port)
+        replicas = [pid for pid, title in _descendants(server_pid).items() if title.startswith("ray::ServeReplica")]
+        assert len(replicas) == 2, replicas
+        victim = next(pid for pid in replicas if _listens_on(pid, metrics_port))
+        busy = await asyncio.to_thread(_wait, lambda: all((_replica_metrics(metrics_port + r) or {}).get("running")
+                                                          for r in range(2)), 60, "both replicas busy")  # fmt: skip
+        assert busy
+        os.kill(victim, signal.SIGKILL)
+        done, pending = await asyncio.wait(tasks, timeout=120)
+        assert not pending, "a request hung after its replica died"
+        return jobs, [task.exception() or task.result() for task in tasks], victim_metrics["replica"]
+
+    jobs, results, victim = asyncio.run(load())
+    failed = [r for r in results if isinstance(r, BaseException)]
+    assert failed, "no in-flight request was on the killed replica"
+    assert all(isinstance(r, (openai.APIConnectionError, openai.InternalServerError)) for r in failed), failed
+    for (prompt, max_tokens, _), result in zip(jobs, results):
+        if not isinstance(result, BaseException):
+            replica, text = result
+            assert replica != victim and text == offline_greedy(prompt, max_tokens)
+    # the replica is replaced: two replicas again, one of them new; later requests succeed
+    after = _wait(lambda: _replica_set(metrics_port) if len(_replica_set(metrics_port)) == 2 else None, 120,
+                  "a replacement replica")  # fmt: skip
+    assert victim not in after and len(after - before) == 1
+    _wait(lambda: _health(url) == "ok", 60, "the deployment healthy again")
+
+    async def later():
+        async with _client(url) as client:
+            return await asyncio.gather(*(_complete(client, p, 8, False) for p in PROMPTS))
+
+    for prompt, (_, text) in zip(PROMPTS, asyncio.run(later())):
+        assert text == offline_greedy(prompt, 8)
+
+
+def _replica_set(metrics_port: int) -> set[str]:
+    return {m["replica"] for m in (_replica_metrics(metrics_port + r) for r in range(2)) if m}
+
+
+def _listens_on(pid: int, port: int) -> bool:
+    """Whether process `pid` holds a listening TCP socket on `port` (its /proc entries, no psutil)."""
+    inodes = set()
+    for fd in Path(f"/proc/{pid}/fd").iterdir():
+        try:
+            target = os.readlink(fd)
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            inodes.add(target[8:-1])
+    for table in ("tcp", "tcp6"):
+        for line in Path(f"/proc/{pid}/net/{table}").read_text().splitlines()[1:]:
+            fields = line.split()
+            if int(fields[1].rsplit(":", 1)[1], 16) == port and fields[3] == "0A" and fields[9] in inodes:
+                return True
+    return False
+
+
+def test_serve_replica_flags_are_checked_before_ray_starts(capsys):
+    """`looped-spec serve --replicas ...` errors name the flag and come before any cluster starts (exit 2)."""
+    from looped_spec.cli import main
+
+    cases = [
+        (["--replicas", "0"], "--replicas: Input should be greater than or equal to 1"),
+        (["--replicas", "2", "--max-replicas", "3"], "--replicas: a fixed count excludes autoscaling (--max-replicas)"),
+        (["--min-replicas", "3", "--max-replicas", "2"], "--min-replicas=3 exceeds --max-replicas=2"),
+        (["--replicas", "2", "--max-batch-size", "0"], "max_batch_size"),
+    ]
+    for flags, message in cases:
+        assert main(["serve", "tiny-ouro", *flags]) == 2
+        err = capsys.readouterr().err
+        assert message in err and err.count("\n") == 1, err
