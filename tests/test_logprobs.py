@@ -127,9 +127,27 @@ def test_early_exit_logprobs_are_the_exit_depths_readout(family, mode):
             check_entries(out, expected)
 
 
-def test_logprobs_are_refused_where_the_engine_cannot_return_them():
-    engine = LoopedSpecEngine(load("ouro"), speculation="off", batching="loop")
-    with pytest.raises(ValueError, match="^logprobs: not available with batching='loop'"):
-        engine.add_request([1, 2, 3], SamplingParams(logprobs=1))
+@pytest.mark.parametrize("family", ["ouro", "huginn"])
+def test_loop_batching_returns_the_step_engines_logprobs(family):
+    """One loop pass serving requests at different loops: plain tokens, early exits and a fixed plan's verified
+    tokens carry the entries the step engine gives them."""
+    adapter = load(family)
+    prompts = [reference(family)["prompts"][i % 2] for i in range(4)]
+    # a threshold (Ouro's gate; Huginn's KL rule reads out through attention, which loop passes refuse) and a depth
+    rules = [exit_params(family)[0] if family == "ouro" else SamplingParams(exit_at_step=2), exit_params(family)[-1]]
+    rules += [SamplingParams(), SamplingParams()]
+    params = [p.model_copy(update={"max_tokens": 7 + i, "ignore_eos": True, "seed": i, "logprobs": 2})
+              for i, p in enumerate(rules)]  # fmt: skip
+    for speculation in ("off", SpeculativeConfig(k=2, d=1)):
+        step = LoopedSpecEngine(adapter, speculation=speculation, max_batch_size=4).generate(prompts, params)
+        loop = LoopedSpecEngine(adapter, speculation=speculation, max_batch_size=4, batching="loop")
+        for a, b in zip(step, loop.generate(prompts, params)):
+            assert a.token_ids == b.token_ids
+            assert [e.token for e in b.logprobs] == list(b.token_ids)
+            assert [e.logprob for e in b.logprobs] == pytest.approx([e.logprob for e in a.logprobs], abs=1e-5)
+        assert loop.stats.num_loop_passes > 0
+
+
+def test_logprobs_count_is_checked():
     with pytest.raises(ValueError, match="logprobs"):
         SamplingParams(logprobs=21)

@@ -143,11 +143,6 @@ class LoopedSpecEngine:
             spec, depth, preset, policy=config.policy, settings=config.control, trace_path=config.trace_path
         )
 
-    def check_logprobs(self, params: SamplingParams) -> None:
-        """Log-probabilities come from the step engine's readouts; loop passes do not keep them (yet)."""
-        if params.logprobs is not None and self.loop_batcher is not None:
-            raise ValueError("logprobs: not available with batching='loop' (yet); use batching='step'")
-
     def resolve_exit(self, params: SamplingParams) -> tuple[float | None, int | None]:
         """(exit_threshold, exit_at_step) a request with `params` runs with (None: no rule / up to D).
 
@@ -249,7 +244,6 @@ class LoopedSpecEngine:
         if params.stop and self.tokenizer is None:
             raise ValueError("stop strings need the model's tokenizer files; use stop_token_ids instead")
         exit_threshold, exit_at_step = self.resolve_exit(params)
-        self.check_logprobs(params)
         seed = params.seed if params.seed is not None else self._rng.randrange(2**31)
         detokenizer = IncrementalDetokenizer(self.tokenizer, params.stop) if self.tokenizer is not None else None
         prompt_text = prompt if isinstance(prompt, str) else None
@@ -361,7 +355,7 @@ class LoopedSpecEngine:
         if result.finished:
             self._commit(
                 result.finished, result.tokens, num_proposed=result.proposed, num_accepted=result.accepted,
-                exit_depths=result.exit_depths,
+                exit_depths=result.exit_depths, logprobs=result.logprobs,
             )  # fmt: skip
             self.stats.record_drafts(result.proposed, result.accepted)
         batcher.commit(result)

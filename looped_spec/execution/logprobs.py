@@ -47,3 +47,28 @@ def logprobs_of_rows(
     entries = iter(token_logprobs(logits[index], tokens[index.to(tokens.device)],
                                   [requests[i].logprobs_top for i in rows]))  # fmt: skip
     return [[next(entries)] if r.logprobs_top is not None else [] for r in requests]
+
+
+def verified_logprobs(
+    requests: list[Request], ks: list[int], committed: list[list[int]], logits: torch.Tensor
+) -> list[list[TokenLogprob]] | None:
+    """Per request, the entries of its committed tokens from the verify readout of their positions (`logits`:
+    [sum(K+1), V], request after request, K + 1 positions each; token j of a request read out at its position j);
+    [] for a request that did not ask, None if none did."""
+    if not wants_logprobs(requests):
+        return None
+    rows, tokens, top_n, owners = [], [], [], []
+    start = 0
+    for i, (request, k) in enumerate(zip(requests, ks)):
+        if request.logprobs_top is not None:
+            for j, token in enumerate(committed[i]):
+                rows.append(start + j)
+                tokens.append(token)
+                top_n.append(request.logprobs_top)
+                owners.append(i)
+        start += k + 1
+    out: list[list[TokenLogprob]] = [[] for _ in requests]
+    index = torch.tensor(rows, device=logits.device)
+    for i, entry in zip(owners, token_logprobs(logits[index], torch.tensor(tokens, device=logits.device), top_n)):
+        out[i].append(entry)
+    return out

@@ -15,10 +15,11 @@ from __future__ import annotations
 import torch
 
 from looped_spec.execution.early_exit import read_out_by_depth
+from looped_spec.execution.logprobs import logprobs_of_rows, verified_logprobs
 from looped_spec.execution.sampler import SamplingRows, sample
 from looped_spec.execution.timing import Stopwatch
 from looped_spec.loop_batching.items import DraftRound, Item, NextDraft, PassResult
-from looped_spec.request import Request
+from looped_spec.request import Request, TokenLogprob
 from looped_spec.speculative.proposer import draw_drafts
 from looped_spec.speculative.rejection_sampler import accept
 from looped_spec.speculative.verifier import position_index
@@ -271,9 +272,10 @@ class LoopBatcher:
             exit_states = torch.cat([state[row : row + 1] if kept is None else kept for _, row, _, kept in done])
         read_ctx = self._readout_context(finished, ctx, items)
         logits = read_out_by_depth(runner, requests, positions, lens, exit_states, depths, read_ctx)
-        tokens = sample(logits, SamplingRows.build(requests, runner.device)).tolist()
-        for it, token, depth in zip(finished, tokens, depths):
-            out.finish(it.request, [token], 0, 0, [depth] if it.request.exits_early else [])
+        sampled = sample(logits, SamplingRows.build(requests, runner.device))
+        entries = logprobs_of_rows(requests, logits, sampled) or [None] * len(finished)
+        for it, token, depth, entry in zip(finished, sampled.tolist(), depths, entries):
+            out.finish(it.request, [token], 0, 0, [depth] if it.request.exits_early else [], entry)
 
     def _finish_drafts(self, done: list[Item], ctx, items: list[Item], out: _Finished) -> None:
         """Drafts at depth d: keep the loop-d state; draw the next draft, or hand the round to its verification."""
@@ -321,8 +323,12 @@ class LoopBatcher:
         accepted, next_token = accept(
             draft_tokens, k_t, logits, row_index.to(device), pos_index.to(device), rows, q_probs
         )
-        for it, a, token in zip(done, accepted.tolist(), next_token.tolist()):
-            out.finish(it.request, [*it.round.tokens[:a], token], it.round.k, a, [])
+        committed = [
+            [*it.round.tokens[:a], token] for it, a, token in zip(done, accepted.tolist(), next_token.tolist())
+        ]
+        entries = verified_logprobs(requests, ks, committed, logits) or [None] * len(done)
+        for it, tokens, entry in zip(done, committed, entries):
+            out.finish(it.request, tokens, it.round.k, len(tokens) - 1, [], entry)
 
     def _fill_skipped_loops(self, done: list[Item], depths: list[int]) -> None:
         """Skip mode: the loop planes after each token's exit depth get its exit loop's KV (early_exit.py), all
@@ -353,10 +359,15 @@ class _Finished:
         self.proposed: list[int] = []
         self.accepted: list[int] = []
         self.exit_depths: list[list[int]] = []
+        self.logprobs: list[list[TokenLogprob]] = []
         self.items: dict[str, Item] = {}
         self.next_drafts: dict[str, NextDraft] = {}
 
-    def finish(self, request: Request, tokens: list[int], proposed: int, accepted: int, depths: list[int]) -> None:
+    def finish(
+        self, request: Request, tokens: list[int], proposed: int, accepted: int, depths: list[int],
+        logprobs: list[TokenLogprob] | None = None,
+    ) -> None:  # fmt: skip
+        self.logprobs.append(logprobs or [])
         self.finished.append(request)
         self.tokens.append(tokens)
         self.proposed.append(proposed)
@@ -365,5 +376,6 @@ class _Finished:
 
     def result(self, positions: int, entered: int, loops: int, stages: dict[str, float]) -> PassResult:
         exit_depths = self.exit_depths if any(r.exits_early for r in self.finished) else None
+        logprobs = self.logprobs if any(r.logprobs_top is not None for r in self.finished) else None
         return PassResult(self.requests, self.finished, self.tokens, self.proposed, self.accepted, exit_depths,
-                          self.items, self.next_drafts, positions, entered, loops, stages)  # fmt: skip
+                          self.items, self.next_drafts, positions, entered, loops, stages, logprobs)  # fmt: skip

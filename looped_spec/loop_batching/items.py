@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from looped_spec.request import Request, RequestStatus
+from looped_spec.request import Request, RequestStatus, TokenLogprob
 
 
 @dataclass(slots=True)
@@ -96,3 +96,5 @@ class PassResult:
     entered: int  # tokens embedded by the pass
     loops: int  # loops the pass ran back to back (1 unless the engine let it run on while nothing changes)
     stage_seconds: dict[str, float]  # "embed" (entering tokens), "loops", "finish" (readouts, draws, acceptance)
+    # per finished request, its committed tokens' log-probability entries ([] if it did not ask); None if none did
+    logprobs: list[list[TokenLogprob]] | None = None

@@ -103,8 +103,6 @@ def build_app(
         # score only (max_tokens 0): the parameters still carry the seed and the exit fields the scores depend on
         max_tokens = 1 if body.max_tokens == 0 else body.max_tokens
         params = [serving.sampling_params(body, len(ids), max_tokens, j, seed, body.logprobs) for ids, j in choices]
-        if scored:
-            serving.check_logprobs(params[0], "logprobs")
         num_prompt = sum(len(ids) for ids in prompts)
         cid = new_id("cmpl")
 
@@ -184,8 +182,6 @@ def build_app(
         params = [serving.sampling_params(body, len(ids), max_tokens, j, None, top_n) for j in range(body.n)]
         if body.top_logprobs is not None and not body.logprobs:
             raise APIError(400, "top_logprobs: needs logprobs: true", "top_logprobs")
-        if body.logprobs:
-            serving.check_logprobs(params[0], "logprobs")
         outputs = serving.start_all([ids] * body.n, params)
         cid = new_id("chatcmpl")
         if body.stream:

@@ -165,13 +165,6 @@ class OpenAIServing:
             return body.seed
         return random.randrange(2**31)
 
-    def check_logprobs(self, params: SamplingParams, field: str) -> None:
-        """Log-probabilities the engine cannot return (loop batching): 400 before the request starts."""
-        try:
-            self.engine.engine.check_logprobs(params)
-        except ValueError as exc:
-            raise APIError(400, str(exc).replace("logprobs", field, 1), field) from exc
-
     async def score(self, token_ids: list[int], top_n: int, seed: int) -> list:
         try:
             return await self.engine.score(token_ids, top_n, seed)

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from looped_spec.execution.logprobs import logprobs_of_rows, token_logprobs, wants_logprobs
+from looped_spec.execution.logprobs import logprobs_of_rows, verified_logprobs
 from looped_spec.execution.model_runner import ModelRunner
 from looped_spec.execution.sampler import SamplingRows, sample
 from looped_spec.execution.timing import Stopwatch
@@ -120,8 +120,12 @@ class SpeculativeRound:
             _agreement_counts(result, agree[:, inverse], num_accepted[inverse])
         if exits:
             self._exit_counts(result, order, ks, acc, verification)
-        if wants_logprobs(reqs):
-            result.logprobs = _committed_logprobs(reqs, order, ks, acc, grid, verification.logits)
+        entries = verified_logprobs(reqs, ks, [grid[pos][: acc[pos] + 1] for pos in range(len(reqs))],
+                                    verification.logits)  # fmt: skip
+        if entries is not None:  # back to the caller's request order
+            result.logprobs = [[] for _ in requests]
+            for pos, i in enumerate(order):
+                result.logprobs[i] = entries[pos]
         return result
 
     @staticmethod
@@ -182,31 +186,6 @@ class SpeculativeRound:
         stacked = torch.stack(preds)  # [D, R, width]
         assert stacked.shape[0] == self.runner.full_depth
         return stacked == committed_grid[None]
-
-
-def _committed_logprobs(
-    reqs: list[Request], order: list[int], ks: list[int], acc: list[int], grid: list[list[int]], logits: torch.Tensor
-) -> list[list[TokenLogprob]]:
-    """Entries of each committed token, from the target's verify readout of its position (`logits`: [sum(K+1), V],
-    request after request in K-descending order); in the caller's request order."""
-    starts = [0]
-    for kr in ks[:-1]:
-        starts.append(starts[-1] + kr + 1)
-    rows, tokens, top_n, owners = [], [], [], []
-    for pos, request in enumerate(reqs):
-        if request.logprobs_top is None:
-            continue
-        for j in range(acc[pos] + 1):
-            rows.append(starts[pos] + j)
-            tokens.append(grid[pos][j])
-            top_n.append(request.logprobs_top)
-            owners.append(pos)
-    index = torch.tensor(rows, device=logits.device)
-    entries = token_logprobs(logits[index], torch.tensor(tokens, device=logits.device), top_n)
-    out: list[list[TokenLogprob]] = [[] for _ in reqs]
-    for pos, entry in zip(owners, entries):
-        out[order[pos]].append(entry)
-    return out
 
 
 def _agreement_counts(result: RoundResult, agree: torch.Tensor, num_accepted: torch.Tensor) -> None:
