@@ -154,13 +154,15 @@ def load_pools(args, adapter) -> dict[str, tuple[list[Any], str]]:
 
 
 # ----------------------------------------------------------------------------------------- engines
-def config_specs(grid, policies) -> dict[str, dict[str, Any]]:
+def config_specs(grid, policies, stop_margins=()) -> dict[str, dict[str, Any]]:
     specs: dict[str, dict[str, Any]] = {
         "plain": {"kind": "plain", "k": 0, "d": 0},
         "plain-B": {"kind": "plain", "k": 0, "d": 0},
     }
     for k, d in grid:
         specs[f"{k},{d}"] = {"kind": "fixed", "k": k, "d": d}
+        for margin in stop_margins:  # the same cell with per-token stopping: "K,d@margin"
+            specs[f"{k},{d}@{margin:g}"] = {"kind": "fixed", "k": k, "d": d, "stop_margin": margin}
     for policy, settings in policies:
         base = adaptive_name(policy, ()) if settings else None  # the engine an A/B compares this one with
         specs[adaptive_name(policy, settings)] = {
@@ -173,9 +175,8 @@ def build_engine(adapter, spec: dict[str, Any], max_batch: int, preset: str | No
     if spec["kind"] == "plain":
         return LoopedSpecEngine(adapter, speculation="off", max_batch_size=max_batch)
     if spec["kind"] == "fixed":
-        return LoopedSpecEngine(
-            adapter, speculation=SpeculativeConfig(k=spec["k"], d=spec["d"]), max_batch_size=max_batch
-        )
+        plan = SpeculativeConfig(k=spec["k"], d=spec["d"], stop_margin=spec.get("stop_margin"))
+        return LoopedSpecEngine(adapter, speculation=plan, max_batch_size=max_batch)
     kwargs: dict[str, Any] = {"max_batch_size": max_batch}
     if spec["policy"] is not None:
         kwargs["policy"] = spec["policy"]
@@ -973,6 +974,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "NAME:FIELD=VALUE adds that policy with a tunable changed (ControlSettings; several joined by +, none = None; "
         "an A/B: its rows show the ratio to the policy with the defaults), e.g. default,default:readout_budget=0.01",
     )
+    parser.add_argument("--stop-margins", default="", metavar="M[,M...]",
+                        help="also run each grid cell with per-token stopping at draft margin M ('K,d@M')")  # fmt: skip
     parser.add_argument("--preset", default=None, help="preset file for the adaptive engines (default: the model's)")
     parser.add_argument("--workload", action="store_true", help="also run the changing workload (--workload-phases)")
     parser.add_argument(
@@ -1014,6 +1017,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         args.phase_groups = [phase.group for phase in args.phase_list]
         args.policy_list = parse_policies(args.policies)
         args.options = parse_adapter_options(args.adapter_option)
+        args.stop_margin_list = [float(m) for m in args.stop_margins.split(",") if m.strip()]
+        if not all(0.0 < m <= 1.0 for m in args.stop_margin_list):
+            raise ValueError(f"--stop-margins {args.stop_margins}: each margin must be in (0, 1]")
     except ValueError as exc:
         parser.error(str(exc))
     for p, _ in args.policy_list:
@@ -1076,7 +1082,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if others:
         prompt_desc += "; workload phases also: " + "; ".join(others)
     every_prompt = [p for pool, _ in loaded.values() for p in pool]  # all the run decodes, every phase's too
-    specs = config_specs(grid, args.policy_list)
+    specs = config_specs(grid, args.policy_list, args.stop_margin_list)
     print(
         f"model {adapter.name} ({adapter.model_type}) D={depth}, {args.dtype} on {args.device}, "
         f"{torch.get_num_threads()} threads; prompts: {prompt_desc}; {args.max_tokens} new tokens per request "

@@ -39,11 +39,15 @@ class FixedController:
 
     name = "fixed"
 
-    def __init__(self, k: int, d: int, trace_path: str | Path | None = None, measure_depths: bool = False) -> None:
+    def __init__(
+        self, k: int, d: int, trace_path: str | Path | None = None, measure_depths: bool = False,
+        stop_margin: float | None = None,
+    ) -> None:  # fmt: skip
         if k < 0 or (k > 0 and d < 1):
             raise ValueError(f"(k={k}, d={d}): need k >= 0, and d >= 1 when k > 0")
         self.k, self.d = k, d if k > 0 else 0
         self.measure_depths = measure_depths
+        self.stop_margin = stop_margin if k > 0 else None
         self.num_plans = self.num_observed = 0
         self.overhead_seconds = 0.0
         self._trace = TraceWriter(trace_path) if trace_path is not None else None
@@ -54,7 +58,8 @@ class FixedController:
 
     def plan(self, batch_size: int, context: float) -> SpeculationPlan:
         t0 = perf_counter()
-        plan = SpeculationPlan(self.num_plans, self.k, self.d, measure_depths=self.measure_depths)
+        plan = SpeculationPlan(self.num_plans, self.k, self.d, measure_depths=self.measure_depths,
+                               stop_margin=self.stop_margin)  # fmt: skip
         self.num_plans += 1
         if self._trace is not None:
             self._trace.plan(plan, batch_size, context)
@@ -234,7 +239,7 @@ class AdaptiveController(FixedController):
 
 
 def make_controller(
-    spec: str | tuple[int, int, bool],
+    spec: str | tuple[int, int, bool] | tuple[int, int, bool, float | None],
     full_depth: int,
     preset: AdaptiveSpecConfig | None,
     *,
@@ -243,15 +248,16 @@ def make_controller(
     trace_path: str | Path | None = None,
 ) -> FixedController:
     """The controller for `spec`: "off", "adaptive" (with its `preset`, already fitted to `full_depth`) or a
-    fixed (k, d, measure_depths). A model of depth 1 has nothing to draft with: "adaptive" is plain there."""
+    fixed (k, d, measure_depths[, stop_margin]). A model of depth 1 has nothing to draft with: "adaptive" is plain
+    there."""
     if spec == "off" or (spec == "adaptive" and full_depth < 2):
         return FixedController(0, 0, trace_path)
     if spec == "adaptive":
         assert preset is not None
         return AdaptiveController(preset, full_depth, policy, settings, trace_path)
-    k, d, measure = spec
+    k, d, measure, *stop = spec
     if k > 0 and not 1 <= d < full_depth:
         raise ValueError(
             f"speculation.d={d}: must be in 1..{full_depth - 1} (the model's full depth is D={full_depth})"
         )
-    return FixedController(k, d, trace_path, measure)
+    return FixedController(k, d, trace_path, measure, stop[0] if stop else None)

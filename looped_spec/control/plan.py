@@ -25,6 +25,7 @@ class SpeculationPlan:
     bucket: int = -1
     candidate: int = -1
     measure_depths: bool = False
+    stop_margin: float | None = None  # per-token stopping: a request stops drafting below this draft margin
 
 
 @dataclass(slots=True)

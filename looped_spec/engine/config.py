@@ -36,11 +36,21 @@ class SpeculativeConfig(BaseModel):
     k: int = Field(2, ge=0, le=64, description="Draft tokens per round.")
     d: int = Field(1, ge=0, description="Loops used by the draft (1 <= d < full depth; 0 only with k = 0).")
     measure_depths: bool = Field(False, description="Also read out other depths (counterfactual acceptance).")
+    stop_margin: float | None = Field(
+        None,
+        gt=0.0,
+        le=1.0,
+        description="Per-token stopping (docs/adaptive.md): a request stops drafting at the first draft whose "
+        "depth-d top-two probability margin is below this (that draft is not proposed; a first draft below it "
+        "makes the round plain for the request), up to k. Rounds without early-exit requests; None = always k.",
+    )
 
     @model_validator(mode="after")
     def _depth_with_drafts(self) -> SpeculativeConfig:
         if self.k > 0 and self.d < 1:  # plain decoding is written {"k": 0, "d": 0}, as in the presets
             raise ValueError(f"d={self.d} must be >= 1 when k={self.k} (d = 0 only means plain decoding, k = 0)")
+        if self.stop_margin is not None and self.measure_depths:
+            raise ValueError("stop_margin: not together with measure_depths (a measured round drafts every k)")
         return self
 
 
@@ -124,6 +134,9 @@ class EngineConfig(BaseModel):
         if self.batching != "loop":
             return self
         spec = parse_speculation(self.speculation)
+        if isinstance(spec, SpeculativeConfig) and spec.stop_margin is not None:
+            raise ValueError("speculation.stop_margin: per-token stopping runs in the step engine so far (batching="
+                             "'step')")  # fmt: skip
         if spec == "adaptive" or (isinstance(spec, SpeculativeConfig) and spec.measure_depths):
             raise ValueError(
                 f"batching='loop' runs plain decoding or a fixed plan so far (adaptive plans and depth measurements "

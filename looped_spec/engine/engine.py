@@ -138,7 +138,7 @@ class LoopedSpecEngine:
             adapter = self.adapter
             preset = load_preset(adapter.name, depth, config.preset, folder=adapter.path, config=adapter.config)
         if isinstance(spec, SpeculativeConfig):
-            spec = (spec.k, spec.d, spec.measure_depths)
+            spec = (spec.k, spec.d, spec.measure_depths, spec.stop_margin)
         return make_controller(
             spec, depth, preset, policy=config.policy, settings=config.control, trace_path=config.trace_path
         )
@@ -314,7 +314,7 @@ class LoopedSpecEngine:
             return
         # one decode path: plain decoding is the K = 0 round
         result = self._transaction(
-            suspect, requests, lambda: self.spec_round.run(requests, k, plan.d, plan.measure_depths)
+            suspect, requests, lambda: self.spec_round.run(requests, k, plan.d, plan.measure_depths, plan.stop_margin)
         )
         if result is not None:
             self._finish_round(requests, k, plan, result, t0, context)
@@ -445,8 +445,10 @@ class LoopedSpecEngine:
     ) -> None:  # fmt: skip
         """Commit a decode round, then tell the controller (feedback goes out only after the commit)."""
         t0 = time.perf_counter()
+        # the drafts each request proposed: the plan's K, or fewer where per-token stopping ended its draft
+        proposed = result.proposed if result.proposed is not None else k
         self._commit(
-            requests, result.committed, num_proposed=k, num_accepted=result.num_accepted,
+            requests, result.committed, num_proposed=proposed, num_accepted=result.num_accepted,
             exit_depths=result.exit_depths, logprobs=result.logprobs,
         )  # fmt: skip
         t1 = time.perf_counter()
@@ -459,7 +461,7 @@ class LoopedSpecEngine:
             stats.phase_seconds["verify"] += result.verify_time
             stats.phase_seconds["accept"] += result.accept_time
         stats.num_rounds += 1
-        stats.record_drafts(k, result.num_accepted)
+        stats.record_drafts(proposed, result.num_accepted)
         if result.verified_accepted is not None:
             stats.num_exit_draft_decided += sum(result.num_accepted) - sum(result.verified_accepted)
         stats.batch_size_histogram[len(requests)] += 1
@@ -472,7 +474,7 @@ class LoopedSpecEngine:
             plan,
             batch_size=len(requests),
             context=context,
-            num_proposed=k if result.verified_proposed is None else result.verified_proposed,
+            num_proposed=proposed if result.verified_proposed is None else result.verified_proposed,
             num_accepted=result.num_accepted if result.verified_accepted is None else result.verified_accepted,
             seconds=t1 - start,
             draft_seconds=result.draft_time,

@@ -20,6 +20,10 @@ class Draft:
     q_probs: torch.Tensor | None  # [num_reqs, max_k, V] draft distributions (None when all greedy)
     states: list[torch.Tensor]  # per step j: [rows_j, state_dim] loop-d state of position j
     depth_preds: torch.Tensor | None  # [d, num_reqs, max_k + 1] argmax of readout at depth 1..d, -1 if none
+    # per-token stopping: the rows' K as drafted and their new K-descending order (indices into the given rows);
+    # None when every row drafted its planned K in the given order
+    k: list[int] | None = None
+    order: list[int] | None = None
 
 
 def draw_drafts(
@@ -49,9 +53,13 @@ class DraftProposer:
 
     @torch.inference_mode()
     def propose(
-        self, requests: list[Request], k: list[int], d: int, rows: SamplingRows, measure: bool = False
-    ) -> Draft:
-        """K tokens per request (rows sorted by K descending); with `measure`, every depth 1..d is read out too."""
+        self, requests: list[Request], k: list[int], d: int, rows: SamplingRows, measure: bool = False,
+        stop_margin: float | None = None,
+    ) -> Draft:  # fmt: skip
+        """K tokens per request (rows sorted by K descending); with `measure`, every depth 1..d is read out too;
+        with `stop_margin`, a row stops at its first draft whose margin is below it (`propose_until_unsure`)."""
+        if stop_margin is not None and not measure:
+            return self.propose_until_unsure(requests, k, d, stop_margin)
         runner = self.runner
         num_reqs, max_k = len(requests), max(k)
         device = runner.device
@@ -88,3 +96,63 @@ class DraftProposer:
             tokens[:num_next, j] = drafted
             step_tokens = drafted
         return Draft(tokens=tokens, q_probs=q_probs, states=states, depth_preds=depth_preds)
+
+    @torch.inference_mode()
+    def propose_until_unsure(self, requests: list[Request], k: list[int], d: int, stop_margin: float) -> Draft:
+        """Up to K tokens per request, each row stopping at its first draft whose depth-d top-two probability margin
+        (softmax of the readout, before temperature) is below `stop_margin`: that draft is not proposed, the row's
+        K is the drafts before it. The rule reads the draft's own distribution only, never the target, so verifying
+        what was proposed keeps the target distribution (docs/adaptive.md). Rows are then re-sorted by the K they
+        drafted, so each step's rows are again a prefix."""
+        runner, device = self.runner, self.runner.device
+        num_reqs = len(requests)
+        drafted = [0] * num_reqs
+        tokens: list[list[int]] = [[] for _ in range(num_reqs)]
+        q_rows: list[list[torch.Tensor]] = [[] for _ in range(num_reqs)]
+        steps: list[tuple[list[int], torch.Tensor]] = []  # per step j: (rows it ran, their loop-d states)
+        alive = list(range(num_reqs))  # rows still drafting, in the given (K-descending) order
+        step_tokens = runner.token_tensor([r.token_ids[r.num_computed] for r in requests])
+        j = 0
+        while alive:
+            active = [requests[i] for i in alive]
+            needs_next = [i for i in alive if k[i] > j]  # a prefix of `alive`
+            inp = StepInput(active, [1] * len(alive), [r.num_computed + j + 1 for r in active], 0, d,
+                            tokens=step_tokens, readout=bool(needs_next))  # fmt: skip
+            out = runner.run(inp)
+            steps.append((alive, out.state))
+            if not needs_next:
+                break
+            logits = out.logits[: len(needs_next)]
+            top2 = logits.float().softmax(-1).topk(2, dim=-1).values
+            sure = ((top2[:, 0] - top2[:, 1]) >= stop_margin).tolist()
+            going = [i for i, ok in zip(needs_next, sure) if ok]
+            if going:
+                keep = torch.tensor([n for n, ok in enumerate(sure) if ok], device=device)
+                drawn, q = draw_drafts(logits[keep], SamplingRows.build([requests[i] for i in going], device),
+                                       [requests[i] for i in going])  # fmt: skip
+                for n, i in enumerate(going):
+                    tokens[i].append(int(drawn[n]))
+                    if q is not None:
+                        q_rows[i].append(q[n])
+                    drafted[i] += 1
+                step_tokens = drawn
+            alive, j = going, j + 1
+        order = sorted(range(num_reqs), key=lambda i: -drafted[i])  # stable: ties keep the given order
+        max_k = max(drafted)
+        grid = torch.full((num_reqs, max_k), -1, dtype=torch.long, device=device)
+        q_probs = None
+        for row, i in enumerate(order):
+            if tokens[i]:
+                grid[row, : drafted[i]] = torch.tensor(tokens[i], device=device)
+            if q_rows[i]:
+                if q_probs is None:
+                    q_probs = torch.zeros(num_reqs, max_k, q_rows[i][0].shape[-1], device=device)
+                q_probs[row, : drafted[i]] = torch.stack(q_rows[i])
+        states = []
+        for j, (ran, state) in enumerate(steps):  # step j: the rows that drafted >= j, in the new order
+            where = {i: n for n, i in enumerate(ran)}
+            index = [where[i] for i in order if drafted[i] >= j]
+            if not index:
+                break
+            states.append(state[torch.tensor(index, device=state.device)])
+        return Draft(tokens=grid, q_probs=q_probs, states=states, depth_preds=None, k=drafted, order=order)

@@ -48,6 +48,8 @@ class RoundResult:
     # None: `num_accepted` out of K
     verified_proposed: list[int] | None = None
     verified_accepted: list[int] | None = None
+    # per request, the drafts it proposed when per-token stopping drafted fewer than the plan's K; None otherwise
+    proposed: list[int] | None = None
     # per request, the entries of its committed tokens when it asked for log-probabilities ([] when it did not);
     # None when no request of the round did
     logprobs: list[list[TokenLogprob]] | None = None
@@ -62,15 +64,21 @@ class SpeculativeRound:
         self.verifier = Verifier(runner)
         self.watch = Stopwatch(runner.device)
 
-    def run(self, requests: list[Request], k: list[int], d: int, measure_depths: bool = False) -> RoundResult:
+    def run(
+        self, requests: list[Request], k: list[int], d: int, measure_depths: bool = False,
+        stop_margin: float | None = None,
+    ) -> RoundResult:  # fmt: skip
         """One round: plain decoding when every K is 0, else draft -> verify -> accept; with `measure_depths`
-        the committed positions' counterfactual readouts too. Phase times are read once the round's tokens
-        reached the host (timing.py: no synchronization for telemetry)."""
+        the committed positions' counterfactual readouts too; with `stop_margin`, per-token stopping (rounds
+        without early-exit requests). Phase times are read once the round's tokens reached the host (timing.py:
+        no synchronization for telemetry)."""
         if max(k) == 0:
             return self._plain(requests, measure_depths)
-        return self._speculative(requests, k, d, measure_depths)
+        return self._speculative(requests, k, d, measure_depths, stop_margin)
 
-    def _speculative(self, requests: list[Request], k: list[int], d: int, measure_depths: bool) -> RoundResult:
+    def _speculative(
+        self, requests: list[Request], k: list[int], d: int, measure_depths: bool, stop_margin: float | None = None
+    ) -> RoundResult:
         # early exit: the target is the early-exit model (exit_round.py); no counterfactual depth readouts then
         # (a token's depth is the rule's)
         exits = any(r.exits_early for r in requests)
@@ -86,7 +94,12 @@ class SpeculativeRound:
         if exits:
             draft, steps = propose_with_exit(self.runner, reqs, ks, d, rows, mode)
         else:
-            draft = self.proposer.propose(reqs, ks, d, rows, measure_depths)
+            draft = self.proposer.propose(reqs, ks, d, rows, measure_depths, stop_margin)
+            if draft.order is not None:  # per-token stopping: the rows in the order of the K they drafted
+                order = [order[i] for i in draft.order]
+                reqs = [reqs[i] for i in draft.order]
+                ks = [draft.k[i] for i in draft.order]
+                rows = SamplingRows.build(reqs, device)
         t1 = watch.mark()
         if exits:
             verification = verify_with_exit(self.runner, reqs, ks, d, steps, mode)
@@ -99,7 +112,7 @@ class SpeculativeRound:
             draft.tokens, k_t, verification.logits, verification.row_index, verification.pos_index, rows,
             draft.q_probs, decided=decided,
         )  # fmt: skip
-        committed_grid = torch.cat([draft.tokens, torch.zeros_like(draft.tokens[:, :1])], dim=1)
+        committed_grid = torch.cat([draft.tokens, draft.tokens.new_zeros(len(reqs), 1)], dim=1)
         committed_grid.scatter_(1, num_accepted[:, None], next_token[:, None])  # [R, K_max + 1]
         acc = num_accepted.tolist()
         grid = committed_grid.tolist()
@@ -115,6 +128,10 @@ class SpeculativeRound:
         for pos, i in enumerate(order):
             result.committed[i] = grid[pos][: acc[pos] + 1]
             result.num_accepted[i] = acc[pos]
+        if draft.order is not None:
+            result.proposed = [0] * len(requests)
+            for pos, i in enumerate(order):
+                result.proposed[i] = ks[pos]
         if agree is not None:
             inverse = torch.tensor(order).argsort().to(agree.device)  # the caller's request order
             _agreement_counts(result, agree[:, inverse], num_accepted[inverse])
