@@ -1172,7 +1172,7 @@ def write_outputs(report: dict[str, Any], out: Path, model: str, prompts: str) -
         grid = {
             name: {"ratio": c["ratio"]["median"], "acceptance": c["acceptance"] or 0.0}
             for name, c in row["configs"].items()
-            if c["kind"] == "fixed"
+            if c["kind"] == "fixed" and "@" not in name  # the (K, d) heatmap: cells without per-token stopping
         }
         if grid:
             cells[int(b)] = grid
