@@ -24,7 +24,7 @@ from looped_spec.engine.stats import EngineStats
 from looped_spec.execution.cuda_graph import CudaGraphRunner, batch_buckets
 from looped_spec.execution.host_memory import keep_freed_memory
 from looped_spec.execution.kv_cache import KVCache
-from looped_spec.execution.logprobs import logprobs_of_rows
+from looped_spec.execution.logprobs import logprobs_of_rows, token_logprobs
 from looped_spec.execution.model_runner import ModelRunner
 from looped_spec.execution.sampler import SamplingRows, sample
 from looped_spec.loop_batching import LoopBatcher
@@ -633,15 +633,8 @@ class LoopedSpecEngine:
         if not token_ids:
             return []
         ids = torch.tensor(token_ids, device=self.adapter.device)
-        logprobs = torch.log_softmax(self.adapter.dense_logits(ids, seeds=[seed])[0].float(), dim=-1)[:-1]
-        chosen = logprobs.gather(1, ids[1:, None])[:, 0].tolist()
-        top = logprobs.topk(top_n, dim=-1) if top_n > 0 else None
-        top_ids = top.indices.tolist() if top is not None else [[]] * len(chosen)
-        top_values = top.values.tolist() if top is not None else [[]] * len(chosen)
-        return [None] + [
-            TokenLogprob(token, value, list(zip(i, v)))
-            for token, value, i, v in zip(token_ids[1:], chosen, top_ids, top_values)
-        ]
+        logits = self.adapter.dense_logits(ids, seeds=[seed])[0][:-1]  # position t scores token t + 1
+        return [None, *token_logprobs(logits, ids[1:], [top_n] * (len(token_ids) - 1))]
 
     def close(self) -> None:
         """Release what the engine holds: its unfinished requests (dropped: their outputs are not returned), the KV

@@ -24,7 +24,6 @@ from looped_spec.server.protocol import (
     ChatResponseMessage,
     ChatStreamChoice,
     CompletionChoice,
-    CompletionLogprobs,
     CompletionRequest,
     CompletionResponse,
     DeltaMessage,
@@ -106,32 +105,31 @@ def build_app(
         num_prompt = sum(len(ids) for ids in prompts)
         cid = new_id("cmpl")
 
-        async def echoed(k: int) -> tuple[str, CompletionLogprobs | None]:
-            """Choice k's prompt as echo returns it: its text and, with logprobs, its scores (the first None)."""
+        async def echoed(k: int) -> tuple[str, list | None]:
+            """Choice k's prompt as echo returns it: its text and, with logprobs, its entries (the first None)."""
             ids = choices[k][0]
             text = serving.tokenizer.decode(ids) if serving.tokenizer is not None else ""
-            if not scored:
-                return text, None
-            return text, serving.completion_logprobs(ids, await serving.score(ids, body.logprobs, params[k].seed))
+            return text, (await serving.score(ids, body.logprobs, params[k].seed) if scored else None)
 
         if body.max_tokens == 0:  # score only
             result = []
-            for k in range(len(choices)):
-                text, logprobs = await echoed(k)
+            for k, (ids, _) in enumerate(choices):
+                text, entries = await echoed(k)
+                logprobs = serving.completion_logprobs(ids, entries) if scored else None
                 result.append(CompletionChoice(index=k, text=text, logprobs=logprobs, finish_reason="length"))
             return CompletionResponse(id=cid, model=model_name, choices=result,
                                       usage=serving.usage(num_prompt, [None] * len(choices)))  # fmt: skip
         echoes = [await echoed(k) for k in range(len(choices))] if body.echo else None
         outputs = serving.start_all([ids for ids, _ in choices], params)
         if body.stream:
-            sent = [0] * len(choices)  # characters of each choice's text so far (its tokens' text offsets)
-            if echoes is not None:
-                sent = [len("".join(lp.tokens)) if lp is not None else len(text) for text, lp in echoes]
+            sent = [0] * len(choices)  # characters of each choice's tokens so far (their text offsets)
 
             def chunks(index: int, out: RequestOutput):
                 if echoes is not None and echoes[index] is not None:  # the prompt first, once
-                    text, logprobs = echoes[index]
+                    text, entries = echoes[index]
                     echoes[index] = None
+                    logprobs = serving.completion_logprobs(choices[index][0], entries) if scored else None
+                    sent[index] = len("".join(logprobs.tokens)) if logprobs is not None else len(text)
                     choice = CompletionChoice(index=index, text=text, logprobs=logprobs)
                     yield CompletionResponse(id=cid, model=model_name, choices=[choice])
                 logprobs = None
@@ -150,21 +148,12 @@ def build_app(
             return StreamingResponse(serving.sse(outputs, chunks, usage), media_type="text/event-stream")
         outs = await serving.final_outputs(outputs, request)
         result = []
-        for k, out in enumerate(outs):
-            text, logprobs = out.text or "", None
-            if scored:
-                logprobs = serving.completion_logprobs(list(out.token_ids), out.logprobs or [])
-            if echoes is not None:
-                prompt_text, prompt_logprobs = echoes[k]
-                text = prompt_text + text
-                if prompt_logprobs is not None:
-                    shift = len("".join(prompt_logprobs.tokens))
-                    logprobs = CompletionLogprobs(
-                        tokens=prompt_logprobs.tokens + logprobs.tokens,
-                        token_logprobs=prompt_logprobs.token_logprobs + logprobs.token_logprobs,
-                        top_logprobs=prompt_logprobs.top_logprobs + logprobs.top_logprobs,
-                        text_offset=prompt_logprobs.text_offset + [shift + o for o in logprobs.text_offset],
-                    )
+        for k, ((ids, _), out) in enumerate(zip(choices, outs)):
+            text, tokens, entries = out.text or "", list(out.token_ids), out.logprobs or []
+            if echoes is not None:  # the prompt first, its text and its entries
+                prompt_text, prompt_entries = echoes[k]
+                text, tokens, entries = prompt_text + text, ids + tokens, (prompt_entries or []) + entries
+            logprobs = serving.completion_logprobs(tokens, entries) if scored else None
             result.append(CompletionChoice(index=k, text=text, logprobs=logprobs, finish_reason=out.finish_reason))
         return CompletionResponse(id=cid, model=model_name, choices=result, usage=serving.usage(num_prompt, outs))
 

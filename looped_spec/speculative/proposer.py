@@ -130,8 +130,8 @@ class DraftProposer:
                 keep = torch.tensor([n for n, ok in enumerate(sure) if ok], device=device)
                 drawn, q = draw_drafts(logits[keep], SamplingRows.build([requests[i] for i in going], device),
                                        [requests[i] for i in going])  # fmt: skip
-                for n, i in enumerate(going):
-                    tokens[i].append(int(drawn[n]))
+                for n, (i, token) in enumerate(zip(going, drawn.tolist())):
+                    tokens[i].append(token)
                     if q is not None:
                         q_rows[i].append(q[n])
                     drafted[i] += 1
