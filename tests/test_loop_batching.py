@@ -82,7 +82,7 @@ def test_greedy_and_sampled_outputs_equal_the_step_engine(family, early_exit):
             loop = make_engine(family, early_exit=early_exit, batching="loop")
             assert run(loop, PROMPTS, params) == run(step, PROMPTS, params), (extra, temperature)
             assert loop.num_free_blocks == loop.kv.num_blocks
-            assert loop.stats.num_loop_passes > 0 and loop.stats.num_rounds == 0
+            assert loop.stats.num_loop_passes > 0 and loop.stats.num_spec_rounds == 0
             stages = loop.stats.phase_seconds
             assert stages["pass_loops"] > 0 and stages["pass_embed"] > 0 and stages["pass_finish"] > 0
 
@@ -189,10 +189,8 @@ def test_a_failed_pass_leaves_every_item_as_it_was():
 
 
 def test_loop_batching_options_that_are_not_built_are_errors():
-    with pytest.raises(ValueError, match="batching='loop'.*speculation='off' or 'K,d'.*'adaptive'"):
-        LoopedSpecEngine(load("ouro"), batching="loop")
-    with pytest.raises(ValueError, match="batching='loop'.*measure_depths=True"):
-        LoopedSpecEngine(load("ouro"), batching="loop", speculation=SpeculativeConfig(k=2, d=1, measure_depths=True))
+    with pytest.raises(ValueError, match="stop_margin: .*batching="):
+        LoopedSpecEngine(load("ouro"), batching="loop", speculation=SpeculativeConfig(k=2, d=1, stop_margin=0.1))
     with pytest.raises(ValueError, match="batching='loop'.*cuda_graphs='emulate'"):
         LoopedSpecEngine(load("ouro"), batching="loop", speculation="off", cuda_graphs="emulate")
     with pytest.raises(ValueError, match="batching"):
@@ -205,6 +203,122 @@ def test_loop_batching_options_that_are_not_built_are_errors():
                           batching="loop")  # fmt: skip
     with pytest.raises(ValueError, match="exit_threshold=0.001: .*batching='loop'"):
         kl.add_request([1, 2], SamplingParams(exit_threshold=1e-3))
+
+
+def recorded_feedback(engine: LoopedSpecEngine) -> list:
+    """Every feedback the engine sends its controller, from now on."""
+    seen, observe = [], engine.controller.observe
+    engine.controller.observe = lambda fb: (seen.append(fb), observe(fb))[1]
+    return seen
+
+
+def agreement_totals(feedback: list, depth: int) -> tuple[list, list, list]:
+    """Matches, trials and pairs per depth over a run, pairs across measured rounds included as the adaptive
+    controller counts them (control/controller.py: a request's last position in one feedback, its first in the next;
+    on loop passes the engine pairs them itself and reports them in `depth_pairs`)."""
+    matches, trials, pairs, last = [0] * depth, [0] * depth, [[0] * 4 for _ in range(depth)], {}
+    for fb in feedback:
+        for j in range(len(fb.depth_trials)):
+            matches[j] += fb.depth_matches[j]
+            trials[j] += fb.depth_trials[j]
+            pairs[j] = [a + b for a, b in zip(pairs[j], fb.depth_pairs[j])]
+        for request_id, first in zip(fb.request_ids, fb.first_bits):
+            before = last.get(request_id)
+            for j in range(depth if before is not None else 0):
+                agreed, agrees = (before >> j) & 1, (first >> j) & 1
+                pairs[j][0 if agreed else 2] += 1
+                pairs[j][1 if agreed else 3] += agrees
+        last = dict(zip(fb.request_ids, fb.last_bits))
+    return matches, trials, pairs
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_measured_rounds_on_loop_passes_count_what_the_step_engine_counts(family):
+    """Counterfactual readouts on loop passes (every depth a measured item passes is read out on the way): with every
+    round measured, the agreement per depth and the pairs of consecutive positions (within rounds and across them)
+    equal the step engine's, plain and speculative, greedy and sampled."""
+    depth = load(family).full_depth
+    for k, d in ((0, 0), (2, 1), (3, max(1, depth // 2))):
+        spec = SpeculativeConfig(k=k, d=d, measure_depths=True)
+        for temperature in (0.0, 0.8):
+            params = [SamplingParams(max_tokens=4 + 3 * i, temperature=temperature, seed=i, ignore_eos=True)
+                      for i in range(len(PROMPTS))]  # fmt: skip
+            step = make_engine(family, speculation=spec)
+            loop = make_engine(family, speculation=spec, batching="loop")
+            step_feedback, loop_feedback = recorded_feedback(step), recorded_feedback(loop)
+            assert run(loop, PROMPTS, params) == run(step, PROMPTS, params)
+            expected = agreement_totals(step_feedback, depth)
+            assert agreement_totals(loop_feedback, depth) == expected, (k, d, temperature)
+            assert sum(expected[1]) > 0 and sum(map(sum, expected[2])) > 0
+            assert all(fb.seconds == 0.0 and fb.depth_trials for fb in loop_feedback)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_adaptive_plans_on_loop_passes_decode_as_plain(family):
+    """The default speculation (adaptive) on loop passes: a plan per pass for the requests entering a new round, its
+    feedback once all of them finished it; greedy output equals plain decoding with requests arriving mid-run, and
+    the controller learns from the readouts."""
+    prompts = PROMPTS * 2
+    params = [SamplingParams(max_tokens=6 + 5 * (i % 4), ignore_eos=True) for i in range(len(prompts))]
+    plain = make_engine(family, speculation="off")
+    expected = run(plain, prompts, params)
+    engine = make_engine(family, batching="loop", speculation="adaptive", max_batch_size=5)
+    assert engine.controller.name == "adaptive"
+    feedback = recorded_feedback(engine)
+    ids = [engine.add_request(p, q) for p, q in zip(prompts[:3], params[:3])]
+    outputs, pending = {}, list(zip(prompts[3:], params[3:]))
+    while engine.has_unfinished_requests() or pending:
+        if pending:  # one arrival a step, while earlier requests are mid-token
+            ids.append(engine.add_request(*pending.pop(0)))
+        for out in engine.step():
+            if out.finished:
+                outputs[out.request_id] = out.token_ids
+    assert [outputs[i] for i in ids] == expected
+    assert engine.num_free_blocks == engine.kv.num_blocks and not engine.loop_batcher.items
+    assert engine.controller.num_observed == len(feedback) > 0
+    assert engine.controller.acceptance.positions > 0  # counterfactual readouts reached the estimator
+    assert sum(engine.stats.plan_histogram.values()) == engine.stats.num_rounds == engine.controller.num_plans
+
+
+def test_adaptive_speculates_on_loop_passes_where_it_pays():
+    """tiny-huginn, whose preset and readouts say speculation pays: adaptive plans on loop passes draft and accept,
+    and greedy output equals plain decoding."""
+    prompts = ["def fibonacci(n):", "import os\nimport sys\n", "class Stack:\n    def __init__(self):"]
+    params = SamplingParams(max_tokens=24, ignore_eos=True)
+    engine = LoopedSpecEngine("tiny-huginn", batching="loop")
+    assert run(engine, prompts, params) == run(LoopedSpecEngine("tiny-huginn", speculation="off"), prompts, params)
+    assert engine.stats.num_spec_rounds > 0 and engine.stats.num_accepted_tokens > 0
+
+
+def test_rounds_under_several_plans_share_passes():
+    """Requests whose rounds run under different (K, d) share passes; each plan's feedback counts its own rounds."""
+    engine = make_engine("ouro", batching="loop", speculation="off")
+    plans = iter([(2, 1), (3, 2), (0, 0), (1, 3), (2, 2), (3, 1)])
+    controller = engine.controller
+    original_plan = controller.plan
+
+    def rotating(batch_size, context):
+        plan = original_plan(batch_size, context)
+        plan.k, plan.d = next(plans, (2, 1))
+        return plan
+
+    controller.plan = rotating
+    feedback = recorded_feedback(engine)
+    params = [SamplingParams(max_tokens=7, ignore_eos=True)] * 4
+    ids = []
+    for p, q in zip(PROMPTS, params):  # one arrival a step: different requests' rounds are under different plans
+        ids.append(engine.add_request(p, q))
+        engine.step()
+    outputs = {}
+    while engine.has_unfinished_requests():
+        outputs.update({o.request_id: o.token_ids for o in engine.step() if o.finished})
+    plain = make_engine("ouro", speculation="off")
+    assert [outputs[i] for i in ids] == run(plain, PROMPTS[:4], params)
+    assert {(fb.k, fb.d) for fb in feedback} >= {(2, 1), (3, 2), (1, 3)}
+    for fb in feedback:
+        assert all(a <= p <= fb.k for p, a in zip(fb.num_proposed, fb.num_accepted))
+    # every decoded token (all but each request's first, from its prompt) was committed by one reported round
+    assert sum(a + 1 for fb in feedback for a in fb.num_accepted) == 4 * (7 - 1)
 
 
 def test_one_pass_serves_requests_at_different_loops():
@@ -254,7 +368,7 @@ def params_of(spec: dict, family: str) -> SamplingParams:
 @given(
     family=st.sampled_from(FAMILIES),
     early_exit=st.sampled_from(["skip", "select"]),
-    plan=st.integers(0, 2),
+    plan=st.integers(0, 3),  # plain, two fixed plans, adaptive
     num_kv_blocks=st.integers(6, 9),  # block_size 4, max_model_len 24: one request needs up to 6
     initial=st.lists(request_st, min_size=1, max_size=5),
     actions=st.lists(
@@ -271,8 +385,9 @@ def test_random_arrivals_exits_aborts_and_faults_equal_each_request_alone(
     family, early_exit, plan, num_kv_blocks, initial, actions
 ):
     """Against each request run alone by the step engine with the same plan (greedy and sampled: the same draws); a
-    request that exits early runs no speculative rounds on loop passes, so its reference decodes plainly."""
-    speculation = plans(family)[plan]
+    request that exits early runs no speculative rounds on loop passes, so its reference decodes plainly, as does a
+    greedy request under adaptive plans (whose sampled requests draw by the plans they got: not compared)."""
+    speculation = [*plans(family), "adaptive"][plan]
     engine = make_engine(family, batching="loop", early_exit=early_exit, speculation=speculation, block_size=4,
                          num_kv_blocks=num_kv_blocks, max_model_len=24, max_batch_size=4,
                          max_num_batched_tokens=8)  # fmt: skip
@@ -280,7 +395,7 @@ def test_random_arrivals_exits_aborts_and_faults_equal_each_request_alone(
         exits: make_engine(
             family,
             early_exit=early_exit,
-            speculation="off" if exits else speculation,
+            speculation="off" if exits or speculation == "adaptive" else speculation,  # greedy adaptive == plain
             max_model_len=24,
             max_batch_size=1,
         )  # fmt: skip

@@ -137,12 +137,6 @@ class EngineConfig(BaseModel):
         if isinstance(spec, SpeculativeConfig) and spec.stop_margin is not None:
             raise ValueError("speculation.stop_margin: per-token stopping runs in the step engine so far (batching="
                              "'step')")  # fmt: skip
-        if spec == "adaptive" or (isinstance(spec, SpeculativeConfig) and spec.measure_depths):
-            raise ValueError(
-                f"batching='loop' runs plain decoding or a fixed plan so far (adaptive plans and depth measurements "
-                f"on loop passes are not built yet): set speculation='off' or 'K,d' (got speculation="
-                f"{self.speculation!r})"
-            )
         if self.cuda_graphs:
             raise ValueError(f"batching='loop' runs its passes eagerly so far: cuda_graphs={self.cuda_graphs!r}")
         return self

@@ -27,7 +27,7 @@ from looped_spec.execution.kv_cache import KVCache
 from looped_spec.execution.logprobs import logprobs_of_rows, token_logprobs
 from looped_spec.execution.model_runner import ModelRunner
 from looped_spec.execution.sampler import SamplingRows, sample
-from looped_spec.loop_batching import LoopBatcher
+from looped_spec.loop_batching import Entering, LoopBatcher, LoopRounds
 from looped_spec.models.adapter import ModelAdapter, load_adapter
 from looped_spec.request import Request, RequestOutput, RequestStatus, ScheduledBatch, TokenLogprob, mean_context
 from looped_spec.sampling_params import SamplingParams
@@ -109,14 +109,13 @@ class LoopedSpecEngine:
         self.scheduler = Scheduler(self.kv, config.max_batch_size, config.max_num_batched_tokens)
         graphs = self._graph_runner(config.cuda_graphs) if config.batching == "step" else None
         self.runner = ModelRunner(self.adapter, self.kv, config.early_exit, graphs)
-        # loop-level batching: decode steps are loop passes over the work in flight (loop_batching/); a fixed plan's
-        # rounds are per request there: K drafts with the first d loops, then one verification item
-        self.loop_batcher = None
-        self._loop_k = 0
+        # loop-level batching: decode steps are loop passes over the work in flight (loop_batching/); rounds are per
+        # request there (K drafts with the first d loops, then one verification item), under the plan the controller
+        # gave the pass in which they entered
+        self.loop_batcher = self.loop_rounds = None
         if config.batching == "loop":
-            spec = parse_speculation(config.speculation)
-            self._loop_k = spec.k if isinstance(spec, SpeculativeConfig) else 0
-            self.loop_batcher = LoopBatcher(self.runner, spec.d if self._loop_k else 0)
+            self.loop_batcher = LoopBatcher(self.runner)
+            self.loop_rounds = LoopRounds(self.adapter.full_depth, exit_skips=config.early_exit == "skip")
         self.spec_round = SpeculativeRound(self.runner)
         self.tokenizer = load_tokenizer(self.adapter.path)
         self.stats = EngineStats()
@@ -336,14 +335,22 @@ class LoopedSpecEngine:
         t0 = time.perf_counter()
         batcher = self.loop_batcher
         # work in flight holds its KV slots already: only the requests entering their next token (or speculative
-        # round: K drafts, which requests that exit early do not make) reserve theirs
+        # round: K drafts, which requests that exit early do not make) reserve theirs, under one plan for the pass
         entering = [r for r in batch.requests if not batcher.in_flight(r)]
-        rounds: dict[str, int] = {}
+        rounds: dict[str, Entering] = {}
+        plan, kept, context = None, [], 0.0
         if entering:
-            wants = [0 if r.exits_early else self._loop_k for r in entering]
+            t1 = time.perf_counter()
+            context = mean_context(batch.requests)
+            plan = self.controller.plan(len(batch.requests), context)
+            wants = [0 if r.exits_early else plan.k for r in entering]
             kept, k = self.scheduler.reserve_decode(entering, wants)
-            rounds = {r.request_id: kr for r, kr in zip(kept, k)}
+            # counterfactual readouts at full depth only (under early exit a token's depth is the rule's)
+            rounds = {
+                r.request_id: Entering(kr, plan.d, plan.measure_depths and not r.exits_early) for r, kr in zip(kept, k)
+            }
             self.stats.num_preemptions = self.scheduler.num_preemptions
+            self.stats.phase_seconds["control"] += time.perf_counter() - t1
         requests = [r for r in batch.requests if r.status is RequestStatus.RUNNING]
         if not requests:
             return
@@ -352,6 +359,10 @@ class LoopedSpecEngine:
         result = self._transaction(suspect, requests, lambda: batcher.run(requests, rounds, max_loops))
         if result is None:
             return
+        if plan is not None and kept:
+            self.loop_rounds.start(plan, kept, len(batch.requests), context)
+            self.stats.record_plan(len(batch.requests), plan.k if any(rounds[r.request_id].k for r in kept) else 0,
+                                   plan.d)  # fmt: skip
         if result.finished:
             self._commit(
                 result.finished, result.tokens, num_proposed=result.proposed, num_accepted=result.accepted,
@@ -359,7 +370,11 @@ class LoopedSpecEngine:
             )  # fmt: skip
             self.stats.record_drafts(result.proposed, result.accepted)
         batcher.commit(result)
+        t2 = time.perf_counter()
+        for feedback in self.loop_rounds.finish(result, batcher.items.keys() | batcher.next_drafts.keys()):
+            self.controller.observe(feedback)
         stats = self.stats
+        stats.phase_seconds["control"] += time.perf_counter() - t2
         stats.num_loop_passes += result.loops
         stats.num_loop_pass_positions += result.positions * result.loops
         stats.num_loop_pass_embeds += result.entered
@@ -456,16 +471,13 @@ class LoopedSpecEngine:
         if max(k) == 0:
             stats.phase_seconds["decode"] += result.decode_time
         else:
-            stats.num_spec_rounds += 1
             stats.phase_seconds["draft"] += result.draft_time
             stats.phase_seconds["verify"] += result.verify_time
             stats.phase_seconds["accept"] += result.accept_time
-        stats.num_rounds += 1
+        stats.record_plan(len(requests), max(k), plan.d)
         stats.record_drafts(proposed, result.num_accepted)
         if result.verified_accepted is not None:
             stats.num_exit_draft_decided += sum(result.num_accepted) - sum(result.verified_accepted)
-        stats.batch_size_histogram[len(requests)] += 1
-        stats.plan_histogram[f"{max(k)},{plan.d if max(k) else 0}"] += 1
         stats.phase_seconds["commit"] += t1 - t0
         exit_depths = []
         if result.exit_depths is not None:

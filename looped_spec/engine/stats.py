@@ -57,7 +57,7 @@ class EngineStats:
     num_prompt_tokens: int = 0  # prompt (and recomputed) tokens run through prefill
     num_generation_tokens: int = 0
     num_prefill_steps: int = 0
-    num_rounds: int = 0  # decode rounds, plain or speculative
+    num_rounds: int = 0  # decode rounds, plain or speculative (loop passes: plans taken, record_plan)
     num_spec_rounds: int = 0
     num_drafts: int = 0  # (request, round) pairs that drafted at least one token
     num_draft_tokens: int = 0
@@ -100,6 +100,13 @@ class EngineStats:
     @property
     def acceptance_rate(self) -> float:
         return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
+
+    def record_plan(self, batch_size: int, k: int, d: int) -> None:
+        """A decode round's plan (on loop passes: a plan the requests entering a pass run their rounds under)."""
+        self.num_rounds += 1
+        self.num_spec_rounds += k > 0
+        self.batch_size_histogram[batch_size] += 1
+        self.plan_histogram[f"{k},{d if k else 0}"] += 1
 
     def record_drafts(self, draft_lens: list[int], accepted: list[int]) -> None:
         """One round's per-request draft lengths and accepted counts (a prefix of each draft is accepted)."""

@@ -4,7 +4,9 @@ A pass embeds the tokens that enter (a request's next token, or its next drafted
 item together — each at its own loop index, reading and writing its own KV plane — and finishes the items that
 reached their stop depth: a plain token is read out at its depth (D, or its exit depth) and sampled; a draft is read
 out at d and its next draft drawn, or, after the K-th, its round's K+1 loop-d states become one verification item;
-a verification is read out at D and accepted as the speculative round accepts (the same rejection sampler).
+a verification is read out at D and accepted as the speculative round accepts (the same rejection sampler). The
+items of a measured round are also read out at every depth they pass (`_read_out_passing`), and each finished one
+reports which depths' greedy predictions agreed with its committed tokens.
 
 `run` computes a pass without changing any item (a failed pass leaves them as they were; its KV writes are redone
 alike by the retry); `commit` applies it once the engine has committed the finished tokens.
@@ -18,21 +20,23 @@ from looped_spec.execution.early_exit import read_out_by_depth
 from looped_spec.execution.logprobs import logprobs_of_rows, verified_logprobs
 from looped_spec.execution.sampler import SamplingRows, sample
 from looped_spec.execution.timing import Stopwatch
-from looped_spec.loop_batching.items import DraftRound, Item, NextDraft, PassResult
+from looped_spec.loop_batching.items import DraftRound, Entering, Item, NextDraft, PassResult
 from looped_spec.request import Request, TokenLogprob
 from looped_spec.speculative.proposer import draw_drafts
 from looped_spec.speculative.rejection_sampler import accept
 from looped_spec.speculative.verifier import position_index
 
+#: A request that enters without an entry in `rounds`: a plain token, not measured
+NOT_MEASURED = Entering(0, 0, False)
+
 
 class LoopBatcher:
-    """Runs loop passes; `d` is the draft depth of speculative rounds (the engine hands each round its K)."""
+    """Runs loop passes; every request entering a new round comes with its (K, d) and whether it is measured."""
 
-    def __init__(self, runner, d: int = 0) -> None:
+    def __init__(self, runner) -> None:
         self.runner = runner
         self.adapter = runner.adapter
         self.depth = runner.full_depth
-        self.d = d
         self.items: dict[str, Item] = {}
         self.next_drafts: dict[str, NextDraft] = {}
         # the last pass's context, reused while the same positions loop (at full depth: D passes in a row)
@@ -47,9 +51,10 @@ class LoopBatcher:
         return (item is not None and item.fresh()) or (draft is not None and draft.fresh())
 
     @torch.inference_mode()
-    def run(self, requests: list[Request], rounds: dict[str, int] | None = None, max_loops: int = 1) -> PassResult:
+    def run(self, requests: list[Request], rounds: dict[str, Entering] | None = None, max_loops: int = 1) -> PassResult:
         """One pass over the requests' work in flight. A request with none enters its next token: a speculative
-        round of K = `rounds[request_id]` drafts when that is > 0, else a plain token. With `max_loops` > 1 the pass
+        round as `rounds[request_id]` says when its K is > 0, else a plain token (measured or not as it says; a
+        request without an entry: a plain token, not measured). With `max_loops` > 1 the pass
         runs up to that many loops back to back while no item can stop: the same items would make up each of those
         passes, so only the per-pass overhead changes (the engine allows it while no other work waits to join)."""
         watch = self.watch
@@ -61,12 +66,16 @@ class LoopBatcher:
         state = torch.cat([it.state for it in items])
         loops = [it.loops for it in items]
         num_loops = min(max_loops, self._loops_before_a_stop(items))
+        rows = self._rows(items)
+        preds = [list(it.preds) if it.measured else None for it in items]  # copies: the items stay as they were
+        measuring = any(p is not None for p in preds)
         prev = state
         for _ in range(num_loops):
             prev, state = state, self._loop(state, loops, ctx, items)
             loops = [n + 1 for n in loops]
+            if measuring:
+                self._read_out_passing(items, loops, state, rows, ctx, preds)
         t2 = watch.mark()
-        rows = self._rows(items)
         out = _Finished(requests)
         exits, carries = self._exits(items, loops, state, prev, rows, ctx)
         skip = self.runner.exit_mode == "skip"
@@ -78,16 +87,17 @@ class LoopBatcher:
                 if exits[i] and not exit_depth:
                     exit_depth, exit_state = n, None  # None: this pass's row
                 if n >= self.depth or (skip and exit_depth):
-                    plain.append((it, rs.start, exit_depth, exit_state))
+                    plain.append((it, rs.start, exit_depth, exit_state, preds[i]))
                     continue
                 if exit_depth and exit_state is None:
                     exit_state = state[rs]
             elif n >= it.stop:
-                (verifies if it.verify else drafts).append(self._moved(it, state[rs], n, prev[rs], carries[i]))
+                moved = self._moved(it, state[rs], n, prev[rs], carries[i], preds[i])
+                (verifies if it.verify else drafts).append(moved)
                 continue
             else:
                 exit_depth, exit_state = 0, None
-            new = self._moved(it, state[rs], n, prev[rs], carries[i])
+            new = self._moved(it, state[rs], n, prev[rs], carries[i], preds[i])
             new.exit_depth, new.exit_state = exit_depth, exit_state
             out.items[it.request.request_id] = new
         if plain:
@@ -101,10 +111,10 @@ class LoopBatcher:
         return out.result(sum(it.num_positions for it in items), entered, num_loops, stages)
 
     @staticmethod
-    def _moved(it: Item, state: torch.Tensor, loops: int, prev: torch.Tensor, carry) -> Item:
+    def _moved(it: Item, state: torch.Tensor, loops: int, prev: torch.Tensor, carry, preds) -> Item:
         """The item after this pass's loops (a new object: the pass leaves its inputs as they were)."""
         return Item(it.request, it.base, it.preemptions, it.position, state, it.stop, loops, prev, carry,
-                    it.exit_depth, it.exit_state, it.round, it.verify)  # fmt: skip
+                    it.exit_depth, it.exit_state, it.round, it.verify, it.measured, preds or [])  # fmt: skip
 
     def commit(self, result: PassResult) -> None:
         """Apply a pass whose tokens the engine has committed: its requests' work becomes the work that goes on."""
@@ -118,11 +128,12 @@ class LoopBatcher:
                 del pending[request_id]  # finished, aborted or preempted meanwhile
 
     # ----- entering -----
-    def _enter(self, requests: list[Request], rounds: dict[str, int]) -> list[Item]:
+    def _enter(self, requests: list[Request], rounds: dict[str, Entering]) -> list[Item]:
         """Every request's item; requests without one enter their next token, embedded here (in a context of its own
         unless every token of the pass enters or the family's embedding reads none)."""
         items: list[Item | None] = []
-        entering: list[tuple[int, Request, int, int, DraftRound | None]] = []  # row, request, position, token, round
+        # row, request, position, token, round, whether a plain token is measured
+        entering: list[tuple[int, Request, int, int, DraftRound | None, bool]] = []
         for row, request in enumerate(requests):
             item = self.items.get(request.request_id)
             if item is not None and item.fresh():
@@ -132,11 +143,12 @@ class LoopBatcher:
             draft = self.next_drafts.get(request.request_id)
             if draft is not None and draft.fresh():
                 position = draft.round.start + len(draft.round.tokens)
-                entering.append((row, request, position, draft.token, draft.round))
+                entering.append((row, request, position, draft.token, draft.round, False))
                 continue
-            position, k = request.num_computed, rounds.get(request.request_id, 0)
-            round_ = DraftRound(position, k, self.d) if k > 0 else None
-            entering.append((row, request, position, request.token_ids[position], round_))
+            position = request.num_computed
+            k, d, measured = rounds.get(request.request_id, NOT_MEASURED)
+            round_ = DraftRound(position, k, d, measured=measured) if k > 0 else None
+            entering.append((row, request, position, request.token_ids[position], round_, measured and k == 0))
         if entering:
             runner = self.runner
             reqs = [e[1] for e in entering]
@@ -149,11 +161,13 @@ class LoopBatcher:
             state = runner.embed(runner.token_tensor([e[3] for e in entering]), ctx)
             ruled = any(r.exit_threshold is not None for r in reqs)
             carry = self.adapter.exit_carry(len(reqs)) if ruled else None
-            for j, (row, request, position, _, round_) in enumerate(entering):
+            for j, (row, request, position, _, round_, measured) in enumerate(entering):
                 base = position if round_ is None else round_.start
                 stop = self.depth if round_ is None else round_.d
+                measured = measured if round_ is None else round_.measured
                 items[row] = Item(request, base, request.metrics.num_preemptions, position, state[j : j + 1], stop,
-                                  carry=None if carry is None else carry[j : j + 1], round=round_)  # fmt: skip
+                                  carry=None if carry is None else carry[j : j + 1], round=round_,
+                                  measured=measured)  # fmt: skip
         return items  # type: ignore[return-value]
 
     # ----- the pass -----
@@ -247,6 +261,20 @@ class LoopBatcher:
                 carries[i] = None if carry is None else carry[j : j + 1]
         return exits, carries
 
+    def _read_out_passing(self, items, loops, state, rows, ctx, preds) -> None:
+        """Measured items: the greedy prediction of the depth each just reached, short of its stop depth (read out
+        when it finishes), appended to `preds`; one readout per depth over the items there."""
+        at_depth: dict[int, list[int]] = {}
+        for i, (it, n) in enumerate(zip(items, loops)):
+            if preds[i] is not None and n < it.stop:
+                at_depth.setdefault(n, []).append(i)
+        for depth, chosen in at_depth.items():
+            index = torch.cat([torch.arange(rows[i].start, rows[i].stop) for i in chosen]).to(state.device)
+            read_ctx = self._readout_context([items[i] for i in chosen], ctx, items)
+            guesses = self.runner.readout(state[index], depth, read_ctx).argmax(-1)
+            for i, guess in zip(chosen, guesses.split([items[i].num_positions for i in chosen])):
+                preds[i].append(guess)
+
     # ----- finishing -----
     def _readout_context(self, done: list[Item], ctx, items: list[Item]):
         """A readout that attends (Huginn's coda) writes KV: then the context of exactly the items read out."""
@@ -255,50 +283,66 @@ class LoopBatcher:
         return self._context(done)
 
     def _finish_plain(self, done: list[tuple], state: torch.Tensor, ctx, items: list[Item], out: _Finished) -> None:
-        """Plain tokens (item, its row in this pass, exit depth, exit state or None for this pass's row): read out at
-        their exit depth (skip mode: the loop planes after it get the exit loop's KV) and sampled."""
+        """Plain tokens (item, its row in this pass, exit depth, exit state or None for this pass's row, its
+        measured predictions or None): read out at their exit depth (skip mode: the loop planes after it get the exit
+        loop's KV) and sampled."""
         runner = self.runner
-        finished = [it for it, _, _, _ in done]
-        depths = [depth or self.depth for _, _, depth, _ in done]
+        finished = [it for it, _, _, _, _ in done]
+        depths = [depth or self.depth for _, _, depth, _, _ in done]
         if runner.exit_mode == "skip":
             self._fill_skipped_loops(finished, depths)
         requests = [it.request for it in finished]
         positions = [it.position for it in finished]
         lens = [p + 1 for p in positions]
-        rows = [row for _, row, _, _ in done]
-        if all(kept is None for _, _, _, kept in done):  # every exit state is this pass's row
+        rows = [row for _, row, _, _, _ in done]
+        if all(kept is None for _, _, _, kept, _ in done):  # every exit state is this pass's row
             exit_states = state if len(rows) == state.shape[0] else state[torch.tensor(rows, device=state.device)]
         else:
-            exit_states = torch.cat([state[row : row + 1] if kept is None else kept for _, row, _, kept in done])
+            exit_states = torch.cat([state[row : row + 1] if kept is None else kept for _, row, _, kept, _ in done])
         read_ctx = self._readout_context(finished, ctx, items)
         logits = read_out_by_depth(runner, requests, positions, lens, exit_states, depths, read_ctx)
         sampled = sample(logits, SamplingRows.build(requests, runner.device))
         entries = logprobs_of_rows(requests, logits, sampled) or [None] * len(finished)
-        for it, token, depth, entry in zip(finished, sampled.tolist(), depths, entries):
-            out.finish(it.request, [token], 0, 0, [depth] if it.request.exits_early else [], entry)
+        for j, (it, token, depth, entry) in enumerate(zip(finished, sampled.tolist(), depths, entries)):
+            agreement = None
+            if done[j][4] is not None:  # measured (at full depth): depths 1..D-1 on the way, D here
+                agreement = torch.stack([*done[j][4], logits[j : j + 1].argmax(-1)]) == sampled[j]  # [D, 1]
+            out.finish(it.request, [token], 0, 0, [depth] if it.request.exits_early else [], entry, it.position,
+                       agreement)  # fmt: skip
 
     def _finish_drafts(self, done: list[Item], ctx, items: list[Item], out: _Finished) -> None:
-        """Drafts at depth d: keep the loop-d state; draw the next draft, or hand the round to its verification."""
-        drawing = []
+        """Drafts at depth d: keep the loop-d state; draw the next draft, or hand the round to its verification. One
+        readout per draft depth over the drafts there (a measured round's K-th draft position too: its depth-d
+        prediction)."""
+        by_depth: dict[int, list[tuple[Item, DraftRound, bool]]] = {}
         for it in done:
             r = it.round.grown(it.state)  # a new round: the pass changes nothing it was given
-            if len(r.tokens) < r.k:
-                drawing.append((it, r))
-            else:  # the K-th draft's own position: all K+1 loop-d states are there
+            draws = len(r.tokens) < r.k
+            if draws or r.measured:
+                by_depth.setdefault(r.d, []).append((it, r, draws))
+            if not draws:  # the K-th draft's own position: all K+1 loop-d states are there
                 out.items[it.request.request_id] = Item(
                     it.request, r.start, it.preemptions, r.start, torch.cat(r.states), self.depth, r.d,
-                    round=r, verify=True,
+                    round=r, verify=True, measured=r.measured,
                 )  # fmt: skip
-        if not drawing:
-            return
-        requests = [it.request for it, _ in drawing]
-        state = torch.cat([it.state for it, _ in drawing])
-        logits = self.runner.readout(state, self.d, self._readout_context([it for it, _ in drawing], ctx, items))
-        tokens, q = draw_drafts(logits, SamplingRows.build(requests, self.runner.device), requests)
-        for j, ((it, r), token) in enumerate(zip(drawing, tokens.tolist())):
-            r.tokens.append(token)
-            r.q.append(None if q is None else q[j])
-            out.next_drafts[it.request.request_id] = NextDraft(it.request, it.preemptions, token, r)
+        for depth, group in by_depth.items():
+            state = torch.cat([it.state for it, _, _ in group])
+            logits = self.runner.readout(state, depth, self._readout_context([it for it, _, _ in group], ctx, items))
+            greedy = logits.argmax(-1) if any(r.measured for _, r, _ in group) else None
+            for j, (it, r, _) in enumerate(group):
+                if greedy is not None and r.measured:
+                    r.preds.append(torch.cat([*it.preds, greedy[j : j + 1]]))  # [d]: depths 1..d of this position
+            drawing = [j for j, (_, _, draws) in enumerate(group) if draws]
+            if not drawing:
+                continue
+            requests = [group[j][0].request for j in drawing]
+            rows = logits if len(drawing) == len(group) else logits[torch.tensor(drawing, device=logits.device)]
+            tokens, q = draw_drafts(rows, SamplingRows.build(requests, self.runner.device), requests)
+            for n, (j, token) in enumerate(zip(drawing, tokens.tolist())):
+                it, r, _ = group[j]
+                r.tokens.append(token)
+                r.q.append(None if q is None else q[n])
+                out.next_drafts[it.request.request_id] = NextDraft(it.request, it.preemptions, token, r)
 
     def _finish_verifies(self, done: list[Item], ctx, items: list[Item], out: _Finished) -> None:
         """Verifications at depth D: accept as the speculative round does (greedy prefix or rejection sampling)."""
@@ -327,8 +371,17 @@ class LoopBatcher:
             [*it.round.tokens[:a], token] for it, a, token in zip(done, accepted.tolist(), next_token.tolist())
         ]
         entries = verified_logprobs(requests, ks, committed, logits) or [None] * len(done)
+        greedy = logits.argmax(-1) if any(it.round.measured for it in done) else None
+        offset = 0
         for it, tokens, entry in zip(done, committed, entries):
-            out.finish(it.request, tokens, it.round.k, len(tokens) - 1, [], entry)
+            agreement, width = None, it.round.k + 1
+            if greedy is not None and it.round.measured:
+                # depths 1..d from the drafts, d+1..D-1 on the way here, D now; each over the round's K+1 positions
+                verified = torch.stack([*it.preds, greedy[offset : offset + width]])
+                guesses = torch.cat([torch.stack(it.round.preds, 1), verified])
+                agreement = guesses[:, : len(tokens)] == torch.tensor(tokens, device=guesses.device)  # [D, committed]
+            offset += width
+            out.finish(it.request, tokens, it.round.k, len(tokens) - 1, [], entry, it.round.start, agreement)
 
     def _fill_skipped_loops(self, done: list[Item], depths: list[int]) -> None:
         """Skip mode: the loop planes after each token's exit depth get its exit loop's KV (early_exit.py), all
@@ -360,14 +413,18 @@ class _Finished:
         self.accepted: list[int] = []
         self.exit_depths: list[list[int]] = []
         self.logprobs: list[list[TokenLogprob]] = []
+        self.starts: list[int] = []
+        self.agreement: list[torch.Tensor | None] = []
         self.items: dict[str, Item] = {}
         self.next_drafts: dict[str, NextDraft] = {}
 
     def finish(
         self, request: Request, tokens: list[int], proposed: int, accepted: int, depths: list[int],
-        logprobs: list[TokenLogprob] | None = None,
+        logprobs: list[TokenLogprob] | None, start: int, agreement: torch.Tensor | None,
     ) -> None:  # fmt: skip
         self.logprobs.append(logprobs or [])
+        self.starts.append(start)
+        self.agreement.append(agreement)
         self.finished.append(request)
         self.tokens.append(tokens)
         self.proposed.append(proposed)
@@ -378,4 +435,5 @@ class _Finished:
         exit_depths = self.exit_depths if any(r.exits_early for r in self.finished) else None
         logprobs = self.logprobs if any(r.logprobs_top is not None for r in self.finished) else None
         return PassResult(self.requests, self.finished, self.tokens, self.proposed, self.accepted, exit_depths,
-                          self.items, self.next_drafts, positions, entered, loops, stages, logprobs)  # fmt: skip
+                          self.items, self.next_drafts, positions, entered, loops, stages, logprobs, self.starts,
+                          self.agreement)  # fmt: skip

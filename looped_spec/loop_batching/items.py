@@ -3,15 +3,28 @@
 An item is one request's work in flight: one position for a token decoded plainly or drafted, the K+1 positions
 of a speculative round's verification. It advances one loop per pass until its stop depth: D for a plain token or
 a verification, the draft depth d for a drafted token (a draft is a token whose exit is forced at d).
+
+A measured round (the controller's counterfactual readouts) also reads out every depth its positions pass on the way
+and keeps each depth's greedy prediction: the agreement of depth j with the committed tokens is what the acceptance
+estimator learns from (docs/adaptive.md "Acceptance").
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 
 from looped_spec.request import Request, RequestStatus, TokenLogprob
+
+
+class Entering(NamedTuple):
+    """How a request's next round runs: K drafts with the first d loops (K = 0: a plain token), measured or not."""
+
+    k: int
+    d: int
+    measured: bool
 
 
 @dataclass(slots=True)
@@ -25,10 +38,13 @@ class DraftRound:
     tokens: list[int] = field(default_factory=list)  # drafts drawn so far
     q: list[torch.Tensor | None] = field(default_factory=list)  # [V] each draft's distribution (None: greedy)
     states: list[torch.Tensor] = field(default_factory=list)  # [1, S] loop-d state of each position so far
+    measured: bool = False
+    preds: list[torch.Tensor] = field(default_factory=list)  # measured, per position: [d] greedy of depths 1..d
 
     def grown(self, state: torch.Tensor) -> DraftRound:
         """A copy with one more position's loop-d state (a pass builds new rounds, leaving its inputs as they were)."""
-        return DraftRound(self.start, self.k, self.d, list(self.tokens), list(self.q), [*self.states, state])
+        return DraftRound(self.start, self.k, self.d, list(self.tokens), list(self.q), [*self.states, state],
+                          self.measured, list(self.preds))  # fmt: skip
 
 
 @dataclass(slots=True)
@@ -48,6 +64,8 @@ class Item:
     exit_state: torch.Tensor | None = None
     round: DraftRound | None = None  # a draft or verification of this speculative round
     verify: bool = False
+    measured: bool = False  # read out at every depth it passes (a plain token or a measured round's positions)
+    preds: list[torch.Tensor] = field(default_factory=list)  # measured: [n] greedy prediction per depth run so far
 
     @property
     def num_positions(self) -> int:
@@ -98,3 +116,7 @@ class PassResult:
     stage_seconds: dict[str, float]  # "embed" (entering tokens), "loops", "finish" (readouts, draws, acceptance)
     # per finished request, its committed tokens' log-probability entries ([] if it did not ask); None if none did
     logprobs: list[list[TokenLogprob]] | None = None
+    # per finished request, the position its round started at, and for a measured round [D, committed] whether
+    # each depth's greedy readout agreed with each committed token (None: not measured)
+    starts: list[int] = field(default_factory=list)
+    agreement: list[torch.Tensor | None] = field(default_factory=list)

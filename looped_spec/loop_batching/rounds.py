@@ -1,0 +1,126 @@
+"""The controller's plans on loop passes: which plan each request's round runs under, and each plan's feedback.
+
+The step engine asks the controller for a plan every round and reports the round when it is committed. On loop
+passes a plan is taken in each pass in which requests enter a new round, and every request entering there runs its
+round under it; those rounds finish at different passes. A plan's feedback goes to the controller once every request
+that ran under it finished its round or left (preempted, aborted, failed), with what a step round reports except its
+time: rounds of several plans share the passes, so no plan's round time is observed and the pass-cost model's drift
+factor does not learn on loop passes (docs/architecture.md, "Loop-level batching").
+
+A measured round's requests report [D, committed] agreement (`PassResult.agreement`). Consecutive positions pair
+within a round, and across two measured rounds of one request when the second starts where the first ended, so
+the persistence ρ is learned as in the step engine (where the controller pairs rounds through bit masks).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection
+from dataclasses import dataclass, field
+
+import torch
+
+from looped_spec.control.plan import RoundFeedback, SpeculationPlan, round_feedback
+from looped_spec.loop_batching.items import PassResult
+from looped_spec.request import Request, RequestStatus
+
+
+@dataclass
+class _Open:
+    """A plan whose rounds are not all finished, and what its finished rounds reported so far."""
+
+    plan: SpeculationPlan
+    batch_size: int
+    context: float
+    members: set[str]  # requests whose round under the plan runs
+    proposed: list[int] = field(default_factory=list)
+    accepted: list[int] = field(default_factory=list)
+    exit_depths: list[int] = field(default_factory=list)  # of every committed token (D where none exited early)
+    exits: bool = False  # some request exited early
+    matches: torch.Tensor | None = None  # [D] measured positions each depth agreed at
+    trials: int = 0  # measured positions
+    pairs: torch.Tensor | None = None  # [D, 4] n1, n11, n0, n01 over consecutive measured positions
+
+
+class LoopRounds:
+    """Plans in flight on loop passes; `finish` returns the feedback of the plans whose rounds all ended."""
+
+    def __init__(self, depth: int, exit_skips: bool) -> None:
+        self.depth = depth
+        self.exit_skips = exit_skips
+        self._open: dict[int, _Open] = {}
+        self._plan_of: dict[str, int] = {}  # request id -> the plan its round runs under
+        # request id -> (the request, where its next round starts, [D] agreement of its last measured position)
+        self._last: dict[str, tuple[Request, int, torch.Tensor]] = {}
+
+    def start(self, plan: SpeculationPlan, requests: list[Request], batch_size: int, context: float) -> None:
+        """`requests` entered a new round under `plan` in a pass the engine committed."""
+        if not requests:
+            return
+        self._open[plan.plan_id] = _Open(plan, batch_size, context, {r.request_id for r in requests})
+        for request in requests:
+            self._plan_of[request.request_id] = plan.plan_id
+
+    def finish(self, result: PassResult, in_flight: Collection[str]) -> list[RoundFeedback]:
+        """Fold in a committed pass (`in_flight`: the requests with work in flight after it); the feedback of every
+        plan none of whose rounds is still running."""
+        touched: set[int] = set()
+        for i, request in enumerate(result.finished):
+            request_id = request.request_id
+            entry = self._open.get(self._plan_of.pop(request_id, -1))
+            if entry is None:
+                continue
+            entry.members.discard(request_id)
+            touched.add(entry.plan.plan_id)
+            entry.proposed.append(result.proposed[i])
+            entry.accepted.append(result.accepted[i])
+            tokens = len(result.tokens[i])
+            depths = result.exit_depths[i] if result.exit_depths is not None else []
+            entry.exits = entry.exits or bool(depths)
+            entry.exit_depths.extend(depths[:tokens] if depths else [self.depth] * tokens)
+            agreement = result.agreement[i] if result.agreement else None
+            if agreement is not None:
+                self._count(entry, request, result.starts[i], agreement)
+        for request_id, plan_id in list(self._plan_of.items()):
+            if request_id not in in_flight:  # left its round unfinished: it reports nothing
+                del self._plan_of[request_id]
+                self._open[plan_id].members.discard(request_id)
+                touched.add(plan_id)
+        self._last = {i: last for i, last in self._last.items() if last[0].status is RequestStatus.RUNNING}
+        feedback = []
+        for plan_id in sorted(touched):
+            entry = self._open[plan_id]
+            if entry.members:
+                continue
+            del self._open[plan_id]
+            if entry.proposed:
+                feedback.append(self._feedback(entry))
+        return feedback
+
+    def _count(self, entry: _Open, request: Request, start: int, agreement: torch.Tensor) -> None:
+        """A measured round's agreement: matches and trials per depth, and pairs of consecutive positions (with the
+        request's previous measured position when that round ended where this one starts)."""
+        last = self._last.get(request.request_id)
+        columns = agreement if last is None or last[1] != start else torch.cat([last[2][:, None], agreement], 1)
+        earlier, later = columns[:, :-1], columns[:, 1:]
+        pairs = torch.stack([earlier.sum(1), (earlier & later).sum(1), (~earlier).sum(1), (~earlier & later).sum(1)], 1)
+        matches = agreement.sum(1)
+        entry.matches = matches if entry.matches is None else entry.matches + matches
+        entry.pairs = pairs if entry.pairs is None else entry.pairs + pairs
+        entry.trials += agreement.shape[1]
+        self._last[request.request_id] = (request, start + agreement.shape[1], agreement[:, -1])
+
+    def _feedback(self, entry: _Open) -> RoundFeedback:
+        measured = entry.matches is not None
+        return round_feedback(
+            entry.plan,
+            batch_size=entry.batch_size,
+            context=entry.context,
+            num_proposed=entry.proposed,
+            num_accepted=entry.accepted,
+            seconds=0.0,  # not observed on loop passes (module docstring)
+            depth_matches=entry.matches.tolist() if measured else (),
+            depth_trials=[entry.trials] * self.depth if measured else (),
+            depth_pairs=entry.pairs.tolist() if measured else (),
+            exit_depths=entry.exit_depths if entry.exits else (),
+            exit_skips=self.exit_skips,
+        )
