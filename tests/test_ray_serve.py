@@ -288,16 +288,32 @@ def _check_replica_killed_mid_load(url: str, server_pid: int, metrics_port: int,
             return await _killing(client)
 
     async def _killing(client):
-        jobs = [(PROMPTS[i % len(PROMPTS)], long_tokens, i % 2 == 0) for i in range(8)]
-        tasks = [asyncio.ensure_future(_complete(client, p, n, stream)) for p, n, stream in jobs]
+        jobs, tasks = [], []
+
+        def more(count: int) -> None:
+            for i in range(len(jobs), len(jobs) + count):
+                jobs.append((PROMPTS[i % len(PROMPTS)], long_tokens, i % 2 == 0))
+                tasks.append(asyncio.ensure_future(_complete(client, *jobs[-1])))
+
+        more(8)
         # kill a replica (the one with local rank 0) while both have requests in their batch
         victim_metrics = _replica_metrics(metrics_port)
         replicas = [pid for pid, title in _descendants(server_pid).items() if title.startswith("ray::ServeReplica")]
         assert len(replicas) == 2, replicas
         victim = next(pid for pid in replicas if _listens_on(pid, metrics_port))
-        busy = await asyncio.to_thread(_wait, lambda: all((_replica_metrics(metrics_port + r) or {}).get("running")
-                                                          for r in range(2)), 60, "both replicas busy")  # fmt: skip
-        assert busy
+
+        def both_busy() -> bool:
+            return all((_replica_metrics(metrics_port + r) or {}).get("running") for r in range(2))
+
+        # Ray's router may send a burst to one replica: more requests until both hold some (up to 24)
+        busy = False
+        for _ in range(6):
+            try:
+                busy = await asyncio.to_thread(_wait, both_busy, 10, "both replicas busy")
+                break
+            except AssertionError:
+                more(4 if len(jobs) < 24 else 0)
+        assert busy, f"both replicas busy: not within 60 s of {len(jobs)} requests"
         os.kill(victim, signal.SIGKILL)
         done, pending = await asyncio.wait(tasks, timeout=120)
         assert not pending, "a request hung after its replica died"
