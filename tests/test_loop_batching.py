@@ -87,17 +87,25 @@ def test_greedy_and_sampled_outputs_equal_the_step_engine(family, early_exit):
             assert stages["pass_loops"] > 0 and stages["pass_embed"] > 0 and stages["pass_finish"] > 0
 
 
-def test_huginn_latent_rule_equals_the_step_engine():
+@pytest.mark.parametrize("criterion, threshold", [("latent", 0.2), ("kl", 0.05)])
+@pytest.mark.parametrize("early_exit", ["skip", "select"])
+def test_huginn_rules_equal_the_step_engine(criterion, threshold, early_exit):
+    """Huginn's latent rule, and its KL rule, which reads out through the coda (attention) after every loop: the
+    rule's readout gets the context of exactly its rows, as the step engine's does."""
     from conftest import fixture_dir
 
     from looped_spec import load_adapter
 
-    adapter = load_adapter(fixture_dir("huginn"), initial_state="zeros", exit_criterion="latent")
-    params = SamplingParams(max_tokens=8, ignore_eos=True, exit_threshold=0.2)
-    step = LoopedSpecEngine(adapter, speculation="off")
-    loop = LoopedSpecEngine(adapter, speculation="off", batching="loop")
-    assert run(loop, PROMPTS, params) == run(step, PROMPTS, params)
-    assert loop.stats.mean_loops_per_token < adapter.full_depth  # the rule fired
+    adapter = load_adapter(fixture_dir("huginn"), initial_state="zeros", exit_criterion=criterion)
+    for temperature in (0.0, 0.8):
+        params = [SamplingParams(max_tokens=8, ignore_eos=True, exit_threshold=threshold, temperature=temperature,
+                                 seed=i) for i in range(len(PROMPTS))]  # fmt: skip
+        step = LoopedSpecEngine(adapter, speculation="off", early_exit=early_exit)
+        loop = LoopedSpecEngine(adapter, speculation="off", batching="loop", early_exit=early_exit)
+        assert run(loop, PROMPTS, params) == run(step, PROMPTS, params)
+        assert loop.stats.exit_depth_histogram == step.stats.exit_depth_histogram
+        assert min(loop.stats.exit_depth_histogram) < adapter.full_depth  # the rule fired
+        assert loop.num_free_blocks == loop.kv.num_blocks
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -195,14 +203,6 @@ def test_loop_batching_options_that_are_not_built_are_errors():
         LoopedSpecEngine(load("ouro"), batching="loop", speculation="off", cuda_graphs="emulate")
     with pytest.raises(ValueError, match="batching"):
         LoopedSpecEngine(load("ouro"), batching="token", speculation="off")
-    from conftest import fixture_dir
-
-    from looped_spec import load_adapter
-
-    kl = LoopedSpecEngine(load_adapter(fixture_dir("huginn"), initial_state="zeros"), speculation="off",
-                          batching="loop")  # fmt: skip
-    with pytest.raises(ValueError, match="exit_threshold=0.001: .*batching='loop'"):
-        kl.add_request([1, 2], SamplingParams(exit_threshold=1e-3))
 
 
 def recorded_feedback(engine: LoopedSpecEngine) -> list:

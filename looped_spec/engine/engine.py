@@ -163,11 +163,6 @@ class LoopedSpecEngine:
             threshold = adapter.default_exit_threshold
         if threshold is not None and not adapter.exit_rule_can_fire(threshold):
             threshold = None
-        if threshold is not None and adapter.exit_rule_reads_kv and self.config.batching == "loop":
-            raise ValueError(
-                f"exit_threshold={threshold}: this exit rule reads out through attention, which batching='loop' "
-                "does not run yet (use batching='step')"
-            )
         return threshold, None
 
     def _num_blocks(self, block_size: int, num_kv_blocks: int | None, memory_gb: float | None) -> int:

@@ -37,6 +37,7 @@ class LoopBatcher:
         self.runner = runner
         self.adapter = runner.adapter
         self.depth = runner.full_depth
+        self.reads_kv = self.adapter.exit_rule_reads_kv
         self.items: dict[str, Item] = {}
         self.next_drafts: dict[str, NextDraft] = {}
         # the last pass's context, reused while the same positions loop (at full depth: D passes in a row)
@@ -254,8 +255,10 @@ class LoopBatcher:
             index = [rows[i].start for i in chosen]  # plain items hold one position
             threshold = torch.tensor([items[i].request.exit_threshold for i in chosen], device=state.device)
             carry = None if carries[chosen[0]] is None else torch.cat([carries[i] for i in chosen])
-            # the pass's context: a rule that reads through it (exit_rule_reads_kv) is refused with loop batching
-            fired, carry = self.adapter.exit_rule(state[index], loops[chosen[0]], prev[index], carry, threshold, ctx)
+            # a rule that reads out through attention (Huginn's KL: its coda writes KV) gets the context of its rows
+            rule_ctx = self._readout_context([items[i] for i in chosen], ctx, items) if self.reads_kv else ctx
+            fired, carry = self.adapter.exit_rule(state[index], loops[chosen[0]], prev[index], carry, threshold,
+                                                  rule_ctx)  # fmt: skip
             for j, (i, hit) in enumerate(zip(chosen, fired.tolist())):
                 exits[i] = exits[i] or hit
                 carries[i] = None if carry is None else carry[j : j + 1]
