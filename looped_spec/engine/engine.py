@@ -113,6 +113,8 @@ class LoopedSpecEngine:
         # request there (K drafts with the first d loops, then one verification item), under the plan the controller
         # gave the pass in which they entered
         self.loop_batcher = self.loop_rounds = None
+        self._loop_plan: tuple[SpeculationPlan, int, float] | None = None  # the plan in use, its batch size, context
+        self._loop_plan_left = 0  # request rounds the plan in use still serves
         if config.batching == "loop":
             self.loop_batcher = LoopBatcher(self.runner)
             self.loop_rounds = LoopRounds(self.adapter.full_depth, exit_skips=config.early_exit == "skip")
@@ -330,14 +332,20 @@ class LoopedSpecEngine:
         t0 = time.perf_counter()
         batcher = self.loop_batcher
         # work in flight holds its KV slots already: only the requests entering their next token (or speculative
-        # round: K drafts, which requests that exit early do not make) reserve theirs, under one plan for the pass
+        # round: K drafts, which requests that exit early do not make) reserve theirs. A plan serves as many request
+        # rounds as the batch had requests when it was taken (a step round's worth), or until the batch size changes
         entering = [r for r in batch.requests if not batcher.in_flight(r)]
         rounds: dict[str, Entering] = {}
-        plan, kept, context = None, [], 0.0
+        kept, taken = [], self._loop_plan is None or self._loop_plan_left <= 0
         if entering:
             t1 = time.perf_counter()
-            context = mean_context(batch.requests)
-            plan = self.controller.plan(len(batch.requests), context)
+            batch_size = len(batch.requests)
+            if taken or self._loop_plan[1] != batch_size:
+                taken = True
+                context = mean_context(batch.requests)
+                self._loop_plan = (self.controller.plan(batch_size, context), batch_size, context)
+                self._loop_plan_left = batch_size
+            plan = self._loop_plan[0]
             wants = [0 if r.exits_early else plan.k for r in entering]
             kept, k = self.scheduler.reserve_decode(entering, wants)
             # counterfactual readouts at full depth only (under early exit a token's depth is the rule's)
@@ -354,10 +362,12 @@ class LoopedSpecEngine:
         result = self._transaction(suspect, requests, lambda: batcher.run(requests, rounds, max_loops))
         if result is None:
             return
-        if plan is not None and kept:
-            self.loop_rounds.start(plan, kept, len(batch.requests), context)
-            self.stats.record_plan(len(batch.requests), plan.k if any(rounds[r.request_id].k for r in kept) else 0,
-                                   plan.d)  # fmt: skip
+        if kept:
+            plan, batch_size, context = self._loop_plan
+            self.loop_rounds.start(plan, kept, batch_size, context)
+            self._loop_plan_left -= len(kept)
+            if taken:
+                self.stats.record_plan(batch_size, plan.k, plan.d)
         if result.finished:
             self._commit(
                 result.finished, result.tokens, num_proposed=result.proposed, num_accepted=result.accepted,

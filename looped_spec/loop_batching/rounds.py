@@ -1,11 +1,13 @@
 """The controller's plans on loop passes: which plan each request's round runs under, and each plan's feedback.
 
 The step engine asks the controller for a plan every round and reports the round when it is committed. On loop
-passes a plan is taken in each pass in which requests enter a new round, and every request entering there runs its
-round under it; those rounds finish at different passes. A plan's feedback goes to the controller once every request
-that ran under it finished its round or left (preempted, aborted, failed), with what a step round reports except its
-time: rounds of several plans share the passes, so no plan's round time is observed and the pass-cost model's drift
-factor does not learn on loop passes (docs/architecture.md, "Loop-level batching").
+passes requests enter new rounds at different passes; a plan serves the next request rounds entering, as many as
+the batch had requests when it was taken (a step round's worth; a new plan when the batch size changes), and those
+rounds finish at different passes. Its feedback goes to the controller once every request that ran under it
+finished its round or left (preempted, aborted, failed) — a plan whose rounds all finished before it served its
+last one reports again for the later ones — with what a step round reports except its time: rounds of several
+plans share the passes, so no plan's round time is observed and the pass-cost model's drift factor does not learn
+on loop passes (docs/architecture.md, "Loop-level batching").
 
 A measured round's requests report [D, committed] agreement (`PassResult.agreement`). Consecutive positions pair
 within a round, and across two measured rounds of one request when the second starts where the first ended, so
@@ -56,7 +58,10 @@ class LoopRounds:
         """`requests` entered a new round under `plan` in a pass the engine committed."""
         if not requests:
             return
-        self._open[plan.plan_id] = _Open(plan, batch_size, context, {r.request_id for r in requests})
+        entry = self._open.get(plan.plan_id)
+        if entry is None:
+            entry = self._open[plan.plan_id] = _Open(plan, batch_size, context, set())
+        entry.members.update(r.request_id for r in requests)
         for request in requests:
             self._plan_of[request.request_id] = plan.plan_id
 
