@@ -336,15 +336,15 @@ class LoopedSpecEngine:
         # rounds as the batch had requests when it was taken (a step round's worth), or until the batch size changes
         entering = [r for r in batch.requests if not batcher.in_flight(r)]
         rounds: dict[str, Entering] = {}
-        kept, taken = [], self._loop_plan is None or self._loop_plan_left <= 0
+        kept: list[Request] = []
         if entering:
             t1 = time.perf_counter()
             batch_size = len(batch.requests)
-            if taken or self._loop_plan[1] != batch_size:
-                taken = True
+            if self._loop_plan is None or self._loop_plan_left <= 0 or self._loop_plan[1] != batch_size:
                 context = mean_context(batch.requests)
                 self._loop_plan = (self.controller.plan(batch_size, context), batch_size, context)
                 self._loop_plan_left = batch_size
+                self.stats.record_plan(batch_size, self._loop_plan[0].k, self._loop_plan[0].d)
             plan = self._loop_plan[0]
             wants = [0 if r.exits_early else plan.k for r in entering]
             kept, k = self.scheduler.reserve_decode(entering, wants)
@@ -366,8 +366,6 @@ class LoopedSpecEngine:
             plan, batch_size, context = self._loop_plan
             self.loop_rounds.start(plan, kept, batch_size, context)
             self._loop_plan_left -= len(kept)
-            if taken:
-                self.stats.record_plan(batch_size, plan.k, plan.d)
         if result.finished:
             self._commit(
                 result.finished, result.tokens, num_proposed=result.proposed, num_accepted=result.accepted,
