@@ -117,11 +117,14 @@ def test_early_exit_fills_the_passes(family):
     loop = make_engine(family, batching="loop")
     run(loop, PROMPTS[:4], [params] + [SamplingParams(max_tokens=10, ignore_eos=True)] * 3)
     stats = loop.stats
-    # one request at depth 1 next to three at depth D: its 9 tokens decode in 9 passes while the others decode
-    # theirs in 9 D (the first token of each comes from the prompt's prefill)
-    assert stats.num_loop_passes == 9 * depth
-    assert stats.num_loop_pass_embeds == 9 * 4
-    assert stats.num_loop_pass_positions == 9 * depth * 3 + 9
+    # one request at depth 1 next to three at depth D: its 9 tokens decode in 9 passes while the others run their
+    # prompt chunks (D passes; the first token of each comes from its prompt) and decode theirs in 9 D. The early
+    # exit request's own prompt runs in a prefill step of its own (its first token's exit is the prefill's)
+    prompt_tokens = sum(len(p) for p in PROMPTS[1:4])
+    assert stats.num_prefill_steps == 1
+    assert stats.num_loop_passes == 10 * depth
+    assert stats.num_loop_pass_embeds == 9 * 4 + 3
+    assert stats.num_loop_pass_positions == prompt_tokens * depth + 9 * depth * 3 + 9
 
 
 def test_requests_arriving_and_aborted_mid_token():
@@ -319,6 +322,45 @@ def test_rounds_under_several_plans_share_passes():
         assert all(a <= p <= fb.k for p, a in zip(fb.num_proposed, fb.num_accepted))
     # every decoded token (all but each request's first, from its prompt) was committed by one reported round
     assert sum(a + 1 for fb in feedback for a in fb.num_accepted) == 4 * (7 - 1)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_prompt_chunks_share_passes_with_decoding(family):
+    """Prompt chunks are items too: arriving prompts, in chunks of at most `max_num_batched_tokens`, run their loops in
+    the passes of the requests decoding; outputs and log-probabilities equal the step engine's (whose prompts run in
+    prefill steps of their own), greedy and sampled."""
+    options = dict(max_num_batched_tokens=3, max_batch_size=4)
+    prompts = [PROMPTS[2], PROMPTS[4], PROMPTS[0], PROMPTS[5]]
+    params = [SamplingParams(max_tokens=6, ignore_eos=True, temperature=0.8 * (i % 2), seed=i, logprobs=2)
+              for i in range(len(prompts))]  # fmt: skip
+    step = make_engine(family, **options)
+    expected = [(o.token_ids, o.logprobs) for o in step.generate(prompts, params)]
+    engine = make_engine(family, batching="loop", **options)
+    mixed = []
+    original = engine.loop_batcher._loop
+
+    def recording(state, loops, ctx, items):
+        mixed.append({it.chunk for it in items} == {True, False})
+        return original(state, loops, ctx, items)
+
+    engine.loop_batcher._loop = recording
+    ids = []
+    for prompt, p in zip(prompts, params):  # one arrival every other step, while the earlier ones decode
+        ids.append(engine.add_request(prompt, p))
+        engine.step()
+        engine.step()
+    outputs = {}
+    while engine.has_unfinished_requests():
+        outputs.update({o.request_id: (o.token_ids, o.logprobs) for o in engine.step() if o.finished})
+    assert [outputs[i][0] for i in ids] == [tokens for tokens, _ in expected]
+    for i, (_, want) in zip(ids, expected):  # the same numbers, up to the float error of other batch shapes
+        got = outputs[i][1]
+        assert [e.token for e in got] == [e.token for e in want]
+        assert [e.logprob for e in got] == pytest.approx([e.logprob for e in want], abs=1e-4)
+        assert [[t for t, _ in e.top] for e in got] == [[t for t, _ in e.top] for e in want]
+    assert any(mixed) and engine.stats.num_prefill_steps == 0
+    assert engine.stats.num_prompt_tokens == sum(len(p) for p in prompts)
+    assert engine.num_free_blocks == engine.kv.num_blocks and not engine.loop_batcher.items
 
 
 def test_one_pass_serves_requests_at_different_loops():

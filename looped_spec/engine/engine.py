@@ -265,6 +265,8 @@ class LoopedSpecEngine:
             return
         self.scheduler.finish(request, "abort")
         self._reports[request.request_id] = request
+        if self.loop_batcher is not None:  # its work in flight holds the KV blocks it just gave back
+            self.loop_batcher.drop(request.request_id)
 
     def has_unfinished_requests(self) -> bool:
         """True while a request runs or waits, or a finished request's output has not been returned yet."""
@@ -285,6 +287,9 @@ class LoopedSpecEngine:
 
     def _step_once(self) -> None:
         suspect = self._next_suspect()
+        if self.loop_batcher is not None:
+            self._loop_step(suspect)
+            return
         t0 = time.perf_counter()
         batch = self.scheduler.schedule(only=suspect)
         self.stats.phase_seconds["schedule"] += time.perf_counter() - t0
@@ -293,9 +298,6 @@ class LoopedSpecEngine:
             return
         if batch.is_prefill:
             self._prefill_step(suspect, batch)
-            return
-        if self.loop_batcher is not None:
-            self._loop_pass(suspect, batch)
             return
         t1 = time.perf_counter()
         context = mean_context(batch.requests)
@@ -327,14 +329,34 @@ class LoopedSpecEngine:
         self.stats.num_prompt_tokens += sum(batch.chunk_lens)
         self.stats.phase_seconds["prefill"] += time.perf_counter() - t0
 
-    def _loop_pass(self, suspect: Request | None, batch: ScheduledBatch) -> None:
-        """One loop pass over every running request's work in flight; the tokens it finished are committed."""
+    def _loop_step(self, suspect: Request | None) -> None:
+        """Loop-level batching: one loop pass, in which prompt chunks join the running requests' work. A chunk whose
+        request exits early or recomputes tokens with recorded exit depths runs in a prefill step of its own first
+        (its first token's exit, and the recomputed tokens' forced exits, are the step engine's prefill)."""
+        t0 = time.perf_counter()
+        batcher = self.loop_batcher
+        chunks_in_flight = {i for i, it in batcher.items.items() if it.chunk and it.fresh()}
+        batch = self.scheduler.schedule_pass(chunks_in_flight, only=suspect)
+        self.stats.phase_seconds["schedule"] += time.perf_counter() - t0
+        self.stats.num_preemptions = self.scheduler.num_preemptions
+        if batch is None:
+            return
+        starting = [(r, n) for r, n in zip(batch.requests, batch.chunk_lens) if n]
+        apart = [(r, n) for r, n in starting if r.exits_early or r.exit_depths]
+        if apart:
+            self._prefill_step(suspect, ScheduledBatch(True, [r for r, _ in apart], [n for _, n in apart]))
+            return
+        self._loop_pass(suspect, batch, {r.request_id: n for r, n in starting})
+
+    def _loop_pass(self, suspect: Request | None, batch: ScheduledBatch, chunks: dict[str, int]) -> None:
+        """One loop pass over every running request's work in flight and the prompt chunks that start in it; the
+        tokens it finished are committed."""
         t0 = time.perf_counter()
         batcher = self.loop_batcher
         # work in flight holds its KV slots already: only the requests entering their next token (or speculative
         # round: K drafts, which requests that exit early do not make) reserve theirs. A plan serves as many request
         # rounds as the batch had requests when it was taken (a step round's worth), or until the batch size changes
-        entering = [r for r in batch.requests if not batcher.in_flight(r)]
+        entering = [r for r in batch.requests if r.prefilled and not batcher.in_flight(r)]
         rounds: dict[str, Entering] = {}
         kept: list[Request] = []
         if entering:
@@ -358,10 +380,15 @@ class LoopedSpecEngine:
         if not requests:
             return
         # while nothing waits to join the passes, loops in which no item can stop run back to back
-        max_loops = self.adapter.full_depth if not self.scheduler.waiting else 1
-        result = self._transaction(suspect, requests, lambda: batcher.run(requests, rounds, max_loops))
+        joining = self.scheduler.waiting or any(not r.prefilled for r in self.scheduler.running)
+        max_loops = 1 if joining else self.adapter.full_depth
+        result = self._transaction(suspect, requests, lambda: batcher.run(requests, rounds, max_loops, chunks))
         if result is None:
             return
+        if result.prefilled:
+            self._commit(result.prefilled, result.first_tokens, chunk_lens=result.chunk_lens,
+                         logprobs=result.first_logprobs)  # fmt: skip
+            self.stats.num_prompt_tokens += sum(result.chunk_lens)
         if kept:
             plan, batch_size, context = self._loop_plan
             self.loop_rounds.start(plan, kept, batch_size, context)
@@ -434,6 +461,8 @@ class LoopedSpecEngine:
         self.scheduler.finish(request, "error")
         self.stats.num_requests_finished += 1
         self._reports[request.request_id] = request
+        if self.loop_batcher is not None:
+            self.loop_batcher.drop(request.request_id)
 
     def _run_prefill(
         self, batch: ScheduledBatch
@@ -634,6 +663,8 @@ class LoopedSpecEngine:
         for request in requests:
             if not request.finished:
                 self.scheduler.finish(request, "abort")
+            if self.loop_batcher is not None:
+                self.loop_batcher.drop(request.request_id)
             self._reports.pop(request.request_id, None)
             self._requests.pop(request.request_id, None)
 

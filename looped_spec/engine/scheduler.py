@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Collection
 
 from looped_spec.execution.kv_cache import KVCache
 from looped_spec.request import Request, RequestStatus, ScheduledBatch, TokenLogprob
@@ -12,7 +13,8 @@ class Scheduler:
     """Owns the waiting queue and the running set, and every KV block a request holds.
 
     A step is either a prefill step (chunks of prompts — or of preempted requests being
-    recomputed — under `max_num_batched_tokens`) or a decode round over every running request.
+    recomputed — under `max_num_batched_tokens`) or a decode round over every running request; with loop-level
+    batching, a loop pass in which prompt chunks join the running requests' work (`schedule_pass`).
     When blocks run out the newest running request (latest arrival) is preempted: its blocks are
     freed and it goes back to the front of the queue to be recomputed, keeping the tokens it already
     has. Scheduling (admission, KV growth, preemption) happens before a step runs; `postprocess` is
@@ -45,11 +47,27 @@ class Scheduler:
             return ScheduledBatch(is_prefill=False, requests=list(self.running))
         return None
 
-    def _schedule_prefill(self) -> ScheduledBatch | None:
+    def schedule_pass(self, chunks_in_flight: Collection[str], only: Request | None = None) -> ScheduledBatch | None:
+        """Loop-level batching: every running request the next loop pass serves, with the prompt chunk each starts
+        in it (`chunk_lens[i]`, 0: none), admitted and reserved as for prefill steps; requests whose chunk is in
+        flight (`chunks_in_flight`, by id) start none. With `only`, that request by itself."""
+        if only is not None:
+            if only.prefilled or only.request_id in chunks_in_flight:
+                return ScheduledBatch(is_prefill=False, requests=[only], chunk_lens=[0])
+            alone = self._schedule_alone(only)
+            return None if alone is None else ScheduledBatch(False, alone.requests, alone.chunk_lens)
+        starting = self._schedule_prefill(skip=chunks_in_flight)
+        chunks = {} if starting is None else dict(zip(map(id, starting.requests), starting.chunk_lens))
+        requests = [r for r in self.running if r.prefilled or r.request_id in chunks_in_flight or id(r) in chunks]
+        if not requests:
+            return None
+        return ScheduledBatch(is_prefill=False, requests=requests, chunk_lens=[chunks.get(id(r), 0) for r in requests])
+
+    def _schedule_prefill(self, skip: Collection[str] = ()) -> ScheduledBatch | None:
         budget = self.max_num_batched_tokens
         requests: list[Request] = []
         chunks: list[int] = []
-        for request in [r for r in self.running if not r.prefilled]:
+        for request in [r for r in self.running if not r.prefilled and r.request_id not in skip]:
             if request.status is not RequestStatus.RUNNING:  # preempted by an earlier request of this loop
                 continue
             chunk = min(request.num_tokens - request.num_computed, budget)

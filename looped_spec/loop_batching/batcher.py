@@ -51,16 +51,25 @@ class LoopBatcher:
         item, draft = self.items.get(request.request_id), self.next_drafts.get(request.request_id)
         return (item is not None and item.fresh()) or (draft is not None and draft.fresh())
 
+    def drop(self, request_id: str) -> None:
+        """Forget a request's work in flight (it was aborted or failed; its KV blocks are freed)."""
+        self.items.pop(request_id, None)
+        self.next_drafts.pop(request_id, None)
+
     @torch.inference_mode()
-    def run(self, requests: list[Request], rounds: dict[str, Entering] | None = None, max_loops: int = 1) -> PassResult:
-        """One pass over the requests' work in flight. A request with none enters its next token: a speculative
-        round as `rounds[request_id]` says when its K is > 0, else a plain token (measured or not as it says; a
-        request without an entry: a plain token, not measured). With `max_loops` > 1 the pass
+    def run(
+        self, requests: list[Request], rounds: dict[str, Entering] | None = None, max_loops: int = 1,
+        chunks: dict[str, int] | None = None,
+    ) -> PassResult:  # fmt: skip
+        """One pass over the requests' work in flight. A request with none enters its prompt chunk of
+        `chunks[request_id]` tokens when it has one, else its next token: a speculative round as
+        `rounds[request_id]` says when its K is > 0, else a plain token (measured or not as it says; a request
+        without an entry: a plain token, not measured). With `max_loops` > 1 the pass
         runs up to that many loops back to back while no item can stop: the same items would make up each of those
         passes, so only the per-pass overhead changes (the engine allows it while no other work waits to join)."""
         watch = self.watch
         t0 = watch.mark()
-        items = self._enter(requests, rounds or {})
+        items = self._enter(requests, rounds or {}, chunks or {})
         entered = sum(1 for it in items if it.loops == 0)
         t1 = watch.mark()
         ctx = self._pass_context(items)
@@ -80,10 +89,13 @@ class LoopBatcher:
         out = _Finished(requests)
         exits, carries = self._exits(items, loops, state, prev, rows, ctx)
         skip = self.runner.exit_mode == "skip"
-        plain, drafts, verifies = [], [], []
+        plain, drafts, verifies, prompts = [], [], [], []
         for i, (it, n) in enumerate(zip(items, loops)):
             rs = rows[i]
-            if it.round is None:
+            if it.chunk and n >= self.depth:
+                prompts.append((it, state[rs]))
+                continue
+            if it.round is None and not it.chunk:
                 exit_depth, exit_state = it.exit_depth, it.exit_state
                 if exits[i] and not exit_depth:
                     exit_depth, exit_state = n, None  # None: this pass's row
@@ -101,6 +113,8 @@ class LoopBatcher:
             new = self._moved(it, state[rs], n, prev[rs], carries[i], preds[i])
             new.exit_depth, new.exit_state = exit_depth, exit_state
             out.items[it.request.request_id] = new
+        if prompts:
+            self._finish_chunks(prompts, ctx, items, out)
         if plain:
             self._finish_plain(plain, state, ctx, items, out)
         if drafts:
@@ -115,7 +129,7 @@ class LoopBatcher:
     def _moved(it: Item, state: torch.Tensor, loops: int, prev: torch.Tensor, carry, preds) -> Item:
         """The item after this pass's loops (a new object: the pass leaves its inputs as they were)."""
         return Item(it.request, it.base, it.preemptions, it.position, state, it.stop, loops, prev, carry,
-                    it.exit_depth, it.exit_state, it.round, it.verify, it.measured, preds or [])  # fmt: skip
+                    it.exit_depth, it.exit_state, it.round, it.verify, it.measured, it.chunk, preds or [])  # fmt: skip
 
     def commit(self, result: PassResult) -> None:
         """Apply a pass whose tokens the engine has committed: its requests' work becomes the work that goes on."""
@@ -129,12 +143,12 @@ class LoopBatcher:
                 del pending[request_id]  # finished, aborted or preempted meanwhile
 
     # ----- entering -----
-    def _enter(self, requests: list[Request], rounds: dict[str, Entering]) -> list[Item]:
-        """Every request's item; requests without one enter their next token, embedded here (in a context of its own
-        unless every token of the pass enters or the family's embedding reads none)."""
+    def _enter(self, requests: list[Request], rounds: dict[str, Entering], chunks: dict[str, int]) -> list[Item]:
+        """Every request's item; requests without one enter their prompt chunk or next token, embedded here (in a
+        context of its own unless every token of the pass enters or the family's embedding reads none)."""
         items: list[Item | None] = []
-        # row, request, position, token, round, whether a plain token is measured
-        entering: list[tuple[int, Request, int, int, DraftRound | None, bool]] = []
+        # row, request, position, tokens, round, whether a plain token is measured, whether a prompt chunk
+        entering: list[tuple[int, Request, int, list[int], DraftRound | None, bool, bool]] = []
         for row, request in enumerate(requests):
             item = self.items.get(request.request_id)
             if item is not None and item.fresh():
@@ -144,31 +158,40 @@ class LoopBatcher:
             draft = self.next_drafts.get(request.request_id)
             if draft is not None and draft.fresh():
                 position = draft.round.start + len(draft.round.tokens)
-                entering.append((row, request, position, draft.token, draft.round, False))
+                entering.append((row, request, position, [draft.token], draft.round, False, False))
                 continue
             position = request.num_computed
+            chunk = chunks.get(request.request_id, 0)
+            if chunk:
+                entering.append((row, request, position, request.token_ids[position : position + chunk], None, False,
+                                 True))  # fmt: skip
+                continue
             k, d, measured = rounds.get(request.request_id, NOT_MEASURED)
             round_ = DraftRound(position, k, d, measured=measured) if k > 0 else None
-            entering.append((row, request, position, request.token_ids[position], round_, measured and k == 0))
+            entering.append((row, request, position, [request.token_ids[position]], round_, measured and k == 0, False))
         if entering:
             runner = self.runner
             reqs = [e[1] for e in entering]
             positions = [e[2] for e in entering]
+            counts = [len(e[3]) for e in entering]
             ctx = None
             if self.adapter.embed_uses_context or len(entering) == len(requests):
-                ctx = runner.context(reqs, [1] * len(reqs), [p + 1 for p in positions])
+                ctx = runner.context(reqs, counts, [p + n for p, n in zip(positions, counts)])
                 if len(entering) == len(requests):  # the pass's context too (same positions)
-                    self._ctx_key, self._ctx = self._key(reqs, positions, [1] * len(reqs)), ctx
-            state = runner.embed(runner.token_tensor([e[3] for e in entering]), ctx)
+                    self._ctx_key, self._ctx = self._key(reqs, positions, counts), ctx
+            state = runner.embed(runner.token_tensor([t for e in entering for t in e[3]]), ctx)
             ruled = any(r.exit_threshold is not None for r in reqs)
             carry = self.adapter.exit_carry(len(reqs)) if ruled else None
-            for j, (row, request, position, _, round_, measured) in enumerate(entering):
+            start = 0
+            for j, (row, request, position, tokens, round_, measured, chunk) in enumerate(entering):
                 base = position if round_ is None else round_.start
                 stop = self.depth if round_ is None else round_.d
                 measured = measured if round_ is None else round_.measured
-                items[row] = Item(request, base, request.metrics.num_preemptions, position, state[j : j + 1], stop,
-                                  carry=None if carry is None else carry[j : j + 1], round=round_,
-                                  measured=measured)  # fmt: skip
+                rows = state[start : start + len(tokens)]
+                start += len(tokens)
+                items[row] = Item(request, base, request.metrics.num_preemptions, position, rows, stop,
+                                  carry=None if carry is None or chunk else carry[j : j + 1], round=round_,
+                                  measured=measured, chunk=chunk)  # fmt: skip
         return items  # type: ignore[return-value]
 
     # ----- the pass -----
@@ -207,6 +230,9 @@ class LoopBatcher:
         out = self.depth
         for it in items:
             request = it.request
+            if it.chunk:
+                out = min(out, it.stop - it.loops)
+                continue
             if it.round is None and request.exit_threshold is not None:
                 return 1
             stop = it.stop if it.round is not None else (request.exit_at_step or self.depth)
@@ -242,13 +268,13 @@ class LoopBatcher:
         caller's), and its new carry. The rule runs once per depth over the items that have one, or once for all
         when it does not depend on the depth (`exit_rule_uses_depth`); items that carry nothing yet apart."""
         exits = [
-            it.round is None and it.request.exit_at_step is not None and n >= it.request.exit_at_step
+            it.round is None and not it.chunk and it.request.exit_at_step is not None and n >= it.request.exit_at_step
             for it, n in zip(items, loops)
         ]
         carries = [it.carry for it in items]
         groups: dict[tuple, list[int]] = {}
         for i, (it, n) in enumerate(zip(items, loops)):
-            if it.round is None and it.request.exit_threshold is not None and n < self.depth:
+            if it.round is None and not it.chunk and it.request.exit_threshold is not None and n < self.depth:
                 key = (n if self.adapter.exit_rule_uses_depth else 0, carries[i] is None)
                 groups.setdefault(key, []).append(i)
         for chosen in groups.values():
@@ -284,6 +310,30 @@ class LoopBatcher:
         if not self.adapter.readout_uses_kv or len(done) == len(items):
             return ctx
         return self._context(done)
+
+    def _finish_chunks(self, done: list[tuple[Item, torch.Tensor]], ctx, items: list[Item], out: _Finished) -> None:
+        """Prompt chunks at depth D: a chunk that ends its prompt reads out its last position and samples the first
+        token (a readout that attends, Huginn's coda, runs over every position: each one's coda KV is cached)."""
+        runner = self.runner
+        finals = [j for j, (it, _) in enumerate(done) if it.position + it.num_positions == it.request.num_tokens]
+        logits = None
+        if self.adapter.readout_uses_kv:
+            read_ctx = self._readout_context([it for it, _ in done], ctx, items)
+            every = runner.readout(torch.cat([s for _, s in done]), self.depth, read_ctx)
+            if finals:
+                ends = torch.tensor([it.num_positions for it, _ in done], device=every.device).cumsum(0) - 1
+                logits = every[ends[torch.tensor(finals, device=every.device)]]
+        elif finals:
+            logits = runner.readout(torch.cat([done[j][1][-1:] for j in finals]), self.depth, ctx)
+        first: dict[int, tuple[int, list[TokenLogprob] | None]] = {}
+        if logits is not None:
+            requests = [done[j][0].request for j in finals]
+            sampled = sample(logits, SamplingRows.build(requests, runner.device))
+            entries = logprobs_of_rows(requests, logits, sampled) or [None] * len(finals)
+            first = {j: (token, entry) for j, token, entry in zip(finals, sampled.tolist(), entries)}
+        for j, (it, _) in enumerate(done):
+            token, entry = first.get(j, (None, None))
+            out.prefill(it.request, it.num_positions, [] if token is None else [token], entry)
 
     def _finish_plain(self, done: list[tuple], state: torch.Tensor, ctx, items: list[Item], out: _Finished) -> None:
         """Plain tokens (item, its row in this pass, exit depth, exit state or None for this pass's row, its
@@ -418,6 +468,10 @@ class _Finished:
         self.logprobs: list[list[TokenLogprob]] = []
         self.starts: list[int] = []
         self.agreement: list[torch.Tensor | None] = []
+        self.prefilled: list[Request] = []
+        self.chunk_lens: list[int] = []
+        self.first_tokens: list[list[int]] = []
+        self.first_logprobs: list[list[TokenLogprob]] = []
         self.items: dict[str, Item] = {}
         self.next_drafts: dict[str, NextDraft] = {}
 
@@ -434,9 +488,17 @@ class _Finished:
         self.accepted.append(accepted)
         self.exit_depths.append(depths)
 
+    def prefill(self, request: Request, chunk_len: int, tokens: list[int], logprobs: list[TokenLogprob] | None) -> None:
+        self.prefilled.append(request)
+        self.chunk_lens.append(chunk_len)
+        self.first_tokens.append(tokens)
+        self.first_logprobs.append(logprobs or [])
+
     def result(self, positions: int, entered: int, loops: int, stages: dict[str, float]) -> PassResult:
         exit_depths = self.exit_depths if any(r.exits_early for r in self.finished) else None
         logprobs = self.logprobs if any(r.logprobs_top is not None for r in self.finished) else None
+        first_logprobs = self.first_logprobs if any(r.logprobs_top is not None for r in self.prefilled) else None
         return PassResult(self.requests, self.finished, self.tokens, self.proposed, self.accepted, exit_depths,
                           self.items, self.next_drafts, positions, entered, loops, stages, logprobs, self.starts,
-                          self.agreement)  # fmt: skip
+                          self.agreement, self.prefilled, self.chunk_lens, self.first_tokens,
+                          first_logprobs)  # fmt: skip

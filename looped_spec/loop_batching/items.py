@@ -1,8 +1,9 @@
 """What loop-level batching keeps between passes: the items in flight and a request's speculative round.
 
 An item is one request's work in flight: one position for a token decoded plainly or drafted, the K+1 positions
-of a speculative round's verification. It advances one loop per pass until its stop depth: D for a plain token or
-a verification, the draft depth d for a drafted token (a draft is a token whose exit is forced at d).
+of a speculative round's verification, the positions of a prompt chunk. It advances one loop per pass until its
+stop depth: D for a plain token, a verification or a prompt chunk, the draft depth d for a drafted token (a draft
+is a token whose exit is forced at d).
 
 A measured round (the controller's counterfactual readouts) also reads out every depth its positions pass on the way
 and keeps each depth's greedy prediction: the agreement of depth j with the committed tokens is what the acceptance
@@ -65,6 +66,7 @@ class Item:
     round: DraftRound | None = None  # a draft or verification of this speculative round
     verify: bool = False
     measured: bool = False  # read out at every depth it passes (a plain token or a measured round's positions)
+    chunk: bool = False  # a prompt chunk (full depth, no exit rule; a first token sampled when it ends the prompt)
     preds: list[torch.Tensor] = field(default_factory=list)  # measured: [n] greedy prediction per depth run so far
 
     @property
@@ -120,3 +122,9 @@ class PassResult:
     # each depth's greedy readout agreed with each committed token (None: not measured)
     starts: list[int] = field(default_factory=list)
     agreement: list[torch.Tensor | None] = field(default_factory=list)
+    # prompt chunks the pass finished: their requests, the chunk lengths, each one's first token ([] unless the chunk
+    # ends the prompt) and its log-probability entries (None if no request asked)
+    prefilled: list[Request] = field(default_factory=list)
+    chunk_lens: list[int] = field(default_factory=list)
+    first_tokens: list[list[int]] = field(default_factory=list)
+    first_logprobs: list[list[TokenLogprob]] | None = None
