@@ -4,7 +4,8 @@ Three persistent engines — `step`, a second `step-B` (the A/A control) and `lo
 speculation off or all with one fixed plan (`--speculation K,d`) — decode the same rotating prompts in turns of
 `--slice-ms` (order shuffled every turn), for every early-exit mode asked (`full`: every token at depth D; `tau0.7`:
 the family rule at threshold 0.7; `step2`: exit_at_step=2; ...). Per mode: the median over rounds (the first
-discarded) of step ÷ loop decode time (prefill excluded) with the standard error of that median (1.25 sd / sqrt(n)
+discarded) of step ÷ loop time to serve the batch, prompts included (loop passes run prompt chunks together with
+decoding, so their prefill cannot be told apart), with the standard error of that median (1.25 sd / sqrt(n)
 of the log-ratios), the A/A line beside it, the loops per token, and the loop engine's passes per token and
 positions per pass (occupancy) against the step engine's loop calls per token, so the ratio can be read against the
 pass counts (with speculation, per committed token). Greedy outputs of the three engines are checked equal.
@@ -59,7 +60,6 @@ class LoopCalls:
 def counters(engine: LoopedSpecEngine) -> dict:
     s = engine.stats
     return {
-        "prefill_s": s.phase_seconds["prefill"],
         "passes": s.num_loop_passes,
         "positions": s.num_loop_pass_positions,
         "loops_run": s.num_exit_loops_run,
@@ -96,7 +96,7 @@ def timed_turns(engines, prompts, params, slice_s: float, rng: random.Random, ca
         outputs = [done[name][i].token_ids for i in ids[name]]
         tokens = sum(len(o) for o in outputs) - len(outputs)  # the first token of each comes from prefill
         out[name] = {
-            "decode_s": wall[name] - (after["prefill_s"] - b["prefill_s"]),
+            "seconds": wall[name],  # prompts and tokens: the loop engine runs prompt chunks in its passes
             "tokens": tokens,
             "loop_calls": loop_calls[name],
             "passes": after["passes"] - b["passes"],
@@ -109,8 +109,8 @@ def timed_turns(engines, prompts, params, slice_s: float, rng: random.Random, ca
 
 
 def ratio(rounds: list[dict], a: str, b: str) -> tuple[float, float]:
-    """The median over rounds of decode time(a) ÷ time(b) (above 1: b is faster), with its standard error."""
-    logs = [math.log(r[a]["decode_s"] / r[b]["decode_s"]) for r in rounds]
+    """The median over rounds of time(a) ÷ time(b) (above 1: b is faster), with its standard error."""
+    logs = [math.log(r[a]["seconds"] / r[b]["seconds"]) for r in rounds]
     return math.exp(statistics.median(logs)), 1.25 * statistics.pstdev(logs) / math.sqrt(len(logs))
 
 
