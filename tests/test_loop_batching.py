@@ -344,14 +344,17 @@ def test_prompt_chunks_share_passes_with_decoding(family):
         return original(state, loops, ctx, items)
 
     engine.loop_batcher._loop = recording
-    ids = []
+    ids, outputs = [], {}
+
+    def step() -> None:
+        outputs.update({o.request_id: (o.token_ids, o.logprobs) for o in engine.step() if o.finished})
+
     for prompt, p in zip(prompts, params):  # one arrival every other step, while the earlier ones decode
         ids.append(engine.add_request(prompt, p))
-        engine.step()
-        engine.step()
-    outputs = {}
+        step()
+        step()
     while engine.has_unfinished_requests():
-        outputs.update({o.request_id: (o.token_ids, o.logprobs) for o in engine.step() if o.finished})
+        step()
     assert [outputs[i][0] for i in ids] == [tokens for tokens, _ in expected]
     for i, (_, want) in zip(ids, expected):  # the same numbers, up to the float error of other batch shapes
         got = outputs[i][1]

@@ -379,8 +379,12 @@ class LoopedSpecEngine:
         requests = [r for r in batch.requests if r.status is RequestStatus.RUNNING]
         if not requests:
             return
-        # while nothing waits to join the passes, loops in which no item can stop run back to back
-        joining = self.scheduler.waiting or any(not r.prefilled for r in self.scheduler.running)
+        # while nothing waits to join the passes (a queued request the batch has room for, a prompt's next chunk),
+        # loops in which no item can stop run back to back
+        scheduler = self.scheduler
+        joining = (scheduler.waiting and len(scheduler.running) < self.max_batch_size) or any(
+            not r.prefilled and not batcher.in_flight(r) and r.request_id not in chunks for r in scheduler.running
+        )
         max_loops = 1 if joining else self.adapter.full_depth
         result = self._transaction(suspect, requests, lambda: batcher.run(requests, rounds, max_loops, chunks))
         if result is None:
