@@ -335,7 +335,7 @@ class LoopedSpecEngine:
         (its first token's exit, and the recomputed tokens' forced exits, are the step engine's prefill)."""
         t0 = time.perf_counter()
         batcher = self.loop_batcher
-        chunks_in_flight = {i for i, it in batcher.items.items() if it.chunk and it.fresh()}
+        chunks_in_flight = {i: it.num_positions for i, it in batcher.items.items() if it.chunk and it.fresh()}
         batch = self.scheduler.schedule_pass(chunks_in_flight, only=suspect)
         self.stats.phase_seconds["schedule"] += time.perf_counter() - t0
         self.stats.num_preemptions = self.scheduler.num_preemptions

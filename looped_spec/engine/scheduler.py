@@ -47,24 +47,27 @@ class Scheduler:
             return ScheduledBatch(is_prefill=False, requests=list(self.running))
         return None
 
-    def schedule_pass(self, chunks_in_flight: Collection[str], only: Request | None = None) -> ScheduledBatch | None:
+    def schedule_pass(self, chunks_in_flight: dict[str, int], only: Request | None = None) -> ScheduledBatch | None:
         """Loop-level batching: every running request the next loop pass serves, with the prompt chunk each starts
-        in it (`chunk_lens[i]`, 0: none), admitted and reserved as for prefill steps; requests whose chunk is in
-        flight (`chunks_in_flight`, by id) start none. With `only`, that request by itself."""
+        in it (`chunk_lens[i]`, 0: none), admitted and reserved as for prefill steps. `chunks_in_flight`: request id
+        -> positions of its chunk in flight; such a request starts none, and the chunks in flight count against
+        `max_num_batched_tokens` (so prompts run in waves of D passes, as prefill steps would). With `only`, that
+        request by itself."""
         if only is not None:
             if only.prefilled or only.request_id in chunks_in_flight:
                 return ScheduledBatch(is_prefill=False, requests=[only], chunk_lens=[0])
             alone = self._schedule_alone(only)
             return None if alone is None else ScheduledBatch(False, alone.requests, alone.chunk_lens)
-        starting = self._schedule_prefill(skip=chunks_in_flight)
+        budget = self.max_num_batched_tokens - sum(chunks_in_flight.values())
+        starting = self._schedule_prefill(skip=chunks_in_flight, budget=budget) if budget > 0 else None
         chunks = {} if starting is None else dict(zip(map(id, starting.requests), starting.chunk_lens))
         requests = [r for r in self.running if r.prefilled or r.request_id in chunks_in_flight or id(r) in chunks]
         if not requests:
             return None
         return ScheduledBatch(is_prefill=False, requests=requests, chunk_lens=[chunks.get(id(r), 0) for r in requests])
 
-    def _schedule_prefill(self, skip: Collection[str] = ()) -> ScheduledBatch | None:
-        budget = self.max_num_batched_tokens
+    def _schedule_prefill(self, skip: Collection[str] = (), budget: int | None = None) -> ScheduledBatch | None:
+        budget = self.max_num_batched_tokens if budget is None else budget
         requests: list[Request] = []
         chunks: list[int] = []
         for request in [r for r in self.running if not r.prefilled and r.request_id not in skip]:
