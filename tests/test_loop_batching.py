@@ -326,9 +326,9 @@ def test_rounds_under_several_plans_share_passes():
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_prompt_chunks_share_passes_with_decoding(family):
-    """Prompt chunks are items too: arriving prompts, in chunks of at most `max_num_batched_tokens`, run their loops in
-    the passes of the requests decoding; outputs and log-probabilities equal the step engine's (whose prompts run in
-    prefill steps of their own), greedy and sampled."""
+    """Prompt chunks are items too: arriving prompts, in chunks of at most `max_num_batched_tokens` positions in
+    flight, run their loops in the passes of the requests decoding; outputs and log-probabilities equal the step
+    engine's (whose prompts run in prefill steps of their own), greedy and sampled."""
     options = dict(max_num_batched_tokens=3, max_batch_size=4)
     prompts = [PROMPTS[2], PROMPTS[4], PROMPTS[0], PROMPTS[5]]
     params = [SamplingParams(max_tokens=6, ignore_eos=True, temperature=0.8 * (i % 2), seed=i, logprobs=2)
@@ -336,11 +336,12 @@ def test_prompt_chunks_share_passes_with_decoding(family):
     step = make_engine(family, **options)
     expected = [(o.token_ids, o.logprobs) for o in step.generate(prompts, params)]
     engine = make_engine(family, batching="loop", **options)
-    mixed = []
+    mixed, chunk_positions = [], []
     original = engine.loop_batcher._loop
 
     def recording(state, loops, ctx, items):
         mixed.append({it.chunk for it in items} == {True, False})
+        chunk_positions.append(sum(it.num_positions for it in items if it.chunk))
         return original(state, loops, ctx, items)
 
     engine.loop_batcher._loop = recording
@@ -362,6 +363,7 @@ def test_prompt_chunks_share_passes_with_decoding(family):
         assert [e.logprob for e in got] == pytest.approx([e.logprob for e in want], abs=1e-4)
         assert [[t for t, _ in e.top] for e in got] == [[t for t, _ in e.top] for e in want]
     assert any(mixed) and engine.stats.num_prefill_steps == 0
+    assert max(chunk_positions) == 3  # chunks in flight count against max_num_batched_tokens
     assert engine.stats.num_prompt_tokens == sum(len(p) for p in prompts)
     assert engine.num_free_blocks == engine.kv.num_blocks and not engine.loop_batcher.items
 
