@@ -363,9 +363,11 @@ def test_prompt_chunks_share_passes_with_decoding(family):
         assert [e.logprob for e in got] == pytest.approx([e.logprob for e in want], abs=1e-4)
         assert [[t for t, _ in e.top] for e in got] == [[t for t, _ in e.top] for e in want]
     assert any(mixed) and engine.stats.num_prefill_steps == 0
-    assert max(chunk_positions) == 3  # chunks in flight count against max_num_batched_tokens
     assert engine.stats.num_prompt_tokens == sum(len(p) for p in prompts)
     assert engine.num_free_blocks == engine.kv.num_blocks and not engine.loop_batcher.items
+    # chunks in flight count against max_num_batched_tokens, also when every prompt waits at once
+    assert [o.token_ids for o in engine.generate(prompts, params)] == [tokens for tokens, _ in expected]
+    assert max(chunk_positions) == 3
 
 
 def test_one_pass_serves_requests_at_different_loops():
