@@ -1,12 +1,9 @@
 """LoopBatcher: the items in flight and the pass over them (docs/architecture.md, "Loop-level batching").
 
-A pass embeds the tokens that enter (a request's next token, or its next drafted token), runs one loop of every
-item together — each at its own loop index, reading and writing its own KV plane — and finishes the items that
-reached their stop depth: a plain token is read out at its depth (D, or its exit depth) and sampled; a draft is read
-out at d and its next draft drawn, or, after the K-th, its round's K+1 loop-d states become one verification item;
-a verification is read out at D and accepted as the speculative round accepts (the same rejection sampler). The
-items of a measured round are also read out at every depth they pass (`_read_out_passing`), and each finished one
-reports which depths' greedy predictions agreed with its committed tokens.
+A pass embeds the tokens that enter (a prompt chunk, a request's next token, or its next drafted token), runs one
+loop of every item together — each at its own loop index, reading and writing its own KV plane — and finishes the
+items that reached their stop depth (finish.py). The items of a measured round are also read out at every depth they
+pass (`_read_out_passing`).
 
 `run` computes a pass without changing any item (a failed pass leaves them as they were; its KV writes are redone
 alike by the retry); `commit` applies it once the engine has committed the finished tokens.
@@ -16,15 +13,10 @@ from __future__ import annotations
 
 import torch
 
-from looped_spec.execution.early_exit import read_out_by_depth
-from looped_spec.execution.logprobs import logprobs_of_rows, verified_logprobs
-from looped_spec.execution.sampler import SamplingRows, sample
 from looped_spec.execution.timing import Stopwatch
+from looped_spec.loop_batching.finish import Finished, Finisher, items_context
 from looped_spec.loop_batching.items import DraftRound, Entering, Item, NextDraft, PassResult
-from looped_spec.request import Request, TokenLogprob
-from looped_spec.speculative.proposer import draw_drafts
-from looped_spec.speculative.rejection_sampler import accept
-from looped_spec.speculative.verifier import position_index
+from looped_spec.request import Request
 
 #: A request that enters without an entry in `rounds`: a plain token, not measured
 NOT_MEASURED = Entering(0, 0, False)
@@ -43,7 +35,8 @@ class LoopBatcher:
         # the last pass's context, reused while the same positions loop (at full depth: D passes in a row)
         self._ctx_key: tuple = ()
         self._ctx = None
-        self._loop_planes = [list(self.adapter.loop_planes(i)) for i in range(self.depth)]
+        self.finisher = Finisher(runner)
+        self._loop_planes = self.finisher.loop_planes
         self.watch = Stopwatch(runner.device)
 
     def in_flight(self, request: Request) -> bool:
@@ -86,7 +79,7 @@ class LoopBatcher:
             if measuring:
                 self._read_out_passing(items, loops, state, rows, ctx, preds)
         t2 = watch.mark()
-        out = _Finished(requests)
+        out = Finished(requests)
         exits, carries = self._exits(items, loops, state, prev, rows, ctx)
         skip = self.runner.exit_mode == "skip"
         plain, drafts, verifies, prompts = [], [], [], []
@@ -114,13 +107,13 @@ class LoopBatcher:
             new.exit_depth, new.exit_state = exit_depth, exit_state
             out.items[it.request.request_id] = new
         if prompts:
-            self._finish_chunks(prompts, ctx, items, out)
+            self.finisher.chunks(prompts, ctx, items, out)
         if plain:
-            self._finish_plain(plain, state, ctx, items, out)
+            self.finisher.plain(plain, state, ctx, items, out)
         if drafts:
-            self._finish_drafts(drafts, ctx, items, out)
+            self.finisher.drafts(drafts, ctx, items, out)
         if verifies:
-            self._finish_verifies(verifies, ctx, items, out)
+            self.finisher.verifies(verifies, ctx, items, out)
         t3 = watch.mark()  # read after the finished tokens reached the host (timing.py)
         stages = {"embed": watch.seconds(t0, t1), "loops": watch.seconds(t1, t2), "finish": watch.seconds(t2, t3)}
         return out.result(sum(it.num_positions for it in items), entered, num_loops, stages)
@@ -207,14 +200,9 @@ class LoopBatcher:
         positions, counts = [it.position for it in items], [it.num_positions for it in items]
         key = self._key(requests, positions, counts)
         if key != self._ctx_key or self._ctx is None:
-            self._ctx = self._context(items)
+            self._ctx = items_context(self.runner, items)
             self._ctx_key = key
         return self._ctx
-
-    def _context(self, items: list[Item]):
-        counts = [it.num_positions for it in items]
-        lens = [it.position + n for it, n in zip(items, counts)]
-        return self.runner.context([it.request for it in items], counts, lens)
 
     @staticmethod
     def _rows(items: list[Item]) -> list[slice]:
@@ -260,7 +248,7 @@ class LoopBatcher:
         for loop_index in sorted(set(loops)):
             chosen = [i for i, n in enumerate(loops) if n == loop_index]
             index = torch.cat([torch.arange(rows[i].start, rows[i].stop) for i in chosen]).to(state.device)
-            out[index] = adapter.loop(state[index], loop_index, self._context([items[i] for i in chosen]))
+            out[index] = adapter.loop(state[index], loop_index, items_context(self.runner, [items[i] for i in chosen]))
         return out
 
     def _exits(self, items, loops, state, prev, rows, ctx) -> tuple[list[bool], list]:
@@ -282,7 +270,7 @@ class LoopBatcher:
             threshold = torch.tensor([items[i].request.exit_threshold for i in chosen], device=state.device)
             carry = None if carries[chosen[0]] is None else torch.cat([carries[i] for i in chosen])
             # a rule that reads out through attention (Huginn's KL: its coda writes KV) gets the context of its rows
-            rule_ctx = self._readout_context([items[i] for i in chosen], ctx, items) if self.reads_kv else ctx
+            rule_ctx = self.finisher.readout_context([items[i] for i in chosen], ctx, items) if self.reads_kv else ctx
             fired, carry = self.adapter.exit_rule(state[index], loops[chosen[0]], prev[index], carry, threshold,
                                                   rule_ctx)  # fmt: skip
             for j, (i, hit) in enumerate(zip(chosen, fired.tolist())):
@@ -299,206 +287,7 @@ class LoopBatcher:
                 at_depth.setdefault(n, []).append(i)
         for depth, chosen in at_depth.items():
             index = torch.cat([torch.arange(rows[i].start, rows[i].stop) for i in chosen]).to(state.device)
-            read_ctx = self._readout_context([items[i] for i in chosen], ctx, items)
+            read_ctx = self.finisher.readout_context([items[i] for i in chosen], ctx, items)
             guesses = self.runner.readout(state[index], depth, read_ctx).argmax(-1)
             for i, guess in zip(chosen, guesses.split([items[i].num_positions for i in chosen])):
                 preds[i].append(guess)
-
-    # ----- finishing -----
-    def _readout_context(self, done: list[Item], ctx, items: list[Item]):
-        """A readout that attends (Huginn's coda) writes KV: then the context of exactly the items read out."""
-        if not self.adapter.readout_uses_kv or len(done) == len(items):
-            return ctx
-        return self._context(done)
-
-    def _finish_chunks(self, done: list[tuple[Item, torch.Tensor]], ctx, items: list[Item], out: _Finished) -> None:
-        """Prompt chunks at depth D: a chunk that ends its prompt reads out its last position and samples the first
-        token (a readout that attends, Huginn's coda, runs over every position: each one's coda KV is cached)."""
-        runner = self.runner
-        finals = [j for j, (it, _) in enumerate(done) if it.position + it.num_positions == it.request.num_tokens]
-        logits = None
-        if self.adapter.readout_uses_kv:
-            read_ctx = self._readout_context([it for it, _ in done], ctx, items)
-            every = runner.readout(torch.cat([s for _, s in done]), self.depth, read_ctx)
-            if finals:
-                ends = torch.tensor([it.num_positions for it, _ in done], device=every.device).cumsum(0) - 1
-                logits = every[ends[torch.tensor(finals, device=every.device)]]
-        elif finals:
-            logits = runner.readout(torch.cat([done[j][1][-1:] for j in finals]), self.depth, ctx)
-        first: dict[int, tuple[int, list[TokenLogprob] | None]] = {}
-        if logits is not None:
-            requests = [done[j][0].request for j in finals]
-            sampled = sample(logits, SamplingRows.build(requests, runner.device))
-            entries = logprobs_of_rows(requests, logits, sampled) or [None] * len(finals)
-            first = {j: (token, entry) for j, token, entry in zip(finals, sampled.tolist(), entries)}
-        for j, (it, _) in enumerate(done):
-            token, entry = first.get(j, (None, None))
-            out.prefill(it.request, it.num_positions, [] if token is None else [token], entry)
-
-    def _finish_plain(self, done: list[tuple], state: torch.Tensor, ctx, items: list[Item], out: _Finished) -> None:
-        """Plain tokens (item, its row in this pass, exit depth, exit state or None for this pass's row, its
-        measured predictions or None): read out at their exit depth (skip mode: the loop planes after it get the exit
-        loop's KV) and sampled."""
-        runner = self.runner
-        finished = [it for it, _, _, _, _ in done]
-        depths = [depth or self.depth for _, _, depth, _, _ in done]
-        if runner.exit_mode == "skip":
-            self._fill_skipped_loops(finished, depths)
-        requests = [it.request for it in finished]
-        positions = [it.position for it in finished]
-        lens = [p + 1 for p in positions]
-        rows = [row for _, row, _, _, _ in done]
-        if all(kept is None for _, _, _, kept, _ in done):  # every exit state is this pass's row
-            exit_states = state if len(rows) == state.shape[0] else state[torch.tensor(rows, device=state.device)]
-        else:
-            exit_states = torch.cat([state[row : row + 1] if kept is None else kept for _, row, _, kept, _ in done])
-        read_ctx = self._readout_context(finished, ctx, items)
-        logits = read_out_by_depth(runner, requests, positions, lens, exit_states, depths, read_ctx)
-        sampled = sample(logits, SamplingRows.build(requests, runner.device))
-        entries = logprobs_of_rows(requests, logits, sampled) or [None] * len(finished)
-        for j, (it, token, depth, entry) in enumerate(zip(finished, sampled.tolist(), depths, entries)):
-            agreement = None
-            if done[j][4] is not None:  # measured (at full depth): depths 1..D-1 on the way, D here
-                agreement = torch.stack([*done[j][4], logits[j : j + 1].argmax(-1)]) == sampled[j]  # [D, 1]
-            out.finish(it.request, [token], 0, 0, [depth] if it.request.exits_early else [], entry, it.position,
-                       agreement)  # fmt: skip
-
-    def _finish_drafts(self, done: list[Item], ctx, items: list[Item], out: _Finished) -> None:
-        """Drafts at depth d: keep the loop-d state; draw the next draft, or hand the round to its verification. One
-        readout per draft depth over the drafts there (a measured round's K-th draft position too: its depth-d
-        prediction)."""
-        by_depth: dict[int, list[tuple[Item, DraftRound, bool]]] = {}
-        for it in done:
-            r = it.round.grown(it.state)  # a new round: the pass changes nothing it was given
-            draws = len(r.tokens) < r.k
-            if draws or r.measured:
-                by_depth.setdefault(r.d, []).append((it, r, draws))
-            if not draws:  # the K-th draft's own position: all K+1 loop-d states are there
-                out.items[it.request.request_id] = Item(
-                    it.request, r.start, it.preemptions, r.start, torch.cat(r.states), self.depth, r.d,
-                    round=r, verify=True, measured=r.measured,
-                )  # fmt: skip
-        for depth, group in by_depth.items():
-            state = torch.cat([it.state for it, _, _ in group])
-            logits = self.runner.readout(state, depth, self._readout_context([it for it, _, _ in group], ctx, items))
-            greedy = logits.argmax(-1) if any(r.measured for _, r, _ in group) else None
-            for j, (it, r, _) in enumerate(group):
-                if greedy is not None and r.measured:
-                    r.preds.append(torch.cat([*it.preds, greedy[j : j + 1]]))  # [d]: depths 1..d of this position
-            drawing = [j for j, (_, _, draws) in enumerate(group) if draws]
-            if not drawing:
-                continue
-            requests = [group[j][0].request for j in drawing]
-            rows = logits if len(drawing) == len(group) else logits[torch.tensor(drawing, device=logits.device)]
-            tokens, q = draw_drafts(rows, SamplingRows.build(requests, self.runner.device), requests)
-            for n, (j, token) in enumerate(zip(drawing, tokens.tolist())):
-                it, r, _ = group[j]
-                r.tokens.append(token)
-                r.q.append(None if q is None else q[n])
-                out.next_drafts[it.request.request_id] = NextDraft(it.request, it.preemptions, token, r)
-
-    def _finish_verifies(self, done: list[Item], ctx, items: list[Item], out: _Finished) -> None:
-        """Verifications at depth D: accept as the speculative round does (greedy prefix or rejection sampling)."""
-        runner, device = self.runner, self.runner.device
-        requests = [it.request for it in done]
-        ks = [it.round.k for it in done]
-        logits = runner.readout(
-            torch.cat([it.state for it in done]), self.depth, self._readout_context(done, ctx, items)
-        )
-        draft_tokens = torch.full((len(done), max(ks)), -1, dtype=torch.long, device=device)
-        q_probs = None
-        for i, it in enumerate(done):
-            draft_tokens[i, : it.round.k] = torch.tensor(it.round.tokens, device=device)
-            for j, q in enumerate(it.round.q):
-                if q is not None:
-                    if q_probs is None:
-                        q_probs = torch.zeros(len(done), max(ks), q.shape[-1], device=device)
-                    q_probs[i, j] = q
-        row_index, pos_index = position_index(ks)
-        rows = SamplingRows.build(requests, device)
-        k_t = torch.tensor(ks, device=device)
-        accepted, next_token = accept(
-            draft_tokens, k_t, logits, row_index.to(device), pos_index.to(device), rows, q_probs
-        )
-        committed = [
-            [*it.round.tokens[:a], token] for it, a, token in zip(done, accepted.tolist(), next_token.tolist())
-        ]
-        entries = verified_logprobs(requests, ks, committed, logits) or [None] * len(done)
-        greedy = logits.argmax(-1) if any(it.round.measured for it in done) else None
-        offset = 0
-        for it, tokens, entry in zip(done, committed, entries):
-            agreement, width = None, it.round.k + 1
-            if greedy is not None and it.round.measured:
-                # depths 1..d from the drafts, d+1..D-1 on the way here, D now; each over the round's K+1 positions
-                verified = torch.stack([*it.preds, greedy[offset : offset + width]])
-                guesses = torch.cat([torch.stack(it.round.preds, 1), verified])
-                agreement = guesses[:, : len(tokens)] == torch.tensor(tokens, device=guesses.device)  # [D, committed]
-            offset += width
-            out.finish(it.request, tokens, it.round.k, len(tokens) - 1, [], entry, it.round.start, agreement)
-
-    def _fill_skipped_loops(self, done: list[Item], depths: list[int]) -> None:
-        """Skip mode: the loop planes after each token's exit depth get its exit loop's KV (early_exit.py), all
-        tokens in one copy."""
-        src, dst, slots = [], [], []
-        block_size, planes = self.runner.kv.block_size, self._loop_planes
-        for it, exit_depth in zip(done, depths):
-            if exit_depth >= self.depth:
-                continue
-            table, position = it.request.block_table, it.position
-            slot = table[position // block_size] * block_size + position % block_size
-            for loop_index in range(exit_depth, self.depth):
-                src += planes[exit_depth - 1]
-                dst += planes[loop_index]
-            slots += [slot] * (len(planes[0]) * (self.depth - exit_depth))
-        if slots:
-            device = self.runner.device
-            self.runner.kv.copy_entries(*(torch.tensor(x, dtype=torch.long, device=device) for x in (src, dst, slots)))
-
-
-class _Finished:
-    """What a pass finished, gathered while it finishes its items."""
-
-    def __init__(self, requests: list[Request]) -> None:
-        self.requests = requests
-        self.finished: list[Request] = []
-        self.tokens: list[list[int]] = []
-        self.proposed: list[int] = []
-        self.accepted: list[int] = []
-        self.exit_depths: list[list[int]] = []
-        self.logprobs: list[list[TokenLogprob]] = []
-        self.starts: list[int] = []
-        self.agreement: list[torch.Tensor | None] = []
-        self.prefilled: list[Request] = []
-        self.chunk_lens: list[int] = []
-        self.first_tokens: list[list[int]] = []
-        self.first_logprobs: list[list[TokenLogprob]] = []
-        self.items: dict[str, Item] = {}
-        self.next_drafts: dict[str, NextDraft] = {}
-
-    def finish(
-        self, request: Request, tokens: list[int], proposed: int, accepted: int, depths: list[int],
-        logprobs: list[TokenLogprob] | None, start: int, agreement: torch.Tensor | None,
-    ) -> None:  # fmt: skip
-        self.logprobs.append(logprobs or [])
-        self.starts.append(start)
-        self.agreement.append(agreement)
-        self.finished.append(request)
-        self.tokens.append(tokens)
-        self.proposed.append(proposed)
-        self.accepted.append(accepted)
-        self.exit_depths.append(depths)
-
-    def prefill(self, request: Request, chunk_len: int, tokens: list[int], logprobs: list[TokenLogprob] | None) -> None:
-        self.prefilled.append(request)
-        self.chunk_lens.append(chunk_len)
-        self.first_tokens.append(tokens)
-        self.first_logprobs.append(logprobs or [])
-
-    def result(self, positions: int, entered: int, loops: int, stages: dict[str, float]) -> PassResult:
-        exit_depths = self.exit_depths if any(r.exits_early for r in self.finished) else None
-        logprobs = self.logprobs if any(r.logprobs_top is not None for r in self.finished) else None
-        first_logprobs = self.first_logprobs if any(r.logprobs_top is not None for r in self.prefilled) else None
-        return PassResult(self.requests, self.finished, self.tokens, self.proposed, self.accepted, exit_depths,
-                          self.items, self.next_drafts, positions, entered, loops, stages, logprobs, self.starts,
-                          self.agreement, self.prefilled, self.chunk_lens, self.first_tokens,
-                          first_logprobs)  # fmt: skip
