@@ -113,8 +113,6 @@ class LoopedSpecEngine:
         # request there (K drafts with the first d loops, then one verification item), under the plan the controller
         # gave the pass in which they entered
         self.loop_batcher = self.loop_rounds = None
-        self._loop_plan: tuple[SpeculationPlan, int, float] | None = None  # the plan in use, its batch size, context
-        self._loop_plan_left = 0  # request rounds the plan in use still serves
         if config.batching == "loop":
             self.loop_batcher = LoopBatcher(self.runner)
             self.loop_rounds = LoopRounds(self.adapter.full_depth, exit_skips=config.early_exit == "skip")
@@ -354,20 +352,15 @@ class LoopedSpecEngine:
         t0 = time.perf_counter()
         batcher = self.loop_batcher
         # work in flight holds its KV slots already: only the requests entering their next token (or speculative
-        # round: K drafts, which requests that exit early do not make) reserve theirs. A plan serves as many request
-        # rounds as the batch had requests when it was taken (a step round's worth), or until the batch size changes
+        # round: K drafts, which requests that exit early do not make) reserve theirs, under the plan in use
         entering = [r for r in batch.requests if r.prefilled and not batcher.in_flight(r)]
         rounds: dict[str, Entering] = {}
         kept: list[Request] = []
         if entering:
             t1 = time.perf_counter()
-            batch_size = len(batch.requests)
-            if self._loop_plan is None or self._loop_plan_left <= 0 or self._loop_plan[1] != batch_size:
-                context = mean_context(batch.requests)
-                self._loop_plan = (self.controller.plan(batch_size, context), batch_size, context)
-                self._loop_plan_left = batch_size
-                self.stats.record_plan(batch_size, self._loop_plan[0].k, self._loop_plan[0].d)
-            plan = self._loop_plan[0]
+            plan, taken = self.loop_rounds.plan(batch.requests, self.controller.plan)
+            if taken:
+                self.stats.record_plan(len(batch.requests), plan.k, plan.d)
             wants = [0 if r.exits_early else plan.k for r in entering]
             kept, k = self.scheduler.reserve_decode(entering, wants)
             # counterfactual readouts at full depth only (under early exit a token's depth is the rule's)
@@ -393,10 +386,7 @@ class LoopedSpecEngine:
             self._commit(result.prefilled, result.first_tokens, chunk_lens=result.chunk_lens,
                          logprobs=result.first_logprobs)  # fmt: skip
             self.stats.num_prompt_tokens += sum(result.chunk_lens)
-        if kept:
-            plan, batch_size, context = self._loop_plan
-            self.loop_rounds.start(plan, kept, batch_size, context)
-            self._loop_plan_left -= len(kept)
+        self.loop_rounds.start(kept)
         if result.finished:
             self._commit(
                 result.finished, result.tokens, num_proposed=result.proposed, num_accepted=result.accepted,

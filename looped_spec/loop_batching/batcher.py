@@ -88,7 +88,7 @@ class LoopBatcher:
             if it.chunk and n >= self.depth:
                 prompts.append((it, state[rs]))
                 continue
-            if it.round is None and not it.chunk:
+            if it.plain:
                 exit_depth, exit_state = it.exit_depth, it.exit_state
                 if exits[i] and not exit_depth:
                     exit_depth, exit_state = n, None  # None: this pass's row
@@ -218,12 +218,9 @@ class LoopBatcher:
         out = self.depth
         for it in items:
             request = it.request
-            if it.chunk:
-                out = min(out, it.stop - it.loops)
-                continue
-            if it.round is None and request.exit_threshold is not None:
+            if it.plain and request.exit_threshold is not None:
                 return 1
-            stop = it.stop if it.round is not None else (request.exit_at_step or self.depth)
+            stop = (request.exit_at_step or self.depth) if it.plain else it.stop
             out = min(out, stop - it.loops)
         return max(out, 1)
 
@@ -256,13 +253,13 @@ class LoopBatcher:
         caller's), and its new carry. The rule runs once per depth over the items that have one, or once for all
         when it does not depend on the depth (`exit_rule_uses_depth`); items that carry nothing yet apart."""
         exits = [
-            it.round is None and not it.chunk and it.request.exit_at_step is not None and n >= it.request.exit_at_step
+            it.plain and it.request.exit_at_step is not None and n >= it.request.exit_at_step
             for it, n in zip(items, loops)
         ]
         carries = [it.carry for it in items]
         groups: dict[tuple, list[int]] = {}
         for i, (it, n) in enumerate(zip(items, loops)):
-            if it.round is None and not it.chunk and it.request.exit_threshold is not None and n < self.depth:
+            if it.plain and it.request.exit_threshold is not None and n < self.depth:
                 key = (n if self.adapter.exit_rule_uses_depth else 0, carries[i] is None)
                 groups.setdefault(key, []).append(i)
         for chosen in groups.values():

@@ -70,6 +70,11 @@ class Item:
     preds: list[torch.Tensor] = field(default_factory=list)  # measured: [n] greedy prediction per depth run so far
 
     @property
+    def plain(self) -> bool:
+        """A token decoded plainly (not a draft, a verification or a prompt chunk): exit rules apply to it."""
+        return self.round is None and not self.chunk
+
+    @property
     def num_positions(self) -> int:
         return self.state.shape[0]
 

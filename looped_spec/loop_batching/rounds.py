@@ -16,14 +16,14 @@ the persistence ρ is learned as in the step engine (where the controller pairs 
 
 from __future__ import annotations
 
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 
 import torch
 
 from looped_spec.control.plan import RoundFeedback, SpeculationPlan, round_feedback
 from looped_spec.loop_batching.items import PassResult
-from looped_spec.request import Request, RequestStatus
+from looped_spec.request import Request, RequestStatus, mean_context
 
 
 @dataclass
@@ -53,11 +53,28 @@ class LoopRounds:
         self._plan_of: dict[str, int] = {}  # request id -> the plan its round runs under
         # request id -> (the request, where its next round starts, [D] agreement of its last measured position)
         self._last: dict[str, tuple[Request, int, torch.Tensor]] = {}
+        self._plan: tuple[SpeculationPlan, int, float] | None = None  # the plan in use, its batch size and context
+        self._plan_left = 0  # request rounds the plan in use still serves
 
-    def start(self, plan: SpeculationPlan, requests: list[Request], batch_size: int, context: float) -> None:
-        """`requests` entered a new round under `plan` in a pass the engine committed."""
+    def plan(
+        self, running: list[Request], take: Callable[[int, float], SpeculationPlan]
+    ) -> tuple[SpeculationPlan, bool]:
+        """The plan for the requests entering a round in the next pass of the `running` batch, and whether it was just
+        taken (`take(batch_size, context)`, the controller's `plan`): a plan serves as many request rounds as the batch
+        had requests when it was taken (a step round's worth), or until the batch size changes."""
+        batch_size = len(running)
+        if self._plan is not None and self._plan_left > 0 and self._plan[1] == batch_size:
+            return self._plan[0], False
+        context = mean_context(running)
+        self._plan, self._plan_left = (take(batch_size, context), batch_size, context), batch_size
+        return self._plan[0], True
+
+    def start(self, requests: list[Request]) -> None:
+        """`requests` entered a new round under the plan in use in a pass the engine committed."""
         if not requests:
             return
+        plan, batch_size, context = self._plan
+        self._plan_left -= len(requests)
         entry = self._open.get(plan.plan_id)
         if entry is None:
             entry = self._open[plan.plan_id] = _Open(plan, batch_size, context, set())
