@@ -293,6 +293,40 @@ def test_adaptive_speculates_on_loop_passes_where_it_pays():
     assert engine.stats.num_spec_rounds > 0 and engine.stats.num_accepted_tokens > 0
 
 
+@pytest.mark.parametrize("family", FAMILIES)
+def test_plans_are_taken_as_often_as_the_step_engine_takes_them(family):
+    """A plan serves a step round's worth of request rounds, and a new one is taken when the batch size changes: a
+    batch in lockstep (full depth, requests finishing at different lengths) asks the controller once per round at
+    each batch size, as the step engine does."""
+    params = [SamplingParams(max_tokens=4 + 2 * i, ignore_eos=True) for i in range(len(PROMPTS))]
+    step = make_engine(family, speculation="2,1")
+    loop = make_engine(family, speculation="2,1", batching="loop")
+    assert run(loop, PROMPTS, params) == run(step, PROMPTS, params)
+    assert loop.stats.batch_size_histogram == step.stats.batch_size_histogram
+    assert loop.controller.num_plans == step.controller.num_plans == step.stats.num_rounds
+
+
+def test_a_plan_serves_a_rounds_worth_of_requests_or_until_the_batch_size_changes():
+    from looped_spec.control.plan import SpeculationPlan
+    from looped_spec.loop_batching import LoopRounds
+    from looped_spec.request import Request
+
+    taken = []
+
+    def take(batch_size, context):
+        taken.append(batch_size)
+        return SpeculationPlan(len(taken), 2, 1)
+
+    requests = [Request(str(i), i, [1, 2, 3], SamplingParams(), 0, [], 64) for i in range(4)]
+    rounds = LoopRounds(depth=4, exit_skips=True)
+    assert rounds.plan(requests, take) == (SpeculationPlan(1, 2, 1), True)
+    rounds.start(requests[:3])  # three of the four entered: the plan serves one more
+    assert rounds.plan(requests, take)[1] is False
+    rounds.start(requests[3:])
+    assert rounds.plan(requests, take)[1] is True and taken == [4, 4]  # spent: a new one
+    assert rounds.plan(requests[:3], take)[1] is True and taken == [4, 4, 3]  # the batch size changed
+
+
 def test_rounds_under_several_plans_share_passes():
     """Requests whose rounds run under different (K, d) share passes; each plan's feedback counts its own rounds."""
     engine = make_engine("ouro", batching="loop", speculation="off")
