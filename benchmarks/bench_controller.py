@@ -15,9 +15,10 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))  # the tests' synthetic workload
 from workload import Phase, Workload  # noqa: E402
 
-from looped_spec.control import AdaptiveController, load_preset  # noqa: E402
+from looped_spec.control import AdaptiveController  # noqa: E402
 from looped_spec.control.controller import POLICIES  # noqa: E402
 from looped_spec.control.passcost import PassCost  # noqa: E402
+from looped_spec.presets import load_preset  # noqa: E402
 
 
 def overhead_us(policy: str, preset: str, alpha: list[float], rounds: int) -> float:

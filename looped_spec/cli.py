@@ -248,7 +248,7 @@ def _models(args: argparse.Namespace) -> int:
 def _tune(args: argparse.Namespace) -> int:
     import shlex
 
-    from looped_spec.control.presets import load_preset, read_preset_file
+    from looped_spec.presets.lookup import load_preset, read_preset_file
     from looped_spec.tuning.inputs import parse_adapter_options
     from looped_spec.tuning.report import dump_json, format_report, preset_data, write_heatmap
     from looped_spec.tuning.tuner import tune

@@ -16,7 +16,7 @@ import json
 import sys
 from pathlib import Path
 
-from looped_spec.control.presets import AdaptiveSpecConfig
+from looped_spec.presets.schema import AdaptiveSpecConfig
 from looped_spec.tuning.derive import derive_preset
 from looped_spec.tuning.report import dump_json, preset_data
 
@@ -24,7 +24,7 @@ PRESETS = Path(__file__).resolve().parent.parent / "presets"
 DERIVED = ("ouro-1.4b", "ouro-2.6b", "huginn-0125", "nanbeige4.2-3b", "default")
 METHOD = (
     "looped_spec.tuning.derive.derive_preset (scripts/derive_presets.py): the tuner's rules (docs/adaptive.md) "
-    "with the idealised pass-cost profile (control/passcost.py ideal_cost): a loop pass over n positions costs "
+    "with the idealised pass-cost profile (tuning/derive.py ideal_cost): a loop pass over n positions costs "
     "1 + n/n_sat units, a readout 8 % of one, and the assumed acceptance per depth (persistence 0) in place of "
     "measurements"
 )

@@ -15,10 +15,12 @@ import pytest
 from conftest import make_engine
 from workload import Phase, Workload
 
-from looped_spec.control import AdaptiveController, AdaptiveSpecConfig, ControlSettings, FixedController
+from looped_spec.control import AdaptiveController, ControlSettings, FixedController
 from looped_spec.control.controller import make_controller
-from looped_spec.control.passcost import PassCost, ideal_cost
+from looped_spec.control.passcost import PassCost
 from looped_spec.control.plan import SpeculationPlan, round_feedback
+from looped_spec.presets import AdaptiveSpecConfig
+from looped_spec.tuning.derive import ideal_cost
 
 DEPTH = 4
 TUNE = [0.61, 0.79, 0.92, 1.0]

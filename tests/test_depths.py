@@ -16,7 +16,7 @@ from looped_spec.control import AdaptiveController
 from looped_spec.tuning.prompt_sets import prompt_group
 
 PARAMS = SamplingParams(max_tokens=24, temperature=0.0)
-PRESET_LOGGER = "looped_spec.control.presets"
+PRESET_LOGGER = "looped_spec.presets.lookup"
 TUNED_AT = 8  # the shipped tiny-huginn preset's full_depth
 
 

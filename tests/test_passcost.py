@@ -15,8 +15,9 @@ import pytest
 from conftest import load
 
 from looped_spec.control.exits import ExitDepths
-from looped_spec.control.passcost import PassCost, ideal_cost, width_weights
-from looped_spec.control.schema import CostConfig
+from looped_spec.control.passcost import PassCost, width_weights
+from looped_spec.presets.schema import CostConfig
+from looped_spec.tuning.derive import ideal_cost
 
 D = 4
 # distinct values everywhere, so two swapped coefficients cannot price alike

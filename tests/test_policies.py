@@ -12,9 +12,11 @@ from collections import Counter
 import pytest
 from workload import Phase, Workload
 
-from looped_spec.control import AdaptiveController, AdaptiveSpecConfig
-from looped_spec.control.passcost import PassCost, ideal_cost
+from looped_spec.control import AdaptiveController
+from looped_spec.control.passcost import PassCost
 from looped_spec.control.settings import ControlSettings
+from looped_spec.presets import AdaptiveSpecConfig
+from looped_spec.tuning.derive import ideal_cost
 
 DEPTH = 4
 TUNE = [0.61, 0.79, 0.92, 1.0]  # the preset's prior: tiny-ouro's tuning text

@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 from conftest import FAMILIES, fixture_dir, load
 
-from looped_spec.control import AdaptiveSpecConfig, PresetError, find_preset, load_preset, read_preset_file
-from looped_spec.control.passcost import ideal_cost
-from looped_spec.control.presets import generic_preset, match_preset_name, preset_dir
+from looped_spec.presets import AdaptiveSpecConfig, PresetError, find_preset, load_preset, read_preset_file
+from looped_spec.presets.lookup import generic_preset, match_preset_name, preset_dir
+from looped_spec.tuning.derive import ideal_cost
 
 SHIPPED_DEPTHS = {
     "ouro-1.4b": 4,
@@ -156,7 +156,7 @@ def test_preset_is_chosen_by_each_name_a_checkpoint_goes_by(tmp_path: Path, capl
     path, reason = find_preset(folder.name, folder, {"model_type": "ouro"})
     assert path == preset_dir() / "default.json"
     assert reason == "no shipped preset matches model name 'checkpoint-1000': the family-generic default"
-    with caplog.at_level(logging.INFO, logger="looped_spec.control.presets"):
+    with caplog.at_level(logging.INFO, logger="looped_spec.presets.lookup"):
         assert load_preset(hub.name, 4, folder=hub).model == "ouro-1.4b"
     assert caplog.messages == [
         f"adaptive preset for 0123abcd: {preset_dir() / 'ouro-1.4b.json'} (Hugging Face cache repository "

@@ -10,10 +10,10 @@ from conftest import fixture_dir, load
 
 from looped_spec.cli import main
 from looped_spec.control.acceptance import accept_rate
-from looped_spec.control.passcost import PassCost, ideal_cost
-from looped_spec.control.presets import AdaptiveSpecConfig, load_preset, read_preset_file
-from looped_spec.control.schema import CostConfig
-from looped_spec.tuning.derive import BucketModel, bucket_ranges, derive_bucket, derive_preset, pass_seconds
+from looped_spec.control.passcost import PassCost
+from looped_spec.presets import AdaptiveSpecConfig, load_preset, read_preset_file
+from looped_spec.presets.schema import CostConfig
+from looped_spec.tuning.derive import BucketModel, bucket_ranges, derive_bucket, derive_preset, ideal_cost, pass_seconds
 from looped_spec.tuning.grid import auto_grid, parse_batch_sizes, parse_grid
 from looped_spec.tuning.inputs import TunerError, parse_adapter_options
 from looped_spec.tuning.prompt_sets import load_prompts

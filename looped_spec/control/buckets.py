@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from looped_spec.control.schema import AdaptiveSpecConfig, BucketConfig
+from looped_spec.presets.schema import AdaptiveSpecConfig, BucketConfig
 
 
 @dataclass(slots=True)

@@ -26,9 +26,9 @@ from looped_spec.control.exits import ExitDepths
 from looped_spec.control.goodput import GoodputPolicy
 from looped_spec.control.passcost import PassCost
 from looped_spec.control.plan import RoundFeedback, SpeculationPlan
-from looped_spec.control.schema import AdaptiveSpecConfig
 from looped_spec.control.settings import ControlSettings
 from looped_spec.control.trace import TraceWriter
+from looped_spec.presets.schema import AdaptiveSpecConfig
 
 POLICIES = ("goodput", "ema")
 DEFAULT_POLICY = "goodput"

@@ -19,8 +19,8 @@ from dataclasses import dataclass, field
 from looped_spec.control.acceptance import AcceptanceEstimator, accept_rate
 from looped_spec.control.buckets import CompiledBucket
 from looped_spec.control.plan import RoundFeedback
-from looped_spec.control.schema import DisableConfig
 from looped_spec.control.settings import ControlSettings
+from looped_spec.presets.schema import DisableConfig
 
 
 @dataclass(slots=True)

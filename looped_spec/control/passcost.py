@@ -256,23 +256,3 @@ class PassCost:
         self.measured_rounds += 1
         weight = max(1.0 / self.measured_rounds, self._drift_weight)
         self._log_measured += weight * min(max(x - self._log_drift - self._log_measured, -0.5), 0.5)
-
-
-def ideal_cost(positions_at_saturation: float, readout_share: float = 0.08) -> dict:
-    """A `CostConfig` for hardware we cannot time (the design's idealised model, docs/adaptive.md): a loop pass
-    over n positions costs 1 + n / n_sat units (the block's weights read once, compute-bound past n_sat
-    positions), a readout `readout_share` of that (a 1.4B Ouro's head is ~8 % of its block's weights)."""
-    unit = 1e-3
-    grid = [1, 4, 16, 64, 256, 1024]
-    return {
-        "positions": grid,
-        "pass_seconds": [unit * (1.0 + n / positions_at_saturation) for n in grid],
-        "request_seconds": 0.0,
-        "request_context_seconds": 0.0,
-        "query_context_seconds": 0.0,
-        "step_seconds": [0.0, 0.0, 0.0],
-        "embed_seconds": [0.0, 0.0],
-        "readout_seconds": [unit * readout_share, unit * readout_share / positions_at_saturation],
-        "round_seconds": [0.0, 0.0],
-        "speculative_seconds": [0.0, 0.0, 0.0],
-    }

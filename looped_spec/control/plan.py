@@ -6,8 +6,8 @@ comes back after the round's tokens and KV are committed; `round_feedback` is th
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 
 @dataclass(slots=True)
@@ -28,7 +28,7 @@ class SpeculationPlan:
     stop_margin: float | None = None  # per-token stopping: a request stops drafting below this draft margin
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, kw_only=True)
 class RoundFeedback:
     """What one committed decode round tells the controller.
 
@@ -76,43 +76,9 @@ class RoundFeedback:
         return sum(self.num_accepted) + len(self.num_accepted)
 
 
-def round_feedback(
-    plan: SpeculationPlan,
-    *,
-    batch_size: int,
-    context: float,
-    num_proposed: Sequence[int],
-    num_accepted: Sequence[int],
-    seconds: float,
-    draft_seconds: float = 0.0,
-    depth_matches: Sequence[int] = (),
-    depth_trials: Sequence[int] = (),
-    depth_pairs: Sequence[Sequence[int]] = (),
-    request_ids: Sequence[str] = (),
-    first_bits: Sequence[int] = (),
-    last_bits: Sequence[int] = (),
-    exit_depths: Sequence[int] = (),
-    exit_skips: bool = False,
-) -> RoundFeedback:
-    """The feedback of a round that ran `plan`; every field by keyword, so no two are swapped silently."""
+def round_feedback(plan: SpeculationPlan, **fields: Any) -> RoundFeedback:
+    """The feedback of a round that ran `plan`: the round's fields by keyword only (so no two are swapped silently,
+    and a misspelt one is an error)."""
     return RoundFeedback(
-        plan.plan_id,
-        plan.k,
-        plan.d,
-        plan.bucket,
-        plan.candidate,
-        batch_size,
-        context,
-        list(num_proposed),
-        list(num_accepted),
-        seconds,
-        draft_seconds,
-        list(depth_matches),
-        list(depth_trials),
-        [list(p) for p in depth_pairs],
-        list(request_ids),
-        list(first_bits),
-        list(last_bits),
-        list(exit_depths),
-        exit_skips,
+        plan_id=plan.plan_id, k=plan.k, d=plan.d, bucket=plan.bucket, candidate=plan.candidate, **fields
     )

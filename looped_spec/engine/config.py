@@ -163,7 +163,7 @@ class EngineConfig(BaseModel):
     @field_validator("preset")
     @classmethod
     def _preset(cls, value: Any) -> Any:
-        from looped_spec.control.schema import AdaptiveSpecConfig
+        from looped_spec.presets.schema import AdaptiveSpecConfig
 
         if value is not None and not isinstance(value, (str, os.PathLike, AdaptiveSpecConfig)):
             raise ValueError(

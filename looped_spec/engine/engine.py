@@ -15,7 +15,6 @@ from tqdm import tqdm
 
 from looped_spec.control.controller import FixedController, make_controller
 from looped_spec.control.plan import SpeculationPlan, round_feedback
-from looped_spec.control.presets import load_preset
 from looped_spec.detokenizer import IncrementalDetokenizer
 from looped_spec.engine.config import EngineConfig, SpeculativeConfig, parse_speculation
 from looped_spec.engine.inputs import load_tokenizer, normalize_prompts, to_token_ids
@@ -29,6 +28,7 @@ from looped_spec.execution.model_runner import ModelRunner
 from looped_spec.execution.sampler import SamplingRows, sample
 from looped_spec.loop_batching import Entering, LoopBatcher, LoopRounds
 from looped_spec.models.adapter import ModelAdapter, load_adapter
+from looped_spec.presets.lookup import load_preset
 from looped_spec.request import Request, RequestOutput, RequestStatus, ScheduledBatch, TokenLogprob, mean_context
 from looped_spec.sampling_params import SamplingParams
 from looped_spec.speculative.round import RoundResult, SpeculativeRound

@@ -4,7 +4,7 @@ One set of rules serves both kinds of preset (docs/adaptive.md "Presets"):
 - tuned presets (`looped-spec tune`): acceptance per depth measured by counterfactual readouts, round cost
   from the measured pass-cost profile (control/passcost.py);
 - derived presets for models we cannot run here (`derive_preset`): the design's reported acceptance and its
-  idealised pass cost, a pass over n positions 1 + n / n_sat units (`passcost.ideal_cost`).
+  idealised pass cost, a pass over n positions 1 + n / n_sat units (`ideal_cost`).
 
 Per bucket, at its representative batch size, every option (K, d) of the grid and plain decoding gets a
 predicted speed E(K, d) / T(K, d) (E: expected committed tokens per request per round, the Markov
@@ -24,8 +24,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from looped_spec.control.acceptance import accept_rate, markov_tokens
-from looped_spec.control.passcost import PassCost, ideal_cost
-from looped_spec.control.schema import CostConfig
+from looped_spec.control.passcost import PassCost
+from looped_spec.presets.schema import CostConfig
 
 RULES = {
     "buckets": (
@@ -288,6 +288,26 @@ def pass_seconds(cost: PassCost, batch: float, context: float) -> Callable[[int,
     return seconds
 
 
+def ideal_cost(positions_at_saturation: float, readout_share: float = 0.08) -> dict:
+    """A `CostConfig` for hardware we cannot time (the design's idealised model, docs/adaptive.md): a loop pass
+    over n positions costs 1 + n / n_sat units (the block's weights read once, compute-bound past n_sat
+    positions), a readout `readout_share` of that (a 1.4B Ouro's head is ~8 % of its block's weights)."""
+    unit = 1e-3
+    grid = [1, 4, 16, 64, 256, 1024]
+    return {
+        "positions": grid,
+        "pass_seconds": [unit * (1.0 + n / positions_at_saturation) for n in grid],
+        "request_seconds": 0.0,
+        "request_context_seconds": 0.0,
+        "query_context_seconds": 0.0,
+        "step_seconds": [0.0, 0.0, 0.0],
+        "embed_seconds": [0.0, 0.0],
+        "readout_seconds": [unit * readout_share, unit * readout_share / positions_at_saturation],
+        "round_seconds": [0.0, 0.0],
+        "speculative_seconds": [0.0, 0.0, 0.0],
+    }
+
+
 def derive_preset(
     model: str,
     depth: int,
@@ -306,7 +326,7 @@ def derive_preset(
 
     Each bucket is derived at its geometric-mean batch size (2·min for the unbounded last one); the
     assumed acceptance goes into the preset's `acceptance` section (persistence 0, positions 0 = assumed).
-    The cost is the design's idealised pass profile (`passcost.ideal_cost`: a pass costs 1 + n / n_sat units);
+    The cost is the design's idealised pass profile (`ideal_cost`: a pass costs 1 + n / n_sat units);
     the lists stay at 8 without the options merely near the fastest (`near` 0) unless asked.
     """
     derive_options = {"near": 0.0, "max_candidates": 8, **derive_options}

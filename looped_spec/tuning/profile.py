@@ -31,12 +31,12 @@ import torch
 from looped_spec.control.controller import FixedController
 from looped_spec.control.passcost import OUTSIDE, PassCost
 from looped_spec.control.plan import RoundFeedback
-from looped_spec.control.schema import CostConfig
 from looped_spec.engine.config import SpeculativeConfig
 from looped_spec.engine.engine import LoopedSpecEngine
 from looped_spec.execution.model_runner import StepInput
 from looped_spec.execution.timing import Span, Stopwatch
 from looped_spec.models.adapter import ModelAdapter
+from looped_spec.presets.schema import CostConfig
 from looped_spec.sampling_params import SamplingParams
 
 #: The grid of timed steps: requests per step (draft and plain steps: one position each) ...

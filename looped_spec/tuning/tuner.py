@@ -21,10 +21,9 @@ from pathlib import Path
 from typing import Any
 
 from looped_spec.control.passcost import PassCost
-from looped_spec.control.presets import AdaptiveSpecConfig
-from looped_spec.control.schema import CostConfig
 from looped_spec.engine.inputs import load_tokenizer, to_token_ids
 from looped_spec.models.adapter import ModelAdapter, load_adapter
+from looped_spec.presets.schema import AdaptiveSpecConfig, CostConfig
 from looped_spec.tuning import profile
 from looped_spec.tuning.acceptance_pass import acceptance_report, acceptance_variants, measure_match_bits
 from looped_spec.tuning.derive import RULES, BucketModel, bucket_ranges, derive_buckets, pass_seconds

@@ -1,10 +1,7 @@
-"""Presets: finding and reading preset files (`load_preset`, `find_preset`, `read_preset_file`).
+"""Finding and reading preset files (`load_preset`, `find_preset`, `read_preset_file`); the format is `schema.py`.
 
-The schema itself (`AdaptiveSpecConfig` and its parts, `PresetError`) lives in `schema.py` and is
-re-exported here, so ``from looped_spec.control.presets import AdaptiveSpecConfig, load_preset`` works.
-
-Shipped presets live in the `looped_spec.presets` package (the repository's `presets/` folder), one
-`<name>.json` per model. Without an explicit `preset=`, a model's preset is, in this order:
+Shipped presets are the `<name>.json` files beside this module (the repository's `presets/` folder, installed as
+the `looped_spec.presets` package), one per model. Without an explicit `preset=`, a model's preset is, in this order:
 
 1. ``preset.json`` in the checkpoint folder (how a checkpoint carries its own preset; the test fixtures
    in ``tests/fixtures/*/`` do);
@@ -19,7 +16,7 @@ Whatever depth a preset was measured at, it serves a model of another depth (Hug
 time): `AdaptiveSpecConfig.for_depth` rescales its candidates and interpolates its acceptance, and the choice is
 logged.
 
-`load_preset` logs the choice and the reason (logger ``looped_spec.control.presets``, level INFO).
+`load_preset` logs the choice and the reason (logger ``looped_spec.presets.lookup``, level INFO).
 Preset files are JSON.
 """
 
@@ -31,22 +28,9 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
-from looped_spec.control.schema import (
-    AdaptiveSpecConfig,
-    BucketConfig,
-    CandidateConfig,
-    DisableConfig,
-    PresetError,
-    format_validation_error,
-)
+from looped_spec.presets.schema import AdaptiveSpecConfig, PresetError
 
 __all__ = [
-    "AdaptiveSpecConfig",
-    "BucketConfig",
-    "CandidateConfig",
-    "DisableConfig",
-    "PresetError",
-    "format_validation_error",
     "find_preset",
     "generic_preset",
     "list_presets",
