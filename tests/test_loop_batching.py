@@ -57,16 +57,63 @@ def test_speculative_rounds_on_loop_passes_equal_the_step_engine(family):
             assert loop.num_free_blocks == loop.kv.num_blocks and not loop.loop_batcher.items
 
 
-def test_requests_that_exit_early_decode_plainly_beside_speculative_rounds():
-    """Under a fixed plan a request with early exit runs no rounds; its greedy output is plain early-exit decoding."""
-    spec = SpeculativeConfig(k=3, d=1)
-    exits = SamplingParams(max_tokens=8, ignore_eos=True, exit_threshold=0.6)
-    plain = SamplingParams(max_tokens=8, ignore_eos=True)
-    loop = make_engine("ouro", speculation=spec, batching="loop")
-    outs = run(loop, PROMPTS[:4], [exits, plain, exits, plain])
-    reference = make_engine("ouro")
-    assert outs == run(reference, PROMPTS[:4], [exits, plain, exits, plain])
-    assert loop.stats.num_exit_loops_saved > 0 and loop.stats.num_draft_tokens > 0
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("early_exit", ["skip", "select"])
+def test_speculative_rounds_under_early_exit_equal_the_step_engine(family, early_exit):
+    """Speculation on top of early exit: a draft runs under the exit rule (a position that exits within d is the
+    target's own sample), its verification continues the others from d under the rule, row by row. Tokens, the exit
+    depths, the drafts accepted and those the draft decided equal the step engine's, greedy and sampled, beside
+    requests without early exit."""
+    for spec in plans(family)[1:]:
+        for extra in exit_params(family)[1:]:
+            for temperature in (0.0, 0.8):
+                params = [
+                    SamplingParams(max_tokens=6 + i, temperature=temperature, seed=i, ignore_eos=True,
+                                   **(extra if i % 3 else {}))
+                    for i in range(len(PROMPTS))
+                ]  # fmt: skip
+                step = make_engine(family, speculation=spec, early_exit=early_exit)
+                loop = make_engine(family, speculation=spec, early_exit=early_exit, batching="loop")
+                label = (spec, extra, temperature)
+                assert run(loop, PROMPTS, params) == run(step, PROMPTS, params), label
+                assert loop.stats.exit_depth_histogram == step.stats.exit_depth_histogram, label
+                assert loop.stats.num_accepted_tokens == step.stats.num_accepted_tokens, label
+                assert loop.stats.num_draft_tokens == step.stats.num_draft_tokens > 0, label
+                assert loop.stats.num_exit_draft_decided == step.stats.num_exit_draft_decided, label
+                assert loop.num_free_blocks == loop.kv.num_blocks and not loop.loop_batcher.items
+
+
+@pytest.mark.parametrize("criterion, threshold", [("latent", 0.45), ("kl", 0.05)])
+@pytest.mark.parametrize("early_exit", ["skip", "select"])
+def test_huginn_rules_under_speculation_equal_the_step_engine(criterion, threshold, early_exit):
+    """Huginn's coda attends: a position the draft exited at counts as decided only when every earlier one of its
+    round was, and the verification reads its positions out once over the round's span. Its KL rule reads out
+    through the coda after every loop: such requests decode plainly beside the rounds, as in a step round."""
+    from conftest import fixture_dir
+
+    from looped_spec import load_adapter
+
+    adapter = load_adapter(fixture_dir("huginn"), initial_state="zeros", exit_criterion=criterion)
+    depth = adapter.full_depth
+    decided = 0
+    for spec in (SpeculativeConfig(k=3, d=2), SpeculativeConfig(k=2, d=depth // 2)):
+        for temperature in (0.0, 0.8):
+            params = [
+                SamplingParams(max_tokens=8, ignore_eos=True, temperature=temperature, seed=i,
+                               exit_threshold=threshold if i % 3 else None)
+                for i in range(len(PROMPTS))
+            ]  # fmt: skip
+            step = LoopedSpecEngine(adapter, speculation=spec, early_exit=early_exit)
+            loop = LoopedSpecEngine(adapter, speculation=spec, batching="loop", early_exit=early_exit)
+            label = (spec, temperature)
+            assert run(loop, PROMPTS, params) == run(step, PROMPTS, params), label
+            assert loop.stats.exit_depth_histogram == step.stats.exit_depth_histogram, label
+            assert min(loop.stats.exit_depth_histogram) < depth  # the rule fired
+            assert loop.stats.num_accepted_tokens == step.stats.num_accepted_tokens, label
+            assert loop.stats.num_exit_draft_decided == step.stats.num_exit_draft_decided, label
+            assert loop.num_free_blocks == loop.kv.num_blocks
+            decided += loop.stats.num_exit_draft_decided
+    assert (decided > 0) == (criterion == "latent")  # drafts exited within d and were taken as the target's
 
 
 @pytest.mark.parametrize("family", FAMILIES)

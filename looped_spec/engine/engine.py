@@ -361,7 +361,8 @@ class LoopedSpecEngine:
             plan, taken = self.loop_rounds.plan(batch.requests, self.controller.plan)
             if taken:
                 self.stats.record_plan(len(batch.requests), plan.k, plan.d)
-            wants = [0 if r.exits_early else plan.k for r in entering]
+            # as in a step round, a request whose exit rule reads out through attention decodes plainly (K = 0)
+            wants = [0 if self._exit_rule_reads_kv(r) else plan.k for r in entering]
             kept, k = self.scheduler.reserve_decode(entering, wants)
             # counterfactual readouts at full depth only (under early exit a token's depth is the rule's)
             rounds = {
@@ -393,6 +394,7 @@ class LoopedSpecEngine:
                 exit_depths=result.exit_depths, logprobs=result.logprobs,
             )  # fmt: skip
             self.stats.record_drafts(result.proposed, result.accepted)
+            self.stats.num_exit_draft_decided += sum(result.accepted) - sum(result.verified_accepted)
         batcher.commit(result)
         t2 = time.perf_counter()
         for feedback in self.loop_rounds.finish(result, batcher.items.keys() | batcher.next_drafts.keys()):

@@ -73,45 +73,64 @@ class LoopBatcher:
         preds = [list(it.preds) if it.measured else None for it in items]  # copies: the items stay as they were
         measuring = any(p is not None for p in preds)
         prev = state
+        write = self._writing(items)
         for _ in range(num_loops):
-            prev, state = state, self._loop(state, loops, ctx, items)
+            prev, state = state, self._loop(state, loops, ctx, items, write)
             loops = [n + 1 for n in loops]
             if measuring:
                 self._read_out_passing(items, loops, state, rows, ctx, preds)
         t2 = watch.mark()
         out = Finished(requests)
-        exits, carries = self._exits(items, loops, state, prev, rows, ctx)
+        fired, carries = self._exits(items, loops, state, prev, rows, ctx)
         skip = self.runner.exit_mode == "skip"
         plain, drafts, verifies, prompts = [], [], [], []
+        fills: list[tuple[Request, int, int]] = []  # skip mode: (request, position, exit depth) whose planes to fill
         for i, (it, n) in enumerate(zip(items, loops)):
             rs = rows[i]
             if it.chunk and n >= self.depth:
                 prompts.append((it, state[rs]))
                 continue
-            if it.plain:
+            if it.row_exits is not None:  # a verification under early exit: its rows exit one by one
+                new = self._moved(it, state[rs], n, prev[rs], carries[i], preds[i])
+                self._row_exits(new, fired[i], n, skip, fills)
+                if n >= self.depth or (skip and all(new.row_exits)):
+                    verifies.append(new)
+                else:
+                    out.items[it.request.request_id] = new
+                continue
+            exit_depth, exit_state = 0, None
+            if it.ruled:
                 exit_depth, exit_state = it.exit_depth, it.exit_state
-                if exits[i] and not exit_depth:
+                if fired[i][0] and not exit_depth:
                     exit_depth, exit_state = n, None  # None: this pass's row
-                if n >= self.depth or (skip and exit_depth):
+                stops = n >= (self.depth if it.plain else it.stop) or (skip and exit_depth)
+                if it.plain and stops:
                     plain.append((it, rs.start, exit_depth, exit_state, preds[i]))
                     continue
                 if exit_depth and exit_state is None:
                     exit_state = state[rs]
+                if stops:  # a draft, at d or at its exit
+                    if skip and exit_depth and exit_depth < self.depth:
+                        fills.append((it.request, it.position, exit_depth))
+                    moved = self._moved(it, state[rs], n, prev[rs], carries[i], preds[i])
+                    moved.exit_depth, moved.exit_state = exit_depth, exit_state
+                    drafts.append(moved)
+                    continue
             elif n >= it.stop:
                 moved = self._moved(it, state[rs], n, prev[rs], carries[i], preds[i])
                 (verifies if it.verify else drafts).append(moved)
                 continue
-            else:
-                exit_depth, exit_state = 0, None
             new = self._moved(it, state[rs], n, prev[rs], carries[i], preds[i])
             new.exit_depth, new.exit_state = exit_depth, exit_state
             out.items[it.request.request_id] = new
+        if fills:
+            self.finisher.fill_skipped_loops(fills)
         if prompts:
             self.finisher.chunks(prompts, ctx, items, out)
         if plain:
             self.finisher.plain(plain, state, ctx, items, out)
         if drafts:
-            self.finisher.drafts(drafts, ctx, items, out)
+            verifies += self.finisher.drafts(drafts, ctx, items, out)
         if verifies:
             self.finisher.verifies(verifies, ctx, items, out)
         t3 = watch.mark()  # read after the finished tokens reached the host (timing.py)
@@ -122,7 +141,21 @@ class LoopBatcher:
     def _moved(it: Item, state: torch.Tensor, loops: int, prev: torch.Tensor, carry, preds) -> Item:
         """The item after this pass's loops (a new object: the pass leaves its inputs as they were)."""
         return Item(it.request, it.base, it.preemptions, it.position, state, it.stop, loops, prev, carry,
-                    it.exit_depth, it.exit_state, it.round, it.verify, it.measured, it.chunk, preds or [])  # fmt: skip
+                    it.exit_depth, it.exit_state, it.round, it.verify, it.measured, it.chunk, preds or [],
+                    None if it.row_exits is None else list(it.row_exits), it.row_exit_states)  # fmt: skip
+
+    def _row_exits(self, item: Item, fired: list[bool], loops: int, skip: bool, fills: list) -> None:
+        """A verification's rows that exit after its loop `loops` (every row left exits at depth D): their exit depth
+        and state; skip mode: their deeper planes are filled before the next loop runs."""
+        new = [r for r, hit in enumerate(fired) if not item.row_exits[r] and (hit or loops >= self.depth)]
+        if not new:
+            return
+        item.row_exit_states = item.row_exit_states.clone()
+        for r in new:
+            item.row_exits[r] = loops
+            item.row_exit_states[r] = item.state[r]
+            if skip and loops < self.depth:
+                fills.append((item.request, item.position + r, loops))
 
     def commit(self, result: PassResult) -> None:
         """Apply a pass whose tokens the engine has committed: its requests' work becomes the work that goes on."""
@@ -160,7 +193,7 @@ class LoopBatcher:
                                  True))  # fmt: skip
                 continue
             k, d, measured = rounds.get(request.request_id, NOT_MEASURED)
-            round_ = DraftRound(position, k, d, measured=measured) if k > 0 else None
+            round_ = DraftRound(position, k, d, measured=measured, exits_early=request.exits_early) if k > 0 else None
             entering.append((row, request, position, [request.token_ids[position]], round_, measured and k == 0, False))
         if entering:
             runner = self.runner
@@ -218,62 +251,84 @@ class LoopBatcher:
         out = self.depth
         for it in items:
             request = it.request
-            if it.plain and request.exit_threshold is not None:
-                return 1
-            stop = (request.exit_at_step or self.depth) if it.plain else it.stop
+            stop = it.stop
+            if it.ruled:
+                if request.exit_threshold is not None:
+                    return 1
+                stop = min(stop, request.exit_at_step or self.depth)
             out = min(out, stop - it.loops)
         return max(out, 1)
 
-    def _loop(self, state: torch.Tensor, loops: list[int], ctx, items: list[Item]) -> torch.Tensor:
+    def _writing(self, items: list[Item]) -> torch.Tensor | None:
+        """Skip mode: the rows whose KV the pass writes when a verification holds rows that exited (their deeper
+        planes keep their exit loop's KV while the other rows go on); None: every row."""
+        if self.runner.exit_mode != "skip" or not any(it.row_exits and any(it.row_exits) for it in items):
+            return None
+        keep = [not (it.row_exits and it.row_exits[r]) for it in items for r in range(it.num_positions)]
+        return torch.tensor(keep, device=self.runner.device)
+
+    def _loop(self, state: torch.Tensor, loops: list[int], ctx, items: list[Item], write) -> torch.Tensor:
         """One loop of every item, item i at loop `loops[i]` (0-based): one call when the family's loops are loop 0 on
-        moved planes (`uniform_loops`), else one call per distinct loop index."""
+        moved planes (`uniform_loops`), else one call per distinct loop index. `write` [rows] bool: the rows whose KV
+        is written (None: all)."""
         adapter = self.adapter
-        if len(set(loops)) == 1:  # every item at one loop (lockstep): the step engine's call
-            return adapter.loop(state, loops[0], ctx)
-        if adapter.uniform_loops:
-            device = state.device
-            per_request = torch.tensor(loops, dtype=torch.long, device=device) * len(self._loop_planes[0])
-            counts = torch.tensor([it.num_positions for it in items], device=device)
-            ctx.request_planes, ctx.token_planes = per_request, per_request.repeat_interleave(counts)
-            ctx.kernel, ctx.contiguous_from = None, None  # the paged kernel and in-place reads take one plane
+        if len(set(loops)) == 1 or adapter.uniform_loops:
+            ctx.write_index = None if write is None else write.nonzero().flatten()
             try:
+                if len(set(loops)) == 1:  # every item at one loop (lockstep): the step engine's call
+                    return adapter.loop(state, loops[0], ctx)
+                device = state.device
+                per_request = torch.tensor(loops, dtype=torch.long, device=device) * len(self._loop_planes[0])
+                counts = torch.tensor([it.num_positions for it in items], device=device)
+                ctx.request_planes, ctx.token_planes = per_request, per_request.repeat_interleave(counts)
+                ctx.kernel, ctx.contiguous_from = None, None  # the paged kernel and in-place reads take one plane
                 return adapter.loop(state, 0, ctx)
             finally:  # the readouts after the pass (Huginn's coda attends) use their own planes
-                ctx.request_planes = ctx.token_planes = None
+                ctx.request_planes = ctx.token_planes = ctx.write_index = None
         out = torch.empty_like(state)
         rows = self._rows(items)
         for loop_index in sorted(set(loops)):
             chosen = [i for i, n in enumerate(loops) if n == loop_index]
             index = torch.cat([torch.arange(rows[i].start, rows[i].stop) for i in chosen]).to(state.device)
-            out[index] = adapter.loop(state[index], loop_index, items_context(self.runner, [items[i] for i in chosen]))
+            sub_ctx = items_context(self.runner, [items[i] for i in chosen])
+            if write is not None:
+                sub_ctx.write_index = write[index].nonzero().flatten()
+            out[index] = adapter.loop(state[index], loop_index, sub_ctx)
         return out
 
-    def _exits(self, items, loops, state, prev, rows, ctx) -> tuple[list[bool], list]:
-        """Per plain item: whether its token exits after its loop (rule fired, exit_at_step reached; depth D is the
-        caller's), and its new carry. The rule runs once per depth over the items that have one, or once for all
-        when it does not depend on the depth (`exit_rule_uses_depth`); items that carry nothing yet apart."""
-        exits = [
-            it.plain and it.request.exit_at_step is not None and n >= it.request.exit_at_step
+    def _exits(self, items, loops, state, prev, rows, ctx) -> tuple[list[list[bool]], list]:
+        """Per item and row, whether its position exits after its loop (rule fired, exit_at_step reached; depth D is
+        the caller's), and the item's new carry. Rules apply to the items they rule (`Item.ruled`); a rule runs once
+        per depth over the rows that have one, or once for all when it does not depend on the depth
+        (`exit_rule_uses_depth`); items that carry nothing yet apart."""
+        fired = [
+            [it.ruled and it.request.exit_at_step is not None and n >= it.request.exit_at_step] * it.num_positions
             for it, n in zip(items, loops)
         ]
         carries = [it.carry for it in items]
         groups: dict[tuple, list[int]] = {}
         for i, (it, n) in enumerate(zip(items, loops)):
-            if it.plain and it.request.exit_threshold is not None and n < self.depth:
+            if it.ruled and it.request.exit_threshold is not None and n < self.depth:
                 key = (n if self.adapter.exit_rule_uses_depth else 0, carries[i] is None)
                 groups.setdefault(key, []).append(i)
         for chosen in groups.values():
-            index = [rows[i].start for i in chosen]  # plain items hold one position
-            threshold = torch.tensor([items[i].request.exit_threshold for i in chosen], device=state.device)
+            index = torch.cat([torch.arange(rows[i].start, rows[i].stop) for i in chosen]).to(state.device)
+            counts = [items[i].num_positions for i in chosen]
+            threshold = torch.tensor(
+                [items[i].request.exit_threshold for i, count in zip(chosen, counts) for _ in range(count)],
+                device=state.device,
+            )
             carry = None if carries[chosen[0]] is None else torch.cat([carries[i] for i in chosen])
             # a rule that reads out through attention (Huginn's KL: its coda writes KV) gets the context of its rows
             rule_ctx = self.finisher.readout_context([items[i] for i in chosen], ctx, items) if self.reads_kv else ctx
-            fired, carry = self.adapter.exit_rule(state[index], loops[chosen[0]], prev[index], carry, threshold,
-                                                  rule_ctx)  # fmt: skip
-            for j, (i, hit) in enumerate(zip(chosen, fired.tolist())):
-                exits[i] = exits[i] or hit
-                carries[i] = None if carry is None else carry[j : j + 1]
-        return exits, carries
+            hits, carry = self.adapter.exit_rule(state[index], loops[chosen[0]], prev[index], carry, threshold,
+                                                 rule_ctx)  # fmt: skip
+            hits, start = hits.tolist(), 0
+            for i, count in zip(chosen, counts):
+                fired[i] = [a or b for a, b in zip(fired[i], hits[start : start + count])]
+                carries[i] = None if carry is None else carry[start : start + count]
+                start += count
+        return fired, carries
 
     def _read_out_passing(self, items, loops, state, rows, ctx, preds) -> None:
         """Measured items: the greedy prediction of the depth each just reached, short of its stop depth (read out

@@ -76,7 +76,7 @@ class Finisher:
         finished = [it for it, _, _, _, _ in done]
         depths = [depth or self.depth for _, _, depth, _, _ in done]
         if runner.exit_mode == "skip":
-            self.fill_skipped_loops(finished, depths)
+            self.fill_skipped_loops([(it.request, it.position, depth) for it, depth in zip(finished, depths)])
         requests = [it.request for it in finished]
         positions = [it.position for it in finished]
         lens = [p + 1 for p in positions]
@@ -96,28 +96,36 @@ class Finisher:
             out.finish(it.request, [token], 0, 0, [depth] if it.request.exits_early else [], entry, it.position,
                        agreement)  # fmt: skip
 
-    def drafts(self, done: list[Item], ctx, items: list[Item], out: Finished) -> None:
-        """Drafts at depth d: keep the loop-d state; draw the next draft, or hand the round to its verification. One
-        readout per draft depth over the drafts there (a measured round's K-th draft position too: its depth-d
-        prediction)."""
+    def drafts(self, done: list[Item], ctx, items: list[Item], out: Finished) -> list[Item]:
+        """Drafts at depth d (or at their exit, under early exit): keep the loop-d state; draw the next draft, or hand
+        the round to its verification. One readout per readout depth over the drafts there (a measured round's K-th
+        draft position too: its depth-d prediction; an exited K-th position: its target logits). Returns the
+        verifications with nothing left to run (every position exited within the draft, skip mode)."""
         by_depth: dict[int, list[tuple[Item, DraftRound, bool]]] = {}
+        complete: list[Item] = []
         for it in done:
-            r = it.round.grown(it.state)  # a new round: the pass changes nothing it was given
+            exit_depth = it.exit_depth if it.round.exits_early else 0
+            # a new round: the pass changes nothing it was given
+            r = it.round.grown(it.state, exit_depth, it.exit_state, it.carry if it.round.exits_early else None)
             draws = len(r.tokens) < r.k
-            if draws or r.measured:
-                by_depth.setdefault(r.d, []).append((it, r, draws))
-            if not draws:  # the K-th draft's own position: all K+1 loop-d states are there
-                out.items[it.request.request_id] = Item(
-                    it.request, r.start, it.preemptions, r.start, torch.cat(r.states), self.depth, r.d,
-                    round=r, verify=True, measured=r.measured,
-                )  # fmt: skip
+            if draws or r.measured or exit_depth:
+                by_depth.setdefault(exit_depth or r.d, []).append((it, r, draws))
+            if draws:
+                continue
+            # the K-th draft's own position: all K+1 loop-d states are there
+            verification = self._verification(it, r)
+            if verification.loops >= self.depth:
+                complete.append(verification)
+            else:
+                out.items[it.request.request_id] = verification
         for depth, group in by_depth.items():
-            state = torch.cat([it.state for it, _, _ in group])
+            state = torch.cat([it.exit_state if r.exits[-1] else it.state for it, r, _ in group])
             logits = self.runner.readout(state, depth, self.readout_context([it for it, _, _ in group], ctx, items))
             greedy = logits.argmax(-1) if any(r.measured for _, r, _ in group) else None
             for j, (it, r, _) in enumerate(group):
                 if greedy is not None and r.measured:
                     r.preds.append(torch.cat([*it.preds, greedy[j : j + 1]]))  # [d]: depths 1..d of this position
+                r.logits.append(logits[j] if r.exits[-1] else None)
             drawing = [j for j, (_, _, draws) in enumerate(group) if draws]
             if not drawing:
                 continue
@@ -129,17 +137,44 @@ class Finisher:
                 r.tokens.append(token)
                 r.q.append(None if q is None else q[n])
                 out.next_drafts[it.request.request_id] = NextDraft(it.request, it.preemptions, token, r)
+        return complete
+
+    def _verification(self, it: Item, r: DraftRound) -> Item:
+        """The verification of a round whose K+1 draft positions are there: loops d+1..D of its positions. Under early
+        exit the rows carry their exit so far; skip mode starts at the first position the draft did not decide (the
+        decided ones are final, their deeper planes filled), and when there is none nothing is left to run."""
+        if not r.exits_early:
+            return Item(it.request, r.start, it.preemptions, r.start, torch.cat(r.states), self.depth, r.d,
+                        round=r, verify=True, measured=r.measured)  # fmt: skip
+        decided = r.decided(self.adapter.readout_uses_kv)
+        first = 0
+        if self.runner.exit_mode == "skip":
+            first = decided.index(False) if False in decided else len(decided)
+        if first == len(decided):  # every position decided: a verification of no rows, with no loops left
+            state = it.state[:0]
+            return Item(it.request, r.start, it.preemptions, r.start + len(decided), state, self.depth, self.depth,
+                        round=r, verify=True, row_exits=[], row_exit_states=state)  # fmt: skip
+        states = torch.cat(r.states[first:])
+        exit_states = torch.cat([s if s is not None else states[j : j + 1]
+                                 for j, s in enumerate(r.exit_states[first:])])  # fmt: skip
+        carry = None
+        carries = r.carries[first:]
+        like = next((c for c in carries if c is not None), None)
+        if like is not None:
+            carry = torch.cat([c if c is not None else torch.zeros_like(like) for c in carries])
+        return Item(it.request, r.start, it.preemptions, r.start + first, states, self.depth, r.d, carry=carry,
+                    round=r, verify=True, row_exits=list(r.exits[first:]), row_exit_states=exit_states)  # fmt: skip
 
     def verifies(self, done: list[Item], ctx, items: list[Item], out: Finished) -> None:
-        """Verifications at depth D: accept as the speculative round does (greedy prefix or rejection sampling)."""
-        runner, device = self.runner, self.runner.device
+        """Verifications at depth D (under early exit: once every row exited): accept as the speculative round does
+        (greedy prefix or rejection sampling; a position the draft decided is accepted outright)."""
+        device = self.runner.device
         requests = [it.request for it in done]
         ks = [it.round.k for it in done]
-        logits = runner.readout(
-            torch.cat([it.state for it in done]), self.depth, self.readout_context(done, ctx, items)
-        )
+        logits = self._target_logits(done, ctx, items)
         draft_tokens = torch.full((len(done), max(ks)), -1, dtype=torch.long, device=device)
         q_probs = None
+        decided: list[list[bool]] = [it.round.decided(self.adapter.readout_uses_kv) for it in done]
         for i, it in enumerate(done):
             draft_tokens[i, : it.round.k] = torch.tensor(it.round.tokens, device=device)
             for j, q in enumerate(it.round.q):
@@ -147,11 +182,16 @@ class Finisher:
                     if q_probs is None:
                         q_probs = torch.zeros(len(done), max(ks), q.shape[-1], device=device)
                     q_probs[i, j] = q
+        decided_grid = None
+        if any(any(row) for row in decided):
+            decided_grid = torch.zeros(len(done), max(ks), dtype=torch.bool, device=device)
+            for i, row in enumerate(decided):
+                decided_grid[i, : len(row) - 1] = torch.tensor(row[:-1], device=device)
         row_index, pos_index = position_index(ks)
         rows = SamplingRows.build(requests, device)
         k_t = torch.tensor(ks, device=device)
         accepted, next_token = accept(
-            draft_tokens, k_t, logits, row_index.to(device), pos_index.to(device), rows, q_probs
+            draft_tokens, k_t, logits, row_index.to(device), pos_index.to(device), rows, q_probs, decided=decided_grid
         )
         committed = [
             [*it.round.tokens[:a], token] for it, a, token in zip(done, accepted.tolist(), next_token.tolist())
@@ -159,25 +199,91 @@ class Finisher:
         entries = verified_logprobs(requests, ks, committed, logits) or [None] * len(done)
         greedy = logits.argmax(-1) if any(it.round.measured for it in done) else None
         offset = 0
-        for it, tokens, entry in zip(done, committed, entries):
-            agreement, width = None, it.round.k + 1
-            if greedy is not None and it.round.measured:
+        for it, tokens, entry, row in zip(done, committed, entries, decided):
+            agreement, width, r = None, it.round.k + 1, it.round
+            if greedy is not None and r.measured:
                 # depths 1..d from the drafts, d+1..D-1 on the way here, D now; each over the round's K+1 positions
                 verified = torch.stack([*it.preds, greedy[offset : offset + width]])
-                guesses = torch.cat([torch.stack(it.round.preds, 1), verified])
+                guesses = torch.cat([torch.stack(r.preds, 1), verified])
                 agreement = guesses[:, : len(tokens)] == torch.tensor(tokens, device=guesses.device)  # [D, committed]
             offset += width
-            out.finish(it.request, tokens, it.round.k, len(tokens) - 1, [], entry, it.round.start, agreement)
+            depths: list[int] = []
+            if r.exits_early:  # each committed position's exit depth: the draft's, or the verification's
+                lo = it.position - r.start
+                depths = [r.exits[j] if j < lo else it.row_exits[j - lo] for j in range(len(tokens))]
+            checked = [not x for x in row[: r.k]]  # drafts the target checked (not drawn from its own readout)
+            out.finish(it.request, tokens, r.k, len(tokens) - 1, depths, entry, r.start, agreement,
+                       sum(checked), sum(checked[: len(tokens) - 1]))  # fmt: skip
 
-    def fill_skipped_loops(self, done: list[Item], depths: list[int]) -> None:
-        """Skip mode: the loop planes after each token's exit depth get its exit loop's KV (early_exit.py), all
-        tokens in one copy."""
+    def _target_logits(self, done: list[Item], ctx, items: list[Item]) -> torch.Tensor:
+        """[sum(K+1), V]: the target's logits of every round position, round after round. Without early exit the
+        verification's readout at D. Under early exit a position the draft decided keeps the draft's readout; the
+        others are read out at their exit (a readout that attends, Huginn's coda, once over each round's span of them
+        at D, so its KV is written causally; in select mode over every verified row, whose readout KV the exit rule's
+        readouts may have overwritten)."""
+        runner = self.runner
+        plain = [it for it in done if not it.round.exits_early]
+        plain_logits = None
+        if plain:
+            read_ctx = self.readout_context(plain, ctx, items)
+            plain_logits = runner.readout(torch.cat([it.state for it in plain]), self.depth, read_ctx)
+        if len(plain) == len(done):
+            return plain_logits
+        uses_kv = self.adapter.readout_uses_kv
+        spans = []  # per exit round: (item, first position read out, its decided positions)
+        for it in done:
+            if it.round.exits_early:
+                r = it.round
+                decided = r.decided(uses_kv)
+                first = decided.index(False) if False in decided else len(decided)
+                lo = it.position - r.start
+                start = lo if uses_kv and runner.exit_mode == "select" else first
+                spans.append((it, start, decided))
+        states, reqs, positions, depths, counts = [], [], [], [], []
+        for it, start, _ in spans:
+            lo = it.position - it.round.start
+            for j in range(start, it.round.k + 1):
+                states.append(it.row_exit_states[j - lo : j - lo + 1])
+                reqs.append(it.request)
+                positions.append(it.round.start + j)
+                depths.append(it.row_exits[j - lo])
+            counts.append(it.round.k + 1 - start)
+        verified = None
+        if states:
+            state = torch.cat(states)
+            if uses_kv:
+                span_reqs = [it.request for (it, _, _), n in zip(spans, counts) if n]
+                lens = [it.round.start + it.round.k + 1 for (it, _, _), n in zip(spans, counts) if n]
+                span_ctx = runner.context(span_reqs, [n for n in counts if n], lens)
+                verified = runner.readout(state, self.depth, span_ctx)
+            else:
+                verified = read_out_by_depth(runner, reqs, positions, [p + 1 for p in positions], state, depths, None)
+        out, plain_at, verified_at = [], 0, 0
+        exit_rounds = iter(spans)
+        for it in done:
+            width = it.round.k + 1
+            if not it.round.exits_early:
+                out.append(plain_logits[plain_at : plain_at + width])
+                plain_at += width
+                continue
+            _, start, decided = next(exit_rounds)
+            for j in range(width):
+                if decided[j]:
+                    out.append(it.round.logits[j][None])
+                else:
+                    out.append(verified[verified_at + j - start][None])
+            verified_at += width - start
+        return torch.cat(out)
+
+    def fill_skipped_loops(self, fills: list[tuple[Request, int, int]]) -> None:
+        """Skip mode: the loop planes after each (request, position, exit depth)'s exit depth get its exit loop's KV
+        (early_exit.py), all positions in one copy."""
         src, dst, slots = [], [], []
         block_size, planes = self.runner.kv.block_size, self.loop_planes
-        for it, exit_depth in zip(done, depths):
+        for request, position, exit_depth in fills:
             if exit_depth >= self.depth:
                 continue
-            table, position = it.request.block_table, it.position
+            table = request.block_table
             slot = table[position // block_size] * block_size + position % block_size
             for loop_index in range(exit_depth, self.depth):
                 src += planes[exit_depth - 1]
@@ -205,13 +311,19 @@ class Finished:
         self.chunk_lens: list[int] = []
         self.first_tokens: list[list[int]] = []
         self.first_logprobs: list[list[TokenLogprob]] = []
+        self.verified_proposed: list[int] = []
+        self.verified_accepted: list[int] = []
         self.items: dict[str, Item] = {}
         self.next_drafts: dict[str, NextDraft] = {}
 
     def finish(
         self, request: Request, tokens: list[int], proposed: int, accepted: int, depths: list[int],
         logprobs: list[TokenLogprob] | None, start: int, agreement: torch.Tensor | None,
+        verified_proposed: int | None = None, verified_accepted: int | None = None,
     ) -> None:  # fmt: skip
+        """A finished token or round; `verified_*`: the drafts the target checked (None: every draft)."""
+        self.verified_proposed.append(proposed if verified_proposed is None else verified_proposed)
+        self.verified_accepted.append(accepted if verified_accepted is None else verified_accepted)
         self.logprobs.append(logprobs or [])
         self.starts.append(start)
         self.agreement.append(agreement)
@@ -234,4 +346,4 @@ class Finished:
         return PassResult(self.requests, self.finished, self.tokens, self.proposed, self.accepted, exit_depths,
                           self.items, self.next_drafts, positions, entered, loops, stages, logprobs, self.starts,
                           self.agreement, self.prefilled, self.chunk_lens, self.first_tokens,
-                          first_logprobs)  # fmt: skip
+                          first_logprobs, self.verified_proposed, self.verified_accepted)  # fmt: skip

@@ -31,7 +31,12 @@ class Entering(NamedTuple):
 @dataclass(slots=True)
 class DraftRound:
     """A request's speculative round in flight: K drafts from loops 1..d of positions start..start+K-1, the loop-d
-    state of every position start..start+K, then one verification of them at loops d+1..D."""
+    state of every position start..start+K, then one verification of them at loops d+1..D.
+
+    Under early exit (`exits_early`) the draft runs under the exit rule: a position that exits at e <= d was read out
+    where the target reads it out (`logits`, the target's own), and the verification continues the others from loop
+    d under the rule (docs/architecture.md, "Early exit", "With speculation").
+    """
 
     start: int  # the round's first position (its request's num_computed while the round runs)
     k: int
@@ -41,11 +46,30 @@ class DraftRound:
     states: list[torch.Tensor] = field(default_factory=list)  # [1, S] loop-d state of each position so far
     measured: bool = False
     preds: list[torch.Tensor] = field(default_factory=list)  # measured, per position: [d] greedy of depths 1..d
+    exits_early: bool = False
+    # exits_early, per position so far: its exit depth within the draft (0: none), its state there (None: none),
+    # the exit rule's carry after its last loop, and its readout at the exit (the target's logits; None: none)
+    exits: list[int] = field(default_factory=list)
+    exit_states: list[torch.Tensor | None] = field(default_factory=list)
+    carries: list[torch.Tensor | None] = field(default_factory=list)
+    logits: list[torch.Tensor | None] = field(default_factory=list)
 
-    def grown(self, state: torch.Tensor) -> DraftRound:
-        """A copy with one more position's loop-d state (a pass builds new rounds, leaving its inputs as they were)."""
+    def grown(
+        self, state: torch.Tensor, exit_depth: int = 0, exit_state: torch.Tensor | None = None, carry=None
+    ) -> DraftRound:
+        """A copy with one more position's loop-d state (skip mode: its exit state when it exited) and exit (a pass
+        builds new rounds, leaving its inputs as they were)."""
         return DraftRound(self.start, self.k, self.d, list(self.tokens), list(self.q), [*self.states, state],
-                          self.measured, list(self.preds))  # fmt: skip
+                          self.measured, list(self.preds), self.exits_early, [*self.exits, exit_depth],
+                          [*self.exit_states, exit_state], [*self.carries, carry], list(self.logits))  # fmt: skip
+
+    def decided(self, readout_uses_kv: bool) -> list[bool]:
+        """Per position 0..K: whether the draft's readout is already the target's (it exited within the draft; with a
+        readout that attends, Huginn's coda, only when every earlier position of the round was decided too)."""
+        out: list[bool] = []
+        for exit_depth in self.exits:
+            out.append(exit_depth > 0 and (not readout_uses_kv or all(out)))
+        return out
 
 
 @dataclass(slots=True)
@@ -68,11 +92,19 @@ class Item:
     measured: bool = False  # read out at every depth it passes (a plain token or a measured round's positions)
     chunk: bool = False  # a prompt chunk (full depth, no exit rule; a first token sampled when it ends the prompt)
     preds: list[torch.Tensor] = field(default_factory=list)  # measured: [n] greedy prediction per depth run so far
+    # a verification under early exit: per row, its exit depth (0: still looping) and its state there ([n, S])
+    row_exits: list[int] | None = None
+    row_exit_states: torch.Tensor | None = None
 
     @property
     def plain(self) -> bool:
-        """A token decoded plainly (not a draft, a verification or a prompt chunk): exit rules apply to it."""
+        """A token decoded plainly (not a draft, a verification or a prompt chunk)."""
         return self.round is None and not self.chunk
+
+    @property
+    def ruled(self) -> bool:
+        """Exit rules apply to its positions: a plain token, or a speculative round of a request that exits early."""
+        return self.plain or (self.round is not None and self.round.exits_early)
 
     @property
     def num_positions(self) -> int:
@@ -133,3 +165,7 @@ class PassResult:
     chunk_lens: list[int] = field(default_factory=list)
     first_tokens: list[list[int]] = field(default_factory=list)
     first_logprobs: list[list[TokenLogprob]] | None = None
+    # per finished request, the drafts the target checked, proposed and accepted (under early exit a draft that
+    # exited within the draft depth is the target's own sample: it is neither); the controller learns from these
+    verified_proposed: list[int] = field(default_factory=list)
+    verified_accepted: list[int] = field(default_factory=list)

@@ -93,8 +93,8 @@ class LoopRounds:
                 continue
             entry.members.discard(request_id)
             touched.add(entry.plan.plan_id)
-            entry.proposed.append(result.proposed[i])
-            entry.accepted.append(result.accepted[i])
+            entry.proposed.append(result.verified_proposed[i])  # the drafts the target checked
+            entry.accepted.append(result.verified_accepted[i])
             tokens = len(result.tokens[i])
             depths = result.exit_depths[i] if result.exit_depths is not None else []
             entry.exits = entry.exits or bool(depths)
