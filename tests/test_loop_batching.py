@@ -625,7 +625,7 @@ def test_the_server_streams_loop_batched_outputs_and_exports_the_passes():
         got: dict[int, str] = {}
 
         def ask(i: int) -> None:
-            # exit_threshold: a request with early exit decodes plainly next to the others' speculative rounds
+            # exit_threshold: requests with early exit speculate under their exit rule beside a full-depth one
             extra = {"ignore_eos": True} | ({"exit_threshold": 0.7} if i != 1 else {})
             out = client.completions.create(model="tiny-ouro", prompt=prompts[i], max_tokens=12, temperature=0,
                                             extra_body=extra)  # fmt: skip

@@ -352,7 +352,7 @@ class LoopedSpecEngine:
         t0 = time.perf_counter()
         batcher = self.loop_batcher
         # work in flight holds its KV slots already: only the requests entering their next token (or speculative
-        # round: K drafts, which requests that exit early do not make) reserve theirs, under the plan in use
+        # round: K drafts) reserve theirs, under the plan in use
         entering = [r for r in batch.requests if r.prefilled and not batcher.in_flight(r)]
         rounds: dict[str, Entering] = {}
         kept: list[Request] = []

@@ -255,7 +255,8 @@ class LoopBatcher:
             if it.ruled:
                 if request.exit_threshold is not None:
                     return 1
-                stop = min(stop, request.exit_at_step or self.depth)
+                if request.exit_at_step is not None and request.exit_at_step > it.loops:  # else reached already
+                    stop = min(stop, request.exit_at_step)
             out = min(out, stop - it.loops)
         return max(out, 1)
 
