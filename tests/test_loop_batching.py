@@ -164,13 +164,13 @@ def test_early_exit_fills_the_passes(family):
     loop = make_engine(family, batching="loop")
     run(loop, PROMPTS[:4], [params] + [SamplingParams(max_tokens=10, ignore_eos=True)] * 3)
     stats = loop.stats
-    # one request at depth 1 next to three at depth D: its 9 tokens decode in 9 passes while the others run their
-    # prompt chunks (D passes; the first token of each comes from its prompt) and decode theirs in 9 D. The early
-    # exit request's own prompt runs in a prefill step of its own (its first token's exit is the prefill's)
-    prompt_tokens = sum(len(p) for p in PROMPTS[1:4])
-    assert stats.num_prefill_steps == 1
+    # one request at depth 1 next to three at depth D: the four prompts run their chunks together (D passes, at full
+    # depth; the first token of each comes from its prompt, the early-exit one's read out at its exit), then its 9
+    # tokens decode in 9 passes while the others decode theirs in 9 D
+    prompt_tokens = sum(len(p) for p in PROMPTS[:4])
+    assert stats.num_prefill_steps == 0
     assert stats.num_loop_passes == 10 * depth
-    assert stats.num_loop_pass_embeds == 9 * 4 + 3
+    assert stats.num_loop_pass_embeds == 9 * 4 + 4
     assert stats.num_loop_pass_positions == prompt_tokens * depth + 9 * depth * 3 + 9
 
 

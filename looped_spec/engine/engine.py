@@ -328,9 +328,9 @@ class LoopedSpecEngine:
         self.stats.phase_seconds["prefill"] += time.perf_counter() - t0
 
     def _loop_step(self, suspect: Request | None) -> None:
-        """Loop-level batching: one loop pass, in which prompt chunks join the running requests' work. A chunk whose
-        request exits early or recomputes tokens with recorded exit depths runs in a prefill step of its own first
-        (its first token's exit, and the recomputed tokens' forced exits, are the step engine's prefill)."""
+        """Loop-level batching: one loop pass, in which prompt chunks join the running requests' work. A chunk that
+        recomputes tokens with recorded exit depths (a preempted request that exits early) runs in a prefill step of
+        its own first (the recomputed tokens' forced exits are the step engine's prefill)."""
         t0 = time.perf_counter()
         batcher = self.loop_batcher
         chunks_in_flight = {i: it.num_positions for i, it in batcher.items.items() if it.chunk and it.fresh()}
@@ -340,7 +340,7 @@ class LoopedSpecEngine:
         if batch is None:
             return
         starting = [(r, n) for r, n in zip(batch.requests, batch.chunk_lens) if n]
-        apart = [(r, n) for r, n in starting if r.exits_early or r.exit_depths]
+        apart = [(r, n) for r, n in starting if r.exit_depths]
         if apart:
             self._prefill_step(suspect, ScheduledBatch(True, [r for r, _ in apart], [n for _, n in apart]))
             return
@@ -385,7 +385,7 @@ class LoopedSpecEngine:
             return
         if result.prefilled:
             self._commit(result.prefilled, result.first_tokens, chunk_lens=result.chunk_lens,
-                         logprobs=result.first_logprobs)  # fmt: skip
+                         exit_depths=result.first_exit_depths, logprobs=result.first_logprobs)  # fmt: skip
             self.stats.num_prompt_tokens += sum(result.chunk_lens)
         self.loop_rounds.start(kept)
         if result.finished:

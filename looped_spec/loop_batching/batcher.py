@@ -72,6 +72,7 @@ class LoopBatcher:
         rows = self._rows(items)
         preds = [list(it.preds) if it.measured else None for it in items]  # copies: the items stay as they were
         measuring = any(p is not None for p in preds)
+        lasts = [None if it.last_states is None else list(it.last_states) for it in items]
         prev = state
         write = self._writing(items)
         for _ in range(num_loops):
@@ -79,6 +80,9 @@ class LoopBatcher:
             loops = [n + 1 for n in loops]
             if measuring:
                 self._read_out_passing(items, loops, state, rows, ctx, preds)
+            for i, last in enumerate(lasts):
+                if last is not None:
+                    last.append(state[rows[i].stop - 1 : rows[i].stop])
         t2 = watch.mark()
         out = Finished(requests)
         fired, carries = self._exits(items, loops, state, prev, rows, ctx)
@@ -88,7 +92,7 @@ class LoopBatcher:
         for i, (it, n) in enumerate(zip(items, loops)):
             rs = rows[i]
             if it.chunk and n >= self.depth:
-                prompts.append((it, state[rs]))
+                prompts.append((it, state[rs], lasts[i]))
                 continue
             if it.row_exits is not None:  # a verification under early exit: its rows exit one by one
                 new = self._moved(it, state[rs], n, prev[rs], carries[i], preds[i])
@@ -121,7 +125,7 @@ class LoopBatcher:
                 (verifies if it.verify else drafts).append(moved)
                 continue
             new = self._moved(it, state[rs], n, prev[rs], carries[i], preds[i])
-            new.exit_depth, new.exit_state = exit_depth, exit_state
+            new.exit_depth, new.exit_state, new.last_states = exit_depth, exit_state, lasts[i]
             out.items[it.request.request_id] = new
         if fills:
             self.finisher.fill_skipped_loops(fills)
@@ -215,9 +219,13 @@ class LoopBatcher:
                 measured = measured if round_ is None else round_.measured
                 rows = state[start : start + len(tokens)]
                 start += len(tokens)
+                # the prompt's last chunk of a request that exits early: its first token's exit rule needs the last
+                # position's state at every depth (run once the chunk is done, as a prefill step runs it)
+                last = [rows[-1:]] if chunk and request.exits_early and position + len(tokens) == request.num_tokens \
+                    else None  # fmt: skip
                 items[row] = Item(request, base, request.metrics.num_preemptions, position, rows, stop,
                                   carry=None if carry is None or chunk else carry[j : j + 1], round=round_,
-                                  measured=measured, chunk=chunk)  # fmt: skip
+                                  measured=measured, chunk=chunk, last_states=last)  # fmt: skip
         return items  # type: ignore[return-value]
 
     # ----- the pass -----

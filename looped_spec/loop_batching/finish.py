@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from looped_spec.execution.early_exit import read_out_by_depth
+from looped_spec.execution.early_exit import ExitTracker, read_out_by_depth
 from looped_spec.execution.logprobs import logprobs_of_rows, verified_logprobs
 from looped_spec.execution.sampler import SamplingRows, sample
 from looped_spec.loop_batching.items import DraftRound, Item, NextDraft, PassResult
@@ -44,29 +44,63 @@ class Finisher:
             return ctx
         return items_context(self.runner, done)
 
-    def chunks(self, done: list[tuple[Item, torch.Tensor]], ctx, items: list[Item], out: Finished) -> None:
-        """Prompt chunks at depth D: a chunk that ends its prompt reads out its last position and samples the first
-        token (a readout that attends, Huginn's coda, runs over every position: each one's coda KV is cached)."""
+    def chunks(self, done: list[tuple[Item, torch.Tensor, list | None]], ctx, items: list[Item], out: Finished) -> None:
+        """Prompt chunks at depth D (item, its rows' states, its last position's states at every depth or None): a
+        chunk that ends its prompt reads out its last position and samples the first token (a readout that attends,
+        Huginn's coda, runs over every position: each one's coda KV is cached). A request that exits early reads
+        it out at its rule's exit depth, decided afterwards on the last position's states (`_first_exits`)."""
         runner = self.runner
-        finals = [j for j, (it, _) in enumerate(done) if it.position + it.num_positions == it.request.num_tokens]
+        finals = [j for j, (it, _, _) in enumerate(done) if it.position + it.num_positions == it.request.num_tokens]
         logits = None
         if self.adapter.readout_uses_kv:
-            read_ctx = self.readout_context([it for it, _ in done], ctx, items)
-            every = runner.readout(torch.cat([s for _, s in done]), self.depth, read_ctx)
+            read_ctx = self.readout_context([it for it, _, _ in done], ctx, items)
+            every = runner.readout(torch.cat([s for _, s, _ in done]), self.depth, read_ctx)
             if finals:
-                ends = torch.tensor([it.num_positions for it, _ in done], device=every.device).cumsum(0) - 1
+                ends = torch.tensor([it.num_positions for it, _, _ in done], device=every.device).cumsum(0) - 1
                 logits = every[ends[torch.tensor(finals, device=every.device)]]
         elif finals:
             logits = runner.readout(torch.cat([done[j][1][-1:] for j in finals]), self.depth, ctx)
         first: dict[int, tuple[int, list[TokenLogprob] | None]] = {}
+        depths: dict[int, int] = {}
         if logits is not None:
+            ruled = [n for n, j in enumerate(finals) if done[j][2] is not None]
+            if ruled:
+                exit_depths, exit_logits = self._first_exits([done[finals[n]] for n in ruled])
+                logits = logits.clone()
+                logits[torch.tensor(ruled, device=logits.device)] = exit_logits
+                depths = {finals[n]: depth for n, depth in zip(ruled, exit_depths)}
             requests = [done[j][0].request for j in finals]
             sampled = sample(logits, SamplingRows.build(requests, runner.device))
             entries = logprobs_of_rows(requests, logits, sampled) or [None] * len(finals)
             first = {j: (token, entry) for j, token, entry in zip(finals, sampled.tolist(), entries)}
-        for j, (it, _) in enumerate(done):
+        for j, (it, _, _) in enumerate(done):
             token, entry = first.get(j, (None, None))
-            out.prefill(it.request, it.num_positions, [] if token is None else [token], entry)
+            out.prefill(it.request, it.num_positions, [] if token is None else [token], entry,
+                        [depths[j]] if j in depths else [])  # fmt: skip
+
+    def _first_exits(self, done: list[tuple[Item, torch.Tensor, list]]) -> tuple[list[int], torch.Tensor]:
+        """The first tokens of requests that exit early: the rule runs over their last prompt position's states loop
+        after loop (after the chunk's own readout, so a rule that reads out through the coda sees the earlier
+        positions' coda KV), and each is read out at its exit depth (early_exit.py `prefill_with_exit`)."""
+        runner = self.runner
+        requests = [it.request for it, _, _ in done]
+        lens = [it.position + it.num_positions for it, _, _ in done]
+        live_ctx = runner.context(requests, [1] * len(done), lens)
+        tracker = ExitTracker(self.adapter, requests, runner.device)
+        depths = [self.depth] * len(done)
+        decided = torch.zeros(len(done), dtype=torch.bool, device=runner.device)
+        for i in range(self.depth):
+            state = torch.cat([last[i + 1] for _, _, last in done])
+            prev = torch.cat([last[i] for _, _, last in done])
+            exits = tracker.step(i + 1, state, prev, live_ctx) & ~decided
+            decided |= exits
+            for row in exits.nonzero().flatten().tolist():
+                depths[row] = i + 1
+            if bool(decided.all()):
+                break
+        exit_state = torch.cat([last[depth] for (_, _, last), depth in zip(done, depths)])
+        positions = [n - 1 for n in lens]
+        return depths, read_out_by_depth(runner, requests, positions, lens, exit_state, depths, live_ctx)
 
     def plain(self, done: list[tuple], state: torch.Tensor, ctx, items: list[Item], out: Finished) -> None:
         """Plain tokens (item, its row in this pass, exit depth, exit state or None for this pass's row, its
@@ -311,6 +345,7 @@ class Finished:
         self.chunk_lens: list[int] = []
         self.first_tokens: list[list[int]] = []
         self.first_logprobs: list[list[TokenLogprob]] = []
+        self.first_exit_depths: list[list[int]] = []
         self.verified_proposed: list[int] = []
         self.verified_accepted: list[int] = []
         self.items: dict[str, Item] = {}
@@ -333,7 +368,11 @@ class Finished:
         self.accepted.append(accepted)
         self.exit_depths.append(depths)
 
-    def prefill(self, request: Request, chunk_len: int, tokens: list[int], logprobs: list[TokenLogprob] | None) -> None:
+    def prefill(
+        self, request: Request, chunk_len: int, tokens: list[int], logprobs: list[TokenLogprob] | None,
+        exit_depths: list[int],
+    ) -> None:  # fmt: skip
+        self.first_exit_depths.append(exit_depths)
         self.prefilled.append(request)
         self.chunk_lens.append(chunk_len)
         self.first_tokens.append(tokens)
@@ -343,7 +382,8 @@ class Finished:
         exit_depths = self.exit_depths if any(r.exits_early for r in self.finished) else None
         logprobs = self.logprobs if any(r.logprobs_top is not None for r in self.finished) else None
         first_logprobs = self.first_logprobs if any(r.logprobs_top is not None for r in self.prefilled) else None
+        first_exits = self.first_exit_depths if any(self.first_exit_depths) else None
         return PassResult(self.requests, self.finished, self.tokens, self.proposed, self.accepted, exit_depths,
                           self.items, self.next_drafts, positions, entered, loops, stages, logprobs, self.starts,
                           self.agreement, self.prefilled, self.chunk_lens, self.first_tokens,
-                          first_logprobs, self.verified_proposed, self.verified_accepted)  # fmt: skip
+                          first_logprobs, first_exits, self.verified_proposed, self.verified_accepted)  # fmt: skip

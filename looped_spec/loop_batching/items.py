@@ -95,6 +95,9 @@ class Item:
     # a verification under early exit: per row, its exit depth (0: still looping) and its state there ([n, S])
     row_exits: list[int] | None = None
     row_exit_states: torch.Tensor | None = None
+    # the prompt's last chunk of a request that exits early: its last position's state when embedded and after every
+    # loop so far ([1, S] each), on which its first token's exit rule runs once the chunk is done
+    last_states: list[torch.Tensor] | None = None
 
     @property
     def plain(self) -> bool:
@@ -165,6 +168,7 @@ class PassResult:
     chunk_lens: list[int] = field(default_factory=list)
     first_tokens: list[list[int]] = field(default_factory=list)
     first_logprobs: list[list[TokenLogprob]] | None = None
+    first_exit_depths: list[list[int]] | None = None  # per prefilled request, its first token's exit ([] none)
     # per finished request, the drafts the target checked, proposed and accepted (under early exit a draft that
     # exited within the draft depth is the target's own sample: it is neither); the controller learns from these
     verified_proposed: list[int] = field(default_factory=list)
