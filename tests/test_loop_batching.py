@@ -207,13 +207,22 @@ def test_requests_arriving_and_aborted_mid_token():
     assert not engine.loop_batcher.items
 
 
-def test_preemption_mid_token_recomputes_the_same_tokens():
-    params = SamplingParams(max_tokens=12, ignore_eos=True, exit_threshold=0.6)
-    reference = make_engine("ouro", max_batch_size=1)
-    expected = [run(reference, [p], params)[0] for p in PROMPTS[:4]]
-    engine = make_engine("ouro", batching="loop", block_size=4, num_kv_blocks=12, max_model_len=24)
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("early_exit", ["skip", "select"])
+def test_preemption_mid_token_recomputes_the_same_tokens(family, early_exit):
+    """A preempted request that exits early recomputes its tokens in a prompt chunk of the passes, redoing their
+    recorded exits (skip mode: a generated token's deeper planes keep its exit loop's KV): greedy and sampled
+    outputs and exit depths equal a step engine's that never preempts."""
+    extra = exit_params(family)[1]
+    params = [SamplingParams(max_tokens=12, ignore_eos=True, temperature=0.8 * (i % 2), seed=i, **extra)
+              for i in range(4)]  # fmt: skip
+    reference = make_engine(family, early_exit=early_exit)
+    expected = run(reference, PROMPTS[:4], params)
+    engine = make_engine(family, batching="loop", early_exit=early_exit, block_size=4, num_kv_blocks=12,
+                         max_model_len=24)  # fmt: skip
     assert run(engine, PROMPTS[:4], params) == expected
-    assert engine.scheduler.num_preemptions > 0
+    assert engine.scheduler.num_preemptions > 0 and engine.stats.num_prefill_steps == 0
+    assert engine.stats.exit_depth_histogram == reference.stats.exit_depth_histogram
     assert engine.num_free_blocks == engine.kv.num_blocks
 
 

@@ -328,9 +328,7 @@ class LoopedSpecEngine:
         self.stats.phase_seconds["prefill"] += time.perf_counter() - t0
 
     def _loop_step(self, suspect: Request | None) -> None:
-        """Loop-level batching: one loop pass, in which prompt chunks join the running requests' work. A chunk that
-        recomputes tokens with recorded exit depths (a preempted request that exits early) runs in a prefill step of
-        its own first (the recomputed tokens' forced exits are the step engine's prefill)."""
+        """Loop-level batching: one loop pass, in which prompt chunks join the running requests' work."""
         t0 = time.perf_counter()
         batcher = self.loop_batcher
         chunks_in_flight = {i: it.num_positions for i, it in batcher.items.items() if it.chunk and it.fresh()}
@@ -339,12 +337,7 @@ class LoopedSpecEngine:
         self.stats.num_preemptions = self.scheduler.num_preemptions
         if batch is None:
             return
-        starting = [(r, n) for r, n in zip(batch.requests, batch.chunk_lens) if n]
-        apart = [(r, n) for r, n in starting if r.exit_depths]
-        if apart:
-            self._prefill_step(suspect, ScheduledBatch(True, [r for r, _ in apart], [n for _, n in apart]))
-            return
-        self._loop_pass(suspect, batch, {r.request_id: n for r, n in starting})
+        self._loop_pass(suspect, batch, {r.request_id: n for r, n in zip(batch.requests, batch.chunk_lens) if n})
 
     def _loop_pass(self, suspect: Request | None, batch: ScheduledBatch, chunks: dict[str, int]) -> None:
         """One loop pass over every running request's work in flight and the prompt chunks that start in it; the

@@ -91,8 +91,11 @@ class LoopBatcher:
         fills: list[tuple[Request, int, int]] = []  # skip mode: (request, position, exit depth) whose planes to fill
         for i, (it, n) in enumerate(zip(items, loops)):
             rs = rows[i]
-            if it.chunk and n >= self.depth:
-                prompts.append((it, state[rs], lasts[i]))
+            if it.chunk and it.forced is not None:  # a recompute with recorded exits: rows exit at known depths
+                it = self._moved(it, state[rs], n, prev[rs], carries[i], preds[i])
+                self._recorded_exits(it, n, skip, fills)
+            if it.chunk and n >= self.depth:  # read out from each row's readout state (a recompute: its recorded depth)
+                prompts.append((it, state[rs] if it.forced is None else it.row_exit_states, lasts[i]))
                 continue
             if it.row_exits is not None:  # a verification under early exit: its rows exit one by one
                 new = self._moved(it, state[rs], n, prev[rs], carries[i], preds[i])
@@ -146,7 +149,18 @@ class LoopBatcher:
         """The item after this pass's loops (a new object: the pass leaves its inputs as they were)."""
         return Item(it.request, it.base, it.preemptions, it.position, state, it.stop, loops, prev, carry,
                     it.exit_depth, it.exit_state, it.round, it.verify, it.measured, it.chunk, preds or [],
-                    None if it.row_exits is None else list(it.row_exits), it.row_exit_states)  # fmt: skip
+                    None if it.row_exits is None else list(it.row_exits), it.row_exit_states, it.last_states,
+                    it.forced, it.readout_depths)  # fmt: skip
+
+    def _recorded_exits(self, item: Item, loops: int, skip: bool, fills: list) -> None:
+        """A recomputing chunk after its loop `loops`: the rows read out at this depth keep their state; skip mode: the
+        rows whose forced exit this is get their deeper planes filled before the next loop runs."""
+        reading = [r for r, depth in enumerate(item.readout_depths) if depth == loops]
+        if reading:
+            item.row_exit_states = item.row_exit_states.clone()
+            item.row_exit_states[reading] = item.state[reading]
+        if skip and loops < self.depth:
+            fills += [(item.request, item.position + r, loops) for r, f in enumerate(item.forced) if f == loops]
 
     def _row_exits(self, item: Item, fired: list[bool], loops: int, skip: bool, fills: list) -> None:
         """A verification's rows that exit after its loop `loops` (every row left exits at depth D): their exit depth
@@ -223,10 +237,26 @@ class LoopBatcher:
                 # position's state at every depth (run once the chunk is done, as a prefill step runs it)
                 last = [rows[-1:]] if chunk and request.exits_early and position + len(tokens) == request.num_tokens \
                     else None  # fmt: skip
-                items[row] = Item(request, base, request.metrics.num_preemptions, position, rows, stop,
-                                  carry=None if carry is None or chunk else carry[j : j + 1], round=round_,
-                                  measured=measured, chunk=chunk, last_states=last)  # fmt: skip
+                item = Item(request, base, request.metrics.num_preemptions, position, rows, stop,
+                            carry=None if carry is None or chunk else carry[j : j + 1], round=round_,
+                            measured=measured, chunk=chunk, last_states=last)  # fmt: skip
+                if chunk and request.exit_depths:
+                    self._recorded(item, len(tokens))
+                items[row] = item
         return items  # type: ignore[return-value]
+
+    def _recorded(self, item: Item, count: int) -> None:
+        """A chunk recomputing a preempted request's tokens redoes their recorded exits (`prefill_with_exit`): a token's
+        readout depth is the exit recorded for it (kept from the last prompt token on), and in skip mode a generated
+        token's deeper planes keep its exit loop's KV; the others run and keep every loop."""
+        request, skip = item.request, self.runner.exit_mode == "skip"
+        forced, readout = [], []
+        for position in range(item.position, item.position + count):
+            recorded = position - (request.num_prompt_tokens - 1)
+            depth = request.exit_depths[recorded] if 0 <= recorded < len(request.exit_depths) else self.depth
+            forced.append(depth if skip and position >= request.num_prompt_tokens else self.depth)
+            readout.append(depth)
+        item.forced, item.readout_depths, item.row_exit_states = forced, readout, item.state.clone()
 
     # ----- the pass -----
     @staticmethod
@@ -265,15 +295,20 @@ class LoopBatcher:
                     return 1
                 if request.exit_at_step is not None and request.exit_at_step > it.loops:  # else reached already
                     stop = min(stop, request.exit_at_step)
+            if it.forced is not None:  # a recomputing chunk: every forced exit and readout depth is a stop
+                stop = min([stop] + [x for x in (*it.forced, *it.readout_depths) if x > it.loops])
             out = min(out, stop - it.loops)
         return max(out, 1)
 
     def _writing(self, items: list[Item]) -> torch.Tensor | None:
-        """Skip mode: the rows whose KV the pass writes when a verification holds rows that exited (their deeper
-        planes keep their exit loop's KV while the other rows go on); None: every row."""
-        if self.runner.exit_mode != "skip" or not any(it.row_exits and any(it.row_exits) for it in items):
+        """Skip mode: the rows whose KV the pass writes when an item holds rows past their exit (`Item.kept_rows`: their
+        deeper planes keep their exit loop's KV while the other rows go on); None: every row."""
+        if self.runner.exit_mode != "skip":
             return None
-        keep = [not (it.row_exits and it.row_exits[r]) for it in items for r in range(it.num_positions)]
+        kept = [it.kept_rows() for it in items]
+        if all(rows is None or all(rows) for rows in kept):
+            return None
+        keep = [x for it, rows in zip(items, kept) for x in (rows if rows is not None else [True] * it.num_positions)]
         return torch.tensor(keep, device=self.runner.device)
 
     def _loop(self, state: torch.Tensor, loops: list[int], ctx, items: list[Item], write) -> torch.Tensor:

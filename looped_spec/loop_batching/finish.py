@@ -100,7 +100,11 @@ class Finisher:
                 break
         exit_state = torch.cat([last[depth] for (_, _, last), depth in zip(done, depths)])
         positions = [n - 1 for n in lens]
-        return depths, read_out_by_depth(runner, requests, positions, lens, exit_state, depths, live_ctx)
+        logits = read_out_by_depth(runner, requests, positions, lens, exit_state, depths, live_ctx)
+        if runner.exit_mode == "skip":  # a recomputed generated token skips the loops after its exit, as decoding did
+            self.fill_skipped_loops([(r, p, depth) for r, p, depth in zip(requests, positions, depths)
+                                     if p >= r.num_prompt_tokens])  # fmt: skip
+        return depths, logits
 
     def plain(self, done: list[tuple], state: torch.Tensor, ctx, items: list[Item], out: Finished) -> None:
         """Plain tokens (item, its row in this pass, exit depth, exit state or None for this pass's row, its

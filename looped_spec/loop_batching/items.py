@@ -98,6 +98,11 @@ class Item:
     # the prompt's last chunk of a request that exits early: its last position's state when embedded and after every
     # loop so far ([1, S] each), on which its first token's exit rule runs once the chunk is done
     last_states: list[torch.Tensor] | None = None
+    # a prompt chunk recomputing a preempted request's tokens with recorded exit depths: per row, the loop whose KV its
+    # deeper planes keep (skip mode, generated tokens; D: its own) and its readout depth; `row_exit_states` holds each
+    # row's state at its readout depth
+    forced: list[int] | None = None
+    readout_depths: list[int] | None = None
 
     @property
     def plain(self) -> bool:
@@ -108,6 +113,15 @@ class Item:
     def ruled(self) -> bool:
         """Exit rules apply to its positions: a plain token, or a speculative round of a request that exits early."""
         return self.plain or (self.round is not None and self.round.exits_early)
+
+    def kept_rows(self) -> list[bool] | None:
+        """Per row, whether the pass writes its KV: not a verification's row that exited, nor a recomputed token's past
+        its forced exit (skip mode: their deeper planes keep their exit loop's KV); None: every row."""
+        if self.row_exits is not None:
+            return [not e for e in self.row_exits]
+        if self.forced is not None:
+            return [f > self.loops for f in self.forced]
+        return None
 
     @property
     def num_positions(self) -> int:
