@@ -21,6 +21,18 @@ from looped_spec.models.dense import sdpa
 
 
 @dataclass
+class QueryGroup:
+    """Requests of a ragged batch whose queries the reference path pads together (see `query_groups`)."""
+
+    requests: torch.Tensor  # [n] long: the group's requests (rows of the gathered keys)
+    tokens: torch.Tensor  # [t] long: their tokens in the flat batch
+    max_query: int
+    num_keys: int  # keys the group's requests attend over (its longest context)
+    mask: torch.Tensor | None  # [n, 1, max_query, num_keys] bool
+    pad_index: torch.Tensor | None  # [t] index into the group's padded [n * max_query] query grid
+
+
+@dataclass
 class PagedContext:
     """A ragged batch over the paged KV cache.
 
@@ -59,6 +71,9 @@ class PagedContext:
     # ([num_tokens]), so that one call of loop 0 serves each request at its own loop (loop_pass.py)
     request_planes: torch.Tensor | None = None
     token_planes: torch.Tensor | None = None
+    # the reference path's query groups when one padded grid would mostly be padding (decoding rows beside a prompt
+    # chunk): each group is padded to its own longest query and context; None: one grid
+    groups: list[QueryGroup] | None = None
 
     def attention(self, plane: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         num_planes, num_slots, kv_heads, head_dim = self.key_cache.shape
@@ -78,16 +93,13 @@ class PagedContext:
         if self.kernel is not None:
             return self.kernel.attend(q, self.key_cache, self.value_cache, plane, self.plane_shift)
         keys, values = self.gather(plane_index)
-        num_heads = q.shape[1]
-        if self.pad_index is None:
-            queries = q.view(self.num_reqs, self.max_query, num_heads, head_dim)
-        else:
-            queries = q.new_zeros(self.num_reqs * self.max_query, num_heads, head_dim)
-            queries.index_copy_(0, self.pad_index, q)
-            queries = queries.view(self.num_reqs, self.max_query, num_heads, head_dim)
-        out = sdpa(queries.transpose(1, 2), keys, values, mask=self.mask)
-        out = out.transpose(1, 2).reshape(self.num_reqs * self.max_query, num_heads, head_dim)
-        return out if self.pad_index is None else out.index_select(0, self.pad_index)
+        if self.groups is None:
+            return _attend(q, keys, values, self.max_query, self.mask, self.pad_index)
+        out = torch.empty_like(q)
+        for g in self.groups:
+            group_keys, group_values = keys[g.requests, :, : g.num_keys], values[g.requests, :, : g.num_keys]
+            out[g.tokens] = _attend(q[g.tokens], group_keys, group_values, g.max_query, g.mask, g.pad_index)
+        return out
 
     def gather(self, plane_index) -> tuple[torch.Tensor, torch.Tensor]:
         """Each request's first `num_keys` keys and values of one plane: [num_reqs, kv_heads, num_keys, head_dim].
@@ -120,6 +132,54 @@ class PagedContext:
         return self.seeds_per_token
 
 
+def _attend(q, keys, values, max_query: int, mask, pad_index) -> torch.Tensor:
+    """SDPA of one padded grid: q [t, H, hd] of n requests (their tokens flat), keys/values [n, KVH, Tk, hd]."""
+    num_reqs, num_heads, head_dim = keys.shape[0], q.shape[1], q.shape[2]
+    if pad_index is None:
+        queries = q.reshape(num_reqs, max_query, num_heads, head_dim)
+    else:
+        queries = q.new_zeros(num_reqs * max_query, num_heads, head_dim)
+        queries.index_copy_(0, pad_index, q)
+        queries = queries.view(num_reqs, max_query, num_heads, head_dim)
+    out = sdpa(queries.transpose(1, 2), keys, values, mask=mask)
+    out = out.transpose(1, 2).reshape(num_reqs * max_query, num_heads, head_dim)
+    return out if pad_index is None else out.index_select(0, pad_index)
+
+
+def _grid(starts: list[int], query_lens: list[int], context_lens: list[int], device):
+    """(max query, key count, mask or None, pad index or None) of one padded grid over these requests."""
+    max_query, num_keys = max(query_lens), max(context_lens)
+    pad = [r * max_query + i for r, n in enumerate(query_lens) for i in range(n)]
+    pad_index = None if all(n == max_query for n in query_lens) else torch.tensor(pad, dtype=torch.long, device=device)
+    mask = None
+    if max_query > 1 or any(c != num_keys for c in context_lens):
+        # query i of request r (at position starts[r] + i) sees keys at positions <= its own; padded query
+        # rows see key 0 only (no all-masked row, so no NaN)
+        q_pos = [[s + i if i < n else 0 for i in range(max_query)] for s, n in zip(starts, query_lens)]
+        mask = (torch.arange(num_keys)[None, None, :] <= torch.tensor(q_pos)[:, :, None])[:, None].to(device)
+    return max_query, num_keys, mask, pad_index
+
+
+def query_groups(starts: list[int], query_lens: list[int], context_lens: list[int], device) -> list[QueryGroup] | None:
+    """One-query requests apart from the others when one grid would be more than half padding: a loop pass that
+    mixes decoding rows with a prompt chunk would otherwise pad every decoding row to the chunk's length."""
+    if max(query_lens) == 1 or min(query_lens) > 1 or 2 * sum(query_lens) >= len(query_lens) * max(query_lens):
+        return None
+    first_token = [0]
+    for n in query_lens:
+        first_token.append(first_token[-1] + n)
+    groups = []
+    for chosen in ([r for r, n in enumerate(query_lens) if n == 1], [r for r, n in enumerate(query_lens) if n > 1]):
+        tokens = [t for r in chosen for t in range(first_token[r], first_token[r + 1])]
+        max_query, num_keys, mask, pad_index = _grid(
+            [starts[r] for r in chosen], [query_lens[r] for r in chosen], [context_lens[r] for r in chosen], device
+        )
+        groups.append(QueryGroup(torch.tensor(chosen, dtype=torch.long, device=device),
+                                 torch.tensor(tokens, dtype=torch.long, device=device), max_query, num_keys, mask,
+                                 pad_index))  # fmt: skip
+    return groups
+
+
 def build_paged_context(
     key_cache: torch.Tensor,
     value_cache: torch.Tensor,
@@ -147,22 +207,15 @@ def build_paged_context(
     )
     positions: list[int] = []
     slots: list[int] = []
-    pad: list[int] = []
     starts = [c - q for c, q in zip(context_lens, query_lens)]
-    for r, (start, n, blocks) in enumerate(zip(starts, query_lens, block_tables)):
+    for start, n, blocks in zip(starts, query_lens, block_tables):
         for pos in range(start, start + n):
             positions.append(pos)
             slots.append(blocks[pos // block_size] * block_size + pos % block_size)
-            pad.append(r * max_query + pos - start)
-    pad_index = None
-    if any(n != max_query for n in query_lens):
-        pad_index = torch.tensor(pad, dtype=torch.long, device=device)
-    mask = None
-    if max_query > 1 or any(c != max_context for c in context_lens):
-        # query i of request r (at position starts[r] + i) sees keys at positions <= its own; padded query
-        # rows see key 0 only (no all-masked row, so no NaN)
-        q_pos = [[s + i if i < n else 0 for i in range(max_query)] for s, n in zip(starts, query_lens)]
-        mask = (torch.arange(max_context)[None, None, :] <= torch.tensor(q_pos)[:, :, None])[:, None].to(device)
+    groups = None if use_kernel else query_groups(starts, query_lens, context_lens, device)
+    pad_index = mask = None
+    if groups is None:
+        _, _, mask, pad_index = _grid(starts, query_lens, context_lens, device)
     token_seeds = None
     if need_token_seeds:
         seeds = seeds or [0] * num_reqs
@@ -196,4 +249,5 @@ def build_paged_context(
         kernel=kernel,
         contiguous_from=used[0] * block_size if contiguous else None,
         seeds_per_token=token_seeds,
+        groups=groups,
     )
