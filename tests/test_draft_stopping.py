@@ -82,5 +82,25 @@ def test_stop_margin_is_checked_and_refused_where_it_does_not_run():
         SpeculativeConfig(k=2, d=1, stop_margin=1.5)
     with pytest.raises(ValueError, match="stop_margin: not together with measure_depths"):
         SpeculativeConfig(k=2, d=1, stop_margin=0.2, measure_depths=True)
-    with pytest.raises(ValueError, match="stop_margin"):
-        LoopedSpecEngine(load("ouro"), speculation=SpeculativeConfig(k=2, d=1, stop_margin=0.2), batching="loop")
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_stopping_on_loop_passes_equals_the_step_engine(family):
+    """On loop passes a round stops drafting where the step engine's does (an unsure draft is not drawn, the round is
+    verified as it stands; a first draft already unsure verifies its first position alone): greedy and sampled
+    outputs, drafts proposed and accepted equal the step engine's, from 'never stops' to 'always stops'."""
+    prompts = [[5, 9, 2, 7], [1, 2, 3], [44, 8, 19, 20, 21, 3, 7], [100], [6, 6, 6, 6, 6]]
+    for margin in (1e-6, 0.05, 0.3, 1.0):
+        spec = SpeculativeConfig(k=3, d=1, stop_margin=margin)
+        for temperature in (0.0, 0.8):
+            params = [SamplingParams(max_tokens=5 + 2 * i, temperature=temperature, seed=i, ignore_eos=True)
+                      for i in range(len(prompts))]  # fmt: skip
+            step = make_engine(family, speculation=spec)
+            loop = make_engine(family, speculation=spec, batching="loop")
+            label = (margin, temperature)
+            assert [o.token_ids for o in loop.generate(prompts, params)] == [
+                o.token_ids for o in step.generate(prompts, params)
+            ], label
+            assert loop.stats.num_draft_tokens == step.stats.num_draft_tokens, label
+            assert loop.stats.num_accepted_tokens == step.stats.num_accepted_tokens, label
+            assert loop.num_free_blocks == loop.kv.num_blocks and not loop.loop_batcher.items

@@ -133,10 +133,6 @@ class EngineConfig(BaseModel):
     def _loop_batching(self) -> EngineConfig:
         if self.batching != "loop":
             return self
-        spec = parse_speculation(self.speculation)
-        if isinstance(spec, SpeculativeConfig) and spec.stop_margin is not None:
-            raise ValueError("speculation.stop_margin: per-token stopping runs in the step engine so far (batching="
-                             "'step')")  # fmt: skip
         if self.cuda_graphs:
             raise ValueError(f"batching='loop' runs its passes eagerly so far: cuda_graphs={self.cuda_graphs!r}")
         return self

@@ -165,6 +165,16 @@ class Finisher:
                     r.preds.append(torch.cat([*it.preds, greedy[j : j + 1]]))  # [d]: depths 1..d of this position
                 r.logits.append(logits[j] if r.exits[-1] else None)
             drawing = [j for j, (_, _, draws) in enumerate(group) if draws]
+            stopping = [j for j in drawing if group[j][1].stop_margin is not None]
+            if stopping:  # per-token stopping: an unsure draft is not drawn, its round is verified as it stands
+                top2 = logits[torch.tensor(stopping, device=logits.device)].float().softmax(-1).topk(2, dim=-1).values
+                unsure = {j for j, m in zip(stopping, (top2[:, 0] - top2[:, 1]).tolist())
+                          if m < group[j][1].stop_margin}  # fmt: skip
+                for j in sorted(unsure):
+                    it, r, _ = group[j]
+                    r.k = len(r.tokens)
+                    out.items[it.request.request_id] = self._verification(it, r)
+                drawing = [j for j in drawing if j not in unsure]
             if not drawing:
                 continue
             requests = [group[j][0].request for j in drawing]

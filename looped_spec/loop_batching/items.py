@@ -21,11 +21,13 @@ from looped_spec.request import Request, RequestStatus, TokenLogprob
 
 
 class Entering(NamedTuple):
-    """How a request's next round runs: K drafts with the first d loops (K = 0: a plain token), measured or not."""
+    """How a request's next round runs: K drafts with the first d loops (K = 0: a plain token), measured or not, and
+    the plan's per-token stopping margin (None: it drafts all K)."""
 
     k: int
     d: int
     measured: bool
+    stop_margin: float | None = None
 
 
 @dataclass(slots=True)
@@ -47,6 +49,8 @@ class DraftRound:
     measured: bool = False
     preds: list[torch.Tensor] = field(default_factory=list)  # measured, per position: [d] greedy of depths 1..d
     exits_early: bool = False
+    # per-token stopping: the round stops drafting at its first draft whose depth-d top-two margin is below this
+    stop_margin: float | None = None
     # exits_early, per position so far: its exit depth within the draft (0: none), its state there (None: none),
     # the exit rule's carry after its last loop, and its readout at the exit (the target's logits; None: none)
     exits: list[int] = field(default_factory=list)
@@ -60,8 +64,9 @@ class DraftRound:
         """A copy with one more position's loop-d state (skip mode: its exit state when it exited) and exit (a pass
         builds new rounds, leaving its inputs as they were)."""
         return DraftRound(self.start, self.k, self.d, list(self.tokens), list(self.q), [*self.states, state],
-                          self.measured, list(self.preds), self.exits_early, [*self.exits, exit_depth],
-                          [*self.exit_states, exit_state], [*self.carries, carry], list(self.logits))  # fmt: skip
+                          self.measured, list(self.preds), self.exits_early, self.stop_margin,
+                          [*self.exits, exit_depth], [*self.exit_states, exit_state], [*self.carries, carry],
+                          list(self.logits))  # fmt: skip
 
     def decided(self, readout_uses_kv: bool) -> list[bool]:
         """Per position 0..K: whether the draft's readout is already the target's (it exited within the draft; with a
