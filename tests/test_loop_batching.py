@@ -257,8 +257,6 @@ def test_a_failed_pass_leaves_every_item_as_it_was():
 
 
 def test_loop_batching_options_that_are_not_built_are_errors():
-    with pytest.raises(ValueError, match="stop_margin: .*batching="):
-        LoopedSpecEngine(load("ouro"), batching="loop", speculation=SpeculativeConfig(k=2, d=1, stop_margin=0.1))
     with pytest.raises(ValueError, match="batching='loop'.*cuda_graphs='emulate'"):
         LoopedSpecEngine(load("ouro"), batching="loop", speculation="off", cuda_graphs="emulate")
     with pytest.raises(ValueError, match="batching"):

@@ -29,14 +29,13 @@ class LoopBatcher:
         self.runner = runner
         self.adapter = runner.adapter
         self.depth = runner.full_depth
-        self.reads_kv = self.adapter.exit_rule_reads_kv
         self.items: dict[str, Item] = {}
         self.next_drafts: dict[str, NextDraft] = {}
         # the last pass's context, reused while the same positions loop (at full depth: D passes in a row)
         self._ctx_key: tuple = ()
         self._ctx = None
         self.finisher = Finisher(runner)
-        self._loop_planes = self.finisher.loop_planes
+        self.exits = self.finisher.exits
         self.watch = Stopwatch(runner.device)
 
     def in_flight(self, request: Request) -> bool:
@@ -74,7 +73,7 @@ class LoopBatcher:
         measuring = any(p is not None for p in preds)
         lasts = [None if it.last_states is None else list(it.last_states) for it in items]
         prev = state
-        write = self._writing(items)
+        write = self.exits.writing(items)
         for _ in range(num_loops):
             prev, state = state, self._loop(state, loops, ctx, items, write)
             loops = [n + 1 for n in loops]
@@ -85,7 +84,7 @@ class LoopBatcher:
                     last.append(state[rows[i].stop - 1 : rows[i].stop])
         t2 = watch.mark()
         out = Finished(requests)
-        fired, carries = self._exits(items, loops, state, prev, rows, ctx)
+        fired, carries = self.exits.decide(items, loops, state, prev, rows, ctx)
         skip = self.runner.exit_mode == "skip"
         plain, drafts, verifies, prompts = [], [], [], []
         fills: list[tuple[Request, int, int]] = []  # skip mode: (request, position, exit depth) whose planes to fill
@@ -93,13 +92,13 @@ class LoopBatcher:
             rs = rows[i]
             if it.chunk and it.forced is not None:  # a recompute with recorded exits: rows exit at known depths
                 it = self._moved(it, state[rs], n, prev[rs], carries[i], preds[i])
-                self._recorded_exits(it, n, skip, fills)
+                self.exits.recorded_rows(it, n, skip, fills)
             if it.chunk and n >= self.depth:  # read out from each row's readout state (a recompute: its recorded depth)
                 prompts.append((it, state[rs] if it.forced is None else it.row_exit_states, lasts[i]))
                 continue
             if it.row_exits is not None:  # a verification under early exit: its rows exit one by one
                 new = self._moved(it, state[rs], n, prev[rs], carries[i], preds[i])
-                self._row_exits(new, fired[i], n, skip, fills)
+                self.exits.verification_rows(new, fired[i], n, skip, fills)
                 if n >= self.depth or (skip and all(new.row_exits)):
                     verifies.append(new)
                 else:
@@ -131,7 +130,7 @@ class LoopBatcher:
             new.exit_depth, new.exit_state, new.last_states = exit_depth, exit_state, lasts[i]
             out.items[it.request.request_id] = new
         if fills:
-            self.finisher.fill_skipped_loops(fills)
+            self.exits.fill(fills)
         if prompts:
             self.finisher.chunks(prompts, ctx, items, out)
         if plain:
@@ -151,29 +150,6 @@ class LoopBatcher:
                     it.exit_depth, it.exit_state, it.round, it.verify, it.measured, it.chunk, preds or [],
                     None if it.row_exits is None else list(it.row_exits), it.row_exit_states, it.last_states,
                     it.forced, it.readout_depths)  # fmt: skip
-
-    def _recorded_exits(self, item: Item, loops: int, skip: bool, fills: list) -> None:
-        """A recomputing chunk after its loop `loops`: the rows read out at this depth keep their state; skip mode: the
-        rows whose forced exit this is get their deeper planes filled before the next loop runs."""
-        reading = [r for r, depth in enumerate(item.readout_depths) if depth == loops]
-        if reading:
-            item.row_exit_states = item.row_exit_states.clone()
-            item.row_exit_states[reading] = item.state[reading]
-        if skip and loops < self.depth:
-            fills += [(item.request, item.position + r, loops) for r, f in enumerate(item.forced) if f == loops]
-
-    def _row_exits(self, item: Item, fired: list[bool], loops: int, skip: bool, fills: list) -> None:
-        """A verification's rows that exit after its loop `loops` (every row left exits at depth D): their exit depth
-        and state; skip mode: their deeper planes are filled before the next loop runs."""
-        new = [r for r, hit in enumerate(fired) if not item.row_exits[r] and (hit or loops >= self.depth)]
-        if not new:
-            return
-        item.row_exit_states = item.row_exit_states.clone()
-        for r in new:
-            item.row_exits[r] = loops
-            item.row_exit_states[r] = item.state[r]
-            if skip and loops < self.depth:
-                fills.append((item.request, item.position + r, loops))
 
     def commit(self, result: PassResult) -> None:
         """Apply a pass whose tokens the engine has committed: its requests' work becomes the work that goes on."""
@@ -246,22 +222,9 @@ class LoopBatcher:
                             carry=None if carry is None or chunk else carry[j : j + 1], round=round_,
                             measured=measured, chunk=chunk, last_states=last)  # fmt: skip
                 if chunk and request.exit_depths:
-                    self._recorded(item, len(tokens))
+                    self.exits.recorded(item, len(tokens))
                 items[row] = item
         return items  # type: ignore[return-value]
-
-    def _recorded(self, item: Item, count: int) -> None:
-        """A chunk recomputing a preempted request's tokens redoes their recorded exits (`prefill_with_exit`): a token's
-        readout depth is the exit recorded for it (kept from the last prompt token on), and in skip mode a generated
-        token's deeper planes keep its exit loop's KV; the others run and keep every loop."""
-        request, skip = item.request, self.runner.exit_mode == "skip"
-        forced, readout = [], []
-        for position in range(item.position, item.position + count):
-            recorded = position - (request.num_prompt_tokens - 1)
-            depth = request.exit_depths[recorded] if 0 <= recorded < len(request.exit_depths) else self.depth
-            forced.append(depth if skip and position >= request.num_prompt_tokens else self.depth)
-            readout.append(depth)
-        item.forced, item.readout_depths, item.row_exit_states = forced, readout, item.state.clone()
 
     # ----- the pass -----
     @staticmethod
@@ -305,17 +268,6 @@ class LoopBatcher:
             out = min(out, stop - it.loops)
         return max(out, 1)
 
-    def _writing(self, items: list[Item]) -> torch.Tensor | None:
-        """Skip mode: the rows whose KV the pass writes when an item holds rows past their exit (`Item.kept_rows`: their
-        deeper planes keep their exit loop's KV while the other rows go on); None: every row."""
-        if self.runner.exit_mode != "skip":
-            return None
-        kept = [it.kept_rows() for it in items]
-        if all(rows is None or all(rows) for rows in kept):
-            return None
-        keep = [x for it, rows in zip(items, kept) for x in (rows if rows is not None else [True] * it.num_positions)]
-        return torch.tensor(keep, device=self.runner.device)
-
     def _loop(self, state: torch.Tensor, loops: list[int], ctx, items: list[Item], write) -> torch.Tensor:
         """One loop of every item, item i at loop `loops[i]` (0-based): one call when the family's loops are loop 0 on
         moved planes (`uniform_loops`), else one call per distinct loop index. `write` [rows] bool: the rows whose KV
@@ -327,7 +279,7 @@ class LoopBatcher:
                 if len(set(loops)) == 1:  # every item at one loop (lockstep): the step engine's call
                     return adapter.loop(state, loops[0], ctx)
                 device = state.device
-                per_request = torch.tensor(loops, dtype=torch.long, device=device) * len(self._loop_planes[0])
+                per_request = torch.tensor(loops, dtype=torch.long, device=device) * len(self.exits.loop_planes[0])
                 counts = torch.tensor([it.num_positions for it in items], device=device)
                 ctx.request_planes, ctx.token_planes = per_request, per_request.repeat_interleave(counts)
                 ctx.kernel, ctx.contiguous_from = None, None  # the paged kernel and in-place reads take one plane
@@ -344,40 +296,6 @@ class LoopBatcher:
                 sub_ctx.write_index = write[index].nonzero().flatten()
             out[index] = adapter.loop(state[index], loop_index, sub_ctx)
         return out
-
-    def _exits(self, items, loops, state, prev, rows, ctx) -> tuple[list[list[bool]], list]:
-        """Per item and row, whether its position exits after its loop (rule fired, exit_at_step reached; depth D is
-        the caller's), and the item's new carry. Rules apply to the items they rule (`Item.ruled`); a rule runs once
-        per depth over the rows that have one, or once for all when it does not depend on the depth
-        (`exit_rule_uses_depth`); items that carry nothing yet apart."""
-        fired = [
-            [it.ruled and it.request.exit_at_step is not None and n >= it.request.exit_at_step] * it.num_positions
-            for it, n in zip(items, loops)
-        ]
-        carries = [it.carry for it in items]
-        groups: dict[tuple, list[int]] = {}
-        for i, (it, n) in enumerate(zip(items, loops)):
-            if it.ruled and it.request.exit_threshold is not None and n < self.depth:
-                key = (n if self.adapter.exit_rule_uses_depth else 0, carries[i] is None)
-                groups.setdefault(key, []).append(i)
-        for chosen in groups.values():
-            index = torch.cat([torch.arange(rows[i].start, rows[i].stop) for i in chosen]).to(state.device)
-            counts = [items[i].num_positions for i in chosen]
-            threshold = torch.tensor(
-                [items[i].request.exit_threshold for i, count in zip(chosen, counts) for _ in range(count)],
-                device=state.device,
-            )
-            carry = None if carries[chosen[0]] is None else torch.cat([carries[i] for i in chosen])
-            # a rule that reads out through attention (Huginn's KL: its coda writes KV) gets the context of its rows
-            rule_ctx = self.finisher.readout_context([items[i] for i in chosen], ctx, items) if self.reads_kv else ctx
-            hits, carry = self.adapter.exit_rule(state[index], loops[chosen[0]], prev[index], carry, threshold,
-                                                 rule_ctx)  # fmt: skip
-            hits, start = hits.tolist(), 0
-            for i, count in zip(chosen, counts):
-                fired[i] = [a or b for a, b in zip(fired[i], hits[start : start + count])]
-                carries[i] = None if carry is None else carry[start : start + count]
-                start += count
-        return fired, carries
 
     def _read_out_passing(self, items, loops, state, rows, ctx, preds) -> None:
         """Measured items: the greedy prediction of the depth each just reached, short of its stop depth (read out

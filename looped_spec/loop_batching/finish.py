@@ -12,9 +12,10 @@ from __future__ import annotations
 
 import torch
 
-from looped_spec.execution.early_exit import ExitTracker, read_out_by_depth
+from looped_spec.execution.early_exit import read_out_by_depth
 from looped_spec.execution.logprobs import logprobs_of_rows, verified_logprobs
 from looped_spec.execution.sampler import SamplingRows, sample
+from looped_spec.loop_batching.exits import PassExits
 from looped_spec.loop_batching.items import DraftRound, Item, NextDraft, PassResult
 from looped_spec.request import Request, TokenLogprob
 from looped_spec.speculative.proposer import draw_drafts
@@ -36,7 +37,7 @@ class Finisher:
         self.runner = runner
         self.adapter = runner.adapter
         self.depth = runner.full_depth
-        self.loop_planes = [list(self.adapter.loop_planes(i)) for i in range(self.depth)]
+        self.exits = PassExits(runner, self.readout_context)
 
     def readout_context(self, done: list[Item], ctx, items: list[Item]):
         """A readout that attends (Huginn's coda) writes KV: then the context of exactly the items read out."""
@@ -48,7 +49,7 @@ class Finisher:
         """Prompt chunks at depth D (item, its rows' states, its last position's states at every depth or None): a
         chunk that ends its prompt reads out its last position and samples the first token (a readout that attends,
         Huginn's coda, runs over every position: each one's coda KV is cached). A request that exits early reads
-        it out at its rule's exit depth, decided afterwards on the last position's states (`_first_exits`)."""
+        it out at its rule's exit depth, decided afterwards on the last position's states (`PassExits.first_tokens`)."""
         runner = self.runner
         finals = [j for j, (it, _, _) in enumerate(done) if it.position + it.num_positions == it.request.num_tokens]
         logits = None
@@ -65,7 +66,7 @@ class Finisher:
         if logits is not None:
             ruled = [n for n, j in enumerate(finals) if done[j][2] is not None]
             if ruled:
-                exit_depths, exit_logits = self._first_exits([done[finals[n]] for n in ruled])
+                exit_depths, exit_logits = self.exits.first_tokens([done[finals[n]] for n in ruled])
                 logits = logits.clone()
                 logits[torch.tensor(ruled, device=logits.device)] = exit_logits
                 depths = {finals[n]: depth for n, depth in zip(ruled, exit_depths)}
@@ -78,34 +79,6 @@ class Finisher:
             out.prefill(it.request, it.num_positions, [] if token is None else [token], entry,
                         [depths[j]] if j in depths else [])  # fmt: skip
 
-    def _first_exits(self, done: list[tuple[Item, torch.Tensor, list]]) -> tuple[list[int], torch.Tensor]:
-        """The first tokens of requests that exit early: the rule runs over their last prompt position's states loop
-        after loop (after the chunk's own readout, so a rule that reads out through the coda sees the earlier
-        positions' coda KV), and each is read out at its exit depth (early_exit.py `prefill_with_exit`)."""
-        runner = self.runner
-        requests = [it.request for it, _, _ in done]
-        lens = [it.position + it.num_positions for it, _, _ in done]
-        live_ctx = runner.context(requests, [1] * len(done), lens)
-        tracker = ExitTracker(self.adapter, requests, runner.device)
-        depths = [self.depth] * len(done)
-        decided = torch.zeros(len(done), dtype=torch.bool, device=runner.device)
-        for i in range(self.depth):
-            state = torch.cat([last[i + 1] for _, _, last in done])
-            prev = torch.cat([last[i] for _, _, last in done])
-            exits = tracker.step(i + 1, state, prev, live_ctx) & ~decided
-            decided |= exits
-            for row in exits.nonzero().flatten().tolist():
-                depths[row] = i + 1
-            if bool(decided.all()):
-                break
-        exit_state = torch.cat([last[depth] for (_, _, last), depth in zip(done, depths)])
-        positions = [n - 1 for n in lens]
-        logits = read_out_by_depth(runner, requests, positions, lens, exit_state, depths, live_ctx)
-        if runner.exit_mode == "skip":  # a recomputed generated token skips the loops after its exit, as decoding did
-            self.fill_skipped_loops([(r, p, depth) for r, p, depth in zip(requests, positions, depths)
-                                     if p >= r.num_prompt_tokens])  # fmt: skip
-        return depths, logits
-
     def plain(self, done: list[tuple], state: torch.Tensor, ctx, items: list[Item], out: Finished) -> None:
         """Plain tokens (item, its row in this pass, exit depth, exit state or None for this pass's row, its
         measured predictions or None): read out at their exit depth (skip mode: the loop planes after it get the exit
@@ -114,7 +87,7 @@ class Finisher:
         finished = [it for it, _, _, _, _ in done]
         depths = [depth or self.depth for _, _, depth, _, _ in done]
         if runner.exit_mode == "skip":
-            self.fill_skipped_loops([(it.request, it.position, depth) for it, depth in zip(finished, depths)])
+            self.exits.fill([(it.request, it.position, depth) for it, depth in zip(finished, depths)])
         requests = [it.request for it in finished]
         positions = [it.position for it in finished]
         lens = [p + 1 for p in positions]
@@ -322,24 +295,6 @@ class Finisher:
                     out.append(verified[verified_at + j - start][None])
             verified_at += width - start
         return torch.cat(out)
-
-    def fill_skipped_loops(self, fills: list[tuple[Request, int, int]]) -> None:
-        """Skip mode: the loop planes after each (request, position, exit depth)'s exit depth get its exit loop's KV
-        (early_exit.py), all positions in one copy."""
-        src, dst, slots = [], [], []
-        block_size, planes = self.runner.kv.block_size, self.loop_planes
-        for request, position, exit_depth in fills:
-            if exit_depth >= self.depth:
-                continue
-            table = request.block_table
-            slot = table[position // block_size] * block_size + position % block_size
-            for loop_index in range(exit_depth, self.depth):
-                src += planes[exit_depth - 1]
-                dst += planes[loop_index]
-            slots += [slot] * (len(planes[0]) * (self.depth - exit_depth))
-        if slots:
-            device = self.runner.device
-            self.runner.kv.copy_entries(*(torch.tensor(x, dtype=torch.long, device=device) for x in (src, dst, slots)))
 
 
 class Finished:
