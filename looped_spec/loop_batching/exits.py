@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from looped_spec.execution.early_exit import ExitTracker, read_out_by_depth
-from looped_spec.loop_batching.items import Item
+from looped_spec.loop_batching.items import DraftRound, Item
 from looped_spec.request import Request
 
 
@@ -150,3 +150,69 @@ class PassExits:
         if slots:
             device = self.runner.device
             self.runner.kv.copy_entries(*(torch.tensor(x, dtype=torch.long, device=device) for x in (src, dst, slots)))
+
+    def verification(self, it: Item, r: DraftRound) -> Item:
+        """The verification of a round whose request exits early: its rows carry their exit so far; skip mode starts at
+        the first position the draft did not decide (the decided ones are final, their deeper planes filled), and
+        when there is none nothing is left to run."""
+        decided = r.decided(self.adapter.readout_uses_kv)
+        first = 0
+        if self.runner.exit_mode == "skip":
+            first = decided.index(False) if False in decided else len(decided)
+        if first == len(decided):  # every position decided: a verification of no rows, with no loops left
+            state = it.state[:0]
+            return Item(it.request, r.start, it.preemptions, r.start + len(decided), state, self.depth, self.depth,
+                        round=r, verify=True, row_exits=[], row_exit_states=state)  # fmt: skip
+        states = torch.cat(r.states[first:])
+        exit_states = torch.cat([s if s is not None else states[j : j + 1]
+                                 for j, s in enumerate(r.exit_states[first:])])  # fmt: skip
+        carry = None
+        carries = r.carries[first:]
+        like = next((c for c in carries if c is not None), None)
+        if like is not None:
+            carry = torch.cat([c if c is not None else torch.zeros_like(like) for c in carries])
+        return Item(it.request, r.start, it.preemptions, r.start + first, states, self.depth, r.d, carry=carry,
+                    round=r, verify=True, row_exits=list(r.exits[first:]), row_exit_states=exit_states)  # fmt: skip
+
+    def target_logits(self, done: list[Item]) -> list[torch.Tensor]:
+        """Per verification of a round whose request exits early, [K+1, V]: a position the draft decided keeps the
+        draft's readout; the others are read out at their exit (a readout that attends, Huginn's coda, once over
+        each round's span of them at D, so its KV is written causally; in select mode over every verified row, whose
+        readout KV the exit rule's readouts may have overwritten)."""
+        runner = self.runner
+        uses_kv = self.adapter.readout_uses_kv
+        spans = []  # per exit round: (item, first position read out, its decided positions)
+        for it in done:
+            r = it.round
+            decided = r.decided(uses_kv)
+            first = decided.index(False) if False in decided else len(decided)
+            lo = it.position - r.start
+            start = lo if uses_kv and runner.exit_mode == "select" else first
+            spans.append((it, start, decided))
+        states, reqs, positions, depths, counts = [], [], [], [], []
+        for it, start, _ in spans:
+            lo = it.position - it.round.start
+            for j in range(start, it.round.k + 1):
+                states.append(it.row_exit_states[j - lo : j - lo + 1])
+                reqs.append(it.request)
+                positions.append(it.round.start + j)
+                depths.append(it.row_exits[j - lo])
+            counts.append(it.round.k + 1 - start)
+        verified = None
+        if states:
+            state = torch.cat(states)
+            if uses_kv:
+                span_reqs = [it.request for (it, _, _), n in zip(spans, counts) if n]
+                lens = [it.round.start + it.round.k + 1 for (it, _, _), n in zip(spans, counts) if n]
+                span_ctx = runner.context(span_reqs, [n for n in counts if n], lens)
+                verified = runner.readout(state, self.depth, span_ctx)
+            else:
+                verified = read_out_by_depth(runner, reqs, positions, [p + 1 for p in positions], state, depths, None)
+        out, verified_at = [], 0
+        for it, start, decided in spans:
+            width = it.round.k + 1
+            rows = [it.round.logits[j][None] if decided[j] else verified[verified_at + j - start][None]
+                    for j in range(width)]  # fmt: skip
+            out.append(torch.cat(rows))
+            verified_at += width - start
+        return out

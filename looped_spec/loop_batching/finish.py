@@ -167,24 +167,7 @@ class Finisher:
         if not r.exits_early:
             return Item(it.request, r.start, it.preemptions, r.start, torch.cat(r.states), self.depth, r.d,
                         round=r, verify=True, measured=r.measured)  # fmt: skip
-        decided = r.decided(self.adapter.readout_uses_kv)
-        first = 0
-        if self.runner.exit_mode == "skip":
-            first = decided.index(False) if False in decided else len(decided)
-        if first == len(decided):  # every position decided: a verification of no rows, with no loops left
-            state = it.state[:0]
-            return Item(it.request, r.start, it.preemptions, r.start + len(decided), state, self.depth, self.depth,
-                        round=r, verify=True, row_exits=[], row_exit_states=state)  # fmt: skip
-        states = torch.cat(r.states[first:])
-        exit_states = torch.cat([s if s is not None else states[j : j + 1]
-                                 for j, s in enumerate(r.exit_states[first:])])  # fmt: skip
-        carry = None
-        carries = r.carries[first:]
-        like = next((c for c in carries if c is not None), None)
-        if like is not None:
-            carry = torch.cat([c if c is not None else torch.zeros_like(like) for c in carries])
-        return Item(it.request, r.start, it.preemptions, r.start + first, states, self.depth, r.d, carry=carry,
-                    round=r, verify=True, row_exits=list(r.exits[first:]), row_exit_states=exit_states)  # fmt: skip
+        return self.exits.verification(it, r)
 
     def verifies(self, done: list[Item], ctx, items: list[Item], out: Finished) -> None:
         """Verifications at depth D (under early exit: once every row exited): accept as the speculative round does
@@ -237,11 +220,8 @@ class Finisher:
                        sum(checked), sum(checked[: len(tokens) - 1]))  # fmt: skip
 
     def _target_logits(self, done: list[Item], ctx, items: list[Item]) -> torch.Tensor:
-        """[sum(K+1), V]: the target's logits of every round position, round after round. Without early exit the
-        verification's readout at D. Under early exit a position the draft decided keeps the draft's readout; the
-        others are read out at their exit (a readout that attends, Huginn's coda, once over each round's span of them
-        at D, so its KV is written causally; in select mode over every verified row, whose readout KV the exit rule's
-        readouts may have overwritten)."""
+        """[sum(K+1), V]: the target's logits of every round position, round after round: the verification's readout
+        at D, or under early exit `PassExits.target_logits`."""
         runner = self.runner
         plain = [it for it in done if not it.round.exits_early]
         plain_logits = None
@@ -250,50 +230,15 @@ class Finisher:
             plain_logits = runner.readout(torch.cat([it.state for it in plain]), self.depth, read_ctx)
         if len(plain) == len(done):
             return plain_logits
-        uses_kv = self.adapter.readout_uses_kv
-        spans = []  # per exit round: (item, first position read out, its decided positions)
-        for it in done:
-            if it.round.exits_early:
-                r = it.round
-                decided = r.decided(uses_kv)
-                first = decided.index(False) if False in decided else len(decided)
-                lo = it.position - r.start
-                start = lo if uses_kv and runner.exit_mode == "select" else first
-                spans.append((it, start, decided))
-        states, reqs, positions, depths, counts = [], [], [], [], []
-        for it, start, _ in spans:
-            lo = it.position - it.round.start
-            for j in range(start, it.round.k + 1):
-                states.append(it.row_exit_states[j - lo : j - lo + 1])
-                reqs.append(it.request)
-                positions.append(it.round.start + j)
-                depths.append(it.row_exits[j - lo])
-            counts.append(it.round.k + 1 - start)
-        verified = None
-        if states:
-            state = torch.cat(states)
-            if uses_kv:
-                span_reqs = [it.request for (it, _, _), n in zip(spans, counts) if n]
-                lens = [it.round.start + it.round.k + 1 for (it, _, _), n in zip(spans, counts) if n]
-                span_ctx = runner.context(span_reqs, [n for n in counts if n], lens)
-                verified = runner.readout(state, self.depth, span_ctx)
-            else:
-                verified = read_out_by_depth(runner, reqs, positions, [p + 1 for p in positions], state, depths, None)
-        out, plain_at, verified_at = [], 0, 0
-        exit_rounds = iter(spans)
+        exit_logits = iter(self.exits.target_logits([it for it in done if it.round.exits_early]))
+        out, plain_at = [], 0
         for it in done:
             width = it.round.k + 1
-            if not it.round.exits_early:
+            if it.round.exits_early:
+                out.append(next(exit_logits))
+            else:
                 out.append(plain_logits[plain_at : plain_at + width])
                 plain_at += width
-                continue
-            _, start, decided = next(exit_rounds)
-            for j in range(width):
-                if decided[j]:
-                    out.append(it.round.logits[j][None])
-                else:
-                    out.append(verified[verified_at + j - start][None])
-            verified_at += width - start
         return torch.cat(out)
 
 
