@@ -148,8 +148,8 @@ class LoopBatcher:
         """The item after this pass's loops (a new object: the pass leaves its inputs as they were)."""
         return Item(it.request, it.base, it.preemptions, it.position, state, it.stop, loops, prev, carry,
                     it.exit_depth, it.exit_state, it.round, it.verify, it.measured, it.chunk, preds or [],
-                    None if it.row_exits is None else list(it.row_exits), it.row_exit_states, it.row_base,
-                    it.last_states, it.forced, it.readout_depths)  # fmt: skip
+                    None if it.row_exits is None else list(it.row_exits), it.row_exit_states, it.last_states,
+                    it.forced, it.readout_depths)  # fmt: skip
 
     def commit(self, result: PassResult) -> None:
         """Apply a pass whose tokens the engine has committed: its requests' work becomes the work that goes on."""

@@ -71,26 +71,16 @@ class PassExits:
 
     def verification_rows(self, item: Item, fired: list[bool], loops: int, skip: bool, fills: list) -> None:
         """A verification's rows that exit after its loop `loops` (every row left exits at depth D): their exit depth
-        and state; skip mode: their deeper planes are filled before the next loop runs, and the item narrows to the
-        span of rows still looping (as the step engine's verification pass does)."""
-        offset = item.position - item.row_base
-        new = [offset + r for r, hit in enumerate(fired)
-               if not item.row_exits[offset + r] and (hit or loops >= self.depth)]  # fmt: skip
+        and state; skip mode: their deeper planes are filled before the next loop runs."""
+        new = [r for r, hit in enumerate(fired) if not item.row_exits[r] and (hit or loops >= self.depth)]
         if not new:
             return
         item.row_exit_states = item.row_exit_states.clone()
-        for j in new:
-            item.row_exits[j] = loops
-            item.row_exit_states[j] = item.state[j - offset]
+        for r in new:
+            item.row_exits[r] = loops
+            item.row_exit_states[r] = item.state[r]
             if skip and loops < self.depth:
-                fills.append((item.request, item.row_base + j, loops))
-        live = [j for j, e in enumerate(item.row_exits) if not e]
-        if skip and live and (live[0] > offset or live[-1] < offset + item.num_positions - 1):
-            keep = slice(live[0] - offset, live[-1] - offset + 1)
-            item.state = item.state[keep]
-            item.prev = None if item.prev is None else item.prev[keep]
-            item.carry = None if item.carry is None else item.carry[keep]
-            item.position = item.row_base + live[0]
+                fills.append((item.request, item.position + r, loops))
 
     def recorded(self, item: Item, count: int) -> None:
         """A chunk recomputing a preempted request's tokens redoes their recorded exits (`prefill_with_exit`): a token's
@@ -172,8 +162,7 @@ class PassExits:
         if first == len(decided):  # every position decided: a verification of no rows, with no loops left
             state = it.state[:0]
             return Item(it.request, r.start, it.preemptions, r.start + len(decided), state, self.depth, self.depth,
-                        round=r, verify=True, row_exits=[], row_exit_states=state,
-                        row_base=r.start + len(decided))  # fmt: skip
+                        round=r, verify=True, row_exits=[], row_exit_states=state)  # fmt: skip
         states = torch.cat(r.states[first:])
         exit_states = torch.cat([s if s is not None else states[j : j + 1]
                                  for j, s in enumerate(r.exit_states[first:])])  # fmt: skip
@@ -183,8 +172,7 @@ class PassExits:
         if like is not None:
             carry = torch.cat([c if c is not None else torch.zeros_like(like) for c in carries])
         return Item(it.request, r.start, it.preemptions, r.start + first, states, self.depth, r.d, carry=carry,
-                    round=r, verify=True, row_exits=list(r.exits[first:]), row_exit_states=exit_states,
-                    row_base=r.start + first)  # fmt: skip
+                    round=r, verify=True, row_exits=list(r.exits[first:]), row_exit_states=exit_states)  # fmt: skip
 
     def target_logits(self, done: list[Item]) -> list[torch.Tensor]:
         """Per verification of a round whose request exits early, [K+1, V]: a position the draft decided keeps the
@@ -198,12 +186,12 @@ class PassExits:
             r = it.round
             decided = r.decided(uses_kv)
             first = decided.index(False) if False in decided else len(decided)
-            lo = it.row_base - r.start
+            lo = it.position - r.start
             start = lo if uses_kv and runner.exit_mode == "select" else first
             spans.append((it, start, decided))
         states, reqs, positions, depths, counts = [], [], [], [], []
         for it, start, _ in spans:
-            lo = it.row_base - it.round.start
+            lo = it.position - it.round.start
             for j in range(start, it.round.k + 1):
                 states.append(it.row_exit_states[j - lo : j - lo + 1])
                 reqs.append(it.request)

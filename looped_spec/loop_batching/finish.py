@@ -213,7 +213,7 @@ class Finisher:
             offset += width
             depths: list[int] = []
             if r.exits_early:  # each committed position's exit depth: the draft's, or the verification's
-                lo = it.row_base - r.start
+                lo = it.position - r.start
                 depths = [r.exits[j] if j < lo else it.row_exits[j - lo] for j in range(len(tokens))]
             checked = [not x for x in row[: r.k]]  # drafts the target checked (not drawn from its own readout)
             out.finish(it.request, tokens, r.k, len(tokens) - 1, depths, entry, r.start, agreement,

@@ -97,11 +97,9 @@ class Item:
     measured: bool = False  # read out at every depth it passes (a plain token or a measured round's positions)
     chunk: bool = False  # a prompt chunk (full depth, no exit rule; a first token sampled when it ends the prompt)
     preds: list[torch.Tensor] = field(default_factory=list)  # measured: [n] greedy prediction per depth run so far
-    # a verification under early exit: per row from position `row_base` on, its exit depth (0: still looping) and its
-    # state there ([rows, S]); skip mode narrows the item's own positions to the span of rows still looping
+    # a verification under early exit: per row, its exit depth (0: still looping) and its state there ([n, S])
     row_exits: list[int] | None = None
     row_exit_states: torch.Tensor | None = None
-    row_base: int = 0
     # the prompt's last chunk of a request that exits early: its last position's state when embedded and after every
     # loop so far ([1, S] each), on which its first token's exit rule runs once the chunk is done
     last_states: list[torch.Tensor] | None = None
@@ -125,8 +123,7 @@ class Item:
         """Per row, whether the pass writes its KV: not a verification's row that exited, nor a recomputed token's past
         its forced exit (skip mode: their deeper planes keep their exit loop's KV); None: every row."""
         if self.row_exits is not None:
-            offset = self.position - self.row_base
-            return [not e for e in self.row_exits[offset : offset + self.num_positions]]
+            return [not e for e in self.row_exits]
         if self.forced is not None:
             return [f > self.loops for f in self.forced]
         return None
