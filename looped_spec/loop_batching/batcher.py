@@ -14,7 +14,8 @@ from __future__ import annotations
 import torch
 
 from looped_spec.execution.timing import Stopwatch
-from looped_spec.loop_batching.finish import Finished, Finisher, items_context
+from looped_spec.loop_batching.contexts import items_context
+from looped_spec.loop_batching.finish import Finished, Finisher
 from looped_spec.loop_batching.items import DraftRound, Entering, Item, NextDraft, PassResult
 from looped_spec.request import Request
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 
 from looped_spec.execution.early_exit import ExitTracker, read_out_by_depth
+from looped_spec.loop_batching.contexts import readout_context
 from looped_spec.loop_batching.items import DraftRound, Item
 from looped_spec.request import Request
 
@@ -16,13 +17,12 @@ from looped_spec.request import Request
 class PassExits:
     """The exit decisions of a loop pass's items, and what they mean for their KV and readouts."""
 
-    def __init__(self, runner, readout_context) -> None:
+    def __init__(self, runner) -> None:
         self.runner = runner
         self.adapter = runner.adapter
         self.depth = runner.full_depth
         self.reads_kv = self.adapter.exit_rule_reads_kv
         self.loop_planes = [list(self.adapter.loop_planes(i)) for i in range(self.depth)]
-        self.readout_context = readout_context  # Finisher.readout_context
 
     def decide(self, items, loops, state, prev, rows, ctx) -> tuple[list[list[bool]], list]:
         """Per item and row, whether its position exits after its loop (rule fired, exit_at_step reached; depth D is
@@ -48,7 +48,7 @@ class PassExits:
             )
             carry = None if carries[chosen[0]] is None else torch.cat([carries[i] for i in chosen])
             # a rule that reads out through attention (Huginn's KL: its coda writes KV) gets the context of its rows
-            rule_ctx = self.readout_context([items[i] for i in chosen], ctx, items) if self.reads_kv else ctx
+            rule_ctx = readout_context(self.runner, [items[i] for i in chosen], ctx, items) if self.reads_kv else ctx
             hits, carry = self.adapter.exit_rule(state[index], loops[chosen[0]], prev[index], carry, threshold,
                                                  rule_ctx)  # fmt: skip
             hits, start = hits.tolist(), 0

@@ -15,19 +15,13 @@ import torch
 from looped_spec.execution.early_exit import read_out_by_depth
 from looped_spec.execution.logprobs import logprobs_of_rows, verified_logprobs
 from looped_spec.execution.sampler import SamplingRows, sample
+from looped_spec.loop_batching.contexts import readout_context
 from looped_spec.loop_batching.exits import PassExits
 from looped_spec.loop_batching.items import DraftRound, Item, NextDraft, PassResult
 from looped_spec.request import Request, TokenLogprob
 from looped_spec.speculative.proposer import draw_drafts
 from looped_spec.speculative.rejection_sampler import accept
 from looped_spec.speculative.verifier import position_index
-
-
-def items_context(runner, items: list[Item]):
-    """The context of exactly `items`' positions (each item's positions, after its request's earlier ones)."""
-    counts = [it.num_positions for it in items]
-    lens = [it.position + n for it, n in zip(items, counts)]
-    return runner.context([it.request for it in items], counts, lens)
 
 
 class Finisher:
@@ -37,13 +31,10 @@ class Finisher:
         self.runner = runner
         self.adapter = runner.adapter
         self.depth = runner.full_depth
-        self.exits = PassExits(runner, self.readout_context)
+        self.exits = PassExits(runner)
 
     def readout_context(self, done: list[Item], ctx, items: list[Item]):
-        """A readout that attends (Huginn's coda) writes KV: then the context of exactly the items read out."""
-        if not self.adapter.readout_uses_kv or len(done) == len(items):
-            return ctx
-        return items_context(self.runner, done)
+        return readout_context(self.runner, done, ctx, items)
 
     def chunks(self, done: list[tuple[Item, torch.Tensor, list | None]], ctx, items: list[Item], out: Finished) -> None:
         """Prompt chunks at depth D (item, its rows' states, its last position's states at every depth or None): a
