@@ -256,7 +256,46 @@ def test_a_failed_pass_leaves_every_item_as_it_was():
     assert [outputs[i].token_ids for i in ids] == expected
 
 
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_pass_budget_runs_the_deepest_work_first_and_keeps_none_waiting_for_ever(family):
+    """max_pass_positions: a pass runs at most that many positions (a larger item alone), the work that has run the
+    most loops first; every request finishes, with the step engine's tokens (greedy and sampled, a fixed plan, early
+    exit beside full depth, prompts in chunks)."""
+    budget = 3
+    spec = SpeculativeConfig(k=2, d=1)
+    extra = exit_params(family)[-1]
+    params = [SamplingParams(max_tokens=5 + i, temperature=0.8 * (i % 2), seed=i, ignore_eos=True,
+                             **(extra if i % 3 == 0 else {})) for i in range(len(PROMPTS))]  # fmt: skip
+    step = make_engine(family, speculation=spec, max_num_batched_tokens=budget)
+    loop = make_engine(family, speculation=spec, batching="loop", max_num_batched_tokens=budget,
+                       max_pass_positions=budget)  # fmt: skip
+    batcher = loop.loop_batcher
+    original_select, original_loop = batcher.select, batcher._loop
+    sizes, left_out = [], []
+
+    def recording_select(requests, chunks, limit):
+        chosen = original_select(requests, chunks, limit)
+        depth = {r.request_id: (batcher.items[r.request_id].loops if r.request_id in batcher.items
+                                and batcher.items[r.request_id].fresh() else 0) for r in requests}  # fmt: skip
+        rest = [depth[r.request_id] for r in requests if r not in chosen]
+        if rest:
+            left_out.append(rest)
+            assert min(depth[r.request_id] for r in chosen) >= max(rest)  # deepest first
+        return chosen
+
+    def recording_loop(state, loops, ctx, items, write):
+        sizes.append((state.shape[0], len(items)))
+        return original_loop(state, loops, ctx, items, write)
+
+    batcher.select, batcher._loop = recording_select, recording_loop
+    assert run(loop, PROMPTS, params) == run(step, PROMPTS, params)
+    assert left_out and all(n <= budget or items == 1 for n, items in sizes)
+    assert loop.num_free_blocks == loop.kv.num_blocks and not batcher.items
+
+
 def test_loop_batching_options_that_are_not_built_are_errors():
+    with pytest.raises(ValueError, match="max_pass_positions=4: .*batching='loop'"):
+        LoopedSpecEngine(load("ouro"), speculation="off", max_pass_positions=4)
     with pytest.raises(ValueError, match="batching='loop'.*cuda_graphs='emulate'"):
         LoopedSpecEngine(load("ouro"), batching="loop", speculation="off", cuda_graphs="emulate")
     with pytest.raises(ValueError, match="batching"):

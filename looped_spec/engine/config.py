@@ -128,10 +128,16 @@ class EngineConfig(BaseModel):
     # "step": a decode step is a whole token (or speculative round) for the batch; "loop": one pass of the
     # block serves every request at whatever loop it is on (docs/architecture.md, "Loop-level batching")
     batching: Literal["step", "loop"] = "step"
+    # batching="loop": the positions one pass may run (decoding and prompt chunks), deepest work first
+    # (docs/architecture.md, "Scheduling policy"); None: every running request's work in every pass
+    max_pass_positions: StrictInt | None = Field(None, ge=1)
 
     @model_validator(mode="after")
     def _loop_batching(self) -> EngineConfig:
         if self.batching != "loop":
+            if self.max_pass_positions is not None:
+                raise ValueError(f"max_pass_positions={self.max_pass_positions}: a loop-pass budget, it needs "
+                                 "batching='loop'")  # fmt: skip
             return self
         if self.cuda_graphs:
             raise ValueError(f"batching='loop' runs its passes eagerly so far: cuda_graphs={self.cuda_graphs!r}")

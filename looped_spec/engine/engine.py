@@ -344,9 +344,14 @@ class LoopedSpecEngine:
         tokens it finished are committed."""
         t0 = time.perf_counter()
         batcher = self.loop_batcher
+        scheduled = batch.requests
+        budget = self.config.max_pass_positions
+        if budget is not None:  # deepest work first (LoopBatcher.select); the rest waits for a later pass
+            scheduled = batcher.select(scheduled, chunks, budget)
+            chunks = {i: n for i, n in chunks.items() if i in {r.request_id for r in scheduled}}
         # work in flight holds its KV slots already: only the requests entering their next token (or speculative
         # round: K drafts) reserve theirs, under the plan in use
-        entering = [r for r in batch.requests if r.prefilled and not batcher.in_flight(r)]
+        entering = [r for r in scheduled if r.prefilled and not batcher.in_flight(r)]
         rounds: dict[str, Entering] = {}
         kept: list[Request] = []
         if entering:
@@ -364,14 +369,18 @@ class LoopedSpecEngine:
             }
             self.stats.num_preemptions = self.scheduler.num_preemptions
             self.stats.phase_seconds["control"] += time.perf_counter() - t1
-        requests = [r for r in batch.requests if r.status is RequestStatus.RUNNING]
+        requests = [r for r in scheduled if r.status is RequestStatus.RUNNING]
         if not requests:
             return
-        # while nothing waits to join the passes (a queued request the batch has room for, a prompt's next chunk),
-        # loops in which no item can stop run back to back
+        # while nothing waits to join the passes (a queued request the batch has room for, a prompt's next chunk, work
+        # the pass budget left out), loops in which no item can stop run back to back
         scheduler = self.scheduler
-        joining = (scheduler.waiting and len(scheduler.running) < self.max_batch_size) or any(
-            not r.prefilled and not batcher.in_flight(r) and r.request_id not in chunks for r in scheduler.running
+        joining = (
+            (scheduler.waiting and len(scheduler.running) < self.max_batch_size)
+            or len(scheduled) < len(batch.requests)
+            or any(
+                not r.prefilled and not batcher.in_flight(r) and r.request_id not in chunks for r in scheduler.running
+            )
         )
         max_loops = 1 if joining else self.adapter.full_depth
         result = self._transaction(suspect, requests, lambda: batcher.run(requests, rounds, max_loops, chunks))

@@ -32,6 +32,8 @@ class LoopBatcher:
         self.depth = runner.full_depth
         self.items: dict[str, Item] = {}
         self.next_drafts: dict[str, NextDraft] = {}
+        self._passes = 0  # passes committed
+        self._last_ran: dict[str, int] = {}  # request id -> the last committed pass that ran its work
         # the last pass's context, reused while the same positions loop (at full depth: D passes in a row)
         self._ctx_key: tuple = ()
         self._ctx = None
@@ -48,6 +50,27 @@ class LoopBatcher:
         """Forget a request's work in flight (it was aborted or failed; its KV blocks are freed)."""
         self.items.pop(request_id, None)
         self.next_drafts.pop(request_id, None)
+        self._last_ran.pop(request_id, None)
+
+    def select(self, requests: list[Request], chunks: dict[str, int], budget: int) -> list[Request]:
+        """The requests whose work the next pass runs under a budget of `budget` positions: deepest work first (the
+        loops it has run), then the request that ran longest ago, then the batch's order; taken in that order until
+        the next one does not fit (at least one always runs). Taking none past the first that does not fit keeps a
+        large item (a prompt chunk, a verification) from waiting behind smaller ones for ever: work only gets
+        deeper, so the deeper work finishes and the waiting item becomes the first in line."""
+        ranked = []
+        for order, request in enumerate(requests):
+            item = self.items.get(request.request_id)
+            loops, positions = (item.loops, item.num_positions) if item is not None and item.fresh() else (0, 1)
+            positions = chunks.get(request.request_id, positions)
+            ranked.append((-loops, self._last_ran.get(request.request_id, -1), order, positions))
+        taken, used = set(), 0
+        for _, _, order, positions in sorted(ranked):
+            if taken and used + positions > budget:
+                break
+            taken.add(order)
+            used += positions
+        return [r for order, r in enumerate(requests) if order in taken]
 
     @torch.inference_mode()
     def run(
@@ -154,9 +177,11 @@ class LoopBatcher:
 
     def commit(self, result: PassResult) -> None:
         """Apply a pass whose tokens the engine has committed: its requests' work becomes the work that goes on."""
+        self._passes += 1
         for request in result.requests:
             self.items.pop(request.request_id, None)
             self.next_drafts.pop(request.request_id, None)
+            self._last_ran[request.request_id] = self._passes
         self.items.update(result.items)
         self.next_drafts.update(result.next_drafts)
         for pending in (self.items, self.next_drafts):
