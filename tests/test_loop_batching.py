@@ -547,6 +547,7 @@ def params_of(spec: dict, family: str) -> SamplingParams:
     early_exit=st.sampled_from(["skip", "select"]),
     plan=st.integers(0, 3),  # plain, two fixed plans, adaptive
     num_kv_blocks=st.integers(6, 9),  # block_size 4, max_model_len 24: one request needs up to 6
+    budget=st.sampled_from([None, 2, 5]),  # max_pass_positions
     initial=st.lists(request_st, min_size=1, max_size=5),
     actions=st.lists(
         st.one_of(
@@ -559,7 +560,7 @@ def params_of(spec: dict, family: str) -> SamplingParams:
     ),
 )
 def test_random_arrivals_exits_aborts_and_faults_equal_each_request_alone(
-    family, early_exit, plan, num_kv_blocks, initial, actions
+    family, early_exit, plan, num_kv_blocks, budget, initial, actions
 ):
     """Against each request run alone by the step engine: greedy requests under the same plan, or plainly where the
     plan differs alone (adaptive plans, and requests that exit early: greedy speculation is lossless); sampled
@@ -568,7 +569,7 @@ def test_random_arrivals_exits_aborts_and_faults_equal_each_request_alone(
     speculation = [*plans(family), "adaptive"][plan]
     engine = make_engine(family, batching="loop", early_exit=early_exit, speculation=speculation, block_size=4,
                          num_kv_blocks=num_kv_blocks, max_model_len=24, max_batch_size=4,
-                         max_num_batched_tokens=8)  # fmt: skip
+                         max_num_batched_tokens=8, max_pass_positions=budget)  # fmt: skip
     references = {
         exits: make_engine(
             family,
