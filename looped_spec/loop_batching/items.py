@@ -90,7 +90,9 @@ class Item:
     loops: int = 0
     prev: torch.Tensor | None = None  # [n, S] before the last loop (exit rules comparing successive states)
     carry: torch.Tensor | None = None  # [n, ...] what the exit rule carries from loop to loop
-    exit_depth: int = 0  # select mode: the readout depth once decided (the item runs on to D)
+    # a plain token's or a draft's exit depth once its rule fired, and its state there (select mode: the item runs on
+    # to its stop depth and is read out at the exit; skip mode: it stops at the exit)
+    exit_depth: int = 0
     exit_state: torch.Tensor | None = None
     round: DraftRound | None = None  # a draft or verification of this speculative round
     verify: bool = False
