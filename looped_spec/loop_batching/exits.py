@@ -181,17 +181,15 @@ class PassExits:
         readout KV the exit rule's readouts may have overwritten)."""
         runner = self.runner
         uses_kv = self.adapter.readout_uses_kv
-        spans = []  # per exit round: (item, first position read out, its decided positions)
+        spans = []  # per exit round: (item, its first row's round position, first position read out, decided ones)
         for it in done:
             r = it.round
             decided = r.decided(uses_kv)
             first = decided.index(False) if False in decided else len(decided)
             lo = it.position - r.start
-            start = lo if uses_kv and runner.exit_mode == "select" else first
-            spans.append((it, start, decided))
+            spans.append((it, lo, lo if uses_kv and runner.exit_mode == "select" else first, decided))
         states, reqs, positions, depths, counts = [], [], [], [], []
-        for it, start, _ in spans:
-            lo = it.position - it.round.start
+        for it, lo, start, _ in spans:
             for j in range(start, it.round.k + 1):
                 states.append(it.row_exit_states[j - lo : j - lo + 1])
                 reqs.append(it.request)
@@ -202,14 +200,14 @@ class PassExits:
         if states:
             state = torch.cat(states)
             if uses_kv:
-                span_reqs = [it.request for (it, _, _), n in zip(spans, counts) if n]
-                lens = [it.round.start + it.round.k + 1 for (it, _, _), n in zip(spans, counts) if n]
+                span_reqs = [it.request for (it, *_), n in zip(spans, counts) if n]
+                lens = [it.round.start + it.round.k + 1 for (it, *_), n in zip(spans, counts) if n]
                 span_ctx = runner.context(span_reqs, [n for n in counts if n], lens)
                 verified = runner.readout(state, self.depth, span_ctx)
             else:
                 verified = read_out_by_depth(runner, reqs, positions, [p + 1 for p in positions], state, depths, None)
         out, verified_at = [], 0
-        for it, start, decided in spans:
+        for it, _, start, decided in spans:
             width = it.round.k + 1
             rows = [it.round.logits[j][None] if decided[j] else verified[verified_at + j - start][None]
                     for j in range(width)]  # fmt: skip

@@ -112,6 +112,8 @@ class Finisher:
             draws = len(r.tokens) < r.k
             if draws or r.measured or exit_depth:
                 by_depth.setdefault(exit_depth or r.d, []).append((it, r, draws))
+            else:
+                r.logits.append(None)  # read out nowhere: one entry per position, as the read-out ones get below
             if draws:
                 continue
             # the K-th draft's own position: all K+1 loop-d states are there
@@ -152,9 +154,8 @@ class Finisher:
         return complete
 
     def _verification(self, it: Item, r: DraftRound) -> Item:
-        """The verification of a round whose K+1 draft positions are there: loops d+1..D of its positions. Under early
-        exit the rows carry their exit so far; skip mode starts at the first position the draft did not decide (the
-        decided ones are final, their deeper planes filled), and when there is none nothing is left to run."""
+        """The verification of a round whose K+1 draft positions are there: loops d+1..D of its positions (under early
+        exit `PassExits.verification`)."""
         if not r.exits_early:
             return Item(it.request, r.start, it.preemptions, r.start, torch.cat(r.states), self.depth, r.d,
                         round=r, verify=True, measured=r.measured)  # fmt: skip
