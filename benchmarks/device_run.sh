@@ -6,8 +6,9 @@
 # shape (512-token prompts, 2048 new tokens, a 16k-token context, B=1/8/32, the 1-8-32-8-1 workload) and loop-level
 # batching against the step engine (both eager: identity, then speed at full depth and a fixed exit).
 # Everything is written under $OUT (default: benchmarks/results/gpu).
-#   run: bash benchmarks/device_run.sh      (timeout_s 540: tests <= 150 s, the GPU check starts no section after
-#   240 s and is stopped at 330 s; each section is saved as it ends)
+#   run: bash benchmarks/device_run.sh      (timeout_s 420: tests <= 120 s, the GPU check starts no section after
+#   170 s and is stopped at 250 s; each section is saved as it ends. Short enough to leave a session's 15 device
+#   minutes room for a second, corrected run.)
 set -uo pipefail
 OUT=${OUT:-benchmarks/results/gpu}
 mkdir -p "$OUT"
@@ -20,6 +21,6 @@ python3 -m pip install -q --no-index --no-deps --no-build-isolation -e . 2>&1 | 
 { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
   python3 -c "import torch, triton; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'triton', triton.__version__)"
 } | tee "$OUT/gpu.txt"
-timeout 150 python3 -m pytest -q -m cuda tests/test_paged_kernel.py tests/test_cuda_graph.py 2>&1 \
-  | tee "$OUT/cuda_tests.txt" | tail -15
-timeout 330 python3 benchmarks/gpu_check.py --budget-seconds 240 --out "$OUT" 2>&1 | tee "$OUT/gpu_check.log" | tail -40
+timeout 120 python3 -m pytest -q -rfE -m cuda tests/test_paged_kernel.py tests/test_cuda_graph.py tests/test_loop_batching.py \
+  2>&1 | tee "$OUT/cuda_tests.txt" | tail -25
+timeout 250 python3 benchmarks/gpu_check.py --budget-seconds 170 --out "$OUT" 2>&1 | tee "$OUT/gpu_check.log" | tail -40

@@ -11,11 +11,11 @@ import gc
 import os
 
 import pytest
-from conftest import FAMILIES, load, make_engine
+from conftest import FAMILIES, adapter_options, fixture_dir, load, make_engine
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from looped_spec import LoopedSpecEngine, SamplingParams, SpeculativeConfig
+from looped_spec import LoopedSpecEngine, SamplingParams, SpeculativeConfig, load_adapter
 from looped_spec.loop_batching import LoopBatcher
 
 PROMPTS = [[5, 9, 2, 7], [1, 2, 3], [44, 8, 19, 20, 21, 3, 7], [100], [6, 6, 6, 6, 6], [17, 3, 90, 4]]
@@ -691,3 +691,21 @@ def test_the_server_streams_loop_batched_outputs_and_exports_the_passes():
     passes = [line for line in metrics.splitlines() if line.startswith("looped_spec:loop_passes_total")]
     assert passes and float(passes[0].split()[-1]) > 0
     assert 'phase="pass_loops"' in metrics
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("family", FAMILIES)
+def test_loop_passes_on_cuda_equal_the_step_engine(family):
+    """On a GPU, in fp32: passes whose items share a plane read the KV through the paged kernel, mixed-plane passes
+    through the reference path; both equal the step engine (which uses the kernel throughout), greedy, in full depth,
+    under early exit and with speculation on top, and leak no block."""
+    adapter = load_adapter(fixture_dir(family), dtype="float32", device="cuda", **adapter_options(family))
+    for spec in plans(family)[:2]:
+        step = LoopedSpecEngine(adapter, speculation=spec, early_exit="skip", max_batch_size=8)
+        loop = LoopedSpecEngine(adapter, speculation=spec, early_exit="skip", max_batch_size=8, batching="loop")
+        assert step.runner.paged_kernel, "the step engine should read the KV through the paged kernel on CUDA"
+        for extra in exit_params(family):
+            params = [SamplingParams(max_tokens=6 + i, ignore_eos=True, **(extra if i % 2 else {}))
+                      for i in range(len(PROMPTS))]  # fmt: skip
+            assert run(loop, PROMPTS, params) == run(step, PROMPTS, params), (spec, extra)
+        assert loop.num_free_blocks == loop.kv.num_blocks and not loop.loop_batcher.items

@@ -40,7 +40,9 @@ def ragged_case(device: str, dtype: torch.dtype, heads: int, kv_heads: int, head
     return key_cache, value_cache, bs, tables, context_lens, query_lens, q, k, v
 
 
-def attend_both(case, plane: int, splits: int | None = None, shift: int | None = None):
+def attend_both(case, plane: int, splits: int | None = None, shift: int | None = None, request_planes=None):
+    """The reference path's and the kernel's output on `case`; `request_planes` (one per request) moves each request to
+    a plane of its own, as a loop pass of requests at different loops does."""
     key_cache, value_cache, bs, tables, context_lens, query_lens, q, k, v = case
     outs = []
     for use_kernel in (False, True):
@@ -50,6 +52,9 @@ def attend_both(case, plane: int, splits: int | None = None, shift: int | None =
             ctx.kernel.num_splits = splits
         if shift is not None:
             ctx.plane_shift = torch.tensor([shift], device=q.device)
+        if request_planes is not None:
+            ctx.request_planes = torch.tensor(request_planes, device=q.device)
+            ctx.token_planes = ctx.request_planes.repeat_interleave(torch.tensor(query_lens, device=q.device))
         outs.append((ctx.attention(plane, q, k, v), kc))
     (ref, ref_cache), (out, cache) = outs
     assert torch.equal(ref_cache, cache)  # both wrote the new keys to the same slots
@@ -63,10 +68,11 @@ from looped_spec.execution.paged_kernel import kernel_available
 assert kernel_available("cpu", 32)
 for heads, kv_heads in ((4, 4), (6, 2), (8, 1)):
     case = ragged_case("cpu", torch.float32, heads, kv_heads, 32)
-    for plane, splits, shift in ((0, 1, None), (2, 3, None), (1, 16, 1)):
-        ref, out = attend_both(case, plane, splits, shift)
+    for plane, splits, shift, request_planes in ((0, 1, None, None), (2, 3, None, None), (1, 16, 1, None),
+                                                 (0, 1, None, [2, 0, 1, 2, 0]), (0, 3, 1, [1, 0, 1, 0, 0])):
+        ref, out = attend_both(case, plane, splits, shift, request_planes)
         err = (ref - out).abs().max().item()
-        assert err < 1e-5, (heads, kv_heads, plane, splits, err)
+        assert err < 1e-5, (heads, kv_heads, plane, splits, request_planes, err)
 print("kernel == reference")
 """
 
@@ -97,6 +103,15 @@ for graphs in (False, "emulate"):
     engine = engine_with_graphs(adapter, graphs, speculation="2,1", max_batch_size=4)
     assert engine.runner.paged_kernel and (graphs is False or engine.runner.graphs.use_kernel)
     assert [o.token_ids for o in engine.generate(prompts, params)] == expected, graphs
+# loop-level batching: requests at different loops share a pass, the kernel reading each one's plane
+exits = [SamplingParams(max_tokens=n, ignore_eos=True, exit_at_step=s) for n, s in ((6, 2), (4, None), (7, 1))]
+step = LoopedSpecEngine(adapter, speculation="2,1", max_batch_size=4, early_exit="skip")
+step.runner.paged_kernel = False
+loop = LoopedSpecEngine(adapter, speculation="2,1", max_batch_size=4, early_exit="skip", batching="loop")
+assert loop.runner.paged_kernel
+expected = [o.token_ids for o in step.generate(prompts, exits)]
+assert [o.token_ids for o in loop.generate(prompts, exits)] == expected, "loop passes"
+assert loop.stats.num_loop_passes > 0
 print("engine tokens identical")
 """
 

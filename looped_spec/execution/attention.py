@@ -91,7 +91,7 @@ class PagedContext:
         keys_flat.index_copy_(0, write_slots, k_new.to(keys_flat.dtype))
         values_flat.index_copy_(0, write_slots, v_new.to(values_flat.dtype))
         if self.kernel is not None:
-            return self.kernel.attend(q, self.key_cache, self.value_cache, plane, self.plane_shift)
+            return self.kernel.attend(q, self.key_cache, self.value_cache, plane, self.plane_shift, self.request_planes)
         keys, values = self.gather(plane_index)
         if self.groups is None:
             return _attend(q, keys, values, self.max_query, self.mask, self.pad_index)

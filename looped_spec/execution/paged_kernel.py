@@ -4,7 +4,7 @@ The reference path (`PagedContext.gather` + SDPA) copies every request's blocks 
 longest context before attending. This kernel instead walks each request's block table up to its
 own context, in place, so the bytes read per request follow its real context, the copy
 disappears, and inside a CUDA graph the same capture serves every context length: block tables,
-key counts and the plane shift are device inputs, never shapes.
+key counts, the plane shift and per-request planes are device inputs, never shapes.
 
 Work split ("flash-decoding"): program (request, kv head, split) covers one contiguous share of the
 request's blocks for all its query tokens and the query heads sharing that kv head (so a verify of
@@ -67,6 +67,7 @@ def _kernel():
         query_len_ptr,  # [reqs] int32: its query tokens (consecutive positions)
         key_limit_ptr,  # [tokens] int32: keys each token sees (its position + 1)
         shift_ptr,  # [1] int64 planes added to `plane` (when HAS_SHIFT)
+        request_plane_ptr,  # [reqs] int64 planes added per request (when HAS_REQUEST_PLANES: loop-level batching)
         plane,
         plane_stride,
         slot_stride,
@@ -79,6 +80,7 @@ def _kernel():
         group,  # query heads per kv head
         num_splits,
         HAS_SHIFT: tl.constexpr,
+        HAS_REQUEST_PLANES: tl.constexpr,
         FP32_DOT: tl.constexpr,
         BLOCK_SIZE: tl.constexpr,
         KEYS: tl.constexpr,  # keys per step (a multiple of BLOCK_SIZE)
@@ -95,7 +97,9 @@ def _kernel():
         num_tokens = tl.load(query_len_ptr + req)
         plane_index = plane
         if HAS_SHIFT:
-            plane_index = plane + tl.load(shift_ptr)
+            plane_index = plane_index + tl.load(shift_ptr)
+        if HAS_REQUEST_PLANES:  # each request at its own loop in one pass
+            plane_index = plane_index + tl.load(request_plane_ptr + req)
         base = plane_index.to(tl.int64) * plane_stride + kv_head * kv_head_stride
 
         r = tl.arange(0, ROWS)
@@ -175,8 +179,12 @@ class KernelBatch:
         value_cache: torch.Tensor,
         plane: int,
         plane_shift: torch.Tensor | None,
+        request_planes: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """q: [num_tokens, heads, head_dim] -> [num_tokens, heads, head_dim], causal over each token's keys."""
+        """q: [num_tokens, heads, head_dim] -> [num_tokens, heads, head_dim], causal over each token's keys.
+
+        The plane read is `plane`, plus `plane_shift` (one device scalar, shared loop graphs), plus
+        `request_planes[r]` for request r (loop-level batching: each request at its own loop)."""
         num_tokens, num_heads, head_dim = q.shape
         kv_heads = key_cache.shape[2]
         group = num_heads // kv_heads
@@ -200,6 +208,7 @@ class KernelBatch:
             self.query_len,
             self.key_limit,
             plane_shift if plane_shift is not None else self.query_start,  # unread without a shift
+            request_planes if request_planes is not None else self.query_start,  # likewise
             plane,
             key_cache.stride(0),
             key_cache.stride(1),
@@ -212,6 +221,7 @@ class KernelBatch:
             group,
             splits,
             HAS_SHIFT=plane_shift is not None,
+            HAS_REQUEST_PLANES=request_planes is not None,
             FP32_DOT=key_cache.dtype == torch.float32,
             BLOCK_SIZE=self.block_size,
             KEYS=keys,

@@ -308,7 +308,7 @@ class LoopBatcher:
                 per_request = torch.tensor(loops, dtype=torch.long, device=device) * len(self.exits.loop_planes[0])
                 counts = torch.tensor([it.num_positions for it in items], device=device)
                 ctx.request_planes, ctx.token_planes = per_request, per_request.repeat_interleave(counts)
-                ctx.kernel, ctx.contiguous_from = None, None  # the paged kernel and in-place reads take one plane
+                ctx.contiguous_from = None  # an in-place read takes one plane (the paged kernel takes each request's)
                 return adapter.loop(state, 0, ctx)
             finally:  # the readouts after the pass (Huginn's coda attends) use their own planes
                 ctx.request_planes = ctx.token_planes = ctx.write_index = None
