@@ -201,11 +201,15 @@ def shapes(tiny: bool) -> dict:
 
 def check_model(name: str, config: dict, args, report: dict, deadline: float, save) -> None:
     device, tiny = args.device, args.tiny
-    dtype = torch.float32 if tiny else torch.bfloat16
+    dtype = torch.float32 if tiny else getattr(torch, args.dtype)
     graphs = True if device.startswith("cuda") else "emulate"
     adapter = random_adapter(config, dtype, device)
     depth = adapter.full_depth
     shape = shapes(tiny)
+    if args.new is not None:
+        shape.update(
+            new=args.new, phase_new=min(shape["phase_new"], args.new), eager_new=min(shape["eager_new"], args.new)
+        )
     batches = shape["batches"]
     max_len = shape["prompt"] + shape["new"] + 16
 
@@ -412,12 +416,55 @@ def check_model(name: str, config: dict, args, report: dict, deadline: float, sa
         entry["loop_batching"] = rows
         print(f"[{name}] loop batching: {rows}", flush=True)
 
+    # ----- where a plain step's time goes (graphs): host phases and the profiler's top operations -----
+    def profile() -> None:
+        from torch.profiler import ProfilerActivity
+        from torch.profiler import profile as torch_profile
+
+        engine = make(num_kv_blocks=run_blocks)
+        steps = shape["check_new"]
+        rows = {}
+        for batch in (1, 8):
+            prompts = batch_prompts.get(batch) or prompts_for(batch, adapter.vocab_size, shape["prompt"], seed=batch)
+            engine.generate(prompts, SamplingParams(max_tokens=4, ignore_eos=True))  # warm
+            before = dict(engine.stats.phase_seconds)
+            activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.startswith("cuda") else [])
+            with torch_profile(activities=activities) as prof:
+                sync(device)
+                start = time.perf_counter()
+                engine.generate(prompts, SamplingParams(max_tokens=steps, ignore_eos=True))
+                sync(device)
+                wall = time.perf_counter() - start
+            phases = {k: round((v - before.get(k, 0.0)) / steps * 1e3, 3)
+                      for k, v in engine.stats.phase_seconds.items()}  # fmt: skip
+            averages = prof.key_averages()
+            by_device = "self_device_time_total" if device.startswith("cuda") else "self_cpu_time_total"
+            rows[batch] = {
+                "ms_per_token_step": wall / steps * 1e3,
+                "phase_ms_per_step": phases,
+                "top_by_device_time": averages.table(sort_by=by_device, row_limit=12, max_name_column_width=50),
+                "top_by_host_time": averages.table(
+                    sort_by="self_cpu_time_total", row_limit=12, max_name_column_width=50
+                ),  # fmt: skip
+            }
+            print(f"[{name}] profile B={batch}: {wall / steps * 1e3:.2f} ms/step, phases {phases}", flush=True)
+            print(rows[batch]["top_by_device_time"], flush=True)
+            print(rows[batch]["top_by_host_time"], flush=True)
+        entry["profile"] = rows
+        del engine
+
     grid = sorted({(k, d) for k, d in [(3, 1), (3, depth // 2)] if 1 <= d < depth and (k, d) != (2, 1)})
     # cheapest and least-measured first: the budget stops the later sections, not these
     sections = [("correctness", correctness), ("loop batching", loop_batching), ("plain", plain_timing),
                 ("K=2,d=1", lambda: spec_timing(2, 1)), ("workload", workload),
-                ("long context", long_context)]  # fmt: skip
-    if not tiny:
+                ("long context", long_context), ("profile", profile)]  # fmt: skip
+    if args.sections:
+        chosen = args.sections.split(";")
+        unknown = set(chosen) - {label for label, _ in sections} - {"more plans"}
+        if unknown:
+            raise SystemExit(f"--sections: unknown {sorted(unknown)}; choose from {[label for label, _ in sections]}")
+        sections = [(label, dict(sections)[label]) for label in chosen if label != "more plans"]  # in the order given
+    if not tiny and (not args.sections or "more plans" in args.sections.split(";")):
         sections += [(f"K={k},d={d}", lambda k=k, d=d: spec_timing(k, d)) for k, d in grid]
     for label, section in sections:
         if label != "correctness" and time.perf_counter() > deadline:
@@ -491,6 +538,9 @@ def main() -> None:
     parser.add_argument("--models", default="ouro-1.4b,nanbeige4.2-3b")
     parser.add_argument("--budget-seconds", type=float, default=300.0, help="start no new section after this")
     parser.add_argument("--out", default="benchmarks/results")
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"], help="weights (not --tiny)")
+    parser.add_argument("--sections", default=None, help="sections to run, separated by ';' (default: all)")
+    parser.add_argument("--new", type=int, default=None, help="new tokens per timed request (default: the shape's)")
     args = parser.parse_args()
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         parser.error("--device cuda but CUDA is not available (use --device cpu --tiny)")
