@@ -296,8 +296,11 @@ def test_a_pass_budget_runs_the_deepest_work_first_and_keeps_none_waiting_for_ev
 def test_loop_batching_options_that_are_not_built_are_errors():
     with pytest.raises(ValueError, match="max_pass_positions=4: .*batching='loop'"):
         LoopedSpecEngine(load("ouro"), speculation="off", max_pass_positions=4)
-    with pytest.raises(ValueError, match="batching='loop'.*cuda_graphs='emulate'"):
+    # captured passes read each item's plane through the paged kernel: without it (CPU, no interpreter) an error
+    with pytest.raises(ValueError, match="cuda_graphs='emulate' with batching='loop'.*paged kernel"):
         LoopedSpecEngine(load("ouro"), batching="loop", speculation="off", cuda_graphs="emulate")
+    with pytest.raises(ValueError, match="cuda_graphs=True needs a CUDA device"):
+        LoopedSpecEngine(load("ouro"), batching="loop", speculation="off", cuda_graphs=True)
     with pytest.raises(ValueError, match="batching"):
         LoopedSpecEngine(load("ouro"), batching="token", speculation="off")
 
@@ -696,9 +699,9 @@ def test_the_server_streams_loop_batched_outputs_and_exports_the_passes():
 @pytest.mark.cuda
 @pytest.mark.parametrize("family", FAMILIES)
 def test_loop_passes_on_cuda_equal_the_step_engine(family):
-    """On a GPU, in fp32: passes whose items share a plane read the KV through the paged kernel, mixed-plane passes
-    through the reference path; both equal the step engine (which uses the kernel throughout), greedy, in full depth,
-    under early exit and with speculation on top, and leak no block."""
+    """On a GPU, in fp32: captured loop passes (the default there; the paged kernel reads each item's plane) equal the
+    step engine (captured steps, the kernel throughout), greedy, in full depth, under early exit and with speculation
+    on top, and leak no block."""
     adapter = load_adapter(fixture_dir(family), dtype="float32", device="cuda", **adapter_options(family))
     for spec in plans(family)[:2]:
         step = LoopedSpecEngine(adapter, speculation=spec, early_exit="skip", max_batch_size=8)
@@ -709,3 +712,35 @@ def test_loop_passes_on_cuda_equal_the_step_engine(family):
                       for i in range(len(PROMPTS))]  # fmt: skip
             assert run(loop, PROMPTS, params) == run(step, PROMPTS, params), (spec, extra)
         assert loop.num_free_blocks == loop.kv.num_blocks and not loop.loop_batcher.items
+        graphs = loop.loop_batcher.graphs  # on CUDA with the kernel, loop passes are captured by default
+        assert graphs is not None and graphs.capture and graphs.num_replays > 0
+
+
+CAPTURED_PASSES_CHECK = """
+from conftest import load
+from test_loop_batching import PROMPTS, run
+from looped_spec import LoopedSpecEngine, SamplingParams, SpeculativeConfig
+# Triton's interpreter is slow: one family with a KV-free readout and plain tokens beside speculation, one whose
+# readout attends (Huginn's coda) with a fixed plan; exits at a fixed loop put items at different loops in a pass
+for family, spec in (("ouro", "off"), ("huginn", SpeculativeConfig(k=2, d=1))):
+    adapter = load(family)
+    step = LoopedSpecEngine(adapter, speculation=spec, early_exit="skip", max_batch_size=4)
+    loop = LoopedSpecEngine(adapter, speculation=spec, early_exit="skip", max_batch_size=4, batching="loop",
+                            cuda_graphs="emulate")
+    graphs = loop.loop_batcher.graphs
+    params = [SamplingParams(max_tokens=3 + i, ignore_eos=True, exit_at_step=1 if i % 2 else None) for i in range(5)]
+    assert run(loop, PROMPTS[:5], params) == run(step, PROMPTS[:5], params), family
+    assert graphs.num_replays > 0 and graphs.num_graphs > 1, (graphs.num_replays, graphs.num_graphs)
+    assert loop.num_free_blocks == loop.kv.num_blocks
+print("captured passes identical")
+"""
+
+
+def test_captured_loop_passes_equal_the_step_engine():
+    """The captured-pass path (graphs.py: static buffers padded to a shape bucket, the paged kernel reading each
+    item's plane, masked writes moved to the scratch block), run uncaptured in Triton's interpreter: the step
+    engine's tokens, plain and speculative, beside tokens that exit early, no block leaked. (On a GPU the cuda test
+    `test_loop_passes_on_cuda_equal_the_step_engine` runs the captured passes on every fixture and mode.)"""
+    from test_paged_kernel import run_in_interpreter
+
+    assert "captured passes identical" in run_in_interpreter(CAPTURED_PASSES_CHECK)

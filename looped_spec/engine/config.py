@@ -138,9 +138,6 @@ class EngineConfig(BaseModel):
             if self.max_pass_positions is not None:
                 raise ValueError(f"max_pass_positions={self.max_pass_positions}: a loop-pass budget, it needs "
                                  "batching='loop'")  # fmt: skip
-            return self
-        if self.cuda_graphs:
-            raise ValueError(f"batching='loop' runs its passes eagerly so far: cuda_graphs={self.cuda_graphs!r}")
         return self
 
     @field_validator("speculation")

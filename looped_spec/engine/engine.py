@@ -26,7 +26,7 @@ from looped_spec.execution.kv_cache import KVCache
 from looped_spec.execution.logprobs import logprobs_of_rows, token_logprobs
 from looped_spec.execution.model_runner import ModelRunner
 from looped_spec.execution.sampler import SamplingRows, sample
-from looped_spec.loop_batching import Entering, LoopBatcher, LoopRounds
+from looped_spec.loop_batching import Entering, LoopBatcher, LoopPassGraphs, LoopRounds
 from looped_spec.models.adapter import ModelAdapter, load_adapter
 from looped_spec.presets.lookup import load_preset
 from looped_spec.request import Request, RequestOutput, RequestStatus, ScheduledBatch, TokenLogprob, mean_context
@@ -114,7 +114,7 @@ class LoopedSpecEngine:
         # gave the pass in which they entered
         self.loop_batcher = self.loop_rounds = None
         if config.batching == "loop":
-            self.loop_batcher = LoopBatcher(self.runner)
+            self.loop_batcher = LoopBatcher(self.runner, self._loop_pass_graphs(config.cuda_graphs))
             self.loop_rounds = LoopRounds(self.adapter.full_depth, exit_skips=config.early_exit == "skip")
         self.spec_round = SpeculativeRound(self.runner)
         self.tokenizer = load_tokenizer(self.adapter.path)
@@ -199,6 +199,28 @@ class LoopedSpecEngine:
             self.controller.plan_shapes(),
             capture=cuda_graphs != "emulate",
         )
+
+    def _loop_pass_graphs(self, cuda_graphs: bool | str | None) -> LoopPassGraphs | None:
+        """Captured loop passes (loop_batching/graphs.py), or None: they need loops that differ only in their planes
+        and the paged kernel (which reads each item's plane). Left at None, they are on where both hold on CUDA."""
+        on_cuda = self.adapter.device.type == "cuda"
+        if cuda_graphs is True and not on_cuda:
+            raise ValueError("cuda_graphs=True needs a CUDA device (cuda_graphs='emulate' runs the path on any device)")
+        possible = self.adapter.uniform_loops and self.runner.paged_kernel
+        if cuda_graphs is None:
+            if on_cuda and not possible:
+                logger.info("engine: loop passes run eagerly (captured passes need uniform loops and the paged kernel)")
+            cuda_graphs = on_cuda and possible
+        if not cuda_graphs:
+            return None
+        if not possible:
+            raise ValueError(
+                f"cuda_graphs={cuda_graphs!r} with batching='loop': captured loop passes need a family whose loops "
+                f"differ only in their KV planes (uniform_loops: {self.adapter.uniform_loops}) and the paged kernel "
+                f"(Triton on CUDA, or TRITON_INTERPRET=1; available: {self.runner.paged_kernel})"
+            )
+        return LoopPassGraphs(self.adapter, self.kv, self.max_model_len, self.max_batch_size,
+                              capture=cuda_graphs != "emulate")  # fmt: skip
 
     # ----- requests -----
     def add_request(

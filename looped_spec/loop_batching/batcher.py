@@ -16,6 +16,7 @@ import torch
 from looped_spec.execution.timing import Stopwatch
 from looped_spec.loop_batching.contexts import items_context
 from looped_spec.loop_batching.finish import Finished, Finisher
+from looped_spec.loop_batching.graphs import LoopPassGraphs
 from looped_spec.loop_batching.items import DraftRound, Entering, Item, NextDraft, PassResult
 from looped_spec.request import Request
 
@@ -26,8 +27,9 @@ NOT_MEASURED = Entering(0, 0, False)
 class LoopBatcher:
     """Runs loop passes; every request entering a new round comes with its (K, d) and whether it is measured."""
 
-    def __init__(self, runner) -> None:
+    def __init__(self, runner, graphs: LoopPassGraphs | None = None) -> None:
         self.runner = runner
+        self.graphs = graphs  # captured loop passes (graphs.py); None: every pass runs eagerly
         self.adapter = runner.adapter
         self.depth = runner.full_depth
         self.items: dict[str, Item] = {}
@@ -299,15 +301,24 @@ class LoopBatcher:
         moved planes (`uniform_loops`), else one call per distinct loop index. `write` [rows] bool: the rows whose KV
         is written (None: all)."""
         adapter = self.adapter
+        planes_per_loop = len(self.exits.loop_planes[0])
+        counts = [it.num_positions for it in items]
+        shape = self.graphs.pass_shape(counts) if self.graphs is not None and ctx.kernel is not None else None
+        if shape is not None:
+            self.graphs.load(shape, ctx, counts)
+            device = state.device
+            per_request = torch.tensor(loops, dtype=torch.long, device=device) * planes_per_loop
+            per_token = per_request.repeat_interleave(torch.tensor(counts, device=device))
+            return self.graphs.run(shape, state, per_request, per_token, write)
         if len(set(loops)) == 1 or adapter.uniform_loops:
             ctx.write_index = None if write is None else write.nonzero().flatten()
             try:
                 if len(set(loops)) == 1:  # every item at one loop (lockstep): the step engine's call
                     return adapter.loop(state, loops[0], ctx)
                 device = state.device
-                per_request = torch.tensor(loops, dtype=torch.long, device=device) * len(self.exits.loop_planes[0])
-                counts = torch.tensor([it.num_positions for it in items], device=device)
-                ctx.request_planes, ctx.token_planes = per_request, per_request.repeat_interleave(counts)
+                per_request = torch.tensor(loops, dtype=torch.long, device=device) * planes_per_loop
+                ctx.request_planes = per_request
+                ctx.token_planes = per_request.repeat_interleave(torch.tensor(counts, device=device))
                 ctx.contiguous_from = None  # an in-place read takes one plane (the paged kernel takes each request's)
                 return adapter.loop(state, 0, ctx)
             finally:  # the readouts after the pass (Huginn's coda attends) use their own planes

@@ -1,0 +1,180 @@
+"""Captured loop passes: one CUDA graph replays one loop of a ragged set of items, each at its own loop.
+
+A loop of a family with `uniform_loops` is loop 0's computation on moved KV planes, and the paged kernel reads each
+request's own plane (`KernelBatch.attend(..., request_planes)`) and each token's own keys: so one graph per shape
+serves every mix of loops, positions and contexts. The shape is (items, positions, most positions of one item),
+each padded to a bucket (`pass_shape`); a pass's positions, slots, block tables, key limits and planes are device
+inputs, copied into buffers allocated once at the largest shape. Graphs are captured on first use.
+
+Masked writes (early exit's skip mode keeps an exited row's cached KV in the deeper planes) become writes to the
+scratch block: the row's slot is moved there, so the captured computation never depends on how many rows write.
+Padding items have no query tokens (the kernel computes nothing for them); padding positions write to and are
+written from the scratch block and nothing reads their outputs.
+
+Passes outside the buckets (a prompt chunk longer than the kernel's query limit, more items or positions than the
+largest bucket) run eagerly. `capture=False` ("emulate") runs the same padded static-buffer path without capture,
+which is how the CPU tests (in Triton's interpreter) cover it.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from looped_spec.execution.attention import PagedContext
+from looped_spec.execution.cuda_graph import pad_to
+from looped_spec.execution.paged_kernel import MAX_KERNEL_QUERY, KernelBatch, num_splits_for
+
+QUERY_BUCKETS = (1, 2, 4, 8, MAX_KERNEL_QUERY)  # most positions of one item in a pass
+
+
+def position_buckets(max_positions: int) -> list[int]:
+    """Padded position counts: powers of two from 8, then the largest."""
+    sizes, n = [], 8
+    while n < max_positions:
+        sizes.append(n)
+        n *= 2
+    return sizes + [max_positions]
+
+
+@dataclass(frozen=True)
+class PassShape:
+    items: int
+    positions: int
+    max_query: int
+
+
+class _Buffers:
+    """The inputs of every captured pass, at the largest shape; each shape takes leading views."""
+
+    def __init__(self, max_items: int, max_positions: int, max_blocks: int, state_dim: int, dtype, device) -> None:
+        long, int32 = torch.long, torch.int32
+        self.state = torch.zeros(max_positions, state_dim, dtype=dtype, device=device)
+        self.positions = torch.zeros(max_positions, dtype=long, device=device)
+        self.slot_mapping = torch.zeros(max_positions, dtype=long, device=device)
+        self.key_limit = torch.ones(max_positions, dtype=int32, device=device)
+        self.token_planes = torch.zeros(max_positions, dtype=long, device=device)
+        self.block_table = torch.zeros(max_items * max_blocks, dtype=long, device=device)
+        self.query_start = torch.zeros(max_items, dtype=int32, device=device)
+        self.query_len = torch.zeros(max_items, dtype=int32, device=device)
+        self.request_planes = torch.zeros(max_items, dtype=long, device=device)
+
+
+class LoopPassGraphs:
+    """One loop of a pass's items, replayed from a graph per padded `PassShape` (or run on the static buffers)."""
+
+    def __init__(self, adapter, kv, max_context: int, max_items: int, capture: bool = True) -> None:
+        if not adapter.uniform_loops:
+            raise ValueError(f"{adapter.model_type}: captured loop passes need loops that differ only in their planes")
+        self.adapter, self.kv, self.capture = adapter, kv, capture
+        self.block_size = bs = kv.block_size
+        self.max_blocks = -(-max_context // bs)
+        self.item_buckets = sorted({b for b in (1, 2, 4, 8, *range(16, max_items, 8)) if b < max_items} | {max_items})
+        self.position_buckets = position_buckets(max_items * MAX_KERNEL_QUERY)
+        self.scratch_slot = kv.scratch_block * bs
+        self.buffers = _Buffers(max_items, self.position_buckets[-1], self.max_blocks, adapter.state_dim,
+                                adapter.dtype, adapter.device)  # fmt: skip
+        self.contexts: dict[PassShape, PagedContext] = {}
+        self.graphs: dict[PassShape, torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[PassShape, torch.Tensor] = {}
+        self.pool = None
+        self.capture_seconds = 0.0
+        self.num_replays = 0
+
+    @property
+    def num_graphs(self) -> int:
+        return len(self.contexts)
+
+    def pass_shape(self, counts: list[int]) -> PassShape | None:
+        """The padded shape of a pass whose items have `counts` positions each, or None (it runs eagerly)."""
+        items, query = pad_to(len(counts), self.item_buckets), pad_to(max(counts), list(QUERY_BUCKETS))
+        positions = pad_to(sum(counts), self.position_buckets)
+        if items is None or query is None or positions is None:
+            return None
+        return PassShape(items, positions, query)
+
+    def load(self, shape: PassShape, ctx: PagedContext, counts: list[int]) -> None:
+        """Copy the pass's context (built eagerly with the kernel's inputs) into the static buffers; padding rows and
+        items point at the scratch block."""
+        b, n, items = self.buffers, sum(counts), len(counts)
+        kernel = ctx.kernel
+        assert kernel is not None, "a captured pass reads its keys through the paged kernel"
+        b.positions[n : shape.positions].zero_()
+        b.positions[:n].copy_(ctx.positions)
+        b.slot_mapping[: shape.positions].fill_(self.scratch_slot)
+        b.slot_mapping[:n].copy_(ctx.slot_mapping)
+        b.key_limit[: shape.positions].fill_(1)
+        b.key_limit[:n].copy_(kernel.key_limit)
+        table = b.block_table[: shape.items * self.max_blocks].view(shape.items, self.max_blocks)
+        table.fill_(self.kv.scratch_block)
+        table[:items, : kernel.block_table.shape[1]].copy_(kernel.block_table)
+        b.query_start[: shape.items].fill_(n)
+        b.query_start[:items].copy_(kernel.query_start)
+        b.query_len[: shape.items].zero_()  # padding items: no query tokens, no program does anything
+        b.query_len[:items].copy_(kernel.query_len)
+        b.token_planes[: shape.positions].zero_()
+        b.request_planes[: shape.items].zero_()
+        self._context(shape).memo.clear()  # RoPE tables of the last positions loaded
+
+    def run(self, shape: PassShape, state: torch.Tensor, request_planes: torch.Tensor, token_planes: torch.Tensor,
+            write: torch.Tensor | None) -> torch.Tensor:  # fmt: skip
+        """One loop of the loaded pass: item i's rows at plane offset `request_planes[i]`; rows where `write` is False
+        keep their cached KV (their write goes to the scratch block)."""
+        b, n = self.buffers, state.shape[0]
+        b.request_planes[: request_planes.shape[0]].copy_(request_planes)
+        b.token_planes[:n].copy_(token_planes)
+        if write is not None:
+            slots = b.slot_mapping[:n]
+            slots.copy_(torch.where(write, slots, self.scratch_slot))
+        b.state[:n].copy_(state)
+        ctx = self._context(shape)
+        if self.capture:
+            self._capture(shape, ctx)
+            self.graphs[shape].replay()
+        else:
+            self._body(shape, ctx)
+        self.num_replays += 1
+        return b.state[:n].clone()  # the next pass overwrites the buffer
+
+    def _context(self, shape: PassShape) -> PagedContext:
+        ctx = self.contexts.get(shape)
+        if ctx is None:
+            b, kv = self.buffers, self.kv
+            table = b.block_table[: shape.items * self.max_blocks].view(shape.items, self.max_blocks)
+            kernel = KernelBatch(table, b.query_start[: shape.items], b.query_len[: shape.items],
+                                 b.key_limit[: shape.positions], self.block_size, shape.max_query,
+                                 num_splits_for(self.max_blocks))  # fmt: skip
+            ctx = PagedContext(
+                b.positions[: shape.positions], b.slot_mapping[: shape.positions], table,
+                self.max_blocks * self.block_size, None, None, shape.items, shape.max_query, kv.key_cache,
+                kv.value_cache, self.block_size, kernel=kernel, request_planes=b.request_planes[: shape.items],
+                token_planes=b.token_planes[: shape.positions],
+            )  # fmt: skip
+            self.contexts[shape] = ctx
+        return ctx
+
+    def _body(self, shape: PassShape, ctx: PagedContext) -> None:
+        state = self.buffers.state[: shape.positions]
+        state.copy_(self.adapter.loop(state, 0, ctx))
+
+    def _capture(self, shape: PassShape, ctx: PagedContext) -> None:
+        """Capture on first use: a warm-up on the live inputs (the same loop the replay then computes again, writing
+        the same KV), then the capture."""
+        if shape in self.graphs:
+            return
+        device = self.adapter.device
+        t0 = time.perf_counter()
+        saved = self.buffers.state[: shape.positions].clone()
+        self._body(shape, ctx)  # lazy initialisation and Triton's compilation stay outside the graph
+        self.buffers.state[: shape.positions].copy_(saved)
+        torch.cuda.synchronize(device)
+        ctx.memo.clear()  # tensors memoised eagerly (RoPE tables) are recomputed inside the graph
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            self._body(shape, ctx)
+        self.pool = graph.pool()
+        self.graphs[shape] = graph
+        torch.cuda.synchronize(device)
+        self.capture_seconds += time.perf_counter() - t0
