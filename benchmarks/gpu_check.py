@@ -7,7 +7,8 @@ next runs):
 1. correctness: eager with the paged kernel vs the SDPA reference path, CUDA-graph replay vs eager,
    greedy speculative (K=2,d=1 and K=3,d=D/2) vs plain: token-identical request counts; the number,
    capture time and memory of the captured graphs;
-2. loop-level batching against the step engine, both eager: identity, then speed at full depth and a fixed exit;
+2. loop-level batching against the step engine, both eager and both captured: identity, then speed at full depth
+   and a fixed exit;
 3. plain decoding, 512-token prompts + 2048 new tokens at B = 1/8/32, graphs vs eager;
 4. speculation (K=2, d=1) with a forced draft acceptance alpha = 0.8 (a benchmark-only draft override:
    each draft token is the known greedy continuation with probability alpha) vs plain graphs, next to
@@ -383,6 +384,8 @@ def check_model(name: str, config: dict, args, report: dict, deadline: float, sa
 
     # ----- loop-level batching (eager: no graphs yet) against the step engine, eager too: identity, then speed -----
     def loop_batching() -> None:
+        """Eager loop passes vs the eager step engine, and captured loop passes (`cuda_graphs=True`) vs the captured
+        step engine: identity on the check prompts, then one timed run each at the largest batch."""
         check_prompts = prompts_for(shape["check_batch"], adapter.vocab_size, shape["prompt"])
         batch = max(batches)
         prompts = batch_prompts[batch]
@@ -393,26 +396,30 @@ def check_model(name: str, config: dict, args, report: dict, deadline: float, sa
             (f"exit_at_step {max(1, depth // 2)}", {"exit_at_step": max(1, depth // 2)}),
         ]:
             check = SamplingParams(max_tokens=shape["check_new"], ignore_eos=True, **extra)
-            step_engine = make(graphs_mode=False)
-            loop_engine = make(graphs_mode=False, batching="loop")
-            same = sum(
-                a.token_ids == b.token_ids
-                for a, b in zip(step_engine.generate(check_prompts, check), loop_engine.generate(check_prompts, check))
-            )
             params = SamplingParams(max_tokens=eager_new, ignore_eos=True, **extra)
-            seconds = {}
-            for engine_label, engine in (("step", step_engine), ("loop", loop_engine)):
-                engine.generate(prompts[:2], SamplingParams(max_tokens=4, ignore_eos=True, **extra))  # warm
-                sync(device)
-                start = time.perf_counter()
-                engine.generate(prompts, params)
-                sync(device)
-                seconds[engine_label] = time.perf_counter() - start
-            rows[label] = {"identical_requests": same, "of": len(check_prompts), "batch": batch,
-                           "loop_vs_step": seconds["step"] / seconds["loop"],
-                           "loop_passes": loop_engine.stats.num_loop_passes}  # fmt: skip
-            del step_engine, loop_engine
-            free_memory(device)
+            captured_loops = graphs if device.startswith("cuda") else False  # emulation needs the kernel (CPU: none)
+            for mode, step_graphs, loop_graphs in (("eager", False, False), ("graphs", graphs, captured_loops)):
+                step_engine = make(graphs_mode=step_graphs)
+                loop_engine = make(graphs_mode=loop_graphs, batching="loop")
+                outs = zip(step_engine.generate(check_prompts, check), loop_engine.generate(check_prompts, check))
+                same = sum(a.token_ids == b.token_ids for a, b in outs)
+                seconds = {}
+                for engine_label, engine in (("step", step_engine), ("loop", loop_engine)):
+                    engine.generate(prompts[:2], SamplingParams(max_tokens=4, ignore_eos=True, **extra))  # warm
+                    sync(device)
+                    start = time.perf_counter()
+                    engine.generate(prompts, params)
+                    sync(device)
+                    seconds[engine_label] = time.perf_counter() - start
+                captured = loop_engine.loop_batcher.graphs
+                rows[f"{label}, {mode}"] = {
+                    "identical_requests": same, "of": len(check_prompts), "batch": batch,
+                    "loop_vs_step": seconds["step"] / seconds["loop"], "loop_passes": loop_engine.stats.num_loop_passes,
+                    "captured_pass_replays": captured.num_replays if captured else 0,
+                    "captured_pass_shapes": captured.num_graphs if captured else 0,
+                }  # fmt: skip
+                del step_engine, loop_engine
+                free_memory(device)
         entry["loop_batching"] = rows
         print(f"[{name}] loop batching: {rows}", flush=True)
 

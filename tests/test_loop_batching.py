@@ -699,37 +699,42 @@ def test_the_server_streams_loop_batched_outputs_and_exports_the_passes():
 @pytest.mark.cuda
 @pytest.mark.parametrize("family", FAMILIES)
 def test_loop_passes_on_cuda_equal_the_step_engine(family):
-    """On a GPU, in fp32: captured loop passes (the default there; the paged kernel reads each item's plane) equal the
-    step engine (captured steps, the kernel throughout), greedy, in full depth, under early exit and with speculation
-    on top, and leak no block."""
+    """On a GPU, in fp32: eager and captured loop passes (`cuda_graphs=True`; the paged kernel reads each item's plane)
+    equal the step engine (captured steps, the kernel throughout), greedy, in full depth, under early exit and with
+    speculation on top, and leak no block."""
     adapter = load_adapter(fixture_dir(family), dtype="float32", device="cuda", **adapter_options(family))
     for spec in plans(family)[:2]:
         step = LoopedSpecEngine(adapter, speculation=spec, early_exit="skip", max_batch_size=8)
-        loop = LoopedSpecEngine(adapter, speculation=spec, early_exit="skip", max_batch_size=8, batching="loop")
         assert step.runner.paged_kernel, "the step engine should read the KV through the paged kernel on CUDA"
-        for extra in exit_params(family):
-            params = [SamplingParams(max_tokens=6 + i, ignore_eos=True, **(extra if i % 2 else {}))
-                      for i in range(len(PROMPTS))]  # fmt: skip
-            assert run(loop, PROMPTS, params) == run(step, PROMPTS, params), (spec, extra)
-        assert loop.num_free_blocks == loop.kv.num_blocks and not loop.loop_batcher.items
-        graphs = loop.loop_batcher.graphs  # on CUDA with the kernel, loop passes are captured by default
-        assert graphs is not None and graphs.capture and graphs.num_replays > 0
+        for graphs in (None, True):  # eager passes (the default), captured passes
+            loop = LoopedSpecEngine(adapter, speculation=spec, early_exit="skip", max_batch_size=8, batching="loop",
+                                    cuda_graphs=graphs)  # fmt: skip
+            for extra in exit_params(family):
+                params = [SamplingParams(max_tokens=6 + i, ignore_eos=True, **(extra if i % 2 else {}))
+                          for i in range(len(PROMPTS))]  # fmt: skip
+                assert run(loop, PROMPTS, params) == run(step, PROMPTS, params), (spec, extra, graphs)
+            assert loop.num_free_blocks == loop.kv.num_blocks and not loop.loop_batcher.items
+            captured = loop.loop_batcher.graphs
+            assert (captured is None) if graphs is None else (captured.capture and captured.num_replays > 0)
 
 
 CAPTURED_PASSES_CHECK = """
 from conftest import load
 from test_loop_batching import PROMPTS, run
 from looped_spec import LoopedSpecEngine, SamplingParams, SpeculativeConfig
-# Triton's interpreter is slow: one family with a KV-free readout and plain tokens beside speculation, one whose
-# readout attends (Huginn's coda) with a fixed plan; exits at a fixed loop put items at different loops in a pass
-for family, spec in (("ouro", "off"), ("huginn", SpeculativeConfig(k=2, d=1))):
+# Triton's interpreter is slow: Ouro speculating under its exit gate (verification rows exit one by one: masked KV
+# writes) and Huginn decoding plainly with a fixed exit (its readout, the coda, attends); requests with and without
+# exits put items at different loops in one pass
+for family, spec, rule, tokens in (("ouro", SpeculativeConfig(k=2, d=1), {"exit_threshold": 0.9}, 8),
+                                   ("huginn", "off", {"exit_at_step": 1}, 3)):
     adapter = load(family)
     step = LoopedSpecEngine(adapter, speculation=spec, early_exit="skip", max_batch_size=4)
+    step.runner.paged_kernel = False  # the reference path: an independent check, and faster in the interpreter
     loop = LoopedSpecEngine(adapter, speculation=spec, early_exit="skip", max_batch_size=4, batching="loop",
                             cuda_graphs="emulate")
     graphs = loop.loop_batcher.graphs
-    params = [SamplingParams(max_tokens=3 + i, ignore_eos=True, exit_at_step=1 if i % 2 else None) for i in range(5)]
-    assert run(loop, PROMPTS[:5], params) == run(step, PROMPTS[:5], params), family
+    params = [SamplingParams(max_tokens=tokens + i, ignore_eos=True, **(rule if i % 2 else {})) for i in range(6)]
+    assert run(loop, PROMPTS, params) == run(step, PROMPTS, params), family
     assert graphs.num_replays > 0 and graphs.num_graphs > 1, (graphs.num_replays, graphs.num_graphs)
     assert loop.num_free_blocks == loop.kv.num_blocks
 print("captured passes identical")

@@ -202,17 +202,16 @@ class LoopedSpecEngine:
 
     def _loop_pass_graphs(self, cuda_graphs: bool | str | None) -> LoopPassGraphs | None:
         """Captured loop passes (loop_batching/graphs.py), or None: they need loops that differ only in their planes
-        and the paged kernel (which reads each item's plane). Left at None, they are on where both hold on CUDA."""
+        and the paged kernel (which reads each item's plane). Opt-in (`cuda_graphs=True`) until they have run on a
+        GPU (docs/architecture.md, "Loop-level batching"); left at None, loop passes run eagerly."""
         on_cuda = self.adapter.device.type == "cuda"
         if cuda_graphs is True and not on_cuda:
             raise ValueError("cuda_graphs=True needs a CUDA device (cuda_graphs='emulate' runs the path on any device)")
-        possible = self.adapter.uniform_loops and self.runner.paged_kernel
-        if cuda_graphs is None:
-            if on_cuda and not possible:
-                logger.info("engine: loop passes run eagerly (captured passes need uniform loops and the paged kernel)")
-            cuda_graphs = on_cuda and possible
         if not cuda_graphs:
+            if on_cuda:
+                logger.info("engine: loop passes run eagerly (cuda_graphs=True captures them)")
             return None
+        possible = self.adapter.uniform_loops and self.runner.paged_kernel
         if not possible:
             raise ValueError(
                 f"cuda_graphs={cuda_graphs!r} with batching='loop': captured loop passes need a family whose loops "
