@@ -736,6 +736,7 @@ for family, spec, rule, tokens in (("ouro", SpeculativeConfig(k=2, d=1), {"exit_
     params = [SamplingParams(max_tokens=tokens + i, ignore_eos=True, **(rule if i % 2 else {})) for i in range(6)]
     assert run(loop, PROMPTS, params) == run(step, PROMPTS, params), family
     assert graphs.num_replays > 0 and graphs.num_graphs > 1, (graphs.num_replays, graphs.num_graphs)
+    assert 0 < loop.stats.num_loop_passes_captured == graphs.num_replays <= loop.stats.num_loop_passes
     assert loop.num_free_blocks == loop.kv.num_blocks
 print("captured passes identical")
 """

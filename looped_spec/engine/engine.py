@@ -426,6 +426,7 @@ class LoopedSpecEngine:
         stats = self.stats
         stats.phase_seconds["control"] += time.perf_counter() - t2
         stats.num_loop_passes += result.loops
+        stats.num_loop_passes_captured += result.captured
         stats.num_loop_pass_positions += result.positions * result.loops
         stats.num_loop_pass_embeds += result.entered
         for stage, seconds in result.stage_seconds.items():

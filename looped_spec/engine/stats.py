@@ -66,6 +66,7 @@ class EngineStats:
     # loop-level batching: loop passes, the positions they ran over (occupancy = positions / passes), and the
     # tokens they embedded (entered loop 1)
     num_loop_passes: int = 0
+    num_loop_passes_captured: int = 0  # of those, replayed from a captured graph (cuda_graphs=True)
     num_loop_pass_positions: int = 0
     num_loop_pass_embeds: int = 0
     # per request, seconds from admission (add_request) to its first generated token, and between its later tokens
@@ -211,6 +212,8 @@ class StatsCollector(Collector):
         yield _counter("loop_passes", "Loop passes (loop-level batching).", s.num_loop_passes, labels)
         yield _counter("loop_pass_positions", "Positions the loop passes ran over (occupancy = positions / passes).",
                        s.num_loop_pass_positions, labels)  # fmt: skip
+        yield _counter("loop_passes_captured", "Loop passes replayed from a captured CUDA graph.",
+                       s.num_loop_passes_captured, labels)  # fmt: skip
         yield _counter("loop_pass_embeds", "Tokens entering loop 1 in a loop pass.", s.num_loop_pass_embeds, labels)
         yield from self._exits()
 

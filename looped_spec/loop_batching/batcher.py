@@ -100,6 +100,7 @@ class LoopBatcher:
         lasts = [None if it.last_states is None else list(it.last_states) for it in items]
         prev = state
         write = self.exits.writing(items)
+        replays = self.graphs.num_replays if self.graphs is not None else 0
         for _ in range(num_loops):
             prev, state = state, self._loop(state, loops, ctx, items, write)
             loops = [n + 1 for n in loops]
@@ -167,7 +168,8 @@ class LoopBatcher:
             self.finisher.verifies(verifies, ctx, items, out)
         t3 = watch.mark()  # read after the finished tokens reached the host (timing.py)
         stages = {"embed": watch.seconds(t0, t1), "loops": watch.seconds(t1, t2), "finish": watch.seconds(t2, t3)}
-        return out.result(sum(it.num_positions for it in items), entered, num_loops, stages)
+        captured = self.graphs.num_replays - replays if self.graphs is not None else 0
+        return out.result(sum(it.num_positions for it in items), entered, num_loops, captured, stages)
 
     @staticmethod
     def _moved(it: Item, state: torch.Tensor, loops: int, prev: torch.Tensor, carry, preds) -> Item:

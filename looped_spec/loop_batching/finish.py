@@ -284,12 +284,13 @@ class Finished:
         self.first_tokens.append(tokens)
         self.first_logprobs.append(logprobs or [])
 
-    def result(self, positions: int, entered: int, loops: int, stages: dict[str, float]) -> PassResult:
+    def result(self, positions: int, entered: int, loops: int, captured: int, stages: dict[str, float]) -> PassResult:
         exit_depths = self.exit_depths if any(r.exits_early for r in self.finished) else None
         logprobs = self.logprobs if any(r.logprobs_top is not None for r in self.finished) else None
         first_logprobs = self.first_logprobs if any(r.logprobs_top is not None for r in self.prefilled) else None
         first_exits = self.first_exit_depths if any(self.first_exit_depths) else None
         return PassResult(self.requests, self.finished, self.tokens, self.proposed, self.accepted, exit_depths,
-                          self.items, self.next_drafts, positions, entered, loops, stages, logprobs, self.starts,
+                          self.items, self.next_drafts, positions, entered, loops, captured, stages, logprobs,
+                          self.starts,
                           self.agreement, self.prefilled, self.chunk_lens, self.first_tokens,
                           first_logprobs, first_exits, self.verified_proposed, self.verified_accepted)  # fmt: skip

@@ -176,6 +176,7 @@ class PassResult:
     positions: int  # positions one loop of the pass ran over (its occupancy)
     entered: int  # tokens embedded by the pass
     loops: int  # loops the pass ran back to back (1 unless the engine let it run on while nothing changes)
+    captured: int  # of those, the loops replayed from a captured graph (graphs.py)
     stage_seconds: dict[str, float]  # "embed" (entering tokens), "loops", "finish" (readouts, draws, acceptance)
     # per finished request, its committed tokens' log-probability entries ([] if it did not ask); None if none did
     logprobs: list[list[TokenLogprob]] | None = None
