@@ -725,16 +725,16 @@ from looped_spec import LoopedSpecEngine, SamplingParams, SpeculativeConfig
 # Triton's interpreter is slow: Ouro speculating under its exit gate (verification rows exit one by one: masked KV
 # writes) and Huginn decoding plainly with a fixed exit (its readout, the coda, attends); requests with and without
 # exits put items at different loops in one pass
-for family, spec, rule, tokens in (("ouro", SpeculativeConfig(k=2, d=1), {"exit_threshold": 0.9}, 8),
-                                   ("huginn", "off", {"exit_at_step": 1}, 3)):
+for family, spec, rule, tokens, n in (("ouro", SpeculativeConfig(k=2, d=1), {"exit_threshold": 0.9}, 8, 6),
+                                      ("huginn", "off", {"exit_at_step": 1}, 2, 4)):
     adapter = load(family)
     step = LoopedSpecEngine(adapter, speculation=spec, early_exit="skip", max_batch_size=4)
     step.runner.paged_kernel = False  # the reference path: an independent check, and faster in the interpreter
     loop = LoopedSpecEngine(adapter, speculation=spec, early_exit="skip", max_batch_size=4, batching="loop",
                             cuda_graphs="emulate")
     graphs = loop.loop_batcher.graphs
-    params = [SamplingParams(max_tokens=tokens + i, ignore_eos=True, **(rule if i % 2 else {})) for i in range(6)]
-    assert run(loop, PROMPTS, params) == run(step, PROMPTS, params), family
+    params = [SamplingParams(max_tokens=tokens + i, ignore_eos=True, **(rule if i % 2 else {})) for i in range(n)]
+    assert run(loop, PROMPTS[:n], params) == run(step, PROMPTS[:n], params), family
     assert graphs.num_replays > 0 and graphs.num_graphs > 1, (graphs.num_replays, graphs.num_graphs)
     assert 0 < loop.stats.num_loop_passes_captured == graphs.num_replays <= loop.stats.num_loop_passes
     assert loop.num_free_blocks == loop.kv.num_blocks
