@@ -2,13 +2,17 @@
 # The whole GPU session in one command, for the device tool (carry [".whl"], prepared beforehand with
 # `bash benchmarks/fetch_device_wheels.sh`). Installs nothing from the network: only the carried wheels.
 # Correctness first (the cuda-marked tests: graph replay == eager == the SDPA reference, the Triton paged
-# kernel == reference on ragged paged batches), then gpu_check.py's correctness + timing at the RFC's
-# shape (512-token prompts, 2048 new tokens, a 16k-token context, B=1/8/32, the 1-8-32-8-1 workload) and loop-level
-# batching against the step engine (both eager: identity, then speed at full depth and a fixed exit).
+# kernel == reference on ragged paged batches, loop passes == the step engine), then gpu_check.py's correctness
+# and timing at the RFC's shape (512-token prompts, B=1/8/32, the 1-8-32-8-1 workload) and loop-level batching
+# against the step engine (eager and captured: identity, then speed at full depth and a fixed exit).
 # Everything is written under $OUT (default: benchmarks/results/gpu).
-#   run: bash benchmarks/device_run.sh [full|followup]      (full: timeout_s 420: tests <= 120 s, the GPU check starts no section after
-#   170 s and is stopped at 250 s; each section is saved as it ends. Short enough to leave a session's 15 device
-#   minutes room for a second, corrected run.)
+#   run: bash benchmarks/device_run.sh [full|followup]
+#   full (timeout_s 480): the cuda tests (<= 120 s; captured loop passes included), then gpu_check's sections in the
+#   order of what is least known (correctness, loop batching eager and captured, plain, speculation, the workload;
+#   256 new tokens; no section starts after 240 s, stopped at 320 s). A machine's start takes 1-2 minutes, so this
+#   leaves a session's 15 device minutes room for a shorter second run.
+#   followup (timeout_s 330): fp32 identity at the real shapes, a profile of plain steps, shorter bf16 timings.
+#   Results of the first run (2026-12-04): benchmarks/results/gpu/, docs/benchmarking.md "The first GPU run".
 set -uo pipefail
 OUT=${OUT:-benchmarks/results/gpu}
 mkdir -p "$OUT"
@@ -33,4 +37,6 @@ if [ "${1:-full}" = "followup" ]; then
 fi
 timeout 120 python3 -m pytest -q -rfE -m cuda tests/test_paged_kernel.py tests/test_cuda_graph.py tests/test_loop_batching.py \
   2>&1 | tee "$OUT/cuda_tests.txt" | tail -25
-timeout 250 python3 benchmarks/gpu_check.py --budget-seconds 170 --out "$OUT" 2>&1 | tee "$OUT/gpu_check.log" | tail -40
+timeout 320 python3 benchmarks/gpu_check.py --models ouro-1.4b --new 256 --budget-seconds 240 \
+  --sections "correctness;loop batching;plain;K=2,d=1;workload" --out "$OUT" 2>&1 | tee "$OUT/gpu_check.log" \
+  | grep -v "^ " | tail -40
