@@ -8,8 +8,8 @@ inputs, copied into buffers allocated once at the largest shape. Graphs are capt
 
 Masked writes (early exit's skip mode keeps an exited row's cached KV in the deeper planes) become writes to the
 scratch block: the row's slot is moved there, so the captured computation never depends on how many rows write.
-Padding items have no query tokens (the kernel computes nothing for them); padding positions write to and are
-written from the scratch block and nothing reads their outputs.
+Padding items have no query tokens (the kernel computes nothing for them); padding positions belong to no item,
+write their KV to the scratch block, and their rows (each row's computation is its own) are never read.
 
 Passes outside the buckets (a prompt chunk longer than the kernel's query limit, more items or positions than the
 largest bucket) run eagerly. `capture=False` ("emulate") runs the same padded static-buffer path without capture,
@@ -78,7 +78,6 @@ class LoopPassGraphs:
                                 adapter.dtype, adapter.device)  # fmt: skip
         self.contexts: dict[PassShape, PagedContext] = {}
         self.graphs: dict[PassShape, torch.cuda.CUDAGraph] = {}
-        self.outputs: dict[PassShape, torch.Tensor] = {}
         self.pool = None
         self.capture_seconds = 0.0
         self.num_replays = 0
