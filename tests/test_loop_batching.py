@@ -134,6 +134,27 @@ def test_greedy_and_sampled_outputs_equal_the_step_engine(family, early_exit):
             assert stages["pass_loops"] > 0 and stages["pass_embed"] > 0 and stages["pass_finish"] > 0
 
 
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("early_exit", ["skip", "select"])
+def test_the_captured_pass_path_equals_the_step_engine(family, early_exit):
+    """The captured-pass path (graphs.py) run uncaptured on the CPU: static buffers padded to shape buckets, the
+    kernel's contract in plain torch (TorchKernelBatch) reading each item's plane, masked writes moved to the scratch
+    block. Greedy and sampled, plain and speculative, in every exit mode: the step engine's tokens, every pass of
+    positions short enough for the kernel taken from the captured path, no block leaked."""
+    for spec in plans(family)[:2]:
+        for extra in exit_params(family):
+            for temperature in (0.0, 0.8):
+                params = [SamplingParams(max_tokens=6 + i, temperature=temperature, seed=i, ignore_eos=True,
+                                         **(extra if i % 2 else {})) for i in range(len(PROMPTS))]  # fmt: skip
+                step = make_engine(family, early_exit=early_exit, speculation=spec)
+                loop = make_engine(family, early_exit=early_exit, speculation=spec, batching="loop",
+                                   cuda_graphs="emulate")  # fmt: skip
+                assert run(loop, PROMPTS, params) == run(step, PROMPTS, params), (spec, extra, temperature)
+                assert loop.num_free_blocks == loop.kv.num_blocks
+                # every prompt here is shorter than the kernel's query limit: every pass is a captured one
+                assert 0 < loop.stats.num_loop_passes_captured == loop.stats.num_loop_passes
+
+
 @pytest.mark.parametrize("criterion, threshold", [("latent", 0.2), ("kl", 0.05)])
 @pytest.mark.parametrize("early_exit", ["skip", "select"])
 def test_huginn_rules_equal_the_step_engine(criterion, threshold, early_exit):
@@ -296,11 +317,13 @@ def test_a_pass_budget_runs_the_deepest_work_first_and_keeps_none_waiting_for_ev
 def test_loop_batching_options_that_are_not_built_are_errors():
     with pytest.raises(ValueError, match="max_pass_positions=4: .*batching='loop'"):
         LoopedSpecEngine(load("ouro"), speculation="off", max_pass_positions=4)
-    # captured passes read each item's plane through the paged kernel: without it (CPU, no interpreter) an error
-    with pytest.raises(ValueError, match="cuda_graphs='emulate' with batching='loop'.*paged kernel"):
-        LoopedSpecEngine(load("ouro"), batching="loop", speculation="off", cuda_graphs="emulate")
     with pytest.raises(ValueError, match="cuda_graphs=True needs a CUDA device"):
         LoopedSpecEngine(load("ouro"), batching="loop", speculation="off", cuda_graphs=True)
+    # one graph serves every loop only where loops differ in their planes alone
+    adapter = load_adapter(fixture_dir("ouro"), dtype="float32", device="cpu")
+    adapter.uniform_loops = False
+    with pytest.raises(ValueError, match="cuda_graphs='emulate' with batching='loop'.*uniform_loops: False"):
+        LoopedSpecEngine(adapter, batching="loop", speculation="off", cuda_graphs="emulate")
     with pytest.raises(ValueError, match="batching"):
         LoopedSpecEngine(load("ouro"), batching="token", speculation="off")
 
@@ -551,6 +574,7 @@ def params_of(spec: dict, family: str) -> SamplingParams:
     plan=st.integers(0, 3),  # plain, two fixed plans, adaptive
     num_kv_blocks=st.integers(6, 9),  # block_size 4, max_model_len 24: one request needs up to 6
     budget=st.sampled_from([None, 2, 5]),  # max_pass_positions
+    captured=st.booleans(),  # the captured-pass path, run uncaptured (cuda_graphs="emulate")
     initial=st.lists(request_st, min_size=1, max_size=5),
     actions=st.lists(
         st.one_of(
@@ -563,7 +587,7 @@ def params_of(spec: dict, family: str) -> SamplingParams:
     ),
 )
 def test_random_arrivals_exits_aborts_and_faults_equal_each_request_alone(
-    family, early_exit, plan, num_kv_blocks, budget, initial, actions
+    family, early_exit, plan, num_kv_blocks, budget, captured, initial, actions
 ):
     """Against each request run alone by the step engine: greedy requests under the same plan, or plainly where the
     plan differs alone (adaptive plans, and requests that exit early: greedy speculation is lossless); sampled
@@ -572,7 +596,8 @@ def test_random_arrivals_exits_aborts_and_faults_equal_each_request_alone(
     speculation = [*plans(family), "adaptive"][plan]
     engine = make_engine(family, batching="loop", early_exit=early_exit, speculation=speculation, block_size=4,
                          num_kv_blocks=num_kv_blocks, max_model_len=24, max_batch_size=4,
-                         max_num_batched_tokens=8, max_pass_positions=budget)  # fmt: skip
+                         max_num_batched_tokens=8, max_pass_positions=budget,
+                         cuda_graphs="emulate" if captured else None)  # fmt: skip
     references = {
         exits: make_engine(
             family,
@@ -652,6 +677,7 @@ def test_random_arrivals_exits_aborts_and_faults_equal_each_request_alone(
         event(f"aborted: {bool(aborted)}")
         event(f"tokens exited early: {engine.stats.num_exit_loops_saved > 0}")
         event(f"drafts: {engine.stats.num_draft_tokens > 0}")
+        event(f"captured passes: {engine.stats.num_loop_passes_captured > 0}")
     finally:
         del adapter.loop
         gc.collect()

@@ -61,6 +61,34 @@ def attend_both(case, plane: int, splits: int | None = None, shift: int | None =
     return ref, out
 
 
+def test_the_kernels_torch_stand_in_matches_the_reference():
+    """TorchKernelBatch (the kernel's contract in plain torch, for the captured loop-pass path on machines without
+    Triton) against the reference path: ragged contexts and queries, GQA, a plane shift, per-request planes."""
+    from looped_spec.execution.paged_kernel import TorchKernelBatch
+
+    for heads, kv_heads in ((4, 4), (6, 2)):
+        case = ragged_case("cpu", torch.float32, heads, kv_heads, 32)
+        for plane, shift, request_planes in ((0, None, None), (1, 1, None), (0, None, [2, 0, 1, 2, 0])):
+            key_cache, value_cache, bs, tables, context_lens, query_lens, q, k, v = case
+            outs = []
+            for stand_in in (False, True):
+                kc, vc = key_cache.clone(), value_cache.clone()
+                ctx = build_paged_context(kc, vc, bs, tables, context_lens, query_lens, use_kernel=stand_in)
+                if stand_in:
+                    kernel = ctx.kernel
+                    ctx.kernel = TorchKernelBatch(kernel.block_table, kernel.query_start, kernel.query_len,
+                                                  kernel.key_limit, bs, kernel.max_query, 1)  # fmt: skip
+                if shift is not None:
+                    ctx.plane_shift = torch.tensor([shift])
+                if request_planes is not None:
+                    ctx.request_planes = torch.tensor(request_planes)
+                    ctx.token_planes = ctx.request_planes.repeat_interleave(torch.tensor(query_lens))
+                outs.append((ctx.attention(plane, q, k, v), kc))
+            (ref, ref_cache), (out, cache) = outs
+            assert torch.equal(ref_cache, cache)
+            assert (ref - out).abs().max().item() < 1e-5, (heads, kv_heads, plane, shift, request_planes)
+
+
 INTERPRETER_CHECK = """
 import torch
 from test_paged_kernel import attend_both, ragged_case

@@ -211,15 +211,15 @@ class LoopedSpecEngine:
             if on_cuda:
                 logger.info("engine: loop passes run eagerly (cuda_graphs=True captures them)")
             return None
-        possible = self.adapter.uniform_loops and self.runner.paged_kernel
-        if not possible:
+        emulate = cuda_graphs == "emulate"  # without Triton, the kernel's contract in plain torch (TorchKernelBatch)
+        if not self.adapter.uniform_loops or not (self.runner.paged_kernel or emulate):
             raise ValueError(
                 f"cuda_graphs={cuda_graphs!r} with batching='loop': captured loop passes need a family whose loops "
                 f"differ only in their KV planes (uniform_loops: {self.adapter.uniform_loops}) and the paged kernel "
-                f"(Triton on CUDA, or TRITON_INTERPRET=1; available: {self.runner.paged_kernel})"
+                f"(Triton on CUDA; available: {self.runner.paged_kernel})"
             )
-        return LoopPassGraphs(self.adapter, self.kv, self.max_model_len, self.max_batch_size,
-                              capture=cuda_graphs != "emulate")  # fmt: skip
+        return LoopPassGraphs(self.adapter, self.kv, self.max_model_len, self.max_batch_size, capture=not emulate,
+                              use_kernel=self.runner.paged_kernel)  # fmt: skip
 
     # ----- requests -----
     def add_request(

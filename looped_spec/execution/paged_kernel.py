@@ -25,6 +25,7 @@ import os
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 MAX_KERNEL_QUERY = 16  # tokens per request up to which the kernel replaces the reference path
 _MAX_TILE = 4096  # score-tile elements (rows x keys) per step of one program
@@ -235,3 +236,42 @@ class KernelBatch:
         total = (s * weight).sum(-1)  # [tokens, heads]
         out = (acc * weight[..., None]).sum(-2) / total[..., None]
         return out.to(q.dtype)
+
+
+class TorchKernelBatch(KernelBatch):
+    """The kernel's contract in plain torch, one request at a time: the same inputs (block tables, query starts and
+    lengths, key limits, per-request planes), the same output. It reads its inputs on the host, so it runs where
+    nothing is captured: the captured loop-pass path run uncaptured (`cuda_graphs="emulate"`) on a machine without
+    Triton, which is how the CPU tests drive that path at full speed."""
+
+    def attend(
+        self,
+        q: torch.Tensor,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        plane: int,
+        plane_shift: torch.Tensor | None,
+        request_planes: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        out = torch.zeros_like(q)
+        base = plane + (int(plane_shift) if plane_shift is not None else 0)
+        starts, lens, limits = self.query_start.tolist(), self.query_len.tolist(), self.key_limit.tolist()
+        planes = request_planes.tolist() if request_planes is not None else [0] * len(starts)
+        group = q.shape[1] // key_cache.shape[2]
+        offsets = torch.arange(self.block_size, device=q.device)
+        for r, (start, n) in enumerate(zip(starts, lens)):
+            if n == 0:  # a padding request
+                continue
+            row_limits = limits[start : start + n]
+            num_keys = max(row_limits)
+            blocks = self.block_table[r, : -(-num_keys // self.block_size)]
+            slots = (blocks[:, None] * self.block_size + offsets).flatten()[:num_keys]
+            keys = key_cache[base + planes[r], slots].transpose(0, 1)  # [kv_heads, keys, head_dim]
+            values = value_cache[base + planes[r], slots].transpose(0, 1)
+            key_positions = torch.arange(num_keys, device=q.device)
+            visible = key_positions[None, :] < torch.tensor(row_limits, device=q.device)[:, None]
+            attended = F.scaled_dot_product_attention(
+                q[start : start + n].transpose(0, 1), keys, values, attn_mask=visible, enable_gqa=group > 1
+            )
+            out[start : start + n] = attended.transpose(0, 1)
+        return out

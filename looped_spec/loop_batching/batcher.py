@@ -305,7 +305,7 @@ class LoopBatcher:
         adapter = self.adapter
         planes_per_loop = len(self.exits.loop_planes[0])
         counts = [it.num_positions for it in items]
-        shape = self.graphs.pass_shape(counts) if self.graphs is not None and ctx.kernel is not None else None
+        shape = self.graphs.pass_shape(counts) if self.graphs is not None else None
         if shape is not None:
             self.graphs.load(shape, ctx, counts)
             device = state.device

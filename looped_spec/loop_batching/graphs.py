@@ -12,8 +12,9 @@ Padding items have no query tokens (the kernel computes nothing for them); paddi
 write their KV to the scratch block, and their rows (each row's computation is its own) are never read.
 
 Passes outside the buckets (a prompt chunk longer than the kernel's query limit, more items or positions than the
-largest bucket) run eagerly. `capture=False` ("emulate") runs the same padded static-buffer path without capture,
-which is how the CPU tests (in Triton's interpreter) cover it.
+largest bucket) run eagerly. `capture=False` ("emulate") runs the same padded static-buffer path without capture; with
+`use_kernel=False` the kernel's contract is computed in plain torch (`TorchKernelBatch`), which is how the CPU tests
+drive this path (the Triton kernel itself runs there in Triton's interpreter).
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ import torch
 
 from looped_spec.execution.attention import PagedContext
 from looped_spec.execution.cuda_graph import pad_to
-from looped_spec.execution.paged_kernel import MAX_KERNEL_QUERY, KernelBatch, num_splits_for
+from looped_spec.execution.paged_kernel import MAX_KERNEL_QUERY, KernelBatch, TorchKernelBatch, num_splits_for
 
 QUERY_BUCKETS = (1, 2, 4, 8, MAX_KERNEL_QUERY)  # most positions of one item in a pass
 
@@ -65,10 +66,14 @@ class _Buffers:
 class LoopPassGraphs:
     """One loop of a pass's items, replayed from a graph per padded `PassShape` (or run on the static buffers)."""
 
-    def __init__(self, adapter, kv, max_context: int, max_items: int, capture: bool = True) -> None:
+    def __init__(self, adapter, kv, max_context: int, max_items: int, capture: bool = True, use_kernel: bool = True
+                 ) -> None:  # fmt: skip
         if not adapter.uniform_loops:
             raise ValueError(f"{adapter.model_type}: captured loop passes need loops that differ only in their planes")
+        if capture and not use_kernel:
+            raise ValueError("captured loop passes need the paged kernel (its torch stand-in reads inputs on the host)")
         self.adapter, self.kv, self.capture = adapter, kv, capture
+        self.kernel_class = KernelBatch if use_kernel else TorchKernelBatch
         self.block_size = bs = kv.block_size
         self.max_blocks = -(-max_context // bs)
         self.item_buckets = sorted({b for b in (1, 2, 4, 8, *range(16, max_items, 8)) if b < max_items} | {max_items})
@@ -95,24 +100,25 @@ class LoopPassGraphs:
         return PassShape(items, positions, query)
 
     def load(self, shape: PassShape, ctx: PagedContext, counts: list[int]) -> None:
-        """Copy the pass's context (built eagerly with the kernel's inputs) into the static buffers; padding rows and
-        items point at the scratch block."""
+        """Copy the pass's context (its positions, slots and block tables, built eagerly) into the static buffers, with
+        the kernel's per-item inputs; padding rows and items point at the scratch block."""
         b, n, items = self.buffers, sum(counts), len(counts)
-        kernel = ctx.kernel
-        assert kernel is not None, "a captured pass reads its keys through the paged kernel"
+        device = b.positions.device
+        lens = torch.tensor(counts, dtype=torch.int32)
+        starts = torch.cumsum(lens, 0, dtype=torch.int32) - lens
         b.positions[n : shape.positions].zero_()
         b.positions[:n].copy_(ctx.positions)
         b.slot_mapping[: shape.positions].fill_(self.scratch_slot)
         b.slot_mapping[:n].copy_(ctx.slot_mapping)
         b.key_limit[: shape.positions].fill_(1)
-        b.key_limit[:n].copy_(kernel.key_limit)
+        b.key_limit[:n].copy_(ctx.positions + 1)
         table = b.block_table[: shape.items * self.max_blocks].view(shape.items, self.max_blocks)
         table.fill_(self.kv.scratch_block)
-        table[:items, : kernel.block_table.shape[1]].copy_(kernel.block_table)
+        table[:items, : ctx.block_table.shape[1]].copy_(ctx.block_table)
         b.query_start[: shape.items].fill_(n)
-        b.query_start[:items].copy_(kernel.query_start)
+        b.query_start[:items].copy_(starts.to(device))
         b.query_len[: shape.items].zero_()  # padding items: no query tokens, no program does anything
-        b.query_len[:items].copy_(kernel.query_len)
+        b.query_len[:items].copy_(lens.to(device))
         b.token_planes[: shape.positions].zero_()
         b.request_planes[: shape.items].zero_()
         self._context(shape).memo.clear()  # RoPE tables of the last positions loaded
@@ -142,9 +148,9 @@ class LoopPassGraphs:
         if ctx is None:
             b, kv = self.buffers, self.kv
             table = b.block_table[: shape.items * self.max_blocks].view(shape.items, self.max_blocks)
-            kernel = KernelBatch(table, b.query_start[: shape.items], b.query_len[: shape.items],
-                                 b.key_limit[: shape.positions], self.block_size, shape.max_query,
-                                 num_splits_for(self.max_blocks))  # fmt: skip
+            kernel = self.kernel_class(table, b.query_start[: shape.items], b.query_len[: shape.items],
+                                       b.key_limit[: shape.positions], self.block_size, shape.max_query,
+                                       num_splits_for(self.max_blocks))  # fmt: skip
             ctx = PagedContext(
                 b.positions[: shape.positions], b.slot_mapping[: shape.positions], table,
                 self.max_blocks * self.block_size, None, None, shape.items, shape.max_query, kv.key_cache,
