@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from looped_spec.execution.attention import PagedContext
-from looped_spec.execution.cuda_graph import pad_to
+from looped_spec.execution.cuda_graph import batch_buckets, pad_to
 from looped_spec.execution.paged_kernel import MAX_KERNEL_QUERY, KernelBatch, TorchKernelBatch, num_splits_for
 
 QUERY_BUCKETS = (1, 2, 4, 8, MAX_KERNEL_QUERY)  # most positions of one item in a pass
@@ -76,7 +76,7 @@ class LoopPassGraphs:
         self.kernel_class = KernelBatch if use_kernel else TorchKernelBatch
         self.block_size = bs = kv.block_size
         self.max_blocks = -(-max_context // bs)
-        self.item_buckets = sorted({b for b in (1, 2, 4, 8, *range(16, max_items, 8)) if b < max_items} | {max_items})
+        self.item_buckets = batch_buckets(max_items)
         self.position_buckets = position_buckets(max_items * MAX_KERNEL_QUERY)
         self.scratch_slot = kv.scratch_block * bs
         self.buffers = _Buffers(max_items, self.position_buckets[-1], self.max_blocks, adapter.state_dim,
