@@ -299,9 +299,9 @@ class LoopBatcher:
         return max(out, 1)
 
     def _loop(self, state: torch.Tensor, loops: list[int], ctx, items: list[Item], write) -> torch.Tensor:
-        """One loop of every item, item i at loop `loops[i]` (0-based): one call when the family's loops are loop 0 on
-        moved planes (`uniform_loops`), else one call per distinct loop index. `write` [rows] bool: the rows whose KV
-        is written (None: all)."""
+        """One loop of every item, item i at loop `loops[i]` (0-based): a captured pass when the pass fits one
+        (graphs.py), else one call when the family's loops are loop 0 on moved planes (`uniform_loops`), else one call
+        per distinct loop index. `write` [rows] bool: the rows whose KV is written (None: all)."""
         adapter = self.adapter
         planes_per_loop = len(self.exits.loop_planes[0])
         counts = [it.num_positions for it in items]
