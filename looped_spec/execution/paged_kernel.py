@@ -244,15 +244,9 @@ class TorchKernelBatch(KernelBatch):
     nothing is captured: the captured loop-pass path run uncaptured (`cuda_graphs="emulate"`) on a machine without
     Triton, which is how the CPU tests drive that path at full speed."""
 
-    def attend(
-        self,
-        q: torch.Tensor,
-        key_cache: torch.Tensor,
-        value_cache: torch.Tensor,
-        plane: int,
-        plane_shift: torch.Tensor | None,
-        request_planes: torch.Tensor | None = None,
-    ) -> torch.Tensor:
+    def attend(self, q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, plane: int,
+               plane_shift: torch.Tensor | None, request_planes: torch.Tensor | None = None
+               ) -> torch.Tensor:  # fmt: skip
         out = torch.zeros_like(q)
         base = plane + (int(plane_shift) if plane_shift is not None else 0)
         starts, lens, limits = self.query_start.tolist(), self.query_len.tolist(), self.key_limit.tolist()
