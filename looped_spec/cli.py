@@ -12,6 +12,10 @@ from pathlib import Path
 API_KEY_ENV = "LOOPED_SPEC_API_KEY"
 
 
+#: --cuda-graphs: EngineConfig.cuda_graphs (auto: on for CUDA with step batching; loop passes are captured on request)
+CUDA_GRAPHS = {"auto": None, "on": True, "off": False, "emulate": "emulate"}
+
+
 def _engine_options(args: argparse.Namespace) -> dict:
     """LoopedSpecEngine keyword arguments from the shared engine flags."""
     from looped_spec.tuning.inputs import parse_adapter_options
@@ -19,7 +23,7 @@ def _engine_options(args: argparse.Namespace) -> dict:
     return dict(dtype=args.dtype, device=args.device, speculation=args.speculation, preset=args.preset,
                 policy=args.policy, seed=args.seed, trace_path=args.trace, max_batch_size=args.max_batch_size,
                 max_model_len=args.max_model_len, early_exit=getattr(args, "early_exit", "skip"),
-                batching=args.batching,
+                batching=args.batching, cuda_graphs=CUDA_GRAPHS[args.cuda_graphs],
                 adapter_options=parse_adapter_options(args.adapter_option) or None)  # fmt: skip
 
 
@@ -328,8 +332,12 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--trace", default=None, help="write the controller's JSONL trace here")
     p.add_argument("--batching", default="step", choices=["step", "loop"],
-                   help="step: a decode step is a token for the batch; loop: one loop pass serves every request at "
-                   "its own loop (plain decoding, with --speculation off)")  # fmt: skip
+                   help="step: a decode step is a token (or speculative round) for the batch; loop: one loop pass "
+                   "serves every request at its own loop")  # fmt: skip
+    p.add_argument("--cuda-graphs", default="auto", choices=list(CUDA_GRAPHS),
+                   help="auto: captured steps on CUDA (loop passes eager); on: capture (with --batching loop, "
+                   "the loop passes); off: eager; emulate: the padded captured path run uncaptured, on any "
+                   "device")  # fmt: skip
     p.add_argument("--adapter-option", action="append", metavar="KEY=VALUE", help="passed to the adapter (repeatable)")
 
 

@@ -87,3 +87,16 @@ def test_every_flag_has_help():
     missing = [(name, action.dest) for name, sub in subparsers.choices.items() for action in sub._actions
                if action.help is None]  # fmt: skip
     assert not missing
+
+
+def test_cuda_graphs_flag_reaches_the_engine(capsys):
+    """--cuda-graphs maps onto EngineConfig.cuda_graphs; with --batching loop, "emulate" runs the captured-pass path
+    (on the CPU through the kernel's torch stand-in) and prints the same text as eager passes; "on" without CUDA is
+    the engine's one-line error naming the option."""
+    loop = BASE + ["--prompt", "def add(a, b):", "--batching", "loop"]
+    assert main(loop) == 0
+    eager = capsys.readouterr().out.split("\n\n---")[0]
+    assert main(loop + ["--cuda-graphs", "emulate"]) == 0
+    assert capsys.readouterr().out.split("\n\n---")[0] == eager
+    assert main(loop + ["--cuda-graphs", "on"]) == 2
+    assert "cuda_graphs=True needs a CUDA device" in capsys.readouterr().err
