@@ -32,8 +32,9 @@ _MAX_TILE = 4096  # score-tile elements (rows x keys) per step of one program
 
 
 def kernel_available(device: torch.device | str, head_dim: int) -> bool:
-    """True where the paged kernel can run: CUDA (or Triton's CPU interpreter) and a power-of-two head_dim."""
-    if head_dim < 16 or head_dim & (head_dim - 1) or os.environ.get("LOOPED_SPEC_PAGED_KERNEL") == "0":
+    """True where the paged kernel can run: CUDA (or Triton's CPU interpreter) and a head_dim of at least 16 (one
+    that is not a power of two, Huginn-0125's 96, runs padded to the next one: `HEAD_DIM`, masked past `head_dim`)."""
+    if head_dim < 16 or os.environ.get("LOOPED_SPEC_PAGED_KERNEL") == "0":
         return False
     device = torch.device(device)
     if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
@@ -80,6 +81,7 @@ def _kernel():
         num_heads,
         group,  # query heads per kv head
         num_splits,
+        head_dim,  # the real one; HEAD_DIM is the next power of two (tl.arange and tl.dot want one)
         HAS_SHIFT: tl.constexpr,
         HAS_REQUEST_PLANES: tl.constexpr,
         FP32_DOT: tl.constexpr,
@@ -111,8 +113,9 @@ def _kernel():
         head = kv_head * group + g
         limit = tl.load(key_limit_ptr + token, row_ok, 0)  # [ROWS] keys each row sees
         d = tl.arange(0, HEAD_DIM)
+        d_ok = d < head_dim  # padded dimensions load as zeros: they add nothing to a score or an output
         q = tl.load(q_ptr + token[:, None] * q_token_stride + head[:, None] * q_head_stride + d[None, :],
-                    row_ok[:, None], 0.0)  # fmt: skip
+                    row_ok[:, None] & d_ok[None, :], 0.0)  # fmt: skip
         q = (q.to(tl.float32) * scale).to(k_ptr.dtype.element_ty)  # [ROWS, HEAD_DIM]
 
         req_limit = tl.max(limit, axis=0)  # the last token sees the most keys
@@ -130,8 +133,8 @@ def _kernel():
             block = tl.load(block_table_ptr + req * table_stride + key_pos // BLOCK_SIZE, key_ok, 0)
             slot = block * BLOCK_SIZE + key_pos % BLOCK_SIZE
             offs = base + slot[:, None] * slot_stride + d[None, :]
-            k = tl.load(k_ptr + offs, key_ok[:, None], 0.0)  # [KEYS, HEAD_DIM]
-            v = tl.load(v_ptr + offs, key_ok[:, None], 0.0)
+            k = tl.load(k_ptr + offs, key_ok[:, None] & d_ok[None, :], 0.0)  # [KEYS, HEAD_DIM]
+            v = tl.load(v_ptr + offs, key_ok[:, None] & d_ok[None, :], 0.0)
             if FP32_DOT:
                 scores = tl.dot(q, tl.trans(k), input_precision="ieee")  # [ROWS, KEYS]
             else:
@@ -152,7 +155,7 @@ def _kernel():
         out = (token * num_heads + head) * num_splits + split  # [ROWS] row of each (token, head) partial
         tl.store(m_ptr + out, m, row_ok)
         tl.store(l_ptr + out, s_sum, row_ok)
-        tl.store(acc_ptr + out[:, None] * HEAD_DIM + d[None, :], acc, row_ok[:, None])
+        tl.store(acc_ptr + out[:, None] * head_dim + d[None, :], acc, row_ok[:, None] & d_ok[None, :])
 
     return paged_attention_partial
 
@@ -221,6 +224,7 @@ class KernelBatch:
             num_heads,
             group,
             splits,
+            head_dim,
             HAS_SHIFT=plane_shift is not None,
             HAS_REQUEST_PLANES=request_planes is not None,
             FP32_DOT=key_cache.dtype == torch.float32,
@@ -228,7 +232,7 @@ class KernelBatch:
             KEYS=keys,
             GROUP_PAD=group_pad,
             ROWS=rows,
-            HEAD_DIM=head_dim,
+            HEAD_DIM=_next_pow2(head_dim),
         )
         # combine the splits: a split with no keys has max -inf and contributes exp(-inf) = 0
         top = m.amax(dim=-1, keepdim=True)  # [tokens, heads, 1]; split 0 always holds key 0
