@@ -183,12 +183,17 @@ class LoopedSpecEngine:
             )
         return num_kv_blocks
 
-    def _graph_runner(self, cuda_graphs: bool | str | None) -> CudaGraphRunner | None:
-        """The CUDA-graph runner for the shapes the controller's plans need, or None. "emulate" runs the same padded
-        static-buffer path eagerly without capture, on any device (how the CPU tests cover it)."""
+    def _on_cuda(self, cuda_graphs: bool | str | None) -> bool:
+        """Whether the model is on a CUDA device; `cuda_graphs=True` anywhere else is an error."""
         on_cuda = self.adapter.device.type == "cuda"
         if cuda_graphs is True and not on_cuda:
             raise ValueError("cuda_graphs=True needs a CUDA device (cuda_graphs='emulate' runs the path on any device)")
+        return on_cuda
+
+    def _graph_runner(self, cuda_graphs: bool | str | None) -> CudaGraphRunner | None:
+        """The CUDA-graph runner for the shapes the controller's plans need, or None. "emulate" runs the same padded
+        static-buffer path eagerly without capture, on any device (how the CPU tests cover it)."""
+        on_cuda = self._on_cuda(cuda_graphs)
         if not (on_cuda if cuda_graphs is None else cuda_graphs):
             return None
         return CudaGraphRunner(
@@ -204,9 +209,7 @@ class LoopedSpecEngine:
         """Captured loop passes (loop_batching/graphs.py), or None: they need loops that differ only in their planes
         and the paged kernel (which reads each item's plane). Opt-in (`cuda_graphs=True`) until they have run on a
         GPU (docs/architecture.md, "Loop-level batching"); left at None, loop passes run eagerly."""
-        on_cuda = self.adapter.device.type == "cuda"
-        if cuda_graphs is True and not on_cuda:
-            raise ValueError("cuda_graphs=True needs a CUDA device (cuda_graphs='emulate' runs the path on any device)")
+        on_cuda = self._on_cuda(cuda_graphs)
         if not cuda_graphs:
             if on_cuda:
                 logger.info("engine: loop passes run eagerly (cuda_graphs=True captures them)")

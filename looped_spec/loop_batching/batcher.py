@@ -303,24 +303,22 @@ class LoopBatcher:
         (graphs.py), else one call when the family's loops are loop 0 on moved planes (`uniform_loops`), else one call
         per distinct loop index. `write` [rows] bool: the rows whose KV is written (None: all)."""
         adapter = self.adapter
-        planes_per_loop = len(self.exits.loop_planes[0])
         counts = [it.num_positions for it in items]
+
+        def planes() -> tuple[torch.Tensor, torch.Tensor]:  # planes added per item and per row: its loop's
+            per_request = torch.tensor(loops, dtype=torch.long, device=state.device) * len(self.exits.loop_planes[0])
+            return per_request, per_request.repeat_interleave(torch.tensor(counts, device=state.device))
+
         shape = self.graphs.pass_shape(counts) if self.graphs is not None else None
         if shape is not None:
             self.graphs.load(shape, ctx, counts)
-            device = state.device
-            per_request = torch.tensor(loops, dtype=torch.long, device=device) * planes_per_loop
-            per_token = per_request.repeat_interleave(torch.tensor(counts, device=device))
-            return self.graphs.run(shape, state, per_request, per_token, write)
+            return self.graphs.run(shape, state, *planes(), write)
         if len(set(loops)) == 1 or adapter.uniform_loops:
             ctx.write_index = None if write is None else write.nonzero().flatten()
             try:
                 if len(set(loops)) == 1:  # every item at one loop (lockstep): the step engine's call
                     return adapter.loop(state, loops[0], ctx)
-                device = state.device
-                per_request = torch.tensor(loops, dtype=torch.long, device=device) * planes_per_loop
-                ctx.request_planes = per_request
-                ctx.token_planes = per_request.repeat_interleave(torch.tensor(counts, device=device))
+                ctx.request_planes, ctx.token_planes = planes()
                 ctx.contiguous_from = None  # an in-place read takes one plane (the paged kernel takes each request's)
                 return adapter.loop(state, 0, ctx)
             finally:  # the readouts after the pass (Huginn's coda attends) use their own planes

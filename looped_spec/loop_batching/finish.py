@@ -291,6 +291,5 @@ class Finished:
         first_exits = self.first_exit_depths if any(self.first_exit_depths) else None
         return PassResult(self.requests, self.finished, self.tokens, self.proposed, self.accepted, exit_depths,
                           self.items, self.next_drafts, positions, entered, loops, captured, stages, logprobs,
-                          self.starts,
-                          self.agreement, self.prefilled, self.chunk_lens, self.first_tokens,
+                          self.starts, self.agreement, self.prefilled, self.chunk_lens, self.first_tokens,
                           first_logprobs, first_exits, self.verified_proposed, self.verified_accepted)  # fmt: skip
