@@ -333,8 +333,9 @@ class LoopedSpecEngine:
         if not requests:
             return
         # one decode path: plain decoding is the K = 0 round
+        run, stop, report = self.spec_round.run, plan.stop_margin, plan.report_margins
         result = self._transaction(
-            suspect, requests, lambda: self.spec_round.run(requests, k, plan.d, plan.measure_depths, plan.stop_margin)
+            suspect, requests, lambda: run(requests, k, plan.d, plan.measure_depths, stop, report)
         )
         if result is not None:
             self._finish_round(requests, k, plan, result, t0, context)
@@ -554,6 +555,7 @@ class LoopedSpecEngine:
             last_bits=result.last_bits,
             exit_depths=exit_depths,
             exit_skips=self.runner.exit_mode == "skip",
+            draft_margins=result.draft_margins,
         )
         self.controller.observe(feedback)
         stats.phase_seconds["control"] += time.perf_counter() - t1

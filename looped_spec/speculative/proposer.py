@@ -24,6 +24,15 @@ class Draft:
     # None when every row drafted its planned K in the given order
     k: list[int] | None = None
     order: list[int] | None = None
+    # per row (in the draft's order), the depth-d top-two margin of each draft it proposed, and last that of the draft
+    # a stopping row stopped at; None unless asked for (`report_margins`)
+    margins: list[list[float]] | None = None
+
+
+def top_two_margin(logits: torch.Tensor) -> torch.Tensor:
+    """[n]: the gap between the two largest probabilities of each row's readout (softmax before temperature)."""
+    top2 = logits.float().softmax(-1).topk(2, dim=-1).values
+    return top2[:, 0] - top2[:, 1]
 
 
 def draw_drafts(
@@ -54,12 +63,13 @@ class DraftProposer:
     @torch.inference_mode()
     def propose(
         self, requests: list[Request], k: list[int], d: int, rows: SamplingRows, measure: bool = False,
-        stop_margin: float | None = None,
+        stop_margin: float | None = None, report_margins: bool = False,
     ) -> Draft:  # fmt: skip
         """K tokens per request (rows sorted by K descending); with `measure`, every depth 1..d is read out too;
-        with `stop_margin`, a row stops at its first draft whose margin is below it (`propose_until_unsure`)."""
+        with `stop_margin`, a row stops at its first draft whose margin is below it (`propose_until_unsure`); with
+        `report_margins`, the drafts' margins come back (`Draft.margins`)."""
         if stop_margin is not None and not measure:
-            return self.propose_until_unsure(requests, k, d, stop_margin)
+            return self.propose_until_unsure(requests, k, d, stop_margin, report_margins)
         runner = self.runner
         num_reqs, max_k = len(requests), max(k)
         device = runner.device
@@ -69,6 +79,7 @@ class DraftProposer:
         if measure:
             depth_preds = torch.full((d, num_reqs, max_k + 1), -1, dtype=torch.long, device=device)
         states: list[torch.Tensor] = []
+        margins = torch.zeros(num_reqs, max_k, device=device) if report_margins else None
         step_tokens = runner.token_tensor([r.token_ids[r.num_computed] for r in requests])
         for j in range(max_k + 1):
             num_rows = sum(1 for kr in k if kr >= j)
@@ -88,6 +99,8 @@ class DraftProposer:
             states.append(state)
             if num_next == 0:
                 break
+            if margins is not None:
+                margins[:num_next, j] = top_two_margin(logits[:num_next])
             drafted, q = self.draw(logits[:num_next], rows, active[:num_next], j)
             if q is not None:
                 if q_probs is None:
@@ -95,10 +108,15 @@ class DraftProposer:
                 q_probs[:num_next, j] = q
             tokens[:num_next, j] = drafted
             step_tokens = drafted
-        return Draft(tokens=tokens, q_probs=q_probs, states=states, depth_preds=depth_preds)
+        draft = Draft(tokens=tokens, q_probs=q_probs, states=states, depth_preds=depth_preds)
+        if margins is not None:
+            draft.margins = [row[:kr] for row, kr in zip(margins.tolist(), k)]
+        return draft
 
     @torch.inference_mode()
-    def propose_until_unsure(self, requests: list[Request], k: list[int], d: int, stop_margin: float) -> Draft:
+    def propose_until_unsure(
+        self, requests: list[Request], k: list[int], d: int, stop_margin: float, report_margins: bool = False
+    ) -> Draft:
         """Up to K tokens per request, each row stopping at its first draft whose depth-d top-two probability margin
         (softmax of the readout, before temperature) is below `stop_margin`: that draft is not proposed, the row's
         K is the drafts before it. The rule reads the draft's own distribution only, never the target, so verifying
@@ -107,6 +125,7 @@ class DraftProposer:
         runner, device = self.runner, self.runner.device
         num_reqs = len(requests)
         drafted = [0] * num_reqs
+        margins: list[list[float]] = [[] for _ in range(num_reqs)]  # of each draft read out, the last maybe unsure
         tokens: list[list[int]] = [[] for _ in range(num_reqs)]
         q_rows: list[list[torch.Tensor]] = [[] for _ in range(num_reqs)]
         steps: list[tuple[list[int], torch.Tensor]] = []  # per step j: (rows it ran, their loop-d states)
@@ -123,8 +142,10 @@ class DraftProposer:
             if not needs_next:
                 break
             logits = out.logits[: len(needs_next)]
-            top2 = logits.float().softmax(-1).topk(2, dim=-1).values
-            sure = ((top2[:, 0] - top2[:, 1]) >= stop_margin).tolist()
+            values = top_two_margin(logits).tolist()
+            sure = [m >= stop_margin for m in values]
+            for i, m in zip(needs_next, values):
+                margins[i].append(m)
             going = [i for i, ok in zip(needs_next, sure) if ok]
             if going:
                 keep = torch.tensor([n for n, ok in enumerate(sure) if ok], device=device)
@@ -155,4 +176,5 @@ class DraftProposer:
             if not index:
                 break
             states.append(state[torch.tensor(index, device=state.device)])
-        return Draft(tokens=grid, q_probs=q_probs, states=states, depth_preds=None, k=drafted, order=order)
+        return Draft(tokens=grid, q_probs=q_probs, states=states, depth_preds=None, k=drafted, order=order,
+                     margins=[margins[i] for i in order] if report_margins else None)  # fmt: skip
