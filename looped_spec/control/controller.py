@@ -230,6 +230,10 @@ class AdaptiveController(FixedController):
         self._last_bits = dict(zip(fb.request_ids, fb.last_bits))
 
     def _profile_seconds(self, k: int, d: int, fb: RoundFeedback) -> float:
+        margins = self.margins
+        if k and fb.stop_margin is not None and margins is not None and fb.stop_margin in margins.thresholds:
+            keep = margins.pass_rate(d, margins.thresholds.index(fb.stop_margin))  # a ragged round: priced as one
+            return float(self.cost.stopping_features(k, d, keep, fb.batch_size, fb.context) @ self.cost.theta)
         exits = self.exits if self.exits.prices_passes else None
         return self.cost.seconds(k, d, fb.batch_size, fb.context, exits)
 
