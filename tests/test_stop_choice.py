@@ -181,3 +181,44 @@ def test_plans_ask_for_margins_only_when_stopping_may_be_chosen_and_measured_rou
         assert plan.report_margins == (plan.k > 0 and not plan.measure_depths)
         assert plan.stop_margin is None or not plan.measure_depths
         ctl.observe(workload.feedback(plan, phase))
+
+
+@pytest.mark.parametrize(("k", "d", "batch"), [(3, 1, 1), (5, 2, 8), (2, 3, 32)])
+def test_a_round_whose_every_first_draft_is_unsure_is_one_draft_step_and_one_position_verified(k, d, batch):
+    """keep = 0: draft step 0 (d passes and a readout over the batch), then a verification of each request's first
+    position only (D - d passes over B positions, at the round's context)."""
+    cost = PassCost(CostConfig.model_validate(ideal_cost(32)), DEPTH)
+    b, context = batch, 64.0
+    draft = cost.step_features(b, b, 1.0)[0] + d * cost.pass_features(b, b, context)[0] + cost.readout_features(b)[0]
+    verify = cost.step_features(b, b, 0.0)[0] + (DEPTH - d) * cost.pass_features(b, b, context)[0]
+    verify = verify + cost.readout_features(b)[0]
+    outside = cost.outside_features([1e-9], b)[0]
+    want = float((draft + verify + outside) @ cost.theta)
+    assert float(cost.stopping_features(k, d, 0.0, b, context) @ cost.theta) == pytest.approx(want, rel=1e-9)
+
+
+@pytest.mark.parametrize("batch", [1, 8])
+def test_adaptive_choosing_stopping_plans_on_a_shipped_model_equals_plain_decoding(tmp_path, batch):
+    """tiny-ouro on code prompts, where the controller does choose stopping plans (the trace shows which ran):
+    greedy output equals plain decoding's, and no KV block stays in use."""
+    import json
+
+    from looped_spec import LoopedSpecEngine, SamplingParams, load_adapter
+    from looped_spec.tuning.prompt_sets import prompt_group
+
+    adapter = load_adapter("tiny-ouro", dtype="float32", device="cpu")
+    prompts = prompt_group("code", 2 * batch if batch > 1 else 6)
+    params = SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True)
+    trace = tmp_path / "trace.jsonl"
+    engine = LoopedSpecEngine(adapter, max_batch_size=8, control={"stop_margins": [0.003, 0.01, 0.03]},
+                              trace_path=str(trace))  # fmt: skip
+    plain = LoopedSpecEngine(adapter, speculation="off", max_batch_size=8)
+    for i in range(0, len(prompts), batch):
+        group = prompts[i : i + batch]
+        assert [o.token_ids for o in engine.generate(group, params)] == [
+            o.token_ids for o in plain.generate(group, params)
+        ]
+    assert engine.num_free_blocks == engine.kv.num_blocks
+    engine.controller.close()
+    plans = [json.loads(line) for line in trace.read_text().splitlines()]
+    assert any(p["event"] == "plan" and p["stop_margin"] is not None for p in plans)
