@@ -124,7 +124,9 @@ class AdaptiveController(FixedController):
         options = [(c.k, c.d if c.k else 0) for b in config.buckets for c in b.candidates]
         self.cost = PassCost(config.cost, full_depth, s.drift_rounds, options)
         self.exits = ExitDepths(full_depth, s.exit_memory)
-        self.margins = DraftMargins(full_depth, s.stop_margins, s.acceptance_memory) if s.stop_margins else None
+        self.margins = (
+            DraftMargins(full_depth, s.stop_margins, s.acceptance_memory, s.prior_weight) if s.stop_margins else None
+        )
         if policy == "ema":
             if s.stop_margins:
                 raise ValueError("stop_margins: per-token stopping plans are chosen by the goodput policy only")

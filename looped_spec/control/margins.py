@@ -20,9 +20,10 @@ from collections.abc import Sequence
 class DraftMargins:
     """Faded counts per draft depth and threshold (see the module docstring)."""
 
-    def __init__(self, depth: int, thresholds: Sequence[float], memory: float) -> None:
+    def __init__(self, depth: int, thresholds: Sequence[float], memory: float, prior_weight: float = 0.0) -> None:
         self.thresholds = tuple(sorted(thresholds))
         self.memory = memory
+        self.prior_weight = prior_weight
         t = len(self.thresholds)
         # per depth: [seen, accepted] over every checked draft of rounds that did not stop early ...
         self.all = [[0.0, 0.0] for _ in range(depth)]
@@ -74,9 +75,14 @@ class DraftMargins:
         return sure / seen if seen > 0.0 else 0.0
 
     def relative_agreement(self, d: int, i: int) -> float:
-        """a_θ ÷ the agreement of all drafts at depth d: how much likelier a draft the rule lets through is accepted."""
+        """a_θ ÷ the agreement of all drafts at depth d: how much likelier a draft the rule lets through is accepted.
+        a_θ starts from the agreement of all drafts, counted as `prior_weight` drafts: a policy that takes the best of
+        many (K, θ) would otherwise favour the threshold whose few drafts happened to be accepted (each estimate's
+        noise, selected upwards)."""
         seen, hits = self.all[d - 1]
-        _, sure, sure_hits = self.by_threshold[d - 1][i]
-        if sure <= 0.0 or hits <= 0.0:
+        if hits <= 0.0:
             return 1.0
-        return (sure_hits / sure) / (hits / seen)
+        base = hits / seen
+        _, sure, sure_hits = self.by_threshold[d - 1][i]
+        w = self.prior_weight
+        return ((sure_hits + w * base) / (sure + w)) / base if sure + w > 0.0 else 1.0
