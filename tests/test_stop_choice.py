@@ -52,7 +52,7 @@ class MarginWorkload(Workload):
         if theta is None:
             return self.goodput(k, d, phase)
         keep, hit = self.keep_and_hit(phase.alpha[d - 1], theta)
-        seconds = float(self.truth.stopping_features(k, d, keep, phase.batch, phase.context) @ self.truth.theta)
+        seconds = float(self.truth.stopping_seconds([k], [d], [keep], phase.batch, phase.context)[0])
         return phase.batch * markov_tokens(hit, 0.0, k) / seconds
 
     def feedback(self, plan: SpeculationPlan, phase: Phase) -> RoundFeedback:
@@ -79,9 +79,7 @@ class MarginWorkload(Workload):
             accepted.append(hits)
             margins.append(row[: drafted + 1] if drafted < plan.k and plan.stop_margin is not None else row[:drafted])
         keep, _ = self.keep_and_hit(alpha, plan.stop_margin) if plan.stop_margin is not None else (1.0, 0.0)
-        seconds = float(
-            self.truth.stopping_features(plan.k, plan.d, keep, phase.batch, phase.context) @ self.truth.theta
-        )
+        seconds = float(self.truth.stopping_seconds([plan.k], [plan.d], [keep], phase.batch, phase.context)[0])
         return round_feedback(plan, batch_size=phase.batch, context=phase.context, num_proposed=proposed,
                               num_accepted=accepted, seconds=seconds * math.exp(rng.gauss(0.0, 0.05)),
                               draft_margins=margins)  # fmt: skip
@@ -114,7 +112,7 @@ def run(workload: MarginWorkload, ctl: AdaptiveController, phase: Phase) -> list
 def test_a_stopping_round_that_keeps_every_draft_costs_the_plan_and_less_when_it_keeps_fewer(k, d, batch, context):
     cost = PassCost(CostConfig.model_validate(ideal_cost(32)), DEPTH)
     full = cost.profile_seconds([k], [d], batch, context)[0]
-    prices = [float(cost.stopping_features(k, d, keep, batch, context) @ cost.theta) for keep in (1.0, 0.8, 0.4, 0.0)]
+    prices = cost.stopping_seconds([k] * 4, [d] * 4, [1.0, 0.8, 0.4, 0.0], batch, context).tolist()
     assert prices[0] == pytest.approx(full, rel=1e-9)
     assert prices == sorted(prices, reverse=True) and prices[-1] < full
 
@@ -194,7 +192,7 @@ def test_a_round_whose_every_first_draft_is_unsure_is_one_draft_step_and_one_pos
     verify = verify + cost.readout_features(b)[0]
     outside = cost.outside_features([1e-9], b)[0]
     want = float((draft + verify + outside) @ cost.theta)
-    assert float(cost.stopping_features(k, d, 0.0, b, context) @ cost.theta) == pytest.approx(want, rel=1e-9)
+    assert cost.stopping_seconds([k], [d], [0.0], b, context)[0] == pytest.approx(want, rel=1e-9)
 
 
 @pytest.mark.parametrize("batch", [1, 8])
@@ -222,3 +220,11 @@ def test_adaptive_choosing_stopping_plans_on_a_shipped_model_equals_plain_decodi
     engine.controller.close()
     plans = [json.loads(line) for line in trace.read_text().splitlines()]
     assert any(p["event"] == "plan" and p["stop_margin"] is not None for p in plans)
+
+
+def test_stopping_options_priced_together_price_like_each_alone():
+    cost = PassCost(CostConfig.model_validate(ideal_cost(32)), DEPTH)
+    ks, ds, keeps = [1, 5, 3, 2], [1, 2, 3, 1], [0.9, 0.63, 0.2, 1.0]
+    together = cost.stopping_seconds(ks, ds, keeps, 8, 130.0)
+    alone = [cost.stopping_seconds([k], [d], [x], 8, 130.0)[0] for k, d, x in zip(ks, ds, keeps)]
+    assert together.tolist() == pytest.approx(alone, rel=1e-12)

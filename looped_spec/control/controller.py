@@ -235,7 +235,7 @@ class AdaptiveController(FixedController):
         margins = self.margins
         if k and fb.stop_margin is not None and margins is not None and fb.stop_margin in margins.thresholds:
             keep = margins.pass_rate(d, margins.thresholds.index(fb.stop_margin))  # a ragged round: priced as one
-            return float(self.cost.stopping_features(k, d, keep, fb.batch_size, fb.context) @ self.cost.theta)
+            return float(self.cost.stopping_seconds([k], [d], [keep], fb.batch_size, fb.context)[0])
         exits = self.exits if self.exits.prices_passes else None
         return self.cost.seconds(k, d, fb.batch_size, fb.context, exits)
 

@@ -100,16 +100,19 @@ class GoodputPolicy:
         """Tokens/s of the stopping options; 0 (not priced) under early exit or before `prior_weight` drafts at their
         depth (the margins start from nothing: the preset holds none)."""
         margins, cost = self.margins, self.cost
-        out = []
-        for k, d, i in self.stopping:
-            if self.exits.seen or margins.evidence(d) < max(self.settings.prior_weight, 1.0):
-                out.append(0.0)
-                continue
-            keep = margins.pass_rate(d, i)
+        priced = [
+            o for o, (_, d, _) in enumerate(self.stopping)
+            if not self.exits.seen and margins.evidence(d) >= max(self.settings.prior_weight, 1.0)
+        ]  # fmt: skip
+        out = [0.0] * len(self.stopping)
+        if not priced:
+            return out
+        options = [self.stopping[o] for o in priced]
+        keeps = [margins.pass_rate(d, i) for _, d, i in options]
+        seconds = cost.stopping_seconds([k for k, _, _ in options], [d for _, d, _ in options], keeps, batch, context)
+        for o, (k, d, i), keep, t in zip(priced, options, keeps, seconds.tolist()):
             agree = min(alpha[d - 1] * margins.relative_agreement(d, i), 1.0)
-            tokens = markov_tokens(keep * agree, self.acceptance.rho[d - 1], k)
-            seconds = float(cost.stopping_features(k, d, keep, batch, context) @ cost.theta) * cost.drift
-            out.append(batch * tokens / seconds)
+            out[o] = batch * markov_tokens(keep * agree, self.acceptance.rho[d - 1], k) / (t * cost.drift)
         return out
 
     def stop_margin(self, option: int) -> float | None:
