@@ -120,8 +120,8 @@ def test_a_stopping_round_that_keeps_every_draft_costs_the_plan_and_less_when_it
 def test_margins_count_checked_drafts_and_a_stopped_round_only_for_thresholds_at_or_above_its_own():
     m = DraftMargins(DEPTH, (0.01, 0.1), memory=1e9)
     # a round without stopping: request 0 accepted 2 of 3 (its third draft, the rejection, is checked too); request 1
-    # rejected its first (the drafts after it were never checked)
-    m.observe(1, [[0.5, 0.05, 0.005], [0.2]], [3, 3], [2, 0], None)
+    # rejected its first (the drafts after it were never checked: their margins do not count)
+    m.observe(1, [[0.5, 0.05, 0.005], [0.2, 0.9, 0.9]], [3, 3], [2, 0], None)
     assert m.all[0] == [4.0, 2.0]
     assert m.by_threshold[0] == [[4.0, 3.0, 2.0], [4.0, 2.0, 1.0]]  # seen, sure, sure and accepted
     # a round stopped at 0.1: its proposed draft (accepted) and the draft it stopped at (margin 0.05) count for
@@ -130,7 +130,10 @@ def test_margins_count_checked_drafts_and_a_stopped_round_only_for_thresholds_at
     assert m.all[0] == [4.0, 2.0]
     assert m.by_threshold[0] == [[4.0, 3.0, 2.0], pytest.approx([6.0, 3.0, 2.0])]
     assert m.pass_rate(1, 1) == pytest.approx(0.5)
-    assert m.relative_agreement(1, 1) == pytest.approx((2 / 3) / (2 / 4))
+    assert m.relative_agreement(1, 1) == pytest.approx((2 / 3) / (2 / 4))  # no prior weight here
+    # a request whose margins were not reported (a round under early exit) counts for nothing
+    m.observe(1, [[]], [2], [1], None)
+    assert m.all[0] == [4.0, 2.0]
 
 
 def test_it_stops_drafts_when_the_margin_tells_accepted_from_rejected_and_it_pays():
@@ -228,3 +231,31 @@ def test_stopping_options_priced_together_price_like_each_alone():
     together = cost.stopping_seconds(ks, ds, keeps, 8, 130.0)
     alone = [cost.stopping_seconds([k], [d], [x], 8, 130.0)[0] for k, d, x in zip(ks, ds, keeps)]
     assert together.tolist() == pytest.approx(alone, rel=1e-12)
+
+
+def test_on_loop_passes_the_drafts_report_their_margins_and_stopping_plans_stay_lossless(tmp_path):
+    """batching="loop": the rounds' drafts report their margins (the controller learns s_θ and a_θ there too and
+    chooses stopping plans), and greedy output equals plain decoding's."""
+    import json
+
+    from looped_spec import LoopedSpecEngine, SamplingParams, load_adapter
+    from looped_spec.tuning.prompt_sets import prompt_group
+
+    adapter = load_adapter("tiny-ouro", dtype="float32", device="cpu")
+    prompts = prompt_group("code", 12)
+    params = SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True)
+    trace = tmp_path / "trace.jsonl"
+    engine = LoopedSpecEngine(adapter, max_batch_size=8, batching="loop", trace_path=str(trace),
+                              control={"stop_margins": [0.003, 0.01, 0.03]})  # fmt: skip
+    plain = LoopedSpecEngine(adapter, speculation="off", max_batch_size=8)
+    for group in [prompts[i : i + 1] for i in range(6)] + [prompts[6:]]:
+        assert [o.token_ids for o in engine.generate(group, params)] == [
+            o.token_ids for o in plain.generate(group, params)
+        ]
+    assert engine.num_free_blocks == engine.kv.num_blocks
+    assert engine.controller.margins.evidence(1) > 0
+    engine.controller.close()
+    plans = [json.loads(line) for line in trace.read_text().splitlines()]
+    reported = [p for p in plans if p["event"] == "feedback" and p["draft_margins"]]
+    assert reported and all(len(m) >= k for p in reported for m, k in zip(p["draft_margins"], p["num_proposed"]))
+    assert any(p["event"] == "plan" and p["stop_margin"] is not None for p in plans)

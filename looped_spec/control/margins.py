@@ -42,6 +42,8 @@ class DraftMargins:
         counts = [[0, 0, 0] for _ in self.thresholds]
         seen = hits = 0
         for m, k, a in zip(margins, proposed, accepted):
+            if len(m) < k:  # its margins were not reported (a round under early exit)
+                continue
             checked = min(k, a + 1)
             for j in range(checked):
                 ok = j < a

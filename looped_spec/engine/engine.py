@@ -389,7 +389,9 @@ class LoopedSpecEngine:
             kept, k = self.scheduler.reserve_decode(entering, wants)
             # counterfactual readouts at full depth only (under early exit a token's depth is the rule's)
             rounds = {
-                r.request_id: Entering(kr, plan.d, plan.measure_depths and not r.exits_early, plan.stop_margin)
+                r.request_id: Entering(
+                    kr, plan.d, plan.measure_depths and not r.exits_early, plan.stop_margin, plan.report_margins
+                )
                 for r, kr in zip(kept, k)
             }
             self.stats.num_preemptions = self.scheduler.num_preemptions

@@ -216,13 +216,14 @@ class LoopBatcher:
                 entering.append((row, request, position, request.token_ids[position : position + chunk], None, False,
                                  True))  # fmt: skip
                 continue
-            k, d, measured, stop_margin = rounds.get(request.request_id, NOT_MEASURED)
+            k, d, measured, stop_margin, report = rounds.get(request.request_id, NOT_MEASURED)
             round_ = None
             if k > 0:  # per-token stopping as in a step round: not in measured rounds nor under early exit
-                stop = None if measured or request.exits_early else stop_margin
+                plain_draft = not (measured or request.exits_early)
                 round_ = DraftRound(
-                    position, k, d, measured=measured, exits_early=request.exits_early, stop_margin=stop
-                )
+                    position, k, d, measured=measured, exits_early=request.exits_early,
+                    stop_margin=stop_margin if plain_draft else None, margins=[] if report and plain_draft else None,
+                )  # fmt: skip
             entering.append((row, request, position, [request.token_ids[position]], round_, measured and k == 0, False))
         if entering:
             runner = self.runner
