@@ -90,7 +90,7 @@ def test_stopping_on_loop_passes_equals_the_step_engine(family):
     verified as it stands; a first draft already unsure verifies its first position alone): greedy and sampled
     outputs, drafts proposed and accepted equal the step engine's, from 'never stops' to 'always stops'."""
     prompts = [[5, 9, 2, 7], [1, 2, 3], [44, 8, 19, 20, 21, 3, 7], [100], [6, 6, 6, 6, 6]]
-    # under early exit a round drafts all K, as the step engine's exit rounds do
+    # under early exit a round stops at an unsure draft read out at d, as the step engine's exit rounds do
     exits = {"exit_threshold": 0.7} if family == "ouro" else {"exit_at_step": 2}
     for margin, extra in ((1e-6, {}), (0.05, {}), (0.3, {}), (1.0, {}), (0.3, exits)):
         spec = SpeculativeConfig(k=3, d=1, stop_margin=margin)

@@ -59,6 +59,28 @@ def test_greedy_speculative_equals_plain_with_early_exit(family, mode):
     assert decided > 0 and verified > 0  # both paths ran: drafts the target drew itself, and checked ones
 
 
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("family", FAMILIES)
+def test_greedy_speculative_with_per_token_stopping_equals_plain_with_early_exit(family, mode):
+    """Per-token stopping under early exit (issue 36, item 4): a draft read out at d stops its row when unsure; a
+    position that exited within the draft is the target's own sample and never does. From 'never stops' to 'always
+    stops', B in {1, 3, 8}: the same tokens and exit depths as plain decoding."""
+    adapter = load(family)
+    params = batch_params(family)
+    prompts = batch_prompts(family, len(params))
+    plain = LoopedSpecEngine(adapter, speculation="off", early_exit=mode, max_batch_size=8)
+    want = run(plain, prompts, params)
+    drafted = {}
+    for margin in (1e-6, 0.05, 0.3, 1.0):
+        spec = SpeculativeConfig(k=3, d=1, stop_margin=margin)
+        engine = LoopedSpecEngine(adapter, speculation=spec, early_exit=mode, max_batch_size=8)
+        for lo, hi in ((0, 1), (1, 4), (0, 8)):
+            assert run(engine, prompts[lo:hi], params[lo:hi]) == want[lo:hi], (margin, hi - lo)
+        drafted[margin] = engine.stats.num_draft_tokens - engine.stats.num_exit_draft_decided
+    assert drafted[1e-6] > drafted[1.0]  # the rule stopped drafts
+    assert drafted[1.0] == 0  # no margin reaches 1: only the positions the target decided within the draft remain
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 def test_skip_mode_speculation_matches_the_independent_reference(family):
     """Against the token-by-token reference (its own KV store, skipped planes filled by the documented rule)."""
@@ -172,12 +194,13 @@ def top_k_filter(logits: torch.Tensor, top_k: int) -> tuple[list[int], list[floa
 
 
 @pytest.mark.parametrize(
-    "mode,exit_field,d", [("skip", {"exit_threshold": 0.5}, 2), ("select", {"exit_threshold": 0.5}, 1),
-                          ("skip", {"exit_at_step": 2}, 1)],
+    "mode,exit_field,d,stop", [("skip", {"exit_threshold": 0.5}, 2, None), ("select", {"exit_threshold": 0.5}, 1, None),
+                               ("skip", {"exit_at_step": 2}, 1, None), ("skip", {"exit_threshold": 0.5}, 1, 0.05)],
 )  # fmt: skip
-def test_speculative_sampling_keeps_the_early_exit_distribution(mode, exit_field, d):
+def test_speculative_sampling_keeps_the_early_exit_distribution(mode, exit_field, d, stop):
     """P(t1, t2) of the first two tokens: t1 from the prompt's last position, t2 from a speculative round
-    (drafts the target drew itself mixed with rejection-sampled ones), against the exact early-exit model."""
+    (drafts the target drew itself mixed with rejection-sampled ones; with `stop`, rows that stopped at an unsure
+    draft too), against the exact early-exit model."""
     adapter, family, top_k, n = load("ouro"), "ouro", 4, 3000
     prompt = [5, 9, 13, 200]
     params = SamplingParams(max_tokens=3, temperature=1.0, top_k=top_k, ignore_eos=True, **exit_field)
@@ -189,11 +212,13 @@ def test_speculative_sampling_keeps_the_early_exit_distribution(mode, exit_field
         for t2, q2 in zip(ids2, p2):
             exact[(t1, t2)] = q1 * q2
     engine = LoopedSpecEngine(
-        adapter, speculation=SpeculativeConfig(k=2, d=d), early_exit=mode, max_batch_size=256,
+        adapter, speculation=SpeculativeConfig(k=2, d=d, stop_margin=stop), early_exit=mode, max_batch_size=256,
         max_num_batched_tokens=4096, seed=1234,
     )  # fmt: skip
     outs = engine.generate([prompt] * n, params)
     assert engine.stats.num_accepted_tokens > 0
+    if stop is not None:  # some rows stopped at an unsure draft, others drafted on
+        assert 0 < engine.stats.num_draft_tokens < 2 * n
     assert_distribution((tuple(o.token_ids[:2]) for o in outs), exact)
 
 

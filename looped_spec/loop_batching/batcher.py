@@ -218,11 +218,11 @@ class LoopBatcher:
                 continue
             k, d, measured, stop_margin, report = rounds.get(request.request_id, NOT_MEASURED)
             round_ = None
-            if k > 0:  # per-token stopping as in a step round: not in measured rounds nor under early exit
-                plain_draft = not (measured or request.exits_early)
+            if k > 0:  # per-token stopping as in a step round (not in measured rounds); margins reported as there
+                report = report and not (measured or request.exits_early)
                 round_ = DraftRound(
                     position, k, d, measured=measured, exits_early=request.exits_early,
-                    stop_margin=stop_margin if plain_draft else None, margins=[] if report and plain_draft else None,
+                    stop_margin=None if measured else stop_margin, margins=[] if report else None,
                 )  # fmt: skip
             entering.append((row, request, position, [request.token_ids[position]], round_, measured and k == 0, False))
         if entering:

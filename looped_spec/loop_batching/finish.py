@@ -131,8 +131,13 @@ class Finisher:
                     r.preds.append(torch.cat([*it.preds, greedy[j : j + 1]]))  # [d]: depths 1..d of this position
                 r.logits.append(logits[j] if r.exits[-1] else None)
             drawing = [j for j, (_, _, draws) in enumerate(group) if draws]
-            # the drafts whose margin is asked for: per-token stopping, or the plan reports its drafts' margins
-            judged = [j for j in drawing if group[j][1].stop_margin is not None or group[j][1].margins is not None]
+            # the drafts whose margin is asked for: per-token stopping, or the plan reports its drafts' margins (a
+            # position that exited within the draft was read out at its exit: the target's own sample, never unsure)
+            judged = [
+                j for j in drawing
+                if (group[j][1].stop_margin is not None or group[j][1].margins is not None)
+                and not group[j][1].exits[-1]
+            ]  # fmt: skip
             unsure: set[int] = set()
             if judged:
                 margins = top_two_margin(logits[torch.tensor(judged, device=logits.device)]).tolist()

@@ -32,7 +32,7 @@ from looped_spec.execution.early_exit import (
 from looped_spec.execution.model_runner import ModelRunner
 from looped_spec.execution.sampler import SamplingRows
 from looped_spec.request import Request
-from looped_spec.speculative.proposer import Draft, draw_drafts
+from looped_spec.speculative.proposer import Draft, draw_drafts, top_two_margin
 from looped_spec.speculative.verifier import position_index
 
 
@@ -123,6 +123,89 @@ def propose_with_exit(
         tokens[:num_next, j] = drafted
         step_tokens = drafted
     return Draft(tokens=tokens, q_probs=q_probs, states=[s.state for s in steps], depth_preds=None), steps
+
+
+@torch.inference_mode()
+def propose_with_exit_until_unsure(
+    runner: ModelRunner, requests: list[Request], k: list[int], d: int, mode: ExitMode, stop_margin: float | None,
+    report_margins: bool = False,
+) -> tuple[Draft, list[ExitDraftStep]]:  # fmt: skip
+    """`propose_with_exit` with per-token stopping (proposer.py, `propose_until_unsure`): a row stops at its first
+    draft read out at depth d whose top-two margin is below `stop_margin` (a position that exited within the draft is
+    the target's own sample, never unsure); with `report_margins` the margins of those drafts come back. Rows and
+    steps are then re-sorted by the K they drafted, so each step's rows are again a prefix."""
+    num_reqs, device = len(requests), runner.device
+    drafted = [0] * num_reqs
+    tokens: list[list[int]] = [[] for _ in range(num_reqs)]
+    q_rows: list[list[torch.Tensor]] = [[] for _ in range(num_reqs)]
+    margins: list[list[float]] = [[] for _ in range(num_reqs)]
+    ran: list[tuple[list[int], ExitDraftStep]] = []  # per step j: (rows it ran, in the given order; the step)
+    alive = list(range(num_reqs))
+    step_tokens = runner.token_tensor([r.token_ids[r.num_computed] for r in requests])
+    j = 0
+    while alive:
+        active = [requests[i] for i in alive]
+        positions = [r.num_computed + j for r in active]
+        state, exit_depth, exit_state, carry = _draft_position(runner, active, positions, step_tokens, d, mode)
+        needs_next = [n for n, i in enumerate(alive) if k[i] > j]  # a prefix of `alive`
+        need = [n for n in range(len(alive)) if n < len(needs_next) or exit_depth[n] > 0]
+        logits = None
+        if need:
+            states = torch.where(
+                torch.tensor([exit_depth[n] > 0 for n in need], device=device)[:, None], exit_state[need], state[need]
+            )
+            picked, at = [active[n] for n in need], [positions[n] for n in need]
+            lens = [p + 1 for p in at]
+            ctx = runner.context(picked, [1] * len(need), lens) if runner.adapter.readout_uses_kv else None
+            part = read_out_by_depth(runner, picked, at, lens, states, [exit_depth[n] or d for n in need], ctx)
+            logits = part.new_zeros(len(alive), part.shape[-1])
+            logits[need] = part
+        ran.append((alive, ExitDraftStep(state, exit_depth, exit_state, logits, carry)))
+        judged = [n for n in needs_next if exit_depth[n] == 0]  # read out at d: a draft, maybe unsure
+        unsure: set[int] = set()
+        if judged and (stop_margin is not None or report_margins):
+            values = top_two_margin(logits[judged]).tolist()
+            for n, m in zip(judged, values):
+                margins[alive[n]].append(m)
+                if stop_margin is not None and m < stop_margin:
+                    unsure.add(n)
+        going = [n for n in needs_next if n not in unsure]
+        if not going:
+            break
+        reqs = [active[n] for n in going]
+        drawn, q = draw_drafts(logits[going], SamplingRows.build(reqs, device), reqs)
+        for m, (n, token) in enumerate(zip(going, drawn.tolist())):
+            i = alive[n]
+            tokens[i].append(token)
+            if q is not None:
+                q_rows[i].append(q[m])
+            drafted[i] += 1
+        alive, step_tokens, j = [alive[n] for n in going], drawn, j + 1
+    order = sorted(range(num_reqs), key=lambda i: -drafted[i])  # stable: ties keep the given order
+    max_k = max(drafted)
+    grid = torch.full((num_reqs, max_k), -1, dtype=torch.long, device=device)
+    q_probs = None
+    for row, i in enumerate(order):
+        if tokens[i]:
+            grid[row, : drafted[i]] = torch.tensor(tokens[i], device=device)
+        if q_rows[i]:
+            if q_probs is None:
+                q_probs = torch.zeros(num_reqs, max_k, q_rows[i][0].shape[-1], device=device)
+            q_probs[row, : drafted[i]] = torch.stack(q_rows[i])
+    steps = []
+    for j, (rows, step) in enumerate(ran):  # step j: the rows that drafted >= j, in the new order
+        where = {i: n for n, i in enumerate(rows)}
+        index = [where[i] for i in order if drafted[i] >= j]
+        if not index:
+            break
+        at = torch.tensor(index, device=device)
+        steps.append(ExitDraftStep(
+            step.state[at], [step.exit_depth[n] for n in index], step.exit_state[at],
+            None if step.logits is None else step.logits[at], None if step.carry is None else step.carry[at],
+        ))  # fmt: skip
+    draft = Draft(tokens=grid, q_probs=q_probs, states=[s.state for s in steps], depth_preds=None, k=drafted,
+                  order=order, margins=[margins[i] for i in order] if report_margins else None)  # fmt: skip
+    return draft, steps
 
 
 def decided_positions(steps: list[ExitDraftStep], k: list[int], readout_uses_kv: bool) -> list[list[bool]]:

@@ -15,7 +15,7 @@ from looped_spec.execution.model_runner import ModelRunner
 from looped_spec.execution.sampler import SamplingRows, sample
 from looped_spec.execution.timing import Stopwatch
 from looped_spec.request import Request, TokenLogprob
-from looped_spec.speculative.exit_round import propose_with_exit, verify_with_exit
+from looped_spec.speculative.exit_round import propose_with_exit, propose_with_exit_until_unsure, verify_with_exit
 from looped_spec.speculative.proposer import DraftProposer
 from looped_spec.speculative.readouts import read_out_depths
 from looped_spec.speculative.rejection_sampler import accept, pad_positions
@@ -94,15 +94,17 @@ class SpeculativeRound:
 
         watch = self.watch
         t0 = watch.mark()
-        if exits:
+        if exits and stop_margin is not None:  # the controller learns margins from rounds without early exit only
+            draft, steps = propose_with_exit_until_unsure(self.runner, reqs, ks, d, mode, stop_margin)
+        elif exits:
             draft, steps = propose_with_exit(self.runner, reqs, ks, d, rows, mode)
         else:
             draft = self.proposer.propose(reqs, ks, d, rows, measure_depths, stop_margin, report_margins)
-            if draft.order is not None:  # per-token stopping: the rows in the order of the K they drafted
-                order = [order[i] for i in draft.order]
-                reqs = [reqs[i] for i in draft.order]
-                ks = [draft.k[i] for i in draft.order]
-                rows = SamplingRows.build(reqs, device)
+        if draft.order is not None:  # per-token stopping: the rows in the order of the K they drafted
+            order = [order[i] for i in draft.order]
+            reqs = [reqs[i] for i in draft.order]
+            ks = [draft.k[i] for i in draft.order]
+            rows = SamplingRows.build(reqs, device)
         t1 = watch.mark()
         if exits:
             verification = verify_with_exit(self.runner, reqs, ks, d, steps, mode)
