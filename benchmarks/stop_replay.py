@@ -19,11 +19,13 @@ import sys
 from pathlib import Path
 
 import torch
-from draft_confidence_auc import depth_signals
 
 from looped_spec import LoopedSpecEngine, SamplingParams, load_adapter
 from looped_spec.control.acceptance import markov_tokens
 from looped_spec.tuning.prompt_sets import EVALUATION_SOURCES, load_prompts
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from draft_confidence_auc import depth_signals  # noqa: E402
 
 
 def replay(rows: list[list[tuple[float, bool]]], k: int, theta: float | None) -> tuple[float, float]:
