@@ -166,7 +166,7 @@ def test_stop_margins_are_checked_and_need_the_goodput_policy():
         ControlSettings(stop_margins=(0.0,))
     with pytest.raises(ValueError, match="stop_margins"):
         ControlSettings(stop_margins=0.1)
-    assert ControlSettings(stop_margins=[0.01, 0.1]).stop_margins == (0.01, 0.1)  # a list, as JSON gives it
+    assert ControlSettings(stop_margins=[0.1, 0.01, 0.1]).stop_margins == (0.01, 0.1)  # a list, as JSON gives it
     with pytest.raises(ValueError, match="stop_margins: .* goodput"):
         AdaptiveController(preset(), DEPTH, policy="ema", settings=ControlSettings(stop_margins=(0.1,)))
 

@@ -40,13 +40,11 @@ class ControlSettings:
     def __post_init__(self) -> None:
         for name, value in vars(self).items():
             if name == "stop_margins":
-                if isinstance(value, list):  # from JSON
-                    value = tuple(value)
-                    object.__setattr__(self, name, value)
-                if not isinstance(value, tuple) or not all(
+                if not isinstance(value, (tuple, list)) or not all(
                     isinstance(m, (int, float)) and not isinstance(m, bool) and 0.0 < m < 1.0 for m in value
                 ):
                     raise ValueError(f"stop_margins={value!r} must be a tuple of numbers in (0, 1)")
+                object.__setattr__(self, name, tuple(sorted(set(value))))  # a list from JSON; each θ once
                 continue
             if isinstance(value, bool) or not isinstance(value, (int, float)):
                 raise ValueError(f"{name}={value!r} must be a number")
