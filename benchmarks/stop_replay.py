@@ -13,19 +13,16 @@ agreement s_θ·a_θ and drafts Σ_j s_θ^j, s_θ and a_θ counted on the same p
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from pathlib import Path
 
 import torch
 
-from looped_spec import LoopedSpecEngine, SamplingParams, load_adapter
 from looped_spec.control.acceptance import markov_tokens
-from looped_spec.tuning.prompt_sets import EVALUATION_SOURCES, load_prompts
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from draft_confidence_auc import depth_signals  # noqa: E402
+from draft_confidence_auc import arguments, depth_signals, greedy_outputs  # noqa: E402
 
 
 def replay(rows: list[list[tuple[float, bool]]], k: int, theta: float | None) -> tuple[float, float]:
@@ -65,23 +62,11 @@ def statistics(rows: list[list[tuple[float, bool]]], theta: float | None) -> dic
 
 
 def main(argv: list[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default="tiny-ouro")
-    parser.add_argument("--prompts", default="code", choices=EVALUATION_SOURCES)
-    parser.add_argument("--count", type=int, default=32)
-    parser.add_argument("--max-tokens", type=int, default=64)
+    parser = arguments(__doc__, "code")
     parser.add_argument("--ks", default="1,2,3,5,8")
     parser.add_argument("--margins", default="0.003,0.01,0.03,0.1")
-    parser.add_argument("--out", default=None, help="write the table as JSON here")
     args = parser.parse_args(argv)
-    torch.set_num_threads(1)
-    adapter = load_adapter(args.model)
-    prompts, described = load_prompts(args.prompts, args.count, adapter, seed=0)
-    engine = LoopedSpecEngine(adapter, speculation="off")
-    params = [SamplingParams(max_tokens=args.max_tokens, ignore_eos=True, temperature=0.0, seed=i)
-              for i in range(len(prompts))]  # fmt: skip
-    outputs = engine.generate(prompts, params)
-    engine.close()
+    adapter, outputs, described = greedy_outputs(args)
     depths = range(1, adapter.full_depth)
     rows: dict[int, list[list[tuple[float, bool]]]] = {d: [] for d in depths}
     for seed, out in enumerate(outputs):

@@ -32,7 +32,7 @@ from looped_spec.execution.early_exit import (
 from looped_spec.execution.model_runner import ModelRunner
 from looped_spec.execution.sampler import SamplingRows
 from looped_spec.request import Request
-from looped_spec.speculative.proposer import Draft, draw_drafts, top_two_margin
+from looped_spec.speculative.proposer import Draft, draw_drafts, in_drafted_order, top_two_margin
 from looped_spec.speculative.verifier import position_index
 
 
@@ -54,6 +54,24 @@ class ExitVerification:
     pos_index: torch.Tensor  # [sum(K+1)] position j (0..K) of each position within its request
     decided: torch.Tensor  # [R, K_max + 1] bool: position j's target readout came from the draft
     exit_depths: list[list[int]]  # per request, per position 0..K: its exit depth
+
+
+def _read_out_step(runner, active, positions, state, exit_depth, exit_state, num_next: int, d: int):
+    """[rows, V] readouts of one draft step (zeros where not read out): the rows that draft on (the first `num_next`)
+    at d, and exited rows at their exit (the target's readout, even past a row's last draft); None if neither."""
+    need = [n for n in range(len(active)) if n < num_next or exit_depth[n] > 0]
+    if not need:
+        return None
+    exited = torch.tensor([exit_depth[n] > 0 for n in need], device=runner.device)[:, None]
+    states = torch.where(exited, exit_state[need], state[need])
+    picked, at = [active[n] for n in need], [positions[n] for n in need]
+    lens = [p + 1 for p in at]
+    # a readout that attends gets a context of exactly these rows (it writes their readout KV)
+    ctx = runner.context(picked, [1] * len(need), lens) if runner.adapter.readout_uses_kv else None
+    part = read_out_by_depth(runner, picked, at, lens, states, [exit_depth[n] or d for n in need], ctx)
+    logits = part.new_zeros(len(active), part.shape[-1])
+    logits[need] = part
+    return logits
 
 
 def _draft_position(
@@ -97,20 +115,7 @@ def propose_with_exit(
         state, exit_depth, exit_state, carry = _draft_position(
             runner, active, positions, step_tokens[:num_rows], d, mode
         )
-        # read out the rows that draft on, and exited rows (their readout is the target's, even at K)
-        need = [i for i in range(num_rows) if i < num_next or exit_depth[i] > 0]
-        logits = None
-        if need:
-            states = torch.where(
-                torch.tensor([exit_depth[i] > 0 for i in need], device=device)[:, None], exit_state[need], state[need]
-            )
-            picked, at = [active[i] for i in need], [positions[i] for i in need]
-            lens = [p + 1 for p in at]
-            # a readout that attends gets a context of exactly these rows (it writes their readout KV)
-            ctx = runner.context(picked, [1] * len(need), lens) if runner.adapter.readout_uses_kv else None
-            part = read_out_by_depth(runner, picked, at, lens, states, [exit_depth[i] or d for i in need], ctx)
-            logits = part.new_zeros(num_rows, part.shape[-1])
-            logits[need] = part
+        logits = _read_out_step(runner, active, positions, state, exit_depth, exit_state, num_next, d)
         steps.append(ExitDraftStep(state, exit_depth, exit_state, logits, carry))
         if num_next == 0:
             break
@@ -148,18 +153,7 @@ def propose_with_exit_until_unsure(
         positions = [r.num_computed + j for r in active]
         state, exit_depth, exit_state, carry = _draft_position(runner, active, positions, step_tokens, d, mode)
         needs_next = [n for n, i in enumerate(alive) if k[i] > j]  # a prefix of `alive`
-        need = [n for n in range(len(alive)) if n < len(needs_next) or exit_depth[n] > 0]
-        logits = None
-        if need:
-            states = torch.where(
-                torch.tensor([exit_depth[n] > 0 for n in need], device=device)[:, None], exit_state[need], state[need]
-            )
-            picked, at = [active[n] for n in need], [positions[n] for n in need]
-            lens = [p + 1 for p in at]
-            ctx = runner.context(picked, [1] * len(need), lens) if runner.adapter.readout_uses_kv else None
-            part = read_out_by_depth(runner, picked, at, lens, states, [exit_depth[n] or d for n in need], ctx)
-            logits = part.new_zeros(len(alive), part.shape[-1])
-            logits[need] = part
+        logits = _read_out_step(runner, active, positions, state, exit_depth, exit_state, len(needs_next), d)
         ran.append((alive, ExitDraftStep(state, exit_depth, exit_state, logits, carry)))
         judged = [n for n in needs_next if exit_depth[n] == 0]  # read out at d: a draft, maybe unsure
         unsure: set[int] = set()
@@ -181,23 +175,9 @@ def propose_with_exit_until_unsure(
                 q_rows[i].append(q[m])
             drafted[i] += 1
         alive, step_tokens, j = [alive[n] for n in going], drawn, j + 1
-    order = sorted(range(num_reqs), key=lambda i: -drafted[i])  # stable: ties keep the given order
-    max_k = max(drafted)
-    grid = torch.full((num_reqs, max_k), -1, dtype=torch.long, device=device)
-    q_probs = None
-    for row, i in enumerate(order):
-        if tokens[i]:
-            grid[row, : drafted[i]] = torch.tensor(tokens[i], device=device)
-        if q_rows[i]:
-            if q_probs is None:
-                q_probs = torch.zeros(num_reqs, max_k, q_rows[i][0].shape[-1], device=device)
-            q_probs[row, : drafted[i]] = torch.stack(q_rows[i])
+    order, grid, q_probs, kept = in_drafted_order(tokens, q_rows, [rows for rows, _ in ran], device)
     steps = []
-    for j, (rows, step) in enumerate(ran):  # step j: the rows that drafted >= j, in the new order
-        where = {i: n for n, i in enumerate(rows)}
-        index = [where[i] for i in order if drafted[i] >= j]
-        if not index:
-            break
+    for (_, step), index in zip(ran, kept):  # step j: the rows that drafted >= j, in the new order
         at = torch.tensor(index, device=device)
         steps.append(ExitDraftStep(
             step.state[at], [step.exit_depth[n] for n in index], step.exit_state[at],

@@ -35,6 +35,34 @@ def top_two_margin(logits: torch.Tensor) -> torch.Tensor:
     return top2[:, 0] - top2[:, 1]
 
 
+def in_drafted_order(
+    tokens: list[list[int]], q_rows: list[list[torch.Tensor]], ran: list[list[int]], device
+) -> tuple[list[int], torch.Tensor, torch.Tensor | None, list[list[int]]]:
+    """Per-token stopping leaves rows with ragged K: (the rows sorted by the K they drafted, stable; the draft tokens
+    [R, K_max] (-1 past each row's K) and their distributions (None: all greedy) in that order; per draft step j the
+    indices, into the rows step j ran (`ran[j]`), of the rows that drafted >= j, in that order)."""
+    drafted = [len(t) for t in tokens]
+    order = sorted(range(len(tokens)), key=lambda i: -drafted[i])
+    max_k = max(drafted)
+    grid = torch.full((len(tokens), max_k), -1, dtype=torch.long, device=device)
+    q_probs = None
+    for row, i in enumerate(order):
+        if tokens[i]:
+            grid[row, : drafted[i]] = torch.tensor(tokens[i], device=device)
+        if q_rows[i]:
+            if q_probs is None:
+                q_probs = torch.zeros(len(tokens), max_k, q_rows[i][0].shape[-1], device=device)
+            q_probs[row, : drafted[i]] = torch.stack(q_rows[i])
+    steps = []
+    for j, rows in enumerate(ran):
+        where = {i: n for n, i in enumerate(rows)}
+        index = [where[i] for i in order if drafted[i] >= j]
+        if not index:
+            break
+        steps.append(index)
+    return order, grid, q_probs, steps
+
+
 def draw_drafts(
     logits: torch.Tensor, rows: SamplingRows, requests: list[Request]
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -158,23 +186,7 @@ class DraftProposer:
                     drafted[i] += 1
                 step_tokens = drawn
             alive, j = going, j + 1
-        order = sorted(range(num_reqs), key=lambda i: -drafted[i])  # stable: ties keep the given order
-        max_k = max(drafted)
-        grid = torch.full((num_reqs, max_k), -1, dtype=torch.long, device=device)
-        q_probs = None
-        for row, i in enumerate(order):
-            if tokens[i]:
-                grid[row, : drafted[i]] = torch.tensor(tokens[i], device=device)
-            if q_rows[i]:
-                if q_probs is None:
-                    q_probs = torch.zeros(num_reqs, max_k, q_rows[i][0].shape[-1], device=device)
-                q_probs[row, : drafted[i]] = torch.stack(q_rows[i])
-        states = []
-        for j, (ran, state) in enumerate(steps):  # step j: the rows that drafted >= j, in the new order
-            where = {i: n for n, i in enumerate(ran)}
-            index = [where[i] for i in order if drafted[i] >= j]
-            if not index:
-                break
-            states.append(state[torch.tensor(index, device=state.device)])
+        order, grid, q_probs, kept = in_drafted_order(tokens, q_rows, [ran for ran, _ in steps], device)
+        states = [state[torch.tensor(index, device=state.device)] for (_, state), index in zip(steps, kept)]
         return Draft(tokens=grid, q_probs=q_probs, states=states, depth_preds=None, k=drafted, order=order,
                      margins=[margins[i] for i in order] if report_margins else None)  # fmt: skip
