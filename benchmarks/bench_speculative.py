@@ -98,8 +98,7 @@ class OutputMismatch(AssertionError):
 def parse_policies(text: str) -> list[tuple[str | None, tuple[tuple[str, Any], ...]]]:
     """'default' (the engine's default policy: no policy argument), 'ema', 'goodput'; 'none' = no adaptive. Each
     may change the controller's tunables (`ControlSettings` fields) for an A/B in one process:
-    'default:readout_budget=0.01' or 'default:plain_margin=0.1+hysteresis=0' (several joined by '+'; 'none' = None;
-    a tuple's values joined by '|': 'default:stop_margins=0.01|0.03')."""
+    'default:readout_budget=0.01' or 'default:plain_margin=0.1+hysteresis=0' (several joined by '+'; 'none' = None)."""
     out: list[tuple[str | None, tuple[tuple[str, Any], ...]]] = []
     fields = set(ControlSettings.__dataclass_fields__)
     for item in (p.strip().lower() for p in text.split(",") if p.strip()):
@@ -111,10 +110,7 @@ def parse_policies(text: str) -> list[tuple[str | None, tuple[tuple[str, Any], .
             key, sep, value = change.partition("=")
             if not sep or key not in fields:
                 raise ValueError(f"--policies {item!r}: {change!r} is not FIELD=VALUE of {sorted(fields)}")
-            if "|" in value:  # a tuple field: 'stop_margins=0.01|0.03'
-                settings.append((key, tuple(json.loads(v) for v in value.split("|"))))
-            else:
-                settings.append((key, None if value == "none" else json.loads(value)))
+            settings.append((key, None if value == "none" else json.loads(value)))
         policy = (None if name == "default" else name, tuple(settings))
         if policy not in out:
             out.append(policy)
@@ -123,11 +119,7 @@ def parse_policies(text: str) -> list[tuple[str | None, tuple[tuple[str, Any], .
 
 def adaptive_name(policy: str | None, settings: tuple[tuple[str, Any], ...]) -> str:
     name = "adaptive" if policy is None else f"adaptive-{policy}"
-
-    def shown(value: Any) -> str:
-        return "none" if value is None else "|".join(map(str, value)) if isinstance(value, tuple) else str(value)
-
-    return name + "".join(f"[{key}={shown(value)}]" for key, value in settings)
+    return name + "".join(f"[{key}={'none' if value is None else value}]" for key, value in settings)
 
 
 def prompt_source(group: str, adapter) -> str:

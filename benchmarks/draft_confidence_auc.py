@@ -71,19 +71,14 @@ def exit_scores(model_type: str, signals: list[torch.Tensor | None]) -> list[tor
     return [None if s is None else -s for s in signals]
 
 
-def arguments(doc: str, prompts: str) -> argparse.ArgumentParser:
-    """The options this script shares with stop_replay.py: which model, which prompts, how many tokens, where to."""
-    parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="tiny-ouro")
-    parser.add_argument("--prompts", default=prompts, choices=EVALUATION_SOURCES)
+    parser.add_argument("--prompts", default="eval", choices=EVALUATION_SOURCES)
     parser.add_argument("--count", type=int, default=32)
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--out", default=None, help="write the table as JSON here")
-    return parser
-
-
-def greedy_outputs(args: argparse.Namespace):
-    """(adapter, plain greedy outputs of the prompts, their description); request i seeded i."""
+    args = parser.parse_args(argv)
     torch.set_num_threads(1)
     adapter = load_adapter(args.model)
     if adapter.full_depth < 2:
@@ -94,12 +89,6 @@ def greedy_outputs(args: argparse.Namespace):
               for i in range(len(prompts))]  # fmt: skip
     outputs = engine.generate(prompts, params)
     engine.close()
-    return adapter, outputs, described
-
-
-def main(argv: list[str] | None = None) -> dict:
-    args = arguments(__doc__, "eval").parse_args(argv)
-    adapter, outputs, described = greedy_outputs(args)
     names = ("top prob", "margin", "exit signal")
     scores = {d: {name: ([], []) for name in names} for d in range(1, adapter.full_depth)}
     agree = {d: [0, 0] for d in scores}

@@ -516,19 +516,3 @@ def test_draft_confidence_auc_ranks_and_reports_every_depth(tmp_path, capsys):
                          "--out", str(out)])  # fmt: skip
     assert sorted(table) == [1, 2, 3] and all(row["positions"] == 18 for row in table.values())
     assert "AUC exit signal" in capsys.readouterr().out and json.loads(out.read_text())["table"]
-
-
-def test_stop_replay_replays_rounds_exactly_and_prices_every_plan(tmp_path):
-    script = load_script("stop_replay")
-    row = [(0.5, True), (0.5, True), (0.001, True), (0.5, False), (0.5, True)]  # (margin, right) per position
-    # K = 3 drafting every K: one round accepts 3 (4 tokens), the last token alone (1 position left: no draft)
-    assert script.replay([row], 3, None) == (2.5, 1.5)
-    # stopping at 0.01: 2 sure drafts then an unsure one (3 tokens); 1 draft rejected (1 token); the last alone
-    assert script.replay([row], 3, 0.01) == (5 / 3, 1.0)
-    stats = script.statistics([row], 0.01)
-    assert stats["alpha"] == 0.8 and stats["keep"] == 0.8 and stats["sure_alpha"] == 0.75
-    out = tmp_path / "replay.json"
-    result = script.main(["--model", FIXTURE, "--prompts", "random", "--count", "2", "--max-tokens", "6",
-                          "--ks", "1,2", "--margins", "0.01", "--out", str(out)])  # fmt: skip
-    assert len(result["table"]) == 3 * 2 * 2  # depths 1..3 x (no stopping, 0.01) x K in {1, 2}
-    assert len(json.loads(out.read_text())["table"]) == 12

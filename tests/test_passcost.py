@@ -239,9 +239,9 @@ def test_measure_seconds_counts_the_readouts_a_measured_round_really_adds(k, d):
                 rounds[-1].append(state.shape[0])
             return readout(state, at, ctx)
 
-        def one_round(requests, ks, d_, measure_depths=False, stop_margin=None, report=False, run=run, rounds=rounds):
+        def one_round(requests, ks, d_, measure_depths=False, stop_margin=None, run=run, rounds=rounds):
             rounds.append([list(ks)])
-            return run(requests, ks, d_, measure_depths, stop_margin, report)
+            return run(requests, ks, d_, measure_depths, stop_margin)
 
         runner.readout, engine.spec_round.run = counting, one_round
         engine.generate(prompts, SamplingParams(max_tokens=9, temperature=0.0, ignore_eos=True))

@@ -24,7 +24,6 @@ from looped_spec.control.buckets import BucketTable, compile_buckets
 from looped_spec.control.ema import EmaPolicy
 from looped_spec.control.exits import ExitDepths
 from looped_spec.control.goodput import GoodputPolicy
-from looped_spec.control.margins import DraftMargins
 from looped_spec.control.passcost import PassCost
 from looped_spec.control.plan import RoundFeedback, SpeculationPlan
 from looped_spec.control.settings import ControlSettings
@@ -124,15 +123,10 @@ class AdaptiveController(FixedController):
         options = [(c.k, c.d if c.k else 0) for b in config.buckets for c in b.candidates]
         self.cost = PassCost(config.cost, full_depth, s.drift_rounds, options)
         self.exits = ExitDepths(full_depth, s.exit_memory)
-        self.margins = (
-            DraftMargins(full_depth, s.stop_margins, s.acceptance_memory, s.prior_weight) if s.stop_margins else None
-        )
         if policy == "ema":
-            if s.stop_margins:
-                raise ValueError("stop_margins: per-token stopping plans are chosen by the goodput policy only")
             self.policy: GoodputPolicy | EmaPolicy = EmaPolicy(buckets, config.disable, self.acceptance, s)
         else:
-            self.policy = GoodputPolicy(buckets, self.acceptance, self.cost, self.exits, s, self.margins)
+            self.policy = GoodputPolicy(buckets, self.acceptance, self.cost, self.exits, s)
         self.buckets = buckets
         self._table = BucketTable(buckets, s.bucket_stickiness)
         self._bucket = -1
@@ -155,7 +149,7 @@ class AdaptiveController(FixedController):
             if self._bucket >= 0:
                 self.policy.enter(bucket)
             self._bucket = bucket
-        k, d, candidate, stop_margin = self.policy.select(bucket, batch_size, context)
+        k, d, candidate = self.policy.select(bucket, batch_size, context)
         measure = self._measure_in <= 0 or self._pair_left > 0
         if self._pair_left > 0:
             self._pair_left -= 1
@@ -163,10 +157,7 @@ class AdaptiveController(FixedController):
             self._measure_in = 2 * self._readout_interval(k, d, batch_size, context, self.policy.outlook(bucket))
             self._pair_left = 1
         self._measure_in -= 1
-        # a measured round drafts every K (its readouts are of the plan's own positions)
-        stop_margin = None if measure else stop_margin
-        report = self.margins is not None and k > 0 and not measure
-        plan = SpeculationPlan(self.num_plans, k, d, bucket, candidate, measure, stop_margin, report)
+        plan = SpeculationPlan(self.num_plans, k, d, bucket, candidate, measure)
         self.num_plans += 1
         if trace is not None:
             if self.policy.last_event is not None:
@@ -199,8 +190,6 @@ class AdaptiveController(FixedController):
                 self.acceptance.observe_drafts(fb.d, fb.total_accepted, rejected)
         if fb.depth_pairs:
             self._observe_pairs(fb)
-        if fb.draft_margins and self.margins is not None:
-            self.margins.observe(fb.d, fb.draft_margins, fb.num_proposed, fb.num_accepted, fb.stop_margin)
         if fb.exit_depths:
             self.exits.observe(fb.exit_depths, fb.exit_skips)
         if fb.seconds > 0.0:
@@ -232,10 +221,6 @@ class AdaptiveController(FixedController):
         self._last_bits = dict(zip(fb.request_ids, fb.last_bits))
 
     def _profile_seconds(self, k: int, d: int, fb: RoundFeedback) -> float:
-        margins = self.margins
-        if k and fb.stop_margin is not None and margins is not None and fb.stop_margin in margins.thresholds:
-            keep = margins.pass_rate(d, margins.thresholds.index(fb.stop_margin))  # a ragged round: priced as one
-            return float(self.cost.stopping_seconds([k], [d], [keep], fb.batch_size, fb.context)[0])
         exits = self.exits if self.exits.prices_passes else None
         return self.cost.seconds(k, d, fb.batch_size, fb.context, exits)
 

@@ -63,11 +63,7 @@ class EmaPolicy:
             self.states.append(st)
         self.last_event: str | None = None
 
-    def select(self, bucket: int, batch: int, context: float) -> tuple[int, int, int, None]:
-        """(k, d, candidate index, None): the EMA policy never stops a draft early."""
-        return (*self._select(bucket), None)
-
-    def _select(self, bucket: int) -> tuple[int, int, int]:
+    def select(self, bucket: int, batch: int, context: float) -> tuple[int, int, int]:
         b, st = self.buckets[bucket], self.states[bucket]
         self.last_event = None
         if not st.off:

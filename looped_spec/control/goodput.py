@@ -6,10 +6,7 @@ batch size B and mean context L,
     goodput(K, d) = E[committed tokens per request per round | α_d, ρ_d, K] / T(K, d, B, L)
 
 with E from the acceptance estimator (control/acceptance.py; under early exit the draft-exited share passes
-for free, control/exits.py) and T from the pass-cost model (control/passcost.py). With `stop_margins` set it also
-prices every speculative (K, d) with per-token stopping at each margin θ, once the drafts at depth d have told how
-often a draft clears θ and how much likelier such a draft is accepted (control/margins.py): E is then the chain's
-with the per-position agreement s_θ·a_θ, T a ragged round's (`PassCost.stopping_features`). Both are shared by all
+for free, control/exits.py) and T from the pass-cost model (control/passcost.py). Both are shared by all
 buckets, so a bucket the batch has never visited is priced from the first round. Every bucket prices every
 listed option: the tuner lists a bucket's plans for the tuning text, and text of another kind can want a plan
 the tuner listed for another batch size (easier text, longer drafts). A bucket keeps its own plan in use.
@@ -26,10 +23,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from looped_spec.control.acceptance import AcceptanceEstimator, markov_tokens
+from looped_spec.control.acceptance import AcceptanceEstimator
 from looped_spec.control.buckets import CompiledBucket
 from looped_spec.control.exits import ExitDepths
-from looped_spec.control.margins import DraftMargins
 from looped_spec.control.passcost import PassCost
 from looped_spec.control.plan import RoundFeedback
 from looped_spec.control.settings import ControlSettings
@@ -41,7 +37,7 @@ class _Bucket:
     rounds_left: int = 0  # rounds until the next decision
     batch: int = 0  # batch size of the last decision
     switches: int = 0
-    predicted: list[float] | None = None  # [O] tokens/s at the last decision (0: not priced)
+    predicted: list[float] | None = None  # [O] tokens/s at the last decision
 
 
 class GoodputPolicy:
@@ -54,32 +50,25 @@ class GoodputPolicy:
         cost: PassCost,
         exits: ExitDepths,
         settings: ControlSettings,
-        margins: DraftMargins | None = None,
     ) -> None:
         self.buckets = buckets
         self.acceptance = acceptance
         self.cost = cost
         self.exits = exits
         self.settings = settings
-        self.margins = margins
         self.states = [_Bucket() for _ in buckets]
         self.last_event: str | None = None
         options = sorted({(int(k), int(d)) for b in buckets for k, d in zip(b.option_k, b.option_d)})
         if not any(b.plain_option >= 0 for b in buckets):
             options = [o for o in options if o[0] > 0]  # the preset never switches speculation off
+        self.options = options
+        self.plain = options.index((0, 0)) if (0, 0) in options else -1
         self.cost_index = [cost.option_index[o] for o in options]  # each option's line in `cost`
         # the candidate index a plan of each option carries in each bucket (-1: not one of its candidates)
         self.candidate = [
             [next((j for j, (k, d) in enumerate(zip(b.ks, b.ds)) if (k, d if k else 0) == o), -1) for o in options]
             for b in buckets
         ]
-        # after the (K, d) options, their per-token stopping variants: (K, d, index into margins.thresholds)
-        thresholds = margins.thresholds if margins is not None else ()
-        self.stopping = [(k, d, i) for k, d in options if k > 0 for i in range(len(thresholds))]
-        self.base = len(options)
-        self.options = options + [(k, d) for k, d, _ in self.stopping]
-        self.base_of = list(range(len(options))) + [options.index((k, d)) for k, d, _ in self.stopping]
-        self.plain = options.index((0, 0)) if (0, 0) in options else -1
 
     def predict(self, batch: int, context: float) -> list[float]:
         """Predicted committed tokens per second of each option (the decision's numbers)."""
@@ -91,45 +80,20 @@ class GoodputPolicy:
         intercepts, slopes = self.cost.line(batch, exits)
         drift = self.cost.drift
         out = []
-        for (k, d), i in zip(self.options[: self.base], self.cost_index):
+        for (k, d), i in zip(self.options, self.cost_index):
             tokens = acceptance.tokens(k, d, alpha)
             out.append(batch * tokens / ((intercepts[i] + slopes[i] * context) * drift))
-        return out + self._predict_stopping(batch, context, alpha)
-
-    def _predict_stopping(self, batch: int, context: float, alpha: list[float]) -> list[float]:
-        """Tokens/s of the stopping options; 0 (not priced) under early exit or before `prior_weight` drafts at their
-        depth (the margins start from nothing: the preset holds none)."""
-        margins, cost = self.margins, self.cost
-        priced = [
-            o for o, (_, d, _) in enumerate(self.stopping)
-            if not self.exits.seen and margins.evidence(d) >= max(self.settings.prior_weight, 1.0)
-        ]  # fmt: skip
-        out = [0.0] * len(self.stopping)
-        if not priced:
-            return out
-        options = [self.stopping[o] for o in priced]
-        keeps = [margins.pass_rate(d, i) for _, d, i in options]
-        seconds = cost.stopping_seconds([k for k, _, _ in options], [d for _, d, _ in options], keeps, batch, context)
-        for o, (k, d, i), keep, t in zip(priced, options, keeps, seconds.tolist()):
-            agree = min(alpha[d - 1] * margins.relative_agreement(d, i), 1.0)
-            out[o] = batch * markov_tokens(keep * agree, self.acceptance.rho[d - 1], k) / (t * cost.drift)
         return out
 
-    def stop_margin(self, option: int) -> float | None:
-        """The per-token stopping margin of an option (None: it drafts every K)."""
-        if option < self.base:
-            return None
-        return self.margins.thresholds[self.stopping[option - self.base][2]]
-
-    def select(self, bucket: int, batch: int, context: float) -> tuple[int, int, int, float | None]:
-        """(k, d, candidate index, per-token stopping margin or None) for this round."""
+    def select(self, bucket: int, batch: int, context: float) -> tuple[int, int, int]:
+        """(k, d, candidate index) for this round."""
         st = self.states[bucket]
         self.last_event = None
         if st.rounds_left <= 0 or batch != st.batch:
             self._decide(st, batch, context, self.buckets[bucket].plain_option >= 0)
         st.rounds_left -= 1
         k, d = self.options[st.current]
-        return k, d, self.candidate[bucket][self.base_of[st.current]], self.stop_margin(st.current)
+        return k, d, self.candidate[bucket][st.current]
 
     def _decide(self, st: _Bucket, batch: int, context: float, may_run_plain: bool) -> None:
         s = self.settings
@@ -138,10 +102,7 @@ class GoodputPolicy:
         plain, current = self.plain if may_run_plain else -1, st.current
         # speculation must clear the margin over plain decoding to be taken up; the plan in use stays a candidate
         bar = rate[plain] * (1.0 + s.plain_margin) if plain >= 0 else -math.inf
-        eligible = [
-            o for o, (k, _) in enumerate(self.options)
-            if (k == 0 and plain >= 0) or (k > 0 and rate[o] > 0.0 and rate[o] >= bar)
-        ]  # fmt: skip
+        eligible = [o for o, (k, _) in enumerate(self.options) if (k == 0 and plain >= 0) or (k > 0 and rate[o] >= bar)]
         if current >= 0 and current not in eligible and (plain >= 0 or self.options[current][0] > 0):
             eligible.append(current)  # the plan in use stays a candidate (unless plain, where plain may not run)
         best = max(eligible, key=rate.__getitem__)
@@ -173,13 +134,7 @@ class GoodputPolicy:
 
     def _label(self, option: int) -> str:
         k, d = self.options[option]
-        margin = self.stop_margin(option)
-        return (f"(K={k}, d={d}" + (f", stop below {margin:g})" if margin is not None else ")")) if k else "plain"
-
-    def _key(self, option: int) -> str:
-        k, d = self.options[option]
-        margin = self.stop_margin(option)
-        return f"{k},{d}" if margin is None else f"{k},{d}@{margin:g}"
+        return f"(K={k}, d={d})" if k else "plain"
 
     def observe(self, feedback: RoundFeedback) -> None:
         """Nothing of its own: the estimators it reads learn from every round (the controller feeds them)."""
@@ -194,8 +149,8 @@ class GoodputPolicy:
             k, d = self.options[st.current] if st.current >= 0 else (None, None)
             predicted = None
             if st.predicted is not None:
-                predicted = {self._key(o): round(x, 2) for o, x in enumerate(st.predicted)}
-            margin = self.stop_margin(st.current) if st.current >= 0 else None
-            out.append({"batch": b.label(), "k": k, "d": d, "stop_margin": margin, "switches": st.switches,
-                        "predicted_tokens_per_s": predicted})  # fmt: skip
+                predicted = {f"{k},{d}": round(x, 2) for (k, d), x in zip(self.options, st.predicted)}
+            out.append(
+                {"batch": b.label(), "k": k, "d": d, "switches": st.switches, "predicted_tokens_per_s": predicted}
+            )
         return out

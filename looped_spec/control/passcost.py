@@ -161,31 +161,6 @@ class PassCost:
         rounds = np.where((ks > 0)[:, None], draft + verify, plain[None, :])
         return rounds + self.outside_features(ks, b)
 
-    def stopping_features(self, ks, ds, keeps, batch: int, context: float) -> np.ndarray:
-        """[O, P]: one round of each per-token stopping plan (K, d, θ) without early exit, each draft let through with
-        probability keep (s_θ, independently of the others): draft step j runs while any row still drafts, over the
-        b·keep^j rows that do; the verification covers b(1 + Σ_j keep^j) positions. keep = 1 is the (K, d) round."""
-        ks, ds, keeps = (np.atleast_1d(np.asarray(x, dtype=float)) for x in (ks, ds, keeps))
-        b, context = float(max(batch, 1)), float(max(context, 0.0))
-        option = np.repeat(np.arange(len(ks)), (ks + 1).astype(int))  # one row per (option, draft step j)
-        j = np.concatenate([np.arange(k + 1) for k in ks.astype(int)]).astype(float)
-        share = keeps[option] ** j
-        runs = 1.0 - (1.0 - share) ** b  # P(some row still drafts at step j)
-        rows = np.maximum(b * share / np.maximum(runs, 1e-300), 1.0)  # the rows at step j, when it runs
-        steps = self.step_features(rows, rows, 1.0) + ds[option, None] * self.pass_features(rows, rows, context + j)
-        steps = steps + (j < ks[option])[:, None] * self.readout_features(rows)  # a readout after all but the last
-        out = self._zeros(len(ks))
-        np.add.at(out, option, runs[:, None] * steps)
-        drafted = np.bincount(option, weights=np.where(j > 0, share, 0.0), minlength=len(ks))  # per request
-        wide = b * (1.0 + drafted)
-        out += self.step_features(b, wide, 0.0) + self.readout_features(wide)
-        out += (self.depth - ds)[:, None] * self.pass_features(b, wide, context + drafted)
-        return out + np.vstack([self.outside_features([max(x, 1e-9)], b) for x in drafted])
-
-    def stopping_seconds(self, ks, ds, keeps, batch: int, context: float) -> np.ndarray:
-        """[O]: profile seconds of each stopping round (`stopping_features`), without the drift factor."""
-        return self.stopping_features(ks, ds, keeps, batch, context) @ self.theta
-
     # ------------------------------------------------------------------ seconds
     def profile_seconds(self, ks, ds, batch: int, context: float, survival: np.ndarray | None = None) -> np.ndarray:
         """Seconds of one round of each option as the profile prices them (without the drift factor)."""

@@ -26,7 +26,6 @@ class SpeculationPlan:
     candidate: int = -1
     measure_depths: bool = False
     stop_margin: float | None = None  # per-token stopping: a request stops drafting below this draft margin
-    report_margins: bool = False  # the round reports its drafts' margins (`RoundFeedback.draft_margins`)
 
 
 @dataclass(slots=True, kw_only=True)
@@ -62,10 +61,6 @@ class RoundFeedback:
     last_bits: list[int] = field(default_factory=list)
     exit_depths: list[int] = field(default_factory=list)
     exit_skips: bool = False  # early exit in skip mode: the loops after an exit were not run
-    stop_margin: float | None = None  # the plan's per-token stopping margin
-    # per request, the depth-d top-two margin of each draft it proposed, and last, when the stopping rule stopped it
-    # before K, that of the draft it stopped at (empty unless the plan asked with `report_margins`)
-    draft_margins: list[list[float]] = field(default_factory=list)
 
     @property
     def total_proposed(self) -> int:
@@ -85,6 +80,5 @@ def round_feedback(plan: SpeculationPlan, **fields: Any) -> RoundFeedback:
     """The feedback of a round that ran `plan`: the round's fields by keyword only (so no two are swapped silently,
     and a misspelt one is an error)."""
     return RoundFeedback(
-        plan_id=plan.plan_id, k=plan.k, d=plan.d, bucket=plan.bucket, candidate=plan.candidate,
-        stop_margin=plan.stop_margin, **fields,
-    )  # fmt: skip
+        plan_id=plan.plan_id, k=plan.k, d=plan.d, bucket=plan.bucket, candidate=plan.candidate, **fields
+    )

@@ -33,19 +33,9 @@ class ControlSettings:
     exit_memory: float = 256.0
     #: ema: positions read out since its last probe before the readouts may call the next one
     probe_evidence: int = 32
-    #: goodput: the draft margins θ at which it may also run each speculative plan with per-token stopping (empty:
-    #: never; the drafts then report their margins too)
-    stop_margins: tuple[float, ...] = ()
 
     def __post_init__(self) -> None:
         for name, value in vars(self).items():
-            if name == "stop_margins":
-                if not isinstance(value, (tuple, list)) or not all(
-                    isinstance(m, (int, float)) and not isinstance(m, bool) and 0.0 < m < 1.0 for m in value
-                ):
-                    raise ValueError(f"stop_margins={value!r} must be a tuple of numbers in (0, 1)")
-                object.__setattr__(self, name, tuple(sorted(set(value))))  # a list from JSON; each θ once
-                continue
             if isinstance(value, bool) or not isinstance(value, (int, float)):
                 raise ValueError(f"{name}={value!r} must be a number")
         for name in ("decision_interval", "probe_evidence"):

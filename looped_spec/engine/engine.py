@@ -333,9 +333,8 @@ class LoopedSpecEngine:
         if not requests:
             return
         # one decode path: plain decoding is the K = 0 round
-        run, stop, report = self.spec_round.run, plan.stop_margin, plan.report_margins
         result = self._transaction(
-            suspect, requests, lambda: run(requests, k, plan.d, plan.measure_depths, stop, report)
+            suspect, requests, lambda: self.spec_round.run(requests, k, plan.d, plan.measure_depths, plan.stop_margin)
         )
         if result is not None:
             self._finish_round(requests, k, plan, result, t0, context)
@@ -389,9 +388,7 @@ class LoopedSpecEngine:
             kept, k = self.scheduler.reserve_decode(entering, wants)
             # counterfactual readouts at full depth only (under early exit a token's depth is the rule's)
             rounds = {
-                r.request_id: Entering(
-                    kr, plan.d, plan.measure_depths and not r.exits_early, plan.stop_margin, plan.report_margins
-                )
+                r.request_id: Entering(kr, plan.d, plan.measure_depths and not r.exits_early, plan.stop_margin)
                 for r, kr in zip(kept, k)
             }
             self.stats.num_preemptions = self.scheduler.num_preemptions
@@ -557,7 +554,6 @@ class LoopedSpecEngine:
             last_bits=result.last_bits,
             exit_depths=exit_depths,
             exit_skips=self.runner.exit_mode == "skip",
-            draft_margins=result.draft_margins,
         )
         self.controller.observe(feedback)
         stats.phase_seconds["control"] += time.perf_counter() - t1

@@ -216,14 +216,13 @@ class LoopBatcher:
                 entering.append((row, request, position, request.token_ids[position : position + chunk], None, False,
                                  True))  # fmt: skip
                 continue
-            k, d, measured, stop_margin, report = rounds.get(request.request_id, NOT_MEASURED)
+            k, d, measured, stop_margin = rounds.get(request.request_id, NOT_MEASURED)
             round_ = None
-            if k > 0:  # per-token stopping as in a step round (not in measured rounds); margins reported as there
-                report = report and not (measured or request.exits_early)
+            if k > 0:  # per-token stopping as in a step round (not in measured rounds)
+                stop = None if measured else stop_margin
                 round_ = DraftRound(
-                    position, k, d, measured=measured, exits_early=request.exits_early,
-                    stop_margin=None if measured else stop_margin, margins=[] if report else None,
-                )  # fmt: skip
+                    position, k, d, measured=measured, exits_early=request.exits_early, stop_margin=stop
+                )
             entering.append((row, request, position, [request.token_ids[position]], round_, measured and k == 0, False))
         if entering:
             runner = self.runner

@@ -131,23 +131,12 @@ class Finisher:
                     r.preds.append(torch.cat([*it.preds, greedy[j : j + 1]]))  # [d]: depths 1..d of this position
                 r.logits.append(logits[j] if r.exits[-1] else None)
             drawing = [j for j, (_, _, draws) in enumerate(group) if draws]
-            # the drafts whose margin is asked for: per-token stopping, or the plan reports its drafts' margins (a
-            # position that exited within the draft was read out at its exit: the target's own sample, never unsure)
-            judged = [
-                j for j in drawing
-                if (group[j][1].stop_margin is not None or group[j][1].margins is not None)
-                and not group[j][1].exits[-1]
-            ]  # fmt: skip
-            unsure: set[int] = set()
-            if judged:
-                margins = top_two_margin(logits[torch.tensor(judged, device=logits.device)]).tolist()
-                for j, m in zip(judged, margins):
-                    r = group[j][1]
-                    if r.margins is not None:
-                        r.margins.append(m)
-                    if r.stop_margin is not None and m < r.stop_margin:
-                        unsure.add(j)
-            if unsure:  # per-token stopping: an unsure draft is not drawn, its round is verified as it stands
+            # per-token stopping: an unsure draft is not drawn, its round is verified as it stands (a position that
+            # exited within the draft was read out at its exit: the target's own sample, never unsure)
+            stopping = [j for j in drawing if group[j][1].stop_margin is not None and not group[j][1].exits[-1]]
+            if stopping:
+                margins = top_two_margin(logits[torch.tensor(stopping, device=logits.device)]).tolist()
+                unsure = {j for j, m in zip(stopping, margins) if m < group[j][1].stop_margin}
                 for j in sorted(unsure):
                     it, r, _ = group[j]
                     r.k = len(r.tokens)
@@ -221,7 +210,7 @@ class Finisher:
                 depths = [r.exits[j] if j < lo else it.row_exits[j - lo] for j in range(len(tokens))]
             checked = [not x for x in row[: r.k]]  # drafts the target checked (not drawn from its own readout)
             out.finish(it.request, tokens, r.k, len(tokens) - 1, depths, entry, r.start, agreement,
-                       sum(checked), sum(checked[: len(tokens) - 1]), r.margins)  # fmt: skip
+                       sum(checked), sum(checked[: len(tokens) - 1]))  # fmt: skip
 
     def _target_logits(self, done: list[Item], ctx, items: list[Item]) -> torch.Tensor:
         """[sum(K+1), V]: the target's logits of every round position, round after round: the verification's readout
@@ -266,7 +255,6 @@ class Finished:
         self.first_exit_depths: list[list[int]] = []
         self.verified_proposed: list[int] = []
         self.verified_accepted: list[int] = []
-        self.draft_margins: list[list[float] | None] = []
         self.items: dict[str, Item] = {}
         self.next_drafts: dict[str, NextDraft] = {}
 
@@ -274,11 +262,8 @@ class Finished:
         self, request: Request, tokens: list[int], proposed: int, accepted: int, depths: list[int],
         logprobs: list[TokenLogprob] | None, start: int, agreement: torch.Tensor | None,
         verified_proposed: int | None = None, verified_accepted: int | None = None,
-        draft_margins: list[float] | None = None,
     ) -> None:  # fmt: skip
-        """A finished token or round; `verified_*`: the drafts the target checked (None: every draft);
-        `draft_margins`: its drafts' margins when its plan asked for them."""
-        self.draft_margins.append(draft_margins)
+        """A finished token or round; `verified_*`: the drafts the target checked (None: every draft)."""
         self.verified_proposed.append(proposed if verified_proposed is None else verified_proposed)
         self.verified_accepted.append(accepted if verified_accepted is None else verified_accepted)
         self.logprobs.append(logprobs or [])
@@ -308,5 +293,4 @@ class Finished:
         return PassResult(self.requests, self.finished, self.tokens, self.proposed, self.accepted, exit_depths,
                           self.items, self.next_drafts, positions, entered, loops, captured, stages, logprobs,
                           self.starts, self.agreement, self.prefilled, self.chunk_lens, self.first_tokens,
-                          first_logprobs, first_exits, self.verified_proposed, self.verified_accepted,
-                          self.draft_margins)  # fmt: skip
+                          first_logprobs, first_exits, self.verified_proposed, self.verified_accepted)  # fmt: skip

@@ -28,7 +28,6 @@ class Entering(NamedTuple):
     d: int
     measured: bool
     stop_margin: float | None = None
-    report_margins: bool = False  # the round reports its drafts' margins (`RoundFeedback.draft_margins`)
 
 
 @dataclass(slots=True)
@@ -52,9 +51,6 @@ class DraftRound:
     exits_early: bool = False
     # per-token stopping: the round stops drafting at its first draft whose depth-d top-two margin is below this
     stop_margin: float | None = None
-    # the depth-d top-two margin of each draft read out so far, the last maybe the one it stopped at (None: the plan
-    # did not ask for them)
-    margins: list[float] | None = None
     # exits_early, per position so far: its exit depth within the draft (0: none), its state there (None: none),
     # the exit rule's carry after its last loop, and its readout at the exit (the target's logits; None: none)
     exits: list[int] = field(default_factory=list)
@@ -69,7 +65,6 @@ class DraftRound:
         builds new rounds, leaving its inputs as they were)."""
         return DraftRound(self.start, self.k, self.d, list(self.tokens), list(self.q), [*self.states, state],
                           self.measured, list(self.preds), self.exits_early, self.stop_margin,
-                          None if self.margins is None else list(self.margins),
                           [*self.exits, exit_depth], [*self.exit_states, exit_state], [*self.carries, carry],
                           list(self.logits))  # fmt: skip
 
@@ -200,5 +195,3 @@ class PassResult:
     # exited within the draft depth is the target's own sample: it is neither); the controller learns from these
     verified_proposed: list[int] = field(default_factory=list)
     verified_accepted: list[int] = field(default_factory=list)
-    # per finished request, its drafts' margins when its plan asked for them (None otherwise)
-    draft_margins: list[list[float] | None] = field(default_factory=list)

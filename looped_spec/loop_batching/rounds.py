@@ -41,7 +41,6 @@ class _Open:
     matches: torch.Tensor | None = None  # [D] measured positions each depth agreed at
     trials: int = 0  # measured positions
     pairs: torch.Tensor | None = None  # [D, 4] n1, n11, n0, n01 over consecutive measured positions
-    margins: list[list[float]] = field(default_factory=list)  # per finished request, its drafts' margins ([]: none)
 
 
 class LoopRounds:
@@ -96,7 +95,6 @@ class LoopRounds:
             touched.add(entry.plan.plan_id)
             entry.proposed.append(result.verified_proposed[i])  # the drafts the target checked
             entry.accepted.append(result.verified_accepted[i])
-            entry.margins.append(result.draft_margins[i] or [] if result.draft_margins else [])
             tokens = len(result.tokens[i])
             depths = result.exit_depths[i] if result.exit_depths is not None else []
             entry.exits = entry.exits or bool(depths)
@@ -147,5 +145,4 @@ class LoopRounds:
             depth_pairs=entry.pairs.tolist() if measured else (),
             exit_depths=entry.exit_depths if entry.exits else (),
             exit_skips=self.exit_skips,
-            draft_margins=entry.margins if entry.plan.report_margins else (),
         )

@@ -132,18 +132,15 @@ def propose_with_exit(
 
 @torch.inference_mode()
 def propose_with_exit_until_unsure(
-    runner: ModelRunner, requests: list[Request], k: list[int], d: int, mode: ExitMode, stop_margin: float | None,
-    report_margins: bool = False,
-) -> tuple[Draft, list[ExitDraftStep]]:  # fmt: skip
+    runner: ModelRunner, requests: list[Request], k: list[int], d: int, mode: ExitMode, stop_margin: float
+) -> tuple[Draft, list[ExitDraftStep]]:
     """`propose_with_exit` with per-token stopping (proposer.py, `propose_until_unsure`): a row stops at its first
     draft read out at depth d whose top-two margin is below `stop_margin` (a position that exited within the draft is
-    the target's own sample, never unsure); with `report_margins` the margins of those drafts come back. Rows and
-    steps are then re-sorted by the K they drafted, so each step's rows are again a prefix."""
+    the target's own sample, never unsure). Rows and steps are then re-sorted by the K they drafted, so each step's
+    rows are again a prefix."""
     num_reqs, device = len(requests), runner.device
-    drafted = [0] * num_reqs
     tokens: list[list[int]] = [[] for _ in range(num_reqs)]
     q_rows: list[list[torch.Tensor]] = [[] for _ in range(num_reqs)]
-    margins: list[list[float]] = [[] for _ in range(num_reqs)]
     ran: list[tuple[list[int], ExitDraftStep]] = []  # per step j: (rows it ran, in the given order; the step)
     alive = list(range(num_reqs))
     step_tokens = runner.token_tensor([r.token_ids[r.num_computed] for r in requests])
@@ -156,13 +153,9 @@ def propose_with_exit_until_unsure(
         logits = _read_out_step(runner, active, positions, state, exit_depth, exit_state, len(needs_next), d)
         ran.append((alive, ExitDraftStep(state, exit_depth, exit_state, logits, carry)))
         judged = [n for n in needs_next if exit_depth[n] == 0]  # read out at d: a draft, maybe unsure
-        unsure: set[int] = set()
-        if judged and (stop_margin is not None or report_margins):
-            values = top_two_margin(logits[judged]).tolist()
-            for n, m in zip(judged, values):
-                margins[alive[n]].append(m)
-                if stop_margin is not None and m < stop_margin:
-                    unsure.add(n)
+        unsure = set()
+        if judged:
+            unsure = {n for n, m in zip(judged, top_two_margin(logits[judged]).tolist()) if m < stop_margin}
         going = [n for n in needs_next if n not in unsure]
         if not going:
             break
@@ -173,7 +166,6 @@ def propose_with_exit_until_unsure(
             tokens[i].append(token)
             if q is not None:
                 q_rows[i].append(q[m])
-            drafted[i] += 1
         alive, step_tokens, j = [alive[n] for n in going], drawn, j + 1
     order, grid, q_probs, kept = in_drafted_order(tokens, q_rows, [rows for rows, _ in ran], device)
     steps = []
@@ -183,9 +175,8 @@ def propose_with_exit_until_unsure(
             step.state[at], [step.exit_depth[n] for n in index], step.exit_state[at],
             None if step.logits is None else step.logits[at], None if step.carry is None else step.carry[at],
         ))  # fmt: skip
-    draft = Draft(tokens=grid, q_probs=q_probs, states=[s.state for s in steps], depth_preds=None, k=drafted,
-                  order=order, margins=[margins[i] for i in order] if report_margins else None)  # fmt: skip
-    return draft, steps
+    states = [s.state for s in steps]
+    return Draft(grid, q_probs, states, depth_preds=None, k=[len(t) for t in tokens], order=order), steps
 
 
 def decided_positions(steps: list[ExitDraftStep], k: list[int], readout_uses_kv: bool) -> list[list[bool]]:

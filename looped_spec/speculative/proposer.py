@@ -24,9 +24,6 @@ class Draft:
     # None when every row drafted its planned K in the given order
     k: list[int] | None = None
     order: list[int] | None = None
-    # per row (in the draft's order), the depth-d top-two margin of each draft it proposed, and last that of the draft
-    # a stopping row stopped at; None unless asked for (`report_margins`)
-    margins: list[list[float]] | None = None
 
 
 def top_two_margin(logits: torch.Tensor) -> torch.Tensor:
@@ -54,12 +51,9 @@ def in_drafted_order(
                 q_probs = torch.zeros(len(tokens), max_k, q_rows[i][0].shape[-1], device=device)
             q_probs[row, : drafted[i]] = torch.stack(q_rows[i])
     steps = []
-    for j, rows in enumerate(ran):
+    for j, rows in enumerate(ran):  # the rows step j ran are those that drafted >= j
         where = {i: n for n, i in enumerate(rows)}
-        index = [where[i] for i in order if drafted[i] >= j]
-        if not index:
-            break
-        steps.append(index)
+        steps.append([where[i] for i in order if drafted[i] >= j])
     return order, grid, q_probs, steps
 
 
@@ -91,13 +85,12 @@ class DraftProposer:
     @torch.inference_mode()
     def propose(
         self, requests: list[Request], k: list[int], d: int, rows: SamplingRows, measure: bool = False,
-        stop_margin: float | None = None, report_margins: bool = False,
+        stop_margin: float | None = None,
     ) -> Draft:  # fmt: skip
         """K tokens per request (rows sorted by K descending); with `measure`, every depth 1..d is read out too;
-        with `stop_margin`, a row stops at its first draft whose margin is below it (`propose_until_unsure`); with
-        `report_margins`, the drafts' margins come back (`Draft.margins`)."""
+        with `stop_margin`, a row stops at its first draft whose margin is below it (`propose_until_unsure`)."""
         if stop_margin is not None and not measure:
-            return self.propose_until_unsure(requests, k, d, stop_margin, report_margins)
+            return self.propose_until_unsure(requests, k, d, stop_margin)
         runner = self.runner
         num_reqs, max_k = len(requests), max(k)
         device = runner.device
@@ -107,7 +100,6 @@ class DraftProposer:
         if measure:
             depth_preds = torch.full((d, num_reqs, max_k + 1), -1, dtype=torch.long, device=device)
         states: list[torch.Tensor] = []
-        margins = torch.zeros(num_reqs, max_k, device=device) if report_margins else None
         step_tokens = runner.token_tensor([r.token_ids[r.num_computed] for r in requests])
         for j in range(max_k + 1):
             num_rows = sum(1 for kr in k if kr >= j)
@@ -127,8 +119,6 @@ class DraftProposer:
             states.append(state)
             if num_next == 0:
                 break
-            if margins is not None:
-                margins[:num_next, j] = top_two_margin(logits[:num_next])
             drafted, q = self.draw(logits[:num_next], rows, active[:num_next], j)
             if q is not None:
                 if q_probs is None:
@@ -136,15 +126,10 @@ class DraftProposer:
                 q_probs[:num_next, j] = q
             tokens[:num_next, j] = drafted
             step_tokens = drafted
-        draft = Draft(tokens=tokens, q_probs=q_probs, states=states, depth_preds=depth_preds)
-        if margins is not None:
-            draft.margins = [row[:kr] for row, kr in zip(margins.tolist(), k)]
-        return draft
+        return Draft(tokens=tokens, q_probs=q_probs, states=states, depth_preds=depth_preds)
 
     @torch.inference_mode()
-    def propose_until_unsure(
-        self, requests: list[Request], k: list[int], d: int, stop_margin: float, report_margins: bool = False
-    ) -> Draft:
+    def propose_until_unsure(self, requests: list[Request], k: list[int], d: int, stop_margin: float) -> Draft:
         """Up to K tokens per request, each row stopping at its first draft whose depth-d top-two probability margin
         (softmax of the readout, before temperature) is below `stop_margin`: that draft is not proposed, the row's
         K is the drafts before it. The rule reads the draft's own distribution only, never the target, so verifying
@@ -152,8 +137,6 @@ class DraftProposer:
         drafted, so each step's rows are again a prefix."""
         runner, device = self.runner, self.runner.device
         num_reqs = len(requests)
-        drafted = [0] * num_reqs
-        margins: list[list[float]] = [[] for _ in range(num_reqs)]  # of each draft read out, the last maybe unsure
         tokens: list[list[int]] = [[] for _ in range(num_reqs)]
         q_rows: list[list[torch.Tensor]] = [[] for _ in range(num_reqs)]
         steps: list[tuple[list[int], torch.Tensor]] = []  # per step j: (rows it ran, their loop-d states)
@@ -170,10 +153,7 @@ class DraftProposer:
             if not needs_next:
                 break
             logits = out.logits[: len(needs_next)]
-            values = top_two_margin(logits).tolist()
-            sure = [m >= stop_margin for m in values]
-            for i, m in zip(needs_next, values):
-                margins[i].append(m)
+            sure = [m >= stop_margin for m in top_two_margin(logits).tolist()]
             going = [i for i, ok in zip(needs_next, sure) if ok]
             if going:
                 keep = torch.tensor([n for n, ok in enumerate(sure) if ok], device=device)
@@ -183,10 +163,10 @@ class DraftProposer:
                     tokens[i].append(token)
                     if q is not None:
                         q_rows[i].append(q[n])
-                    drafted[i] += 1
                 step_tokens = drawn
             alive, j = going, j + 1
         order, grid, q_probs, kept = in_drafted_order(tokens, q_rows, [ran for ran, _ in steps], device)
         states = [state[torch.tensor(index, device=state.device)] for (_, state), index in zip(steps, kept)]
-        return Draft(tokens=grid, q_probs=q_probs, states=states, depth_preds=None, k=drafted, order=order,
-                     margins=[margins[i] for i in order] if report_margins else None)  # fmt: skip
+        return Draft(
+            tokens=grid, q_probs=q_probs, states=states, depth_preds=None, k=[len(t) for t in tokens], order=order
+        )

@@ -50,8 +50,6 @@ class RoundResult:
     verified_accepted: list[int] | None = None
     # per request, the drafts it proposed when per-token stopping drafted fewer than the plan's K; None otherwise
     proposed: list[int] | None = None
-    # per request, its drafts' margins (`RoundFeedback.draft_margins`) when asked for; [] otherwise
-    draft_margins: list[list[float]] = field(default_factory=list)
     # per request, the entries of its committed tokens when it asked for log-probabilities ([] when it did not);
     # None when no request of the round did
     logprobs: list[list[TokenLogprob]] | None = None
@@ -68,20 +66,19 @@ class SpeculativeRound:
 
     def run(
         self, requests: list[Request], k: list[int], d: int, measure_depths: bool = False,
-        stop_margin: float | None = None, report_margins: bool = False,
+        stop_margin: float | None = None,
     ) -> RoundResult:  # fmt: skip
         """One round: plain decoding when every K is 0, else draft -> verify -> accept; with `measure_depths`
-        the committed positions' counterfactual readouts too; with `stop_margin`, per-token stopping (rounds
-        without early-exit requests). Phase times are read once the round's tokens reached the host (timing.py:
+        the committed positions' counterfactual readouts too; with `stop_margin`, per-token stopping (under early
+        exit too). Phase times are read once the round's tokens reached the host (timing.py:
         no synchronization for telemetry)."""
         if max(k) == 0:
             return self._plain(requests, measure_depths)
-        return self._speculative(requests, k, d, measure_depths, stop_margin, report_margins)
+        return self._speculative(requests, k, d, measure_depths, stop_margin)
 
     def _speculative(
-        self, requests: list[Request], k: list[int], d: int, measure_depths: bool, stop_margin: float | None = None,
-        report_margins: bool = False,
-    ) -> RoundResult:  # fmt: skip
+        self, requests: list[Request], k: list[int], d: int, measure_depths: bool, stop_margin: float | None = None
+    ) -> RoundResult:
         # early exit: the target is the early-exit model (exit_round.py); no counterfactual depth readouts then
         # (a token's depth is the rule's)
         exits = any(r.exits_early for r in requests)
@@ -94,12 +91,12 @@ class SpeculativeRound:
 
         watch = self.watch
         t0 = watch.mark()
-        if exits and stop_margin is not None:  # the controller learns margins from rounds without early exit only
+        if exits and stop_margin is not None:
             draft, steps = propose_with_exit_until_unsure(self.runner, reqs, ks, d, mode, stop_margin)
         elif exits:
             draft, steps = propose_with_exit(self.runner, reqs, ks, d, rows, mode)
         else:
-            draft = self.proposer.propose(reqs, ks, d, rows, measure_depths, stop_margin, report_margins)
+            draft = self.proposer.propose(reqs, ks, d, rows, measure_depths, stop_margin)
         if draft.order is not None:  # per-token stopping: the rows in the order of the K they drafted
             order = [order[i] for i in draft.order]
             reqs = [reqs[i] for i in draft.order]
@@ -133,10 +130,6 @@ class SpeculativeRound:
         for pos, i in enumerate(order):
             result.committed[i] = grid[pos][: acc[pos] + 1]
             result.num_accepted[i] = acc[pos]
-        if draft.margins is not None:
-            result.draft_margins = [[] for _ in requests]
-            for pos, i in enumerate(order):
-                result.draft_margins[i] = draft.margins[pos]
         if draft.order is not None:
             result.proposed = [0] * len(requests)
             for pos, i in enumerate(order):
