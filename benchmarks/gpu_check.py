@@ -7,8 +7,8 @@ next runs):
 1. correctness: eager with the paged kernel vs the SDPA reference path, CUDA-graph replay vs eager,
    greedy speculative (K=2,d=1 and K=3,d=D/2) vs plain: token-identical request counts; the number,
    capture time and memory of the captured graphs;
-2. loop-level batching against the step engine, both eager and both captured: identity, then speed at full depth
-   and a fixed exit;
+2. loop-level batching against the step engine, both eager and both captured: identity; then the captured pair's
+   speed at full depth and a fixed exit, B = 8 and 32, interleaved repeats with an A/A line;
 3. plain decoding, 512-token prompts + 2048 new tokens at B = 1/8/32, graphs vs eager;
 4. speculation (K=2, d=1) with a forced draft acceptance alpha = 0.8 (a benchmark-only draft override:
    each draft token is the known greedy continuation with probability alpha) vs plain graphs, next to
@@ -38,6 +38,7 @@ import gc
 import json
 import platform
 import random
+import statistics
 import sys
 import time
 import traceback
@@ -194,10 +195,10 @@ def shapes(tiny: bool) -> dict:
     """The reference shape on a GPU (512-token prompts, 2048 new tokens); a reduced one for the CPU smoke mode."""
     if tiny:
         return {"prompt": 8, "new": 8, "long_prompt": 96, "long_new": 4, "batches": [1, 4], "workload": [1, 4, 1],
-                "phase_new": 4, "eager_new": 4, "check_new": 6, "check_batch": 4}  # fmt: skip
+                "phase_new": 4, "eager_new": 4, "check_new": 6, "check_batch": 4, "loop_repeats": 2}  # fmt: skip
     return {"prompt": 512, "new": 2048, "long_prompt": 16384, "long_new": 128, "batches": [1, 8, 32],
             "workload": [1, 8, 32, 8, 1], "phase_new": 256, "eager_new": 128, "check_new": 64,
-            "check_batch": 8}  # fmt: skip
+            "check_batch": 8, "loop_repeats": 4}  # fmt: skip
 
 
 def check_model(name: str, config: dict, args, report: dict, deadline: float, save) -> None:
@@ -382,14 +383,16 @@ def check_model(name: str, config: dict, args, report: dict, deadline: float, sa
         print(f"[{name}] workload: {entry['workload']}", flush=True)
         del plain, adaptive
 
-    # ----- loop-level batching (eager: no graphs yet) against the step engine, eager too: identity, then speed -----
+    # ----- loop-level batching against the step engine: identity (eager and captured), then captured speed -----
     def loop_batching() -> None:
-        """Eager loop passes vs the eager step engine, and captured loop passes (`cuda_graphs=True`) vs the captured
-        step engine: identity on the check prompts, then one timed run each at the largest batch."""
+        """Identity on the check prompts: eager loop passes vs the eager step engine, captured loop passes
+        (`cuda_graphs=True`) vs the captured step engine. Then the captured pair's speed at every batch above 1, the
+        project's method: one persistent engine each plus a second step engine (the A/A line), turns in shuffled
+        order, repeated, the first repeat dropped, the median ratio with its range. KV sized for the whole batch."""
         check_prompts = prompts_for(shape["check_batch"], adapter.vocab_size, shape["prompt"])
-        batch = max(batches)
-        prompts = batch_prompts[batch]
-        timed_new = shape["check_new"]  # the eager loop engine at B = 32 is slow: 64 tokens time it well enough
+        timed_new, repeats = shape["check_new"], shape["loop_repeats"]
+        timed_blocks = blocks_for(max(batches), shape["prompt"] + timed_new)
+        order_rng = random.Random(0)
         rows = {}
         for label, extra in [
             ("full depth", {}),
@@ -399,29 +402,53 @@ def check_model(name: str, config: dict, args, report: dict, deadline: float, sa
             params = SamplingParams(max_tokens=timed_new, ignore_eos=True, **extra)
             captured_loops = graphs if device.startswith("cuda") else False  # emulation needs the kernel (CPU: none)
             for mode, step_graphs, loop_graphs in (("eager", False, False), ("graphs", graphs, captured_loops)):
-                step_engine = make(graphs_mode=step_graphs)
-                loop_engine = make(graphs_mode=loop_graphs, batching="loop")
-                outs = zip(step_engine.generate(check_prompts, check), loop_engine.generate(check_prompts, check))
-                same = sum(a.token_ids == b.token_ids for a, b in outs)
-                seconds = {}
-                for engine_label, engine in (("step", step_engine), ("loop", loop_engine)):
-                    engine.generate(prompts[:2], SamplingParams(max_tokens=4, ignore_eos=True, **extra))  # warm
-                    sync(device)
-                    start = time.perf_counter()
-                    engine.generate(prompts, params)
-                    sync(device)
-                    seconds[engine_label] = time.perf_counter() - start
-                captured = loop_engine.loop_batcher.graphs
-                rows[f"{label}, {mode}"] = {
-                    "identical_requests": same, "of": len(check_prompts), "batch": batch,
-                    "loop_vs_step": seconds["step"] / seconds["loop"], "loop_passes": loop_engine.stats.num_loop_passes,
-                    "captured_pass_replays": captured.num_replays if captured else 0,
-                    "captured_pass_shapes": captured.num_graphs if captured else 0,
-                }  # fmt: skip
-                del step_engine, loop_engine
+                blocks = timed_blocks if mode == "graphs" else engine_kw["num_kv_blocks"]
+                engines = {"step": make(graphs_mode=step_graphs, num_kv_blocks=blocks),
+                           "loop": make(graphs_mode=loop_graphs, batching="loop", num_kv_blocks=blocks)}  # fmt: skip
+                outs = zip(*(engine.generate(check_prompts, check) for engine in engines.values()))
+                row = {"identical_requests": sum(a.token_ids == b.token_ids for a, b in outs), "of": len(check_prompts)}
+                if mode == "graphs":
+                    engines["step A/A"] = make(graphs_mode=step_graphs, num_kv_blocks=blocks)
+                    for batch in batches[1:]:
+                        row[f"B={batch}"] = timed_pair(engines, batch_prompts[batch], params, repeats, order_rng)
+                captured = engines["loop"].loop_batcher.graphs
+                row.update(captured_pass_replays=captured.num_replays if captured else 0,
+                           captured_pass_shapes=captured.num_graphs if captured else 0,
+                           capture_seconds=captured.capture_seconds if captured else 0.0)  # fmt: skip
+                rows[f"{label}, {mode}"] = row
+                print(f"[{name}] loop batching {label}, {mode}: {row}", flush=True)
+                del engines
                 free_memory(device)
         entry["loop_batching"] = rows
-        print(f"[{name}] loop batching: {rows}", flush=True)
+
+    def timed_pair(engines: dict, prompts, params, repeats: int, order_rng: random.Random) -> dict:
+        """Seconds per run of each engine, interleaved; ratios step/loop and step/step-A/A per repeat."""
+        for engine in engines.values():  # warm: captures every shape this batch needs before timing
+            engine.generate(prompts, params)
+        seconds = {label: [] for label in engines}
+        loop_stats = engines["loop"].stats
+        for _ in range(repeats):
+            for label in order_rng.sample(list(engines), len(engines)):
+                before = loop_stats.num_loop_passes, loop_stats.num_loop_pass_positions
+                sync(device)
+                start = time.perf_counter()
+                engines[label].generate(prompts, params)
+                sync(device)
+                seconds[label].append(time.perf_counter() - start)
+                if label == "loop":
+                    passes = loop_stats.num_loop_passes - before[0]
+                    positions = loop_stats.num_loop_pass_positions - before[1]
+        kept = {label: values[1:] for label, values in seconds.items()}  # the first repeat dropped
+        loop_ratios = sorted(s / lo for s, lo in zip(kept["step"], kept["loop"]))
+        aa_ratios = sorted(s / a for s, a in zip(kept["step"], kept["step A/A"]))
+        median = statistics.median
+        return {
+            "loop_vs_step_median": median(loop_ratios), "loop_vs_step_range": [loop_ratios[0], loop_ratios[-1]],
+            "aa_median": median(aa_ratios), "aa_range": [aa_ratios[0], aa_ratios[-1]],
+            "step_seconds_median": median(kept["step"]), "loop_seconds_median": median(kept["loop"]),
+            "loop_passes_per_run": passes, "positions_per_pass": positions / max(passes, 1),
+            "tokens_per_run": len(prompts) * params.max_tokens, "repeats_kept": len(loop_ratios),
+        }  # fmt: skip
 
     # ----- where a plain step's time goes (graphs): host phases and the profiler's top operations -----
     def profile() -> None:
@@ -520,7 +547,8 @@ def markdown(report: dict) -> str:
             f"- graphs: {g.get('count')} captured in {g.get('capture_seconds', 0):.1f} s, "
             f"{g.get('capture_bytes', 0) / 2**20:.0f} MiB; contexts {g.get('contexts')}",
             f"- workload: {entry.get('workload')}",
-            f"- loop batching (eager, loop vs step engine): {entry.get('loop_batching')}",
+            f"- loop batching (loop vs step engine; timings captured, interleaved, with an A/A line): "
+            f"{entry.get('loop_batching')}",
             f"- section seconds: {entry.get('section_seconds')}; skipped: {entry.get('skipped_sections')}; "
             f"errors in: {sorted(entry.get('errors', {}))}",
             "",
