@@ -487,11 +487,79 @@ def check_model(name: str, config: dict, args, report: dict, deadline: float, sa
         entry["profile"] = rows
         del engine
 
+    # ----- where a captured loop pass's time goes at full depth, against the captured step engine -----
+    def loop_profile() -> None:
+        """Captured step and loop engines at full depth: prefill-only (1 token) and whole (1 + `check_new` tokens) runs
+        interleaved, so decode time is their difference; each engine's phase seconds over its whole runs; then the
+        profiler's top operations (host and device) over one whole run of each."""
+        from torch.profiler import ProfilerActivity
+        from torch.profiler import profile as torch_profile
+
+        steps, repeats = shape["check_new"], shape["loop_repeats"]
+        order_rng = random.Random(1)
+        rows = {}
+        for batch in batches[1:]:
+            prompts = batch_prompts[batch]
+            blocks = blocks_for(batch, shape["prompt"] + steps + 1)
+            engines = {"step": make(num_kv_blocks=blocks), "loop": make(batching="loop", num_kv_blocks=blocks)}
+            lengths = {"prefill": 1, "whole": steps + 1}
+            runs = [(label, part) for label in engines for part in lengths]
+            for label, part in runs:  # warm: captures every shape first
+                engines[label].generate(prompts, SamplingParams(max_tokens=lengths[part], ignore_eos=True))
+            seconds = {run: [] for run in runs}
+            phases = {label: {} for label in engines}
+            for _ in range(repeats):
+                for label, part in order_rng.sample(runs, len(runs)):
+                    engine = engines[label]
+                    before = dict(engine.stats.phase_seconds)
+                    sync(device)
+                    start = time.perf_counter()
+                    engine.generate(prompts, SamplingParams(max_tokens=lengths[part], ignore_eos=True))
+                    sync(device)
+                    seconds[(label, part)].append(time.perf_counter() - start)
+                    if part == "whole":
+                        for key, value in engine.stats.phase_seconds.items():
+                            phases[label][key] = phases[label].get(key, 0.0) + value - before.get(key, 0.0)
+            median = {run: statistics.median(values[1:]) for run, values in seconds.items()}
+            row = {}
+            for label in engines:
+                decode = median[(label, "whole")] - median[(label, "prefill")]
+                row[label] = {
+                    "prefill_seconds": median[(label, "prefill")], "whole_seconds": median[(label, "whole")],
+                    "decode_ms_per_token_step": decode / steps * 1e3,
+                    "phase_ms_per_token_step": {k: round(v / repeats / steps * 1e3, 3) for k, v in phases[label].items()
+                                                if v},
+                }  # fmt: skip
+            decode_ms = {label: row[label]["decode_ms_per_token_step"] for label in engines}
+            row["loop_vs_step_decode"] = decode_ms["step"] / decode_ms["loop"]
+            row["loop_vs_step_prefill"] = row["step"]["prefill_seconds"] / row["loop"]["prefill_seconds"]
+            activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.startswith("cuda") else [])
+            by_device = "self_device_time_total" if device.startswith("cuda") else "self_cpu_time_total"
+            for label, engine in engines.items():
+                with torch_profile(activities=activities) as prof:
+                    engine.generate(prompts, SamplingParams(max_tokens=steps + 1, ignore_eos=True))
+                    sync(device)
+                averages = prof.key_averages()
+                row[label]["top_by_device_time"] = averages.table(sort_by=by_device, row_limit=14,
+                                                                  max_name_column_width=50)  # fmt: skip
+                row[label]["top_by_host_time"] = averages.table(sort_by="self_cpu_time_total", row_limit=14,
+                                                                max_name_column_width=50)  # fmt: skip
+            rows[f"B={batch}"] = row
+            print(f"[{name}] loop profile B={batch}: " + json.dumps(
+                {k: v if not isinstance(v, dict) else {m: n for m, n in v.items() if not m.startswith("top")}
+                 for k, v in row.items()}, default=str), flush=True)  # fmt: skip
+            for label in engines:
+                print(f"--- {label} B={batch} by device time\n{row[label]['top_by_device_time']}", flush=True)
+                print(f"--- {label} B={batch} by host time\n{row[label]['top_by_host_time']}", flush=True)
+            entry["loop_profile"] = rows
+            del engines
+            free_memory(device)
+
     grid = sorted({(k, d) for k, d in [(3, 1), (3, depth // 2)] if 1 <= d < depth and (k, d) != (2, 1)})
     # cheapest and least-measured first: the budget stops the later sections, not these
     sections = [("correctness", correctness), ("loop batching", loop_batching), ("plain", plain_timing),
                 ("K=2,d=1", lambda: spec_timing(2, 1)), ("workload", workload),
-                ("long context", long_context), ("profile", profile)]  # fmt: skip
+                ("long context", long_context), ("profile", profile), ("loop profile", loop_profile)]  # fmt: skip
     if args.sections:
         chosen = args.sections.split(";")
         unknown = set(chosen) - {label for label, _ in sections} - {"more plans"}
