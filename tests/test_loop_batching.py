@@ -304,9 +304,9 @@ def test_a_pass_budget_runs_the_deepest_work_first_and_keeps_none_waiting_for_ev
             assert min(depth[r.request_id] for r in chosen) >= max(rest)  # deepest first
         return chosen
 
-    def recording_loop(state, loops, ctx, items, write):
+    def recording_loop(state, loops, ctx, items, *rest):
         sizes.append((state.shape[0], len(items)))
-        return original_loop(state, loops, ctx, items, write)
+        return original_loop(state, loops, ctx, items, *rest)
 
     batcher.select, batcher._loop = recording_select, recording_loop
     assert run(loop, PROMPTS, params) == run(step, PROMPTS, params)
@@ -493,10 +493,10 @@ def test_prompt_chunks_share_passes_with_decoding(family):
     mixed, chunk_positions = [], []
     original = engine.loop_batcher._loop
 
-    def recording(state, loops, ctx, items, write):
+    def recording(state, loops, ctx, items, *rest):
         mixed.append({it.chunk for it in items} == {True, False})
         chunk_positions.append(sum(it.num_positions for it in items if it.chunk))
-        return original(state, loops, ctx, items, write)
+        return original(state, loops, ctx, items, *rest)
 
     engine.loop_batcher._loop = recording
     ids, outputs = [], {}
@@ -532,9 +532,9 @@ def test_one_pass_serves_requests_at_different_loops():
     seen: list[list[int]] = []
     original = batcher._loop
 
-    def recording(state, loops, ctx, items, write):
+    def recording(state, loops, ctx, items, *rest):
         seen.append(list(loops))
-        return original(state, loops, ctx, items, write)
+        return original(state, loops, ctx, items, *rest)
 
     batcher._loop = recording
     params = [SamplingParams(max_tokens=5, ignore_eos=True, exit_at_step=s) for s in (None, 1, 2)]

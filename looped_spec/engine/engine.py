@@ -26,6 +26,7 @@ from looped_spec.execution.kv_cache import KVCache
 from looped_spec.execution.logprobs import logprobs_of_rows, token_logprobs
 from looped_spec.execution.model_runner import ModelRunner
 from looped_spec.execution.sampler import SamplingRows, sample
+from looped_spec.execution.transfers import to_device
 from looped_spec.loop_batching import Entering, LoopBatcher, LoopPassGraphs, LoopRounds
 from looped_spec.models.adapter import ModelAdapter, load_adapter
 from looped_spec.presets.lookup import load_preset
@@ -702,7 +703,7 @@ class LoopedSpecEngine:
         self._check_open()
         if not token_ids:
             return []
-        ids = torch.tensor(token_ids, device=self.adapter.device)
+        ids = to_device(token_ids, self.adapter.device)
         logits = self.adapter.dense_logits(ids, seeds=[seed])[0][:-1]  # position t scores token t + 1
         return [None, *token_logprobs(logits, ids[1:], [top_n] * (len(token_ids) - 1))]
 

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 import torch
 
 from looped_spec.execution.paged_kernel import KernelBatch, num_splits_for
+from looped_spec.execution.transfers import to_device
 from looped_spec.models.dense import sdpa
 
 
@@ -150,13 +151,13 @@ def _grid(starts: list[int], query_lens: list[int], context_lens: list[int], dev
     """(max query, key count, mask or None, pad index or None) of one padded grid over these requests."""
     max_query, num_keys = max(query_lens), max(context_lens)
     pad = [r * max_query + i for r, n in enumerate(query_lens) for i in range(n)]
-    pad_index = None if all(n == max_query for n in query_lens) else torch.tensor(pad, dtype=torch.long, device=device)
+    pad_index = None if all(n == max_query for n in query_lens) else to_device(pad, device, torch.long)
     mask = None
     if max_query > 1 or any(c != num_keys for c in context_lens):
         # query i of request r (at position starts[r] + i) sees keys at positions <= its own; padded query
         # rows see key 0 only (no all-masked row, so no NaN)
         q_pos = [[s + i if i < n else 0 for i in range(max_query)] for s, n in zip(starts, query_lens)]
-        mask = (torch.arange(num_keys)[None, None, :] <= torch.tensor(q_pos)[:, :, None])[:, None].to(device)
+        mask = to_device((torch.arange(num_keys)[None, None, :] <= torch.tensor(q_pos)[:, :, None])[:, None], device)
     return max_query, num_keys, mask, pad_index
 
 
@@ -174,9 +175,8 @@ def query_groups(starts: list[int], query_lens: list[int], context_lens: list[in
         max_query, num_keys, mask, pad_index = _grid(
             [starts[r] for r in chosen], [query_lens[r] for r in chosen], [context_lens[r] for r in chosen], device
         )
-        groups.append(QueryGroup(torch.tensor(chosen, dtype=torch.long, device=device),
-                                 torch.tensor(tokens, dtype=torch.long, device=device), max_query, num_keys, mask,
-                                 pad_index))  # fmt: skip
+        groups.append(QueryGroup(to_device(chosen, device, torch.long), to_device(tokens, device, torch.long),
+                                 max_query, num_keys, mask, pad_index))  # fmt: skip
     return groups
 
 
@@ -202,9 +202,7 @@ def build_paged_context(
     max_context = max(context_lens)
     max_query = max(query_lens)
     max_blocks = (max_context + block_size - 1) // block_size
-    block_table = torch.tensor(
-        [(blocks + [0] * max_blocks)[:max_blocks] for blocks in block_tables], dtype=torch.long, device=device
-    )
+    block_table = to_device([(blocks + [0] * max_blocks)[:max_blocks] for blocks in block_tables], device, torch.long)
     positions: list[int] = []
     slots: list[int] = []
     starts = [c - q for c, q in zip(context_lens, query_lens)]
@@ -220,13 +218,13 @@ def build_paged_context(
     if need_token_seeds:
         seeds = seeds or [0] * num_reqs
         token_seeds = [(seeds[r], p) for r, n in enumerate(query_lens) for p in range(starts[r], starts[r] + n)]
-    positions_t = torch.tensor(positions, dtype=torch.long, device=device)
+    positions_t = to_device(positions, device, torch.long)
     kernel = None
     if use_kernel:
         kernel = KernelBatch(
             block_table=block_table,
-            query_start=torch.tensor([0] + query_lens[:-1], dtype=torch.int32).cumsum(0, dtype=torch.int32).to(device),
-            query_len=torch.tensor(query_lens, dtype=torch.int32, device=device),
+            query_start=to_device(torch.tensor([0] + query_lens[:-1]).cumsum(0), device, torch.int32),
+            query_len=to_device(query_lens, device, torch.int32),
             key_limit=(positions_t + 1).to(torch.int32),
             block_size=block_size,
             max_query=max_query,
@@ -236,7 +234,7 @@ def build_paged_context(
     contiguous = num_reqs == 1 and used == list(range(used[0], used[0] + max_blocks))
     return PagedContext(
         positions=positions_t,
-        slot_mapping=torch.tensor(slots, dtype=torch.long, device=device),
+        slot_mapping=to_device(slots, device, torch.long),
         block_table=block_table,
         num_keys=max_context,
         mask=mask,

@@ -17,6 +17,7 @@ from typing import Literal
 
 import torch
 
+from looped_spec.execution.transfers import to_device
 from looped_spec.request import Request
 
 ExitMode = Literal["skip", "select"]
@@ -30,11 +31,9 @@ class ExitTracker:
         self.adapter = adapter
         self.full_depth = adapter.full_depth
         thresholds = [r.exit_threshold for r in requests]
-        self.rule_rows = torch.tensor([t is not None for t in thresholds], device=device)
-        self.threshold = torch.tensor(
-            [t if t is not None else float("nan") for t in thresholds], dtype=torch.float32, device=device
-        )
-        self.at_step = torch.tensor([r.exit_at_step or self.full_depth for r in requests], device=device)
+        self.rule_rows = to_device([t is not None for t in thresholds], device)
+        self.threshold = to_device([t if t is not None else float("nan") for t in thresholds], device, torch.float32)
+        self.at_step = to_device([r.exit_at_step or self.full_depth for r in requests], device)
         self.any_rule = any(t is not None for t in thresholds)
         self.carry = adapter.exit_carry(len(requests)) if self.any_rule else None
 
@@ -65,10 +64,10 @@ def fill_skipped_loops(runner, slots: torch.Tensor, exit_depth: int) -> None:
 
 
 def token_slots(requests: list[Request], positions: list[int], block_size: int, device) -> torch.Tensor:
-    return torch.tensor(
+    return to_device(
         [r.block_table[p // block_size] * block_size + p % block_size for r, p in zip(requests, positions)],
-        dtype=torch.long,
-        device=device,
+        device,
+        torch.long,
     )
 
 
@@ -183,10 +182,10 @@ def prefill_with_exit(
         context_lens.append(start + n)
         last.append(len(tokens) - 1)
     ctx = runner.context(requests, chunk_lens, context_lens)
-    forced_t = torch.tensor(forced, device=device)
-    readout_t = torch.tensor(readout_depth, device=device)
+    forced_t = to_device(forced, device)
+    readout_t = to_device(readout_depth, device)
     ends = [i for i, (r, n) in enumerate(zip(requests, chunk_lens)) if r.num_computed + n == r.num_tokens]
-    live_tokens = torch.tensor([last[i] for i in ends], dtype=torch.long, device=device)
+    live_tokens = to_device([last[i] for i in ends], device, torch.long)
     live_states: list[torch.Tensor] = []  # per depth: states of the completing requests' last tokens
     state = runner.embed(runner.token_tensor(tokens), ctx)
     live_embedded = state[live_tokens]
@@ -204,9 +203,9 @@ def prefill_with_exit(
         live_states.append(state[live_tokens])
     ctx.write_index = None
     if runner.adapter.readout_uses_kv:  # every position's coda KV, from its own exit state
-        logits = runner.readout(exit_state, full_depth, ctx)[torch.tensor(last, device=device)]
+        logits = runner.readout(exit_state, full_depth, ctx)[to_device(last, device)]
     else:
-        logits = runner.readout(exit_state[torch.tensor(last, device=device)], full_depth, ctx)
+        logits = runner.readout(exit_state[to_device(last, device)], full_depth, ctx)
     depths: list[int | None] = [None] * len(requests)
     if not ends:
         return logits, depths

@@ -13,6 +13,7 @@ from collections.abc import Sequence
 
 import torch
 
+from looped_spec.execution.transfers import to_device
 from looped_spec.models.kv_layout import KVLayout
 
 
@@ -71,8 +72,8 @@ class KVCache:
 
     def copy_planes(self, src_planes: Sequence[int], dst_planes: Sequence[int], slots: torch.Tensor) -> None:
         """Keys/values of `slots` in `src_planes` copied into `dst_planes` (same length, plane by plane)."""
-        src = torch.tensor(list(src_planes), device=self.key_cache.device)[:, None]
-        dst = torch.tensor(list(dst_planes), device=self.key_cache.device)[:, None]
+        src = to_device(list(src_planes), self.key_cache.device)[:, None]
+        dst = to_device(list(dst_planes), self.key_cache.device)[:, None]
         slots = slots[None, :]
         self.key_cache[dst, slots] = self.key_cache[src, slots]
         self.value_cache[dst, slots] = self.value_cache[src, slots]

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 
+from looped_spec.execution.transfers import to_device
 from looped_spec.request import Request, TokenLogprob
 
 
@@ -43,7 +44,7 @@ def logprobs_of_rows(
     if not wants_logprobs(requests):
         return None
     rows = [i for i, r in enumerate(requests) if r.logprobs_top is not None]
-    index = torch.tensor(rows, device=logits.device)
+    index = to_device(rows, logits.device)
     entries = iter(token_logprobs(logits[index], tokens[index.to(tokens.device)],
                                   [requests[i].logprobs_top for i in rows]))  # fmt: skip
     return [[next(entries)] if r.logprobs_top is not None else [] for r in requests]
@@ -68,7 +69,7 @@ def verified_logprobs(
                 owners.append(i)
         start += k + 1
     out: list[list[TokenLogprob]] = [[] for _ in requests]
-    index = torch.tensor(rows, device=logits.device)
-    for i, entry in zip(owners, token_logprobs(logits[index], torch.tensor(tokens, device=logits.device), top_n)):
+    index = to_device(rows, logits.device)
+    for i, entry in zip(owners, token_logprobs(logits[index], to_device(tokens, logits.device), top_n)):
         out[i].append(entry)
     return out

@@ -12,6 +12,7 @@ from looped_spec.execution.early_exit import ExitMode, decode_with_exit, prefill
 from looped_spec.execution.kv_cache import KVCache
 from looped_spec.execution.paged_kernel import MAX_KERNEL_QUERY, kernel_available
 from looped_spec.execution.timing import Span
+from looped_spec.execution.transfers import to_device
 from looped_spec.models.adapter import ModelAdapter
 from looped_spec.request import Request
 
@@ -125,7 +126,7 @@ class ModelRunner:
         )
 
     def token_tensor(self, tokens: list[int]) -> torch.Tensor:
-        return torch.tensor(tokens, dtype=torch.long, device=self.device)
+        return to_device(tokens, self.device, torch.long)
 
     def embed(self, token_ids: torch.Tensor, ctx: PagedContext) -> torch.Tensor:
         return self.adapter.embed(token_ids, ctx)
@@ -168,7 +169,7 @@ class ModelRunner:
         ids = self.token_tensor(tokens)
         out = self.eager.step(StepInput(requests, chunk_lens, context_lens, 0, self.full_depth, ids, readout=False))
         # prompt chunks run eagerly (the graphs hold decode-shaped steps); read out each chunk's last token
-        last = torch.tensor(chunk_lens, device=self.device).cumsum(0) - 1
+        last = to_device(chunk_lens, self.device).cumsum(0) - 1
         if self.adapter.readout_uses_kv:  # a readout that attends (Huginn's coda) must cache every position
             return self.readout(out.state, self.full_depth, out.ctx)[last]
         return self.readout(out.state[last], self.full_depth, out.ctx)

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
+from looped_spec.execution.transfers import to_device
 from looped_spec.request import Request
 
 
@@ -32,17 +33,17 @@ class SamplingRows:
         if all_greedy:
             empty = torch.empty(0, device=device)
             return cls(requests, empty, empty, empty, empty, True, False)
-        temps = torch.tensor([r.temperature if not r.greedy else 1.0 for r in requests], device=device)
-        top_k = torch.tensor([r.top_k for r in requests], dtype=torch.long, device=device)
-        top_p = torch.tensor([r.top_p for r in requests], device=device)
-        greedy = torch.tensor([r.greedy for r in requests], device=device)
+        temps = to_device([r.temperature if not r.greedy else 1.0 for r in requests], device)
+        top_k = to_device([r.top_k for r in requests], device, torch.long)
+        top_p = to_device([r.top_p for r in requests], device)
+        greedy = to_device([r.greedy for r in requests], device)
         needs_filter = any(r.top_k > 0 or r.top_p < 1.0 for r in requests)
         return cls(requests, temps, top_k, top_p, greedy, False, needs_filter)
 
     def uniforms(self, count: int = 1) -> torch.Tensor:
         """[num_rows, count] uniforms, each row from its request's generator."""
         draws = [torch.rand(count, generator=r.generator) for r in self.requests]
-        return torch.stack(draws).to(self.temperature.device)
+        return to_device(torch.stack(draws), self.temperature.device)
 
 
 def probabilities(logits: torch.Tensor, rows: SamplingRows) -> torch.Tensor:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 
 from looped_spec.execution.timing import Stopwatch
+from looped_spec.execution.transfers import to_device
 from looped_spec.loop_batching.contexts import items_context
 from looped_spec.loop_batching.finish import Finished, Finisher
 from looped_spec.loop_batching.graphs import LoopPassGraphs
@@ -101,8 +102,14 @@ class LoopBatcher:
         prev = state
         write = self.exits.writing(items)
         replays = self.graphs.num_replays if self.graphs is not None else 0
-        for _ in range(num_loops):
-            prev, state = state, self._loop(state, loops, ctx, items, write)
+        counts = [it.num_positions for it in items]
+        shape = self.graphs.pass_shape(counts) if self.graphs is not None else None
+        if shape is not None:  # the pass's inputs, once for all its loops (only the planes move)
+            self.graphs.load(shape, ctx, counts)
+        ragged = shape is not None or (self.adapter.uniform_loops and len(set(loops)) > 1)
+        planes = self._first_planes(loops, counts, state.device) if ragged else None
+        for j in range(num_loops):
+            prev, state = state, self._loop(state, loops, ctx, items, write, shape, planes, j)
             loops = [n + 1 for n in loops]
             if measuring:
                 self._read_out_passing(items, loops, state, rows, ctx, preds)
@@ -298,20 +305,29 @@ class LoopBatcher:
             out = min(out, stop - it.loops)
         return max(out, 1)
 
-    def _loop(self, state: torch.Tensor, loops: list[int], ctx, items: list[Item], write) -> torch.Tensor:
-        """One loop of every item, item i at loop `loops[i]` (0-based): a captured pass when the pass fits one
-        (graphs.py), else one call when the family's loops are loop 0 on moved planes (`uniform_loops`), else one call
-        per distinct loop index. `write` [rows] bool: the rows whose KV is written (None: all)."""
+    def _first_planes(self, loops: list[int], counts: list[int], device) -> tuple[torch.Tensor, torch.Tensor]:
+        """The planes added per item and per row at the pass's first loop (its loop's), in one copy to the device."""
+        per_loop = len(self.exits.loop_planes[0])
+        per_item = [n * per_loop for n in loops]
+        per_row = [p for p, n in zip(per_item, counts) for _ in range(n)]
+        both = to_device(per_item + per_row, device, torch.long)
+        return both[: len(loops)], both[len(loops) :]
+
+    def _loop(self, state: torch.Tensor, loops: list[int], ctx, items: list[Item], write, shape, first_planes,
+              j: int) -> torch.Tensor:  # fmt: skip
+        """The pass's loop `j`, item i at loop `loops[i]` (0-based): a captured pass when the pass fits one
+        (`shape`; graphs.py, loaded by `run`), else one call when the family's loops are loop 0 on moved planes
+        (`uniform_loops`), else one call per distinct loop index. `write` [rows] bool: the rows whose KV is written
+        (None: all). The planes move on the device from `first_planes`: no host-device copy between loops."""
         adapter = self.adapter
-        counts = [it.num_positions for it in items]
 
-        def planes() -> tuple[torch.Tensor, torch.Tensor]:  # planes added per item and per row: its loop's
-            per_request = torch.tensor(loops, dtype=torch.long, device=state.device) * len(self.exits.loop_planes[0])
-            return per_request, per_request.repeat_interleave(torch.tensor(counts, device=state.device))
+        def planes() -> tuple[torch.Tensor, torch.Tensor]:
+            if j == 0:
+                return first_planes
+            moved = j * len(self.exits.loop_planes[0])
+            return first_planes[0] + moved, first_planes[1] + moved
 
-        shape = self.graphs.pass_shape(counts) if self.graphs is not None else None
         if shape is not None:
-            self.graphs.load(shape, ctx, counts)
             return self.graphs.run(shape, state, *planes(), write)
         if len(set(loops)) == 1 or adapter.uniform_loops:
             ctx.write_index = None if write is None else write.nonzero().flatten()
@@ -327,7 +343,7 @@ class LoopBatcher:
         rows = self._rows(items)
         for loop_index in sorted(set(loops)):
             chosen = [i for i, n in enumerate(loops) if n == loop_index]
-            index = torch.cat([torch.arange(rows[i].start, rows[i].stop) for i in chosen]).to(state.device)
+            index = to_device(torch.cat([torch.arange(rows[i].start, rows[i].stop) for i in chosen]), state.device)
             sub_ctx = items_context(self.runner, [items[i] for i in chosen])
             if write is not None:
                 sub_ctx.write_index = write[index].nonzero().flatten()
@@ -342,7 +358,7 @@ class LoopBatcher:
             if preds[i] is not None and n < it.stop:
                 at_depth.setdefault(n, []).append(i)
         for depth, chosen in at_depth.items():
-            index = torch.cat([torch.arange(rows[i].start, rows[i].stop) for i in chosen]).to(state.device)
+            index = to_device(torch.cat([torch.arange(rows[i].start, rows[i].stop) for i in chosen]), state.device)
             read_ctx = self.finisher.readout_context([items[i] for i in chosen], ctx, items)
             guesses = self.runner.readout(state[index], depth, read_ctx).argmax(-1)
             for i, guess in zip(chosen, guesses.split([items[i].num_positions for i in chosen])):

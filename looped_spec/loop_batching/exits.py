@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 
 from looped_spec.execution.early_exit import ExitTracker, read_out_by_depth
+from looped_spec.execution.transfers import to_device
 from looped_spec.loop_batching.contexts import readout_context
 from looped_spec.loop_batching.items import DraftRound, Item
 from looped_spec.request import Request
@@ -40,11 +41,11 @@ class PassExits:
                 key = (n if self.adapter.exit_rule_uses_depth else 0, carries[i] is None)
                 groups.setdefault(key, []).append(i)
         for chosen in groups.values():
-            index = torch.cat([torch.arange(rows[i].start, rows[i].stop) for i in chosen]).to(state.device)
+            index = to_device(torch.cat([torch.arange(rows[i].start, rows[i].stop) for i in chosen]), state.device)
             counts = [items[i].num_positions for i in chosen]
-            threshold = torch.tensor(
+            threshold = to_device(
                 [items[i].request.exit_threshold for i, count in zip(chosen, counts) for _ in range(count)],
-                device=state.device,
+                state.device,
             )
             carry = None if carries[chosen[0]] is None else torch.cat([carries[i] for i in chosen])
             # a rule that reads out through attention (Huginn's KL: its coda writes KV) gets the context of its rows
@@ -67,7 +68,7 @@ class PassExits:
         if all(rows is None or all(rows) for rows in kept):
             return None
         keep = [x for it, rows in zip(items, kept) for x in (rows if rows is not None else [True] * it.num_positions)]
-        return torch.tensor(keep, device=self.runner.device)
+        return to_device(keep, self.runner.device)
 
     def verification_rows(self, item: Item, fired: list[bool], loops: int, skip: bool, fills: list) -> None:
         """A verification's rows that exit after its loop `loops` (every row left exits at depth D): their exit depth
@@ -149,7 +150,7 @@ class PassExits:
             slots += [slot] * (len(planes[0]) * (self.depth - exit_depth))
         if slots:
             device = self.runner.device
-            self.runner.kv.copy_entries(*(torch.tensor(x, dtype=torch.long, device=device) for x in (src, dst, slots)))
+            self.runner.kv.copy_entries(*(to_device(x, device, torch.long) for x in (src, dst, slots)))
 
     def verification(self, it: Item, r: DraftRound) -> Item:
         """The verification of a round whose request exits early: its rows carry their exit so far; skip mode starts at

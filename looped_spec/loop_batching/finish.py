@@ -15,6 +15,7 @@ import torch
 from looped_spec.execution.early_exit import read_out_by_depth
 from looped_spec.execution.logprobs import logprobs_of_rows, verified_logprobs
 from looped_spec.execution.sampler import SamplingRows, sample
+from looped_spec.execution.transfers import to_device
 from looped_spec.loop_batching.contexts import readout_context
 from looped_spec.loop_batching.exits import PassExits
 from looped_spec.loop_batching.items import DraftRound, Item, NextDraft, PassResult
@@ -48,8 +49,8 @@ class Finisher:
             read_ctx = self.readout_context([it for it, _, _ in done], ctx, items)
             every = runner.readout(torch.cat([s for _, s, _ in done]), self.depth, read_ctx)
             if finals:
-                ends = torch.tensor([it.num_positions for it, _, _ in done], device=every.device).cumsum(0) - 1
-                logits = every[ends[torch.tensor(finals, device=every.device)]]
+                ends = to_device([it.num_positions for it, _, _ in done], every.device).cumsum(0) - 1
+                logits = every[ends[to_device(finals, every.device)]]
         elif finals:
             logits = runner.readout(torch.cat([done[j][1][-1:] for j in finals]), self.depth, ctx)
         first: dict[int, tuple[int, list[TokenLogprob] | None]] = {}
@@ -59,7 +60,7 @@ class Finisher:
             if ruled:
                 exit_depths, exit_logits = self.exits.first_tokens([done[finals[n]] for n in ruled])
                 logits = logits.clone()
-                logits[torch.tensor(ruled, device=logits.device)] = exit_logits
+                logits[to_device(ruled, logits.device)] = exit_logits
                 depths = {finals[n]: depth for n, depth in zip(ruled, exit_depths)}
             requests = [done[j][0].request for j in finals]
             sampled = sample(logits, SamplingRows.build(requests, runner.device))
@@ -84,7 +85,7 @@ class Finisher:
         lens = [p + 1 for p in positions]
         rows = [row for _, row, _, _, _ in done]
         if all(kept is None for _, _, _, kept, _ in done):  # every exit state is this pass's row
-            exit_states = state if len(rows) == state.shape[0] else state[torch.tensor(rows, device=state.device)]
+            exit_states = state if len(rows) == state.shape[0] else state[to_device(rows, state.device)]
         else:
             exit_states = torch.cat([state[row : row + 1] if kept is None else kept for _, row, _, kept, _ in done])
         read_ctx = self.readout_context(finished, ctx, items)
@@ -135,7 +136,7 @@ class Finisher:
             # exited within the draft was read out at its exit: the target's own sample, never unsure)
             stopping = [j for j in drawing if group[j][1].stop_margin is not None and not group[j][1].exits[-1]]
             if stopping:
-                margins = top_two_margin(logits[torch.tensor(stopping, device=logits.device)]).tolist()
+                margins = top_two_margin(logits[to_device(stopping, logits.device)]).tolist()
                 unsure = {j for j, m in zip(stopping, margins) if m < group[j][1].stop_margin}
                 for j in sorted(unsure):
                     it, r, _ = group[j]
@@ -145,7 +146,7 @@ class Finisher:
             if not drawing:
                 continue
             requests = [group[j][0].request for j in drawing]
-            rows = logits if len(drawing) == len(group) else logits[torch.tensor(drawing, device=logits.device)]
+            rows = logits if len(drawing) == len(group) else logits[to_device(drawing, logits.device)]
             tokens, q = draw_drafts(rows, SamplingRows.build(requests, self.runner.device), requests)
             for n, (j, token) in enumerate(zip(drawing, tokens.tolist())):
                 it, r, _ = group[j]
@@ -173,7 +174,7 @@ class Finisher:
         q_probs = None
         decided: list[list[bool]] = [it.round.decided(self.adapter.readout_uses_kv) for it in done]
         for i, it in enumerate(done):
-            draft_tokens[i, : it.round.k] = torch.tensor(it.round.tokens, device=device)
+            draft_tokens[i, : it.round.k] = to_device(it.round.tokens, device)
             for j, q in enumerate(it.round.q):
                 if q is not None:
                     if q_probs is None:
@@ -183,16 +184,22 @@ class Finisher:
         if any(any(row) for row in decided):
             decided_grid = torch.zeros(len(done), max(ks), dtype=torch.bool, device=device)
             for i, row in enumerate(decided):
-                decided_grid[i, : len(row) - 1] = torch.tensor(row[:-1], device=device)
+                decided_grid[i, : len(row) - 1] = to_device(row[:-1], device)
         row_index, pos_index = position_index(ks)
         rows = SamplingRows.build(requests, device)
-        k_t = torch.tensor(ks, device=device)
+        k_t = to_device(ks, device)
         accepted, next_token = accept(
-            draft_tokens, k_t, logits, row_index.to(device), pos_index.to(device), rows, q_probs, decided=decided_grid
+            draft_tokens,
+            k_t,
+            logits,
+            to_device(row_index, device),
+            to_device(pos_index, device),
+            rows,
+            q_probs,
+            decided=decided_grid,
         )
-        committed = [
-            [*it.round.tokens[:a], token] for it, a, token in zip(done, accepted.tolist(), next_token.tolist())
-        ]
+        accepted_host, next_host = torch.stack([accepted, next_token.to(accepted.dtype)]).tolist()  # one transfer
+        committed = [[*it.round.tokens[:a], token] for it, a, token in zip(done, accepted_host, next_host)]
         entries = verified_logprobs(requests, ks, committed, logits) or [None] * len(done)
         greedy = logits.argmax(-1) if any(it.round.measured for it in done) else None
         offset = 0
@@ -202,7 +209,7 @@ class Finisher:
                 # depths 1..d from the drafts, d+1..D-1 on the way here, D now; each over the round's K+1 positions
                 verified = torch.stack([*it.preds, greedy[offset : offset + width]])
                 guesses = torch.cat([torch.stack(r.preds, 1), verified])
-                agreement = guesses[:, : len(tokens)] == torch.tensor(tokens, device=guesses.device)  # [D, committed]
+                agreement = guesses[:, : len(tokens)] == to_device(tokens, guesses.device)  # [D, committed]
             offset += width
             depths: list[int] = []
             if r.exits_early:  # each committed position's exit depth: the draft's, or the verification's

@@ -27,6 +27,7 @@ import torch
 from looped_spec.execution.attention import PagedContext
 from looped_spec.execution.cuda_graph import batch_buckets, pad_to
 from looped_spec.execution.paged_kernel import MAX_KERNEL_QUERY, KernelBatch, TorchKernelBatch, num_splits_for
+from looped_spec.execution.transfers import to_device
 
 QUERY_BUCKETS = (1, 2, 4, 8, MAX_KERNEL_QUERY)  # most positions of one item in a pass
 
@@ -103,9 +104,8 @@ class LoopPassGraphs:
         """Copy the pass's context (its positions, slots and block tables, built eagerly) into the static buffers, with
         the kernel's per-item inputs; padding rows and items point at the scratch block."""
         b, n, items = self.buffers, sum(counts), len(counts)
-        device = b.positions.device
         lens = torch.tensor(counts, dtype=torch.int32)
-        starts = torch.cumsum(lens, 0, dtype=torch.int32) - lens
+        starts_lens = to_device(torch.cat([torch.cumsum(lens, 0, dtype=torch.int32) - lens, lens]), b.positions.device)
         b.positions[n : shape.positions].zero_()
         b.positions[:n].copy_(ctx.positions)
         b.slot_mapping[: shape.positions].fill_(self.scratch_slot)
@@ -116,9 +116,9 @@ class LoopPassGraphs:
         table.fill_(self.kv.scratch_block)
         table[:items, : ctx.block_table.shape[1]].copy_(ctx.block_table)
         b.query_start[: shape.items].fill_(n)
-        b.query_start[:items].copy_(starts.to(device))
+        b.query_start[:items].copy_(starts_lens[:items])
         b.query_len[: shape.items].zero_()  # padding items: no query tokens, no program does anything
-        b.query_len[:items].copy_(lens.to(device))
+        b.query_len[:items].copy_(starts_lens[items:])
         b.token_planes[: shape.positions].zero_()
         b.request_planes[: shape.items].zero_()
         self._context(shape).memo.clear()  # RoPE tables of the last positions loaded

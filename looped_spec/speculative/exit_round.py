@@ -31,6 +31,7 @@ from looped_spec.execution.early_exit import (
 )
 from looped_spec.execution.model_runner import ModelRunner
 from looped_spec.execution.sampler import SamplingRows
+from looped_spec.execution.transfers import to_device
 from looped_spec.request import Request
 from looped_spec.speculative.proposer import Draft, draw_drafts, in_drafted_order, top_two_margin
 from looped_spec.speculative.verifier import position_index
@@ -62,7 +63,7 @@ def _read_out_step(runner, active, positions, state, exit_depth, exit_state, num
     need = [n for n in range(len(active)) if n < num_next or exit_depth[n] > 0]
     if not need:
         return None
-    exited = torch.tensor([exit_depth[n] > 0 for n in need], device=runner.device)[:, None]
+    exited = to_device([exit_depth[n] > 0 for n in need], runner.device)[:, None]
     states = torch.where(exited, exit_state[need], state[need])
     picked, at = [active[n] for n in need], [positions[n] for n in need]
     lens = [p + 1 for p in at]
@@ -170,7 +171,7 @@ def propose_with_exit_until_unsure(
     order, grid, q_probs, kept = in_drafted_order(tokens, q_rows, [rows for rows, _ in ran], device)
     steps = []
     for (_, step), index in zip(ran, kept):  # step j: the rows that drafted >= j, in the new order
-        at = torch.tensor(index, device=device)
+        at = to_device(index, device)
         steps.append(ExitDraftStep(
             step.state[at], [step.exit_depth[n] for n in index], step.exit_state[at],
             None if step.logits is None else step.logits[at], None if step.carry is None else step.carry[at],
@@ -214,7 +215,7 @@ def verify_with_exit(
     if pass_rows:
         state = torch.stack([steps[j].state[r] for r, j in pass_rows])  # [n, S]
         exit_state = torch.stack([steps[j].exit_state[r] for r, j in pass_rows])
-        done = torch.tensor([depth[r][j] > 0 for r, j in pass_rows], device=device)  # exit already known
+        done = to_device([depth[r][j] > 0 for r, j in pass_rows], device)  # exit already known
         tracker = ExitTracker(adapter, [requests[r] for r, _ in pass_rows], device)
         if tracker.any_rule:
             tracker.carry = _gather_carry(steps, pass_rows, tracker.carry)
@@ -253,7 +254,7 @@ def verify_with_exit(
     for r, row in enumerate(decided):
         decided_grid[r, : len(row)] = torch.tensor(row)
     row_index, pos_index = position_index(k)
-    return ExitVerification(logits, row_index.to(device), pos_index.to(device), decided_grid, depth)
+    return ExitVerification(logits, to_device(row_index, device), to_device(pos_index, device), decided_grid, depth)
 
 
 def _gather_carry(steps: list[ExitDraftStep], rows, like: torch.Tensor | None) -> torch.Tensor | None:
@@ -292,7 +293,7 @@ def _span_of_live(rows: list[tuple[int, int]], done: torch.Tensor) -> torch.Tens
         if looping:
             for n in range(looping[0], looping[-1] + 1):
                 keep[n] = True
-    return torch.tensor(keep, device=done.device)
+    return to_device(keep, done.device)
 
 
 def _target_logits(runner, requests, steps, decided, depth, readout_rows, final_states) -> torch.Tensor:

@@ -8,6 +8,7 @@ import torch
 
 from looped_spec.execution.model_runner import ModelRunner, StepInput
 from looped_spec.execution.sampler import SamplingRows, probabilities, sample_from
+from looped_spec.execution.transfers import to_device
 from looped_spec.request import Request
 from looped_spec.speculative.readouts import read_out_depths
 
@@ -45,7 +46,7 @@ def in_drafted_order(
     q_probs = None
     for row, i in enumerate(order):
         if tokens[i]:
-            grid[row, : drafted[i]] = torch.tensor(tokens[i], device=device)
+            grid[row, : drafted[i]] = to_device(tokens[i], device)
         if q_rows[i]:
             if q_probs is None:
                 q_probs = torch.zeros(len(tokens), max_k, q_rows[i][0].shape[-1], device=device)
@@ -156,7 +157,7 @@ class DraftProposer:
             sure = [m >= stop_margin for m in top_two_margin(logits).tolist()]
             going = [i for i, ok in zip(needs_next, sure) if ok]
             if going:
-                keep = torch.tensor([n for n, ok in enumerate(sure) if ok], device=device)
+                keep = to_device([n for n, ok in enumerate(sure) if ok], device)
                 drawn, q = draw_drafts(logits[keep], SamplingRows.build([requests[i] for i in going], device),
                                        [requests[i] for i in going])  # fmt: skip
                 for n, (i, token) in enumerate(zip(going, drawn.tolist())):
@@ -166,7 +167,7 @@ class DraftProposer:
                 step_tokens = drawn
             alive, j = going, j + 1
         order, grid, q_probs, kept = in_drafted_order(tokens, q_rows, [ran for ran, _ in steps], device)
-        states = [state[torch.tensor(index, device=state.device)] for (_, state), index in zip(steps, kept)]
+        states = [state[to_device(index, state.device)] for (_, state), index in zip(steps, kept)]
         return Draft(
             tokens=grid, q_probs=q_probs, states=states, depth_preds=None, k=[len(t) for t in tokens], order=order
         )

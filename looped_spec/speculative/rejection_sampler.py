@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from looped_spec.execution.sampler import SamplingRows, probabilities, sample_from
+from looped_spec.execution.transfers import to_device
 
 
 def pad_positions(
@@ -56,7 +57,7 @@ def accept(
         draws = torch.rand(kr + 1, generator=request.generator)
         u[r, :kr] = draws[:kr]
         final_u[r] = draws[kr]
-    u, final_u = u.to(p.device), final_u.to(p.device)
+    u, final_u = to_device(u, p.device), to_device(final_u, p.device)
     safe = draft_tokens.clamp_min(0)[..., None]
     p_y = p[:, :max_k].gather(2, safe).squeeze(2)
     q_y = q_probs.gather(2, safe).squeeze(2) if q_probs is not None else torch.ones_like(p_y)

@@ -14,6 +14,7 @@ from looped_spec.execution.logprobs import logprobs_of_rows, verified_logprobs
 from looped_spec.execution.model_runner import ModelRunner
 from looped_spec.execution.sampler import SamplingRows, sample
 from looped_spec.execution.timing import Stopwatch
+from looped_spec.execution.transfers import to_device
 from looped_spec.request import Request, TokenLogprob
 from looped_spec.speculative.exit_round import propose_with_exit, propose_with_exit_until_unsure, verify_with_exit
 from looped_spec.speculative.proposer import DraftProposer
@@ -108,7 +109,7 @@ class SpeculativeRound:
         else:
             verification = self.verifier.verify(reqs, ks, d, draft, measure_depths)
         t2 = watch.mark()
-        k_t = torch.tensor(ks, device=device)
+        k_t = to_device(ks, device)
         decided = verification.decided[:, : max(ks)] if exits else None  # [R, K_max]: drafts the target drew
         num_accepted, next_token = accept(
             draft.tokens, k_t, verification.logits, verification.row_index, verification.pos_index, rows,
@@ -116,8 +117,9 @@ class SpeculativeRound:
         )  # fmt: skip
         committed_grid = torch.cat([draft.tokens, draft.tokens.new_zeros(len(reqs), 1)], dim=1)
         committed_grid.scatter_(1, num_accepted[:, None], next_token[:, None])  # [R, K_max + 1]
-        acc = num_accepted.tolist()
-        grid = committed_grid.tolist()
+        # one transfer to the host: the accepted counts beside the committed tokens
+        both = torch.cat([num_accepted[:, None].to(committed_grid.dtype), committed_grid], dim=1).tolist()
+        acc, grid = [row[0] for row in both], [row[1:] for row in both]
         agree = None
         if measure_depths:
             agree = self._depth_agreement(draft, verification, committed_grid, d)
@@ -135,7 +137,7 @@ class SpeculativeRound:
             for pos, i in enumerate(order):
                 result.proposed[i] = ks[pos]
         if agree is not None:
-            inverse = torch.tensor(order).argsort().to(agree.device)  # the caller's request order
+            inverse = to_device(torch.tensor(order).argsort(), agree.device)  # the caller's request order
             _agreement_counts(result, agree[:, inverse], num_accepted[inverse])
         if exits:
             self._exit_counts(result, order, ks, acc, verification)

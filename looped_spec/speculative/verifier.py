@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from looped_spec.execution.model_runner import ModelRunner, StepInput
+from looped_spec.execution.transfers import to_device
 from looped_spec.request import Request
 from looped_spec.speculative.proposer import Draft
 from looped_spec.speculative.readouts import read_out_depths
@@ -46,7 +47,7 @@ class Verifier:
             offsets.append(offsets[-1] + s.shape[0])
         flat_states = torch.cat(draft.states, dim=0)
         gather = torch.tensor(offsets, dtype=torch.long)[pos_index] + row_index
-        state = flat_states[gather.to(device)]  # [sum(K+1), state_dim]
+        state = flat_states[to_device(gather, device)]  # [sum(K+1), state_dim]
         context_lens = [r.num_computed + kr + 1 for r, kr in zip(requests, k)]
         keep = measure and runner.full_depth - d > 1  # depths d+1..D-1 to read out
         inp = StepInput(
@@ -58,4 +59,4 @@ class Verifier:
         if keep:
             preds, logits = read_out_depths(runner, inp, out)
             depth_preds = torch.stack(preds)
-        return Verification(logits, row_index.to(device), pos_index.to(device), depth_preds)
+        return Verification(logits, to_device(row_index, device), to_device(pos_index, device), depth_preds)
