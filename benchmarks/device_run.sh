@@ -12,7 +12,9 @@
 #   speculation, the workload; 256 new tokens; no section starts after 250 s, stopped at 340 s). A machine's start takes 1-2 minutes, so this
 #   leaves a session's 15 device minutes room for a shorter second run.
 #   followup (timeout_s 330): fp32 identity at the real shapes, a profile of plain steps, shorter bf16 timings.
-#   Results of the first run (2026-12-04): benchmarks/results/gpu/, docs/benchmarking.md "The first GPU run".
+#   Results (2026-12-04): benchmarks/results/gpu/, docs/benchmarking.md "The first GPU run" and "The second GPU run".
+#   Next: the full mode again (did removing the host's waits close loop passes' full-depth gap?), then
+#   `gpu_check.py --sections "loop profile;K=2,d=1"` with --new 64 (where a speculative round's time goes at B = 32).
 set -uo pipefail
 OUT=${OUT:-benchmarks/results/gpu}
 mkdir -p "$OUT"

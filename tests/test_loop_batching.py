@@ -725,14 +725,14 @@ def test_the_server_streams_loop_batched_outputs_and_exports_the_passes():
 @pytest.mark.cuda
 @pytest.mark.parametrize("family", FAMILIES)
 def test_loop_passes_on_cuda_equal_the_step_engine(family):
-    """On a GPU, in fp32: eager and captured loop passes (`cuda_graphs=True`; the paged kernel reads each item's plane)
-    equal the step engine (captured steps, the kernel throughout), greedy, in full depth, under early exit and with
-    speculation on top, and leak no block."""
+    """On a GPU, in fp32: eager (`cuda_graphs=False`) and captured loop passes (the default on CUDA; the paged kernel
+    reads each item's plane) equal the step engine (captured steps, the kernel throughout), greedy, in full depth,
+    under early exit and with speculation on top, and leak no block."""
     adapter = load_adapter(fixture_dir(family), dtype="float32", device="cuda", **adapter_options(family))
     for spec in plans(family)[:2]:
         step = LoopedSpecEngine(adapter, speculation=spec, early_exit="skip", max_batch_size=8)
         assert step.runner.paged_kernel, "the step engine should read the KV through the paged kernel on CUDA"
-        for graphs in (None, True):  # eager passes (the default), captured passes
+        for graphs in (False, None):  # eager passes, captured passes (the default on CUDA)
             loop = LoopedSpecEngine(adapter, speculation=spec, early_exit="skip", max_batch_size=8, batching="loop",
                                     cuda_graphs=graphs)  # fmt: skip
             for extra in exit_params(family):
@@ -741,7 +741,7 @@ def test_loop_passes_on_cuda_equal_the_step_engine(family):
                 assert run(loop, PROMPTS, params) == run(step, PROMPTS, params), (spec, extra, graphs)
             assert loop.num_free_blocks == loop.kv.num_blocks and not loop.loop_batcher.items
             captured = loop.loop_batcher.graphs
-            assert (captured is None) if graphs is None else (captured.capture and captured.num_replays > 0)
+            assert (captured is None) if graphs is False else (captured.capture and captured.num_replays > 0)
 
 
 CAPTURED_PASSES_CHECK = """

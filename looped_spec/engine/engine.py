@@ -208,20 +208,20 @@ class LoopedSpecEngine:
 
     def _loop_pass_graphs(self, cuda_graphs: bool | str | None) -> LoopPassGraphs | None:
         """Captured loop passes (loop_batching/graphs.py), or None: they need loops that differ only in their planes
-        and the paged kernel (which reads each item's plane). Opt-in (`cuda_graphs=True`) until they have run on a
-        GPU (docs/architecture.md, "Loop-level batching"); left at None, loop passes run eagerly."""
+        and the paged kernel (which reads each item's plane). As for steps, `cuda_graphs=None` captures them on CUDA
+        where the family and the kernel allow it (else the passes run eagerly, logged); `True` insists."""
         on_cuda = self._on_cuda(cuda_graphs)
-        if not cuda_graphs:
-            if on_cuda:
-                logger.info("engine: loop passes run eagerly (cuda_graphs=True captures them)")
+        if not (on_cuda if cuda_graphs is None else cuda_graphs):
             return None
         emulate = cuda_graphs == "emulate"  # without Triton, the kernel's contract in plain torch (TorchKernelBatch)
         if not self.adapter.uniform_loops or not (self.runner.paged_kernel or emulate):
-            raise ValueError(
-                f"cuda_graphs={cuda_graphs!r} with batching='loop': captured loop passes need a family whose loops "
-                f"differ only in their KV planes (uniform_loops: {self.adapter.uniform_loops}) and the paged kernel "
-                f"(Triton on CUDA; available: {self.runner.paged_kernel})"
-            )
+            why = (f"captured loop passes need a family whose loops differ only in their KV planes (uniform_loops: "
+                   f"{self.adapter.uniform_loops}) and the paged kernel (Triton on CUDA; available: "
+                   f"{self.runner.paged_kernel})")  # fmt: skip
+            if cuda_graphs is None:
+                logger.info("engine: loop passes run eagerly: %s", why)
+                return None
+            raise ValueError(f"cuda_graphs={cuda_graphs!r} with batching='loop': {why}")
         return LoopPassGraphs(self.adapter, self.kv, self.max_model_len, self.max_batch_size, capture=not emulate,
                               use_kernel=self.runner.paged_kernel)  # fmt: skip
 
