@@ -21,7 +21,10 @@ def to_device(values, device: torch.device | str, dtype: torch.dtype | None = No
         host = values if dtype is None else values.to(dtype)
     else:
         host = torch.tensor(values, dtype=dtype)
-    if torch.device(device).type != "cuda":
+    kind = device.type if isinstance(device, torch.device) else torch.device(device).type
+    if kind == "cpu":
+        return host
+    if kind != "cuda":
         return host.to(device)
     if torch.cuda.is_current_stream_capturing():  # a graph would keep the staging block's address, not its values
         raise RuntimeError("to_device inside a CUDA graph capture: build a captured pass's inputs before capturing")
