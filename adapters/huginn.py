@@ -15,7 +15,7 @@ from looped_spec.models.adapter import ModelAdapter, register_adapter
 from looped_spec.models.checkpoint import TensorSpec
 from looped_spec.models.config_fields import float_field, int_field, rope_theta
 from looped_spec.models.kv_layout import KVLayout
-from looped_spec.models.layers import apply_rope_interleaved, fused_swiglu, memo_angles, rms_norm
+from looped_spec.models.layers import apply_rope_interleaved, fused_swiglu, memo_interleaved_rope, rms_norm
 
 _MIX = 0x9E3779B97F4A7C15  # odd 64-bit constant: spreads (seed, position) over generator seeds
 
@@ -207,9 +207,9 @@ class HuginnAdapter(ModelAdapter):
         if "attn.qk_bias" in w:
             q = q + w["attn.qk_bias"][0]
             k = k + w["attn.qk_bias"][1]
-        angles = memo_angles(ctx, self.head_dim, self.rope_base)
-        q = apply_rope_interleaved(q, angles)
-        k = apply_rope_interleaved(k, angles)
+        tables = memo_interleaved_rope(ctx, self.head_dim, self.rope_base)
+        q = apply_rope_interleaved(q, tables)
+        k = apply_rope_interleaved(k, tables)
         attn = F.linear(ctx.attention(plane, q, k, v).reshape(n, -1), w["attn.proj.weight"])
         x = rms_norm(attn + x, w["norm_2.weight"], self.eps)
         mlp = fused_swiglu(rms_norm(x, w["norm_3.weight"], self.eps), w["mlp.fc.weight"], w["mlp.proj.weight"])

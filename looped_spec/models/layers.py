@@ -12,10 +12,12 @@ import torch.nn.functional as F
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm computed in fp32, cast back to the input dtype, then scaled."""
+    """RMSNorm computed in fp32, rounded to the input dtype, then scaled. torch's kernel computes a half-precision
+    input in fp32 and rounds its output once, so it takes the input as it is: no casts around it (on a GPU each cast
+    is a kernel of its own, and four norms run per layer and loop)."""
     if x.dtype == torch.float32:
         return F.rms_norm(x, (x.shape[-1],), weight, eps)
-    return F.rms_norm(x.float(), (x.shape[-1],), None, eps).to(x.dtype) * weight
+    return F.rms_norm(x, (x.shape[-1],), None, eps) * weight
 
 
 def swiglu(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
@@ -37,28 +39,37 @@ def rope_angles(positions: torch.Tensor, head_dim: int, theta: float) -> torch.T
 
 
 def half_rope_tables(angles: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(cos, sin) laid out for rotate-half RoPE: [num_tokens, 1, head_dim] each."""
+    """(cos, signed sin) laid out for rotate-half RoPE: [num_tokens, 1, head_dim] each; the sin table carries the
+    rotation's sign (-sin on the first half), so `apply_rope_half` swaps the halves without negating one."""
     cos, sin = angles.cos(), angles.sin()
-    return torch.cat([cos, cos], dim=-1)[:, None, :], torch.cat([sin, sin], dim=-1)[:, None, :]
+    return torch.cat([cos, cos], dim=-1)[:, None, :], torch.cat([-sin, sin], dim=-1)[:, None, :]
 
 
 def apply_rope_half(x: torch.Tensor, tables: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-    """Rotate-half RoPE (Llama/Ouro/Nanbeige). x: [num_tokens, heads, head_dim]; tables from half_rope_tables."""
-    cos, sin = tables
+    """Rotate-half RoPE (Llama/Ouro/Nanbeige): x * cos + (-x2, x1) * sin, in fp32. x: [num_tokens, heads, head_dim];
+    tables from half_rope_tables. (x2, x1) * (-sin, sin) is (-x2, x1) * (sin, sin) exactly (a sign is exact), in one
+    kernel fewer than negating a half and concatenating."""
+    cos, signed_sin = tables
     x32 = x.float()
-    x1, x2 = x32.chunk(2, dim=-1)
-    rotated = torch.cat([-x2, x1], dim=-1)
-    return (x32 * cos + rotated * sin).to(x.dtype)
+    swapped = x32.roll(x32.shape[-1] // 2, dims=-1)  # (x2, x1)
+    return (x32 * cos + swapped * signed_sin).to(x.dtype)
 
 
-def apply_rope_interleaved(x: torch.Tensor, angles: torch.Tensor) -> torch.Tensor:
-    """Interleaved-pair RoPE (Huginn): rotates (x[2i], x[2i+1]). x: [num_tokens, heads, head_dim]."""
-    x32 = x.float().unflatten(-1, (-1, 2))  # [num_tokens, heads, head_dim/2, 2]
-    cos = angles.cos()[:, None, :]
-    sin = angles.sin()[:, None, :]
-    even, odd = x32[..., 0], x32[..., 1]
-    out = torch.stack([even * cos - odd * sin, even * sin + odd * cos], dim=-1)
-    return out.flatten(-2).to(x.dtype)
+def interleaved_rope_tables(angles: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(cos, signed sin) laid out for interleaved-pair RoPE: [num_tokens, 1, head_dim] each, both values of a pair
+    side by side; the sin table carries the rotation's sign (-sin at the even index)."""
+    cos, sin = angles.cos(), angles.sin()
+    return torch.stack([cos, cos], -1).flatten(-2)[:, None, :], torch.stack([-sin, sin], -1).flatten(-2)[:, None, :]
+
+
+def apply_rope_interleaved(x: torch.Tensor, tables: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """Interleaved-pair RoPE (Huginn): each pair (e, o) becomes (e cos - o sin, e sin + o cos), in fp32.
+    x: [num_tokens, heads, head_dim]; tables from interleaved_rope_tables. Written as x * cos + (o, e) * (-sin, sin),
+    which is the same arithmetic (a sign is exact, a sum commutes) in half the kernels."""
+    cos, signed_sin = tables
+    x32 = x.float()
+    swapped = x32.unflatten(-1, (-1, 2)).flip(-1).flatten(-2)  # (o, e) in each pair
+    return (x32 * cos + swapped * signed_sin).to(x.dtype)
 
 
 def self_attention(
@@ -87,6 +98,14 @@ def memo_angles(ctx, head_dim: int, theta: float) -> torch.Tensor:
     key = ("rope", head_dim, theta)
     if key not in ctx.memo:
         ctx.memo[key] = rope_angles(ctx.positions, head_dim, theta)
+    return ctx.memo[key]
+
+
+def memo_interleaved_rope(ctx, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Interleaved-pair (cos, signed sin) tables for the context's positions, computed once per context."""
+    key = ("rope-interleaved", head_dim, theta)
+    if key not in ctx.memo:
+        ctx.memo[key] = interleaved_rope_tables(memo_angles(ctx, head_dim, theta))
     return ctx.memo[key]
 
 
