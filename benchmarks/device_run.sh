@@ -8,8 +8,9 @@
 # Everything is written under $OUT (default: benchmarks/results/gpu).
 #   run: bash benchmarks/device_run.sh [full|followup]
 #   full (timeout_s 490): the cuda tests (<= 120 s; captured loop passes included), then gpu_check's sections in the
-#   order of what is least known (correctness, loop batching eager and captured with interleaved repeats, plain,
-#   speculation, the workload; 256 new tokens; no section starts after 250 s, stopped at 340 s). A machine's start takes 1-2 minutes, so this
+#   order of what is least known (correctness, captured loop passes against captured steps with interleaved repeats,
+#   plain, speculation, the kernels of a plain step, the workload; 256 new tokens; no section starts after 250 s,
+#   stopped at 340 s). A machine's start takes 1-2 minutes, so this
 #   leaves a session's 15 device minutes room for a shorter second run.
 #   followup (timeout_s 330): fp32 identity at the real shapes, a profile of plain steps, shorter bf16 timings.
 #   Results (2026-12-04): benchmarks/results/gpu/, docs/benchmarking.md "The first GPU run" and "The second GPU run".
@@ -40,5 +41,5 @@ fi
 timeout 120 python3 -m pytest -q -rfE -m cuda tests/test_paged_kernel.py tests/test_cuda_graph.py tests/test_loop_batching.py \
   2>&1 | tee "$OUT/cuda_tests.txt" | tail -25
 timeout 340 python3 benchmarks/gpu_check.py --models ouro-1.4b --new 256 --budget-seconds 250 \
-  --sections "correctness;loop batching;plain;K=2,d=1;workload" --out "$OUT" 2>&1 | tee "$OUT/gpu_check.log" \
+  --sections "correctness;loop batching;plain;K=2,d=1;profile;workload" --out "$OUT" 2>&1 | tee "$OUT/gpu_check.log" \
   | grep -v "^ " | tail -40
