@@ -34,6 +34,7 @@ import torch
 from looped_spec.execution.attention import PagedContext
 from looped_spec.execution.model_runner import StepInput, StepOutput
 from looped_spec.execution.paged_kernel import KernelBatch, kernel_available, num_splits_for
+from looped_spec.execution.transfers import copy_from_host
 
 
 @dataclass(frozen=True)
@@ -184,13 +185,13 @@ class StaticBatch:
         real = (torch.arange(batch) < num_reqs)[:, None].expand(-1, q)
         q_pos = torch.where(real, q_pos, 0)  # padding rows sit at position 0 of the scratch block
         slots = table.gather(1, q_pos // block_size) * block_size + q_pos % block_size
-        self.positions.copy_(q_pos.reshape(-1), non_blocking=True)
-        self.slot_mapping.copy_(slots.reshape(-1), non_blocking=True)
-        self.block_table.copy_(table, non_blocking=True)
-        self.key_limit.copy_((q_pos + 1).reshape(-1), non_blocking=True)
+        copy_from_host(self.positions, q_pos.reshape(-1))
+        copy_from_host(self.slot_mapping, slots.reshape(-1))
+        copy_from_host(self.block_table, table)
+        copy_from_host(self.key_limit, (q_pos + 1).reshape(-1))
         if self.mask is not None:
             mask = torch.arange(context)[None, None, :] <= q_pos[:, :, None]  # padding rows: key 0 only
-            self.mask.copy_(mask[:, None], non_blocking=True)
+            copy_from_host(self.mask, mask[:, None])
         if seeds is not None:
             pos = q_pos.reshape(-1).tolist()
             seeds = list(seeds) + [0] * (batch - num_reqs)

@@ -29,3 +29,13 @@ def to_device(values, device: torch.device | str, dtype: torch.dtype | None = No
     if torch.cuda.is_current_stream_capturing():  # a graph would keep the staging block's address, not its values
         raise RuntimeError("to_device inside a CUDA graph capture: build a captured pass's inputs before capturing")
     return host.pin_memory().to(device, non_blocking=True)
+
+
+def copy_from_host(target: torch.Tensor, host: torch.Tensor) -> None:
+    """Copy a host tensor into a device buffer without the host waiting for the device (a pageable source may make
+    the copy wait for the stream; a pinned one does not)."""
+    if target.is_cuda:
+        if torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("copy_from_host inside a CUDA graph capture: fill a graph's buffers before replaying it")
+        host = host.pin_memory()
+    target.copy_(host, non_blocking=True)
