@@ -15,7 +15,8 @@
 #   followup (timeout_s 330): fp32 identity at the real shapes, a profile of plain steps, shorter bf16 timings.
 #   Results (2026-12-04): benchmarks/results/gpu/, docs/benchmarking.md "The first GPU run" and "The second GPU run".
 #   Next: the full mode again (did removing the host's waits close loop passes' full-depth gap?), then
-#   `gpu_check.py --sections "loop profile;K=2,d=1"` with --new 64 (where a speculative round's time goes at B = 32).
+#   `gpu_check.py --sections "spec profile;loop profile" --new 64` (where a speculative round's time goes at B = 32,
+#   and a loop pass's).
 set -uo pipefail
 OUT=${OUT:-benchmarks/results/gpu}
 mkdir -p "$OUT"

@@ -17,7 +17,8 @@ next runs):
 6. one long context (16k-token prompt, B=1): graphs with the kernel vs the eager SDPA reference;
 7. more (K, d) while time remains;
 8. on request (`--sections "loop profile"`): decode time and the profiler's top operations of captured loop passes
-   against the captured step engine at full depth.
+   against the captured step engine at full depth; (`"spec profile"`): where a K = 2, d = 1 round's time goes at the
+   largest batch (phases, graph and eager runner steps, top operations).
 
 Every timing row carries plain decoding's HBM bound at its batch and mean context: weight bytes per
 loop pass x D + head + every request's KV bytes once per step, over the measured copy bandwidth.
@@ -486,6 +487,63 @@ def check_model(name: str, config: dict, args, report: dict, deadline: float, sa
         entry["profile"] = rows
         del engine
 
+    # ----- where a speculative round's time goes at the largest batch (step engine, graphs) -----
+    def spec_profile() -> None:
+        """K = 2, d = 1 with forced acceptance at the largest batch: per round, the phases, how many runner steps
+        replayed a graph and how many ran eagerly (with their shapes), and the profiler's top operations."""
+        from torch.profiler import ProfilerActivity
+        from torch.profiler import profile as torch_profile
+
+        batch, steps = max(batches), shape["check_new"]
+        prompts = batch_prompts[batch]
+        blocks = blocks_for(batch, shape["prompt"] + steps + 8)
+        plain = make(num_kv_blocks=blocks)
+        continuation = [o.token_ids for o in plain.generate(prompts, SamplingParams(max_tokens=steps, ignore_eos=True))]
+        del plain
+        engine = make(SpeculativeConfig(k=2, d=1), num_kv_blocks=blocks)
+        forced_acceptance(prompts, continuation, alpha, adapter.vocab_size).attach(engine)
+        engine.generate(prompts, SamplingParams(max_tokens=8, ignore_eos=True))  # warm: captures
+        runner = engine.runner
+        shapes_run: dict[str, int] = {}
+        graph_step, eager_step = runner.graphs.step, runner.eager.step
+
+        def counted(kind, step):
+            def run(inp):
+                out = step(inp)
+                if out is not None:
+                    key = f"{kind} B={len(inp.requests)} q={inp.query_len} loops {inp.start}-{inp.end}"
+                    shapes_run[key] = shapes_run.get(key, 0) + 1
+                return out
+
+            return run
+
+        runner.graphs.step, runner.eager.step = counted("graph", graph_step), counted("eager", eager_step)
+        before, rounds0 = dict(engine.stats.phase_seconds), engine.stats.num_rounds
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.startswith("cuda") else [])
+        with torch_profile(activities=activities) as prof:
+            sync(device)
+            start = time.perf_counter()
+            engine.generate(prompts, SamplingParams(max_tokens=steps, ignore_eos=True))
+            sync(device)
+            wall = time.perf_counter() - start
+        runner.graphs.step, runner.eager.step = graph_step, eager_step
+        rounds = max(engine.stats.num_rounds - rounds0, 1)
+        averages = prof.key_averages()
+        by_device = "self_device_time_total" if device.startswith("cuda") else "self_cpu_time_total"
+        entry["spec_profile"] = row = {
+            "batch": batch, "rounds": rounds, "ms_per_round_profiled": wall / rounds * 1e3,
+            "phase_ms_per_round": {k: round((v - before.get(k, 0.0)) / rounds * 1e3, 3)
+                                   for k, v in engine.stats.phase_seconds.items() if v - before.get(k, 0.0)},
+            "runner_steps": dict(sorted(shapes_run.items(), key=lambda kv: -kv[1])),
+            "top_by_device_time": averages.table(sort_by=by_device, row_limit=14, max_name_column_width=50),
+            "top_by_host_time": averages.table(sort_by="self_cpu_time_total", row_limit=14, max_name_column_width=50),
+        }  # fmt: skip
+        print(f"[{name}] spec profile: " + json.dumps({k: v for k, v in row.items() if not k.startswith("top")}),
+              flush=True)  # fmt: skip
+        print(row["top_by_device_time"], flush=True)
+        print(row["top_by_host_time"], flush=True)
+        del engine
+
     # ----- where a captured loop pass's time goes at full depth, against the captured step engine -----
     def loop_profile() -> None:
         """Captured step and loop engines at full depth: prefill-only (1 token) and whole (1 + `check_new` tokens) runs
@@ -558,7 +616,8 @@ def check_model(name: str, config: dict, args, report: dict, deadline: float, sa
     # cheapest and least-measured first: the budget stops the later sections, not these
     sections = [("correctness", correctness), ("loop batching", loop_batching), ("plain", plain_timing),
                 ("K=2,d=1", lambda: spec_timing(2, 1)), ("workload", workload),
-                ("long context", long_context), ("profile", profile), ("loop profile", loop_profile)]  # fmt: skip
+                ("long context", long_context), ("profile", profile), ("loop profile", loop_profile),
+                ("spec profile", spec_profile)]  # fmt: skip
     if args.sections:
         chosen = args.sections.split(";")
         unknown = set(chosen) - {label for label, _ in sections} - {"more plans"}
