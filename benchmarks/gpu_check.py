@@ -7,8 +7,8 @@ next runs):
 1. correctness: eager with the paged kernel vs the SDPA reference path, CUDA-graph replay vs eager,
    greedy speculative (K=2,d=1 and K=3,d=D/2) vs plain: token-identical request counts; the number,
    capture time and memory of the captured graphs;
-2. loop-level batching against the step engine, both captured: identity; then speed at full depth (B = 8 and 32) and
-   a fixed exit (B = 32), interleaved repeats with an A/A line;
+2. loop-level batching against the step engine, both captured: identity; then speed at full depth (B = 8 and 32), a
+   fixed exit and the exit gate at τ = 0.5 (B = 32), interleaved repeats with an A/A line;
 3. plain decoding, 512-token prompts + 2048 new tokens at B = 1/8/32, graphs vs eager;
 4. speculation (K=2, d=1) with a forced draft acceptance alpha = 0.8 (a benchmark-only draft override:
    each draft token is the known greedy continuation with probability alpha) vs plain graphs, next to
@@ -401,6 +401,8 @@ def check_model(name: str, config: dict, args, report: dict, deadline: float, sa
         for label, extra, timed_batches in [
             ("full depth", {}, batches[1:]),
             (f"exit_at_step {max(1, depth // 2)}", {"exit_at_step": max(1, depth // 2)}, batches[-1:]),
+            # the exit gate on random weights: tokens exit at mixed depths, where loop passes should gain the most
+            *([("exit_threshold 0.5", {"exit_threshold": 0.5}, batches[-1:])] if adapter.has_exit_rule else []),
         ]:
             check = SamplingParams(max_tokens=shape["check_new"], ignore_eos=True, **extra)
             params = SamplingParams(max_tokens=timed_new, ignore_eos=True, **extra)
@@ -412,7 +414,8 @@ def check_model(name: str, config: dict, args, report: dict, deadline: float, sa
             for batch in timed_batches:
                 row[f"B={batch}"] = timed_pair(engines, batch_prompts[batch], params, repeats, order_rng)
             captured = engines["loop"].loop_batcher.graphs
-            row.update(captured_pass_replays=captured.num_replays if captured else 0,
+            row.update(loops_per_token=engines["loop"].stats.mean_loops_per_token,
+                       captured_pass_replays=captured.num_replays if captured else 0,
                        captured_pass_shapes=captured.num_graphs if captured else 0,
                        capture_seconds=captured.capture_seconds if captured else 0.0)  # fmt: skip
             rows[label] = row
