@@ -414,7 +414,7 @@ def check_model(name: str, config: dict, args, report: dict, deadline: float, sa
             for batch in timed_batches:
                 row[f"B={batch}"] = timed_pair(engines, batch_prompts[batch], params, repeats, order_rng)
             captured = engines["loop"].loop_batcher.graphs
-            row.update(loops_per_token=engines["loop"].stats.mean_loops_per_token,
+            row.update(loops_per_token=engines["loop"].stats.mean_loops_per_token or depth,  # 0: none exited early
                        captured_pass_replays=captured.num_replays if captured else 0,
                        captured_pass_shapes=captured.num_graphs if captured else 0,
                        capture_seconds=captured.capture_seconds if captured else 0.0)  # fmt: skip
