@@ -125,6 +125,25 @@ def sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
+def profiled(engine, prompts, params: SamplingParams, device: str, rows: int = 14) -> tuple[float, dict]:
+    """One `generate` under torch's profiler: its seconds, and the top operations by device and by host time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.startswith("cuda") else [])
+    with profile(activities=activities) as prof:
+        sync(device)
+        start = time.perf_counter()
+        engine.generate(prompts, params)
+        sync(device)
+        wall = time.perf_counter() - start
+    averages = prof.key_averages()
+    by_device = "self_device_time_total" if device.startswith("cuda") else "self_cpu_time_total"
+    return wall, {
+        "top_by_device_time": averages.table(sort_by=by_device, row_limit=rows, max_name_column_width=50),
+        "top_by_host_time": averages.table(sort_by="self_cpu_time_total", row_limit=rows, max_name_column_width=50),
+    }
+
+
 def copy_bandwidth(device: str, nbytes: int) -> float:
     """Bytes moved per second by a large device-to-device copy (read + write)."""
     src = torch.empty(nbytes // 2, dtype=torch.bfloat16, device=device)
@@ -455,9 +474,6 @@ def check_model(name: str, config: dict, args, report: dict, deadline: float, sa
 
     # ----- where a plain step's time goes (graphs): host phases and the profiler's top operations -----
     def profile() -> None:
-        from torch.profiler import ProfilerActivity
-        from torch.profiler import profile as torch_profile
-
         engine = make(num_kv_blocks=run_blocks)
         steps = shape["check_new"]
         rows = {}
@@ -465,25 +481,10 @@ def check_model(name: str, config: dict, args, report: dict, deadline: float, sa
             prompts = batch_prompts.get(batch) or prompts_for(batch, adapter.vocab_size, shape["prompt"], seed=batch)
             engine.generate(prompts, SamplingParams(max_tokens=4, ignore_eos=True))  # warm
             before = dict(engine.stats.phase_seconds)
-            activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.startswith("cuda") else [])
-            with torch_profile(activities=activities) as prof:
-                sync(device)
-                start = time.perf_counter()
-                engine.generate(prompts, SamplingParams(max_tokens=steps, ignore_eos=True))
-                sync(device)
-                wall = time.perf_counter() - start
+            wall, tables = profiled(engine, prompts, SamplingParams(max_tokens=steps, ignore_eos=True), device, rows=12)
             phases = {k: round((v - before.get(k, 0.0)) / steps * 1e3, 3)
                       for k, v in engine.stats.phase_seconds.items()}  # fmt: skip
-            averages = prof.key_averages()
-            by_device = "self_device_time_total" if device.startswith("cuda") else "self_cpu_time_total"
-            rows[batch] = {
-                "ms_per_token_step": wall / steps * 1e3,
-                "phase_ms_per_step": phases,
-                "top_by_device_time": averages.table(sort_by=by_device, row_limit=12, max_name_column_width=50),
-                "top_by_host_time": averages.table(
-                    sort_by="self_cpu_time_total", row_limit=12, max_name_column_width=50
-                ),  # fmt: skip
-            }
+            rows[batch] = {"ms_per_token_step": wall / steps * 1e3, "phase_ms_per_step": phases, **tables}
             print(f"[{name}] profile B={batch}: {wall / steps * 1e3:.2f} ms/step, phases {phases}", flush=True)
             print(rows[batch]["top_by_device_time"], flush=True)
             print(rows[batch]["top_by_host_time"], flush=True)
@@ -494,9 +495,6 @@ def check_model(name: str, config: dict, args, report: dict, deadline: float, sa
     def spec_profile() -> None:
         """K = 2, d = 1 with forced acceptance at the largest batch: per round, the phases, how many runner steps
         replayed a graph and how many ran eagerly (with their shapes), and the profiler's top operations."""
-        from torch.profiler import ProfilerActivity
-        from torch.profiler import profile as torch_profile
-
         batch, steps = max(batches), shape["check_new"]
         prompts = batch_prompts[batch]
         blocks = blocks_for(batch, shape["prompt"] + steps + 8)
@@ -522,24 +520,14 @@ def check_model(name: str, config: dict, args, report: dict, deadline: float, sa
 
         runner.graphs.step, runner.eager.step = counted("graph", graph_step), counted("eager", eager_step)
         before, rounds0 = dict(engine.stats.phase_seconds), engine.stats.num_rounds
-        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.startswith("cuda") else [])
-        with torch_profile(activities=activities) as prof:
-            sync(device)
-            start = time.perf_counter()
-            engine.generate(prompts, SamplingParams(max_tokens=steps, ignore_eos=True))
-            sync(device)
-            wall = time.perf_counter() - start
+        wall, tables = profiled(engine, prompts, SamplingParams(max_tokens=steps, ignore_eos=True), device)
         runner.graphs.step, runner.eager.step = graph_step, eager_step
         rounds = max(engine.stats.num_rounds - rounds0, 1)
-        averages = prof.key_averages()
-        by_device = "self_device_time_total" if device.startswith("cuda") else "self_cpu_time_total"
         entry["spec_profile"] = row = {
             "batch": batch, "rounds": rounds, "ms_per_round_profiled": wall / rounds * 1e3,
             "phase_ms_per_round": {k: round((v - before.get(k, 0.0)) / rounds * 1e3, 3)
                                    for k, v in engine.stats.phase_seconds.items() if v - before.get(k, 0.0)},
-            "runner_steps": dict(sorted(shapes_run.items(), key=lambda kv: -kv[1])),
-            "top_by_device_time": averages.table(sort_by=by_device, row_limit=14, max_name_column_width=50),
-            "top_by_host_time": averages.table(sort_by="self_cpu_time_total", row_limit=14, max_name_column_width=50),
+            "runner_steps": dict(sorted(shapes_run.items(), key=lambda kv: -kv[1])), **tables,
         }  # fmt: skip
         print(f"[{name}] spec profile: " + json.dumps({k: v for k, v in row.items() if not k.startswith("top")}),
               flush=True)  # fmt: skip
@@ -552,8 +540,6 @@ def check_model(name: str, config: dict, args, report: dict, deadline: float, sa
         """Captured step and loop engines at full depth: prefill-only (1 token) and whole (1 + `check_new` tokens) runs
         interleaved, so decode time is their difference; each engine's phase seconds over its whole runs; then the
         profiler's top operations (host and device) over one whole run of each."""
-        from torch.profiler import ProfilerActivity
-        from torch.profiler import profile as torch_profile
 
         steps, repeats = shape["check_new"], shape["loop_repeats"]
         order_rng = random.Random(1)
@@ -593,17 +579,9 @@ def check_model(name: str, config: dict, args, report: dict, deadline: float, sa
             decode_ms = {label: row[label]["decode_ms_per_token_step"] for label in engines}
             row["loop_vs_step_decode"] = decode_ms["step"] / decode_ms["loop"]
             row["loop_vs_step_prefill"] = row["step"]["prefill_seconds"] / row["loop"]["prefill_seconds"]
-            activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.startswith("cuda") else [])
-            by_device = "self_device_time_total" if device.startswith("cuda") else "self_cpu_time_total"
             for label, engine in engines.items():
-                with torch_profile(activities=activities) as prof:
-                    engine.generate(prompts, SamplingParams(max_tokens=steps + 1, ignore_eos=True))
-                    sync(device)
-                averages = prof.key_averages()
-                row[label]["top_by_device_time"] = averages.table(sort_by=by_device, row_limit=14,
-                                                                  max_name_column_width=50)  # fmt: skip
-                row[label]["top_by_host_time"] = averages.table(sort_by="self_cpu_time_total", row_limit=14,
-                                                                max_name_column_width=50)  # fmt: skip
+                row[label].update(profiled(engine, prompts, SamplingParams(max_tokens=steps + 1, ignore_eos=True),
+                                           device)[1])  # fmt: skip
             rows[f"B={batch}"] = row
             print(f"[{name}] loop profile B={batch}: " + json.dumps(
                 {k: v if not isinstance(v, dict) else {m: n for m, n in v.items() if not m.startswith("top")}
