@@ -11,6 +11,7 @@ import math
 import torch
 import torch.nn.functional as F
 
+from looped_spec.execution.transfers import to_device
 from looped_spec.models.adapter import ModelAdapter, register_adapter
 from looped_spec.models.checkpoint import TensorSpec
 from looped_spec.models.config_fields import float_field, int_field, rope_theta
@@ -226,7 +227,7 @@ class HuginnAdapter(ModelAdapter):
             gen.manual_seed((seed * _MIX + pos * 0x2545F491 + 1) % (1 << 63))
             torch.nn.init.trunc_normal_(row, std=std, a=-3 * std, b=3 * std, generator=gen)
         x0 *= math.sqrt(self.hidden)  # the embedding scale, as in the reference
-        return x0.to(device=self.device, dtype=self.dtype)
+        return to_device(x0, self.device, self.dtype)
 
     def embed(self, token_ids: torch.Tensor, ctx) -> torch.Tensor:
         e = F.embedding(token_ids, self.weights["transformer.wte.weight"]) * math.sqrt(self.hidden)

@@ -12,7 +12,7 @@ from pathlib import Path
 API_KEY_ENV = "LOOPED_SPEC_API_KEY"
 
 
-#: --cuda-graphs: EngineConfig.cuda_graphs (auto: on for CUDA with step batching; loop passes are captured on request)
+#: --cuda-graphs: EngineConfig.cuda_graphs (auto: on for CUDA, steps and loop passes alike)
 CUDA_GRAPHS = {"auto": None, "on": True, "off": False, "emulate": "emulate"}
 
 

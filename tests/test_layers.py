@@ -45,10 +45,11 @@ def textbook_interleaved_rope(x: torch.Tensor, angles: torch.Tensor) -> torch.Te
 
 def check_layers(device: str, dtype: torch.dtype) -> None:
     generator = torch.Generator().manual_seed(0)
-    for width in (8, 64, 2048):
-        x = (torch.randn(33, width, generator=generator) * 3).to(device, dtype)
+    # small rows too, where eps weighs in (torch before 2.7 rounded eps to a half-precision input's dtype)
+    for width, scale, eps in ((8, 3.0, 1e-6), (64, 3.0, 1e-6), (2048, 3.0, 1e-6), (256, 0.03, 1e-5), (256, 0.1, 1e-6)):
+        x = (torch.randn(33, width, generator=generator) * scale).to(device, dtype)
         weight = torch.randn(width, generator=generator).to(device, dtype)
-        assert torch.equal(rms_norm(x, weight, 1e-6), textbook_rms_norm(x, weight, 1e-6)), (device, dtype, width)
+        assert torch.equal(rms_norm(x, weight, eps), textbook_rms_norm(x, weight, eps)), (device, dtype, width, scale)
     angles = rope_angles(torch.arange(40, device=device) * 37, 64, 10000.0)
     x = torch.randn(40, 5, 64, generator=generator).to(device, dtype)
     assert torch.equal(apply_rope_half(x, half_rope_tables(angles)), textbook_rope(x, angles)), (device, dtype)

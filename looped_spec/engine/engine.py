@@ -501,10 +501,11 @@ class LoopedSpecEngine:
         logprobs: list[list[TokenLogprob]] | None = None
         if ends:
             finishing = [requests[i] for i in ends]
-            sampled = sample(logits[ends], SamplingRows.build(finishing, self.adapter.device))
+            finished_logits = logits[to_device(ends, logits.device)]
+            sampled = sample(finished_logits, SamplingRows.build(finishing, self.adapter.device))
             for i, token in zip(ends, sampled.tolist()):
                 tokens[i] = [token]
-            entries = logprobs_of_rows(finishing, logits[ends], sampled)
+            entries = logprobs_of_rows(finishing, finished_logits, sampled)
             if entries is not None:
                 logprobs = [[] for _ in requests]
                 for i, entry in zip(ends, entries):

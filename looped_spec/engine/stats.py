@@ -66,7 +66,7 @@ class EngineStats:
     # loop-level batching: loop passes, the positions they ran over (occupancy = positions / passes), and the
     # tokens they embedded (entered loop 1)
     num_loop_passes: int = 0
-    num_loop_passes_captured: int = 0  # of those, replayed from a captured graph (cuda_graphs=True)
+    num_loop_passes_captured: int = 0  # of those, replayed from a captured graph (CUDA by default)
     num_loop_pass_positions: int = 0
     num_loop_pass_embeds: int = 0
     # per request, seconds from admission (add_request) to its first generated token, and between its later tokens

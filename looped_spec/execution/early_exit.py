@@ -84,10 +84,11 @@ def read_out_by_depth(runner, requests, positions, context_lens, states, depths:
         sub_ctx = ctx
         if runner.adapter.readout_uses_kv:
             sub_ctx = runner.context([requests[i] for i in rows], [1] * len(rows), [context_lens[i] for i in rows])
-        part = runner.readout(states[rows], depth, sub_ctx)
+        index = to_device(rows, states.device)
+        part = runner.readout(states[index], depth, sub_ctx)
         if logits is None:
             logits = part.new_empty(len(depths), part.shape[-1])
-        logits[rows] = part
+        logits[index] = part
     return logits
 
 
@@ -124,7 +125,7 @@ def loops_with_exit(
         if not bool(exits.any()):
             continue
         leaving = [live[j] for j in exits.nonzero().flatten().tolist()]
-        exit_state[leaving] = state[exits]
+        exit_state[to_device(leaving, state.device)] = state[exits]
         for row in leaving:
             exit_depth[row] = i + 1
         if i + 1 < runner.full_depth:
@@ -225,7 +226,8 @@ def prefill_with_exit(
             break
     live_exit_state = torch.stack([live_states[d - 1][j] for j, d in enumerate(live_depth)])
     positions = [n - 1 for n in live_lens]
-    logits[ends] = read_out_by_depth(runner, live_reqs, positions, live_lens, live_exit_state, live_depth, live_ctx)
+    logits[to_device(ends, logits.device)] = read_out_by_depth(runner, live_reqs, positions, live_lens, live_exit_state,
+                                                               live_depth, live_ctx)  # fmt: skip
     for j, i in enumerate(ends):
         depths[i] = live_depth[j]
         request = requests[i]

@@ -16,7 +16,8 @@ import torch
 
 def to_device(values, device: torch.device | str, dtype: torch.dtype | None = None) -> torch.Tensor:
     """`values` (a list or a host tensor) on `device` (as `dtype`, else torch's own choice), copied without a
-    host-device wait."""
+    host-device wait. A pageable host tensor is staged in a fresh pinned copy, so the caller may change it at once;
+    an already pinned one is copied from as it is and must stay unchanged until the device has read it."""
     if isinstance(values, torch.Tensor):
         host = values if dtype is None else values.to(dtype)
     else:
@@ -33,7 +34,8 @@ def to_device(values, device: torch.device | str, dtype: torch.dtype | None = No
 
 def copy_from_host(target: torch.Tensor, host: torch.Tensor) -> None:
     """Copy a host tensor into a device buffer without the host waiting for the device (a pageable source may make
-    the copy wait for the stream; a pinned one does not)."""
+    the copy wait for the stream; a pinned one does not). As for `to_device`, a pageable source is staged in a fresh
+    pinned copy; an already pinned one must stay unchanged until the copy has run."""
     if target.is_cuda:
         if torch.cuda.is_current_stream_capturing():
             raise RuntimeError("copy_from_host inside a CUDA graph capture: fill a graph's buffers before replaying it")

@@ -108,8 +108,11 @@ class LoopBatcher:
             self.graphs.load(shape, ctx, counts)
         ragged = shape is not None or (self.adapter.uniform_loops and len(set(loops)) > 1)
         planes = self._first_planes(loops, counts, state.device) if ragged else None
+        # the rows that write KV, read once for all the pass's loops (a read of the device)
+        one_call = shape is None and (len(set(loops)) == 1 or self.adapter.uniform_loops)
+        write_rows = write.nonzero().flatten() if write is not None and one_call else None
         for j in range(num_loops):
-            prev, state = state, self._loop(state, loops, ctx, items, write, shape, planes, j)
+            prev, state = state, self._loop(state, loops, ctx, items, (write, write_rows), shape, planes, j)
             loops = [n + 1 for n in loops]
             if measuring:
                 self._read_out_passing(items, loops, state, rows, ctx, preds)
@@ -313,13 +316,15 @@ class LoopBatcher:
         both = to_device(per_item + per_row, device, torch.long)
         return both[: len(loops)], both[len(loops) :]
 
-    def _loop(self, state: torch.Tensor, loops: list[int], ctx, items: list[Item], write, shape, first_planes,
+    def _loop(self, state: torch.Tensor, loops: list[int], ctx, items: list[Item], writes, shape, first_planes,
               j: int) -> torch.Tensor:  # fmt: skip
         """The pass's loop `j`, item i at loop `loops[i]` (0-based): a captured pass when the pass fits one
         (`shape`; graphs.py, loaded by `run`), else one call when the family's loops are loop 0 on moved planes
-        (`uniform_loops`), else one call per distinct loop index. `write` [rows] bool: the rows whose KV is written
-        (None: all). The planes move on the device from `first_planes`: no host-device copy between loops."""
+        (`uniform_loops`), else one call per distinct loop index. `writes`: ([rows] bool, the indices of its True
+        rows), the rows whose KV is written (None: all). The planes move on the device from `first_planes`: no
+        host-device copy between loops."""
         adapter = self.adapter
+        write, write_rows = writes
 
         def planes() -> tuple[torch.Tensor, torch.Tensor]:
             if j == 0:
@@ -330,7 +335,7 @@ class LoopBatcher:
         if shape is not None:
             return self.graphs.run(shape, state, *planes(), write)
         if len(set(loops)) == 1 or adapter.uniform_loops:
-            ctx.write_index = None if write is None else write.nonzero().flatten()
+            ctx.write_index = write_rows
             try:
                 if len(set(loops)) == 1:  # every item at one loop (lockstep): the step engine's call
                     return adapter.loop(state, loops[0], ctx)

@@ -182,9 +182,10 @@ class Finisher:
                     q_probs[i, j] = q
         decided_grid = None
         if any(any(row) for row in decided):
-            decided_grid = torch.zeros(len(done), max(ks), dtype=torch.bool, device=device)
+            decided_grid = torch.zeros(len(done), max(ks), dtype=torch.bool)
             for i, row in enumerate(decided):
-                decided_grid[i, : len(row) - 1] = to_device(row[:-1], device)
+                decided_grid[i, : len(row) - 1] = torch.tensor(row[:-1], dtype=torch.bool)
+            decided_grid = to_device(decided_grid, device)
         row_index, pos_index = position_index(ks)
         rows = SamplingRows.build(requests, device)
         k_t = to_device(ks, device)

@@ -64,14 +64,15 @@ def _read_out_step(runner, active, positions, state, exit_depth, exit_state, num
     if not need:
         return None
     exited = to_device([exit_depth[n] > 0 for n in need], runner.device)[:, None]
-    states = torch.where(exited, exit_state[need], state[need])
+    need_index = to_device(need, runner.device)
+    states = torch.where(exited, exit_state[need_index], state[need_index])
     picked, at = [active[n] for n in need], [positions[n] for n in need]
     lens = [p + 1 for p in at]
     # a readout that attends gets a context of exactly these rows (it writes their readout KV)
     ctx = runner.context(picked, [1] * len(need), lens) if runner.adapter.readout_uses_kv else None
     part = read_out_by_depth(runner, picked, at, lens, states, [exit_depth[n] or d for n in need], ctx)
     logits = part.new_zeros(len(active), part.shape[-1])
-    logits[need] = part
+    logits[need_index] = part
     return logits
 
 
@@ -88,7 +89,7 @@ def _draft_position(
     final = exit_state.clone()
     if not live:
         return final, exit_depth, exit_state, None
-    final[live] = state
+    final[to_device(live, state.device)] = state
     carry = None
     if tracker.carry is not None:
         carry = tracker.carry.new_zeros(len(requests), *tracker.carry.shape[1:])
@@ -250,9 +251,10 @@ def verify_with_exit(
                     tracker.keep(keep)
                     ctx = _pass_context(runner, requests, rows)
     logits = _target_logits(runner, requests, steps, decided, depth, readout_rows, final_states)
-    decided_grid = torch.zeros(num_reqs, max_k + 1, dtype=torch.bool, device=device)
+    decided_grid = torch.zeros(num_reqs, max_k + 1, dtype=torch.bool)
     for r, row in enumerate(decided):
         decided_grid[r, : len(row)] = torch.tensor(row)
+    decided_grid = to_device(decided_grid, device)
     row_index, pos_index = position_index(k)
     return ExitVerification(logits, to_device(row_index, device), to_device(pos_index, device), decided_grid, depth)
 
