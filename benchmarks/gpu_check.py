@@ -16,9 +16,9 @@ next runs):
 5. the changing workload 1 -> 8 -> 32 -> 8 -> 1 (256 new tokens per phase): adaptive vs plain;
 6. one long context (16k-token prompt, B=1): graphs with the kernel vs the eager SDPA reference;
 7. more (K, d) while time remains;
-8. on request (`--sections "loop profile"`): decode time and the profiler's top operations of captured loop passes
-   against the captured step engine at full depth; (`"spec profile"`): where a K = 2, d = 1 round's time goes at the
-   largest batch (phases, graph and eager runner steps, top operations).
+8. last, the profiles device_run.sh asks for by name: "loop profile" (decode time and the profiler's top operations
+   of captured loop passes against the captured step engine at full depth) and "spec profile" (where a K = 2, d = 1
+   round's time goes at the largest batch: phases, graph and eager runner steps, top operations).
 
 Every timing row carries plain decoding's HBM bound at its batch and mean context: weight bytes per
 loop pass x D + head + every request's KV bytes once per step, over the measured copy bandwidth.
