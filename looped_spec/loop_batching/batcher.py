@@ -107,12 +107,15 @@ class LoopBatcher:
         if shape is not None:  # the pass's inputs, once for all its loops (only the planes move)
             self.graphs.load(shape, ctx, counts)
         ragged = shape is not None or (self.adapter.uniform_loops and len(set(loops)) > 1)
-        planes = self._first_planes(loops, counts, state.device) if ragged else None
+        first = self._first_planes(loops, counts, state.device) if ragged else None
+        per_loop = len(self.exits.loop_planes[0])
         # the rows that write KV, read once for all the pass's loops (a read of the device)
         one_call = shape is None and (len(set(loops)) == 1 or self.adapter.uniform_loops)
         write_rows = write.nonzero().flatten() if write is not None and one_call else None
         for j in range(num_loops):
-            prev, state = state, self._loop(state, loops, ctx, items, (write, write_rows), shape, planes, j)
+            # each later loop's planes move on the device: no host-device copy between loops
+            planes = first if j == 0 or first is None else (first[0] + j * per_loop, first[1] + j * per_loop)
+            prev, state = state, self._loop(state, loops, ctx, items, (write, write_rows), shape, planes)
             loops = [n + 1 for n in loops]
             if measuring:
                 self._read_out_passing(items, loops, state, rows, ctx, preds)
@@ -316,30 +319,23 @@ class LoopBatcher:
         both = to_device(per_item + per_row, device, torch.long)
         return both[: len(loops)], both[len(loops) :]
 
-    def _loop(self, state: torch.Tensor, loops: list[int], ctx, items: list[Item], writes, shape, first_planes,
-              j: int) -> torch.Tensor:  # fmt: skip
-        """The pass's loop `j`, item i at loop `loops[i]` (0-based): a captured pass when the pass fits one
+    def _loop(self, state: torch.Tensor, loops: list[int], ctx, items: list[Item], writes, shape, planes
+              ) -> torch.Tensor:  # fmt: skip
+        """One loop of every item, item i at loop `loops[i]` (0-based): a captured pass when the pass fits one
         (`shape`; graphs.py, loaded by `run`), else one call when the family's loops are loop 0 on moved planes
         (`uniform_loops`), else one call per distinct loop index. `writes`: ([rows] bool, the indices of its True
-        rows), the rows whose KV is written (None: all). The planes move on the device from `first_planes`: no
-        host-device copy between loops."""
+        rows), the rows whose KV is written (None: all). `planes`: the planes added per item and per row (this
+        loop's; None where no item's differs)."""
         adapter = self.adapter
         write, write_rows = writes
-
-        def planes() -> tuple[torch.Tensor, torch.Tensor]:
-            if j == 0:
-                return first_planes
-            moved = j * len(self.exits.loop_planes[0])
-            return first_planes[0] + moved, first_planes[1] + moved
-
         if shape is not None:
-            return self.graphs.run(shape, state, *planes(), write)
+            return self.graphs.run(shape, state, *planes, write)
         if len(set(loops)) == 1 or adapter.uniform_loops:
             ctx.write_index = write_rows
             try:
                 if len(set(loops)) == 1:  # every item at one loop (lockstep): the step engine's call
                     return adapter.loop(state, loops[0], ctx)
-                ctx.request_planes, ctx.token_planes = planes()
+                ctx.request_planes, ctx.token_planes = planes
                 ctx.contiguous_from = None  # an in-place read takes one plane (the paged kernel takes each request's)
                 return adapter.loop(state, 0, ctx)
             finally:  # the readouts after the pass (Huginn's coda attends) use their own planes
