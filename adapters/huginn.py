@@ -247,6 +247,8 @@ class HuginnAdapter(ModelAdapter):
             x = self.block(x, w, ctx, plane=base + j)
         return torch.cat([x, e], dim=-1)
 
+    readout_uses_depth = False  # the same coda and head after any number of loops
+
     def readout(self, state: torch.Tensor, depth: int, ctx) -> torch.Tensor:
         ln_f = self.weights["transformer.ln_f.weight"]
         x = rms_norm(state[:, : self.hidden], ln_f, self.eps)
@@ -280,13 +282,15 @@ class HuginnAdapter(ModelAdapter):
         return self.exit_criterion == "kl"  # the KL rule reads out through the coda, which attends
 
     def exit_carry(self, num_rows: int) -> torch.Tensor | None:
-        return None  # "kl": the previous step's log-probabilities [num_rows, V], from step 1 on
+        if self.exit_criterion == "latent":
+            return None
+        # "kl": the previous step's log-probabilities [num_rows, V]; before step 1 there are none, and NaN makes the
+        # KL NaN, never below a threshold, so tokens at step 1 and later ones share one rule call (a loop pass)
+        return torch.full((num_rows, self.vocab_size), math.nan, device=self.device)
 
     def exit_rule(self, state, depth, prev_state, carry, threshold, ctx):
         if self.exit_criterion == "latent":
             return self.exit_signal(state, depth, prev_state) < threshold, carry
         log_probs = torch.log_softmax(self.readout(state, depth, ctx), dim=-1)  # [n, V] fp32
-        if carry is None:  # step 1: nothing to compare with yet
-            return torch.zeros(state.shape[0], dtype=torch.bool, device=state.device), log_probs
         kl = (log_probs.exp() * (log_probs - carry)).sum(-1)  # KL(p_s || p_{s-1}), as the reference's kl_div
-        return kl < threshold, log_probs
+        return kl < threshold, log_probs  # NaN (step 1, `exit_carry`) < threshold is False

@@ -435,3 +435,44 @@ def test_cli_generate_exit_flags(capsys):
     assert "decode rounds" in out and "speculative)" in out
     assert main([*argv, "--exit-at-step", "9"]) == 2
     assert "exit_at_step=9 exceeds" in capsys.readouterr().err
+
+
+# ----- fewer calls, the same decisions -----
+def test_huginn_kl_rule_never_fires_before_a_previous_distribution_exists():
+    """The KL rule's carry before step 1 (`exit_carry`) holds no distribution: no threshold fires there, so rows at
+    step 1 share a rule call with deeper rows; from its returned carry the same state has KL 0 and fires."""
+    from conftest import fixture_dir
+
+    from looped_spec import load_adapter
+
+    adapter = load_adapter(fixture_dir("huginn"), initial_state="zeros", exit_criterion="kl")
+    state = torch.randn(1, adapter.state_dim, generator=torch.Generator().manual_seed(0))
+    threshold = torch.full((1,), 1e30)
+    store: dict = {}  # the token's coda KV: the second readout of the same state overwrites it with the same
+    fired, carry = adapter.exit_rule(state, 1, state, adapter.exit_carry(1), threshold, TokenContext(store, 0, 0))
+    assert not fired.any() and carry.shape == (1, adapter.vocab_size) and torch.isfinite(carry).all()
+    fired, _ = adapter.exit_rule(state, 2, state, carry, threshold, TokenContext(store, 0, 0))
+    assert fired.all()
+
+
+@pytest.mark.parametrize("uses_depth, calls", [(False, 1), (True, 3)])
+def test_tokens_exiting_at_different_depths_are_read_out_in_one_call_when_the_readout_ignores_depth(uses_depth, calls):
+    from types import SimpleNamespace
+
+    adapter = load("ouro")
+    seen = []
+
+    def readout(state, depth, ctx):
+        seen.append(depth)
+        return adapter.readout(state, depth, ctx)
+
+    runner = SimpleNamespace(adapter=SimpleNamespace(readout_uses_depth=uses_depth, readout_uses_kv=False),
+                             readout=readout)  # fmt: skip
+    assert not type(adapter).readout_uses_depth  # the shipped families' heads ignore the depth
+    from looped_spec.execution.early_exit import read_out_by_depth
+
+    states = torch.randn(4, adapter.state_dim, generator=torch.Generator().manual_seed(1))
+    depths = [1, 3, 1, 4]
+    logits = read_out_by_depth(runner, [None] * 4, [0] * 4, [1] * 4, states, depths, None)
+    assert len(seen) == calls
+    torch.testing.assert_close(logits, adapter.readout(states, 4, None))

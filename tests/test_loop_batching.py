@@ -176,6 +176,31 @@ def test_huginn_rules_equal_the_step_engine(criterion, threshold, early_exit):
         assert loop.num_free_blocks == loop.kv.num_blocks
 
 
+def test_huginn_kl_rule_runs_once_a_pass():
+    """Rows at their first loop (no previous distribution yet) and deeper rows share the pass's one rule call."""
+    adapter = load_adapter(fixture_dir("huginn"), initial_state="zeros", exit_criterion="kl")
+    loop = LoopedSpecEngine(adapter, speculation="off", batching="loop")
+    calls, rule = [], adapter.exit_rule
+    original = loop.loop_batcher.exits.decide
+
+    def counting(*args):  # the rule calls of the pass's loop (a first token's rule runs after, in `first_tokens`)
+        calls.append(0)
+        out = original(*args)
+        calls.append(None)
+        return out
+
+    def counted(*args):
+        if calls and calls[-1] is not None:
+            calls[-1] += 1
+        return rule(*args)
+
+    loop.loop_batcher.exits.decide, adapter.exit_rule = counting, counted
+    params = [SamplingParams(max_tokens=8, ignore_eos=True, exit_threshold=0.05, seed=i) for i in range(len(PROMPTS))]
+    run(loop, PROMPTS, params)
+    counts = [c for c in calls if c is not None]
+    assert max(counts) == 1 and sum(counts) > len(PROMPTS) * 4
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 def test_early_exit_fills_the_passes(family):
     """Skip mode: a request whose token exited starts its next token at once, so passes per token follow the mean

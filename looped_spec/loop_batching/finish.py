@@ -112,7 +112,10 @@ class Finisher:
             r = it.round.grown(it.state, exit_depth, it.exit_state, it.carry if it.round.exits_early else None)
             draws = len(r.tokens) < r.k
             if draws or r.measured or exit_depth:
-                by_depth.setdefault(exit_depth or r.d, []).append((it, r, draws))
+                depth = exit_depth or r.d
+                if not self.runner.adapter.readout_uses_depth:  # one readout for every depth: the first group's
+                    depth = next(iter(by_depth), depth)
+                by_depth.setdefault(depth, []).append((it, r, draws))
             else:
                 r.logits.append(None)  # read out nowhere: one entry per position, as the read-out ones get below
             if draws:

@@ -161,6 +161,10 @@ class ModelAdapter(ABC):
         cannot decide several positions of a request in one pass; the engine gives such requests K = 0."""
         return False
 
+    #: False when `readout` does not depend on its `depth` argument (the three shipped families): tokens exiting at
+    #: different depths are then read out in one call (early_exit.py `read_out_by_depth`)
+    readout_uses_depth: ClassVar[bool] = True
+
     #: False when `exit_rule` does not depend on its `depth` argument (Ouro's gate, Huginn's latent change): a loop
     #: pass then decides rows at different depths in one call (loop_batching/batcher.py)
     exit_rule_uses_depth: ClassVar[bool] = True
