@@ -7,7 +7,6 @@ import logging
 import os
 import random
 import time
-from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -17,17 +16,19 @@ from looped_spec.control.controller import FixedController, make_controller
 from looped_spec.control.plan import SpeculationPlan, round_feedback
 from looped_spec.detokenizer import IncrementalDetokenizer
 from looped_spec.engine.config import EngineConfig, SpeculativeConfig, parse_speculation
+from looped_spec.engine.failures import StepFailures
 from looped_spec.engine.inputs import load_tokenizer, normalize_prompts, to_token_ids
+from looped_spec.engine.outputs import request_output, time_tokens
+from looped_spec.engine.resources import loop_pass_graphs, num_kv_blocks, step_graphs
 from looped_spec.engine.scheduler import Scheduler
 from looped_spec.engine.stats import EngineStats
-from looped_spec.execution.cuda_graph import CudaGraphRunner, batch_buckets
 from looped_spec.execution.host_memory import keep_freed_memory
 from looped_spec.execution.kv_cache import KVCache
 from looped_spec.execution.logprobs import logprobs_of_rows, token_logprobs
 from looped_spec.execution.model_runner import ModelRunner
 from looped_spec.execution.sampler import SamplingRows, sample
 from looped_spec.execution.transfers import to_device
-from looped_spec.loop_batching import Entering, LoopBatcher, LoopPassGraphs, LoopRounds
+from looped_spec.loop_batching import Entering, LoopBatcher, LoopRounds
 from looped_spec.models.adapter import ModelAdapter, load_adapter
 from looped_spec.presets.lookup import load_preset
 from looped_spec.request import Request, RequestOutput, RequestStatus, ScheduledBatch, TokenLogprob, mean_context
@@ -51,7 +52,7 @@ class LoopedSpecEngine:
     """
 
     #: a request whose step fails this many times in a row while it runs alone finishes with "error"
-    FAILURES_TO_BLAME = 2
+    FAILURES_TO_BLAME = StepFailures.FAILURES_TO_BLAME
 
     def __init__(self, model: str | os.PathLike | ModelAdapter, config: EngineConfig | None = None, **options: Any):
         """`options` are `EngineConfig` fields (they override `config`'s); a wrong one raises ValueError naming it."""
@@ -82,13 +83,9 @@ class LoopedSpecEngine:
         self.controller = self._controller(config)
         self.speculation = config.speculation
         self.max_batch_size = config.max_batch_size
-        self.kv = KVCache(
-            self.adapter.kv_layout,
-            self._num_blocks(config.block_size, config.num_kv_blocks, config.kv_cache_memory_gb),
-            config.block_size,
-            self.adapter.dtype,
-            self.adapter.device,
-        )
+        blocks = num_kv_blocks(self.adapter, self.max_model_len, config.max_batch_size, config.block_size,
+                               config.num_kv_blocks, config.kv_cache_memory_gb)  # fmt: skip
+        self.kv = KVCache(self.adapter.kv_layout, blocks, config.block_size, self.adapter.dtype, self.adapter.device)
         kv_bytes = self.kv.num_blocks * KVCache.bytes_per_block(
             self.adapter.kv_layout, config.block_size, self.adapter.dtype
         )
@@ -108,14 +105,19 @@ class LoopedSpecEngine:
             type(self.controller).__name__,
         )
         self.scheduler = Scheduler(self.kv, config.max_batch_size, config.max_num_batched_tokens)
-        graphs = self._graph_runner(config.cuda_graphs) if config.batching == "step" else None
+        graphs = None
+        if config.batching == "step":
+            graphs = step_graphs(self.adapter, self.kv, self.max_model_len, self.max_batch_size,
+                                 self.controller.plan_shapes(), config.cuda_graphs)  # fmt: skip
         self.runner = ModelRunner(self.adapter, self.kv, config.early_exit, graphs)
         # loop-level batching: decode steps are loop passes over the work in flight (loop_batching/); rounds are per
         # request there (K drafts with the first d loops, then one verification item), under the plan the controller
         # gave the pass in which they entered
         self.loop_batcher = self.loop_rounds = None
         if config.batching == "loop":
-            self.loop_batcher = LoopBatcher(self.runner, self._loop_pass_graphs(config.cuda_graphs))
+            pass_graphs = loop_pass_graphs(self.adapter, self.kv, self.runner.paged_kernel, self.max_model_len,
+                                           self.max_batch_size, config.cuda_graphs)  # fmt: skip
+            self.loop_batcher = LoopBatcher(self.runner, pass_graphs)
             self.loop_rounds = LoopRounds(self.adapter.full_depth, exit_skips=config.early_exit == "skip")
         self.spec_round = SpeculativeRound(self.runner)
         self.tokenizer = load_tokenizer(self.adapter.path)
@@ -125,8 +127,7 @@ class LoopedSpecEngine:
         self._arrivals = itertools.count()  # admission order, for newest-first preemption
         self._requests: dict[str, Request] = {}  # live requests, and finished ones until their output is returned
         self._reports: dict[str, Request] = {}  # outputs owed to the caller (advanced, finished, aborted)
-        self._suspects: list[Request] = []  # requests of a failed step, to be run one at a time
-        self._failed_alone: dict[str, int] = {}  # suspect id -> consecutive failures running alone
+        self.failures = StepFailures()  # a step is a transaction (failures.py)
         self._closed = False
 
     def _controller(self, config: EngineConfig) -> FixedController:
@@ -165,65 +166,6 @@ class LoopedSpecEngine:
         if threshold is not None and not adapter.exit_rule_can_fire(threshold):
             threshold = None
         return threshold, None
-
-    def _num_blocks(self, block_size: int, num_kv_blocks: int | None, memory_gb: float | None) -> int:
-        # The most blocks one request holds: its KV never covers more than max_model_len tokens (admission needs
-        # room for prompt + 1 < max_model_len, and a round drafts at most the tokens the request may still commit)
-        per_request = (self.max_model_len + block_size - 1) // block_size
-        if num_kv_blocks is None:
-            per_block = KVCache.bytes_per_block(self.adapter.kv_layout, block_size, self.adapter.dtype)
-            if memory_gb is None:
-                memory_gb = 2.0
-                if self.adapter.device.type == "cuda":
-                    memory_gb = 0.5 * torch.cuda.mem_get_info(self.adapter.device)[0] / 2**30
-            num_kv_blocks = min(int(memory_gb * 2**30) // per_block, per_request * self.max_batch_size)
-        if num_kv_blocks < per_request:
-            raise ValueError(
-                f"KV cache of {num_kv_blocks} blocks cannot hold one request of max_model_len="
-                f"{self.max_model_len} ({per_request} blocks); lower max_model_len or give more memory"
-            )
-        return num_kv_blocks
-
-    def _on_cuda(self, cuda_graphs: bool | str | None) -> bool:
-        """Whether the model is on a CUDA device; `cuda_graphs=True` anywhere else is an error."""
-        on_cuda = self.adapter.device.type == "cuda"
-        if cuda_graphs is True and not on_cuda:
-            raise ValueError("cuda_graphs=True needs a CUDA device (cuda_graphs='emulate' runs the path on any device)")
-        return on_cuda
-
-    def _graph_runner(self, cuda_graphs: bool | str | None) -> CudaGraphRunner | None:
-        """The CUDA-graph runner for the shapes the controller's plans need, or None. "emulate" runs the same padded
-        static-buffer path eagerly without capture, on any device (how the CPU tests cover it)."""
-        on_cuda = self._on_cuda(cuda_graphs)
-        if not (on_cuda if cuda_graphs is None else cuda_graphs):
-            return None
-        return CudaGraphRunner(
-            self.adapter,
-            self.kv,
-            self.max_model_len,
-            batch_buckets(self.max_batch_size),
-            self.controller.plan_shapes(),
-            capture=cuda_graphs != "emulate",
-        )
-
-    def _loop_pass_graphs(self, cuda_graphs: bool | str | None) -> LoopPassGraphs | None:
-        """Captured loop passes (loop_batching/graphs.py), or None: they need loops that differ only in their planes
-        and the paged kernel (which reads each item's plane). As for steps, `cuda_graphs=None` captures them on CUDA
-        where the family and the kernel allow it (else the passes run eagerly, logged); `True` insists."""
-        on_cuda = self._on_cuda(cuda_graphs)
-        if not (on_cuda if cuda_graphs is None else cuda_graphs):
-            return None
-        emulate = cuda_graphs == "emulate"  # without Triton, the kernel's contract in plain torch (TorchKernelBatch)
-        if not self.adapter.uniform_loops or not (self.runner.paged_kernel or emulate):
-            why = (f"captured loop passes need a family whose loops differ only in their KV planes (uniform_loops: "
-                   f"{self.adapter.uniform_loops}) and the paged kernel (Triton on CUDA; available: "
-                   f"{self.runner.paged_kernel})")  # fmt: skip
-            if cuda_graphs is None:
-                logger.info("engine: loop passes run eagerly: %s", why)
-                return None
-            raise ValueError(f"cuda_graphs={cuda_graphs!r} with batching='loop': {why}")
-        return LoopPassGraphs(self.adapter, self.kv, self.max_model_len, self.max_batch_size, capture=not emulate,
-                              use_kernel=self.runner.paged_kernel)  # fmt: skip
 
     # ----- requests -----
     def add_request(
@@ -309,7 +251,7 @@ class LoopedSpecEngine:
         return self._take_outputs()
 
     def _step_once(self) -> None:
-        suspect = self._next_suspect()
+        suspect = self.failures.next_suspect()
         if self.loop_batcher is not None:
             self._loop_step(suspect)
             return
@@ -334,15 +276,18 @@ class LoopedSpecEngine:
         if not requests:
             return
         # one decode path: plain decoding is the K = 0 round
-        result = self._transaction(
-            suspect, requests, lambda: self.spec_round.run(requests, k, plan.d, plan.measure_depths, plan.stop_margin)
+        result = self.failures.run(
+            suspect,
+            requests,
+            lambda: self.spec_round.run(requests, k, plan.d, plan.measure_depths, plan.stop_margin),
+            self._finish_with_error,
         )
         if result is not None:
             self._finish_round(requests, k, plan, result, t0, context)
 
     def _prefill_step(self, suspect: Request | None, batch: ScheduledBatch) -> None:
         t0 = time.perf_counter()
-        done = self._transaction(suspect, batch.requests, lambda: self._run_prefill(batch))
+        done = self.failures.run(suspect, batch.requests, lambda: self._run_prefill(batch), self._finish_with_error)
         if done is None:
             return
         tokens, exit_depths, logprobs = done
@@ -408,7 +353,9 @@ class LoopedSpecEngine:
             )
         )
         max_loops = 1 if joining else self.adapter.full_depth
-        result = self._transaction(suspect, requests, lambda: batcher.run(requests, rounds, max_loops, chunks))
+        result = self.failures.run(
+            suspect, requests, lambda: batcher.run(requests, rounds, max_loops, chunks), self._finish_with_error
+        )
         if result is None:
             return
         if result.prefilled:
@@ -439,46 +386,6 @@ class LoopedSpecEngine:
 
     def _exit_rule_reads_kv(self, request: Request) -> bool:
         return request.exit_threshold is not None and self.adapter.exit_rule_reads_kv
-
-    def _next_suspect(self) -> Request | None:
-        """A running request from a failed step that has not stepped by itself since."""
-        for request in [r for r in self._suspects if r.status is not RequestStatus.RUNNING]:
-            self._clear_suspect(request)  # finished, or preempted: its recompute starts afresh
-        return self._suspects[0] if self._suspects else None
-
-    def _transaction(self, suspect: Request | None, requests: list[Request], compute: Callable[[], Any]) -> Any:
-        """Run a step's computation, which changes no request state but the random generators.
-
-        On failure the generators are restored (the retried step draws the same tokens; KV blocks the step
-        reserved stay with their requests) and the error is raised. The step's requests become suspects, run
-        alone one per step; a suspect failing alone a second time in a row is the cause (a one-shot engine
-        fault does not strike twice): it finishes with the error and None is returned.
-        """
-        saved = [r.generator.get_state() for r in requests]
-        try:
-            result = compute()
-        except BaseException as exc:
-            for request, state in zip(requests, saved):
-                request.generator.set_state(state)
-            if not isinstance(exc, Exception):
-                raise
-            if suspect is None:
-                self._suspects += [r for r in requests if r not in self._suspects]
-                raise
-            failures = self._failed_alone.get(suspect.request_id, 0) + 1
-            if failures < self.FAILURES_TO_BLAME:
-                self._failed_alone[suspect.request_id] = failures
-                raise
-            self._clear_suspect(suspect)
-            self._finish_with_error(suspect, exc)
-            return None
-        if suspect is not None:
-            self._clear_suspect(suspect)
-        return result
-
-    def _clear_suspect(self, request: Request) -> None:
-        self._suspects.remove(request)
-        self._failed_alone.pop(request.request_id, None)
 
     def _finish_with_error(self, request: Request, exc: Exception) -> None:
         logger.warning("request %s failed by itself and is finished with an error: %r", request.request_id, exc)
@@ -574,67 +481,22 @@ class LoopedSpecEngine:
         now = time.perf_counter()
         for request, n in zip(requests, appended):
             if n:
-                self._time_tokens(request, n, now)
+                time_tokens(self.stats, request, n, now)
             if n or request.finished:
                 self._reports[request.request_id] = request
             if request.finished:
                 self.stats.num_requests_finished += 1
         self.stats.num_generation_tokens += sum(appended)
 
-    def _time_tokens(self, request: Request, count: int, now: float) -> None:
-        """Time to first token and inter-token latency of `count` tokens the request just committed."""
-        metrics = self.stats
-        m = request.metrics
-        if m.first_token_time is None:
-            m.first_token_time = now
-            metrics.time_to_first_token.observe(now - m.arrival_time)
-            count -= 1
-        elif count:
-            metrics.inter_token_latency.observe((now - m.last_token_time) / count, count)
-            count = 0
-        if count:  # the first token and more in one commit (a first round after a recompute): no gap between them
-            metrics.inter_token_latency.observe(0.0, count)
-        m.last_token_time = now
-
     def _take_outputs(self, only: set[str] | None = None) -> list[RequestOutput]:
         """Outputs owed to the caller (all, or those in `only`); each finished request is returned once."""
         ids = [i for i in self._reports if only is None or i in only]
-        outputs = [self._output(self._reports[i]) for i in ids]
+        outputs = [request_output(self._reports[i]) for i in ids]
         for request_id in ids:
             request = self._reports.pop(request_id)
             if request.finished:
                 self._requests.pop(request_id, None)
         return outputs
-
-    def _output(self, request: Request) -> RequestOutput:
-        text, new_text, detok = None, "", request.detokenizer
-        if detok is not None:
-            try:
-                if request.finished:
-                    detok.flush()
-                    text = detok.text
-                new_text = detok.stream_delta(request.finished)
-            except Exception as exc:  # the token ids are the output; text is a convenience that must not wedge
-                logger.warning("request %s: cannot decode its output to text: %r", request.request_id, exc)
-                text, new_text = None, ""
-        output_ids = request.output_token_ids
-        new_ids = output_ids[request.num_emitted :]
-        request.num_emitted = len(output_ids)
-        return RequestOutput(
-            request.request_id,
-            request.token_ids[: request.num_prompt_tokens],
-            output_ids,
-            text,
-            request.finish_reason,
-            request.finished,
-            request.metrics,
-            request.prompt_text,
-            new_ids,
-            new_text,
-            detok.stop_hit if detok is not None else None,
-            request.error,
-            list(request.logprobs) if request.logprobs_top is not None else None,
-        )
 
     # ----- offline API -----
     def generate(
@@ -721,7 +583,7 @@ class LoopedSpecEngine:
             queue.clear()
         self._requests.clear()
         self._reports.clear()
-        self._suspects.clear()
+        self.failures.clear()
         self.kv.release()
         self.runner = self.spec_round = self.loop_batcher = None  # they hold the adapter (and the graphs)
         if self._owns_adapter:

@@ -1,0 +1,57 @@
+"""What a committed step tells the caller: a request's `RequestOutput` and its token timing."""
+
+from __future__ import annotations
+
+import logging
+
+from looped_spec.engine.stats import EngineStats
+from looped_spec.request import Request, RequestOutput
+
+logger = logging.getLogger(__name__)
+
+
+def request_output(request: Request) -> RequestOutput:
+    """The request's output now: every token so far, and what is new since its last output (ids and text)."""
+    text, new_text, detok = None, "", request.detokenizer
+    if detok is not None:
+        try:
+            if request.finished:
+                detok.flush()
+                text = detok.text
+            new_text = detok.stream_delta(request.finished)
+        except Exception as exc:  # the token ids are the output; text is a convenience that must not wedge
+            logger.warning("request %s: cannot decode its output to text: %r", request.request_id, exc)
+            text, new_text = None, ""
+    output_ids = request.output_token_ids
+    new_ids = output_ids[request.num_emitted :]
+    request.num_emitted = len(output_ids)
+    return RequestOutput(
+        request.request_id,
+        request.token_ids[: request.num_prompt_tokens],
+        output_ids,
+        text,
+        request.finish_reason,
+        request.finished,
+        request.metrics,
+        request.prompt_text,
+        new_ids,
+        new_text,
+        detok.stop_hit if detok is not None else None,
+        request.error,
+        list(request.logprobs) if request.logprobs_top is not None else None,
+    )
+
+
+def time_tokens(stats: EngineStats, request: Request, count: int, now: float) -> None:
+    """Time to first token and inter-token latency of `count` tokens the request just committed."""
+    m = request.metrics
+    if m.first_token_time is None:
+        m.first_token_time = now
+        stats.time_to_first_token.observe(now - m.arrival_time)
+        count -= 1
+    elif count:
+        stats.inter_token_latency.observe((now - m.last_token_time) / count, count)
+        count = 0
+    if count:  # the first token and more in one commit (a first round after a recompute): no gap between them
+        stats.inter_token_latency.observe(0.0, count)
+    m.last_token_time = now

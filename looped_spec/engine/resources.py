@@ -1,0 +1,78 @@
+"""What an engine allocates beside the weights: KV blocks, and the CUDA graphs of its steps or loop passes."""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from looped_spec.execution.cuda_graph import CudaGraphRunner, batch_buckets
+from looped_spec.execution.kv_cache import KVCache
+from looped_spec.loop_batching import LoopPassGraphs
+from looped_spec.models.adapter import ModelAdapter
+
+logger = logging.getLogger(__name__)
+
+
+def num_kv_blocks(
+    adapter: ModelAdapter, max_model_len: int, max_batch_size: int, block_size: int, blocks: int | None,
+    memory_gb: float | None,
+) -> int:  # fmt: skip
+    """`blocks` when given, else as many as `memory_gb` holds (default 2 GiB; on CUDA half the free memory), never
+    more than a full batch of the longest requests needs. Too few for one request of `max_model_len` is an error."""
+    # The most blocks one request holds: its KV never covers more than max_model_len tokens (admission needs room for
+    # prompt + 1 < max_model_len, and a round drafts at most the tokens the request may still commit)
+    per_request = (max_model_len + block_size - 1) // block_size
+    if blocks is None:
+        per_block = KVCache.bytes_per_block(adapter.kv_layout, block_size, adapter.dtype)
+        if memory_gb is None:
+            memory_gb = 2.0
+            if adapter.device.type == "cuda":
+                memory_gb = 0.5 * torch.cuda.mem_get_info(adapter.device)[0] / 2**30
+        blocks = min(int(memory_gb * 2**30) // per_block, per_request * max_batch_size)
+    if blocks < per_request:
+        raise ValueError(
+            f"KV cache of {blocks} blocks cannot hold one request of max_model_len={max_model_len} ({per_request} "
+            "blocks); lower max_model_len or give more memory"
+        )
+    return blocks
+
+
+def wants_graphs(adapter: ModelAdapter, cuda_graphs: bool | str | None) -> bool:
+    """Whether to build graphs: on CUDA unless `cuda_graphs=False`; "emulate" anywhere; `True` off CUDA is an error."""
+    on_cuda = adapter.device.type == "cuda"
+    if cuda_graphs is True and not on_cuda:
+        raise ValueError("cuda_graphs=True needs a CUDA device (cuda_graphs='emulate' runs the path on any device)")
+    return on_cuda if cuda_graphs is None else bool(cuda_graphs)
+
+
+def step_graphs(
+    adapter: ModelAdapter, kv: KVCache, max_model_len: int, max_batch_size: int, plan_shapes, cuda_graphs
+) -> CudaGraphRunner | None:
+    """The CUDA-graph runner for the step shapes the controller's plans need (`plan_shapes`), or None. "emulate" runs
+    the same padded static-buffer path eagerly without capture, on any device (how the CPU tests cover it)."""
+    if not wants_graphs(adapter, cuda_graphs):
+        return None
+    return CudaGraphRunner(adapter, kv, max_model_len, batch_buckets(max_batch_size), plan_shapes,
+                           capture=cuda_graphs != "emulate")  # fmt: skip
+
+
+def loop_pass_graphs(
+    adapter: ModelAdapter, kv: KVCache, paged_kernel, max_model_len: int, max_batch_size: int, cuda_graphs
+) -> LoopPassGraphs | None:
+    """Captured loop passes (loop_batching/graphs.py), or None: they need loops that differ only in their planes and
+    the paged kernel (which reads each item's plane). As for steps, `cuda_graphs=None` captures them on CUDA where
+    the family and the kernel allow it (else the passes run eagerly, logged); `True` insists."""
+    if not wants_graphs(adapter, cuda_graphs):
+        return None
+    emulate = cuda_graphs == "emulate"  # without Triton, the kernel's contract in plain torch (TorchKernelBatch)
+    if not adapter.uniform_loops or not (paged_kernel or emulate):
+        why = (
+            f"captured loop passes need a family whose loops differ only in their KV planes (uniform_loops: "
+            f"{adapter.uniform_loops}) and the paged kernel (Triton on CUDA; available: {paged_kernel})"
+        )
+        if cuda_graphs is None:
+            logger.info("engine: loop passes run eagerly: %s", why)
+            return None
+        raise ValueError(f"cuda_graphs={cuda_graphs!r} with batching='loop': {why}")
+    return LoopPassGraphs(adapter, kv, max_model_len, max_batch_size, capture=not emulate, use_kernel=paged_kernel)
