@@ -247,8 +247,6 @@ class HuginnAdapter(ModelAdapter):
             x = self.block(x, w, ctx, plane=base + j)
         return torch.cat([x, e], dim=-1)
 
-    readout_uses_depth = False  # the same coda and head after any number of loops
-
     def readout(self, state: torch.Tensor, depth: int, ctx) -> torch.Tensor:
         ln_f = self.weights["transformer.ln_f.weight"]
         x = rms_norm(state[:, : self.hidden], ln_f, self.eps)

@@ -71,8 +71,6 @@ class NanbeigeAdapter(LlamaStyleLooped):
             return h
         return rms_norm(h, self.weights["model.norm.weight"], self.eps)
 
-    readout_uses_depth = False  # the same head after any number of loops
-
     def readout(self, state: torch.Tensor, depth: int, ctx) -> torch.Tensor:
         if self.skip_loop_final_norm:
             state = rms_norm(state, self.weights["model.norm.weight"], self.eps)

@@ -49,8 +49,6 @@ class OuroAdapter(LlamaStyleLooped):
             h = h + rms_norm(mlp, w["post_attention_layernorm_2.weight"], self.eps)
         return rms_norm(h, self.weights["model.norm.weight"], self.eps)
 
-    readout_uses_depth = False  # the same head after any number of loops
-
     def readout(self, state: torch.Tensor, depth: int, ctx) -> torch.Tensor:
         return self.head(state)
 

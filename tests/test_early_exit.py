@@ -455,8 +455,10 @@ def test_huginn_kl_rule_never_fires_before_a_previous_distribution_exists():
     assert fired.all()
 
 
-@pytest.mark.parametrize("uses_depth, calls", [(False, 1), (True, 3)])
-def test_tokens_exiting_at_different_depths_are_read_out_in_one_call_when_the_readout_ignores_depth(uses_depth, calls):
+@pytest.mark.parametrize("uniform_loops, calls", [(True, 1), (False, 3)])
+def test_tokens_exiting_at_different_depths_are_read_out_in_one_call_when_the_readout_ignores_depth(
+    uniform_loops, calls
+):
     from types import SimpleNamespace
 
     adapter = load("ouro")
@@ -466,9 +468,9 @@ def test_tokens_exiting_at_different_depths_are_read_out_in_one_call_when_the_re
         seen.append(depth)
         return adapter.readout(state, depth, ctx)
 
-    runner = SimpleNamespace(adapter=SimpleNamespace(readout_uses_depth=uses_depth, readout_uses_kv=False),
+    runner = SimpleNamespace(adapter=SimpleNamespace(uniform_loops=uniform_loops, readout_uses_kv=False),
                              readout=readout)  # fmt: skip
-    assert not type(adapter).readout_uses_depth  # the shipped families' heads ignore the depth
+    assert type(adapter).uniform_loops  # the shipped families' readouts ignore the depth
     from looped_spec.execution.early_exit import read_out_by_depth
 
     states = torch.randn(4, adapter.state_dim, generator=torch.Generator().manual_seed(1))

@@ -73,11 +73,11 @@ def token_slots(requests: list[Request], positions: list[int], block_size: int, 
 
 def read_out_by_depth(runner, requests, positions, context_lens, states, depths: list[int], ctx) -> torch.Tensor:
     """Logits [n, V] of one token per request, each at its own depth (one readout call per distinct depth, or one
-    for all when the readout does not depend on the depth).
+    for all when the readout does not depend on the depth: `uniform_loops`).
 
     A readout that attends (Huginn's coda) gets a context of just its rows, so it writes only their KV.
     """
-    if len(set(depths)) == 1 or not runner.adapter.readout_uses_depth:
+    if len(set(depths)) == 1 or runner.adapter.uniform_loops:
         return runner.readout(states, depths[0], ctx)
     logits = None
     for depth in sorted(set(depths)):

@@ -113,7 +113,7 @@ class Finisher:
             draws = len(r.tokens) < r.k
             if draws or r.measured or exit_depth:
                 depth = exit_depth or r.d
-                if not self.runner.adapter.readout_uses_depth:  # one readout for every depth: the first group's
+                if self.runner.adapter.uniform_loops:  # the readout ignores the depth: one call, the first group's
                     depth = next(iter(by_depth), depth)
                 by_depth.setdefault(depth, []).append((it, r, draws))
             else:

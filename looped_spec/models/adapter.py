@@ -50,7 +50,8 @@ class ModelAdapter(ABC):
     #: a loop pass embed the tokens entering it without a context of their own (loop_batching/batcher.py)
     embed_uses_context: ClassVar[bool] = True
     #: True when `loop(state, i)` is `loop(state, 0)` with every plane moved by i * (loop planes / depth),
-    #: and `readout(state, depth)` does not depend on depth: one CUDA graph of loop 0 then serves every loop.
+    #: and `readout(state, depth)` does not depend on depth: one CUDA graph of loop 0 then serves every loop, and
+    #: tokens that exited at different depths are read out in one call (early_exit.py `read_out_by_depth`).
     uniform_loops: ClassVar[bool] = False
 
     def __init__(
@@ -160,10 +161,6 @@ class ModelAdapter(ABC):
         depends on the readout KV of the tokens before it, final only once they exited, so a speculative round
         cannot decide several positions of a request in one pass; the engine gives such requests K = 0."""
         return False
-
-    #: False when `readout` does not depend on its `depth` argument (the three shipped families): tokens exiting at
-    #: different depths are then read out in one call (early_exit.py `read_out_by_depth`)
-    readout_uses_depth: ClassVar[bool] = True
 
     #: False when `exit_rule` does not depend on its `depth` argument (Ouro's gate, Huginn's latent change): a loop
     #: pass then decides rows at different depths in one call (loop_batching/batcher.py)
