@@ -110,3 +110,35 @@ def test_skip_mode_early_exit_matches_the_independent_reference(shipped):
         assert (out.token_ids, out.metrics.exit_depth_histogram) == want, (name, params)
         depths_seen.update(depths)
     assert min(depths_seen) < adapter.full_depth
+
+
+def test_loop_passes_equal_the_step_engine(shipped):
+    """Issue 35's identity on the trained models, whose exits spread as real text makes them: 32 requests with mixed
+    early-exit parameters (full depth, the family's rule at several τ, fixed depths), eight of them arriving while the
+    others run, decoded plainly, with a fixed plan and with adaptive plans; greedy, fp32, in both early-exit modes."""
+    name, adapter = shipped
+    step_engine = LoopedSpecEngine(adapter, speculation="off")
+    texts = [PROMPTS[i % len(PROMPTS)] + " " * (i // len(PROMPTS)) for i in range(32)]
+    prompts = [step_engine.tokenizer.encode(t) for t in texts]
+    kinds = [SamplingParams(), *shipped_exit_params(adapter)]
+    # every prompt under every kind (prompts cycle every request, kinds every three)
+    params = [kinds[i // 3 % len(kinds)].model_copy(update={"max_tokens": 10, "ignore_eos": True}) for i in range(32)]
+
+    def run(engine) -> list[list[int]]:
+        ids = [engine.add_request(p, q) for p, q in zip(prompts[:24], params[:24])]
+        outs, steps = {}, 0
+        while engine.has_unfinished_requests():
+            steps += 1
+            if steps == 3:  # the last eight arrive mid-run
+                ids += [engine.add_request(p, q) for p, q in zip(prompts[24:], params[24:])]
+            outs.update({o.request_id: o.token_ids for o in engine.step() if o.finished})
+        assert engine.num_free_blocks == engine.kv.num_blocks
+        return [outs[i] for i in ids]
+
+    fixed = SpeculativeConfig(k=3, d=max(1, adapter.full_depth // 2))
+    for early_exit, spec in (("skip", "off"), ("skip", fixed), ("skip", "adaptive"), ("select", fixed)):
+        options = dict(speculation=spec, early_exit=early_exit, max_batch_size=32)
+        step, loop = LoopedSpecEngine(adapter, **options), LoopedSpecEngine(adapter, batching="loop", **options)
+        assert run(loop) == run(step), (name, early_exit, spec)
+        assert min(loop.stats.exit_depth_histogram) < adapter.full_depth  # tokens exited early
+        assert loop.stats.num_loop_passes > 0 and (spec != fixed or loop.stats.num_draft_tokens > 0)
