@@ -288,7 +288,8 @@ class HuginnAdapter(ModelAdapter):
 
     def exit_rule(self, state, depth, prev_state, carry, threshold, ctx):
         if self.exit_criterion == "latent":
-            return self.exit_signal(state, depth, prev_state) < threshold, carry
-        log_probs = torch.log_softmax(self.readout(state, depth, ctx), dim=-1)  # [n, V] fp32
+            return self.exit_signal(state, depth, prev_state) < threshold, carry, None
+        logits = self.readout(state, depth, ctx)
+        log_probs = torch.log_softmax(logits, dim=-1)  # [n, V] fp32
         kl = (log_probs.exp() * (log_probs - carry)).sum(-1)  # KL(p_s || p_{s-1}), as the reference's kl_div
-        return kl < threshold, log_probs  # NaN (step 1, `exit_carry`) < threshold is False
+        return kl < threshold, log_probs, logits  # NaN (step 1, `exit_carry`) < threshold is False

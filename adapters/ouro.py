@@ -82,7 +82,7 @@ class OuroAdapter(LlamaStyleLooped):
         survive, cdf = carry[:, 0], carry[:, 1]
         cdf = cdf + lam * survive  # the same sums, in the same order, as cumsum(exit_pdf)
         survive = survive * (1 - lam)
-        return cdf >= threshold, torch.stack([survive, cdf], dim=-1)
+        return cdf >= threshold, torch.stack([survive, cdf], dim=-1), None
 
     @staticmethod
     def exit_pdf(gate_logits: torch.Tensor) -> torch.Tensor:

@@ -449,9 +449,13 @@ def test_huginn_kl_rule_never_fires_before_a_previous_distribution_exists():
     state = torch.randn(1, adapter.state_dim, generator=torch.Generator().manual_seed(0))
     threshold = torch.full((1,), 1e30)
     store: dict = {}  # the token's coda KV: the second readout of the same state overwrites it with the same
-    fired, carry = adapter.exit_rule(state, 1, state, adapter.exit_carry(1), threshold, TokenContext(store, 0, 0))
+    fired, carry, logits = adapter.exit_rule(
+        state, 1, state, adapter.exit_carry(1), threshold, TokenContext(store, 0, 0)
+    )
     assert not fired.any() and carry.shape == (1, adapter.vocab_size) and torch.isfinite(carry).all()
-    fired, _ = adapter.exit_rule(state, 2, state, carry, threshold, TokenContext(store, 0, 0))
+    # the rule hands out the readout it made (the engine uses it for a token that exits here in skip mode)
+    torch.testing.assert_close(logits, adapter.readout(state, 1, TokenContext(store, 0, 0)))
+    fired, _, _ = adapter.exit_rule(state, 2, state, carry, threshold, TokenContext(store, 0, 0))
     assert fired.all()
 
 
@@ -478,3 +482,30 @@ def test_tokens_exiting_at_different_depths_are_read_out_in_one_call_when_the_re
     logits = read_out_by_depth(runner, [None] * 4, [0] * 4, [1] * 4, states, depths, None)
     assert len(seen) == calls
     torch.testing.assert_close(logits, adapter.readout(states, 4, None))
+
+
+@pytest.mark.parametrize("batching", ["step", "loop"])
+def test_a_token_the_kl_rule_exits_keeps_the_rules_readout(batching):
+    """Skip mode: a token Huginn's KL rule exits after loop 2 leaves with the readout the rule made of its exit state
+    (its logits, its coda KV written), so a decoded token costs the rule's two readouts and no third."""
+    from conftest import fixture_dir
+
+    from looped_spec import load_adapter
+
+    adapter = load_adapter(fixture_dir("huginn"), initial_state="zeros", exit_criterion="kl")
+    calls, readout = [], adapter.readout
+
+    def counted(*args):
+        calls.append(1)
+        return readout(*args)
+
+    adapter.readout = counted
+    engine = LoopedSpecEngine(adapter, speculation="off", batching=batching)
+    counts = []
+    for tokens in (2, 6):  # the difference is four decoded tokens' readouts (the first token comes from the prompt)
+        calls.clear()
+        params = SamplingParams(max_tokens=tokens, ignore_eos=True, exit_threshold=1e9)  # KL < 1e9: exits at loop 2
+        out = engine.generate([[5, 9, 2, 7]], params)[0]
+        assert set(out.metrics.exit_depth_histogram) == {2}
+        counts.append(len(calls))
+    assert counts[1] - counts[0] == 4 * 2

@@ -36,14 +36,17 @@ class ExitTracker:
         self.at_step = to_device([r.exit_at_step or self.full_depth for r in requests], device)
         self.any_rule = any(t is not None for t in thresholds)
         self.carry = adapter.exit_carry(len(requests)) if self.any_rule else None
+        self.logits: torch.Tensor | None = None  # the last step's rule readout of its rows, when the rule read out
 
     def step(self, depth: int, state: torch.Tensor, prev_state: torch.Tensor, ctx) -> torch.Tensor:
         """Rows [n] bool that exit after loop `depth` (1-based): rule fired, fixed step reached, or depth D."""
         exits = self.at_step <= depth
+        self.logits = None
         if depth >= self.full_depth:
             return torch.ones_like(exits)
         if self.any_rule:
-            fired, self.carry = self.adapter.exit_rule(state, depth, prev_state, self.carry, self.threshold, ctx)
+            fired, self.carry, self.logits = self.adapter.exit_rule(state, depth, prev_state, self.carry,
+                                                                    self.threshold, ctx)  # fmt: skip
             exits = exits | (fired & self.rule_rows)
         return exits
 
@@ -93,7 +96,7 @@ def read_out_by_depth(runner, requests, positions, context_lens, states, depths:
     return logits
 
 
-LoopsResult = tuple[torch.Tensor, list[int], torch.Tensor, "ExitTracker", list[int]]
+LoopsResult = tuple[torch.Tensor, list[int], torch.Tensor, "ExitTracker", list[int], dict[int, torch.Tensor]]
 
 
 def loops_with_exit(
@@ -103,8 +106,9 @@ def loops_with_exit(
 
     Returns the state after the last loop run (skip mode: of the rows still looping, `live`; select: every
     row), each row's exit depth (0: it did not exit), the exit states [n, S] (rows that exited), the tracker
-    (its carry belongs to `live` in skip mode, to every row in select mode) and `live`. Skip mode: a row that
-    exits leaves the pass and its deeper loop planes get its exit loop's KV at once.
+    (its carry belongs to `live` in skip mode, to every row in select mode), `live`, and per row that exited where the
+    rule read out (skip mode) those logits [V]: its readout. Skip mode: a row that exits leaves the pass and its
+    deeper loop planes get its exit loop's KV at once.
     """
     num_rows = len(requests)
     tracker = ExitTracker(runner.adapter, requests, runner.device)
@@ -113,6 +117,7 @@ def loops_with_exit(
     live = list(range(num_rows))  # rows still looping (skip mode); select keeps every row
     decided = torch.zeros(num_rows, dtype=torch.bool, device=runner.device)
     pass_ctx = ctx
+    read_out: dict[int, torch.Tensor] = {}
     for i in range(num_loops):
         prev, state = state, runner.adapter.loop(state, i, pass_ctx)
         exits = tracker.step(i + 1, state, prev, pass_ctx)
@@ -129,6 +134,8 @@ def loops_with_exit(
         exit_state[to_device(leaving, state.device)] = state[exits]
         for row in leaving:
             exit_depth[row] = i + 1
+        if tracker.logits is not None:  # the rule read them out: the exit state's logits, its coda KV written
+            read_out.update(zip(leaving, tracker.logits[exits]))
         if i + 1 < runner.full_depth:
             slots = token_slots([requests[r] for r in leaving], [positions[r] for r in leaving], runner.kv.block_size,
                                 runner.device)  # fmt: skip
@@ -141,7 +148,7 @@ def loops_with_exit(
         tracker.keep(stay)
         # the rows that go on form a smaller pass: that is where skip mode saves compute
         pass_ctx = runner.context([requests[r] for r in live], [1] * len(live), [positions[r] + 1 for r in live])
-    return state, exit_depth, exit_state, tracker, live
+    return state, exit_depth, exit_state, tracker, live, read_out
 
 
 @torch.inference_mode()
@@ -152,8 +159,22 @@ def decode_with_exit(runner, requests: list[Request], mode: ExitMode) -> tuple[t
     ctx = runner.context(requests, [1] * len(requests), context_lens)
     state = runner.embed(runner.token_tensor([r.token_ids[p] for r, p in zip(requests, positions)]), ctx)
     # every row exits by depth D (the tracker says so at D), so every exit depth is set
-    _, exit_depth, exit_state, _, _ = loops_with_exit(runner, requests, positions, state, ctx, runner.full_depth, mode)
-    logits = read_out_by_depth(runner, requests, positions, context_lens, exit_state, exit_depth, ctx)
+    _, exit_depth, exit_state, _, _, read_out = loops_with_exit(
+        runner, requests, positions, state, ctx, runner.full_depth, mode
+    )
+    if not read_out:
+        return read_out_by_depth(runner, requests, positions, context_lens, exit_state, exit_depth, ctx), exit_depth
+    # the rows the rule read out at their exit keep those logits; the others are read out here
+    ruled = list(read_out)
+    logits = read_out[ruled[0]].new_empty(len(requests), read_out[ruled[0]].shape[-1])
+    logits[to_device(ruled, logits.device)] = torch.stack([read_out[i] for i in ruled])
+    rest = [i for i in range(len(requests)) if i not in read_out]
+    if rest:
+        reqs, lens = [requests[i] for i in rest], [context_lens[i] for i in rest]
+        sub_ctx = runner.context(reqs, [1] * len(rest), lens) if runner.adapter.readout_uses_kv else ctx
+        index = to_device(rest, logits.device)
+        logits[index] = read_out_by_depth(runner, reqs, [positions[i] for i in rest], lens, exit_state[index],
+                                          [exit_depth[i] for i in rest], sub_ctx)  # fmt: skip
     return logits, exit_depth
 
 

@@ -124,7 +124,7 @@ class LoopBatcher:
                     last.append(state[rows[i].stop - 1 : rows[i].stop])
         t2 = watch.mark()
         out = Finished(requests)
-        fired, carries = self.exits.decide(items, loops, state, prev, rows, ctx)
+        fired, carries, read_out = self.exits.decide(items, loops, state, prev, rows, ctx)
         skip = self.runner.exit_mode == "skip"
         plain, drafts, verifies, prompts = [], [], [], []
         fills: list[tuple[Request, int, int]] = []  # skip mode: (request, position, exit depth) whose planes to fill
@@ -151,7 +151,9 @@ class LoopBatcher:
                     exit_depth, exit_state = n, None  # None: this pass's row
                 stops = n >= (self.depth if it.plain else it.stop) or (skip and exit_depth)
                 if it.plain and stops:
-                    plain.append((it, rs.start, exit_depth, exit_state, preds[i]))
+                    # skip mode, exited here where its rule read it out: those are its logits (its readout KV written)
+                    logits = read_out[i] if skip and exit_state is None else None
+                    plain.append((it, rs.start, exit_depth, exit_state, preds[i], logits))
                     continue
                 if exit_depth and exit_state is None:
                     exit_state = state[rs]

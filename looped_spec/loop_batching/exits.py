@@ -25,16 +25,17 @@ class PassExits:
         self.reads_kv = self.adapter.exit_rule_reads_kv
         self.loop_planes = [list(self.adapter.loop_planes(i)) for i in range(self.depth)]
 
-    def decide(self, items, loops, state, prev, rows, ctx) -> tuple[list[list[bool]], list]:
+    def decide(self, items, loops, state, prev, rows, ctx) -> tuple[list[list[bool]], list, list]:
         """Per item and row, whether its position exits after its loop (rule fired, exit_at_step reached; depth D is
-        the caller's), and the item's new carry. Rules apply to the items they rule (`Item.ruled`); a rule runs once
-        per depth over the rows that have one, or once for all when it does not depend on the depth
-        (`exit_rule_uses_depth`); items that carry nothing yet apart."""
+        the caller's), the item's new carry, and its rows' logits when its rule read them out (else None). Rules apply
+        to the items they rule (`Item.ruled`); a rule runs once per depth over the rows that have one, or once for all
+        when it does not depend on the depth (`exit_rule_uses_depth`); items that carry nothing yet apart."""
         fired = [
             [it.ruled and it.request.exit_at_step is not None and n >= it.request.exit_at_step] * it.num_positions
             for it, n in zip(items, loops)
         ]
         carries = [it.carry for it in items]
+        read_out: list[torch.Tensor | None] = [None] * len(items)
         groups: dict[tuple, list[int]] = {}
         for i, (it, n) in enumerate(zip(items, loops)):
             if it.ruled and it.request.exit_threshold is not None and n < self.depth:
@@ -50,14 +51,15 @@ class PassExits:
             carry = None if carries[chosen[0]] is None else torch.cat([carries[i] for i in chosen])
             # a rule that reads out through attention (Huginn's KL: its coda writes KV) gets the context of its rows
             rule_ctx = readout_context(self.runner, [items[i] for i in chosen], ctx, items) if self.reads_kv else ctx
-            hits, carry = self.adapter.exit_rule(state[index], loops[chosen[0]], prev[index], carry, threshold,
-                                                 rule_ctx)  # fmt: skip
+            hits, carry, logits = self.adapter.exit_rule(state[index], loops[chosen[0]], prev[index], carry, threshold,
+                                                         rule_ctx)  # fmt: skip
             hits, start = hits.tolist(), 0
             for i, count in zip(chosen, counts):
                 fired[i] = [a or b for a, b in zip(fired[i], hits[start : start + count])]
                 carries[i] = None if carry is None else carry[start : start + count]
+                read_out[i] = None if logits is None else logits[start : start + count]
                 start += count
-        return fired, carries
+        return fired, carries, read_out
 
     def writing(self, items: list[Item]) -> torch.Tensor | None:
         """Skip mode: the rows whose KV the pass writes when an item holds rows past their exit (`Item.kept_rows`: their

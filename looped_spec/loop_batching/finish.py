@@ -73,23 +73,39 @@ class Finisher:
 
     def plain(self, done: list[tuple], state: torch.Tensor, ctx, items: list[Item], out: Finished) -> None:
         """Plain tokens (item, its row in this pass, exit depth, exit state or None for this pass's row, its
-        measured predictions or None): read out at their exit depth (skip mode: the loop planes after it get the exit
-        loop's KV) and sampled."""
+        measured predictions or None, its logits when its exit rule read it out at its exit here or None): the others
+        are read out at their exit depth (skip mode: the loop planes after it get the exit loop's KV), then all are
+        sampled."""
         runner = self.runner
-        finished = [it for it, _, _, _, _ in done]
-        depths = [depth or self.depth for _, _, depth, _, _ in done]
+        finished = [d[0] for d in done]
+        depths = [d[2] or self.depth for d in done]
         if runner.exit_mode == "skip":
             self.exits.fill([(it.request, it.position, depth) for it, depth in zip(finished, depths)])
         requests = [it.request for it in finished]
         positions = [it.position for it in finished]
         lens = [p + 1 for p in positions]
-        rows = [row for _, row, _, _, _ in done]
-        if all(kept is None for _, _, _, kept, _ in done):  # every exit state is this pass's row
-            exit_states = state if len(rows) == state.shape[0] else state[to_device(rows, state.device)]
-        else:
-            exit_states = torch.cat([state[row : row + 1] if kept is None else kept for _, row, _, kept, _ in done])
-        read_ctx = self.readout_context(finished, ctx, items)
-        logits = read_out_by_depth(runner, requests, positions, lens, exit_states, depths, read_ctx)
+        rest = [j for j, d in enumerate(done) if d[5] is None]
+        logits = part = None
+        if rest:
+            rows = [done[j][1] for j in rest]
+            if all(done[j][3] is None for j in rest):  # every exit state is this pass's row
+                exit_states = state if len(rows) == state.shape[0] else state[to_device(rows, state.device)]
+            else:
+                exit_states = torch.cat([state[done[j][1] : done[j][1] + 1] if done[j][3] is None else done[j][3]
+                                         for j in rest])  # fmt: skip
+            read_ctx = self.readout_context([finished[j] for j in rest], ctx, items)
+            part = read_out_by_depth(runner, [requests[j] for j in rest], [positions[j] for j in rest],
+                                     [lens[j] for j in rest], exit_states, [depths[j] for j in rest],
+                                     read_ctx)  # fmt: skip
+            if len(rest) == len(done):
+                logits = part
+        if logits is None:
+            ruled = [j for j, d in enumerate(done) if d[5] is not None]
+            rule_logits = torch.cat([done[j][5] for j in ruled])
+            logits = rule_logits.new_empty(len(done), rule_logits.shape[-1])
+            logits[to_device(ruled, logits.device)] = rule_logits
+            if part is not None:
+                logits[to_device(rest, logits.device)] = part
         sampled = sample(logits, SamplingRows.build(requests, runner.device))
         entries = logprobs_of_rows(requests, logits, sampled) or [None] * len(finished)
         for j, (it, token, depth, entry) in enumerate(zip(finished, sampled.tolist(), depths, entries)):

@@ -178,10 +178,12 @@ class ModelAdapter(ABC):
         carry: torch.Tensor | None,
         threshold: torch.Tensor,
         ctx,
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """After loop `depth` (< D): which tokens exit ([num_rows] bool, per-row `threshold` [num_rows]) and
-        the new carry. `prev_state` is the state before the loop. A rule that reads out writes the readout's
-        KV (Huginn's coda); the runner reads out again at the exit depth last, so that write wins."""
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """After loop `depth` (< D): which tokens exit ([num_rows] bool, per-row `threshold` [num_rows]), the new
+        carry, and the logits [num_rows, V] of `readout(state, depth, ctx)` when the rule read them out (else None).
+        `prev_state` is the state before the loop. A rule that reads out writes the readout's KV (Huginn's coda): in
+        skip mode a token that exits here leaves with that KV and those logits, which the engine uses as its readout;
+        in select mode it loops on, and the runner reads out again at the exit depth last, so that write wins."""
         raise NotImplementedError(f"{self.model_type} has no exit rule; use exit_at_step")
 
     def loop_planes(self, loop_index: int) -> range:

@@ -83,7 +83,7 @@ def _draft_position(
     exited hold their exit state), exit depth per row (0: none), exit states, the rule's carry after d)."""
     ctx = runner.context(requests, [1] * len(requests), [p + 1 for p in positions])
     state = runner.embed(tokens, ctx)
-    state, exit_depth, exit_state, tracker, live = loops_with_exit(runner, requests, positions, state, ctx, d, mode)
+    state, exit_depth, exit_state, tracker, live, _ = loops_with_exit(runner, requests, positions, state, ctx, d, mode)
     if mode == "select":
         return state, exit_depth, exit_state, tracker.carry
     final = exit_state.clone()
