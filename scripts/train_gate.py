@@ -176,7 +176,7 @@ def rule_depths(adapter: ModelAdapter, states: torch.Tensor, tau: float) -> torc
     threshold = torch.full((num,), tau, dtype=torch.float32)
     out = torch.full((num,), depth, dtype=torch.long)
     for step in range(1, depth):
-        fired, carry = adapter.exit_rule(states[:, step - 1], step, None, carry, threshold, None)
+        fired, carry, _ = adapter.exit_rule(states[:, step - 1], step, None, carry, threshold, None)
         out = torch.where(fired & (out == depth), torch.full_like(out, step), out)
     return out
 
