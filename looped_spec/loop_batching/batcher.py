@@ -18,7 +18,7 @@ from looped_spec.execution.transfers import to_device
 from looped_spec.loop_batching.contexts import items_context
 from looped_spec.loop_batching.finish import Finished, Finisher
 from looped_spec.loop_batching.graphs import LoopPassGraphs
-from looped_spec.loop_batching.items import DraftRound, Entering, Item, NextDraft, PassResult
+from looped_spec.loop_batching.items import DraftRound, Entering, Item, NextDraft, PassResult, PlainToken
 from looped_spec.request import Request
 
 #: A request that enters without an entry in `rounds`: a plain token, not measured
@@ -126,7 +126,8 @@ class LoopBatcher:
         out = Finished(requests)
         fired, carries, read_out = self.exits.decide(items, loops, state, prev, rows, ctx)
         skip = self.runner.exit_mode == "skip"
-        plain, drafts, verifies, prompts = [], [], [], []
+        plain: list[PlainToken] = []
+        drafts, verifies, prompts = [], [], []
         fills: list[tuple[Request, int, int]] = []  # skip mode: (request, position, exit depth) whose planes to fill
         for i, (it, n) in enumerate(zip(items, loops)):
             rs = rows[i]
@@ -153,7 +154,7 @@ class LoopBatcher:
                 if it.plain and stops:
                     # skip mode, exited here where its rule read it out: those are its logits (its readout KV written)
                     logits = read_out[i] if skip and exit_state is None else None
-                    plain.append((it, rs.start, exit_depth, exit_state, preds[i], logits))
+                    plain.append(PlainToken(it, rs.start, exit_depth, exit_state, preds[i], logits))
                     continue
                 if exit_depth and exit_state is None:
                     exit_state = state[rs]

@@ -18,7 +18,7 @@ from looped_spec.execution.sampler import SamplingRows, sample
 from looped_spec.execution.transfers import to_device
 from looped_spec.loop_batching.contexts import readout_context
 from looped_spec.loop_batching.exits import PassExits
-from looped_spec.loop_batching.items import DraftRound, Item, NextDraft, PassResult
+from looped_spec.loop_batching.items import DraftRound, Item, NextDraft, PassResult, PlainToken
 from looped_spec.request import Request, TokenLogprob
 from looped_spec.speculative.proposer import draw_drafts, top_two_margin
 from looped_spec.speculative.rejection_sampler import accept
@@ -71,47 +71,45 @@ class Finisher:
             out.prefill(it.request, it.num_positions, [] if token is None else [token], entry,
                         [depths[j]] if j in depths else [])  # fmt: skip
 
-    def plain(self, done: list[tuple], state: torch.Tensor, ctx, items: list[Item], out: Finished) -> None:
-        """Plain tokens (item, its row in this pass, exit depth, exit state or None for this pass's row, its
-        measured predictions or None, its logits when its exit rule read it out at its exit here or None): the others
-        are read out at their exit depth (skip mode: the loop planes after it get the exit loop's KV), then all are
-        sampled."""
+    def plain(self, done: list[PlainToken], state: torch.Tensor, ctx, items: list[Item], out: Finished) -> None:
+        """Plain tokens: those whose exit rule did not read them out at their exit are read out at their exit depth
+        (skip mode: the loop planes after it get the exit loop's KV), then all are sampled."""
         runner = self.runner
-        finished = [d[0] for d in done]
-        depths = [d[2] or self.depth for d in done]
+        finished = [t.item for t in done]
+        depths = [t.exit_depth or self.depth for t in done]
         if runner.exit_mode == "skip":
             self.exits.fill([(it.request, it.position, depth) for it, depth in zip(finished, depths)])
         requests = [it.request for it in finished]
         positions = [it.position for it in finished]
         lens = [p + 1 for p in positions]
-        rest = [j for j, d in enumerate(done) if d[5] is None]
+        unread = [j for j, t in enumerate(done) if t.logits is None]
         logits = part = None
-        if rest:
-            rows = [done[j][1] for j in rest]
-            if all(done[j][3] is None for j in rest):  # every exit state is this pass's row
+        if unread:
+            rows = [done[j].row for j in unread]
+            if all(done[j].exit_state is None for j in unread):  # every exit state is this pass's row
                 exit_states = state if len(rows) == state.shape[0] else state[to_device(rows, state.device)]
             else:
-                exit_states = torch.cat([state[done[j][1] : done[j][1] + 1] if done[j][3] is None else done[j][3]
-                                         for j in rest])  # fmt: skip
-            read_ctx = self.readout_context([finished[j] for j in rest], ctx, items)
-            part = read_out_by_depth(runner, [requests[j] for j in rest], [positions[j] for j in rest],
-                                     [lens[j] for j in rest], exit_states, [depths[j] for j in rest],
+                exit_states = torch.cat([state[t.row : t.row + 1] if t.exit_state is None else t.exit_state
+                                         for t in (done[j] for j in unread)])  # fmt: skip
+            read_ctx = self.readout_context([finished[j] for j in unread], ctx, items)
+            part = read_out_by_depth(runner, [requests[j] for j in unread], [positions[j] for j in unread],
+                                     [lens[j] for j in unread], exit_states, [depths[j] for j in unread],
                                      read_ctx)  # fmt: skip
-            if len(rest) == len(done):
+            if len(unread) == len(done):
                 logits = part
         if logits is None:
-            ruled = [j for j, d in enumerate(done) if d[5] is not None]
-            rule_logits = torch.cat([done[j][5] for j in ruled])
+            read = [j for j, t in enumerate(done) if t.logits is not None]
+            rule_logits = torch.cat([done[j].logits for j in read])
             logits = rule_logits.new_empty(len(done), rule_logits.shape[-1])
-            logits[to_device(ruled, logits.device)] = rule_logits
+            logits[to_device(read, logits.device)] = rule_logits
             if part is not None:
-                logits[to_device(rest, logits.device)] = part
+                logits[to_device(unread, logits.device)] = part
         sampled = sample(logits, SamplingRows.build(requests, runner.device))
         entries = logprobs_of_rows(requests, logits, sampled) or [None] * len(finished)
         for j, (it, token, depth, entry) in enumerate(zip(finished, sampled.tolist(), depths, entries)):
             agreement = None
-            if done[j][4] is not None:  # measured (at full depth): depths 1..D-1 on the way, D here
-                agreement = torch.stack([*done[j][4], logits[j : j + 1].argmax(-1)]) == sampled[j]  # [D, 1]
+            if done[j].preds is not None:  # measured (at full depth): depths 1..D-1 on the way, D here
+                agreement = torch.stack([*done[j].preds, logits[j : j + 1].argmax(-1)]) == sampled[j]  # [D, 1]
             out.finish(it.request, [token], 0, 0, [depth] if it.request.exits_early else [], entry, it.position,
                        agreement)  # fmt: skip
 

@@ -30,6 +30,17 @@ class Entering(NamedTuple):
     stop_margin: float | None = None
 
 
+class PlainToken(NamedTuple):
+    """A plain token a pass finished, to be read out (unless its exit rule already did) and sampled."""
+
+    item: Item
+    row: int  # its row in the pass
+    exit_depth: int  # 0: it ran to depth D
+    exit_state: torch.Tensor | None  # None: the pass's row (it exited here, or ran to D)
+    preds: list | None  # a measured token's greedy predictions at depths 1..D-1
+    logits: torch.Tensor | None  # [1, V]: its exit rule's readout of its exit state here (skip mode), else None
+
+
 @dataclass(slots=True)
 class DraftRound:
     """A request's speculative round in flight: K drafts from loops 1..d of positions start..start+K-1, the loop-d
