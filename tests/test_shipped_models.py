@@ -122,7 +122,7 @@ def test_loop_passes_equal_the_step_engine(shipped):
     prompts = [step_engine.tokenizer.encode(t) for t in texts]
     kinds = [SamplingParams(), *shipped_exit_params(adapter)]
     # every prompt under every kind (prompts cycle every request, kinds every three)
-    params = [kinds[i // 3 % len(kinds)].model_copy(update={"max_tokens": 10, "ignore_eos": True}) for i in range(32)]
+    params = [kinds[i // 3 % len(kinds)].model_copy(update={"max_tokens": 6, "ignore_eos": True}) for i in range(32)]
 
     def run(engine) -> list[list[int]]:
         ids = [engine.add_request(p, q) for p, q in zip(prompts[:24], params[:24])]
