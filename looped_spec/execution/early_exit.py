@@ -165,17 +165,30 @@ def decode_with_exit(runner, requests: list[Request], mode: ExitMode) -> tuple[t
     if not read_out:
         return read_out_by_depth(runner, requests, positions, context_lens, exit_state, exit_depth, ctx), exit_depth
     # the rows the rule read out at their exit keep those logits; the others are read out here
-    ruled = list(read_out)
-    logits = read_out[ruled[0]].new_empty(len(requests), read_out[ruled[0]].shape[-1])
-    logits[to_device(ruled, logits.device)] = torch.stack([read_out[i] for i in ruled])
     rest = [i for i in range(len(requests)) if i not in read_out]
+    part = None
     if rest:
         reqs, lens = [requests[i] for i in rest], [context_lens[i] for i in rest]
         sub_ctx = runner.context(reqs, [1] * len(rest), lens) if runner.adapter.readout_uses_kv else ctx
-        index = to_device(rest, logits.device)
-        logits[index] = read_out_by_depth(runner, reqs, [positions[i] for i in rest], lens, exit_state[index],
-                                          [exit_depth[i] for i in rest], sub_ctx)  # fmt: skip
-    return logits, exit_depth
+        part = read_out_by_depth(runner, reqs, [positions[i] for i in rest], lens,
+                                 exit_state[to_device(rest, exit_state.device)], [exit_depth[i] for i in rest],
+                                 sub_ctx)  # fmt: skip
+    return merge_logits(len(requests), read_out, rest, part), exit_depth
+
+
+def merge_logits(
+    count: int, known: dict[int, torch.Tensor], rest: list[int], part: torch.Tensor | None
+) -> torch.Tensor:
+    """Logits [count, V]: the rows in `known` ([V] each, read out already by the exit rule), rows `rest` from `part`."""
+    if not known:
+        return part
+    rows = list(known)
+    first = known[rows[0]]
+    logits = first.new_empty(count, first.shape[-1])
+    logits[to_device(rows, logits.device)] = torch.stack([known[i] for i in rows])
+    if rest:
+        logits[to_device(rest, logits.device)] = part
+    return logits
 
 
 @torch.inference_mode()

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from looped_spec.execution.early_exit import read_out_by_depth
+from looped_spec.execution.early_exit import merge_logits, read_out_by_depth
 from looped_spec.execution.logprobs import logprobs_of_rows, verified_logprobs
 from looped_spec.execution.sampler import SamplingRows, sample
 from looped_spec.execution.transfers import to_device
@@ -82,8 +82,9 @@ class Finisher:
         requests = [it.request for it in finished]
         positions = [it.position for it in finished]
         lens = [p + 1 for p in positions]
-        unread = [j for j, t in enumerate(done) if t.logits is None]
-        logits = part = None
+        read = {j: t.logits[0] for j, t in enumerate(done) if t.logits is not None}
+        unread = [j for j in range(len(done)) if j not in read]
+        part = None
         if unread:
             rows = [done[j].row for j in unread]
             if all(done[j].exit_state is None for j in unread):  # every exit state is this pass's row
@@ -95,15 +96,7 @@ class Finisher:
             part = read_out_by_depth(runner, [requests[j] for j in unread], [positions[j] for j in unread],
                                      [lens[j] for j in unread], exit_states, [depths[j] for j in unread],
                                      read_ctx)  # fmt: skip
-            if len(unread) == len(done):
-                logits = part
-        if logits is None:
-            read = [j for j, t in enumerate(done) if t.logits is not None]
-            rule_logits = torch.cat([done[j].logits for j in read])
-            logits = rule_logits.new_empty(len(done), rule_logits.shape[-1])
-            logits[to_device(read, logits.device)] = rule_logits
-            if part is not None:
-                logits[to_device(unread, logits.device)] = part
+        logits = merge_logits(len(done), read, unread, part)
         sampled = sample(logits, SamplingRows.build(requests, runner.device))
         entries = logprobs_of_rows(requests, logits, sampled) or [None] * len(finished)
         for j, (it, token, depth, entry) in enumerate(zip(finished, sampled.tolist(), depths, entries)):
