@@ -435,6 +435,7 @@ def check_model(name: str, config: dict, args, report: dict, deadline: float, sa
             captured = engines["loop"].loop_batcher.graphs
             row.update(loops_per_token=engines["loop"].stats.mean_loops_per_token or depth,  # 0: none exited early
                        captured_pass_replays=captured.num_replays if captured else 0,
+                       captured_readout_replays=captured.num_readout_replays if captured else 0,
                        captured_pass_shapes=captured.num_graphs if captured else 0,
                        capture_seconds=captured.capture_seconds if captured else 0.0)  # fmt: skip
             rows[label] = row

@@ -139,8 +139,9 @@ def test_greedy_and_sampled_outputs_equal_the_step_engine(family, early_exit):
 def test_the_captured_pass_path_equals_the_step_engine(family, early_exit):
     """The captured-pass path (graphs.py) run uncaptured on the CPU: static buffers padded to shape buckets, the
     kernel's contract in plain torch (TorchKernelBatch) reading each item's plane, masked writes moved to the scratch
-    block. Greedy and sampled, plain and speculative, in every exit mode: the step engine's tokens, every pass of
-    positions short enough for the kernel taken from the captured path, no block leaked."""
+    block, and readouts that attend (Huginn's coda) on buffers of their own. Greedy and sampled, plain and
+    speculative, in every exit mode: the step engine's tokens, every pass of positions short enough for the kernel
+    taken from the captured path, no block leaked."""
     for spec in plans(family)[:2]:
         for extra in exit_params(family):
             for temperature in (0.0, 0.8):
@@ -153,6 +154,12 @@ def test_the_captured_pass_path_equals_the_step_engine(family, early_exit):
                 assert loop.num_free_blocks == loop.kv.num_blocks
                 # every prompt here is shorter than the kernel's query limit: every pass is a captured one
                 assert 0 < loop.stats.num_loop_passes_captured == loop.stats.num_loop_passes
+                # a readout that attends (Huginn's coda) is a captured stage too; one that does not runs eagerly
+                graphs = loop.loop_batcher.graphs
+                if loop.adapter.readout_uses_kv:
+                    assert graphs.num_readout_replays > 0
+                else:
+                    assert graphs.readouts is None and graphs.num_readout_replays == 0
 
 
 @pytest.mark.parametrize("criterion, threshold", [("latent", 0.2), ("kl", 0.05)])
@@ -767,6 +774,8 @@ def test_loop_passes_on_cuda_equal_the_step_engine(family):
             assert loop.num_free_blocks == loop.kv.num_blocks and not loop.loop_batcher.items
             captured = loop.loop_batcher.graphs
             assert (captured is None) if graphs is False else (captured.capture and captured.num_replays > 0)
+            if captured is not None and adapter.readout_uses_kv:  # the coda's readouts are captured too
+                assert captured.num_readout_replays > 0
 
 
 CAPTURED_PASSES_CHECK = """
@@ -788,6 +797,7 @@ for family, spec, rule, tokens, n in (("ouro", SpeculativeConfig(k=2, d=1), {"ex
     assert run(loop, PROMPTS[:n], params) == run(step, PROMPTS[:n], params), family
     assert graphs.num_replays > 0 and graphs.num_graphs > 1, (graphs.num_replays, graphs.num_graphs)
     assert 0 < loop.stats.num_loop_passes_captured == graphs.num_replays <= loop.stats.num_loop_passes
+    assert (graphs.num_readout_replays > 0) == adapter.readout_uses_kv  # Huginn's coda: a captured stage too
     assert loop.num_free_blocks == loop.kv.num_blocks
 print("captured passes identical")
 """

@@ -75,6 +75,8 @@ class PagedContext:
     # the reference path's query groups when one padded grid would mostly be padding (decoding rows beside a prompt
     # chunk): each group is padded to its own longest query and context; None: one grid
     groups: list[QueryGroup] | None = None
+    # each request's query length, as built (a captured loop-pass readout pads its shape from them); None: not kept
+    query_lens: list[int] | None = None
 
     def attention(self, plane: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         num_planes, num_slots, kv_heads, head_dim = self.key_cache.shape
@@ -248,4 +250,5 @@ def build_paged_context(
         contiguous_from=used[0] * block_size if contiguous else None,
         seeds_per_token=token_seeds,
         groups=groups,
+        query_lens=list(query_lens),
     )

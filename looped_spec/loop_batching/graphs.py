@@ -11,6 +11,11 @@ scratch block: the row's slot is moved there, so the captured computation never 
 Padding items have no query tokens (the kernel computes nothing for them); padding positions belong to no item,
 write their KV to the scratch block, and their rows (each row's computation is its own) are never read.
 
+A readout that attends (Huginn's coda: it writes the coda KV of the positions it reads out) is a stage of its own,
+captured per shape the same way on buffers of its own (`read_out`): a pass's readouts run between and after its loops,
+whose inputs stay loaded. `CapturedReadouts` is the model runner loop passes use then: its readouts replay these graphs
+where they fit. A readout that does not attend (a norm and the head: a few launches) runs eagerly, as in steps.
+
 Passes outside the buckets (a prompt chunk longer than the kernel's query limit, more items or positions than the
 largest bucket) run eagerly. `capture=False` ("emulate") runs the same padded static-buffer path without capture; with
 `use_kernel=False` the kernel's contract is computed in plain torch (`TorchKernelBatch`), which is how the CPU tests
@@ -64,6 +69,16 @@ class _Buffers:
         self.request_planes = torch.zeros(max_items, dtype=long, device=device)
 
 
+class _Stage:
+    """One captured stage: its static inputs, a context and a graph per shape, and each graph's output (readouts)."""
+
+    def __init__(self, buffers: _Buffers) -> None:
+        self.buffers = buffers
+        self.contexts: dict[PassShape, PagedContext] = {}
+        self.graphs: dict[PassShape, torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[PassShape, torch.Tensor] = {}
+
+
 class LoopPassGraphs:
     """One loop of a pass's items, replayed from a graph per padded `PassShape` (or run on the static buffers)."""
 
@@ -80,17 +95,22 @@ class LoopPassGraphs:
         self.item_buckets = batch_buckets(max_items)
         self.position_buckets = position_buckets(max_items * MAX_KERNEL_QUERY)
         self.scratch_slot = kv.scratch_block * bs
-        self.buffers = _Buffers(max_items, self.position_buckets[-1], self.max_blocks, adapter.state_dim,
-                                adapter.dtype, adapter.device)  # fmt: skip
-        self.contexts: dict[PassShape, PagedContext] = {}
-        self.graphs: dict[PassShape, torch.cuda.CUDAGraph] = {}
+        self.loops = _Stage(self._buffers(max_items))
+        # a readout that attends writes KV: captured too, on inputs of its own (a pass's loops keep theirs loaded)
+        self.readouts = _Stage(self._buffers(max_items)) if adapter.readout_uses_kv else None
         self.pool = None
         self.capture_seconds = 0.0
-        self.num_replays = 0
+        self.num_replays = 0  # loops replayed
+        self.num_readout_replays = 0
+
+    def _buffers(self, max_items: int) -> _Buffers:
+        adapter = self.adapter
+        return _Buffers(max_items, self.position_buckets[-1], self.max_blocks, adapter.state_dim, adapter.dtype,
+                        adapter.device)  # fmt: skip
 
     @property
     def num_graphs(self) -> int:
-        return len(self.contexts)
+        return len(self.loops.contexts) + (len(self.readouts.contexts) if self.readouts is not None else 0)
 
     def pass_shape(self, counts: list[int]) -> PassShape | None:
         """The padded shape of a pass whose items have `counts` positions each, or None (it runs eagerly)."""
@@ -100,10 +120,11 @@ class LoopPassGraphs:
             return None
         return PassShape(items, positions, query)
 
-    def load(self, shape: PassShape, ctx: PagedContext, counts: list[int]) -> None:
-        """Copy the pass's context (its positions, slots and block tables, built eagerly) into the static buffers, with
-        the kernel's per-item inputs; padding rows and items point at the scratch block."""
-        b, n, items = self.buffers, sum(counts), len(counts)
+    def load(self, shape: PassShape, ctx: PagedContext, counts: list[int], stage: _Stage | None = None) -> None:
+        """Copy the pass's context (its positions, slots and block tables, built eagerly) into the static buffers of
+        `stage` (the loops'), with the kernel's per-item inputs; padding rows and items point at the scratch block."""
+        stage = stage or self.loops
+        b, n, items = stage.buffers, sum(counts), len(counts)
         lens = torch.tensor(counts, dtype=torch.int32)
         starts_lens = to_device(torch.cat([torch.cumsum(lens, 0, dtype=torch.int32) - lens, lens]), b.positions.device)
         b.positions[n : shape.positions].zero_()
@@ -121,32 +142,54 @@ class LoopPassGraphs:
         b.query_len[:items].copy_(starts_lens[items:])
         b.token_planes[: shape.positions].zero_()
         b.request_planes[: shape.items].zero_()
-        self._context(shape).memo.clear()  # RoPE tables of the last positions loaded
+        self._context(shape, stage).memo.clear()  # RoPE tables of the last positions loaded
 
     def run(self, shape: PassShape, state: torch.Tensor, request_planes: torch.Tensor, token_planes: torch.Tensor,
             write: torch.Tensor | None) -> torch.Tensor:  # fmt: skip
         """One loop of the loaded pass: item i's rows at plane offset `request_planes[i]`; rows where `write` is False
         keep their cached KV (their write goes to the scratch block)."""
-        b, n = self.buffers, state.shape[0]
+        stage = self.loops
+        b, n = stage.buffers, state.shape[0]
         b.request_planes[: request_planes.shape[0]].copy_(request_planes)
         b.token_planes[:n].copy_(token_planes)
         if write is not None:
             slots = b.slot_mapping[:n]
             slots.copy_(torch.where(write, slots, self.scratch_slot))
         b.state[:n].copy_(state)
-        ctx = self._context(shape)
-        if self.capture:
-            self._capture(shape, ctx)
-            self.graphs[shape].replay()
-        else:
-            self._body(shape, ctx)
+        self._replay(stage, shape, self._loop_body)
         self.num_replays += 1
         return b.state[:n].clone()  # the next pass overwrites the buffer
 
-    def _context(self, shape: PassShape) -> PagedContext:
-        ctx = self.contexts.get(shape)
+    def read_out(self, state: torch.Tensor, ctx: PagedContext) -> torch.Tensor | None:
+        """The logits of a readout that attends over `state` (the rows of `ctx`'s positions), replayed from the
+        readout graph of its padded shape; None where there is none (a readout that does not attend, a context of
+        unknown query lengths, a shape outside the buckets): the caller reads out eagerly."""
+        stage, counts = self.readouts, ctx.query_lens
+        shape = None if stage is None or counts is None else self.pass_shape(counts)
+        if shape is None:
+            return None
+        self.load(shape, ctx, counts, stage)
+        n = state.shape[0]
+        stage.buffers.state[:n].copy_(state)
+        logits = self._replay(stage, shape, self._readout_body)
+        self.num_readout_replays += 1
+        return logits[:n].clone()  # the next readout overwrites the output
+
+    def _replay(self, stage: _Stage, shape: PassShape, body) -> torch.Tensor | None:
+        """Run `body` (stage, shape, context) -> output or None on the loaded buffers: replayed from its graph (captured
+        on first use), or eagerly when emulating."""
+        ctx = self._context(shape, stage)
+        if not self.capture:
+            return body(stage, shape, ctx)
+        if shape not in stage.graphs:
+            self._capture(stage, shape, ctx, body)
+        stage.graphs[shape].replay()
+        return stage.outputs.get(shape)
+
+    def _context(self, shape: PassShape, stage: _Stage) -> PagedContext:
+        ctx = stage.contexts.get(shape)
         if ctx is None:
-            b, kv = self.buffers, self.kv
+            b, kv = stage.buffers, self.kv
             table = b.block_table[: shape.items * self.max_blocks].view(shape.items, self.max_blocks)
             kernel = self.kernel_class(table, b.query_start[: shape.items], b.query_len[: shape.items],
                                        b.key_limit[: shape.positions], self.block_size, shape.max_query,
@@ -157,29 +200,49 @@ class LoopPassGraphs:
                 kv.value_cache, self.block_size, kernel=kernel, request_planes=b.request_planes[: shape.items],
                 token_planes=b.token_planes[: shape.positions],
             )  # fmt: skip
-            self.contexts[shape] = ctx
+            stage.contexts[shape] = ctx
         return ctx
 
-    def _body(self, shape: PassShape, ctx: PagedContext) -> None:
-        state = self.buffers.state[: shape.positions]
+    def _loop_body(self, stage: _Stage, shape: PassShape, ctx: PagedContext) -> None:
+        state = stage.buffers.state[: shape.positions]
         state.copy_(self.adapter.loop(state, 0, ctx))
 
-    def _capture(self, shape: PassShape, ctx: PagedContext) -> None:
-        """Capture on first use: a warm-up on the live inputs (the same loop the replay then computes again, writing
-        the same KV), then the capture."""
-        if shape in self.graphs:
-            return
+    def _readout_body(self, stage: _Stage, shape: PassShape, ctx: PagedContext) -> torch.Tensor:
+        # the depth does not change the readout of a family with uniform loops (ModelAdapter.uniform_loops)
+        return self.adapter.readout(stage.buffers.state[: shape.positions], self.adapter.full_depth, ctx)
+
+    def _capture(self, stage: _Stage, shape: PassShape, ctx: PagedContext, body) -> None:
+        """Capture on first use: a warm-up on the live inputs (the same computation the replay then runs again,
+        writing the same KV), then the capture."""
         device = self.adapter.device
         t0 = time.perf_counter()
-        saved = self.buffers.state[: shape.positions].clone()
-        self._body(shape, ctx)  # lazy initialisation and Triton's compilation stay outside the graph
-        self.buffers.state[: shape.positions].copy_(saved)
+        saved = stage.buffers.state[: shape.positions].clone()
+        body(stage, shape, ctx)  # lazy initialisation and Triton's compilation stay outside the graph
+        stage.buffers.state[: shape.positions].copy_(saved)
         torch.cuda.synchronize(device)
         ctx.memo.clear()  # tensors memoised eagerly (RoPE tables) are recomputed inside the graph
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool):
-            self._body(shape, ctx)
+            output = body(stage, shape, ctx)
         self.pool = graph.pool()
-        self.graphs[shape] = graph
+        stage.graphs[shape] = graph
+        if output is not None:
+            stage.outputs[shape] = output
         torch.cuda.synchronize(device)
         self.capture_seconds += time.perf_counter() - t0
+
+
+class CapturedReadouts:
+    """The model runner of loop passes whose readouts attend: a readout replays its captured graph where its shape
+    fits one (`LoopPassGraphs.read_out`), else runs eagerly; everything else is the runner's."""
+
+    def __init__(self, runner, graphs: LoopPassGraphs) -> None:
+        self.runner = runner
+        self.graphs = graphs
+
+    def __getattr__(self, name: str):
+        return getattr(self.runner, name)
+
+    def readout(self, state: torch.Tensor, depth: int, ctx: PagedContext) -> torch.Tensor:
+        logits = self.graphs.read_out(state, ctx)
+        return self.runner.readout(state, depth, ctx) if logits is None else logits
