@@ -8,7 +8,9 @@ discarded) of step ÷ loop time to serve the batch, prompts included (loop passe
 decoding, so their prefill cannot be told apart), with the standard error of that median (1.25 sd / sqrt(n)
 of the log-ratios), the A/A line beside it, the loops per token, and the loop engine's passes per token and
 positions per pass (occupancy) against the step engine's loop calls per token, so the ratio can be read against the
-pass counts (with speculation, per committed token). Greedy outputs of the three engines are checked equal.
+pass counts (with speculation, per committed token), and each engine's host time per token (its time outside the
+adapter's stages: scheduling, bookkeeping, index building, sampling). Greedy outputs of the three engines are
+checked equal.
 
     python benchmarks/bench_loop_batching.py --model tiny-ouro --batch-size 8 --modes full,tau0.7,tau0.9,step2
 """
@@ -45,16 +47,32 @@ def mode_params(mode: str, count: int, max_tokens: int) -> list[SamplingParams]:
     return [SamplingParams(max_tokens=max_tokens, ignore_eos=True, seed=i, **extra) for i in range(count)]
 
 
-class LoopCalls:
-    """Counts the adapter's loop calls (one per loop pass; a step engine calls it once per loop of a step)."""
+class AdapterCalls:
+    """Counts the adapter's loop calls (one per loop pass; a step engine calls it once per loop of a step) and times
+    every call of its stages (embed, loop, exit rule, readout): the engines' model time; the rest of their time is
+    host work (scheduling, bookkeeping, index building, sampling)."""
+
+    STAGES = ("embed", "loop", "exit_rule", "readout")
 
     def __init__(self, adapter) -> None:
-        self.original, self.calls = adapter.loop, 0
-        adapter.loop = self
+        self.calls, self.seconds, self._open = 0, 0.0, 0
+        for stage in self.STAGES:
+            setattr(adapter, stage, self._timed(stage, getattr(adapter, stage)))
 
-    def __call__(self, *args, **kwargs):
-        self.calls += 1
-        return self.original(*args, **kwargs)
+    def _timed(self, stage: str, original):
+        def call(*args, **kwargs):
+            if stage == "loop":
+                self.calls += 1
+            self._open += 1  # a stage calling another (Huginn's KL rule reads out) is timed once, as the outer one
+            start = time.perf_counter()
+            try:
+                return original(*args, **kwargs)
+            finally:
+                self._open -= 1
+                if not self._open:
+                    self.seconds += time.perf_counter() - start
+
+        return call
 
 
 def counters(engine: LoopedSpecEngine) -> dict:
@@ -67,10 +85,10 @@ def counters(engine: LoopedSpecEngine) -> dict:
     }
 
 
-def timed_turns(engines, prompts, params, slice_s: float, rng: random.Random, calls: LoopCalls) -> dict:
+def timed_turns(engines, prompts, params, slice_s: float, rng: random.Random, calls: AdapterCalls) -> dict:
     """Every engine decodes `prompts` with `params`, the engines taking turns of at least `slice_s` seconds."""
     before = {name: counters(e) for name, e in engines.items()}
-    wall, ids, done, loop_calls = {}, {}, {}, dict.fromkeys(engines, 0)
+    wall, ids, done, loop_calls, model = {}, {}, {}, dict.fromkeys(engines, 0), dict.fromkeys(engines, 0.0)
     for name, engine in engines.items():
         start = time.perf_counter()
         ids[name] = [engine.add_request(p, sp) for p, sp in zip(prompts, params)]
@@ -81,7 +99,7 @@ def timed_turns(engines, prompts, params, slice_s: float, rng: random.Random, ca
         for name in active:
             engine, finished = engines[name], done[name]
             start = now = time.perf_counter()
-            calls_before = calls.calls
+            calls_before, model_before = calls.calls, calls.seconds
             while len(finished) < len(ids[name]) and now - start < slice_s:
                 for out in engine.step():
                     if out.finished:
@@ -89,6 +107,7 @@ def timed_turns(engines, prompts, params, slice_s: float, rng: random.Random, ca
                 now = time.perf_counter()
             wall[name] += now - start
             loop_calls[name] += calls.calls - calls_before
+            model[name] += calls.seconds - model_before
         active = [n for n in active if len(done[n]) < len(ids[n])]
     out = {}
     for name, engine in engines.items():
@@ -99,6 +118,7 @@ def timed_turns(engines, prompts, params, slice_s: float, rng: random.Random, ca
             "seconds": wall[name],  # prompts and tokens: the loop engine runs prompt chunks in its passes
             "tokens": tokens,
             "loop_calls": loop_calls[name],
+            "model_seconds": model[name],  # inside the adapter's stages; prompts' included (added before the turns)
             "passes": after["passes"] - b["passes"],
             "positions": after["positions"] - b["positions"],
             "loops_run": after["loops_run"] - b["loops_run"],
@@ -137,7 +157,7 @@ def main(argv: list[str] | None = None) -> dict:
     from looped_spec.tuning.inputs import parse_adapter_options
 
     adapter = load_adapter(args.model, **(parse_adapter_options(args.adapter_option) or {}))
-    calls = LoopCalls(adapter)
+    calls = AdapterCalls(adapter)
     prompts, described = load_prompts(
         args.prompts, rotation_size(args.prompts, args.batch_size), adapter, seed=args.seed
     )
@@ -152,7 +172,7 @@ def main(argv: list[str] | None = None) -> dict:
           f"{args.max_tokens} new tokens, {args.early_exit} mode, speculation {args.speculation}, "
           f"threads {torch.get_num_threads()}")  # fmt: skip
     print(f"{'mode':8} {'loop vs step':>16} {'A/A (step-B)':>16} {'loops/token':>12} {'passes/token':>13} "
-          f"{'positions/pass':>15} {'step loop calls/token':>22}")  # fmt: skip
+          f"{'positions/pass':>15} {'step loop calls/token':>22} {'host us/token step, loop':>25}")  # fmt: skip
     rng = random.Random(args.seed)
     table, raw = {}, {}
     for mode in args.modes.split(","):
@@ -177,12 +197,19 @@ def main(argv: list[str] | None = None) -> dict:
             "loop_vs_step": speed, "se": se, "aa": aa, "aa_se": aa_se, "loops_per_token": loops,
             "passes_per_token": passes / tokens, "positions_per_pass": positions / passes,
             "step_loop_calls_per_token": sum(r["step"]["loop_calls"] for r in measured) / tokens,
+            # time outside the adapter's stages per generated token (median over rounds), step and loop engine
+            "host_us_per_token": {
+                name: 1e6 * statistics.median((r[name]["seconds"] - r[name]["model_seconds"]) / r[name]["tokens"]
+                                              for r in measured)
+                for name in ("step", "loop")
+            },
         }  # fmt: skip
         table[mode] = row
         raw[mode] = [{n: {k: v for k, v in rec.items() if k != "outputs"} for n, rec in r.items()} for r in rounds]
         print(f"{mode:8} {speed:>10.3f}x ±{se:.3f} {aa:>10.3f}x ±{aa_se:.3f} {loops:>12.2f} "
               f"{row['passes_per_token']:>13.3f} {row['positions_per_pass']:>15.2f} "
-              f"{row['step_loop_calls_per_token']:>22.3f}")  # fmt: skip
+              f"{row['step_loop_calls_per_token']:>22.3f} "
+              f"{row['host_us_per_token']['step']:>13.1f}, {row['host_us_per_token']['loop']:.1f}")  # fmt: skip
     if args.out:
         Path(args.out).write_text(json.dumps({"args": vars(args), "table": table, "rounds": raw}, indent=1))
     return table
