@@ -501,7 +501,12 @@ def test_loop_batching_bench_reports_every_mode_beside_an_aa_line(tmp_path, caps
     assert set(table) == {"full", "tau0.5", "step1"} and "A/A" in printed and "speculation 2,1" in printed
     # exits run no rounds: generated tokens at depth 1 (a first token comes from the prompt's full-depth prefill)
     assert table["step1"]["loops_per_token"] < table["full"]["loops_per_token"]
-    assert json.loads(out.read_text())["table"]["full"]["positions_per_pass"] > 2  # a verification's K+1 positions
+    written = json.loads(out.read_text())
+    assert written["table"]["full"]["positions_per_pass"] > 2  # a verification's K+1 positions
+    # each engine's time splits into the adapter's stages and host work: both parts there, the host part reported
+    for engine in ("step", "loop"):
+        assert all(0 < r[engine]["model_seconds"] < r[engine]["seconds"] for r in written["rounds"]["full"])
+        assert table["full"]["host_us_per_token"][engine] > 0
     with pytest.raises(SystemExit):
         bench.main(["--model", FIXTURE, "--prompts", "random", "--modes", "deep", "--rounds", "3"])
 
