@@ -158,6 +158,7 @@ def test_the_captured_pass_path_equals_the_step_engine(family, early_exit):
                 graphs = loop.loop_batcher.graphs
                 if loop.adapter.readout_uses_kv:
                     assert graphs.num_readout_replays > 0
+                    assert loop.loop_batcher.runner.graphs is loop.runner.graphs  # the rest is the runner's own
                 else:
                     assert graphs.readouts is None and graphs.num_readout_replays == 0
 

@@ -237,12 +237,13 @@ class CapturedReadouts:
     fits one (`LoopPassGraphs.read_out`), else runs eagerly; everything else is the runner's."""
 
     def __init__(self, runner, graphs: LoopPassGraphs) -> None:
-        self.runner = runner
-        self.graphs = graphs
+        # private names: every other attribute is the runner's (its own `graphs` are the step engine's)
+        self._runner = runner
+        self._pass_graphs = graphs
 
     def __getattr__(self, name: str):
-        return getattr(self.runner, name)
+        return getattr(self._runner, name)
 
     def readout(self, state: torch.Tensor, depth: int, ctx: PagedContext) -> torch.Tensor:
-        logits = self.graphs.read_out(state, ctx)
-        return self.runner.readout(state, depth, ctx) if logits is None else logits
+        logits = self._pass_graphs.read_out(state, ctx)
+        return self._runner.readout(state, depth, ctx) if logits is None else logits
