@@ -6,17 +6,18 @@
 # and timing at the RFC's shape (512-token prompts, B=1/8/32, the 1-8-32-8-1 workload) and loop-level batching
 # against the step engine (eager and captured: identity, then speed at full depth and a fixed exit).
 # Everything is written under $OUT (default: benchmarks/results/gpu).
-#   run: bash benchmarks/device_run.sh [full|followup]
+#   run: bash benchmarks/device_run.sh [full|followup|huginn]
 #   full (timeout_s 490): the cuda tests (<= 120 s; captured loop passes included), then gpu_check's sections in the
 #   order of what is least known (correctness, captured loop passes against captured steps with interleaved repeats,
 #   plain, speculation, the kernels of a plain step, the workload; 256 new tokens; no section starts after 250 s,
 #   stopped at 340 s). A machine's start takes 1-2 minutes, so this
 #   leaves a session's 15 device minutes room for a shorter second run.
 #   followup (timeout_s 330): fp32 identity at the real shapes, a profile of plain steps, shorter bf16 timings.
+#   huginn (timeout_s 330): Huginn-0125's shapes, correctness and captured loop passes (their coda readouts too).
 #   Results (2026-12-04): benchmarks/results/gpu/, docs/benchmarking.md "The first GPU run" and "The second GPU run".
 #   Next: the full mode again (did removing the host's waits close loop passes' full-depth gap?), then
 #   `gpu_check.py --sections "spec profile;loop profile" --new 64` (where a speculative round's time goes at B = 32,
-#   and a loop pass's).
+#   and a loop pass's), then the huginn mode.
 set -uo pipefail
 OUT=${OUT:-benchmarks/results/gpu}
 mkdir -p "$OUT"
@@ -29,6 +30,14 @@ python3 -m pip install -q --no-index --no-deps --no-build-isolation -e . 2>&1 | 
 { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
   python3 -c "import torch, triton; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'triton', triton.__version__)"
 } | tee "$OUT/gpu.txt"
+if [ "${1:-full}" = "huginn" ]; then
+  # Huginn-0125's shapes at 8 loops (timeout_s 330; not yet run on a device): its correctness, then captured loop
+  # passes against captured steps at full depth, a fixed exit and its KL rule (the first timing of captured coda
+  # readouts on loop passes)
+  timeout 300 python3 benchmarks/gpu_check.py --models huginn-0125 --new 64 --sections "correctness;loop batching" \
+    --budget-seconds 200 --out "$OUT/huginn" 2>&1 | tee "$OUT/huginn.log" | grep -v "^ " | tail -20
+  exit 0
+fi
 if [ "${1:-full}" = "followup" ]; then
   # the second run of a session: identity at the real shapes in fp32 (is a bf16 mismatch rounding or a bug?),
   # then where a plain step's time goes (profiler) and shorter timings in bf16 (~300 s in all; timeout_s 330)

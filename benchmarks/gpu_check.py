@@ -1,6 +1,7 @@
 """One-shot GPU check: correctness first, then decode timing at the design's reference shape, results to a file.
 
-Random bf16 weights at the real sizes of Ouro-1.4B, then Nanbeige4.2-3B while the time budget lasts.
+Random bf16 weights at the real sizes of Ouro-1.4B, then Nanbeige4.2-3B and Huginn-0125 while the time budget
+lasts (`--models` picks; `device_run.sh huginn` runs Huginn's correctness and loop passes alone).
 Per model, in sections (each saved as it ends; a failing one, say out of memory, is recorded and the
 next runs):
 
@@ -91,6 +92,42 @@ REAL_CONFIGS = {
         "tie_word_embeddings": False,
         "eos_token_id": 2,
     },
+    # Huginn-0125's shapes (prelude 2, core 4, coda 2; 96-wide heads, padded in the paged kernel) at 8 loops, the depth
+    # the shipped preset is tuned at (its default is 32, changeable at test time; 8 keeps a device check within its
+    # minutes): its coda attends, so loop passes capture its readouts too; its KL exit rule runs eagerly
+    "huginn-0125": {
+        "model_type": "huginn_raven",
+        "n_embd": 5280,
+        "n_heads": 55,
+        "num_key_value_heads": 55,
+        "n_layers_in_prelude": 2,
+        "n_layers_in_recurrent_block": 4,
+        "n_layers_in_coda": 2,
+        "intermediate_size": 17920,
+        "vocab_size": 65536,
+        "padded_vocab_size": 65536,
+        "mean_recurrence": 8,
+        "block_size": 4096,
+        "rope_base": 50000.0,
+        "norm_eps": 1e-6,
+        "qk_bias": True,
+        "tie_embeddings": True,
+        "eos_token_id": 65505,
+    },
+}
+#: the reduced shapes of the CPU smoke mode, by family (Huginn names its fields its own way)
+TINY_HUGINN = {
+    "n_embd": 64,
+    "n_heads": 4,
+    "num_key_value_heads": 4,
+    "n_layers_in_prelude": 1,
+    "n_layers_in_recurrent_block": 1,
+    "n_layers_in_coda": 1,
+    "intermediate_size": 128,
+    "vocab_size": 256,
+    "padded_vocab_size": 256,
+    "mean_recurrence": 4,
+    "block_size": 512,
 }
 TINY = {
     "hidden_size": 64,
@@ -364,6 +401,9 @@ def check_model(name: str, config: dict, args, report: dict, deadline: float, sa
 
     # ----- one long context: per-token cost follows the context (kernel) vs copying it (reference) -----
     def long_context() -> None:
+        if shape["long_prompt"] + shape["long_new"] + 16 > adapter.max_positions:
+            entry["long_context"] = f"skipped: {shape['long_prompt']} tokens exceed the model's {adapter.max_positions}"
+            return
         long_prompt = prompts_for(1, adapter.vocab_size, shape["long_prompt"], seed=7)
         new = shape["long_new"]
         long_len = shape["long_prompt"] + new + 16
@@ -678,7 +718,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--tiny", action="store_true", help="tiny fp32 shapes (CPU/CI smoke mode)")
-    parser.add_argument("--models", default="ouro-1.4b,nanbeige4.2-3b")
+    parser.add_argument("--models", default="ouro-1.4b,nanbeige4.2-3b,huginn-0125")
     parser.add_argument("--budget-seconds", type=float, default=300.0, help="start no new section after this")
     parser.add_argument("--out", default="benchmarks/results")
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"], help="weights (not --tiny)")
@@ -714,7 +754,7 @@ def main() -> None:
     for name in args.models.split(","):
         config = dict(REAL_CONFIGS[name], _name=name)
         if args.tiny:
-            config.update(TINY)
+            config.update(TINY_HUGINN if config["model_type"] == "huginn_raven" else TINY)
         if time.perf_counter() > deadline:
             report["models"][name] = {"skipped": "time budget spent"}
             continue
