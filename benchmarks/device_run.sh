@@ -13,7 +13,8 @@
 #   stopped at 340 s). A machine's start takes 1-2 minutes, so this
 #   leaves a session's 15 device minutes room for a shorter second run.
 #   followup (timeout_s 330): fp32 identity at the real shapes, a profile of plain steps, shorter bf16 timings.
-#   huginn (timeout_s 330): Huginn-0125's shapes, correctness and captured loop passes (their coda readouts too).
+#   huginn (timeout_s 330): Huginn-0125's shapes, correctness and captured loop passes (their coda readouts and KL
+#   rule too).
 #   Results (2026-12-04): benchmarks/results/gpu/, docs/benchmarking.md "The first GPU run" and "The second GPU run".
 #   Next: the full mode again (did removing the host's waits close loop passes' full-depth gap?), then
 #   `gpu_check.py --sections "spec profile;loop profile" --new 64` (where a speculative round's time goes at B = 32,
@@ -33,7 +34,7 @@ python3 -m pip install -q --no-index --no-deps --no-build-isolation -e . 2>&1 | 
 if [ "${1:-full}" = "huginn" ]; then
   # Huginn-0125's shapes at 8 loops (timeout_s 330; not yet run on a device): its correctness, then captured loop
   # passes against captured steps at full depth, a fixed exit and its KL rule (the first timing of captured coda
-  # readouts on loop passes)
+  # readouts and KL rule calls on loop passes)
   timeout 300 python3 benchmarks/gpu_check.py --models huginn-0125 --new 64 --sections "correctness;loop batching" \
     --budget-seconds 200 --out "$OUT/huginn" 2>&1 | tee "$OUT/huginn.log" | grep -v "^ " | tail -20
   exit 0

@@ -94,7 +94,7 @@ REAL_CONFIGS = {
     },
     # Huginn-0125's shapes (prelude 2, core 4, coda 2; 96-wide heads, padded in the paged kernel) at 8 loops, the depth
     # the shipped preset is tuned at (its default is 32, changeable at test time; 8 keeps a device check within its
-    # minutes): its coda attends, so loop passes capture its readouts too; its KL exit rule runs eagerly
+    # minutes): its coda attends, so loop passes capture its readouts and its KL exit rule too
     "huginn-0125": {
         "model_type": "huginn_raven",
         "n_embd": 5280,
@@ -476,6 +476,7 @@ def check_model(name: str, config: dict, args, report: dict, deadline: float, sa
             row.update(loops_per_token=engines["loop"].stats.mean_loops_per_token or depth,  # 0: none exited early
                        captured_pass_replays=captured.num_replays if captured else 0,
                        captured_readout_replays=captured.num_readout_replays if captured else 0,
+                       captured_rule_replays=captured.num_rule_replays if captured else 0,
                        captured_pass_shapes=captured.num_graphs if captured else 0,
                        capture_seconds=captured.capture_seconds if captured else 0.0)  # fmt: skip
             rows[label] = row

@@ -177,11 +177,19 @@ def test_huginn_rules_equal_the_step_engine(criterion, threshold, early_exit):
         params = [SamplingParams(max_tokens=8, ignore_eos=True, exit_threshold=threshold, temperature=temperature,
                                  seed=i) for i in range(len(PROMPTS))]  # fmt: skip
         step = LoopedSpecEngine(adapter, speculation="off", early_exit=early_exit)
-        loop = LoopedSpecEngine(adapter, speculation="off", batching="loop", early_exit=early_exit)
-        assert run(loop, PROMPTS, params) == run(step, PROMPTS, params)
-        assert loop.stats.exit_depth_histogram == step.stats.exit_depth_histogram
-        assert min(loop.stats.exit_depth_histogram) < adapter.full_depth  # the rule fired
-        assert loop.num_free_blocks == loop.kv.num_blocks
+        expected = run(step, PROMPTS, params)
+        # eager passes, and the captured-pass path run uncaptured (the KL rule, reading out through the coda, is a
+        # captured stage of its own there; the latent rule runs eagerly)
+        for graphs in (None, "emulate"):
+            loop = LoopedSpecEngine(adapter, speculation="off", batching="loop", early_exit=early_exit,
+                                    cuda_graphs=graphs)  # fmt: skip
+            assert run(loop, PROMPTS, params) == expected, graphs
+            assert loop.stats.exit_depth_histogram == step.stats.exit_depth_histogram
+            assert min(loop.stats.exit_depth_histogram) < adapter.full_depth  # the rule fired
+            assert loop.num_free_blocks == loop.kv.num_blocks
+            captured = loop.loop_batcher.graphs
+            if graphs is not None:
+                assert (captured.num_rule_replays > 0) == (criterion == "kl") and captured.num_readout_replays > 0
 
 
 def test_huginn_kl_rule_runs_once_a_pass():
@@ -768,7 +776,9 @@ def test_loop_passes_on_cuda_equal_the_step_engine(family):
         for graphs in (False, None):  # eager passes, captured passes (the default on CUDA)
             loop = LoopedSpecEngine(adapter, speculation=spec, early_exit="skip", max_batch_size=8, batching="loop",
                                     cuda_graphs=graphs)  # fmt: skip
-            for extra in exit_params(family):
+            # Huginn's KL rule (a coda readout after every loop): a captured stage of its own
+            kl = [{"exit_threshold": 0.05}] if family == "huginn" and adapter.exit_rule_reads_kv else []
+            for extra in exit_params(family) + kl:
                 params = [SamplingParams(max_tokens=6 + i, ignore_eos=True, **(extra if i % 2 else {}))
                           for i in range(len(PROMPTS))]  # fmt: skip
                 assert run(loop, PROMPTS, params) == run(step, PROMPTS, params), (spec, extra, graphs)
@@ -776,7 +786,7 @@ def test_loop_passes_on_cuda_equal_the_step_engine(family):
             captured = loop.loop_batcher.graphs
             assert (captured is None) if graphs is False else (captured.capture and captured.num_replays > 0)
             if captured is not None and adapter.readout_uses_kv:  # the coda's readouts are captured too
-                assert captured.num_readout_replays > 0
+                assert captured.num_readout_replays > 0 and (captured.num_rule_replays > 0) == bool(kl)
 
 
 CAPTURED_PASSES_CHECK = """

@@ -134,6 +134,10 @@ class ModelRunner:
     def readout(self, state: torch.Tensor, depth: int, ctx: PagedContext) -> torch.Tensor:
         return self.adapter.readout(state, depth, ctx)
 
+    def exit_rule(self, state, depth: int, prev_state, carry, threshold, ctx: PagedContext):
+        """The adapter's exit rule (`ModelAdapter.exit_rule`); loop passes may replay it from a graph instead."""
+        return self.adapter.exit_rule(state, depth, prev_state, carry, threshold, ctx)
+
     def run(self, inp: StepInput) -> StepOutput:
         """The one entry point for a loop-range pass, uniform or ragged: the CUDA-graph step runner takes the
         shapes it has captured (uniform, without kept states), the eager one everything else."""

@@ -17,7 +17,7 @@ from looped_spec.execution.timing import Stopwatch
 from looped_spec.execution.transfers import to_device
 from looped_spec.loop_batching.contexts import items_context
 from looped_spec.loop_batching.finish import Finished, Finisher
-from looped_spec.loop_batching.graphs import CapturedReadouts, LoopPassGraphs
+from looped_spec.loop_batching.graphs import CapturedStages, LoopPassGraphs
 from looped_spec.loop_batching.items import DraftRound, Entering, Item, NextDraft, PassResult, PlainToken
 from looped_spec.request import Request
 
@@ -29,8 +29,8 @@ class LoopBatcher:
     """Runs loop passes; every request entering a new round comes with its (K, d) and whether it is measured."""
 
     def __init__(self, runner, graphs: LoopPassGraphs | None = None) -> None:
-        if graphs is not None and graphs.readouts is not None:  # readouts that attend are captured too
-            runner = CapturedReadouts(runner, graphs)
+        if graphs is not None and (graphs.readouts is not None or graphs.rules is not None):  # stages that attend
+            runner = CapturedStages(runner, graphs)
         self.runner = runner
         self.graphs = graphs  # captured loop passes (graphs.py); None: every pass runs eagerly
         self.adapter = runner.adapter

@@ -51,8 +51,8 @@ class PassExits:
             carry = None if carries[chosen[0]] is None else torch.cat([carries[i] for i in chosen])
             # a rule that reads out through attention (Huginn's KL: its coda writes KV) gets the context of its rows
             rule_ctx = readout_context(self.runner, [items[i] for i in chosen], ctx, items) if self.reads_kv else ctx
-            hits, carry, logits = self.adapter.exit_rule(state[index], loops[chosen[0]], prev[index], carry, threshold,
-                                                         rule_ctx)  # fmt: skip
+            hits, carry, logits = self.runner.exit_rule(state[index], loops[chosen[0]], prev[index], carry, threshold,
+                                                        rule_ctx)  # fmt: skip
             hits, start = hits.tolist(), 0
             for i, count in zip(chosen, counts):
                 fired[i] = [a or b for a, b in zip(fired[i], hits[start : start + count])]

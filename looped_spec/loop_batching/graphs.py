@@ -13,8 +13,11 @@ write their KV to the scratch block, and their rows (each row's computation is i
 
 A readout that attends (Huginn's coda: it writes the coda KV of the positions it reads out) is a stage of its own,
 captured per shape the same way on buffers of its own (`read_out`): a pass's readouts run between and after its loops,
-whose inputs stay loaded. `CapturedReadouts` is the model runner loop passes use then: its readouts replay these graphs
-where they fit. A readout that does not attend (a norm and the head: a few launches) runs eagerly, as in steps.
+whose inputs stay loaded. So is an exit rule that reads out through attention (Huginn's KL rule: a coda readout and a
+divergence over the vocabulary, after every loop), with its previous states, carries and thresholds as inputs
+(`exit_rule`). `CapturedStages` is the model runner loop passes use then: its readouts and rule calls replay these
+graphs where they fit. A readout that does not attend (a norm and the head: a few launches) and a rule that does not
+read out run eagerly, as in steps.
 
 Passes outside the buckets (a prompt chunk longer than the kernel's query limit, more items or positions than the
 largest bucket) run eagerly. `capture=False` ("emulate") runs the same padded static-buffer path without capture; with
@@ -26,6 +29,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -70,13 +74,15 @@ class _Buffers:
 
 
 class _Stage:
-    """One captured stage: its static inputs, a context and a graph per shape, and each graph's output (readouts)."""
+    """One captured stage: its static inputs (an exit rule's: also previous states, carries and thresholds), a
+    context and a graph per shape, and each graph's outputs (readouts, rules)."""
 
-    def __init__(self, buffers: _Buffers) -> None:
+    def __init__(self, buffers: _Buffers, rule_inputs: dict[str, torch.Tensor] | None = None) -> None:
         self.buffers = buffers
+        self.rule_inputs = rule_inputs
         self.contexts: dict[PassShape, PagedContext] = {}
         self.graphs: dict[PassShape, torch.cuda.CUDAGraph] = {}
-        self.outputs: dict[PassShape, torch.Tensor] = {}
+        self.outputs: dict[PassShape, Any] = {}
 
 
 class LoopPassGraphs:
@@ -98,10 +104,20 @@ class LoopPassGraphs:
         self.loops = _Stage(self._buffers(max_items))
         # a readout that attends writes KV: captured too, on inputs of its own (a pass's loops keep theirs loaded)
         self.readouts = _Stage(self._buffers(max_items)) if adapter.readout_uses_kv else None
+        # an exit rule that reads out writes KV too; one graph serves every depth when the rule ignores it
+        self.rules = None
+        if adapter.exit_rule_reads_kv and not adapter.exit_rule_uses_depth:
+            rows, carry = self.position_buckets[-1], adapter.exit_carry(1)
+            self.rules = _Stage(self._buffers(max_items), {
+                "prev": torch.zeros(rows, adapter.state_dim, dtype=adapter.dtype, device=adapter.device),
+                "carry": torch.zeros(rows, *carry.shape[1:], dtype=carry.dtype, device=adapter.device),
+                "threshold": torch.zeros(rows, dtype=torch.float32, device=adapter.device),
+            })  # fmt: skip
         self.pool = None
         self.capture_seconds = 0.0
         self.num_replays = 0  # loops replayed
         self.num_readout_replays = 0
+        self.num_rule_replays = 0
 
     def _buffers(self, max_items: int) -> _Buffers:
         adapter = self.adapter
@@ -110,7 +126,7 @@ class LoopPassGraphs:
 
     @property
     def num_graphs(self) -> int:
-        return len(self.loops.contexts) + (len(self.readouts.contexts) if self.readouts is not None else 0)
+        return sum(len(stage.contexts) for stage in (self.loops, self.readouts, self.rules) if stage is not None)
 
     def pass_shape(self, counts: list[int]) -> PassShape | None:
         """The padded shape of a pass whose items have `counts` positions each, or None (it runs eagerly)."""
@@ -175,7 +191,26 @@ class LoopPassGraphs:
         self.num_readout_replays += 1
         return logits[:n].clone()  # the next readout overwrites the output
 
-    def _replay(self, stage: _Stage, shape: PassShape, body) -> torch.Tensor | None:
+    def exit_rule(self, state: torch.Tensor, prev: torch.Tensor, carry: torch.Tensor | None, threshold: torch.Tensor,
+                  ctx: PagedContext) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None:  # fmt: skip
+        """The exit rule's (hits, carry, logits) over `state` (the rows of `ctx`'s positions), replayed from the rule
+        graph of its padded shape; None where there is none (no rule stage, no carry, unknown query lengths, a shape
+        outside the buckets): the caller runs the rule eagerly."""
+        stage, counts = self.rules, ctx.query_lens
+        shape = None if stage is None or carry is None or counts is None else self.pass_shape(counts)
+        if shape is None:
+            return None
+        self.load(shape, ctx, counts, stage)
+        n, inputs = state.shape[0], stage.rule_inputs
+        stage.buffers.state[:n].copy_(state)
+        inputs["prev"][:n].copy_(prev)
+        inputs["carry"][:n].copy_(carry)
+        inputs["threshold"][:n].copy_(threshold)
+        hits, new_carry, logits = self._replay(stage, shape, self._rule_body)
+        self.num_rule_replays += 1
+        return hits[:n].clone(), new_carry[:n].clone(), None if logits is None else logits[:n].clone()
+
+    def _replay(self, stage: _Stage, shape: PassShape, body) -> Any:
         """Run `body` (stage, shape, context) -> output or None on the loaded buffers: replayed from its graph (captured
         on first use), or eagerly when emulating."""
         ctx = self._context(shape, stage)
@@ -211,6 +246,12 @@ class LoopPassGraphs:
         # the depth does not change the readout of a family with uniform loops (ModelAdapter.uniform_loops)
         return self.adapter.readout(stage.buffers.state[: shape.positions], self.adapter.full_depth, ctx)
 
+    def _rule_body(self, stage: _Stage, shape: PassShape, ctx: PagedContext) -> tuple:
+        # a rule captured once for every depth ignores it (`exit_rule_uses_depth` False)
+        n, inputs = shape.positions, stage.rule_inputs
+        return self.adapter.exit_rule(stage.buffers.state[:n], self.adapter.full_depth, inputs["prev"][:n],
+                                      inputs["carry"][:n], inputs["threshold"][:n], ctx)  # fmt: skip
+
     def _capture(self, stage: _Stage, shape: PassShape, ctx: PagedContext, body) -> None:
         """Capture on first use: a warm-up on the live inputs (the same computation the replay then runs again,
         writing the same KV), then the capture."""
@@ -232,9 +273,10 @@ class LoopPassGraphs:
         self.capture_seconds += time.perf_counter() - t0
 
 
-class CapturedReadouts:
-    """The model runner of loop passes whose readouts attend: a readout replays its captured graph where its shape
-    fits one (`LoopPassGraphs.read_out`), else runs eagerly; everything else is the runner's."""
+class CapturedStages:
+    """The model runner of loop passes whose readouts or exit rule attend: a readout or rule call replays its captured
+    graph where its shape fits one (`LoopPassGraphs.read_out`, `.exit_rule`), else runs eagerly; everything else is
+    the runner's."""
 
     def __init__(self, runner, graphs: LoopPassGraphs) -> None:
         # private names: every other attribute is the runner's (its own `graphs` are the step engine's)
@@ -247,3 +289,7 @@ class CapturedReadouts:
     def readout(self, state: torch.Tensor, depth: int, ctx: PagedContext) -> torch.Tensor:
         logits = self._pass_graphs.read_out(state, ctx)
         return self._runner.readout(state, depth, ctx) if logits is None else logits
+
+    def exit_rule(self, state, depth, prev, carry, threshold, ctx):
+        decided = self._pass_graphs.exit_rule(state, prev, carry, threshold, ctx)
+        return self._runner.exit_rule(state, depth, prev, carry, threshold, ctx) if decided is None else decided
