@@ -104,15 +104,10 @@ class LoopPassGraphs:
         self.loops = _Stage(self._buffers(max_items))
         # a readout that attends writes KV: captured too, on inputs of its own (a pass's loops keep theirs loaded)
         self.readouts = _Stage(self._buffers(max_items)) if adapter.readout_uses_kv else None
-        # an exit rule that reads out writes KV too; one graph serves every depth when the rule ignores it
-        self.rules = None
-        if adapter.exit_rule_reads_kv and not adapter.exit_rule_uses_depth:
-            rows, carry = self.position_buckets[-1], adapter.exit_carry(1)
-            self.rules = _Stage(self._buffers(max_items), {
-                "prev": torch.zeros(rows, adapter.state_dim, dtype=adapter.dtype, device=adapter.device),
-                "carry": torch.zeros(rows, *carry.shape[1:], dtype=carry.dtype, device=adapter.device),
-                "threshold": torch.zeros(rows, dtype=torch.float32, device=adapter.device),
-            })  # fmt: skip
+        # an exit rule that reads out writes KV too; one graph serves every depth when the rule ignores it (its inputs
+        # are allocated on its first call: Huginn's carry is a row of the vocabulary per position)
+        reads = adapter.exit_rule_reads_kv and not adapter.exit_rule_uses_depth
+        self.rules = _Stage(self._buffers(max_items)) if reads else None
         self.pool = None
         self.capture_seconds = 0.0
         self.num_replays = 0  # loops replayed
@@ -200,6 +195,13 @@ class LoopPassGraphs:
         shape = None if stage is None or carry is None or counts is None else self.pass_shape(counts)
         if shape is None:
             return None
+        if stage.rule_inputs is None:
+            rows, adapter = self.position_buckets[-1], self.adapter
+            stage.rule_inputs = {
+                "prev": torch.zeros(rows, adapter.state_dim, dtype=adapter.dtype, device=adapter.device),
+                "carry": torch.zeros(rows, *carry.shape[1:], dtype=carry.dtype, device=adapter.device),
+                "threshold": torch.zeros(rows, dtype=torch.float32, device=adapter.device),
+            }
         self.load(shape, ctx, counts, stage)
         n, inputs = state.shape[0], stage.rule_inputs
         stage.buffers.state[:n].copy_(state)
