@@ -175,24 +175,20 @@ class LoopPassGraphs:
         """The logits of a readout that attends over `state` (the rows of `ctx`'s positions), replayed from the
         readout graph of its padded shape; None where there is none (a readout that does not attend, a context of
         unknown query lengths, a shape outside the buckets): the caller reads out eagerly."""
-        stage, counts = self.readouts, ctx.query_lens
-        shape = None if stage is None or counts is None else self.pass_shape(counts)
+        shape = self._loaded(self.readouts, state, ctx)
         if shape is None:
             return None
-        self.load(shape, ctx, counts, stage)
-        n = state.shape[0]
-        stage.buffers.state[:n].copy_(state)
-        logits = self._replay(stage, shape, self._readout_body)
+        logits = self._replay(self.readouts, shape, self._readout_body)
         self.num_readout_replays += 1
-        return logits[:n].clone()  # the next readout overwrites the output
+        return logits[: state.shape[0]].clone()  # the next readout overwrites the output
 
     def exit_rule(self, state: torch.Tensor, prev: torch.Tensor, carry: torch.Tensor | None, threshold: torch.Tensor,
                   ctx: PagedContext) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None:  # fmt: skip
         """The exit rule's (hits, carry, logits) over `state` (the rows of `ctx`'s positions), replayed from the rule
         graph of its padded shape; None where there is none (no rule stage, no carry, unknown query lengths, a shape
         outside the buckets): the caller runs the rule eagerly."""
-        stage, counts = self.rules, ctx.query_lens
-        shape = None if stage is None or carry is None or counts is None else self.pass_shape(counts)
+        stage = self.rules
+        shape = None if carry is None else self._loaded(stage, state, ctx)
         if shape is None:
             return None
         if stage.rule_inputs is None:
@@ -202,15 +198,23 @@ class LoopPassGraphs:
                 "carry": torch.zeros(rows, *carry.shape[1:], dtype=carry.dtype, device=adapter.device),
                 "threshold": torch.zeros(rows, dtype=torch.float32, device=adapter.device),
             }
-        self.load(shape, ctx, counts, stage)
         n, inputs = state.shape[0], stage.rule_inputs
-        stage.buffers.state[:n].copy_(state)
         inputs["prev"][:n].copy_(prev)
         inputs["carry"][:n].copy_(carry)
         inputs["threshold"][:n].copy_(threshold)
         hits, new_carry, logits = self._replay(stage, shape, self._rule_body)
         self.num_rule_replays += 1
         return hits[:n].clone(), new_carry[:n].clone(), None if logits is None else logits[:n].clone()
+
+    def _loaded(self, stage: _Stage | None, state: torch.Tensor, ctx: PagedContext) -> PassShape | None:
+        """Load a readout's or rule's context and state (the rows of the context's positions) into `stage`'s buffers;
+        its padded shape, or None where it has none (no such stage, unknown query lengths, outside the buckets)."""
+        counts = ctx.query_lens
+        shape = None if stage is None or counts is None else self.pass_shape(counts)
+        if shape is not None:
+            self.load(shape, ctx, counts, stage)
+            stage.buffers.state[: state.shape[0]].copy_(state)
+        return shape
 
     def _replay(self, stage: _Stage, shape: PassShape, body) -> Any:
         """Run `body` (stage, shape, context) -> output or None on the loaded buffers: replayed from its graph (captured
