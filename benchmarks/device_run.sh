@@ -33,8 +33,8 @@ python3 -m pip install -q --no-index --no-deps --no-build-isolation -e . 2>&1 | 
 } | tee "$OUT/gpu.txt"
 if [ "${1:-full}" = "huginn" ]; then
   # Huginn-0125's shapes at 8 loops (timeout_s 330; not yet run on a device): its correctness, then captured loop
-  # passes against captured steps at full depth, a fixed exit and its KL rule (the first timing of captured coda
-  # readouts and KL rule calls on loop passes)
+  # passes against captured steps at full depth, a fixed exit and its KL rule, beside a loop engine whose coda
+  # readouts and KL rule run eagerly (the A/B of those captured stages)
   timeout 300 python3 benchmarks/gpu_check.py --models huginn-0125 --new 64 --sections "correctness;loop batching" \
     --budget-seconds 200 --out "$OUT/huginn" 2>&1 | tee "$OUT/huginn.log" | grep -v "^ " | tail -20
   exit 0

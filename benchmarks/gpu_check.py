@@ -468,8 +468,12 @@ def check_model(name: str, config: dict, args, report: dict, deadline: float, sa
             engines = {"step": make(num_kv_blocks=timed_blocks),
                        "loop": make(graphs_mode=captured_loops, batching="loop", num_kv_blocks=timed_blocks),
                        "step A/A": make(num_kv_blocks=timed_blocks)}  # fmt: skip
-            outs = zip(*(engines[label].generate(check_prompts, check) for label in ("step", "loop")))
-            row = {"identical_requests": sum(a.token_ids == b.token_ids for a, b in outs), "of": len(check_prompts)}
+            if adapter.readout_uses_kv and captured_loops:  # the A/B of the captured coda stages (Huginn)
+                engines[EAGER_CODA] = eager_coda(make(graphs_mode=captured_loops, batching="loop",
+                                                      num_kv_blocks=timed_blocks))  # fmt: skip
+            outs = zip(*(engines[label].generate(check_prompts, check) for label in engines if label != "step A/A"))
+            row = {"identical_requests": sum(all(o.token_ids == out[0].token_ids for o in out) for out in outs),
+                   "of": len(check_prompts)}  # fmt: skip
             for batch in timed_batches:
                 row[f"B={batch}"] = timed_pair(engines, batch_prompts[batch], params, repeats, order_rng)
             captured = engines["loop"].loop_batcher.graphs
@@ -486,7 +490,8 @@ def check_model(name: str, config: dict, args, report: dict, deadline: float, sa
         entry["loop_batching"] = rows
 
     def timed_pair(engines: dict, prompts, params, repeats: int, order_rng: random.Random) -> dict:
-        """Seconds per run of each engine, interleaved; ratios step/loop and step/step-A/A per repeat."""
+        """Seconds per run of each engine, interleaved; ratios step/loop and step/step-A/A per repeat (and the loop
+        engine with its coda eager ÷ captured, where there is one)."""
         for engine in engines.values():  # warm: captures every shape this batch needs before timing
             engine.generate(prompts, params)
         seconds = {label: [] for label in engines}
@@ -506,7 +511,12 @@ def check_model(name: str, config: dict, args, report: dict, deadline: float, sa
         loop_ratios = sorted(s / lo for s, lo in zip(kept["step"], kept["loop"]))
         aa_ratios = sorted(s / a for s, a in zip(kept["step"], kept["step A/A"]))
         median = statistics.median
-        return {
+        stages = {}
+        if EAGER_CODA in kept:  # above 1: the captured coda stages pay
+            ratios = sorted(e / lo for e, lo in zip(kept[EAGER_CODA], kept["loop"]))
+            stages = {"captured_coda_vs_eager_median": median(ratios), "captured_coda_vs_eager_range": [ratios[0],
+                      ratios[-1]]}  # fmt: skip
+        return {**stages,
             "loop_vs_step_median": median(loop_ratios), "loop_vs_step_range": [loop_ratios[0], loop_ratios[-1]],
             "aa_median": median(aa_ratios), "aa_range": [aa_ratios[0], aa_ratios[-1]],
             "step_seconds_median": median(kept["step"]), "loop_seconds_median": median(kept["loop"]),
@@ -662,6 +672,17 @@ def check_model(name: str, config: dict, args, report: dict, deadline: float, sa
         entry.setdefault("section_seconds", {})[label] = round(time.perf_counter() - section_start, 1)
         free_memory(device)
         save(report)
+
+
+EAGER_CODA = "loop, coda eager"
+
+
+def eager_coda(engine: LoopedSpecEngine) -> LoopedSpecEngine:
+    """The loop engine with its loop stage captured but its coda readouts and exit rule eager (the runner its captured
+    stages wrap): the other side of the captured coda stages' A/B."""
+    batcher = engine.loop_batcher
+    batcher.runner = batcher.finisher.runner = batcher.exits.runner = engine.runner
+    return engine
 
 
 def free_memory(device: str) -> None:
