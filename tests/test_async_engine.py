@@ -68,3 +68,53 @@ def test_admission_is_bounded():
         assert [len(o.token_ids) for o in outs] == [4, 4]
     finally:
         front.shutdown()
+
+
+def test_scores_hold_a_place_in_admission_and_a_cancelled_one_is_skipped():
+    """A score is a whole-sequence forward: it counts among the in-flight requests while it waits or runs (so an
+    evaluation client cannot queue unbounded work), and one whose caller left before the worker got to it never
+    runs."""
+    import threading
+
+    engine = make_engine("ouro", max_batch_size=1)
+    ran: list[list[int]] = []
+    real_score = engine.score
+    release = threading.Event()
+
+    def score(token_ids, top_n=0, seed=0):
+        ran.append(list(token_ids))
+        release.wait(30)  # the worker holds here until the test lets it go
+        return real_score(token_ids, top_n, seed)
+
+    engine.score = score
+    front = AsyncLoopedSpecEngine(engine, max_queued=1)  # two in flight at most
+    front.start()
+
+    async def run():
+        params = SamplingParams(max_tokens=2, ignore_eos=True)
+        first = asyncio.ensure_future(front.score([1, 2, 3], 1))
+        await asyncio.sleep(0)
+        second = asyncio.ensure_future(front.score([4, 5, 6], 1))
+        await asyncio.sleep(0)
+        assert front.num_in_flight == 2
+        with pytest.raises(QueueFullError):
+            front.add_request([7, 8], params)
+        with pytest.raises(QueueFullError):
+            await front.score([9, 9], 1)
+        wait_until(lambda: len(ran) == 1, what="the first score running")
+        second.cancel()  # its caller leaves while the worker is busy with the first
+        await asyncio.gather(second, return_exceptions=True)
+        release.set()
+        scores = await first
+        assert front.num_in_flight == 0 and len(scores) == 3 and scores[0] is None
+        # the worker got to the cancelled score after the first and skipped it; the next one runs
+        assert len(await front.score([2, 2], 1)) == 2
+        return [out async for out in front.add_request([7, 8], params)][-1]
+
+    try:
+        out = asyncio.run(run())
+        assert len(out.token_ids) == 2
+        assert ran == [[1, 2, 3], [2, 2]]
+    finally:
+        release.set()
+        front.shutdown()

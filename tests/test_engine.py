@@ -159,6 +159,8 @@ def test_bad_input_is_rejected_and_nothing_accepted_is_lost():
         engine.add_request(list(range(1, 40)), greedy(4))
     with pytest.raises(ValueError, match="outside the vocabulary"):
         engine.add_request([1, 999], greedy(4))
+    with pytest.raises(ValueError, match=r"stop_token_ids\[1\] = 999 is outside the vocabulary"):
+        engine.add_request([1, 2], greedy(4, stop_token_ids=[3, 999]))
     with pytest.raises(ValueError, match="no tokenizer"):
         engine.add_request("hello", greedy(4))
     with pytest.raises(ValueError, match=r"prompts\[1\] has 40 tokens"):

@@ -263,6 +263,79 @@ def test_bad_requests_are_400_naming_the_field(server, client):
     assert httpx.post(server.url + "/v1/completions", content=huge, headers=headers).status_code == 413
 
 
+def test_score_only_streams_and_counts_against_admission(server, client):
+    """`max_tokens: 0` with echo scores the prompts: streamed it is a server-sent-event stream (a chunk per choice,
+    the usage chunk when asked, [DONE]) equal to the plain answer; more prompts than the server ever admits is a
+    400 naming the prompt, as for generation; a prompt of exactly max_model_len tokens may be scored."""
+    prompts = [PROMPT, "import os"]
+    fields = dict(model=MODEL, prompt=prompts, max_tokens=0, echo=True, logprobs=2)
+    whole = client.completions.create(**fields)
+    chunks = list(client.completions.create(**fields, stream=True, stream_options={"include_usage": True}))
+    assert [c.choices[0].index for c in chunks[:-1]] == [0, 1] and chunks[-1].choices == []
+    assert chunks[-1].usage.prompt_tokens == whole.usage.prompt_tokens and chunks[-1].usage.completion_tokens == 0
+    for chunk, choice in zip(chunks, whole.choices):
+        assert chunk.choices[0].text == choice.text and chunk.choices[0].finish_reason == "length"
+        assert chunk.choices[0].logprobs.token_logprobs == choice.logprobs.token_logprobs
+    assert len({c.created for c in chunks}) == 1
+    with pytest.raises(openai.BadRequestError) as err:
+        client.completions.create(model=MODEL, prompt=["x"] * (MAX_BATCH + 1), max_tokens=0, echo=True, logprobs=1)
+    assert err.value.body["param"] == "prompt" and "exceed" in err.value.body["message"]
+    full = client.completions.create(model=MODEL, prompt=[5] * 256, max_tokens=0, echo=True, logprobs=1)
+    assert len(full.choices[0].logprobs.token_logprobs) == 256
+    with pytest.raises(openai.BadRequestError, match="fewer than max_model_len"):
+        client.completions.create(model=MODEL, prompt=[5] * 256, max_tokens=1)
+    wait_until(lambda: idle(server), what="the server idle")
+
+
+def test_what_openai_refuses_is_refused_naming_the_field(server, client, monkeypatch):
+    """Types are strict as OpenAI's (no silent conversion), text must be valid Unicode, stream options need a stream,
+    stop tokens must be in the vocabulary; a bug of the server's own is still a JSON error body."""
+    headers = {"Authorization": f"Bearer {API_KEY}", "Content-Type": "application/json"}
+
+    def post(path: str, body: str) -> httpx.Response:
+        return httpx.post(server.url + path, content=body, headers=headers, timeout=60)
+
+    cases = [
+        ("/v1/completions", f'{{"model": "{MODEL}", "prompt": "\\ud800", "max_tokens": 2}}', "prompt"),
+        ("/v1/completions", f'{{"model": "{MODEL}", "prompt": ["a", "\\udfff"], "max_tokens": 2}}', "prompt[1]"),
+        ("/v1/chat/completions", f'{{"model": "{MODEL}", "messages": [{{"role": "user", "content": "\\ud800"}}]}}',
+         "messages[0].content"),
+        ("/v1/completions", f'{{"model": "{MODEL}", "prompt": "a", "max_tokens": "5"}}', "max_tokens"),
+        ("/v1/completions", f'{{"model": "{MODEL}", "prompt": "a", "max_tokens": 2, "logprobs": true}}', "logprobs"),
+        ("/v1/completions", f'{{"model": "{MODEL}", "prompt": "a", "n": 2.0}}', "n"),
+        ("/v1/completions", f'{{"model": "{MODEL}", "prompt": "a", "temperature": NaN}}', "temperature"),
+        ("/v1/completions", f'{{"model": "{MODEL}", "prompt": "a", "stream_options": {{"include_usage": true}}}}',
+         "stream_options"),
+        ("/v1/completions", f'{{"model": "{MODEL}", "prompt": "a", "stop_token_ids": [{2**40}]}}', "stop_token_ids"),
+    ]  # fmt: skip
+    for path, body, field in cases:
+        answer = post(path, body)
+        error = answer.json()["error"]
+        assert answer.status_code == 400 and error["param"] == field, (body, answer.text)
+        assert error["message"].startswith(field) and error["type"] == "invalid_request_error", error
+    # an integer temperature is still a number
+    assert post(
+        "/v1/completions", f'{{"model": "{MODEL}", "prompt": "a", "max_tokens": 1, "temperature": 0}}'
+    ).is_success
+
+    lower = httpx.get(server.url + "/v1/models", headers={"Authorization": f"bearer {API_KEY}"})
+    assert lower.status_code == 200  # the auth scheme is case-insensitive
+    assert client.models.retrieve(MODEL).id == MODEL
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("gpt-4")
+    wrong_method = httpx.get(server.url + "/v1/completions", headers=headers)
+    assert wrong_method.status_code == 405 and wrong_method.json()["error"]["type"] == "invalid_request_error"
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("a bug")
+
+    monkeypatch.setattr(server.app.state.serving, "prompt_lists", broken)
+    answer = post("/v1/completions", f'{{"model": "{MODEL}", "prompt": "a", "max_tokens": 1}}')
+    assert answer.status_code == 500 and answer.json()["error"]["type"] == "server_error"
+    monkeypatch.undo()
+    assert client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=2).usage.completion_tokens == 2
+
+
 def slowed(real, seconds: float):
     def run(*args, **kwargs):
         time.sleep(seconds)

@@ -90,6 +90,7 @@ class AsyncLoopedSpecEngine:
         self._lock = threading.Lock()  # guards _streams between the event loop and the worker
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._scores = 0  # scores waiting or running that hold a place among the in-flight requests
         self._flush = False  # an abort was applied: the next step() hands back (and forgets) the request
 
     # ----- lifecycle -----
@@ -132,7 +133,8 @@ class AsyncLoopedSpecEngine:
 
     @property
     def num_in_flight(self) -> int:
-        return len(self._streams)
+        """Requests and admitted scores in the engine (running, queued, or waiting for the worker)."""
+        return len(self._streams) + self._scores
 
     # ----- requests -----
     def add_request(
@@ -144,8 +146,7 @@ class AsyncLoopedSpecEngine:
         request_id = request_id or f"req-{next(self._ids)}"
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
         with self._lock:
-            if len(self._streams) >= self.max_in_flight:
-                raise QueueFullError(f"{len(self._streams)} requests in flight (limit {self.max_in_flight})")
+            self._check_room()
             if request_id in self._streams:
                 raise ValueError(f"request_id {request_id!r} is already in use")
             self._streams[request_id] = stream
@@ -159,13 +160,30 @@ class AsyncLoopedSpecEngine:
         async for output in self.add_request(prompt, params, request_id):
             yield output
 
+    def _check_room(self) -> None:
+        """QueueFullError when the in-flight requests and scores are at the limit (the caller holds the lock)."""
+        if len(self._streams) + self._scores >= self.max_in_flight:
+            raise QueueFullError(
+                f"{len(self._streams)} requests and {self._scores} scores in flight (limit {self.max_in_flight})"
+            )
+
     async def score(self, token_ids: list[int], top_n: int = 0, seed: int = 0) -> list:
-        """`LoopedSpecEngine.score`, run by the worker between two steps (the engine is the worker's)."""
+        """`LoopedSpecEngine.score`, run by the worker between two steps (the engine is the worker's). A score is a
+        forward over the whole sequence, so it holds a place among the in-flight requests while it waits and runs
+        (QueueFullError when none is left); one whose caller went away (cancelled) before the worker reached it is
+        skipped."""
         if not self.is_running:
             raise EngineDeadError("the engine is not running")
         future = asyncio.get_running_loop().create_future()
-        self._commands.put(("score", (token_ids, top_n, seed, future)))
-        return await future
+        with self._lock:
+            self._check_room()
+            self._scores += 1
+        try:
+            self._commands.put(("score", (token_ids, top_n, seed, future)))
+            return await future
+        finally:
+            with self._lock:
+                self._scores -= 1
 
     def abort(self, request_id: str) -> None:
         """Abort a request (no-op once it finished); its stream ends without a further output."""
@@ -222,6 +240,8 @@ class AsyncLoopedSpecEngine:
                 self._deliver(request_id, exc, True)
         elif kind == "score":
             token_ids, top_n, seed, future = payload
+            if future.done():  # its caller went away before the worker got to it
+                return
             try:
                 result: object = self.engine.score(token_ids, top_n, seed)
             except Exception as exc:  # the caller's error, not the worker's

@@ -202,6 +202,12 @@ class LoopedSpecEngine:
         request_id = str(request_id)
         if request_id in self._requests or request_id in taken:
             raise ValueError(f"request_id {request_id!r} is already in use")
+        vocab = self.adapter.vocab_size
+        bad = next((i for i, t in enumerate(params.stop_token_ids) if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise ValueError(
+                f"stop_token_ids[{bad}] = {params.stop_token_ids[bad]} is outside the vocabulary [0, {vocab})"
+            )
         if params.stop and self.tokenizer is None:
             raise ValueError("stop strings need the model's tokenizer files; use stop_token_ids instead")
         exit_threshold, exit_at_step = self.resolve_exit(params)

@@ -14,7 +14,13 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from looped_spec.engine.async_engine import AsyncLoopedSpecEngine
 from looped_spec.request import RequestOutput
 from looped_spec.server.chat import NoChatTemplateError, render_chat
-from looped_spec.server.errors import APIError, on_api_error, on_http_error, on_validation_error
+from looped_spec.server.errors import (
+    APIError,
+    on_api_error,
+    on_http_error,
+    on_unexpected_error,
+    on_validation_error,
+)
 from looped_spec.server.middleware import APIKeyMiddleware, BodyLimitMiddleware, ReplicaHeaderMiddleware
 from looped_spec.server.protocol import (
     ChatChoice,
@@ -29,9 +35,11 @@ from looped_spec.server.protocol import (
     DeltaMessage,
     ModelCard,
     ModelList,
+    UsageInfo,
     new_id,
+    now,
 )
-from looped_spec.server.serving import OpenAIServing, finish_reason
+from looped_spec.server.serving import OpenAIServing, check_text, finish_reason, sse_events, until_disconnected
 
 
 def build_app(
@@ -63,6 +71,7 @@ def build_app(
     app.add_exception_handler(RequestValidationError, on_validation_error)
     app.add_exception_handler(APIError, on_api_error)
     app.add_exception_handler(StarletteHTTPException, on_http_error)
+    app.add_exception_handler(Exception, on_unexpected_error)
     if api_key:
         app.add_middleware(APIKeyMiddleware, api_key=api_key)
     app.add_middleware(BodyLimitMiddleware, max_bytes=max_body_bytes)  # outermost: runs before auth
@@ -87,39 +96,58 @@ def build_app(
     async def models() -> ModelList:
         return ModelList(data=[ModelCard(id=model_name, max_model_len=serving.max_model_len)])
 
+    @app.get("/v1/models/{model:path}")
+    async def model_card(model: str) -> ModelCard:
+        serving.check_model(model)
+        return ModelCard(id=model_name, max_model_len=serving.max_model_len)
+
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
-        serving.check_model(body.model)
-        prompts = serving.prompt_lists(body.prompt)
+        serving.check_request(body)
         if body.max_tokens == 0 and not body.echo:
             raise APIError(400, "max_tokens: 0 generates nothing; with echo it returns (and scores) the prompt",
                            "max_tokens")  # fmt: skip
+        score_only = body.max_tokens == 0
+        prompts = serving.prompt_lists(body.prompt, scored_only=score_only)
         scored = body.logprobs is not None
         # the prompt's scores (echo) come from a forward run afterwards with the seed the choice prefilled with
         seed = serving.scoring_seed(body, scored and body.echo)
         # choice i * n + j: prompt i's j-th sample (OpenAI's order); all admitted together or none
         choices = [(ids, j) for ids in prompts for j in range(body.n)]
+        serving.check_choices(len(choices), body.n)
         # score only (max_tokens 0): the parameters still carry the seed and the exit fields the scores depend on
-        max_tokens = 1 if body.max_tokens == 0 else body.max_tokens
-        params = [serving.sampling_params(body, len(ids), max_tokens, j, seed, body.logprobs) for ids, j in choices]
+        max_tokens = 1 if score_only else body.max_tokens
+        params = [serving.sampling_params(body, len(ids), max_tokens, j, seed, body.logprobs, score_only)
+                  for ids, j in choices]  # fmt: skip
         num_prompt = sum(len(ids) for ids in prompts)
-        cid = new_id("cmpl")
+        cid, created = new_id("cmpl"), now()
 
-        async def echoed(k: int) -> tuple[str, list | None]:
-            """Choice k's prompt as echo returns it: its text and, with logprobs, its entries (the first None)."""
-            ids = choices[k][0]
-            text = serving.tokenizer.decode(ids) if serving.tokenizer is not None else ""
-            return text, (await serving.score(ids, body.logprobs, params[k].seed) if scored else None)
+        def response(choices: list[CompletionChoice], usage: UsageInfo | None = None) -> CompletionResponse:
+            return CompletionResponse(id=cid, created=created, model=model_name, choices=choices, usage=usage)
 
-        if body.max_tokens == 0:  # score only
+        async def echoed() -> list[tuple[str, list | None]]:
+            """Every choice's prompt as echo returns it: its text and, with logprobs, its entries (the first None);
+            scored one after another, each holding a place among the in-flight requests while it runs."""
+            out = []
+            for ids, _ in choices:
+                text = serving.tokenizer.decode(ids) if serving.tokenizer is not None else ""
+                k = len(out)
+                out.append((text, await serving.score(ids, body.logprobs, params[k].seed) if scored else None))
+            return out
+
+        echoes = await until_disconnected(request, echoed()) if body.echo else None
+        if score_only:
             result = []
-            for k, (ids, _) in enumerate(choices):
-                text, entries = await echoed(k)
+            for k, ((ids, _), (text, entries)) in enumerate(zip(choices, echoes)):
                 logprobs = serving.completion_logprobs(ids, entries) if scored else None
                 result.append(CompletionChoice(index=k, text=text, logprobs=logprobs, finish_reason="length"))
-            return CompletionResponse(id=cid, model=model_name, choices=result,
-                                      usage=serving.usage(num_prompt, [None] * len(choices)))  # fmt: skip
-        echoes = [await echoed(k) for k in range(len(choices))] if body.echo else None
+            usage = serving.usage(num_prompt, [None] * len(choices))
+            if not body.stream:
+                return response(result, usage)
+            chunks = [response([choice]) for choice in result]
+            if body.stream_options is not None and body.stream_options.include_usage:
+                chunks.append(response([], usage))
+            return StreamingResponse(sse_events(chunks), media_type="text/event-stream")
         outputs = serving.start_all([ids for ids, _ in choices], params)
         if body.stream:
             sent = [0] * len(choices)  # characters of each choice's tokens so far (their text offsets)
@@ -130,8 +158,7 @@ def build_app(
                     echoes[index] = None
                     logprobs = serving.completion_logprobs(choices[index][0], entries) if scored else None
                     sent[index] = len("".join(logprobs.tokens)) if logprobs is not None else len(text)
-                    choice = CompletionChoice(index=index, text=text, logprobs=logprobs)
-                    yield CompletionResponse(id=cid, model=model_name, choices=[choice])
+                    yield response([CompletionChoice(index=index, text=text, logprobs=logprobs)])
                 logprobs = None
                 if scored and out.new_token_ids:
                     logprobs = serving.completion_logprobs(out.new_token_ids, serving.new_logprobs(out), sent[index])
@@ -139,12 +166,11 @@ def build_app(
                 if out.new_text or out.finished or logprobs is not None:
                     choice = CompletionChoice(index=index, text=out.new_text, logprobs=logprobs,
                                               finish_reason=finish_reason(out))  # fmt: skip
-                    yield CompletionResponse(id=cid, model=model_name, choices=[choice])
+                    yield response([choice])
 
             usage = None
             if body.stream_options is not None and body.stream_options.include_usage:
-                usage = lambda outs: CompletionResponse(id=cid, model=model_name, choices=[],
-                                                        usage=serving.usage(num_prompt, outs))  # fmt: skip
+                usage = lambda outs: response([], serving.usage(num_prompt, outs))
             return StreamingResponse(serving.sse(outputs, chunks, usage), media_type="text/event-stream")
         outs = await serving.final_outputs(outputs, request)
         result = []
@@ -155,12 +181,14 @@ def build_app(
                 text, tokens, entries = prompt_text + text, ids + tokens, (prompt_entries or []) + entries
             logprobs = serving.completion_logprobs(tokens, entries) if scored else None
             result.append(CompletionChoice(index=k, text=text, logprobs=logprobs, finish_reason=out.finish_reason))
-        return CompletionResponse(id=cid, model=model_name, choices=result, usage=serving.usage(num_prompt, outs))
+        return response(result, serving.usage(num_prompt, outs))
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
-        serving.check_model(body.model)
+        serving.check_request(body)
         messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+        for i, message in enumerate(messages):
+            check_text(message["content"], f"messages[{i}].content")
         try:
             prompt = render_chat(serving.tokenizer, messages, body.add_generation_prompt)
         except NoChatTemplateError as exc:
@@ -171,8 +199,13 @@ def build_app(
         params = [serving.sampling_params(body, len(ids), max_tokens, j, None, top_n) for j in range(body.n)]
         if body.top_logprobs is not None and not body.logprobs:
             raise APIError(400, "top_logprobs: needs logprobs: true", "top_logprobs")
+        serving.check_choices(body.n, body.n)
         outputs = serving.start_all([ids] * body.n, params)
-        cid = new_id("chatcmpl")
+        cid, created = new_id("chatcmpl"), now()
+
+        def chunk(choices: list[ChatStreamChoice], usage: UsageInfo | None = None) -> ChatCompletionChunk:
+            return ChatCompletionChunk(id=cid, created=created, model=model_name, choices=choices, usage=usage)
+
         if body.stream:
             started: set[int] = set()
 
@@ -180,20 +213,18 @@ def build_app(
                 if index not in started:  # OpenAI streams each choice's role first
                     started.add(index)
                     delta = DeltaMessage(role="assistant", content="")
-                    yield ChatCompletionChunk(id=cid, model=model_name,
-                                              choices=[ChatStreamChoice(index=index, delta=delta)])  # fmt: skip
+                    yield chunk([ChatStreamChoice(index=index, delta=delta)])
                 logprobs = None
                 if body.logprobs and out.new_token_ids:
                     logprobs = serving.chat_logprobs(serving.new_logprobs(out))
                 if out.new_text or out.finished or logprobs is not None:
                     choice = ChatStreamChoice(index=index, delta=DeltaMessage(content=out.new_text or None),
                                               logprobs=logprobs, finish_reason=finish_reason(out))  # fmt: skip
-                    yield ChatCompletionChunk(id=cid, model=model_name, choices=[choice])
+                    yield chunk([choice])
 
             usage = None
             if body.stream_options is not None and body.stream_options.include_usage:
-                usage = lambda outs: ChatCompletionChunk(id=cid, model=model_name, choices=[],
-                                                         usage=serving.usage(len(ids), outs))  # fmt: skip
+                usage = lambda outs: chunk([], serving.usage(len(ids), outs))
             return StreamingResponse(serving.sse(outputs, chunks, usage), media_type="text/event-stream")
         outs = await serving.final_outputs(outputs, request)
         result = []
@@ -201,6 +232,7 @@ def build_app(
             logprobs = serving.chat_logprobs(out.logprobs or []) if body.logprobs else None
             result.append(ChatChoice(index=k, message=ChatResponseMessage(content=out.text or ""), logprobs=logprobs,
                                      finish_reason=out.finish_reason))  # fmt: skip
-        return ChatCompletionResponse(id=cid, model=model_name, choices=result, usage=serving.usage(len(ids), outs))
+        return ChatCompletionResponse(id=cid, created=created, model=model_name, choices=result,
+                                      usage=serving.usage(len(ids), outs))  # fmt: skip
 
     return app

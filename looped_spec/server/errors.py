@@ -25,7 +25,8 @@ class APIError(Exception):
 
 
 def error_body(status: int, message: str, param: str | None = None) -> dict:
-    info = ErrorInfo(message=message, type=ERROR_TYPES.get(status, "server_error"), param=param, code=status)
+    kind = ERROR_TYPES.get(status, "invalid_request_error" if 400 <= status < 500 else "server_error")
+    info = ErrorInfo(message=message, type=kind, param=param, code=status)
     return ErrorResponse(error=info).model_dump()
 
 
@@ -67,6 +68,11 @@ async def on_validation_error(request: Request, exc: RequestValidationError) -> 
 
 async def on_api_error(request: Request, exc: APIError) -> JSONResponse:
     return error_response(exc.status, exc.message, exc.param, exc.headers)
+
+
+async def on_unexpected_error(request: Request, exc: Exception) -> JSONResponse:
+    """A bug of the server's own (the traceback goes to its log): still an OpenAI-style body, not plain text."""
+    return error_response(500, f"internal server error: {type(exc).__name__}")
 
 
 async def on_http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:

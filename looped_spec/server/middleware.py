@@ -23,12 +23,13 @@ class APIKeyMiddleware:
 
     def __init__(self, app: ASGIApp, api_key: str) -> None:
         self.app = app
-        self.expected = f"Bearer {api_key}".encode()
+        self.expected = api_key.encode()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and scope["path"].startswith("/v1"):
-            given = dict(scope["headers"]).get(b"authorization", b"")
-            if not secrets.compare_digest(given, self.expected):
+            scheme, _, key = dict(scope["headers"]).get(b"authorization", b"").partition(b" ")
+            # the scheme is case-insensitive (RFC 9110); the key is compared in constant time
+            if scheme.lower() != b"bearer" or not secrets.compare_digest(key.strip(), self.expected):
                 await _send_error(send, 401, "missing or wrong API key (Authorization: Bearer KEY)",
                                   [(b"www-authenticate", b"Bearer")])  # fmt: skip
                 return

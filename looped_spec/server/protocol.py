@@ -1,7 +1,8 @@
 """OpenAI request and response schemas for the fields looped-spec supports (pydantic at the boundary).
 
 Requests forbid unknown fields, so an unsupported OpenAI option (`presence_penalty`, ...) is a 400 naming it
-rather than silently ignored. Extensions beyond OpenAI's schema, as in vLLM:
+rather than silently ignored, and are strict about types as OpenAI is (`"max_tokens": "5"` or `"logprobs": true` on
+completions is a 400, not a silent conversion). Extensions beyond OpenAI's schema, as in vLLM:
 `top_k`, `ignore_eos`, `stop_token_ids` (and `seed`, which OpenAI has too); and looped-spec's early exit,
 `exit_threshold` / `exit_at_step` (checked by `SamplingParams` and the engine, errors naming the field).
 """
@@ -16,7 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 
 class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     include_usage: bool = False
 
@@ -24,11 +25,11 @@ class StreamOptions(BaseModel):
 class SamplingFields(BaseModel):
     """Fields shared by completions and chat completions."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     model: str
-    temperature: float | None = Field(None, ge=0.0, le=2.0)
-    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    temperature: float | None = Field(None, ge=0.0, le=2.0, allow_inf_nan=False)
+    top_p: float | None = Field(None, gt=0.0, le=1.0, allow_inf_nan=False)
     top_k: int | None = Field(None, ge=-1)
     n: int = Field(
         1, ge=1, le=16, description="Independent choices per prompt (with `seed` s, choice j draws with s + j)."
@@ -39,8 +40,9 @@ class SamplingFields(BaseModel):
     seed: int | None = Field(None, ge=0, lt=2**63)
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
-    exit_threshold: float | None = None  # early exit (SamplingParams): the family rule's threshold
-    exit_at_step: int | None = None  # early exit: a fixed loop depth per token
+    # early exit (SamplingParams): the family rule's threshold, or a fixed loop depth per token
+    exit_threshold: float | None = Field(None, allow_inf_nan=False)
+    exit_at_step: int | None = None
     user: str | None = None  # accepted and ignored, as OpenAI clients send it
 
     def stop_list(self) -> list[str]:
@@ -55,14 +57,14 @@ class CompletionRequest(SamplingFields):
 
 
 class TextPart(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     type: Literal["text"]
     text: str
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     role: Literal["system", "user", "assistant", "developer", "tool"]
     content: str | list[TextPart] | None = None

@@ -52,18 +52,34 @@ class OpenAIServing:
         if model != self.model_name:
             raise APIError(404, f"model {model!r} does not exist; this server serves {self.model_name!r}", "model")
 
-    def prompt_lists(self, prompt, param: str = "prompt") -> list[list[int]]:
+    def check_request(self, body: SamplingFields) -> None:
+        """What every generation request must get right before anything else: the model, and stream options only
+        with a stream (they would otherwise be silently ignored)."""
+        self.check_model(body.model)
+        if body.stream_options is not None and not body.stream:
+            raise APIError(400, "stream_options: only with stream: true", "stream_options")
+
+    def check_choices(self, num_choices: int, n: int) -> None:
+        """400 for more choices (prompts × n) than the server ever runs or queues at once."""
+        if num_choices > self.engine.max_in_flight:
+            param = "n" if n > 1 else "prompt"
+            raise APIError(400, f"{param}: {num_choices} choices (prompts × n) exceed the {self.engine.max_in_flight} "
+                           "requests this server runs or queues at once", param)  # fmt: skip
+
+    def prompt_lists(self, prompt, param: str = "prompt", scored_only: bool = False) -> list[list[int]]:
         """Token ids of each prompt of a completions request (a string, token ids, or a list of either)."""
         if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
             if len(prompt) > MAX_PROMPTS:
                 raise APIError(400, f"{param}: at most {MAX_PROMPTS} prompts per request (got {len(prompt)})", param)
-            return [self.prompt_ids(p, f"{param}[{i}]") for i, p in enumerate(prompt)]
-        return [self.prompt_ids(prompt, param)]
+            return [self.prompt_ids(p, f"{param}[{i}]", scored_only) for i, p in enumerate(prompt)]
+        return [self.prompt_ids(prompt, param, scored_only)]
 
-    def prompt_ids(self, prompt, param: str = "prompt") -> list[int]:
+    def prompt_ids(self, prompt, param: str = "prompt", scored_only: bool = False) -> list[int]:
+        """A prompt's token ids; `scored_only`: it is scored, not generated from, so it may fill max_model_len."""
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise APIError(400, f"{param}: the model has no tokenizer; send token ids", param)
+            check_text(prompt, param)
             ids = self.tokenizer.encode(prompt, add_special_tokens=False)
         else:
             ids = list(prompt)
@@ -73,8 +89,9 @@ class OpenAIServing:
                                param)  # fmt: skip
         if not ids:
             raise APIError(400, f"{param} is empty", param)
-        if len(ids) >= self.max_model_len:
-            raise APIError(400, f"{param}: {len(ids)} tokens; must be fewer than max_model_len={self.max_model_len}",
+        if len(ids) > self.max_model_len or (len(ids) == self.max_model_len and not scored_only):
+            limit = "at most" if scored_only else "fewer than"
+            raise APIError(400, f"{param}: {len(ids)} tokens; must be {limit} max_model_len={self.max_model_len}",
                            param)  # fmt: skip
         return ids
 
@@ -86,19 +103,25 @@ class OpenAIServing:
         choice: int = 0,
         seed: int | None = None,
         logprobs: int | None = None,
+        scored_only: bool = False,
     ) -> SamplingParams:
         """The engine's parameters of one choice; with `seed` s, choice j of a request draws with seed s + j (so `n`
-        choices are independent, and reproducible)."""
+        choices are independent, and reproducible). `scored_only`: the prompt is scored, nothing generated (the
+        parameters carry only what the scores depend on: the seed and the exit fields)."""
         room = self.max_model_len - num_prompt_tokens
         if max_tokens is None:
             max_tokens = room
-        elif max_tokens > room:
+        elif max_tokens > room and not scored_only:
             raise APIError(400, f"max_tokens: {max_tokens} + {num_prompt_tokens} prompt tokens exceeds "
                            f"max_model_len={self.max_model_len}", "max_tokens")  # fmt: skip
         stop = body.stop_list()
         if len(stop) > MAX_STOP_STRINGS:
             raise APIError(400, f"stop: at most {MAX_STOP_STRINGS} stop strings", "stop")
         stop_token_ids = list(body.stop_token_ids or [])
+        bad = next((i for i, t in enumerate(stop_token_ids) if not 0 <= t < self.vocab_size), None)
+        if bad is not None:
+            raise APIError(400, f"stop_token_ids[{bad}] = {stop_token_ids[bad]} is outside the vocabulary "
+                           f"[0, {self.vocab_size})", "stop_token_ids")  # fmt: skip
         if not body.ignore_eos:
             stop_token_ids += [t for t in self.defaults.eos_token_ids if t not in stop_token_ids]
         if body.exit_threshold is not None and body.exit_at_step is not None:
@@ -141,9 +164,6 @@ class OpenAIServing:
     def start_all(self, prompts: list[list[int]], params: list[SamplingParams]) -> list[AsyncIterator[RequestOutput]]:
         """Admit every choice of an API request together, or none (429 / 503 before any response starts; 400 for more
         choices than the server ever admits at once)."""
-        if len(prompts) > self.engine.max_in_flight:
-            raise APIError(400, f"n: {len(prompts)} choices (prompts × n) exceed the {self.engine.max_in_flight} "
-                           "requests this server runs or queues at once", "n")  # fmt: skip
         streams = []
         try:
             for ids, choice_params in zip(prompts, params):
@@ -168,6 +188,8 @@ class OpenAIServing:
     async def score(self, token_ids: list[int], top_n: int, seed: int) -> list:
         try:
             return await self.engine.score(token_ids, top_n, seed)
+        except QueueFullError as exc:
+            raise APIError(429, f"server busy: {exc}; retry later", headers={"Retry-After": RETRY_AFTER_S}) from exc
         except EngineDeadError as exc:
             raise APIError(503, str(exc), headers={"Retry-After": RETRY_AFTER_S}) from exc
 
@@ -214,15 +236,7 @@ class OpenAIServing:
 
     async def final_outputs(self, outputs: list[AsyncIterator[RequestOutput]], request: Request) -> list[RequestOutput]:
         """Every choice's finished output; aborts them all if the client disconnects first."""
-        task = asyncio.ensure_future(asyncio.gather(*(_last(o) for o in outputs), return_exceptions=True))
-        gone = asyncio.ensure_future(_disconnected(request))
-        await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
-        if not task.done():
-            task.cancel()  # each request's stream aborts it in the engine
-            await asyncio.gather(task, return_exceptions=True)
-            raise APIError(499, "client disconnected")
-        gone.cancel()
-        outs = task.result()
+        outs = await until_disconnected(request, asyncio.gather(*(_last(o) for o in outputs), return_exceptions=True))
         for out in outs:
             if isinstance(out, (EngineFaultError, EngineDeadError)):
                 raise APIError(500, str(out)) from out
@@ -253,6 +267,35 @@ class OpenAIServing:
         if usage_chunk is not None:
             yield f"data: {usage_chunk(last).model_dump_json()}\n\n"
         yield "data: [DONE]\n\n"
+
+
+async def sse_events(chunks: list) -> AsyncIterator[str]:
+    """Server-sent events of responses that are all known already (a scored prompt's), then [DONE]."""
+    for chunk in chunks:
+        yield f"data: {chunk.model_dump_json()}\n\n"
+    yield "data: [DONE]\n\n"
+
+
+async def until_disconnected(request: Request, awaitable):
+    """`awaitable`'s result, unless the client disconnects first: then it is cancelled (a request's stream aborts
+    it in the engine; a score not yet run is skipped) and the answer is a 499."""
+    task = asyncio.ensure_future(awaitable)
+    gone = asyncio.ensure_future(_disconnected(request))
+    await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
+    if not task.done():
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        raise APIError(499, "client disconnected")
+    gone.cancel()
+    return task.result()
+
+
+def check_text(text: str, param: str) -> None:
+    """400 for text that is not valid Unicode (JSON can carry a lone surrogate; no tokenizer can encode it)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise APIError(400, f"{param}: not valid Unicode text ({exc.reason} at character {exc.start})", param) from None
 
 
 async def _merged(outputs: list[AsyncIterator[RequestOutput]]) -> AsyncIterator[tuple[int, RequestOutput]]:
