@@ -94,12 +94,14 @@ def test_stopping_on_loop_passes_equals_the_step_engine(family):
     exits = {"exit_threshold": 0.7} if family == "ouro" else {"exit_at_step": 2}
     for margin, extra in ((1e-6, {}), (0.05, {}), (0.3, {}), (1.0, {}), (0.3, exits)):
         spec = SpeculativeConfig(k=3, d=1, stop_margin=margin)
-        for temperature in (0.0, 0.8):
-            params = [SamplingParams(max_tokens=5 + 2 * i, temperature=temperature, seed=i, ignore_eos=True, **extra)
-                      for i in range(len(prompts))]  # fmt: skip
+        # all greedy, all sampled, and mixed (a greedy row then drafts beside sampled rows at some steps and alone
+        # at others, once they stopped)
+        for temperatures in ((0.0,), (0.8,), (0.0, 0.8)):
+            params = [SamplingParams(max_tokens=5 + 2 * i, temperature=temperatures[i % len(temperatures)], seed=i,
+                                     ignore_eos=True, **extra) for i in range(len(prompts))]  # fmt: skip
             step = make_engine(family, speculation=spec)
             loop = make_engine(family, speculation=spec, batching="loop")
-            label = (margin, extra, temperature)
+            label = (margin, extra, temperatures)
             assert [o.token_ids for o in loop.generate(prompts, params)] == [
                 o.token_ids for o in step.generate(prompts, params)
             ], label

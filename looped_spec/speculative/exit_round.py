@@ -142,7 +142,7 @@ def propose_with_exit_until_unsure(
     rows are again a prefix."""
     num_reqs, device = len(requests), runner.device
     tokens: list[list[int]] = [[] for _ in range(num_reqs)]
-    q_rows: list[list[torch.Tensor]] = [[] for _ in range(num_reqs)]
+    q_rows: list[list[torch.Tensor | None]] = [[] for _ in range(num_reqs)]
     ran: list[tuple[list[int], ExitDraftStep]] = []  # per step j: (rows it ran, in the given order; the step)
     alive = list(range(num_reqs))
     step_tokens = runner.token_tensor([r.token_ids[r.num_computed] for r in requests])
@@ -166,8 +166,7 @@ def propose_with_exit_until_unsure(
         for m, (n, token) in enumerate(zip(going, drawn.tolist())):
             i = alive[n]
             tokens[i].append(token)
-            if q is not None:
-                q_rows[i].append(q[m])
+            q_rows[i].append(None if q is None else q[m])
         alive, step_tokens, j = [alive[n] for n in going], drawn, j + 1
     order, grid, q_probs, kept = in_drafted_order(tokens, q_rows, [rows for rows, _ in ran], device)
     steps = []

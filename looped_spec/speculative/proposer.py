@@ -34,11 +34,13 @@ def top_two_margin(logits: torch.Tensor) -> torch.Tensor:
 
 
 def in_drafted_order(
-    tokens: list[list[int]], q_rows: list[list[torch.Tensor]], ran: list[list[int]], device
+    tokens: list[list[int]], q_rows: list[list[torch.Tensor | None]], ran: list[list[int]], device
 ) -> tuple[list[int], torch.Tensor, torch.Tensor | None, list[list[int]]]:
     """Per-token stopping leaves rows with ragged K: (the rows sorted by the K they drafted, stable; the draft tokens
     [R, K_max] (-1 past each row's K) and their distributions (None: all greedy) in that order; per draft step j the
-    indices, into the rows step j ran (`ran[j]`), of the rows that drafted >= j, in that order)."""
+    indices, into the rows step j ran (`ran[j]`), of the rows that drafted >= j, in that order). `q_rows[i][j]` is
+    row i's draft distribution at step j, None where every row drafting then was greedy (a greedy row drafts beside
+    sampled rows at some steps and alone at others; its verification never reads q, which stays zero there)."""
     drafted = [len(t) for t in tokens]
     order = sorted(range(len(tokens)), key=lambda i: -drafted[i])
     max_k = max(drafted)
@@ -47,10 +49,12 @@ def in_drafted_order(
     for row, i in enumerate(order):
         if tokens[i]:
             grid[row, : drafted[i]] = to_device(tokens[i], device)
-        if q_rows[i]:
+        for j, q in enumerate(q_rows[i]):
+            if q is None:
+                continue
             if q_probs is None:
-                q_probs = torch.zeros(len(tokens), max_k, q_rows[i][0].shape[-1], device=device)
-            q_probs[row, : drafted[i]] = torch.stack(q_rows[i])
+                q_probs = torch.zeros(len(tokens), max_k, q.shape[-1], device=device)
+            q_probs[row, j] = q
     steps = []
     for j, rows in enumerate(ran):  # the rows step j ran are those that drafted >= j
         where = {i: n for n, i in enumerate(rows)}
@@ -139,7 +143,7 @@ class DraftProposer:
         runner, device = self.runner, self.runner.device
         num_reqs = len(requests)
         tokens: list[list[int]] = [[] for _ in range(num_reqs)]
-        q_rows: list[list[torch.Tensor]] = [[] for _ in range(num_reqs)]
+        q_rows: list[list[torch.Tensor | None]] = [[] for _ in range(num_reqs)]
         steps: list[tuple[list[int], torch.Tensor]] = []  # per step j: (rows it ran, their loop-d states)
         alive = list(range(num_reqs))  # rows still drafting, in the given (K-descending) order
         step_tokens = runner.token_tensor([r.token_ids[r.num_computed] for r in requests])
@@ -162,8 +166,7 @@ class DraftProposer:
                                        [requests[i] for i in going])  # fmt: skip
                 for n, (i, token) in enumerate(zip(going, drawn.tolist())):
                     tokens[i].append(token)
-                    if q is not None:
-                        q_rows[i].append(q[n])
+                    q_rows[i].append(None if q is None else q[n])
                 step_tokens = drawn
             alive, j = going, j + 1
         order, grid, q_probs, kept = in_drafted_order(tokens, q_rows, [ran for ran, _ in steps], device)
