@@ -160,6 +160,7 @@ def load_preset(
     """
     if isinstance(preset, AdaptiveSpecConfig):
         logger.info("adaptive preset for %s: the config object given (model %r)", model_name, preset.model)
+        _warn_if_another_models(preset, model_name, "the config object given")
         return _checked(preset, full_depth, f"preset for {preset.model!r}")
     if preset is not None:
         path = Path(preset)
@@ -173,4 +174,19 @@ def load_preset(
     else:
         path, reason = find_preset(model_name, folder, config)
     logger.info("adaptive preset for %s: %s (%s)", model_name, path, reason)
-    return _checked(read_preset_file(path), full_depth, str(path))
+    loaded = read_preset_file(path)
+    if preset is not None:
+        _warn_if_another_models(loaded, model_name, str(path))
+    return _checked(loaded, full_depth, str(path))
+
+
+def _warn_if_another_models(preset: AdaptiveSpecConfig, model_name: str, source: str) -> None:
+    """A preset asked for by name or file that was tuned for another model serves it (a deliberate choice, say for a
+    sibling checkpoint), but its acceptance and costs are the other model's until the online estimates take over."""
+    served = Path(str(model_name).rstrip("/\\")).name.lower()
+    if preset.model.lower() != served:
+        logger.warning(
+            "adaptive preset %s was tuned for model %r, not %r: its acceptance prior and pass costs are that model's "
+            "until the online estimates replace them (`looped-spec tune` writes one for this model)",
+            source, preset.model, model_name,
+        )  # fmt: skip

@@ -13,7 +13,12 @@ from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-_STRICT = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
+# strict types (`"full_depth": "4"` or `true` is an error, not 4 or 1); lists may also be given as tuples
+_STRICT = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True, strict=True)
+
+
+def _lax_list() -> Any:
+    return Field(strict=False)
 
 
 class PresetError(ValueError):
@@ -55,7 +60,7 @@ class BucketConfig(BaseModel):
     """Smallest batch size (number of running requests) of the bucket."""
     max_batch: int | None = Field(default=None, ge=1)
     """Largest batch size; null only on the last bucket (unbounded)."""
-    candidates: list[CandidateConfig]
+    candidates: list[CandidateConfig] = _lax_list()
     """Ordered from most conservative to most aggressive; K=0 is allowed only first."""
     initial_index: int = 0
     """Candidate the bucket starts at."""
@@ -93,9 +98,9 @@ class AcceptanceConfig(BaseModel):
 
     model_config = _STRICT
 
-    alpha: list[Annotated[float, Field(ge=0.0, le=1.0)]]
+    alpha: list[Annotated[float, Field(ge=0.0, le=1.0)]] = _lax_list()
     """[D] greedy agreement of the depth-d readout with full depth along greedy trajectories, d = 1..D."""
-    rho: list[Annotated[float, Field(ge=0.0, le=1.0)]]
+    rho: list[Annotated[float, Field(ge=0.0, le=1.0)]] = _lax_list()
     """[D] lag-1 persistence of those agreements (0: independent positions)."""
     positions: int = Field(default=0, ge=0)
     """Generated positions the numbers were measured on (0: assumed, not measured)."""
@@ -109,7 +114,7 @@ class AcceptanceConfig(BaseModel):
         return self
 
 
-Seconds = Annotated[float, Field(ge=0.0)]
+Seconds = Annotated[float, Field(ge=0.0, allow_inf_nan=False)]
 
 
 class CostConfig(BaseModel):
@@ -117,9 +122,9 @@ class CostConfig(BaseModel):
 
     model_config = _STRICT
 
-    positions: list[Annotated[int, Field(ge=1)]]
+    positions: list[Annotated[int, Field(ge=1)]] = _lax_list()
     """Grid of pass widths n (positions in one loop pass), strictly increasing."""
-    pass_seconds: list[Seconds]
+    pass_seconds: list[Seconds] = _lax_list()
     """w(n) at each grid width: the part of one loop pass that grows with its positions."""
     request_seconds: Seconds
     """g: seconds a loop pass adds per request."""
@@ -127,15 +132,15 @@ class CostConfig(BaseModel):
     """h: seconds a loop pass adds per request and token of its context (reading that request's keys/values)."""
     query_context_seconds: Seconds = 0.0
     """a: seconds a loop pass adds per position and token of context (its attention scores)."""
-    step_seconds: tuple[Seconds, Seconds, Seconds]
+    step_seconds: tuple[Seconds, Seconds, Seconds] = _lax_list()
     """A runner step's own cost (building its context): s0 + s_r per request + s_n per position."""
-    embed_seconds: tuple[Seconds, Seconds]
+    embed_seconds: tuple[Seconds, Seconds] = _lax_list()
     """Embedding a step's tokens (Huginn: its prelude): e0 + e_n per position."""
-    readout_seconds: tuple[Seconds, Seconds]
+    readout_seconds: tuple[Seconds, Seconds] = _lax_list()
     """One depth's readout: ro0 + ro_n per position."""
-    round_seconds: tuple[Seconds, Seconds]
+    round_seconds: tuple[Seconds, Seconds] = _lax_list()
     """A decode round's work outside the runner (schedule, sample, commit, control): o0 + o_B per request."""
-    speculative_seconds: tuple[Seconds, Seconds, Seconds]
+    speculative_seconds: tuple[Seconds, Seconds, Seconds] = _lax_list()
     """A speculative round's extra work outside the runner: v0 + v_K per draft step + v_n per verified position."""
 
     @model_validator(mode="after")
@@ -161,7 +166,7 @@ class AdaptiveSpecConfig(BaseModel):
     """Hardware tag the numbers are for, e.g. "h100-80g", "cpu"."""
     full_depth: int = Field(ge=1)
     """Loop depth D the preset was measured or derived at."""
-    buckets: list[BucketConfig]
+    buckets: list[BucketConfig] = _lax_list()
     """Ordered, non-overlapping batch-size ranges covering 1..unbounded."""
     disable: DisableConfig = DisableConfig()
     """Switching speculation off and probing it again (EMA policy); `enabled` also lets the goodput policy run
@@ -238,8 +243,16 @@ def format_validation_error(err: ValidationError) -> list[str]:
 
 def _structure_errors(cfg: AdaptiveSpecConfig) -> list[str]:
     errors: list[str] = []
+    c = cfg.cost
+    terms = [*c.pass_seconds, c.request_seconds, c.request_context_seconds, c.query_context_seconds, *c.step_seconds,
+             *c.embed_seconds, *c.readout_seconds, *c.round_seconds]  # fmt: skip
+    if not any(terms):
+        errors.append("cost: every cost is zero; a round must cost something (plans are priced by their time)")
+    if cfg.acceptance is not None and len(cfg.acceptance.alpha) != cfg.full_depth:
+        errors.append(f"acceptance.alpha: {len(cfg.acceptance.alpha)} depths, but full_depth is {cfg.full_depth} "
+                      "(one agreement per draft depth 1..D)")  # fmt: skip
     if not cfg.buckets:
-        return ["buckets: at least one bucket is required"]
+        return [*errors, "buckets: at least one bucket is required"]
     last = len(cfg.buckets) - 1
     for i, b in enumerate(cfg.buckets):
         where = f"buckets[{i}]"

@@ -235,6 +235,43 @@ def test_rule_full_depth_and_cost_required():
     )
 
 
+def test_rule_acceptance_has_one_entry_per_depth():
+    acceptance = {"alpha": [0.5, 0.7, 0.9, 1.0], "rho": [0.0] * 4}
+    assert "acceptance.alpha: 4 depths, but full_depth is 3" in bad(lambda d: d.update(acceptance=acceptance))
+
+
+def test_rule_costs_are_finite_and_not_all_zero():
+    assert "cost.request_seconds: Input should be a finite number" in bad(
+        lambda d: d["cost"].update(request_seconds=float("inf"))
+    )
+
+    def zero(d):
+        for key, value in d["cost"].items():
+            if key != "positions":
+                d["cost"][key] = [0.0] * len(value) if isinstance(value, (list, tuple)) else 0.0
+
+    assert "cost: every cost is zero" in bad(zero)
+
+
+def test_rule_types_are_strict_but_lists_may_be_tuples():
+    assert "full_depth: Input should be a valid integer (got '3')" in bad(lambda d: d.update(full_depth="3"))
+    assert "full_depth: Input should be a valid integer (got True)" in bad(lambda d: d.update(full_depth=True))
+    assert "cost.request_seconds: Input should be a valid number" in bad(
+        lambda d: d["cost"].update(request_seconds="0.001")
+    )
+    data = copy.deepcopy(BASE)
+    data["cost"]["positions"] = tuple(data["cost"]["positions"])
+    assert AdaptiveSpecConfig.parse(data).cost.positions == list(BASE["cost"]["positions"])
+
+
+def test_a_preset_of_another_model_asked_for_is_used_with_a_warning(caplog):
+    with caplog.at_level(logging.WARNING, logger="looped_spec.presets.lookup"):
+        assert load_preset("tiny-ouro", 4, "tiny-ouro").model == "tiny-ouro"
+        assert not caplog.records
+        assert load_preset("tiny-ouro", 4, "tiny-huginn").model == "tiny-huginn"
+    assert "was tuned for model 'tiny-huginn', not 'tiny-ouro'" in caplog.text
+
+
 def test_rule_d_below_one_with_k():
     assert "buckets[0].candidates[1]: d=0 must be >= 1 when k=2" in bad(
         lambda d: d["buckets"][0].update(candidates=[[1, 2], [2, 0]])
