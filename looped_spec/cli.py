@@ -7,6 +7,7 @@ import json
 import os
 import sys
 import time
+from collections import Counter
 from pathlib import Path
 
 API_KEY_ENV = "LOOPED_SPEC_API_KEY"
@@ -34,14 +35,19 @@ def _set_threads(threads: int) -> None:
         torch.set_num_threads(threads)
 
 
-def _read_prompts(args: argparse.Namespace) -> list[str]:
-    """--prompt values, then the lines of --prompts-file (`-` = stdin; .jsonl: a "prompt" field per line)."""
-    prompts = list(args.prompt or [])
+def _read_prompts(args: argparse.Namespace) -> list[str | list[int]]:
+    """--prompt values, then the lines of --prompts-file (`-` = stdin; .jsonl: a "prompt" field per line, text or
+    token ids)."""
+    prompts: list[str | list[int]] = list(args.prompt or [])
     if args.prompts_file:
         if args.prompts_file == "-":
             name, lines = "<stdin>", sys.stdin.read().splitlines()
         else:
-            name, lines = args.prompts_file, Path(args.prompts_file).read_text(encoding="utf-8").splitlines()
+            name = args.prompts_file
+            try:
+                lines = Path(name).read_text(encoding="utf-8").splitlines()
+            except (OSError, UnicodeDecodeError) as exc:
+                raise UsageError(f"--prompts-file {name}: {getattr(exc, 'strerror', None) or exc}") from None
         for n, line in enumerate(lines, start=1):
             if not line.strip():
                 continue
@@ -50,6 +56,9 @@ def _read_prompts(args: argparse.Namespace) -> list[str]:
                     line = json.loads(line)["prompt"]
                 except (json.JSONDecodeError, KeyError, TypeError):
                     raise ValueError(f"{name}:{n}: expected a JSON object with a 'prompt' field") from None
+                ids = isinstance(line, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in line)
+                if not isinstance(line, str) and not ids:
+                    raise ValueError(f"{name}:{n}: 'prompt' must be text or a list of token ids, got {line!r:.60}")
             prompts.append(line)
     if not prompts:
         raise ValueError("no prompt: give --prompt TEXT or --prompts-file FILE (- for stdin)")
@@ -87,6 +96,9 @@ def _generate(args: argparse.Namespace) -> int:
         _output_file(args.trace, "--trace")
     _at_least(args.batch_size, 1, "--batch-size")
     _at_least(args.max_tokens, 1, "--max-tokens")
+    if args.compare_repeats is not None and not args.compare_plain:
+        raise UsageError("--compare-repeats: only with --compare-plain")
+    args.compare_repeats = 5 if args.compare_repeats is None else args.compare_repeats
     _at_least(args.compare_repeats, 1, "--compare-repeats")
     _at_least(args.threads, 0, "--threads", " (0: torch's default)")
     _set_threads(args.threads)
@@ -103,7 +115,7 @@ def _generate(args: argparse.Namespace) -> int:
             for i, (prompt, out) in enumerate(zip(prompts, outputs)):
                 if len(outputs) > 1:
                     print(f"--- output {i} ---")
-                print(prompt + (out.text if out.text is not None else " ".join(map(str, out.token_ids))))
+                print(_as_text(prompt) + (out.text if out.text is not None else _as_text(out.token_ids)))
         _print_stats(engine, args, outputs)
     finally:
         engine.close()
@@ -112,17 +124,23 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
-def _stream(engine, prompts: list[str], params) -> list:
+def _as_text(tokens: str | list[int]) -> str:
+    """Text as it is; token ids (a model without a tokenizer, or ids given) as a space-separated list."""
+    return tokens if isinstance(tokens, str) else " ".join(map(str, tokens)) + " "
+
+
+def _stream(engine, prompts: list[str | list[int]], params) -> list:
     """Print each prompt's tokens as they are committed (prompts run one after another)."""
     outputs = []
     for i, prompt in enumerate(prompts):
+        request_id = engine.add_request(prompt, params)  # checked before anything is printed
         if len(prompts) > 1:
             print(f"--- output {i} ---")
-        print(prompt, end="", flush=True)
-        request_id = engine.add_request(prompt, params)
+        print(_as_text(prompt), end="", flush=True)
         while engine.has_unfinished_requests():
             for out in engine.step():
-                print(out.new_text, end="", flush=True)
+                print(out.new_text if engine.tokenizer is not None else _as_text(out.new_token_ids), end="",
+                      flush=True)  # fmt: skip
                 if out.finished and out.request_id == request_id:
                     outputs.append(out)
         print()
@@ -132,11 +150,13 @@ def _stream(engine, prompts: list[str], params) -> list:
 def _print_stats(engine, args: argparse.Namespace, outputs: list) -> None:
     stats = engine.stats
     num_tokens = sum(len(o.token_ids) for o in outputs)
+    reasons = Counter(o.finish_reason for o in outputs)
     rows = [
         ("model", f"{engine.adapter.name} ({engine.adapter.model_type}, D={engine.adapter.full_depth})"),
         ("speculation", str(args.speculation)),
         ("requests", str(len(outputs))),
         ("tokens generated", str(num_tokens)),
+        ("finish reasons", ", ".join(f"{r}: {n}" for r, n in sorted(reasons.items()))),
     ]
     if stats.num_loop_passes:  # loop-level batching: passes, not rounds
         occupancy = stats.num_loop_pass_positions / stats.num_loop_passes
@@ -187,11 +207,16 @@ def _compare_plain(args: argparse.Namespace, prompts: list[str], params, outputs
     finally:
         spec.close()
         plain.close()
-    print(f"{'vs plain decoding':<24}  {statistics.median(ratios):.2f}x faster [{min(ratios):.2f}-{max(ratios):.2f}] "
+    print(f"{'vs plain decoding':<24}  {speed_ratio(statistics.median(ratios))} [{min(ratios):.2f}-{max(ratios):.2f}] "
           f"(median of {len(ratios)} side-by-side pairs, wall time incl. prefill; outputs "
           f"{'identical' if same else 'differ'})")  # fmt: skip
     if params.temperature == 0.0 and not same:
         print("looped-spec: warning: greedy speculative output differs from plain decoding", file=sys.stderr)
+
+
+def speed_ratio(ratio: float) -> str:
+    """'1.57x faster', or '0.73x as fast (slower)': never 'faster' for a slowdown."""
+    return f"{ratio:.2f}x faster" if ratio >= 1.0 else f"{ratio:.2f}x as fast (slower)"
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -201,6 +226,11 @@ def _serve(args: argparse.Namespace) -> int:
     api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
     scaling = dict(num_replicas=args.replicas, min_replicas=args.min_replicas, max_replicas=args.max_replicas,
                    target_ongoing_requests=args.target_ongoing_requests, metrics_port=args.metrics_port)  # fmt: skip
+    _at_least(args.threads, 0, "--threads", " (0: torch's default)")
+    if not 0 <= args.port <= 65535:
+        raise UsageError(f"--port {args.port}: must be in 0..65535")
+    _at_least(args.max_queued, 0, "--max-queued")
+    _at_least(args.max_body_bytes, 1, "--max-body-bytes")
     if any(value is not None for value in scaling.values()):
         return _serve_replicas(args, api_key, scaling)
     _set_threads(args.threads)
@@ -252,7 +282,7 @@ def _models(args: argparse.Namespace) -> int:
 def _tune(args: argparse.Namespace) -> int:
     import shlex
 
-    from looped_spec.presets.lookup import load_preset, read_preset_file
+    from looped_spec.presets.lookup import load_preset, read_preset_file, shipped_preset_path
     from looped_spec.tuning.inputs import parse_adapter_options
     from looped_spec.tuning.report import dump_json, format_report, preset_data, write_heatmap
     from looped_spec.tuning.tuner import tune
@@ -267,6 +297,12 @@ def _tune(args: argparse.Namespace) -> int:
             raise UsageError("--heatmap needs matplotlib (pip install matplotlib)") from None
     _at_least(args.threads, 0, "--threads", " (0: torch's default)")
     _at_least(args.acceptance_tokens, 2, "--acceptance-tokens", " (the first token comes from prefill)")
+    timing = {"round_tokens": 32, "repeats": 4}  # the timed rounds' defaults; no rounds are timed with --cost-from
+    for option, default in timing.items():
+        flag = "--" + option.replace("_", "-")
+        if args.cost_from and getattr(args, option) is not None:
+            raise UsageError(f"{flag}: times rounds, which --cost-from skips (it reuses a measured profile)")
+        setattr(args, option, default if getattr(args, option) is None else getattr(args, option))
     _at_least(args.round_tokens, 2, "--round-tokens")
     for option in ("num_prompts", "repeats"):
         _at_least(getattr(args, option), 1, "--" + option.replace("_", "-"))
@@ -274,7 +310,14 @@ def _tune(args: argparse.Namespace) -> int:
     argv = args.argv if args.argv is not None else sys.argv[1:]  # set by main()
     cost = {}
     if args.cost_from:
-        source = read_preset_file(args.cost_from)
+        path = Path(args.cost_from)
+        if not path.is_file() and shipped_preset_path(args.cost_from) is not None:
+            path = shipped_preset_path(args.cost_from)  # a shipped preset's name, as --preset takes
+        source = read_preset_file(path)
+        tuned = Path(str(args.model).rstrip("/\\")).name.lower()
+        if source.model.lower() != tuned:
+            raise UsageError(f"--cost-from {args.cost_from}: its cost profile was measured on model "
+                             f"{source.model!r}, not {tuned!r} (omit --cost-from to measure this one)")  # fmt: skip
         prov = source.provenance if isinstance(source.provenance, dict) else {}
         cost = {
             "cost_profile": source.cost.model_dump(),
@@ -317,11 +360,13 @@ def _tune(args: argparse.Namespace) -> int:
 
 def _add_engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--speculation", default="adaptive", help="off | adaptive | K,d (draft K tokens with d loops)")
-    p.add_argument("--policy", default="goodput", choices=["goodput", "ema"], help="adaptive speculation policy")
-    p.add_argument("--preset", default=None, help="preset file (default: matched by model name)")
+    p.add_argument("--policy", default="goodput", choices=["goodput", "ema"],
+                   help="adaptive speculation policy (only with --speculation adaptive)")  # fmt: skip
+    p.add_argument("--preset", default=None, help="preset file or shipped preset name; none: matched by model name "
+                   "(only with --speculation adaptive)")  # fmt: skip
     p.add_argument("--seed", type=int, default=0, help="engine seed (and the per-request seed of generate)")
     p.add_argument("--max-batch-size", type=int, default=32, help="most requests decoded together")
-    p.add_argument("--max-model-len", type=int, default=None, help="prompt + output limit (default: the model's)")
+    p.add_argument("--max-model-len", type=int, default=None, help="prompt + output limit; none: the model's")
     p.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 | float16")
     p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
     p.add_argument(
@@ -335,9 +380,8 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
                    help="step: a decode step is a token (or speculative round) for the batch; loop: one loop pass "
                    "serves every request at its own loop")  # fmt: skip
     p.add_argument("--cuda-graphs", default="auto", choices=list(CUDA_GRAPHS),
-                   help="auto: captured steps on CUDA (loop passes eager); on: capture (with --batching loop, "
-                   "the loop passes); off: eager; emulate: the padded captured path run uncaptured, on any "
-                   "device")  # fmt: skip
+                   help="auto: captured steps and loop passes on CUDA; on: capture (an error where it cannot); "
+                   "off: eager; emulate: the padded captured path run uncaptured, on any device")  # fmt: skip
     p.add_argument("--adapter-option", action="append", metavar="KEY=VALUE", help="passed to the adapter (repeatable)")
 
 
@@ -364,7 +408,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     gen.add_argument("--max-tokens", type=int, default=64, help="most tokens generated per prompt")
     gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    gen.add_argument("--top-k", type=int, default=0, help="0 = no top-k filtering")
+    gen.add_argument("--top-k", type=int, default=0, help="0 or -1 = no top-k filtering")
     gen.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass")
     gen.add_argument("--stop", action="append", help="stop string (repeatable; cut from the output)")
     gen.add_argument("--ignore-eos", action="store_true", help="keep generating past the eos token")
@@ -378,7 +422,8 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="also time the prompts with and without speculation side by side and print the ratio",
     )
-    gen.add_argument("--compare-repeats", type=int, default=5, help="side-by-side pairs --compare-plain times")
+    gen.add_argument("--compare-repeats", type=int, default=None,
+                     help="side-by-side pairs --compare-plain times; none: 5")  # fmt: skip
     _add_engine_flags(gen)
     gen.set_defaults(func=_generate)
     srv = sub.add_parser(
@@ -412,7 +457,7 @@ def build_parser() -> argparse.ArgumentParser:
     ray_flags.add_argument("--metrics-port", type=int, default=None,
                            help="replica r also serves its /metrics on port + r (labelled by replica)")  # fmt: skip
     srv.add_argument("--early-exit", default="skip", choices=["skip", "select"],
-                     help="how requests' exit_threshold / exit_at_step run (with --speculation off)")  # fmt: skip
+                     help="how requests' exit_threshold / exit_at_step run (with or without speculation)")  # fmt: skip
     srv.add_argument(
         "--log-level",
         default="info",
@@ -448,14 +493,16 @@ def build_parser() -> argparse.ArgumentParser:
     )
     tune.add_argument("--acceptance-tokens", type=int, default=96, help="greedy tokens per prompt (acceptance pass)")
     tune.add_argument("--num-prompts", type=int, default=32, help="prompts in the acceptance pass")
-    tune.add_argument("--round-tokens", type=int, default=32, help="generated tokens per request in the timed rounds")
-    tune.add_argument("--repeats", type=int, default=4, help="timed repeats (one more is run and dropped)")
+    tune.add_argument("--round-tokens", type=int, default=None,
+                      help="generated tokens per request in the timed rounds; none: 32")  # fmt: skip
+    tune.add_argument("--repeats", type=int, default=None, help="timed repeats (one more is run and dropped); none: 4")
     tune.add_argument("--seed", type=int, default=0, help="seed of the interleaving order")
     tune.add_argument(
         "--cost-from",
         default=None,
         metavar="PRESET",
-        help="reuse this preset's measured cost profile instead of timing (re-derive after a rules change)",
+        help="reuse this preset's (a file or shipped name, for the same model) measured cost profile instead of "
+        "timing (re-derive after a rules change)",
     )
     tune.add_argument("--hardware", default=None, help="hardware tag for the preset (default: cpu / GPU name)")
     tune.add_argument(
@@ -469,7 +516,8 @@ def build_parser() -> argparse.ArgumentParser:
     tune.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 | float16")
     tune.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
     tune.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
-    tune.add_argument("--adapter-option", action="append", help="KEY=VALUE passed to the adapter")
+    tune.add_argument("--adapter-option", action="append", metavar="KEY=VALUE", help="passed to the adapter "
+                      "(repeatable)")  # fmt: skip
     tune.add_argument("--quiet", action="store_true", help="no progress bar")
     tune.set_defaults(func=_tune, argv=None)
     return parser
@@ -482,6 +530,9 @@ def main(argv: list[str] | None = None) -> int:
         args.argv = list(argv) if argv is not None else sys.argv[1:]
     try:
         return args.func(args)
+    except BrokenPipeError:  # the reader went away (`| head`): not an error of ours
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error when Python flushes stdout
+        return 0
     except (ValueError, KeyError, TypeError, OSError) as exc:
         print(f"looped-spec: error: {_one_line(exc)}", file=sys.stderr)
         return 2
@@ -491,9 +542,8 @@ def _one_line(exc: Exception) -> str:
     """A user error on one line: pydantic's errors as 'field: message', without its documentation URL."""
     errors = getattr(exc, "errors", None)
     if callable(errors) and type(exc).__name__ == "ValidationError":
-        return "; ".join(
-            f"{'.'.join(map(str, e['loc']))}: {e['msg']}" if e.get("loc") else e["msg"] for e in exc.errors()
-        )
+        messages = [(e.get("loc"), e["msg"].removeprefix("Value error, ")) for e in exc.errors()]
+        return "; ".join(f"{'.'.join(map(str, loc))}: {msg}" if loc else msg for loc, msg in messages)
     return " ".join(str(exc).split()) or type(exc).__name__
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import re
 import subprocess
 import sys
 
@@ -34,7 +35,7 @@ def test_prompts_from_stdin_and_compare_plain(capsys, monkeypatch):
     assert main(BASE + ["--prompts-file", "-", "--compare-plain"]) == 0
     out = capsys.readouterr().out
     assert "--- output 1 ---\nclass A:" in out
-    assert "x faster" in out and "outputs identical" in out
+    assert re.search(r"\d\.\d\dx (faster|as fast \(slower\))", out) and "outputs identical" in out
 
 
 def test_user_errors_are_one_line(capsys):
@@ -100,3 +101,54 @@ def test_cuda_graphs_flag_reaches_the_engine(capsys):
     assert capsys.readouterr().out.split("\n\n---")[0] == eager
     assert main(loop + ["--cuda-graphs", "on"]) == 2
     assert "cuda_graphs=True needs a CUDA device" in capsys.readouterr().err
+
+
+def test_token_id_prompts_from_jsonl_print_as_ids(capsys, tmp_path):
+    """Token ids are the only way to run a checkpoint without a tokenizer: a .jsonl 'prompt' may be a list of ids,
+    printed (and streamed) as ids; anything else is refused naming the line."""
+    prompts = tmp_path / "ids.jsonl"
+    prompts.write_text('{"prompt": [1, 2, 3]}\n')
+    fixture = ["generate", "--model", "tests/fixtures/ouro-tiny", "--max-tokens", "4", "--speculation", "off",
+               "--prompts-file", str(prompts), "--ignore-eos"]  # fmt: skip
+    assert main(fixture) == 0
+    printed = capsys.readouterr().out.split("\n")[0]
+    assert main(fixture + ["--stream"]) == 0
+    streamed = capsys.readouterr().out.split("\n")[0]
+    ids = printed.split()
+    assert len(ids) == 7 and ids[:3] == ["1", "2", "3"] and all(t.isdigit() for t in ids) and streamed == printed
+    prompts.write_text('{"prompt": 5}\n')
+    assert main(fixture) == 2
+    assert f"{prompts}:1: 'prompt' must be text or a list of token ids" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "argv,message",
+    [
+        (["serve", "--threads", "-1"], "--threads -1: must be >= 0"),
+        (["serve", "--port", "99999"], "--port 99999: must be in 0..65535"),
+        (["serve", "--max-body-bytes", "0"], "--max-body-bytes 0: must be >= 1"),
+        (BASE + ["--prompt", "x", "--compare-repeats", "3"], "--compare-repeats: only with --compare-plain"),
+        (BASE + ["--prompts-file", "/no/such/file"], "--prompts-file /no/such/file: No such file"),
+        (BASE + ["--prompt", "x", "--preset", "tiny-ouro"], "preset='tiny-ouro': only with speculation='adaptive'"),
+        (BASE + ["--prompt", "x", "--exit-at-step", "2", "--exit-threshold", "0.5"], "error: exit_threshold="),
+        (["generate", "--model", "tiny-ouroo", "--prompt", "x"], "shipped: tiny-huginn"),
+        (["tune", "--model", "tiny-ouro", "--out", "/tmp/x.json", "--cost-from", "tiny-huginn"],
+         "--cost-from tiny-huginn: its cost profile was measured on model 'tiny-huginn', not 'tiny-ouro'"),
+        (["tune", "--model", "tiny-ouro", "--out", "/tmp/x.json", "--cost-from", "tiny-ouro", "--repeats", "9"],
+         "--repeats: times rounds, which --cost-from skips"),
+        (["generate", "--model", "tiny-huginn", "--prompt", "x", "--adapter-option", "num_steps=4",
+          "--adapter-option", "num_steps=12"], "num_steps is given twice"),
+    ],
+)  # fmt: skip
+def test_flags_that_cannot_work_are_one_line_errors_before_any_work(argv, message, capsys):
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert message in err and "\n" not in err.strip() and "Value error" not in err, err
+
+
+def test_the_speed_ratio_never_calls_a_slowdown_faster(capsys):
+    from looped_spec.cli import speed_ratio
+
+    assert speed_ratio(1.57) == "1.57x faster" and speed_ratio(0.73) == "0.73x as fast (slower)"
+    assert main(BASE + ["--prompt", "x", "--max-tokens", "3"]) == 0
+    assert "finish reasons            length: 1" in capsys.readouterr().out

@@ -260,6 +260,10 @@ def test_cli_tune_cost_from_reuses_a_measured_profile(tmp_path, capsys):
     first, second = tmp_path / "a.json", tmp_path / "b.json"
     base = ["tune", "--model", str(fixture_dir("ouro")), "--grid", GRID, *TINY]
     assert main([*base, "--out", str(first)]) == 0
+    untimed = [f for f in base if f not in ("--round-tokens", "4", "--repeats", "1")]  # they time rounds
+    assert main([*base, "--out", str(second), "--cost-from", str(first)]) == 2
+    assert "--round-tokens: times rounds, which --cost-from skips" in capsys.readouterr().err
+    base = untimed
     assert main([*base, "--out", str(second), "--cost-from", str(first)]) == 0
     a, b = read_preset_file(first), read_preset_file(second)
     assert a.acceptance == b.acceptance and a.cost == b.cost and a.buckets == b.buckets

@@ -282,12 +282,14 @@ def resolve_model_path(path_or_name: str | Path) -> Path:
     path = Path(path_or_name)
     if path.is_dir():
         return path
-    from looped_spec.models import shipped_model_path
+    from looped_spec.models import shipped_model_path, shipped_models
 
     shipped = shipped_model_path(str(path_or_name))
     if shipped is not None:
         return shipped
-    raise CheckpointError(f"{path_or_name}: not a checkpoint folder nor a shipped model name")
+    raise CheckpointError(
+        f"{path_or_name}: not a checkpoint folder nor a shipped model name (shipped: {', '.join(shipped_models())})"
+    )
 
 
 def load_adapter(

@@ -35,6 +35,8 @@ def parse_adapter_options(items: Sequence[str] | None) -> dict[str, Any]:
         key, sep, value = item.partition("=")
         if not sep or not key:
             raise TunerError(f"--adapter-option {item!r}: expected KEY=VALUE")
+        if key in options:
+            raise TunerError(f"--adapter-option {item!r}: {key} is given twice")
         try:
             options[key] = json.loads(value)
         except json.JSONDecodeError:
