@@ -75,13 +75,17 @@ class IncrementalDetokenizer:
         self.stop_hit = stop
         return True
 
-    def flush(self) -> None:
-        """The request finished: keep whatever an incomplete trailing character decodes to."""
+    def flush(self) -> bool:
+        """The request finished: keep whatever an incomplete trailing character decodes to (U+FFFD), cut at a stop
+        string that text completes. Returns whether it completed one."""
         if self.stop_hit is None and self._read_offset < len(self.token_ids):
             prefix_text = self._decode(self.token_ids[self._prefix_offset : self._read_offset])
             new_text = self._decode(self.token_ids[self._prefix_offset :])
+            start = len(self.text)
             self.text += new_text[len(prefix_text) :]
             self._read_offset = len(self.token_ids)
+            return self._find_stop(start)
+        return False
 
     def stream_delta(self, finished: bool) -> str:
         """Text not yet returned; while running, minus what could still become a stop string."""

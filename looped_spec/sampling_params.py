@@ -10,9 +10,10 @@ GREEDY_TEMPERATURE = 1e-5
 
 
 class SamplingParams(BaseModel):
-    """How to generate for one request. Impossible values raise a ValidationError naming the field."""
+    """How to generate for one request. Impossible values raise a ValidationError naming the field; types are strict
+    (`max_tokens="8"` or `max_tokens=True` is an error, not 8 or 1; an int is a float where one is asked)."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
 
     max_tokens: int = Field(16, gt=0, description="Most tokens to generate.")
     temperature: float = Field(
@@ -26,7 +27,9 @@ class SamplingParams(BaseModel):
     seed: int | None = Field(
         None, ge=0, le=2**63 - 1, description="Per-request seed; None = drawn from the engine seed."
     )
-    stop_token_ids: list[int] = Field(default_factory=list, description="Tokens that end the request (kept).")
+    stop_token_ids: list[int] = Field(
+        default_factory=list, strict=False, description="Tokens that end the request (kept)."
+    )
     ignore_eos: bool = Field(False, description="Keep generating past the model's eos token.")
     exit_threshold: float | None = Field(
         None,
@@ -39,7 +42,9 @@ class SamplingParams(BaseModel):
         None, ge=1, le=1 << 16, description="Fixed loop depth for every token of this request (any family)."
     )
     stop: list[str] = Field(
-        default_factory=list, description="Strings that end the request, checked on the decoded text (cut off)."
+        default_factory=list,
+        strict=False,
+        description="Strings that end the request, checked on the decoded text (cut off).",
     )
     logprobs: int | None = Field(
         None,

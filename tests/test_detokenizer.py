@@ -59,6 +59,10 @@ def test_incomplete_trailing_character_is_flushed_at_the_end(tokenizer):
     cut = ids[:-1]  # the emoji's last byte is missing
     deltas, _ = stream(IncrementalDetokenizer(tokenizer), cut)
     assert "".join(deltas) == tokenizer.decode(cut)
+    # a stop string the flushed U+FFFD completes still cuts the text (and the flush says so)
+    detok = IncrementalDetokenizer(tokenizer, stop=[" " + REPLACEMENT_CHAR])
+    assert not any(detok.append(t) for t in cut)
+    assert detok.flush() and detok.text == "ok" and detok.stop_hit == " " + REPLACEMENT_CHAR
 
 
 def test_stop_string_cuts_text_and_holds_back_partial_matches(tokenizer):

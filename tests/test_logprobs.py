@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import FAMILIES, load, reference
+from conftest import FAMILIES, load, make_engine, reference
 from test_early_exit import exit_params, reference_generate
 
 from looped_spec import LoopedSpecEngine, SamplingParams, SpeculativeConfig
@@ -151,3 +151,22 @@ def test_loop_batching_returns_the_step_engines_logprobs(family):
 def test_logprobs_count_is_checked():
     with pytest.raises(ValueError, match="logprobs"):
         SamplingParams(logprobs=21)
+
+
+def test_score_checks_its_arguments_naming_them():
+    engine = make_engine("ouro", max_model_len=32)
+    vocab = engine.adapter.vocab_size
+    cases = [
+        (([1, vocab],), ValueError, r"token_ids\[1\] = .* outside the vocabulary"),
+        (([1, -1],), ValueError, r"token_ids\[1\]"),
+        (([1, 2.0],), TypeError, r"token_ids\[1\]"),
+        (("hello",), TypeError, "list of token ids"),
+        ((list(range(1, 34)),), ValueError, "max_model_len=32"),
+        (([1, 2], -1), ValueError, "top_n=-1"),
+        (([1, 2], vocab + 1), ValueError, "top_n="),
+        (([1, 2], 1, -1), ValueError, "seed=-1"),
+    ]
+    for args, error, match in cases:
+        with pytest.raises(error, match=match):
+            engine.score(*args)
+    assert len(engine.score(list(range(1, 33)), 2)) == 32  # max_model_len tokens may be scored

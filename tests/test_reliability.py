@@ -173,6 +173,9 @@ def test_rule_a_request_failing_by_itself_finishes_with_error_and_the_others_go_
     finished = run_to_end(engine, max_errors=2)
     assert finished[ids[1]].finish_reason == "error" and "bad request" in finished[ids[1]].error
     assert [finished[ids[0]].token_ids, finished[ids[2]].token_ids] == [expected[0], expected[2]]
+    # counted as a failure, not as a success (request_success_total / request_failure_total)
+    assert (engine.stats.num_requests_finished, engine.stats.num_requests_failed) == (2, 1)
+    assert 'looped_spec:request_failure_total{model_name=""} 1.0' in engine.stats.to_prometheus()
 
 
 def test_rule_a_failed_round_is_rolled_back_generators_included(monkeypatch):

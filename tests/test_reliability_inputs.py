@@ -64,12 +64,36 @@ def test_item06_sampling_params_bounds():
         ({"draft_override": object()}, "unknown option 'draft_override'"),
         ({"cuda_graphs": "always"}, "cuda_graphs"),
         ({"speculation": "sometimes"}, "speculation='sometimes'"),
+        # options that would do nothing are errors, not shrugs
+        ({"speculation": "3,1", "preset": "tiny-ouro"}, "preset='tiny-ouro': only with speculation='adaptive'"),
+        ({"policy": "ema"}, "policy='ema': only with speculation='adaptive'"),
+        ({"speculation": "2,1", "control": {"hysteresis": 0.5}}, r"control=.*only with speculation='adaptive'"),
+        ({"num_kv_blocks": 64, "kv_cache_memory_gb": 1.0}, "set at most one"),
+        ({"speculation": {"k": "2"}}, "speculation.k='2'"),
+        ({"speculation": {"k": True}}, "speculation.k=True"),
     ],
 )
 def test_item06_engine_arguments_are_named(kwargs, named):
     args = {"model": str(fixture_dir("ouro")), "device": "cpu", "speculation": "off", **kwargs}
     with pytest.raises(ValueError, match=named):
         LoopedSpecEngine(**args)
+
+
+def test_item06_loading_options_with_a_loaded_adapter_are_refused():
+    adapter = load_adapter(fixture_dir("ouro"), device="cpu")
+    for option, value in (("dtype", "float16"), ("device", "cpu"), ("adapter_options", {"x": 1})):
+        with pytest.raises(ValueError, match=f"{option}=.*not to a ModelAdapter instance"):
+            LoopedSpecEngine(adapter, speculation="off", **{option: value})
+    LoopedSpecEngine(adapter, speculation="off").close()
+
+
+def test_item06_sampling_params_types_are_strict():
+    for field, value in (("max_tokens", "8"), ("max_tokens", True), ("seed", True), ("ignore_eos", "yes"),
+                         ("logprobs", True), ("temperature", "0.5"), ("max_tokens", 8.0)):  # fmt: skip
+        with pytest.raises(ValidationError, match=field):
+            SamplingParams(**{field: value})
+    params = SamplingParams(temperature=1, stop_token_ids=(3, 4), stop=("a",))  # an int temperature, tuples: fine
+    assert params.temperature == 1.0 and params.stop_token_ids == [3, 4] and params.stop == ["a"]
 
 
 def test_item06_nanbeige_rejects_unknown_adapter_options():

@@ -529,6 +529,7 @@ def test_metrics_parse_and_match_engine_stats(server, client):
         ("generation_tokens_total", "num_generation_tokens"),
         ("prompt_tokens_total", "num_prompt_tokens"),
         ("request_success_total", "num_requests_finished"),
+        ("request_failure_total", "num_requests_failed"),
         ("spec_decode_num_draft_tokens_total", "num_draft_tokens"),
         ("spec_decode_num_accepted_tokens_total", "num_accepted_tokens"),
         ("spec_decode_num_drafts_total", "num_drafts"),

@@ -29,9 +29,10 @@ from looped_spec.control.settings import ControlSettings
 
 
 class SpeculativeConfig(BaseModel):
-    """A fixed speculation plan: draft `k` tokens with the first `d` loops (k = 0: plain decoding)."""
+    """A fixed speculation plan: draft `k` tokens with the first `d` loops (k = 0: plain decoding). Strict types:
+    `k="2"` or `k=True` is an error."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
 
     k: int = Field(2, ge=0, le=64, description="Draft tokens per round.")
     d: int = Field(1, ge=0, description="Loops used by the draft (1 <= d < full depth; 0 only with k = 0).")
@@ -44,6 +45,13 @@ class SpeculativeConfig(BaseModel):
         "depth-d top-two probability margin is below this (that draft is not proposed; a first draft below it "
         "makes the round plain for the request), up to k. Rounds without early-exit requests; None = always k.",
     )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _plain_has_no_depth(cls, data: Any) -> Any:
+        if isinstance(data, dict) and data.get("k") == 0 and "d" not in data:
+            return {**data, "d": 0}  # SpeculativeConfig(k=0) is plain decoding, written k=0, d=0
+        return data
 
     @model_validator(mode="after")
     def _depth_with_drafts(self) -> SpeculativeConfig:
@@ -100,7 +108,7 @@ class EngineConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid", arbitrary_types_allowed=True, frozen=True)
 
-    # loading the checkpoint (ignored for a ModelAdapter instance, which is already loaded)
+    # loading the checkpoint (a ModelAdapter instance is loaded already: setting them then is an error)
     dtype: str | torch.dtype = "auto"
     device: str | torch.device = "auto"
     adapter_options: dict[str, Any] | None = None  # family options, e.g. Huginn's {"num_steps": 32}
@@ -131,6 +139,28 @@ class EngineConfig(BaseModel):
     # batching="loop": the positions one pass may run (decoding and prompt chunks), deepest work first
     # (docs/architecture.md, "Scheduling policy"); None: every running request's work in every pass
     max_pass_positions: StrictInt | None = Field(None, ge=1)
+
+    @model_validator(mode="after")
+    def _adaptive_options(self) -> EngineConfig:
+        """The preset, policy and tunables steer the adaptive controller; with another plan they would do nothing."""
+        if parse_speculation(self.speculation) == "adaptive":
+            return self
+        given = [
+            f"{name}={getattr(self, name)!r}"
+            for name, unset in (("preset", None), ("policy", DEFAULT_POLICY), ("control", None))
+            if getattr(self, name) != unset
+        ]
+        if given:
+            raise ValueError(f"{', '.join(given)}: only with speculation='adaptive' (speculation="
+                             f"{self.speculation!r} runs no adaptive controller)")  # fmt: skip
+        return self
+
+    @model_validator(mode="after")
+    def _kv_sizing(self) -> EngineConfig:
+        if self.num_kv_blocks is not None and self.kv_cache_memory_gb is not None:
+            raise ValueError(f"num_kv_blocks={self.num_kv_blocks}, kv_cache_memory_gb={self.kv_cache_memory_gb}: "
+                             "set at most one (each sizes the KV cache)")  # fmt: skip
+        return self
 
     @model_validator(mode="after")
     def _loop_batching(self) -> EngineConfig:

@@ -63,8 +63,12 @@ class LoopedSpecEngine:
             )
         self.config = config = EngineConfig.from_options(config, **options)
         if isinstance(model, ModelAdapter):
-            if config.adapter_options:
-                raise ValueError("adapter_options apply when loading a checkpoint, not to a ModelAdapter instance")
+            loading = [f"{name}={value!r}" for name, value in
+                       (("dtype", config.dtype), ("device", config.device), ("adapter_options", config.adapter_options))
+                       if value not in ("auto", None, {})]  # fmt: skip
+            if loading:
+                raise ValueError(f"{', '.join(loading)}: apply when loading a checkpoint, not to a ModelAdapter "
+                                 "instance (it is loaded already)")  # fmt: skip
             self.adapter = model
             self._owns_adapter = False  # the caller's: close() leaves its weights alone
         else:
@@ -397,7 +401,7 @@ class LoopedSpecEngine:
         logger.warning("request %s failed by itself and is finished with an error: %r", request.request_id, exc)
         request.error = f"{type(exc).__name__}: {exc}"
         self.scheduler.finish(request, "error")
-        self.stats.num_requests_finished += 1
+        self.stats.num_requests_failed += 1
         self._reports[request.request_id] = request
         if self.loop_batcher is not None:
             self.loop_batcher.drop(request.request_id)
@@ -570,9 +574,18 @@ class LoopedSpecEngine:
         request seed a family with per-token random draws (Huginn's initial state) uses. It scores a prompt, and the
         tokens of a finished generation that ran at full depth (plain or speculative: the target's logits)."""
         self._check_open()
+        if isinstance(token_ids, str):
+            raise TypeError("token_ids must be a list of token ids (score tokenized text)")
         if not token_ids:
             return []
-        ids = to_device(token_ids, self.adapter.device)
+        ids = to_token_ids(token_ids, None, self.adapter.vocab_size, where="token_ids")
+        if len(ids) > self.max_model_len:
+            raise ValueError(f"token_ids: {len(ids)} tokens; at most max_model_len={self.max_model_len}")
+        if isinstance(top_n, bool) or not isinstance(top_n, int) or not 0 <= top_n <= self.adapter.vocab_size:
+            raise ValueError(f"top_n={top_n!r} must be an int in [0, {self.adapter.vocab_size}]")
+        if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**63:
+            raise ValueError(f"seed={seed!r} must be an int in [0, 2**63)")
+        ids = to_device(ids, self.adapter.device)
         logits = self.adapter.dense_logits(ids, seeds=[seed])[0][:-1]  # position t scores token t + 1
         return [None, *token_logprobs(logits, ids[1:], [top_n] * (len(token_ids) - 1))]
 

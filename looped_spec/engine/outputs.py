@@ -13,10 +13,12 @@ logger = logging.getLogger(__name__)
 def request_output(request: Request) -> RequestOutput:
     """The request's output now: every token so far, and what is new since its last output (ids and text)."""
     text, new_text, detok = None, "", request.detokenizer
+    finish_reason = request.finish_reason
     if detok is not None:
         try:
             if request.finished:
-                detok.flush()
+                if detok.flush():  # the last, incomplete character's U+FFFD completed a stop string
+                    finish_reason = "stop"
                 text = detok.text
             new_text = detok.stream_delta(request.finished)
         except Exception as exc:  # the token ids are the output; text is a convenience that must not wedge
@@ -30,7 +32,7 @@ def request_output(request: Request) -> RequestOutput:
         request.token_ids[: request.num_prompt_tokens],
         output_ids,
         text,
-        request.finish_reason,
+        finish_reason,
         request.finished,
         request.metrics,
         request.prompt_text,

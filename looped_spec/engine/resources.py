@@ -23,17 +23,19 @@ def num_kv_blocks(
     # The most blocks one request holds: its KV never covers more than max_model_len tokens (admission needs room for
     # prompt + 1 < max_model_len, and a round drafts at most the tokens the request may still commit)
     per_request = (max_model_len + block_size - 1) // block_size
+    per_block = KVCache.bytes_per_block(adapter.kv_layout, block_size, adapter.dtype)
     if blocks is None:
-        per_block = KVCache.bytes_per_block(adapter.kv_layout, block_size, adapter.dtype)
         if memory_gb is None:
             memory_gb = 2.0
             if adapter.device.type == "cuda":
                 memory_gb = 0.5 * torch.cuda.mem_get_info(adapter.device)[0] / 2**30
         blocks = min(int(memory_gb * 2**30) // per_block, per_request * max_batch_size)
     if blocks < per_request:
+        planes = adapter.kv_layout.num_planes
         raise ValueError(
             f"KV cache of {blocks} blocks cannot hold one request of max_model_len={max_model_len} ({per_request} "
-            "blocks); lower max_model_len or give more memory"
+            f"blocks of {per_block / 2**20:.3g} MiB: {block_size} tokens in each of the model's {planes} KV planes, "
+            f"which its depth D={adapter.full_depth} sets); lower max_model_len or the depth, or give more memory"
         )
     return blocks
 

@@ -53,7 +53,8 @@ class Latencies:
 class EngineStats:
     """Cumulative counters of one engine."""
 
-    num_requests_finished: int = 0
+    num_requests_finished: int = 0  # by a stop condition or length (not aborted, not failed)
+    num_requests_failed: int = 0  # finished with an error of their own (docs/architecture.md "Failure semantics")
     num_prompt_tokens: int = 0  # prompt (and recomputed) tokens run through prefill
     num_generation_tokens: int = 0
     num_prefill_steps: int = 0
@@ -182,6 +183,8 @@ class StatsCollector(Collector):
         s, labels = self.stats, {"model_name": self.model_name}
         yield _counter("request_success", "Requests finished by a stop condition or length.",
                        s.num_requests_finished, labels)  # fmt: skip
+        yield _counter("request_failure", "Requests finished with an error of their own.", s.num_requests_failed,
+                       labels)  # fmt: skip
         yield _counter("prompt_tokens", "Prefilled tokens (including recomputation).", s.num_prompt_tokens, labels)
         yield _counter("generation_tokens", "Generated tokens.", s.num_generation_tokens, labels)
         yield _counter("num_preemptions", "Requests preempted for KV space.", s.num_preemptions, labels)
