@@ -10,12 +10,14 @@ import uvicorn
 
 from looped_spec.engine.async_engine import AsyncLoopedSpecEngine
 from looped_spec.server import build_app
+from looped_spec.server.launch import DrainingServer
 
 
 class ServerThread:
     """Starts uvicorn on a socket bound to 127.0.0.1:0; `url` is its base URL. Use as a context manager."""
 
-    def __init__(self, engine, model_name: str, max_queued: int = 64, **app_options) -> None:
+    def __init__(self, engine, model_name: str, max_queued: int = 64, graceful_seconds: float | None = None,
+                 **app_options) -> None:  # fmt: skip
         self.engine = engine
         self.async_engine = AsyncLoopedSpecEngine(engine, max_queued=max_queued)
         self.app = build_app(self.async_engine, model_name, **app_options)
@@ -24,7 +26,8 @@ class ServerThread:
         self.sock.bind(("127.0.0.1", 0))
         self.port = self.sock.getsockname()[1]
         self.url = f"http://127.0.0.1:{self.port}"
-        self.server = uvicorn.Server(uvicorn.Config(self.app, log_level="warning"))
+        config = uvicorn.Config(self.app, log_level="warning", timeout_graceful_shutdown=graceful_seconds)
+        self.server = DrainingServer(config, self.async_engine)  # as `looped-spec serve` runs it
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
 
     def __enter__(self) -> ServerThread:

@@ -437,6 +437,36 @@ def test_a_stopped_engine_is_503_and_a_shutdown_ends_open_streams_with_an_error(
         assert health.status_code == 503 and health.json() == {"status": "engine stopped"}
 
 
+def test_a_server_shutting_down_ends_open_requests_with_an_error_not_a_cut(reference_engine):
+    """SIGTERM with requests still running: after the graceful period (less a second) a stream ends with an error
+    event and [DONE], and an answer not streamed is a 503, instead of connections cut mid-response."""
+    import threading
+
+    engine = LoopedSpecEngine(MODEL, speculation="off", max_model_len=256)
+    engine.runner.decode = slowed(engine.runner.decode, 0.02)
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 200, "temperature": 0, "ignore_eos": True}
+    running = ServerThread(engine, MODEL, graceful_seconds=1.5).__enter__()
+    answers = {}
+
+    def not_streamed():
+        answers["whole"] = httpx.post(running.url + "/v1/completions", json=body, timeout=60)
+
+    with httpx.stream("POST", running.url + "/v1/completions", json={**body, "stream": True}, timeout=60) as stream:
+        lines = stream.iter_lines()
+        assert next(lines).startswith("data: {")  # generating
+        waiter = threading.Thread(target=not_streamed)
+        waiter.start()
+        wait_until(lambda: running.async_engine.num_in_flight == 2, what="both requests running")
+        started = time.monotonic()
+        running.server.should_exit = True  # what uvicorn's SIGTERM handler sets
+        events = [line for line in lines if line.startswith("data: ")]
+    waiter.join(30)
+    running.__exit__(None, None, None)
+    assert events[-1] == "data: [DONE]" and "shutting down" in events[-2], events[-3:]
+    assert 0.3 < time.monotonic() - started < 5  # after most of the graceful period, not at once, not cut off
+    assert answers["whole"].status_code == 503 and "shutting down" in answers["whole"].json()["error"]["message"]
+
+
 def test_non_streaming_client_that_leaves_has_its_request_aborted(server, monkeypatch):
     monkeypatch.setattr(server.engine.runner, "decode", slowed(server.engine.runner.decode, 0.05))
     monkeypatch.setattr(server.engine.spec_round, "run", slowed(server.engine.spec_round.run, 0.05))

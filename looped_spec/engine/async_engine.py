@@ -192,6 +192,14 @@ class AsyncLoopedSpecEngine:
                 return
         self._commands.put(("abort", request_id))
 
+    def end_all(self, reason: str) -> None:
+        """End every open stream with EngineDeadError(`reason`) and abort its request (a server shutting down)."""
+        with self._lock:
+            ids = list(self._streams)
+        self._fail_all(EngineDeadError(reason), ids)
+        for request_id in ids:
+            self._commands.put(("abort", request_id))
+
     # ----- the worker thread -----
     def _run(self) -> None:
         engine = self.engine

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import socket
 
 import uvicorn
@@ -23,8 +24,28 @@ def serve(
     sock: socket.socket | None = None,
 ) -> None:
     """Serve until interrupted (Ctrl-C / SIGTERM); the engine's worker stops with the server."""
-    app = build_app(AsyncLoopedSpecEngine(engine, max_queued=max_queued), model_name, api_key, max_body_bytes)
-    # on shutdown, open streams get a few seconds to finish; then the engine worker stops
+    front = AsyncLoopedSpecEngine(engine, max_queued=max_queued)
+    app = build_app(front, model_name, api_key, max_body_bytes)
+    # on shutdown, open requests get a few seconds to finish; then they end with an error, and the engine stops
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5)
-    server = uvicorn.Server(config)
+    server = DrainingServer(config, front)
     server.run(sockets=[sock] if sock is not None else None)
+
+
+class DrainingServer(uvicorn.Server):
+    """uvicorn's server, whose shutdown ends the requests still open a second before its graceful timeout with an
+    error (a stream's last events say the server is shutting down, then [DONE]; an answer not streamed is a 503)
+    instead of letting uvicorn cut their connections mid-response."""
+
+    def __init__(self, config: uvicorn.Config, front: AsyncLoopedSpecEngine) -> None:
+        super().__init__(config)
+        self.front = front
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        grace = self.config.timeout_graceful_shutdown or 0.0
+        end = asyncio.get_running_loop().call_later(max(grace - 1.0, 0.0), self.front.end_all, "the server is "
+                                                    "shutting down")  # fmt: skip
+        try:
+            await super().shutdown(sockets)
+        finally:
+            end.cancel()

@@ -238,7 +238,9 @@ class OpenAIServing:
         """Every choice's finished output; aborts them all if the client disconnects first."""
         outs = await until_disconnected(request, asyncio.gather(*(_last(o) for o in outputs), return_exceptions=True))
         for out in outs:
-            if isinstance(out, (EngineFaultError, EngineDeadError)):
+            if isinstance(out, EngineDeadError):  # stopped or shutting down: another replica (or later) may serve
+                raise APIError(503, str(out), headers={"Retry-After": RETRY_AFTER_S}) from out
+            if isinstance(out, EngineFaultError):
                 raise APIError(500, str(out)) from out
             if isinstance(out, (ValueError, TypeError)):  # the engine refused the request (its own validation)
                 raise APIError(400, str(out)) from out
