@@ -122,17 +122,16 @@ def build_app(
         num_prompt = sum(len(ids) for ids in prompts)
         cid, created = new_id("cmpl"), now()
 
-        def response(choices: list[CompletionChoice], usage: UsageInfo | None = None) -> CompletionResponse:
-            return CompletionResponse(id=cid, created=created, model=model_name, choices=choices, usage=usage)
+        def response(items: list[CompletionChoice], usage: UsageInfo | None = None) -> CompletionResponse:
+            return CompletionResponse(id=cid, created=created, model=model_name, choices=items, usage=usage)
 
         async def echoed() -> list[tuple[str, list | None]]:
             """Every choice's prompt as echo returns it: its text and, with logprobs, its entries (the first None);
             scored one after another, each holding a place among the in-flight requests while it runs."""
             out = []
-            for ids, _ in choices:
+            for (ids, _), choice_params in zip(choices, params):
                 text = serving.tokenizer.decode(ids) if serving.tokenizer is not None else ""
-                k = len(out)
-                out.append((text, await serving.score(ids, body.logprobs, params[k].seed) if scored else None))
+                out.append((text, await serving.score(ids, body.logprobs, choice_params.seed) if scored else None))
             return out
 
         echoes = await until_disconnected(request, echoed()) if body.echo else None
@@ -203,8 +202,8 @@ def build_app(
         outputs = serving.start_all([ids] * body.n, params)
         cid, created = new_id("chatcmpl"), now()
 
-        def chunk(choices: list[ChatStreamChoice], usage: UsageInfo | None = None) -> ChatCompletionChunk:
-            return ChatCompletionChunk(id=cid, created=created, model=model_name, choices=choices, usage=usage)
+        def chunk(items: list[ChatStreamChoice], usage: UsageInfo | None = None) -> ChatCompletionChunk:
+            return ChatCompletionChunk(id=cid, created=created, model=model_name, choices=items, usage=usage)
 
         if body.stream:
             started: set[int] = set()
