@@ -190,9 +190,12 @@ def _compare_plain(args: argparse.Namespace, prompts: list[str], params, outputs
     import statistics
 
     from looped_spec import LoopedSpecEngine
+    from looped_spec.control.controller import DEFAULT_POLICY
 
     spec = LoopedSpecEngine(args.model, **_engine_options(args) | {"trace_path": None})
-    plain = LoopedSpecEngine(args.model, **_engine_options(args) | {"speculation": "off", "trace_path": None})
+    # plain decoding runs no adaptive controller: its preset and policy are not options there
+    off = {"speculation": "off", "trace_path": None, "preset": None, "policy": DEFAULT_POLICY}
+    plain = LoopedSpecEngine(args.model, **_engine_options(args) | off)
     ratios, same = [], True
     try:
         for i in range(args.compare_repeats + 1):
@@ -282,7 +285,9 @@ def _models(args: argparse.Namespace) -> int:
 def _tune(args: argparse.Namespace) -> int:
     import shlex
 
-    from looped_spec.presets.lookup import load_preset, read_preset_file, shipped_preset_path
+    from looped_spec.models.adapter import resolve_model_path
+    from looped_spec.models.checkpoint import read_config
+    from looped_spec.presets.lookup import is_for, load_preset, model_names, read_preset_file, shipped_preset_path
     from looped_spec.tuning.inputs import parse_adapter_options
     from looped_spec.tuning.report import dump_json, format_report, preset_data, write_heatmap
     from looped_spec.tuning.tuner import tune
@@ -314,10 +319,11 @@ def _tune(args: argparse.Namespace) -> int:
         if not path.is_file() and shipped_preset_path(args.cost_from) is not None:
             path = shipped_preset_path(args.cost_from)  # a shipped preset's name, as --preset takes
         source = read_preset_file(path)
-        tuned = Path(str(args.model).rstrip("/\\")).name.lower()
-        if source.model.lower() != tuned:
+        folder = resolve_model_path(args.model).resolve()
+        names = model_names(folder.name, folder, read_config(folder))
+        if not is_for(source.model, names):
             raise UsageError(f"--cost-from {args.cost_from}: its cost profile was measured on model "
-                             f"{source.model!r}, not {tuned!r} (omit --cost-from to measure this one)")  # fmt: skip
+                             f"{source.model!r}, not {names[0][0]!r} (omit --cost-from to measure it)")  # fmt: skip
         prov = source.provenance if isinstance(source.provenance, dict) else {}
         cost = {
             "cost_profile": source.cost.model_dump(),

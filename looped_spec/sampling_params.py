@@ -2,43 +2,68 @@
 
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+import numbers
+import operator
+from typing import Annotated, Any
+
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator, model_validator
 
 # Below this a softmax temperature divides logits into overflow (1e-45 gives token 0 everywhere): such a
 # temperature means "greedy", as in vLLM.
 GREEDY_TEMPERATURE = 1e-5
 
 
+def _integral(value: Any) -> Any:
+    """Any integral number (numpy's too) as an int; bool, str and float are left for strict validation to refuse."""
+    if isinstance(value, numbers.Integral) and not isinstance(value, bool):
+        return operator.index(value)
+    return value
+
+
+def _real(value: Any) -> Any:
+    """Any real number (numpy's too) as a float; bool and str are left for strict validation to refuse."""
+    if isinstance(value, numbers.Real) and not isinstance(value, bool):
+        return float(value)
+    return value
+
+
+#: an int of any integer type (numpy's included), never a bool, str or float: strict but not fussy
+Integer = Annotated[int, BeforeValidator(_integral)]
+#: a float from any real number type, never a bool or str
+Real = Annotated[float, BeforeValidator(_real)]
+
+
 class SamplingParams(BaseModel):
     """How to generate for one request. Impossible values raise a ValidationError naming the field; types are strict
-    (`max_tokens="8"` or `max_tokens=True` is an error, not 8 or 1; an int is a float where one is asked)."""
+    (`max_tokens="8"` or `max_tokens=True` is an error, not 8 or 1; any integer type, numpy's too, is an int, and any
+    real number a float)."""
 
     model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
 
-    max_tokens: int = Field(16, gt=0, description="Most tokens to generate.")
-    temperature: float = Field(
+    max_tokens: Integer = Field(16, gt=0, description="Most tokens to generate.")
+    temperature: Real = Field(
         0.0,
         ge=0.0,
         allow_inf_nan=False,
         description="0 (or below 1e-5) = greedy; else softmax temperature.",
     )
-    top_k: int = Field(0, ge=-1, le=2**31 - 1, description="Keep the k most likely tokens (0 or -1 = all).")
-    top_p: float = Field(1.0, gt=0.0, le=1.0, allow_inf_nan=False, description="Nucleus sampling mass in (0, 1].")
-    seed: int | None = Field(
+    top_k: Integer = Field(0, ge=-1, le=2**31 - 1, description="Keep the k most likely tokens (0 or -1 = all).")
+    top_p: Real = Field(1.0, gt=0.0, le=1.0, allow_inf_nan=False, description="Nucleus sampling mass in (0, 1].")
+    seed: Integer | None = Field(
         None, ge=0, le=2**63 - 1, description="Per-request seed; None = drawn from the engine seed."
     )
-    stop_token_ids: list[int] = Field(
+    stop_token_ids: list[Integer] = Field(
         default_factory=list, strict=False, description="Tokens that end the request (kept)."
     )
     ignore_eos: bool = Field(False, description="Keep generating past the model's eos token.")
-    exit_threshold: float | None = Field(
+    exit_threshold: Real | None = Field(
         None,
         gt=0.0,
         allow_inf_nan=False,
         description="Early-exit threshold of the family's rule (Ouro: cumulative exit probability tau; Huginn: "
         "convergence, e.g. KL 5e-4). None = the model's default (Ouro: config early_exit_threshold).",
     )
-    exit_at_step: int | None = Field(
+    exit_at_step: Integer | None = Field(
         None, ge=1, le=1 << 16, description="Fixed loop depth for every token of this request (any family)."
     )
     stop: list[str] = Field(
@@ -46,7 +71,7 @@ class SamplingParams(BaseModel):
         strict=False,
         description="Strings that end the request, checked on the decoded text (cut off).",
     )
-    logprobs: int | None = Field(
+    logprobs: Integer | None = Field(
         None,
         ge=0,
         le=20,

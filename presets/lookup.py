@@ -111,6 +111,30 @@ def _hub_repo(folder: Path) -> str | None:
     return repo.removeprefix("models--").replace("--", "/")
 
 
+def model_names(
+    model_name: str, folder: str | Path | None = None, config: dict[str, Any] | None = None
+) -> list[tuple[str, str]]:
+    """(name, where it comes from) of every name a checkpoint goes by: the adapter's (its folder's) name, a Hugging Face
+    cache snapshot's repository, config.json's `_name_or_path`."""
+    names = [(str(model_name), "model name")]
+    if folder is not None:
+        repo = _hub_repo(Path(folder).resolve())
+        if repo is not None:
+            names.append((repo, "Hugging Face cache repository"))
+    name_or_path = (config or {}).get("_name_or_path")
+    if isinstance(name_or_path, str) and name_or_path.strip():
+        names.append((name_or_path, "config.json _name_or_path"))
+    return names
+
+
+def is_for(preset_model: str, names: list[tuple[str, str]]) -> bool:
+    """Whether a preset written for `preset_model` is for a checkpoint going by `names` (`model_names`)."""
+    wanted = preset_model.lower()
+    return any(
+        Path(name.rstrip("/\\")).name.lower() == wanted or match_preset_name(name) == wanted for name, _ in names
+    )
+
+
 def find_preset(
     model_name: str, folder: str | Path | None = None, config: dict[str, Any] | None = None
 ) -> tuple[Path, str]:
@@ -119,18 +143,11 @@ def find_preset(
     `model_name` is the adapter's name (the checkpoint folder name when loaded from a folder), `folder`
     the checkpoint folder (None for a model built in memory), `config` its config.json data.
     """
-    names = [(str(model_name), "model name")]
     if folder is not None:
-        folder = Path(folder)
-        own = folder / CHECKPOINT_PRESET
+        own = Path(folder) / CHECKPOINT_PRESET
         if own.is_file():
             return own, f"{CHECKPOINT_PRESET} in the checkpoint folder"
-        repo = _hub_repo(folder.resolve())
-        if repo is not None:
-            names.append((repo, "Hugging Face cache repository"))
-    name_or_path = (config or {}).get("_name_or_path")
-    if isinstance(name_or_path, str) and name_or_path.strip():
-        names.append((name_or_path, "config.json _name_or_path"))
+    names = model_names(model_name, folder, config)
     for name, where in names:
         match = match_preset_name(name)
         if match is not None:
@@ -158,9 +175,10 @@ def load_preset(
     `find_preset(model_name, folder, config)` picks it. The result is fitted to `full_depth` (logged when that
     changes it); errors name the file.
     """
+    names = model_names(model_name, folder, config)
     if isinstance(preset, AdaptiveSpecConfig):
         logger.info("adaptive preset for %s: the config object given (model %r)", model_name, preset.model)
-        _warn_if_another_models(preset, model_name, "the config object given")
+        _warn_if_another_models(preset, names, "the config object given")
         return _checked(preset, full_depth, f"preset for {preset.model!r}")
     if preset is not None:
         path = Path(preset)
@@ -175,18 +193,17 @@ def load_preset(
         path, reason = find_preset(model_name, folder, config)
     logger.info("adaptive preset for %s: %s (%s)", model_name, path, reason)
     loaded = read_preset_file(path)
-    if preset is not None:
-        _warn_if_another_models(loaded, model_name, str(path))
+    if preset is not None and path != shipped_preset_path(GENERIC_PRESET):
+        _warn_if_another_models(loaded, names, str(path))
     return _checked(loaded, full_depth, str(path))
 
 
-def _warn_if_another_models(preset: AdaptiveSpecConfig, model_name: str, source: str) -> None:
+def _warn_if_another_models(preset: AdaptiveSpecConfig, names: list[tuple[str, str]], source: str) -> None:
     """A preset asked for by name or file that was tuned for another model serves it (a deliberate choice, say for a
     sibling checkpoint), but its acceptance and costs are the other model's until the online estimates take over."""
-    served = Path(str(model_name).rstrip("/\\")).name.lower()
-    if preset.model.lower() != served:
+    if not is_for(preset.model, names):
         logger.warning(
             "adaptive preset %s was tuned for model %r, not %r: its acceptance prior and pass costs are that model's "
             "until the online estimates replace them (`looped-spec tune` writes one for this model)",
-            source, preset.model, model_name,
+            source, preset.model, names[0][0],
         )  # fmt: skip

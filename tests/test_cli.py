@@ -32,7 +32,8 @@ def test_stream_prints_the_same_text_as_generate(capsys):
 
 def test_prompts_from_stdin_and_compare_plain(capsys, monkeypatch):
     monkeypatch.setattr(sys, "stdin", io.StringIO("def add(a, b):\n\nclass A:\n"))
-    assert main(BASE + ["--prompts-file", "-", "--compare-plain"]) == 0
+    adaptive = ["--speculation", "adaptive", "--policy", "ema", "--preset", "tiny-ouro", "--compare-repeats", "2"]
+    assert main(BASE + ["--prompts-file", "-", "--compare-plain", *adaptive]) == 0
     out = capsys.readouterr().out
     assert "--- output 1 ---\nclass A:" in out
     assert re.search(r"\d\.\d\dx (faster|as fast \(slower\))", out) and "outputs identical" in out

@@ -264,9 +264,13 @@ def test_rule_types_are_strict_but_lists_may_be_tuples():
     assert AdaptiveSpecConfig.parse(data).cost.positions == list(BASE["cost"]["positions"])
 
 
-def test_a_preset_of_another_model_asked_for_is_used_with_a_warning(caplog):
+def test_a_preset_of_another_model_asked_for_is_used_with_a_warning(caplog, tmp_path: Path):
+    snapshot = tmp_path / "models--acme--tiny-ouro" / "snapshots" / "0123abcd"
+    snapshot.mkdir(parents=True)
     with caplog.at_level(logging.WARNING, logger="looped_spec.presets.lookup"):
         assert load_preset("tiny-ouro", 4, "tiny-ouro").model == "tiny-ouro"
+        load_preset("tiny-ouro", 4, "default")  # the family-generic default is for any model
+        load_preset("0123abcd", 4, "tiny-ouro", folder=snapshot)  # a cache snapshot goes by its repository's name
         assert not caplog.records
         assert load_preset("tiny-ouro", 4, "tiny-huginn").model == "tiny-huginn"
     assert "was tuned for model 'tiny-huginn', not 'tiny-ouro'" in caplog.text

@@ -94,6 +94,14 @@ def test_item06_sampling_params_types_are_strict():
             SamplingParams(**{field: value})
     params = SamplingParams(temperature=1, stop_token_ids=(3, 4), stop=("a",))  # an int temperature, tuples: fine
     assert params.temperature == 1.0 and params.stop_token_ids == [3, 4] and params.stop == ["a"]
+    import numpy as np  # numpy's numbers are numbers
+
+    params = SamplingParams(max_tokens=np.int64(8), seed=np.int32(3), temperature=np.float32(0.5),
+                            stop_token_ids=[np.int64(2)])  # fmt: skip
+    assert (params.max_tokens, params.seed, params.temperature, params.stop_token_ids) == (8, 3, 0.5, [2])
+    assert type(params.max_tokens) is int
+    engine = make_engine("ouro")
+    assert len(engine.score([1, 2, 3], np.int64(2), np.int64(5))) == 3
 
 
 def test_item06_nanbeige_rejects_unknown_adapter_options():

@@ -26,6 +26,7 @@ from pydantic import (
 
 from looped_spec.control.controller import DEFAULT_POLICY
 from looped_spec.control.settings import ControlSettings
+from looped_spec.sampling_params import Integer, Real
 
 
 class SpeculativeConfig(BaseModel):
@@ -34,10 +35,10 @@ class SpeculativeConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
 
-    k: int = Field(2, ge=0, le=64, description="Draft tokens per round.")
-    d: int = Field(1, ge=0, description="Loops used by the draft (1 <= d < full depth; 0 only with k = 0).")
+    k: Integer = Field(2, ge=0, le=64, description="Draft tokens per round.")
+    d: Integer = Field(1, ge=0, description="Loops used by the draft (1 <= d < full depth; 0 only with k = 0).")
     measure_depths: bool = Field(False, description="Also read out other depths (counterfactual acceptance).")
-    stop_margin: float | None = Field(
+    stop_margin: Real | None = Field(
         None,
         gt=0.0,
         le=1.0,

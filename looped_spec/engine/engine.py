@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import itertools
 import logging
+import numbers
+import operator
 import os
 import random
 import time
@@ -581,10 +583,7 @@ class LoopedSpecEngine:
         ids = to_token_ids(token_ids, None, self.adapter.vocab_size, where="token_ids")
         if len(ids) > self.max_model_len:
             raise ValueError(f"token_ids: {len(ids)} tokens; at most max_model_len={self.max_model_len}")
-        if isinstance(top_n, bool) or not isinstance(top_n, int) or not 0 <= top_n <= self.adapter.vocab_size:
-            raise ValueError(f"top_n={top_n!r} must be an int in [0, {self.adapter.vocab_size}]")
-        if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**63:
-            raise ValueError(f"seed={seed!r} must be an int in [0, 2**63)")
+        top_n, seed = _integer(top_n, "top_n", 0, self.adapter.vocab_size), _integer(seed, "seed", 0, 2**63 - 1)
         ids = to_device(ids, self.adapter.device)
         logits = self.adapter.dense_logits(ids, seeds=[seed])[0][:-1]  # position t scores token t + 1
         return [None, *token_logprobs(logits, ids[1:], [top_n] * (len(token_ids) - 1))]
@@ -626,3 +625,10 @@ class LoopedSpecEngine:
     @property
     def num_free_blocks(self) -> int:
         return self.kv.num_free_blocks
+
+
+def _integer(value: Any, name: str, low: int, high: int) -> int:
+    """`value` as an int in [low, high] (any integer type, numpy's too; never a bool), else a ValueError naming it."""
+    if isinstance(value, numbers.Integral) and not isinstance(value, bool) and low <= value <= high:
+        return operator.index(value)
+    raise ValueError(f"{name}={value!r} must be an integer in [{low}, {high}]")
