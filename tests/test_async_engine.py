@@ -118,3 +118,48 @@ def test_scores_hold_a_place_in_admission_and_a_cancelled_one_is_skipped():
     finally:
         release.set()
         front.shutdown()
+
+
+def test_end_all_ends_streams_and_waiting_scores_and_admits_nothing_more():
+    """What a server shutting down calls: open streams end with EngineDeadError (their requests aborted, KV freed),
+    scores still waiting end the same way, and nothing more is admitted."""
+    import threading
+
+    from looped_spec.engine.async_engine import EngineDeadError
+
+    engine = make_engine("ouro", max_batch_size=2)
+    release = threading.Event()
+    real_score = engine.score
+
+    def score(token_ids, top_n=0, seed=0):
+        release.wait(30)  # the worker is busy with this score when end_all comes
+        return real_score(token_ids, top_n, seed)
+
+    engine.score = score
+    front = AsyncLoopedSpecEngine(engine, max_queued=4)
+    front.start()
+
+    async def run():
+        stream = front.add_request([1, 2, 3], SamplingParams(max_tokens=200, ignore_eos=True))
+        busy = asyncio.ensure_future(front.score([4, 5], 1))
+        waiting = asyncio.ensure_future(front.score([6, 7], 1))
+        await asyncio.sleep(0.05)
+        front.end_all("the server is shutting down")
+        with pytest.raises(EngineDeadError, match="shutting down"):
+            async for _ in stream:
+                pass
+        for future in (busy, waiting):
+            with pytest.raises(EngineDeadError, match="shutting down"):
+                await future
+        with pytest.raises(EngineDeadError, match="shutting down"):
+            front.add_request([1], SamplingParams(max_tokens=2))
+        with pytest.raises(EngineDeadError, match="shutting down"):
+            await front.score([1, 2], 1)
+        release.set()
+
+    try:
+        asyncio.run(run())
+        wait_until(lambda: engine.num_free_blocks == engine.kv.num_blocks and not engine.has_unfinished_requests())
+    finally:
+        release.set()
+        front.shutdown()

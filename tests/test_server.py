@@ -263,7 +263,7 @@ def test_bad_requests_are_400_naming_the_field(server, client):
     assert httpx.post(server.url + "/v1/completions", content=huge, headers=headers).status_code == 413
 
 
-def test_score_only_streams_and_counts_against_admission(server, client):
+def test_score_only_streams_and_counts_against_admission(server, client, monkeypatch):
     """`max_tokens: 0` with echo scores the prompts: streamed it is a server-sent-event stream (a chunk per choice,
     the usage chunk when asked, [DONE]) equal to the plain answer; more prompts than the server ever admits is a
     400 naming the prompt, as for generation; a prompt of exactly max_model_len tokens may be scored."""
@@ -276,7 +276,12 @@ def test_score_only_streams_and_counts_against_admission(server, client):
     for chunk, choice in zip(chunks, whole.choices):
         assert chunk.choices[0].text == choice.text and chunk.choices[0].finish_reason == "length"
         assert chunk.choices[0].logprobs.token_logprobs == choice.logprobs.token_logprobs
-    assert len({c.created for c in chunks}) == 1
+    ticks = iter(range(1000, 2000))
+    monkeypatch.setattr("looped_spec.server.app.now", lambda: next(ticks))  # every call a new second
+    streamed = list(client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=6, stream=True))
+    chat = list(client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=4,
+                                               stream=True))  # fmt: skip
+    assert len({c.created for c in streamed}) == 1 and len({c.created for c in chat}) == 1  # one time per response
     with pytest.raises(openai.BadRequestError) as err:
         client.completions.create(model=MODEL, prompt=["x"] * (MAX_BATCH + 1), max_tokens=0, echo=True, logprobs=1)
     assert err.value.body["param"] == "prompt" and "exceed" in err.value.body["message"]
@@ -307,6 +312,10 @@ def test_what_openai_refuses_is_refused_naming_the_field(server, client, monkeyp
         ("/v1/completions", f'{{"model": "{MODEL}", "prompt": "a", "stream_options": {{"include_usage": true}}}}',
          "stream_options"),
         ("/v1/completions", f'{{"model": "{MODEL}", "prompt": "a", "stop_token_ids": [{2**40}]}}', "stop_token_ids"),
+        ("/v1/completions", f'{{"model": "{MODEL}", "prompt": "a", "stop": ["x", "\\ud800"]}}', "stop[1]"),
+        ("/v1/chat/completions", f'{{"model": "{MODEL}", "messages": [{{"role": "user", "content": '
+         f'[{{"type": "text", "text": "a"}}, {{"type": "text", "text": "\\udfff"}}]}}]}}',
+         "messages[0].content[1].text"),
     ]  # fmt: skip
     for path, body, field in cases:
         answer = post(path, body)
@@ -326,6 +335,17 @@ def test_what_openai_refuses_is_refused_naming_the_field(server, client, monkeyp
     wrong_method = httpx.get(server.url + "/v1/completions", headers=headers)
     assert wrong_method.status_code == 405 and wrong_method.json()["error"]["type"] == "invalid_request_error"
 
+    def refusing_template(*args, **kwargs):
+        from jinja2 import TemplateError
+
+        raise TemplateError("Conversation roles must alternate user/assistant/user/assistant/...")
+
+    monkeypatch.setattr("looped_spec.server.app.render_chat", refusing_template)  # a template's raise_exception
+    answer = post("/v1/chat/completions", f'{{"model": "{MODEL}", "messages": [{{"role": "user", "content": "a"}}]}}')
+    assert answer.status_code == 400 and answer.json()["error"]["param"] == "messages"
+    assert "roles must alternate" in answer.json()["error"]["message"]
+    monkeypatch.undo()
+
     def broken(*args, **kwargs):
         raise RuntimeError("a bug")
 
@@ -334,6 +354,25 @@ def test_what_openai_refuses_is_refused_naming_the_field(server, client, monkeyp
     assert answer.status_code == 500 and answer.json()["error"]["type"] == "server_error"
     monkeypatch.undo()
     assert client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=2).usage.completion_tokens == 2
+
+
+def test_an_engine_refusal_inside_a_stream_is_an_error_event(server, monkeypatch):
+    """Once a stream's headers are sent, a request the engine's worker refuses ends with a 400 error event and
+    [DONE], not a cut connection."""
+
+    def refuse(*args, **kwargs):
+        raise ValueError("prompt: refused by the engine")
+
+    monkeypatch.setattr(server.engine, "add_request", refuse)
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 4, "stream": True}
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    with httpx.stream("POST", server.url + "/v1/completions", json=body, headers=headers, timeout=60) as stream:
+        events = [line for line in stream.iter_lines() if line.startswith("data: ")]
+    assert events[-1] == "data: [DONE]"
+    error = json.loads(events[-2].removeprefix("data: "))["error"]
+    assert error["code"] == 400 and "refused by the engine" in error["message"]
+    monkeypatch.undo()
+    wait_until(lambda: idle(server), what="the server idle")
 
 
 def slowed(real, seconds: float):

@@ -90,7 +90,8 @@ class AsyncLoopedSpecEngine:
         self._lock = threading.Lock()  # guards _streams between the event loop and the worker
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        self._scores = 0  # scores waiting or running that hold a place among the in-flight requests
+        self._scores: set[asyncio.Future] = set()  # scores waiting or running (each holds an in-flight place)
+        self._closing: str | None = None  # set by end_all: why no more work is admitted
         self._flush = False  # an abort was applied: the next step() hands back (and forgets) the request
 
     # ----- lifecycle -----
@@ -98,6 +99,7 @@ class AsyncLoopedSpecEngine:
         if self._thread is not None:
             return
         self._stop.clear()
+        self._closing = None
         self._thread = threading.Thread(target=self._run, name="looped-spec-engine", daemon=True)
         self._thread.start()
 
@@ -134,7 +136,7 @@ class AsyncLoopedSpecEngine:
     @property
     def num_in_flight(self) -> int:
         """Requests and admitted scores in the engine (running, queued, or waiting for the worker)."""
-        return len(self._streams) + self._scores
+        return len(self._streams) + len(self._scores)
 
     # ----- requests -----
     def add_request(
@@ -161,10 +163,13 @@ class AsyncLoopedSpecEngine:
             yield output
 
     def _check_room(self) -> None:
-        """QueueFullError when the in-flight requests and scores are at the limit (the caller holds the lock)."""
-        if len(self._streams) + self._scores >= self.max_in_flight:
+        """EngineDeadError once `end_all` ran; QueueFullError when the in-flight requests and scores are at the limit
+        (the caller holds the lock)."""
+        if self._closing is not None:
+            raise EngineDeadError(self._closing)
+        if len(self._streams) + len(self._scores) >= self.max_in_flight:
             raise QueueFullError(
-                f"{len(self._streams)} requests and {self._scores} scores in flight (limit {self.max_in_flight})"
+                f"{len(self._streams)} requests and {len(self._scores)} scores in flight (limit {self.max_in_flight})"
             )
 
     async def score(self, token_ids: list[int], top_n: int = 0, seed: int = 0) -> list:
@@ -177,13 +182,13 @@ class AsyncLoopedSpecEngine:
         future = asyncio.get_running_loop().create_future()
         with self._lock:
             self._check_room()
-            self._scores += 1
+            self._scores.add(future)
         try:
             self._commands.put(("score", (token_ids, top_n, seed, future)))
             return await future
         finally:
             with self._lock:
-                self._scores -= 1
+                self._scores.discard(future)
 
     def abort(self, request_id: str) -> None:
         """Abort a request (no-op once it finished); its stream ends without a further output."""
@@ -193,12 +198,16 @@ class AsyncLoopedSpecEngine:
         self._commands.put(("abort", request_id))
 
     def end_all(self, reason: str) -> None:
-        """End every open stream with EngineDeadError(`reason`) and abort its request (a server shutting down)."""
+        """A server shutting down: admit nothing more, end every open stream and every waiting score with
+        EngineDeadError(`reason`), and abort the streams' requests."""
         with self._lock:
-            ids = list(self._streams)
+            self._closing = reason
+            ids, scores = list(self._streams), list(self._scores)
         self._fail_all(EngineDeadError(reason), ids)
         for request_id in ids:
             self._commands.put(("abort", request_id))
+        for future in scores:
+            future.get_loop().call_soon_threadsafe(_settle, future, EngineDeadError(reason))
 
     # ----- the worker thread -----
     def _run(self) -> None:

@@ -8,6 +8,7 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from jinja2 import TemplateError
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -185,13 +186,17 @@ def build_app(
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         serving.check_request(body)
+        for i, message in enumerate(body.messages):
+            if isinstance(message.content, list):
+                for j, part in enumerate(message.content):
+                    check_text(part.text, f"messages[{i}].content[{j}].text")
+            elif message.content is not None:
+                check_text(message.content, f"messages[{i}].content")
         messages = [{"role": m.role, "content": m.text()} for m in body.messages]
-        for i, message in enumerate(messages):
-            check_text(message["content"], f"messages[{i}].content")
         try:
             prompt = render_chat(serving.tokenizer, messages, body.add_generation_prompt)
-        except NoChatTemplateError as exc:
-            raise APIError(400, str(exc), "messages") from exc
+        except (NoChatTemplateError, TemplateError) as exc:  # no template, or the template refuses the messages
+            raise APIError(400, f"messages: {exc}" if isinstance(exc, TemplateError) else str(exc), "messages") from exc
         ids = serving.prompt_ids(prompt, "messages")
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         top_n = (body.top_logprobs or 0) if body.logprobs else None

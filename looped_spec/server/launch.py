@@ -42,7 +42,9 @@ class DrainingServer(uvicorn.Server):
         self.front = front
 
     async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
-        grace = self.config.timeout_graceful_shutdown or 0.0
+        grace = self.config.timeout_graceful_shutdown
+        if grace is None:  # uvicorn waits for open requests as long as they take
+            return await super().shutdown(sockets)
         end = asyncio.get_running_loop().call_later(max(grace - 1.0, 0.0), self.front.end_all, "the server is "
                                                     "shutting down")  # fmt: skip
         try:

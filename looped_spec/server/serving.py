@@ -117,6 +117,10 @@ class OpenAIServing:
         stop = body.stop_list()
         if len(stop) > MAX_STOP_STRINGS:
             raise APIError(400, f"stop: at most {MAX_STOP_STRINGS} stop strings", "stop")
+        if stop and self.tokenizer is None:
+            raise APIError(400, "stop: the model has no tokenizer to find stop strings in; use stop_token_ids", "stop")
+        for i, text in enumerate(stop):
+            check_text(text, f"stop[{i}]" if isinstance(body.stop, list) else "stop")
         stop_token_ids = list(body.stop_token_ids or [])
         bad = next((i for i, t in enumerate(stop_token_ids) if not 0 <= t < self.vocab_size), None)
         if bad is not None:
@@ -262,8 +266,11 @@ class OpenAIServing:
                     last[index] = out
                     for chunk in make_chunks(index, out):
                         yield f"data: {chunk.model_dump_json()}\n\n"
-            except (EngineFaultError, EngineDeadError) as exc:
-                yield f"data: {json.dumps(error_body(500, str(exc)))}\n\n"
+            except (EngineFaultError, EngineDeadError, ValueError, TypeError) as exc:
+                # the headers are sent: the status goes into the error event (the engine refused the request: 400;
+                # stopped or shutting down: 503; a fault: 500)
+                status = 503 if isinstance(exc, EngineDeadError) else 500 if isinstance(exc, EngineFaultError) else 400
+                yield f"data: {json.dumps(error_body(status, str(exc)))}\n\n"
                 yield "data: [DONE]\n\n"
                 return
         if usage_chunk is not None:
