@@ -121,3 +121,21 @@ def test_render_chat(tokenizer):
     assert prompt == "# user: hi\n# assistant: yo<|endoftext|>\n# assistant:"
     with pytest.raises(NoChatTemplateError, match="chat_template"):
         render_chat(load_tokenizer(shipped_model_path("tiny-nanbeige")), [{"role": "user", "content": "hi"}])
+
+
+def test_a_stop_completed_at_the_flush_ends_a_length_finish_as_stop_but_never_an_abort(tokenizer):
+    from types import SimpleNamespace
+
+    from looped_spec.engine.outputs import request_output
+
+    ids = tokenizer.encode("ok 😀")[:-1]  # ends inside a character: its U+FFFD appears only at the flush
+    for reason, expected in (("length", "stop"), ("abort", "abort"), ("error", "error")):
+        detok = IncrementalDetokenizer(tokenizer, stop=[" " + REPLACEMENT_CHAR])
+        assert not any(detok.append(t) for t in ids)
+        request = SimpleNamespace(
+            request_id="r", detokenizer=detok, finished=True, finish_reason=reason, output_token_ids=ids,
+            num_emitted=0, token_ids=ids, num_prompt_tokens=0, metrics=None, prompt_text=None, error=None,
+            logprobs_top=None, logprobs=[],
+        )  # fmt: skip
+        out = request_output(request)
+        assert (out.finish_reason, out.text) == (expected, "ok"), reason

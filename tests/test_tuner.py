@@ -260,7 +260,8 @@ def test_cli_tune_cost_from_reuses_a_measured_profile(tmp_path, capsys):
     first, second = tmp_path / "a.json", tmp_path / "b.json"
     base = ["tune", "--model", str(fixture_dir("ouro")), "--grid", GRID, *TINY]
     assert main([*base, "--out", str(first)]) == 0
-    untimed = [f for f in base if f not in ("--round-tokens", "4", "--repeats", "1")]  # they time rounds
+    timing = {"--round-tokens", "--repeats"}  # they time rounds: dropped with their values
+    untimed = [f for i, f in enumerate(base) if f not in timing and (i == 0 or base[i - 1] not in timing)]
     assert main([*base, "--out", str(second), "--cost-from", str(first)]) == 2
     assert "--round-tokens: times rounds, which --cost-from skips" in capsys.readouterr().err
     base = untimed

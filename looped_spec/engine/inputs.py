@@ -55,6 +55,10 @@ def to_token_ids(prompt: Prompt, tokenizer, vocab_size: int, where: str = "promp
     if isinstance(prompt, str):
         if tokenizer is None:
             raise ValueError(f"{where} is text, but the model has no tokenizer files; pass token ids instead")
+        try:
+            prompt.encode("utf-8")
+        except UnicodeEncodeError as exc:  # a lone surrogate (from JSON, or undecodable command-line bytes)
+            raise ValueError(f"{where}: not valid Unicode text ({exc.reason} at character {exc.start})") from None
         ids = list(tokenizer.encode(prompt))
     elif isinstance(prompt, (list, tuple)):
         ids = list(prompt)

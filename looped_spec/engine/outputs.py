@@ -17,7 +17,8 @@ def request_output(request: Request) -> RequestOutput:
     if detok is not None:
         try:
             if request.finished:
-                if detok.flush():  # the last, incomplete character's U+FFFD completed a stop string
+                # the last, incomplete character's U+FFFD completed a stop string (an abort or error stays one)
+                if detok.flush() and finish_reason == "length":
                     finish_reason = "stop"
                 text = detok.text
             new_text = detok.stream_delta(request.finished)

@@ -35,7 +35,8 @@ def num_kv_blocks(
         raise ValueError(
             f"KV cache of {blocks} blocks cannot hold one request of max_model_len={max_model_len} ({per_request} "
             f"blocks of {per_block / 2**20:.3g} MiB: {block_size} tokens in each of the model's {planes} KV planes, "
-            f"which its depth D={adapter.full_depth} sets); lower max_model_len or the depth, or give more memory"
+            f"which its depth D={adapter.full_depth} sets); lower max_model_len (or a depth option such as Huginn's "
+            "num_steps), or give more memory"
         )
     return blocks
 

@@ -49,12 +49,16 @@ def in_drafted_order(
     for row, i in enumerate(order):
         if tokens[i]:
             grid[row, : drafted[i]] = to_device(tokens[i], device)
-        for j, q in enumerate(q_rows[i]):
-            if q is None:
-                continue
-            if q_probs is None:
-                q_probs = torch.zeros(len(tokens), max_k, q.shape[-1], device=device)
-            q_probs[row, j] = q
+        known = [(j, q) for j, q in enumerate(q_rows[i]) if q is not None]
+        if not known:
+            continue
+        if q_probs is None:
+            q_probs = torch.zeros(len(tokens), max_k, known[0][1].shape[-1], device=device)
+        if len(known) == drafted[i]:  # every step of the row had a distribution: one copy
+            q_probs[row, : drafted[i]] = torch.stack([q for _, q in known])
+        else:
+            for j, q in known:
+                q_probs[row, j] = q
     steps = []
     for j, rows in enumerate(ran):  # the rows step j ran are those that drafted >= j
         where = {i: n for n, i in enumerate(rows)}
