@@ -293,3 +293,12 @@ def test_item12_ouro_early_exit_threshold_below_one_is_used(tmp_path):
     edit_config(folder, early_exit_threshold=0.0)
     with pytest.raises(CheckpointError, match="early_exit_threshold"):
         load_adapter(folder, device="cpu")
+
+
+def test_item06_text_prompts_must_be_valid_unicode():
+    engine = LoopedSpecEngine("tiny-ouro", speculation="off")
+    with pytest.raises(ValueError, match=r"prompt: not valid Unicode text \(surrogates not allowed at character 3\)"):
+        engine.add_request("abc\ud800", SamplingParams(max_tokens=2))
+    with pytest.raises(ValueError, match=r"prompts\[1\]: not valid Unicode"):
+        engine.generate(["fine", "\udfff"], SamplingParams(max_tokens=2))
+    assert not engine.has_unfinished_requests()
