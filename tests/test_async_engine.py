@@ -155,11 +155,14 @@ def test_end_all_ends_streams_and_waiting_scores_and_admits_nothing_more():
             front.add_request([1], SamplingParams(max_tokens=2))
         with pytest.raises(EngineDeadError, match="shutting down"):
             await front.score([1, 2], 1)
-        release.set()
 
     try:
         asyncio.run(run())
+        # the worker finishes the busy score only now, after the caller's event loop closed: it must survive that
+        # and go on to abort the ended stream's request
+        release.set()
         wait_until(lambda: engine.num_free_blocks == engine.kv.num_blocks and not engine.has_unfinished_requests())
+        assert front.is_running
     finally:
         release.set()
         front.shutdown()

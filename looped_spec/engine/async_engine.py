@@ -119,7 +119,7 @@ class AsyncLoopedSpecEngine:
                 break
             if kind == "score":
                 future = payload[-1]
-                future.get_loop().call_soon_threadsafe(_settle, future, EngineDeadError("the engine was shut down"))
+                _post(future.get_loop(), _settle, future, EngineDeadError("the engine was shut down"))
         self.engine.close()
 
     def __enter__(self) -> AsyncLoopedSpecEngine:
@@ -207,7 +207,7 @@ class AsyncLoopedSpecEngine:
         for request_id in ids:
             self._commands.put(("abort", request_id))
         for future in scores:
-            future.get_loop().call_soon_threadsafe(_settle, future, EngineDeadError(reason))
+            _post(future.get_loop(), _settle, future, EngineDeadError(reason))
 
     # ----- the worker thread -----
     def _run(self) -> None:
@@ -264,7 +264,7 @@ class AsyncLoopedSpecEngine:
             except Exception as exc:  # the caller's error, not the worker's
                 result = exc
             loop = future.get_loop()
-            loop.call_soon_threadsafe(_settle, future, result)
+            _post(loop, _settle, future, result)
         elif kind == "abort":
             try:
                 self.engine.abort(payload)
@@ -276,7 +276,7 @@ class AsyncLoopedSpecEngine:
         with self._lock:
             stream = self._streams.pop(request_id, None) if last else self._streams.get(request_id)
         if stream is not None:
-            stream.loop.call_soon_threadsafe(stream.queue.put_nowait, item)
+            _post(stream.loop, stream.queue.put_nowait, item)
 
     def _recover(self, exc: Exception) -> None:
         """Steps keep failing beyond the engine's rule: end every request it holds, free their KV, keep the worker
@@ -299,7 +299,17 @@ class AsyncLoopedSpecEngine:
             ids = list(self._streams) if request_ids is None else [i for i in request_ids if i in self._streams]
             streams = [self._streams.pop(i) for i in ids]
         for stream in streams:
-            stream.loop.call_soon_threadsafe(stream.queue.put_nowait, exc)
+            _post(stream.loop, stream.queue.put_nowait, exc)
+
+
+def _post(loop: asyncio.AbstractEventLoop, callback, *args) -> None:
+    """`callback(*args)` on the caller's event loop; nothing when that loop is closed (its caller is gone, and the
+    worker must not die of it: other callers' work goes on)."""
+    try:
+        loop.call_soon_threadsafe(callback, *args)
+    except RuntimeError:
+        if not loop.is_closed():
+            raise
 
 
 def _settle(future: asyncio.Future, result: object) -> None:
