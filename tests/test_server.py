@@ -199,6 +199,39 @@ def test_logprobs_echo_and_scoring_equal_the_models_own_log_probabilities(server
     assert "".join(c.token for c in content).startswith(chat.choices[0].message.content[:1])
 
 
+def test_logprobs_show_tokens_by_their_own_bytes(server, client, reference_engine):
+    """A byte-level token holding part of a character shows as OpenAI's `bytes:\\x..` (not U+FFFD, which would make
+    different tokens look alike), its text offset is where its character starts, and a chat entry's bytes are the
+    token's own."""
+    text = "日本 😀 ok"
+    ids = reference_engine.tokenizer.encode(text, add_special_tokens=False)
+    scored = client.completions.create(model=MODEL, prompt=text, max_tokens=0, echo=True, logprobs=1)
+    lp = scored.choices[0].logprobs
+    assert scored.choices[0].text == text and len(lp.tokens) == len(ids)
+    assert lp.tokens[:3] == ["bytes:\\xe6", "bytes:\\x97", "bytes:\\xa5"]  # 日, a byte a token
+    # a token starts at the character holding its first byte: the complete characters of the bytes before it
+    pieces = [reference_engine.tokenizer.convert_ids_to_tokens(t) for t in ids]
+    assert pieces[:3] == ["æ", "Ĺ", "¥"]  # (the byte-level alphabet's e6, 97, a5)
+    raw = text.encode()
+    starts, position = [], 0
+    for token in lp.tokens:
+        starts.append(len(raw[:position].decode("utf-8", errors="ignore")))
+        position += len(token.encode()) if not token.startswith("bytes:") else token.count("\\x")
+    assert lp.text_offset == starts and lp.text_offset[:7] == [0, 0, 0, 1, 1, 1, 2]
+    streamed = list(client.completions.create(model=MODEL, prompt=text, max_tokens=6, echo=True, logprobs=1,
+                                              temperature=0, stream=True))  # fmt: skip
+    offsets = [o for c in streamed if c.choices and c.choices[0].logprobs for o in c.choices[0].logprobs.text_offset]
+    whole = client.completions.create(model=MODEL, prompt=text, max_tokens=6, echo=True, logprobs=1, temperature=0)
+    assert offsets == whole.choices[0].logprobs.text_offset  # carried across chunks
+
+    from looped_spec.server.token_bytes import TokenBytes
+
+    tokens = TokenBytes(reference_engine.tokenizer)
+    assert b"".join(tokens.raw(t) for t in ids) == text.encode()
+    whole_chars = [t for t in ids if "\ufffd" not in reference_engine.tokenizer.decode([t])]
+    assert whole_chars and all(tokens.text(t) == reference_engine.tokenizer.decode([t]) for t in whole_chars)
+
+
 def test_streamed_and_early_exit_logprobs_are_the_generations_own(server, client, reference_engine):
     """Streamed chunks carry the entries of their new tokens (completions and chat), echo streams the prompt first;
     under early exit the entries are those of the depth each token was read out at (the engine's, offline)."""

@@ -41,6 +41,7 @@ from looped_spec.server.protocol import (
     now,
 )
 from looped_spec.server.serving import OpenAIServing, check_text, finish_reason, sse_events, until_disconnected
+from looped_spec.server.token_bytes import TextOffsets
 
 
 def build_app(
@@ -150,19 +151,19 @@ def build_app(
             return StreamingResponse(sse_events(chunks), media_type="text/event-stream")
         outputs = serving.start_all([ids for ids, _ in choices], params)
         if body.stream:
-            sent = [0] * len(choices)  # characters of each choice's tokens so far (their text offsets)
+            offsets = [TextOffsets() for _ in choices]  # each choice's text offsets, across its chunks
 
             def chunks(index: int, out: RequestOutput):
                 if echoes is not None and echoes[index] is not None:  # the prompt first, once
                     text, entries = echoes[index]
                     echoes[index] = None
-                    logprobs = serving.completion_logprobs(choices[index][0], entries) if scored else None
-                    sent[index] = len("".join(logprobs.tokens)) if logprobs is not None else len(text)
+                    logprobs = (
+                        serving.completion_logprobs(choices[index][0], entries, offsets[index]) if scored else None
+                    )
                     yield response([CompletionChoice(index=index, text=text, logprobs=logprobs)])
                 logprobs = None
                 if scored and out.new_token_ids:
-                    logprobs = serving.completion_logprobs(out.new_token_ids, serving.new_logprobs(out), sent[index])
-                    sent[index] += len("".join(logprobs.tokens))
+                    logprobs = serving.completion_logprobs(out.new_token_ids, serving.new_logprobs(out), offsets[index])
                 if out.new_text or out.finished or logprobs is not None:
                     choice = CompletionChoice(index=index, text=out.new_text, logprobs=logprobs,
                                               finish_reason=finish_reason(out))  # fmt: skip

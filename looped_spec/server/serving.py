@@ -27,6 +27,7 @@ from looped_spec.server.protocol import (
     TopLogprob,
     UsageInfo,
 )
+from looped_spec.server.token_bytes import TextOffsets, TokenBytes
 
 MAX_STOP_STRINGS = 16
 MAX_PROMPTS = 64  # prompts in one completions request (each with `n` choices)
@@ -42,6 +43,7 @@ class OpenAIServing:
         core = engine.engine
         # the engine's tokenizer belongs to its worker thread; the front tokenises with its own copy
         self.tokenizer = load_tokenizer(core.adapter.path)
+        self.token_bytes = TokenBytes(self.tokenizer)  # log-probabilities show tokens by their own bytes
         self.vocab_size = core.adapter.vocab_size
         self.max_model_len = core.max_model_len
         self.defaults = GenerationDefaults.from_config(core.adapter.generation, self.tokenizer)
@@ -197,26 +199,25 @@ class OpenAIServing:
         except EngineDeadError as exc:
             raise APIError(503, str(exc), headers={"Retry-After": RETRY_AFTER_S}) from exc
 
-    def token_text(self, token: int) -> str:
-        return self.tokenizer.decode([token]) if self.tokenizer is not None else str(token)
-
-    def completion_logprobs(self, token_ids: list[int], entries: list, offset: int = 0) -> CompletionLogprobs:
+    def completion_logprobs(
+        self, token_ids: list[int], entries: list, offsets: TextOffsets | None = None
+    ) -> CompletionLogprobs:
         """OpenAI's completions shape for `token_ids` with their scores (None: a first prompt token, unscored); text
-        offsets count from `offset` (a streamed chunk's: the characters of the tokens before it)."""
+        offsets from `offsets` (a choice's, carried across its stream chunks; None: from the start)."""
+        offsets = offsets if offsets is not None else TextOffsets()
         out = CompletionLogprobs(tokens=[], token_logprobs=[], top_logprobs=[], text_offset=[])
         for token, entry in zip(token_ids, entries):
-            text = self.token_text(token)
-            out.tokens.append(text)
+            out.tokens.append(self.token_bytes.text(token))
             out.token_logprobs.append(None if entry is None else entry.logprob)
-            out.top_logprobs.append(None if entry is None else {self.token_text(t): v for t, v in entry.top})
-            out.text_offset.append(offset)
-            offset += len(text)
+            out.top_logprobs.append(None if entry is None else {self.token_bytes.text(t): v for t, v in entry.top})
+            out.text_offset.append(offsets.advance(self.token_bytes.raw(token)))
         return out
 
     def chat_logprobs(self, entries: list) -> ChatLogprobs:
         def top(token: int, value: float) -> TopLogprob:
-            text = self.token_text(token)
-            return TopLogprob(token=text, logprob=value, bytes=list(text.encode("utf-8")))
+            return TopLogprob(
+                token=self.token_bytes.text(token), logprob=value, bytes=list(self.token_bytes.raw(token))
+            )
 
         content = []
         for entry in entries:
