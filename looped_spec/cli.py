@@ -264,7 +264,7 @@ def _serve_replicas(args: argparse.Namespace, api_key: str | None, scaling: dict
                                                    api_key=api_key, max_queued=args.max_queued,
                                                    max_body_bytes=args.max_body_bytes, threads=args.threads,
                                                    engine=options, **given))  # fmt: skip
-        app_args.engine_config()
+        app_args.check_before_start()
     except ValueError as exc:  # name the flags, not the application's fields
         message = str(exc).removeprefix("looped-spec application args: ").removeprefix("engine: ")
         for field, flag in _REPLICA_FLAGS.items():

@@ -161,6 +161,17 @@ def find_preset(
     return path, f"no shipped preset matches {tried}: the family-generic default"
 
 
+def preset_path(preset: str | Path) -> tuple[Path, str]:
+    """The file a `preset=` names (a file path, or a shipped preset's name), and which of the two it was."""
+    path = Path(preset)
+    if path.is_file():
+        return path, "preset= file"
+    shipped = shipped_preset_path(str(preset)) if path.suffix != ".json" else None
+    if shipped is None:
+        raise PresetError(f"{path}: no such preset file or shipped preset (shipped: {', '.join(list_presets())})")
+    return shipped, "preset= shipped name"
+
+
 def load_preset(
     model_name: str,
     full_depth: int,
@@ -181,14 +192,7 @@ def load_preset(
         _warn_if_another_models(preset, names, "the config object given")
         return _checked(preset, full_depth, f"preset for {preset.model!r}")
     if preset is not None:
-        path = Path(preset)
-        reason = "preset= file"
-        if not path.is_file():
-            shipped = shipped_preset_path(str(preset)) if path.suffix != ".json" else None
-            if shipped is None:
-                shipped_names = ", ".join(list_presets())
-                raise PresetError(f"{path}: no such preset file or shipped preset (shipped: {shipped_names})")
-            path, reason = shipped, "preset= shipped name"
+        path, reason = preset_path(preset)
     else:
         path, reason = find_preset(model_name, folder, config)
     logger.info("adaptive preset for %s: %s (%s)", model_name, path, reason)

@@ -373,8 +373,19 @@ def test_serve_replica_flags_are_checked_before_ray_starts(capsys):
         (["--replicas", "2", "--max-replicas", "3"], "--replicas: a fixed count excludes autoscaling (--max-replicas)"),
         (["--min-replicas", "3", "--max-replicas", "2"], "--min-replicas=3 exceeds --max-replicas=2"),
         (["--replicas", "2", "--max-batch-size", "0"], "max_batch_size"),
-    ]
+        # what a replica would fail on (retried by Ray, then its traceback) is checked on the driver
+        (["--replicas", "1", "--preset", "nonexistent"], "nonexistent: no such preset file or shipped preset"),
+        (["--replicas", "2", "--metrics-port", "65535"], "2 replicas serve /metrics on ports up to 65536"),
+        (["--max-replicas", "2", "--target-ongoing-requests", "inf"], "--target-ongoing-requests: Input should be a "
+         "finite number"),
+    ]  # fmt: skip
+    import torch
+
+    if not torch.cuda.is_available():
+        cases.append((["--replicas", "1", "--device", "cuda"], "no CUDA device here, and a local Ray cluster"))
     for flags, message in cases:
         assert main(["serve", "tiny-ouro", *flags]) == 2
         err = capsys.readouterr().err
-        assert message in err and err.count("\n") == 1, err
+        assert message in err and err.count("\n") == 1 and "Value error" not in err, err
+    assert main(["serve", "no-such-model", "--replicas", "2"]) == 2
+    assert "no-such-model: not a checkpoint folder" in capsys.readouterr().err

@@ -45,7 +45,9 @@ class ReplicaAppArgs(BaseModel):
     num_replicas: int | None = Field(None, ge=1, description="Fixed replica count (default 1 without autoscaling).")
     min_replicas: int | None = Field(None, ge=0, description="Autoscaling: fewest replicas.")
     max_replicas: int | None = Field(None, ge=1, description="Autoscaling: most replicas.")
-    target_ongoing_requests: float | None = Field(None, gt=0, description="Autoscaling: requests per replica aimed at.")
+    target_ongoing_requests: float | None = Field(
+        None, gt=0, allow_inf_nan=False, description="Autoscaling: requests per replica aimed at."
+    )
     num_gpus: float | None = Field(None, ge=0, description="GPUs per replica (default: 1 when the engine's device is "
                                    "cuda, or auto on a cluster with GPUs; else 0).")  # fmt: skip
     metrics_port: int | None = Field(None, ge=1, le=65535, description="Replica with local rank r also serves "
@@ -61,7 +63,30 @@ class ReplicaAppArgs(BaseModel):
             raise ValueError("max_replicas: autoscaling needs the most replicas it may start")
         if self.min_replicas is not None and self.max_replicas is not None and self.min_replicas > self.max_replicas:
             raise ValueError(f"min_replicas={self.min_replicas} exceeds max_replicas={self.max_replicas}")
+        replicas = self.num_replicas or self.max_replicas or 1
+        if self.metrics_port is not None and self.metrics_port + replicas - 1 > 65535:
+            raise ValueError(f"metrics_port={self.metrics_port}: {replicas} replicas serve /metrics on ports up to "
+                             f"{self.metrics_port + replicas - 1}, past 65535")  # fmt: skip
         return self
+
+    def check_before_start(self) -> EngineConfig:
+        """What the driver can check before Ray starts a replica (which would fail, be retried and end in Ray's
+        traceback): the engine options, the model's folder, a preset asked for, a CUDA device on a local cluster."""
+        from looped_spec.models.adapter import resolve_model_path
+        from looped_spec.presets.lookup import preset_path, read_preset_file
+
+        config = self.engine_config()
+        resolve_model_path(self.model)
+        if isinstance(config.preset, (str, os.PathLike)):
+            read_preset_file(preset_path(config.preset)[0])
+        if str(config.device).startswith("cuda") and not os.environ.get("RAY_ADDRESS"):
+            import torch
+
+            if not torch.cuda.is_available():
+                device = str(config.device)
+                raise ValueError(f"engine.device={device!r}: no CUDA device here, and a local Ray cluster would wait "
+                                 "for one forever (RAY_ADDRESS deploys onto one with GPUs)")  # fmt: skip
+        return config
 
     def engine_config(self) -> EngineConfig:
         """The engine options, checked before any replica starts (the error names `engine.<option>`)."""
@@ -78,7 +103,8 @@ def parse_args(args: dict[str, Any] | ReplicaAppArgs) -> ReplicaAppArgs:
     try:
         return ReplicaAppArgs(**args)
     except ValidationError as exc:
-        problems = [f"{'.'.join(str(p) for p in e['loc']) or 'args'}: {e['msg']}" for e in exc.errors()]
+        problems = [f"{'.'.join(str(p) for p in e['loc']) or 'args'}: {e['msg'].removeprefix('Value error, ')}"
+                    for e in exc.errors()]  # fmt: skip
         raise ValueError("looped-spec application args: " + "; ".join(problems)) from None
 
 
@@ -115,8 +141,9 @@ class LoopedSpecServer:
             raise RuntimeError(f"replica {self.replica}: engine worker stopped")
 
     def __del__(self) -> None:
-        if self.metrics_server is not None:
-            self.metrics_server.shutdown()
+        server = getattr(self, "metrics_server", None)  # unset when the constructor failed
+        if server is not None:
+            server.shutdown()
 
 
 async def deployment_readiness(app_name: str, deployment_name: str) -> str | None:
@@ -137,7 +164,8 @@ def build_application(args: dict[str, Any] | ReplicaAppArgs) -> serve.Applicatio
     args = parse_args(args)
     config = args.engine_config()
     options: dict[str, Any] = {
-        # a replica admits its whole batch and queue; beyond that it answers 429 itself
+        # Ray routes a replica no more than it admits (its batch and queue); requests beyond that wait in Ray's
+        # router queue, unbounded: behind the proxy there is no 429 (README, "Replicas")
         "max_ongoing_requests": config.max_batch_size + args.max_queued,
         "ray_actor_options": {"num_cpus": max(args.threads, 1), "num_gpus": _gpus_per_replica(args, config)},
     }
@@ -167,7 +195,7 @@ def _gpus_per_replica(args: ReplicaAppArgs, config: EngineConfig) -> float:
 def run_replicas(args: ReplicaAppArgs, host: str, port: int) -> None:
     """Start (or join, with RAY_ADDRESS) a Ray cluster, serve the application on host:port until interrupted."""
     application_args = parse_args(args)
-    application_args.engine_config()  # a bad option fails here, before Ray starts
+    application_args.check_before_start()  # a bad option, model or preset fails here, before Ray starts
     ray.init(address=os.environ.get("RAY_ADDRESS"), include_dashboard=False, log_to_driver=True)
     # SIGTERM ends the server like Ctrl-C (after ray.init, which installs its own handler): the application is
     # deleted and a local cluster this process started is shut down with it
