@@ -333,24 +333,23 @@ def test_what_openai_refuses_is_refused_naming_the_field(server, client, monkeyp
     def post(path: str, body: str) -> httpx.Response:
         return httpx.post(server.url + path, content=body, headers=headers, timeout=60)
 
-    cases = [
-        ("/v1/completions", f'{{"model": "{MODEL}", "prompt": "\\ud800", "max_tokens": 2}}', "prompt"),
-        ("/v1/completions", f'{{"model": "{MODEL}", "prompt": ["a", "\\udfff"], "max_tokens": 2}}', "prompt[1]"),
-        ("/v1/chat/completions", f'{{"model": "{MODEL}", "messages": [{{"role": "user", "content": "\\ud800"}}]}}',
-         "messages[0].content"),
-        ("/v1/completions", f'{{"model": "{MODEL}", "prompt": "a", "max_tokens": "5"}}', "max_tokens"),
-        ("/v1/completions", f'{{"model": "{MODEL}", "prompt": "a", "max_tokens": 2, "logprobs": true}}', "logprobs"),
-        ("/v1/completions", f'{{"model": "{MODEL}", "prompt": "a", "n": 2.0}}', "n"),
-        ("/v1/completions", f'{{"model": "{MODEL}", "prompt": "a", "temperature": NaN}}', "temperature"),
-        ("/v1/completions", f'{{"model": "{MODEL}", "prompt": "a", "stream_options": {{"include_usage": true}}}}',
-         "stream_options"),
-        ("/v1/completions", f'{{"model": "{MODEL}", "prompt": "a", "stop_token_ids": [{2**40}]}}', "stop_token_ids"),
-        ("/v1/completions", f'{{"model": "{MODEL}", "prompt": "a", "stop": ["x", "\\ud800"]}}', "stop[1]"),
-        ("/v1/chat/completions", f'{{"model": "{MODEL}", "messages": [{{"role": "user", "content": '
-         f'[{{"type": "text", "text": "a"}}, {{"type": "text", "text": "\\udfff"}}]}}]}}',
-         "messages[0].content[1].text"),
-    ]  # fmt: skip
-    for path, body, field in cases:
+    completions, chat = "/v1/completions", "/v1/chat/completions"
+    text_parts = '[{"type": "text", "text": "a"}, {"type": "text", "text": "\\udfff"}]'
+    cases = [  # (endpoint, the body's fields beside the model, the field the 400 must name)
+        (completions, '"prompt": "\\ud800", "max_tokens": 2', "prompt"),
+        (completions, '"prompt": ["a", "\\udfff"], "max_tokens": 2', "prompt[1]"),
+        (chat, '"messages": [{"role": "user", "content": "\\ud800"}]', "messages[0].content"),
+        (completions, '"prompt": "a", "max_tokens": "5"', "max_tokens"),
+        (completions, '"prompt": "a", "max_tokens": 2, "logprobs": true', "logprobs"),
+        (completions, '"prompt": "a", "n": 2.0', "n"),
+        (completions, '"prompt": "a", "temperature": NaN', "temperature"),
+        (completions, '"prompt": "a", "stream_options": {"include_usage": true}', "stream_options"),
+        (completions, f'"prompt": "a", "stop_token_ids": [{2**40}]', "stop_token_ids"),
+        (completions, '"prompt": "a", "stop": ["x", "\\ud800"]', "stop[1]"),
+        (chat, f'"messages": [{{"role": "user", "content": {text_parts}}}]', "messages[0].content[1].text"),
+    ]
+    for path, fields, field in cases:
+        body = f'{{"model": "{MODEL}", {fields}}}'
         answer = post(path, body)
         error = answer.json()["error"]
         assert answer.status_code == 400 and error["param"] == field, (body, answer.text)
