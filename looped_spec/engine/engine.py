@@ -19,7 +19,7 @@ from looped_spec.control.plan import SpeculationPlan, round_feedback
 from looped_spec.detokenizer import IncrementalDetokenizer
 from looped_spec.engine.config import EngineConfig, SpeculativeConfig, parse_speculation
 from looped_spec.engine.failures import StepFailures
-from looped_spec.engine.inputs import load_tokenizer, normalize_prompts, to_token_ids
+from looped_spec.engine.inputs import check_vocabulary, load_tokenizer, normalize_prompts, to_token_ids
 from looped_spec.engine.outputs import request_output, time_tokens
 from looped_spec.engine.resources import loop_pass_graphs, num_kv_blocks, step_graphs
 from looped_spec.engine.scheduler import Scheduler
@@ -208,12 +208,7 @@ class LoopedSpecEngine:
         request_id = str(request_id)
         if request_id in self._requests or request_id in taken:
             raise ValueError(f"request_id {request_id!r} is already in use")
-        vocab = self.adapter.vocab_size
-        bad = next((i for i, t in enumerate(params.stop_token_ids) if not 0 <= t < vocab), None)
-        if bad is not None:
-            raise ValueError(
-                f"stop_token_ids[{bad}] = {params.stop_token_ids[bad]} is outside the vocabulary [0, {vocab})"
-            )
+        check_vocabulary(params.stop_token_ids, self.adapter.vocab_size, "stop_token_ids")
         if params.stop and self.tokenizer is None:
             raise ValueError("stop strings need the model's tokenizer files; use stop_token_ids instead")
         exit_threshold, exit_at_step = self.resolve_exit(params)

@@ -51,22 +51,34 @@ def normalize_prompts(prompts: Any) -> list[Prompt]:
     raise TypeError(f"prompts must be a string, token ids, or a list of those; got {type(prompts).__name__}")
 
 
+def check_text(text: str, where: str) -> None:
+    """ValueError naming `where` for text that is not valid Unicode (a lone surrogate, from JSON or undecodable
+    command-line bytes: no tokenizer can encode it)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise ValueError(f"{where}: not valid Unicode text ({exc.reason} at character {exc.start})") from None
+
+
+def check_vocabulary(ids: list[int], vocab_size: int, where: str) -> None:
+    """ValueError naming the first of `ids` outside the vocabulary, as `where[i]`."""
+    bad = next((i for i, token in enumerate(ids) if not 0 <= token < vocab_size), None)
+    if bad is not None:
+        raise ValueError(f"{where}[{bad}] = {ids[bad]} is outside the vocabulary [0, {vocab_size})")
+
+
 def to_token_ids(prompt: Prompt, tokenizer, vocab_size: int, where: str = "prompt") -> list[int]:
     if isinstance(prompt, str):
         if tokenizer is None:
             raise ValueError(f"{where} is text, but the model has no tokenizer files; pass token ids instead")
-        try:
-            prompt.encode("utf-8")
-        except UnicodeEncodeError as exc:  # a lone surrogate (from JSON, or undecodable command-line bytes)
-            raise ValueError(f"{where}: not valid Unicode text ({exc.reason} at character {exc.start})") from None
+        check_text(prompt, where)
         ids = list(tokenizer.encode(prompt))
     elif isinstance(prompt, (list, tuple)):
         ids = list(prompt)
         for i, token in enumerate(ids):
             if not isinstance(token, int) or isinstance(token, bool):
                 raise TypeError(f"{where}[{i}] = {token!r} is not an int token id")
-            if not 0 <= token < vocab_size:
-                raise ValueError(f"{where}[{i}] = {token} is outside the vocabulary [0, {vocab_size})")
+        check_vocabulary(ids, vocab_size, where)
     else:
         raise TypeError(f"{where} must be a string or a list of token ids; got {type(prompt).__name__}")
     if not ids:

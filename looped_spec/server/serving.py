@@ -12,6 +12,7 @@ from contextlib import aclosing
 from fastapi import Request
 from pydantic import ValidationError
 
+from looped_spec.engine import inputs
 from looped_spec.engine.async_engine import AsyncLoopedSpecEngine, EngineDeadError, EngineFaultError, QueueFullError
 from looped_spec.engine.inputs import load_tokenizer
 from looped_spec.request import RequestOutput
@@ -85,10 +86,7 @@ class OpenAIServing:
             ids = self.tokenizer.encode(prompt, add_special_tokens=False)
         else:
             ids = list(prompt)
-            bad = next((i for i, t in enumerate(ids) if not 0 <= t < self.vocab_size), None)
-            if bad is not None:
-                raise APIError(400, f"{param}[{bad}] = {ids[bad]} is outside the vocabulary [0, {self.vocab_size})",
-                               param)  # fmt: skip
+            bad_request(inputs.check_vocabulary, ids, self.vocab_size, param)
         if not ids:
             raise APIError(400, f"{param} is empty", param)
         if len(ids) > self.max_model_len or (len(ids) == self.max_model_len and not scored_only):
@@ -124,10 +122,7 @@ class OpenAIServing:
         for i, text in enumerate(stop):
             check_text(text, f"stop[{i}]" if isinstance(body.stop, list) else "stop")
         stop_token_ids = list(body.stop_token_ids or [])
-        bad = next((i for i, t in enumerate(stop_token_ids) if not 0 <= t < self.vocab_size), None)
-        if bad is not None:
-            raise APIError(400, f"stop_token_ids[{bad}] = {stop_token_ids[bad]} is outside the vocabulary "
-                           f"[0, {self.vocab_size})", "stop_token_ids")  # fmt: skip
+        bad_request(inputs.check_vocabulary, stop_token_ids, self.vocab_size, "stop_token_ids")
         if not body.ignore_eos:
             stop_token_ids += [t for t in self.defaults.eos_token_ids if t not in stop_token_ids]
         if body.exit_threshold is not None and body.exit_at_step is not None:
@@ -300,12 +295,18 @@ async def until_disconnected(request: Request, awaitable):
     return task.result()
 
 
+def bad_request(check, *args) -> None:
+    """Run one of the engine's input checks (engine/inputs.py, the last argument names the field) before a request
+    starts: its ValueError is a 400 naming that field."""
+    try:
+        check(*args)
+    except ValueError as exc:
+        raise APIError(400, str(exc), args[-1]) from None
+
+
 def check_text(text: str, param: str) -> None:
     """400 for text that is not valid Unicode (JSON can carry a lone surrogate; no tokenizer can encode it)."""
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError as exc:
-        raise APIError(400, f"{param}: not valid Unicode text ({exc.reason} at character {exc.start})", param) from None
+    bad_request(inputs.check_text, text, param)
 
 
 async def _merged(outputs: list[AsyncIterator[RequestOutput]]) -> AsyncIterator[tuple[int, RequestOutput]]:
