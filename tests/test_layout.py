@@ -6,6 +6,8 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
+import pytest
+
 import looped_spec
 
 PACKAGE = Path(looped_spec.__file__).resolve().parent
@@ -81,3 +83,17 @@ def test_control_and_presets_import_no_torch_and_no_model_code():
             assert parts[0] != "torch", f"{path.relative_to(PACKAGE)} imports torch"
             if parts[0] == "looped_spec" and len(parts) > 1:
                 assert parts[1] in ("control", "presets"), f"{path.relative_to(PACKAGE)} imports {name}"
+
+
+def test_every_subpackage_is_installed():
+    """pyproject lists the packages setuptools installs: a folder missing there works from the source tree (an
+    editable install) and is absent from a wheel."""
+    tomllib = pytest.importorskip("tomllib")  # Python >= 3.11 (the project supports 3.10, where it is absent)
+    root = PACKAGE.parent
+    listed = set(tomllib.loads((root / "pyproject.toml").read_text(encoding="utf-8"))["tool"]["setuptools"]["packages"])
+    folders = {
+        "looped_spec." + ".".join(p.parent.relative_to(PACKAGE).parts) if p.parent != PACKAGE else "looped_spec"
+        for p in PACKAGE.rglob("__init__.py")
+        if "__pycache__" not in p.parts
+    }
+    assert folders <= listed, f"not in pyproject's packages: {sorted(folders - listed)}"

@@ -1,0 +1,40 @@
+"""`looped-spec` command line: generate text with a shipped or local looped model, serve it, or tune its preset."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from looped_spec.cli import generate, serve, tune
+from looped_spec.cli.common import one_line
+from looped_spec.cli.generate import speed_ratio
+
+__all__ = ["build_parser", "main", "speed_ratio"]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from looped_spec import __version__
+
+    fmt = argparse.ArgumentDefaultsHelpFormatter
+    parser = argparse.ArgumentParser(prog="looped-spec", description=__doc__, formatter_class=fmt)
+    parser.add_argument("--version", action="version", version=f"looped-spec {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True)
+    for command in (generate, serve, tune):
+        command.add_parser(sub, fmt)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command == "tune":
+        args.argv = list(argv) if argv is not None else sys.argv[1:]
+    try:
+        return args.func(args)
+    except BrokenPipeError:  # the reader went away (`| head`): not an error of ours
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error when Python flushes stdout
+        return 0
+    except (ValueError, KeyError, TypeError, OSError) as exc:
+        print(f"looped-spec: error: {one_line(exc)}", file=sys.stderr)
+        return 2

@@ -1,0 +1,212 @@
+"""`looped-spec generate`: continue prompts, print speculation stats, optionally time against plain decoding."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+
+from looped_spec.cli.common import UsageError, add_engine_flags, at_least, engine_options, output_file, set_threads
+
+
+def add_parser(sub: argparse._SubParsersAction, fmt: type[argparse.HelpFormatter]) -> None:
+    gen = sub.add_parser(
+        "generate",
+        help="generate continuations and print speculation stats",
+        formatter_class=fmt,
+        description="Generate a continuation of every prompt and print speculation stats.",
+    )
+    gen.add_argument("--model", default="tiny-ouro", help="checkpoint folder or shipped model name")
+    gen.add_argument("--prompt", action="append", help="prompt text (repeatable)")
+    gen.add_argument(
+        "--prompts-file",
+        default=None,
+        metavar="FILE",
+        help="more prompts, one a line (.jsonl: a 'prompt' field a line; '-': stdin)",
+    )
+    gen.add_argument("--max-tokens", type=int, default=64, help="most tokens generated per prompt")
+    gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    gen.add_argument("--top-k", type=int, default=0, help="0 or -1 = no top-k filtering")
+    gen.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass")
+    gen.add_argument("--stop", action="append", help="stop string (repeatable; cut from the output)")
+    gen.add_argument("--ignore-eos", action="store_true", help="keep generating past the eos token")
+    gen.add_argument("--exit-threshold", type=float, default=None, help="early exit: the family rule's threshold")
+    gen.add_argument("--exit-at-step", type=int, default=None, help="early exit: fixed loop depth per token")
+    gen.add_argument("--early-exit", default="skip", choices=["skip", "select"], help="how early exit runs")
+    gen.add_argument("--batch-size", type=int, default=1, help="run the prompt(s) this many times together")
+    gen.add_argument("--stream", action="store_true", help="print tokens as they come (prompts one after another)")
+    gen.add_argument(
+        "--compare-plain",
+        action="store_true",
+        help="also time the prompts with and without speculation side by side and print the ratio",
+    )
+    gen.add_argument("--compare-repeats", type=int, default=None,
+                     help="side-by-side pairs --compare-plain times; none: 5")  # fmt: skip
+    add_engine_flags(gen)
+    gen.set_defaults(func=generate)
+
+
+def read_prompts(args: argparse.Namespace) -> list[str | list[int]]:
+    """--prompt values, then the lines of --prompts-file (`-` = stdin; .jsonl: a "prompt" field per line, text or
+    token ids)."""
+    prompts: list[str | list[int]] = list(args.prompt or [])
+    if args.prompts_file:
+        if args.prompts_file == "-":
+            name, lines = "<stdin>", sys.stdin.read().splitlines()
+        else:
+            name = args.prompts_file
+            try:
+                lines = Path(name).read_text(encoding="utf-8").splitlines()
+            except (OSError, UnicodeDecodeError) as exc:
+                raise UsageError(f"--prompts-file {name}: {getattr(exc, 'strerror', None) or exc}") from None
+        for n, line in enumerate(lines, start=1):
+            if not line.strip():
+                continue
+            if name.endswith(".jsonl"):
+                try:
+                    line = json.loads(line)["prompt"]
+                except (json.JSONDecodeError, KeyError, TypeError):
+                    raise ValueError(f"{name}:{n}: expected a JSON object with a 'prompt' field") from None
+                ids = isinstance(line, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in line)
+                if not isinstance(line, str) and not ids:
+                    raise ValueError(f"{name}:{n}: 'prompt' must be text or a list of token ids, got {line!r:.60}")
+            prompts.append(line)
+    if not prompts:
+        raise ValueError("no prompt: give --prompt TEXT or --prompts-file FILE (- for stdin)")
+    return prompts * args.batch_size
+
+
+def generate(args: argparse.Namespace) -> int:
+    from looped_spec import LoopedSpecEngine, SamplingParams
+
+    if args.trace is not None:
+        output_file(args.trace, "--trace")
+    at_least(args.batch_size, 1, "--batch-size")
+    at_least(args.max_tokens, 1, "--max-tokens")
+    if args.compare_repeats is not None and not args.compare_plain:
+        raise UsageError("--compare-repeats: only with --compare-plain")
+    args.compare_repeats = 5 if args.compare_repeats is None else args.compare_repeats
+    at_least(args.compare_repeats, 1, "--compare-repeats")
+    at_least(args.threads, 0, "--threads", " (0: torch's default)")
+    set_threads(args.threads)
+    prompts = read_prompts(args)
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
+                            top_p=args.top_p, seed=args.seed, ignore_eos=args.ignore_eos, stop=args.stop or [],
+                            exit_threshold=args.exit_threshold, exit_at_step=args.exit_at_step)  # fmt: skip
+    engine = LoopedSpecEngine(args.model, **engine_options(args))
+    try:
+        if args.stream:
+            outputs = _stream(engine, prompts, params)
+        else:
+            outputs = engine.generate(prompts, params)
+            for i, (prompt, out) in enumerate(zip(prompts, outputs)):
+                if len(outputs) > 1:
+                    print(f"--- output {i} ---")
+                print(_as_text(prompt) + (out.text if out.text is not None else _as_text(out.token_ids)))
+        _print_stats(engine, args, outputs)
+    finally:
+        engine.close()
+    if args.compare_plain:
+        _compare_plain(args, prompts, params, outputs)
+    return 0
+
+
+def _as_text(tokens: str | list[int]) -> str:
+    """Text as it is; token ids (a model without a tokenizer, or ids given) as a space-separated list."""
+    return tokens if isinstance(tokens, str) else " ".join(map(str, tokens)) + " "
+
+
+def _stream(engine, prompts: list[str | list[int]], params) -> list:
+    """Print each prompt's tokens as they are committed (prompts run one after another)."""
+    outputs = []
+    for i, prompt in enumerate(prompts):
+        request_id = engine.add_request(prompt, params)  # checked before anything is printed
+        if len(prompts) > 1:
+            print(f"--- output {i} ---")
+        print(_as_text(prompt), end="", flush=True)
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                print(out.new_text if engine.tokenizer is not None else _as_text(out.new_token_ids), end="",
+                      flush=True)  # fmt: skip
+                if out.finished and out.request_id == request_id:
+                    outputs.append(out)
+        print()
+    return outputs
+
+
+def _print_stats(engine, args: argparse.Namespace, outputs: list) -> None:
+    stats = engine.stats
+    num_tokens = sum(len(o.token_ids) for o in outputs)
+    reasons = Counter(o.finish_reason for o in outputs)
+    rows = [
+        ("model", f"{engine.adapter.name} ({engine.adapter.model_type}, D={engine.adapter.full_depth})"),
+        ("speculation", str(args.speculation)),
+        ("requests", str(len(outputs))),
+        ("tokens generated", str(num_tokens)),
+        ("finish reasons", ", ".join(f"{r}: {n}" for r, n in sorted(reasons.items()))),
+    ]
+    if stats.num_loop_passes:  # loop-level batching: passes, not rounds
+        occupancy = stats.num_loop_pass_positions / stats.num_loop_passes
+        rows.append(("loop passes (positions per pass)", f"{stats.num_loop_passes} ({occupancy:.2f})"))
+        if stats.num_draft_tokens:
+            accepted = f"{stats.num_accepted_tokens}/{stats.num_draft_tokens} ({100 * stats.acceptance_rate:.1f}%)"
+            rows.append(("draft tokens accepted", accepted))
+    else:
+        rows += [
+            ("decode rounds", f"{stats.num_rounds} ({stats.num_spec_rounds} speculative)"),
+            ("tokens per round", f"{(num_tokens - len(outputs)) / max(stats.num_rounds, 1):.2f}"),
+            ("draft tokens accepted",
+             f"{stats.num_accepted_tokens}/{stats.num_draft_tokens} ({100 * stats.acceptance_rate:.1f}%)"),
+            ("plans used (K,d: rounds)", ", ".join(f"{k}: {v}" for k, v in sorted(stats.plan_histogram.items()))),
+        ]  # fmt: skip
+    if stats.exit_depth_histogram:
+        histogram = ", ".join(f"{d}: {n}" for d, n in sorted(stats.exit_depth_histogram.items()))
+        rows += [
+            (f"exit depths ({args.early_exit}; depth: tokens)", histogram),
+            ("loops per token (saved)", f"{stats.mean_loops_per_token:.2f} ({stats.num_exit_loops_saved})"),
+        ]
+    width = max(len(k) for k, _ in rows)
+    print("\n" + "-" * (width + 40))
+    for key, value in rows:
+        print(f"{key:<{width}}  {value}")
+
+
+def _compare_plain(args: argparse.Namespace, prompts: list[str], params, outputs: list) -> None:
+    """The same prompts with and without speculation, side by side: one persistent engine each, whole runs in
+    alternating order, repeated, the first pair dropped (warm-up); the median of the pairs' wall-time ratios."""
+    import statistics
+
+    from looped_spec import LoopedSpecEngine
+    from looped_spec.control.controller import DEFAULT_POLICY
+
+    spec = LoopedSpecEngine(args.model, **engine_options(args) | {"trace_path": None})
+    # plain decoding runs no adaptive controller: its preset and policy are not options there
+    off = {"speculation": "off", "trace_path": None, "preset": None, "policy": DEFAULT_POLICY}
+    plain = LoopedSpecEngine(args.model, **engine_options(args) | off)
+    ratios, same = [], True
+    try:
+        for i in range(args.compare_repeats + 1):
+            seconds = {}
+            for name, engine in (("spec", spec), ("plain", plain))[:: 1 if i % 2 == 0 else -1]:
+                start = time.perf_counter()
+                runs = engine.generate(prompts, params)
+                seconds[name] = time.perf_counter() - start
+                same = same and all(a.token_ids == b.token_ids for a, b in zip(runs, outputs))
+            if i:
+                ratios.append(seconds["plain"] / seconds["spec"])
+    finally:
+        spec.close()
+        plain.close()
+    print(f"{'vs plain decoding':<24}  {speed_ratio(statistics.median(ratios))} [{min(ratios):.2f}-{max(ratios):.2f}] "
+          f"(median of {len(ratios)} side-by-side pairs, wall time incl. prefill; outputs "
+          f"{'identical' if same else 'differ'})")  # fmt: skip
+    if params.temperature == 0.0 and not same:
+        print("looped-spec: warning: greedy speculative output differs from plain decoding", file=sys.stderr)
+
+
+def speed_ratio(ratio: float) -> str:
+    """'1.57x faster', or '0.73x as fast (slower)': never 'faster' for a slowdown."""
+    return f"{ratio:.2f}x faster" if ratio >= 1.0 else f"{ratio:.2f}x as fast (slower)"

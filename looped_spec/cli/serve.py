@@ -1,0 +1,114 @@
+"""`looped-spec serve`: the OpenAI-compatible server, one engine or Ray Serve replicas; `looped-spec models`."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from pathlib import Path
+
+from looped_spec.cli.common import API_KEY_ENV, UsageError, add_engine_flags, at_least, engine_options, set_threads
+
+
+def add_parser(sub: argparse._SubParsersAction, fmt: type[argparse.HelpFormatter]) -> None:
+    srv = sub.add_parser(
+        "serve",
+        help="serve an OpenAI-compatible HTTP API",
+        formatter_class=fmt,
+        description="Serve /v1/completions, /v1/chat/completions, /v1/models, /health and "
+        "/metrics with FastAPI + uvicorn. /health and /metrics need no API key.",
+    )
+    srv.add_argument("model", nargs="?", default="tiny-ouro", help="checkpoint folder or shipped model name")
+    srv.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0 exposes the server)")
+    srv.add_argument("--port", type=int, default=8000, help="TCP port")
+    srv.add_argument(
+        "--api-key", default=None, help=f"require 'Authorization: Bearer KEY' on /v1/* (default: ${API_KEY_ENV} if set)"
+    )
+    srv.add_argument("--served-model-name", default=None, help="model id in the API (default: folder name)")
+    srv.add_argument(
+        "--max-queued",
+        type=int,
+        default=256,
+        help="requests that may wait beyond the running batch; more get 429 + Retry-After",
+    )
+    srv.add_argument("--max-body-bytes", type=int, default=1 << 20, help="larger request bodies get 413")
+    ray_flags = srv.add_argument_group("replicas (Ray Serve; pip install -e '.[ray]')")
+    ray_flags.add_argument("--replicas", type=int, default=None, help="serve with this many engine replicas behind "
+                           "Ray Serve's proxy (on CUDA one GPU each; RAY_ADDRESS joins a running cluster)")  # fmt: skip
+    ray_flags.add_argument("--min-replicas", type=int, default=None, help="autoscaling: fewest replicas")
+    ray_flags.add_argument("--max-replicas", type=int, default=None, help="autoscaling: most replicas")
+    ray_flags.add_argument("--target-ongoing-requests", type=float, default=None,
+                           help="autoscaling: in-flight requests per replica it aims at")  # fmt: skip
+    ray_flags.add_argument("--metrics-port", type=int, default=None,
+                           help="replica r also serves its /metrics on port + r (labelled by replica)")  # fmt: skip
+    srv.add_argument("--early-exit", default="skip", choices=["skip", "select"],
+                     help="how requests' exit_threshold / exit_at_step run (with or without speculation)")  # fmt: skip
+    srv.add_argument(
+        "--log-level",
+        default="info",
+        choices=["critical", "error", "warning", "info", "debug"],
+        help="uvicorn log level",
+    )
+    add_engine_flags(srv)
+    srv.set_defaults(func=serve_command)
+    models = sub.add_parser("models", help="list the shipped tiny models", formatter_class=fmt)
+    models.set_defaults(func=list_models)
+
+
+def serve_command(args: argparse.Namespace) -> int:
+    from looped_spec import LoopedSpecEngine
+    from looped_spec.server.launch import serve
+
+    api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
+    scaling = dict(num_replicas=args.replicas, min_replicas=args.min_replicas, max_replicas=args.max_replicas,
+                   target_ongoing_requests=args.target_ongoing_requests, metrics_port=args.metrics_port)  # fmt: skip
+    at_least(args.threads, 0, "--threads", " (0: torch's default)")
+    if not 0 <= args.port <= 65535:
+        raise UsageError(f"--port {args.port}: must be in 0..65535")
+    at_least(args.max_queued, 0, "--max-queued")
+    at_least(args.max_body_bytes, 1, "--max-body-bytes")
+    if any(value is not None for value in scaling.values()):
+        return serve_replicas(args, api_key, scaling)
+    set_threads(args.threads)
+    engine = LoopedSpecEngine(args.model, **engine_options(args))
+    name = args.served_model_name or Path(str(args.model)).name
+    serve(engine, name, host=args.host, port=args.port, api_key=api_key, max_queued=args.max_queued,
+          max_body_bytes=args.max_body_bytes, log_level=args.log_level)  # fmt: skip
+    return 0
+
+
+_REPLICA_FLAGS = {"num_replicas": "--replicas", "min_replicas": "--min-replicas", "max_replicas": "--max-replicas",
+                  "target_ongoing_requests": "--target-ongoing-requests", "metrics_port": "--metrics-port"}  # fmt: skip
+
+
+def serve_replicas(args: argparse.Namespace, api_key: str | None, scaling: dict) -> int:
+    """`serve` with replicas: the same app under Ray Serve, one engine per replica (server/replicas.py)."""
+    try:
+        from looped_spec.server.replicas import ReplicaAppArgs, parse_args, run_replicas
+    except ImportError as exc:
+        raise UsageError(f"--replicas needs Ray Serve ({exc}): pip install -e '.[ray]'") from None
+    options = engine_options(args)
+    options = {key: value for key, value in options.items() if value is not None}  # JSON-able, defaults left out
+    if options.get("dtype") is not None:
+        options["dtype"] = str(options["dtype"])
+    given = {key: value for key, value in scaling.items() if value is not None}
+    try:
+        app_args: ReplicaAppArgs = parse_args(dict(model=str(args.model), served_model_name=args.served_model_name,
+                                                   api_key=api_key, max_queued=args.max_queued,
+                                                   max_body_bytes=args.max_body_bytes, threads=args.threads,
+                                                   engine=options, **given))  # fmt: skip
+        app_args.check_before_start()
+    except ValueError as exc:  # name the flags, not the application's fields
+        message = str(exc).removeprefix("looped-spec application args: ").removeprefix("engine: ")
+        for field, flag in _REPLICA_FLAGS.items():
+            message = message.replace(field, flag)
+        raise UsageError(message) from None
+    run_replicas(app_args, args.host, args.port)
+    return 0
+
+
+def list_models(args: argparse.Namespace) -> int:
+    from looped_spec.models import shipped_models
+
+    for name, path in shipped_models().items():
+        print(f"{name}\t{path}")
+    return 0
