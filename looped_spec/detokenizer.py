@@ -47,7 +47,11 @@ class IncrementalDetokenizer:
         if not self.stop:
             return False
         start = len(self.text)
-        return self._advance() and self._find_stop(start)
+        try:
+            return self._advance() and self._find_stop(start)
+        except BaseException:  # the tokenizer failed: the token is not taken (`_advance` assigns only once it decoded)
+            self.token_ids.pop()
+            raise
 
     def _advance(self) -> bool:
         """Decode the tokens not yet in `text`, unless they end in an incomplete character."""

@@ -163,10 +163,11 @@ class Request:
         return min(self.max_tokens - self.num_output_tokens, self.max_model_len - self.num_tokens)
 
     def append(self, token: int) -> bool:
-        """Commit one generated token; returns True when the request is now finished."""
-        self.token_ids.append(token)
+        """Commit one generated token; returns True when the request is now finished. If the detokenizer fails
+        (it decodes to look for stop strings), the error is raised and the token is not committed."""
         # a stop string ends the request at the token that completed it (its text is cut off)
         stop_string = self.detokenizer is not None and self.detokenizer.append(token)
+        self.token_ids.append(token)
         if token in self.stop_ids or stop_string:
             self.finish_reason = "stop"
         elif self.num_output_tokens >= self.max_tokens or self.num_tokens >= self.max_model_len:

@@ -70,3 +70,16 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "cuda" in item.keywords:
             item.add_marker(skip)
+
+
+class TokenizerFailingOn:
+    """A tokenizer that cannot decode token `bad` (it raises whenever the ids hold it), one letter per other token:
+    the commit of a request whose stop strings make it decode its tokens fails on that token."""
+
+    def __init__(self, bad: int) -> None:
+        self.bad = bad
+
+    def decode(self, ids, skip_special_tokens=True):
+        if self.bad in ids:
+            raise ValueError(f"cannot decode token {self.bad}")
+        return "".join(chr(ord("a") + t % 26) for t in ids)

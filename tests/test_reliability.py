@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import pytest
-from conftest import make_engine
+import torch
+from conftest import TokenizerFailingOn, make_engine
 from pydantic import ValidationError
 
 from looped_spec import SamplingParams, SpeculativeConfig
@@ -154,10 +155,11 @@ def test_item05_preemption_victim_is_the_latest_arrival():
 
 
 # ----- the design rule: a step is a transaction over requests -----
-def test_rule_a_request_failing_by_itself_finishes_with_error_and_the_others_go_on(monkeypatch):
+@pytest.mark.parametrize("batching", ["step", "loop"])
+def test_rule_a_request_failing_by_itself_finishes_with_error_and_the_others_go_on(monkeypatch, batching):
     params = [greedy(6), sampled(6, seed=5), greedy(5)]
     expected = [o.token_ids for o in make_engine("ouro", speculation="2,1").generate(PROMPTS[:3], params)]
-    engine = make_engine("ouro", speculation="2,1")
+    engine = make_engine("ouro", speculation="2,1", batching=batching)
     ids = [engine.add_request(p, sp) for p, sp in zip(PROMPTS[:3], params)]
     engine.step()  # prefill
     original = SamplingRows.build.__func__
@@ -169,7 +171,8 @@ def test_rule_a_request_failing_by_itself_finishes_with_error_and_the_others_go_
 
     monkeypatch.setattr(SamplingRows, "build", classmethod(build))
     # raised for the batch, raised again when it first fails alone (a one-shot engine fault would not
-    # fail twice), then it is the culprit
+    # fail twice), then it is the culprit. On loop passes the suspect runs alone until its token is done: a pass
+    # alone that ends before the stage that fails proves nothing, and must not send it back into the batch
     finished = run_to_end(engine, max_errors=2)
     assert finished[ids[1]].finish_reason == "error" and "bad request" in finished[ids[1]].error
     assert [finished[ids[0]].token_ids, finished[ids[2]].token_ids] == [expected[0], expected[2]]
@@ -200,3 +203,46 @@ def test_rule_a_failed_round_is_rolled_back_generators_included(monkeypatch):
         engine.step()
     finished = run_to_end(engine)
     assert [finished[i].token_ids for i in ids] == expected
+
+
+@pytest.mark.parametrize("batching", ["step", "loop"])
+@pytest.mark.parametrize("speculation", ["off", "2,1"])
+def test_rule_a_request_whose_commit_fails_finishes_with_error_and_the_others_go_on(batching, speculation):
+    from looped_spec.detokenizer import IncrementalDetokenizer
+
+    params = [greedy(6), greedy(6), greedy(5)]
+    expected = [o.token_ids for o in make_engine("ouro").generate(PROMPTS[:3], params)]
+    engine = make_engine("ouro", speculation=speculation, batching=batching)
+    ids = [engine.add_request(p, sp) for p, sp in zip(PROMPTS[:3], params)]
+    bad = expected[1][3]
+    assert bad not in expected[1][:3]
+    # its stop string makes its commit decode each token (it never matches: the text is letters)
+    engine._requests[ids[1]].detokenizer = IncrementalDetokenizer(TokenizerFailingOn(bad), stop=["!"])
+    finished = run_to_end(engine)  # never raised: the failure is the request's own
+    failed = finished[ids[1]]
+    assert failed.finish_reason == "error" and f"cannot decode token {bad}" in failed.error
+    assert failed.token_ids == expected[1][:3]  # the tokens before the one it could not take, once each
+    assert failed.text == "".join(chr(ord("a") + t % 26) for t in expected[1][:3])
+    assert [finished[ids[0]].token_ids, finished[ids[2]].token_ids] == [expected[0], expected[2]]
+    assert (engine.stats.num_requests_finished, engine.stats.num_requests_failed) == (2, 1)
+
+
+@pytest.mark.parametrize("batching", ["step", "loop"])
+def test_rule_a_culprit_is_blamed_after_two_raises_when_its_exit_rule_fails(batching):
+    """The fault strikes in the exit rule after the culprit's first loop: on loop passes a pass alone runs one loop
+    at a time under an exit rule, so the culprit must stay alone until its token is done to be caught alone twice."""
+    poison = 0.4321
+    engine = make_engine("ouro", batching=batching)
+    params = [SamplingParams(max_tokens=6, ignore_eos=True, exit_threshold=poison if i == 1 else 0.5) for i in range(4)]
+    ids = [engine.add_request(p, sp) for p, sp in zip(PROMPTS, params)]
+    original = engine.adapter.exit_rule
+
+    def exit_rule(state, depth, prev, carry, threshold, ctx):
+        if bool(torch.isclose(torch.as_tensor(threshold).float(), torch.tensor(poison)).any()):
+            raise RuntimeError("bad threshold")
+        return original(state, depth, prev, carry, threshold, ctx)
+
+    engine.adapter.exit_rule = exit_rule
+    finished = run_to_end(engine, max_errors=2)
+    assert finished[ids[1]].finish_reason == "error" and "bad threshold" in finished[ids[1]].error
+    assert all(finished[i].finish_reason == "length" for i in ids if i != ids[1])

@@ -16,11 +16,12 @@ import os
 from functools import cache
 
 import pytest
-from conftest import load, make_engine
+from conftest import TokenizerFailingOn, load, make_engine
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from looped_spec import SamplingParams, SpeculativeConfig
+from looped_spec.detokenizer import IncrementalDetokenizer
 
 EXAMPLES = int(os.environ.get("LOOPED_SPEC_HYPOTHESIS_EXAMPLES", "25"))
 
@@ -58,6 +59,9 @@ requests_st = st.fixed_dictionaries(
         "seed": st.integers(0, 2**31 - 1),
         "stop": st.lists(st.integers(0, 255), max_size=2),
         "ignore_eos": st.booleans(),
+        # its tokenizer cannot decode the token its run alone generates at this index (it decodes them for stop
+        # strings): its commit fails there
+        "undecodable_at": st.one_of(st.none(), st.none(), st.integers(0, 13)),
     }
 )
 actions_st = st.lists(
@@ -161,6 +165,18 @@ def test_random_workloads_never_wedge_leak_or_lose_an_output(scenario):
                 assert out.request_id not in finished, f"{out.request_id} reported finished twice"
                 finished[out.request_id] = out
 
+    def add(spec: dict) -> None:
+        request_id = engine.add_request(spec["prompt"], params_of(spec))
+        at, bad = spec["undecodable_at"], None
+        if at is not None:
+            armed, faulty.countdown = faulty.countdown, None  # the reference run shares the adapter
+            generated = alone(family, tuple(spec["prompt"]), params_of(spec).model_dump_json())
+            faulty.countdown = armed
+            bad = generated[at] if at < len(generated) else None
+        if bad is not None:  # its stop string never matches: the text is letters
+            engine._requests[request_id].detokenizer = IncrementalDetokenizer(TokenizerFailingOn(bad), stop=["!"])
+        specs[request_id] = spec | {"undecodable": bad}
+
     def check_kv() -> None:
         assert engine.num_free_blocks + held_blocks(engine) == engine.kv.num_blocks, "KV blocks leaked"
 
@@ -177,13 +193,13 @@ def test_random_workloads_never_wedge_leak_or_lose_an_output(scenario):
 
     try:
         for spec in scenario["initial"]:
-            specs[engine.add_request(spec["prompt"], params_of(spec))] = spec
+            add(spec)
         for action in scenario["actions"]:
             kind = action[0]
             if kind == "step":
                 step()
             elif kind == "add":
-                specs[engine.add_request(action[1]["prompt"], params_of(action[1]))] = action[1]
+                add(action[1])
             elif kind == "abort":
                 live = [i for i in specs if i not in finished]
                 if live:
@@ -201,7 +217,7 @@ def test_random_workloads_never_wedge_leak_or_lose_an_output(scenario):
                     assert [o.finished for o in outs] == [True] * len(batch)
                     for out, spec in zip(outs, batch):
                         assert out.request_id not in specs
-                        specs[out.request_id] = spec
+                        specs[out.request_id] = spec | {"undecodable": None}  # generate() gives them no tokenizer
                     record(outs)
                 check_kv()
             elif kind == "fault" and faulty.countdown is None and last_step_ok:
@@ -217,10 +233,16 @@ def test_random_workloads_never_wedge_leak_or_lose_an_output(scenario):
         assert engine.num_free_blocks == engine.kv.num_blocks
         for request_id, out in finished.items():
             spec = specs[request_id]
-            assert out.finish_reason != "error", out.error
+            bad = spec["undecodable"]
+            assert bad is None or bad not in out.token_ids, "a token its tokenizer cannot decode was committed"
+            if out.finish_reason == "error":  # only a request's own commit failure may finish it with an error
+                assert bad is not None and f"cannot decode token {bad}" in out.error, out.error
             if spec["sampled"] and speculation != "off":
                 continue  # same distribution, not the same draws
             expected = alone(family, tuple(spec["prompt"]), params_of(spec).model_dump_json())
+            if spec["undecodable"] in expected and out.finish_reason != "abort":  # it fails at the first one
+                expected = expected[: expected.index(spec["undecodable"])]
+                assert out.finish_reason == "error", f"request {request_id} ({out.finish_reason})"
             if request_id in aborted and out.finish_reason == "abort":
                 assert tuple(out.token_ids) == expected[: len(out.token_ids)]
             else:
@@ -230,6 +252,7 @@ def test_random_workloads_never_wedge_leak_or_lose_an_output(scenario):
         event(f"preempted: {engine.scheduler.num_preemptions > 0}")
         event(f"speculative rounds: {engine.stats.num_spec_rounds > 0}")
         event(f"aborted: {bool(aborted)}")
+        event(f"commit failed: {any(out.finish_reason == 'error' for out in finished.values())}")
         # still usable
         probe = {"prompt": [7, 8, 9], "max_tokens": 4, "sampled": False, "seed": 0, "stop": [], "ignore_eos": True}
         out = engine.generate(probe["prompt"], params_of(probe))[0]

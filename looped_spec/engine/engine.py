@@ -30,7 +30,7 @@ from looped_spec.execution.logprobs import logprobs_of_rows, token_logprobs
 from looped_spec.execution.model_runner import ModelRunner
 from looped_spec.execution.sampler import SamplingRows, sample
 from looped_spec.execution.transfers import to_device
-from looped_spec.loop_batching import Entering, LoopBatcher, LoopRounds
+from looped_spec.loop_batching import Entering, LoopBatcher, LoopRounds, PassResult
 from looped_spec.models.adapter import ModelAdapter, load_adapter
 from looped_spec.presets.lookup import load_preset
 from looped_spec.request import Request, RequestOutput, RequestStatus, ScheduledBatch, TokenLogprob, mean_context
@@ -360,9 +360,14 @@ class LoopedSpecEngine:
             )
         )
         max_loops = 1 if joining else self.adapter.full_depth
+
+        def settled(result: PassResult) -> bool:  # the suspect's token, round or prompt chunk is done
+            return suspect.request_id not in result.items and suspect.request_id not in result.next_drafts
+
         result = self.failures.run(
-            suspect, requests, lambda: batcher.run(requests, rounds, max_loops, chunks), self._finish_with_error
-        )
+            suspect, requests, lambda: batcher.run(requests, rounds, max_loops, chunks), self._finish_with_error,
+            settled,
+        )  # fmt: skip
         if result is None:
             return
         if result.prefilled:
@@ -478,7 +483,9 @@ class LoopedSpecEngine:
         """Hand the step's results to the scheduler's postprocess; from here on the outputs are owed."""
         if counts.get("exit_depths") is not None:  # depths are kept for the requests that exit early only
             counts["exit_depths"] = [ds if r.exits_early else [] for r, ds in zip(requests, counts["exit_depths"])]
-        appended = self.scheduler.postprocess(requests, tokens, **counts)
+        appended, failed = self.scheduler.postprocess(requests, tokens, **counts)
+        for request, exc in failed:  # its own commit failed (its tokenizer): it alone finishes, with the error
+            self._finish_with_error(request, exc)
         exit_depths = counts.get("exit_depths")
         if exit_depths is not None:
             # a first token is read out from the prompt's last position, whose loops all ran (prompts: full depth)
@@ -491,7 +498,7 @@ class LoopedSpecEngine:
                 time_tokens(self.stats, request, n, now)
             if n or request.finished:
                 self._reports[request.request_id] = request
-            if request.finished:
+            if request.finished and request.finish_reason != "error":
                 self.stats.num_requests_finished += 1
         self.stats.num_generation_tokens += sum(appended)
 

@@ -33,11 +33,13 @@ class StepFailures:
 
     def run(
         self, suspect: Request | None, requests: list[Request], compute: Callable[[], Any],
-        blame: Callable[[Request, Exception], None],
+        blame: Callable[[Request, Exception], None], settled: Callable[[Any], bool] | None = None,
     ) -> Any:  # fmt: skip
         """`compute()` for a step of `requests` (`suspect`: the one running alone, or None). Its result; on failure
         the generators are restored and the error raised, or `blame(suspect, error)` (which finishes the suspect with
-        the error) and None."""
+        the error) and None. `settled(result)`: whether the suspect's work is done (a loop pass can end mid-token;
+        until its token is done the suspect keeps running alone, so the stage that failed is reached alone); None:
+        every step finishes its requests' work."""
         saved = [r.generator.get_state() for r in requests]
         try:
             result = compute()
@@ -57,7 +59,10 @@ class StepFailures:
             blame(suspect, exc)
             return None
         if suspect is not None:
-            self._clear(suspect)
+            if settled is None or settled(result):
+                self._clear(suspect)
+            else:  # it stepped alone without failing: a failure alone later is not "in a row"
+                self.failed_alone.pop(suspect.request_id, None)
         return result
 
     def clear(self) -> None:

@@ -154,7 +154,7 @@ class Scheduler:
         num_accepted: list[int] | None = None,
         exit_depths: list[list[int]] | None = None,
         logprobs: list[list[TokenLogprob]] | None = None,
-    ) -> list[int]:
+    ) -> tuple[list[int], list[tuple[Request, Exception]]]:
         """The one place a step changes request state, once everything it computed is known.
 
         `tokens[i]` are request i's tokens to commit (empty for a prompt chunk that does not end the
@@ -163,9 +163,15 @@ class Scheduler:
         finished request gives back all its blocks. `exit_depths[i]` (early exit) are the exit depths of the
         positions request i computed in this step from its last committed token on: the readout depth of each
         token it commits. `logprobs[i]` (requests that asked for them) are the entries of request i's tokens; those
-        of the tokens it appended are kept. Returns how many tokens each request appended.
+        of the tokens it appended are kept.
+
+        Returns how many tokens each request appended, and the requests whose commit failed with their errors (a
+        request's own tokenizer failing on its tokens, which it decodes to look for stop strings; or giving back its
+        KV blocks): each keeps the tokens before the one that failed, and the caller finishes it with the error (which
+        frees its blocks); the others commit as usual.
         """
         appended: list[int] = []
+        failed: list[tuple[Request, Exception]] = []
         for i, (request, new) in enumerate(zip(requests, tokens)):
             if num_proposed is not None:
                 request.metrics.rounds += 1
@@ -176,23 +182,28 @@ class Scheduler:
                 appended.append(0)
                 continue
             depths = exit_depths[i] if exit_depths is not None else []
+            entries = logprobs[i] if logprobs is not None else None
             count = 0
-            for token in new:
-                if count < len(depths):
-                    record_exit_depth(request, depths[count])
-                count += 1
-                if request.append(token):
-                    break
+            try:
+                for token in new:
+                    finished = request.append(token)  # a failure here commits nothing of this token
+                    if count < len(depths):
+                        record_exit_depth(request, depths[count])
+                    if entries:
+                        request.logprobs.append(entries[count])
+                    count += 1
+                    if finished:
+                        break
+                request.prefilled = True
+                if request.finish_reason is not None:
+                    self.finish(request)
+                else:
+                    request.num_computed = request.num_tokens - 1
+                    self.release_unused(request)
+            except Exception as exc:
+                failed.append((request, exc))
             appended.append(count)
-            if logprobs is not None and logprobs[i]:
-                request.logprobs.extend(logprobs[i][:count])
-            request.prefilled = True
-            if request.finish_reason is not None:
-                self.finish(request)
-            else:
-                request.num_computed = request.num_tokens - 1
-                self.release_unused(request)
-        return appended
+        return appended, failed
 
     # ----- lifecycle -----
     def finish(self, request: Request, reason: str | None = None) -> None:
@@ -211,10 +222,10 @@ class Scheduler:
 
 
 def record_exit_depth(request: Request, depth: int) -> None:
-    """The step's last token (the last committed one) was read out at `depth`; kept for recompute."""
+    """The token just committed was read out at `depth` (the forward of the token before it); kept for recompute."""
     histogram = request.metrics.exit_depth_histogram
     histogram[depth] = histogram.get(depth, 0) + 1
-    index = request.num_tokens - request.num_prompt_tokens  # position num_tokens - 1, from the last prompt token on
+    index = request.num_tokens - 1 - request.num_prompt_tokens  # position num_tokens - 2, from the last prompt token
     if index == len(request.exit_depths):
         request.exit_depths.append(depth)
     elif 0 <= index < len(request.exit_depths):  # recomputed after preemption: the same depth again
