@@ -347,6 +347,13 @@ def test_what_openai_refuses_is_refused_naming_the_field(server, client, monkeyp
         (completions, f'"prompt": "a", "stop_token_ids": [{2**40}]', "stop_token_ids"),
         (completions, '"prompt": "a", "stop": ["x", "\\ud800"]', "stop[1]"),
         (chat, f'"messages": [{{"role": "user", "content": {text_parts}}}]', "messages[0].content[1].text"),
+        # options not built are taken at their neutral values only (below); other values name the field
+        (completions, '"prompt": "a", "presence_penalty": 0.5', "presence_penalty"),
+        (chat, '"messages": [{"role": "user", "content": "a"}], "frequency_penalty": -1', "frequency_penalty"),
+        (completions, '"prompt": "a", "logit_bias": {"5": 100}', "logit_bias"),
+        (completions, '"prompt": "a", "best_of": 3', "best_of"),
+        (completions, '"prompt": "a", "suffix": "return x"', "suffix"),
+        (chat, '"messages": [{"role": "user", "content": "a"}], "tools": []', "tools"),
     ]
     for path, fields, field in cases:
         body = f'{{"model": "{MODEL}", {fields}}}'
@@ -358,6 +365,17 @@ def test_what_openai_refuses_is_refused_naming_the_field(server, client, monkeyp
     assert post(
         "/v1/completions", f'{{"model": "{MODEL}", "prompt": "a", "max_tokens": 1, "temperature": 0}}'
     ).is_success
+    # every unsupported field is named, not only the first
+    answer = post(completions, f'{{"model": "{MODEL}", "prompt": "a", "tools": [], "functions": []}}')
+    assert answer.status_code == 400 and answer.json()["error"]["message"] == "tools, functions: not supported fields"
+    # neutral values of the options not built change nothing: accepted, as benchmark clients send them
+    neutral = '"presence_penalty": 0, "frequency_penalty": 0.0, "logit_bias": {}'
+    plain = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=4, temperature=0).choices[0].text
+    body = f'{{"model": "{MODEL}", "prompt": {json.dumps(PROMPT)}, "max_tokens": 4, "temperature": 0, {neutral}, '
+    answer = post(completions, body + '"best_of": 1, "suffix": ""}')
+    assert answer.status_code == 200 and answer.json()["choices"][0]["text"] == plain, answer.text
+    chat_body = f'{{"model": "{MODEL}", "messages": [{{"role": "user", "content": "a"}}], "max_tokens": 2, {neutral}}}'
+    assert post(chat, chat_body).status_code == 200
 
     lower = httpx.get(server.url + "/v1/models", headers={"Authorization": f"bearer {API_KEY}"})
     assert lower.status_code == 200  # the auth scheme is case-insensitive

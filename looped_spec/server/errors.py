@@ -50,13 +50,15 @@ def field_path(loc: tuple) -> str:
 
 
 def validation_message(errors: list[dict]) -> tuple[str, str | None]:
-    """The first error as 'field: message' (pydantic's text, without its documentation URL)."""
+    """The first error as 'field: message' (pydantic's text, without its documentation URL); unsupported fields all
+    named at once."""
     first = errors[0]
     param = field_path(tuple(first.get("loc", ()))) or None
-    msg = first.get("msg", "invalid value")
+    msg = first.get("msg", "invalid value").removeprefix("Value error, ")
     if first.get("type") == "extra_forbidden":
-        msg = "not a supported field"
-    elif first.get("type") == "json_invalid":
+        extra = [field_path(tuple(e.get("loc", ()))) for e in errors if e.get("type") == "extra_forbidden"]
+        return f"{', '.join(extra)}: not {'a supported field' if len(extra) == 1 else 'supported fields'}", param
+    if first.get("type") == "json_invalid":
         return f"request body is not valid JSON: {first.get('ctx', {}).get('error', msg)}", None
     return (f"{param}: {msg}" if param else msg), param
 

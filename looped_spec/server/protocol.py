@@ -1,7 +1,9 @@
 """OpenAI request and response schemas for the fields looped-spec supports (pydantic at the boundary).
 
-Requests forbid unknown fields, so an unsupported OpenAI option (`presence_penalty`, ...) is a 400 naming it
-rather than silently ignored, and are strict about types as OpenAI is (`"max_tokens": "5"` or `"logprobs": true` on
+Requests forbid unknown fields, so an unsupported OpenAI option (`tools`, ...) is a 400 naming it rather than
+silently ignored; options whose effect is not built (`presence_penalty`, `frequency_penalty`, `logit_bias`,
+completions' `best_of` and `suffix`) are taken only at their neutral values, which change nothing (clients such as
+benchmark harnesses send them), and any other value is a 400 naming the field. Requests are strict about types as OpenAI is (`"max_tokens": "5"` or `"logprobs": true` on
 completions is a 400, not a silent conversion). Extensions beyond OpenAI's schema, as in vLLM:
 `top_k`, `ignore_eos`, `stop_token_ids` (and `seed`, which OpenAI has too); and looped-spec's early exit,
 `exit_threshold` / `exit_at_step` (checked by `SamplingParams` and the engine, errors naming the field).
@@ -13,7 +15,7 @@ import time
 import uuid
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 
 class StreamOptions(BaseModel):
@@ -44,6 +46,24 @@ class SamplingFields(BaseModel):
     exit_threshold: float | None = Field(None, allow_inf_nan=False)
     exit_at_step: int | None = None
     user: str | None = None  # accepted and ignored, as OpenAI clients send it
+    # not built: accepted at their neutral values only (below)
+    presence_penalty: float | None = Field(None, allow_inf_nan=False)
+    frequency_penalty: float | None = Field(None, allow_inf_nan=False)
+    logit_bias: dict[str, float] | None = None
+
+    @field_validator("presence_penalty", "frequency_penalty")
+    @classmethod
+    def _no_penalty(cls, value: float | None) -> float | None:
+        if value not in (None, 0):
+            raise ValueError("penalties are not supported; only 0 (no penalty) is accepted")
+        return value
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _no_bias(cls, value: dict[str, float] | None) -> dict[str, float] | None:
+        if value:
+            raise ValueError("not supported; only an empty map is accepted")
+        return value
 
     def stop_list(self) -> list[str]:
         return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
@@ -54,6 +74,23 @@ class CompletionRequest(SamplingFields):
     max_tokens: int | None = Field(16, ge=0, description="0 with `echo`: score the prompt, generate nothing.")
     logprobs: int | None = Field(None, ge=0, le=20, description="Log-probability of each token and the N most likely.")
     echo: bool = Field(False, description="Return the prompt before the completion (its tokens scored by `logprobs`).")
+    # not built: accepted at their neutral values only
+    best_of: int | None = None
+    suffix: str | None = None
+
+    @field_validator("best_of")
+    @classmethod
+    def _one_of_one(cls, value: int | None) -> int | None:
+        if value not in (None, 1):
+            raise ValueError("not supported; only 1 (each choice is its own sample) is accepted")
+        return value
+
+    @field_validator("suffix")
+    @classmethod
+    def _no_suffix(cls, value: str | None) -> str | None:
+        if value:
+            raise ValueError("not supported (no insertion); only an empty suffix is accepted")
+        return value
 
 
 class TextPart(BaseModel):
