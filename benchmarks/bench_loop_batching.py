@@ -1,7 +1,8 @@
 """Loop-level batching vs the step engine, side by side in one process (docs/benchmarking.md "Loop-level batching").
 
 Three persistent engines — `step`, a second `step-B` (the A/A control) and `loop` (batching="loop"), all with
-speculation off or all with one fixed plan (`--speculation K,d`) — decode the same rotating prompts in turns of
+speculation off, all with one fixed plan (`--speculation K,d`) or all adaptive, each its own controller
+(`--speculation adaptive`) — decode the same rotating prompts in turns of
 `--slice-ms` (order shuffled every turn), for every early-exit mode asked (`full`: every token at depth D; `tau0.7`:
 the family rule at threshold 0.7; `step2`: exit_at_step=2; ...). Per mode: the median over rounds (the first
 discarded) of step ÷ loop time to serve the batch, prompts included (loop passes run prompt chunks together with
@@ -142,7 +143,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--modes", default="full,tau0.7")
     parser.add_argument("--early-exit", default="skip", choices=["skip", "select"])
-    parser.add_argument("--speculation", default="off", help="off, or a fixed plan K,d every engine runs")
+    parser.add_argument("--speculation", default="off", help="off, a fixed plan K,d or adaptive (every engine)")
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=12, help="rounds per mode; the first is discarded")
     parser.add_argument("--slice-ms", type=float, default=20.0)

@@ -1,4 +1,4 @@
-"""Tune an adaptive-speculation preset for a model, then serve it with that preset.
+"""Tune an adaptive-speculation preset for a model, then run the engine with that preset.
 
 A small run (two batch sizes, a 3-cell grid, few prompts and rounds) so it finishes in well under a minute
 on a CPU; real tuning uses more (see `looped-spec tune --help` and docs/adaptive.md).

@@ -1,5 +1,5 @@
-"""The package's folders follow the data path (docs/architecture.md, "Layout"): each imports only from the folders
-before it, and the control plane is pure logic on numbers (no torch, no model code)."""
+"""The package's folders follow the data path (docs/architecture.md, "The data path"): each imports only from the
+folders before it, and the control plane is pure logic on numbers (no torch, no model code)."""
 
 from __future__ import annotations
 

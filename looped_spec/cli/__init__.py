@@ -7,7 +7,7 @@ import os
 import sys
 
 from looped_spec.cli import generate, serve, tune
-from looped_spec.cli.common import one_line
+from looped_spec.cli.common import HelpFormatter, one_line
 from looped_spec.cli.generate import speed_ratio
 
 __all__ = ["build_parser", "main", "speed_ratio"]
@@ -16,7 +16,7 @@ __all__ = ["build_parser", "main", "speed_ratio"]
 def build_parser() -> argparse.ArgumentParser:
     from looped_spec import __version__
 
-    fmt = argparse.ArgumentDefaultsHelpFormatter
+    fmt = HelpFormatter
     parser = argparse.ArgumentParser(prog="looped-spec", description=__doc__, formatter_class=fmt)
     parser.add_argument("--version", action="version", version=f"looped-spec {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)

@@ -30,6 +30,13 @@ def set_threads(threads: int) -> None:
         torch.set_num_threads(threads)
 
 
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows each flag's default, except None: the help text says what leaving the flag out means."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        return action.help if action.default is None else super()._get_help_string(action)
+
+
 class UsageError(ValueError):
     """Bad command-line input: reported as one line, exit status 2."""
 
@@ -60,7 +67,8 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
                    help="adaptive speculation policy (only with --speculation adaptive)")  # fmt: skip
     p.add_argument("--preset", default=None, help="preset file or shipped preset name; none: matched by model name "
                    "(only with --speculation adaptive)")  # fmt: skip
-    p.add_argument("--seed", type=int, default=0, help="engine seed (and the per-request seed of generate)")
+    p.add_argument("--seed", type=int, default=0, help="random seed: the engine's, from which a request without a "
+                   "seed draws one (generate: every prompt's own)")  # fmt: skip
     p.add_argument("--max-batch-size", type=int, default=32, help="most requests decoded together")
     p.add_argument("--max-model-len", type=int, default=None, help="prompt + output limit; none: the model's")
     p.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 | float16")
