@@ -3,10 +3,11 @@
 Requests forbid unknown fields, so an unsupported OpenAI option (`tools`, ...) is a 400 naming it rather than
 silently ignored; options whose effect is not built (`presence_penalty`, `frequency_penalty`, `logit_bias`,
 completions' `best_of` and `suffix`) are taken only at their neutral values, which change nothing (clients such as
-benchmark harnesses send them), and any other value is a 400 naming the field. Requests are strict about types as OpenAI is (`"max_tokens": "5"` or `"logprobs": true` on
-completions is a 400, not a silent conversion). Extensions beyond OpenAI's schema, as in vLLM:
-`top_k`, `ignore_eos`, `stop_token_ids` (and `seed`, which OpenAI has too); and looped-spec's early exit,
-`exit_threshold` / `exit_at_step` (checked by `SamplingParams` and the engine, errors naming the field).
+benchmark harnesses send them), and any other value is a 400 naming the field. Requests are strict about types
+as OpenAI is (`"max_tokens": "5"` or `"logprobs": true` on completions is a 400, not a silent conversion).
+Extensions beyond OpenAI's schema, as in vLLM: `top_k`, `ignore_eos`, `stop_token_ids` (and `seed`, which OpenAI
+has too); and looped-spec's early exit, `exit_threshold` / `exit_at_step` (checked by `SamplingParams` and the
+engine, errors naming the field).
 """
 
 from __future__ import annotations
