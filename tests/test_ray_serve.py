@@ -46,7 +46,11 @@ def test_application_options_follow_the_arguments():
     fixed = build_application({"num_replicas": 2, "max_queued": 4, "threads": 2, "engine": {"max_batch_size": 8}})
     deployment = fixed._bound_deployment
     assert deployment.name == DEPLOYMENT_NAME and deployment.num_replicas == 2
-    assert deployment.max_ongoing_requests == 8 + 4  # the replica's own batch + queue; beyond it answers 429
+    # a replica is sent its batch; up to max_queued more wait in Ray's queue, beyond that Ray answers 429
+    assert deployment.max_ongoing_requests == 8
+    config = deployment._deployment_config
+    assert config.max_queued_requests == 4
+    assert (config.backpressure_config.status_code, config.backpressure_config.retry_after_s) == (429, 1)
     assert deployment.ray_actor_options == {"num_cpus": 2, "num_gpus": 0}
     scaled = build_application({"min_replicas": 0, "max_replicas": 3, "target_ongoing_requests": 4})
     autoscaling = scaled._bound_deployment._deployment_config.autoscaling_config
@@ -195,6 +199,8 @@ def test_two_replicas_through_the_ray_proxy(offline_greedy, tmp_path):
             "sekret",
             "--max-batch-size",
             "8",
+            "--max-queued",
+            "24",
             "--log-level",
             "warning",
         ],  # fmt: skip
@@ -207,6 +213,7 @@ def test_two_replicas_through_the_ray_proxy(offline_greedy, tmp_path):
     try:
         _wait(lambda: server.poll() is None and _health(url) == "ok", 150, "both replicas ready")
         _check_serving(url, metrics_port, offline_greedy)
+        _check_backpressure(url, offline_greedy)
         _check_replica_killed_mid_load(url, server.pid, metrics_port, offline_greedy)
     except BaseException:
         log.flush()
@@ -277,6 +284,26 @@ def _check_serving(url: str, metrics_port: int, offline_greedy) -> None:
     seen = [_replica_metrics(metrics_port + rank) for rank in range(2)]
     assert {m["replica"] for m in seen} == replicas
     assert sum(m["finished"] for m in seen) == len(jobs) and all(m["finished"] > 0 for m in seen)
+
+
+def _check_backpressure(url: str, offline_greedy) -> None:
+    """A burst beyond both replicas' batches (2 x 8) and Ray's queue (--max-queued 24): the requests beyond are
+    answered 429 with Retry-After, as the single server answers them; every other one in full."""
+    jobs = [(PROMPTS[i % len(PROMPTS)], 48) for i in range(96)]
+
+    async def burst():
+        async with _client(url) as client:
+            return await asyncio.gather(*(_complete(client, p, n, False) for p, n in jobs), return_exceptions=True)
+
+    results = asyncio.run(burst())
+    refused = [r for r in results if isinstance(r, openai.RateLimitError)]
+    assert refused, "no request was refused beyond the queue"
+    assert all(r.response.headers.get("retry-after") == "1" for r in refused)
+    answered = [(job, r) for job, r in zip(jobs, results) if not isinstance(r, openai.RateLimitError)]
+    assert len(answered) >= 16, f"only {len(answered)} of {len(jobs)} answered"
+    for (prompt, max_tokens), result in answered:
+        assert not isinstance(result, BaseException), result
+        assert result[1] == offline_greedy(prompt, max_tokens)
 
 
 def _check_replica_killed_mid_load(url: str, server_pid: int, metrics_port: int, offline_greedy) -> None:
@@ -376,6 +403,7 @@ def test_serve_replica_flags_are_checked_before_ray_starts(capsys):
         # what a replica would fail on (retried by Ray, then its traceback) is checked on the driver
         (["--replicas", "1", "--preset", "nonexistent"], "nonexistent: no such preset file or shipped preset"),
         (["--replicas", "2", "--metrics-port", "65535"], "2 replicas serve /metrics on ports up to 65536"),
+        (["--replicas", "2", "--max-queued", "0"], "--max-queued: Input should be greater than or equal to 1"),
         (["--max-replicas", "2", "--target-ongoing-requests", "inf"], "--target-ongoing-requests: Input should be a "
          "finite number"),
     ]  # fmt: skip

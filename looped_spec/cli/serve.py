@@ -28,7 +28,8 @@ def add_parser(sub: argparse._SubParsersAction, fmt: type[argparse.HelpFormatter
         "--max-queued",
         type=int,
         default=256,
-        help="requests that may wait beyond the running batch; more get 429 + Retry-After",
+        help="requests that may wait beyond the running batch (with replicas: in Ray's queue, at least 1); more "
+        "get 429 + Retry-After",
     )
     srv.add_argument("--max-body-bytes", type=int, default=1 << 20, help="larger request bodies get 413")
     ray_flags = srv.add_argument_group("replicas (Ray Serve; pip install -e '.[ray]')")
@@ -77,7 +78,8 @@ def serve_command(args: argparse.Namespace) -> int:
 
 
 _REPLICA_FLAGS = {"num_replicas": "--replicas", "min_replicas": "--min-replicas", "max_replicas": "--max-replicas",
-                  "target_ongoing_requests": "--target-ongoing-requests", "metrics_port": "--metrics-port"}  # fmt: skip
+                  "target_ongoing_requests": "--target-ongoing-requests", "metrics_port": "--metrics-port",
+                  "max_queued": "--max-queued"}  # fmt: skip
 
 
 def serve_replicas(args: argparse.Namespace, api_key: str | None, scaling: dict) -> int:

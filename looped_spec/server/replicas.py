@@ -18,12 +18,13 @@ import ray
 from prometheus_client import start_http_server
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 from ray import serve
-from ray.serve.config import AutoscalingConfig
+from ray.serve.config import AutoscalingConfig, BackpressureConfig
 
 from looped_spec.engine.async_engine import AsyncLoopedSpecEngine
 from looped_spec.engine.config import EngineConfig
 from looped_spec.engine.engine import LoopedSpecEngine
 from looped_spec.server.app import build_app
+from looped_spec.server.serving import RETRY_AFTER_S
 
 APP_NAME = "looped-spec"
 DEPLOYMENT_NAME = "LoopedSpecServer"
@@ -38,7 +39,8 @@ class ReplicaAppArgs(BaseModel):
     model: str = Field("tiny-ouro", description="Checkpoint folder or shipped model name, as every replica sees it.")
     served_model_name: str | None = Field(None, description="Model id in the API (default: the folder name).")
     api_key: str | None = Field(None, description=f"Bearer key for /v1/* (default: ${API_KEY_ENV} on the replica).")
-    max_queued: int = Field(256, ge=0, description="Requests a replica queues beyond its batch; more get 429.")
+    max_queued: int = Field(256, ge=1, description="Requests that may wait beyond the replicas' running batches, in "
+                            "Ray's queue (at least 1); more get 429 with Retry-After.")  # fmt: skip
     max_body_bytes: int = Field(1 << 20, ge=1, description="Larger request bodies get 413.")
     threads: int = Field(1, ge=0, description="torch CPU threads per replica (0: torch's default).")
     engine: dict[str, Any] = Field(default_factory=dict, description="LoopedSpecEngine options (EngineConfig).")
@@ -164,9 +166,11 @@ def build_application(args: dict[str, Any] | ReplicaAppArgs) -> serve.Applicatio
     args = parse_args(args)
     config = args.engine_config()
     options: dict[str, Any] = {
-        # Ray routes a replica no more than it admits (its batch and queue); requests beyond that wait in Ray's
-        # router queue, unbounded: behind the proxy there is no 429 (README, "Replicas")
-        "max_ongoing_requests": config.max_batch_size + args.max_queued,
+        # a replica is sent its batch; waiting requests wait in Ray's queue, where any replica that frees a place takes
+        # the next, and beyond `max_queued` of them Ray answers 429 with Retry-After, as the single server does
+        "max_ongoing_requests": config.max_batch_size,
+        "max_queued_requests": args.max_queued,
+        "backpressure_config": BackpressureConfig(status_code=429, retry_after_s=float(RETRY_AFTER_S)),
         "ray_actor_options": {"num_cpus": max(args.threads, 1), "num_gpus": _gpus_per_replica(args, config)},
     }
     if args.max_replicas is not None:
