@@ -107,4 +107,4 @@ def test_stopping_on_loop_passes_equals_the_step_engine(family):
             ], label
             assert loop.stats.num_draft_tokens == step.stats.num_draft_tokens, label
             assert loop.stats.num_accepted_tokens == step.stats.num_accepted_tokens, label
-            assert loop.num_free_blocks == loop.kv.num_blocks and not loop.loop_batcher.items
+            assert loop.num_free_blocks == loop.kv.num_blocks and loop.loop_batcher.is_empty

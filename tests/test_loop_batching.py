@@ -54,7 +54,7 @@ def test_speculative_rounds_on_loop_passes_equal_the_step_engine(family):
             assert run(loop, PROMPTS, params) == run(step, PROMPTS, params), (spec, temperature)
             assert loop.stats.num_accepted_tokens == step.stats.num_accepted_tokens
             assert loop.stats.num_draft_tokens == step.stats.num_draft_tokens > 0
-            assert loop.num_free_blocks == loop.kv.num_blocks and not loop.loop_batcher.items
+            assert loop.num_free_blocks == loop.kv.num_blocks and loop.loop_batcher.is_empty
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -80,7 +80,7 @@ def test_speculative_rounds_under_early_exit_equal_the_step_engine(family, early
                 assert loop.stats.num_accepted_tokens == step.stats.num_accepted_tokens, label
                 assert loop.stats.num_draft_tokens == step.stats.num_draft_tokens > 0, label
                 assert loop.stats.num_exit_draft_decided == step.stats.num_exit_draft_decided, label
-                assert loop.num_free_blocks == loop.kv.num_blocks and not loop.loop_batcher.items
+                assert loop.num_free_blocks == loop.kv.num_blocks and loop.loop_batcher.is_empty
 
 
 @pytest.mark.parametrize("criterion, threshold", [("latent", 0.45), ("kl", 0.05)])
@@ -266,7 +266,7 @@ def test_requests_arriving_and_aborted_mid_token():
         else:
             assert out.token_ids == want
     assert engine.num_free_blocks == engine.kv.num_blocks
-    assert not engine.loop_batcher.items
+    assert engine.loop_batcher.is_empty
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -438,7 +438,7 @@ def test_adaptive_plans_on_loop_passes_decode_as_plain(family):
             if out.finished:
                 outputs[out.request_id] = out.token_ids
     assert [outputs[i] for i in ids] == expected
-    assert engine.num_free_blocks == engine.kv.num_blocks and not engine.loop_batcher.items
+    assert engine.num_free_blocks == engine.kv.num_blocks and engine.loop_batcher.is_empty
     assert engine.controller.num_observed == len(feedback) > 0
     assert engine.controller.acceptance.positions > 0  # counterfactual readouts reached the estimator
     assert sum(engine.stats.plan_histogram.values()) == engine.stats.num_rounds == engine.controller.num_plans
@@ -559,7 +559,7 @@ def test_prompt_chunks_share_passes_with_decoding(family):
         assert [[t for t, _ in e.top] for e in got] == [[t for t, _ in e.top] for e in want]
     assert any(mixed) and engine.stats.num_prefill_steps == 0
     assert engine.stats.num_prompt_tokens == sum(len(p) for p in prompts)
-    assert engine.num_free_blocks == engine.kv.num_blocks and not engine.loop_batcher.items
+    assert engine.num_free_blocks == engine.kv.num_blocks and engine.loop_batcher.is_empty
     # chunks in flight count against max_num_batched_tokens, also when every prompt waits at once
     assert [o.token_ids for o in engine.generate(prompts, params)] == [tokens for tokens, _ in expected]
     assert max(chunk_positions) == 3
@@ -701,7 +701,7 @@ def test_random_arrivals_exits_aborts_and_faults_equal_each_request_alone(
             step()
         countdown["n"] = None
         assert sorted(finished) == sorted(specs)
-        assert engine.num_free_blocks == engine.kv.num_blocks and not engine.loop_batcher.items
+        assert engine.num_free_blocks == engine.kv.num_blocks and engine.loop_batcher.is_empty
         for request_id, out in finished.items():
             spec = specs[request_id]
             params = params_of(spec, family)
@@ -782,7 +782,7 @@ def test_loop_passes_on_cuda_equal_the_step_engine(family):
                 params = [SamplingParams(max_tokens=6 + i, ignore_eos=True, **(extra if i % 2 else {}))
                           for i in range(len(PROMPTS))]  # fmt: skip
                 assert run(loop, PROMPTS, params) == run(step, PROMPTS, params), (spec, extra, graphs)
-            assert loop.num_free_blocks == loop.kv.num_blocks and not loop.loop_batcher.items
+            assert loop.num_free_blocks == loop.kv.num_blocks and loop.loop_batcher.is_empty
             captured = loop.loop_batcher.graphs
             assert (captured is None) if graphs is False else (captured.capture and captured.num_replays > 0)
             if captured is not None and adapter.readout_uses_kv:  # the coda's readouts are captured too

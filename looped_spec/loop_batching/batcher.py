@@ -51,6 +51,11 @@ class LoopBatcher:
         item, draft = self.items.get(request.request_id), self.next_drafts.get(request.request_id)
         return (item is not None and item.fresh()) or (draft is not None and draft.fresh())
 
+    @property
+    def is_empty(self) -> bool:
+        """No work in flight and nothing remembered for any request (what a finished request leaves: nothing)."""
+        return not self.items and not self.next_drafts and not self._last_ran
+
     def drop(self, request_id: str) -> None:
         """Forget a request's work in flight (it was aborted or failed; its KV blocks are freed)."""
         self.items.pop(request_id, None)
@@ -203,7 +208,10 @@ class LoopBatcher:
         for request in result.requests:
             self.items.pop(request.request_id, None)
             self.next_drafts.pop(request.request_id, None)
-            self._last_ran[request.request_id] = self._passes
+            if request.finished:  # its turn order is not needed again (a long-running server would keep them all)
+                self._last_ran.pop(request.request_id, None)
+            else:
+                self._last_ran[request.request_id] = self._passes
         self.items.update(result.items)
         self.next_drafts.update(result.next_drafts)
         for pending in (self.items, self.next_drafts):
