@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import enum
+import logging
 from dataclasses import dataclass, field
 
 import torch
 
 from looped_spec.detokenizer import IncrementalDetokenizer
 from looped_spec.sampling_params import GREEDY_TEMPERATURE, SamplingParams
+
+logger = logging.getLogger(__name__)
 
 
 class RequestStatus(enum.Enum):
@@ -164,11 +167,20 @@ class Request:
 
     def append(self, token: int) -> bool:
         """Commit one generated token; returns True when the request is now finished. If the detokenizer fails
-        (it decodes to look for stop strings), the error is raised and the token is not committed."""
-        # a stop string ends the request at the token that completed it (its text is cut off)
-        stop_string = self.detokenizer is not None and self.detokenizer.append(token)
+        (it decodes to look for stop strings), the error is raised and the token is not committed, unless the token
+        is a stop token: that ends the request anyway (its text, if any, is then left out)."""
+        stop_token = token in self.stop_ids
+        try:
+            # a stop string ends the request at the token that completed it (its text is cut off)
+            stop_string = self.detokenizer is not None and self.detokenizer.append(token)
+        except Exception as exc:
+            if not stop_token:
+                raise
+            logger.warning("request %s: its stop token %d cannot be decoded (left out of its text): %r",
+                           self.request_id, token, exc)  # fmt: skip
+            stop_string = False
         self.token_ids.append(token)
-        if token in self.stop_ids or stop_string:
+        if stop_token or stop_string:
             self.finish_reason = "stop"
         elif self.num_output_tokens >= self.max_tokens or self.num_tokens >= self.max_model_len:
             self.finish_reason = "length"

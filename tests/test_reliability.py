@@ -246,3 +246,17 @@ def test_rule_a_culprit_is_blamed_after_two_raises_when_its_exit_rule_fails(batc
     finished = run_to_end(engine, max_errors=2)
     assert finished[ids[1]].finish_reason == "error" and "bad threshold" in finished[ids[1]].error
     assert all(finished[i].finish_reason == "length" for i in ids if i != ids[1])
+
+
+def test_a_stop_token_the_tokenizer_cannot_decode_still_stops_the_request():
+    from looped_spec.detokenizer import IncrementalDetokenizer
+
+    expected = make_engine("ouro").generate(PROMPTS[1], greedy(6))[0].token_ids
+    stop = expected[3]
+    assert stop not in expected[:3]
+    engine = make_engine("ouro")
+    request_id = engine.add_request(PROMPTS[1], SamplingParams(max_tokens=6, ignore_eos=True, stop_token_ids=[stop]))
+    engine._requests[request_id].detokenizer = IncrementalDetokenizer(TokenizerFailingOn(stop), stop=["!"])
+    out = run_to_end(engine)[request_id]
+    assert (out.finish_reason, out.token_ids) == ("stop", expected[:4])  # it ends the request, as a stop token does
+    assert out.text == "".join(chr(ord("a") + t % 26) for t in expected[:3])

@@ -365,11 +365,15 @@ def test_what_openai_refuses_is_refused_naming_the_field(server, client, monkeyp
     assert post(
         "/v1/completions", f'{{"model": "{MODEL}", "prompt": "a", "max_tokens": 1, "temperature": 0}}'
     ).is_success
-    # every unsupported field is named, not only the first
+    # every field refused is named, not only the first
     answer = post(completions, f'{{"model": "{MODEL}", "prompt": "a", "tools": [], "functions": []}}')
     assert answer.status_code == 400 and answer.json()["error"]["message"] == "tools, functions: not supported fields"
+    answer = post(completions, f'{{"model": "{MODEL}", "prompt": "a", "best_of": 2, "tools": [], "n": 2.0}}')
+    error = answer.json()["error"]
+    named = [part.split(":")[0] for part in error["message"].split("; ")]
+    assert (answer.status_code, error["param"], named) == (400, "n", ["n", "best_of", "tools"]), error
     # neutral values of the options not built change nothing: accepted, as benchmark clients send them
-    neutral = '"presence_penalty": 0, "frequency_penalty": 0.0, "logit_bias": {}'
+    neutral = '"presence_penalty": 0, "frequency_penalty": 0.0, "logit_bias": {"5": 0}'
     plain = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=4, temperature=0).choices[0].text
     body = f'{{"model": "{MODEL}", "prompt": {json.dumps(PROMPT)}, "max_tokens": 4, "temperature": 0, {neutral}, '
     answer = post(completions, body + '"best_of": 1, "suffix": ""}')

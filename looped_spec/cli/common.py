@@ -68,7 +68,7 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--preset", default=None, help="preset file or shipped preset name; none: matched by model name "
                    "(only with --speculation adaptive)")  # fmt: skip
     p.add_argument("--seed", type=int, default=0, help="random seed: the engine's, from which a request without a "
-                   "seed draws one (generate: every prompt's own)")  # fmt: skip
+                   "seed draws one (generate: also every prompt's seed, the same for all)")  # fmt: skip
     p.add_argument("--max-batch-size", type=int, default=32, help="most requests decoded together")
     p.add_argument("--max-model-len", type=int, default=None, help="prompt + output limit; none: the model's")
     p.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 | float16")

@@ -250,8 +250,9 @@ class LoopedSpecEngine:
 
         A step is a transaction (docs/architecture.md, "Failure semantics"): if running it fails, every
         request is left as it was and the error is raised; the requests of that step then run one at a
-        time until each has stepped once, and a request whose step fails twice in a row by itself finishes
-        with finish_reason "error". Outputs not yet returned (a failed step, an abort) come with a later step.
+        time until each has stepped once (on loop passes: until its token, round or prompt chunk is done), and a
+        request whose step fails twice in a row by itself finishes with finish_reason "error". Outputs not yet
+        returned (a failed step, an abort) come with a later step.
         """
         self._check_open()
         self._step_once()
@@ -350,9 +351,9 @@ class LoopedSpecEngine:
         if not requests:
             return
         # while nothing waits to join the passes (a queued request the batch has room for, a prompt's next chunk, work
-        # the pass budget left out), loops in which no item can stop run back to back
+        # the pass budget left out), loops in which no item can stop run back to back; nothing joins a suspect alone
         scheduler = self.scheduler
-        joining = (
+        joining = suspect is None and (
             (scheduler.waiting and len(scheduler.running) < self.max_batch_size)
             or len(scheduled) < len(batch.requests)
             or any(

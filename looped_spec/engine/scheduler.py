@@ -166,9 +166,9 @@ class Scheduler:
         of the tokens it appended are kept.
 
         Returns how many tokens each request appended, and the requests whose commit failed with their errors (a
-        request's own tokenizer failing on its tokens, which it decodes to look for stop strings; or giving back its
-        KV blocks): each keeps the tokens before the one that failed, and the caller finishes it with the error (which
-        frees its blocks); the others commit as usual.
+        request's own tokenizer failing on a token it decodes to look for stop strings): each keeps the tokens before
+        the one that failed, and the caller finishes it with the error (which frees its blocks); the others commit as
+        usual. Any other error here is the engine's own and is raised.
         """
         appended: list[int] = []
         failed: list[tuple[Request, Exception]] = []
@@ -184,25 +184,30 @@ class Scheduler:
             depths = exit_depths[i] if exit_depths is not None else []
             entries = logprobs[i] if logprobs is not None else None
             count = 0
-            try:
-                for token in new:
-                    finished = request.append(token)  # a failure here commits nothing of this token
-                    if count < len(depths):
-                        record_exit_depth(request, depths[count])
-                    if entries:
-                        request.logprobs.append(entries[count])
-                    count += 1
-                    if finished:
-                        break
-                request.prefilled = True
-                if request.finish_reason is not None:
-                    self.finish(request)
-                else:
-                    request.num_computed = request.num_tokens - 1
-                    self.release_unused(request)
-            except Exception as exc:
-                failed.append((request, exc))
+            error = None
+            for token in new:
+                try:
+                    finished = request.append(token)  # its tokenizer may fail: nothing of this token is committed
+                except Exception as exc:
+                    error = exc
+                    break
+                if count < len(depths):
+                    record_exit_depth(request, depths[count])
+                if entries:
+                    request.logprobs.append(entries[count])
+                count += 1
+                if finished:
+                    break
             appended.append(count)
+            if error is not None:
+                failed.append((request, error))
+                continue
+            request.prefilled = True
+            if request.finish_reason is not None:
+                self.finish(request)
+            else:
+                request.num_computed = request.num_tokens - 1
+                self.release_unused(request)
         return appended, failed
 
     # ----- lifecycle -----

@@ -50,17 +50,34 @@ def field_path(loc: tuple) -> str:
 
 
 def validation_message(errors: list[dict]) -> tuple[str, str | None]:
-    """The first error as 'field: message' (pydantic's text, without its documentation URL); unsupported fields all
-    named at once."""
+    """Every field in error as 'field: message' (pydantic's text, without its documentation URL), one message per
+    top-level field (a union's branches say the same thing several ways), unsupported fields named together; the
+    parameter is the first field named."""
     first = errors[0]
-    param = field_path(tuple(first.get("loc", ()))) or None
-    msg = first.get("msg", "invalid value").removeprefix("Value error, ")
-    if first.get("type") == "extra_forbidden":
-        extra = [field_path(tuple(e.get("loc", ()))) for e in errors if e.get("type") == "extra_forbidden"]
-        return f"{', '.join(extra)}: not {'a supported field' if len(extra) == 1 else 'supported fields'}", param
     if first.get("type") == "json_invalid":
+        msg = first.get("msg", "invalid value")
         return f"request body is not valid JSON: {first.get('ctx', {}).get('error', msg)}", None
-    return (f"{param}: {msg}" if param else msg), param
+    parts: list[str] = []
+    extra = [field_path(tuple(e.get("loc", ()))) for e in errors if e.get("type") == "extra_forbidden"]
+    seen: set = set()
+    param = None
+    for error in errors:
+        loc = tuple(error.get("loc", ()))
+        path = field_path(loc) or None
+        if error.get("type") == "extra_forbidden":
+            if extra:
+                what = "a supported field" if len(extra) == 1 else "supported fields"
+                parts.append(f"{', '.join(extra)}: not {what}")
+                extra = []
+        else:
+            top = loc[:2] if loc[:1] == ("body",) else loc[:1]
+            if top in seen:
+                continue
+            seen.add(top)
+            msg = error.get("msg", "invalid value").removeprefix("Value error, ")
+            parts.append(f"{path}: {msg}" if path else msg)
+        param = param if param is not None else path
+    return "; ".join(parts), param
 
 
 async def on_validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:

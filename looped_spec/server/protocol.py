@@ -2,12 +2,12 @@
 
 Requests forbid unknown fields, so an unsupported OpenAI option (`tools`, ...) is a 400 naming it rather than
 silently ignored; options whose effect is not built (`presence_penalty`, `frequency_penalty`, `logit_bias`,
-completions' `best_of` and `suffix`) are taken only at their neutral values, which change nothing (clients such as
-benchmark harnesses send them), and any other value is a 400 naming the field. Requests are strict about types
-as OpenAI is (`"max_tokens": "5"` or `"logprobs": true` on completions is a 400, not a silent conversion).
-Extensions beyond OpenAI's schema, as in vLLM: `top_k`, `ignore_eos`, `stop_token_ids` (and `seed`, which OpenAI
-has too); and looped-spec's early exit, `exit_threshold` / `exit_at_step` (checked by `SamplingParams` and the
-engine, errors naming the field).
+completions' `best_of` and `suffix`) are taken only at their neutral values (0, biases of 0, 1, empty), which change
+nothing (clients such as benchmark harnesses send them), and any other value is a 400 naming the field. Requests are
+strict about types as OpenAI is (`"max_tokens": "5"` or `"logprobs": true` on completions is a 400, not a silent
+conversion). Extensions beyond OpenAI's schema, as in vLLM: `top_k`, `ignore_eos`, `stop_token_ids` (and `seed`,
+which OpenAI has too); and looped-spec's early exit, `exit_threshold` / `exit_at_step` (checked by `SamplingParams`
+and the engine, errors naming the field).
 """
 
 from __future__ import annotations
@@ -56,14 +56,14 @@ class SamplingFields(BaseModel):
     @classmethod
     def _no_penalty(cls, value: float | None) -> float | None:
         if value not in (None, 0):
-            raise ValueError("penalties are not supported; only 0 (no penalty) is accepted")
+            raise ValueError("not supported: only 0 (no penalty) is accepted")
         return value
 
     @field_validator("logit_bias")
     @classmethod
     def _no_bias(cls, value: dict[str, float] | None) -> dict[str, float] | None:
-        if value:
-            raise ValueError("not supported; only an empty map is accepted")
+        if value and any(bias != 0 for bias in value.values()):
+            raise ValueError("not supported: only biases of 0 (or none) are accepted")
         return value
 
     def stop_list(self) -> list[str]:
@@ -83,14 +83,14 @@ class CompletionRequest(SamplingFields):
     @classmethod
     def _one_of_one(cls, value: int | None) -> int | None:
         if value not in (None, 1):
-            raise ValueError("not supported; only 1 (each choice is its own sample) is accepted")
+            raise ValueError("not supported: only 1 (each choice is its own sample) is accepted")
         return value
 
     @field_validator("suffix")
     @classmethod
     def _no_suffix(cls, value: str | None) -> str | None:
         if value:
-            raise ValueError("not supported (no insertion); only an empty suffix is accepted")
+            raise ValueError("not supported (no insertion): only an empty suffix is accepted")
         return value
 
 
