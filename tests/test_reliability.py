@@ -260,3 +260,24 @@ def test_a_stop_token_the_tokenizer_cannot_decode_still_stops_the_request():
     out = run_to_end(engine)[request_id]
     assert (out.finish_reason, out.token_ids) == ("stop", expected[:4])  # it ends the request, as a stop token does
     assert out.text == "".join(chr(ord("a") + t % 26) for t in expected[:3])
+
+
+def test_on_loop_passes_a_suspect_alone_runs_its_loops_back_to_back():
+    """Nothing can join a suspect's passes (the batch is the suspect alone), so a request waiting for admission must
+    not cut its pass to one loop: its token is done in one step, and the suspects drain in as many steps."""
+    engine = make_engine("ouro", batching="loop", max_batch_size=4)
+    ids = [engine.add_request(p, greedy(6)) for p in PROMPTS[:2]]
+    while not all(engine._requests[i].prefilled for i in ids):
+        engine.step()
+    fault = OneShotFault(engine.adapter.loop, lambda *args, **kwargs: True)
+    engine.adapter.loop = fault
+    try:
+        with pytest.raises(RuntimeError, match="injected"):
+            engine.step()
+        engine.add_request(PROMPTS[2], greedy(6))  # waits: the suspects run alone first
+        for suspects_left in (1, 0):
+            engine.step()
+            assert len(engine.failures.suspects) == suspects_left
+    finally:
+        del engine.adapter.loop
+    run_to_end(engine)
