@@ -15,6 +15,7 @@ from test_early_exit import exit_params, mixed_params, reference_generate
 
 from looped_spec import LoopedSpecEngine, SamplingParams, SpeculativeConfig, load_adapter
 from looped_spec.control.controller import FixedController
+from looped_spec.engine import step_decoding
 
 MODES = ["skip", "select"]
 
@@ -250,17 +251,17 @@ def test_speculative_target_logits_equal_plain_logits_in_skip_mode(monkeypatch, 
 
     pending: list = []
     monkeypatch.setattr(round_module, "verify_with_exit", recording_verify)
-    original_finish = engine._finish_round
+    original_finish = step_decoding.finish_round
 
-    def finish(requests, k, plan, result, *timing):  # keep the committed positions' logits, in commit order
+    def finish(engine, requests, k, plan, result, *timing):  # keep the committed positions' logits, in commit order
         by_id = dict(pending)
         for request, committed in zip(requests, result.committed):
             if request.request_id in by_id:
                 spec_logits.setdefault(request.request_id, []).extend(by_id[request.request_id][: len(committed)])
         pending.clear()
-        return original_finish(requests, k, plan, result, *timing)
+        return original_finish(engine, requests, k, plan, result, *timing)
 
-    engine._finish_round = finish
+    monkeypatch.setattr(step_decoding, "finish_round", finish)
     outs = engine.generate(prompts, params)
     assert engine.stats.num_spec_rounds > 0
     for out, plain_id in zip(outs, plain_ids):

@@ -15,8 +15,8 @@ import torch
 from tqdm import tqdm
 
 from looped_spec.control.controller import FixedController, make_controller
-from looped_spec.control.plan import SpeculationPlan, round_feedback
 from looped_spec.detokenizer import IncrementalDetokenizer
+from looped_spec.engine import loop_decoding, step_decoding
 from looped_spec.engine.config import EngineConfig, SpeculativeConfig, parse_speculation
 from looped_spec.engine.failures import StepFailures
 from looped_spec.engine.inputs import check_vocabulary, load_tokenizer, normalize_prompts, to_token_ids
@@ -26,16 +26,15 @@ from looped_spec.engine.scheduler import Scheduler
 from looped_spec.engine.stats import EngineStats
 from looped_spec.execution.host_memory import keep_freed_memory
 from looped_spec.execution.kv_cache import KVCache
-from looped_spec.execution.logprobs import logprobs_of_rows, token_logprobs
+from looped_spec.execution.logprobs import token_logprobs
 from looped_spec.execution.model_runner import ModelRunner
-from looped_spec.execution.sampler import SamplingRows, sample
 from looped_spec.execution.transfers import to_device
-from looped_spec.loop_batching import Entering, LoopBatcher, LoopRounds, PassResult
+from looped_spec.loop_batching import LoopBatcher, LoopRounds
 from looped_spec.models.adapter import ModelAdapter, load_adapter
 from looped_spec.presets.lookup import load_preset
-from looped_spec.request import Request, RequestOutput, RequestStatus, ScheduledBatch, TokenLogprob, mean_context
+from looped_spec.request import Request, RequestOutput, TokenLogprob
 from looped_spec.sampling_params import SamplingParams
-from looped_spec.speculative.round import RoundResult, SpeculativeRound
+from looped_spec.speculative.round import SpeculativeRound
 
 logger = logging.getLogger(__name__)
 
@@ -259,145 +258,15 @@ class LoopedSpecEngine:
         return self._take_outputs()
 
     def _step_once(self) -> None:
+        """Schedule, run and commit one step: a loop pass (`batching="loop"`) or a prefill step or decode round."""
         suspect = self.failures.next_suspect()
         if self.loop_batcher is not None:
-            self._loop_step(suspect)
-            return
-        t0 = time.perf_counter()
-        batch = self.scheduler.schedule(only=suspect)
-        self.stats.phase_seconds["schedule"] += time.perf_counter() - t0
-        self.stats.num_preemptions = self.scheduler.num_preemptions
-        if batch is None:
-            return
-        if batch.is_prefill:
-            self._prefill_step(suspect, batch)
-            return
-        t1 = time.perf_counter()
-        context = mean_context(batch.requests)
-        plan = self.controller.plan(len(batch.requests), context)
-        # a request whose exit rule reads out through attention (Huginn's "kl") cannot be verified position by
-        # position inside one pass (exit_round.py): it decodes plainly (K = 0) within the round
-        wants = [0 if self._exit_rule_reads_kv(r) else plan.k for r in batch.requests]
-        requests, k = self.scheduler.reserve_decode(batch.requests, wants)
-        self.stats.phase_seconds["control"] += time.perf_counter() - t1
-        self.stats.num_preemptions = self.scheduler.num_preemptions
-        if not requests:
-            return
-        # one decode path: plain decoding is the K = 0 round
-        result = self.failures.run(
-            suspect,
-            requests,
-            lambda: self.spec_round.run(requests, k, plan.d, plan.measure_depths, plan.stop_margin),
-            self._finish_with_error,
-        )
-        if result is not None:
-            self._finish_round(requests, k, plan, result, t0, context)
+            loop_decoding.step(self, suspect)
+        else:
+            step_decoding.step(self, suspect)
 
-    def _prefill_step(self, suspect: Request | None, batch: ScheduledBatch) -> None:
-        t0 = time.perf_counter()
-        done = self.failures.run(suspect, batch.requests, lambda: self._run_prefill(batch), self._finish_with_error)
-        if done is None:
-            return
-        tokens, exit_depths, logprobs = done
-        depths = None if all(e is None for e in exit_depths) else [[] if e is None else [e] for e in exit_depths]
-        self._commit(batch.requests, tokens, chunk_lens=batch.chunk_lens, exit_depths=depths, logprobs=logprobs)
-        self.stats.num_prefill_steps += 1
-        self.stats.num_prompt_tokens += sum(batch.chunk_lens)
-        self.stats.phase_seconds["prefill"] += time.perf_counter() - t0
-
-    def _loop_step(self, suspect: Request | None) -> None:
-        """Loop-level batching: one loop pass, in which prompt chunks join the running requests' work."""
-        t0 = time.perf_counter()
-        batcher = self.loop_batcher
-        chunks_in_flight = {i: it.num_positions for i, it in batcher.items.items() if it.chunk and it.fresh()}
-        batch = self.scheduler.schedule_pass(chunks_in_flight, only=suspect)
-        self.stats.phase_seconds["schedule"] += time.perf_counter() - t0
-        self.stats.num_preemptions = self.scheduler.num_preemptions
-        if batch is None:
-            return
-        self._loop_pass(suspect, batch, {r.request_id: n for r, n in zip(batch.requests, batch.chunk_lens) if n})
-
-    def _loop_pass(self, suspect: Request | None, batch: ScheduledBatch, chunks: dict[str, int]) -> None:
-        """One loop pass over every running request's work in flight and the prompt chunks that start in it; the
-        tokens it finished are committed."""
-        t0 = time.perf_counter()
-        batcher = self.loop_batcher
-        scheduled = batch.requests
-        budget = self.config.max_pass_positions
-        if budget is not None:  # deepest work first (LoopBatcher.select); the rest waits for a later pass
-            scheduled = batcher.select(scheduled, chunks, budget)
-            chunks = {i: n for i, n in chunks.items() if i in {r.request_id for r in scheduled}}
-        # work in flight holds its KV slots already: only the requests entering their next token (or speculative
-        # round: K drafts) reserve theirs, under the plan in use
-        entering = [r for r in scheduled if r.prefilled and not batcher.in_flight(r)]
-        rounds: dict[str, Entering] = {}
-        kept: list[Request] = []
-        if entering:
-            t1 = time.perf_counter()
-            plan, taken = self.loop_rounds.plan(batch.requests, self.controller.plan)
-            if taken:
-                self.stats.record_plan(len(batch.requests), plan.k, plan.d)
-            # as in a step round, a request whose exit rule reads out through attention decodes plainly (K = 0)
-            wants = [0 if self._exit_rule_reads_kv(r) else plan.k for r in entering]
-            kept, k = self.scheduler.reserve_decode(entering, wants)
-            # counterfactual readouts at full depth only (under early exit a token's depth is the rule's)
-            rounds = {
-                r.request_id: Entering(kr, plan.d, plan.measure_depths and not r.exits_early, plan.stop_margin)
-                for r, kr in zip(kept, k)
-            }
-            self.stats.num_preemptions = self.scheduler.num_preemptions
-            self.stats.phase_seconds["control"] += time.perf_counter() - t1
-        requests = [r for r in scheduled if r.status is RequestStatus.RUNNING]
-        if not requests:
-            return
-        # while nothing waits to join the passes (a queued request the batch has room for, a prompt's next chunk, work
-        # the pass budget left out), loops in which no item can stop run back to back; nothing joins a suspect alone
-        scheduler = self.scheduler
-        joining = suspect is None and (
-            (scheduler.waiting and len(scheduler.running) < self.max_batch_size)
-            or len(scheduled) < len(batch.requests)
-            or any(
-                not r.prefilled and not batcher.in_flight(r) and r.request_id not in chunks for r in scheduler.running
-            )
-        )
-        max_loops = 1 if joining else self.adapter.full_depth
-
-        def settled(result: PassResult) -> bool:  # the suspect's token, round or prompt chunk is done
-            return suspect.request_id not in result.items and suspect.request_id not in result.next_drafts
-
-        result = self.failures.run(
-            suspect, requests, lambda: batcher.run(requests, rounds, max_loops, chunks), self._finish_with_error,
-            settled,
-        )  # fmt: skip
-        if result is None:
-            return
-        if result.prefilled:
-            self._commit(result.prefilled, result.first_tokens, chunk_lens=result.chunk_lens,
-                         exit_depths=result.first_exit_depths, logprobs=result.first_logprobs)  # fmt: skip
-            self.stats.num_prompt_tokens += sum(result.chunk_lens)
-        self.loop_rounds.start(kept)
-        if result.finished:
-            self._commit(
-                result.finished, result.tokens, num_proposed=result.proposed, num_accepted=result.accepted,
-                exit_depths=result.exit_depths, logprobs=result.logprobs,
-            )  # fmt: skip
-            self.stats.record_drafts(result.proposed, result.accepted)
-            self.stats.num_exit_draft_decided += sum(result.accepted) - sum(result.verified_accepted)
-        batcher.commit(result)
-        t2 = time.perf_counter()
-        for feedback in self.loop_rounds.finish(result, batcher.items.keys() | batcher.next_drafts.keys()):
-            self.controller.observe(feedback)
-        stats = self.stats
-        stats.phase_seconds["control"] += time.perf_counter() - t2
-        stats.num_loop_passes += result.loops
-        stats.num_loop_passes_captured += result.captured
-        stats.num_loop_pass_positions += result.positions * result.loops
-        stats.num_loop_pass_embeds += result.entered
-        for stage, seconds in result.stage_seconds.items():
-            stats.phase_seconds["pass_" + stage] += seconds
-        stats.phase_seconds["decode"] += time.perf_counter() - t0
-
-    def _exit_rule_reads_kv(self, request: Request) -> bool:
+    def exit_rule_reads_kv(self, request: Request) -> bool:
+        """Whether the request's exit rule reads out through attention (it then decodes plainly: K = 0)."""
         return request.exit_threshold is not None and self.adapter.exit_rule_reads_kv
 
     def _finish_with_error(self, request: Request, exc: Exception) -> None:
@@ -408,77 +277,6 @@ class LoopedSpecEngine:
         self._reports[request.request_id] = request
         if self.loop_batcher is not None:
             self.loop_batcher.drop(request.request_id)
-
-    def _run_prefill(
-        self, batch: ScheduledBatch
-    ) -> tuple[list[list[int]], list[int | None], list[list[TokenLogprob]] | None]:
-        """Prompt chunks at full depth; the first generated token of each request whose prompt completes
-        (read out at its exit depth under early exit, which is also returned)."""
-        requests, chunk_lens = batch.requests, batch.chunk_lens
-        logits, exit_depths = self.runner.prefill_with_depths(requests, chunk_lens)
-        ends = [i for i, (r, n) in enumerate(zip(requests, chunk_lens)) if r.num_computed + n == r.num_tokens]
-        tokens: list[list[int]] = [[] for _ in requests]
-        logprobs: list[list[TokenLogprob]] | None = None
-        if ends:
-            finishing = [requests[i] for i in ends]
-            finished_logits = logits[to_device(ends, logits.device)]
-            sampled = sample(finished_logits, SamplingRows.build(finishing, self.adapter.device))
-            for i, token in zip(ends, sampled.tolist()):
-                tokens[i] = [token]
-            entries = logprobs_of_rows(finishing, finished_logits, sampled)
-            if entries is not None:
-                logprobs = [[] for _ in requests]
-                for i, entry in zip(ends, entries):
-                    logprobs[i] = entry
-        return tokens, exit_depths, logprobs
-
-    def _finish_round(
-        self, requests: list[Request], k: list[int], plan: SpeculationPlan, result: RoundResult, start: float,
-        context: float,
-    ) -> None:  # fmt: skip
-        """Commit a decode round, then tell the controller (feedback goes out only after the commit)."""
-        t0 = time.perf_counter()
-        # the drafts each request proposed: the plan's K, or fewer where per-token stopping ended its draft
-        proposed = result.proposed if result.proposed is not None else k
-        self._commit(
-            requests, result.committed, num_proposed=proposed, num_accepted=result.num_accepted,
-            exit_depths=result.exit_depths, logprobs=result.logprobs,
-        )  # fmt: skip
-        t1 = time.perf_counter()
-        stats = self.stats
-        if max(k) == 0:
-            stats.phase_seconds["decode"] += result.decode_time
-        else:
-            stats.phase_seconds["draft"] += result.draft_time
-            stats.phase_seconds["verify"] += result.verify_time
-            stats.phase_seconds["accept"] += result.accept_time
-        stats.record_plan(len(requests), max(k), plan.d)
-        stats.record_drafts(proposed, result.num_accepted)
-        if result.verified_accepted is not None:
-            stats.num_exit_draft_decided += sum(result.num_accepted) - sum(result.verified_accepted)
-        stats.phase_seconds["commit"] += t1 - t0
-        exit_depths = []
-        if result.exit_depths is not None:
-            exit_depths = [e for ds, toks in zip(result.exit_depths, result.committed) for e in ds[: len(toks)]]
-        feedback = round_feedback(
-            plan,
-            batch_size=len(requests),
-            context=context,
-            num_proposed=proposed if result.verified_proposed is None else result.verified_proposed,
-            num_accepted=result.num_accepted if result.verified_accepted is None else result.verified_accepted,
-            seconds=t1 - start,
-            draft_seconds=result.draft_time,
-            depth_matches=result.depth_matches,
-            depth_trials=result.depth_trials,
-            depth_pairs=result.depth_pairs,
-            request_ids=[r.request_id for r in requests] if result.first_bits else (),
-            first_bits=result.first_bits,
-            last_bits=result.last_bits,
-            exit_depths=exit_depths,
-            exit_skips=self.runner.exit_mode == "skip",
-        )
-        self.controller.observe(feedback)
-        stats.phase_seconds["control"] += time.perf_counter() - t1
 
     def _commit(self, requests: list[Request], tokens: list[list[int]], **counts: Any) -> None:
         """Hand the step's results to the scheduler's postprocess; from here on the outputs are owed."""

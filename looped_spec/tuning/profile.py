@@ -31,6 +31,7 @@ import torch
 from looped_spec.control.controller import FixedController
 from looped_spec.control.passcost import OUTSIDE, PassCost
 from looped_spec.control.plan import RoundFeedback
+from looped_spec.engine import step_decoding
 from looped_spec.engine.config import SpeculativeConfig
 from looped_spec.engine.engine import LoopedSpecEngine
 from looped_spec.execution.model_runner import StepInput
@@ -99,7 +100,7 @@ class _Steps:
         }  # fmt: skip
         scheduler = engine.scheduler
         while (batch := scheduler.schedule()) is not None and batch.is_prefill:
-            engine._prefill_step(None, batch)
+            step_decoding.prefill_step(engine, None, batch)
         self.requests = {c: [engine._requests[i] for i in ids[c]] for c in contexts}
         for group in self.requests.values():
             for r in group:
