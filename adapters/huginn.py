@@ -56,6 +56,7 @@ class HuginnAdapter(ModelAdapter):
     model_type = "huginn_raven"
     readout_uses_kv = True
     uniform_loops = True  # core block: same weights every loop; the coda readout ignores depth
+    option_names = ("initial_state", "num_steps", "exit_criterion", "exit_threshold")
 
     def __init__(self, config, weights, **kwargs):
         super().__init__(config, weights, **kwargs)
@@ -84,10 +85,6 @@ class HuginnAdapter(ModelAdapter):
             self._default_exit_threshold = float_field(self.options, "exit_threshold", None)
         except ValueError as exc:
             raise ValueError(f"adapter option {exc} (the default early-exit threshold of requests)") from None
-        known = ("initial_state", "num_steps", "exit_criterion", "exit_threshold")
-        unknown = set(self.options) - set(known)
-        if unknown:
-            raise ValueError(f"unknown Huginn adapter option(s) {sorted(unknown)}; known: {', '.join(known)}")
         if "lm_head.weight" not in self.weights:
             self.weights["lm_head.weight"] = self.weights["transformer.wte.weight"]
         group = (

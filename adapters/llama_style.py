@@ -91,8 +91,6 @@ class LlamaStyleLooped(ModelAdapter):
 
     def __init__(self, config, weights, **kwargs):
         super().__init__(config, weights, **kwargs)
-        if self.options:
-            raise ValueError(f"unknown {self.model_type} adapter option(s) {sorted(self.options)}; it takes none")
         self.hidden, _, self.num_layers, self.num_heads, self.num_kv_heads, self.head_dim = llama_dims(config)
         self.eps = float_field(config, "rms_norm_eps", 1e-6)
         self.rope_theta = rope_theta(config, 10000.0)

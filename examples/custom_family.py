@@ -35,6 +35,10 @@ from looped_spec.models.layers import memo_half_rope, rms_norm, self_attention
 class ToyLoopedAdapter(ModelAdapter):
     """One attention layer + norm looped `loops` times; head reads the normed state."""
 
+    # every loop runs the same weights on its own KV plane, and the head ignores the depth: one captured loop serves
+    # every loop (the engine checks the claim when it starts)
+    uniform_loops = True
+
     @classmethod
     def tensor_specs(cls, config):
         d, v = config["hidden"], config["vocab_size"]
@@ -62,7 +66,9 @@ class ToyLoopedAdapter(ModelAdapter):
 
     @property
     def kv_layout(self):
-        return KVLayout(self.full_depth, 1, self.config["hidden"], self.full_depth)
+        # one plane per loop (one layer), one KV head as wide as the state
+        depth = self.full_depth
+        return KVLayout(num_planes=depth, num_kv_heads=1, head_dim=self.config["hidden"], num_loop_planes=depth)
 
     @property
     def max_positions(self):

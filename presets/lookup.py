@@ -148,15 +148,23 @@ def find_preset(
         if own.is_file():
             return own, f"{CHECKPOINT_PRESET} in the checkpoint folder"
     names = model_names(model_name, folder, config)
+    family = (config or {}).get("model_type")
+    other_families = []  # a name that matches the preset of another family (a folder "tiny-ouro-gated" of a new one)
     for name, where in names:
         match = match_preset_name(name)
         if match is not None:
             path = shipped_preset_path(match)
             assert path is not None
+            tuned_for = read_preset_file(path).model_type
+            if family is not None and tuned_for is not None and tuned_for != family:
+                other_families.append(f"{where} {name!r} matches {match!r}, a preset for model_type {tuned_for!r}")
+                continue
             return path, f"{where} {name!r} matches the shipped preset {match!r}"
     path = shipped_preset_path(GENERIC_PRESET)
     if path is None:
         raise PresetError(f"{preset_dir()}: the generic preset {GENERIC_PRESET}.json is missing")
+    if other_families:
+        return path, f"{'; '.join(other_families)}, not {family!r}: the family-generic default"
     tried = ", ".join(f"{where} {name!r}" for name, where in names)
     return path, f"no shipped preset matches {tried}: the family-generic default"
 
@@ -187,9 +195,10 @@ def load_preset(
     changes it); errors name the file.
     """
     names = model_names(model_name, folder, config)
+    family = (config or {}).get("model_type")
     if isinstance(preset, AdaptiveSpecConfig):
         logger.info("adaptive preset for %s: the config object given (model %r)", model_name, preset.model)
-        _warn_if_another_models(preset, names, "the config object given")
+        _warn_if_another_models(preset, names, "the config object given", family)
         return _checked(preset, full_depth, f"preset for {preset.model!r}")
     if preset is not None:
         path, reason = preset_path(preset)
@@ -198,14 +207,22 @@ def load_preset(
     logger.info("adaptive preset for %s: %s (%s)", model_name, path, reason)
     loaded = read_preset_file(path)
     if preset is not None and path != shipped_preset_path(GENERIC_PRESET):
-        _warn_if_another_models(loaded, names, str(path))
+        _warn_if_another_models(loaded, names, str(path), family)
     return _checked(loaded, full_depth, str(path))
 
 
-def _warn_if_another_models(preset: AdaptiveSpecConfig, names: list[tuple[str, str]], source: str) -> None:
+def _warn_if_another_models(
+    preset: AdaptiveSpecConfig, names: list[tuple[str, str]], source: str, family: str | None
+) -> None:
     """A preset asked for by name or file that was tuned for another model serves it (a deliberate choice, say for a
     sibling checkpoint), but its acceptance and costs are the other model's until the online estimates take over."""
-    if not is_for(preset.model, names):
+    if family is not None and preset.model_type is not None and preset.model_type != family:
+        logger.warning(
+            "adaptive preset %s was tuned for model %r of another family (model_type %r, not %r): its acceptance "
+            "prior and pass costs are that family's until the online estimates replace them",
+            source, preset.model, preset.model_type, family,
+        )  # fmt: skip
+    elif not is_for(preset.model, names):
         logger.warning(
             "adaptive preset %s was tuned for model %r, not %r: its acceptance prior and pass costs are that model's "
             "until the online estimates replace them (`looped-spec tune` writes one for this model)",

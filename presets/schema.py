@@ -162,6 +162,9 @@ class AdaptiveSpecConfig(BaseModel):
 
     model: str
     """Model (checkpoint folder) name the preset is for."""
+    model_type: str | None = None
+    """config.json `model_type` of the family it was tuned or derived for (None: any family, as the generic preset):
+    a preset matched to a checkpoint by name only serves that family (lookup.py `find_preset`)."""
     hardware: str = "any"
     """Hardware tag the numbers are for, e.g. "h100-80g", "cpu"."""
     full_depth: int = Field(ge=1)

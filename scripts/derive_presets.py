@@ -44,6 +44,7 @@ def derive(name: str) -> str:
         bucket_knobs={"beta": 0.2, "min_samples": 8, "interval": 4},
         disable={"probe_base": 32, "probe_cap": 1024},
         provenance=prov,
+        model_type=old.get("model_type"),
     )
     if name == "default":  # a family-generic preset: per-depth acceptance of no model in particular
         del data["acceptance"]

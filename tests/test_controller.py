@@ -273,6 +273,8 @@ def test_make_controller_checks_the_draft_depth_against_the_model():
     assert make_controller((0, 0, False), 4, None).k == 0
     assert type(make_controller("off", 4, preset())) is FixedController
     assert type(make_controller("adaptive", 1, None)) is FixedController  # nothing to draft with at depth 1
+    with pytest.raises(ValueError, match=r"the model runs D=1 loop, nothing to draft with"):
+        make_controller((2, 1, False), 1, None)
     assert isinstance(make_controller("adaptive", 4, preset(), policy="ema"), AdaptiveController)
 
 

@@ -363,7 +363,7 @@ def test_loop_batching_options_that_are_not_built_are_errors():
     # one graph serves every loop only where loops differ in their planes alone
     adapter = load_adapter(fixture_dir("ouro"), dtype="float32", device="cpu")
     adapter.uniform_loops = False
-    with pytest.raises(ValueError, match="cuda_graphs='emulate' with batching='loop'.*uniform_loops: False"):
+    with pytest.raises(ValueError, match="cuda_graphs='emulate' with batching='loop'.*ouro: uniform_loops = False\\)$"):
         LoopedSpecEngine(adapter, batching="loop", speculation="off", cuda_graphs="emulate")
     with pytest.raises(ValueError, match="batching"):
         LoopedSpecEngine(load("ouro"), batching="token", speculation="off")

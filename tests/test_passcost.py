@@ -164,6 +164,9 @@ def test_lines_follow_the_exit_depths_when_their_version_moves():
     intercept, slope = cost.lines(6, exits)
     want = cost.profile_seconds(*zip(*cost.options), 6, 50.0, exits.survival())
     assert intercept + slope * 50.0 == pytest.approx(want, rel=1e-9)
+    cost.lines(3, None)
+    # the prices of older exit depths are dropped (a long run under early exit moves the version for ever)
+    assert sorted(cost._lines, key=str) == [(3, None), (6, exits.version)]
 
 
 def test_every_token_exiting_at_loop_one_makes_a_plain_round_one_pass():

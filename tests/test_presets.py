@@ -11,7 +11,7 @@ import pytest
 from conftest import FAMILIES, fixture_dir, load
 
 from looped_spec.presets import AdaptiveSpecConfig, PresetError, find_preset, load_preset, read_preset_file
-from looped_spec.presets.lookup import generic_preset, match_preset_name, preset_dir
+from looped_spec.presets.lookup import generic_preset, list_presets, match_preset_name, preset_dir
 from looped_spec.tuning.derive import ideal_cost
 
 SHIPPED_DEPTHS = {
@@ -164,6 +164,25 @@ def test_preset_is_chosen_by_each_name_a_checkpoint_goes_by(tmp_path: Path, capl
     ]
 
 
+def test_a_name_matching_the_preset_of_another_family_gets_the_generic_one(tmp_path: Path):
+    """A folder named after a shipped model but holding another family (a new one fine-tuned from tiny-ouro's folder,
+    say) must not be priced with that model's acceptance and costs: each shipped preset records its family."""
+    folder = tmp_path / "tiny-ouro-gated"
+    path, reason = find_preset(folder.name, folder, {"model_type": "gated_loop"})
+    assert path == preset_dir() / "default.json"
+    assert reason == (
+        "model name 'tiny-ouro-gated' matches 'tiny-ouro', a preset for model_type 'ouro', not 'gated_loop': the "
+        "family-generic default"
+    )
+    assert find_preset(folder.name, folder, {"model_type": "ouro"})[0] == preset_dir() / "tiny-ouro.json"
+    assert find_preset("Ouro-1.4B-Thinking", None, {"model_type": "ouro"})[0] == preset_dir() / "ouro-1.4b.json"
+    shipped = {name: read_preset_file(preset_dir() / f"{name}.json").model_type for name in list_presets()}
+    assert shipped == {
+        "default": None, "huginn-0125": "huginn_raven", "nanbeige4.2-3b": "nanbeige", "ouro-1.4b": "ouro",
+        "ouro-2.6b": "ouro", "tiny-huginn": "huginn_raven", "tiny-nanbeige": "nanbeige", "tiny-ouro": "ouro",
+    }  # fmt: skip
+
+
 def test_preset_json_in_the_checkpoint_folder_wins_over_names(tmp_path: Path):
     folder = snapshot(tmp_path, "ByteDance/Ouro-1.4B", {"_name_or_path": "ByteDance/Ouro-1.4B"})
     (folder / "preset.json").write_text(json.dumps(BASE))
@@ -274,6 +293,10 @@ def test_a_preset_of_another_model_asked_for_is_used_with_a_warning(caplog, tmp_
         assert not caplog.records
         assert load_preset("tiny-ouro", 4, "tiny-huginn").model == "tiny-huginn"
     assert "was tuned for model 'tiny-huginn', not 'tiny-ouro'" in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="looped_spec.presets.lookup"):
+        load_preset("tiny-ouro", 4, "tiny-huginn", config={"model_type": "ouro"})
+    assert "of another family (model_type 'huginn_raven', not 'ouro')" in caplog.text
 
 
 def test_rule_d_below_one_with_k():

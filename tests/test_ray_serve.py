@@ -4,6 +4,7 @@ CPU replicas behind Ray's HTTP proxy driven with the official openai client (a r
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
 import subprocess
@@ -40,6 +41,21 @@ def test_arguments_are_checked_and_errors_name_the_field():
         build_application({"engine": {"max_batch_sise": 8}})  # checked before any replica starts
     with pytest.raises(ValueError, match="threads: Input should be greater than or equal to 0"):
         parse_args({"threads": -1})
+
+
+def test_a_family_registered_in_this_process_only_is_refused_before_ray_starts(tmp_path):
+    """Each replica is a process of its own: a family it cannot find (registered here, not installed with an entry
+    point) would fail every replica, retried by Ray; the driver says so first."""
+    sys.path.insert(0, str(ROOT / "examples"))
+    from custom_family import make_toy_checkpoint
+
+    folder = make_toy_checkpoint(tmp_path / "toy")
+    with pytest.raises(ValueError, match=r"model_type 'toy_looped' is registered in this process only.*entry point"):
+        parse_args({"model": str(folder)}).check_before_start()  # what `looped-spec serve --replicas` runs first
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps(config | {"model_type": "nobody_registered_this"}))
+    with pytest.raises(ValueError, match=r"unknown model_type 'nobody_registered_this'"):
+        parse_args({"model": str(folder)}).check_before_start()
 
 
 def test_application_options_follow_the_arguments():

@@ -29,3 +29,72 @@ def test_user_family_end_to_end(tmp_path):
     assert spec.generate(prompt, params)[0].token_ids == plain.token_ids
     adaptive = LoopedSpecEngine(folder, dtype="float32", device="cpu")  # the default: the generic preset at D=3
     assert adaptive.generate(prompt, params)[0].token_ids == plain.token_ids
+
+
+def test_an_installed_package_provides_a_family_through_its_entry_point(tmp_path):
+    """A family installed as a package (an entry point in the `looped_spec.adapters` group, named by its model_type)
+    is found by every process that loads a checkpoint: here the CLI, in a fresh interpreter that never imported it."""
+    import json
+    import os
+    import subprocess
+
+    folder = make_toy_checkpoint(tmp_path / "plugged")
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps(config | {"model_type": "toy_plugged"}))
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "toy_plugin.py").write_text(  # a class the package never registers itself
+        "from custom_family import ToyLoopedAdapter\n\n\nclass PluggedAdapter(ToyLoopedAdapter):\n    pass\n"
+    )
+    dist = site / "toy_plugin-0.1.dist-info"
+    dist.mkdir()
+    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: toy-plugin\nVersion: 0.1\n")
+    (dist / "entry_points.txt").write_text("[looped_spec.adapters]\ntoy_plugged = toy_plugin:PluggedAdapter\n")
+    prompts = tmp_path / "ids.jsonl"
+    prompts.write_text(json.dumps({"prompt": [1, 2, 3, 4, 5]}) + "\n")
+    examples = Path(__file__).resolve().parents[1] / "examples"
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(site), str(examples), os.environ.get("PYTHONPATH", "")]))
+    command = [sys.executable, "-m", "looped_spec.cli", "generate", "--model", str(folder), "--prompts-file",
+               str(prompts), "--max-tokens", "6", "--ignore-eos", "--speculation", "2,1"]  # fmt: skip
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stderr
+    adapter = load_adapter(make_toy_checkpoint(tmp_path / "toy"), dtype="float32", device="cpu")
+    params = SamplingParams(max_tokens=6, ignore_eos=True)
+    with LoopedSpecEngine(adapter, speculation="off") as engine:
+        want = engine.generate([[1, 2, 3, 4, 5]], params)[0].token_ids
+    # a token-id prompt prints as ids, prompt then continuation (the toy has no tokenizer)
+    assert done.stdout.startswith(" ".join(map(str, [1, 2, 3, 4, 5, *want])))
+
+    (dist / "entry_points.txt").write_text("[looped_spec.adapters]\ntoy_plugged = toy_plugin:Missing\n")
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=240)
+    assert done.returncode != 0 and "entry point toy_plugged = 'toy_plugin:Missing'" in done.stderr
+
+
+def test_an_unknown_model_type_says_how_a_family_is_added(tmp_path):
+    import json
+
+    import pytest
+
+    from looped_spec.models.checkpoint import CheckpointError
+
+    folder = make_toy_checkpoint(tmp_path / "toy")
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps(config | {"model_type": "nobody_registered_this"}))
+    with pytest.raises(CheckpointError, match="unknown model_type 'nobody_registered_this'.*'looped_spec.adapters'"):
+        load_adapter(folder)
+
+
+def test_adapter_options_a_family_does_not_declare_are_refused(tmp_path):
+    import pytest
+
+    folder = make_toy_checkpoint(tmp_path / "toy")
+    with pytest.raises(ValueError, match=r"unknown toy_looped adapter option\(s\) \['num_stepz'\]; it takes: none"):
+        load_adapter(folder, num_stepz=3)
+    with pytest.raises(ValueError, match=r"adapter option\(s\) \['depth'\]; it takes: initial_state, num_steps"):
+        load_adapter("tiny-huginn", depth=3)
+
+    class WithOption(ToyLoopedAdapter):
+        option_names = ("scale",)
+
+    adapter = load_adapter(folder)
+    assert WithOption(adapter.config, adapter.weights, scale=2.0).options == {"scale": 2.0}

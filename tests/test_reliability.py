@@ -111,6 +111,13 @@ def test_item03_outputs_of_a_failed_step_are_reported_later(monkeypatch):
     assert finished[gone].finish_reason == "abort"
     assert finished[keep].token_ids == make_engine("ouro").generate(PROMPTS[1], greedy(5))[0].token_ids
 
+    # a generate() whose step fails leaves nothing of its requests behind, not even as suspects of the failed step
+    fault = OneShotFault(engine.adapter.loop, lambda *args: True)
+    monkeypatch.setattr(engine.adapter, "loop", fault)
+    with pytest.raises(RuntimeError, match="injected"):
+        engine.generate(PROMPTS[:2], greedy(4))
+    assert fault.fired and not engine.failures.suspects and not engine.has_unfinished_requests()
+
 
 # ----- 4. add_request() mixed with generate(); a generate() that fails part way -----
 def test_item04_online_requests_survive_generate_and_failed_generate_queues_nothing():

@@ -36,7 +36,7 @@ def test_cli_tune_writes_a_valid_preset_and_heatmap(tmp_path, capsys):
     assert "pass-cost profile against" in printed and "preset buckets" in printed and "alpha by depth" in printed
     config = read_preset_file(out)
     loaded = load_preset("ouro-tiny", 4, preset=out)
-    assert loaded.hardware == "test-cpu" and loaded.full_depth == 4
+    assert loaded.hardware == "test-cpu" and loaded.full_depth == 4 and loaded.model_type == "ouro"
     assert [(b.min_batch, b.max_batch) for b in config.buckets] == [(1, 2), (3, None)]
     allowed = {(0, 0), (1, 1), (2, 1), (1, 2)}
     for b in config.buckets:

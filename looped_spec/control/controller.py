@@ -256,6 +256,11 @@ def make_controller(
         assert preset is not None
         return AdaptiveController(preset, full_depth, policy, settings, trace_path)
     k, d, measure, *stop = spec
+    if k > 0 and full_depth < 2:
+        raise ValueError(
+            f"speculation (k={k}, d={d}): the model runs D={full_depth} loop, nothing to draft with (self-speculation "
+            "needs D >= 2); use speculation='off' (or 'adaptive', which decodes plainly there)"
+        )
     if k > 0 and not 1 <= d < full_depth:
         raise ValueError(
             f"speculation.d={d}: must be in 1..{full_depth - 1} (the model's full depth is D={full_depth})"

@@ -81,7 +81,8 @@ class PassCost:
         # what the profile's readouts miss (the agreement bookkeeping, a fixed cost a round)
         self._log_measured = 0.0
         self.measured_rounds = 0
-        self._lines: dict[tuple, tuple] = {}  # `_cached` per (batch size, exits version)
+        self._lines: dict[tuple, tuple] = {}  # `_cached` per (batch size, exits version): no exits, or the latest
+        self._exits_version = None
 
     # ------------------------------------------------------------------ features
     def _zeros(self, rows: int) -> np.ndarray:
@@ -194,6 +195,9 @@ class PassCost:
         key = (batch, None if exits is None else exits.version)
         out = self._lines.get(key)
         if out is None:
+            if key[1] is not None and key[1] != self._exits_version:  # the exit depths moved on: drop the old prices
+                self._lines = {k: v for k, v in self._lines.items() if k[1] is None}
+                self._exits_version = key[1]
             survival = None if exits is None else exits.survival()
             at0 = self.profile_seconds(self._ks, self._ds, batch, 0.0, survival)
             slope = (self.profile_seconds(self._ks, self._ds, batch, 1024.0, survival) - at0) / 1024.0

@@ -31,6 +31,7 @@ from looped_spec.execution.model_runner import ModelRunner
 from looped_spec.execution.transfers import to_device
 from looped_spec.loop_batching import LoopBatcher, LoopRounds
 from looped_spec.models.adapter import ModelAdapter, load_adapter
+from looped_spec.models.stage_check import check_stages
 from looped_spec.presets.lookup import load_preset
 from looped_spec.request import Request, RequestOutput, TokenLogprob
 from looped_spec.sampling_params import SamplingParams
@@ -77,6 +78,7 @@ class LoopedSpecEngine:
             self.adapter = load_adapter(
                 model, dtype=config.dtype, device=config.device, **(config.adapter_options or {})
             )
+        check_stages(self.adapter)  # what the family declares holds for what its stages compute (stage_check.py)
         if torch.device(self.adapter.device).type == "cpu":
             keep_freed_memory()  # big per-step tensors reuse freed heap instead of page-faulting (host_memory.py)
         limit = self.adapter.max_positions
@@ -142,7 +144,8 @@ class LoopedSpecEngine:
         preset = None
         if spec == "adaptive" and depth >= 2:
             adapter = self.adapter
-            preset = load_preset(adapter.name, depth, config.preset, folder=adapter.path, config=adapter.config)
+            checkpoint = {**adapter.config, "model_type": adapter.model_type}  # the family it was registered as
+            preset = load_preset(adapter.name, depth, config.preset, folder=adapter.path, config=checkpoint)
         if isinstance(spec, SpeculativeConfig):
             spec = (spec.k, spec.d, spec.measure_depths, spec.stop_margin)
         return make_controller(
@@ -366,6 +369,7 @@ class LoopedSpecEngine:
                 self.scheduler.finish(request, "abort")
             if self.loop_batcher is not None:
                 self.loop_batcher.drop(request.request_id)
+            self.failures.drop(request)
             self._reports.pop(request.request_id, None)
             self._requests.pop(request.request_id, None)
 

@@ -65,6 +65,11 @@ class StepFailures:
                 self.failed_alone.pop(suspect.request_id, None)
         return result
 
+    def drop(self, request: Request) -> None:
+        """Forget a request (its caller dropped it): it is no longer a suspect."""
+        if request in self.suspects:
+            self._clear(request)
+
     def clear(self) -> None:
         self.suspects.clear()
         self.failed_alone.clear()

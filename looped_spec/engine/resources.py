@@ -70,10 +70,13 @@ def loop_pass_graphs(
         return None
     emulate = cuda_graphs == "emulate"  # without Triton, the kernel's contract in plain torch (TorchKernelBatch)
     if not adapter.uniform_loops or not (paged_kernel or emulate):
-        why = (
-            f"captured loop passes need a family whose loops differ only in their KV planes (uniform_loops: "
-            f"{adapter.uniform_loops}) and the paged kernel (Triton on CUDA; available: {paged_kernel})"
-        )
+        if not adapter.uniform_loops:
+            why = (
+                f"captured loop passes need a family whose loops differ only in their KV planes ({adapter.model_type}: "
+                "uniform_loops = False)"
+            )
+        else:
+            why = "captured loop passes need the paged kernel (Triton on CUDA), which is not available"
         if cuda_graphs is None:
             logger.info("engine: loop passes run eagerly: %s", why)
             return None

@@ -53,6 +53,9 @@ class ModelAdapter(ABC):
     #: and `readout(state, depth)` does not depend on depth: one CUDA graph of loop 0 then serves every loop, and
     #: tokens that exited at different depths are read out in one call (early_exit.py `read_out_by_depth`).
     uniform_loops: ClassVar[bool] = False
+    #: The adapter options the family takes (`load_adapter(..., **options)`, the engine's `adapter_options`, the
+    #: CLI's `--adapter-option`): any other name is an error naming it. The family reads them from `self.options`.
+    option_names: ClassVar[tuple[str, ...]] = ()
 
     def __init__(
         self,
@@ -70,6 +73,10 @@ class ModelAdapter(ABC):
         self.device = torch.device(device)
         self.name = name or config.get("_name_or_path") or self.model_type
         self.path = path
+        unknown = sorted(set(options) - set(self.option_names))
+        if unknown:
+            known = ", ".join(self.option_names) or "none"
+            raise ValueError(f"unknown {self.model_type} adapter option(s) {unknown}; it takes: {known}")
         self.options = options
         self.generation = GenerationConfig()  # load_adapter sets the checkpoint's generation_config.json
         self.weights = {k: v.to(device=self.device, dtype=dtype) for k, v in weights.items()}
@@ -267,12 +274,57 @@ def _load_builtin_adapters() -> None:
     import looped_spec.adapters  # noqa: F401  (registers the built-in families)
 
 
+#: The entry-point group through which an installed package provides families: `name = "module:Class"` with name the
+#: config.json model_type (or `name = "module"`, a module that registers its families when imported). Every process
+#: that loads a checkpoint finds them there: the CLI, the server and each Ray Serve replica.
+ENTRY_POINT_GROUP = "looped_spec.adapters"
+
+
+def _load_entry_point(model_type: str) -> None:
+    """Register the family an installed package provides for `model_type` (see `ENTRY_POINT_GROUP`), if one does."""
+    from importlib.metadata import entry_points
+
+    for entry in entry_points(group=ENTRY_POINT_GROUP, name=model_type):
+        try:
+            provided = entry.load()
+        except Exception as exc:
+            raise CheckpointError(
+                f"entry point {entry.name} = {entry.value!r} (group {ENTRY_POINT_GROUP!r}): loading it failed: "
+                f"{type(exc).__name__}: {exc}"
+            ) from exc
+        if isinstance(provided, type):
+            register_adapter(provided, model_type=model_type)
+        if model_type not in _REGISTRY:
+            raise CheckpointError(
+                f"entry point {entry.name} = {entry.value!r} (group {ENTRY_POINT_GROUP!r}) registered no adapter for "
+                f"model_type {model_type!r}: point it at the ModelAdapter subclass, or at a module that registers it"
+            )
+        return
+
+
+def found_by_every_process(model_type: str) -> bool:
+    """Whether a new process finds the family of `model_type` (built in, or an installed entry point) rather than only
+    this one, which registered it (what Ray Serve replicas, each a process of its own, need)."""
+    from importlib.metadata import entry_points
+
+    _load_builtin_adapters()
+    cls = _REGISTRY.get(model_type)
+    built_in = cls is not None and cls.__module__.startswith("looped_spec.adapters")
+    return built_in or bool(entry_points(group=ENTRY_POINT_GROUP, name=model_type))
+
+
 def adapter_class(model_type: str, where: str = "config.json") -> type[ModelAdapter]:
+    """The adapter registered for `model_type`: a built-in family, one registered in this process, or one an installed
+    package provides through the `looped_spec.adapters` entry-point group."""
     _load_builtin_adapters()
     if model_type not in _REGISTRY:
+        _load_entry_point(model_type)
+    if model_type not in _REGISTRY:
         raise CheckpointError(
-            f"{where}: unknown model_type {model_type!r}; registered: {', '.join(sorted(_REGISTRY))}. "
-            "Register an adapter with looped_spec.register_adapter to add a family."
+            f"{where}: unknown model_type {model_type!r}; registered: {', '.join(sorted(_REGISTRY))}. A new family "
+            "is a ModelAdapter subclass: register it with looped_spec.register_adapter in this process, or install a "
+            f"package that names it under the entry-point group {ENTRY_POINT_GROUP!r} (how the CLI, the server and "
+            "Ray Serve replicas find it; docs/architecture.md, 'Adding a family')"
         )
     return _REGISTRY[model_type]
 

@@ -73,12 +73,23 @@ class ReplicaAppArgs(BaseModel):
 
     def check_before_start(self) -> EngineConfig:
         """What the driver can check before Ray starts a replica (which would fail, be retried and end in Ray's
-        traceback): the engine options, the model's folder, a preset asked for, a CUDA device on a local cluster."""
-        from looped_spec.models.adapter import resolve_model_path
+        traceback): the engine options, the model's folder and family, a preset asked for, a CUDA device on a local
+        cluster."""
+        from looped_spec.models.adapter import adapter_class, found_by_every_process, resolve_model_path
+        from looped_spec.models.checkpoint import read_config
         from looped_spec.presets.lookup import preset_path, read_preset_file
 
         config = self.engine_config()
-        resolve_model_path(self.model)
+        folder = resolve_model_path(self.model)
+        model_type = read_config(folder).get("model_type")
+        if isinstance(model_type, str):  # (a config without one fails in the replica with the loader's message)
+            adapter_class(model_type, str(folder / "config.json"))  # unknown: says how a family is added
+            if not found_by_every_process(model_type):
+                raise ValueError(
+                    f"{folder / 'config.json'}: model_type {model_type!r} is registered in this process only; Ray "
+                    "Serve replicas run in processes of their own: install the family as a package with an entry "
+                    "point in the 'looped_spec.adapters' group (docs/architecture.md, 'Adding a family')"
+                )
         if isinstance(config.preset, (str, os.PathLike)):
             read_preset_file(preset_path(config.preset)[0])
         if str(config.device).startswith("cuda") and not os.environ.get("RAY_ADDRESS"):

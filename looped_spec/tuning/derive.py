@@ -320,6 +320,7 @@ def derive_preset(
     bucket_knobs: dict[str, Any] | None = None,
     disable: dict[str, Any] | None = None,
     provenance: dict[str, Any] | None = None,
+    model_type: str | None = None,
     **derive_options: Any,
 ) -> dict[str, Any]:
     """A whole preset (plain data for `AdaptiveSpecConfig.parse`) from assumed acceptance and the ideal cost.
@@ -343,6 +344,7 @@ def derive_preset(
         b.update(bucket_knobs or {})
     return {
         "model": model,
+        "model_type": model_type,
         "hardware": hardware,
         "full_depth": depth,
         "buckets": out_buckets,

@@ -177,6 +177,7 @@ def tune(
     }
     data = {
         "model": adapter.name,
+        "model_type": adapter.model_type,
         "hardware": hardware or hardware_tag(adapter.device),
         "full_depth": depth,
         "buckets": buckets,

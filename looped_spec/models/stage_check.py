@@ -1,0 +1,114 @@
+"""What a family declares, checked against what its stages compute (run when an engine starts).
+
+A family's declarations steer the engine without being read from the math: the state width sizes the graph
+buffers, the vocabulary the sampler, the KV layout the cache and which planes each loop writes, `uniform_loops`
+lets one captured loop serve every loop and one readout serve every depth. A wrong declaration would otherwise
+show up as an index error deep in the KV cache, a failure on the graph path only, or — for `uniform_loops` —
+different tokens without any error. `check_stages` runs two tokens through every stage on the reference path,
+with a context that records the planes each stage attends on and the shapes of its keys and values, and raises
+a ValueError naming the declaration that does not hold.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from looped_spec.models.dense import DenseContext
+
+#: how far apart loop(state, i) and loop(state, 0) (or two depths' readouts) may be for loops declared uniform:
+#: the same computation gives the same numbers, so this only absorbs kernels that are not bitwise deterministic
+UNIFORM_TOLERANCE = 1e-4
+
+
+class _ProbeContext(DenseContext):
+    """The reference context, recording the planes attended on and checking keys and values against the layout."""
+
+    def __init__(self, adapter, seq_len: int) -> None:
+        positions = torch.arange(seq_len, device=adapter.device)
+        super().__init__(1, seq_len, positions, seeds=[0])
+        self.layout = adapter.kv_layout
+        self.model_type = adapter.model_type
+        self.planes: list[int] = []
+
+    def attention(self, plane: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        layout = self.layout
+        if not 0 <= plane < layout.num_planes:
+            raise ValueError(f"{self.model_type}: attends on KV plane {plane}, kv_layout has {layout.num_planes}")
+        want = (layout.num_kv_heads, layout.head_dim)
+        for name, x in (("keys", k), ("values", v)):
+            if tuple(x.shape[1:]) != want:
+                raise ValueError(
+                    f"{self.model_type}: {name} of shape {list(x.shape)} on plane {plane}; kv_layout declares "
+                    f"[tokens, num_kv_heads={want[0]}, head_dim={want[1]}]"
+                )
+        self.planes.append(plane)
+        return super().attention(plane, q, k, v)
+
+
+def _check_shape(adapter, what: str, x: torch.Tensor, width: int, declared: str) -> None:
+    if not isinstance(x, torch.Tensor) or x.dim() != 2 or x.shape[1] != width:
+        shape = list(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
+        raise ValueError(f"{adapter.model_type}: {what} returned {shape}; expected [tokens, {declared}={width}]")
+
+
+@torch.inference_mode()
+def check_stages(adapter) -> None:
+    """Raise ValueError naming the declaration of `adapter` (a ModelAdapter) that its stages contradict."""
+    name, depth, layout = adapter.model_type, adapter.full_depth, adapter.kv_layout
+    if layout.num_loop_planes % depth:
+        raise ValueError(
+            f"{name}: kv_layout.num_loop_planes={layout.num_loop_planes} is not a multiple of full_depth={depth} "
+            "(every loop writes the same number of planes)"
+        )
+    loop_planes = set(range(layout.first_loop_plane, layout.first_loop_plane + layout.num_loop_planes))
+    ctx = _ProbeContext(adapter, seq_len=2)
+    tokens = torch.tensor([1, 2], device=adapter.device) % adapter.vocab_size
+    state = adapter.embed(tokens, ctx)
+    _check_shape(adapter, "embed", state, adapter.state_dim, "state_dim")
+    if any(p in loop_planes for p in ctx.planes):
+        raise ValueError(f"{name}: embed attends on loop planes {sorted(set(ctx.planes) & loop_planes)}")
+    per_loop = layout.num_loop_planes // depth
+    first_loop_planes: list[int] = []
+    logits = []
+    for i in range(depth):
+        ctx.planes = []
+        nxt = adapter.loop(state, i, ctx)
+        _check_shape(adapter, f"loop {i}", nxt, adapter.state_dim, "state_dim")
+        wrong = sorted(set(ctx.planes) - set(adapter.loop_planes(i)))
+        if wrong:
+            raise ValueError(
+                f"{name}: loop {i} attends on KV planes {wrong}, outside its planes {list(adapter.loop_planes(i))} "
+                f"(kv_layout: first_loop_plane={layout.first_loop_plane}, {per_loop} planes a loop)"
+            )
+        if i == 0:
+            first_loop_planes = list(ctx.planes)
+        elif adapter.uniform_loops:
+            ctx.planes = []
+            as_loop0 = adapter.loop(state, 0, ctx)
+            moved = [p + i * per_loop for p in ctx.planes]
+            if moved != [p + i * per_loop for p in first_loop_planes] or not _close(as_loop0, nxt):
+                raise ValueError(
+                    f"{name}: declares uniform_loops=True, but loop {i} is not loop 0 on moved planes (it computes "
+                    "something else): set uniform_loops = False"
+                )
+        state = nxt
+        ctx.planes = []
+        out = adapter.readout(state, i + 1, ctx)
+        _check_shape(adapter, f"readout at depth {i + 1}", out, adapter.vocab_size, "vocab_size")
+        if out.dtype != torch.float32:
+            raise ValueError(f"{name}: readout returned {out.dtype} logits; the engine samples from float32")
+        if any(p in loop_planes for p in ctx.planes):
+            raise ValueError(f"{name}: readout attends on loop planes {sorted(set(ctx.planes) & loop_planes)}")
+        logits.append((state, out))
+    if adapter.uniform_loops:  # the readout must not depend on the depth: one call reads out tokens of any depth
+        for d, (s, out) in enumerate(logits, start=1):
+            if d < depth and not _close(adapter.readout(s, depth, ctx), out):
+                raise ValueError(
+                    f"{name}: declares uniform_loops=True, but readout(state, {d}) differs from readout(state, "
+                    f"{depth}) for the same state: set uniform_loops = False"
+                )
+
+
+def _close(a: torch.Tensor, b: torch.Tensor) -> bool:
+    scale = float(b.abs().max()) if b.numel() else 0.0
+    return a.shape == b.shape and bool(((a - b).abs() <= UNIFORM_TOLERANCE * (1.0 + scale)).all())

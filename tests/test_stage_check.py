@@ -1,0 +1,96 @@
+"""A family's declarations are checked against its stages when an engine starts (models/stage_check.py): a wrong
+one is an error naming it, not an index error in the KV cache, a failure on the graph path only, or other tokens."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import FAMILIES, fixture_dir
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+from custom_family import ToyLoopedAdapter, make_toy_checkpoint  # noqa: E402
+
+from looped_spec import KVLayout, LoopedSpecEngine, load_adapter  # noqa: E402
+from looped_spec.models.stage_check import check_stages  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def toy(tmp_path_factory):
+    return load_adapter(make_toy_checkpoint(tmp_path_factory.mktemp("toy") / "toy"), dtype="float32", device="cpu")
+
+
+def variant(toy, **overrides):
+    cls = type("Variant", (ToyLoopedAdapter,), {"model_type": "toy_variant", **overrides})
+    return cls(toy.config, toy.weights)
+
+
+def test_the_shipped_families_and_the_example_pass(toy):
+    for family in FAMILIES:
+        check_stages(load_adapter(fixture_dir(family)))
+    for name in ("tiny-ouro", "tiny-huginn", "tiny-nanbeige"):
+        check_stages(load_adapter(name))
+    check_stages(load_adapter("tiny-huginn", num_steps=5))
+    check_stages(toy)
+    check_stages(variant(toy, uniform_loops=True))  # the toy's loops are uniform: declaring it holds
+
+
+def wider_loop(self, state, loop_index, ctx):
+    return ToyLoopedAdapter.loop(self, state, loop_index, ctx) * (1.0 + 0.5 * loop_index)
+
+
+def embed_on_a_loop_plane(self, token_ids, ctx):
+    return ToyLoopedAdapter.loop(self, ToyLoopedAdapter.embed(self, token_ids, ctx), 0, ctx)  # attends on plane 0
+
+
+CASES = {
+    "state_dim": ({"state_dim": property(lambda self: 8)}, r"embed returned \[2, 16\]; expected \[tokens, state_dim=8"),
+    "vocab_size": ({"vocab_size": property(lambda self: 30)}, r"readout at depth 1 returned \[2, 32\].*vocab_size=30"),
+    "kv heads": (
+        {"kv_layout": property(lambda self: KVLayout(3, 2, 8, 3))},
+        r"keys of shape \[2, 1, 16\] on plane 0; kv_layout declares \[tokens, num_kv_heads=2, head_dim=8\]",
+    ),
+    "planes a loop": (
+        {"kv_layout": property(lambda self: KVLayout(4, 1, 16, 4))},
+        r"num_loop_planes=4 is not a multiple of full_depth=3",
+    ),
+    "loop planes": (
+        {"kv_layout": property(lambda self: KVLayout(4, 1, 16, 3, first_loop_plane=1))},
+        r"loop 0 attends on KV planes \[0\], outside its planes \[1\]",
+    ),
+    "embed planes": ({"embed": embed_on_a_loop_plane}, r"embed attends on loop planes \[0\]"),
+    "uniform loops": ({"uniform_loops": True, "loop": wider_loop}, r"uniform_loops=True, but loop 1 is not loop 0"),
+    "uniform readout": (
+        {"uniform_loops": True, "readout": lambda self, s, d, ctx: ToyLoopedAdapter.readout(self, s, d, ctx) * d},
+        r"uniform_loops=True, but readout\(state, 1\) differs from readout\(state, 3\)",
+    ),
+    "logits dtype": (
+        {"readout": lambda self, s, depth, ctx: ToyLoopedAdapter.readout(self, s, depth, ctx).double()},
+        r"readout returned torch.float64 logits",
+    ),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_a_wrong_declaration_is_named(toy, case):
+    overrides, message = CASES[case]
+    with pytest.raises(ValueError, match=message):
+        check_stages(variant(toy, **overrides))
+
+
+def test_an_engine_refuses_a_family_whose_declarations_do_not_hold(toy):
+    overrides, message = CASES["uniform loops"]
+    with pytest.raises(ValueError, match=message):
+        LoopedSpecEngine(variant(toy, **overrides), speculation="off")
+
+
+def test_a_kv_layout_that_cannot_hold_its_loop_planes_is_refused():
+    with pytest.raises(ValueError, match=r"loop planes 2..5 .* do not fit in num_planes=5"):
+        KVLayout(5, 1, 16, 4, first_loop_plane=2)
+    with pytest.raises(ValueError, match=r"KVLayout.num_kv_heads=0 must be an integer >= 1"):
+        KVLayout(4, 0, 16, 4)
+    with pytest.raises(ValueError, match=r"KVLayout.head_dim=16.0 must be an integer"):
+        KVLayout(4, 1, 16.0, 4)
+    assert torch.tensor(KVLayout(5, 1, 16, 4, first_loop_plane=1).num_planes) == 5
