@@ -35,6 +35,8 @@ class RequestMetrics:
 
     rounds: int = 0
     num_draft_tokens: int = 0  # proposed
+    # accepted by the verifier (as vLLM counts them): a stop that ends the request inside a round does not take back
+    # the drafts accepted after it, so 1 + accepted per round may exceed the tokens the request kept
     num_accepted_tokens: int = 0
     num_preemptions: int = 0
     exit_depth_histogram: dict[int, int] = field(default_factory=dict)  # readout depth -> generated tokens
@@ -44,17 +46,20 @@ class RequestMetrics:
 
     @property
     def mean_exit_depth(self) -> float:
-        """Mean loop depth the generated tokens were read out at (early exit; D without it)."""
+        """Mean loop depth the generated tokens were read out at, for a request that exits early (0.0 for one that runs
+        every token at full depth: no histogram is kept for it)."""
         total = sum(self.exit_depth_histogram.values())
         return sum(d * n for d, n in self.exit_depth_histogram.items()) / total if total else 0.0
 
     @property
     def acceptance_rate(self) -> float:
+        """Drafts the verifier accepted ÷ drafts proposed (0.0 before any draft)."""
         return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
 
     @property
     def mean_accepted_length(self) -> float:
-        """Mean tokens committed per decode round (1 + accepted drafts)."""
+        """1 + accepted drafts per decode round: the tokens a round commits unless a stop ends the request inside it
+        (vLLM's mean acceptance length)."""
         return (self.rounds + self.num_accepted_tokens) / self.rounds if self.rounds else 0.0
 
 

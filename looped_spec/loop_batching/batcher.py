@@ -96,7 +96,7 @@ class LoopBatcher:
         watch = self.watch
         t0 = watch.mark()
         items = self._enter(requests, rounds or {}, chunks or {})
-        entered = sum(1 for it in items if it.loops == 0)
+        entered = sum(it.num_positions for it in items if it.loops == 0)  # tokens embedded (a prompt chunk: all of it)
         t1 = watch.mark()
         ctx = self._pass_context(items)
         state = torch.cat([it.state for it in items])

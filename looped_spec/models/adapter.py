@@ -292,7 +292,7 @@ def _load_entry_point(model_type: str) -> None:
                 f"entry point {entry.name} = {entry.value!r} (group {ENTRY_POINT_GROUP!r}): loading it failed: "
                 f"{type(exc).__name__}: {exc}"
             ) from exc
-        if isinstance(provided, type):
+        if isinstance(provided, type) and issubclass(provided, ModelAdapter):
             register_adapter(provided, model_type=model_type)
         if model_type not in _REGISTRY:
             raise CheckpointError(
