@@ -61,6 +61,7 @@ class OuroAdapter(LlamaStyleLooped):
     has_exit_rule = True
     exit_rule_uses_depth = False  # the rule reads the state (and carry), not the loop count
     default_exit_threshold_source = "config early_exit_threshold"
+    max_exit_threshold = 1.0  # tau is a cumulative exit probability (1.0: never before D)
 
     @property
     def default_exit_threshold(self) -> float | None:

@@ -379,6 +379,12 @@ def test_exit_parameters_are_validated_naming_the_field():
     with pytest.raises(ValueError, match="exit_at_step=3 exceeds the model's 2 loops"):
         engine.add_request([1, 2], SamplingParams(exit_at_step=3))
     assert not engine.has_unfinished_requests()
+    ouro = LoopedSpecEngine(load("ouro"), speculation="off")  # tau is a cumulative exit probability
+    with pytest.raises(ValueError, match=r"exit_threshold=1.5: ouro's exit rule reads a threshold of at most 1.0"):
+        ouro.add_request([1, 2], SamplingParams(exit_threshold=1.5))
+    ouro.add_request([1, 2], SamplingParams(exit_threshold=1.0, max_tokens=2))  # 1.0: never before D
+    with pytest.raises(ValueError, match=r"speculation: d=1 with k=0: plain decoding drafts nothing"):
+        LoopedSpecEngine(load("ouro"), speculation="0,1")
 
 
 @pytest.mark.parametrize("speculation", ["adaptive", "2,1"])

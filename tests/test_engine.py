@@ -146,8 +146,10 @@ def test_kv_cache_of_one_max_length_request_is_enough():
     outs = engine.generate(prompts, greedy(40))
     assert [o.token_ids for o in outs] == expected and outs[0].finish_reason == "length"
     assert engine.stats.num_spec_rounds > 0 and engine.num_free_blocks == 8
-    with pytest.raises(ValueError, match="cannot hold one request"):
+    with pytest.raises(ValueError, match=r"^num_kv_blocks=7 cannot hold one request .*give num_kv_blocks >= 8"):
         make_engine("ouro", num_kv_blocks=7, **options)
+    with pytest.raises(ValueError, match=r"^kv_cache_memory_gb=1e-06 GiB \(0 blocks\).*kv_cache_memory_gb >= "):
+        make_engine("ouro", kv_cache_memory_gb=1e-6, **options)
 
 
 def test_bad_input_is_rejected_and_nothing_accepted_is_lost():

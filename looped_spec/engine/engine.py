@@ -169,6 +169,12 @@ class LoopedSpecEngine:
                 f"exit_threshold={threshold}: {adapter.model_type} has no exit signal; "
                 "use exit_at_step for a fixed depth"
             )
+        top = adapter.max_exit_threshold
+        if threshold is not None and top is not None and threshold > top:
+            raise ValueError(
+                f"exit_threshold={threshold}: {adapter.model_type}'s exit rule reads a threshold of at most {top} "
+                f"({top} = never before its {depth} loops)"
+            )
         if threshold is None:
             threshold = adapter.default_exit_threshold
         if threshold is not None and not adapter.exit_rule_can_fire(threshold):

@@ -22,6 +22,7 @@ def num_kv_blocks(
     more than a full batch of the longest requests needs. Too few for one request of `max_model_len` is an error."""
     # The most blocks one request holds: its KV never covers more than max_model_len tokens (admission needs room for
     # prompt + 1 < max_model_len, and a round drafts at most the tokens the request may still commit)
+    given_blocks, given_memory = blocks, memory_gb
     per_request = (max_model_len + block_size - 1) // block_size
     per_block = KVCache.bytes_per_block(adapter.kv_layout, block_size, adapter.dtype)
     if blocks is None:
@@ -32,11 +33,19 @@ def num_kv_blocks(
         blocks = min(int(memory_gb * 2**30) // per_block, per_request * max_batch_size)
     if blocks < per_request:
         planes = adapter.kv_layout.num_planes
+        if given_blocks is not None:
+            source, remedy = f"num_kv_blocks={given_blocks}", f"num_kv_blocks >= {per_request}"
+        else:
+            label = (
+                "the default 2 GiB on CPU / half the free GPU memory" if given_memory is None else "kv_cache_memory_gb"
+            )
+            source = f"{label}={memory_gb:.3g} GiB ({blocks} blocks)"
+            remedy = f"kv_cache_memory_gb >= {per_request * per_block / 2**30:.3g}"
         raise ValueError(
-            f"KV cache of {blocks} blocks cannot hold one request of max_model_len={max_model_len} ({per_request} "
-            f"blocks of {per_block / 2**20:.3g} MiB: {block_size} tokens in each of the model's {planes} KV planes, "
-            f"which its depth D={adapter.full_depth} sets); lower max_model_len (or a depth option such as Huginn's "
-            "num_steps), or give more memory"
+            f"{source} cannot hold one request of max_model_len={max_model_len}: it needs {per_request} blocks of "
+            f"{per_block / 2**20:.3g} MiB ({block_size} tokens in each of the model's {planes} KV planes, which its "
+            f"depth D={adapter.full_depth} sets); give {remedy}, or lower max_model_len (or a depth option such as "
+            "Huginn's num_steps)"
         )
     return blocks
 

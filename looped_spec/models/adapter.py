@@ -150,6 +150,8 @@ class ModelAdapter(ABC):
     # ----- early exit (docs/architecture.md, "Early exit") -----
     #: True when the family has an exit rule driven by `exit_threshold` (Ouro's gate, Huginn's convergence).
     has_exit_rule: ClassVar[bool] = False
+    #: the largest `exit_threshold` the rule reads (Ouro's is a cumulative exit probability: at most 1); None: no bound
+    max_exit_threshold: ClassVar[float | None] = None
     #: where `default_exit_threshold` comes from, as error messages name it
     default_exit_threshold_source: ClassVar[str] = "default exit_threshold"
 
