@@ -362,7 +362,7 @@ def test_constant_depth_predictions_cannot_pass(family):
     full = load(family).full_depth
     prompt = [PROMPTS[SOLO_PROMPT[family]]]
     for k, d in sorted({(0, 0), (3, 1), (3, full - 1)}):
-        spec = SpeculativeConfig(k=k, d=max(d, 1), measure_depths=True)
+        spec = SpeculativeConfig(k=k, d=d, measure_depths=True)
         run = run_engine(family, spec, prompt, 20)
         totals = run.feedback_totals()
         assert totals == check_run(run, d)

@@ -44,7 +44,8 @@ def test_an_installed_package_provides_a_family_through_its_entry_point(tmp_path
     site = tmp_path / "site"
     site.mkdir()
     (site / "toy_plugin.py").write_text(  # a class the package never registers itself
-        "from custom_family import ToyLoopedAdapter\n\n\nclass PluggedAdapter(ToyLoopedAdapter):\n    pass\n"
+        "from custom_family import ToyLoopedAdapter\n\n\nclass PluggedAdapter(ToyLoopedAdapter):\n"
+        "    model_type = 'toy_plugged'\n"
     )
     dist = site / "toy_plugin-0.1.dist-info"
     dist.mkdir()
@@ -65,9 +66,15 @@ def test_an_installed_package_provides_a_family_through_its_entry_point(tmp_path
     # a token-id prompt prints as ids, prompt then continuation (the toy has no tokenizer)
     assert done.stdout.startswith(" ".join(map(str, [1, 2, 3, 4, 5, *want])))
 
-    (dist / "entry_points.txt").write_text("[looped_spec.adapters]\ntoy_plugged = toy_plugin:Missing\n")
-    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=240)
-    assert done.returncode != 0 and "entry point toy_plugged = 'toy_plugin:Missing'" in done.stderr
+    for target, error in [
+        ("toy_plugin:Missing", "loading it failed"),
+        ("custom_family:ToyLoopedAdapter", "names a class whose model_type is 'toy_looped'"),
+        ("custom_family:make_toy_checkpoint", "registered no adapter for model_type 'toy_plugged'"),
+    ]:
+        (dist / "entry_points.txt").write_text(f"[looped_spec.adapters]\ntoy_plugged = {target}\n")
+        done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=240)
+        assert done.returncode != 0 and f"entry point toy_plugged = '{target}'" in done.stderr
+        assert error in done.stderr, done.stderr
 
 
 def test_an_unknown_model_type_says_how_a_family_is_added(tmp_path):

@@ -45,7 +45,7 @@ def plain_outputs():
 
 def grid(family: str):
     depth = load(family).full_depth
-    return [(k, d) for k, d in itertools.product([0, 1, 2, 3, 5], range(1, depth))]
+    return [(0, 0)] + [(k, d) for k, d in itertools.product([1, 2, 3, 5], range(1, depth))]  # (0, 0): plain
 
 
 @pytest.mark.parametrize("family,k,d", [(f, k, d) for f in FAMILIES for k, d in grid(f)])

@@ -7,7 +7,6 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 from conftest import FAMILIES, fixture_dir
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
@@ -34,7 +33,9 @@ def test_the_shipped_families_and_the_example_pass(toy):
         check_stages(load_adapter(name))
     check_stages(load_adapter("tiny-huginn", num_steps=5))
     check_stages(toy)
-    check_stages(variant(toy, uniform_loops=True))  # the toy's loops are uniform: declaring it holds
+    check_stages(variant(toy, uniform_loops=False))  # the toy's loops are uniform; not declaring it is allowed
+    check_stages(variant(toy, loop=swapped_loop, kv_layout=property(two_planes_a_loop), uniform_loops=False))
+    check_stages(variant(toy, readout=attending_readout, kv_layout=property(one_more_plane), readout_uses_kv=True))
 
 
 def wider_loop(self, state, loop_index, ctx):
@@ -43,6 +44,31 @@ def wider_loop(self, state, loop_index, ctx):
 
 def embed_on_a_loop_plane(self, token_ids, ctx):
     return ToyLoopedAdapter.loop(self, ToyLoopedAdapter.embed(self, token_ids, ctx), 0, ctx)  # attends on plane 0
+
+
+def swapped_loop(self, state, loop_index, ctx):
+    """Two layers of the toy's math, on the loop's two planes; after loop 0 in the other order."""
+    first, second = 2 * loop_index, 2 * loop_index + 1
+    if loop_index:
+        first, second = second, first
+    return ToyLoopedAdapter.loop(self, ToyLoopedAdapter.loop(self, state, first, ctx), second, ctx)
+
+
+def two_planes_a_loop(self):
+    return KVLayout(2 * self.full_depth, 1, 16, 2 * self.full_depth)
+
+
+def seeded_embed(self, token_ids, ctx):
+    ctx.token_seeds()
+    return ToyLoopedAdapter.embed(self, token_ids, ctx)
+
+
+def attending_readout(self, state, depth, ctx):  # a coda layer on the plane after the loops'
+    return ToyLoopedAdapter.readout(self, ToyLoopedAdapter.loop(self, state, self.full_depth, ctx), depth, ctx)
+
+
+def one_more_plane(self):
+    return KVLayout(self.full_depth + 1, 1, 16, self.full_depth)
 
 
 CASES = {
@@ -61,6 +87,18 @@ CASES = {
         r"loop 0 attends on KV planes \[0\], outside its planes \[1\]",
     ),
     "embed planes": ({"embed": embed_on_a_loop_plane}, r"embed attends on loop planes \[0\]"),
+    "loop order": (
+        {"uniform_loops": True, "loop": swapped_loop, "kv_layout": property(two_planes_a_loop)},
+        r"uniform_loops=True, but loop 1 is not loop 0 on moved planes",
+    ),
+    "embed context": (
+        {"embed_uses_context": False, "embed": seeded_embed},
+        r"declares embed_uses_context=False, but embed draws per-token seeds",
+    ),
+    "readout kv": (
+        {"readout": attending_readout, "kv_layout": property(one_more_plane)},
+        r"declares readout_uses_kv=False, but readout attends",
+    ),
     "uniform loops": ({"uniform_loops": True, "loop": wider_loop}, r"uniform_loops=True, but loop 1 is not loop 0"),
     "uniform readout": (
         {"uniform_loops": True, "readout": lambda self, s, d, ctx: ToyLoopedAdapter.readout(self, s, d, ctx) * d},
@@ -93,4 +131,3 @@ def test_a_kv_layout_that_cannot_hold_its_loop_planes_is_refused():
         KVLayout(4, 0, 16, 4)
     with pytest.raises(ValueError, match=r"KVLayout.head_dim=16.0 must be an integer"):
         KVLayout(4, 1, 16.0, 4)
-    assert torch.tensor(KVLayout(5, 1, 16, 4, first_loop_plane=1).num_planes) == 5

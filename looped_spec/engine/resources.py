@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import math
 
 import torch
 
@@ -40,7 +41,7 @@ def num_kv_blocks(
                 "the default 2 GiB on CPU / half the free GPU memory" if given_memory is None else "kv_cache_memory_gb"
             )
             source = f"{label}={memory_gb:.3g} GiB ({blocks} blocks)"
-            remedy = f"kv_cache_memory_gb >= {per_request * per_block / 2**30:.3g}"
+            remedy = f"kv_cache_memory_gb >= {math.ceil(per_request * per_block / 2**20) / 1024!r}"  # whole MiB, up
         raise ValueError(
             f"{source} cannot hold one request of max_model_len={max_model_len}: it needs {per_request} blocks of "
             f"{per_block / 2**20:.3g} MiB ({block_size} tokens in each of the model's {planes} KV planes, which its "

@@ -268,8 +268,12 @@ def register_adapter(cls_or_type: type[ModelAdapter] | str | None = None, *, mod
 
 
 def registered_model_types() -> list[str]:
+    """The model types a checkpoint may have: the families registered in this process and those installed packages
+    provide (`ENTRY_POINT_GROUP`, loaded when a checkpoint asks for one)."""
+    from importlib.metadata import entry_points
+
     _load_builtin_adapters()
-    return sorted(_REGISTRY)
+    return sorted(set(_REGISTRY) | {e.name for e in entry_points(group=ENTRY_POINT_GROUP)})
 
 
 def _load_builtin_adapters() -> None:
@@ -286,7 +290,13 @@ def _load_entry_point(model_type: str) -> None:
     """Register the family an installed package provides for `model_type` (see `ENTRY_POINT_GROUP`), if one does."""
     from importlib.metadata import entry_points
 
-    for entry in entry_points(group=ENTRY_POINT_GROUP, name=model_type):
+    entries = list(entry_points(group=ENTRY_POINT_GROUP, name=model_type))
+    if len(entries) > 1:
+        raise CheckpointError(
+            f"model_type {model_type!r}: several installed packages provide it (entry points "
+            f"{', '.join(repr(e.value) for e in entries)} in group {ENTRY_POINT_GROUP!r}); uninstall all but one"
+        )
+    for entry in entries:
         try:
             provided = entry.load()
         except Exception as exc:
@@ -295,6 +305,11 @@ def _load_entry_point(model_type: str) -> None:
                 f"{type(exc).__name__}: {exc}"
             ) from exc
         if isinstance(provided, type) and issubclass(provided, ModelAdapter):
+            if provided.model_type not in ("", model_type):
+                raise CheckpointError(
+                    f"entry point {entry.name} = {entry.value!r} (group {ENTRY_POINT_GROUP!r}) names a class whose "
+                    f"model_type is {provided.model_type!r}: the entry point's name must be its model_type"
+                )
             register_adapter(provided, model_type=model_type)
         if model_type not in _REGISTRY:
             raise CheckpointError(
@@ -323,10 +338,10 @@ def adapter_class(model_type: str, where: str = "config.json") -> type[ModelAdap
         _load_entry_point(model_type)
     if model_type not in _REGISTRY:
         raise CheckpointError(
-            f"{where}: unknown model_type {model_type!r}; registered: {', '.join(sorted(_REGISTRY))}. A new family "
-            "is a ModelAdapter subclass: register it with looped_spec.register_adapter in this process, or install a "
-            f"package that names it under the entry-point group {ENTRY_POINT_GROUP!r} (how the CLI, the server and "
-            "Ray Serve replicas find it; docs/architecture.md, 'Adding a family')"
+            f"{where}: unknown model_type {model_type!r}; registered: {', '.join(registered_model_types())}. A new "
+            "family is a ModelAdapter subclass: register it with looped_spec.register_adapter in this process, or "
+            f"install a package that names it under the entry-point group {ENTRY_POINT_GROUP!r} (how the CLI, the "
+            "server and Ray Serve replicas find it; docs/architecture.md, 'Adding a family')"
         )
     return _REGISTRY[model_type]
 

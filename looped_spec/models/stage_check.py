@@ -15,8 +15,9 @@ import torch
 
 from looped_spec.models.dense import DenseContext
 
-#: how far apart loop(state, i) and loop(state, 0) (or two depths' readouts) may be for loops declared uniform:
-#: the same computation gives the same numbers, so this only absorbs kernels that are not bitwise deterministic
+#: how far apart loop(state, i) and loop(state, 0) (or two depths' readouts) may be for loops declared uniform,
+#: relative to the largest value: the same computation on the same inputs gives the same numbers (bitwise so today),
+#: so this only leaves room for a kernel that reduces in another order; at least a few roundings of the dtype
 UNIFORM_TOLERANCE = 1e-4
 
 
@@ -29,6 +30,11 @@ class _ProbeContext(DenseContext):
         self.layout = adapter.kv_layout
         self.model_type = adapter.model_type
         self.planes: list[int] = []
+        self.seeded = False  # whether `token_seeds` was read
+
+    def token_seeds(self) -> list[tuple[int, int]]:
+        self.seeded = True
+        return super().token_seeds()
 
     def attention(self, plane: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         layout = self.layout
@@ -67,6 +73,12 @@ def check_stages(adapter) -> None:
     _check_shape(adapter, "embed", state, adapter.state_dim, "state_dim")
     if any(p in loop_planes for p in ctx.planes):
         raise ValueError(f"{name}: embed attends on loop planes {sorted(set(ctx.planes) & loop_planes)}")
+    if (ctx.planes or ctx.seeded) and not adapter.embed_uses_context:
+        what = "attends" if ctx.planes else "draws per-token seeds"
+        raise ValueError(f"{name}: declares embed_uses_context=False, but embed {what}: set embed_uses_context = True")
+    if ctx.seeded and not adapter.needs_token_seeds:
+        raise ValueError(f"{name}: embed reads ctx.token_seeds(), but needs_token_seeds is False")
+    tolerance = max(UNIFORM_TOLERANCE, 4 * torch.finfo(state.dtype).eps) if state.is_floating_point() else 0.0
     per_loop = layout.num_loop_planes // depth
     first_loop_planes: list[int] = []
     logits = []
@@ -74,19 +86,18 @@ def check_stages(adapter) -> None:
         ctx.planes = []
         nxt = adapter.loop(state, i, ctx)
         _check_shape(adapter, f"loop {i}", nxt, adapter.state_dim, "state_dim")
-        wrong = sorted(set(ctx.planes) - set(adapter.loop_planes(i)))
+        planes_i = list(ctx.planes)
+        wrong = sorted(set(planes_i) - set(adapter.loop_planes(i)))
         if wrong:
             raise ValueError(
                 f"{name}: loop {i} attends on KV planes {wrong}, outside its planes {list(adapter.loop_planes(i))} "
                 f"(kv_layout: first_loop_plane={layout.first_loop_plane}, {per_loop} planes a loop)"
             )
         if i == 0:
-            first_loop_planes = list(ctx.planes)
-        elif adapter.uniform_loops:
-            ctx.planes = []
+            first_loop_planes = planes_i
+        elif adapter.uniform_loops:  # loop i must be loop 0 (same math, same layer order) on planes moved by i loops
             as_loop0 = adapter.loop(state, 0, ctx)
-            moved = [p + i * per_loop for p in ctx.planes]
-            if moved != [p + i * per_loop for p in first_loop_planes] or not _close(as_loop0, nxt):
+            if planes_i != [p + i * per_loop for p in first_loop_planes] or not _close(as_loop0, nxt, tolerance):
                 raise ValueError(
                     f"{name}: declares uniform_loops=True, but loop {i} is not loop 0 on moved planes (it computes "
                     "something else): set uniform_loops = False"
@@ -99,16 +110,18 @@ def check_stages(adapter) -> None:
             raise ValueError(f"{name}: readout returned {out.dtype} logits; the engine samples from float32")
         if any(p in loop_planes for p in ctx.planes):
             raise ValueError(f"{name}: readout attends on loop planes {sorted(set(ctx.planes) & loop_planes)}")
+        if ctx.planes and not adapter.readout_uses_kv:
+            raise ValueError(f"{name}: declares readout_uses_kv=False, but readout attends: set readout_uses_kv = True")
         logits.append((state, out))
     if adapter.uniform_loops:  # the readout must not depend on the depth: one call reads out tokens of any depth
         for d, (s, out) in enumerate(logits, start=1):
-            if d < depth and not _close(adapter.readout(s, depth, ctx), out):
+            if d < depth and not _close(adapter.readout(s, depth, ctx), out, tolerance):
                 raise ValueError(
                     f"{name}: declares uniform_loops=True, but readout(state, {d}) differs from readout(state, "
                     f"{depth}) for the same state: set uniform_loops = False"
                 )
 
 
-def _close(a: torch.Tensor, b: torch.Tensor) -> bool:
+def _close(a: torch.Tensor, b: torch.Tensor, tolerance: float) -> bool:
     scale = float(b.abs().max()) if b.numel() else 0.0
-    return a.shape == b.shape and bool(((a - b).abs() <= UNIFORM_TOLERANCE * (1.0 + scale)).all())
+    return a.shape == b.shape and bool(((a - b).abs() <= tolerance * (1.0 + scale)).all())
