@@ -166,3 +166,75 @@ def test_end_all_ends_streams_and_waiting_scores_and_admits_nothing_more():
     finally:
         release.set()
         front.shutdown()
+
+
+def test_an_abort_ends_the_stream_a_task_is_reading_and_its_id_is_reused_once_released():
+    engine = make_engine("ouro", speculation="off")
+    front = AsyncLoopedSpecEngine(engine)
+    front.start()
+    long, short = SamplingParams(max_tokens=400, ignore_eos=True), SamplingParams(max_tokens=4, ignore_eos=True)
+    expected = make_engine("ouro", speculation="off").generate([PROMPTS[1]], short)[0].token_ids
+
+    async def run():
+        stream = front.add_request(PROMPTS[0], long, request_id="X")
+        seen: list = []
+        reading = asyncio.create_task(_drain(stream, seen))
+        while not seen:  # reading: then aborted from elsewhere while it waits for the next output
+            await asyncio.sleep(0.01)
+        front.abort("X")
+        await asyncio.wait_for(reading, 10)  # the reader stops (it waited for ever before)
+        assert stream.finished and not any(out.finished for out in seen)
+        with pytest.raises(ValueError, match="request_id 'X' was just aborted and is still being released"):
+            front.add_request(PROMPTS[1], short, request_id="X")  # the engine may still hold the old one
+        for _ in range(500):  # free once the worker's next step handed the old request back
+            try:
+                again = front.add_request(PROMPTS[1], short, request_id="X")
+                break
+            except ValueError:
+                await asyncio.sleep(0.01)
+        outs = [out async for out in again]
+        assert outs[-1].token_ids == expected and outs[-1].prompt_token_ids == PROMPTS[1]  # its own request's
+        numbered = [out async for out in front.add_request(PROMPTS[1], short, request_id=7)]  # ids are strings
+        assert numbered[-1].request_id == "7" and numbered[-1].token_ids == expected
+
+    try:
+        asyncio.run(run())
+    finally:
+        front.shutdown()
+    with pytest.raises(Exception, match="the engine was shut down"):
+        front.start()  # a closed engine cannot serve again
+
+
+async def _drain(stream, seen: list) -> None:
+    async for out in stream:
+        seen.append(out)
+
+
+def test_a_fault_in_a_score_is_an_engine_fault_and_the_worker_goes_on(monkeypatch):
+    from looped_spec.engine.async_engine import EngineFaultError
+
+    engine = make_engine("ouro", speculation="off")
+    front = AsyncLoopedSpecEngine(engine)
+    real = engine.adapter.dense_logits
+    calls = []
+
+    def failing_once(*args, **kwargs):
+        calls.append(None)
+        if len(calls) == 1:
+            raise RuntimeError("injected")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(engine.adapter, "dense_logits", failing_once)
+
+    async def run():
+        with pytest.raises(EngineFaultError, match="engine error: RuntimeError: injected"):
+            await front.score(PROMPTS[0])
+        with pytest.raises(ValueError):  # the caller's own error stays what it is
+            await front.score(PROMPTS[0], top_n=-1)
+        return await front.score(PROMPTS[0])
+
+    front.start()
+    try:
+        assert asyncio.run(run()) == make_engine("ouro").score(PROMPTS[0])
+    finally:
+        front.shutdown()

@@ -41,6 +41,10 @@ class _Stream:
     queue: asyncio.Queue  # RequestOutput | BaseException
 
 
+#: put into a stream's queue by `abort()`: the iteration ends there, without a further output
+_ABORTED = object()
+
+
 class RequestStream:
     """The outputs of one request, in order, ending with a finished one.
 
@@ -58,6 +62,9 @@ class RequestStream:
         try:
             while not self.finished:
                 item = await self._outputs.get()
+                if item is _ABORTED:  # aborted while (or before) it was read: nothing more comes
+                    self.finished = True
+                    return
                 if isinstance(item, BaseException):
                     self.finished = True
                     raise item
@@ -93,11 +100,16 @@ class AsyncLoopedSpecEngine:
         self._scores: set[asyncio.Future] = set()  # scores waiting or running (each holds an in-flight place)
         self._closing: str | None = None  # set by end_all: why no more work is admitted
         self._flush = False  # an abort was applied: the next step() hands back (and forgets) the request
+        # aborted ids the engine may still hold (until a step hands them back): not reusable before that, or a new
+        # stream of the same id would get the old request's outputs
+        self._retiring: set[str] = set()
 
     # ----- lifecycle -----
     def start(self) -> None:
         if self._thread is not None:
             return
+        if self.engine.closed:
+            raise EngineDeadError("the engine was shut down (its KV cache and weights are released): make a new one")
         self._stop.clear()
         self._closing = None
         self._thread = threading.Thread(target=self._run, name="looped-spec-engine", daemon=True)
@@ -145,12 +157,14 @@ class AsyncLoopedSpecEngine:
         """Queue a request now (or raise QueueFullError / EngineDeadError); iterate the stream for outputs."""
         if not self.is_running:
             raise EngineDeadError("the engine is not running")
-        request_id = request_id or f"req-{next(self._ids)}"
+        request_id = f"req-{next(self._ids)}" if request_id is None else str(request_id)  # the engine's ids are str
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
         with self._lock:
             self._check_room()
             if request_id in self._streams:
                 raise ValueError(f"request_id {request_id!r} is already in use")
+            if request_id in self._retiring:
+                raise ValueError(f"request_id {request_id!r} was just aborted and is still being released; retry")
             self._streams[request_id] = stream
         self._commands.put(("add", (request_id, prompt, params)))
         return RequestStream(self, request_id, stream.queue)
@@ -191,10 +205,15 @@ class AsyncLoopedSpecEngine:
                 self._scores.discard(future)
 
     def abort(self, request_id: str) -> None:
-        """Abort a request (no-op once it finished); its stream ends without a further output."""
+        """Abort a request (no-op once it finished); its stream ends without a further output (a reader waiting on
+        it stops there)."""
+        request_id = str(request_id)
         with self._lock:
-            if self._streams.pop(request_id, None) is None:
+            stream = self._streams.pop(request_id, None)
+            if stream is None:
                 return
+            self._retiring.add(request_id)
+        _post(stream.loop, stream.queue.put_nowait, _ABORTED)
         self._commands.put(("abort", request_id))
 
     def end_all(self, reason: str) -> None:
@@ -203,6 +222,7 @@ class AsyncLoopedSpecEngine:
         with self._lock:
             self._closing = reason
             ids, scores = list(self._streams), list(self._scores)
+            self._retiring.update(ids)
         self._fail_all(EngineDeadError(reason), ids)
         for request_id in ids:
             self._commands.put(("abort", request_id))
@@ -243,17 +263,24 @@ class AsyncLoopedSpecEngine:
                 continue
             failures = 0
             for out in outputs:
+                if out.request_id in self._retiring:  # an aborted request handed back: its id is free again
+                    if out.finished:
+                        with self._lock:
+                            self._retiring.discard(out.request_id)
+                    continue
                 self._deliver(out.request_id, out, out.finished)
 
     def _apply(self, command: tuple) -> None:
         kind, payload = command
         if kind == "add":
             request_id, prompt, params = payload
-            if request_id not in self._streams:  # aborted before the worker saw it
+            if request_id not in self._streams:  # aborted before the worker saw it: the engine never held it
+                with self._lock:
+                    self._retiring.discard(request_id)
                 return
             try:
                 self.engine.add_request(prompt, params, request_id=request_id)
-            except (ValueError, TypeError) as exc:
+            except Exception as exc:  # refused (ValueError, TypeError): that request's error, not the worker's
                 self._deliver(request_id, exc, True)
         elif kind == "score":
             token_ids, top_n, seed, future = payload
@@ -261,16 +288,19 @@ class AsyncLoopedSpecEngine:
                 return
             try:
                 result: object = self.engine.score(token_ids, top_n, seed)
-            except Exception as exc:  # the caller's error, not the worker's
+            except (ValueError, TypeError) as exc:  # the caller's error
                 result = exc
+            except Exception as exc:  # the model's: a fault, as a step's
+                result = EngineFaultError(f"engine error: {type(exc).__name__}: {exc}")
             loop = future.get_loop()
             _post(loop, _settle, future, result)
         elif kind == "abort":
             try:
                 self.engine.abort(payload)
                 self._flush = True
-            except KeyError:
-                pass  # finished (or never added) before the abort arrived
+            except KeyError:  # finished (or never added) before the abort arrived: the engine holds nothing of it
+                with self._lock:
+                    self._retiring.discard(payload)
 
     def _deliver(self, request_id: str, item: RequestOutput | BaseException, last: bool) -> None:
         with self._lock:

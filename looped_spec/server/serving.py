@@ -193,6 +193,8 @@ class OpenAIServing:
             raise APIError(429, f"server busy: {exc}; retry later", headers={"Retry-After": RETRY_AFTER_S}) from exc
         except EngineDeadError as exc:
             raise APIError(503, str(exc), headers={"Retry-After": RETRY_AFTER_S}) from exc
+        except EngineFaultError as exc:  # the model failed on this score (the worker goes on)
+            raise APIError(500, str(exc)) from exc
 
     def completion_logprobs(
         self, token_ids: list[int], entries: list, offsets: TextOffsets | None = None
