@@ -322,6 +322,8 @@ class AsyncLoopedSpecEngine:
             engine.step()  # hands back the aborted requests (schedules nothing: none is left)
         except Exception:  # already failing: keep the worker alive
             logger.exception("engine could not flush aborted requests")
+        with self._lock:  # the engine holds none of them now: aborted ids among them are free again
+            self._retiring.difference_update(affected)
         self._fail_all(EngineFaultError(f"engine error: {type(exc).__name__}: {exc}"), affected)
 
     def _fail_all(self, exc: BaseException, request_ids: list[str] | None = None) -> None:

@@ -81,7 +81,7 @@ def check_stages(adapter) -> None:
     tolerance = max(UNIFORM_TOLERANCE, 4 * torch.finfo(state.dtype).eps) if state.is_floating_point() else 0.0
     per_loop = layout.num_loop_planes // depth
     first_loop_planes: list[int] = []
-    logits = []
+    readouts = []  # (state after loop d, its readout at depth d)
     for i in range(depth):
         ctx.planes = []
         nxt = adapter.loop(state, i, ctx)
@@ -112,9 +112,9 @@ def check_stages(adapter) -> None:
             raise ValueError(f"{name}: readout attends on loop planes {sorted(set(ctx.planes) & loop_planes)}")
         if ctx.planes and not adapter.readout_uses_kv:
             raise ValueError(f"{name}: declares readout_uses_kv=False, but readout attends: set readout_uses_kv = True")
-        logits.append((state, out))
+        readouts.append((state, out))
     if adapter.uniform_loops:  # the readout must not depend on the depth: one call reads out tokens of any depth
-        for d, (s, out) in enumerate(logits, start=1):
+        for d, (s, out) in enumerate(readouts, start=1):
             if d < depth and not _close(adapter.readout(s, depth, ctx), out, tolerance):
                 raise ValueError(
                     f"{name}: declares uniform_loops=True, but readout(state, {d}) differs from readout(state, "
