@@ -54,14 +54,15 @@ def probabilities(logits: torch.Tensor, rows: SamplingRows) -> torch.Tensor:
     """
     scaled = logits.float() / rows.temperature[:, None]
     if rows.needs_filter:
+        # top-k first, then top-p on what top-k kept, renormalised (the order of HF's warpers and vLLM's sampler)
         sorted_logits, order = scaled.sort(dim=-1, descending=True)
         ranks = torch.arange(scaled.shape[-1], device=scaled.device)[None, :]
         k = torch.where(rows.top_k > 0, rows.top_k, torch.full_like(rows.top_k, scaled.shape[-1]))
-        drop = ranks >= k[:, None]
+        sorted_logits = sorted_logits.masked_fill(ranks >= k[:, None], float("-inf"))
         sorted_probs = sorted_logits.softmax(dim=-1)
         mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
-        drop |= mass_before >= rows.top_p[:, None]  # keeps the smallest prefix whose mass reaches top_p
-        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+        # keeps the smallest prefix whose mass reaches top_p
+        sorted_logits = sorted_logits.masked_fill(mass_before >= rows.top_p[:, None], float("-inf"))
         scaled = torch.empty_like(scaled).scatter_(-1, order, sorted_logits)
     probs = scaled.softmax(dim=-1)
     if rows.greedy.any():
