@@ -1,7 +1,8 @@
 """Chat with the model's own chat template (transformers' apply_chat_template), offline.
 
 tiny-ouro ships a plain template (messages as Python comments); it was not trained to chat, so its
-answers are Python-flavoured text. With a real chat model, pass its folder as --model.
+answers are Python-flavoured text. With a real chat model, pass its folder as --model. Prefix caching is on: each
+turn's prompt begins with the conversation so far, whose KV the engine keeps (the count is printed per turn).
 
     python examples/chat.py --message "Write a function that reverses a string."
 """
@@ -23,7 +24,7 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(1)
 
-    engine = LoopedSpecEngine(args.model)
+    engine = LoopedSpecEngine(args.model, prefix_caching=True)
     tokenizer = engine.tokenizer
     if tokenizer is None or not tokenizer.chat_template:
         raise SystemExit(f"{args.model} has no chat template; try --model tiny-ouro")
@@ -34,9 +35,11 @@ def main() -> None:
         # the template's end-of-turn token is the tokenizer's eos; stop there (and at a blank line)
         params = SamplingParams(max_tokens=args.max_tokens, temperature=0.7, top_p=0.95, seed=1, stop=["\n\n"],
                                 stop_token_ids=[tokenizer.eos_token_id])  # fmt: skip
-        reply = engine.generate(prompt, params)[0].text.strip()
+        out = engine.generate(prompt, params)[0]
+        reply = out.text.strip()
         messages.append({"role": "assistant", "content": reply})
-        print(f"user: {text}\nassistant: {reply}\n")
+        cached = f"{out.metrics.num_cached_tokens} of {len(out.prompt_token_ids)} prompt tokens cached"
+        print(f"user: {text}\nassistant: {reply}\n({cached})\n")
     engine.close()
 
 

@@ -521,3 +521,15 @@ def test_draft_confidence_auc_ranks_and_reports_every_depth(tmp_path, capsys):
                          "--out", str(out)])  # fmt: skip
     assert sorted(table) == [1, 2, 3] and all(row["positions"] == 18 for row in table.values())
     assert "AUC exit signal" in capsys.readouterr().out and json.loads(out.read_text())["table"]
+
+
+def test_prefix_cache_bench_prints_its_aa_line_and_checks_outputs(tmp_path, capsys):
+    script = load_script("bench_prefix_cache")
+    out = tmp_path / "pc.json"
+    result = script.main(["--model", "tiny-ouro", "--batch-size", "2", "--shared-tokens", "40", "--own-tokens", "4",
+                          "--max-tokens", "3", "--rounds", "2", "--out", str(out)])  # fmt: skip
+    printed = capsys.readouterr().out
+    assert "A/A   plain ÷ plain-B" in printed and "cache plain ÷ cached" in printed
+    assert result["outputs_identical"] and json.loads(out.read_text())["outputs_identical"]
+    hits, queries = result["cached_prompt_tokens"]
+    assert 0 < hits < queries

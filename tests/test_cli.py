@@ -153,3 +153,17 @@ def test_the_speed_ratio_never_calls_a_slowdown_faster(capsys):
     assert speed_ratio(1.57) == "1.57x faster" and speed_ratio(0.73) == "0.73x as fast (slower)"
     assert main(BASE + ["--prompt", "x", "--max-tokens", "3"]) == 0
     assert "finish reasons            length: 1" in capsys.readouterr().out
+
+
+def test_prefix_caching_flag_shares_a_prompt_start(capsys):
+    """--prefix-caching reaches the engine: prompts run one after another (--stream), the second finds the start the
+    first computed, and the summary says how many prompt tokens came from the cache."""
+    start = "You are a careful assistant who writes short Python. " * 2
+    argv = BASE + ["--prompt", start + "def add(a, b):", "--prompt", start + "import os\n", "--stream"]
+    assert main(argv + ["--prefix-caching"]) == 0
+    cached = capsys.readouterr().out
+    hits, queries = map(int, re.search(r"prompt tokens from the prefix cache\s+(\d+)/(\d+)", cached).groups())
+    assert 0 < hits < queries
+    assert main(argv) == 0
+    plain = capsys.readouterr().out
+    assert "prefix cache" not in plain and plain.split("\n\n---")[0] == cached.split("\n\n---")[0]

@@ -586,9 +586,19 @@ def test_one_pass_serves_requests_at_different_loops():
 
 
 EXAMPLES = int(os.environ.get("LOOPED_SPEC_HYPOTHESIS_EXAMPLES", "60"))
+SHARED_STARTS = ([3, 1, 4, 1, 5, 9, 2, 6], [3, 1, 4, 1, 7], [2, 7, 1, 8, 2, 8])  # for prefix caching to share
+
+
+def sum_lists(parts: tuple[list[int], list[int]]) -> list[int]:
+    return parts[0] + parts[1]
+
+
 request_st = st.fixed_dictionaries(
     {
-        "prompt": st.lists(st.integers(1, 255), min_size=1, max_size=10),
+        "prompt": st.one_of(
+            st.lists(st.integers(1, 255), min_size=1, max_size=10),
+            st.tuples(st.sampled_from(SHARED_STARTS), st.lists(st.integers(1, 255), max_size=3)).map(sum_lists),
+        ),
         "max_tokens": st.integers(1, 14),
         "sampled": st.booleans(),
         "seed": st.integers(0, 2**31 - 1),
@@ -616,6 +626,7 @@ def params_of(spec: dict, family: str) -> SamplingParams:
     num_kv_blocks=st.integers(6, 9),  # block_size 4, max_model_len 24: one request needs up to 6
     budget=st.sampled_from([None, 2, 5]),  # max_pass_positions
     captured=st.booleans(),  # the captured-pass path, run uncaptured (cuda_graphs="emulate")
+    prefix_caching=st.booleans(),
     initial=st.lists(request_st, min_size=1, max_size=5),
     actions=st.lists(
         st.one_of(
@@ -628,7 +639,7 @@ def params_of(spec: dict, family: str) -> SamplingParams:
     ),
 )
 def test_random_arrivals_exits_aborts_and_faults_equal_each_request_alone(
-    family, early_exit, plan, num_kv_blocks, budget, captured, initial, actions
+    family, early_exit, plan, num_kv_blocks, budget, captured, prefix_caching, initial, actions
 ):
     """Against each request run alone by the step engine: greedy requests under the same plan, or plainly where the
     plan differs alone (adaptive plans, and requests that exit early: greedy speculation is lossless); sampled
@@ -638,7 +649,7 @@ def test_random_arrivals_exits_aborts_and_faults_equal_each_request_alone(
     engine = make_engine(family, batching="loop", early_exit=early_exit, speculation=speculation, block_size=4,
                          num_kv_blocks=num_kv_blocks, max_model_len=24, max_batch_size=4,
                          max_num_batched_tokens=8, max_pass_positions=budget,
-                         cuda_graphs="emulate" if captured else None)  # fmt: skip
+                         cuda_graphs="emulate" if captured else None, prefix_caching=prefix_caching)  # fmt: skip
     references = {
         exits: make_engine(
             family,
@@ -678,7 +689,8 @@ def test_random_arrivals_exits_aborts_and_faults_equal_each_request_alone(
                 assert out.request_id not in finished
                 finished[out.request_id] = out
         live = list(engine.scheduler.running) + list(engine.scheduler.waiting)
-        assert engine.num_free_blocks + sum(len(r.block_table) for r in live) == engine.kv.num_blocks
+        held = {block for r in live for block in r.block_table}  # prefix caching shares blocks
+        assert engine.num_free_blocks + len(held) == engine.kv.num_blocks
 
     try:
         for spec in initial:
@@ -719,6 +731,7 @@ def test_random_arrivals_exits_aborts_and_faults_equal_each_request_alone(
         event(f"tokens exited early: {engine.stats.num_exit_loops_saved > 0}")
         event(f"drafts: {engine.stats.num_draft_tokens > 0}")
         event(f"captured passes: {engine.stats.num_loop_passes_captured > 0}")
+        event(f"prefix cache hits: {engine.stats.num_prefix_cache_hits > 0}")
     finally:
         del adapter.loop
         gc.collect()

@@ -1,5 +1,6 @@
 """Issue 11, done-when: random mixes of requests, aborts, online adds during generate(), a cache small
-enough to preempt, random fixed and adaptive speculation and one-shot faults injected into model code.
+enough to preempt, random fixed and adaptive speculation, prefix caching on or off (prompts often begin alike)
+and one-shot faults injected into model code.
 
 Checked after every step: no KV block leaked, no request reported finished twice; at the end every
 request reported finished exactly once, each greedy output (and each sampled one when speculation is
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import gc
 import os
+from collections import Counter
 from functools import cache
 
 import pytest
@@ -51,9 +53,15 @@ class FaultyLoop:
         return self.original(*args, **kwargs)
 
 
+#: prompts often begin alike (a block of 4 tokens or more), so prefix caching has blocks to share
+SHARED_STARTS = ([3, 1, 4, 1, 5, 9, 2, 6], [3, 1, 4, 1, 7, 7], [2, 7, 1, 8, 2, 8, 1, 8, 2, 8])
+prompts_st = st.one_of(
+    st.lists(st.integers(1, 255), min_size=1, max_size=14),
+    st.tuples(st.sampled_from(SHARED_STARTS), st.lists(st.integers(1, 255), max_size=5)).map(lambda p: p[0] + p[1]),
+)
 requests_st = st.fixed_dictionaries(
     {
-        "prompt": st.lists(st.integers(1, 255), min_size=1, max_size=14),
+        "prompt": prompts_st,
         "max_tokens": st.integers(1, 14),
         "sampled": st.booleans(),
         "seed": st.integers(0, 2**31 - 1),
@@ -82,6 +90,7 @@ scenarios_st = st.fixed_dictionaries(
         "family": st.sampled_from(["ouro", "nanbeige", "huginn"]),
         "speculation": st.one_of(st.just("off"), st.just("adaptive"), st.tuples(st.integers(0, 3), st.integers(1, 7))),
         "num_kv_blocks": st.integers(8, 16),  # block_size 4, max_model_len 32: one request needs up to 8
+        "prefix_caching": st.booleans(),
         "max_batch_size": st.integers(1, 4),
         "initial": st.lists(requests_st, min_size=2, max_size=5),
         "actions": actions_st,
@@ -123,11 +132,16 @@ def speculation_of(scenario: dict):
 
 
 def held_blocks(engine) -> int:
+    """The distinct blocks live requests hold (prefix caching shares blocks), each counted as held by every table
+    that holds it."""
     live = list(engine.scheduler.running) + list(engine.scheduler.waiting)
     for request in engine._requests.values():
         if request.finished:
             assert not request.block_table, f"finished request {request.request_id} still holds KV blocks"
-    return sum(len(r.block_table) for r in live)
+    holders = Counter(block for r in live for block in r.block_table)
+    for block, count in holders.items():
+        assert engine.kv.holders(block) == count, f"block {block}: {engine.kv.holders(block)} holders counted"
+    return len(holders)
 
 
 @pytest.mark.slow
@@ -150,6 +164,7 @@ def test_random_workloads_never_wedge_leak_or_lose_an_output(scenario):
         max_model_len=32,
         max_batch_size=scenario["max_batch_size"],
         max_num_batched_tokens=12,
+        prefix_caching=scenario["prefix_caching"],
     )
     adapter = engine.adapter
     faulty = FaultyLoop(adapter.loop)
@@ -256,6 +271,7 @@ def test_random_workloads_never_wedge_leak_or_lose_an_output(scenario):
         event(f"preempted: {engine.scheduler.num_preemptions > 0}")
         event(f"speculative rounds: {engine.stats.num_spec_rounds > 0}")
         event(f"aborted: {bool(aborted)}")
+        event(f"prefix cache hits: {engine.stats.num_prefix_cache_hits > 0}")
         event(f"commit failed: {any(out.finish_reason == 'error' for out in finished.values())}")
         # still usable
         probe = {"prompt": [7, 8, 9], "max_tokens": 4, "sampled": False, "seed": 0, "stop": [], "ignore_eos": True}

@@ -19,7 +19,7 @@ def engine_options(args: argparse.Namespace) -> dict:
     return dict(dtype=args.dtype, device=args.device, speculation=args.speculation, preset=args.preset,
                 policy=args.policy, seed=args.seed, trace_path=args.trace, max_batch_size=args.max_batch_size,
                 max_model_len=args.max_model_len, early_exit=getattr(args, "early_exit", "skip"),
-                batching=args.batching, cuda_graphs=CUDA_GRAPHS[args.cuda_graphs],
+                batching=args.batching, cuda_graphs=CUDA_GRAPHS[args.cuda_graphs], prefix_caching=args.prefix_caching,
                 adapter_options=parse_adapter_options(args.adapter_option) or None)  # fmt: skip
 
 
@@ -87,6 +87,8 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
                    help="auto: captured steps and loop passes on CUDA; on: capture (an error where it cannot); "
                    "off: eager; emulate: the padded captured path run uncaptured, on any device")  # fmt: skip
     p.add_argument("--adapter-option", action="append", metavar="KEY=VALUE", help="passed to the adapter (repeatable)")
+    p.add_argument("--prefix-caching", action="store_true",
+                   help="prompts that begin alike share the KV of that beginning (prefilled once)")  # fmt: skip
 
 
 def one_line(exc: Exception) -> str:

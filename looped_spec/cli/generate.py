@@ -162,6 +162,9 @@ def _print_stats(engine, args: argparse.Namespace, outputs: list) -> None:
              f"{stats.num_accepted_tokens}/{stats.num_draft_tokens} ({100 * stats.acceptance_rate:.1f}%)"),
             ("plans used (K,d: rounds)", ", ".join(f"{k}: {v}" for k, v in sorted(stats.plan_histogram.items()))),
         ]  # fmt: skip
+    if args.prefix_caching:
+        rows.append(("prompt tokens from the prefix cache",
+                     f"{stats.num_prefix_cache_hits}/{stats.num_prefix_cache_queries}"))  # fmt: skip
     if stats.exit_depth_histogram:
         histogram = ", ".join(f"{d}: {n}" for d, n in sorted(stats.exit_depth_histogram.items()))
         rows += [

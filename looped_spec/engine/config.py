@@ -135,6 +135,9 @@ class EngineConfig(BaseModel):
     # None = on for CUDA devices; "emulate": the graph runner's padded static-buffer path run eagerly on any
     # device, without capture (how the CPU tests cover that path)
     cuda_graphs: StrictBool | Literal["emulate"] | None = None
+    # requests whose prompts begin alike share the KV blocks of that beginning (docs/architecture.md, "Prefix
+    # caching"); blocks of finished requests stay cached until their space is needed
+    prefix_caching: StrictBool = False
     early_exit: Literal["skip", "select"] = "skip"  # how tokens that exit early run (docs/architecture.md)
     # "step": a decode step is a whole token (or speculative round) for the batch; "loop": one pass of the
     # block serves every request at whatever loop it is on (docs/architecture.md, "Loop-level batching")

@@ -21,6 +21,7 @@ from looped_spec.engine.config import EngineConfig, SpeculativeConfig, parse_spe
 from looped_spec.engine.failures import StepFailures
 from looped_spec.engine.inputs import check_vocabulary, load_tokenizer, normalize_prompts, to_token_ids
 from looped_spec.engine.outputs import request_output, time_tokens
+from looped_spec.engine.prefix_cache import PrefixCache
 from looped_spec.engine.resources import loop_pass_graphs, num_kv_blocks, step_graphs
 from looped_spec.engine.scheduler import Scheduler
 from looped_spec.engine.stats import EngineStats
@@ -111,7 +112,8 @@ class LoopedSpecEngine:
             self.max_model_len,
             type(self.controller).__name__,
         )
-        self.scheduler = Scheduler(self.kv, config.max_batch_size, config.max_num_batched_tokens)
+        prefix_cache = PrefixCache(self.kv, self.adapter.needs_token_seeds) if config.prefix_caching else None
+        self.scheduler = Scheduler(self.kv, config.max_batch_size, config.max_num_batched_tokens, prefix_cache)
         graphs = None
         if config.batching == "step":
             graphs = step_graphs(self.adapter, self.kv, self.max_model_len, self.max_batch_size,

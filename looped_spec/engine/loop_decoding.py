@@ -21,7 +21,7 @@ def step(engine, suspect: Request | None) -> None:
     chunks_in_flight = {i: it.num_positions for i, it in batcher.items.items() if it.chunk and it.fresh()}
     batch = scheduler.schedule_pass(chunks_in_flight, only=suspect)
     engine.stats.phase_seconds["schedule"] += time.perf_counter() - t0
-    engine.stats.num_preemptions = scheduler.num_preemptions
+    scheduler.count_into(engine.stats)
     if batch is None:
         return
     run_pass(engine, suspect, batch, {r.request_id: n for r, n in zip(batch.requests, batch.chunk_lens) if n})
@@ -55,7 +55,7 @@ def run_pass(engine, suspect: Request | None, batch: ScheduledBatch, chunks: dic
             r.request_id: Entering(kr, plan.d, plan.measure_depths and not r.exits_early, plan.stop_margin)
             for r, kr in zip(kept, k)
         }
-        stats.num_preemptions = scheduler.num_preemptions
+        scheduler.count_into(stats)
         stats.phase_seconds["control"] += time.perf_counter() - t1
     requests = [r for r in scheduled if r.status is RequestStatus.RUNNING]
     if not requests:

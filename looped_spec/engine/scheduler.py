@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Collection
 
+from looped_spec.engine.prefix_cache import PrefixCache
 from looped_spec.execution.kv_cache import KVCache
 from looped_spec.request import Request, RequestStatus, ScheduledBatch, TokenLogprob
 
@@ -18,11 +19,16 @@ class Scheduler:
     When blocks run out the newest running request (latest arrival) is preempted: its blocks are
     freed and it goes back to the front of the queue to be recomputed, keeping the tokens it already
     has. Scheduling (admission, KV growth, preemption) happens before a step runs; `postprocess` is
-    the only place the step's results change request state.
+    the only place the step's results change request state. With a `prefix_cache`, an admitted request starts
+    from the cached blocks its prompt begins with, and its prompt blocks are registered as they are computed.
     """
 
-    def __init__(self, kv_cache: KVCache, max_batch_size: int, max_num_batched_tokens: int) -> None:
+    def __init__(
+        self, kv_cache: KVCache, max_batch_size: int, max_num_batched_tokens: int,
+        prefix_cache: PrefixCache | None = None,
+    ) -> None:  # fmt: skip
         self.kv = kv_cache
+        self.prefix_cache = prefix_cache
         self.max_batch_size = max_batch_size
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: deque[Request] = deque()
@@ -81,10 +87,15 @@ class Scheduler:
             budget -= chunk
         while self.waiting and budget > 0 and len(self.running) < self.max_batch_size:
             request = self.waiting[0]
-            chunk = min(request.num_tokens - request.num_computed, budget)
-            # admit only when the whole remaining prompt fits now, so admission never forces preemption
-            if self.kv.extra_blocks(request.block_table, request.num_tokens + 1) > self.kv.num_free_blocks:
+            cached = self.prefix_cache.lookup(request) if self.prefix_cache is not None else []
+            # admit only when the whole remaining prompt fits now, so admission never forces preemption (cached
+            # blocks no request holds count among the free ones: taking them leaves fewer)
+            need = self.kv.extra_blocks(request.block_table, request.num_tokens + 1) - len(cached)
+            if need > self.kv.num_free_blocks - self.kv.num_free_among(cached):
                 break
+            if self.prefix_cache is not None:
+                self.prefix_cache.take(request, cached)
+            chunk = min(request.num_tokens - request.num_computed, budget)
             self.kv.grow(request.block_table, request.num_computed + chunk)
             self.waiting.popleft()
             request.status = RequestStatus.RUNNING
@@ -103,6 +114,13 @@ class Scheduler:
         if not self._grow_or_preempt(request, request.num_computed + chunk):
             return None
         return ScheduledBatch(is_prefill=True, requests=[request], chunk_lens=[chunk])
+
+    def count_into(self, stats) -> None:
+        """Copy the scheduler's counters into the engine's `EngineStats`."""
+        stats.num_preemptions = self.num_preemptions
+        if self.prefix_cache is not None:
+            stats.num_prefix_cache_queries = self.prefix_cache.queries
+            stats.num_prefix_cache_hits = self.prefix_cache.hits
 
     # ----- KV budget -----
     def _grow_or_preempt(self, request: Request, num_tokens: int) -> bool:
@@ -137,6 +155,7 @@ class Scheduler:
     def preempt(self, request: Request) -> None:
         self.kv.free(request.block_table)
         request.num_computed = 0
+        request.num_registered_blocks = 0
         request.prefilled = False
         request.status = RequestStatus.WAITING
         request.metrics.num_preemptions += 1
@@ -179,6 +198,8 @@ class Scheduler:
                 request.metrics.num_accepted_tokens += num_accepted[i] if num_accepted is not None else 0
             if not new:
                 request.num_computed += chunk_lens[i] if chunk_lens is not None else 0
+                if self.prefix_cache is not None:
+                    self.prefix_cache.register(request, request.num_computed)
                 appended.append(0)
                 continue
             depths = exit_depths[i] if exit_depths is not None else []
@@ -202,6 +223,8 @@ class Scheduler:
             if error is not None:
                 failed.append((request, error))
                 continue
+            if self.prefix_cache is not None:  # KV is final for every token but the last (before a finish frees it)
+                self.prefix_cache.register(request, request.num_tokens - 1)
             request.prefilled = True
             if request.finish_reason is not None:
                 self.finish(request)

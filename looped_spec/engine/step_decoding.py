@@ -23,7 +23,7 @@ def step(engine, suspect: Request | None) -> None:
     scheduler, stats = engine.scheduler, engine.stats
     batch = scheduler.schedule(only=suspect)
     stats.phase_seconds["schedule"] += time.perf_counter() - t0
-    stats.num_preemptions = scheduler.num_preemptions
+    scheduler.count_into(stats)
     if batch is None:
         return
     if batch.is_prefill:
@@ -37,7 +37,7 @@ def step(engine, suspect: Request | None) -> None:
     wants = [0 if engine.exit_rule_reads_kv(r) else plan.k for r in batch.requests]
     requests, k = scheduler.reserve_decode(batch.requests, wants)
     stats.phase_seconds["control"] += time.perf_counter() - t1
-    stats.num_preemptions = scheduler.num_preemptions
+    scheduler.count_into(stats)
     if not requests:
         return
     # one decode path: plain decoding is the K = 0 round

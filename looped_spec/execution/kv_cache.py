@@ -5,10 +5,16 @@ planes (as one table addresses all layers in vLLM); a plane's storage is
 `[num_blocks * block_size, kv_heads, head_dim]`. Rolling back rejected draft positions is
 `truncate`: blocks past the kept length go back to the free list, and stale entries inside the
 last kept block are overwritten before they are read again.
+
+Prefix caching (docs/architecture.md, "Prefix caching"): a full block of prompt KV can be registered under a
+digest of every token up to its end; requests whose prompts start the same way then share that block (counted
+references), and a registered block nobody holds stays free but findable until it is handed out again, least
+recently freed first.
 """
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Sequence
 
 import torch
@@ -33,6 +39,11 @@ class KVCache:
         self.key_cache = torch.zeros(shape, dtype=dtype, device=device)  # [planes, slots, kv_heads, head_dim]
         self.value_cache = torch.zeros(shape, dtype=dtype, device=device)
         self._free: list[int] = list(range(num_blocks - 1, -1, -1))  # pop() hands out low ids first
+        # free blocks that still hold a registered prefix, least recently freed first: handed out after `_free`
+        self._cached_free: OrderedDict[int, None] = OrderedDict()
+        self._refs = [0] * num_blocks  # block tables holding each block
+        self._block_of: dict[bytes, int] = {}  # prefix digest -> the block holding that prefix's last block
+        self._digest_of: dict[int, bytes] = {}
 
     @staticmethod
     def bytes_per_block(layout: KVLayout, block_size: int, dtype: torch.dtype) -> int:
@@ -41,7 +52,13 @@ class KVCache:
 
     @property
     def num_free_blocks(self) -> int:
-        return len(self._free)
+        """Blocks no request holds (registered prefixes among them: handing one out forgets its prefix)."""
+        return len(self._free) + len(self._cached_free)
+
+    @property
+    def num_cached_blocks(self) -> int:
+        """Blocks registered under a prefix digest (held or free)."""
+        return len(self._digest_of)
 
     def blocks_for(self, num_tokens: int) -> int:
         return (num_tokens + self.block_size - 1) // self.block_size
@@ -51,24 +68,75 @@ class KVCache:
         return max(0, self.blocks_for(num_tokens) - len(table))
 
     def can_grow(self, table: list[int], num_tokens: int) -> bool:
-        return self.extra_blocks(table, num_tokens) <= len(self._free)
+        return self.extra_blocks(table, num_tokens) <= self.num_free_blocks
 
     def grow(self, table: list[int], num_tokens: int) -> None:
         """Append blocks so `table` holds `num_tokens` tokens (all or nothing)."""
         need = self.extra_blocks(table, num_tokens)
-        if need > len(self._free):  # a caller bug: the scheduler checks can_grow (and preempts) first
-            raise RuntimeError(f"KV cache: need {need} blocks, {len(self._free)} free")
+        if need > self.num_free_blocks:  # a caller bug: the scheduler checks can_grow (and preempts) first
+            raise RuntimeError(f"KV cache: need {need} blocks, {self.num_free_blocks} free")
         for _ in range(need):
-            table.append(self._free.pop())
+            if self._free:
+                block = self._free.pop()
+            else:  # the least recently freed registered block: its prefix is forgotten
+                block = self._cached_free.popitem(last=False)[0]
+                del self._block_of[self._digest_of.pop(block)]
+            self._refs[block] = 1
+            table.append(block)
 
     def truncate(self, table: list[int], num_tokens: int) -> None:
-        """Keep blocks for the first `num_tokens` tokens; free the rest."""
+        """Keep blocks for the first `num_tokens` tokens; give back the rest (a shared block stays with its other
+        holders)."""
         keep = self.blocks_for(num_tokens)
         while len(table) > keep:
-            self._free.append(table.pop())
+            block = table.pop()
+            self._refs[block] -= 1
+            if self._refs[block] == 0:
+                if block in self._digest_of:
+                    self._cached_free[block] = None
+                else:
+                    self._free.append(block)
 
     def free(self, table: list[int]) -> None:
         self.truncate(table, 0)
+
+    # ----- prefix caching -----
+    def cached_prefix(self, digests: Sequence[bytes]) -> list[int]:
+        """The blocks registered under the longest run of `digests` from the first (one block per digest)."""
+        blocks = []
+        for digest in digests:
+            block = self._block_of.get(digest)
+            if block is None:
+                break
+            blocks.append(block)
+        return blocks
+
+    def num_free_among(self, blocks: Sequence[int]) -> int:
+        """How many of `blocks` no request holds (sharing them takes them off the free blocks)."""
+        return sum(1 for block in blocks if self._refs[block] == 0)
+
+    def share(self, table: list[int], blocks: Sequence[int]) -> None:
+        """Append registered `blocks` (from `cached_prefix`) to an empty `table`: it holds them with their other
+        holders."""
+        if table:
+            raise RuntimeError("KV cache: a cached prefix starts a block table")
+        for block in blocks:
+            if self._refs[block] == 0:
+                del self._cached_free[block]
+            self._refs[block] += 1
+            table.append(block)
+
+    def register(self, block: int, digest: bytes) -> None:
+        """`block` (full, its KV final in every plane) holds the prefix `digest` names. A prefix already registered
+        keeps its block (the new one stays private to its table); a block registers one prefix."""
+        if digest in self._block_of or block in self._digest_of:
+            return
+        self._block_of[digest] = block
+        self._digest_of[block] = digest
+
+    def holders(self, block: int) -> int:
+        """How many block tables hold `block`."""
+        return self._refs[block]
 
     def copy_planes(self, src_planes: Sequence[int], dst_planes: Sequence[int], slots: torch.Tensor) -> None:
         """Keys/values of `slots` in `src_planes` copied into `dst_planes` (same length, plane by plane)."""
@@ -88,4 +156,7 @@ class KVCache:
         empty = self.key_cache.new_empty(0)
         self.key_cache, self.value_cache = empty, empty.clone()
         self._free = []
+        self._cached_free.clear()
+        self._block_of.clear()
+        self._digest_of.clear()
         self.num_blocks = 0

@@ -171,7 +171,7 @@ def build_app(
 
             usage = None
             if body.stream_options is not None and body.stream_options.include_usage:
-                usage = lambda outs: response([], serving.usage(num_prompt, outs))
+                usage = lambda outs: response([], serving.usage(num_prompt, outs, body.n))
             return StreamingResponse(serving.sse(outputs, chunks, usage), media_type="text/event-stream")
         outs = await serving.final_outputs(outputs, request)
         result = []
@@ -182,7 +182,7 @@ def build_app(
                 text, tokens, entries = prompt_text + text, ids + tokens, (prompt_entries or []) + entries
             logprobs = serving.completion_logprobs(tokens, entries) if scored else None
             result.append(CompletionChoice(index=k, text=text, logprobs=logprobs, finish_reason=out.finish_reason))
-        return response(result, serving.usage(num_prompt, outs))
+        return response(result, serving.usage(num_prompt, outs, body.n))
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
@@ -229,7 +229,7 @@ def build_app(
 
             usage = None
             if body.stream_options is not None and body.stream_options.include_usage:
-                usage = lambda outs: chunk([], serving.usage(len(ids), outs))
+                usage = lambda outs: chunk([], serving.usage(len(ids), outs, body.n))
             return StreamingResponse(serving.sse(outputs, chunks, usage), media_type="text/event-stream")
         outs = await serving.final_outputs(outputs, request)
         result = []
@@ -238,6 +238,6 @@ def build_app(
             result.append(ChatChoice(index=k, message=ChatResponseMessage(content=out.text or ""), logprobs=logprobs,
                                      finish_reason=out.finish_reason))  # fmt: skip
         return ChatCompletionResponse(id=cid, created=created, model=model_name, choices=result,
-                                      usage=serving.usage(len(ids), outs))  # fmt: skip
+                                      usage=serving.usage(len(ids), outs, body.n))  # fmt: skip
 
     return app

@@ -24,6 +24,7 @@ from looped_spec.server.protocol import (
     ChatLogprobs,
     ChatTokenLogprob,
     CompletionLogprobs,
+    PromptTokensDetails,
     SamplingFields,
     TopLogprob,
     UsageInfo,
@@ -230,11 +231,17 @@ class OpenAIServing:
         return entries[len(entries) - len(out.new_token_ids) :] if out.new_token_ids else []
 
     @staticmethod
-    def usage(num_prompt: int, outs: list[RequestOutput | None]) -> UsageInfo:
-        """Prompt tokens once per prompt, completion tokens over every choice."""
+    def usage(num_prompt: int, outs: list[RequestOutput | None], n: int = 1) -> UsageInfo:
+        """Prompt tokens once per prompt, completion tokens over every choice (`outs`: the `n` choices of each prompt
+        in turn); a prompt's cached tokens are the fewest any of its choices found in the prefix cache."""
         num_completion = sum(len(out.token_ids) for out in outs if out is not None)
+        details = None
+        if outs and all(out is not None for out in outs):
+            groups = [outs[i : i + n] for i in range(0, len(outs), n)]
+            cached = sum(min(out.metrics.num_cached_tokens for out in group) for group in groups)
+            details = PromptTokensDetails(cached_tokens=cached)
         return UsageInfo(prompt_tokens=num_prompt, completion_tokens=num_completion,
-                         total_tokens=num_prompt + num_completion)  # fmt: skip
+                         total_tokens=num_prompt + num_completion, prompt_tokens_details=details)  # fmt: skip
 
     async def final_outputs(self, outputs: list[AsyncIterator[RequestOutput]], request: Request) -> list[RequestOutput]:
         """Every choice's finished output; aborts them all if the client disconnects first."""
