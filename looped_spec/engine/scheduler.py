@@ -20,7 +20,7 @@ class Scheduler:
     freed and it goes back to the front of the queue to be recomputed, keeping the tokens it already
     has. Scheduling (admission, KV growth, preemption) happens before a step runs; `postprocess` is
     the only place the step's results change request state. With a `prefix_cache`, an admitted request starts
-    from the cached blocks its prompt begins with, and its prompt blocks are registered as they are computed.
+    from the cached blocks its tokens begin with, and its blocks are registered once their KV is final.
     """
 
     def __init__(

@@ -6,8 +6,8 @@ planes (as one table addresses all layers in vLLM); a plane's storage is
 `truncate`: blocks past the kept length go back to the free list, and stale entries inside the
 last kept block are overwritten before they are read again.
 
-Prefix caching (docs/architecture.md, "Prefix caching"): a full block of prompt KV can be registered under a
-digest of every token up to its end; requests whose prompts start the same way then share that block (counted
+Prefix caching (docs/architecture.md, "Prefix caching"): a full block whose KV is final can be registered under a
+digest of every token up to its end; requests whose tokens start the same way then share that block (counted
 references), and a registered block nobody holds stays free but findable until it is handed out again, least
 recently freed first.
 """
