@@ -283,3 +283,42 @@ def test_load_prompts_without_a_tokenizer_gives_random_ids_of_the_purposes_strea
         prompts, what = load_prompts(name, 6, bare, seed=1)
         assert prompts == random_prompts(6, 256, 1) and "no tokenizer" in what and repr(name) in what
     assert load_prompts("builtin", 6, bare, purpose="tune")[0] == random_token_prompts(6, 256)
+
+
+def test_prompt_files_are_refused_naming_the_file_and_line(tmp_path):
+    """A prompt file is read only as what it is: another extension, a folder, bytes that are not UTF-8 or a .jsonl
+    line without a usable prompt is an error naming the file (and line), never text read silently wrong."""
+    adapter = FakeAdapter(str(tmp_path), vocab_size=256)
+    listed = tmp_path / "p.json"
+    listed.write_text(json.dumps(["a", "b"]))
+    with pytest.raises(PromptSetError, match=r"p\.json: a prompt file is \.txt .* or \.jsonl .*not \.json"):
+        load_prompts(str(listed), 2, adapter)
+    folder = tmp_path / "prompts.txt"
+    folder.mkdir()
+    with pytest.raises(PromptSetError, match=r"prompts\.txt: is a directory"):
+        load_prompts(str(folder), 2, adapter, purpose="tune")
+    latin = tmp_path / "latin.txt"
+    latin.write_bytes(b"def f():\n    caf\xe9\n")
+    with pytest.raises(PromptSetError, match=r"latin\.txt:2: not UTF-8"):
+        load_prompts(str(latin), 2, adapter)
+    jsonl = tmp_path / "p.jsonl"
+    for line, problem in [
+        ({"prompt": ""}, "is empty"),
+        ({"prompt": []}, "empty list"),
+        ({"prompt": [1, 256]}, "token id 256 outside the vocabulary 0..255"),
+        ({"prompt": [1, -1]}, "token id -1"),
+        ({"prompt": [True, 2]}, "text or a list of integer token ids"),
+        ({"prompt": 7}, "text or a list of integer token ids"),
+    ]:
+        jsonl.write_text(json.dumps({"prompt": "ok"}) + "\n" + json.dumps(line) + "\n")
+        with pytest.raises(PromptSetError, match=rf"p\.jsonl:2: 'prompt' .*{problem}"):
+            load_prompts(str(jsonl), 2, adapter)
+    jsonl.write_text(json.dumps({"prompt": [1, 255]}) + "\n")
+    assert load_prompts(str(jsonl), 1, adapter)[0] == [[1, 255]]
+
+
+def test_a_cycled_prompt_file_says_so():
+    adapter = FakeAdapter(str(ROOT / "looped_spec" / "models" / "tiny-ouro"))
+    prompts, what = load_prompts(["a", "b"], 5, adapter)
+    assert prompts == ["a", "b", "a", "b", "a"] and "cycled to 5" in what
+    assert "cycled" not in load_prompts(["a", "b"], 2, adapter)[1]

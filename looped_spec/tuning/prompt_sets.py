@@ -415,34 +415,74 @@ def load_prompts(
         return prompts, f"group {source!r}: {count} prompts{cycled} ({GROUP_NOTES[source]})"
     if isinstance(source, (str, Path)):
         path = Path(source)
+        if path.is_dir():
+            raise PromptSetError(f"--prompts {source}: is a directory; give a {' or '.join(PROMPT_FILE_KINDS)} file")
         if not path.is_file():
             raise PromptSetError(f"--prompts {source}: not one of {', '.join(allowed)} and no such file")
-        base = read_prompt_file(path)
-        what = f"file {path} ({len(base)} prompts)"
+        base = read_prompt_file(path, vocab)
     else:
         base = list(source)
-        what = f"{len(base)} prompts given by the caller"
     if not base:
         raise PromptSetError(f"--prompts {source}: no prompts")
+    cycled = f", cycled to {count}" if count > len(base) else ""  # as a group's description says
+    what = f"file {source} ({len(base)} prompts{cycled})" if isinstance(source, (str, Path)) else (
+        f"{len(base)} prompts given by the caller{cycled}")  # fmt: skip
     return [base[i % len(base)] for i in range(count)], what
 
 
-def read_prompt_file(path: str | Path) -> list[Any]:
+#: the prompt files `read_prompt_file` reads, by extension
+PROMPT_FILE_KINDS = (".txt", ".jsonl")
+
+
+def read_prompt_file(path: str | Path, vocab_size: int | None = None) -> list[Any]:
     """The prompts of a .txt file (one prompt a line, blank lines skipped) or a .jsonl file (a "prompt" a line:
-    text or a list of token ids)."""
+    non-empty text or a non-empty list of token ids, each in 0..vocab_size-1 when `vocab_size` is given).
+
+    Any other extension, bytes that are not UTF-8, or a bad line raises `PromptSetError` naming the file (and line).
+    """
     path = Path(path)
-    lines = path.read_text(encoding="utf-8").splitlines()
-    if path.suffix != ".jsonl":
+    if path.suffix not in PROMPT_FILE_KINDS:  # a .json list read as text would be one prompt of JSON syntax
+        raise PromptSetError(
+            f"{path}: a prompt file is .txt (one prompt a line) or .jsonl (a JSON object with a 'prompt' a line), "
+            f"not {path.suffix or 'without an extension'}"
+        )
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except UnicodeDecodeError as exc:
+        line = path.read_bytes()[: exc.start].count(b"\n") + 1
+        raise PromptSetError(f"{path}:{line}: not UTF-8 text ({exc.reason} at byte {exc.start})") from None
+    except OSError as exc:
+        raise PromptSetError(f"{path}: cannot read: {exc.strerror or exc}") from None
+    if path.suffix == ".txt":
         return [line for line in lines if line.strip()]
     prompts = []
     for n, line in enumerate(lines, start=1):
         if not line.strip():
             continue
         try:
-            prompts.append(json.loads(line)["prompt"])
+            prompt = json.loads(line)["prompt"]
         except (json.JSONDecodeError, KeyError, TypeError):
             raise PromptSetError(f"{path}:{n}: expected a JSON object with a 'prompt' field") from None
+        problem = _prompt_problem(prompt, vocab_size)
+        if problem:
+            raise PromptSetError(f"{path}:{n}: 'prompt' {problem}")
+        prompts.append(prompt)
     return prompts
+
+
+def _prompt_problem(prompt: Any, vocab_size: int | None) -> str | None:
+    """What is wrong with a prompt read from a .jsonl line, or None."""
+    if isinstance(prompt, str):
+        return None if prompt.strip() else "is empty"
+    if not isinstance(prompt, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        return "must be text or a list of integer token ids"
+    if not prompt:
+        return "is an empty list of token ids"
+    if vocab_size is not None:
+        outside = [t for t in prompt if not 0 <= t < vocab_size]
+        if outside:
+            return f"has token id {outside[0]} outside the vocabulary 0..{vocab_size - 1}"
+    return None
 
 
 # ------------------------------------------------------------------------------------------ fingerprints
