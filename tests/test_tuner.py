@@ -350,3 +350,39 @@ def test_acceptance_variants_sample_batches_of_tuning_prompts():
     assert all(v[0][1] == 1.0 for v in variants)
     assert acceptance_variants(bits, 3) == []  # a batch of every prompt is the base acceptance itself
     assert acceptance_variants(bits, 2, seed=4) == acceptance_variants(bits, 2, seed=4)
+
+
+def test_tune_seed_draws_the_random_prompts():
+    def random_prompt_run(seed):
+        _, report = tune(load("ouro"), [1], "random", "1,1", acceptance_tokens=2, num_prompts=1, seed=seed,
+                         cost_profile=PROFILE, progress=False)  # fmt: skip
+        return report["prompts"], report["settings"]["seed"]
+
+    (first, seed0), (second, seed5) = random_prompt_run(0), random_prompt_run(5)
+    assert (seed0, seed5) == (0, 5) and "seed 5" in second["description"]
+    assert first["fingerprints"] != second["fingerprints"]
+
+
+def test_tune_refuses_early_exit_and_a_depth_of_one_naming_the_option():
+    huginn = str(fixture_dir("huginn"))
+    with pytest.raises(TunerError, match="adapter option exit_threshold=0.001: early exit cannot be tuned"):
+        tune(huginn, [1], "builtin", "1,1", adapter_options={"exit_threshold": 1e-3}, cost_profile=PROFILE,
+             progress=False)  # fmt: skip
+    with pytest.raises(TunerError, match="adapter option num_steps=1 sets full depth D=1"):
+        tune(huginn, [1], "builtin", "1,1", adapter_options={"num_steps": 1}, cost_profile=PROFILE, progress=False)
+
+
+def test_tune_bounds_batch_sizes_by_the_memory_their_timed_rounds_hold(monkeypatch):
+    monkeypatch.setattr("looped_spec.tuning.tuner.available_memory", lambda device: (2**30, "free for the test"))
+    with pytest.raises(TunerError, match=r"--batch-sizes 1,100000: .* GiB, more than the 1 GiB free for the test"):
+        tune(load("ouro"), [1, 100000], "builtin", "1,1", progress=False)
+    # a given cost profile times no rounds: its batch sizes only set the buckets
+
+
+def test_tune_length_error_names_the_flags_that_set_the_output_tokens():
+    adapter = load("ouro")
+    long_prompt = [[5] * (adapter.max_positions - 20)]
+    with pytest.raises(TunerError, match=r"\(--acceptance-tokens 30\) exceed the model's 512 positions .*config"):
+        tune(adapter, [1], long_prompt, "1,1", acceptance_tokens=30, cost_profile=PROFILE, progress=False)
+    with pytest.raises(TunerError, match=r"\(--round-tokens 32 \+ the grid's largest K 2 \+ 2\)"):
+        tune(adapter, [1], long_prompt, "2,1", acceptance_tokens=4, progress=False)

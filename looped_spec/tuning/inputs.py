@@ -51,6 +51,21 @@ def hardware_tag(device: torch.device) -> str:
     return device.type
 
 
+def available_memory(device: torch.device) -> tuple[int | None, str]:
+    """(bytes free for new tensors, where) on `device`: the GPU's free memory, or the host's available memory
+    (Linux's MemAvailable); None where it cannot be read."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0], f"free on {device}"
+    try:
+        with open("/proc/meminfo", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024, "of host memory available"
+    except (OSError, ValueError, IndexError):
+        pass
+    return None, "of host memory available"
+
+
 def machine_info(adapter: ModelAdapter) -> dict[str, Any]:
     """Where the numbers were measured."""
     info = {

@@ -34,6 +34,7 @@ from looped_spec.control.plan import RoundFeedback
 from looped_spec.engine import step_decoding
 from looped_spec.engine.config import SpeculativeConfig
 from looped_spec.engine.engine import LoopedSpecEngine
+from looped_spec.execution.kv_cache import KVCache
 from looped_spec.execution.model_runner import StepInput
 from looped_spec.execution.timing import Span, Stopwatch
 from looped_spec.models.adapter import ModelAdapter
@@ -207,6 +208,21 @@ def round_plans(depth: int) -> list[tuple[int, int]]:
     return sorted({(0, 0), (1, 1), (3, 1), (2, max(depth // 2, 1)), (5, max(depth // 2, 1)), (3, depth - 1)})
 
 
+def rounds_model_len(adapter: ModelAdapter, longest: int, tokens: int, plans: Sequence[tuple[int, int]]) -> int:
+    """The max_model_len of the timed rounds' engines: the longest prompt, the tokens, the longest draft, a margin."""
+    return min(adapter.max_positions, longest + tokens + max(k for k, _ in plans) + 16)
+
+
+def rounds_kv_blocks(batch_size: int, model_len: int) -> int:
+    """The KV blocks (of 16 tokens) of one timed rounds' engine: `batch_size` requests of up to `model_len`."""
+    return batch_size * (model_len // 16 + 2) + 4
+
+
+def rounds_kv_bytes(adapter: ModelAdapter, batch_size: int, model_len: int) -> int:
+    """The bytes of one timed rounds' engine's KV cache (with the scratch block `KVCache` adds)."""
+    return (rounds_kv_blocks(batch_size, model_len) + 1) * KVCache.bytes_per_block(adapter.kv_layout, 16, adapter.dtype)
+
+
 def measure_rounds(
     adapter: ModelAdapter,
     prompts: Sequence[Any],
@@ -224,13 +240,13 @@ def measure_rounds(
     so every cell is timed in the same machine state."""
     watch = Stopwatch(adapter.device)
     longest = max(len(p) if not isinstance(p, str) else len(p) // 2 + 1 for p in prompts)
-    model_len = min(adapter.max_positions, longest + tokens + max(k for k, _ in plans) + 16)
+    model_len = rounds_model_len(adapter, longest, tokens, plans)
     engines = {}
     for k, d in plans:
         for b in batch_sizes:
             engine = LoopedSpecEngine(
                 adapter, speculation=SpeculativeConfig(k=k, d=d) if k else "off", max_batch_size=b,
-                max_model_len=model_len, num_kv_blocks=b * (model_len // 16 + 2) + 4,
+                max_model_len=model_len, num_kv_blocks=rounds_kv_blocks(b, model_len),
             )  # fmt: skip
             engine.controller = RecordingController(k, d)
             engine.runner.run_span = Span(watch)

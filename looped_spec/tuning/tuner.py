@@ -8,7 +8,8 @@
    fitted to the pass-cost profile, and that profile's predictions checked against the rounds.
 3. Preset: buckets, candidates, initial choices and thresholds from 1 + 2 (`derive.py`), plus both
    measurements (`acceptance`, `cost`), provenance with the tuning prompts' fingerprints (the benchmarks refuse
-   to evaluate on them). Given a cost profile (`cost_profile=`) the tuner times nothing and is deterministic.
+   to evaluate on them). Given a cost profile (`cost_profile=`) the tuner times nothing and is deterministic; the
+   provenance's ``machine`` is then where the acceptance was measured, ``cost_machine`` where the profile was timed.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from looped_spec.tuning import profile
 from looped_spec.tuning.acceptance_pass import acceptance_report, acceptance_variants, measure_match_bits
 from looped_spec.tuning.derive import RULES, BucketModel, bucket_ranges, derive_buckets, pass_seconds
 from looped_spec.tuning.grid import parse_batch_sizes, parse_grid
-from looped_spec.tuning.inputs import TunerError, hardware_tag, machine_info
+from looped_spec.tuning.inputs import TunerError, available_memory, hardware_tag, machine_info
 from looped_spec.tuning.prompt_sets import distinct_fingerprints, load_prompts
 
 
@@ -64,6 +65,21 @@ def measure_cost(
     return cost, report
 
 
+def _check_round_memory(adapter: ModelAdapter, sizes: Sequence[int], longest: int, round_tokens: int) -> None:
+    """Refuse batch sizes whose timed rounds' KV caches (one engine per round plan and batch size, all held at
+    once) would not fit the memory the device has free, before anything is measured."""
+    plans = profile.round_plans(adapter.full_depth)
+    model_len = profile.rounds_model_len(adapter, longest, round_tokens, plans)
+    need = sum(profile.rounds_kv_bytes(adapter, b, model_len) for b in sizes) * len(plans)
+    free, where = available_memory(adapter.device)
+    if free is not None and need > free:
+        raise TunerError(
+            f"--batch-sizes {','.join(map(str, sizes))}: the timed rounds hold KV caches for {len(plans)} plans x "
+            f"{sum(sizes)} requests of up to {model_len} tokens, {need / 2**30:.3g} GiB, more than the "
+            f"{free / 2**30:.3g} GiB {where}; use smaller batch sizes"
+        )
+
+
 def tune(
     model: str | Path | ModelAdapter,
     batch_sizes: str | Sequence[int] = (1, 2, 4, 8, 16, 32),
@@ -78,6 +94,7 @@ def tune(
     cost_report: dict[str, Any] | None = None,
     cost_profile_source: str | None = None,
     cost_measured: str | None = None,
+    cost_machine: dict[str, Any] | None = None,
     hardware: str | None = None,
     dtype: str = "auto",
     device: str = "auto",
@@ -90,7 +107,9 @@ def tune(
     """Measure acceptance and pass cost, derive a preset; returns (validated preset, report = provenance).
 
     `cost_profile` (a preset's `cost` section) skips the timing: the result is then deterministic; `cost_report`
-    is then that profile's measurement report, kept in the provenance (`looped-spec tune --cost-from PRESET`).
+    is then that profile's measurement report and `cost_machine` the machine it was timed on, both kept in the
+    provenance (`looped-spec tune --cost-from PRESET`). `seed` seeds the timed rounds' order and random token-id
+    prompts (``prompts="random"``, or a group on a model without a tokenizer).
     """
     started = time.perf_counter()
     sizes = parse_batch_sizes(batch_sizes)
@@ -108,16 +127,39 @@ def tune(
         adapter = load_adapter(model, dtype=dtype, device=device, **(adapter_options or {}))
     depth = adapter.full_depth
     if depth < 2:
-        raise TunerError(f"the model has full depth D={depth}; self-speculation needs D >= 2")
+        set_by = f"adapter option num_steps={adapter_options['num_steps']} sets" if "num_steps" in (
+            adapter_options or {}) else "the model has"  # fmt: skip
+        raise TunerError(f"{set_by} full depth D={depth}; self-speculation needs D >= 2")
+    exit_threshold = adapter.default_exit_threshold
+    if exit_threshold is not None and adapter.exit_rule_can_fire(exit_threshold):
+        # every request would stop early, where the counterfactual readouts have no full-depth token to agree with
+        raise TunerError(
+            f"{adapter.default_exit_threshold_source}={exit_threshold}: early exit cannot be tuned; the acceptance "
+            "pass measures each depth's agreement with full depth, which early-exited tokens never reach (tune "
+            "without it; a request still sets its own exit_threshold when served)"
+        )
     cells = parse_grid(grid, depth)
-    prompt_list, prompt_what = load_prompts(prompts, max(num_prompts, max(sizes)), adapter, purpose="tune")
+    timed = cost_profile is None
+    if timed:  # before loading max(sizes) prompts: even the shortest prompts' KV must fit
+        _check_round_memory(adapter, sizes, 1, round_tokens)
+    prompt_list, prompt_what = load_prompts(prompts, max(num_prompts, max(sizes)), adapter, seed=seed, purpose="tune")
     tokenizer = load_tokenizer(adapter.path) if any(isinstance(p, str) for p in prompt_list) else None
     tokenized = [to_token_ids(p, tokenizer, adapter.vocab_size, f"prompt {p!r}") for p in prompt_list]
     longest = max(map(len, tokenized))
-    need = longest + max(acceptance_tokens, round_tokens + max(k for k, _ in cells) + 2)
-    if need >= adapter.max_positions:
-        raise TunerError(f"prompts of up to {longest} tokens + the output tokens exceed {adapter.max_positions}")
-    timed = cost_profile is None
+    # the output tokens a request may add to its prompt, named by the flags that set them
+    outputs = {f"--acceptance-tokens {acceptance_tokens}": acceptance_tokens}
+    if timed:  # a timed round may draft up to the grid's largest K (+ 2: the bonus token and a margin) past them
+        top_k = max(k for k, _ in cells)
+        outputs[f"--round-tokens {round_tokens} + the grid's largest K {top_k} + 2"] = round_tokens + top_k + 2
+    flags, output_tokens = max(outputs.items(), key=lambda item: item[1])
+    if longest + output_tokens >= adapter.max_positions:
+        raise TunerError(
+            f"prompts of up to {longest} tokens + {output_tokens} output tokens ({flags}) exceed the model's "
+            f"{adapter.max_positions} positions (its max_positions, from {Path(adapter.path or '.') / 'config.json'}); "
+            "use fewer output tokens or shorter prompts"
+        )
+    if timed:
+        _check_round_memory(adapter, sizes, longest, round_tokens)
     total = num_prompts + (2 * (repeats + 1) if timed else 0)
     bar = _progress(total, progress)
     try:
@@ -147,6 +189,7 @@ def tune(
         "cost_measured": now if timed else cost_measured,
         "wall_seconds": round(time.perf_counter() - started, 1),
         "machine": machine_info(adapter),
+        "cost_machine": machine_info(adapter) if timed else (cost_machine or {}),
         "model": {
             "path": adapter.path,
             "name": adapter.name,
@@ -166,6 +209,7 @@ def tune(
             "num_prompts": num_prompts,
             "round_tokens": round_tokens if timed else None,
             "repeats": repeats if timed else None,
+            "seed": seed,
             "margin": margin,
             "cost_profile": "measured" if timed else (cost_profile_source or "given"),
             "priced_at_context": round(context, 1),
