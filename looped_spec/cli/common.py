@@ -42,7 +42,10 @@ class UsageError(ValueError):
 
 
 def output_file(value: str, option: str) -> Path:
-    """A path a command will write: not a directory, and not under an existing file. Checked before any work."""
+    """A path a command will write: not empty, not a directory, not under an existing file, and in a folder that
+    takes a new file. Checked before any work."""
+    if not value.strip():
+        raise UsageError(f"{option} {value!r}: is empty; give a file path")
     path = Path(value)
     if path.is_dir():
         raise UsageError(f"{option} {value}: is a directory; give a file path")
@@ -50,10 +53,22 @@ def output_file(value: str, option: str) -> Path:
         if parent.exists():
             if not parent.is_dir():
                 raise UsageError(f"{option} {value}: {parent} is a file, not a directory")
-            if not os.access(parent, os.W_OK):
+            if not os.access(parent, os.W_OK) or not _takes_new_files(parent):
                 raise UsageError(f"{option} {value}: cannot write in {parent}")
             break
     return path
+
+
+def _takes_new_files(folder: Path) -> bool:
+    """Whether a file can be created in `folder`: tried, since `os.access` says yes to root on /proc or /sys and
+    on a read-only mount."""
+    import tempfile
+
+    try:
+        with tempfile.NamedTemporaryFile(dir=folder, prefix=".looped-spec-probe-"):
+            return True
+    except OSError:
+        return False
 
 
 def at_least(value: int, minimum: int, option: str, note: str = "") -> None:
