@@ -352,6 +352,21 @@ def test_acceptance_variants_sample_batches_of_tuning_prompts():
     assert acceptance_variants(bits, 2, seed=4) == acceptance_variants(bits, 2, seed=4)
 
 
+def test_cli_tune_cost_from_keeps_the_profiles_hardware_and_machine(tmp_path):
+    """The cost section is the source preset's measurement: the new preset keeps its hardware tag and the machine
+    it was timed on (not this machine's 'cpu'); the acceptance pass's machine is recorded beside it."""
+    out = tmp_path / "p.json"
+    argv = ["tune", "--model", "tiny-ouro", "--cost-from", "tiny-ouro", "--prompts", "builtin", "--grid", "1,1"]
+    assert main([*argv, "--batch-sizes", "1,2", "--num-prompts", "1", "--acceptance-tokens", "3", "--quiet",
+                 "--out", str(out)]) == 0  # fmt: skip
+    shipped = load_preset("tiny-ouro", 4)
+    tuned = read_preset_file(out)
+    assert tuned.hardware == shipped.hardware == "cpu-2core" and tuned.cost == shipped.cost
+    assert tuned.provenance["cost_machine"] == shipped.provenance["machine"]
+    assert tuned.provenance["machine"]["torch_threads"] == 1  # --threads defaults to 1, recorded
+    assert tuned.provenance["cost_measured"] == shipped.provenance["cost_measured"]
+
+
 def test_tune_seed_draws_the_random_prompts():
     def random_prompt_run(seed):
         _, report = tune(load("ouro"), [1], "random", "1,1", acceptance_tokens=2, num_prompts=1, seed=seed,
