@@ -113,6 +113,7 @@ class Request:
         self.temperature = 0.0 if params.temperature < GREEDY_TEMPERATURE else float(params.temperature)
         self.top_k = int(params.top_k) if params.top_k > 0 else 0
         self.top_p = float(params.top_p)
+        self.min_p = float(params.min_p)
         self.stop_ids = set(params.stop_token_ids)
         if not params.ignore_eos:
             self.stop_ids.update(eos_token_ids)

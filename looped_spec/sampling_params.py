@@ -49,6 +49,14 @@ class SamplingParams(BaseModel):
     )
     top_k: Integer = Field(0, ge=-1, le=2**31 - 1, description="Keep the k most likely tokens (0 or -1 = all).")
     top_p: Real = Field(1.0, gt=0.0, le=1.0, allow_inf_nan=False, description="Nucleus sampling mass in (0, 1].")
+    min_p: Real = Field(
+        0.0,
+        ge=0.0,
+        le=1.0,
+        allow_inf_nan=False,
+        description="Keep the tokens at least min_p times as likely as the most likely one (after top-k and top-p, "
+        "in HF's order); 0 = off.",
+    )
     seed: Integer | None = Field(
         None, ge=0, le=2**63 - 1, description="Per-request seed; None = drawn from the engine seed."
     )
@@ -76,7 +84,7 @@ class SamplingParams(BaseModel):
         ge=0,
         le=20,
         description="Return each generated token's log-probability and this many most likely tokens at its "
-        "position: the log-softmax of the logits it was read out from, before temperature / top-k / top-p (the "
+        "position: the log-softmax of the logits it was read out from, before temperature / top-k / top-p / min-p (the "
         "target's under speculation, the exit depth's under early exit). None = none.",
     )
 

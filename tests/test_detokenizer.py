@@ -82,14 +82,14 @@ def test_generation_config_defaults(tmp_path, tokenizer):
     """One reading of generation_config.json for offline requests and the server (HF's meaning): sampling settings
     apply with do_sample: true; a file without it asks for greedy decoding; without a file nothing is asked."""
     assert GenerationDefaults.load(tmp_path, tokenizer).temperature == 1.0  # OpenAI's default without the file
-    file = {"temperature": 0.6, "top_p": 0.9, "top_k": 20, "eos_token_id": [7, 9]}
+    file = {"temperature": 0.6, "top_p": 0.9, "top_k": 20, "min_p": 0.05, "eos_token_id": [7, 9]}
     (tmp_path / "generation_config.json").write_text(json.dumps(file))
     defaults = GenerationDefaults.load(tmp_path, tokenizer)
-    assert (defaults.temperature, defaults.top_p, defaults.top_k) == (0.0, 1.0, 0)  # no do_sample: greedy
+    assert (defaults.temperature, defaults.top_p, defaults.top_k, defaults.min_p) == (0.0, 1.0, 0, 0.0)  # greedy
     assert defaults.eos_token_ids == [7, 9, tokenizer.eos_token_id]
     (tmp_path / "generation_config.json").write_text(json.dumps(file | {"do_sample": True}))
     defaults = GenerationDefaults.load(tmp_path, tokenizer)
-    assert (defaults.temperature, defaults.top_p, defaults.top_k) == (0.6, 0.9, 20)
+    assert (defaults.temperature, defaults.top_p, defaults.top_k, defaults.min_p) == (0.6, 0.9, 20, 0.05)
     (tmp_path / "generation_config.json").write_text(json.dumps({"do_sample": False, "eos_token_id": 7}))
     assert GenerationDefaults.load(tmp_path, None).temperature == 0.0
 
@@ -104,7 +104,10 @@ def test_offline_requests_and_the_server_read_generation_config_alike(tmp_path):
     from looped_spec.server.protocol import CompletionRequest
     from looped_spec.server.serving import OpenAIServing
 
-    for file in ({"temperature": 0.6, "top_k": 20}, {"do_sample": True, "temperature": 0.6, "top_p": 0.8}):
+    for file in (
+        {"temperature": 0.6, "top_k": 20},
+        {"do_sample": True, "temperature": 0.6, "top_p": 0.8, "min_p": 0.1},
+    ):
         folder = tmp_path / str(len(file))
         shutil.copytree(shipped_model_path("tiny-nanbeige"), folder)
         (folder / "generation_config.json").write_text(json.dumps(file))
@@ -112,8 +115,9 @@ def test_offline_requests_and_the_server_read_generation_config_alike(tmp_path):
         offline = engine._new_request([1, 2, 3], SamplingParams(max_tokens=4), None)
         serving = OpenAIServing(AsyncLoopedSpecEngine(engine), "m")
         served = serving.sampling_params(CompletionRequest(model="m", prompt="x"), 1, 4)
-        settings = lambda p: (p.temperature, p.top_k, p.top_p)  # noqa: E731
-        assert (offline.temperature, offline.top_k, offline.top_p) == settings(served), file
+        settings = lambda p: (p.temperature, p.top_k, p.top_p, p.min_p)  # noqa: E731
+        assert (offline.temperature, offline.top_k, offline.top_p, offline.min_p) == settings(served), file
+        assert served.min_p == file.get("min_p", 0.0)
 
 
 def test_render_chat(tokenizer):

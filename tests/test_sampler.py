@@ -1,16 +1,22 @@
-"""The sampling distribution after temperature, top-k and top-p, against transformers' logits warpers (HF's
-meaning, which generation_config.json and the server's fields follow; vLLM filters in the same order)."""
+"""The sampling distribution after temperature, top-k, top-p and min-p, against transformers' logits warpers (HF's
+meaning, which generation_config.json and the server's fields follow; vLLM applies top-k and top-p in this order too,
+min-p before them)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+from transformers.generation.logits_process import (
+    MinPLogitsWarper,
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+)
 
 from looped_spec.execution.sampler import SamplingRows, probabilities
 
 
-def rows_of(temperature: float, top_k: int, top_p: float, count: int) -> SamplingRows:
+def rows_of(temperature: float, top_k: int, top_p: float, count: int, min_p: float = 0.0) -> SamplingRows:
     return SamplingRows(
         requests=[None] * count,
         temperature=torch.full((count,), temperature),
@@ -19,15 +25,19 @@ def rows_of(temperature: float, top_k: int, top_p: float, count: int) -> Samplin
         greedy=torch.zeros(count, dtype=torch.bool),
         all_greedy=False,
         needs_filter=top_k > 0 or top_p < 1.0,
+        min_p=torch.full((count,), min_p) if min_p > 0.0 else None,
     )
 
 
-def reference(logits: torch.Tensor, temperature: float, top_k: int, top_p: float) -> torch.Tensor:
+def reference(logits: torch.Tensor, temperature: float, top_k: int, top_p: float, min_p: float = 0.0) -> torch.Tensor:
+    """HF's warpers in the order `generate` applies them."""
     scores = TemperatureLogitsWarper(temperature)(None, logits.double())
     if top_k > 0:
         scores = TopKLogitsWarper(top_k)(None, scores)
     if top_p < 1.0:
         scores = TopPLogitsWarper(top_p)(None, scores)
+    if min_p > 0.0:
+        scores = MinPLogitsWarper(min_p)(None, scores)
     return scores.softmax(-1)
 
 
@@ -39,13 +49,28 @@ def test_top_p_measures_what_top_k_kept():
 
 
 @pytest.mark.parametrize(
-    "temperature, top_k, top_p",
-    [(1.0, 0, 0.9), (0.7, 20, 1.0), (0.6, 50, 0.9), (1.3, 8, 0.5), (0.9, 3, 0.95), (1.0, 1, 0.3), (2.0, 100, 0.2)],
-)
-def test_the_distribution_is_hfs(temperature, top_k, top_p):
+    "temperature, top_k, top_p, min_p",
+    [
+        (1.0, 0, 0.9, 0.0), (0.7, 20, 1.0, 0.0), (0.6, 50, 0.9, 0.0), (1.3, 8, 0.5, 0.0), (0.9, 3, 0.95, 0.0),
+        (1.0, 1, 0.3, 0.0), (2.0, 100, 0.2, 0.0), (1.0, 0, 1.0, 0.1), (1.5, 0, 1.0, 0.02), (0.8, 40, 0.95, 0.05),
+        (1.0, 0, 0.9, 0.3), (1.0, 0, 1.0, 1.0),
+    ],
+)  # fmt: skip
+def test_the_distribution_is_hfs(temperature, top_k, top_p, min_p):
     generator = torch.Generator().manual_seed(top_k)
     logits = torch.randn(16, 257, generator=generator) * 3.0
-    got = probabilities(logits, rows_of(temperature, top_k, top_p, 16)).double()
-    want = reference(logits, temperature, top_k, top_p)
+    got = probabilities(logits, rows_of(temperature, top_k, top_p, 16, min_p)).double()
+    want = reference(logits, temperature, top_k, top_p, min_p)
     assert ((got > 0) == (want > 0)).all(), "a different set of tokens kept"
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_min_p_rows_mix_with_rows_without_it():
+    """Rows of one batch each keep their own min_p (0: off)."""
+    logits = torch.randn(4, 64, generator=torch.Generator().manual_seed(3)) * 2.0
+    rows = rows_of(1.0, 0, 1.0, 4, 0.2)
+    rows.min_p = torch.tensor([0.0, 0.2, 0.0, 0.5])
+    rows.needs_filter = False
+    got = probabilities(logits, rows).double()
+    for i, min_p in enumerate([0.0, 0.2, 0.0, 0.5]):
+        torch.testing.assert_close(got[i], reference(logits[i : i + 1], 1.0, 0, 1.0, min_p)[0], rtol=1e-5, atol=1e-6)

@@ -143,6 +143,11 @@ def test_prompt_lists_and_n_choices(server, client, plain_server, reference_engi
         params = SamplingParams(max_tokens=6, temperature=1.0, seed=11 + k % 2)
         assert text == reference_engine.generate(prompts[k // 2], params)[0].text, k
 
+    # min_p (as in vLLM, in extra_body) reaches the request's sampling
+    min_p = plain.completions.create(**(sampled | {"n": 1, "prompt": prompts[0]}), extra_body={"min_p": 0.2})
+    params = SamplingParams(max_tokens=6, temperature=1.0, seed=11, min_p=0.2)
+    assert min_p.choices[0].text == reference_engine.generate(prompts[0], params)[0].text
+
     stream = plain.completions.create(**sampled, stream=True, stream_options={"include_usage": True})
     pieces: dict[int, str] = {}
     usage = None
@@ -274,6 +279,8 @@ def test_bad_requests_are_400_naming_the_field(server, client):
         (dict(logprobs=21), "logprobs"),
         (dict(max_tokens=0), "max_tokens"),
         (dict(extra_body={"stop_token_ids": ["x"]}), "stop_token_ids"),
+        (dict(extra_body={"min_p": 1.5}), "min_p"),
+        (dict(extra_body={"min_p": "0.1"}), "min_p"),
     ]
     for kwargs, field in cases:
         with pytest.raises(openai.BadRequestError) as err:

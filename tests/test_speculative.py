@@ -262,3 +262,24 @@ def test_speculative_sampling_with_top_p_keeps_target_distribution():
     outs = engine.generate([prompt] * n, SamplingParams(max_tokens=3, temperature=temp, top_p=top_p, ignore_eos=True))
     assert engine.stats.num_accepted_tokens > 0
     assert_distribution((tuple(o.token_ids[:2]) for o in outs), exact)
+
+
+def min_p_filter(logits: torch.Tensor, min_p: float, temperature: float) -> tuple[list[int], list[float]]:
+    """Temperature, then the tokens at least min_p times as likely as the most likely one."""
+    probs = (logits.double() / temperature).softmax(-1)
+    keep = probs >= min_p * probs.max()
+    kept = probs[keep]
+    return keep.nonzero().flatten().tolist(), (kept / kept.sum()).tolist()
+
+
+def test_speculative_sampling_with_min_p_keeps_target_distribution():
+    """min_p filters the draft's and the target's distributions alike: rejection sampling keeps the target's."""
+    adapter = load("ouro")
+    prompt, n, min_p, temp = [11, 42, 7, 130], 3000, 0.15, 1.2
+    exact = exact_pair_distribution(adapter, prompt, lambda logits: min_p_filter(logits, min_p, temp))
+    engine = make_engine(
+        "ouro", speculation=SpeculativeConfig(k=2, d=1), max_batch_size=256, max_num_batched_tokens=4096, seed=7
+    )
+    outs = engine.generate([prompt] * n, SamplingParams(max_tokens=3, temperature=temp, min_p=min_p, ignore_eos=True))
+    assert engine.stats.num_accepted_tokens > 0 and engine.stats.num_draft_tokens > engine.stats.num_accepted_tokens
+    assert_distribution((tuple(o.token_ids[:2]) for o in outs), exact)

@@ -1,4 +1,4 @@
-"""Token sampling: greedy, or temperature + top-k + top-p with per-request generators.
+"""Token sampling: greedy, or temperature + top-k + top-p + min-p (HF's warpers' order) with per-request generators.
 
 Random draws come from each request's own CPU generator (one uniform per sampled row), and
 the token is picked by inverse CDF, so a seeded request draws the same tokens alone or in any
@@ -26,6 +26,7 @@ class SamplingRows:
     greedy: torch.Tensor  # [num_rows] bool
     all_greedy: bool
     needs_filter: bool
+    min_p: torch.Tensor | None = None  # [num_rows] fp32 where some row sets min_p, else None
 
     @classmethod
     def build(cls, requests: list[Request], device: torch.device) -> SamplingRows:
@@ -38,7 +39,8 @@ class SamplingRows:
         top_p = to_device([r.top_p for r in requests], device)
         greedy = to_device([r.greedy for r in requests], device)
         needs_filter = any(r.top_k > 0 or r.top_p < 1.0 for r in requests)
-        return cls(requests, temps, top_k, top_p, greedy, False, needs_filter)
+        min_p = to_device([r.min_p for r in requests], device) if any(r.min_p > 0.0 for r in requests) else None
+        return cls(requests, temps, top_k, top_p, greedy, False, needs_filter, min_p)
 
     def uniforms(self, count: int = 1) -> torch.Tensor:
         """[num_rows, count] uniforms, each row from its request's generator."""
@@ -47,7 +49,7 @@ class SamplingRows:
 
 
 def probabilities(logits: torch.Tensor, rows: SamplingRows) -> torch.Tensor:
-    """Sampling distribution per row after temperature, top-k and top-p. logits: [num_rows, V] fp32.
+    """Sampling distribution per row after temperature, top-k, top-p and min-p. logits: [num_rows, V] fp32.
 
     Greedy rows get a one-hot distribution on their argmax, so rejection sampling on them
     reduces to exact greedy matching.
@@ -65,6 +67,9 @@ def probabilities(logits: torch.Tensor, rows: SamplingRows) -> torch.Tensor:
         sorted_logits = sorted_logits.masked_fill(mass_before >= rows.top_p[:, None], float("-inf"))
         scaled = torch.empty_like(scaled).scatter_(-1, order, sorted_logits)
     probs = scaled.softmax(dim=-1)
+    if rows.min_p is not None:  # on what top-k and top-p kept; the most likely token always stays
+        below = probs < rows.min_p[:, None] * probs.amax(dim=-1, keepdim=True)
+        probs = scaled.masked_fill(below, float("-inf")).softmax(dim=-1)
     if rows.greedy.any():
         one_hot = torch.zeros_like(probs).scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)
         probs = torch.where(rows.greedy[:, None], one_hot, probs)

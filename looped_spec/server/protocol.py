@@ -5,9 +5,9 @@ silently ignored; options whose effect is not built (`presence_penalty`, `freque
 completions' `best_of` and `suffix`) are taken only at their neutral values (0, biases of 0, 1, empty), which change
 nothing (clients such as benchmark harnesses send them), and any other value is a 400 naming the field. Requests are
 strict about types as OpenAI is (`"max_tokens": "5"` or `"logprobs": true` on completions is a 400, not a silent
-conversion). Extensions beyond OpenAI's schema, as in vLLM: `top_k`, `ignore_eos`, `stop_token_ids` (and `seed`,
-which OpenAI has too); and looped-spec's early exit, `exit_threshold` / `exit_at_step` (checked by `SamplingParams`
-and the engine, errors naming the field).
+conversion). Extensions beyond OpenAI's schema, as in vLLM: `top_k`, `min_p`, `ignore_eos`, `stop_token_ids` (and
+`seed`, which OpenAI has too); and looped-spec's early exit, `exit_threshold` / `exit_at_step` (checked by
+`SamplingParams` and the engine, errors naming the field).
 """
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ class SamplingFields(BaseModel):
     temperature: float | None = Field(None, ge=0.0, le=2.0, allow_inf_nan=False)
     top_p: float | None = Field(None, gt=0.0, le=1.0, allow_inf_nan=False)
     top_k: int | None = Field(None, ge=-1)
+    min_p: float | None = Field(None, ge=0.0, le=1.0, allow_inf_nan=False)
     n: int = Field(
         1, ge=1, le=16, description="Independent choices per prompt (with `seed` s, choice j draws with s + j)."
     )

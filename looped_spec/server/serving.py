@@ -137,6 +137,7 @@ class OpenAIServing:
                 temperature=d.temperature if body.temperature is None else body.temperature,
                 top_p=d.top_p if body.top_p is None else body.top_p,
                 top_k=d.top_k if body.top_k is None else body.top_k,
+                min_p=d.min_p if body.min_p is None else body.min_p,
                 seed=None if seed is None else (seed + choice) % 2**63,
                 stop=stop,
                 stop_token_ids=stop_token_ids,
