@@ -49,7 +49,7 @@ if [ "${1:-full}" = "followup" ]; then
     | grep -v "^ " | tail -30
   exit 0
 fi
-timeout 120 python3 -m pytest -q -rfE -m cuda tests/test_paged_kernel.py tests/test_cuda_graph.py tests/test_loop_batching.py \
+timeout 120 python3 -m pytest -q -rfE -m cuda tests/test_paged_kernel.py tests/test_cuda_graph.py tests/test_loop_batching.py tests/test_prefix_cache.py \
   2>&1 | tee "$OUT/cuda_tests.txt" | tail -25
 timeout 340 python3 benchmarks/gpu_check.py --models ouro-1.4b --new 256 --budget-seconds 250 \
   --sections "correctness;loop batching;plain;K=2,d=1;profile;workload" --out "$OUT" 2>&1 | tee "$OUT/gpu_check.log" \

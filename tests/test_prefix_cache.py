@@ -277,3 +277,28 @@ def test_the_server_reports_cached_prompt_tokens_in_usage():
     finally:
         reference.close()
         engine.close()
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("family", ["ouro", "huginn"])
+def test_prefix_caching_on_cuda_equals_the_uncached_engine(family):
+    """On a GPU, in fp32, with captured steps and captured loop passes (the paged kernel reading shared blocks):
+    outputs with the cache equal those without, and no block leaks."""
+    from conftest import adapter_options
+
+    from looped_spec import load_adapter
+
+    adapter = load_adapter(fixture_dir(family), dtype="float32", device="cuda", **adapter_options(family))
+    prompts = prompts_sharing(20)
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    for batching in ("step", "loop"):
+        got = {}
+        for caching in (False, True):
+            engine = LoopedSpecEngine(adapter, speculation="2,1", block_size=4, batching=batching,
+                                      prefix_caching=caching)  # fmt: skip
+            got[caching] = outputs(engine, prompts, params, one_by_one=True)
+            assert engine.num_free_blocks == engine.kv.num_blocks
+            if caching:
+                assert engine.stats.num_prefix_cache_hits == 3 * 20
+            engine.close()
+        assert got[True] == got[False], batching
