@@ -206,7 +206,8 @@ def _compare_plain(args: argparse.Namespace, prompts: list[str], params, outputs
         spec.close()
         plain.close()
     print(f"{'vs plain decoding':<24}  {speed_ratio(statistics.median(ratios))} [{min(ratios):.2f}-{max(ratios):.2f}] "
-          f"(median of {len(ratios)} side-by-side pairs, wall time incl. prefill; outputs "
+          f"(median of {len(ratios)} side-by-side pairs, wall time incl. prefill"
+          f"{' of prompts cached after the first pair' if args.prefix_caching else ''}; outputs "
           f"{'identical' if same else 'differ'})")  # fmt: skip
     if params.temperature == 0.0 and not same:
         print("looped-spec: warning: greedy speculative output differs from plain decoding", file=sys.stderr)
