@@ -114,6 +114,7 @@ class Request:
         self.top_k = int(params.top_k) if params.top_k > 0 else 0
         self.top_p = float(params.top_p)
         self.min_p = float(params.min_p)
+        self.logit_bias: dict[int, float] = dict(params.logit_bias)
         self.stop_ids = set(params.stop_token_ids)
         if not params.ignore_eos:
             self.stop_ids.update(eos_token_ids)

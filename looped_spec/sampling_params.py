@@ -57,6 +57,11 @@ class SamplingParams(BaseModel):
         description="Keep the tokens at least min_p times as likely as the most likely one (after top-k and top-p, "
         "in HF's order); 0 = off.",
     )
+    logit_bias: dict[Integer, Real] = Field(
+        default_factory=dict,
+        description="Added to the logits of these token ids before sampling (greedy too), each in [-100, 100] as in "
+        "OpenAI's API: -100 all but bans a token, 100 all but forces it.",
+    )
     seed: Integer | None = Field(
         None, ge=0, le=2**63 - 1, description="Per-request seed; None = drawn from the engine seed."
     )
@@ -84,8 +89,8 @@ class SamplingParams(BaseModel):
         ge=0,
         le=20,
         description="Return each generated token's log-probability and this many most likely tokens at its "
-        "position: the log-softmax of the logits it was read out from, before temperature / top-k / top-p / min-p (the "
-        "target's under speculation, the exit depth's under early exit). None = none.",
+        "position: the log-softmax of the logits it was read out from, before the logit bias, temperature, top-k, "
+        "top-p and min-p (the target's under speculation, the exit depth's under early exit). None = none.",
     )
 
     @field_validator("stop")
@@ -95,6 +100,16 @@ class SamplingParams(BaseModel):
             if not s:
                 raise ValueError(f"stop[{i}] is an empty string")
         return stop
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _bias_range(cls, bias: dict[int, float]) -> dict[int, float]:
+        for token, value in bias.items():
+            if token < 0:
+                raise ValueError(f"token id {token} is negative")
+            if not -100.0 <= value <= 100.0:  # NaN fails too
+                raise ValueError(f"logit_bias[{token}] = {value} must be in [-100, 100]")
+        return bias
 
     @field_validator("stop_token_ids")
     @classmethod

@@ -74,3 +74,25 @@ def test_min_p_rows_mix_with_rows_without_it():
     got = probabilities(logits, rows).double()
     for i, min_p in enumerate([0.0, 0.2, 0.0, 0.5]):
         torch.testing.assert_close(got[i], reference(logits[i : i + 1], 1.0, 0, 1.0, min_p)[0], rtol=1e-5, atol=1e-6)
+
+
+def test_logit_bias_is_added_before_every_filter_and_to_greedy_rows():
+    from types import SimpleNamespace
+
+    logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(5))
+    plain = SimpleNamespace(greedy=True, logit_bias={}, temperature=0.0, top_k=0, top_p=1.0, min_p=0.0)
+    banned = logits[0].argmax().item()
+    requests = [
+        SimpleNamespace(**(vars(plain) | {"logit_bias": {banned: -100.0}})),  # greedy, its argmax all but banned
+        SimpleNamespace(**(vars(plain) | {"greedy": False, "temperature": 0.8, "top_k": 5, "logit_bias": {7: 100.0}})),
+        plain,
+    ]
+    rows = SamplingRows.build(requests, torch.device("cpu"))
+    biased = logits.clone()
+    biased[0, banned] -= 100.0
+    biased[1, 7] += 100.0
+    torch.testing.assert_close(rows.biased(logits), biased)
+    probs = probabilities(logits, rows)
+    assert probs[0].argmax().item() == biased[0].argmax().item() != banned
+    torch.testing.assert_close(probs[1].double(), reference(biased[1:2], 0.8, 5, 1.0)[0], rtol=1e-5, atol=1e-6)
+    assert probs[2].argmax().item() == logits[2].argmax().item()

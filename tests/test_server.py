@@ -357,7 +357,9 @@ def test_what_openai_refuses_is_refused_naming_the_field(server, client, monkeyp
         # options not built are taken at their neutral values only (below); other values name the field
         (completions, '"prompt": "a", "presence_penalty": 0.5', "presence_penalty"),
         (chat, '"messages": [{"role": "user", "content": "a"}], "frequency_penalty": -1', "frequency_penalty"),
-        (completions, '"prompt": "a", "logit_bias": {"5": 100}', "logit_bias"),
+        (completions, '"prompt": "a", "logit_bias": {"5": 101}', "logit_bias"),
+        (completions, '"prompt": "a", "logit_bias": {"x": 1}', "logit_bias"),
+        (completions, '"prompt": "a", "logit_bias": {"99999": 1}', "logit_bias"),
         (completions, '"prompt": "a", "best_of": 3', "best_of"),
         (completions, '"prompt": "a", "suffix": "return x"', "suffix"),
         (chat, '"messages": [{"role": "user", "content": "a"}], "tools": []', "tools"),
@@ -773,3 +775,15 @@ def test_exit_fields_on_a_speculating_server_give_the_plain_early_exit_text(serv
         assert out.choices[0].text == ref.text and out.usage.completion_tokens == 16
     wait_until(lambda: idle(server), what="server idle")
     assert "looped_spec:exit_draft_decided_total" in exit_metrics(server.url)
+
+
+def test_logit_bias_reaches_the_request(server, client, reference_engine):
+    """OpenAI's logit_bias (token id strings -> [-100, 100]): greedy output equals the offline engine's with the same
+    bias (the server speculates adaptively, the reference decodes plainly)."""
+    bias = {"17": 100, "3": -100}
+    out = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=6, temperature=0, logit_bias=bias)
+    ref = greedy(reference_engine, PROMPT, 6, logit_bias={17: 100.0, 3: -100.0})
+    assert out.choices[0].text == ref.text and ref.token_ids == [17] * 6
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=3,
+                                          temperature=0, logit_bias=bias)  # fmt: skip
+    assert chat.choices[0].message.content == reference_engine.tokenizer.decode([17] * 3)

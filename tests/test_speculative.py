@@ -283,3 +283,47 @@ def test_speculative_sampling_with_min_p_keeps_target_distribution():
     outs = engine.generate([prompt] * n, SamplingParams(max_tokens=3, temperature=temp, min_p=min_p, ignore_eos=True))
     assert engine.stats.num_accepted_tokens > 0 and engine.stats.num_draft_tokens > engine.stats.num_accepted_tokens
     assert_distribution((tuple(o.token_ids[:2]) for o in outs), exact)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_greedy_speculation_with_a_logit_bias_is_plain_decoding_with_it(family):
+    """A logit bias that bans each prompt's plain next token and favours another changes the output; the draft,
+    the verifier and plain decoding all see it, so greedy speculation still equals plain decoding."""
+    depth = load(family).full_depth
+    plain = make_engine(family, speculation="off")
+    unbiased = [o.token_ids for o in plain.generate(PROMPTS, SamplingParams(max_tokens=8, temperature=0.0))]
+    params = [
+        SamplingParams(max_tokens=8, temperature=0.0, logit_bias={out[0]: -100.0, 17: 3.0, 200: 2.5})
+        for out in unbiased
+    ]
+    expected = [o.token_ids for o in plain.generate(PROMPTS, params)]
+    assert all(out[0] != was[0] for out, was in zip(expected, unbiased))
+    modes = [dict(speculation="2,1"), dict(speculation=f"3,{depth - 1}"), dict(speculation="adaptive"),
+             dict(speculation="2,1", batching="loop"), dict(speculation="2,1", exit_at_step_too=True)]  # fmt: skip
+    for mode in modes:
+        exits = mode.pop("exit_at_step_too", False)
+        engine = make_engine(family, max_batch_size=len(PROMPTS), **mode)
+        asked = [p.model_copy(update={"exit_at_step": depth}) for p in params] if exits else params
+        got = [o.token_ids for o in engine.generate(PROMPTS, asked)]
+        assert got == expected, mode
+        assert engine.num_free_blocks == engine.kv.num_blocks
+
+
+def test_speculative_sampling_with_a_logit_bias_keeps_target_distribution():
+    adapter = load("ouro")
+    prompt, n, bias = [11, 42, 7, 130], 3000, {5: 2.0, 9: 1.5, 60: -100.0}
+
+    def keep(logits):
+        biased = logits.double().clone()
+        for token, value in bias.items():
+            biased[token] += value
+        return top_k_filter(biased, 6)
+
+    exact = exact_pair_distribution(adapter, prompt, keep)
+    engine = make_engine(
+        "ouro", speculation=SpeculativeConfig(k=2, d=1), max_batch_size=256, max_num_batched_tokens=4096, seed=3
+    )
+    params = SamplingParams(max_tokens=3, temperature=1.0, top_k=6, logit_bias=bias, ignore_eos=True)
+    outs = engine.generate([prompt] * n, params)
+    assert engine.stats.num_accepted_tokens > 0 and engine.stats.num_draft_tokens > engine.stats.num_accepted_tokens
+    assert_distribution((tuple(o.token_ids[:2]) for o in outs), exact)

@@ -19,7 +19,13 @@ from looped_spec.detokenizer import IncrementalDetokenizer
 from looped_spec.engine import loop_decoding, step_decoding
 from looped_spec.engine.config import EngineConfig, SpeculativeConfig, parse_speculation
 from looped_spec.engine.failures import StepFailures
-from looped_spec.engine.inputs import check_vocabulary, load_tokenizer, normalize_prompts, to_token_ids
+from looped_spec.engine.inputs import (
+    check_bias_tokens,
+    check_vocabulary,
+    load_tokenizer,
+    normalize_prompts,
+    to_token_ids,
+)
 from looped_spec.engine.outputs import request_output, time_tokens
 from looped_spec.engine.prefix_cache import PrefixCache
 from looped_spec.engine.resources import loop_pass_graphs, num_kv_blocks, step_graphs
@@ -219,6 +225,7 @@ class LoopedSpecEngine:
         if request_id in self._requests or request_id in taken:
             raise ValueError(f"request_id {request_id!r} is already in use")
         check_vocabulary(params.stop_token_ids, self.adapter.vocab_size, "stop_token_ids")
+        check_bias_tokens(params.logit_bias, self.adapter.vocab_size)
         if params.stop and self.tokenizer is None:
             raise ValueError("stop strings need the model's tokenizer files; use stop_token_ids instead")
         exit_threshold, exit_at_step = self.resolve_exit(params)

@@ -67,6 +67,13 @@ def check_vocabulary(ids: list[int], vocab_size: int, where: str) -> None:
         raise ValueError(f"{where}[{bad}] = {ids[bad]} is outside the vocabulary [0, {vocab_size})")
 
 
+def check_bias_tokens(bias: dict[int, float], vocab_size: int, where: str = "logit_bias") -> None:
+    """ValueError naming the first token id of a logit bias outside the vocabulary, as `where`."""
+    outside = next((token for token in bias if not 0 <= token < vocab_size), None)
+    if outside is not None:
+        raise ValueError(f"{where}: token id {outside} is outside the vocabulary [0, {vocab_size})")
+
+
 def to_token_ids(prompt: Prompt, tokenizer, vocab_size: int, where: str = "prompt") -> list[int]:
     if isinstance(prompt, str):
         if tokenizer is None:

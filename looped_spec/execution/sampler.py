@@ -7,6 +7,7 @@ batch.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -27,20 +28,35 @@ class SamplingRows:
     all_greedy: bool
     needs_filter: bool
     min_p: torch.Tensor | None = None  # [num_rows] fp32 where some row sets min_p, else None
+    # where some row sets a logit bias: (rows, token ids, values), each [num_biases], added to the logits first
+    bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
     @classmethod
     def build(cls, requests: list[Request], device: torch.device) -> SamplingRows:
         all_greedy = all(r.greedy for r in requests)
+        bias = None
+        if any(r.logit_bias for r in requests):
+            entries = [(i, token, value) for i, r in enumerate(requests) for token, value in r.logit_bias.items()]
+            rows, tokens, values = zip(*entries)
+            bias = (to_device(list(rows), device, torch.long), to_device(list(tokens), device, torch.long),
+                    to_device(list(values), device))  # fmt: skip
         if all_greedy:
             empty = torch.empty(0, device=device)
-            return cls(requests, empty, empty, empty, empty, True, False)
+            return cls(requests, empty, empty, empty, empty, True, False, bias=bias)
         temps = to_device([r.temperature if not r.greedy else 1.0 for r in requests], device)
         top_k = to_device([r.top_k for r in requests], device, torch.long)
         top_p = to_device([r.top_p for r in requests], device)
         greedy = to_device([r.greedy for r in requests], device)
         needs_filter = any(r.top_k > 0 or r.top_p < 1.0 for r in requests)
         min_p = to_device([r.min_p for r in requests], device) if any(r.min_p > 0.0 for r in requests) else None
-        return cls(requests, temps, top_k, top_p, greedy, False, needs_filter, min_p)
+        return cls(requests, temps, top_k, top_p, greedy, False, needs_filter, min_p, bias)
+
+    def biased(self, logits: torch.Tensor) -> torch.Tensor:
+        """`logits` [num_rows, V] with each row's logit bias added (the same tensor when no row has one)."""
+        if self.bias is None:
+            return logits
+        rows, tokens, values = self.bias
+        return logits.float().index_put((rows, tokens), values, accumulate=True)
 
     def uniforms(self, count: int = 1) -> torch.Tensor:
         """[num_rows, count] uniforms, each row from its request's generator."""
@@ -52,8 +68,9 @@ def probabilities(logits: torch.Tensor, rows: SamplingRows) -> torch.Tensor:
     """Sampling distribution per row after temperature, top-k, top-p and min-p. logits: [num_rows, V] fp32.
 
     Greedy rows get a one-hot distribution on their argmax, so rejection sampling on them
-    reduces to exact greedy matching.
+    reduces to exact greedy matching. A row's logit bias is added first.
     """
+    logits = rows.biased(logits)
     scaled = logits.float() / rows.temperature[:, None]
     if rows.needs_filter:
         # top-k first, then top-p on what top-k kept, renormalised (the order of HF's warpers and vLLM's sampler)
@@ -88,8 +105,9 @@ def sample_from(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
 
 def sample(logits: torch.Tensor, rows: SamplingRows) -> torch.Tensor:
     """One token per row: argmax for greedy rows, a seeded draw otherwise. Returns [num_rows] long."""
+    logits = rows.biased(logits)
     if rows.all_greedy:
         return logits.argmax(dim=-1)
-    probs = probabilities(logits, rows)
+    probs = probabilities(logits, dataclasses.replace(rows, bias=None))  # biased once
     drawn = sample_from(probs, rows.uniforms(1)[:, 0])
     return torch.where(rows.greedy, logits.argmax(dim=-1), drawn)

@@ -1,13 +1,13 @@
 """OpenAI request and response schemas for the fields looped-spec supports (pydantic at the boundary).
 
 Requests forbid unknown fields, so an unsupported OpenAI option (`tools`, ...) is a 400 naming it rather than
-silently ignored; options whose effect is not built (`presence_penalty`, `frequency_penalty`, `logit_bias`,
-completions' `best_of` and `suffix`) are taken only at their neutral values (0, biases of 0, 1, empty), which change
-nothing (clients such as benchmark harnesses send them), and any other value is a 400 naming the field. Requests are
-strict about types as OpenAI is (`"max_tokens": "5"` or `"logprobs": true` on completions is a 400, not a silent
-conversion). Extensions beyond OpenAI's schema, as in vLLM: `top_k`, `min_p`, `ignore_eos`, `stop_token_ids` (and
-`seed`, which OpenAI has too); and looped-spec's early exit, `exit_threshold` / `exit_at_step` (checked by
-`SamplingParams` and the engine, errors naming the field).
+silently ignored; options whose effect is not built (`presence_penalty`, `frequency_penalty`, completions'
+`best_of` and `suffix`) are taken only at their neutral values (0, 1, empty), which change nothing (clients such as
+benchmark harnesses send them), and any other value is a 400 naming the field. Requests are strict about types as
+OpenAI is (`"max_tokens": "5"` or `"logprobs": true` on completions is a 400, not a silent conversion). Extensions
+beyond OpenAI's schema, as in vLLM: `top_k`, `min_p`, `ignore_eos`, `stop_token_ids` (and `seed`, which OpenAI has
+too); and looped-spec's early exit, `exit_threshold` / `exit_at_step` (checked by `SamplingParams` and the engine,
+errors naming the field).
 """
 
 from __future__ import annotations
@@ -48,10 +48,11 @@ class SamplingFields(BaseModel):
     exit_threshold: float | None = Field(None, allow_inf_nan=False)
     exit_at_step: int | None = None
     user: str | None = None  # accepted and ignored, as OpenAI clients send it
+    # token id (as a string, JSON's keys) -> a bias in [-100, 100] added to its logit, as in OpenAI's API
+    logit_bias: dict[str, float] | None = None
     # not built: accepted at their neutral values only (below)
     presence_penalty: float | None = Field(None, allow_inf_nan=False)
     frequency_penalty: float | None = Field(None, allow_inf_nan=False)
-    logit_bias: dict[str, float] | None = None
 
     @field_validator("presence_penalty", "frequency_penalty")
     @classmethod
@@ -62,10 +63,15 @@ class SamplingFields(BaseModel):
 
     @field_validator("logit_bias")
     @classmethod
-    def _no_bias(cls, value: dict[str, float] | None) -> dict[str, float] | None:
-        if value and any(bias != 0 for bias in value.values()):
-            raise ValueError("not supported: only biases of 0 (or none) are accepted")
+    def _token_ids(cls, value: dict[str, float] | None) -> dict[str, float] | None:
+        for key in value or {}:
+            if not key.isdigit():  # digits only: a non-negative integer
+                raise ValueError(f"key {key!r} is not a token id (a non-negative integer)")
         return value
+
+    def token_bias(self) -> dict[int, float]:
+        """`logit_bias` with integer token ids (SamplingParams checks the values' range)."""
+        return {int(key): value for key, value in (self.logit_bias or {}).items()}
 
     def stop_list(self) -> list[str]:
         return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])

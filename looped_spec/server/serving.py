@@ -124,6 +124,7 @@ class OpenAIServing:
             check_text(text, f"stop[{i}]" if isinstance(body.stop, list) else "stop")
         stop_token_ids = list(body.stop_token_ids or [])
         bad_request(inputs.check_vocabulary, stop_token_ids, self.vocab_size, "stop_token_ids")
+        bad_request(inputs.check_bias_tokens, body.token_bias(), self.vocab_size, "logit_bias")
         if not body.ignore_eos:
             stop_token_ids += [t for t in self.defaults.eos_token_ids if t not in stop_token_ids]
         if body.exit_threshold is not None and body.exit_at_step is not None:
@@ -138,6 +139,7 @@ class OpenAIServing:
                 top_p=d.top_p if body.top_p is None else body.top_p,
                 top_k=d.top_k if body.top_k is None else body.top_k,
                 min_p=d.min_p if body.min_p is None else body.min_p,
+                logit_bias=body.token_bias(),
                 seed=None if seed is None else (seed + choice) % 2**63,
                 stop=stop,
                 stop_token_ids=stop_token_ids,

@@ -72,9 +72,10 @@ def draw_drafts(
     """Draft tokens [n] from the readout `logits` [n, V] of the first n rows that still draft, and their draft
     distributions q [n, V] (None when those rows are all greedy). Decided per step, not per batch: the sampled
     rows may all have dropped out (smaller K)."""
-    sub = rows if rows.all_greedy else SamplingRows.build(requests, logits.device)
+    # `rows` may cover more rows than `logits` (those that stopped drafting): a logit bias is indexed by row
+    sub = rows if rows.all_greedy and rows.bias is None else SamplingRows.build(requests, logits.device)
     if sub.all_greedy:
-        return logits.argmax(-1), None
+        return sub.biased(logits).argmax(-1), None
     q = probabilities(logits, sub)
     return sample_from(q, sub.uniforms(1)[:, 0]), q
 

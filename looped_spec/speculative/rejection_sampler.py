@@ -38,7 +38,12 @@ def accept(
     num_reqs, max_k = draft_tokens.shape
     steps = torch.arange(max_k, device=draft_tokens.device)[None, :]
     in_draft = steps < k[:, None]  # [R, K_max]
+    flat_rows = None
+    if rows.bias is not None or not rows.all_greedy:  # per position: its request's settings (and logit bias)
+        flat_rows = SamplingRows.build([rows.requests[i] for i in row_index.tolist()], target_logits.device)
     if rows.all_greedy:
+        if flat_rows is not None:
+            target_logits = flat_rows.biased(target_logits)
         target = pad_positions(target_logits.argmax(-1), row_index, pos_index, num_reqs, max_k + 1, -2)
         match = (draft_tokens == target[:, :max_k]) & in_draft
         if decided is not None:
@@ -46,7 +51,6 @@ def accept(
         num_accepted = match.long().cumprod(dim=1).sum(dim=1)
         return num_accepted, target.gather(1, num_accepted[:, None]).squeeze(1)
 
-    flat_rows = SamplingRows.build([rows.requests[i] for i in row_index.tolist()], target_logits.device)
     p = pad_positions(probabilities(target_logits, flat_rows), row_index, pos_index, num_reqs, max_k + 1, 0.0)
     # K_r + 1 draws per request from its own generator (one per draft, one for the final token): the count
     # must not depend on the other requests in the batch, or seeded sampling would change with batching
