@@ -39,7 +39,7 @@ class RequestMetrics:
     # the drafts accepted after it, so 1 + accepted per round may exceed the tokens the request kept
     num_accepted_tokens: int = 0
     num_preemptions: int = 0
-    num_cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache (at its latest admission)
+    num_cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache when it was first admitted
     exit_depth_histogram: dict[int, int] = field(default_factory=dict)  # readout depth -> generated tokens
     arrival_time: float = 0.0  # time.perf_counter() at add_request
     first_token_time: float | None = None  # ... when its first generated token was committed
@@ -125,8 +125,8 @@ class Request:
         self.num_computed = 0
         self.prefilled = False  # True once the (re)computed prefix has produced its next token
         self.block_table: list[int] = []
-        # prefix caching (engine/prefix_cache.py): digests of the prompt's cacheable blocks (computed once), and how
-        # many blocks of the table are registered or came from the cache
+        # prefix caching (engine/prefix_cache.py): digests of its cacheable blocks so far (extended as it generates),
+        # and how many blocks of the table are registered or came from the cache
         self.block_digests: list[bytes] | None = None
         self.num_registered_blocks = 0
         self.finish_reason: str | None = None

@@ -304,9 +304,10 @@ def test_prefix_caching_on_cuda_equals_the_uncached_engine(family):
         assert got[True] == got[False], batching
 
 
-def test_a_preempted_request_counts_only_its_prompt_as_cached():
-    """Back after a preemption, a request finds the blocks of tokens it generated too: the queries and hits count
-    them (tokens to prefill), its num_cached_tokens only its prompt's."""
+def test_a_preempted_request_counts_what_its_first_admission_found():
+    """Back after a preemption, a request finds its own blocks (those of its prompt and of tokens it generated): the
+    queries and hits count them (tokens to prefill), its num_cached_tokens only what the cache gave it at first (as
+    vLLM; the server's usage.prompt_tokens_details.cached_tokens)."""
     engine = make_engine("ouro", block_size=4, num_kv_blocks=12, max_model_len=48, prefix_caching=True)
     engine.add_request(list(range(10, 30)), SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True), "X")
     engine.add_request(list(range(40, 45)), SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True), "Y")
@@ -315,7 +316,6 @@ def test_a_preempted_request_counts_only_its_prompt_as_cached():
         outs.update((o.request_id, o) for o in engine.step() if o.finished)
     preempted = [o for o in outs.values() if o.metrics.num_preemptions]
     assert preempted and engine.stats.num_prefix_cache_hits > sum(len(o.prompt_token_ids) for o in preempted)
-    for out in outs.values():
-        assert out.metrics.num_cached_tokens <= len(out.prompt_token_ids)
+    assert [o.metrics.num_cached_tokens for o in outs.values()] == [0, 0]  # prompts that share nothing
     assert engine.stats.num_prompt_tokens == engine.stats.num_prefix_cache_queries - engine.stats.num_prefix_cache_hits
     engine.close()

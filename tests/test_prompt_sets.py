@@ -317,8 +317,14 @@ def test_prompt_files_are_refused_naming_the_file_and_line(tmp_path):
     assert load_prompts(str(jsonl), 1, adapter)[0] == [[1, 255]]
 
 
-def test_a_cycled_prompt_file_says_so():
+def test_cycled_prompts_say_so(tmp_path):
+    """A file (or a list) with fewer prompts than asked is cycled, and its description says so."""
     adapter = FakeAdapter(str(ROOT / "looped_spec" / "models" / "tiny-ouro"))
     prompts, what = load_prompts(["a", "b"], 5, adapter)
     assert prompts == ["a", "b", "a", "b", "a"] and "cycled to 5" in what
     assert "cycled" not in load_prompts(["a", "b"], 2, adapter)[1]
+    path = tmp_path / "two.txt"
+    path.write_text("def a():\nclass B:\n")
+    prompts, what = load_prompts(str(path), 3, adapter)
+    assert prompts == ["def a():", "class B:", "def a():"] and what == f"file {path} (2 prompts, cycled to 3)"
+    assert load_prompts(str(path), 2, adapter)[1] == f"file {path} (2 prompts)"

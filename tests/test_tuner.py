@@ -391,7 +391,9 @@ def test_tune_bounds_batch_sizes_by_the_memory_their_timed_rounds_hold(monkeypat
     monkeypatch.setattr("looped_spec.tuning.tuner.available_memory", lambda device: (2**30, "free for the test"))
     with pytest.raises(TunerError, match=r"--batch-sizes 1,100000: .* GiB, more than the 1 GiB free for the test"):
         tune(load("ouro"), [1, 100000], "builtin", "1,1", progress=False)
-    # a given cost profile times no rounds: its batch sizes only set the buckets
+    # a given cost profile times no rounds: its batch sizes only set the buckets, whatever memory is free
+    tune(load("ouro"), [1, 4096], "builtin", "1,1", acceptance_tokens=2, num_prompts=1, cost_profile=PROFILE,
+         progress=False)  # fmt: skip
 
 
 def test_tune_length_error_names_the_flags_that_set_the_output_tokens():

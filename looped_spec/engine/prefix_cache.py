@@ -71,8 +71,8 @@ class PrefixCache:
         cached = len(blocks) * self.kv.block_size
         request.num_computed = cached
         request.num_registered_blocks = len(blocks)
-        # the prompt's share (back after a preemption, a request may also find the blocks of tokens it generated)
-        request.metrics.num_cached_tokens = min(cached, request.num_prompt_tokens)
+        if not request.metrics.num_preemptions:  # what its first admission found (later ones find its own blocks)
+            request.metrics.num_cached_tokens = cached
         self.queries += request.num_tokens
         self.hits += cached
 

@@ -127,8 +127,8 @@ def tune(
         adapter = load_adapter(model, dtype=dtype, device=device, **(adapter_options or {}))
     depth = adapter.full_depth
     if depth < 2:
-        set_by = f"adapter option num_steps={adapter_options['num_steps']} sets" if "num_steps" in (
-            adapter_options or {}) else "the model has"  # fmt: skip
+        options = {} if isinstance(model, ModelAdapter) else adapter_options or {}  # a loaded adapter took none here
+        set_by = f"adapter option num_steps={options['num_steps']} sets" if "num_steps" in options else "the model has"
         raise TunerError(f"{set_by} full depth D={depth}; self-speculation needs D >= 2")
     exit_threshold = adapter.default_exit_threshold
     if exit_threshold is not None and adapter.exit_rule_can_fire(exit_threshold):
@@ -153,10 +153,10 @@ def tune(
         outputs[f"--round-tokens {round_tokens} + the grid's largest K {top_k} + 2"] = round_tokens + top_k + 2
     flags, output_tokens = max(outputs.items(), key=lambda item: item[1])
     if longest + output_tokens >= adapter.max_positions:
+        source = f", from {Path(adapter.path) / 'config.json'}" if adapter.path else ""
         raise TunerError(
             f"prompts of up to {longest} tokens + {output_tokens} output tokens ({flags}) exceed the model's "
-            f"{adapter.max_positions} positions (its max_positions, from {Path(adapter.path or '.') / 'config.json'}); "
-            "use fewer output tokens or shorter prompts"
+            f"{adapter.max_positions} positions (its max_positions{source}); use fewer output tokens or shorter prompts"
         )
     if timed:
         _check_round_memory(adapter, sizes, longest, round_tokens)
