@@ -299,14 +299,19 @@ def test_greedy_speculation_with_a_logit_bias_is_plain_decoding_with_it(family):
     expected = [o.token_ids for o in plain.generate(PROMPTS, params)]
     assert all(out[0] != was[0] for out, was in zip(expected, unbiased))
     modes = [dict(speculation="2,1"), dict(speculation=f"3,{depth - 1}"), dict(speculation="adaptive"),
-             dict(speculation="2,1", batching="loop"), dict(speculation="2,1", exit_at_step_too=True)]  # fmt: skip
+             dict(speculation="2,1", batching="loop")]  # fmt: skip
     for mode in modes:
-        exits = mode.pop("exit_at_step_too", False)
         engine = make_engine(family, max_batch_size=len(PROMPTS), **mode)
-        asked = [p.model_copy(update={"exit_at_step": depth}) for p in params] if exits else params
-        got = [o.token_ids for o in engine.generate(PROMPTS, asked)]
+        got = [o.token_ids for o in engine.generate(PROMPTS, params)]
         assert got == expected, mode
         assert engine.num_free_blocks == engine.kv.num_blocks
+    # under early exit, every token exiting at depth 2 (verified after a d = 1 draft) or 1 (decided within the draft)
+    for step in (2, 1):
+        exits = [p.model_copy(update={"exit_at_step": step}) for p in params]
+        expected = [o.token_ids for o in plain.generate(PROMPTS, exits)]
+        for mode in (dict(speculation="2,1"), dict(speculation="2,1", batching="loop")):
+            engine = make_engine(family, max_batch_size=len(PROMPTS), **mode)
+            assert [o.token_ids for o in engine.generate(PROMPTS, exits)] == expected, (mode, step)
 
 
 def test_speculative_sampling_with_a_logit_bias_keeps_target_distribution():
