@@ -27,8 +27,17 @@ def _real(value: Any) -> Any:
     return value
 
 
+def _token_key(value: Any) -> Any:
+    """A token id as a dict key: an integer, or the digits JSON writes an integer key as (OpenAI's logit_bias)."""
+    if isinstance(value, str) and value.isdigit():
+        return int(value)
+    return _integral(value)
+
+
 #: an int of any integer type (numpy's included), never a bool, str or float: strict but not fussy
 Integer = Annotated[int, BeforeValidator(_integral)]
+#: a token id as a dict key: an Integer, or a string of digits (JSON's keys are strings)
+TokenKey = Annotated[int, BeforeValidator(_token_key)]
 #: a float from any real number type, never a bool or str
 Real = Annotated[float, BeforeValidator(_real)]
 
@@ -57,7 +66,7 @@ class SamplingParams(BaseModel):
         description="Keep the tokens at least min_p times as likely as the most likely one (after top-k and top-p, "
         "in HF's order); 0 = off.",
     )
-    logit_bias: dict[Integer, Real] = Field(
+    logit_bias: dict[TokenKey, Real] = Field(
         default_factory=dict,
         description="Added to the logits of these token ids before sampling (greedy too), each in [-100, 100] as in "
         "OpenAI's API: -100 all but bans a token, 100 all but forces it.",

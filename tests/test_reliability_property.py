@@ -1,6 +1,6 @@
 """Issue 11, done-when: random mixes of requests, aborts, online adds during generate(), a cache small
-enough to preempt, random fixed and adaptive speculation, prefix caching on or off (prompts often begin alike)
-and one-shot faults injected into model code.
+enough to preempt, random fixed and adaptive speculation, prefix caching on or off (prompts often begin alike),
+logit biases, and one-shot faults injected into model code.
 
 Checked after every step: no KV block leaked, no request reported finished twice; at the end every
 request reported finished exactly once, each greedy output (and each sampled one when speculation is
@@ -67,6 +67,9 @@ requests_st = st.fixed_dictionaries(
         "seed": st.integers(0, 2**31 - 1),
         "stop": st.lists(st.integers(0, 255), max_size=2),
         "ignore_eos": st.booleans(),
+        "logit_bias": st.one_of(
+            st.just({}), st.dictionaries(st.integers(0, 255), st.sampled_from([-100.0, -2.5, 1.5, 100.0]), max_size=3)
+        ),
         # its tokenizer cannot decode the token its run alone generates at this index (it decodes them for stop
         # strings): its commit fails there
         "undecodable_at": st.one_of(st.none(), st.none(), st.integers(0, 13)),
@@ -106,6 +109,7 @@ def params_of(spec: dict) -> SamplingParams:
         seed=spec["seed"],
         stop_token_ids=spec["stop"],
         ignore_eos=spec["ignore_eos"],
+        logit_bias=spec.get("logit_bias", {}),
     )
 
 

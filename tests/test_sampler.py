@@ -96,3 +96,15 @@ def test_logit_bias_is_added_before_every_filter_and_to_greedy_rows():
     assert probs[0].argmax().item() == biased[0].argmax().item() != banned
     torch.testing.assert_close(probs[1].double(), reference(biased[1:2], 0.8, 5, 1.0)[0], rtol=1e-5, atol=1e-6)
     assert probs[2].argmax().item() == logits[2].argmax().item()
+
+
+def test_logit_bias_parameters_round_trip_through_json_and_name_the_field():
+    from pydantic import ValidationError
+
+    from looped_spec import SamplingParams
+
+    params = SamplingParams(logit_bias={5: 1.5, 7: -100.0}, min_p=0.1)
+    assert SamplingParams.model_validate_json(params.model_dump_json()) == params  # JSON's keys are strings
+    for bad in ({"x": 1.0}, {True: 1.0}, {5: 101.0}, {-1: 1.0}, {5: "1"}, {5: float("nan")}):
+        with pytest.raises(ValidationError, match="logit_bias"):
+            SamplingParams(logit_bias=bad)
