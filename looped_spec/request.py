@@ -115,6 +115,11 @@ class Request:
         self.top_p = float(params.top_p)
         self.min_p = float(params.min_p)
         self.logit_bias: dict[int, float] = dict(params.logit_bias)
+        self.repetition_penalty = float(params.repetition_penalty)
+        self.presence_penalty = float(params.presence_penalty)
+        self.frequency_penalty = float(params.frequency_penalty)
+        # whether a penalty changes its logits (execution/penalties.py)
+        self.penalized = self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
         self.stop_ids = set(params.stop_token_ids)
         if not params.ignore_eos:
             self.stop_ids.update(eos_token_ids)

@@ -71,6 +71,22 @@ class SamplingParams(BaseModel):
         description="Added to the logits of these token ids before sampling (greedy too), each in [-100, 100] as in "
         "OpenAI's API: -100 all but bans a token, 100 all but forces it.",
     )
+    repetition_penalty: Real = Field(
+        1.0,
+        gt=0.0,
+        le=100.0,
+        allow_inf_nan=False,
+        description="Divides the positive logits (multiplies the negative ones) of tokens in the prompt or the output "
+        "so far, as vLLM and HF; 1 = off.",
+    )
+    presence_penalty: Real = Field(
+        0.0, ge=-2.0, le=2.0, allow_inf_nan=False, description="Subtracted from the logit of every token the output "
+        "so far holds, as in OpenAI's API; 0 = off."
+    )  # fmt: skip
+    frequency_penalty: Real = Field(
+        0.0, ge=-2.0, le=2.0, allow_inf_nan=False, description="Subtracted from a token's logit once per time the "
+        "output so far holds it, as in OpenAI's API; 0 = off."
+    )  # fmt: skip
     seed: Integer | None = Field(
         None, ge=0, le=2**63 - 1, description="Per-request seed; None = drawn from the engine seed."
     )
@@ -98,8 +114,9 @@ class SamplingParams(BaseModel):
         ge=0,
         le=20,
         description="Return each generated token's log-probability and this many most likely tokens at its "
-        "position: the log-softmax of the logits it was read out from, before the logit bias, temperature, top-k, "
-        "top-p and min-p (the target's under speculation, the exit depth's under early exit). None = none.",
+        "position: the log-softmax of the logits it was read out from, before the logit bias, penalties, "
+        "temperature, top-k, top-p and min-p (the target's under speculation, the exit depth's under early exit). "
+        "None = none.",
     )
 
     @field_validator("stop")

@@ -45,8 +45,8 @@ class OracleProposer(DraftProposer):
         super().__init__(runner)
         self.oracle = oracle
 
-    def draw(self, logits, rows, requests, j):
-        drafted, q = super().draw(logits, rows, requests, j)
+    def draw(self, logits, rows, requests, j, drafted=None):
+        drafted, q = super().draw(logits, rows, requests, j, drafted)
         if q is not None:
             return drafted, q
         return self.oracle.tokens(requests, j).to(drafted.device), None

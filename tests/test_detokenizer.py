@@ -82,10 +82,18 @@ def test_generation_config_defaults(tmp_path, tokenizer):
     """One reading of generation_config.json for offline requests and the server (HF's meaning): sampling settings
     apply with do_sample: true; a file without it asks for greedy decoding; without a file nothing is asked."""
     assert GenerationDefaults.load(tmp_path, tokenizer).temperature == 1.0  # OpenAI's default without the file
-    file = {"temperature": 0.6, "top_p": 0.9, "top_k": 20, "min_p": 0.05, "eos_token_id": [7, 9]}
+    file = {
+        "temperature": 0.6,
+        "top_p": 0.9,
+        "top_k": 20,
+        "min_p": 0.05,
+        "repetition_penalty": 1.1,
+        "eos_token_id": [7, 9],
+    }
     (tmp_path / "generation_config.json").write_text(json.dumps(file))
     defaults = GenerationDefaults.load(tmp_path, tokenizer)
     assert (defaults.temperature, defaults.top_p, defaults.top_k, defaults.min_p) == (0.0, 1.0, 0, 0.0)  # greedy
+    assert defaults.repetition_penalty == 1.1  # a logits processor in HF: greedy decoding applies it too
     assert defaults.eos_token_ids == [7, 9, tokenizer.eos_token_id]
     (tmp_path / "generation_config.json").write_text(json.dumps(file | {"do_sample": True}))
     defaults = GenerationDefaults.load(tmp_path, tokenizer)

@@ -603,6 +603,9 @@ request_st = st.fixed_dictionaries(
         "sampled": st.booleans(),
         "seed": st.integers(0, 2**31 - 1),
         "exit": st.sampled_from([None, ("exit_at_step", 1), ("exit_at_step", 2), ("exit_threshold", 0.5)]),
+        "adjust": st.sampled_from(
+            [{}, {}, {"repetition_penalty": 1.4, "frequency_penalty": 0.5}, {"logit_bias": {9: 3.0}}]
+        ),
     }
 )
 
@@ -613,7 +616,7 @@ def params_of(spec: dict, family: str) -> SamplingParams:
         extra = {spec["exit"][0]: spec["exit"][1]}
     temperature = 0.9 if spec["sampled"] else 0.0
     return SamplingParams(max_tokens=spec["max_tokens"], temperature=temperature, seed=spec["seed"], ignore_eos=True,
-                          **extra)  # fmt: skip
+                          **extra, **spec.get("adjust", {}))  # fmt: skip
 
 
 @pytest.mark.slow

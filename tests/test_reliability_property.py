@@ -1,6 +1,6 @@
 """Issue 11, done-when: random mixes of requests, aborts, online adds during generate(), a cache small
 enough to preempt, random fixed and adaptive speculation, prefix caching on or off (prompts often begin alike),
-logit biases, and one-shot faults injected into model code.
+logit biases and penalties, and one-shot faults injected into model code.
 
 Checked after every step: no KV block leaked, no request reported finished twice; at the end every
 request reported finished exactly once, each greedy output (and each sampled one when speculation is
@@ -70,6 +70,9 @@ requests_st = st.fixed_dictionaries(
         "logit_bias": st.one_of(
             st.just({}), st.dictionaries(st.integers(0, 255), st.sampled_from([-100.0, -2.5, 1.5, 100.0]), max_size=3)
         ),
+        "penalties": st.sampled_from(
+            [{}, {}, {"repetition_penalty": 1.4}, {"presence_penalty": 1.0, "frequency_penalty": 0.5}]
+        ),
         # its tokenizer cannot decode the token its run alone generates at this index (it decodes them for stop
         # strings): its commit fails there
         "undecodable_at": st.one_of(st.none(), st.none(), st.integers(0, 13)),
@@ -110,6 +113,7 @@ def params_of(spec: dict) -> SamplingParams:
         stop_token_ids=spec["stop"],
         ignore_eos=spec["ignore_eos"],
         logit_bias=spec.get("logit_bias", {}),
+        **spec.get("penalties", {}),
     )
 
 

@@ -80,7 +80,7 @@ def test_logit_bias_is_added_before_every_filter_and_to_greedy_rows():
     from types import SimpleNamespace
 
     logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(5))
-    plain = SimpleNamespace(greedy=True, logit_bias={}, temperature=0.0, top_k=0, top_p=1.0, min_p=0.0)
+    plain = SimpleNamespace(greedy=True, logit_bias={}, temperature=0.0, top_k=0, top_p=1.0, min_p=0.0, penalized=False)
     banned = logits[0].argmax().item()
     requests = [
         SimpleNamespace(**(vars(plain) | {"logit_bias": {banned: -100.0}})),  # greedy, its argmax all but banned
@@ -91,7 +91,7 @@ def test_logit_bias_is_added_before_every_filter_and_to_greedy_rows():
     biased = logits.clone()
     biased[0, banned] -= 100.0
     biased[1, 7] += 100.0
-    torch.testing.assert_close(rows.biased(logits), biased)
+    torch.testing.assert_close(rows.adjusted(logits), biased)
     probs = probabilities(logits, rows)
     assert probs[0].argmax().item() == biased[0].argmax().item() != banned
     torch.testing.assert_close(probs[1].double(), reference(biased[1:2], 0.8, 5, 1.0)[0], rtol=1e-5, atol=1e-6)
@@ -108,3 +108,53 @@ def test_logit_bias_parameters_round_trip_through_json_and_name_the_field():
     for bad in ({"x": 1.0}, {True: 1.0}, {5: 101.0}, {-1: 1.0}, {5: "1"}, {5: float("nan")}):
         with pytest.raises(ValidationError, match="logit_bias"):
             SamplingParams(logit_bias=bad)
+
+
+def penalty_request(prompt, output, repetition=1.0, presence=0.0, frequency=0.0):
+    from types import SimpleNamespace
+
+    return SimpleNamespace(
+        token_ids=list(prompt) + list(output), num_prompt_tokens=len(prompt), repetition_penalty=repetition,
+        presence_penalty=presence, frequency_penalty=frequency,
+        penalized=repetition != 1.0 or presence != 0.0 or frequency != 0.0,
+    )  # fmt: skip
+
+
+def reference_penalties(logits, prompt, output, repetition, presence, frequency):
+    """HF's repetition-penalty processor on prompt + output, then OpenAI's presence/frequency formula on the output."""
+    from collections import Counter
+
+    from transformers.generation.logits_process import RepetitionPenaltyLogitsProcessor
+
+    scores = logits.double()[None].clone()
+    if repetition != 1.0:
+        scores = RepetitionPenaltyLogitsProcessor(repetition)(torch.tensor([list(prompt) + list(output)]), scores)
+    for token, count in Counter(output).items():
+        scores[0, token] -= presence + frequency * count
+    return scores[0]
+
+
+@pytest.mark.parametrize(
+    "repetition, presence, frequency", [(1.3, 0.0, 0.0), (0.8, 0.0, 0.0), (1.0, 1.2, 0.0), (1.0, 0.0, 0.7),
+                                        (1.5, -0.5, 0.4), (1.0, 0.0, -2.0)],
+)  # fmt: skip
+def test_penalties_are_hfs_repetition_penalty_and_openais_presence_and_frequency(repetition, presence, frequency):
+    """Rows of one batch: a penalised one whose drafts count as output, one without drafts, one not penalised."""
+    from looped_spec.execution.penalties import PenaltyRows
+
+    logits = torch.randn(3, 40, generator=torch.Generator().manual_seed(11)) * 3.0
+    prompt, output, drafts = [1, 2, 3, 2], [5, 6, 5, 30], [6, 9]
+    requests = [
+        penalty_request(prompt, output, repetition, presence, frequency),
+        penalty_request([4], [4, 4, 7], repetition, presence, frequency),
+        penalty_request(prompt, output),
+    ]
+    rows = PenaltyRows.build(requests, [drafts, [], [1, 2]])
+    got = rows.apply(logits).double()
+    want = [
+        reference_penalties(logits[0], prompt, output + drafts, repetition, presence, frequency),
+        reference_penalties(logits[1], [4], [4, 4, 7], repetition, presence, frequency),
+        logits[2].double(),
+    ]
+    torch.testing.assert_close(got, torch.stack(want), rtol=1e-5, atol=1e-5)
+    assert PenaltyRows.build([requests[2]], None) is None  # nothing to do where no row is penalised

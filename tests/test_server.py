@@ -355,8 +355,9 @@ def test_what_openai_refuses_is_refused_naming_the_field(server, client, monkeyp
         (completions, '"prompt": "a", "stop": ["x", "\\ud800"]', "stop[1]"),
         (chat, f'"messages": [{{"role": "user", "content": {text_parts}}}]', "messages[0].content[1].text"),
         # options not built are taken at their neutral values only (below); other values name the field
-        (completions, '"prompt": "a", "presence_penalty": 0.5', "presence_penalty"),
-        (chat, '"messages": [{"role": "user", "content": "a"}], "frequency_penalty": -1', "frequency_penalty"),
+        (completions, '"prompt": "a", "presence_penalty": 2.5', "presence_penalty"),
+        (chat, '"messages": [{"role": "user", "content": "a"}], "frequency_penalty": -3', "frequency_penalty"),
+        (completions, '"prompt": "a", "repetition_penalty": 0', "repetition_penalty"),
         (completions, '"prompt": "a", "logit_bias": {"5": 101}', "logit_bias"),
         (completions, '"prompt": "a", "logit_bias": {"x": 1}', "logit_bias"),
         (completions, '"prompt": "a", "logit_bias": {"99999": 1}', "logit_bias"),
@@ -775,6 +776,16 @@ def test_exit_fields_on_a_speculating_server_give_the_plain_early_exit_text(serv
         assert out.choices[0].text == ref.text and out.usage.completion_tokens == 16
     wait_until(lambda: idle(server), what="server idle")
     assert "looped_spec:exit_draft_decided_total" in exit_metrics(server.url)
+
+
+def test_penalties_reach_the_request(server, client, reference_engine):
+    """OpenAI's presence_penalty / frequency_penalty and vLLM's repetition_penalty: greedy output equals the offline
+    engine's with the same penalties, and differs from the output without them."""
+    settings = dict(presence_penalty=1.5, frequency_penalty=1.0)
+    out = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=24, temperature=0, **settings,
+                                    extra_body={"repetition_penalty": 1.3})  # fmt: skip
+    ref = greedy(reference_engine, PROMPT, 24, repetition_penalty=1.3, **settings)
+    assert out.choices[0].text == ref.text != greedy(reference_engine, PROMPT, 24).text
 
 
 def test_logit_bias_reaches_the_request(server, client, reference_engine):

@@ -285,21 +285,26 @@ def test_speculative_sampling_with_min_p_keeps_target_distribution():
     assert_distribution((tuple(o.token_ids[:2]) for o in outs), exact)
 
 
+ADJUSTMENTS = {  # each changes greedy decoding: a bias banning plain's next token, penalties of repeated tokens
+    "logit bias": lambda first: dict(logit_bias={first: -100.0, 17: 3.0, 200: 2.5}),
+    "penalties": lambda first: dict(repetition_penalty=1.6, presence_penalty=1.0, frequency_penalty=0.6),
+}
+
+
+@pytest.mark.parametrize("adjustment", list(ADJUSTMENTS))
 @pytest.mark.parametrize("family", FAMILIES)
-def test_greedy_speculation_with_a_logit_bias_is_plain_decoding_with_it(family):
-    """A logit bias that bans each prompt's plain next token and favours another changes the output; the draft,
-    the verifier and plain decoding all see it, so greedy speculation still equals plain decoding."""
+def test_greedy_speculation_with_adjusted_logits_is_plain_decoding_with_them(family, adjustment):
+    """A logit bias or penalties change the output; the draft, the verifier and plain decoding all apply them (the
+    penalties counting the drafts before each position), so greedy speculation still equals plain decoding."""
     depth = load(family).full_depth
     plain = make_engine(family, speculation="off")
-    unbiased = [o.token_ids for o in plain.generate(PROMPTS, SamplingParams(max_tokens=8, temperature=0.0))]
-    params = [
-        SamplingParams(max_tokens=8, temperature=0.0, logit_bias={out[0]: -100.0, 17: 3.0, 200: 2.5})
-        for out in unbiased
-    ]
+    unadjusted = [o.token_ids for o in plain.generate(PROMPTS, SamplingParams(max_tokens=12, temperature=0.0))]
+    params = [SamplingParams(max_tokens=12, temperature=0.0, **ADJUSTMENTS[adjustment](out[0])) for out in unadjusted]
     expected = [o.token_ids for o in plain.generate(PROMPTS, params)]
-    assert all(out[0] != was[0] for out, was in zip(expected, unbiased))
+    assert sum(out != was for out, was in zip(expected, unadjusted)) >= len(PROMPTS) // 2
+    stopping = SpeculativeConfig(k=4, d=1, stop_margin=0.01)
     modes = [dict(speculation="2,1"), dict(speculation=f"3,{depth - 1}"), dict(speculation="adaptive"),
-             dict(speculation="2,1", batching="loop")]  # fmt: skip
+             dict(speculation="2,1", batching="loop"), dict(speculation=stopping)]  # fmt: skip
     for mode in modes:
         engine = make_engine(family, max_batch_size=len(PROMPTS), **mode)
         got = [o.token_ids for o in engine.generate(PROMPTS, params)]
@@ -309,9 +314,56 @@ def test_greedy_speculation_with_a_logit_bias_is_plain_decoding_with_it(family):
     for step in (2, 1):
         exits = [p.model_copy(update={"exit_at_step": step}) for p in params]
         expected = [o.token_ids for o in plain.generate(PROMPTS, exits)]
-        for mode in (dict(speculation="2,1"), dict(speculation="2,1", batching="loop")):
+        for mode in (dict(speculation="2,1"), dict(speculation="2,1", batching="loop"),
+                     dict(speculation=SpeculativeConfig(k=3, d=1, stop_margin=0.01))):  # fmt: skip
             engine = make_engine(family, max_batch_size=len(PROMPTS), **mode)
             assert [o.token_ids for o in engine.generate(PROMPTS, exits)] == expected, (mode, step)
+
+
+def test_plain_decoding_with_penalties_follows_an_independent_reference():
+    """Greedy decoding with penalties against a loop over dense forwards with HF's repetition-penalty processor and
+    OpenAI's presence/frequency formula (tests/test_sampler.py `reference_penalties`)."""
+    from test_sampler import reference_penalties
+
+    adapter = load("nanbeige")
+    prompt, settings = [7, 99, 3, 250, 18, 3], dict(repetition_penalty=1.4, presence_penalty=0.5, frequency_penalty=0.3)
+    out = make_engine("nanbeige").generate(prompt, SamplingParams(max_tokens=10, temperature=0.0, **settings))[0]
+    tokens: list[int] = []
+    for _ in range(10):
+        logits = adapter.dense_logits(torch.tensor(prompt + tokens))[0, -1]
+        adjusted = reference_penalties(logits, prompt, tokens, 1.4, 0.5, 0.3)
+        tokens.append(int(adjusted.argmax()))
+    assert out.token_ids == tokens
+
+
+def test_speculative_sampling_with_penalties_keeps_target_distribution():
+    """Each token's distribution depends on the tokens before it (the output so far): the draft and the verifier
+    apply the same penalties at each position, drafts before it included, so rejection sampling keeps the penalised
+    target's joint distribution of the first three tokens (the second and third from one K = 2 round)."""
+    from test_sampler import reference_penalties
+
+    adapter = load("ouro")
+    prompt, n, top_k = [5, 9, 13, 200], 4000, 4
+    rep, pres, freq = 1.5, 1.0, 0.5
+
+    def next_tokens(output):
+        logits = adapter.dense_logits(torch.tensor(prompt + output))[0, -1]
+        return zip(*top_k_filter(reference_penalties(logits, prompt, output, rep, pres, freq), top_k))
+
+    probs = {
+        (t1, t2, t3): q1 * q2 * q3
+        for t1, q1 in next_tokens([])
+        for t2, q2 in next_tokens([t1])
+        for t3, q3 in next_tokens([t1, t2])
+    }
+    engine = make_engine(
+        "ouro", speculation=SpeculativeConfig(k=2, d=1), max_batch_size=256, max_num_batched_tokens=4096, seed=5
+    )
+    params = SamplingParams(max_tokens=3, temperature=1.0, top_k=top_k, repetition_penalty=rep, presence_penalty=pres,
+                            frequency_penalty=freq, ignore_eos=True)  # fmt: skip
+    outs = engine.generate([prompt] * n, params)
+    assert engine.stats.num_accepted_tokens > 0 and engine.stats.num_draft_tokens > engine.stats.num_accepted_tokens
+    assert_distribution((tuple(o.token_ids[:3]) for o in outs), probs)
 
 
 def test_speculative_sampling_with_a_logit_bias_keeps_target_distribution():

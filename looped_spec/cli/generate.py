@@ -32,6 +32,11 @@ def add_parser(sub: argparse._SubParsersAction, fmt: type[argparse.HelpFormatter
     gen.add_argument("--top-k", type=int, default=0, help="0 or -1 = no top-k filtering")
     gen.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass")
     gen.add_argument("--min-p", type=float, default=0.0, help="keep tokens at least this times as likely as the top")
+    gen.add_argument("--repetition-penalty", type=float, default=1.0,
+                     help="divide positive logits of tokens seen (prompt or output) by this; 1 = off")  # fmt: skip
+    gen.add_argument("--presence-penalty", type=float, default=0.0, help="subtracted once per token the output holds")
+    gen.add_argument("--frequency-penalty", type=float, default=0.0,
+                     help="subtracted per time the output holds a token")  # fmt: skip
     gen.add_argument("--stop", action="append", help="stop string (repeatable; cut from the output)")
     gen.add_argument("--ignore-eos", action="store_true", help="keep generating past the eos token")
     gen.add_argument("--exit-threshold", type=float, default=None, help="early exit: the family rule's threshold")
@@ -95,7 +100,9 @@ def generate(args: argparse.Namespace) -> int:
     set_threads(args.threads)
     prompts = read_prompts(args)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
-                            top_p=args.top_p, min_p=args.min_p, seed=args.seed, ignore_eos=args.ignore_eos,
+                            top_p=args.top_p, min_p=args.min_p, repetition_penalty=args.repetition_penalty,
+                            presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
+                            seed=args.seed, ignore_eos=args.ignore_eos,
                             stop=args.stop or [], exit_threshold=args.exit_threshold,
                             exit_at_step=args.exit_at_step)  # fmt: skip
     engine = LoopedSpecEngine(args.model, **engine_options(args))

@@ -1,4 +1,5 @@
-"""Token sampling: greedy, or temperature + top-k + top-p + min-p (HF's warpers' order) with per-request generators.
+"""Token sampling: logit bias and penalties, then greedy, or temperature + top-k + top-p + min-p (HF's warpers'
+order) with per-request generators.
 
 Random draws come from each request's own CPU generator (one uniform per sampled row), and
 the token is picked by inverse CDF, so a seeded request draws the same tokens alone or in any
@@ -8,10 +9,12 @@ batch.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
+from looped_spec.execution.penalties import PenaltyRows
 from looped_spec.execution.transfers import to_device
 from looped_spec.request import Request
 
@@ -30,10 +33,21 @@ class SamplingRows:
     min_p: torch.Tensor | None = None  # [num_rows] fp32 where some row sets min_p, else None
     # where some row sets a logit bias: (rows, token ids, values), each [num_biases], added to the logits first
     bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+    penalties: PenaltyRows | None = None  # where some row sets a penalty: applied after the bias (penalties.py)
+
+    @property
+    def adjusts(self) -> bool:
+        """Whether some row's logits are changed before sampling (a logit bias or a penalty): even a greedy row then
+        takes the argmax of `adjusted(logits)`."""
+        return self.bias is not None or self.penalties is not None
 
     @classmethod
-    def build(cls, requests: list[Request], device: torch.device) -> SamplingRows:
+    def build(
+        cls, requests: list[Request], device: torch.device, drafted: Sequence[Sequence[int]] | None = None
+    ) -> SamplingRows:
+        """One row per request; `drafted[i]`: the drafts before row i's position (the penalties count them)."""
         all_greedy = all(r.greedy for r in requests)
+        penalties = PenaltyRows.build(requests, drafted)
         bias = None
         if any(r.logit_bias for r in requests):
             entries = [(i, token, value) for i, r in enumerate(requests) for token, value in r.logit_bias.items()]
@@ -42,21 +56,24 @@ class SamplingRows:
                     to_device(list(values), device))  # fmt: skip
         if all_greedy:
             empty = torch.empty(0, device=device)
-            return cls(requests, empty, empty, empty, empty, True, False, bias=bias)
+            return cls(requests, empty, empty, empty, empty, True, False, bias=bias, penalties=penalties)
         temps = to_device([r.temperature if not r.greedy else 1.0 for r in requests], device)
         top_k = to_device([r.top_k for r in requests], device, torch.long)
         top_p = to_device([r.top_p for r in requests], device)
         greedy = to_device([r.greedy for r in requests], device)
         needs_filter = any(r.top_k > 0 or r.top_p < 1.0 for r in requests)
         min_p = to_device([r.min_p for r in requests], device) if any(r.min_p > 0.0 for r in requests) else None
-        return cls(requests, temps, top_k, top_p, greedy, False, needs_filter, min_p, bias)
+        return cls(requests, temps, top_k, top_p, greedy, False, needs_filter, min_p, bias, penalties)
 
-    def biased(self, logits: torch.Tensor) -> torch.Tensor:
-        """`logits` [num_rows, V] with each row's logit bias added (the same tensor when no row has one)."""
-        if self.bias is None:
-            return logits
-        rows, tokens, values = self.bias
-        return logits.float().index_put((rows, tokens), values, accumulate=True)
+    def adjusted(self, logits: torch.Tensor) -> torch.Tensor:
+        """`logits` [num_rows, V] with each row's logit bias added, then its penalties applied (the same tensor when
+        no row has either)."""
+        if self.bias is not None:
+            rows, tokens, values = self.bias
+            logits = logits.float().index_put((rows, tokens), values, accumulate=True)
+        if self.penalties is not None:
+            logits = self.penalties.apply(logits)
+        return logits
 
     def uniforms(self, count: int = 1) -> torch.Tensor:
         """[num_rows, count] uniforms, each row from its request's generator."""
@@ -68,9 +85,9 @@ def probabilities(logits: torch.Tensor, rows: SamplingRows) -> torch.Tensor:
     """Sampling distribution per row after temperature, top-k, top-p and min-p. logits: [num_rows, V] fp32.
 
     Greedy rows get a one-hot distribution on their argmax, so rejection sampling on them
-    reduces to exact greedy matching. A row's logit bias is added first.
+    reduces to exact greedy matching. A row's logit bias and penalties are applied first.
     """
-    logits = rows.biased(logits)
+    logits = rows.adjusted(logits)
     scaled = logits.float() / rows.temperature[:, None]
     if rows.needs_filter:
         # top-k first, then top-p on what top-k kept, renormalised (the order of HF's warpers and vLLM's sampler)
@@ -105,9 +122,9 @@ def sample_from(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
 
 def sample(logits: torch.Tensor, rows: SamplingRows) -> torch.Tensor:
     """One token per row: argmax for greedy rows, a seeded draw otherwise. Returns [num_rows] long."""
-    logits = rows.biased(logits)
+    logits = rows.adjusted(logits)
     if rows.all_greedy:
         return logits.argmax(dim=-1)
-    probs = probabilities(logits, dataclasses.replace(rows, bias=None))  # biased once
+    probs = probabilities(logits, dataclasses.replace(rows, bias=None, penalties=None))  # adjusted once
     drawn = sample_from(probs, rows.uniforms(1)[:, 0])
     return torch.where(rows.greedy, logits.argmax(dim=-1), drawn)

@@ -15,7 +15,7 @@ from looped_spec.sampling_params import SamplingParams
 logger = logging.getLogger(__name__)
 
 # sampling settings a generation_config may carry that looped-spec does not implement, with their no-op value
-_UNSUPPORTED = {"repetition_penalty": 1.0, "typical_p": 1.0, "num_beams": 1, "no_repeat_ngram_size": 0}
+_UNSUPPORTED = {"typical_p": 1.0, "num_beams": 1, "no_repeat_ngram_size": 0}
 
 
 class GenerationConfig(BaseModel):
@@ -29,6 +29,7 @@ class GenerationConfig(BaseModel):
     top_k: int | None = None
     top_p: float | None = None
     min_p: float | None = None
+    repetition_penalty: float | None = None
     _from_file: bool = PrivateAttr(False)  # read from a checkpoint's file (without one, nothing is asked)
 
     def stop_token_ids(self) -> list[int]:
@@ -37,14 +38,17 @@ class GenerationConfig(BaseModel):
     def sampling_defaults(self) -> dict:
         """What the file asks of a request that sets no sampling fields, with HF's meaning (the file's format is
         HF's): `do_sample: true` samples with the file's temperature, top_k, top_p and min_p (those it gives);
-        `do_sample` false or absent decodes greedily, whatever temperature the file states. Offline requests and the
-        server take these for the fields a request leaves unset (the server: OpenAI's defaults for the rest). Without a
-        file nothing is asked."""
+        `do_sample` false or absent decodes greedily, whatever temperature the file states. A repetition_penalty
+        applies either way (in HF a logits processor, not a sampling warper). Offline requests and the server take
+        these for the fields a request leaves unset (the server: OpenAI's defaults for the rest). Without a file
+        nothing is asked."""
         if not self._from_file:
             return {}
+        both = {} if self.repetition_penalty is None else {"repetition_penalty": self.repetition_penalty}
         if not self.do_sample:
-            return {"temperature": 0.0}
-        return {k: v for k in ("temperature", "top_k", "top_p", "min_p") if (v := getattr(self, k)) is not None}
+            return {"temperature": 0.0} | both
+        sampling = ("temperature", "top_k", "top_p", "min_p")
+        return {k: v for k in sampling if (v := getattr(self, k)) is not None} | both
 
 
 def read_generation_config(folder: str | Path) -> GenerationConfig:

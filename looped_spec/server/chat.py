@@ -31,6 +31,7 @@ class GenerationDefaults:
     top_p: float = 1.0
     top_k: int = 0
     min_p: float = 0.0
+    repetition_penalty: float = 1.0
     eos_token_ids: list[int] = field(default_factory=list)
 
     @classmethod

@@ -1,13 +1,12 @@
 """OpenAI request and response schemas for the fields looped-spec supports (pydantic at the boundary).
 
 Requests forbid unknown fields, so an unsupported OpenAI option (`tools`, ...) is a 400 naming it rather than
-silently ignored; options whose effect is not built (`presence_penalty`, `frequency_penalty`, completions'
-`best_of` and `suffix`) are taken only at their neutral values (0, 1, empty), which change nothing (clients such as
-benchmark harnesses send them), and any other value is a 400 naming the field. Requests are strict about types as
-OpenAI is (`"max_tokens": "5"` or `"logprobs": true` on completions is a 400, not a silent conversion). Extensions
-beyond OpenAI's schema, as in vLLM: `top_k`, `min_p`, `ignore_eos`, `stop_token_ids` (and `seed`, which OpenAI has
-too); and looped-spec's early exit, `exit_threshold` / `exit_at_step` (checked by `SamplingParams` and the engine,
-errors naming the field).
+silently ignored; options whose effect is not built (completions' `best_of` and `suffix`) are taken only at their
+neutral values (1, empty), which change nothing (clients such as benchmark harnesses send them), and any other value
+is a 400 naming the field. Requests are strict about types as OpenAI is (`"max_tokens": "5"` or `"logprobs": true` on
+completions is a 400, not a silent conversion). Extensions beyond OpenAI's schema, as in vLLM: `top_k`, `min_p`,
+`repetition_penalty`, `ignore_eos`, `stop_token_ids` (and `seed`, which OpenAI has too); and looped-spec's early
+exit, `exit_threshold` / `exit_at_step` (checked by `SamplingParams` and the engine, errors naming the field).
 """
 
 from __future__ import annotations
@@ -50,16 +49,9 @@ class SamplingFields(BaseModel):
     user: str | None = None  # accepted and ignored, as OpenAI clients send it
     # token id (as a string, JSON's keys) -> a bias in [-100, 100] added to its logit, as in OpenAI's API
     logit_bias: dict[str, float] | None = None
-    # not built: accepted at their neutral values only (below)
-    presence_penalty: float | None = Field(None, allow_inf_nan=False)
-    frequency_penalty: float | None = Field(None, allow_inf_nan=False)
-
-    @field_validator("presence_penalty", "frequency_penalty")
-    @classmethod
-    def _no_penalty(cls, value: float | None) -> float | None:
-        if value not in (None, 0):
-            raise ValueError("not supported: only 0 (no penalty) is accepted")
-        return value
+    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0, allow_inf_nan=False)
+    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0, allow_inf_nan=False)
+    repetition_penalty: float | None = Field(None, gt=0.0, le=100.0, allow_inf_nan=False)
 
     @field_validator("logit_bias")
     @classmethod

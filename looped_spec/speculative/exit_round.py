@@ -122,7 +122,8 @@ def propose_with_exit(
         if num_next == 0:
             break
         assert logits is not None
-        drafted, q = draw_drafts(logits[:num_next], rows, active[:num_next])
+        so_far = tokens[:num_next, :j].tolist() if rows.penalties is not None else None  # penalties count them
+        drafted, q = draw_drafts(logits[:num_next], rows, active[:num_next], so_far)
         if q is not None:
             if q_probs is None:
                 q_probs = torch.zeros(num_reqs, max_k, q.shape[-1], device=device)
@@ -161,8 +162,8 @@ def propose_with_exit_until_unsure(
         going = [n for n in needs_next if n not in unsure]
         if not going:
             break
-        reqs = [active[n] for n in going]
-        drawn, q = draw_drafts(logits[going], SamplingRows.build(reqs, device), reqs)
+        reqs, so_far = [active[n] for n in going], [tokens[alive[n]] for n in going]
+        drawn, q = draw_drafts(logits[going], SamplingRows.build(reqs, device, so_far), reqs, so_far)
         for m, (n, token) in enumerate(zip(going, drawn.tolist())):
             i = alive[n]
             tokens[i].append(token)

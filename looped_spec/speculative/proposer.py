@@ -67,15 +67,16 @@ def in_drafted_order(
 
 
 def draw_drafts(
-    logits: torch.Tensor, rows: SamplingRows, requests: list[Request]
+    logits: torch.Tensor, rows: SamplingRows, requests: list[Request], drafted: list[list[int]] | None = None
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Draft tokens [n] from the readout `logits` [n, V] of the first n rows that still draft, and their draft
     distributions q [n, V] (None when those rows are all greedy). Decided per step, not per batch: the sampled
-    rows may all have dropped out (smaller K)."""
-    # `rows` may cover more rows than `logits` (those that stopped drafting): a logit bias is indexed by row
-    sub = rows if rows.all_greedy and rows.bias is None else SamplingRows.build(requests, logits.device)
+    rows may all have dropped out (smaller K). `drafted[i]`: row i's drafts so far (penalties count them)."""
+    # `rows` may cover more rows than `logits` (those that stopped drafting): a bias or penalty is indexed by row
+    plain = rows.all_greedy and not rows.adjusts
+    sub = rows if plain else SamplingRows.build(requests, logits.device, drafted)
     if sub.all_greedy:
-        return sub.biased(logits).argmax(-1), None
+        return sub.adjusted(logits).argmax(-1), None
     q = probabilities(logits, sub)
     return sample_from(q, sub.uniforms(1)[:, 0]), q
 
@@ -87,10 +88,12 @@ class DraftProposer:
         self.runner = runner
 
     def draw(
-        self, logits: torch.Tensor, rows: SamplingRows, requests: list[Request], j: int
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Draft token j+1 of the first `len(requests)` rows from their depth-d readout, and its distribution."""
-        return draw_drafts(logits, rows, requests)
+        self, logits: torch.Tensor, rows: SamplingRows, requests: list[Request], j: int,
+        drafted: list[list[int]] | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:  # fmt: skip
+        """Draft token j+1 of the first `len(requests)` rows from their depth-d readout, and its distribution
+        (`drafted`: each row's j drafts so far, where a penalty counts them)."""
+        return draw_drafts(logits, rows, requests, drafted)
 
     @torch.inference_mode()
     def propose(
@@ -129,7 +132,8 @@ class DraftProposer:
             states.append(state)
             if num_next == 0:
                 break
-            drafted, q = self.draw(logits[:num_next], rows, active[:num_next], j)
+            so_far = tokens[:num_next, :j].tolist() if rows.penalties is not None else None  # penalties count them
+            drafted, q = self.draw(logits[:num_next], rows, active[:num_next], j, so_far)
             if q is not None:
                 if q_probs is None:
                     q_probs = torch.zeros(num_reqs, max_k, q.shape[-1], device=device)
@@ -167,8 +171,8 @@ class DraftProposer:
             going = [i for i, ok in zip(needs_next, sure) if ok]
             if going:
                 keep = to_device([n for n, ok in enumerate(sure) if ok], device)
-                drawn, q = draw_drafts(logits[keep], SamplingRows.build([requests[i] for i in going], device),
-                                       [requests[i] for i in going])  # fmt: skip
+                reqs, so_far = [requests[i] for i in going], [tokens[i] for i in going]
+                drawn, q = draw_drafts(logits[keep], SamplingRows.build(reqs, device, so_far), reqs, so_far)
                 for n, (i, token) in enumerate(zip(going, drawn.tolist())):
                     tokens[i].append(token)
                     q_rows[i].append(None if q is None else q[n])

@@ -39,11 +39,16 @@ def accept(
     steps = torch.arange(max_k, device=draft_tokens.device)[None, :]
     in_draft = steps < k[:, None]  # [R, K_max]
     flat_rows = None
-    if rows.bias is not None or not rows.all_greedy:  # per position: its request's settings (and logit bias)
-        flat_rows = SamplingRows.build([rows.requests[i] for i in row_index.tolist()], target_logits.device)
+    if rows.adjusts or not rows.all_greedy:  # per position: its request's settings (and bias, penalties)
+        row_list, pos_list = row_index.tolist(), pos_index.tolist()
+        drafted = None
+        if rows.penalties is not None:  # position j's penalties count the drafts before it
+            grid = draft_tokens.tolist()
+            drafted = [grid[r][:j] for r, j in zip(row_list, pos_list)]
+        flat_rows = SamplingRows.build([rows.requests[i] for i in row_list], target_logits.device, drafted)
     if rows.all_greedy:
         if flat_rows is not None:
-            target_logits = flat_rows.biased(target_logits)
+            target_logits = flat_rows.adjusted(target_logits)
         target = pad_positions(target_logits.argmax(-1), row_index, pos_index, num_reqs, max_k + 1, -2)
         match = (draft_tokens == target[:, :max_k]) & in_draft
         if decided is not None:
