@@ -76,7 +76,7 @@ def test_item02_error_sampling_first_token_does_not_wedge(monkeypatch):
     expected = [o.token_ids for o in make_engine("ouro").generate(PROMPTS[:3], params)]
     engine = make_engine("ouro")
     ids = [engine.add_request(p, sp) for p, sp in zip(PROMPTS[:3], params)]
-    fault = OneShotFault(SamplingRows.build.__func__, lambda cls, requests, device: True)
+    fault = OneShotFault(SamplingRows.build.__func__, lambda cls, requests, device, *drafted: True)
     monkeypatch.setattr(SamplingRows, "build", classmethod(fault))
     finished = run_to_end(engine, max_errors=1)
     assert fault.fired
@@ -171,10 +171,10 @@ def test_rule_a_request_failing_by_itself_finishes_with_error_and_the_others_go_
     engine.step()  # prefill
     original = SamplingRows.build.__func__
 
-    def build(cls, requests, device):  # a fault only this request's sampling hits, every time
+    def build(cls, requests, device, drafted=None):  # a fault only this request's sampling hits, every time
         if any(r.request_id == ids[1] for r in requests):
             raise RuntimeError("bad request")
-        return original(cls, requests, device)
+        return original(cls, requests, device, drafted)
 
     monkeypatch.setattr(SamplingRows, "build", classmethod(build))
     # raised for the batch, raised again when it first fails alone (a one-shot engine fault would not
