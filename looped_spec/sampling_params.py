@@ -28,10 +28,18 @@ def _real(value: Any) -> Any:
 
 
 def _token_key(value: Any) -> Any:
-    """A token id as a dict key: an integer, or the digits JSON writes an integer key as (OpenAI's logit_bias)."""
-    if isinstance(value, str) and value.isdigit():
+    """A token id as a dict key: an integer, or the decimal digits JSON writes an integer key as (OpenAI's logit_bias):
+    ASCII, without leading zeros, so two keys never name one token."""
+    if isinstance(value, str):
+        if not is_token_key(value):
+            raise ValueError(f"key {value!r} is not a token id (a non-negative integer, written without leading zeros)")
         return int(value)
     return _integral(value)
+
+
+def is_token_key(text: str) -> bool:
+    """Whether `text` is a token id as JSON keys write one: ASCII digits, no leading zero (but "0" itself)."""
+    return text.isascii() and text.isdigit() and (text == "0" or not text.startswith("0"))
 
 
 #: an int of any integer type (numpy's included), never a bool, str or float: strict but not fussy
@@ -73,7 +81,7 @@ class SamplingParams(BaseModel):
     )
     repetition_penalty: Real = Field(
         1.0,
-        gt=0.0,
+        ge=0.01,  # below it fp32 logits divided by it overflow
         le=100.0,
         allow_inf_nan=False,
         description="Divides the positive logits (multiplies the negative ones) of tokens in the prompt or the output "

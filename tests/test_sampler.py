@@ -158,3 +158,19 @@ def test_penalties_are_hfs_repetition_penalty_and_openais_presence_and_frequency
     ]
     torch.testing.assert_close(got, torch.stack(want), rtol=1e-5, atol=1e-5)
     assert PenaltyRows.build([requests[2]], None) is None  # nothing to do where no row is penalised
+
+
+def test_bad_keys_and_penalties_are_refused_naming_the_field():
+    """Keys must name a token one way only (ASCII digits, no leading zero); a repetition penalty so small that fp32
+    logits divided by it overflow is refused."""
+    from pydantic import ValidationError
+
+    from looped_spec import SamplingParams
+
+    assert SamplingParams(logit_bias={"0": 1.0, "12": 2.0}).logit_bias == {0: 1.0, 12: 2.0}
+    for bad in ({"05": 1.0}, {"١٢": 1.0}, {"²": 1.0}, {"": 1.0}):
+        with pytest.raises(ValidationError, match="logit_bias"):
+            SamplingParams(logit_bias=bad)
+    for bad in (1e-300, 1e-40, 0.0, 0.001):
+        with pytest.raises(ValidationError, match="repetition_penalty"):
+            SamplingParams(repetition_penalty=bad)

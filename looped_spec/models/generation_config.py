@@ -39,9 +39,10 @@ class GenerationConfig(BaseModel):
         """What the file asks of a request that sets no sampling fields, with HF's meaning (the file's format is
         HF's): `do_sample: true` samples with the file's temperature, top_k, top_p and min_p (those it gives);
         `do_sample` false or absent decodes greedily, whatever temperature the file states. A repetition_penalty
-        applies either way (in HF a logits processor, not a sampling warper). Offline requests and the server take
-        these for the fields a request leaves unset (the server: OpenAI's defaults for the rest). Without a file
-        nothing is asked."""
+        applies either way (in HF a logits processor, not a sampling warper). A field the file leaves out keeps
+        looped-spec's default, as vLLM reads the file (HF's `generate` would take its own defaults, top_k 50).
+        Offline requests and the server take these for the fields a request leaves unset (the server: OpenAI's
+        defaults for the rest). Without a file nothing is asked."""
         if not self._from_file:
             return {}
         both = {} if self.repetition_penalty is None else {"repetition_penalty": self.repetition_penalty}

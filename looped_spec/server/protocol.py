@@ -17,6 +17,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from looped_spec.sampling_params import is_token_key
+
 
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
@@ -51,14 +53,15 @@ class SamplingFields(BaseModel):
     logit_bias: dict[str, float] | None = None
     presence_penalty: float | None = Field(None, ge=-2.0, le=2.0, allow_inf_nan=False)
     frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0, allow_inf_nan=False)
-    repetition_penalty: float | None = Field(None, gt=0.0, le=100.0, allow_inf_nan=False)
+    repetition_penalty: float | None = Field(None, ge=0.01, le=100.0, allow_inf_nan=False)
 
     @field_validator("logit_bias")
     @classmethod
     def _token_ids(cls, value: dict[str, float] | None) -> dict[str, float] | None:
         for key in value or {}:
-            if not key.isdigit():  # digits only: a non-negative integer
-                raise ValueError(f"key {key!r} is not a token id (a non-negative integer)")
+            if not is_token_key(key):  # ASCII digits without leading zeros: two keys never name one token
+                raise ValueError(f"key {key!r} is not a token id (a non-negative integer, written without leading "
+                                 "zeros)")  # fmt: skip
         return value
 
     def token_bias(self) -> dict[int, float]:
