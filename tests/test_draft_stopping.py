@@ -38,10 +38,10 @@ def test_stopping_drafts_fewer_and_never_proposes_an_unsure_draft(monkeypatch):
     drawn_margins: list[float] = []
     real_draw = proposer.draw_drafts
 
-    def recording_draw(logits, rows, requests, drafted=None):
+    def recording_draw(logits, requests, drafted=None, batch_rows=None):
         top2 = logits.float().softmax(-1).topk(2, dim=-1).values
         drawn_margins.extend((top2[:, 0] - top2[:, 1]).tolist())
-        return real_draw(logits, rows, requests, drafted)
+        return real_draw(logits, requests, drafted, batch_rows)
 
     monkeypatch.setattr(proposer, "draw_drafts", recording_draw)
     # a trained model (the fixtures' random weights accept almost nothing): its depth-1 margin tells accepted from

@@ -8,7 +8,6 @@ batch.
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -87,7 +86,11 @@ def probabilities(logits: torch.Tensor, rows: SamplingRows) -> torch.Tensor:
     Greedy rows get a one-hot distribution on their argmax, so rejection sampling on them
     reduces to exact greedy matching. A row's logit bias and penalties are applied first.
     """
-    logits = rows.adjusted(logits)
+    return _filtered(rows.adjusted(logits), rows)
+
+
+def _filtered(logits: torch.Tensor, rows: SamplingRows) -> torch.Tensor:
+    """`probabilities` of logits the rows' bias and penalties are already applied to."""
     scaled = logits.float() / rows.temperature[:, None]
     if rows.needs_filter:
         # top-k first, then top-p on what top-k kept, renormalised (the order of HF's warpers and vLLM's sampler)
@@ -125,6 +128,6 @@ def sample(logits: torch.Tensor, rows: SamplingRows) -> torch.Tensor:
     logits = rows.adjusted(logits)
     if rows.all_greedy:
         return logits.argmax(dim=-1)
-    probs = probabilities(logits, dataclasses.replace(rows, bias=None, penalties=None))  # adjusted once
+    probs = _filtered(logits, rows)
     drawn = sample_from(probs, rows.uniforms(1)[:, 0])
     return torch.where(rows.greedy, logits.argmax(dim=-1), drawn)

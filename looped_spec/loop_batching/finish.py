@@ -156,9 +156,10 @@ class Finisher:
             if not drawing:
                 continue
             requests = [group[j][0].request for j in drawing]
-            so_far = [list(group[j][1].tokens) for j in drawing]  # each round's drafts so far (penalties count them)
+            # each round's drafts so far, where a penalty counts them
+            so_far = [list(group[j][1].tokens) for j in drawing] if any(r.penalized for r in requests) else None
             rows = logits if len(drawing) == len(group) else logits[to_device(drawing, logits.device)]
-            tokens, q = draw_drafts(rows, SamplingRows.build(requests, self.runner.device, so_far), requests, so_far)
+            tokens, q = draw_drafts(rows, requests, so_far)
             for n, (j, token) in enumerate(zip(drawing, tokens.tolist())):
                 it, r, _ = group[j]
                 r.tokens.append(token)

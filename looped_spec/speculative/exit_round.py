@@ -123,7 +123,7 @@ def propose_with_exit(
             break
         assert logits is not None
         so_far = tokens[:num_next, :j].tolist() if rows.penalties is not None else None  # penalties count them
-        drafted, q = draw_drafts(logits[:num_next], rows, active[:num_next], so_far)
+        drafted, q = draw_drafts(logits[:num_next], active[:num_next], so_far, rows)
         if q is not None:
             if q_probs is None:
                 q_probs = torch.zeros(num_reqs, max_k, q.shape[-1], device=device)
@@ -163,7 +163,7 @@ def propose_with_exit_until_unsure(
         if not going:
             break
         reqs, so_far = [active[n] for n in going], [tokens[alive[n]] for n in going]
-        drawn, q = draw_drafts(logits[going], SamplingRows.build(reqs, device, so_far), reqs, so_far)
+        drawn, q = draw_drafts(logits[going], reqs, so_far)
         for m, (n, token) in enumerate(zip(going, drawn.tolist())):
             i = alive[n]
             tokens[i].append(token)

@@ -67,14 +67,16 @@ def in_drafted_order(
 
 
 def draw_drafts(
-    logits: torch.Tensor, rows: SamplingRows, requests: list[Request], drafted: list[list[int]] | None = None
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Draft tokens [n] from the readout `logits` [n, V] of the first n rows that still draft, and their draft
+    logits: torch.Tensor, requests: list[Request], drafted: list[list[int]] | None = None,
+    batch_rows: SamplingRows | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:  # fmt: skip
+    """Draft tokens [n] from the readout `logits` [n, V] of `requests`, the n rows that still draft, and their draft
     distributions q [n, V] (None when those rows are all greedy). Decided per step, not per batch: the sampled
-    rows may all have dropped out (smaller K). `drafted[i]`: row i's drafts so far (penalties count them)."""
-    # `rows` may cover more rows than `logits` (those that stopped drafting): a bias or penalty is indexed by row
-    plain = rows.all_greedy and not rows.adjusts
-    sub = rows if plain else SamplingRows.build(requests, logits.device, drafted)
+    rows may all have dropped out (smaller K). `drafted[i]`: row i's drafts so far (penalties count them).
+    `batch_rows`: the round's rows, a superset; when they are all greedy and unadjusted, nothing is built."""
+    if batch_rows is not None and batch_rows.all_greedy and not batch_rows.adjusts:
+        return logits.argmax(-1), None
+    sub = SamplingRows.build(requests, logits.device, drafted)
     if sub.all_greedy:
         return sub.adjusted(logits).argmax(-1), None
     q = probabilities(logits, sub)
@@ -93,7 +95,7 @@ class DraftProposer:
     ) -> tuple[torch.Tensor, torch.Tensor | None]:  # fmt: skip
         """Draft token j+1 of the first `len(requests)` rows from their depth-d readout, and its distribution
         (`drafted`: each row's j drafts so far, where a penalty counts them)."""
-        return draw_drafts(logits, rows, requests, drafted)
+        return draw_drafts(logits, requests, drafted, rows)
 
     @torch.inference_mode()
     def propose(
@@ -172,7 +174,7 @@ class DraftProposer:
             if going:
                 keep = to_device([n for n, ok in enumerate(sure) if ok], device)
                 reqs, so_far = [requests[i] for i in going], [tokens[i] for i in going]
-                drawn, q = draw_drafts(logits[keep], SamplingRows.build(reqs, device, so_far), reqs, so_far)
+                drawn, q = draw_drafts(logits[keep], reqs, so_far)
                 for n, (i, token) in enumerate(zip(going, drawn.tolist())):
                     tokens[i].append(token)
                     q_rows[i].append(None if q is None else q[n])
