@@ -35,8 +35,10 @@ class IncrementalDetokenizer:
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
 
-    def append(self, token_id: int) -> bool:
-        """Add one committed token; returns True when a stop string now appears in the text.
+    def append(self, token_id: int, find_stop: bool = True) -> bool:
+        """Add one committed token; returns True when a stop string now appears in the text. `find_stop=False`
+        (before a request's min_tokens) decodes without looking: text that ends before the first token looked at
+        never stops the request, a stop string that runs on past it does.
 
         Without stop strings decoding waits for the next `stream_delta()` (one decode per step
         rather than per token, which matters when a speculative round commits several tokens).
@@ -48,7 +50,7 @@ class IncrementalDetokenizer:
             return False
         start = len(self.text)
         try:
-            return self._advance() and self._find_stop(start)
+            return self._advance() and find_stop and self._find_stop(start)
         except BaseException:  # the tokenizer failed: the token is not taken (`_advance` assigns only once it decoded)
             self.token_ids.pop()
             raise
@@ -79,16 +81,17 @@ class IncrementalDetokenizer:
         self.stop_hit = stop
         return True
 
-    def flush(self) -> bool:
+    def flush(self, find_stop: bool = True) -> bool:
         """The request finished: keep whatever an incomplete trailing character decodes to (U+FFFD), cut at a stop
-        string that text completes. Returns whether it completed one."""
+        string that text completes (`find_stop`: the output reached its min_tokens). Returns whether it completed
+        one."""
         if self.stop_hit is None and self._read_offset < len(self.token_ids):
             prefix_text = self._decode(self.token_ids[self._prefix_offset : self._read_offset])
             new_text = self._decode(self.token_ids[self._prefix_offset :])
             start = len(self.text)
             self.text += new_text[len(prefix_text) :]
             self._read_offset = len(self.token_ids)
-            return self._find_stop(start)
+            return find_stop and self._find_stop(start)
         return False
 
     def stream_delta(self, finished: bool) -> str:

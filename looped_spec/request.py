@@ -123,6 +123,11 @@ class Request:
         self.stop_ids = set(params.stop_token_ids)
         if not params.ignore_eos:
             self.stop_ids.update(eos_token_ids)
+        # until the output holds min_tokens tokens, stop tokens are never sampled (their logits are masked,
+        # execution/sampler.py) and stop strings are not looked for
+        self.min_tokens = params.min_tokens
+        # the stop tokens as a sorted list, for the mask
+        self.stop_id_list = sorted(self.stop_ids)
         self.max_model_len = max_model_len
         self.seed = seed
         self.generator = torch.Generator().manual_seed(seed)
@@ -162,6 +167,12 @@ class Request:
         return self.temperature == 0.0
 
     @property
+    def depends_on_output(self) -> bool:
+        """Whether its logits at a position depend on the output before that position (a penalty, or min_tokens not
+        yet reached): a speculative position's drafts before it then count as output (execution/penalties.py)."""
+        return self.penalized or self.num_output_tokens < self.min_tokens
+
+    @property
     def num_tokens(self) -> int:
         return len(self.token_ids)
 
@@ -186,10 +197,12 @@ class Request:
         """Commit one generated token; returns True when the request is now finished. If the detokenizer fails
         (it decodes to look for stop strings), the error is raised and the token is not committed, unless the token
         is a stop token: that ends the request anyway (its text, if any, is then left out)."""
-        stop_token = token in self.stop_ids
+        stop_token = token in self.stop_ids  # never one of the first min_tokens: the sampler masks them there
         try:
-            # a stop string ends the request at the token that completed it (its text is cut off)
-            stop_string = self.detokenizer is not None and self.detokenizer.append(token)
+            # a stop string ends the request at the token that completed it (its text is cut off); as in vLLM, they
+            # are looked for once the output holds min_tokens tokens
+            may_stop = self.num_output_tokens + 1 >= self.min_tokens
+            stop_string = self.detokenizer is not None and self.detokenizer.append(token, may_stop)
         except Exception as exc:
             if not stop_token:
                 raise

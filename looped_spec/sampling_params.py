@@ -58,6 +58,13 @@ class SamplingParams(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
 
     max_tokens: Integer = Field(16, gt=0, description="Most tokens to generate.")
+    min_tokens: Integer = Field(
+        0,
+        ge=0,
+        description="Fewest tokens to generate before a stop can end the request, as in vLLM: until then the stop "
+        "tokens (eos unless ignore_eos, and stop_token_ids) are never sampled and stop strings are not looked for. "
+        "At most max_tokens; 0 = off.",
+    )
     temperature: Real = Field(
         0.0,
         ge=0.0,
@@ -152,6 +159,12 @@ class SamplingParams(BaseModel):
             if token < 0:
                 raise ValueError(f"stop_token_ids[{i}] = {token} is negative")
         return ids
+
+    @model_validator(mode="after")
+    def _min_within_max(self) -> SamplingParams:
+        if self.min_tokens > self.max_tokens:
+            raise ValueError(f"min_tokens={self.min_tokens} must be at most max_tokens={self.max_tokens}")
+        return self
 
     @model_validator(mode="after")
     def _one_exit_rule(self) -> SamplingParams:

@@ -45,6 +45,9 @@ def test_user_errors_are_one_line(capsys):
     assert err.startswith("looped-spec: error: temperature:") and "\n" not in err and "http" not in err
     assert main(["generate", "--model", "tiny-ouro"]) == 2
     assert "no prompt" in capsys.readouterr().err
+    assert main(BASE + ["--prompt", "x", "--min-tokens", "9"]) == 2  # more than --max-tokens 8
+    assert "min_tokens=9 must be at most max_tokens=8" in capsys.readouterr().err
+    assert main(BASE + ["--prompt", "x", "--min-tokens", "8"]) == 0
 
 
 @pytest.mark.parametrize("value", ["0.5", "2.0", "true", "two"])

@@ -102,6 +102,20 @@ def test_generation_config_defaults(tmp_path, tokenizer):
     assert GenerationDefaults.load(tmp_path, None).temperature == 0.0
 
 
+def test_generation_settings_not_implemented_are_named_in_a_warning(tmp_path, caplog):
+    """HF settings that change what `generate` produces and that looped-spec does not run are never dropped silently;
+    their no-op values (or null, as recent transformers writes them) say nothing."""
+    from looped_spec.models.generation_config import read_generation_config
+
+    file = {"num_beams": 4, "min_new_tokens": 5, "suppress_tokens": [3], "typical_p": None, "epsilon_cutoff": 0.0,
+            "renormalize_logits": False, "no_repeat_ngram_size": 0, "temperature": 0.7}  # fmt: skip
+    (tmp_path / "generation_config.json").write_text(json.dumps(file))
+    with caplog.at_level("WARNING", logger="looped_spec.models.generation_config"):
+        read_generation_config(tmp_path)
+    named = sorted(record.getMessage().split(": ")[1].split("=")[0] for record in caplog.records)
+    assert named == ["min_new_tokens", "num_beams", "suppress_tokens"]
+
+
 def test_offline_requests_and_the_server_read_generation_config_alike(tmp_path):
     """The same file gives an offline request and a server request that set nothing the same sampling settings."""
     import shutil
@@ -141,13 +155,16 @@ def test_a_stop_completed_at_the_flush_ends_a_length_finish_as_stop_but_never_an
     from looped_spec.engine.outputs import request_output
 
     ids = tokenizer.encode("ok 😀")[:-1]  # ends inside a character: its U+FFFD appears only at the flush
-    for reason, expected in (("length", "stop"), ("abort", "abort"), ("error", "error")):
+    cases = [("length", 0, "stop", "ok"), ("abort", 0, "abort", "ok"), ("error", 0, "error", "ok"),
+             # a length finish short of min_tokens (the context ran out): stop strings are not looked for yet
+             ("length", len(ids) + 1, "length", tokenizer.decode(ids))]  # fmt: skip
+    for reason, min_tokens, expected, text in cases:
         detok = IncrementalDetokenizer(tokenizer, stop=[" " + REPLACEMENT_CHAR])
         assert not any(detok.append(t) for t in ids)
         request = SimpleNamespace(
             request_id="r", detokenizer=detok, finished=True, finish_reason=reason, output_token_ids=ids,
             num_emitted=0, token_ids=ids, num_prompt_tokens=0, metrics=None, prompt_text=None, error=None,
-            logprobs_top=None, logprobs=[],
+            logprobs_top=None, logprobs=[], num_output_tokens=len(ids), min_tokens=min_tokens,
         )  # fmt: skip
         out = request_output(request)
-        assert (out.finish_reason, out.text) == (expected, "ok"), reason
+        assert (out.finish_reason, out.text) == (expected, text), reason

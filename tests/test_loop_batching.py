@@ -604,7 +604,13 @@ request_st = st.fixed_dictionaries(
         "seed": st.integers(0, 2**31 - 1),
         "exit": st.sampled_from([None, ("exit_at_step", 1), ("exit_at_step", 2), ("exit_threshold", 0.5)]),
         "adjust": st.sampled_from(
-            [{}, {}, {"repetition_penalty": 1.4, "frequency_penalty": 0.5}, {"logit_bias": {9: 3.0}}]
+            [
+                {},
+                {},
+                {"repetition_penalty": 1.4, "frequency_penalty": 0.5},
+                {"logit_bias": {9: 3.0}},
+                {"min_tokens": 4, "stop_token_ids": list(range(0, 256, 2))},
+            ]
         ),
     }
 )
@@ -615,8 +621,11 @@ def params_of(spec: dict, family: str) -> SamplingParams:
     if spec["exit"] is not None and (spec["exit"][0] == "exit_at_step" or family == "ouro"):
         extra = {spec["exit"][0]: spec["exit"][1]}
     temperature = 0.9 if spec["sampled"] else 0.0
+    adjust = dict(spec.get("adjust", {}))
+    if "min_tokens" in adjust:
+        adjust["min_tokens"] = min(adjust["min_tokens"], spec["max_tokens"])
     return SamplingParams(max_tokens=spec["max_tokens"], temperature=temperature, seed=spec["seed"], ignore_eos=True,
-                          **extra, **spec.get("adjust", {}))  # fmt: skip
+                          **extra, **adjust)  # fmt: skip
 
 
 @pytest.mark.slow

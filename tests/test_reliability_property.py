@@ -73,6 +73,7 @@ requests_st = st.fixed_dictionaries(
         "penalties": st.sampled_from(
             [{}, {}, {"repetition_penalty": 1.4}, {"presence_penalty": 1.0, "frequency_penalty": 0.5}]
         ),
+        "min_tokens": st.sampled_from([0, 0, 3, 14]),  # at most max_tokens
         # its tokenizer cannot decode the token its run alone generates at this index (it decodes them for stop
         # strings): its commit fails there
         "undecodable_at": st.one_of(st.none(), st.none(), st.integers(0, 13)),
@@ -113,6 +114,7 @@ def params_of(spec: dict) -> SamplingParams:
         stop_token_ids=spec["stop"],
         ignore_eos=spec["ignore_eos"],
         logit_bias=spec.get("logit_bias", {}),
+        min_tokens=min(spec.get("min_tokens", 0), spec["max_tokens"]),
         **spec.get("penalties", {}),
     )
 

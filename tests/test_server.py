@@ -363,6 +363,8 @@ def test_what_openai_refuses_is_refused_naming_the_field(server, client, monkeyp
         (completions, '"prompt": "a", "logit_bias": {"x": 1}', "logit_bias"),
         (completions, '"prompt": "a", "logit_bias": {"05": 1, "5": -1}', "logit_bias"),
         (completions, '"prompt": "a", "logit_bias": {"99999": 1}', "logit_bias"),
+        (completions, '"prompt": "a", "max_tokens": 4, "min_tokens": 5', "min_tokens"),
+        (chat, '"messages": [{"role": "user", "content": "a"}], "min_tokens": -1', "min_tokens"),
         (completions, '"prompt": "a", "best_of": 3', "best_of"),
         (completions, '"prompt": "a", "suffix": "return x"', "suffix"),
         (chat, '"messages": [{"role": "user", "content": "a"}], "tools": []', "tools"),
@@ -788,6 +790,19 @@ def test_penalties_reach_the_request(server, client, reference_engine):
                                     extra_body={"repetition_penalty": 1.3})  # fmt: skip
     ref = greedy(reference_engine, PROMPT, 24, repetition_penalty=1.3, **settings)
     assert out.choices[0].text == ref.text != greedy(reference_engine, PROMPT, 24).text
+
+
+def test_min_tokens_reaches_the_request(server, client, reference_engine):
+    """vLLM's min_tokens: with the tokens greedy decoding emits first as stop tokens, the output equals the offline
+    engine's with the same fields (those tokens masked until min_tokens, then ending it), and differs from the output
+    without min_tokens (which stops at once)."""
+    first = greedy(reference_engine, PROMPT, 8, ignore_eos=True).token_ids
+    fields = dict(min_tokens=6, stop_token_ids=first[:2])
+    out = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=16, temperature=0, extra_body=fields)
+    ref = greedy(reference_engine, PROMPT, 16, **fields)
+    without = greedy(reference_engine, PROMPT, 16, stop_token_ids=first[:2])
+    assert out.choices[0].text == ref.text and len(ref.token_ids) > 6 > len(without.token_ids)
+    assert out.usage.completion_tokens == len(ref.token_ids)
 
 
 def test_logit_bias_reaches_the_request(server, client, reference_engine):

@@ -285,9 +285,10 @@ def test_speculative_sampling_with_min_p_keeps_target_distribution():
     assert_distribution((tuple(o.token_ids[:2]) for o in outs), exact)
 
 
-ADJUSTMENTS = {  # each changes greedy decoding: a bias banning plain's next token, penalties of repeated tokens
+ADJUSTMENTS = {  # each changes greedy decoding: a bias banning plain's next token, penalties of repeated tokens,
     "logit bias": lambda first: dict(logit_bias={first: -100.0, 17: 3.0, 200: 2.5}),
     "penalties": lambda first: dict(repetition_penalty=1.6, presence_penalty=1.0, frequency_penalty=0.6),
+    "min_tokens": lambda first: dict(min_tokens=5, stop_token_ids=[first]),  # plain's first token, masked early
 }
 
 

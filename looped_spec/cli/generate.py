@@ -28,6 +28,8 @@ def add_parser(sub: argparse._SubParsersAction, fmt: type[argparse.HelpFormatter
         help="more prompts, one a line (.jsonl: a 'prompt' field a line; '-': stdin)",
     )
     gen.add_argument("--max-tokens", type=int, default=64, help="most tokens generated per prompt")
+    gen.add_argument("--min-tokens", type=int, default=0,
+                     help="fewest tokens before eos, a stop token or a stop string may end an output")  # fmt: skip
     gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     gen.add_argument("--top-k", type=int, default=0, help="0 or -1 = no top-k filtering")
     gen.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass")
@@ -99,10 +101,10 @@ def generate(args: argparse.Namespace) -> int:
     at_least(args.threads, 0, "--threads", " (0: torch's default)")
     set_threads(args.threads)
     prompts = read_prompts(args)
-    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
-                            top_p=args.top_p, min_p=args.min_p, repetition_penalty=args.repetition_penalty,
-                            presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
-                            seed=args.seed, ignore_eos=args.ignore_eos,
+    params = SamplingParams(max_tokens=args.max_tokens, min_tokens=args.min_tokens, temperature=args.temperature,
+                            top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
+                            repetition_penalty=args.repetition_penalty, presence_penalty=args.presence_penalty,
+                            frequency_penalty=args.frequency_penalty, seed=args.seed, ignore_eos=args.ignore_eos,
                             stop=args.stop or [], exit_threshold=args.exit_threshold,
                             exit_at_step=args.exit_at_step)  # fmt: skip
     engine = LoopedSpecEngine(args.model, **engine_options(args))

@@ -18,7 +18,7 @@ def request_output(request: Request) -> RequestOutput:
         try:
             if request.finished:
                 # the last, incomplete character's U+FFFD completed a stop string (an abort or error stays one)
-                if detok.flush() and finish_reason == "length":
+                if detok.flush(request.num_output_tokens >= request.min_tokens) and finish_reason == "length":
                     finish_reason = "stop"
                 text = detok.text
             new_text = detok.stream_delta(request.finished)

@@ -1,5 +1,5 @@
-"""Token sampling: logit bias and penalties, then greedy, or temperature + top-k + top-p + min-p (HF's warpers'
-order) with per-request generators.
+"""Token sampling: logit bias, penalties and the min_tokens mask, then greedy, or temperature + top-k + top-p +
+min-p (HF's warpers' order) with per-request generators.
 
 Random draws come from each request's own CPU generator (one uniform per sampled row), and
 the token is picked by inverse CDF, so a seeded request draws the same tokens alone or in any
@@ -33,20 +33,30 @@ class SamplingRows:
     # where some row sets a logit bias: (rows, token ids, values), each [num_biases], added to the logits first
     bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
     penalties: PenaltyRows | None = None  # where some row sets a penalty: applied after the bias (penalties.py)
+    # where some row's output is still short of its min_tokens: (rows, token ids) of the stop tokens masked there
+    banned: tuple[torch.Tensor, torch.Tensor] | None = None
 
     @property
     def adjusts(self) -> bool:
-        """Whether some row's logits are changed before sampling (a logit bias or a penalty): even a greedy row then
-        takes the argmax of `adjusted(logits)`."""
-        return self.bias is not None or self.penalties is not None
+        """Whether some row's logits are changed before sampling (a logit bias, a penalty or a min_tokens mask): even a
+        greedy row then takes the argmax of `adjusted(logits)`."""
+        return self.bias is not None or self.penalties is not None or self.banned is not None
+
+    @property
+    def counts_drafts(self) -> bool:
+        """Whether some row's adjustment depends on the output before its position (a penalty, or min_tokens): rows
+        at later positions of a speculative round must then be built with the drafts before them."""
+        return self.penalties is not None or self.banned is not None
 
     @classmethod
     def build(
         cls, requests: list[Request], device: torch.device, drafted: Sequence[Sequence[int]] | None = None
     ) -> SamplingRows:
-        """One row per request; `drafted[i]`: the drafts before row i's position (the penalties count them)."""
+        """One row per request; `drafted[i]`: the drafts before row i's position (the penalties and min_tokens count
+        them)."""
         all_greedy = all(r.greedy for r in requests)
         penalties = PenaltyRows.build(requests, drafted)
+        banned = _min_token_bans(requests, drafted, device)
         bias = None
         if any(r.logit_bias for r in requests):
             entries = [(i, token, value) for i, r in enumerate(requests) for token, value in r.logit_bias.items()]
@@ -55,29 +65,49 @@ class SamplingRows:
                     to_device(list(values), device))  # fmt: skip
         if all_greedy:
             empty = torch.empty(0, device=device)
-            return cls(requests, empty, empty, empty, empty, True, False, bias=bias, penalties=penalties)
+            return cls(requests, empty, empty, empty, empty, True, False, bias=bias, penalties=penalties, banned=banned)
         temps = to_device([r.temperature if not r.greedy else 1.0 for r in requests], device)
         top_k = to_device([r.top_k for r in requests], device, torch.long)
         top_p = to_device([r.top_p for r in requests], device)
         greedy = to_device([r.greedy for r in requests], device)
         needs_filter = any(r.top_k > 0 or r.top_p < 1.0 for r in requests)
         min_p = to_device([r.min_p for r in requests], device) if any(r.min_p > 0.0 for r in requests) else None
-        return cls(requests, temps, top_k, top_p, greedy, False, needs_filter, min_p, bias, penalties)
+        return cls(requests, temps, top_k, top_p, greedy, False, needs_filter, min_p, bias, penalties, banned)
 
     def adjusted(self, logits: torch.Tensor) -> torch.Tensor:
-        """`logits` [num_rows, V] with each row's logit bias added, then its penalties applied (the same tensor when
-        no row has either)."""
+        """`logits` [num_rows, V] with each row's logit bias added, then its penalties applied, then the stop tokens
+        of rows short of their min_tokens masked (the same tensor when no row has any of them)."""
         if self.bias is not None:
             rows, tokens, values = self.bias
             logits = logits.float().index_put((rows, tokens), values, accumulate=True)
         if self.penalties is not None:
             logits = self.penalties.apply(logits)
+        if self.banned is not None:
+            rows, tokens = self.banned
+            logits = logits.float().index_put((rows, tokens), torch.tensor(float("-inf"), device=logits.device))
         return logits
 
     def uniforms(self, count: int = 1) -> torch.Tensor:
         """[num_rows, count] uniforms, each row from its request's generator."""
         draws = [torch.rand(count, generator=r.generator) for r in self.requests]
         return to_device(torch.stack(draws), self.temperature.device)
+
+
+def _min_token_bans(
+    requests: Sequence[Request], drafted: Sequence[Sequence[int]] | None, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(rows, token ids) of the stop tokens masked at each row's position: those of requests whose output before the
+    position (drafts included) is shorter than their min_tokens; None when no row has any."""
+    entries = [
+        (i, token)
+        for i, r in enumerate(requests)
+        if r.num_output_tokens + (len(drafted[i]) if drafted is not None else 0) < r.min_tokens
+        for token in r.stop_id_list
+    ]
+    if not entries:
+        return None
+    rows, tokens = zip(*entries)
+    return to_device(list(rows), device, torch.long), to_device(list(tokens), device, torch.long)
 
 
 def probabilities(logits: torch.Tensor, rows: SamplingRows) -> torch.Tensor:

@@ -156,8 +156,8 @@ class Finisher:
             if not drawing:
                 continue
             requests = [group[j][0].request for j in drawing]
-            # each round's drafts so far, where a penalty counts them
-            so_far = [list(group[j][1].tokens) for j in drawing] if any(r.penalized for r in requests) else None
+            # each round's drafts so far, where a penalty or min_tokens counts them
+            so_far = [list(group[j][1].tokens) for j in drawing] if any(r.depends_on_output for r in requests) else None
             rows = logits if len(drawing) == len(group) else logits[to_device(drawing, logits.device)]
             tokens, q = draw_drafts(rows, requests, so_far)
             for n, (j, token) in enumerate(zip(drawing, tokens.tolist())):

@@ -14,8 +14,17 @@ from looped_spec.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
-# sampling settings a generation_config may carry that looped-spec does not implement, with their no-op value
-_UNSUPPORTED = {"typical_p": 1.0, "num_beams": 1, "no_repeat_ngram_size": 0}
+# settings of HF's GenerationConfig that change what `generate` produces and that looped-spec does not implement,
+# with their no-op value: a file that sets one is read with a warning naming it (min_new_tokens too: vLLM does not read
+# it either; a request's min_tokens does that)
+_UNSUPPORTED = {
+    "typical_p": 1.0, "epsilon_cutoff": 0.0, "eta_cutoff": 0.0, "num_beams": 1, "num_beam_groups": 1,
+    "diversity_penalty": 0.0, "penalty_alpha": None, "no_repeat_ngram_size": 0, "encoder_repetition_penalty": 1.0,
+    "encoder_no_repeat_ngram_size": 0, "min_length": 0, "min_new_tokens": None, "bad_words_ids": None,
+    "force_words_ids": None, "sequence_bias": None, "suppress_tokens": None, "begin_suppress_tokens": None,
+    "forced_bos_token_id": None, "forced_eos_token_id": None, "exponential_decay_length_penalty": None,
+    "renormalize_logits": False, "guidance_scale": None,
+}  # fmt: skip
 
 
 class GenerationConfig(BaseModel):
@@ -70,6 +79,6 @@ def read_generation_config(folder: str | Path) -> GenerationConfig:
             raise
         raise CheckpointError(f"{path}: {' '.join(str(exc).split())}") from exc
     for key, neutral in _UNSUPPORTED.items():
-        if data.get(key, neutral) != neutral:
+        if data.get(key) not in (None, neutral):  # transformers writes either the no-op value or null
             logger.warning("%s: %s=%r is not implemented by looped-spec and is ignored", path, key, data[key])
     return config

@@ -115,6 +115,8 @@ class OpenAIServing:
         elif max_tokens > room and not scored_only:
             raise APIError(400, f"max_tokens: {max_tokens} + {num_prompt_tokens} prompt tokens exceeds "
                            f"max_model_len={self.max_model_len}", "max_tokens")  # fmt: skip
+        if body.min_tokens > max_tokens and not scored_only:
+            raise APIError(400, f"min_tokens: {body.min_tokens} is more than max_tokens={max_tokens}", "min_tokens")
         stop = body.stop_list()
         if len(stop) > MAX_STOP_STRINGS:
             raise APIError(400, f"stop: at most {MAX_STOP_STRINGS} stop strings", "stop")
@@ -135,6 +137,7 @@ class OpenAIServing:
         try:
             params = SamplingParams(
                 max_tokens=max_tokens,
+                min_tokens=0 if scored_only else body.min_tokens,
                 temperature=d.temperature if body.temperature is None else body.temperature,
                 top_p=d.top_p if body.top_p is None else body.top_p,
                 top_k=d.top_k if body.top_k is None else body.top_k,

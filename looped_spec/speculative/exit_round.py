@@ -122,7 +122,7 @@ def propose_with_exit(
         if num_next == 0:
             break
         assert logits is not None
-        so_far = tokens[:num_next, :j].tolist() if rows.penalties is not None else None  # penalties count them
+        so_far = tokens[:num_next, :j].tolist() if rows.counts_drafts else None
         drafted, q = draw_drafts(logits[:num_next], active[:num_next], so_far, rows)
         if q is not None:
             if q_probs is None:

@@ -72,8 +72,8 @@ def draw_drafts(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:  # fmt: skip
     """Draft tokens [n] from the readout `logits` [n, V] of `requests`, the n rows that still draft, and their draft
     distributions q [n, V] (None when those rows are all greedy). Decided per step, not per batch: the sampled
-    rows may all have dropped out (smaller K). `drafted[i]`: row i's drafts so far (penalties count them).
-    `batch_rows`: the round's rows, a superset; when they are all greedy and unadjusted, nothing is built."""
+    rows may all have dropped out (smaller K). `drafted[i]`: row i's drafts so far (penalties and min_tokens count
+    them). `batch_rows`: the round's rows, a superset; when they are all greedy and unadjusted, nothing is built."""
     if batch_rows is not None and batch_rows.all_greedy and not batch_rows.adjusts:
         return logits.argmax(-1), None
     sub = SamplingRows.build(requests, logits.device, drafted)
@@ -94,7 +94,7 @@ class DraftProposer:
         drafted: list[list[int]] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:  # fmt: skip
         """Draft token j+1 of the first `len(requests)` rows from their depth-d readout, and its distribution
-        (`drafted`: each row's j drafts so far, where a penalty counts them)."""
+        (`drafted`: each row's j drafts so far, where a penalty or min_tokens counts them)."""
         return draw_drafts(logits, requests, drafted, rows)
 
     @torch.inference_mode()
@@ -134,7 +134,7 @@ class DraftProposer:
             states.append(state)
             if num_next == 0:
                 break
-            so_far = tokens[:num_next, :j].tolist() if rows.penalties is not None else None  # penalties count them
+            so_far = tokens[:num_next, :j].tolist() if rows.counts_drafts else None
             drafted, q = self.draw(logits[:num_next], rows, active[:num_next], j, so_far)
             if q is not None:
                 if q_probs is None:

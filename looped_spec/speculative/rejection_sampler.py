@@ -42,7 +42,7 @@ def accept(
     if rows.adjusts or not rows.all_greedy:  # per position: its request's settings (and bias, penalties)
         row_list, pos_list = row_index.tolist(), pos_index.tolist()
         drafted = None
-        if rows.penalties is not None:  # position j's penalties count the drafts before it
+        if rows.counts_drafts:  # position j's penalties and min_tokens count the drafts before it
             grid = draft_tokens.tolist()
             drafted = [grid[r][:j] for r, j in zip(row_list, pos_list)]
         flat_rows = SamplingRows.build([rows.requests[i] for i in row_list], target_logits.device, drafted)

@@ -1,0 +1,218 @@
+"""min_tokens (vLLM's meaning): until the output holds min_tokens tokens its stop tokens are never sampled and stop
+strings are not looked for; speculation keeps plain decoding's output and the target's distribution."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from chisquare import assert_distribution
+from conftest import FAMILIES, load, make_engine
+from pydantic import ValidationError
+from test_speculative import PROMPTS, top_k_filter
+
+from looped_spec import SamplingParams, SpeculativeConfig
+from looped_spec.detokenizer import IncrementalDetokenizer
+from looped_spec.engine.inputs import load_tokenizer
+from looped_spec.execution.sampler import SamplingRows
+from looped_spec.models import shipped_model_path
+from looped_spec.request import Request
+from looped_spec.speculative.proposer import DraftProposer
+
+
+def test_min_tokens_is_checked_naming_the_field():
+    assert SamplingParams(max_tokens=4, min_tokens=4).min_tokens == 4
+    with pytest.raises(ValidationError, match="min_tokens=5 must be at most max_tokens=4"):
+        SamplingParams(max_tokens=4, min_tokens=5)
+    for bad in (-1, 1.5, "2", True):
+        with pytest.raises(ValidationError, match="min_tokens"):
+            SamplingParams(min_tokens=bad)
+
+
+def request_with(output: list[int], min_tokens: int, stop_token_ids: list[int], ignore_eos: bool = False) -> Request:
+    params = SamplingParams(max_tokens=20, min_tokens=min_tokens, stop_token_ids=stop_token_ids, ignore_eos=ignore_eos)
+    request = Request("r", 0, [1, 2, 3], params, seed=0, eos_token_ids=[0], max_model_len=64)
+    request.token_ids += output
+    return request
+
+
+def test_the_stop_tokens_of_positions_short_of_min_tokens_are_masked():
+    """A request with 2 tokens of output and min_tokens 4: at its next position (no drafts before it) and after one
+    draft its stop tokens (eos and stop_token_ids) are masked; after two drafts the output before the position holds 4
+    and nothing is. Other logits are untouched; a request past its min_tokens, or without one, is not masked."""
+    logits = torch.randn(6, 12, generator=torch.Generator().manual_seed(3))
+    short = request_with([5, 6], 4, [7, 9])
+    requests = [short, short, short, request_with([5, 6, 5, 6], 4, [7]), request_with([5], 0, [7]),
+                request_with([5], 3, [7], ignore_eos=True)]  # fmt: skip
+    drafted = [[], [8], [8, 8], [], [], [1]]
+    rows = SamplingRows.build(requests, torch.device("cpu"), drafted)
+    assert rows.adjusts and rows.counts_drafts
+    got = rows.adjusted(logits)
+    want = logits.clone()
+    want[0, [0, 7, 9]] = want[1, [0, 7, 9]] = want[5, 7] = float("-inf")
+    torch.testing.assert_close(got, want)
+    # past min_tokens there is nothing to adjust, and no need for the drafts
+    done = SamplingRows.build(requests[3:5], torch.device("cpu"))
+    assert not done.adjusts and not done.counts_drafts and requests[3].depends_on_output is False
+
+
+def reference_min_tokens(adapter, prompt, max_tokens, min_tokens, stop_ids):
+    """Greedy decoding by dense forwards: the stop tokens' logits set to -inf while the output is short of min_tokens,
+    the request ending at the first stop token after that."""
+    tokens: list[int] = []
+    while len(tokens) < max_tokens:
+        logits = adapter.dense_logits(torch.tensor(prompt + tokens))[0, -1].clone()
+        if len(tokens) < min_tokens:
+            logits[sorted(stop_ids)] = float("-inf")
+        tokens.append(int(logits.argmax()))
+        if tokens[-1] in stop_ids and len(tokens) > min_tokens:
+            break
+    return tokens
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_greedy_min_tokens_follows_an_independent_reference_with_and_without_speculation(family):
+    """Stop tokens chosen among the tokens plain decoding emits first: min_tokens changes the output (they are masked
+    early) and ends it at the first one that comes after min_tokens, as the dense reference does, with speculation
+    (fixed, adaptive, on loop passes) as without."""
+    adapter = load(family)
+    plain = make_engine(family)
+    unadjusted = [o.token_ids for o in plain.generate(PROMPTS, SamplingParams(max_tokens=12, ignore_eos=True))]
+    params, expected = [], []
+    for prompt, out, min_tokens in zip(PROMPTS, unadjusted, [0, 1, 3, 5, 7, 12, 2, 4]):
+        stop_ids = set(out[:6:2]) | set(adapter.eos_token_ids)  # the model's eos and three of plain's tokens
+        params.append(SamplingParams(max_tokens=12, min_tokens=min_tokens, stop_token_ids=sorted(set(out[:6:2]))))
+        expected.append(reference_min_tokens(adapter, prompt, 12, min_tokens, stop_ids))
+    assert sum(want != was for want, was in zip(expected, unadjusted)) >= len(PROMPTS) // 2
+    assert any(len(want) < 12 for want in expected)  # some end at a stop token after their min_tokens
+    modes = [dict(), dict(speculation="2,1"), dict(speculation=f"3,{adapter.full_depth - 1}"),
+             dict(speculation="adaptive"), dict(speculation="2,1", batching="loop"), dict(batching="loop"),
+             dict(speculation=SpeculativeConfig(k=4, d=1, stop_margin=0.01))]  # fmt: skip
+    for mode in modes:
+        engine = make_engine(family, max_batch_size=len(PROMPTS), **mode)
+        outs = engine.generate(PROMPTS, params)
+        assert [o.token_ids for o in outs] == expected, mode
+        assert [o.finish_reason for o in outs] == ["stop" if len(w) < 12 else "length" for w in expected], mode
+        assert engine.num_free_blocks == engine.kv.num_blocks
+
+
+def test_speculative_sampling_with_min_tokens_keeps_target_distribution():
+    """min_tokens 2 with the likeliest tokens as stop tokens: the first two positions mask them, the third does not
+    (and a stop token there ends the request). The third token comes from the same K = 2 round as the second, whose
+    masks differ by the drafts before each position: rejection sampling keeps the joint distribution of the three."""
+    adapter = load("ouro")
+    prompt, n, top_k, min_tokens = [5, 9, 13, 200], 4000, 4, 2
+    first = adapter.dense_logits(torch.tensor(prompt))[0, -1]
+    stop_ids = sorted(set(first.topk(2).indices.tolist()) | set(adapter.eos_token_ids))
+
+    def next_tokens(output):
+        logits = adapter.dense_logits(torch.tensor(prompt + output))[0, -1].clone()
+        if len(output) < min_tokens:
+            logits[stop_ids] = float("-inf")
+        return zip(*top_k_filter(logits, top_k))
+
+    probs = {
+        (t1, t2, t3): q1 * q2 * q3
+        for t1, q1 in next_tokens([])
+        for t2, q2 in next_tokens([t1])
+        for t3, q3 in next_tokens([t1, t2])
+    }
+    engine = make_engine(
+        "ouro", speculation=SpeculativeConfig(k=2, d=1), max_batch_size=256, max_num_batched_tokens=4096, seed=17
+    )
+    params = SamplingParams(max_tokens=3, min_tokens=min_tokens, temperature=1.0, top_k=top_k,
+                            stop_token_ids=first.topk(2).indices.tolist())  # fmt: skip
+    outs = engine.generate([prompt] * n, params)
+    assert engine.stats.num_accepted_tokens > 0 and engine.stats.num_draft_tokens > engine.stats.num_accepted_tokens
+    assert all(len(o.token_ids) == 3 for o in outs)  # nothing stops before the third token
+    assert any(o.finish_reason == "stop" for o in outs)  # a stop token there does end it
+    assert_distribution((tuple(o.token_ids) for o in outs), probs)
+
+
+def test_stop_strings_are_looked_for_once_the_output_holds_min_tokens():
+    """As vLLM: a stop string that ends before the min_tokens-th token is ignored, one that the min_tokens-th token
+    or a later one completes ends the request (text cut before it)."""
+    tokenizer = load_tokenizer(shipped_model_path("tiny-ouro"))
+    ids = tokenizer.encode("ab ab ab cd")
+    stop = tokenizer.decode(ids[-1:])
+    assert stop and tokenizer.decode(ids).count(stop) == 1
+
+    def run(find_from: int) -> tuple[int, str]:
+        detok = IncrementalDetokenizer(tokenizer, stop=["ab"])
+        for n, token in enumerate(ids, 1):
+            if detok.append(token, n >= find_from):
+                return n, detok.text
+        return len(ids), detok.text
+
+    first = next(n for n in range(1, len(ids) + 1) if "ab" in tokenizer.decode(ids[:n]))
+    assert run(1) == (first, "")
+    later, text = run(first + 1)
+    assert later > first and text == tokenizer.decode(ids[:later]).rsplit("ab", 1)[0]
+    assert text.startswith("ab")  # the first "ab" stayed in the text
+
+
+def test_an_engine_request_ignores_stop_strings_before_min_tokens():
+    engine = make_engine_with_tokenizer()
+    prompt = "def add(a, b):"
+    full = engine.generate(prompt, SamplingParams(max_tokens=24, ignore_eos=True))[0]
+    text = full.text
+    stop = next(text[i : i + 2] for i in range(len(text) - 1) if text.count(text[i : i + 2]) >= 2)
+    early = engine.generate(prompt, SamplingParams(max_tokens=24, ignore_eos=True, stop=[stop]))[0]
+    assert early.finish_reason == "stop" and early.text == text[: text.index(stop)]
+    n = len(early.token_ids)
+    later = engine.generate(prompt, SamplingParams(max_tokens=24, ignore_eos=True, stop=[stop], min_tokens=n + 1))[0]
+    assert len(later.token_ids) > n and later.token_ids == full.token_ids[: len(later.token_ids)]
+    assert stop in later.text or later.finish_reason == "length"
+
+
+def make_engine_with_tokenizer():
+    from looped_spec import LoopedSpecEngine
+
+    return LoopedSpecEngine("tiny-ouro", speculation="off")
+
+
+class RecordingProposer(DraftProposer):
+    """The engine's proposer, recording every draft it draws: (the request's tokens then, step j, the token)."""
+
+    def __init__(self, runner) -> None:
+        super().__init__(runner)
+        self.drawn: list[tuple[list[int], int, int]] = []
+
+    def draw(self, logits, rows, requests, j, drafted=None):
+        tokens, q = super().draw(logits, rows, requests, j, drafted)
+        self.drawn += [(list(r.token_ids), j, t) for r, t in zip(requests, tokens.tolist())]
+        return tokens, q
+
+
+def test_each_draft_masks_what_the_target_masks_at_its_position():
+    """Speculation stays exact with any draft; acceptance needs the draft to mask the stop tokens exactly where the
+    target does, counting the drafts before its position as output. Loops 1..d never see deeper ones, so a draft is
+    the dense depth-d readout of the tokens before it: checked draft by draft against that reference, with stop tokens
+    the target emits and a deep draft whose drafts it accepts."""
+    adapter = load("ouro")
+    prompt, d, min_tokens = PROMPTS[2], adapter.full_depth - 1, 4
+    engine = make_engine("ouro", speculation=SpeculativeConfig(k=4, d=d))
+    plain = make_engine("ouro").generate(prompt, SamplingParams(max_tokens=4, ignore_eos=True))[0].token_ids
+    stop_ids = sorted(set(plain))
+    recorder = RecordingProposer(engine.runner)
+    engine.spec_round.proposer = recorder
+    params = SamplingParams(max_tokens=14, min_tokens=min_tokens, stop_token_ids=stop_ids, ignore_eos=True)
+    out = engine.generate(prompt, params)[0]
+    assert engine.stats.num_accepted_tokens > 0
+    masked_somewhere = unmasked_somewhere = False
+    round_drafts: list[int] = []
+    for tokens, j, token in recorder.drawn:
+        round_drafts = round_drafts[:j]
+        logits = adapter.dense_logits(torch.tensor(tokens + round_drafts), depth=d)[0, -1].clone()
+        if len(tokens) - len(prompt) + j < min_tokens:
+            masked_somewhere = True
+            logits[stop_ids] = float("-inf")
+        else:
+            unmasked_somewhere = True
+        assert token == int(logits.argmax()), (tokens, j)
+        round_drafts.append(token)
+    assert masked_somewhere and unmasked_somewhere
+    # loop passes draft the same: as many drafts, as many accepted (the draft's mask decides what it proposes)
+    loop = make_engine("ouro", speculation=SpeculativeConfig(k=4, d=d), batching="loop")
+    assert loop.generate(prompt, params)[0].token_ids == out.token_ids
+    for name in ("num_draft_tokens", "num_accepted_tokens"):
+        assert getattr(loop.stats, name) == getattr(engine.stats, name), name
