@@ -77,7 +77,7 @@ class GoodputPolicy:
         if self.exits.seen:
             alpha = self.exits.effective_alpha(alpha)
         exits = self.exits if self.exits.prices_passes else None
-        intercepts, slopes = self.cost.line(batch, exits)
+        intercepts, slopes = self.cost.lines(batch, exits)
         drift = self.cost.drift
         out = []
         for (k, d), i in zip(self.options, self.cost_index):
