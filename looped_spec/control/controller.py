@@ -135,10 +135,7 @@ class AdaptiveController(FixedController):
         self._last_bits: dict[str, int] = {}  # the last measured round's last position per request (bit masks)
 
     def plan_shapes(self) -> list[tuple[int, int]]:
-        shapes = {(0, 0)}
-        for b in self.buckets:
-            shapes.update((int(k), int(d)) for k, d in zip(b.option_k, b.option_d) if k > 0)
-        return sorted(shapes)
+        return sorted({(0, 0)} | {o for b in self.buckets for o in b.options})
 
     def plan(self, batch_size: int, context: float) -> SpeculationPlan:
         """The plan of the next round (a batch of `batch_size` requests at mean context `context`)."""

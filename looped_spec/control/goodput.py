@@ -58,8 +58,8 @@ class GoodputPolicy:
         self.settings = settings
         self.states = [_Bucket() for _ in buckets]
         self.last_event: str | None = None
-        options = sorted({(int(k), int(d)) for b in buckets for k, d in zip(b.option_k, b.option_d)})
-        if not any(b.plain_option >= 0 for b in buckets):
+        options = sorted({o for b in buckets for o in b.options})
+        if not any(b.may_run_plain for b in buckets):
             options = [o for o in options if o[0] > 0]  # the preset never switches speculation off
         self.options = options
         self.plain = options.index((0, 0)) if (0, 0) in options else -1
@@ -90,7 +90,7 @@ class GoodputPolicy:
         st = self.states[bucket]
         self.last_event = None
         if st.rounds_left <= 0 or batch != st.batch:
-            self._decide(st, batch, context, self.buckets[bucket].plain_option >= 0)
+            self._decide(st, batch, context, self.buckets[bucket].may_run_plain)
         st.rounds_left -= 1
         k, d = self.options[st.current]
         return k, d, self.candidate[bucket][st.current]
