@@ -3,9 +3,7 @@
 
 - `AdaptiveController`: batch size -> preset bucket -> the policy's option -> `SpeculationPlan`; it feeds every
   round to the shared estimators (acceptance, pass-cost drift, exit depths) and decides which rounds also read
-  out every depth (counterfactual acceptance): pairs of consecutive rounds, spaced so that the readouts give
-  about `readout_positions` positions a round and cost at most `readout_budget` of the decode time (less while
-  plain decoding runs far from where speculation would pay).
+  out every depth (docs/adaptive.md "Which rounds read out").
 - `FixedController(k, d)`: the same plan every round (`k = 0`: plain decoding).
 
 Both number plans with increasing ids, time themselves (`overhead_seconds`) and can write a JSONL trace of

@@ -1,15 +1,5 @@
-"""The EMA policy (`policy="ema"`): the RFC's thresholds on measured acceptance (docs/adaptive.md "EMA policy").
-
-Per bucket the candidates are ordered from conservative to aggressive. Each keeps an EMA of its rounds'
-acceptance r = ΣA/ΣK: E ← (1 − β)·E + β·r (E starts at the candidate's prior). After `min_samples` rounds at a
-candidate, and then every `interval` rounds, the bucket moves one candidate up when E > θ_up, one down when
-E < θ_down, and from its most conservative speculative candidate off (plain decoding) when E is below the off
-threshold.
-
-Off, it probes the most conservative candidate for `probe_rounds` rounds after `probe_base` plain rounds; a probe
-whose pooled acceptance clears the off threshold switches speculation back on, a failed one doubles the wait (up to
-`probe_cap`). A workload change probes at once: the batch entering the bucket, or the counterfactual readouts
-(the acceptance estimator) predicting the probe candidate's acceptance over the off threshold.
+"""The EMA policy (`policy="ema"`): the RFC's thresholds on measured acceptance, with probes while speculation is
+off (docs/adaptive.md "EMA policy").
 """
 
 from __future__ import annotations

@@ -1,21 +1,6 @@
-"""The goodput policy (`policy="goodput"`, the default): run the option with the most predicted tokens per second.
-
-For every (K, d) the preset lists as a candidate of any bucket, and plain decoding, it predicts, at the live
-batch size B and mean context L,
-
-    goodput(K, d) = E[committed tokens per request per round | α_d, ρ_d, K] / T(K, d, B, L)
-
-with E from the acceptance estimator (control/acceptance.py; under early exit the draft-exited share passes
-for free, control/exits.py) and T from the pass-cost model (control/passcost.py). Both are shared by all
-buckets, so a bucket the batch has never visited is priced from the first round. Every bucket prices every
-listed option: the tuner lists a bucket's plans for the tuning text, and text of another kind can want a plan
-the tuner listed for another batch size (easier text, longer drafts). A bucket keeps its own plan in use.
-
-A decision is taken every `decision_interval` rounds of a bucket and whenever the batch size changes. It moves:
-- from plain decoding to a speculative option only when that option is predicted `plain_margin` faster
-  (a wrong speculative plan costs more than a missed small gain);
-- from a speculative plan to another only when that one is predicted `hysteresis` faster;
-- from a speculative plan back to plain decoding as soon as plain is predicted faster.
+"""The goodput policy (`policy="goodput"`, the default): run the option with the most predicted tokens per second,
+B · E[committed tokens per request per round] / T(K, d, B, L), with E from the acceptance estimates and T from the
+pass costs; switching is held back by `plain_margin` and `hysteresis` (docs/adaptive.md "Goodput policy").
 """
 
 from __future__ import annotations
@@ -58,6 +43,7 @@ class GoodputPolicy:
         self.settings = settings
         self.states = [_Bucket() for _ in buckets]
         self.last_event: str | None = None
+        # every bucket prices every option any bucket lists: text unlike the tuning text can want another's plan
         options = sorted({o for b in buckets for o in b.options})
         if not any(b.may_run_plain for b in buckets):
             options = [o for o in options if o[0] > 0]  # the preset never switches speculation off
