@@ -189,7 +189,8 @@ class AdaptiveController(FixedController):
             self.exits.observe(fb.exit_depths, fb.exit_skips)
         if fb.seconds > 0.0:
             k = fb.k if fb.total_proposed else 0
-            self.cost.observe(fb.seconds, self._profile_seconds(k, fb.d if k else 0, fb), bool(fb.depth_trials))
+            profile = self.cost.seconds(k, fb.d if k else 0, fb.batch_size, fb.context, self.exits)
+            self.cost.observe(fb.seconds, profile, bool(fb.depth_trials))
         self.policy.observe(fb)
         if self._trace is not None:
             self._trace.feedback(fb)
@@ -214,10 +215,6 @@ class AdaptiveController(FixedController):
                     counts[1 if agreed else 3] += agrees
         self.acceptance.observe_pairs(pairs)
         self._last_bits = dict(zip(fb.request_ids, fb.last_bits))
-
-    def _profile_seconds(self, k: int, d: int, fb: RoundFeedback) -> float:
-        exits = self.exits if self.exits.prices_passes else None
-        return self.cost.seconds(k, d, fb.batch_size, fb.context, exits)
 
     def stats(self) -> dict[str, Any]:
         out = super().stats()

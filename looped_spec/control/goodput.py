@@ -62,8 +62,7 @@ class GoodputPolicy:
         alpha = acceptance.alpha
         if self.exits.seen:
             alpha = self.exits.effective_alpha(alpha)
-        exits = self.exits if self.exits.prices_passes else None
-        intercepts, slopes = self.cost.lines(batch, exits)
+        intercepts, slopes = self.cost.lines(batch, self.exits)
         drift = self.cost.drift
         out = []
         for (k, d), i in zip(self.options, self.cost_index):

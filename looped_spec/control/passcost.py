@@ -32,6 +32,11 @@ def width_weights(grid: np.ndarray, n) -> np.ndarray:
     return out
 
 
+def _floats(*values) -> list[np.ndarray]:
+    """The values as float arrays of one length (broadcast)."""
+    return np.broadcast_arrays(*(np.atleast_1d(np.asarray(x, dtype=float)) for x in values))
+
+
 class PassCost:
     """Predicted seconds of rounds from a preset's `cost` section (see the module docstring)."""
 
@@ -66,9 +71,7 @@ class PassCost:
 
     def pass_features(self, requests, positions, context) -> np.ndarray:
         """[len, P]: one loop pass each (arrays broadcast)."""
-        r, n, c = np.broadcast_arrays(
-            *(np.atleast_1d(np.asarray(x, dtype=float)) for x in (requests, positions, context))
-        )
+        r, n, c = _floats(requests, positions, context)
         out = self._zeros(len(n))
         g = len(self.grid)
         out[:, :g] = width_weights(self.grid, n)
@@ -77,9 +80,7 @@ class PassCost:
 
     def step_features(self, requests, positions, embeds) -> np.ndarray:
         """[len, P]: one runner step's own cost each (its loops and readout not included)."""
-        r, n, e = np.broadcast_arrays(
-            *(np.atleast_1d(np.asarray(x, dtype=float)) for x in (requests, positions, embeds))
-        )
+        r, n, e = _floats(requests, positions, embeds)
         out = self._zeros(len(n))
         g = len(self.grid) + 3
         out[:, g], out[:, g + 1], out[:, g + 2], out[:, g + 3], out[:, g + 4] = 1.0, r, n, e, e * n
@@ -145,8 +146,9 @@ class PassCost:
 
     def lines(self, batch: int, exits=None) -> tuple[list[float], list[float]]:
         """(intercepts, slopes) per option of `options`: a round's profile seconds at mean context L are
-        intercept + slope·L (a round is linear in the context). Cached per batch size and `exits` (an `ExitDepths`
-        or None, keyed by its version), so the per-round path evaluates no passes."""
+        intercept + slope·L (a round is linear in the context). Cached per batch size and `exits` (an `ExitDepths`,
+        keyed by its version; None, or exits that do not narrow the passes: every loop runs), so the per-round path
+        evaluates no passes."""
         cached = self._cached(batch, exits)
         return cached[0], cached[1]
 
