@@ -135,8 +135,7 @@ class AdaptiveController(FixedController):
         self.acceptance = AcceptanceEstimator(
             full_depth, acc.alpha if acc else None, acc.rho if acc else None, s.prior_weight, s.acceptance_memory
         )
-        options = [(c.k, c.d if c.k else 0) for b in config.buckets for c in b.candidates]
-        self.cost = PassCost(config.cost, full_depth, s.drift_rounds, options)
+        self.cost = PassCost(config.cost, full_depth, s.drift_rounds, [o for b in buckets for o in b.options])
         self.exits = ExitDepths(full_depth, s.exit_memory)
         if policy == "ema":
             self.policy: GoodputPolicy | EmaPolicy = EmaPolicy(buckets, config.disable, self.acceptance, s)

@@ -62,7 +62,7 @@ class PassCost:
         # what the profile's readouts miss (the agreement bookkeeping, a fixed cost a round)
         self._log_measured = 0.0
         self.measured_rounds = 0
-        self._lines: dict[tuple, tuple] = {}  # `_cached` per (batch size, exits version): no exits, or the latest
+        self._lines: dict[tuple, tuple] = {}  # `lines` per (batch size, exits version): no exits, or the latest
         self._exits_version = None
 
     # ------------------------------------------------------------------ features
@@ -148,22 +148,7 @@ class PassCost:
         """(intercepts, slopes) per option of `options`: a round's profile seconds at mean context L are
         intercept + slope·L (a round is linear in the context). Cached per batch size and `exits` (an `ExitDepths`,
         keyed by its version; None, or exits that do not narrow the passes: every loop runs), so the per-round path
-        evaluates no passes."""
-        cached = self._cached(batch, exits)
-        return cached[0], cached[1]
-
-    def seconds(self, k: int, d: int, batch: int, context: float, exits=None) -> float:
-        """Profile seconds of one (K, d) round (K = 0: plain), without the drift factor."""
-        i = self.option_index.get((k, d if k else 0))
-        if i is None:  # not a plan of the options: priced directly
-            survival = None if exits is None else exits.survival()
-            return float(self.profile_seconds([k], [d], batch, context, survival)[0])
-        intercepts, slopes = self.lines(batch, exits)
-        return intercepts[i] + slopes[i] * context
-
-    def _cached(self, batch: int, exits) -> tuple:
-        """(intercepts, slopes, the options' measure seconds or None under exits) of a batch size, as Python floats
-        (the per-round path's arithmetic is on a handful of them)."""
+        evaluates no passes; as Python floats, the per-round path's arithmetic being on a handful of them."""
         if exits is not None and not exits.prices_passes:
             exits = None  # exits that do not narrow the passes price a round as no exits do
         key = (batch, None if exits is None else exits.version)
@@ -175,12 +160,20 @@ class PassCost:
             survival = None if exits is None else exits.survival()
             at0 = self.profile_seconds(self._ks, self._ds, batch, 0.0, survival)
             slope = (self.profile_seconds(self._ks, self._ds, batch, 1024.0, survival) - at0) / 1024.0
-            measure = [self._measure(k, d, batch) for k, d in self.options] if exits is None else None
-            out = (at0.tolist(), slope.tolist(), measure)
+            out = (at0.tolist(), slope.tolist())
             if len(self._lines) > 512:
                 self._lines.clear()
             self._lines[key] = out
         return out
+
+    def seconds(self, k: int, d: int, batch: int, context: float, exits=None) -> float:
+        """Profile seconds of one (K, d) round (K = 0: plain), without the drift factor."""
+        i = self.option_index.get((k, d if k else 0))
+        if i is None:  # not a plan of the options: priced directly
+            survival = None if exits is None else exits.survival()
+            return float(self.profile_seconds([k], [d], batch, context, survival)[0])
+        intercepts, slopes = self.lines(batch, exits)
+        return intercepts[i] + slopes[i] * context
 
     def predict(self, k: int, d: int, batch: int, context: float) -> float:
         """Predicted seconds of one (K, d) round (K = 0: plain) now: the profile times the drift factor."""
@@ -188,13 +181,6 @@ class PassCost:
 
     def measure_seconds(self, k: int, d: int, batch: int) -> float:
         """The extra readouts of a round that also reads out every other depth (counterfactual acceptance)."""
-        i = self.option_index.get((k, d if k else 0))
-        if i is None:
-            return self._measure(k, d, batch) * self.drift
-        return self._cached(batch, None)[2][i] * self.drift
-
-    def _measure(self, k: int, d: int, batch: int) -> float:
-        """`measure_seconds` by the profile alone (without the drift factor)."""
         g = len(self.grid) + 8
 
         def readout(positions: float) -> float:
@@ -202,12 +188,12 @@ class PassCost:
 
         b = float(max(batch, 1))
         if k <= 0:
-            return (self.depth - 1) * readout(b)
+            return (self.depth - 1) * readout(b) * self.drift
         # the draft reads out depths 1..d-1 at each of its K+1 positions and depth d at the last one; the
         # verifier depths d+1..D-1 at all K+1 positions of each request
         draft = ((d - 1) * (k + 1) + 1) * readout(b)
         verify = max(self.depth - d - 1, 0) * readout(b * (k + 1))
-        return draft + verify
+        return (draft + verify) * self.drift
 
     def measure_share(self, k: int, d: int, batch: int, context: float) -> float:
         """What reading out every depth adds to a (K, d) round, relative to the round: learned from measured rounds
