@@ -52,8 +52,7 @@ class GoodputPolicy:
         self.cost_index = [cost.option_index[o] for o in options]  # each option's line in `cost`
         # the candidate index a plan of each option carries in each bucket (-1: not one of its candidates)
         self.candidate = [
-            [next((j for j, (k, d) in enumerate(zip(b.ks, b.ds)) if (k, d if k else 0) == o), -1) for o in options]
-            for b in buckets
+            [next((j for j, c in enumerate(zip(b.ks, b.ds)) if c == o), -1) for o in options] for b in buckets
         ]
 
     def predict(self, batch: int, context: float) -> list[float]:
