@@ -42,7 +42,7 @@ class EmaPolicy:
         settings: ControlSettings,
     ) -> None:
         self.buckets = buckets
-        self.new_evidence = settings.probe_evidence
+        self.probe_evidence = settings.probe_evidence
         self.disable = disable
         self.acceptance = acceptance
         self.states = []
@@ -78,7 +78,7 @@ class EmaPolicy:
     def _readouts_say_on(self, b: CompiledBucket, lo: int, st: _Bucket) -> bool:
         """The counterfactual readouts taken since the last probe (at least `probe_evidence` positions) predict the
         probe candidate's acceptance over the off threshold."""
-        if self.acceptance.positions < st.probed_at + self.new_evidence:
+        if self.acceptance.positions < st.probed_at + self.probe_evidence:
             return False
         d = b.ds[lo]
         return accept_rate(self.acceptance.alpha[d - 1], self.acceptance.rho[d - 1], b.ks[lo]) >= b.off_threshold
