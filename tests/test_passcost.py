@@ -155,13 +155,13 @@ def test_lines_follow_the_exit_depths_when_their_version_moves():
     exits = ExitDepths(D, memory=64.0)
     exits.observe([1, 1, 2, 4], skips=True)
     for batch in (1, 6):
-        intercept, slope = cost.lines(batch, exits)
+        intercept, slope = np.asarray(cost.lines(batch, exits))
         want = cost.profile_seconds(*zip(*cost.options), batch, 50.0, exits.survival())
         assert intercept + slope * 50.0 == pytest.approx(want, rel=1e-9)
     version = exits.version
     while exits.version == version:
         exits.observe([4, 4, 4, 4], skips=True)  # the exits become rarer: every price rises
-    intercept, slope = cost.lines(6, exits)
+    intercept, slope = np.asarray(cost.lines(6, exits))
     want = cost.profile_seconds(*zip(*cost.options), 6, 50.0, exits.survival())
     assert intercept + slope * 50.0 == pytest.approx(want, rel=1e-9)
     cost.lines(3, None)

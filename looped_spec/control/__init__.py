@@ -1,9 +1,7 @@
 """Adaptive-speculation control: which (K, d) each decode round runs. Pure logic on numbers (no model, no torch).
 
 Per round the engine calls ``plan = controller.plan(batch_size, context)``, runs the plan, commits, then
-``controller.observe(feedback)`` (`plan.py`). The adaptive controller reads a preset (`looped_spec.presets`),
-prices plans by passes (`passcost.py`) and acceptance (`acceptance.py`, `exits.py`), and lets a policy choose:
-`goodput.py` (the default) or `ema.py`. Its tunables are in `settings.py`.
+``controller.observe(feedback)`` (`plan.py`). docs/adaptive.md says what each module estimates or decides.
 """
 
 from looped_spec.control.controller import AdaptiveController, FixedController, make_controller

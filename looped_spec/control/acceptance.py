@@ -1,24 +1,8 @@
 """Acceptance: how many drafted tokens a depth-d draft gets accepted (docs/adaptive.md "Acceptance").
 
-Along the committed tokens x_1, x_2, ... let m_t(d) = 1 when the depth-d readout at position t-1 predicts x_t.
-A depth-d draft proposes exactly those readouts while its prefix is right, so a K-token round accepts the
-run of ones that follows the last committed token, capped at K. Two numbers per depth describe the bits:
-the agreement α_d (the share of ones) and the persistence ρ_d = P(1 | 1) − P(1 | 0) (matches come in runs).
-`markov_tokens` is the expected committed tokens per round of that two-state chain; ρ = 0 gives the
-geometric (1 − α^{K+1}) / (1 − α).
-
-`AcceptanceEstimator` learns both online, starting from the preset's (the tuning text's) values:
-- α_d from counterfactual readouts (a measured round reads out every depth on its committed positions:
-  unbiased bits for every depth at once) and from the speculative rounds' own outcomes (the planned depth's
-  bits until the first rejection); the prior counts as `prior_weight` positions and older positions fade so
-  that the estimate remembers about `memory` of them.
-- ρ_d from pairs of consecutive positions read out (within a measured round, and across two measured rounds
-  in a row: the readouts come in pairs of rounds): their lag-1 correlation around the current α_d (for a
-  two-state chain that is ρ), faded like positions, the prior counting as `prior_weight` pairs. Around the
-  current α, not around the pairs' own mean: pairs pooled from two texts of different agreement correlate even
-  where neither text's matches persist, and a text switch would otherwise read as persistence. Texts differ
-  in how matches cluster (the tuning text's runs are longer than torch's code's), and ρ decides how much a
-  long draft gains over a short one.
+Per draft depth d two numbers describe the bits m_t(d) (the depth-d readout at position t-1 predicts the committed
+token x_t): the agreement α_d and the persistence ρ_d = P(1 | 1) − P(1 | 0). `markov_tokens` prices a K-token
+round by the two-state chain they define; `AcceptanceEstimator` learns both online from the preset's values.
 """
 
 from __future__ import annotations
@@ -49,7 +33,7 @@ def accept_rate(alpha: float, rho: float, k: int) -> float:
 
 
 class AcceptanceEstimator:
-    """α and ρ per draft depth 1..D (see the module docstring)."""
+    """α and ρ per draft depth 1..D: α from readouts and round outcomes, ρ from pairs of consecutive readouts."""
 
     def __init__(
         self,
@@ -136,7 +120,7 @@ class AcceptanceEstimator:
             n = n1 + n0
             if not n:
                 continue
-            a = alpha[j]
+            a = alpha[j]  # around the current α, not the pairs' own mean: a text switch would read as persistence
             fade = self.memory / (self.memory + n)
             cov = n11 - a * (n1 + n11 + n01) + n * a * a  # sum of (x − a)(y − a) over the pairs
             sums = self.persistence[j]

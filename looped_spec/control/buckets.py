@@ -5,18 +5,12 @@ from __future__ import annotations
 from bisect import bisect_left
 from dataclasses import dataclass
 
-import numpy as np
-
 from looped_spec.presets.schema import AdaptiveSpecConfig, BucketConfig
 
 
 @dataclass(slots=True)
 class CompiledBucket:
-    """One bucket (`config`, as written) with per-candidate values resolved, indexed like its candidates.
-
-    `options` are what the goodput policy prices: the candidates, plus plain decoding (candidate -1) when the
-    list has none and speculation may be switched off (`disable.enabled`).
-    """
+    """One bucket (`config`, as written) with per-candidate values resolved, indexed like its candidates."""
 
     config: BucketConfig
     ks: list[int]  # [C] draft tokens (0: plain decoding)
@@ -26,9 +20,13 @@ class CompiledBucket:
     prior: list[float | None]  # [C] initial acceptance EMA
     lowest_spec: int  # the most conservative speculative candidate, -1 if none
     off_threshold: float  # EMA policy: acceptance of `lowest_spec` below which it goes plain; -1: never
-    option_k: np.ndarray  # [O]
-    option_d: np.ndarray  # [O]
-    plain_option: int  # index of the plain option in `options`, -1 when speculation cannot be switched off
+    # [O] (k, d) the goodput policy prices: the candidates, with plain decoding first when the list has no K = 0
+    # candidate and speculation may be switched off (`disable.enabled`)
+    options: list[tuple[int, int]]
+
+    @property
+    def may_run_plain(self) -> bool:
+        return self.options[0][0] == 0
 
     @property
     def plain_candidate(self) -> int:
@@ -46,7 +44,7 @@ def compile_buckets(config: AdaptiveSpecConfig) -> list[CompiledBucket]:
     out = []
     for b in config.buckets:
         cands = b.candidates
-        ks = [c.k for c in cands]
+        ks, ds = [c.k for c in cands], [c.d if c.k > 0 else 0 for c in cands]
         ups = [1.0 if c.k == 0 else c.theta_up if c.theta_up is not None else b.theta_up for c in cands]
         downs = [0.0 if c.k == 0 else c.theta_down if c.theta_down is not None else b.theta_down for c in cands]
         lowest = next((j for j, k in enumerate(ks) if k > 0), -1)
@@ -55,23 +53,20 @@ def compile_buckets(config: AdaptiveSpecConfig) -> list[CompiledBucket]:
             routes.append(float(downs[lowest]))
         if lowest >= 0 and config.disable.enabled:
             routes.append(config.disable.threshold)
-        option_k, option_d = list(ks), [c.d if c.k > 0 else 0 for c in cands]
+        options = list(zip(ks, ds))
         if ks[0] != 0 and config.disable.enabled:
-            option_k.insert(0, 0)
-            option_d.insert(0, 0)
+            options.insert(0, (0, 0))
         out.append(
             CompiledBucket(
                 config=b,
                 ks=ks,
-                ds=[c.d if c.k > 0 else 0 for c in cands],
+                ds=ds,
                 theta_up=[float(x) for x in ups],
                 theta_down=[float(x) for x in downs],
                 prior=[c.prior for c in cands],
                 lowest_spec=lowest,
                 off_threshold=max(routes) if routes else -1.0,
-                option_k=np.asarray(option_k),
-                option_d=np.asarray(option_d),
-                plain_option=0 if option_k[0] == 0 else -1,
+                options=options,
             )
         )
     return out

@@ -3,9 +3,7 @@
 
 - `AdaptiveController`: batch size -> preset bucket -> the policy's option -> `SpeculationPlan`; it feeds every
   round to the shared estimators (acceptance, pass-cost drift, exit depths) and decides which rounds also read
-  out every depth (counterfactual acceptance): pairs of consecutive rounds, spaced so that the readouts give
-  about `readout_positions` positions a round and cost at most `readout_budget` of the decode time (less while
-  plain decoding runs far from where speculation would pay).
+  out every depth (docs/adaptive.md "Which rounds read out").
 - `FixedController(k, d)`: the same plan every round (`k = 0`: plain decoding).
 
 Both number plans with increasing ids, time themselves (`overhead_seconds`) and can write a JSONL trace of
@@ -57,21 +55,38 @@ class FixedController:
         return sorted({(0, 0), (self.k, self.d)})
 
     def plan(self, batch_size: int, context: float) -> SpeculationPlan:
+        """The plan of the next round (a batch of `batch_size` requests at mean context `context`)."""
         t0 = perf_counter()
-        plan = SpeculationPlan(self.num_plans, self.k, self.d, measure_depths=self.measure_depths,
-                               stop_margin=self.stop_margin)  # fmt: skip
+        plan, event = self._next_plan(batch_size, context)
         self.num_plans += 1
         if self._trace is not None:
+            if event is not None:
+                self._trace.decision(plan.bucket, event, plan.plan_id)
             self._trace.plan(plan, batch_size, context)
         self.overhead_seconds += perf_counter() - t0
         return plan
 
     def observe(self, feedback: RoundFeedback) -> None:
+        """Fold in a committed round."""
         t0 = perf_counter()
         self.num_observed += 1
+        event = self._learn(feedback)
         if self._trace is not None:
             self._trace.feedback(feedback)
+            if event is not None:
+                self._trace.decision(feedback.bucket, event, feedback.plan_id)
         self.overhead_seconds += perf_counter() - t0
+
+    def _next_plan(self, batch_size: int, context: float) -> tuple[SpeculationPlan, str | None]:
+        """The next plan, and the decision behind it to trace (None: none this round)."""
+        plan = SpeculationPlan(
+            self.num_plans, self.k, self.d, measure_depths=self.measure_depths, stop_margin=self.stop_margin
+        )
+        return plan, None
+
+    def _learn(self, feedback: RoundFeedback) -> str | None:
+        """What a committed round teaches; returns the decision it caused, to trace (None: none)."""
+        return None
 
     def stats(self) -> dict[str, Any]:
         calls = self.num_plans + self.num_observed
@@ -120,8 +135,7 @@ class AdaptiveController(FixedController):
         self.acceptance = AcceptanceEstimator(
             full_depth, acc.alpha if acc else None, acc.rho if acc else None, s.prior_weight, s.acceptance_memory
         )
-        options = [(c.k, c.d if c.k else 0) for b in config.buckets for c in b.candidates]
-        self.cost = PassCost(config.cost, full_depth, s.drift_rounds, options)
+        self.cost = PassCost(config.cost, full_depth, s.drift_rounds, [o for b in buckets for o in b.options])
         self.exits = ExitDepths(full_depth, s.exit_memory)
         if policy == "ema":
             self.policy: GoodputPolicy | EmaPolicy = EmaPolicy(buckets, config.disable, self.acceptance, s)
@@ -135,15 +149,9 @@ class AdaptiveController(FixedController):
         self._last_bits: dict[str, int] = {}  # the last measured round's last position per request (bit masks)
 
     def plan_shapes(self) -> list[tuple[int, int]]:
-        shapes = {(0, 0)}
-        for b in self.buckets:
-            shapes.update((int(k), int(d)) for k, d in zip(b.option_k, b.option_d) if k > 0)
-        return sorted(shapes)
+        return sorted({(0, 0)} | {o for b in self.buckets for o in b.options})
 
-    def plan(self, batch_size: int, context: float) -> SpeculationPlan:
-        """The plan of the next round (a batch of `batch_size` requests at mean context `context`)."""
-        t0 = perf_counter()
-        trace = self._trace
+    def _next_plan(self, batch_size: int, context: float) -> tuple[SpeculationPlan, str | None]:
         bucket = self._table.lookup_sticky(batch_size, self._bucket)
         if bucket != self._bucket:
             if self._bucket >= 0:
@@ -157,14 +165,7 @@ class AdaptiveController(FixedController):
             self._measure_in = 2 * self._readout_interval(k, d, batch_size, context, self.policy.outlook(bucket))
             self._pair_left = 1
         self._measure_in -= 1
-        plan = SpeculationPlan(self.num_plans, k, d, bucket, candidate, measure)
-        self.num_plans += 1
-        if trace is not None:
-            if self.policy.last_event is not None:
-                trace.decision(bucket, self.policy.last_event, plan.plan_id)
-            trace.plan(plan, batch_size, context)
-        self.overhead_seconds += perf_counter() - t0
-        return plan
+        return SpeculationPlan(self.num_plans, k, d, bucket, candidate, measure), self.policy.last_event
 
     def _readout_interval(self, k: int, d: int, batch: int, context: float, outlook: float) -> int:
         """Rounds per measured round: enough that the readouts give `readout_positions` positions a round (a measured
@@ -176,11 +177,8 @@ class AdaptiveController(FixedController):
         by_time = self.cost.measure_share(k, d, batch, context) / (s.readout_budget * outlook * outlook)
         return max(2, math.ceil(by_time), math.ceil(batch / s.readout_positions))
 
-    def observe(self, feedback: RoundFeedback) -> None:
-        """Fold in a committed round: acceptance, exit depths, the cost drift, then the policy."""
-        t0 = perf_counter()
-        fb = feedback
-        self.num_observed += 1
+    def _learn(self, fb: RoundFeedback) -> str | None:
+        """Acceptance, exit depths, the cost drift, then the policy."""
         if fb.depth_trials:
             self.acceptance.observe_readouts(fb.depth_matches, fb.depth_trials)
         else:
@@ -194,13 +192,10 @@ class AdaptiveController(FixedController):
             self.exits.observe(fb.exit_depths, fb.exit_skips)
         if fb.seconds > 0.0:
             k = fb.k if fb.total_proposed else 0
-            self.cost.observe(fb.seconds, self._profile_seconds(k, fb.d if k else 0, fb), bool(fb.depth_trials))
+            profile = self.cost.seconds(k, fb.d if k else 0, fb.batch_size, fb.context, self.exits)
+            self.cost.observe(fb.seconds, profile, bool(fb.depth_trials))
         self.policy.observe(fb)
-        if self._trace is not None:
-            self._trace.feedback(fb)
-            if self.policy.last_event is not None:
-                self._trace.decision(fb.bucket, self.policy.last_event, fb.plan_id)
-        self.overhead_seconds += perf_counter() - t0
+        return self.policy.last_event
 
     def _observe_pairs(self, fb: RoundFeedback) -> None:
         """Pairs of consecutive readouts within the round, and across it and the measured round before it: a
@@ -219,10 +214,6 @@ class AdaptiveController(FixedController):
                     counts[1 if agreed else 3] += agrees
         self.acceptance.observe_pairs(pairs)
         self._last_bits = dict(zip(fb.request_ids, fb.last_bits))
-
-    def _profile_seconds(self, k: int, d: int, fb: RoundFeedback) -> float:
-        exits = self.exits if self.exits.prices_passes else None
-        return self.cost.seconds(k, d, fb.batch_size, fb.context, exits)
 
     def stats(self) -> dict[str, Any]:
         out = super().stats()

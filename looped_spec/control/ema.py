@@ -1,15 +1,5 @@
-"""The EMA policy (`policy="ema"`): the RFC's thresholds on measured acceptance (docs/adaptive.md "EMA policy").
-
-Per bucket the candidates are ordered from conservative to aggressive. Each keeps an EMA of its rounds'
-acceptance r = ΣA/ΣK: E ← (1 − β)·E + β·r (E starts at the candidate's prior). After `min_samples` rounds at a
-candidate, and then every `interval` rounds, the bucket moves one candidate up when E > θ_up, one down when
-E < θ_down, and from its most conservative speculative candidate off (plain decoding) when E is below the off
-threshold.
-
-Off, it probes the most conservative candidate for `probe_rounds` rounds after `probe_base` plain rounds; a probe
-whose pooled acceptance clears the off threshold switches speculation back on, a failed one doubles the wait (up to
-`probe_cap`). A workload change probes at once: the batch entering the bucket, or the counterfactual readouts
-(the acceptance estimator) predicting the probe candidate's acceptance over the off threshold.
+"""The EMA policy (`policy="ema"`): the RFC's thresholds on measured acceptance, with probes while speculation is
+off (docs/adaptive.md "EMA policy").
 """
 
 from __future__ import annotations
@@ -52,7 +42,7 @@ class EmaPolicy:
         settings: ControlSettings,
     ) -> None:
         self.buckets = buckets
-        self.new_evidence = settings.probe_evidence
+        self.probe_evidence = settings.probe_evidence
         self.disable = disable
         self.acceptance = acceptance
         self.states = []
@@ -88,7 +78,7 @@ class EmaPolicy:
     def _readouts_say_on(self, b: CompiledBucket, lo: int, st: _Bucket) -> bool:
         """The counterfactual readouts taken since the last probe (at least `probe_evidence` positions) predict the
         probe candidate's acceptance over the off threshold."""
-        if self.acceptance.positions < st.probed_at + self.new_evidence:
+        if self.acceptance.positions < st.probed_at + self.probe_evidence:
             return False
         d = b.ds[lo]
         return accept_rate(self.acceptance.alpha[d - 1], self.acceptance.rho[d - 1], b.ks[lo]) >= b.off_threshold

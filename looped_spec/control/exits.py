@@ -1,13 +1,6 @@
-"""What early exit does to a plan's tokens and passes (docs/adaptive.md "Early exit").
-
-With early exit the target is the early-exit model: a token's forward stops at its exit depth e. `ExitDepths`
-keeps a faded histogram of the exit depths of committed tokens (`RoundFeedback.exit_depths`) and turns it
-into the two things the goodput policy needs:
-
-- acceptance: a drafted position that exits within the draft (e <= d) is the target's own sample and always
-  passes; the others pass at the verified rate α_d, so the plan sees P(e <= d) + (1 − P(e <= d))·α_d;
-- passes (skip mode only; select mode runs every loop): `survival()[i]` = P(e > i), the share of tokens still
-  looping at loop i+1, which `PassCost.profile_seconds` narrows the passes by.
+"""What early exit does to a plan's tokens and passes (docs/adaptive.md "Early exit"): a faded histogram of the
+committed tokens' exit depths gives the acceptance a depth-d draft sees (`effective_alpha`) and, in skip mode, the
+share of tokens still looping at every loop (`survival`), which narrows the passes the pass costs price.
 """
 
 from __future__ import annotations

@@ -1,21 +1,6 @@
-"""The goodput policy (`policy="goodput"`, the default): run the option with the most predicted tokens per second.
-
-For every (K, d) the preset lists as a candidate of any bucket, and plain decoding, it predicts, at the live
-batch size B and mean context L,
-
-    goodput(K, d) = E[committed tokens per request per round | α_d, ρ_d, K] / T(K, d, B, L)
-
-with E from the acceptance estimator (control/acceptance.py; under early exit the draft-exited share passes
-for free, control/exits.py) and T from the pass-cost model (control/passcost.py). Both are shared by all
-buckets, so a bucket the batch has never visited is priced from the first round. Every bucket prices every
-listed option: the tuner lists a bucket's plans for the tuning text, and text of another kind can want a plan
-the tuner listed for another batch size (easier text, longer drafts). A bucket keeps its own plan in use.
-
-A decision is taken every `decision_interval` rounds of a bucket and whenever the batch size changes. It moves:
-- from plain decoding to a speculative option only when that option is predicted `plain_margin` faster
-  (a wrong speculative plan costs more than a missed small gain);
-- from a speculative plan to another only when that one is predicted `hysteresis` faster;
-- from a speculative plan back to plain decoding as soon as plain is predicted faster.
+"""The goodput policy (`policy="goodput"`, the default): run the option with the most predicted tokens per second,
+B · E[committed tokens per request per round] / T(K, d, B, L), with E from the acceptance estimates and T from the
+pass costs; switching is held back by `plain_margin` and `hysteresis` (docs/adaptive.md "Goodput policy").
 """
 
 from __future__ import annotations
@@ -58,16 +43,16 @@ class GoodputPolicy:
         self.settings = settings
         self.states = [_Bucket() for _ in buckets]
         self.last_event: str | None = None
-        options = sorted({(int(k), int(d)) for b in buckets for k, d in zip(b.option_k, b.option_d)})
-        if not any(b.plain_option >= 0 for b in buckets):
+        # every bucket prices every option any bucket lists: text unlike the tuning text can want another's plan
+        options = sorted({o for b in buckets for o in b.options})
+        if not any(b.may_run_plain for b in buckets):
             options = [o for o in options if o[0] > 0]  # the preset never switches speculation off
         self.options = options
         self.plain = options.index((0, 0)) if (0, 0) in options else -1
         self.cost_index = [cost.option_index[o] for o in options]  # each option's line in `cost`
         # the candidate index a plan of each option carries in each bucket (-1: not one of its candidates)
         self.candidate = [
-            [next((j for j, (k, d) in enumerate(zip(b.ks, b.ds)) if (k, d if k else 0) == o), -1) for o in options]
-            for b in buckets
+            [next((j for j, c in enumerate(zip(b.ks, b.ds)) if c == o), -1) for o in options] for b in buckets
         ]
 
     def predict(self, batch: int, context: float) -> list[float]:
@@ -76,8 +61,7 @@ class GoodputPolicy:
         alpha = acceptance.alpha
         if self.exits.seen:
             alpha = self.exits.effective_alpha(alpha)
-        exits = self.exits if self.exits.prices_passes else None
-        intercepts, slopes = self.cost.line(batch, exits)
+        intercepts, slopes = self.cost.lines(batch, self.exits)
         drift = self.cost.drift
         out = []
         for (k, d), i in zip(self.options, self.cost_index):
@@ -90,7 +74,7 @@ class GoodputPolicy:
         st = self.states[bucket]
         self.last_event = None
         if st.rounds_left <= 0 or batch != st.batch:
-            self._decide(st, batch, context, self.buckets[bucket].plain_option >= 0)
+            self._decide(st, batch, context, self.buckets[bucket].may_run_plain)
         st.rounds_left -= 1
         k, d = self.options[st.current]
         return k, d, self.candidate[bucket][st.current]

@@ -1,27 +1,10 @@
-"""Round time from loop passes (docs/adaptive.md "Pricing plans by passes").
+"""Round time from loop passes (docs/adaptive.md "Pricing plans by passes", where the pass, step, readout and
+outside terms are written out).
 
-A looped model applies one block again and again, so every plan is a sequence of runner steps, and every
-step is a few loop passes: one pass-cost curve prices every (K, d) at every batch size. The preset's `cost`
-section (`CostConfig`, measured by `looped-spec tune`) holds the curve and the few other costs of a round:
-
-    pass(r, n, L)   = w(n) + g·r + h·r·L + a·n·L     one loop iteration over n positions of r requests whose mean
-                                                     context is L (w piecewise linear on a grid of n)
-    step(r, n)      = s0 + s_r·r + s_n·n (+ e0 + e_n·n when it embeds tokens)   a runner step's own cost
-    readout(n)      = ro0 + ro_n·n                   one depth's readout of n positions
-    outside(B, K)   = o0 + o_B·B (+ v0 + v_K·(K+1) + v_n·B(K+1) when speculative)   a round's work outside the
-                                                     runner (scheduling, sampling, acceptance, commit)
-
-A plain round at batch B and mean context L is one step over B positions with D passes and a readout. A
-(K, d) round is K+1 draft steps (d passes over B positions each, the context one token longer every step, a
-readout after all but the last) and one verify step (D − d passes over B(K+1) positions, a readout of all).
-Every price is linear in the coefficients: `features` writes a round as counts of each coefficient's unit and
-`profile_seconds` weighs them; the tuner fits the coefficients to the same features of what it timed.
-
-Online, one drift factor (measured ÷ predicted time of ordinary rounds, smoothed in log space over
-`drift_rounds`) follows the machine's state. It scales every prediction alike, so it never changes which plan
-is fastest; it keeps predicted seconds honest where they are reported. A second online number is what reading
-out every depth adds to a round (`measure_share`, learned from the measured rounds' excess over the
-drift-corrected prediction): the profile times the extra readouts but not the bookkeeping around them.
+Every price is linear in the coefficients (`theta`, from the preset's `cost` section): `features` writes a round as
+counts of each coefficient's unit and `profile_seconds` weighs them; the tuner fits the coefficients to the same
+features of what it timed. Online, a drift factor follows the machine's state, and `measure_share` learns what
+reading out every depth adds to a round (docs/adaptive.md "Which rounds read out").
 """
 
 from __future__ import annotations
@@ -30,15 +13,7 @@ import math
 
 import numpy as np
 
-#: The coefficients after the pass curve's grid values, in `features` order (`CostConfig` field[index])
-TERMS = (
-    "request_seconds", "request_context_seconds", "query_context_seconds",
-    "step_seconds[0]", "step_seconds[1]", "step_seconds[2]", "embed_seconds[0]", "embed_seconds[1]",
-    "readout_seconds[0]", "readout_seconds[1]",
-    "round_seconds[0]", "round_seconds[1]",
-    "speculative_seconds[0]", "speculative_seconds[1]", "speculative_seconds[2]",
-)  # fmt: skip
-#: The outside terms are the last five
+#: The outside terms are the last five coefficients
 OUTSIDE = 5
 
 
@@ -57,6 +32,11 @@ def width_weights(grid: np.ndarray, n) -> np.ndarray:
     return out
 
 
+def _floats(*values) -> list[np.ndarray]:
+    """The values as float arrays of one length (broadcast)."""
+    return np.broadcast_arrays(*(np.atleast_1d(np.asarray(x, dtype=float)) for x in values))
+
+
 class PassCost:
     """Predicted seconds of rounds from a preset's `cost` section (see the module docstring)."""
 
@@ -70,6 +50,7 @@ class PassCost:
         self._ks = np.array([k for k, _ in self.options])
         self._ds = np.array([d for _, d in self.options])
         self.grid = np.asarray(cost.positions, dtype=float)
+        # the coefficients in `features` order: the pass curve's grid values, then the other terms
         self.theta = np.concatenate([
             cost.pass_seconds, [cost.request_seconds, cost.request_context_seconds, cost.query_context_seconds],
             cost.step_seconds, cost.embed_seconds, cost.readout_seconds, cost.round_seconds, cost.speculative_seconds,
@@ -81,7 +62,7 @@ class PassCost:
         # what the profile's readouts miss (the agreement bookkeeping, a fixed cost a round)
         self._log_measured = 0.0
         self.measured_rounds = 0
-        self._lines: dict[tuple, tuple] = {}  # `_cached` per (batch size, exits version): no exits, or the latest
+        self._lines: dict[tuple, tuple] = {}  # `lines` per (batch size, exits version): no exits, or the latest
         self._exits_version = None
 
     # ------------------------------------------------------------------ features
@@ -90,9 +71,7 @@ class PassCost:
 
     def pass_features(self, requests, positions, context) -> np.ndarray:
         """[len, P]: one loop pass each (arrays broadcast)."""
-        r, n, c = np.broadcast_arrays(
-            *(np.atleast_1d(np.asarray(x, dtype=float)) for x in (requests, positions, context))
-        )
+        r, n, c = _floats(requests, positions, context)
         out = self._zeros(len(n))
         g = len(self.grid)
         out[:, :g] = width_weights(self.grid, n)
@@ -101,9 +80,7 @@ class PassCost:
 
     def step_features(self, requests, positions, embeds) -> np.ndarray:
         """[len, P]: one runner step's own cost each (its loops and readout not included)."""
-        r, n, e = np.broadcast_arrays(
-            *(np.atleast_1d(np.asarray(x, dtype=float)) for x in (requests, positions, embeds))
-        )
+        r, n, e = _floats(requests, positions, embeds)
         out = self._zeros(len(n))
         g = len(self.grid) + 3
         out[:, g], out[:, g + 1], out[:, g + 2], out[:, g + 3], out[:, g + 4] = 1.0, r, n, e, e * n
@@ -167,29 +144,11 @@ class PassCost:
         """Seconds of one round of each option as the profile prices them (without the drift factor)."""
         return self.features(ks, ds, batch, context, survival) @ self.theta
 
-    def lines(self, batch: int, exits=None) -> tuple[np.ndarray, np.ndarray]:
-        """(intercept, slope) per option of `options`: a round's profile seconds at mean context L are
-        intercept + slope·L (a round is linear in the context). Cached per batch size and `exits` (an `ExitDepths`
-        or None, keyed by its version), so the per-round path evaluates no passes."""
-        cached = self._cached(batch, exits)
-        return cached[0], cached[1]
-
-    def seconds(self, k: int, d: int, batch: int, context: float, exits=None) -> float:
-        """Profile seconds of one (K, d) round (K = 0: plain), without the drift factor."""
-        i = self.option_index.get((k, d if k else 0))
-        if i is None:  # not a plan of the options: priced directly
-            survival = None if exits is None else exits.survival()
-            return float(self.profile_seconds([k], [d], batch, context, survival)[0])
-        intercepts, slopes = self.line(batch, exits)
-        return intercepts[i] + slopes[i] * context
-
-    def line(self, batch: int, exits=None) -> tuple[list[float], list[float]]:
-        """`lines` as Python lists (the per-round path's arithmetic is on a handful of floats)."""
-        cached = self._cached(batch, exits)
-        return cached[2], cached[3]
-
-    def _cached(self, batch: int, exits) -> tuple:
-        """(intercepts, slopes, the same as lists, the options' measure seconds or None under exits) of a batch size."""
+    def lines(self, batch: int, exits=None) -> tuple[list[float], list[float]]:
+        """(intercepts, slopes) per option of `options`: a round's profile seconds at mean context L are
+        intercept + slope·L (a round is linear in the context). Cached per batch size and `exits` (an `ExitDepths`,
+        keyed by its version; None, or exits that do not narrow the passes: every loop runs), so the per-round path
+        evaluates no passes; as Python floats, the per-round path's arithmetic being on a handful of them."""
         if exits is not None and not exits.prices_passes:
             exits = None  # exits that do not narrow the passes price a round as no exits do
         key = (batch, None if exits is None else exits.version)
@@ -201,41 +160,40 @@ class PassCost:
             survival = None if exits is None else exits.survival()
             at0 = self.profile_seconds(self._ks, self._ds, batch, 0.0, survival)
             slope = (self.profile_seconds(self._ks, self._ds, batch, 1024.0, survival) - at0) / 1024.0
-            # and as Python floats, for the one-plan lookups of every round
-            measure = self._measure_seconds(batch) if exits is None else None
-            out = (at0, slope, at0.tolist(), slope.tolist(), measure)
+            out = (at0.tolist(), slope.tolist())
             if len(self._lines) > 512:
                 self._lines.clear()
             self._lines[key] = out
         return out
 
+    def seconds(self, k: int, d: int, batch: int, context: float, exits=None) -> float:
+        """Profile seconds of one (K, d) round (K = 0: plain), without the drift factor."""
+        i = self.option_index.get((k, d if k else 0))
+        if i is None:  # not a plan of the options: priced directly
+            survival = None if exits is None else exits.survival()
+            return float(self.profile_seconds([k], [d], batch, context, survival)[0])
+        intercepts, slopes = self.lines(batch, exits)
+        return intercepts[i] + slopes[i] * context
+
     def predict(self, k: int, d: int, batch: int, context: float) -> float:
         """Predicted seconds of one (K, d) round (K = 0: plain) now: the profile times the drift factor."""
         return self.seconds(k, d, batch, context) * self.drift
 
-    def _readout(self, positions: float) -> float:
-        g = len(self.grid) + 8
-        return float(self.theta[g] + self.theta[g + 1] * positions)
-
     def measure_seconds(self, k: int, d: int, batch: int) -> float:
         """The extra readouts of a round that also reads out every other depth (counterfactual acceptance)."""
-        i = self.option_index.get((k, d if k else 0))
-        if i is None:
-            return self._measure_one(k, d, batch) * self.drift
-        return self._cached(batch, None)[4][i] * self.drift
+        g = len(self.grid) + 8
 
-    def _measure_seconds(self, batch: int) -> list[float]:
-        return [self._measure_one(k, d, batch) for k, d in self.options]
+        def readout(positions: float) -> float:
+            return float(self.theta[g] + self.theta[g + 1] * positions)
 
-    def _measure_one(self, k: int, d: int, batch: int) -> float:
         b = float(max(batch, 1))
         if k <= 0:
-            return (self.depth - 1) * self._readout(b)
+            return (self.depth - 1) * readout(b) * self.drift
         # the draft reads out depths 1..d-1 at each of its K+1 positions and depth d at the last one; the
         # verifier depths d+1..D-1 at all K+1 positions of each request
-        draft = ((d - 1) * (k + 1) + 1) * self._readout(b)
-        verify = max(self.depth - d - 1, 0) * self._readout(b * (k + 1))
-        return draft + verify
+        draft = ((d - 1) * (k + 1) + 1) * readout(b)
+        verify = max(self.depth - d - 1, 0) * readout(b * (k + 1))
+        return (draft + verify) * self.drift
 
     def measure_share(self, k: int, d: int, batch: int, context: float) -> float:
         """What reading out every depth adds to a (K, d) round, relative to the round: learned from measured rounds

@@ -70,11 +70,6 @@ class RoundFeedback:
     def total_accepted(self) -> int:
         return sum(self.num_accepted)
 
-    @property
-    def committed(self) -> int:
-        """Tokens the round committed (every request commits its accepted drafts plus one)."""
-        return sum(self.num_accepted) + len(self.num_accepted)
-
 
 def round_feedback(plan: SpeculationPlan, **fields: Any) -> RoundFeedback:
     """The feedback of a round that ran `plan`: the round's fields by keyword only (so no two are swapped silently,
