@@ -154,7 +154,7 @@ class EmaPolicy:
 
     def _note(self, st: _Bucket, event: str) -> None:
         self.last_event = event
-        st.history = [*st.history[-15:], event]
+        st.history = [*st.history[-7:], event]  # the last 8 events, which describe() shows
 
     def enter(self, bucket: int) -> None:
         st = self.states[bucket]
@@ -173,7 +173,7 @@ class EmaPolicy:
                 "moves": st.moves,
                 "probes": st.probes,
                 "backoff": st.backoff,
-                "history": list(st.history[-8:]),
+                "history": list(st.history),
             }
             for b, st in zip(self.buckets, self.states)
         ]
