@@ -20,25 +20,29 @@ class IncrementalDetokenizer:
     request runs, so text that a later token turns into a stop string is never sent.
     """
 
-    def __init__(self, tokenizer, stop: list[str] | None = None, skip_special_tokens: bool = True) -> None:
+    def __init__(
+        self, tokenizer, stop: list[str] | None = None, skip_special_tokens: bool = True, include_stop: bool = False
+    ) -> None:
         self.tokenizer = tokenizer
         self.stop = [s for s in (stop or []) if s]
         self.skip_special_tokens = skip_special_tokens
+        self.include_stop = include_stop  # keep the stop string in `text` (text after it is still cut)
         self.token_ids: list[int] = []
         self.text = ""
         self.stop_hit: str | None = None  # the stop string that ended the request
         self._prefix_offset = 0  # decode window start (context for the next token's text)
         self._read_offset = 0  # tokens whose text is already in self.text
         self._num_sent = 0  # characters of self.text already returned by stream_delta()
-        self._holdback = max((len(s) for s in self.stop), default=1) - 1
+        # text a later token may turn into a stop string is held back; kept stop strings need no holding back
+        self._holdback = 0 if include_stop else max((len(s) for s in self.stop), default=1) - 1
 
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
 
     def append(self, token_id: int, find_stop: bool = True) -> bool:
         """Add one committed token; returns True when a stop string now appears in the text. `find_stop=False`
-        (before a request's min_tokens) decodes without looking: text that ends before the first token looked at
-        never stops the request, a stop string that runs on past it does.
+        (a request's first min_tokens tokens) decodes without looking: text that ends before the first token looked
+        at never stops the request, a stop string that runs on into it does.
 
         Without stop strings decoding waits for the next `stream_delta()` (one decode per step
         rather than per token, which matters when a speculative round commits several tokens).
@@ -72,12 +76,12 @@ class IncrementalDetokenizer:
         """Look for a stop string that ends inside the text added at `new_from`."""
         if not self.stop:
             return False
-        search_from = max(0, new_from - self._holdback)
+        search_from = max(0, new_from - max((len(s) for s in self.stop), default=1) + 1)
         hits = [(i, s) for s in self.stop if (i := self.text.find(s, search_from)) >= 0]
         if not hits:
             return False
         index, stop = min(hits)
-        self.text = self.text[:index]
+        self.text = self.text[: index + len(stop) if self.include_stop else index]
         self.stop_hit = stop
         return True
 

@@ -123,8 +123,8 @@ class Request:
         self.stop_ids = set(params.stop_token_ids)
         if not params.ignore_eos:
             self.stop_ids.update(eos_token_ids)
-        # until the output holds min_tokens tokens, stop tokens are never sampled (their logits are masked,
-        # execution/sampler.py) and stop strings are not looked for
+        # the first min_tokens tokens are never stop tokens (their logits are masked, execution/sampler.py) and
+        # complete no stop string
         self.min_tokens = params.min_tokens
         # the stop tokens as a sorted list, for the mask
         self.stop_id_list = sorted(self.stop_ids)
@@ -196,19 +196,22 @@ class Request:
     def append(self, token: int) -> bool:
         """Commit one generated token; returns True when the request is now finished. If the detokenizer fails
         (it decodes to look for stop strings), the error is raised and the token is not committed, unless the token
-        is a stop token: that ends the request anyway (its text, if any, is then left out)."""
-        stop_token = token in self.stop_ids  # never one of the first min_tokens: the sampler masks them there
-        try:
-            # a stop string ends the request at the token that completed it (its text is cut off); as in vLLM, they
-            # are looked for once the output holds min_tokens tokens
-            may_stop = self.num_output_tokens + 1 >= self.min_tokens
-            stop_string = self.detokenizer is not None and self.detokenizer.append(token, may_stop)
-        except Exception as exc:
-            if not stop_token:
-                raise
-            logger.warning("request %s: its stop token %d cannot be decoded (left out of its text): %r",
-                           self.request_id, token, exc)  # fmt: skip
-            stop_string = False
+        is a stop token: that ends the request anyway (its text, if any, is then left out).
+
+        As in vLLM, the first min_tokens tokens end nothing (a stop token cannot be sampled there), a stop string is
+        looked for in the text of the tokens after them, and a stop token's text is left out of the text unless the
+        request keeps its stop strings (`include_stop_str_in_output`)."""
+        stop_token = token in self.stop_ids
+        detokenizer = self.detokenizer
+        stop_string = False
+        if detokenizer is not None and (detokenizer.include_stop or not stop_token):
+            try:
+                stop_string = detokenizer.append(token, self.num_output_tokens >= self.min_tokens)
+            except Exception as exc:
+                if not stop_token:
+                    raise
+                logger.warning("request %s: its stop token %d cannot be decoded (left out of its text): %r",
+                               self.request_id, token, exc)  # fmt: skip
         self.token_ids.append(token)
         if stop_token or stop_string:
             self.finish_reason = "stop"

@@ -61,9 +61,9 @@ class SamplingParams(BaseModel):
     min_tokens: Integer = Field(
         0,
         ge=0,
-        description="Fewest tokens to generate before a stop can end the request, as in vLLM: until then the stop "
-        "tokens (eos unless ignore_eos, and stop_token_ids) are never sampled and stop strings are not looked for. "
-        "At most max_tokens; 0 = off.",
+        description="Fewest tokens to generate before a stop can end the request, as in vLLM: the first min_tokens "
+        "tokens are never stop tokens (eos unless ignore_eos, and stop_token_ids: masked in the sampler) and a stop "
+        "string must end in the text of a later token. At most max_tokens; 0 = off.",
     )
     temperature: Real = Field(
         0.0,
@@ -106,7 +106,10 @@ class SamplingParams(BaseModel):
         None, ge=0, le=2**63 - 1, description="Per-request seed; None = drawn from the engine seed."
     )
     stop_token_ids: list[Integer] = Field(
-        default_factory=list, strict=False, description="Tokens that end the request (kept)."
+        default_factory=list,
+        strict=False,
+        description="Tokens that end the request (kept in token_ids; their text is left out of the text unless "
+        "include_stop_str_in_output, as in vLLM).",
     )
     ignore_eos: bool = Field(False, description="Keep generating past the model's eos token.")
     exit_threshold: Real | None = Field(
@@ -124,6 +127,11 @@ class SamplingParams(BaseModel):
         strict=False,
         description="Strings that end the request, checked on the decoded text (cut off).",
     )
+    include_stop_str_in_output: bool = Field(
+        False,
+        description="Keep the stop string that ended the request (and a stop token's text) in the text, as in vLLM.",
+    )
+    skip_special_tokens: bool = Field(True, description="Leave special tokens (eos, chat markers) out of the text.")
     logprobs: Integer | None = Field(
         None,
         ge=0,

@@ -1,5 +1,6 @@
-"""min_tokens (vLLM's meaning): until the output holds min_tokens tokens its stop tokens are never sampled and stop
-strings are not looked for; speculation keeps plain decoding's output and the target's distribution."""
+"""min_tokens (vLLM's meaning): the first min_tokens tokens are never stop tokens (masked in the sampler) and complete
+no stop string; speculation keeps plain decoding's output and the target's distribution. And the stop text vLLM
+leaves out (a stop token's, a stop string) unless include_stop_str_in_output, and skip_special_tokens."""
 
 from __future__ import annotations
 
@@ -128,13 +129,11 @@ def test_speculative_sampling_with_min_tokens_keeps_target_distribution():
     assert_distribution((tuple(o.token_ids) for o in outs), probs)
 
 
-def test_stop_strings_are_looked_for_once_the_output_holds_min_tokens():
-    """As vLLM: a stop string that ends before the min_tokens-th token is ignored, one that the min_tokens-th token
-    or a later one completes ends the request (text cut before it)."""
+def test_the_detokenizer_finds_stop_strings_only_in_text_it_is_asked_to_look_at():
+    """A stop string whose text ends in tokens appended with find_stop=False is ignored; one that a later token
+    completes ends the request (text cut before it)."""
     tokenizer = load_tokenizer(shipped_model_path("tiny-ouro"))
     ids = tokenizer.encode("ab ab ab cd")
-    stop = tokenizer.decode(ids[-1:])
-    assert stop and tokenizer.decode(ids).count(stop) == 1
 
     def run(find_from: int) -> tuple[int, str]:
         detok = IncrementalDetokenizer(tokenizer, stop=["ab"])
@@ -150,7 +149,8 @@ def test_stop_strings_are_looked_for_once_the_output_holds_min_tokens():
     assert text.startswith("ab")  # the first "ab" stayed in the text
 
 
-def test_an_engine_request_ignores_stop_strings_before_min_tokens():
+def test_a_stop_string_ends_a_request_only_from_the_token_after_its_min_tokens():
+    """As vLLM: the token at output index i may complete a stop string only when i >= min_tokens."""
     engine = make_engine_with_tokenizer()
     prompt = "def add(a, b):"
     full = engine.generate(prompt, SamplingParams(max_tokens=24, ignore_eos=True))[0]
@@ -158,10 +158,12 @@ def test_an_engine_request_ignores_stop_strings_before_min_tokens():
     stop = next(text[i : i + 2] for i in range(len(text) - 1) if text.count(text[i : i + 2]) >= 2)
     early = engine.generate(prompt, SamplingParams(max_tokens=24, ignore_eos=True, stop=[stop]))[0]
     assert early.finish_reason == "stop" and early.text == text[: text.index(stop)]
-    n = len(early.token_ids)
-    later = engine.generate(prompt, SamplingParams(max_tokens=24, ignore_eos=True, stop=[stop], min_tokens=n + 1))[0]
-    assert len(later.token_ids) > n and later.token_ids == full.token_ids[: len(later.token_ids)]
-    assert stop in later.text or later.finish_reason == "length"
+    n = len(early.token_ids)  # the stop string's last token is at index n - 1
+    at = engine.generate(prompt, SamplingParams(max_tokens=24, ignore_eos=True, stop=[stop], min_tokens=n - 1))[0]
+    assert at.token_ids == early.token_ids and at.text == early.text
+    past = engine.generate(prompt, SamplingParams(max_tokens=24, ignore_eos=True, stop=[stop], min_tokens=n))[0]
+    assert len(past.token_ids) > n and past.token_ids == full.token_ids[: len(past.token_ids)]
+    assert past.text.startswith(early.text + stop)
 
 
 def make_engine_with_tokenizer():
@@ -216,3 +218,35 @@ def test_each_draft_masks_what_the_target_masks_at_its_position():
     assert loop.generate(prompt, params)[0].token_ids == out.token_ids
     for name in ("num_draft_tokens", "num_accepted_tokens"):
         assert getattr(loop.stats, name) == getattr(engine.stats, name), name
+
+
+def test_stop_text_is_left_out_unless_kept_and_special_tokens_unless_asked():
+    """As vLLM: a stop token's text and a stop string are cut from the text; `include_stop_str_in_output` keeps
+    either (text after a stop string is still cut, and nothing streamed is taken back); `skip_special_tokens=False`
+    writes special tokens (eos here) into the text."""
+    engine = make_engine_with_tokenizer()
+    tok = engine.tokenizer
+    prompt = "def add(a, b):"
+    full = engine.generate(prompt, SamplingParams(max_tokens=12, ignore_eos=True))[0]
+    ids = list(full.token_ids)
+    stop_token = ids[4]
+    for keep in (False, True):
+        out = engine.generate(prompt, SamplingParams(max_tokens=12, stop_token_ids=[stop_token],
+                                                     include_stop_str_in_output=keep))[0]  # fmt: skip
+        assert out.token_ids == ids[: ids.index(stop_token) + 1] and out.finish_reason == "stop"
+        assert out.text == tok.decode(out.token_ids if keep else out.token_ids[:-1])
+    stop = full.text[5:8]
+    cut = full.text.index(stop)
+    for keep in (False, True):
+        params = SamplingParams(max_tokens=12, ignore_eos=True, stop=[stop], include_stop_str_in_output=keep)
+        request_id = engine.add_request(prompt, params)
+        streamed = ""
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                if out.request_id == request_id:
+                    streamed += out.new_text
+                    last = out
+        assert last.text == streamed == full.text[: cut + len(stop) if keep else cut] and last.stop_reason == stop
+    forced = dict(max_tokens=3, ignore_eos=True, logit_bias={tok.eos_token_id: 100.0})
+    assert engine.generate(prompt, SamplingParams(**forced))[0].text == ""
+    assert engine.generate(prompt, SamplingParams(**forced, skip_special_tokens=False))[0].text == tok.eos_token * 3

@@ -805,6 +805,21 @@ def test_min_tokens_reaches_the_request(server, client, reference_engine):
     assert out.usage.completion_tokens == len(ref.token_ids)
 
 
+def test_stop_text_and_special_token_fields_reach_the_request(server, client, reference_engine):
+    """vLLM's include_stop_str_in_output (the stop string kept in the text) and skip_special_tokens=False (eos, forced
+    here by a logit bias, written into the text)."""
+    full = greedy(reference_engine, PROMPT, 16, ignore_eos=True).text
+    stop = full[6:9]
+    out = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=16, temperature=0, stop=[stop],
+                                    extra_body={"include_stop_str_in_output": True})  # fmt: skip
+    assert out.choices[0].text == full[: full.index(stop) + len(stop)] and out.choices[0].finish_reason == "stop"
+    eos = reference_engine.tokenizer.eos_token_id
+    fields = {"ignore_eos": True, "skip_special_tokens": False}
+    out = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=2, temperature=0,
+                                    logit_bias={str(eos): 100}, extra_body=fields)  # fmt: skip
+    assert out.choices[0].text == reference_engine.tokenizer.eos_token * 2
+
+
 def test_logit_bias_reaches_the_request(server, client, reference_engine):
     """OpenAI's logit_bias (token id strings -> [-100, 100]): greedy output equals the offline engine's with the same
     bias (the server speculates adaptively, the reference decodes plainly)."""

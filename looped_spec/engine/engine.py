@@ -230,7 +230,10 @@ class LoopedSpecEngine:
             raise ValueError("stop strings need the model's tokenizer files; use stop_token_ids instead")
         exit_threshold, exit_at_step = self.resolve_exit(params)
         seed = params.seed if params.seed is not None else self._rng.randrange(2**31)
-        detokenizer = IncrementalDetokenizer(self.tokenizer, params.stop) if self.tokenizer is not None else None
+        detokenizer = None
+        if self.tokenizer is not None:
+            detokenizer = IncrementalDetokenizer(self.tokenizer, params.stop, params.skip_special_tokens,
+                                                 params.include_stop_str_in_output)  # fmt: skip
         prompt_text = prompt if isinstance(prompt, str) else None
         request = Request(
             request_id, next(self._arrivals), ids, params, seed, self.adapter.eos_token_ids, self.max_model_len,

@@ -18,7 +18,8 @@ def request_output(request: Request) -> RequestOutput:
         try:
             if request.finished:
                 # the last, incomplete character's U+FFFD completed a stop string (an abort or error stays one)
-                if detok.flush(request.num_output_tokens >= request.min_tokens) and finish_reason == "length":
+                # (the text flushed is the last token's: a stop string there counts past the first min_tokens)
+                if detok.flush(request.num_output_tokens > request.min_tokens) and finish_reason == "length":
                     finish_reason = "stop"
                 text = detok.text
             new_text = detok.stream_delta(request.finished)

@@ -5,7 +5,8 @@ silently ignored; options whose effect is not built (completions' `best_of` and 
 neutral values (1, empty), which change nothing (clients such as benchmark harnesses send them), and any other value
 is a 400 naming the field. Requests are strict about types as OpenAI is (`"max_tokens": "5"` or `"logprobs": true` on
 completions is a 400, not a silent conversion). Extensions beyond OpenAI's schema, as in vLLM: `top_k`, `min_p`,
-`repetition_penalty`, `ignore_eos`, `stop_token_ids`, `min_tokens` (and `seed`, which OpenAI has too); and
+`repetition_penalty`, `ignore_eos`, `stop_token_ids`, `min_tokens`, `include_stop_str_in_output`,
+`skip_special_tokens` (and `seed`, which OpenAI has too); and
 looped-spec's early exit, `exit_threshold` / `exit_at_step` (checked by `SamplingParams` and the engine, errors naming
 the field).
 """
@@ -48,6 +49,8 @@ class SamplingFields(BaseModel):
     stop_token_ids: list[int] | None = None
     min_tokens: int = Field(0, ge=0, description="Fewest tokens before eos, stop_token_ids or a stop string may end "
                             "the choice (vLLM's).")  # fmt: skip
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
     # early exit (SamplingParams): the family rule's threshold, or a fixed loop depth per token
     exit_threshold: float | None = Field(None, allow_inf_nan=False)
     exit_at_step: int | None = None

@@ -148,6 +148,8 @@ class OpenAIServing:
                 repetition_penalty=d.repetition_penalty if body.repetition_penalty is None else body.repetition_penalty,
                 seed=None if seed is None else (seed + choice) % 2**63,
                 stop=stop,
+                include_stop_str_in_output=body.include_stop_str_in_output,
+                skip_special_tokens=body.skip_special_tokens,
                 stop_token_ids=stop_token_ids,
                 ignore_eos=body.ignore_eos,
                 exit_threshold=body.exit_threshold,
