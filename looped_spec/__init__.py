@@ -24,6 +24,7 @@ _EXPORTS = {
     "SamplingParams": "looped_spec.sampling_params",
     "SpeculationPlan": "looped_spec.control.plan",
     "SpeculativeConfig": "looped_spec.engine.config",
+    "StructuredOutputs": "looped_spec.structured_output",
     "TensorSpec": "looped_spec.models.checkpoint",
     "load_adapter": "looped_spec.models.adapter",
     "register_adapter": "looped_spec.models.adapter",
@@ -42,6 +43,7 @@ __all__ = [
     "SamplingParams",
     "SpeculationPlan",
     "SpeculativeConfig",
+    "StructuredOutputs",
     "TensorSpec",
     "load_adapter",
     "register_adapter",
@@ -58,6 +60,7 @@ if TYPE_CHECKING:
     from looped_spec.models.kv_layout import KVLayout
     from looped_spec.request import RequestMetrics, RequestOutput
     from looped_spec.sampling_params import SamplingParams
+    from looped_spec.structured_output import StructuredOutputs
 
 
 def __getattr__(name: str):

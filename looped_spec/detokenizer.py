@@ -76,8 +76,9 @@ class IncrementalDetokenizer:
         """Look for a stop string that ends inside the text added at `new_from`."""
         if not self.stop:
             return False
-        search_from = max(0, new_from - max((len(s) for s in self.stop), default=1) + 1)
-        hits = [(i, s) for s in self.stop if (i := self.text.find(s, search_from)) >= 0]
+        # each stop string from where an occurrence would end in the new text: text before it was looked at already,
+        # or not to be looked at (a request's first min_tokens tokens)
+        hits = [(i, s) for s in self.stop if (i := self.text.find(s, max(0, new_from - len(s) + 1))) >= 0]
         if not hits:
             return False
         index, stop = min(hits)

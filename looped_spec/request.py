@@ -10,6 +10,7 @@ import torch
 
 from looped_spec.detokenizer import IncrementalDetokenizer
 from looped_spec.sampling_params import GREEDY_TEMPERATURE, SamplingParams
+from looped_spec.structured_output import Grammar
 
 logger = logging.getLogger(__name__)
 
@@ -103,6 +104,7 @@ class Request:
         max_model_len: int,
         detokenizer: IncrementalDetokenizer | None = None,
         prompt_text: str | None = None,
+        grammar: Grammar | None = None,
     ) -> None:
         self.request_id = request_id
         self.arrival = arrival  # admission order: preemption takes the latest arrival first
@@ -128,6 +130,8 @@ class Request:
         self.min_tokens = params.min_tokens
         # the stop tokens as a sorted list, for the mask
         self.stop_id_list = sorted(self.stop_ids)
+        # structured outputs: the grammar, advanced by every committed token (structured_output.py)
+        self.grammar = grammar
         self.max_model_len = max_model_len
         self.seed = seed
         self.generator = torch.Generator().manual_seed(seed)
@@ -168,9 +172,9 @@ class Request:
 
     @property
     def depends_on_output(self) -> bool:
-        """Whether its logits at a position depend on the output before that position (a penalty, or min_tokens not
-        yet reached): a speculative position's drafts before it then count as output (execution/penalties.py)."""
-        return self.penalized or self.num_output_tokens < self.min_tokens
+        """Whether its logits at a position depend on the output before that position (a penalty, min_tokens not
+        yet reached, a grammar): a speculative position's drafts before it then count as output."""
+        return self.penalized or self.num_output_tokens < self.min_tokens or self.grammar is not None
 
     @property
     def num_tokens(self) -> int:
@@ -202,6 +206,9 @@ class Request:
         looked for in the text of the tokens after them, and a stop token's text is left out of the text unless the
         request keeps its stop strings (`include_stop_str_in_output`)."""
         stop_token = token in self.stop_ids
+        grammar = self.grammar
+        if grammar is not None:  # first: a token its grammar refuses (the sampler masks them) commits nothing
+            grammar.consume(token)
         detokenizer = self.detokenizer
         stop_string = False
         if detokenizer is not None and (detokenizer.include_stop or not stop_token):
@@ -213,7 +220,7 @@ class Request:
                 logger.warning("request %s: its stop token %d cannot be decoded (left out of its text): %r",
                                self.request_id, token, exc)  # fmt: skip
         self.token_ids.append(token)
-        if stop_token or stop_string:
+        if stop_token or stop_string or (grammar is not None and grammar.complete):
             self.finish_reason = "stop"
         elif self.num_output_tokens >= self.max_tokens or self.num_tokens >= self.max_model_len:
             self.finish_reason = "length"

@@ -8,6 +8,8 @@ from typing import Annotated, Any
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator, model_validator
 
+from looped_spec.structured_output import StructuredOutputs
+
 # Below this a softmax temperature divides logits into overflow (1e-45 gives token 0 everywhere): such a
 # temperature means "greedy", as in vLLM.
 GREEDY_TEMPERATURE = 1e-5
@@ -132,6 +134,11 @@ class SamplingParams(BaseModel):
         description="Keep the stop string that ended the request (and a stop token's text) in the text, as in vLLM.",
     )
     skip_special_tokens: bool = Field(True, description="Leave special tokens (eos, chat markers) out of the text.")
+    structured_outputs: StructuredOutputs | None = Field(
+        None,
+        description="A grammar the output follows (a JSON schema, any JSON object, a regex, a choice of strings or a "
+        "Lark grammar; structured_output.py); the request ends once it is complete. None = free text.",
+    )
     logprobs: Integer | None = Field(
         None,
         ge=0,

@@ -149,6 +149,23 @@ def test_the_detokenizer_finds_stop_strings_only_in_text_it_is_asked_to_look_at(
     assert text.startswith("ab")  # the first "ab" stayed in the text
 
 
+class Letters:
+    """A tokenizer writing token t as one letter (a..z)."""
+
+    def decode(self, ids, skip_special_tokens=True):
+        return "".join(chr(ord("a") + t % 26) for t in ids)
+
+
+@pytest.mark.parametrize("others", [[], ["zzzzzzzz"], ["q", "zzzzzz"]])
+def test_a_stop_string_must_end_in_text_looked_at_whatever_the_other_stop_strings(others):
+    """Each stop string is looked for where an occurrence would end in the new text: a longer stop string beside it
+    must not widen the window back into text that was not to be looked at."""
+    tokens = [23, 24, 2, 3, 24, 23, 24, 6]  # "xycdyxyg": "xy" ends at the 2nd letter, and again at the 7th
+    detok = IncrementalDetokenizer(Letters(), stop=["xy", *others])
+    stopped = next(n for n, t in enumerate(tokens, 1) if detok.append(t, n > 4))  # looks from the 5th token on
+    assert (stopped, detok.text, detok.stop_hit) == (7, "xycdy", "xy")
+
+
 def test_a_stop_string_ends_a_request_only_from_the_token_after_its_min_tokens():
     """As vLLM: the token at output index i may complete a stop string only when i >= min_tokens."""
     engine = make_engine_with_tokenizer()
@@ -164,6 +181,15 @@ def test_a_stop_string_ends_a_request_only_from_the_token_after_its_min_tokens()
     past = engine.generate(prompt, SamplingParams(max_tokens=24, ignore_eos=True, stop=[stop], min_tokens=n))[0]
     assert len(past.token_ids) > n and past.token_ids == full.token_ids[: len(past.token_ids)]
     assert past.text.startswith(early.text + stop)
+
+
+def test_a_vocabulary_of_stop_tokens_is_refused_with_min_tokens():
+    """Nothing could be sampled before min_tokens: an error naming min_tokens, not a silent first token."""
+    engine = make_engine("ouro")
+    every = list(range(engine.adapter.vocab_size))
+    with pytest.raises(ValueError, match="min_tokens=2: every token of the vocabulary is a stop token"):
+        engine.generate([1, 2], SamplingParams(max_tokens=4, min_tokens=2, stop_token_ids=every))
+    assert engine.generate([1, 2], SamplingParams(max_tokens=4, stop_token_ids=every))[0].finish_reason == "stop"
 
 
 def make_engine_with_tokenizer():

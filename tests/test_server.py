@@ -364,7 +364,27 @@ def test_what_openai_refuses_is_refused_naming_the_field(server, client, monkeyp
         (completions, '"prompt": "a", "logit_bias": {"05": 1, "5": -1}', "logit_bias"),
         (completions, '"prompt": "a", "logit_bias": {"99999": 1}', "logit_bias"),
         (completions, '"prompt": "a", "max_tokens": 4, "min_tokens": 5', "min_tokens"),
+        (completions, '"prompt": "a", "max_tokens": 0, "echo": true, "min_tokens": 1', "min_tokens"),
         (chat, '"messages": [{"role": "user", "content": "a"}], "min_tokens": -1', "min_tokens"),
+        (completions, '"prompt": "a", "structured_outputs": {"regex": "(a"}', "structured_outputs.regex"),
+        (completions, '"prompt": "a", "structured_outputs": {"regex": "a", "choice": ["b"]}', "structured_outputs"),
+        (
+            chat,
+            '"messages": [{"role": "user", "content": "a"}], "response_format": {"type": "json_schema", '
+            '"json_schema": {"name": "x", "schema": {"type": "bogus"}}}',
+            "response_format.json_schema.schema",
+        ),
+        (
+            chat,
+            '"messages": [{"role": "user", "content": "a"}], "response_format": {"type": "json_schema"}',
+            "response_format",
+        ),
+        (
+            chat,
+            '"messages": [{"role": "user", "content": "a"}], "response_format": {"type": "json_object"}, '
+            '"structured_outputs": {"regex": "a"}',
+            "structured_outputs",
+        ),
         (completions, '"prompt": "a", "best_of": 3', "best_of"),
         (completions, '"prompt": "a", "suffix": "return x"', "suffix"),
         (chat, '"messages": [{"role": "user", "content": "a"}], "tools": []', "tools"),
@@ -818,6 +838,33 @@ def test_stop_text_and_special_token_fields_reach_the_request(server, client, re
     out = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=2, temperature=0,
                                     logit_bias={str(eos): 100}, extra_body=fields)  # fmt: skip
     assert out.choices[0].text == reference_engine.tokenizer.eos_token * 2
+
+
+def test_response_format_and_structured_outputs_reach_the_request(server, client, reference_engine):
+    """OpenAI's response_format (a JSON schema on chat) and vLLM's structured_outputs (a choice on completions): the
+    text follows the grammar and equals the offline engine's with the same grammar (the server speculates
+    adaptively)."""
+    from looped_spec.structured_output import StructuredOutputs
+
+    schema = {"type": "object", "properties": {"n": {"type": "integer", "maximum": 99}}, "required": ["n"],
+              "additionalProperties": False}  # fmt: skip
+    messages = [{"role": "user", "content": "give a number"}]
+    out = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=24, temperature=0,
+                                         response_format={"type": "json_schema",
+                                                          "json_schema": {"name": "n", "schema": schema}})  # fmt: skip
+    value = json.loads(out.choices[0].message.content)
+    assert set(value) == {"n"} and isinstance(value["n"], int) and out.choices[0].finish_reason == "stop"
+    prompt = reference_engine.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    ref = greedy(reference_engine, prompt, 24, structured_outputs=StructuredOutputs(json=schema))
+    assert out.choices[0].message.content == ref.text
+    choice = ["red", "green", "blue"]
+    out = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=8, temperature=0,
+                                    extra_body={"structured_outputs": {"choice": choice}})  # fmt: skip
+    assert out.choices[0].text in choice
+    assert (
+        out.choices[0].text
+        == greedy(reference_engine, PROMPT, 8, structured_outputs=StructuredOutputs(choice=choice)).text
+    )
 
 
 def test_logit_bias_reaches_the_request(server, client, reference_engine):

@@ -43,6 +43,7 @@ from looped_spec.presets.lookup import load_preset
 from looped_spec.request import Request, RequestOutput, TokenLogprob
 from looped_spec.sampling_params import SamplingParams
 from looped_spec.speculative.round import SpeculativeRound
+from looped_spec.structured_output import GrammarCompiler, StructuredOutputs
 
 logger = logging.getLogger(__name__)
 
@@ -136,6 +137,7 @@ class LoopedSpecEngine:
             self.loop_rounds = LoopRounds(self.adapter.full_depth, exit_skips=config.early_exit == "skip")
         self.spec_round = SpeculativeRound(self.runner)
         self.tokenizer = load_tokenizer(self.adapter.path)
+        self._grammars = GrammarCompiler(self.tokenizer, self.adapter.vocab_size, self.adapter.eos_token_ids)
         self.stats = EngineStats()
         self._rng = random.Random(config.seed)
         self._ids = itertools.count()
@@ -199,6 +201,10 @@ class LoopedSpecEngine:
         self._queue(request)
         return request.request_id
 
+    def check_grammar(self, spec: StructuredOutputs) -> None:
+        """ValueError naming the field when `spec` does not compile for this model (as `add_request` would raise)."""
+        self._grammars.compile(spec)
+
     def _new_request(
         self, prompt: Any, params: Any, request_id: str | None, where: str = "prompt", taken: set[str] = frozenset()
     ) -> Request:
@@ -225,11 +231,18 @@ class LoopedSpecEngine:
         if request_id in self._requests or request_id in taken:
             raise ValueError(f"request_id {request_id!r} is already in use")
         check_vocabulary(params.stop_token_ids, self.adapter.vocab_size, "stop_token_ids")
+        stops = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.adapter.eos_token_ids))
+        if params.min_tokens and len(stops) >= self.adapter.vocab_size:
+            raise ValueError(f"min_tokens={params.min_tokens}: every token of the vocabulary is a stop token (eos and "
+                             "stop_token_ids), so none may be sampled before min_tokens")  # fmt: skip
         check_bias_tokens(params.logit_bias, self.adapter.vocab_size)
         if params.stop and self.tokenizer is None:
             raise ValueError("stop strings need the model's tokenizer files; use stop_token_ids instead")
         exit_threshold, exit_at_step = self.resolve_exit(params)
         seed = params.seed if params.seed is not None else self._rng.randrange(2**31)
+        grammar = None
+        if params.structured_outputs is not None:
+            grammar = self._grammars.compile(params.structured_outputs)
         detokenizer = None
         if self.tokenizer is not None:
             detokenizer = IncrementalDetokenizer(self.tokenizer, params.stop, params.skip_special_tokens,
@@ -237,7 +250,7 @@ class LoopedSpecEngine:
         prompt_text = prompt if isinstance(prompt, str) else None
         request = Request(
             request_id, next(self._arrivals), ids, params, seed, self.adapter.eos_token_ids, self.max_model_len,
-            detokenizer, prompt_text,
+            detokenizer, prompt_text, grammar,
         )  # fmt: skip
         request.exit_threshold, request.exit_at_step = exit_threshold, exit_at_step
         request.metrics.arrival_time = time.perf_counter()

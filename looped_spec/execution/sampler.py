@@ -16,6 +16,7 @@ import torch
 from looped_spec.execution.penalties import PenaltyRows
 from looped_spec.execution.transfers import to_device
 from looped_spec.request import Request
+from looped_spec.structured_output import allowed_tokens
 
 
 @dataclass
@@ -35,18 +36,20 @@ class SamplingRows:
     penalties: PenaltyRows | None = None  # where some row sets a penalty: applied after the bias (penalties.py)
     # where some row's output is still short of its min_tokens: (rows, token ids) of the stop tokens masked there
     banned: tuple[torch.Tensor, torch.Tensor] | None = None
+    # where some row follows a grammar: (rows, [G, V] bool the tokens its grammar allows there; structured_output.py)
+    grammar: tuple[torch.Tensor, torch.Tensor] | None = None
 
     @property
     def adjusts(self) -> bool:
-        """Whether some row's logits are changed before sampling (a logit bias, a penalty or a min_tokens mask): even a
-        greedy row then takes the argmax of `adjusted(logits)`."""
-        return self.bias is not None or self.penalties is not None or self.banned is not None
+        """Whether some row's logits are changed before sampling (a logit bias, a penalty, a min_tokens mask or a
+        grammar): even a greedy row then takes the argmax of `adjusted(logits)`."""
+        return self.bias is not None or self.penalties is not None or self.counts_drafts
 
     @property
     def counts_drafts(self) -> bool:
-        """Whether some row's adjustment depends on the output before its position (a penalty, or min_tokens): rows
-        at later positions of a speculative round must then be built with the drafts before them."""
-        return self.penalties is not None or self.banned is not None
+        """Whether some row's adjustment depends on the output before its position (a penalty, min_tokens, a
+        grammar): rows at later positions of a speculative round must then be built with the drafts before them."""
+        return self.penalties is not None or self.banned is not None or self.grammar is not None
 
     @classmethod
     def build(
@@ -57,6 +60,7 @@ class SamplingRows:
         all_greedy = all(r.greedy for r in requests)
         penalties = PenaltyRows.build(requests, drafted)
         banned = _min_token_bans(requests, drafted, device)
+        grammar = _grammar_masks(requests, drafted, device)
         bias = None
         if any(r.logit_bias for r in requests):
             entries = [(i, token, value) for i, r in enumerate(requests) for token, value in r.logit_bias.items()]
@@ -65,18 +69,19 @@ class SamplingRows:
                     to_device(list(values), device))  # fmt: skip
         if all_greedy:
             empty = torch.empty(0, device=device)
-            return cls(requests, empty, empty, empty, empty, True, False, bias=bias, penalties=penalties, banned=banned)
+            return cls(requests, empty, empty, empty, empty, True, False, None, bias, penalties, banned, grammar)
         temps = to_device([r.temperature if not r.greedy else 1.0 for r in requests], device)
         top_k = to_device([r.top_k for r in requests], device, torch.long)
         top_p = to_device([r.top_p for r in requests], device)
         greedy = to_device([r.greedy for r in requests], device)
         needs_filter = any(r.top_k > 0 or r.top_p < 1.0 for r in requests)
         min_p = to_device([r.min_p for r in requests], device) if any(r.min_p > 0.0 for r in requests) else None
-        return cls(requests, temps, top_k, top_p, greedy, False, needs_filter, min_p, bias, penalties, banned)
+        return cls(requests, temps, top_k, top_p, greedy, False, needs_filter, min_p, bias, penalties, banned, grammar)
 
     def adjusted(self, logits: torch.Tensor) -> torch.Tensor:
         """`logits` [num_rows, V] with each row's logit bias added, then its penalties applied, then the stop tokens
-        of rows short of their min_tokens masked (the same tensor when no row has any of them)."""
+        of rows short of their min_tokens and the tokens a row's grammar refuses masked (the same tensor when no row
+        has any of them)."""
         if self.bias is not None:
             rows, tokens, values = self.bias
             logits = logits.float().index_put((rows, tokens), values, accumulate=True)
@@ -85,6 +90,10 @@ class SamplingRows:
         if self.banned is not None:
             rows, tokens = self.banned
             logits = logits.float().index_put((rows, tokens), torch.tensor(float("-inf"), device=logits.device))
+        if self.grammar is not None:
+            rows, allowed = self.grammar
+            logits = logits.float().clone()
+            logits[rows] = logits[rows].masked_fill(~allowed, float("-inf"))
         return logits
 
     def uniforms(self, count: int = 1) -> torch.Tensor:
@@ -108,6 +117,19 @@ def _min_token_bans(
         return None
     rows, tokens = zip(*entries)
     return to_device(list(rows), device, torch.long), to_device(list(tokens), device, torch.long)
+
+
+def _grammar_masks(
+    requests: Sequence[Request], drafted: Sequence[Sequence[int]] | None, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(rows, [G, V] allowed tokens) of the rows whose request follows a grammar, at each row's position (after the
+    drafts before it); None when no row does."""
+    rows = [i for i, r in enumerate(requests) if r.grammar is not None]
+    if not rows:
+        return None
+    before = [drafted[i] if drafted is not None else () for i in rows]
+    allowed = allowed_tokens([requests[i].grammar for i in rows], before)
+    return to_device(rows, device, torch.long), to_device(allowed, device)
 
 
 def probabilities(logits: torch.Tensor, rows: SamplingRows) -> torch.Tensor:

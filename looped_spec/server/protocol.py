@@ -6,7 +6,7 @@ neutral values (1, empty), which change nothing (clients such as benchmark harne
 is a 400 naming the field. Requests are strict about types as OpenAI is (`"max_tokens": "5"` or `"logprobs": true` on
 completions is a 400, not a silent conversion). Extensions beyond OpenAI's schema, as in vLLM: `top_k`, `min_p`,
 `repetition_penalty`, `ignore_eos`, `stop_token_ids`, `min_tokens`, `include_stop_str_in_output`,
-`skip_special_tokens` (and `seed`, which OpenAI has too); and
+`skip_special_tokens`, `structured_outputs` (OpenAI's `response_format` too) (and `seed`, which OpenAI has too); and
 looped-spec's early exit, `exit_threshold` / `exit_at_step` (checked by `SamplingParams` and the engine, errors naming
 the field).
 """
@@ -15,17 +15,49 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Literal
+from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from looped_spec.sampling_params import is_token_key
+from looped_spec.structured_output import StructuredOutputs
 
 
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
 
     include_usage: bool = False
+
+
+class JsonSchemaFormat(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True, populate_by_name=True)
+
+    name: str
+    description: str | None = None
+    json_schema: dict[str, Any] = Field(alias="schema")
+    strict: bool | None = None  # the output always follows the schema: strict or not
+
+
+class ResponseFormat(BaseModel):
+    """OpenAI's `response_format`: free text, any JSON object, or an instance of a JSON schema."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_with_its_type(self) -> ResponseFormat:
+        if (self.type == "json_schema") != (self.json_schema is not None):
+            raise ValueError('json_schema: give it exactly when type is "json_schema"')
+        return self
+
+    def structured_outputs(self) -> StructuredOutputs | None:
+        if self.type == "json_object":
+            return StructuredOutputs(json_object=True)
+        if self.type == "json_schema":
+            return StructuredOutputs(json=self.json_schema.json_schema)
+        return None
 
 
 class SamplingFields(BaseModel):
@@ -51,6 +83,9 @@ class SamplingFields(BaseModel):
                             "the choice (vLLM's).")  # fmt: skip
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    # a grammar the output follows: OpenAI's response_format, or vLLM's structured_outputs (one of the two)
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None
     # early exit (SamplingParams): the family rule's threshold, or a fixed loop depth per token
     exit_threshold: float | None = Field(None, allow_inf_nan=False)
     exit_at_step: int | None = None
@@ -73,6 +108,12 @@ class SamplingFields(BaseModel):
     def token_bias(self) -> dict[int, float]:
         """`logit_bias` with integer token ids (SamplingParams checks the values' range)."""
         return {int(key): value for key, value in (self.logit_bias or {}).items()}
+
+    def grammar(self) -> StructuredOutputs | None:
+        """The grammar asked for (the server refuses one in both fields, naming structured_outputs)."""
+        if self.structured_outputs is not None:
+            return self.structured_outputs
+        return self.response_format.structured_outputs() if self.response_format is not None else None
 
     def stop_list(self) -> list[str]:
         return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])

@@ -115,8 +115,14 @@ class OpenAIServing:
         elif max_tokens > room and not scored_only:
             raise APIError(400, f"max_tokens: {max_tokens} + {num_prompt_tokens} prompt tokens exceeds "
                            f"max_model_len={self.max_model_len}", "max_tokens")  # fmt: skip
-        if body.min_tokens > max_tokens and not scored_only:
-            raise APIError(400, f"min_tokens: {body.min_tokens} is more than max_tokens={max_tokens}", "min_tokens")
+        if body.structured_outputs is not None and body.response_format is not None:
+            if body.response_format.type != "text":
+                raise APIError(400, "structured_outputs: give a grammar in structured_outputs or response_format, not "
+                               "both", "structured_outputs")  # fmt: skip
+        most = 0 if scored_only else max_tokens  # scoring a prompt generates nothing
+        if body.min_tokens > most:
+            raise APIError(400, f"min_tokens: {body.min_tokens} is more than the {most} tokens the request may "
+                           "generate", "min_tokens")  # fmt: skip
         stop = body.stop_list()
         if len(stop) > MAX_STOP_STRINGS:
             raise APIError(400, f"stop: at most {MAX_STOP_STRINGS} stop strings", "stop")
@@ -150,6 +156,7 @@ class OpenAIServing:
                 stop=stop,
                 include_stop_str_in_output=body.include_stop_str_in_output,
                 skip_special_tokens=body.skip_special_tokens,
+                structured_outputs=None if scored_only else body.grammar(),
                 stop_token_ids=stop_token_ids,
                 ignore_eos=body.ignore_eos,
                 exit_threshold=body.exit_threshold,
@@ -160,7 +167,23 @@ class OpenAIServing:
             message, param = validation_message(exc.errors())
             raise APIError(400, message, param) from exc
         self.check_exit(params)
+        self.check_grammar(params, body.structured_outputs is None)
         return params
+
+    def check_grammar(self, params: SamplingParams, from_response_format: bool) -> None:
+        """A grammar that does not compile (or a model without a tokenizer): 400 naming the field, before the request
+        starts. Compiled here from this thread, and again by the engine for the request (a millisecond or so)."""
+        spec = params.structured_outputs
+        if spec is None:
+            return
+        try:
+            self.engine.engine.check_grammar(spec)
+        except ValueError as exc:
+            field = f"structured_outputs.{spec.kind}"
+            if from_response_format:
+                field = "response_format.json_schema.schema" if spec.kind == "json" else "response_format"
+            message = str(exc).split(": ", 1)[-1]
+            raise APIError(400, f"{field}: {message}", field) from exc
 
     def check_exit(self, params: SamplingParams) -> None:
         """Early exit the engine cannot run (speculation on, a depth past D, no exit signal): 400 before the

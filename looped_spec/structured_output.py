@@ -1,0 +1,151 @@
+"""Structured outputs: a grammar (a JSON schema, any JSON object, a regular expression, a choice of strings, or a Lark
+grammar) that every generated token keeps satisfiable, as vLLM's `structured_outputs`.
+
+llguidance matches token sequences against the grammar. At every position the sampler masks the tokens that would
+break it (execution/sampler.py); a request ends ("stop") once its grammar is complete. A speculative position's mask
+is the grammar's state after the committed output and the drafts before that position, the same prefix the penalties
+count: a draft and its verification mask alike, so greedy speculation equals plain decoding and rejection sampling
+keeps the constrained distribution (docs/architecture.md, "What p and q are").
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+if TYPE_CHECKING:
+    import torch
+
+#: the one field of `StructuredOutputs` to set, each a kind of grammar
+KINDS = ("json", "json_object", "regex", "choice", "grammar")
+#: JSON is written as Python's json.dumps writes it (", " and ": ", no other whitespace): with any whitespace allowed a
+#: model may pad an object with newlines until max_tokens. A schema's "x-guidance" object overrides it (llguidance's
+#: JSON options, e.g. {"whitespace_flexible": true})
+JSON_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+
+
+class StructuredOutputs(BaseModel):
+    """The grammar a request's output must follow: set exactly one field."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True, populate_by_name=True)
+
+    json_schema: dict[str, Any] | str | None = Field(
+        None, alias="json", description="A JSON schema (a dict, or its JSON text) the output is an instance of."
+    )
+    json_object: bool = Field(False, description="Any JSON object.")
+    regex: str | None = Field(None, description="A regular expression the whole output matches.")
+    choice: list[str] | None = Field(None, min_length=1, description="One of these strings, exactly.")
+    grammar: str | None = Field(None, description="A context-free grammar in Lark syntax (llguidance's dialect).")
+
+    @model_validator(mode="after")
+    def _exactly_one(self) -> StructuredOutputs:
+        chosen = [kind for kind in KINDS if self.kind_value(kind) not in (None, False)]
+        if len(chosen) != 1:
+            raise ValueError(f"set exactly one of {', '.join(KINDS)} (got {', '.join(chosen) or 'none'})")
+        return self
+
+    def kind_value(self, kind: str) -> Any:
+        return self.json_schema if kind == "json" else getattr(self, kind)
+
+    @property
+    def kind(self) -> str:
+        return next(kind for kind in KINDS if self.kind_value(kind) not in (None, False))
+
+    def lark(self) -> str:
+        """The grammar as llguidance takes it."""
+        from llguidance import LLMatcher
+
+        kind = self.kind
+        if kind == "json":
+            schema = self.json_schema
+            schema = json.loads(schema) if isinstance(schema, str) else schema
+            return LLMatcher.grammar_from_json_schema(schema, defaults=JSON_LAYOUT)
+        if kind == "json_object":
+            return LLMatcher.grammar_from_json_schema({"type": "object"}, defaults=JSON_LAYOUT)
+        if kind == "regex":
+            return LLMatcher.grammar_from_regex(self.regex)
+        if kind == "choice":  # Lark string literals take JSON's escapes
+            return LLMatcher.grammar_from_lark("start: " + " | ".join(json.dumps(text) for text in self.choice))
+        return LLMatcher.grammar_from_lark(self.grammar)
+
+
+class GrammarCompiler:
+    """Turns `StructuredOutputs` into matchers over one model's tokenizer and vocabulary (the tokenizer is converted
+    for llguidance once, at the first request that asks)."""
+
+    def __init__(self, tokenizer: Any, vocab_size: int, eos_token_ids: Sequence[int]) -> None:
+        self.hf_tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.eos_token_ids = list(eos_token_ids)
+        self._tokenizer = None
+
+    def compile(self, spec: StructuredOutputs, where: str = "structured_outputs") -> Grammar:
+        """A request's grammar at the start of its output; ValueError naming `where` and the field for a grammar that
+        does not compile, a model without a tokenizer, or llguidance not installed."""
+        field = f"{where}.{spec.kind}"
+        if self.hf_tokenizer is None:
+            raise ValueError(f"{field}: structured outputs need the model's tokenizer files")
+        try:
+            import llguidance
+            import llguidance.hf
+        except ImportError as exc:
+            raise ValueError(
+                f"{field}: structured outputs need llguidance (pip install 'looped-spec[structured]')"
+            ) from exc
+        if self._tokenizer is None:
+            self._tokenizer = llguidance.hf.from_tokenizer(
+                self.hf_tokenizer, n_vocab=self.vocab_size, eos_token=self.eos_token_ids or None
+            )
+        try:
+            grammar = spec.lark()
+        except (ValueError, TypeError) as exc:  # a schema given as text that is not JSON, or not a schema object
+            raise ValueError(f"{field}: {exc}") from exc
+        matcher = llguidance.LLMatcher(self._tokenizer, grammar)
+        if matcher.is_error():
+            raise ValueError(f"{field}: {' '.join(matcher.get_error().split())}")
+        return Grammar(matcher, self.vocab_size)
+
+
+class Grammar:
+    """One request's grammar state: the matcher advanced by the request's committed tokens."""
+
+    def __init__(self, matcher: Any, vocab_size: int) -> None:
+        self.matcher = matcher
+        self.vocab_size = vocab_size
+
+    def consume(self, token: int) -> None:
+        """Advance by a committed token (ValueError if the grammar refuses it: the sampler masks such tokens)."""
+        if not self.matcher.consume_token(token):
+            raise ValueError(
+                f"structured_outputs: token {token} does not follow the grammar: {self.matcher.get_error()}"
+            )
+
+    @property
+    def complete(self) -> bool:
+        """Nothing may follow: the request ends here."""
+        return self.matcher.is_stopped()
+
+
+def allowed_tokens(grammars: Sequence[Grammar], drafted: Sequence[Sequence[int]]) -> torch.Tensor:
+    """[len(grammars), V] bool: the tokens each grammar allows after its `drafted` tokens (each is left as it was).
+    A position after a draft the grammar refuses, or after the grammar completed, allows every token: its request
+    never commits a token there (the refused draft is rejected, a completed grammar ends the request)."""
+    import torch
+    from llguidance.torch import allocate_token_bitmask, fill_next_token_bitmask
+
+    vocab_size = grammars[0].vocab_size
+    bitmask = allocate_token_bitmask(len(grammars), vocab_size)
+    for row, (grammar, tokens) in enumerate(zip(grammars, drafted)):
+        matcher = grammar.matcher
+        taken = matcher.try_consume_tokens(list(tokens)) if tokens else 0
+        if taken == len(tokens) and not matcher.is_stopped():
+            fill_next_token_bitmask(matcher, bitmask, row)
+        else:
+            bitmask[row] = -1
+        if taken:
+            matcher.rollback(taken)
+    bits = (bitmask.unsqueeze(-1) >> torch.arange(32, dtype=torch.int32)) & 1
+    return bits.reshape(len(grammars), -1)[:, :vocab_size].bool()

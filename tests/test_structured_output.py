@@ -1,0 +1,161 @@
+"""Structured outputs: the output follows its grammar (JSON schema, JSON object, regex, choice, Lark), ends once the
+grammar is complete, and speculation keeps plain decoding's output and the constrained distribution."""
+
+from __future__ import annotations
+
+import json
+import re
+from functools import cache
+
+import jsonschema
+import pytest
+import torch
+from chisquare import assert_distribution
+from pydantic import ValidationError
+
+from looped_spec import LoopedSpecEngine, SamplingParams, SpeculativeConfig
+from looped_spec.structured_output import StructuredOutputs
+
+SHIPPED = ["tiny-ouro", "tiny-huginn", "tiny-nanbeige"]
+PROMPTS = ["def add(a, b):", "import os\n", "class Point:", "# the answer is", "x = [", "print(", "if x:", "return"]
+SCHEMA = {
+    "type": "object",
+    "properties": {"name": {"type": "string", "maxLength": 6}, "age": {"type": "integer", "maximum": 120},
+                   "tags": {"type": "array", "items": {"enum": ["a", "b"]}, "maxItems": 2}},
+    "required": ["name", "age", "tags"],
+    "additionalProperties": False,
+}  # fmt: skip
+GRAMMARS = {
+    "json": StructuredOutputs(json=SCHEMA),
+    "json text": StructuredOutputs(json=json.dumps(SCHEMA)),
+    "json_object": StructuredOutputs(json_object=True),
+    "regex": StructuredOutputs(regex=r"[0-9]{2,4}-[a-z]{1,3}"),
+    "choice": StructuredOutputs(choice=["yes", "no", 'say "maybe"\\n']),
+    "grammar": StructuredOutputs(grammar='start: "(" item (", " item)* ")"\nitem: /[a-c]/'),
+}
+
+
+@cache
+def engine(model: str, **options) -> LoopedSpecEngine:
+    return LoopedSpecEngine(model, max_batch_size=8, **options)
+
+
+def follows(kind: str, text: str) -> bool:
+    spec = GRAMMARS[kind]
+    if kind.startswith("json"):
+        value = json.loads(text)
+        if kind == "json_object":
+            return isinstance(value, dict)
+        jsonschema.validate(value, SCHEMA)
+        return True
+    if kind == "regex":
+        return re.fullmatch(spec.regex, text) is not None
+    if kind == "choice":
+        return text in spec.choice
+    return re.fullmatch(r"\([a-c](, [a-c])*\)", text) is not None
+
+
+@pytest.mark.parametrize("kind", list(GRAMMARS))
+def test_greedy_and_sampled_outputs_follow_their_grammar_and_end_with_it(kind):
+    """A finished output follows the grammar; one cut by max_tokens (a tiny model may write a JSON key forever) is a
+    beginning the grammar accepts."""
+    plain = engine("tiny-ouro", speculation="off")
+    finished = 0
+    for temperature in (0.0, 1.0):
+        params = SamplingParams(max_tokens=48, temperature=temperature, seed=3, structured_outputs=GRAMMARS[kind])
+        for out in plain.generate(PROMPTS, params):
+            if out.finish_reason == "stop":
+                finished += 1
+                assert follows(kind, out.text), (kind, temperature, out.text)
+            else:
+                matcher = plain._grammars.compile(GRAMMARS[kind]).matcher
+                assert out.finish_reason == "length" and matcher.consume_tokens(list(out.token_ids)), out.text
+    assert finished >= len(PROMPTS) // 2
+
+
+@pytest.mark.parametrize("model", SHIPPED)
+def test_greedy_speculation_with_a_grammar_is_plain_decoding_with_it(model):
+    """The draft masks what the target masks at each position (the grammar advanced by the drafts before it), so
+    every speculative mode gives plain decoding's tokens; so does early exit, where a draft the exit rule decides is
+    drawn from the masked target. Requests without a grammar share the batches."""
+    # seeded: Huginn's initial state is drawn from the request's seed (an unseeded one takes the engine's next)
+    params = [
+        SamplingParams(max_tokens=40, seed=i, structured_outputs=GRAMMARS[kind]) for i, kind in enumerate(GRAMMARS)
+    ]
+    params += [SamplingParams(max_tokens=12, ignore_eos=True, seed=9)] * 2
+    prompts = PROMPTS[: len(params)]
+    expected = [o.token_ids for o in engine(model, speculation="off").generate(prompts, params)]
+    depth = engine(model, speculation="off").adapter.full_depth
+    modes = [dict(speculation="2,1"), dict(speculation=f"4,{depth - 1}"), dict(speculation="adaptive"),
+             dict(speculation="3,1", batching="loop"), dict(batching="loop"),
+             dict(speculation=SpeculativeConfig(k=4, d=1, stop_margin=0.01))]  # fmt: skip
+    for mode in modes:
+        runner = engine(model, **mode)
+        assert [o.token_ids for o in runner.generate(prompts, params)] == expected, mode
+        assert runner.num_free_blocks == runner.kv.num_blocks
+    for step in (1, 2):
+        exits = [p.model_copy(update={"exit_at_step": step}) for p in params]
+        want = [o.token_ids for o in engine(model, speculation="off").generate(prompts, exits)]
+        for mode in (dict(speculation="2,1"), dict(speculation="2,1", batching="loop")):
+            assert [o.token_ids for o in engine(model, **mode).generate(prompts, exits)] == want, (mode, step)
+
+
+def test_speculative_sampling_with_a_grammar_keeps_the_constrained_distribution():
+    """Three tokens of a regex grammar, the second and third from one K = 2 round: the draft's and the target's
+    distributions are masked by the grammar after the tokens before each position, so rejection sampling keeps the
+    constrained joint distribution, computed here from dense forwards and the grammar's own token checks."""
+    from looped_spec.structured_output import GrammarCompiler
+
+    model = engine("tiny-ouro", speculation="off")
+    adapter, tokenizer = model.adapter, model.tokenizer
+    spec = StructuredOutputs(regex=r"[a-e]{1,2}( [a-e]{1,2}){0,4}")
+    fresh = GrammarCompiler(tokenizer, adapter.vocab_size, adapter.eos_token_ids)
+    prompt, top_k, n = tokenizer.encode("x ="), 3, 4000
+
+    def next_tokens(output):
+        matcher = fresh.compile(spec).matcher
+        assert matcher.consume_tokens(list(output))
+        logits = adapter.dense_logits(torch.tensor(prompt + list(output)))[0, -1].double()
+        allowed = [t for t in range(adapter.vocab_size) if matcher.validate_tokens([t]) == 1]
+        keep = torch.full_like(logits, float("-inf"))
+        keep[allowed] = logits[allowed]
+        values, ids = keep.topk(top_k)
+        probs = values.softmax(-1)
+        return [(t, p) for t, p in zip(ids.tolist(), probs.tolist()) if p > 0]
+
+    exact = {
+        (t1, t2, t3): q1 * q2 * q3
+        for t1, q1 in next_tokens([])
+        for t2, q2 in next_tokens([t1])
+        for t3, q3 in next_tokens([t1, t2])
+    }
+    runner = LoopedSpecEngine("tiny-ouro", speculation=SpeculativeConfig(k=2, d=1), max_batch_size=256,
+                              max_num_batched_tokens=4096, seed=11)  # fmt: skip
+    params = SamplingParams(max_tokens=3, temperature=1.0, top_k=top_k, structured_outputs=spec)
+    outs = runner.generate([prompt] * n, params)
+    assert runner.stats.num_accepted_tokens > 0 and runner.stats.num_draft_tokens > runner.stats.num_accepted_tokens
+    assert all(len(o.token_ids) == 3 for o in outs)
+    assert_distribution((tuple(o.token_ids) for o in outs), exact)
+
+
+def test_grammar_errors_name_the_field():
+    for bad in ({}, {"regex": "a", "choice": ["a"]}, {"choice": []}, {"json_object": False}, {"regex": 5}):
+        with pytest.raises(ValidationError, match="StructuredOutputs|choice|regex"):
+            StructuredOutputs(**bad)
+    model = engine("tiny-ouro", speculation="off")
+    cases = [({"json": "{not json"}, "structured_outputs.json"),
+             ({"json": {"type": "bogus"}}, "structured_outputs.json"), ({"regex": "(a"}, "structured_outputs.regex"),
+             ({"grammar": "start: foo"}, "structured_outputs.grammar")]  # fmt: skip
+    for fields, where in cases:
+        with pytest.raises(ValueError, match=re.escape(where)):
+            model.generate("x", SamplingParams(structured_outputs=StructuredOutputs(**fields)))
+    assert not model.has_unfinished_requests()
+    without_tokenizer = LoopedSpecEngine("tests/fixtures/ouro-tiny", speculation="off")
+    with pytest.raises(ValueError, match="structured_outputs.regex: .*tokenizer"):
+        without_tokenizer.generate([1, 2], SamplingParams(structured_outputs=StructuredOutputs(regex="a")))
+
+
+def test_structured_outputs_round_trip_through_json():
+    params = SamplingParams(structured_outputs=StructuredOutputs(json=SCHEMA))
+    assert SamplingParams.model_validate_json(params.model_dump_json(by_alias=True)) == params
+    assert StructuredOutputs.model_validate({"json": SCHEMA}).json_schema == SCHEMA
