@@ -78,6 +78,19 @@ def main() -> None:
             stop=["\n\n"],
         )
         print("chat:", repr(chat.choices[0].message.content), chat.choices[0].finish_reason)
+
+        # structured output: the reply is an instance of the schema (a tiny model fills it with whatever it likes)
+        schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
+                                                   "year": {"type": "integer", "minimum": 1900, "maximum": 2100}},
+                  "required": ["name", "year"], "additionalProperties": False}  # fmt: skip
+        person = client.chat.completions.create(
+            model=name,
+            messages=[{"role": "user", "content": "Name a programming language and the year it appeared."}],
+            max_tokens=64,
+            temperature=0,
+            response_format={"type": "json_schema", "json_schema": {"name": "language", "schema": schema}},
+        )
+        print("json:", person.choices[0].message.content, person.choices[0].finish_reason)
         metrics = httpx.get(url + "/metrics").text
         print(next(line for line in metrics.splitlines() if line.startswith("looped_spec:generation_tokens_total")))
     finally:
