@@ -29,25 +29,27 @@ GRAMMARS = {
 }
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> dict[tuple[str, str], list[tuple[int, int]]]:
+    """Prints the table; returns (model, plan) -> [(accepted, drafted) per grammar]."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", default="tiny-ouro,tiny-huginn,tiny-nanbeige")
     parser.add_argument("--plans", nargs="+", default=["3,1", "2,2"], help="fixed plans K,d (d < the model's D)")
     parser.add_argument("--group", default="code", help="evaluation prompt group")
     parser.add_argument("--prompts", type=int, default=12)
     parser.add_argument("--max-tokens", type=int, default=48)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     prompts = prompt_group(args.group, args.prompts)
     print(f"{len(prompts)} prompts of group {args.group!r}, {args.max_tokens} new tokens each, greedy")
     print("| model | plan | " + " | ".join(GRAMMARS) + " |")
     print("|---|---|" + "---|" * len(GRAMMARS))
+    table = {}
     for model in args.models.split(","):
         for plan in args.plans:
             try:
                 engine = LoopedSpecEngine(model, speculation=plan, max_batch_size=len(prompts))
             except ValueError:  # a draft depth the model does not have (tiny-nanbeige runs D = 2)
                 continue
-            cells = []
+            cells, counts = [], []
             for grammar in GRAMMARS.values():
                 drafted, accepted = engine.stats.num_draft_tokens, engine.stats.num_accepted_tokens
                 params = SamplingParams(max_tokens=args.max_tokens, seed=1, structured_outputs=grammar)
@@ -56,7 +58,10 @@ def main() -> None:
                 accepted = engine.stats.num_accepted_tokens - accepted
                 tokens = sum(len(o.token_ids) for o in outputs)
                 cells.append(f"{accepted / max(drafted, 1):.2f} ({accepted}/{drafted}; {tokens} tokens)")
+                counts.append((accepted, drafted))
             print(f"| {model} | ({plan}) | " + " | ".join(cells) + " |")
+            table[model, plan] = counts
+    return table
 
 
 if __name__ == "__main__":

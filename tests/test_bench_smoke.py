@@ -533,3 +533,11 @@ def test_prefix_cache_bench_prints_its_aa_line_and_checks_outputs(tmp_path, caps
     assert result["outputs_identical"] and json.loads(out.read_text())["outputs_identical"]
     hits, queries = result["cached_prompt_tokens"]
     assert 0 < hits < queries
+
+
+def test_structured_acceptance_counts_drafts_per_grammar(capsys):
+    script = load_script("structured_acceptance")
+    table = script.main(["--models", "tiny-ouro", "--plans", "2,1", "--prompts", "2", "--max-tokens", "6"])
+    counts = table["tiny-ouro", "2,1"]
+    assert len(counts) == len(script.GRAMMARS) and all(0 <= accepted <= drafted for accepted, drafted in counts)
+    assert sum(drafted for _, drafted in counts) > 0 and "| tiny-ouro | (2,1) |" in capsys.readouterr().out
