@@ -141,11 +141,13 @@ def allowed_tokens(grammars: Sequence[Grammar], drafted: Sequence[Sequence[int]]
     for row, (grammar, tokens) in enumerate(zip(grammars, drafted)):
         matcher = grammar.matcher
         taken = matcher.try_consume_tokens(list(tokens)) if tokens else 0
-        if taken == len(tokens) and not matcher.is_stopped():
-            fill_next_token_bitmask(matcher, bitmask, row)
-        else:
-            bitmask[row] = -1
-        if taken:
-            matcher.rollback(taken)
+        try:
+            if taken == len(tokens) and not matcher.is_stopped():
+                fill_next_token_bitmask(matcher, bitmask, row)
+            else:
+                bitmask[row] = -1
+        finally:  # the drafts were taken tentatively: the matcher stays at the committed output whatever happens
+            if taken:
+                matcher.rollback(taken)
     bits = (bitmask.unsqueeze(-1) >> torch.arange(32, dtype=torch.int32)) & 1
     return bits.reshape(len(grammars), -1)[:, :vocab_size].bool()

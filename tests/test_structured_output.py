@@ -11,7 +11,10 @@ import jsonschema
 import pytest
 import torch
 from chisquare import assert_distribution
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from pydantic import ValidationError
+from test_reliability_property import EXAMPLES, FaultyLoop, InjectedFault
 
 from looped_spec import LoopedSpecEngine, SamplingParams, SpeculativeConfig
 from looped_spec.structured_output import StructuredOutputs
@@ -159,3 +162,100 @@ def test_structured_outputs_round_trip_through_json():
     params = SamplingParams(structured_outputs=StructuredOutputs(json=SCHEMA))
     assert SamplingParams.model_validate_json(params.model_dump_json(by_alias=True)) == params
     assert StructuredOutputs.model_validate({"json": SCHEMA}).json_schema == SCHEMA
+
+
+grammar_request_st = st.fixed_dictionaries(
+    {
+        "prompt": st.sampled_from(PROMPTS),
+        "grammar": st.sampled_from([None, *GRAMMARS]),
+        "max_tokens": st.integers(1, 24),
+        "min_tokens": st.sampled_from([0, 0, 2]),
+    }
+)
+
+
+def grammar_params(spec: dict) -> SamplingParams:
+    grammar = GRAMMARS[spec["grammar"]] if spec["grammar"] is not None else None
+    return SamplingParams(max_tokens=spec["max_tokens"], min_tokens=min(spec["min_tokens"], spec["max_tokens"]),
+                          seed=5, structured_outputs=grammar)  # fmt: skip
+
+
+@cache
+def alone_with_grammar(prompt: str, params_json: str) -> tuple[int, ...]:
+    params = SamplingParams.model_validate_json(params_json)
+    return tuple(engine("tiny-ouro", speculation="off").generate(prompt, params)[0].token_ids)
+
+
+@pytest.mark.slow
+@settings(max_examples=EXAMPLES, deadline=None, derandomize=True, database=None,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])  # fmt: skip
+@given(
+    speculation=st.sampled_from(["off", "2,1", "3,2", "adaptive"]),
+    batching=st.sampled_from(["step", "loop"]),
+    num_kv_blocks=st.integers(10, 16),  # block_size 4, max_model_len 40: one request needs up to 10
+    initial=st.lists(grammar_request_st, min_size=1, max_size=5),
+    actions=st.lists(
+        st.one_of(
+            st.just(("step",)),
+            st.tuples(st.just("add"), grammar_request_st),
+            st.tuples(st.just("abort"), st.integers(0, 9)),
+            st.tuples(st.just("fault"), st.integers(0, 6)),
+        ),
+        max_size=14,
+    ),  # fmt: skip
+)
+def test_grammars_survive_arrivals_aborts_faults_and_preemption(speculation, batching, num_kv_blocks, initial, actions):
+    """Greedy requests with and without grammars arriving mid-run, aborted, hit by a fault in model code and preempted
+    for KV blocks: each finished one equals the request run alone (a fault or a preemption never leaves a grammar
+    advanced past the committed output), every finished request is reported once, no block leaks."""
+    runner = LoopedSpecEngine("tiny-ouro", speculation=speculation, batching=batching, block_size=4,
+                              num_kv_blocks=num_kv_blocks, max_model_len=40, max_batch_size=4,
+                              max_num_batched_tokens=16)  # fmt: skip
+    adapter = runner.adapter
+    faulty = FaultyLoop(adapter.loop)
+    adapter.loop = faulty
+    specs, finished, aborted, last_ok = {}, {}, set(), True
+
+    def step() -> None:
+        nonlocal last_ok
+        try:
+            outputs = runner.step()
+        except InjectedFault:
+            last_ok = False
+            return
+        last_ok = True
+        for out in outputs:
+            if out.finished:
+                assert out.request_id not in finished
+                finished[out.request_id] = out
+
+    try:
+        for spec in initial:
+            specs[runner.add_request(spec["prompt"], grammar_params(spec))] = spec
+        for action in actions:
+            if action[0] == "step":
+                step()
+            elif action[0] == "add":
+                specs[runner.add_request(action[1]["prompt"], grammar_params(action[1]))] = action[1]
+            elif action[0] == "abort":
+                live = [i for i in specs if i not in finished]
+                if live:
+                    runner.abort(live[action[1] % len(live)])
+                    aborted.add(live[action[1] % len(live)])
+            elif faulty.countdown is None and last_ok:
+                faulty.arm(action[1])
+        for _ in range(400):
+            if not runner.has_unfinished_requests():
+                break
+            step()
+        faulty.countdown = None
+        assert not runner.has_unfinished_requests() and sorted(finished) == sorted(specs)
+        assert runner.num_free_blocks == runner.kv.num_blocks
+        for request_id, out in finished.items():
+            if request_id in aborted and out.finish_reason == "abort":
+                continue
+            spec = specs[request_id]
+            expected = alone_with_grammar(spec["prompt"], grammar_params(spec).model_dump_json(by_alias=True))
+            assert tuple(out.token_ids) == expected, (spec, out.finish_reason)
+    finally:
+        adapter.loop = faulty.original
