@@ -48,6 +48,10 @@ def test_user_errors_are_one_line(capsys):
     assert main(BASE + ["--prompt", "x", "--min-tokens", "9"]) == 2  # more than --max-tokens 8
     assert "min_tokens=9 must be at most max_tokens=8" in capsys.readouterr().err
     assert main(BASE + ["--prompt", "x", "--min-tokens", "8"]) == 0
+    assert main(BASE + ["--prompt", "x", "--structured-outputs", '{"regx": "a"}']) == 2
+    assert "--structured-outputs: regx: Extra inputs are not permitted" in capsys.readouterr().err
+    assert main(BASE + ["--prompt", "x", "--structured-outputs", '{"choice": ["yes", "no"]}']) == 0
+    assert capsys.readouterr().out.splitlines()[0] in ("xyes", "xno")
 
 
 @pytest.mark.parametrize("value", ["0.5", "2.0", "true", "two"])

@@ -41,6 +41,9 @@ def add_parser(sub: argparse._SubParsersAction, fmt: type[argparse.HelpFormatter
                      help="subtracted per time the output holds a token")  # fmt: skip
     gen.add_argument("--stop", action="append", help="stop string (repeatable; cut from the output)")
     gen.add_argument("--ignore-eos", action="store_true", help="keep generating past the eos token")
+    gen.add_argument("--structured-outputs", default=None, metavar="JSON",
+                     help="a grammar the output follows, as the server's field: a JSON object with one of json (a "
+                     "schema), json_object (true), regex, choice (a list), grammar (Lark)")  # fmt: skip
     gen.add_argument("--exit-threshold", type=float, default=None, help="early exit: the family rule's threshold")
     gen.add_argument("--exit-at-step", type=int, default=None, help="early exit: fixed loop depth per token")
     gen.add_argument("--early-exit", default="skip", choices=["skip", "select"], help="how early exit runs")
@@ -101,12 +104,24 @@ def generate(args: argparse.Namespace) -> int:
     at_least(args.threads, 0, "--threads", " (0: torch's default)")
     set_threads(args.threads)
     prompts = read_prompts(args)
+    grammar = None
+    if args.structured_outputs is not None:
+        from pydantic import ValidationError
+
+        from looped_spec import StructuredOutputs
+
+        try:
+            grammar = StructuredOutputs.model_validate_json(args.structured_outputs)
+        except ValidationError as exc:
+            problem = exc.errors()[0]
+            where = ".".join(str(part) for part in problem["loc"])
+            raise UsageError(f"--structured-outputs{': ' + where if where else ''}: {problem['msg']}") from None
     params = SamplingParams(max_tokens=args.max_tokens, min_tokens=args.min_tokens, temperature=args.temperature,
                             top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
                             repetition_penalty=args.repetition_penalty, presence_penalty=args.presence_penalty,
                             frequency_penalty=args.frequency_penalty, seed=args.seed, ignore_eos=args.ignore_eos,
                             stop=args.stop or [], exit_threshold=args.exit_threshold,
-                            exit_at_step=args.exit_at_step)  # fmt: skip
+                            exit_at_step=args.exit_at_step, structured_outputs=grammar)  # fmt: skip
     engine = LoopedSpecEngine(args.model, **engine_options(args))
     try:
         if args.stream:
