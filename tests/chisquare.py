@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 from collections import Counter
-from collections.abc import Hashable, Iterable
+from collections.abc import Callable, Hashable, Iterable
 
 Z_999 = 3.0902  # standard normal quantile at 1 - 0.001
 
@@ -36,3 +36,15 @@ def assert_distribution(samples: Iterable[Hashable], probs: dict[Hashable, float
         df += 1
     assert df >= 1, "too few cells to test"
     assert stat < chi2_critical(df), f"chi-square {stat:.2f} >= {chi2_critical(df):.2f} at {df} degrees of freedom"
+
+
+def three_token_distribution(
+    next_tokens: Callable[[list[int]], Iterable[tuple[int, float]]],
+) -> dict[tuple[int, int, int], float]:
+    """P(t1, t2, t3) of a request's first three tokens, from `next_tokens(output so far)` -> (token, probability)."""
+    return {
+        (t1, t2, t3): q1 * q2 * q3
+        for t1, q1 in next_tokens([])
+        for t2, q2 in next_tokens([t1])
+        for t3, q3 in next_tokens([t1, t2])
+    }

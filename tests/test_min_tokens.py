@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from chisquare import assert_distribution
+from chisquare import assert_distribution, three_token_distribution
 from conftest import FAMILIES, load, make_engine
 from pydantic import ValidationError
 from test_speculative import PROMPTS, top_k_filter
@@ -111,12 +111,7 @@ def test_speculative_sampling_with_min_tokens_keeps_target_distribution():
             logits[stop_ids] = float("-inf")
         return zip(*top_k_filter(logits, top_k))
 
-    probs = {
-        (t1, t2, t3): q1 * q2 * q3
-        for t1, q1 in next_tokens([])
-        for t2, q2 in next_tokens([t1])
-        for t3, q3 in next_tokens([t1, t2])
-    }
+    probs = three_token_distribution(next_tokens)
     engine = make_engine(
         "ouro", speculation=SpeculativeConfig(k=2, d=1), max_batch_size=256, max_num_batched_tokens=4096, seed=17
     )

@@ -6,7 +6,7 @@ import itertools
 
 import pytest
 import torch
-from chisquare import assert_distribution
+from chisquare import assert_distribution, three_token_distribution
 from conftest import FAMILIES, load, make_engine, reference
 from oracle import OracleDraft
 
@@ -351,12 +351,7 @@ def test_speculative_sampling_with_penalties_keeps_target_distribution():
         logits = adapter.dense_logits(torch.tensor(prompt + output))[0, -1]
         return zip(*top_k_filter(reference_penalties(logits, prompt, output, rep, pres, freq), top_k))
 
-    probs = {
-        (t1, t2, t3): q1 * q2 * q3
-        for t1, q1 in next_tokens([])
-        for t2, q2 in next_tokens([t1])
-        for t3, q3 in next_tokens([t1, t2])
-    }
+    probs = three_token_distribution(next_tokens)
     engine = make_engine(
         "ouro", speculation=SpeculativeConfig(k=2, d=1), max_batch_size=256, max_num_batched_tokens=4096, seed=5
     )

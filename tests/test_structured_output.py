@@ -10,7 +10,7 @@ from functools import cache
 import jsonschema
 import pytest
 import torch
-from chisquare import assert_distribution
+from chisquare import assert_distribution, three_token_distribution
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from pydantic import ValidationError
@@ -126,12 +126,7 @@ def test_speculative_sampling_with_a_grammar_keeps_the_constrained_distribution(
         probs = values.softmax(-1)
         return [(t, p) for t, p in zip(ids.tolist(), probs.tolist()) if p > 0]
 
-    exact = {
-        (t1, t2, t3): q1 * q2 * q3
-        for t1, q1 in next_tokens([])
-        for t2, q2 in next_tokens([t1])
-        for t3, q3 in next_tokens([t1, t2])
-    }
+    exact = three_token_distribution(next_tokens)
     runner = LoopedSpecEngine("tiny-ouro", speculation=SpeculativeConfig(k=2, d=1), max_batch_size=256,
                               max_num_batched_tokens=4096, seed=11)  # fmt: skip
     params = SamplingParams(max_tokens=3, temperature=1.0, top_k=top_k, structured_outputs=spec)
