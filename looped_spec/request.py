@@ -122,6 +122,7 @@ class Request:
         self.frequency_penalty = float(params.frequency_penalty)
         # whether a penalty changes its logits (execution/penalties.py)
         self.penalized = self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+        self.eos_ids = frozenset(eos_token_ids)
         self.stop_ids = set(params.stop_token_ids)
         if not params.ignore_eos:
             self.stop_ids.update(eos_token_ids)
@@ -209,6 +210,9 @@ class Request:
         grammar = self.grammar
         if grammar is not None:  # first: a token its grammar refuses (the sampler masks them) commits nothing
             grammar.consume(token)
+            # an eos that completes the grammar ends the request as a stop token does, ignore_eos or not: the
+            # grammar decides where the output ends, and the eos's text is no part of it
+            stop_token = stop_token or (token in self.eos_ids and grammar.complete)
         detokenizer = self.detokenizer
         stop_string = False
         if detokenizer is not None and (detokenizer.include_stop or not stop_token):

@@ -11,6 +11,8 @@ keeps the constrained distribution (docs/architecture.md, "What p and q are").
 from __future__ import annotations
 
 import json
+import threading
+from collections import OrderedDict
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -76,11 +78,19 @@ class GrammarCompiler:
     """Turns `StructuredOutputs` into matchers over one model's tokenizer and vocabulary (the tokenizer is converted
     for llguidance once, at the first request that asks)."""
 
+    #: compiled grammars kept (each a pristine matcher a request's matcher is copied from)
+    CACHED = 64
+
     def __init__(self, tokenizer: Any, vocab_size: int, eos_token_ids: Sequence[int]) -> None:
         self.hf_tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.eos_token_ids = list(eos_token_ids)
         self._tokenizer = None
+        # grammar text -> a matcher at the start of the output: a server checks a request's grammar before it admits
+        # the request, and a request's n choices share one grammar, so each compiles once (a large schema takes
+        # tenths of a second); compiled from the server's threads and the engine's, hence the lock
+        self._compiled: OrderedDict[str, Any] = OrderedDict()
+        self._lock = threading.Lock()
 
     def compile(self, spec: StructuredOutputs, where: str = "structured_outputs") -> Grammar:
         """A request's grammar at the start of its output; ValueError naming `where` and the field for a grammar that
@@ -103,10 +113,19 @@ class GrammarCompiler:
             grammar = spec.lark()
         except (ValueError, TypeError) as exc:  # a schema given as text that is not JSON, or not a schema object
             raise ValueError(f"{field}: {exc}") from exc
-        matcher = llguidance.LLMatcher(self._tokenizer, grammar)
-        if matcher.is_error():
-            raise ValueError(f"{field}: {' '.join(matcher.get_error().split())}")
-        return Grammar(matcher, self.vocab_size)
+        with self._lock:
+            pristine = self._compiled.get(grammar)
+            if pristine is not None:
+                self._compiled.move_to_end(grammar)
+        if pristine is None:
+            pristine = llguidance.LLMatcher(self._tokenizer, grammar)
+            if pristine.is_error():
+                raise ValueError(f"{field}: {' '.join(pristine.get_error().split())}")
+            with self._lock:
+                self._compiled[grammar] = pristine
+                while len(self._compiled) > self.CACHED:
+                    self._compiled.popitem(last=False)
+        return Grammar(pristine.deep_copy(), self.vocab_size)
 
 
 class Grammar:
@@ -134,18 +153,18 @@ def allowed_tokens(grammars: Sequence[Grammar], drafted: Sequence[Sequence[int]]
     A position after a draft the grammar refuses, or after the grammar completed, allows every token: its request
     never commits a token there (the refused draft is rejected, a completed grammar ends the request)."""
     import torch
-    from llguidance.torch import allocate_token_bitmask, fill_next_token_bitmask
 
     vocab_size = grammars[0].vocab_size
-    bitmask = allocate_token_bitmask(len(grammars), vocab_size)
+    # one bit per token, 32 to an int32 word (llguidance's layout); filled through the matcher's pointer call
+    # (llguidance.torch wraps the same call, and importing it imports torch's compiler: seconds at the first request)
+    bitmask = torch.full((len(grammars), (vocab_size + 31) // 32), -1, dtype=torch.int32)
+    row_bytes = bitmask.shape[1] * 4
     for row, (grammar, tokens) in enumerate(zip(grammars, drafted)):
         matcher = grammar.matcher
         taken = matcher.try_consume_tokens(list(tokens)) if tokens else 0
         try:
-            if taken == len(tokens) and not matcher.is_stopped():
-                fill_next_token_bitmask(matcher, bitmask, row)
-            else:
-                bitmask[row] = -1
+            if taken == len(tokens) and not matcher.is_stopped():  # else every token stays allowed (docstring)
+                matcher.unsafe_compute_mask_ptr(bitmask[row].data_ptr(), row_bytes)
         finally:  # the drafts were taken tentatively: the matcher stays at the committed output whatever happens
             if taken:
                 matcher.rollback(taken)

@@ -367,6 +367,11 @@ def test_what_openai_refuses_is_refused_naming_the_field(server, client, monkeyp
         (completions, '"prompt": "a", "max_tokens": 0, "echo": true, "min_tokens": 1', "min_tokens"),
         (chat, '"messages": [{"role": "user", "content": "a"}], "min_tokens": -1', "min_tokens"),
         (completions, '"prompt": "a", "structured_outputs": {"regex": "(a"}', "structured_outputs.regex"),
+        (
+            completions,
+            '"prompt": "a", "max_tokens": 0, "echo": true, "structured_outputs": {"regex": "a"}',
+            "structured_outputs.regex",
+        ),
         (completions, '"prompt": "a", "structured_outputs": {"regex": "a", "choice": ["b"]}', "structured_outputs"),
         (
             chat,

@@ -355,10 +355,12 @@ def test_speculative_sampling_with_penalties_keeps_target_distribution():
     engine = make_engine(
         "ouro", speculation=SpeculativeConfig(k=2, d=1), max_batch_size=256, max_num_batched_tokens=4096, seed=5
     )
-    params = SamplingParams(max_tokens=3, temperature=1.0, top_k=top_k, repetition_penalty=rep, presence_penalty=pres,
+    # max_tokens 4: the round after the first token drafts K = 2 (a round keeps one token of the budget for its last)
+    params = SamplingParams(max_tokens=4, temperature=1.0, top_k=top_k, repetition_penalty=rep, presence_penalty=pres,
                             frequency_penalty=freq, ignore_eos=True)  # fmt: skip
     outs = engine.generate([prompt] * n, params)
     assert engine.stats.num_accepted_tokens > 0 and engine.stats.num_draft_tokens > engine.stats.num_accepted_tokens
+    assert engine.stats.num_draft_tokens >= 1.5 * n  # K = 2 rounds
     assert_distribution((tuple(o.token_ids[:3]) for o in outs), probs)
 
 

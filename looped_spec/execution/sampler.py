@@ -87,6 +87,7 @@ class SamplingRows:
             logits = logits.float().index_put((rows, tokens), values, accumulate=True)
         if self.penalties is not None:
             logits = self.penalties.apply(logits)
+        unbanned = logits
         if self.banned is not None:
             rows, tokens = self.banned
             logits = logits.float().index_put((rows, tokens), torch.tensor(float("-inf"), device=logits.device))
@@ -94,6 +95,12 @@ class SamplingRows:
             rows, allowed = self.grammar
             logits = logits.float().clone()
             logits[rows] = logits[rows].masked_fill(~allowed, float("-inf"))
+            if self.banned is not None:
+                # a grammar that allows only stop tokens before min_tokens wins: one of them ends the request (a row
+                # with every token masked would otherwise draw token 0)
+                masked = unbanned[rows].float().masked_fill(~allowed, float("-inf"))
+                nothing = torch.isneginf(logits[rows]).all(-1, keepdim=True)
+                logits[rows] = torch.where(nothing, masked, logits[rows])
         return logits
 
     def uniforms(self, count: int = 1) -> torch.Tensor:

@@ -119,6 +119,7 @@ def build_app(
         serving.check_choices(len(choices), body.n)
         # score only (max_tokens 0): the parameters still carry the seed and the exit fields the scores depend on
         max_tokens = 1 if score_only else body.max_tokens
+        await serving.check_grammar(body, score_only)
         params = [serving.sampling_params(body, len(ids), max_tokens, j, seed, body.logprobs, score_only)
                   for ids, j in choices]  # fmt: skip
         num_prompt = sum(len(ids) for ids in prompts)
@@ -201,6 +202,7 @@ def build_app(
         ids = serving.prompt_ids(prompt, "messages")
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         top_n = (body.top_logprobs or 0) if body.logprobs else None
+        await serving.check_grammar(body)
         params = [serving.sampling_params(body, len(ids), max_tokens, j, None, top_n) for j in range(body.n)]
         if body.top_logprobs is not None and not body.logprobs:
             raise APIError(400, "top_logprobs: needs logprobs: true", "top_logprobs")

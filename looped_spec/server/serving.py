@@ -167,23 +167,24 @@ class OpenAIServing:
             message, param = validation_message(exc.errors())
             raise APIError(400, message, param) from exc
         self.check_exit(params)
-        self.check_grammar(params, body.structured_outputs is None)
         return params
 
-    def check_grammar(self, params: SamplingParams, from_response_format: bool) -> None:
-        """A grammar that does not compile (or a model without a tokenizer): 400 naming the field, before the request
-        starts. Compiled here from this thread, and again by the engine for the request (a millisecond or so)."""
-        spec = params.structured_outputs
+    async def check_grammar(self, body: SamplingFields, scored_only: bool = False) -> None:
+        """The request's grammar, compiled once off the event loop (a large schema takes tenths of a second): a 400
+        naming the field when it does not compile, the model has no tokenizer, or the request only scores its prompt
+        (nothing generated for a grammar to shape). The engine's compiler keeps it, so the request's choices copy it."""
+        spec = body.grammar()
         if spec is None:
             return
+        field = f"structured_outputs.{spec.kind}"
+        if body.structured_outputs is None:
+            field = "response_format.json_schema.schema" if spec.kind == "json" else "response_format"
+        if scored_only:
+            raise APIError(400, f"{field}: max_tokens 0 generates nothing for a grammar to shape", field)
         try:
-            self.engine.engine.check_grammar(spec)
+            await asyncio.to_thread(self.engine.engine.check_grammar, spec)
         except ValueError as exc:
-            field = f"structured_outputs.{spec.kind}"
-            if from_response_format:
-                field = "response_format.json_schema.schema" if spec.kind == "json" else "response_format"
-            message = str(exc).split(": ", 1)[-1]
-            raise APIError(400, f"{field}: {message}", field) from exc
+            raise APIError(400, f"{field}: {str(exc).split(': ', 1)[-1]}", field) from exc
 
     def check_exit(self, params: SamplingParams) -> None:
         """Early exit the engine cannot run (speculation on, a depth past D, no exit signal): 400 before the
