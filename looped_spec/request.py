@@ -220,6 +220,8 @@ class Request:
                 stop_string = detokenizer.append(token, self.num_output_tokens >= self.min_tokens)
             except Exception as exc:
                 if not stop_token:
+                    if grammar is not None:
+                        grammar.rollback(1)  # the token is not committed
                     raise
                 logger.warning("request %s: its stop token %d cannot be decoded (left out of its text): %r",
                                self.request_id, token, exc)  # fmt: skip

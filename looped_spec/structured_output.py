@@ -118,7 +118,8 @@ class GrammarCompiler:
             if pristine is not None:
                 self._compiled.move_to_end(grammar)
         if pristine is None:
-            pristine = llguidance.LLMatcher(self._tokenizer, grammar)
+            # silent: a refused token is reported by `Grammar.consume`, not printed to stderr
+            pristine = llguidance.LLMatcher(self._tokenizer, grammar, log_level=0)
             if pristine.is_error():
                 raise ValueError(f"{field}: {' '.join(pristine.get_error().split())}")
             with self._lock:
@@ -138,9 +139,12 @@ class Grammar:
     def consume(self, token: int) -> None:
         """Advance by a committed token (ValueError if the grammar refuses it: the sampler masks such tokens)."""
         if not self.matcher.consume_token(token):
-            raise ValueError(
-                f"structured_outputs: token {token} does not follow the grammar: {self.matcher.get_error()}"
-            )
+            reason = (self.matcher.get_error() or "refused").strip().splitlines()[0]  # the rest dumps the parser
+            raise ValueError(f"structured_outputs: token {token} does not follow the grammar ({reason})")
+
+    def rollback(self, tokens: int) -> None:
+        """Undo the last `tokens` tokens consumed."""
+        self.matcher.rollback(tokens)
 
     @property
     def complete(self) -> bool:

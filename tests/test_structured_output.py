@@ -295,3 +295,21 @@ def test_a_grammar_compiles_once_and_each_request_gets_its_own_matcher():
     token = engine("tiny-ouro", speculation="off").tokenizer.encode("a")[0]
     first.consume(token)
     assert first.matcher is not second.matcher and second.matcher.validate_tokens([token, token]) == 2
+
+
+def test_a_token_whose_text_fails_to_decode_leaves_the_grammar_where_it_was():
+    """The commit of a token is all or nothing: when its text cannot be decoded (for stop strings) it is not
+    committed, and the grammar, which took it first, gives it back."""
+    from conftest import TokenizerFailingOn
+
+    from looped_spec.detokenizer import IncrementalDetokenizer
+    from looped_spec.request import Request
+
+    model = engine("tiny-ouro", speculation="off")
+    digit = model.tokenizer.encode("7")[0]
+    grammar = model._grammars.compile(StructuredOutputs(regex="[0-9]{2}"))
+    request = Request("r", 0, [1, 2], SamplingParams(max_tokens=4), 0, [0], 64,
+                      IncrementalDetokenizer(TokenizerFailingOn(digit), stop=["!"]), None, grammar)  # fmt: skip
+    with pytest.raises(ValueError, match="cannot decode"):
+        request.append(digit)
+    assert request.num_output_tokens == 0 and grammar.matcher.validate_tokens([digit, digit]) == 2
