@@ -172,6 +172,11 @@ class Request:
         return self.temperature == 0.0
 
     @property
+    def adjusts_logits(self) -> bool:
+        """Whether its logits are changed before sampling (execution/sampler.py `SamplingRows.adjusted`)."""
+        return bool(self.logit_bias) or self.depends_on_output
+
+    @property
     def depends_on_output(self) -> bool:
         """Whether its logits at a position depend on the output before that position (a penalty, min_tokens not
         yet reached, a grammar): a speculative position's drafts before it then count as output."""

@@ -89,8 +89,9 @@ class Run:
         return matches, trials
 
 
-def run_engine(family, speculation, prompts, max_tokens, adapter=None, **engine_kw) -> Run:
-    """Greedy, ignore_eos, one `step()` at a time; records each decode round's feedback and commits."""
+def run_engine(family, speculation, prompts, max_tokens, adapter=None, adjust=None, **engine_kw) -> Run:
+    """Greedy, ignore_eos, one `step()` at a time; records each decode round's feedback and commits. `adjust`:
+    SamplingParams fields that adjust the logits (bias, penalties)."""
     adapter = adapter or load(family)
     engine = engine_with_graphs(adapter, engine_kw.pop("cuda_graphs", False), speculation=speculation, **engine_kw)
     feedback: list[RoundFeedback] = []
@@ -105,7 +106,7 @@ def run_engine(family, speculation, prompts, max_tokens, adapter=None, **engine_
         max_tokens = [max_tokens] * len(prompts)
     seeds = [101 + 7 * i for i in range(len(prompts))]  # only Huginn's random initial state reads them
     ids = [
-        engine.add_request(list(p), SamplingParams(max_tokens=n, ignore_eos=True, seed=seed))
+        engine.add_request(list(p), SamplingParams(max_tokens=n, ignore_eos=True, seed=seed, **(adjust or {})))
         for p, n, seed in zip(prompts, max_tokens, seeds)
     ]
     index = {rid: i for i, rid in enumerate(ids)}
@@ -275,6 +276,56 @@ def summed_dense_reference(run: Run) -> tuple[list[int], list[int]]:
             matches[j - 1] += int((pred[p:-1] == ids[p + 1 :]).sum())
             trials[j - 1] += len(seq) - p - 1
     return matches, trials
+
+
+def summed_adjusted_reference(run: Run, bias: dict[int, float], repetition: float, presence: float):
+    """`summed_dense_reference` with the requests' logit adjustments: each position's depth-j greedy choice is the
+    argmax of its dense logits plus the bias, then HF's repetition penalty and OpenAI's presence penalty on the
+    output before it (tests/test_sampler.py `reference_penalties`)."""
+    from test_sampler import reference_penalties
+
+    full = run.adapter.full_depth
+    matches, trials = [0] * full, [0] * full
+    for seq, prompt in zip(run.seqs, run.prompts):
+        ref, p = Reference(run.adapter, seq), len(prompt)
+        for j in range(1, full + 1):
+            logits = ref.dense_logits(j)
+            for i in range(p, len(seq) - 1):  # position i predicts seq[i + 1]; the output before it: seq[p : i + 1]
+                row = logits[i].clone()
+                for token, value in bias.items():
+                    row[token] += value
+                row = reference_penalties(row, prompt, seq[p : i + 1], repetition, presence, 0.0)
+                matches[j - 1] += int(row.argmax()) == seq[i + 1]
+                trials[j - 1] += 1
+    return matches, trials
+
+
+@pytest.mark.parametrize("family", ["ouro", "nanbeige"])
+@pytest.mark.parametrize("k", [0, 3])
+@pytest.mark.parametrize("batching", ["step", "loop"])
+def test_readouts_predict_what_a_draft_with_the_requests_adjustments_would(family, k, batching):
+    """With a logit bias and penalties, a depth's counterfactual prediction is the greedy choice under them (the
+    drafts before a position counted as output): the counts equal the adjusted dense reference, not the raw one,
+    and full depth agrees with every committed token."""
+    bias, repetition, presence = {17: 2.0, 60: 1.5, 3: -3.0}, 1.4, 0.6
+    adjust = dict(logit_bias=bias, repetition_penalty=repetition, presence_penalty=presence)
+    spec = SpeculativeConfig(k=k, d=1, measure_depths=True) if k else SpeculativeConfig(k=0, measure_depths=True)
+    if batching == "step":
+        run = run_engine(family, spec, PROMPTS, [9, 14, 12], adjust=adjust, max_batch_size=4)
+        matches, trials = run.feedback_totals()
+    else:  # loop passes report a plan's rounds once they all finished: summed over the whole run
+        engine = engine_with_graphs(load(family), False, speculation=spec, max_batch_size=4, batching="loop")
+        seen: list[RoundFeedback] = []
+        engine.controller.observe = seen.append
+        params = [SamplingParams(max_tokens=n, ignore_eos=True, **adjust) for n in (9, 14, 12)]
+        outs = engine.generate(PROMPTS, params)
+        run = Run(load(family), PROMPTS, [p + o.token_ids for p, o in zip(PROMPTS, outs)], [0] * 3, [])
+        full = run.adapter.full_depth
+        matches = [sum(fb.depth_matches[j] for fb in seen if fb.depth_trials) for j in range(full)]
+        trials = [sum(fb.depth_trials[j] for fb in seen if fb.depth_trials) for j in range(full)]
+    assert (matches, trials) == summed_adjusted_reference(run, bias, repetition, presence)
+    assert matches[-1] == trials[-1]
+    assert (matches, trials) != summed_dense_reference(run)  # the adjustments change the predictions here
 
 
 def resolve_d(family: str, which: str) -> int:

@@ -16,10 +16,11 @@ import torch
 from looped_spec.execution.timing import Stopwatch
 from looped_spec.execution.transfers import to_device
 from looped_spec.loop_batching.contexts import items_context
-from looped_spec.loop_batching.finish import Finished, Finisher
+from looped_spec.loop_batching.finish import Finished, Finisher, readout_rows
 from looped_spec.loop_batching.graphs import CapturedStages, LoopPassGraphs
 from looped_spec.loop_batching.items import DraftRound, Entering, Item, NextDraft, PassResult, PlainToken
 from looped_spec.request import Request
+from looped_spec.speculative.readouts import greedy_ids
 
 #: A request that enters without an entry in `rounds`: a plain token, not measured
 NOT_MEASURED = Entering(0, 0, False)
@@ -374,6 +375,7 @@ class LoopBatcher:
         for depth, chosen in at_depth.items():
             index = to_device(torch.cat([torch.arange(rows[i].start, rows[i].stop) for i in chosen]), state.device)
             read_ctx = self.finisher.readout_context([items[i] for i in chosen], ctx, items)
-            guesses = self.runner.readout(state[index], depth, read_ctx).argmax(-1)
+            adjustments = readout_rows([items[i] for i in chosen], state.device)
+            guesses = greedy_ids(self.runner.readout(state[index], depth, read_ctx), adjustments)
             for i, guess in zip(chosen, guesses.split([items[i].num_positions for i in chosen])):
                 preds[i].append(guess)

@@ -21,6 +21,7 @@ from looped_spec.loop_batching.exits import PassExits
 from looped_spec.loop_batching.items import DraftRound, Item, NextDraft, PassResult, PlainToken
 from looped_spec.request import Request, TokenLogprob
 from looped_spec.speculative.proposer import draw_drafts, top_two_margin
+from looped_spec.speculative.readouts import greedy_ids, position_rows
 from looped_spec.speculative.rejection_sampler import accept
 from looped_spec.speculative.verifier import position_index
 
@@ -97,12 +98,16 @@ class Finisher:
                                      [lens[j] for j in unread], exit_states, [depths[j] for j in unread],
                                      read_ctx)  # fmt: skip
         logits = merge_logits(len(done), read, unread, part)
-        sampled = sample(logits, SamplingRows.build(requests, runner.device))
+        rows = SamplingRows.build(requests, runner.device)
+        sampled = sample(logits, rows)
+        full = None
+        if any(t.preds is not None for t in done):  # measured: the greedy choice at full depth, adjusted
+            full = greedy_ids(logits, rows if rows.adjusts else None)
         entries = logprobs_of_rows(requests, logits, sampled) or [None] * len(finished)
         for j, (it, token, depth, entry) in enumerate(zip(finished, sampled.tolist(), depths, entries)):
             agreement = None
             if done[j].preds is not None:  # measured (at full depth): depths 1..D-1 on the way, D here
-                agreement = torch.stack([*done[j].preds, logits[j : j + 1].argmax(-1)]) == sampled[j]  # [D, 1]
+                agreement = torch.stack([*done[j].preds, full[j : j + 1]]) == sampled[j]  # [D, 1]
             out.finish(it.request, [token], 0, 0, [depth] if it.request.exits_early else [], entry, it.position,
                        agreement)  # fmt: skip
 
@@ -136,7 +141,9 @@ class Finisher:
         for depth, group in by_depth.items():
             state = torch.cat([it.exit_state if r.exits[-1] else it.state for it, r, _ in group])
             logits = self.runner.readout(state, depth, self.readout_context([it for it, _, _ in group], ctx, items))
-            greedy = logits.argmax(-1) if any(r.measured for _, r, _ in group) else None
+            greedy = None
+            if any(r.measured for _, r, _ in group):
+                greedy = greedy_ids(logits, readout_rows([it for it, _, _ in group], logits.device))
             for j, (it, r, _) in enumerate(group):
                 if greedy is not None and r.measured:
                     r.preds.append(torch.cat([*it.preds, greedy[j : j + 1]]))  # [d]: depths 1..d of this position
@@ -214,7 +221,7 @@ class Finisher:
         accepted_host, next_host = torch.stack([accepted, next_token.to(accepted.dtype)]).tolist()  # one transfer
         committed = [[*it.round.tokens[:a], token] for it, a, token in zip(done, accepted_host, next_host)]
         entries = verified_logprobs(requests, ks, committed, logits) or [None] * len(done)
-        greedy = logits.argmax(-1) if any(it.round.measured for it in done) else None
+        greedy = greedy_ids(logits, readout_rows(done, device)) if any(it.round.measured for it in done) else None
         offset = 0
         for it, tokens, entry, row in zip(done, committed, entries, decided):
             agreement, width, r = None, it.round.k + 1, it.round
@@ -314,3 +321,10 @@ class Finished:
                           self.items, self.next_drafts, positions, entered, loops, captured, stages, logprobs,
                           self.starts, self.agreement, self.prefilled, self.chunk_lens, self.first_tokens,
                           first_logprobs, first_exits, self.verified_proposed, self.verified_accepted)  # fmt: skip
+
+
+def readout_rows(items: list[Item], device: torch.device) -> SamplingRows | None:
+    """The logit adjustments of every position of `items`, item after item (None: no request adjusts its logits), so
+    a measured readout's greedy choice is the one a draft there would make."""
+    requests = [it.request for it in items for _ in range(it.num_positions)]
+    return position_rows(requests, [d for it in items for d in it.drafts_before()], device)

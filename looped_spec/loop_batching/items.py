@@ -145,6 +145,13 @@ class Item:
     def num_positions(self) -> int:
         return self.state.shape[0]
 
+    def drafts_before(self) -> list[list[int]]:
+        """Per position, the drafts of its round before it (what its logit adjustments count as output)."""
+        r = self.round
+        if r is None:
+            return [[] for _ in range(self.num_positions)]
+        return [r.tokens[: p - r.start] for p in range(self.position, self.position + self.num_positions)]
+
     def fresh(self) -> bool:
         return is_fresh(self.request, self.base, self.preemptions)
 

@@ -10,7 +10,7 @@ from looped_spec.execution.model_runner import ModelRunner, StepInput
 from looped_spec.execution.sampler import SamplingRows, probabilities, sample_from
 from looped_spec.execution.transfers import to_device
 from looped_spec.request import Request
-from looped_spec.speculative.readouts import read_out_depths
+from looped_spec.speculative.readouts import greedy_ids, position_rows, read_out_depths
 
 
 @dataclass
@@ -128,8 +128,9 @@ class DraftProposer:
             out = runner.run(inp)
             state, logits = out.state, out.logits
             if measure:  # depths 1..d-1 from the kept states, then the draft's own depth d
-                preds, logits = read_out_depths(runner, inp, out)
-                for depth, pred in enumerate([*preds, logits.argmax(-1)], start=1):
+                step_rows = position_rows(active, tokens[:num_rows, :j].tolist(), device) if rows.adjusts else None
+                preds, logits = read_out_depths(runner, inp, out, step_rows)
+                for depth, pred in enumerate([*preds, greedy_ids(logits, step_rows)], start=1):
                     depth_preds[depth - 1, :num_rows, j] = pred
             states.append(state)
             if num_next == 0:

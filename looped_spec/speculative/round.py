@@ -18,7 +18,7 @@ from looped_spec.execution.transfers import to_device
 from looped_spec.request import Request, TokenLogprob
 from looped_spec.speculative.exit_round import propose_with_exit, propose_with_exit_until_unsure, verify_with_exit
 from looped_spec.speculative.proposer import DraftProposer
-from looped_spec.speculative.readouts import read_out_depths
+from looped_spec.speculative.readouts import greedy_ids, read_out_depths
 from looped_spec.speculative.rejection_sampler import accept, pad_positions
 from looped_spec.speculative.verifier import Verifier
 
@@ -171,13 +171,15 @@ class SpeculativeRound:
         depth_preds = None
         exit_depths = None
         # counterfactual depths are measured on full-depth rounds only (under early exit the depth is the rule's)
+        rows = SamplingRows.build(requests, self.runner.device)
+        adjusted = rows if rows.adjusts else None  # the readouts' greedy choices are the adjusted argmax
         if measure_depths and full_depth > 1 and not any(r.exits_early for r in requests):
             inp = self.runner.decode_input(requests, keep_states=True)
-            preds, logits = read_out_depths(self.runner, inp, self.runner.run(inp))
+            preds, logits = read_out_depths(self.runner, inp, self.runner.run(inp), adjusted)
             depth_preds = torch.stack(preds)  # [D - 1, R]: depths 1..D-1
         else:
             logits, exit_depths = self.runner.decode_with_depths(requests)
-        sampled = sample(logits, SamplingRows.build(requests, self.runner.device))
+        sampled = sample(logits, rows)
         committed = [[t] for t in sampled.tolist()]
         logprobs = logprobs_of_rows(requests, logits, sampled)
         decode_time = self.watch.seconds(t0, self.watch.mark())
@@ -190,7 +192,7 @@ class SpeculativeRound:
         )
         if depth_preds is not None:  # how often each shallower depth would have drafted the committed token
             # depth D: the greedy full-depth readout, which a sampled request's committed token need not be
-            agree = torch.cat([depth_preds == sampled[None], (logits.argmax(-1) == sampled)[None]])  # [D, R]
+            agree = torch.cat([depth_preds == sampled[None], (greedy_ids(logits, adjusted) == sampled)[None]])
             _agreement_counts(result, agree[:, :, None], torch.zeros(len(requests), dtype=torch.long))
         return result
 
@@ -202,7 +204,7 @@ class SpeculativeRound:
         if verification.depth_preds is not None:
             for row in verification.depth_preds:  # depths d+1..D-1
                 preds.append(pad_positions(row, verification.row_index, verification.pos_index, num_reqs, width, -1))
-        target = verification.logits.argmax(-1)
+        target = greedy_ids(verification.logits, verification.rows)
         preds.append(pad_positions(target, verification.row_index, verification.pos_index, num_reqs, width, -1))
         stacked = torch.stack(preds)  # [D, R, width]
         assert stacked.shape[0] == self.runner.full_depth

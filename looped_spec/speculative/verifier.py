@@ -7,10 +7,11 @@ from dataclasses import dataclass
 import torch
 
 from looped_spec.execution.model_runner import ModelRunner, StepInput
+from looped_spec.execution.sampler import SamplingRows
 from looped_spec.execution.transfers import to_device
 from looped_spec.request import Request
 from looped_spec.speculative.proposer import Draft
-from looped_spec.speculative.readouts import read_out_depths
+from looped_spec.speculative.readouts import position_rows, read_out_depths
 
 
 @dataclass
@@ -18,7 +19,9 @@ class Verification:
     logits: torch.Tensor  # [sum(K+1), V] full-depth logits, request after request
     row_index: torch.Tensor  # [sum(K+1)] request row of each position
     pos_index: torch.Tensor  # [sum(K+1)] position j (0..K) of each position within its request
-    depth_preds: torch.Tensor | None  # [D - d - 1, sum(K+1)] argmax at depths d+1..D-1
+    depth_preds: torch.Tensor | None  # [D - d - 1, sum(K+1)] greedy choice at depths d+1..D-1
+    # measured, where a request adjusts its logits: each position's adjustments (readouts.py `position_rows`)
+    rows: SamplingRows | None = None
 
 
 def position_index(k: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -55,8 +58,11 @@ class Verifier:
             readout=not keep, keep_states=keep,
         )  # fmt: skip
         out = runner.run(inp)
-        logits, depth_preds = out.logits, None
+        logits, depth_preds, rows = out.logits, None, None
+        if measure and any(r.adjusts_logits for r in requests):  # each position's adjustments, drafts before it
+            grid, positions = draft.tokens.tolist(), list(zip(row_index.tolist(), pos_index.tolist()))
+            rows = position_rows([requests[r] for r, _ in positions], [grid[r][:j] for r, j in positions], device)
         if keep:
-            preds, logits = read_out_depths(runner, inp, out)
+            preds, logits = read_out_depths(runner, inp, out, rows)
             depth_preds = torch.stack(preds)
-        return Verification(logits, to_device(row_index, device), to_device(pos_index, device), depth_preds)
+        return Verification(logits, to_device(row_index, device), to_device(pos_index, device), depth_preds, rows)
