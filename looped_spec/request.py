@@ -88,6 +88,8 @@ class RequestOutput:
     error: str | None = None  # with finish_reason "error": what went wrong
     # with SamplingParams.logprobs: one entry per token of `token_ids` (the last len(new_token_ids) are new)
     logprobs: list[TokenLogprob] | None = None
+    # with SamplingParams.prompt_logprobs: one entry per prompt token (the first None)
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
 
 class Request:
@@ -162,6 +164,7 @@ class Request:
         # log-probabilities), and the entries of the tokens generated so far
         self.logprobs_top: int | None = params.logprobs
         self.logprobs: list[TokenLogprob] = []
+        self.prompt_logprobs: list[TokenLogprob | None] | None = None  # set at admission when asked for
 
     @property
     def exits_early(self) -> bool:

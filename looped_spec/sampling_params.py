@@ -150,6 +150,15 @@ class SamplingParams(BaseModel):
         "None = none.",
     )
 
+    prompt_logprobs: Integer | None = Field(
+        None,
+        ge=0,
+        le=20,
+        description="Return each prompt token's log-probability given the tokens before it (the first: None) and this "
+        "many most likely tokens there, from the model's full-depth logits (`RequestOutput.prompt_logprobs`; a "
+        "forward over the prompt at admission, as `LoopedSpecEngine.score`). None = none.",
+    )
+
     @field_validator("stop")
     @classmethod
     def _non_empty(cls, stop: list[str]) -> list[str]:

@@ -170,3 +170,23 @@ def test_score_checks_its_arguments_naming_them():
         with pytest.raises(error, match=match):
             engine.score(*args)
     assert len(engine.score(list(range(1, 33)), 2)) == 32  # max_model_len tokens may be scored
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_prompt_logprobs_score_each_prompt_token_given_the_ones_before_it(family):
+    """SamplingParams.prompt_logprobs (vLLM's): one entry per prompt token, the first None, each the log-softmax of the
+    full-depth logits at the position before it, whatever the engine's mode; outputs without it carry None."""
+    adapter = load(family)
+    prompts = list(reference(family)["prompts"][:2])
+    for options in (dict(speculation="off"), dict(speculation=SpeculativeConfig(k=2, d=1)), dict(batching="loop")):
+        engine = LoopedSpecEngine(adapter, max_batch_size=2, **options)
+        outs = engine.generate(prompts, [SamplingParams(max_tokens=3, seed=4, prompt_logprobs=TOP),
+                                         SamplingParams(max_tokens=3, seed=4)])  # fmt: skip
+        entries = outs[0].prompt_logprobs
+        assert outs[1].prompt_logprobs is None and len(entries) == len(prompts[0]) and entries[0] is None
+        expected = dense_logprobs(adapter, prompts[0][:1], prompts[0][1:], seed=4)
+        assert [e.token for e in entries[1:]] == prompts[0][1:]
+        assert [e.logprob for e in entries[1:]] == pytest.approx(expected, abs=2e-4)
+        assert all(len(e.top) == TOP for e in entries[1:])
+    with pytest.raises(ValueError, match="prompt_logprobs"):
+        SamplingParams(prompt_logprobs=21)

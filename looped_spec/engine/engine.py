@@ -253,6 +253,8 @@ class LoopedSpecEngine:
             detokenizer, prompt_text, grammar,
         )  # fmt: skip
         request.exit_threshold, request.exit_at_step = exit_threshold, exit_at_step
+        if params.prompt_logprobs is not None:  # prompts run at full depth: the dense forward's logits are prefill's
+            request.prompt_logprobs = self.score(ids, params.prompt_logprobs, seed)
         request.metrics.arrival_time = time.perf_counter()
         return request
 

@@ -43,6 +43,7 @@ def request_output(request: Request) -> RequestOutput:
         detok.stop_hit if detok is not None else None,
         request.error,
         list(request.logprobs) if request.logprobs_top is not None else None,
+        request.prompt_logprobs,
     )
 
 
