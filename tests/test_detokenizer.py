@@ -164,7 +164,7 @@ def test_a_stop_completed_at_the_flush_ends_a_length_finish_as_stop_but_never_an
         request = SimpleNamespace(
             request_id="r", detokenizer=detok, finished=True, finish_reason=reason, output_token_ids=ids,
             num_emitted=0, token_ids=ids, num_prompt_tokens=0, metrics=None, prompt_text=None, error=None,
-            logprobs_top=None, logprobs=[], num_output_tokens=len(ids), min_tokens=min_tokens,
+            logprobs_top=None, logprobs=[], num_output_tokens=len(ids), min_tokens=min_tokens, prompt_logprobs=None,
         )  # fmt: skip
         out = request_output(request)
         assert (out.finish_reason, out.text) == (expected, text), reason
