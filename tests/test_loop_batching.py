@@ -628,6 +628,20 @@ def params_of(spec: dict, family: str) -> SamplingParams:
                           **extra, **adjust)  # fmt: skip
 
 
+def engine_actions(request_st, max_size: int):
+    """What a property test does to an engine, in order: step, add a request, abort the i-th live one, arm a fault in
+    model code that strikes the n-th loop call from now."""
+    return st.lists(
+        st.one_of(
+            st.just(("step",)),
+            st.tuples(st.just("add"), request_st),
+            st.tuples(st.just("abort"), st.integers(0, 9)),
+            st.tuples(st.just("fault"), st.integers(0, 6)),
+        ),
+        max_size=max_size,
+    )
+
+
 @pytest.mark.slow
 @settings(max_examples=EXAMPLES, deadline=None, derandomize=True, database=None,
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])  # fmt: skip
@@ -640,15 +654,7 @@ def params_of(spec: dict, family: str) -> SamplingParams:
     captured=st.booleans(),  # the captured-pass path, run uncaptured (cuda_graphs="emulate")
     prefix_caching=st.booleans(),
     initial=st.lists(request_st, min_size=1, max_size=5),
-    actions=st.lists(
-        st.one_of(
-            st.just(("step",)),
-            st.tuples(st.just("add"), request_st),
-            st.tuples(st.just("abort"), st.integers(0, 9)),
-            st.tuples(st.just("fault"), st.integers(0, 6)),
-        ),
-        max_size=16,
-    ),
+    actions=engine_actions(request_st, 16),
 )
 def test_random_arrivals_exits_aborts_and_faults_equal_each_request_alone(
     family, early_exit, plan, num_kv_blocks, budget, captured, prefix_caching, initial, actions

@@ -14,6 +14,7 @@ from chisquare import assert_distribution, three_token_distribution
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from pydantic import ValidationError
+from test_loop_batching import engine_actions
 from test_reliability_property import EXAMPLES, FaultyLoop, InjectedFault
 
 from looped_spec import LoopedSpecEngine, SamplingParams, SpeculativeConfig
@@ -191,15 +192,7 @@ def alone_with_grammar(prompt: str, params_json: str) -> tuple[int, ...]:
     batching=st.sampled_from(["step", "loop"]),
     num_kv_blocks=st.integers(10, 16),  # block_size 4, max_model_len 40: one request needs up to 10
     initial=st.lists(grammar_request_st, min_size=1, max_size=5),
-    actions=st.lists(
-        st.one_of(
-            st.just(("step",)),
-            st.tuples(st.just("add"), grammar_request_st),
-            st.tuples(st.just("abort"), st.integers(0, 9)),
-            st.tuples(st.just("fault"), st.integers(0, 6)),
-        ),
-        max_size=14,
-    ),  # fmt: skip
+    actions=engine_actions(grammar_request_st, 14),
 )
 def test_grammars_survive_arrivals_aborts_faults_and_preemption(speculation, batching, num_kv_blocks, initial, actions):
     """Greedy requests with and without grammars arriving mid-run, aborted, hit by a fault in model code and preempted
