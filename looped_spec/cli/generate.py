@@ -9,7 +9,15 @@ import time
 from collections import Counter
 from pathlib import Path
 
-from looped_spec.cli.common import UsageError, add_engine_flags, at_least, engine_options, output_file, set_threads
+from looped_spec.cli.common import (
+    UsageError,
+    add_engine_flags,
+    at_least,
+    engine_options,
+    one_line,
+    output_file,
+    set_threads,
+)  # fmt: skip
 
 
 def add_parser(sub: argparse._SubParsersAction, fmt: type[argparse.HelpFormatter]) -> None:
@@ -113,9 +121,7 @@ def generate(args: argparse.Namespace) -> int:
         try:
             grammar = StructuredOutputs.model_validate_json(args.structured_outputs)
         except ValidationError as exc:
-            problem = exc.errors()[0]
-            where = ".".join(str(part) for part in problem["loc"])
-            raise UsageError(f"--structured-outputs{': ' + where if where else ''}: {problem['msg']}") from None
+            raise UsageError(f"--structured-outputs: {one_line(exc)}") from None
     params = SamplingParams(max_tokens=args.max_tokens, min_tokens=args.min_tokens, temperature=args.temperature,
                             top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
                             repetition_penalty=args.repetition_penalty, presence_penalty=args.presence_penalty,

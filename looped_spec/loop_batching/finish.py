@@ -102,7 +102,7 @@ class Finisher:
         sampled = sample(logits, rows)
         full = None
         if any(t.preds is not None for t in done):  # measured: the greedy choice at full depth, adjusted
-            full = greedy_ids(logits, rows if rows.adjusts else None)
+            full = greedy_ids(logits, rows)
         entries = logprobs_of_rows(requests, logits, sampled) or [None] * len(finished)
         for j, (it, token, depth, entry) in enumerate(zip(finished, sampled.tolist(), depths, entries)):
             agreement = None

@@ -143,7 +143,7 @@ class OpenAIServing:
         try:
             params = SamplingParams(
                 max_tokens=max_tokens,
-                min_tokens=0 if scored_only else body.min_tokens,
+                min_tokens=body.min_tokens,  # 0 when scored only (refused above otherwise)
                 temperature=d.temperature if body.temperature is None else body.temperature,
                 top_p=d.top_p if body.top_p is None else body.top_p,
                 top_k=d.top_k if body.top_k is None else body.top_k,
@@ -156,7 +156,7 @@ class OpenAIServing:
                 stop=stop,
                 include_stop_str_in_output=body.include_stop_str_in_output,
                 skip_special_tokens=body.skip_special_tokens,
-                structured_outputs=None if scored_only else body.grammar(),
+                structured_outputs=body.grammar(),  # None when scored only (`check_grammar` refuses one)
                 stop_token_ids=stop_token_ids,
                 ignore_eos=body.ignore_eos,
                 exit_threshold=body.exit_threshold,

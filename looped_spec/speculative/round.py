@@ -171,11 +171,10 @@ class SpeculativeRound:
         depth_preds = None
         exit_depths = None
         # counterfactual depths are measured on full-depth rounds only (under early exit the depth is the rule's)
-        rows = SamplingRows.build(requests, self.runner.device)
-        adjusted = rows if rows.adjusts else None  # the readouts' greedy choices are the adjusted argmax
+        rows = SamplingRows.build(requests, self.runner.device)  # the readouts' greedy choices are adjusted too
         if measure_depths and full_depth > 1 and not any(r.exits_early for r in requests):
             inp = self.runner.decode_input(requests, keep_states=True)
-            preds, logits = read_out_depths(self.runner, inp, self.runner.run(inp), adjusted)
+            preds, logits = read_out_depths(self.runner, inp, self.runner.run(inp), rows)
             depth_preds = torch.stack(preds)  # [D - 1, R]: depths 1..D-1
         else:
             logits, exit_depths = self.runner.decode_with_depths(requests)
@@ -192,7 +191,7 @@ class SpeculativeRound:
         )
         if depth_preds is not None:  # how often each shallower depth would have drafted the committed token
             # depth D: the greedy full-depth readout, which a sampled request's committed token need not be
-            agree = torch.cat([depth_preds == sampled[None], (greedy_ids(logits, adjusted) == sampled)[None]])
+            agree = torch.cat([depth_preds == sampled[None], (greedy_ids(logits, rows) == sampled)[None]])
             _agreement_counts(result, agree[:, :, None], torch.zeros(len(requests), dtype=torch.long))
         return result
 
