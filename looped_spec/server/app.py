@@ -42,6 +42,8 @@ from looped_spec.server.protocol import (
 )
 from looped_spec.server.serving import OpenAIServing, check_text, finish_reason, sse_events, until_disconnected
 from looped_spec.server.token_bytes import TextOffsets
+from looped_spec.server.tool_stream import ToolCallStream
+from looped_spec.server.tools import ToolCallingConfig, plan_tools, template_message, tool_message
 
 
 def build_app(
@@ -51,14 +53,16 @@ def build_app(
     max_body_bytes: int = 1 << 20,
     replica: str | None = None,
     readiness: Callable[[], Awaitable[str | None]] | None = None,
+    tool_calling: ToolCallingConfig | None = None,
 ) -> FastAPI:
     """The FastAPI app around a started-on-startup async engine.
 
     Behind a router of replicas (server/replicas.py) `replica` names this one: every /metrics series carries it as
     a `replica` label and every response an `x-looped-spec-replica` header; `readiness()` returns why the whole
-    deployment is not ready yet (None once it is), and /health reports it.
+    deployment is not ready yet (None once it is), and /health reports it. `tool_calling`: whether `tool_choice:
+    "auto"` is served, and with which parser (server/tools.py).
     """
-    serving = OpenAIServing(engine, model_name)
+    serving = OpenAIServing(engine, model_name, tool_calling)
     exposed = serving.metrics.exposed({"replica": replica} if replica else None)
 
     @asynccontextmanager
@@ -194,16 +198,19 @@ def build_app(
                     check_text(part.text, f"messages[{i}].content[{j}].text")
             elif message.content is not None:
                 check_text(message.content, f"messages[{i}].content")
-        messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+        plan = plan_tools(body, serving.tool_calling)
+        messages = [template_message(m, i) for i, m in enumerate(body.messages)]
         try:
-            prompt = render_chat(serving.tokenizer, messages, body.add_generation_prompt)
+            prompt = render_chat(serving.tokenizer, messages, body.add_generation_prompt, plan.template_tools)
         except (NoChatTemplateError, TemplateError) as exc:  # no template, or the template refuses the messages
             raise APIError(400, f"messages: {exc}" if isinstance(exc, TemplateError) else str(exc), "messages") from exc
         ids = serving.prompt_ids(prompt, "messages")
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         top_n = (body.top_logprobs or 0) if body.logprobs else None
         await serving.check_grammar(body)
-        params = [serving.sampling_params(body, len(ids), max_tokens, j, None, top_n) for j in range(body.n)]
+        await serving.check_tool_grammar(plan)
+        generating = plan.generation_fields(body)
+        params = [serving.sampling_params(generating, len(ids), max_tokens, j, None, top_n) for j in range(body.n)]
         if body.top_logprobs is not None and not body.logprobs:
             raise APIError(400, "top_logprobs: needs logprobs: true", "top_logprobs")
         serving.check_choices(body.n, body.n)
@@ -214,19 +221,20 @@ def build_app(
             return ChatCompletionChunk(id=cid, created=created, model=model_name, choices=items, usage=usage)
 
         if body.stream:
-            started: set[int] = set()
+            streams: dict[int, ToolCallStream] = {}  # each choice's, from its first output
 
             def chunks(index: int, out: RequestOutput):
-                if index not in started:  # OpenAI streams each choice's role first
-                    started.add(index)
+                if index not in streams:  # OpenAI streams each choice's role first
+                    streams[index] = ToolCallStream(plan)
                     delta = DeltaMessage(role="assistant", content="")
                     yield chunk([ChatStreamChoice(index=index, delta=delta)])
                 logprobs = None
                 if body.logprobs and out.new_token_ids:
                     logprobs = serving.chat_logprobs(serving.new_logprobs(out))
-                if out.new_text or out.finished or logprobs is not None:
-                    choice = ChatStreamChoice(index=index, delta=DeltaMessage(content=out.new_text or None),
-                                              logprobs=logprobs, finish_reason=finish_reason(out))  # fmt: skip
+                delta, reason = streams[index].delta(out.new_text, out.finished, finish_reason(out))
+                if delta is not None or out.finished or logprobs is not None:
+                    choice = ChatStreamChoice(index=index, delta=delta or DeltaMessage(), logprobs=logprobs,
+                                              finish_reason=reason)  # fmt: skip
                     yield chunk([choice])
 
             usage = None
@@ -237,8 +245,10 @@ def build_app(
         result = []
         for k, out in enumerate(outs):
             logprobs = serving.chat_logprobs(out.logprobs or []) if body.logprobs else None
-            result.append(ChatChoice(index=k, message=ChatResponseMessage(content=out.text or ""), logprobs=logprobs,
-                                     finish_reason=out.finish_reason))  # fmt: skip
+            message = tool_message(plan, out.text or "", out.finish_reason)
+            result.append(ChatChoice(index=k, logprobs=logprobs, finish_reason=message.finish_reason,
+                                     message=ChatResponseMessage(content=message.content,
+                                                                 tool_calls=message.tool_calls)))  # fmt: skip
         return ChatCompletionResponse(id=cid, created=created, model=model_name, choices=result,
                                       usage=serving.usage(len(ids), outs, body.n))  # fmt: skip
 

@@ -12,13 +12,18 @@ class NoChatTemplateError(ValueError):
     """The model's tokenizer has no chat template: /v1/chat/completions cannot format messages."""
 
 
-def render_chat(tokenizer, messages: list[dict], add_generation_prompt: bool = True) -> str:
-    """The prompt text for `messages`, rendered by transformers' `apply_chat_template`."""
+def render_chat(
+    tokenizer, messages: list[dict], add_generation_prompt: bool = True, tools: list[dict] | None = None
+) -> str:
+    """The prompt text for `messages`, rendered by transformers' `apply_chat_template`; `tools` (OpenAI's shape) reach
+    the template as its `tools` variable (a template that does not use them ignores them)."""
     if tokenizer is None or not getattr(tokenizer, "chat_template", None):
         raise NoChatTemplateError(
             "this model's tokenizer has no chat_template; use /v1/completions with a plain prompt"
         )
-    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+    return tokenizer.apply_chat_template(
+        messages, tools=tools, tokenize=False, add_generation_prompt=add_generation_prompt
+    )
 
 
 @dataclass

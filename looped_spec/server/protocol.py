@@ -1,6 +1,6 @@
 """OpenAI request and response schemas for the fields looped-spec supports (pydantic at the boundary).
 
-Requests forbid unknown fields, so an unsupported OpenAI option (`tools`, ...) is a 400 naming it rather than
+Requests forbid unknown fields, so an unsupported OpenAI option (`functions`, ...) is a 400 naming it rather than
 silently ignored; options whose effect is not built (completions' `best_of` and `suffix`) are taken only at their
 neutral values (1, empty), which change nothing (clients such as benchmark harnesses send them), and any other value
 is a 400 naming the field. Requests are strict about types as OpenAI is (`"max_tokens": "5"` or `"logprobs": true` on
@@ -17,7 +17,7 @@ import time
 import uuid
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_serializer, model_validator
 
 from looped_spec.sampling_params import is_token_key
 from looped_spec.structured_output import StructuredOutputs
@@ -150,12 +150,69 @@ class TextPart(BaseModel):
     text: str
 
 
+class FunctionCall(BaseModel):
+    """A call the model made: the function's name and its arguments as JSON text (OpenAI's shape, both ways)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    name: str
+    arguments: str
+
+
+class ToolCall(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class FunctionDefinition(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    name: str = Field(min_length=1)
+    description: str | None = None
+    # a JSON schema of the arguments object (None: any object, as OpenAI takes a function without parameters)
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None  # the arguments always follow the schema where a call is forced: strict or not
+
+
+class ChatTool(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class FunctionName(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    """`tool_choice` naming the one function the model must call."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    type: Literal["function"]
+    function: FunctionName
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
 
     role: Literal["system", "user", "assistant", "developer", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None  # an assistant's calls, sent back in a tool conversation
+    tool_call_id: str | None = None  # the call a tool message answers
+
+    @model_validator(mode="after")
+    def _calls_from_the_assistant(self) -> ChatMessage:
+        if self.tool_calls is not None and self.role != "assistant":
+            raise ValueError(f"tool_calls: only on assistant messages (this one's role is {self.role!r})")
+        return self
 
     def text(self) -> str:
         if isinstance(self.content, list):
@@ -170,6 +227,18 @@ class ChatCompletionRequest(SamplingFields):
     add_generation_prompt: bool = True
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
+    # tool calling (server/tools.py): what may be called, and whether the model must, may or must not call
+    tools: list[ChatTool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = Field(
+        None, description='Default: "auto" with tools, "none" without (OpenAI\'s).'
+    )
+    parallel_tool_calls: bool = True
+
+    def chosen_tool_mode(self) -> str | NamedToolChoice:
+        """`tool_choice` with OpenAI's default filled in: "auto" when tools are given, else "none"."""
+        if self.tool_choice is not None:
+            return self.tool_choice
+        return "auto" if self.tools else "none"
 
 
 class PromptTokensDetails(BaseModel):
@@ -219,7 +288,8 @@ class CompletionResponse(BaseModel):
 
 class ChatResponseMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    tool_calls: list[ToolCall] | None = None
 
 
 class TopLogprob(BaseModel):
@@ -252,9 +322,34 @@ class ChatCompletionResponse(BaseModel):
     usage: UsageInfo
 
 
+class OmitsNone(BaseModel):
+    """Serialised without its None fields: OpenAI's stream accumulation (the `openai` client's) takes an explicit
+    null as a value (a null `type` would replace the call's "function")."""
+
+    @model_serializer(mode="wrap")
+    def _without_none(self, handler) -> dict[str, Any]:
+        return {key: value for key, value in handler(self).items() if value is not None}
+
+
+class DeltaFunctionCall(OmitsNone):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class DeltaToolCall(OmitsNone):
+    """A piece of a streamed tool call: the first piece of call `index` carries its id, type and name; the arguments
+    pieces concatenate to the call's arguments."""
+
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: DeltaFunctionCall
+
+
 class DeltaMessage(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
 
 class ChatStreamChoice(BaseModel):

@@ -30,6 +30,7 @@ from looped_spec.server.protocol import (
     UsageInfo,
 )
 from looped_spec.server.token_bytes import TextOffsets, TokenBytes
+from looped_spec.server.tools import ToolCallingConfig, ToolPlan
 
 MAX_STOP_STRINGS = 16
 MAX_PROMPTS = 64  # prompts in one completions request (each with `n` choices)
@@ -39,9 +40,12 @@ RETRY_AFTER_S = "1"
 class OpenAIServing:
     """Turns API requests into engine requests and engine outputs into API responses."""
 
-    def __init__(self, engine: AsyncLoopedSpecEngine, model_name: str) -> None:
+    def __init__(
+        self, engine: AsyncLoopedSpecEngine, model_name: str, tool_calling: ToolCallingConfig | None = None
+    ) -> None:
         self.engine = engine
         self.model_name = model_name
+        self.tool_calling = tool_calling if tool_calling is not None else ToolCallingConfig()
         core = engine.engine
         # the engine's tokenizer belongs to its worker thread; the front tokenises with its own copy
         self.tokenizer = load_tokenizer(core.adapter.path)
@@ -185,6 +189,24 @@ class OpenAIServing:
             await asyncio.to_thread(self.engine.engine.check_grammar, spec)
         except ValueError as exc:
             raise APIError(400, f"{field}: {str(exc).split(': ', 1)[-1]}", field) from exc
+
+    async def check_tool_grammar(self, plan: ToolPlan) -> None:
+        """A forced tool call's grammar, compiled once off the event loop as `check_grammar` does: a 400 naming the
+        tool whose parameters schema does not compile (for "required", the first tool whose schema fails alone)."""
+        if plan.grammar is None:
+            return
+        try:
+            await asyncio.to_thread(self.engine.engine.check_grammar, plan.grammar)
+        except ValueError as exc:
+            field, error = plan.grammar_field, exc
+            if plan.mode == "required":
+                for tool_field, grammar in plan.each_tool_grammar():
+                    try:
+                        await asyncio.to_thread(self.engine.engine.check_grammar, grammar)
+                    except ValueError as tool_error:
+                        field, error = tool_field, tool_error
+                        break
+            raise APIError(400, f"{field}: {str(error).split(': ', 1)[-1]}", field) from exc
 
     def check_exit(self, params: SamplingParams) -> None:
         """Early exit the engine cannot run (speculation on, a depth past D, no exit signal): 400 before the
