@@ -41,6 +41,13 @@ def add_parser(sub: argparse._SubParsersAction, fmt: type[argparse.HelpFormatter
                            help="autoscaling: in-flight requests per replica it aims at")  # fmt: skip
     ray_flags.add_argument("--metrics-port", type=int, default=None,
                            help="replica r also serves its /metrics on port + r (labelled by replica)")  # fmt: skip
+    tools = srv.add_argument_group('tool calling (chat completions\' tools; named and "required" need no flag)')
+    tools.add_argument("--enable-auto-tool-choice", action="store_true",
+                       help='serve tool_choice "auto" (the default with tools): the model may call, and '
+                       "--tool-call-parser finds its calls in the text")  # fmt: skip
+    tools.add_argument("--tool-call-parser", default=None, metavar="NAME",
+                       help="the format the model writes its calls in, for tool_choice auto (hermes; an unknown "
+                       "name lists the known ones)")  # fmt: skip
     srv.add_argument("--early-exit", default="skip", choices=["skip", "select"],
                      help="how requests' exit_threshold / exit_at_step run (with or without speculation)")  # fmt: skip
     srv.add_argument(
@@ -55,11 +62,25 @@ def add_parser(sub: argparse._SubParsersAction, fmt: type[argparse.HelpFormatter
     models.set_defaults(func=list_models)
 
 
+def tool_calling_config(args: argparse.Namespace):
+    """The server's ToolCallingConfig from the flags (UsageError naming them)."""
+    from pydantic import ValidationError
+
+    from looped_spec.server.tools import ToolCallingConfig
+
+    try:
+        return ToolCallingConfig(enable_auto_tool_choice=args.enable_auto_tool_choice,
+                                 tool_call_parser=args.tool_call_parser)  # fmt: skip
+    except ValidationError as exc:
+        raise UsageError("; ".join(e["msg"].removeprefix("Value error, ") for e in exc.errors())) from None
+
+
 def serve_command(args: argparse.Namespace) -> int:
     from looped_spec import LoopedSpecEngine
     from looped_spec.server.launch import serve
 
     api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
+    tool_calling = tool_calling_config(args)
     scaling = dict(num_replicas=args.replicas, min_replicas=args.min_replicas, max_replicas=args.max_replicas,
                    target_ongoing_requests=args.target_ongoing_requests, metrics_port=args.metrics_port)  # fmt: skip
     at_least(args.threads, 0, "--threads", " (0: torch's default)")
@@ -68,12 +89,12 @@ def serve_command(args: argparse.Namespace) -> int:
     at_least(args.max_queued, 0, "--max-queued")
     at_least(args.max_body_bytes, 1, "--max-body-bytes")
     if any(value is not None for value in scaling.values()):
-        return serve_replicas(args, api_key, scaling)
+        return serve_replicas(args, api_key, scaling, tool_calling)
     set_threads(args.threads)
     engine = LoopedSpecEngine(args.model, **engine_options(args))
     name = args.served_model_name or Path(str(args.model)).name
     serve(engine, name, host=args.host, port=args.port, api_key=api_key, max_queued=args.max_queued,
-          max_body_bytes=args.max_body_bytes, log_level=args.log_level)  # fmt: skip
+          max_body_bytes=args.max_body_bytes, log_level=args.log_level, tool_calling=tool_calling)  # fmt: skip
     return 0
 
 
@@ -82,7 +103,7 @@ _REPLICA_FLAGS = {"num_replicas": "--replicas", "min_replicas": "--min-replicas"
                   "max_queued": "--max-queued"}  # fmt: skip
 
 
-def serve_replicas(args: argparse.Namespace, api_key: str | None, scaling: dict) -> int:
+def serve_replicas(args: argparse.Namespace, api_key: str | None, scaling: dict, tool_calling) -> int:
     """`serve` with replicas: the same app under Ray Serve, one engine per replica (server/replicas.py)."""
     try:
         from looped_spec.server.replicas import ReplicaAppArgs, parse_args, run_replicas
@@ -97,7 +118,8 @@ def serve_replicas(args: argparse.Namespace, api_key: str | None, scaling: dict)
         app_args: ReplicaAppArgs = parse_args(dict(model=str(args.model), served_model_name=args.served_model_name,
                                                    api_key=api_key, max_queued=args.max_queued,
                                                    max_body_bytes=args.max_body_bytes, threads=args.threads,
-                                                   engine=options, **given))  # fmt: skip
+                                                   engine=options, tool_calling=tool_calling.model_dump(),
+                                                   **given))  # fmt: skip
         app_args.check_before_start()
     except ValueError as exc:  # name the flags, not the application's fields
         message = str(exc).removeprefix("looped-spec application args: ").removeprefix("engine: ")

@@ -25,6 +25,7 @@ from looped_spec.engine.config import EngineConfig
 from looped_spec.engine.engine import LoopedSpecEngine
 from looped_spec.server.app import build_app
 from looped_spec.server.serving import RETRY_AFTER_S
+from looped_spec.server.tools import ToolCallingConfig
 
 APP_NAME = "looped-spec"
 DEPLOYMENT_NAME = "LoopedSpecServer"
@@ -44,6 +45,8 @@ class ReplicaAppArgs(BaseModel):
     max_body_bytes: int = Field(1 << 20, ge=1, description="Larger request bodies get 413.")
     threads: int = Field(1, ge=0, description="torch CPU threads per replica (0: torch's default).")
     engine: dict[str, Any] = Field(default_factory=dict, description="LoopedSpecEngine options (EngineConfig).")
+    tool_calling: ToolCallingConfig = Field(default_factory=ToolCallingConfig,
+                                            description='How tool_choice "auto" is served.')  # fmt: skip
     num_replicas: int | None = Field(None, ge=1, description="Fixed replica count (default 1 without autoscaling).")
     min_replicas: int | None = Field(None, ge=0, description="Autoscaling: fewest replicas.")
     max_replicas: int | None = Field(None, ge=1, description="Autoscaling: most replicas.")
@@ -143,7 +146,8 @@ class LoopedSpecServer:
         api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
         name = args.served_model_name or os.path.basename(os.path.normpath(args.model))
         app = build_app(self.engine, name, api_key, args.max_body_bytes, replica=self.replica,
-                        readiness=lambda: deployment_readiness(self.app_name, self.deployment_name))  # fmt: skip
+                        readiness=lambda: deployment_readiness(self.app_name, self.deployment_name),
+                        tool_calling=args.tool_calling)  # fmt: skip
         if self.metrics_port is not None:
             self.metrics_server, _ = start_http_server(self.metrics_port, registry=app.state.metrics_registry)
         return app
