@@ -392,7 +392,7 @@ def test_what_openai_refuses_is_refused_naming_the_field(server, client, monkeyp
         ),
         (completions, '"prompt": "a", "best_of": 3', "best_of"),
         (completions, '"prompt": "a", "suffix": "return x"', "suffix"),
-        (chat, '"messages": [{"role": "user", "content": "a"}], "tools": []', "tools"),
+        (chat, '"messages": [{"role": "user", "content": "a"}], "functions": []', "functions"),
     ]
     for path, fields, field in cases:
         body = f'{{"model": "{MODEL}", {fields}}}'
