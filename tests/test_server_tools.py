@@ -64,7 +64,7 @@ def calls(message) -> list[tuple[str, str]]:
 
 def assert_same_answer(whole, accumulated) -> None:
     """A streamed choice equals the whole one (ids are fresh per answer: only their form is compared)."""
-    assert (accumulated.message.content or "") == (whole.message.content or "")
+    assert accumulated.message.content == whole.message.content
     assert calls(accumulated.message) == calls(whole.message)
     assert accumulated.finish_reason == whole.finish_reason
     for call in (accumulated.message.tool_calls or []) + (whole.message.tool_calls or []):
@@ -73,10 +73,11 @@ def assert_same_answer(whole, accumulated) -> None:
 
 def test_a_named_function_is_called_with_arguments_that_follow_its_schema(server, client):
     """The output is the function's parameters schema's instance, equal to the offline engine's greedy output under
-    that schema (speculation off there); content "" and finish "stop" (vLLM's; OpenAI's for a forced function)."""
+    that schema (speculation off there); content null (OpenAI's) and finish "stop" (OpenAI's and vLLM's for a
+    forced function)."""
     out = chat(client, tools=[WEATHER, NOW], tool_choice=CALL_WEATHER, max_tokens=40)
     choice = out.choices[0]
-    assert (choice.message.content, choice.finish_reason) == ("", "stop")
+    assert (choice.message.content, choice.finish_reason) == (None, "stop")
     [(name, arguments)] = calls(choice.message)
     assert name == "get_weather"
     jsonschema.validate(json.loads(arguments), WEATHER_SCHEMA)
@@ -101,7 +102,7 @@ def test_a_named_function_is_called_with_arguments_that_follow_its_schema(server
 def test_required_without_parallel_calls_makes_exactly_one_call(server, client):
     out = chat(client, tools=[WEATHER, NOW], tool_choice="required", parallel_tool_calls=False, max_tokens=40)
     choice = out.choices[0]
-    assert (choice.message.content, choice.finish_reason) == ("", "tool_calls")
+    assert (choice.message.content, choice.finish_reason) == (None, "tool_calls")
     [(name, arguments)] = calls(choice.message)
     schema = {"get_weather": WEATHER_SCHEMA, "now": {"type": "object", "properties": {}}}[name]
     jsonschema.validate(json.loads(arguments), schema)
@@ -186,9 +187,63 @@ def test_several_choices_with_logprobs_are_each_parsed(server, client):
             assert (name, arguments) == ("now", "{}")
 
 
+def nested(depth: int) -> dict:
+    schema: dict = {"type": "integer"}
+    for _ in range(depth):
+        schema = {"type": "object", "properties": {"a": schema}}
+    return schema
+
+
 def post(server, body: dict) -> httpx.Response:
     return httpx.post(server.url + "/v1/chat/completions", json={"model": MODEL, "messages": MESSAGES, **body},
                       timeout=60)  # fmt: skip
+
+
+def test_every_choice_streams_its_role_first_and_a_call_closes_before_its_finish(server, client):
+    """n > 1: the role chunks of every choice come first, in index order (the client's stream helper builds on the
+    first chunk, which must be choice 0's); a chunk that carries a call's last piece is followed by the finish
+    reason in a chunk of its own, so the helper's `arguments.done` event fires for every call."""
+    for fields in (dict(n=3, max_tokens=4), dict(n=3, max_tokens=40, tools=[WEATHER], tool_choice=CALL_WEATHER)):
+        _, chunks = streamed(client, **fields)
+        firsts = [(c.choices[0].index, c.choices[0].delta.role) for c in chunks[:3]]
+        assert firsts == [(0, "assistant"), (1, "assistant"), (2, "assistant")], firsts
+        with client.chat.completions.stream(model=MODEL, messages=MESSAGES, temperature=0, **fields) as stream:
+            for _ in stream:  # the helper's IndexError when a choice other than 0 came first
+                pass
+            assert len(stream.current_completion_snapshot.choices) == 3
+    fields = dict(tools=[WEATHER, NOW], tool_choice="required", parallel_tool_calls=False, max_tokens=40)
+    with client.chat.completions.stream(model=MODEL, messages=MESSAGES, temperature=0, **fields) as stream:
+        events = [event.type for event in stream]
+    assert events.count("tool_calls.function.arguments.done") == 1
+    _, chunks = streamed(client, **fields)
+    [carrier] = [c for c in chunks if c.choices and c.choices[0].delta.tool_calls]
+    finish = [c for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert carrier.choices[0].finish_reason is None and len(finish) == 1
+    assert finish[0].choices[0].finish_reason == "tool_calls" and chunks.index(finish[0]) > chunks.index(carrier)
+
+
+def test_required_calls_follow_a_recursive_schema(server, client):
+    """A tool whose schema refers to itself ("#"): the arguments are instances of the tool's schema, sampled."""
+    tree = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 9},
+            "kids": {"type": "array", "items": {"$ref": "#"}, "maxItems": 1}}, "required": ["n", "kids"],
+            "additionalProperties": False}  # fmt: skip
+    tool = {"type": "function", "function": {"name": "tree", "parameters": tree}}
+    out = client.chat.completions.create(
+        model=MODEL,
+        messages=MESSAGES,
+        tools=[tool],
+        tool_choice="required",
+        parallel_tool_calls=False,
+        max_tokens=120,
+        temperature=1.0,
+        seed=3,
+        n=4,
+    )
+    done = [choice for choice in out.choices if choice.finish_reason == "tool_calls"]
+    assert done  # the tiny model finishes some trees within max_tokens
+    for choice in done:
+        [(name, arguments)] = calls(choice.message)
+        jsonschema.validate(json.loads(arguments), tree)
 
 
 def test_tool_requests_that_cannot_be_served_are_400_naming_the_field(server):
@@ -214,6 +269,11 @@ def test_tool_requests_that_cannot_be_served_are_400_naming_the_field(server):
         ({"messages": [{"role": "assistant", "tool_calls": [{"id": "c", "type": "function", "function": {
             "name": "f", "arguments": "{x"}}]}]}, "messages[0].tool_calls[0].function.arguments"),
         ({"tools": [WEATHER], "tool_choice": "required", "parallel_tool_calls": 1}, "parallel_tool_calls"),
+        ({"messages": [MESSAGES[0], {"role": "tool", "content": "21C"}]}, "messages[1]"),  # which call it answers
+        ({"tools": [{"type": "function", "function": {"name": "f", "parameters": nested(250)}}], "tool_choice": "none"},
+         "tools"),  # deeper than the chat template walks
+        ({"messages": [{"role": "assistant", "tool_calls": [{"id": "c", "type": "function", "function": {
+            "name": "f", "arguments": "[" * 5000 + "]" * 5000}}]}]}, "messages[0].tool_calls[0].function.arguments"),
     ]  # fmt: skip
     for fields, field in cases:
         answer = post(server, fields)

@@ -56,6 +56,11 @@ def test_a_malformed_call_leaves_the_whole_text_as_content(bad_call):
 
 def test_missing_arguments_are_an_empty_object_and_an_unclosed_last_call_is_parsed():
     assert hermes.parse('<tool_call>{"name": "now"}</tool_call>').calls == [ParsedCall("now", "{}")]
+    # some models write the arguments under "parameters": they are kept, not dropped for {}
+    spelled = '<tool_call>{"name": "f", "parameters": {"a": 1}}</tool_call>'
+    assert hermes.parse(spelled).calls == [ParsedCall("f", '{"a": 1}')]
+    both = '<tool_call>{"name": "f", "arguments": {"a": 1}, "parameters": {"b": 2}}</tool_call>'
+    assert hermes.parse(both).calls == [ParsedCall("f", '{"a": 1}')]  # "arguments" wins
     unclosed = 'Hi <tool_call>{"name": "f", "arguments": {"a": 1}}\n'  # the model ended right after the JSON
     assert hermes.parse(unclosed) == ParsedOutput("Hi ", [ParsedCall("f", '{"a": 1}')])
     cut = 'Hi <tool_call>{"name": "f", "argu'  # max_tokens cut the call: not a call, all content

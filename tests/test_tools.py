@@ -13,7 +13,7 @@ from openai.lib.streaming._deltas import accumulate_delta
 
 from looped_spec.server.chat import render_chat
 from looped_spec.server.errors import APIError
-from looped_spec.server.protocol import ChatCompletionRequest, ChatTool
+from looped_spec.server.protocol import ChatCompletionRequest, ChatTool, FunctionDefinition
 from looped_spec.server.tool_stream import ToolCallStream
 from looped_spec.server.tools import (
     ToolCallingConfig,
@@ -50,29 +50,49 @@ def test_required_schema_is_an_array_of_named_calls_and_one_without_parallel_cal
     assert not single.is_valid([{"name": "now", "parameters": {}}] * 2)
 
 
-def test_required_schema_moves_each_tools_defs_to_the_top():
+def test_required_schema_resolves_each_tools_refs_inside_its_own_schema():
+    """A tool's local refs ("#/$defs/...", "#/definitions/...", "#/properties/...", and "#", its whole schema) mean
+    what they mean in the tool's own schema, not in the array of calls; two tools' $defs of one name stay apart; a
+    {"$ref": ...} inside a const is a value, left as it is."""
     point = {"type": "object", "properties": {"x": {"type": "number"}}, "required": ["x"]}
-    tool = {"type": "function", "function": {"name": "move", "parameters": {
-        "type": "object", "properties": {"to": {"$ref": "#/$defs/point"}}, "required": ["to"],
-        "$defs": {"point": point}}}}  # fmt: skip
-    schema = required_calls_schema([ChatTool.model_validate(tool)], parallel=True)
-    assert schema["$defs"] == {"point": point}
+    move = {"type": "function", "function": {"name": "move", "parameters": {
+        "type": "object", "properties": {"to": {"$ref": "#/$defs/point"}, "via": {"$ref": "#/definitions/point"},
+                                         "back": {"$ref": "#/properties/to"}, "tag": {"const": {"$ref": "#"}}},
+        "required": ["to"], "$defs": {"point": point}, "definitions": {"point": point}}}}  # fmt: skip
+    tree = {"type": "function", "function": {"name": "tree", "parameters": {
+        "type": "object", "properties": {"n": {"type": "integer"}, "kids": {"type": "array", "items": {"$ref": "#"}}},
+        "required": ["n", "kids"], "additionalProperties": False, "$defs": {"point": {"type": "string"}}}}}  # fmt: skip
+    schema = required_calls_schema([ChatTool.model_validate(move), ChatTool.model_validate(tree)], parallel=True)
     validator = jsonschema.Draft202012Validator(schema)
-    assert validator.is_valid([{"name": "move", "parameters": {"to": {"x": 1}}}])
-    assert not validator.is_valid([{"name": "move", "parameters": {"to": {"y": 1}}}])
-    other = copy.deepcopy(tool)
-    other["function"]["name"] = "jump"
-    other["function"]["parameters"]["$defs"]["point"] = {"type": "string"}
+    assert validator.is_valid([{"name": "move", "parameters": {"to": {"x": 1}, "via": {"x": 2}, "back": {"x": 3}}}])
+    assert validator.is_valid([{"name": "move", "parameters": {"to": {"x": 1}, "tag": {"$ref": "#"}}}])
+    wrong = [{"to": {"y": 1}}, {"to": {"x": 1}, "via": "p"}, {"to": {"x": 1}, "back": 2}, {"to": {"x": 1}, "tag": 1}]
+    for bad in wrong:
+        assert not validator.is_valid([{"name": "move", "parameters": bad}]), bad
+    nested = {"n": 1, "kids": [{"n": 2, "kids": []}]}
+    assert validator.is_valid([{"name": "tree", "parameters": nested}])
+    # "#" is the tool's schema: a kid is a tree, never the array of calls (as the old layout let it be)
+    assert not validator.is_valid([{"name": "tree", "parameters": {"n": 1, "kids": [[{"name": "tree"}]]}}])
+    deep = {"type": "object", "properties": {}}
+    for _ in range(5000):
+        deep = {"type": "object", "properties": {"a": deep}}
+    too_deep = {"type": "function", "function": {"name": "deep", "parameters": deep}}
     with pytest.raises(APIError) as refused:
-        required_calls_schema([ChatTool.model_validate(tool), ChatTool.model_validate(other)], parallel=True)
-    assert refused.value.param == "tools[1].function.parameters"
+        required_calls_schema([_tool(too_deep)], parallel=True)
+    assert refused.value.param == "tools[0].function.parameters"
+
+
+def _tool(data: dict) -> ChatTool:
+    """A ChatTool without validation (a schema nested past pydantic's own recursion limit)."""
+    function = FunctionDefinition.model_construct(**data["function"])
+    return ChatTool.model_construct(type="function", function=function)
 
 
 def test_finished_texts_as_messages():
     named = plan_tools(request(tools=[WEATHER], tool_choice={"type": "function", "function": {"name": "get_weather"}}),
                        ToolCallingConfig())  # fmt: skip
     message = tool_message(named, '{"city": "Oslo", "days": 2}', "stop")
-    assert (message.content, message.finish_reason) == ("", "stop")  # OpenAI's and vLLM's for a forced function
+    assert (message.content, message.finish_reason) == (None, "stop")  # OpenAI's and vLLM's for a forced function
     [call] = message.tool_calls
     assert (call.function.name, call.function.arguments) == ("get_weather", '{"city": "Oslo", "days": 2}')
     assert message.tool_calls[0].id.startswith("chatcmpl-tool-")
@@ -81,7 +101,7 @@ def test_finished_texts_as_messages():
     required = plan_tools(request(tools=[WEATHER, NOW], tool_choice="required"), ToolCallingConfig())
     text = '[{"name": "now", "parameters": {}}, {"name": "get_weather", "parameters": {"city": "Oslo", "days": 2}}]'
     message = tool_message(required, text, "stop")
-    assert (message.content, message.finish_reason) == ("", "tool_calls")
+    assert (message.content, message.finish_reason) == (None, "tool_calls")
     assert [(c.function.name, json.loads(c.function.arguments)) for c in message.tool_calls] == [
         ("now", {}), ("get_weather", {"city": "Oslo", "days": 2})]  # fmt: skip
     assert len({c.id for c in message.tool_calls}) == 2
@@ -95,6 +115,10 @@ def test_finished_texts_as_messages():
                                                                                              "now")  # fmt: skip
     plain = tool_message(auto, "  ", "length")
     assert (plain.content, plain.tool_calls, plain.finish_reason) == ("  ", None, "length")
+    two = '<tool_call>{"name": "now"}</tool_call><tool_call>{"name": "get_weather"}</tool_call>'
+    assert [c.function.name for c in tool_message(auto, two, "stop").tool_calls] == ["now", "get_weather"]
+    single = plan_tools(request(tools=[WEATHER], parallel_tool_calls=False), AUTO)  # vLLM's: the first call only
+    assert [c.function.name for c in tool_message(single, two, "stop").tool_calls] == ["now"]
 
 
 def streamed(plan, text: str, finish_reason: str, step: int) -> tuple[dict, str | None, list[str]]:

@@ -204,6 +204,9 @@ def build_app(
             prompt = render_chat(serving.tokenizer, messages, body.add_generation_prompt, plan.template_tools)
         except (NoChatTemplateError, TemplateError) as exc:  # no template, or the template refuses the messages
             raise APIError(400, f"messages: {exc}" if isinstance(exc, TemplateError) else str(exc), "messages") from exc
+        except RecursionError as exc:  # a tool's schema (or a message) nested deeper than the template can walk
+            field = "tools" if plan.template_tools else "messages"
+            raise APIError(400, f"{field}: nested too deeply for the chat template", field) from exc
         ids = serving.prompt_ids(prompt, "messages")
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         top_n = (body.top_logprobs or 0) if body.logprobs else None
@@ -221,17 +224,25 @@ def build_app(
             return ChatCompletionChunk(id=cid, created=created, model=model_name, choices=items, usage=usage)
 
         if body.stream:
-            streams: dict[int, ToolCallStream] = {}  # each choice's, from its first output
+            streams = [ToolCallStream(plan) for _ in range(body.n)]
+            # a message that may be all calls starts with content null, as OpenAI's (a text answer with "")
+            role = DeltaMessage(role="assistant", content="" if plan.mode == "none" else None)
 
             def chunks(index: int, out: RequestOutput):
-                if index not in streams:  # OpenAI streams each choice's role first
-                    streams[index] = ToolCallStream(plan)
-                    delta = DeltaMessage(role="assistant", content="")
-                    yield chunk([ChatStreamChoice(index=index, delta=delta)])
+                if not streams[index].started:  # every choice's role first, in index order (the first chunk
+                    for k, stream in enumerate(streams):  # must be choice 0's: the openai client builds on it)
+                        if not stream.started:
+                            stream.started = True
+                            yield chunk([ChatStreamChoice(index=k, delta=role)])
                 logprobs = None
                 if body.logprobs and out.new_token_ids:
                     logprobs = serving.chat_logprobs(serving.new_logprobs(out))
                 delta, reason = streams[index].delta(out.new_text, out.finished, finish_reason(out))
+                if reason is not None and delta is not None and delta.tool_calls:
+                    # the finish reason in a chunk of its own, as OpenAI sends it: the client closes a call
+                    # (its `arguments.done` event) only on a chunk after the one that carried the call
+                    yield chunk([ChatStreamChoice(index=index, delta=delta, logprobs=logprobs)])
+                    delta, logprobs = None, None
                 if delta is not None or out.finished or logprobs is not None:
                     choice = ChatStreamChoice(index=index, delta=delta or DeltaMessage(), logprobs=logprobs,
                                               finish_reason=reason)  # fmt: skip

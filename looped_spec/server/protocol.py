@@ -212,6 +212,8 @@ class ChatMessage(BaseModel):
     def _calls_from_the_assistant(self) -> ChatMessage:
         if self.tool_calls is not None and self.role != "assistant":
             raise ValueError(f"tool_calls: only on assistant messages (this one's role is {self.role!r})")
+        if self.role == "tool" and self.tool_call_id is None:
+            raise ValueError("tool_call_id: a tool message names the call it answers (OpenAI's rule)")
         return self
 
     def text(self) -> str:

@@ -54,7 +54,8 @@ class HermesToolParser(ToolParser):
     """Hermes 2 Pro's format (also Qwen 2.5's and others'): each call is `<tool_call>{"name": ..., "arguments": {...}}
     </tool_call>`; text outside the tags is content. A last call whose closing tag never came (the model ended with
     it, or max_tokens cut it) is parsed up to the end of the text. Any call that is not a JSON object with a string
-    "name" and an object "arguments" (absent: {}) leaves the whole text as content, as vLLM's parser does."""
+    "name" and an object "arguments" (or "parameters"; neither: {}) leaves the whole text as content, as vLLM's parser
+    does."""
 
     name = "hermes"
     START = "<tool_call>"
@@ -93,7 +94,8 @@ class HermesToolParser(ToolParser):
             return None
         if not isinstance(value, dict) or not isinstance(value.get("name"), str):
             return None
-        arguments = value.get("arguments", {})
+        # "parameters": the name some models (Llama 3's style) write the arguments under
+        arguments = value["arguments"] if "arguments" in value else value.get("parameters", {})
         if not isinstance(arguments, dict):
             return None
         return ParsedCall(value["name"], json.dumps(arguments, ensure_ascii=False))

@@ -25,6 +25,7 @@ class ToolCallStream:
         self.text = ""
         self.content_sent = 0  # characters of the text already sent as content ("auto")
         self.call_id: str | None = None  # the named call's id, once its first piece is sent
+        self.started = False  # its role chunk is sent
 
     def delta(self, new_text: str, finished: bool, finish_reason: str | None) -> tuple[DeltaMessage | None, str | None]:
         """The delta for this output (None: nothing to send yet) and, when `finished`, the choice's finish reason."""

@@ -69,6 +69,7 @@ class ToolPlan:
     function_name: str | None = None  # "named": the function called
     parser: ToolParser | None = None  # "auto": the server's parser
     tools: tuple[ChatTool, ...] = ()
+    parallel: bool = True  # parallel_tool_calls: False keeps a parsed answer's first call only (vLLM's)
 
     @property
     def decodes_special_tokens(self) -> bool:
@@ -134,7 +135,7 @@ def plan_tools(body: ChatCompletionRequest, config: ToolCallingConfig) -> ToolPl
         raise APIError(400, f'tool_choice: "auto"{default} needs a server started with --enable-auto-tool-choice '
                        '--tool-call-parser NAME; send tool_choice "none", "required" or a named function instead',
                        "tool_choice")  # fmt: skip
-    return ToolPlan("auto", template_tools, parser=parser, tools=tuple(tools))
+    return ToolPlan("auto", template_tools, parser=parser, tools=tuple(tools), parallel=body.parallel_tool_calls)
 
 
 def describe(choice: str | NamedToolChoice) -> str:
@@ -155,30 +156,51 @@ def refuse_other_grammar(body: ChatCompletionRequest, choice: str | NamedToolCho
 
 def required_calls_schema(tools: list[ChatTool], parallel: bool) -> dict[str, Any]:
     """The JSON schema of `"required"`'s output: an array of calls, each `{"name": one tool's name, "parameters":
-    that tool's arguments}` (anyOf over the tools; vLLM's). Each tool's `$defs` move to the top, where the `$ref`s
-    inside its parameters ("#/$defs/...") find them."""
+    that tool's arguments}` (anyOf over the tools; vLLM's). Each tool's whole schema moves under `$defs` as
+    `tool_<i>`, its local `$ref`s ("#", "#/properties/...", "#/$defs/...", "#/definitions/...") rewritten to point
+    inside that copy: written for the tool's schema as the document root, they would otherwise resolve against this
+    array (a recursive "#" would nest calls in the arguments)."""
     defs: dict[str, Any] = {}
     variants = []
     for i, tool in enumerate(tools):
-        parameters = dict(parameters_schema(tool))
-        for key, value in parameters.pop("$defs", {}).items():
-            if key in defs and defs[key] != value:
-                field = f"tools[{i}].function.parameters"
-                raise APIError(400, f"{field}: $defs {key!r} differs from another tool's $defs of that name (the "
-                               '"required" grammar shares one $defs)', field)  # fmt: skip
-            defs[key] = value
+        key = f"tool_{i}"
+        try:
+            defs[key] = relocated_refs(parameters_schema(tool), f"#/$defs/{key}")
+        except RecursionError as exc:
+            field = f"tools[{i}].function.parameters"
+            raise APIError(400, f"{field}: nested too deeply", field) from exc
         variants.append({
             "type": "object",
-            "properties": {"name": {"const": tool.function.name}, "parameters": parameters},
+            "properties": {"name": {"const": tool.function.name}, "parameters": {"$ref": f"#/$defs/{key}"}},
             "required": ["name", "parameters"],
             "additionalProperties": False,
         })  # fmt: skip
-    schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"anyOf": variants}}
+    schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"anyOf": variants}, "$defs": defs}
     if not parallel:
         schema["maxItems"] = 1
-    if defs:
-        schema["$defs"] = defs
     return schema
+
+
+#: keywords whose values are data, not schemas: a {"$ref": ...} inside them is a value to keep as it is
+_DATA_KEYWORDS = frozenset({"const", "enum", "default", "examples"})
+
+
+def relocated_refs(schema: Any, root: str) -> Any:
+    """A copy of `schema` whose local `$ref`s ("#..."), written against the schema as a document root, point into
+    the schema placed at JSON pointer `root` ("#/$defs/tool_0") of another document. Other refs stay."""
+    if isinstance(schema, list):
+        return [relocated_refs(item, root) for item in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out: dict[str, Any] = {}
+    for key, value in schema.items():
+        if key == "$ref" and isinstance(value, str) and value.startswith("#"):
+            out[key] = root + value[1:]
+        elif key in _DATA_KEYWORDS:
+            out[key] = value
+        else:
+            out[key] = relocated_refs(value, root)
+    return out
 
 
 @dataclass(frozen=True)
@@ -214,22 +236,24 @@ def required_calls(text: str) -> list[ParsedCall] | None:
 def tool_message(plan: ToolPlan, text: str, finish_reason: str | None) -> ToolMessage:
     """A choice's finished text as its message.
 
-    named: one call whose arguments are the text, content "" (vLLM's), the finish reason as generated ("stop"; OpenAI
-    too says "stop" for a forced function). required: the array's calls, content "", "tool_calls". auto: the parser's
-    content and calls, "tool_calls" when it found any. A forced output cut before its grammar completed: named keeps
-    its partial arguments with "length"; required, whose array does not parse, returns the text as content."""
+    A message of calls only has content None (OpenAI's null; vLLM writes ""). named: one call whose arguments are the
+    text, the finish reason as generated ("stop", as OpenAI and vLLM say for a forced function). required: the
+    array's calls, "tool_calls". auto: the parser's content and calls, "tool_calls" when it found any. A forced output
+    cut before its grammar completed (max_tokens: "length", a stop string or token: "stop"): named keeps its partial
+    arguments; required, whose array does not parse, returns the text as content."""
     if plan.mode == "named":
         call = ParsedCall(plan.function_name, text)
-        return ToolMessage("", [tool_call(call)], finish_reason)
+        return ToolMessage(None, [tool_call(call)], finish_reason)
     if plan.mode == "required":
         calls = required_calls(text)
         if calls is None:
             return ToolMessage(text, None, finish_reason)
-        return ToolMessage("", [tool_call(c) for c in calls], "tool_calls")
+        return ToolMessage(None, [tool_call(c) for c in calls], "tool_calls")
     if plan.mode == "auto":
         parsed = plan.parser.parse(text)
         if parsed.calls:
-            return ToolMessage(parsed.content, [tool_call(c) for c in parsed.calls], "tool_calls")
+            calls = parsed.calls if plan.parallel else parsed.calls[:1]
+            return ToolMessage(parsed.content, [tool_call(c) for c in calls], "tool_calls")
         return ToolMessage(parsed.content if parsed.content is not None else text, None, finish_reason)
     return ToolMessage(text, None, finish_reason)
 
@@ -246,6 +270,8 @@ def template_message(message: Any, index: int) -> dict[str, Any]:
                 arguments = json.loads(call.function.arguments) if call.function.arguments else {}
             except json.JSONDecodeError as exc:
                 raise APIError(400, f"{field}: not JSON ({exc})", field) from exc
+            except RecursionError as exc:
+                raise APIError(400, f"{field}: nested too deeply", field) from exc
             calls.append({"id": call.id, "type": call.type,
                           "function": {"name": call.function.name, "arguments": arguments}})  # fmt: skip
         out["tool_calls"] = calls
