@@ -174,3 +174,19 @@ def test_prefix_caching_flag_shares_a_prompt_start(capsys):
     assert main(argv) == 0
     plain = capsys.readouterr().out
     assert "prefix cache" not in plain and plain.split("\n\n---")[0] == cached.split("\n\n---")[0]
+
+
+@pytest.mark.parametrize(
+    "line,message",
+    [
+        ('{"prompt": "hi"', ":1: not valid JSON (Expecting ',' delimiter at column 16)"),
+        ('{"text": "hi"}', ":1: expected a JSON object with a 'prompt' field"),
+        ('["hi"]', ":1: expected a JSON object with a 'prompt' field"),
+    ],
+)
+def test_a_bad_jsonl_prompt_line_says_what_is_wrong_with_it(line, message, capsys, tmp_path):
+    """A line that is not JSON says so (with the parser's position), apart from JSON that lacks the field."""
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(line + "\n")
+    assert main(BASE + ["--prompts-file", str(prompts)]) == 2
+    assert capsys.readouterr().err.strip() == f"looped-spec: error: {prompts}{message}"

@@ -86,9 +86,12 @@ def read_prompts(args: argparse.Namespace) -> list[str | list[int]]:
                 continue
             if name.endswith(".jsonl"):
                 try:
-                    line = json.loads(line)["prompt"]
-                except (json.JSONDecodeError, KeyError, TypeError):
-                    raise ValueError(f"{name}:{n}: expected a JSON object with a 'prompt' field") from None
+                    record = json.loads(line)
+                except json.JSONDecodeError as exc:
+                    raise UsageError(f"{name}:{n}: not valid JSON ({exc.msg} at column {exc.colno})") from None
+                if not isinstance(record, dict) or "prompt" not in record:
+                    raise UsageError(f"{name}:{n}: expected a JSON object with a 'prompt' field")
+                line = record["prompt"]
                 ids = isinstance(line, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in line)
                 if not isinstance(line, str) and not ids:
                     raise ValueError(f"{name}:{n}: 'prompt' must be text or a list of token ids, got {line!r:.60}")
