@@ -190,3 +190,17 @@ def test_a_bad_jsonl_prompt_line_says_what_is_wrong_with_it(line, message, capsy
     prompts.write_text(line + "\n")
     assert main(BASE + ["--prompts-file", str(prompts)]) == 2
     assert capsys.readouterr().err.strip() == f"looped-spec: error: {prompts}{message}"
+
+
+def test_a_long_prompt_gets_only_our_error_not_transformers_warning(capfd):
+    """The engine enforces max_model_len (one error naming the flag); the tokenizer's own 1024-token limit would
+    add transformers' "Token indices sequence length ..." warning first, on stderr, for the server's tokenizer too."""
+    from looped_spec.engine.inputs import load_tokenizer
+    from looped_spec.models import shipped_model_path
+
+    assert main(BASE + ["--prompt", "hello world " * 600]) == 2
+    err = capfd.readouterr().err
+    assert "Token indices sequence length" not in err and err.count("\n") == 1, err
+    assert "has 4201 tokens" in err
+    load_tokenizer(shipped_model_path("tiny-ouro"))("hello world " * 600)  # the load site the server uses as well
+    assert "Token indices" not in capfd.readouterr().err
