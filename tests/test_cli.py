@@ -42,11 +42,11 @@ def test_prompts_from_stdin_and_compare_plain(capsys, monkeypatch):
 def test_user_errors_are_one_line(capsys):
     assert main(BASE + ["--prompt", "x", "--temperature", "-1"]) == 2
     err = capsys.readouterr().err.strip()
-    assert err.startswith("looped-spec: error: temperature:") and "\n" not in err and "http" not in err
+    assert err.startswith("looped-spec: error: --temperature:") and "\n" not in err and "http" not in err
     assert main(["generate", "--model", "tiny-ouro"]) == 2
     assert "no prompt" in capsys.readouterr().err
     assert main(BASE + ["--prompt", "x", "--min-tokens", "9"]) == 2  # more than --max-tokens 8
-    assert "min_tokens=9 must be at most max_tokens=8" in capsys.readouterr().err
+    assert "--min-tokens 9 must be at most --max-tokens 8" in capsys.readouterr().err
     assert main(BASE + ["--prompt", "x", "--min-tokens", "8"]) == 0
     assert main(BASE + ["--prompt", "x", "--structured-outputs", '{"regx": "a"}']) == 2
     assert "--structured-outputs: regx: Extra inputs are not permitted" in capsys.readouterr().err
@@ -108,7 +108,7 @@ def test_cuda_graphs_flag_reaches_the_engine(capsys):
     assert main(loop + ["--cuda-graphs", "emulate"]) == 0
     assert capsys.readouterr().out.split("\n\n---")[0] == eager
     assert main(loop + ["--cuda-graphs", "on"]) == 2
-    assert "cuda_graphs=True needs a CUDA device" in capsys.readouterr().err
+    assert "--cuda-graphs on needs a CUDA device" in capsys.readouterr().err
 
 
 def test_token_id_prompts_from_jsonl_print_as_ids(capsys, tmp_path):
@@ -137,8 +137,9 @@ def test_token_id_prompts_from_jsonl_print_as_ids(capsys, tmp_path):
         (["serve", "--max-body-bytes", "0"], "--max-body-bytes 0: must be >= 1"),
         (BASE + ["--prompt", "x", "--compare-repeats", "3"], "--compare-repeats: only with --compare-plain"),
         (BASE + ["--prompts-file", "/no/such/file"], "--prompts-file /no/such/file: No such file"),
-        (BASE + ["--prompt", "x", "--preset", "tiny-ouro"], "preset='tiny-ouro': only with speculation='adaptive'"),
-        (BASE + ["--prompt", "x", "--exit-at-step", "2", "--exit-threshold", "0.5"], "error: exit_threshold="),
+        (BASE + ["--prompt", "x", "--preset", "tiny-ouro"], "--preset tiny-ouro: only with --speculation adaptive"),
+        (BASE + ["--prompt", "x", "--exit-at-step", "2", "--exit-threshold", "0.5"],
+         "error: --exit-threshold 0.5 and --exit-at-step 2"),
         (["generate", "--model", "tiny-ouroo", "--prompt", "x"], "shipped: tiny-huginn"),
         (["tune", "--model", "tiny-ouro", "--out", "/tmp/x.json", "--cost-from", "tiny-huginn"],
          "--cost-from tiny-huginn: its cost profile was measured on model 'tiny-huginn', not 'tiny-ouro'"),
