@@ -205,3 +205,17 @@ def test_a_long_prompt_gets_only_our_error_not_transformers_warning(capfd):
     assert "has 4201 tokens" in err
     load_tokenizer(shipped_model_path("tiny-ouro"))("hello world " * 600)  # the load site the server uses as well
     assert "Token indices" not in capfd.readouterr().err
+
+
+def test_stats_say_when_no_decode_round_ran_and_grammars_speculate(capsys):
+    """An output that ends with the token its prefill samples runs no decode round: the table says so instead of
+    '0.00' tokens per round and an empty plans row. A grammar does not turn speculation off: its rounds draft."""
+    regex = ["--structured-outputs", '{"regex": "[a-z]+"}', "--prompt", "Name:"]
+    assert main(BASE + regex + ["--max-tokens", "1"]) == 0
+    rows = dict(re.findall(r"^(tokens per round|plans used \(K,d: rounds\))\s+(.*)$", capsys.readouterr().out, re.M))
+    assert set(rows.values()) == {"none: every output ended with the token its prefill gave"}, rows
+    assert main(BASE + regex + ["--max-tokens", "16"]) == 0
+    out = capsys.readouterr().out
+    speculative = int(re.search(r"decode rounds\s+\d+ \((\d+) speculative\)", out).group(1))
+    drafted = int(re.search(r"draft tokens accepted\s+\d+/(\d+)", out).group(1))
+    assert speculative > 0 and drafted >= speculative and re.search(r"plans used \(K,d: rounds\).*2,1: \d", out)

@@ -214,12 +214,17 @@ def _print_stats(engine, args: argparse.Namespace, outputs: list) -> None:
             accepted = f"{stats.num_accepted_tokens}/{stats.num_draft_tokens} ({100 * stats.acceptance_rate:.1f}%)"
             rows.append(("draft tokens accepted", accepted))
     else:
+        # no decode round runs when every output ends with the token its prefill samples (--max-tokens 1, eos
+        # first, a grammar that one token completes): say so, rather than 0.00 tokens per round and no plans
+        no_round = "none: every output ended with the token its prefill gave"
+        per_round = (num_tokens - len(outputs)) / stats.num_rounds if stats.num_rounds else None
+        plans = ", ".join(f"{k}: {v}" for k, v in sorted(stats.plan_histogram.items()))
         rows += [
             ("decode rounds", f"{stats.num_rounds} ({stats.num_spec_rounds} speculative)"),
-            ("tokens per round", f"{(num_tokens - len(outputs)) / max(stats.num_rounds, 1):.2f}"),
+            ("tokens per round", f"{per_round:.2f}" if per_round is not None else no_round),
             ("draft tokens accepted",
              f"{stats.num_accepted_tokens}/{stats.num_draft_tokens} ({100 * stats.acceptance_rate:.1f}%)"),
-            ("plans used (K,d: rounds)", ", ".join(f"{k}: {v}" for k, v in sorted(stats.plan_histogram.items()))),
+            ("plans used (K,d: rounds)", plans or no_round),
         ]  # fmt: skip
     if args.prefix_caching:
         rows.append(("prompt tokens from the prefix cache",
