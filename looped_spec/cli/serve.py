@@ -123,7 +123,11 @@ def serve_replicas(args: argparse.Namespace, api_key: str | None, scaling: dict,
                                                    **given))  # fmt: skip
         app_args.check_before_start()
     except ValueError as exc:  # name the flags, not the application's fields
+        from looped_spec.cli import build_parser, subcommand
+        from looped_spec.cli.flag_errors import flags_of, name_flags
+
         message = str(exc).removeprefix("looped-spec application args: ").removeprefix("engine: ")
+        message = name_flags(message, flags_of(subcommand(build_parser(), "serve")))  # the engine's fields
         for field, flag in _REPLICA_FLAGS.items():
             message = message.replace(field, flag)
         raise UsageError(message) from None
