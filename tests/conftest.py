@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 from functools import cache
 from pathlib import Path
 
@@ -83,3 +84,14 @@ class TokenizerFailingOn:
         if self.bad in ids:
             raise ValueError(f"cannot decode token {self.bad}")
         return "".join(chr(ord("a") + t % 26) for t in ids)
+
+
+@pytest.fixture(autouse=True)
+def _looped_spec_logging_restored():
+    """`main(["generate" | "serve", ...])` run in-process sets the looped_spec logger's level and stderr handler
+    (cli/logs.py): each test starts from the logger as the previous one found it, not at INFO on stderr."""
+    logger = logging.getLogger("looped_spec")
+    handlers, level = list(logger.handlers), logger.level
+    yield
+    logger.handlers[:] = handlers
+    logger.setLevel(level)

@@ -134,7 +134,7 @@ def test_sharded_checkpoint(tmp_path):
 
 
 def test_bad_dtype_and_options(tmp_path):
-    with pytest.raises(ValueError, match="dtype 'int8'"):
+    with pytest.raises(ValueError, match="dtype='int8': not supported"):
         load_adapter(fixture_dir("ouro"), dtype="int8", device="cpu")
     with pytest.raises(ValueError, match="initial_state='ones'"):
         load_adapter(fixture_dir("huginn"), device="cpu", initial_state="ones")

@@ -42,11 +42,11 @@ def test_prompts_from_stdin_and_compare_plain(capsys, monkeypatch):
 def test_user_errors_are_one_line(capsys):
     assert main(BASE + ["--prompt", "x", "--temperature", "-1"]) == 2
     err = capsys.readouterr().err.strip()
-    assert err.startswith("looped-spec: error: temperature:") and "\n" not in err and "http" not in err
+    assert err.startswith("looped-spec: error: --temperature:") and "\n" not in err and "http" not in err
     assert main(["generate", "--model", "tiny-ouro"]) == 2
     assert "no prompt" in capsys.readouterr().err
     assert main(BASE + ["--prompt", "x", "--min-tokens", "9"]) == 2  # more than --max-tokens 8
-    assert "min_tokens=9 must be at most max_tokens=8" in capsys.readouterr().err
+    assert "--min-tokens 9 must be at most --max-tokens 8" in capsys.readouterr().err
     assert main(BASE + ["--prompt", "x", "--min-tokens", "8"]) == 0
     assert main(BASE + ["--prompt", "x", "--structured-outputs", '{"regx": "a"}']) == 2
     assert "--structured-outputs: regx: Extra inputs are not permitted" in capsys.readouterr().err
@@ -108,7 +108,7 @@ def test_cuda_graphs_flag_reaches_the_engine(capsys):
     assert main(loop + ["--cuda-graphs", "emulate"]) == 0
     assert capsys.readouterr().out.split("\n\n---")[0] == eager
     assert main(loop + ["--cuda-graphs", "on"]) == 2
-    assert "cuda_graphs=True needs a CUDA device" in capsys.readouterr().err
+    assert "--cuda-graphs on needs a CUDA device" in capsys.readouterr().err
 
 
 def test_token_id_prompts_from_jsonl_print_as_ids(capsys, tmp_path):
@@ -137,8 +137,9 @@ def test_token_id_prompts_from_jsonl_print_as_ids(capsys, tmp_path):
         (["serve", "--max-body-bytes", "0"], "--max-body-bytes 0: must be >= 1"),
         (BASE + ["--prompt", "x", "--compare-repeats", "3"], "--compare-repeats: only with --compare-plain"),
         (BASE + ["--prompts-file", "/no/such/file"], "--prompts-file /no/such/file: No such file"),
-        (BASE + ["--prompt", "x", "--preset", "tiny-ouro"], "preset='tiny-ouro': only with speculation='adaptive'"),
-        (BASE + ["--prompt", "x", "--exit-at-step", "2", "--exit-threshold", "0.5"], "error: exit_threshold="),
+        (BASE + ["--prompt", "x", "--preset", "tiny-ouro"], "--preset tiny-ouro: only with --speculation adaptive"),
+        (BASE + ["--prompt", "x", "--exit-at-step", "2", "--exit-threshold", "0.5"],
+         "error: --exit-threshold 0.5 and --exit-at-step 2"),
         (["generate", "--model", "tiny-ouroo", "--prompt", "x"], "shipped: tiny-huginn"),
         (["tune", "--model", "tiny-ouro", "--out", "/tmp/x.json", "--cost-from", "tiny-huginn"],
          "--cost-from tiny-huginn: its cost profile was measured on model 'tiny-huginn', not 'tiny-ouro'"),
@@ -174,3 +175,47 @@ def test_prefix_caching_flag_shares_a_prompt_start(capsys):
     assert main(argv) == 0
     plain = capsys.readouterr().out
     assert "prefix cache" not in plain and plain.split("\n\n---")[0] == cached.split("\n\n---")[0]
+
+
+@pytest.mark.parametrize(
+    "line,message",
+    [
+        ('{"prompt": "hi"', ":1: not valid JSON (Expecting ',' delimiter at column 16)"),
+        ('{"text": "hi"}', ":1: expected a JSON object with a 'prompt' field"),
+        ('["hi"]', ":1: expected a JSON object with a 'prompt' field"),
+    ],
+)
+def test_a_bad_jsonl_prompt_line_says_what_is_wrong_with_it(line, message, capsys, tmp_path):
+    """A line that is not JSON says so (with the parser's position), apart from JSON that lacks the field."""
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(line + "\n")
+    assert main(BASE + ["--prompts-file", str(prompts)]) == 2
+    assert capsys.readouterr().err.strip() == f"looped-spec: error: {prompts}{message}"
+
+
+def test_a_long_prompt_gets_only_our_error_not_transformers_warning(capfd):
+    """The engine enforces max_model_len (one error naming the flag); the tokenizer's own 1024-token limit would
+    add transformers' "Token indices sequence length ..." warning first, on stderr, for the server's tokenizer too."""
+    from looped_spec.engine.inputs import load_tokenizer
+    from looped_spec.models import shipped_model_path
+
+    assert main(BASE + ["--prompt", "hello world " * 600]) == 2
+    err = capfd.readouterr().err
+    assert "Token indices sequence length" not in err and err.count("\n") == 1, err
+    assert "has 4201 tokens" in err
+    load_tokenizer(shipped_model_path("tiny-ouro"))("hello world " * 600)  # the load site the server uses as well
+    assert "Token indices" not in capfd.readouterr().err
+
+
+def test_stats_say_when_no_decode_round_ran_and_grammars_speculate(capsys):
+    """An output that ends with the token its prefill samples runs no decode round: the table says so instead of
+    '0.00' tokens per round and an empty plans row. A grammar does not turn speculation off: its rounds draft."""
+    regex = ["--structured-outputs", '{"regex": "[a-z]+"}', "--prompt", "Name:"]
+    assert main(BASE + regex + ["--max-tokens", "1"]) == 0
+    rows = dict(re.findall(r"^(tokens per round|plans used \(K,d: rounds\))\s+(.*)$", capsys.readouterr().out, re.M))
+    assert set(rows.values()) == {"none: every output ended with the token its prefill gave"}, rows
+    assert main(BASE + regex + ["--max-tokens", "16"]) == 0
+    out = capsys.readouterr().out
+    speculative = int(re.search(r"decode rounds\s+\d+ \((\d+) speculative\)", out).group(1))
+    drafted = int(re.search(r"draft tokens accepted\s+\d+/(\d+)", out).group(1))
+    assert speculative > 0 and drafted >= speculative and re.search(r"plans used \(K,d: rounds\).*2,1: \d", out)

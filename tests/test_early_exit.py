@@ -440,7 +440,7 @@ def test_cli_generate_exit_flags(capsys):
     assert out.split("---")[0] == plain_text and "exit depths (select; depth: tokens)  2: 6" in out
     assert "decode rounds" in out and "speculative)" in out
     assert main([*argv, "--exit-at-step", "9"]) == 2
-    assert "exit_at_step=9 exceeds" in capsys.readouterr().err
+    assert "--exit-at-step 9 exceeds the model's 4 loops" in capsys.readouterr().err
 
 
 # ----- fewer calls, the same decisions -----

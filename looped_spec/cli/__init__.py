@@ -7,7 +7,8 @@ import os
 import sys
 
 from looped_spec.cli import generate, serve, tune
-from looped_spec.cli.common import HelpFormatter, one_line
+from looped_spec.cli.common import HelpFormatter, UsageError, one_line
+from looped_spec.cli.flag_errors import flags_of, name_flags
 from looped_spec.cli.generate import speed_ratio
 
 __all__ = ["build_parser", "main", "speed_ratio"]
@@ -35,6 +36,18 @@ def main(argv: list[str] | None = None) -> int:
     except BrokenPipeError:  # the reader went away (`| head`): not an error of ours
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error when Python flushes stdout
         return 0
-    except (ValueError, KeyError, TypeError, OSError) as exc:
+    except UsageError as exc:  # names its flags already
         print(f"looped-spec: error: {one_line(exc)}", file=sys.stderr)
         return 2
+    except (ValueError, TypeError) as exc:  # the engine's and SamplingParams' errors name fields: say the flags
+        flags = flags_of(subcommand(parser, args.command))
+        print(f"looped-spec: error: {name_flags(one_line(exc), flags)}", file=sys.stderr)
+        return 2
+    except (KeyError, OSError) as exc:
+        print(f"looped-spec: error: {one_line(exc)}", file=sys.stderr)
+        return 2
+
+
+def subcommand(parser: argparse.ArgumentParser, name: str) -> argparse.ArgumentParser:
+    actions = (a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    return next(actions).choices[name]

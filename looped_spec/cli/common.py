@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import json
 import os
 from pathlib import Path
+
+from looped_spec.cli.logs import LOG_LEVELS
 
 API_KEY_ENV = "LOOPED_SPEC_API_KEY"
 
@@ -13,14 +16,31 @@ CUDA_GRAPHS = {"auto": None, "on": True, "off": False, "emulate": "emulate"}
 
 
 def engine_options(args: argparse.Namespace) -> dict:
-    """LoopedSpecEngine keyword arguments from the shared engine flags."""
+    """LoopedSpecEngine keyword arguments from the shared engine flags (EngineConfig validates them; the command
+    reports its errors by flag, cli/flag_errors.py)."""
     from looped_spec.tuning.inputs import parse_adapter_options
 
     return dict(dtype=args.dtype, device=args.device, speculation=args.speculation, preset=args.preset,
                 policy=args.policy, seed=args.seed, trace_path=args.trace, max_batch_size=args.max_batch_size,
                 max_model_len=args.max_model_len, early_exit=getattr(args, "early_exit", "skip"),
                 batching=args.batching, cuda_graphs=CUDA_GRAPHS[args.cuda_graphs], prefix_caching=args.prefix_caching,
-                adapter_options=parse_adapter_options(args.adapter_option) or None)  # fmt: skip
+                adapter_options=parse_adapter_options(args.adapter_option) or None,
+                max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size,
+                num_kv_blocks=args.num_kv_blocks, kv_cache_memory_gb=args.kv_cache_memory_gb,
+                max_pass_positions=args.max_pass_positions, control=json_object(args.control, "--control"))  # fmt: skip
+
+
+def json_object(text: str | None, option: str) -> dict | None:
+    """A flag's JSON object (None when the flag is not given); a UsageError naming the flag otherwise."""
+    if text is None:
+        return None
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise UsageError(f"{option}: not valid JSON ({exc.msg} at column {exc.colno})") from None
+    if not isinstance(value, dict):
+        raise UsageError(f"{option}: must be a JSON object, got {text!r:.60}")
+    return value
 
 
 def set_threads(threads: int) -> None:
@@ -76,16 +96,17 @@ def at_least(value: int, minimum: int, option: str, note: str = "") -> None:
         raise UsageError(f"{option} {value}: must be >= {minimum}{note}")
 
 
-def add_engine_flags(p: argparse.ArgumentParser) -> None:
+def add_engine_flags(p: argparse.ArgumentParser, command: str) -> None:
+    """The engine flags of `generate` and `serve` (`command`: the help says what each does there)."""
     p.add_argument("--speculation", default="adaptive", help="off | adaptive | K,d (draft K tokens with d loops)")
     p.add_argument("--policy", default="goodput", choices=["goodput", "ema"],
                    help="adaptive speculation policy (only with --speculation adaptive)")  # fmt: skip
-    p.add_argument("--preset", default=None, help="preset file or shipped preset name; none: matched by model name "
-                   "(only with --speculation adaptive)")  # fmt: skip
-    p.add_argument("--seed", type=int, default=0, help="random seed: the engine's, from which a request without a "
-                   "seed draws one (generate: also every prompt's seed, the same for all)")  # fmt: skip
+    p.add_argument("--preset", default=None, help="preset file or shipped preset name, only with --speculation "
+                   "adaptive (default: the preset matched by the model's name)")  # fmt: skip
+    p.add_argument("--seed", type=int, default=0, help=SEED_HELP[command])
     p.add_argument("--max-batch-size", type=int, default=32, help="most requests decoded together")
-    p.add_argument("--max-model-len", type=int, default=None, help="prompt + output limit; none: the model's")
+    p.add_argument("--max-model-len", type=int, default=None,
+                   help="prompt + output limit in tokens (default: the model's max positions)")  # fmt: skip
     p.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 | float16")
     p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
     p.add_argument(
@@ -94,16 +115,56 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
         default=1,
         help="torch CPU threads (0: torch's default); more than one collapses on a busy small box",
     )
-    p.add_argument("--trace", default=None, help="write the controller's JSONL trace here")
+    p.add_argument("--trace", default=None, metavar="FILE",
+                   help="write the controller's JSONL trace here (default: no trace)")  # fmt: skip
     p.add_argument("--batching", default="step", choices=["step", "loop"],
                    help="step: a decode step is a token (or speculative round) for the batch; loop: one loop pass "
                    "serves every request at its own loop")  # fmt: skip
     p.add_argument("--cuda-graphs", default="auto", choices=list(CUDA_GRAPHS),
-                   help="auto: captured steps and loop passes on CUDA; on: capture (an error where it cannot); "
-                   "off: eager; emulate: the padded captured path run uncaptured, on any device")  # fmt: skip
-    p.add_argument("--adapter-option", action="append", metavar="KEY=VALUE", help="passed to the adapter (repeatable)")
+                   help="auto: on for CUDA (captured steps and loop passes), off elsewhere; on: capture (an error "
+                   "without CUDA); off: eager; emulate: the padded captured path run uncaptured, on any "
+                   "device")  # fmt: skip
+    p.add_argument("--adapter-option", action="append", default=None, metavar="KEY=VALUE",
+                   help="passed to the adapter (repeatable; default: no options)")  # fmt: skip
     p.add_argument("--prefix-caching", action="store_true",
                    help="prompts that begin alike share the KV of that beginning (prefilled once)")  # fmt: skip
+    p.add_argument("--log-level", default="info" if command == "serve" else "warning", choices=LOG_LEVELS,
+                   help=LOG_LEVEL_HELP[command])  # fmt: skip
+    memory = p.add_argument_group("KV cache and scheduling limits")
+    memory.add_argument("--kv-cache-memory-gb", type=float, default=None, metavar="GIB",
+                        help="memory for the KV cache in GiB, not with --num-kv-blocks (default: half the free GPU "
+                        "memory on CUDA, 2 on CPU; never more than --max-batch-size requests of --max-model-len "
+                        "need)")  # fmt: skip
+    memory.add_argument("--num-kv-blocks", type=int, default=None, metavar="N",
+                        help="KV cache blocks, instead of sizing them by memory (default: as "
+                        "--kv-cache-memory-gb holds)")  # fmt: skip
+    memory.add_argument("--block-size", type=int, default=16, help="tokens per KV cache block")
+    memory.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        default=1024,
+        help="most prompt tokens prefilled at once (in a prefill step; with --batching loop, in flight in the "
+        "passes): a longer prompt is prefilled in chunks",
+    )
+    memory.add_argument("--max-pass-positions", type=int, default=None, metavar="N",
+                        help="with --batching loop: most positions one loop pass runs, deepest work first "
+                        "(default: every running request's work in every pass)")  # fmt: skip
+    memory.add_argument("--control", default=None, metavar="JSON",
+                        help="the adaptive controller's tunables, a JSON object of ControlSettings fields such as "
+                        '\'{"decision_interval": 8}\' (docs/adaptive.md "Tunables"); only with --speculation '
+                        "adaptive (default: each tunable's documented default)")  # fmt: skip
+
+
+SEED_HELP = {
+    "serve": "random seed of the engine: a request without a seed of its own draws one from it",
+    "generate": "random seed of every prompt, the same for all (so --batch-size copies of a prompt are the same text)",
+}
+LOG_LEVEL_HELP = {
+    "serve": "level of the server's log: uvicorn's lines and looped-spec's own on stderr (the preset chosen and the "
+    "engine's summary at startup, requests that fail)",
+    "generate": "level of looped-spec's log lines on stderr (info: the preset chosen and the engine's summary); the "
+    "generated text and the stats table on stdout are never mixed with them",
+}
 
 
 def one_line(exc: Exception) -> str:

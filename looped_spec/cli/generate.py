@@ -18,6 +18,7 @@ from looped_spec.cli.common import (
     output_file,
     set_threads,
 )  # fmt: skip
+from looped_spec.cli.logs import configure_logging
 
 
 def add_parser(sub: argparse._SubParsersAction, fmt: type[argparse.HelpFormatter]) -> None:
@@ -28,12 +29,16 @@ def add_parser(sub: argparse._SubParsersAction, fmt: type[argparse.HelpFormatter
         description="Generate a continuation of every prompt and print speculation stats.",
     )
     gen.add_argument("--model", default="tiny-ouro", help="checkpoint folder or shipped model name")
-    gen.add_argument("--prompt", action="append", help="prompt text (repeatable)")
+    gen.add_argument(
+        "--prompt",
+        action="append",
+        help="prompt text (repeatable; default: none, then --prompts-file gives the prompts)",
+    )
     gen.add_argument(
         "--prompts-file",
         default=None,
         metavar="FILE",
-        help="more prompts, one a line (.jsonl: a 'prompt' field a line; '-': stdin)",
+        help="more prompts, one a line (.jsonl: a 'prompt' field a line; '-': stdin) (default: only --prompt's)",
     )
     gen.add_argument("--max-tokens", type=int, default=64, help="most tokens generated per prompt")
     gen.add_argument("--min-tokens", type=int, default=0,
@@ -47,24 +52,42 @@ def add_parser(sub: argparse._SubParsersAction, fmt: type[argparse.HelpFormatter
     gen.add_argument("--presence-penalty", type=float, default=0.0, help="subtracted once per token the output holds")
     gen.add_argument("--frequency-penalty", type=float, default=0.0,
                      help="subtracted per time the output holds a token")  # fmt: skip
-    gen.add_argument("--stop", action="append", help="stop string (repeatable; cut from the output)")
+    gen.add_argument("--stop", action="append", help="stop string (repeatable; cut from the output) (default: none)")
     gen.add_argument("--ignore-eos", action="store_true", help="keep generating past the eos token")
     gen.add_argument("--structured-outputs", default=None, metavar="JSON",
                      help="a grammar the output follows, as the server's field: a JSON object with one of json (a "
-                     "schema), json_object (true), regex, choice (a list), grammar (Lark)")  # fmt: skip
-    gen.add_argument("--exit-threshold", type=float, default=None, help="early exit: the family rule's threshold")
-    gen.add_argument("--exit-at-step", type=int, default=None, help="early exit: fixed loop depth per token")
+                     "schema), json_object (true), regex, choice (a list), grammar (Lark) (default: none, free "
+                     "text)")  # fmt: skip
+    gen.add_argument(
+        "--exit-threshold",
+        type=float,
+        default=None,
+        help="early exit: the family rule's threshold (default: the checkpoint's own where its config sets one, "
+        "else every token runs all loops)",
+    )
+    gen.add_argument(
+        "--exit-at-step",
+        type=int,
+        default=None,
+        help="early exit: fixed loop depth per token, not with --exit-threshold (default: none)",
+    )
     gen.add_argument("--early-exit", default="skip", choices=["skip", "select"], help="how early exit runs")
-    gen.add_argument("--batch-size", type=int, default=1, help="run the prompt(s) this many times together")
-    gen.add_argument("--stream", action="store_true", help="print tokens as they come (prompts one after another)")
+    gen.add_argument("--batch-size", type=int, default=1, metavar="N",
+                     help="queue N copies of the prompts (2 prompts, N=8: 16 requests and outputs, printed one by "
+                     "one), decoded together up to --max-batch-size; with one --seed the copies are the same text: "
+                     "it measures batched decoding. With --stream the copies run one after another like any "
+                     "prompt")  # fmt: skip
+    gen.add_argument("--stream", action="store_true",
+                     help="print tokens as they come; prompts (and --batch-size copies) then run one at a time, "
+                     "each alone in the batch")  # fmt: skip
     gen.add_argument(
         "--compare-plain",
         action="store_true",
         help="also time the prompts with and without speculation side by side and print the ratio",
     )
     gen.add_argument("--compare-repeats", type=int, default=None,
-                     help="side-by-side pairs --compare-plain times; none: 5")  # fmt: skip
-    add_engine_flags(gen)
+                     help="side-by-side pairs --compare-plain times (default: 5)")  # fmt: skip
+    add_engine_flags(gen, "generate")
     gen.set_defaults(func=generate)
 
 
@@ -86,15 +109,18 @@ def read_prompts(args: argparse.Namespace) -> list[str | list[int]]:
                 continue
             if name.endswith(".jsonl"):
                 try:
-                    line = json.loads(line)["prompt"]
-                except (json.JSONDecodeError, KeyError, TypeError):
-                    raise ValueError(f"{name}:{n}: expected a JSON object with a 'prompt' field") from None
+                    record = json.loads(line)
+                except json.JSONDecodeError as exc:
+                    raise UsageError(f"{name}:{n}: not valid JSON ({exc.msg} at column {exc.colno})") from None
+                if not isinstance(record, dict) or "prompt" not in record:
+                    raise UsageError(f"{name}:{n}: expected a JSON object with a 'prompt' field")
+                line = record["prompt"]
                 ids = isinstance(line, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in line)
                 if not isinstance(line, str) and not ids:
-                    raise ValueError(f"{name}:{n}: 'prompt' must be text or a list of token ids, got {line!r:.60}")
+                    raise UsageError(f"{name}:{n}: 'prompt' must be text or a list of token ids, got {line!r:.60}")
             prompts.append(line)
     if not prompts:
-        raise ValueError("no prompt: give --prompt TEXT or --prompts-file FILE (- for stdin)")
+        raise UsageError("no prompt: give --prompt TEXT or --prompts-file FILE (- for stdin)")
     return prompts * args.batch_size
 
 
@@ -128,6 +154,7 @@ def generate(args: argparse.Namespace) -> int:
                             frequency_penalty=args.frequency_penalty, seed=args.seed, ignore_eos=args.ignore_eos,
                             stop=args.stop or [], exit_threshold=args.exit_threshold,
                             exit_at_step=args.exit_at_step, structured_outputs=grammar)  # fmt: skip
+    configure_logging(args.log_level)
     engine = LoopedSpecEngine(args.model, **engine_options(args))
     try:
         if args.stream:
@@ -187,12 +214,17 @@ def _print_stats(engine, args: argparse.Namespace, outputs: list) -> None:
             accepted = f"{stats.num_accepted_tokens}/{stats.num_draft_tokens} ({100 * stats.acceptance_rate:.1f}%)"
             rows.append(("draft tokens accepted", accepted))
     else:
+        # no decode round runs when every output ends with the token its prefill samples (--max-tokens 1, eos
+        # first, a grammar that one token completes): say so, rather than 0.00 tokens per round and no plans
+        no_round = "none: every output ended with the token its prefill gave"
+        per_round = (num_tokens - len(outputs)) / stats.num_rounds if stats.num_rounds else None
+        plans = ", ".join(f"{k}: {v}" for k, v in sorted(stats.plan_histogram.items()))
         rows += [
             ("decode rounds", f"{stats.num_rounds} ({stats.num_spec_rounds} speculative)"),
-            ("tokens per round", f"{(num_tokens - len(outputs)) / max(stats.num_rounds, 1):.2f}"),
+            ("tokens per round", f"{per_round:.2f}" if per_round is not None else no_round),
             ("draft tokens accepted",
              f"{stats.num_accepted_tokens}/{stats.num_draft_tokens} ({100 * stats.acceptance_rate:.1f}%)"),
-            ("plans used (K,d: rounds)", ", ".join(f"{k}: {v}" for k, v in sorted(stats.plan_histogram.items()))),
+            ("plans used (K,d: rounds)", plans or no_round),
         ]  # fmt: skip
     if args.prefix_caching:
         rows.append(("prompt tokens from the prefix cache",

@@ -7,6 +7,7 @@ import os
 from pathlib import Path
 
 from looped_spec.cli.common import API_KEY_ENV, UsageError, add_engine_flags, at_least, engine_options, set_threads
+from looped_spec.cli.logs import configure_logging
 
 
 def add_parser(sub: argparse._SubParsersAction, fmt: type[argparse.HelpFormatter]) -> None:
@@ -34,29 +35,28 @@ def add_parser(sub: argparse._SubParsersAction, fmt: type[argparse.HelpFormatter
     srv.add_argument("--max-body-bytes", type=int, default=1 << 20, help="larger request bodies get 413")
     ray_flags = srv.add_argument_group("replicas (Ray Serve; pip install -e '.[ray]')")
     ray_flags.add_argument("--replicas", type=int, default=None, help="serve with this many engine replicas behind "
-                           "Ray Serve's proxy (on CUDA one GPU each; RAY_ADDRESS joins a running cluster)")  # fmt: skip
-    ray_flags.add_argument("--min-replicas", type=int, default=None, help="autoscaling: fewest replicas")
-    ray_flags.add_argument("--max-replicas", type=int, default=None, help="autoscaling: most replicas")
+                           "Ray Serve's proxy (on CUDA one GPU each; RAY_ADDRESS joins a running cluster) (default: "
+                           "one engine in this process, without Ray)")  # fmt: skip
+    ray_flags.add_argument("--min-replicas", type=int, default=None, help="autoscaling: fewest replicas (default: 1)")
+    ray_flags.add_argument(
+        "--max-replicas", type=int, default=None, help="autoscaling: most replicas (default: none, a fixed count)"
+    )
     ray_flags.add_argument("--target-ongoing-requests", type=float, default=None,
-                           help="autoscaling: in-flight requests per replica it aims at")  # fmt: skip
+                           help="autoscaling: in-flight requests per replica it aims at (default: Ray "
+                           "Serve's)")  # fmt: skip
     ray_flags.add_argument("--metrics-port", type=int, default=None,
-                           help="replica r also serves its /metrics on port + r (labelled by replica)")  # fmt: skip
+                           help="replica r also serves its /metrics on port + r, labelled by replica (default: "
+                           "no port of its own)")  # fmt: skip
     tools = srv.add_argument_group('tool calling (chat completions\' tools; named and "required" need no flag)')
     tools.add_argument("--enable-auto-tool-choice", action="store_true",
                        help='serve tool_choice "auto" (the default with tools): the model may call, and '
                        "--tool-call-parser finds its calls in the text")  # fmt: skip
     tools.add_argument("--tool-call-parser", default=None, metavar="NAME",
                        help="the format the model writes its calls in, for tool_choice auto (hermes; an unknown "
-                       "name lists the known ones)")  # fmt: skip
+                       "name lists the known ones) (default: none)")  # fmt: skip
     srv.add_argument("--early-exit", default="skip", choices=["skip", "select"],
                      help="how requests' exit_threshold / exit_at_step run (with or without speculation)")  # fmt: skip
-    srv.add_argument(
-        "--log-level",
-        default="info",
-        choices=["critical", "error", "warning", "info", "debug"],
-        help="uvicorn log level",
-    )
-    add_engine_flags(srv)
+    add_engine_flags(srv, "serve")
     srv.set_defaults(func=serve_command)
     models = sub.add_parser("models", help="list the shipped tiny models", formatter_class=fmt)
     models.set_defaults(func=list_models)
@@ -91,6 +91,7 @@ def serve_command(args: argparse.Namespace) -> int:
     if any(value is not None for value in scaling.values()):
         return serve_replicas(args, api_key, scaling, tool_calling)
     set_threads(args.threads)
+    configure_logging(args.log_level)
     engine = LoopedSpecEngine(args.model, **engine_options(args))
     name = args.served_model_name or Path(str(args.model)).name
     serve(engine, name, host=args.host, port=args.port, api_key=api_key, max_queued=args.max_queued,
@@ -122,7 +123,11 @@ def serve_replicas(args: argparse.Namespace, api_key: str | None, scaling: dict,
                                                    **given))  # fmt: skip
         app_args.check_before_start()
     except ValueError as exc:  # name the flags, not the application's fields
+        from looped_spec.cli import build_parser, subcommand
+        from looped_spec.cli.flag_errors import flags_of, name_flags
+
         message = str(exc).removeprefix("looped-spec application args: ").removeprefix("engine: ")
+        message = name_flags(message, flags_of(subcommand(build_parser(), "serve")))  # the engine's fields
         for field, flag in _REPLICA_FLAGS.items():
             message = message.replace(field, flag)
         raise UsageError(message) from None

@@ -39,21 +39,24 @@ def add_parser(sub: argparse._SubParsersAction, fmt: type[argparse.HelpFormatter
     tune.add_argument("--acceptance-tokens", type=int, default=96, help="greedy tokens per prompt (acceptance pass)")
     tune.add_argument("--num-prompts", type=int, default=32, help="prompts in the acceptance pass")
     tune.add_argument("--round-tokens", type=int, default=None,
-                      help="generated tokens per request in the timed rounds; none: 32")  # fmt: skip
-    tune.add_argument("--repeats", type=int, default=None, help="timed repeats (one more is run and dropped); none: 4")
+                      help="generated tokens per request in the timed rounds (default: 32)")  # fmt: skip
+    tune.add_argument(
+        "--repeats", type=int, default=None, help="timed repeats, one more is run and dropped (default: 4)"
+    )
     tune.add_argument(
         "--seed",
         type=int,
         default=None,
         help="seed of the timed rounds' interleaving order and of random token-id prompts (--prompts random, or a "
-        "group on a model without a tokenizer); none: 0",
+        "group on a model without a tokenizer) (default: 0)",
     )
     tune.add_argument(
         "--cost-from",
         default=None,
         metavar="PRESET",
         help="reuse this preset's (a file or shipped name, for the same model) measured cost profile instead of "
-        "timing (re-derive after a rules change); the new preset keeps its hardware tag and timing machine",
+        "timing (re-derive after a rules change); the new preset keeps its hardware tag and timing machine "
+        "(default: none, timed here)",
     )
     tune.add_argument("--hardware", default=None, help="hardware tag for the preset (default: cpu / GPU name; with "
                       "--cost-from: that preset's)")  # fmt: skip
@@ -71,7 +74,7 @@ def add_parser(sub: argparse._SubParsersAction, fmt: type[argparse.HelpFormatter
     tune.add_argument("--threads", type=int, default=1, help="torch CPU threads (0: torch's default), as generate "
                       "and serve take; the shipped presets were timed at 1, and the preset records it")  # fmt: skip
     tune.add_argument("--adapter-option", action="append", metavar="KEY=VALUE", help="passed to the adapter "
-                      "(repeatable)")  # fmt: skip
+                      "(repeatable; default: no options)")  # fmt: skip
     tune.add_argument("--quiet", action="store_true", help="no progress bar")
     tune.set_defaults(func=tune_command, argv=None)
 

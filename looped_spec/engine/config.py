@@ -7,6 +7,7 @@ value is a `ValueError` that names the option.
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import math
 import os
@@ -152,7 +153,7 @@ class EngineConfig(BaseModel):
         if parse_speculation(self.speculation) == "adaptive":
             return self
         given = [
-            f"{name}={getattr(self, name)!r}"
+            f"{name}={_shown(getattr(self, name))!r}"
             for name, unset in (("preset", None), ("policy", DEFAULT_POLICY), ("control", None))
             if getattr(self, name) != unset
         ]
@@ -223,6 +224,15 @@ class EngineConfig(BaseModel):
             return cls(**given)
         except ValidationError as exc:
             raise ValueError("LoopedSpecEngine: " + "; ".join(_problems(exc, given))) from None
+
+
+def _shown(value: Any) -> Any:
+    """An option as a message shows it: ControlSettings as the dict of its tunables that differ from their
+    defaults (as it was likely given), not all eleven."""
+    if isinstance(value, ControlSettings):
+        default = ControlSettings()
+        return {f: v for f, v in dataclasses.asdict(value).items() if v != getattr(default, f)}
+    return value
 
 
 def _problems(exc: ValidationError, given: dict[str, Any]) -> list[str]:

@@ -20,6 +20,7 @@ def load_tokenizer(folder: str | None):
     import warnings
 
     from transformers import AutoTokenizer
+    from transformers.tokenization_utils_base import VERY_LARGE_INTEGER
     from transformers.utils import logging as hf_logging
 
     # transformers also parses config.json, whose model_type it does not know: that is expected here
@@ -28,7 +29,7 @@ def load_tokenizer(folder: str | None):
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            return AutoTokenizer.from_pretrained(str(path), trust_remote_code=False)
+            tokenizer = AutoTokenizer.from_pretrained(str(path), trust_remote_code=False)
     except Exception as exc:  # tokenizers and transformers raise many types; name the files either way
         names = [n for n in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model") if (path / n).is_file()]
         files = ", ".join(str(path / n) for n in names)
@@ -36,6 +37,10 @@ def load_tokenizer(folder: str | None):
         raise CheckpointError(f"{files}: cannot load the tokenizer ({reason})") from exc
     finally:
         hf_logging.set_verbosity(level)
+    # the engine enforces max_model_len itself (one error naming it): transformers' own limit would only add its
+    # "Token indices sequence length is longer than ..." warning when a long prompt is encoded
+    tokenizer.model_max_length = VERY_LARGE_INTEGER
+    return tokenizer
 
 
 def normalize_prompts(prompts: Any) -> list[Prompt]:

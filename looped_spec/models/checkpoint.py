@@ -174,7 +174,7 @@ def resolve_dtype(dtype: str | torch.dtype, config: dict) -> torch.dtype:
     if dtype == "auto":
         dtype = str(config.get("torch_dtype") or config.get("dtype") or "float32")
     if dtype not in _DTYPES:
-        raise ValueError(f"dtype {dtype!r} is not supported; use one of auto, float32, bfloat16, float16")
+        raise ValueError(f"dtype={dtype!r}: not supported; use one of auto, float32, bfloat16, float16")
     return _DTYPES[dtype]
 
 

@@ -1,0 +1,51 @@
+"""The engine's and SamplingParams' errors name their fields (`max_batch_size=0: ...`, `speculation.d=9: ...`); a
+command reports them by the flags that set those fields (`--max-batch-size 0: ...`, `--speculation: d=9: ...`)."""
+
+from __future__ import annotations
+
+import argparse
+import re
+
+#: fields a flag sets under another name than the flag's
+RENAMED_FIELDS = {"trace_path": "--trace", "adapter_options": "--adapter-option"}
+#: field values a flag spells differently (EngineConfig.cuda_graphs=True is --cuda-graphs on)
+FLAG_VALUES = {"--cuda-graphs": {"True": "on", "False": "off", "None": "auto"}}
+
+
+def flags_of(parser: argparse.ArgumentParser) -> dict[str, str]:
+    """EngineConfig or SamplingParams field -> the command's long flag that sets it (named as the field, or in
+    RENAMED_FIELDS). Only those: a flag such as --model names no field, and a path called `model` is no flag."""
+    from looped_spec.engine.config import EngineConfig
+    from looped_spec.sampling_params import SamplingParams
+
+    flags = {}
+    for action in parser._actions:
+        names = [name for name in action.option_strings if name.startswith("--")]
+        if names:
+            flags[action.dest] = names[0]
+    flags |= {field: flag for field, flag in RENAMED_FIELDS.items() if flag in flags.values()}
+    fields = set(EngineConfig.model_fields) | set(SamplingParams.model_fields)
+    return {field: flag for field, flag in flags.items() if field in fields}
+
+
+def name_flags(message: str, flags: dict[str, str]) -> str:
+    """`message` with each field a flag sets written as that flag: `field=value` as `--flag value`, `field.sub` as
+    `--flag: sub`, `field:` as `--flag:`. A field name without `_` (device, seed, policy) is a plain word in a
+    sentence, so it is only replaced in those three forms."""
+    message = message.removeprefix("LoopedSpecEngine: ")
+    if not flags:
+        return message
+    names = "|".join(re.escape(name) for name in sorted(flags, key=len, reverse=True))
+    value = r"'[^'\s]*'|[^\s'\"\[\]{}(),:;]+"
+    pattern = re.compile(rf"(?<![\w.'\"/-])(?P<field>{names})(?:=(?P<value>{value})?|(?P<sep>[.:])|(?!\w))")
+
+    def as_flag(match: re.Match) -> str:
+        field, flag = match["field"], flags[match["field"]]
+        if match[0].startswith(f"{field}="):
+            given = (match["value"] or "").strip("'")
+            return f"{flag} {FLAG_VALUES.get(flag, {}).get(given, given)}"
+        if match["sep"]:
+            return f"{flag}:" + (" " if match["sep"] == "." else "")
+        return flag if "_" in field else match[0]
+
+    return pattern.sub(as_flag, message)

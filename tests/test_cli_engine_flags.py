@@ -1,0 +1,172 @@
+"""The engine flags generate and serve share: KV cache and scheduling limits and the controller's tunables reach
+EngineConfig, errors name the flag, and --log-level shows looped-spec's own log lines on stderr."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+import looped_spec
+from looped_spec.cli import main
+from looped_spec.control.settings import ControlSettings
+from looped_spec.execution.kv_cache import KVCache
+
+BASE = ["generate", "--model", "tiny-ouro", "--max-tokens", "4", "--prompt", "def add(a, b):"]
+
+
+@pytest.fixture
+def engines(monkeypatch) -> list:
+    """The engines the command builds (generate and serve import LoopedSpecEngine from looped_spec when they run),
+    each with the KV blocks and block bytes it was built with (generate closes its engine, which frees them)."""
+    built = []
+
+    class Recorded(looped_spec.LoopedSpecEngine):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            self.built_kv_blocks = self.kv.num_blocks
+            self.block_bytes = KVCache.bytes_per_block(
+                self.adapter.kv_layout, self.config.block_size, self.adapter.dtype
+            )
+            built.append(self)
+
+    monkeypatch.setattr(looped_spec, "LoopedSpecEngine", Recorded)
+    return built
+
+
+def test_limit_flags_reach_the_engine(engines, capsys):
+    tunables = {"decision_interval": 8, "hysteresis": 0.1}
+    argv = BASE + ["--speculation", "adaptive", "--block-size", "8", "--max-num-batched-tokens", "16",
+                   "--num-kv-blocks", "300", "--control", json.dumps(tunables)]  # fmt: skip
+    assert main(argv) == 0
+    config = engines[-1].config
+    assert (config.block_size, config.max_num_batched_tokens, config.num_kv_blocks) == (8, 16, 300)
+    assert config.control == ControlSettings(**tunables) and engines[-1].built_kv_blocks == 300
+    assert main(BASE + ["--speculation", "2,1", "--kv-cache-memory-gb", "0.05"]) == 0
+    engine = engines[-1]
+    assert engine.config.kv_cache_memory_gb == 0.05
+    assert engine.built_kv_blocks == int(0.05 * 2**30) // engine.block_bytes  # fewer than a full batch would need
+    assert main(BASE + ["--speculation", "2,1", "--batching", "loop", "--max-pass-positions", "3"]) == 0
+    assert engines[-1].config.max_pass_positions == 3
+    capsys.readouterr()
+
+
+def test_serve_takes_the_same_flags_and_logs_its_startup_at_info(engines, capsys, monkeypatch):
+    """serve's default --log-level info shows the preset chosen and the engine's summary before uvicorn's lines
+    (here the server is not started: `serve` is replaced by a recorder)."""
+    served = {}
+    monkeypatch.setattr("looped_spec.server.launch.serve", lambda engine, name, **kw: served.update(kw, name=name))
+    assert main(["serve", "tiny-ouro", "--num-kv-blocks", "80", "--block-size", "32", "--max-num-batched-tokens",
+                 "64"]) == 0  # fmt: skip
+    config = engines[-1].config
+    assert (config.num_kv_blocks, config.block_size, config.max_num_batched_tokens) == (80, 32, 64)
+    assert served["log_level"] == "info" and served["name"] == "tiny-ouro"
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    lines = captured.err.splitlines()
+    assert any(
+        line.startswith("INFO ") and "[looped_spec.presets.lookup] adaptive preset for" in line for line in lines
+    )
+    assert any("[looped_spec.engine.engine] engine: tiny-ouro (ouro, D=4) on cpu, float32; KV cache 80 blocks x 32 "
+               "tokens" in line for line in lines), lines  # fmt: skip
+    assert main(["serve", "tiny-ouro", "--log-level", "warning"]) == 0
+    assert served["log_level"] == "warning" and "INFO" not in capsys.readouterr().err
+
+
+def test_generate_logs_only_warnings_unless_asked_and_never_on_stdout(capsys):
+    """generate's stdout is its output (parsed by scripts): its default --log-level warning adds nothing for a run
+    that goes well; --log-level info shows the startup lines on stderr, and stdout stays the same."""
+    argv = BASE + ["--speculation", "2,1"]
+    assert main(argv) == 0
+    quiet = capsys.readouterr()
+    assert quiet.err == ""
+    assert main(argv + ["--log-level", "info"]) == 0
+    told = capsys.readouterr()
+    assert told.out == quiet.out
+    assert "[looped_spec.engine.engine] engine: tiny-ouro (ouro, D=4) on cpu" in told.err
+
+
+@pytest.mark.parametrize(
+    "flags,message",
+    [
+        (["--speculation", "3,9"], "--speculation: d=9: must be in 1..3 (the model's full depth is D=4)"),
+        (["--speculation", "3,x"], "--speculation 3,x: use 'off', 'adaptive', 'K,d'"),
+        (["--structured-outputs", '{"json": {"type": "objekt"}}'], "--structured-outputs: json: Invalid type: objekt"),
+        (["--max-batch-size", "0"], "--max-batch-size 0: Input should be greater than or equal to 1"),
+        (["--dtype", "float8"], "--dtype float8: not supported; use one of auto, float32, bfloat16, float16"),
+        (["--speculation", "off", "--policy", "ema"],
+         "--policy ema: only with --speculation adaptive (--speculation off runs no adaptive controller)"),
+        (["--num-kv-blocks", "10"], "--num-kv-blocks 10 cannot hold one request of --max-model-len 1024"),
+        (["--kv-cache-memory-gb", "0"], "--kv-cache-memory-gb 0.0: must be a finite number of GiB > 0"),
+        (["--kv-cache-memory-gb", "1", "--num-kv-blocks", "100"],
+         "--num-kv-blocks 100, --kv-cache-memory-gb 1.0: set at most one"),
+        (["--block-size", "0"], "--block-size 0: Input should be greater than or equal to 1"),
+        (["--max-num-batched-tokens", "0"], "--max-num-batched-tokens 0: Input should be greater than or equal to 1"),
+        (["--max-pass-positions", "4"], "--max-pass-positions 4: a loop-pass budget, it needs --batching loop"),
+        (["--control", '{"decision_interval": 8'], "--control: not valid JSON (Expecting ',' delimiter at column 24)"),
+        (["--control", "[8]"], "--control: must be a JSON object, got '[8]'"),
+        (["--control", '{"decision_intervall": 8}'], "--control {'decision_intervall': 8}: unknown field(s) "
+         "decision_intervall"),
+        (["--control", '{"decision_interval": 0}'], "decision_interval=0 must be in [1, inf)"),
+        (["--speculation", "2,1", "--control", "{}"], "--control {}: only with --speculation adaptive"),
+        (["--speculation", "2,1", "--control", '{"hysteresis": 0.5}'],
+         "--control {'hysteresis': 0.5}: only with --speculation adaptive"),
+        (["--temperature", "-1"], "--temperature: Input should be greater than or equal to 0"),
+        (["--min-tokens", "9"], "--min-tokens 9 must be at most --max-tokens 4"),
+    ],
+)  # fmt: skip
+def test_errors_name_the_flag(flags, message, capsys):
+    assert main(BASE + flags) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("looped-spec: error: --") and message in err and err.count("\n") == 1, err
+
+
+def test_field_names_become_flags_only_where_they_name_a_field():
+    from looped_spec.cli.flag_errors import name_flags
+
+    flags = {"device": "--device", "cuda_graphs": "--cuda-graphs", "max_model_len": "--max-model-len"}
+    message = "cuda_graphs=True needs a CUDA device (cuda_graphs='emulate' runs the path on any device)"
+    assert name_flags(message, flags) == "--cuda-graphs on needs a CUDA device (--cuda-graphs emulate runs the path " \
+        "on any device)"  # fmt: skip
+    assert (
+        name_flags("/srv/max_model_len/x: lower max_model_len", flags) == "/srv/max_model_len/x: lower --max-model-len"
+    )
+    assert name_flags("the device: cpu", flags) == "the --device: cpu"  # the form a field is named in
+    assert name_flags("a device for it", flags) == "a device for it"
+
+
+def test_every_flag_states_its_default():
+    """--help shows each flag's default: argparse prints it, or (a default of None) the help says it in words."""
+    import argparse
+
+    from looped_spec.cli import build_parser
+
+    subparsers = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    silent = [(name, action.dest) for name, sub in subparsers.choices.items() for action in sub._actions
+              if action.default is None and action.option_strings and "default" not in (action.help or "")
+              and action.required is False]  # fmt: skip
+    assert not silent
+
+
+def test_batch_size_copies_decode_together_and_stream_runs_them_one_at_a_time(engines, capsys):
+    """What --batch-size and --stream say they do: N copies of every prompt, decoded in one batch; under --stream
+    each request runs alone. The copies share --seed: sampled ones are the same text too."""
+    argv = BASE[:-2] + ["--prompt", "a", "--prompt", "b", "--batch-size", "3", "--temperature", "1"]
+    assert main(argv) == 0
+    outputs = capsys.readouterr().out.split("\n\n---")[0].split("--- output ")[1:]
+    assert len(outputs) == 6 and len({o.split("\n", 1)[1].strip() for o in outputs}) == 2  # copies of a and b
+    assert max(engines[-1].stats.batch_size_histogram) == 6
+    assert main(argv + ["--stream"]) == 0
+    assert capsys.readouterr().out.count("--- output ") == 6 and set(engines[-1].stats.batch_size_histogram) == {1}
+
+
+def test_each_command_helps_with_its_own_seed():
+    import argparse
+
+    from looped_spec.cli import build_parser
+
+    subparsers = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    seed = {name: next(a.help for a in subparsers.choices[name]._actions if a.dest == "seed") for name in
+            ("generate", "serve")}  # fmt: skip
+    assert "prompt" not in seed["serve"] and "--batch-size" not in seed["serve"] and "request" in seed["serve"]
+    assert "every prompt" in seed["generate"] and "--batch-size" in seed["generate"]
