@@ -176,7 +176,8 @@ def preset_path(preset: str | Path) -> tuple[Path, str]:
         return path, "preset= file"
     shipped = shipped_preset_path(str(preset)) if path.suffix != ".json" else None
     if shipped is None:
-        raise PresetError(f"{path}: no such preset file or shipped preset (shipped: {', '.join(list_presets())})")
+        raise PresetError(f"preset={str(preset)!r}: no such preset file or shipped preset (shipped: "
+                          f"{', '.join(list_presets())})")  # fmt: skip
     return shipped, "preset= shipped name"
 
 

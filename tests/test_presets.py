@@ -202,7 +202,7 @@ def test_preset_argument_wins(tmp_path: Path):
 
 
 def test_errors_name_the_file(tmp_path: Path):
-    with pytest.raises(PresetError, match="nope.json: no such preset"):
+    with pytest.raises(PresetError, match="nope.json': no such preset"):
         load_preset("x", 4, tmp_path / "nope.json")
     path = tmp_path / "broken.json"
     data = copy.deepcopy(BASE)
