@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import socket
 import threading
 import time
@@ -52,3 +53,12 @@ def wait_until(condition, timeout: float = 30.0, what: str = "condition") -> Non
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out waiting for {what}")
         time.sleep(0.01)
+
+
+def ray_subprocess_env() -> dict[str, str]:
+    """The environment of a subprocess that starts its own local Ray cluster under the test suite: no RAY_ADDRESS
+    (never a cluster of the machine's), one torch thread per replica, and Ray's proxy given a minute for its ready and
+    health checks (5 and 10 s by default: on a 2-core box running the suite's other workers a check can miss them
+    three times, and Ray then restarts the proxy mid-test)."""
+    timeouts = dict.fromkeys(("RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S", "RAY_SERVE_PROXY_HEALTH_CHECK_TIMEOUT_S"), "60")
+    return {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"} | {"OMP_NUM_THREADS": "1"} | timeouts

@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from server_utils import ray_subprocess_env
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 
@@ -63,7 +64,7 @@ def test_server_load_test_runs_against_ray_serve_replicas():
     """bench_server.py --replicas 2: two Ray Serve replicas, every answer equal offline greedy, KV freed in both."""
     script = EXAMPLES.parent / "benchmarks" / "bench_server.py"
     args = ["--clients", "6", "--requests-per-client", "1", "--max-tokens", "6", "--max-batch-size", "4"]
-    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"} | {"OMP_NUM_THREADS": "1"}
+    env = ray_subprocess_env()
     done = subprocess.run([sys.executable, str(script), *args, "--replicas", "2"], capture_output=True, text=True,
                           timeout=600, env=env)  # fmt: skip
     assert done.returncode == 0, done.stdout + done.stderr

@@ -18,7 +18,7 @@ import pytest
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 from ray.serve.schema import ServeDeploySchema
-from server_utils import ServerThread
+from server_utils import ServerThread, ray_subprocess_env
 
 from looped_spec import LoopedSpecEngine, SamplingParams
 from looped_spec.server.replicas import DEPLOYMENT_NAME, build_application, parse_args
@@ -196,7 +196,7 @@ def offline_greedy():
 def test_two_replicas_through_the_ray_proxy(offline_greedy, tmp_path):
     port = _free_port()
     metrics_port = _free_port(then_free=1)  # replica r serves its metrics on metrics_port + r
-    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"} | {"OMP_NUM_THREADS": "1"}
+    env = ray_subprocess_env()
     log = (tmp_path / "server.log").open("w")
     server = subprocess.Popen(
         [
