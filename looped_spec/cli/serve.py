@@ -58,7 +58,7 @@ def add_parser(sub: argparse._SubParsersAction, fmt: type[argparse.HelpFormatter
     chat.add_argument("--chat-template", default=None, metavar="FILE_OR_TEMPLATE",
                       help="render every chat request with this Jinja template instead of the tokenizer's (so a model "
                       "without one serves chat): a file, or the template itself when it names no file and holds '{', "
-                      "'}' or a newline (vLLM's rule)")  # fmt: skip
+                      "'}' or a newline (vLLM's rule) (default: the tokenizer's own)")  # fmt: skip
     chat.add_argument("--trust-request-chat-template", action="store_true",
                       help="let a request's own chat_template field render its prompt (refused by default: a "
                       "template is code the server runs)")  # fmt: skip
