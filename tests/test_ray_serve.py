@@ -198,6 +198,8 @@ def test_two_replicas_through_the_ray_proxy(offline_greedy, tmp_path):
     metrics_port = _free_port(then_free=1)  # replica r serves its metrics on metrics_port + r
     env = ray_subprocess_env()
     log = (tmp_path / "server.log").open("w")
+    template = tmp_path / "chat.jinja"
+    template.write_text(CHAT_TEMPLATE)
     server = subprocess.Popen(
         [
             sys.executable,
@@ -219,6 +221,8 @@ def test_two_replicas_through_the_ray_proxy(offline_greedy, tmp_path):
             "24",
             "--log-level",
             "warning",
+            "--chat-template",
+            str(template),
         ],  # fmt: skip
         env=env,
         stdout=log,
@@ -229,6 +233,7 @@ def test_two_replicas_through_the_ray_proxy(offline_greedy, tmp_path):
     try:
         _wait(lambda: server.poll() is None and _health(url) == "ok", 150, "both replicas ready")
         _check_serving(url, metrics_port, offline_greedy)
+        _check_chat_template(url)
         _check_backpressure(url, offline_greedy)
         _check_replica_killed_mid_load(url, server.pid, metrics_port, offline_greedy)
     except BaseException:
@@ -246,6 +251,27 @@ def test_two_replicas_through_the_ray_proxy(offline_greedy, tmp_path):
                 os.killpg(server.pid, signal.SIGKILL)
             log.close()
     assert server.returncode == 0 and not leftovers, leftovers
+
+
+CHAT_TEMPLATE = "{% for m in messages %}<<{{ m['role'] }}>> {{ m['content'] }}\n{% endfor %}"
+
+
+def _check_chat_template(url: str) -> None:
+    """Every replica renders chat with the server's --chat-template (the file's text reached each), through /tokenize
+    (open without the API key, as in vLLM)."""
+    from looped_spec.engine.inputs import load_tokenizer
+    from looped_spec.models import shipped_model_path
+
+    tokenizer = load_tokenizer(shipped_model_path("tiny-ouro"))
+    body = {"messages": [{"role": "user", "content": "hi"}]}
+    replicas = set()
+    for _ in range(64):  # Ray picks a replica at random: until both have answered
+        answer = httpx.post(url + "/tokenize", json=body, timeout=30)
+        assert tokenizer.decode(answer.json()["tokens"]) == "<<user>> hi\n"
+        replicas.add(answer.headers["x-looped-spec-replica"])
+        if len(replicas) == 2:
+            break
+    assert len(replicas) == 2, replicas
 
 
 def _health(url: str) -> str | None:

@@ -433,7 +433,8 @@ def test_what_openai_refuses_is_refused_naming_the_field(server, client, monkeyp
 
         raise TemplateError("Conversation roles must alternate user/assistant/user/assistant/...")
 
-    monkeypatch.setattr("looped_spec.server.app.render_chat", refusing_template)  # a template's raise_exception
+    # a template's raise_exception
+    monkeypatch.setattr("looped_spec.server.chat_template.render_chat", refusing_template)
     answer = post("/v1/chat/completions", f'{{"model": "{MODEL}", "messages": [{{"role": "user", "content": "a"}}]}}')
     assert answer.status_code == 400 and answer.json()["error"]["param"] == "messages"
     assert "roles must alternate" in answer.json()["error"]["message"]

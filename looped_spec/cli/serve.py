@@ -15,8 +15,8 @@ def add_parser(sub: argparse._SubParsersAction, fmt: type[argparse.HelpFormatter
         "serve",
         help="serve an OpenAI-compatible HTTP API",
         formatter_class=fmt,
-        description="Serve /v1/completions, /v1/chat/completions, /v1/models, /health and "
-        "/metrics with FastAPI + uvicorn. /health and /metrics need no API key.",
+        description="Serve /v1/completions, /v1/chat/completions, /v1/models, /tokenize, /detokenize, /version, "
+        "/health and /metrics with FastAPI + uvicorn. Only /v1/* needs the API key (as in vLLM).",
     )
     srv.add_argument("model", nargs="?", default="tiny-ouro", help="checkpoint folder or shipped model name")
     srv.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0 exposes the server)")
@@ -54,6 +54,14 @@ def add_parser(sub: argparse._SubParsersAction, fmt: type[argparse.HelpFormatter
     tools.add_argument("--tool-call-parser", default=None, metavar="NAME",
                        help="the format the model writes its calls in, for tool_choice auto (hermes; an unknown "
                        "name lists the known ones) (default: none)")  # fmt: skip
+    chat = srv.add_argument_group("chat template (chat completions and /tokenize)")
+    chat.add_argument("--chat-template", default=None, metavar="FILE_OR_TEMPLATE",
+                      help="render every chat request with this Jinja template instead of the tokenizer's (so a model "
+                      "without one serves chat): a file, or the template itself when it names no file and holds '{', "
+                      "'}' or a newline (vLLM's rule) (default: the tokenizer's own)")  # fmt: skip
+    chat.add_argument("--trust-request-chat-template", action="store_true",
+                      help="let a request's own chat_template field render its prompt (refused by default: a "
+                      "template is code the server runs)")  # fmt: skip
     srv.add_argument("--early-exit", default="skip", choices=["skip", "select"],
                      help="how requests' exit_threshold / exit_at_step run (with or without speculation)")  # fmt: skip
     add_engine_flags(srv, "serve")
@@ -75,12 +83,35 @@ def tool_calling_config(args: argparse.Namespace):
         raise UsageError("; ".join(e["msg"].removeprefix("Value error, ") for e in exc.errors())) from None
 
 
+def chat_template_config(args: argparse.Namespace):
+    """The server's ChatTemplateConfig from the flags: the template read and compiled before the engine loads
+    (UsageError naming the flag)."""
+    from pydantic import ValidationError
+
+    from looped_spec.server.chat_template import ChatTemplateConfig, read_chat_template
+
+    try:
+        text = read_chat_template(args.chat_template) if args.chat_template is not None else None
+        return ChatTemplateConfig(chat_template=text, trust_request_chat_template=args.trust_request_chat_template)
+    except ValidationError as exc:
+        problems = "; ".join(e["msg"].removeprefix("Value error, ") for e in exc.errors())
+        raise UsageError(f"--chat-template {shown(args.chat_template)}: {problems}") from None
+    except ValueError as exc:
+        raise UsageError(f"--chat-template: {exc}") from None
+
+
+def shown(value: str, most: int = 60) -> str:
+    """A flag's value as an error message quotes it (a template written inline can be long)."""
+    return repr(value if len(value) <= most else value[:most] + "...")
+
+
 def serve_command(args: argparse.Namespace) -> int:
     from looped_spec import LoopedSpecEngine
     from looped_spec.server.launch import serve
 
     api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
     tool_calling = tool_calling_config(args)
+    chat_template = chat_template_config(args)
     scaling = dict(num_replicas=args.replicas, min_replicas=args.min_replicas, max_replicas=args.max_replicas,
                    target_ongoing_requests=args.target_ongoing_requests, metrics_port=args.metrics_port)  # fmt: skip
     at_least(args.threads, 0, "--threads", " (0: torch's default)")
@@ -89,13 +120,14 @@ def serve_command(args: argparse.Namespace) -> int:
     at_least(args.max_queued, 0, "--max-queued")
     at_least(args.max_body_bytes, 1, "--max-body-bytes")
     if any(value is not None for value in scaling.values()):
-        return serve_replicas(args, api_key, scaling, tool_calling)
+        return serve_replicas(args, api_key, scaling, tool_calling, chat_template)
     set_threads(args.threads)
     configure_logging(args.log_level)
     engine = LoopedSpecEngine(args.model, **engine_options(args))
     name = args.served_model_name or Path(str(args.model)).name
     serve(engine, name, host=args.host, port=args.port, api_key=api_key, max_queued=args.max_queued,
-          max_body_bytes=args.max_body_bytes, log_level=args.log_level, tool_calling=tool_calling)  # fmt: skip
+          max_body_bytes=args.max_body_bytes, log_level=args.log_level, tool_calling=tool_calling,
+          chat_template=chat_template)  # fmt: skip
     return 0
 
 
@@ -104,7 +136,7 @@ _REPLICA_FLAGS = {"num_replicas": "--replicas", "min_replicas": "--min-replicas"
                   "max_queued": "--max-queued"}  # fmt: skip
 
 
-def serve_replicas(args: argparse.Namespace, api_key: str | None, scaling: dict, tool_calling) -> int:
+def serve_replicas(args: argparse.Namespace, api_key: str | None, scaling: dict, tool_calling, chat_template) -> int:
     """`serve` with replicas: the same app under Ray Serve, one engine per replica (server/replicas.py)."""
     try:
         from looped_spec.server.replicas import ReplicaAppArgs, parse_args, run_replicas
@@ -120,6 +152,7 @@ def serve_replicas(args: argparse.Namespace, api_key: str | None, scaling: dict,
                                                    api_key=api_key, max_queued=args.max_queued,
                                                    max_body_bytes=args.max_body_bytes, threads=args.threads,
                                                    engine=options, tool_calling=tool_calling.model_dump(),
+                                                   chat_template=chat_template.model_dump(),
                                                    **given))  # fmt: skip
         app_args.check_before_start()
     except ValueError as exc:  # name the flags, not the application's fields

@@ -1,4 +1,5 @@
-"""The OpenAI-compatible HTTP API (FastAPI): completions, chat completions, models, health, metrics."""
+"""The OpenAI-compatible HTTP API (FastAPI): completions, chat completions, models, health, metrics; vLLM's
+/tokenize, /detokenize and /version."""
 
 from __future__ import annotations
 
@@ -8,13 +9,13 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from jinja2 import TemplateError
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from looped_spec import __version__
 from looped_spec.engine.async_engine import AsyncLoopedSpecEngine
 from looped_spec.request import RequestOutput
-from looped_spec.server.chat import NoChatTemplateError, render_chat
+from looped_spec.server.chat_template import ChatTemplateConfig, chat_prompt
 from looped_spec.server.errors import (
     APIError,
     on_api_error,
@@ -34,16 +35,21 @@ from looped_spec.server.protocol import (
     CompletionRequest,
     CompletionResponse,
     DeltaMessage,
+    DetokenizeRequest,
+    DetokenizeResponse,
     ModelCard,
     ModelList,
+    TokenizeResponse,
     UsageInfo,
+    VersionResponse,
     new_id,
     now,
 )
-from looped_spec.server.serving import OpenAIServing, check_text, finish_reason, sse_events, until_disconnected
+from looped_spec.server.serving import OpenAIServing, check_messages, finish_reason, sse_events, until_disconnected
 from looped_spec.server.token_bytes import TextOffsets
+from looped_spec.server.tokenize import detokenize, parse_tokenize_request, tokenize
 from looped_spec.server.tool_stream import ToolCallStream
-from looped_spec.server.tools import ToolCallingConfig, plan_tools, template_message, tool_message
+from looped_spec.server.tools import ToolCallingConfig, plan_tools, tool_message
 
 
 def build_app(
@@ -54,15 +60,17 @@ def build_app(
     replica: str | None = None,
     readiness: Callable[[], Awaitable[str | None]] | None = None,
     tool_calling: ToolCallingConfig | None = None,
+    chat_template: ChatTemplateConfig | None = None,
 ) -> FastAPI:
     """The FastAPI app around a started-on-startup async engine.
 
     Behind a router of replicas (server/replicas.py) `replica` names this one: every /metrics series carries it as
     a `replica` label and every response an `x-looped-spec-replica` header; `readiness()` returns why the whole
     deployment is not ready yet (None once it is), and /health reports it. `tool_calling`: whether `tool_choice:
-    "auto"` is served, and with which parser (server/tools.py).
+    "auto"` is served, and with which parser (server/tools.py). `chat_template`: the server's template and whether a
+    request may bring its own (server/chat_template.py).
     """
-    serving = OpenAIServing(engine, model_name, tool_calling)
+    serving = OpenAIServing(engine, model_name, tool_calling, chat_template)
     exposed = serving.metrics.exposed({"replica": replica} if replica else None)
 
     @asynccontextmanager
@@ -192,22 +200,13 @@ def build_app(
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         serving.check_request(body)
-        for i, message in enumerate(body.messages):
-            if isinstance(message.content, list):
-                for j, part in enumerate(message.content):
-                    check_text(part.text, f"messages[{i}].content[{j}].text")
-            elif message.content is not None:
-                check_text(message.content, f"messages[{i}].content")
+        check_messages(body.messages)
         plan = plan_tools(body, serving.tool_calling)
-        messages = [template_message(m, i) for i, m in enumerate(body.messages)]
-        try:
-            prompt = render_chat(serving.tokenizer, messages, body.add_generation_prompt, plan.template_tools)
-        except (NoChatTemplateError, TemplateError) as exc:  # no template, or the template refuses the messages
-            raise APIError(400, f"messages: {exc}" if isinstance(exc, TemplateError) else str(exc), "messages") from exc
-        except RecursionError as exc:  # a tool's schema (or a message) nested deeper than the template can walk
-            field = "tools" if plan.template_tools else "messages"
-            raise APIError(400, f"{field}: nested too deeply for the chat template", field) from exc
+        prompt = chat_prompt(serving.tokenizer, serving.chat_template, body, plan.template_tools)
         ids = serving.prompt_ids(prompt, "messages")
+        # echo (vLLM's): the reply starts with the last message's content when that message is the assistant's
+        last = body.messages[-1]
+        echoed = last.text() if body.echo and last.role == "assistant" else ""
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         top_n = (body.top_logprobs or 0) if body.logprobs else None
         await serving.check_grammar(body)
@@ -230,10 +229,12 @@ def build_app(
 
             def chunks(index: int, out: RequestOutput):
                 if not streams[index].started:  # every choice's role first, in index order (the first chunk
-                    for k, stream in enumerate(streams):  # must be choice 0's: the openai client builds on it)
-                        if not stream.started:
-                            stream.started = True
-                            yield chunk([ChatStreamChoice(index=k, delta=role)])
+                    fresh = [k for k, stream in enumerate(streams) if not stream.started]  # must be choice 0's:
+                    for k in fresh:  # the openai client builds on it), then what echo repeats, before any token
+                        streams[k].started = True
+                        yield chunk([ChatStreamChoice(index=k, delta=role)])
+                    for k in fresh if echoed else ():
+                        yield chunk([ChatStreamChoice(index=k, delta=DeltaMessage(content=echoed))])
                 logprobs = None
                 if body.logprobs and out.new_token_ids:
                     logprobs = serving.chat_logprobs(serving.new_logprobs(out))
@@ -257,10 +258,24 @@ def build_app(
         for k, out in enumerate(outs):
             logprobs = serving.chat_logprobs(out.logprobs or []) if body.logprobs else None
             message = tool_message(plan, out.text or "", out.finish_reason)
+            content = echoed + (message.content or "") if echoed else message.content
             result.append(ChatChoice(index=k, logprobs=logprobs, finish_reason=message.finish_reason,
-                                     message=ChatResponseMessage(content=message.content,
+                                     message=ChatResponseMessage(content=content,
                                                                  tool_calls=message.tool_calls)))  # fmt: skip
         return ChatCompletionResponse(id=cid, created=created, model=model_name, choices=result,
                                       usage=serving.usage(len(ids), outs, body.n))  # fmt: skip
+
+    @app.post("/tokenize")
+    async def tokenize_endpoint(request: Request) -> TokenizeResponse:
+        # two request forms, told apart by their fields (server/tokenize.py), so the body is parsed here
+        return tokenize(serving, parse_tokenize_request(await request.body()))
+
+    @app.post("/detokenize")
+    async def detokenize_endpoint(body: DetokenizeRequest) -> DetokenizeResponse:
+        return detokenize(serving, body)
+
+    @app.get("/version")
+    async def version() -> VersionResponse:
+        return VersionResponse(version=__version__)
 
     return app

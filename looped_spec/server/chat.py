@@ -13,16 +13,30 @@ class NoChatTemplateError(ValueError):
 
 
 def render_chat(
-    tokenizer, messages: list[dict], add_generation_prompt: bool = True, tools: list[dict] | None = None
+    tokenizer,
+    messages: list[dict],
+    add_generation_prompt: bool = True,
+    tools: list[dict] | None = None,
+    chat_template: str | None = None,
+    continue_final_message: bool = False,
+    template_kwargs: dict | None = None,
 ) -> str:
-    """The prompt text for `messages`, rendered by transformers' `apply_chat_template`; `tools` (OpenAI's shape) reach
-    the template as its `tools` variable (a template that does not use them ignores them)."""
-    if tokenizer is None or not getattr(tokenizer, "chat_template", None):
+    """The prompt text for `messages`, rendered by transformers' `apply_chat_template` with `chat_template` (None: the
+    tokenizer's own); `tools` (OpenAI's shape) reach the template as its `tools` variable (a template that does not
+    use them ignores them), `template_kwargs` as variables of their own; `continue_final_message` leaves the last
+    message open (the text ends with its content)."""
+    if tokenizer is None or (chat_template is None and not getattr(tokenizer, "chat_template", None)):
         raise NoChatTemplateError(
             "this model's tokenizer has no chat_template; use /v1/completions with a plain prompt"
         )
     return tokenizer.apply_chat_template(
-        messages, tools=tools, tokenize=False, add_generation_prompt=add_generation_prompt
+        messages,
+        tools=tools,
+        chat_template=chat_template,
+        tokenize=False,
+        add_generation_prompt=add_generation_prompt,
+        continue_final_message=continue_final_message,
+        **(template_kwargs or {}),
     )
 
 

@@ -10,6 +10,7 @@ import uvicorn
 from looped_spec.engine.async_engine import AsyncLoopedSpecEngine
 from looped_spec.engine.engine import LoopedSpecEngine
 from looped_spec.server.app import build_app
+from looped_spec.server.chat_template import ChatTemplateConfig
 from looped_spec.server.tools import ToolCallingConfig
 
 
@@ -24,10 +25,11 @@ def serve(
     log_level: str = "info",
     sock: socket.socket | None = None,
     tool_calling: ToolCallingConfig | None = None,
+    chat_template: ChatTemplateConfig | None = None,
 ) -> None:
     """Serve until interrupted (Ctrl-C / SIGTERM); the engine's worker stops with the server."""
     front = AsyncLoopedSpecEngine(engine, max_queued=max_queued)
-    app = build_app(front, model_name, api_key, max_body_bytes, tool_calling=tool_calling)
+    app = build_app(front, model_name, api_key, max_body_bytes, tool_calling=tool_calling, chat_template=chat_template)
     # on shutdown, open requests get a few seconds to finish; then they end with an error, and the engine stops
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5)
     server = DrainingServer(config, front)

@@ -6,7 +6,8 @@ neutral values (1, empty), which change nothing (clients such as benchmark harne
 is a 400 naming the field. Requests are strict about types as OpenAI is (`"max_tokens": "5"` or `"logprobs": true` on
 completions is a 400, not a silent conversion). Extensions beyond OpenAI's schema, as in vLLM: `top_k`, `min_p`,
 `repetition_penalty`, `ignore_eos`, `stop_token_ids`, `min_tokens`, `include_stop_str_in_output`,
-`skip_special_tokens`, `structured_outputs` (OpenAI's `response_format` too) (and `seed`, which OpenAI has too); and
+`skip_special_tokens`, `structured_outputs` (OpenAI's `response_format` too) (and `seed`, which OpenAI has too), chat's
+`add_generation_prompt`, `continue_final_message`, `chat_template`, `chat_template_kwargs` and `echo`; and
 looped-spec's early exit, `exit_threshold` / `exit_at_step` (checked by `SamplingParams` and the engine, errors naming
 the field).
 """
@@ -222,11 +223,26 @@ class ChatMessage(BaseModel):
         return self.content or ""
 
 
-class ChatCompletionRequest(SamplingFields):
+class ChatTemplateFields(BaseModel):
+    """How a chat request's messages become its prompt (vLLM's fields; server/chat_template.py has the rules)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
     messages: list[ChatMessage] = Field(min_length=1)
+    add_generation_prompt: bool = True
+    continue_final_message: bool = Field(False, description="Leave the last message open for the model to continue "
+                                         "(with add_generation_prompt: false).")  # fmt: skip
+    chat_template: str | None = Field(None, description="A template of the request's own (a server started with "
+                                      "--trust-request-chat-template only).")  # fmt: skip
+    chat_template_kwargs: dict[str, Any] | None = Field(None, description="Extra template variables (those the "
+                                                        "template does not read are dropped).")  # fmt: skip
+
+
+class ChatCompletionRequest(SamplingFields, ChatTemplateFields):
     max_tokens: int | None = Field(None, gt=0)
     max_completion_tokens: int | None = Field(None, gt=0)
-    add_generation_prompt: bool = True
+    echo: bool = Field(False, description="vLLM's: the reply starts with the last message's content when that message "
+                       "is the assistant's (the text continue_final_message continues).")  # fmt: skip
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
     # tool calling (server/tools.py): what may be called, and whether the model must, may or must not call
@@ -241,6 +257,48 @@ class ChatCompletionRequest(SamplingFields):
         if self.tool_choice is not None:
             return self.tool_choice
         return "auto" if self.tools else "none"
+
+
+class TokenizeCompletionRequest(BaseModel):
+    """/tokenize of a plain prompt (vLLM's)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    model: str | None = None
+    prompt: str
+    add_special_tokens: bool = True
+    return_token_strs: bool = False
+
+
+class TokenizeChatRequest(ChatTemplateFields):
+    """/tokenize of chat messages, rendered as chat completions renders them (vLLM's)."""
+
+    model: str | None = None
+    tools: list[ChatTool] | None = None
+    add_special_tokens: bool = Field(False, description="Special tokens (BOS) on top of what the template writes.")
+    return_token_strs: bool = False
+
+
+class TokenizeResponse(BaseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None = None
+
+
+class DetokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    model: str | None = None
+    tokens: list[int]
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str
+
+
+class VersionResponse(BaseModel):
+    version: str
 
 
 class PromptTokensDetails(BaseModel):

@@ -24,6 +24,7 @@ from looped_spec.engine.async_engine import AsyncLoopedSpecEngine
 from looped_spec.engine.config import EngineConfig
 from looped_spec.engine.engine import LoopedSpecEngine
 from looped_spec.server.app import build_app
+from looped_spec.server.chat_template import ChatTemplateConfig
 from looped_spec.server.serving import RETRY_AFTER_S
 from looped_spec.server.tools import ToolCallingConfig
 
@@ -47,6 +48,9 @@ class ReplicaAppArgs(BaseModel):
     engine: dict[str, Any] = Field(default_factory=dict, description="LoopedSpecEngine options (EngineConfig).")
     tool_calling: ToolCallingConfig = Field(default_factory=ToolCallingConfig,
                                             description='How tool_choice "auto" is served.')  # fmt: skip
+    chat_template: ChatTemplateConfig = Field(default_factory=ChatTemplateConfig, description="The server's chat "
+                                              "template (its text: `looped-spec serve --chat-template FILE` reads "
+                                              "the file) and whether a request may bring its own.")  # fmt: skip
     num_replicas: int | None = Field(None, ge=1, description="Fixed replica count (default 1 without autoscaling).")
     min_replicas: int | None = Field(None, ge=0, description="Autoscaling: fewest replicas.")
     max_replicas: int | None = Field(None, ge=1, description="Autoscaling: most replicas.")
@@ -147,7 +151,7 @@ class LoopedSpecServer:
         name = args.served_model_name or os.path.basename(os.path.normpath(args.model))
         app = build_app(self.engine, name, api_key, args.max_body_bytes, replica=self.replica,
                         readiness=lambda: deployment_readiness(self.app_name, self.deployment_name),
-                        tool_calling=args.tool_calling)  # fmt: skip
+                        tool_calling=args.tool_calling, chat_template=args.chat_template)  # fmt: skip
         if self.metrics_port is not None:
             self.metrics_server, _ = start_http_server(self.metrics_port, registry=app.state.metrics_registry)
         return app

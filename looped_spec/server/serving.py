@@ -18,10 +18,12 @@ from looped_spec.engine.inputs import load_tokenizer
 from looped_spec.request import RequestOutput
 from looped_spec.sampling_params import SamplingParams
 from looped_spec.server.chat import GenerationDefaults
+from looped_spec.server.chat_template import ChatTemplateConfig
 from looped_spec.server.errors import APIError, error_body, validation_message
 from looped_spec.server.metrics import ServerMetrics
 from looped_spec.server.protocol import (
     ChatLogprobs,
+    ChatMessage,
     ChatTokenLogprob,
     CompletionLogprobs,
     PromptTokensDetails,
@@ -41,11 +43,16 @@ class OpenAIServing:
     """Turns API requests into engine requests and engine outputs into API responses."""
 
     def __init__(
-        self, engine: AsyncLoopedSpecEngine, model_name: str, tool_calling: ToolCallingConfig | None = None
+        self,
+        engine: AsyncLoopedSpecEngine,
+        model_name: str,
+        tool_calling: ToolCallingConfig | None = None,
+        chat_template: ChatTemplateConfig | None = None,
     ) -> None:
         self.engine = engine
         self.model_name = model_name
         self.tool_calling = tool_calling if tool_calling is not None else ToolCallingConfig()
+        self.chat_template = chat_template if chat_template is not None else ChatTemplateConfig()
         core = engine.engine
         # the engine's tokenizer belongs to its worker thread; the front tokenises with its own copy
         self.tokenizer = load_tokenizer(core.adapter.path)
@@ -373,6 +380,16 @@ def bad_request(check, *args) -> None:
 def check_text(text: str, param: str) -> None:
     """400 for text that is not valid Unicode (JSON can carry a lone surrogate; no tokenizer can encode it)."""
     bad_request(inputs.check_text, text, param)
+
+
+def check_messages(messages: list[ChatMessage]) -> None:
+    """`check_text` of every message's text, naming the message (and part) that fails."""
+    for i, message in enumerate(messages):
+        if isinstance(message.content, list):
+            for j, part in enumerate(message.content):
+                check_text(part.text, f"messages[{i}].content[{j}].text")
+        elif message.content is not None:
+            check_text(message.content, f"messages[{i}].content")
 
 
 async def _merged(outputs: list[AsyncIterator[RequestOutput]]) -> AsyncIterator[tuple[int, RequestOutput]]:
