@@ -7,6 +7,7 @@ plain decoding.
 
 from __future__ import annotations
 
+import copy
 import json
 import time
 
@@ -884,3 +885,32 @@ def test_logit_bias_reaches_the_request(server, client, reference_engine):
     chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=3,
                                           temperature=0, logit_bias=bias)  # fmt: skip
     assert chat.choices[0].message.content == reference_engine.tokenizer.decode([17] * 3)
+
+
+def test_a_text_prompt_gets_the_tokenizers_special_tokens_as_offline_and_chat_only_the_templates(server, monkeypatch):
+    """vLLM's defaults, which the offline engine's encoding shares: completions encode a text prompt with the
+    tokenizer's special tokens (a BOS; `add_special_tokens: false` leaves them out), chat encodes the rendered
+    template without them (the template writes its own). The shipped tokenizers add none, so one here adds a BOS."""
+    from tokenizers.processors import TemplateProcessing
+
+    tokenizer = copy.deepcopy(server.app.state.serving.tokenizer)
+    bos = tokenizer.eos_token_id
+    tokenizer._tokenizer.post_processor = TemplateProcessing(single=f"{tokenizer.eos_token} $A",
+                                                             special_tokens=[(tokenizer.eos_token, bos)])  # fmt: skip
+    monkeypatch.setattr(server.app.state.serving, "tokenizer", tokenizer)
+    plain = len(tokenizer.encode(PROMPT, add_special_tokens=False))
+    assert tokenizer.encode(PROMPT)[0] == bos and len(tokenizer.encode(PROMPT)) == plain + 1
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+
+    def prompt_tokens(path: str, body: dict) -> int:
+        answer = httpx.post(server.url + path, json={"model": MODEL, "max_tokens": 1, **body}, headers=headers)
+        assert answer.status_code == 200, answer.text
+        return answer.json()["usage"]["prompt_tokens"]
+
+    assert prompt_tokens("/v1/completions", {"prompt": PROMPT}) == plain + 1
+    assert prompt_tokens("/v1/completions", {"prompt": PROMPT, "add_special_tokens": False}) == plain
+    messages = [{"role": "user", "content": PROMPT}]
+    rendered = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    templated = len(tokenizer.encode(rendered, add_special_tokens=False))
+    assert prompt_tokens("/v1/chat/completions", {"messages": messages}) == templated
+    assert prompt_tokens("/v1/chat/completions", {"messages": messages, "add_special_tokens": True}) == templated + 1

@@ -122,7 +122,7 @@ def build_app(
             raise APIError(400, "max_tokens: 0 generates nothing; with echo it returns (and scores) the prompt",
                            "max_tokens")  # fmt: skip
         score_only = body.max_tokens == 0
-        prompts = serving.prompt_lists(body.prompt, scored_only=score_only)
+        prompts = serving.prompt_lists(body.prompt, scored_only=score_only, add_special_tokens=body.add_special_tokens)
         scored = body.logprobs is not None
         # the prompt's scores (echo) come from a forward run afterwards with the seed the choice prefilled with
         seed = serving.scoring_seed(body, scored and body.echo)
@@ -203,7 +203,7 @@ def build_app(
         check_messages(body.messages)
         plan = plan_tools(body, serving.tool_calling)
         prompt = chat_prompt(serving.tokenizer, serving.chat_template, body, plan.template_tools)
-        ids = serving.prompt_ids(prompt, "messages")
+        ids = serving.prompt_ids(prompt, "messages", add_special_tokens=body.add_special_tokens)
         # echo (vLLM's): the reply starts with the last message's content when that message is the assistant's
         last = body.messages[-1]
         echoed = last.text() if body.echo and last.role == "assistant" else ""

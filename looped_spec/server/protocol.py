@@ -125,6 +125,8 @@ class CompletionRequest(SamplingFields):
     max_tokens: int | None = Field(16, ge=0, description="0 with `echo`: score the prompt, generate nothing.")
     logprobs: int | None = Field(None, ge=0, le=20, description="Log-probability of each token and the N most likely.")
     echo: bool = Field(False, description="Return the prompt before the completion (its tokens scored by `logprobs`).")
+    add_special_tokens: bool = Field(True, description="The tokenizer's special tokens (a BOS) around a text prompt, "
+                                     "as vLLM and the offline engine encode it.")  # fmt: skip
     # not built: accepted at their neutral values only
     best_of: int | None = None
     suffix: str | None = None
@@ -236,6 +238,7 @@ class ChatTemplateFields(BaseModel):
                                       "--trust-request-chat-template only).")  # fmt: skip
     chat_template_kwargs: dict[str, Any] | None = Field(None, description="Extra template variables (those the "
                                                         "template does not read are dropped).")  # fmt: skip
+    add_special_tokens: bool = Field(False, description="Special tokens (BOS) on top of what the template writes.")
 
 
 class ChatCompletionRequest(SamplingFields, ChatTemplateFields):
@@ -275,7 +278,6 @@ class TokenizeChatRequest(ChatTemplateFields):
 
     model: str | None = None
     tools: list[ChatTool] | None = None
-    add_special_tokens: bool = Field(False, description="Special tokens (BOS) on top of what the template writes.")
     return_token_strs: bool = False
 
 

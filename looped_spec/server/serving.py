@@ -81,21 +81,27 @@ class OpenAIServing:
             raise APIError(400, f"{param}: {num_choices} choices (prompts × n) exceed the {self.engine.max_in_flight} "
                            "requests this server runs or queues at once", param)  # fmt: skip
 
-    def prompt_lists(self, prompt, param: str = "prompt", scored_only: bool = False) -> list[list[int]]:
+    def prompt_lists(
+        self, prompt, param: str = "prompt", scored_only: bool = False, add_special_tokens: bool = True
+    ) -> list[list[int]]:
         """Token ids of each prompt of a completions request (a string, token ids, or a list of either)."""
         if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
             if len(prompt) > MAX_PROMPTS:
                 raise APIError(400, f"{param}: at most {MAX_PROMPTS} prompts per request (got {len(prompt)})", param)
-            return [self.prompt_ids(p, f"{param}[{i}]", scored_only) for i, p in enumerate(prompt)]
-        return [self.prompt_ids(prompt, param, scored_only)]
+            return [self.prompt_ids(p, f"{param}[{i}]", scored_only, add_special_tokens) for i, p in enumerate(prompt)]
+        return [self.prompt_ids(prompt, param, scored_only, add_special_tokens)]
 
-    def prompt_ids(self, prompt, param: str = "prompt", scored_only: bool = False) -> list[int]:
-        """A prompt's token ids; `scored_only`: it is scored, not generated from, so it may fill max_model_len."""
+    def prompt_ids(
+        self, prompt, param: str = "prompt", scored_only: bool = False, add_special_tokens: bool = True
+    ) -> list[int]:
+        """A prompt's token ids; `scored_only`: it is scored, not generated from, so it may fill max_model_len.
+        `add_special_tokens`: the tokenizer's own (a BOS) around a text, as the offline engine encodes prompts; a
+        rendered chat template already holds them."""
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise APIError(400, f"{param}: the model has no tokenizer; send token ids", param)
             check_text(prompt, param)
-            ids = self.tokenizer.encode(prompt, add_special_tokens=False)
+            ids = self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
         else:
             ids = list(prompt)
             bad_request(inputs.check_vocabulary, ids, self.vocab_size, param)
