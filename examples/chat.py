@@ -1,4 +1,4 @@
-"""Chat with the model's own chat template (transformers' apply_chat_template), offline.
+"""Chat offline with `engine.chat` (vLLM's LLM.chat): the model's own chat template renders each turn.
 
 tiny-ouro ships a plain template (messages as Python comments); it was not trained to chat, so its
 answers are Python-flavoured text. With a real chat model, pass its folder as --model. Prefix caching is on: each
@@ -31,11 +31,10 @@ def main() -> None:
     messages = [{"role": "system", "content": "You are a helpful Python programmer."}]
     for text in args.message or ["Write a function that adds two numbers."]:
         messages.append({"role": "user", "content": text})
-        prompt = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-        # the template's end-of-turn token is the tokenizer's eos; stop there (and at a blank line)
-        params = SamplingParams(max_tokens=args.max_tokens, temperature=0.7, top_p=0.95, seed=1, stop=["\n\n"],
-                                stop_token_ids=[tokenizer.eos_token_id])  # fmt: skip
-        out = engine.generate(prompt, params)[0]
+        # engine.chat renders the conversation with the template and stops at its end-of-turn token (the
+        # tokenizer's eos); this tiny model also rambles, so a blank line ends the reply too
+        params = SamplingParams(max_tokens=args.max_tokens, temperature=0.7, top_p=0.95, seed=1, stop=["\n\n"])
+        out = engine.chat(messages, params)[0]
         reply = out.text.strip()
         messages.append({"role": "assistant", "content": reply})
         cached = f"{out.metrics.num_cached_tokens} of {len(out.prompt_token_ids)} prompt tokens cached"

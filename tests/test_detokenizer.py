@@ -7,9 +7,10 @@ import json
 import pytest
 
 from looped_spec.detokenizer import REPLACEMENT_CHAR, IncrementalDetokenizer
+from looped_spec.engine.chat import NoChatTemplateError, render_chat
 from looped_spec.engine.inputs import load_tokenizer
 from looped_spec.models import shipped_model_path
-from looped_spec.server.chat import GenerationDefaults, NoChatTemplateError, render_chat
+from looped_spec.server.chat import GenerationDefaults
 
 TEXT = "héllo wörld → ∑ 😀 done"
 

@@ -11,7 +11,7 @@ import jsonschema
 import pytest
 from openai.lib.streaming._deltas import accumulate_delta
 
-from looped_spec.server.chat import render_chat
+from looped_spec.engine.chat import render_chat
 from looped_spec.server.errors import APIError
 from looped_spec.server.protocol import ChatCompletionRequest, ChatTool, FunctionDefinition
 from looped_spec.server.tool_stream import ToolCallStream

@@ -17,6 +17,7 @@ from tqdm import tqdm
 from looped_spec.control.controller import FixedController, make_controller
 from looped_spec.detokenizer import IncrementalDetokenizer
 from looped_spec.engine import loop_decoding, step_decoding
+from looped_spec.engine.chat import chat_prompt_ids, conversations
 from looped_spec.engine.config import EngineConfig, SpeculativeConfig, parse_speculation
 from looped_spec.engine.failures import StepFailures
 from looped_spec.engine.inputs import (
@@ -394,6 +395,46 @@ class LoopedSpecEngine:
         finally:
             bar.close()
         return [results[i] for i in ids]
+
+    def chat(
+        self,
+        messages: list[dict] | list[list[dict]],
+        params: SamplingParams | list[SamplingParams] | None = None,
+        *,
+        chat_template: str | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        tools: list[dict] | None = None,
+        use_tqdm: bool = False,
+    ) -> list[RequestOutput]:
+        """`generate` for chat, as vLLM's `LLM.chat`: each conversation (`messages`: one, a list of
+        {"role", "content"} dicts, or a list of them) rendered by the tokenizer's chat template (or `chat_template`,
+        the template's text) with `chat_template_kwargs` as template variables and `tools` as its `tools`;
+        `continue_final_message` (with `add_generation_prompt=False`) continues the last message instead of opening a
+        turn. The reply ends at the tokenizer's end-of-turn token (its eos) as well as the model's, unless
+        `ignore_eos`. Every conversation is rendered before any is queued."""
+        items = conversations(messages)
+        prompts = [
+            chat_prompt_ids(
+                self.tokenizer,
+                conversation,
+                f"messages[{i}]" if len(items) > 1 else "messages",
+                chat_template=chat_template,
+                template_kwargs=chat_template_kwargs,
+                tools=tools,
+                add_generation_prompt=add_generation_prompt,
+                continue_final_message=continue_final_message,
+            )  # fmt: skip
+            for i, conversation in enumerate(items)
+        ]
+        params_list = params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
+        end_of_turn = getattr(self.tokenizer, "eos_token_id", None)
+        if end_of_turn is not None and end_of_turn not in self.adapter.eos_token_ids:
+            params_list = [p if not isinstance(p, SamplingParams) or p.ignore_eos or end_of_turn in p.stop_token_ids
+                           else p.model_copy(update={"stop_token_ids": [*p.stop_token_ids, end_of_turn]})
+                           for p in params_list]  # fmt: skip
+        return self.generate(prompts, params_list, use_tqdm=use_tqdm)
 
     def _forget(self, requests: list[Request]) -> None:
         """Abort `requests` and drop them and their pending outputs (their caller got an exception instead)."""

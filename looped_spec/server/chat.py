@@ -1,4 +1,4 @@
-"""Chat prompts through the tokenizer's own chat template, and the checkpoint's generation defaults."""
+"""The checkpoint's generation defaults as the server applies them (chat templates: engine/chat.py)."""
 
 from __future__ import annotations
 
@@ -6,38 +6,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from looped_spec.models.generation_config import GenerationConfig, read_generation_config
-
-
-class NoChatTemplateError(ValueError):
-    """The model's tokenizer has no chat template: /v1/chat/completions cannot format messages."""
-
-
-def render_chat(
-    tokenizer,
-    messages: list[dict],
-    add_generation_prompt: bool = True,
-    tools: list[dict] | None = None,
-    chat_template: str | None = None,
-    continue_final_message: bool = False,
-    template_kwargs: dict | None = None,
-) -> str:
-    """The prompt text for `messages`, rendered by transformers' `apply_chat_template` with `chat_template` (None: the
-    tokenizer's own); `tools` (OpenAI's shape) reach the template as its `tools` variable (a template that does not
-    use them ignores them), `template_kwargs` as variables of their own; `continue_final_message` leaves the last
-    message open (the text ends with its content)."""
-    if tokenizer is None or (chat_template is None and not getattr(tokenizer, "chat_template", None)):
-        raise NoChatTemplateError(
-            "this model's tokenizer has no chat_template; use /v1/completions with a plain prompt"
-        )
-    return tokenizer.apply_chat_template(
-        messages,
-        tools=tools,
-        chat_template=chat_template,
-        tokenize=False,
-        add_generation_prompt=add_generation_prompt,
-        continue_final_message=continue_final_message,
-        **(template_kwargs or {}),
-    )
 
 
 @dataclass

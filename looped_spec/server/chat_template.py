@@ -24,7 +24,7 @@ from pydantic import BaseModel, ConfigDict, field_validator
 from transformers import PreTrainedTokenizerBase
 from transformers.utils.chat_template_utils import _compile_jinja_template, render_jinja_template
 
-from looped_spec.server.chat import NoChatTemplateError, render_chat
+from looped_spec.engine.chat import NoChatTemplateError, render_chat
 from looped_spec.server.errors import APIError
 from looped_spec.server.tools import template_message
 

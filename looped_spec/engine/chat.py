@@ -1,0 +1,80 @@
+"""Chat conversations as prompts: rendered by the tokenizer's chat template (or one given) through transformers'
+`apply_chat_template`, shared by the offline `LoopedSpecEngine.chat` and the server's chat completions."""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+class NoChatTemplateError(ValueError):
+    """The model's tokenizer has no chat template and none was given: messages cannot be formatted."""
+
+
+def render_chat(
+    tokenizer,
+    messages: list[dict],
+    add_generation_prompt: bool = True,
+    tools: list[dict] | None = None,
+    chat_template: str | None = None,
+    continue_final_message: bool = False,
+    template_kwargs: dict | None = None,
+) -> str:
+    """The prompt text for `messages`, rendered by transformers' `apply_chat_template` with `chat_template` (None: the
+    tokenizer's own); `tools` (OpenAI's shape) reach the template as its `tools` variable (a template that does not
+    use them ignores them), `template_kwargs` as variables of their own; `continue_final_message` leaves the last
+    message open (the text ends with its content)."""
+    if tokenizer is None or (chat_template is None and not getattr(tokenizer, "chat_template", None)):
+        raise NoChatTemplateError(
+            "this model's tokenizer has no chat_template: give one (chat_template=, serve --chat-template) or send a "
+            "plain prompt"
+        )
+    return tokenizer.apply_chat_template(
+        messages,
+        tools=tools,
+        chat_template=chat_template,
+        tokenize=False,
+        add_generation_prompt=add_generation_prompt,
+        continue_final_message=continue_final_message,
+        **(template_kwargs or {}),
+    )
+
+
+def conversations(messages: Any) -> list[list[dict]]:
+    """One conversation (a list of message dicts) or several (a list of such lists), as a list of conversations."""
+    if isinstance(messages, list) and messages and all(isinstance(m, dict) for m in messages):
+        return [messages]
+    if isinstance(messages, list) and messages and all(isinstance(c, list) and c for c in messages):
+        for i, conversation in enumerate(messages):
+            for j, message in enumerate(conversation):
+                if not isinstance(message, dict):
+                    raise TypeError(f"messages[{i}][{j}]: a message is a dict, got {type(message).__name__}")
+        return messages
+    raise TypeError("messages: one conversation (a non-empty list of message dicts, {'role': ..., 'content': ...}) or "
+                    "a list of them")  # fmt: skip
+
+
+def chat_prompt_ids(
+    tokenizer,
+    conversation: list[dict],
+    where: str,
+    *,
+    chat_template: str | None = None,
+    template_kwargs: dict | None = None,
+    add_generation_prompt: bool = True,
+    continue_final_message: bool = False,
+    tools: list[dict] | None = None,
+) -> list[int]:
+    """A conversation's prompt token ids (the template writes its own special tokens: none are added); a template's
+    failure is a ValueError naming `where` (the conversation) or `chat_template`."""
+    if continue_final_message and add_generation_prompt:
+        raise ValueError("continue_final_message=True needs add_generation_prompt=False (a new turn cannot also "
+                         "continue the last message)")  # fmt: skip
+    try:
+        text = render_chat(tokenizer, conversation, add_generation_prompt, tools, chat_template,
+                           continue_final_message, template_kwargs)  # fmt: skip
+    except NoChatTemplateError:
+        raise
+    except Exception as exc:  # the template refused the conversation (raise_exception) or failed on it
+        blamed = "chat_template" if chat_template is not None else where
+        raise ValueError(f"{blamed}: the chat template failed on {where}: {type(exc).__name__}: {exc}") from exc
+    return list(tokenizer.encode(text, add_special_tokens=False))

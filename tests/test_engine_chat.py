@@ -1,0 +1,83 @@
+"""LoopedSpecEngine.chat (vLLM's LLM.chat): conversations rendered by a chat template, then generated. The reference
+is transformers' own `apply_chat_template` followed by `generate` on its token ids."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+
+from looped_spec import LoopedSpecEngine, SamplingParams
+from looped_spec.engine.chat import NoChatTemplateError
+
+GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+ASK = [{"role": "user", "content": "Reverse a string."}]
+CONTINUE = [{"role": "user", "content": "Add two numbers."}, {"role": "assistant", "content": "def add("}]
+
+
+@pytest.fixture(scope="module")
+def engine():
+    with LoopedSpecEngine("tiny-ouro", speculation="adaptive", max_batch_size=4, max_model_len=256) as running:
+        yield running
+
+
+def template_ids(tokenizer, messages, **options) -> list[int]:
+    text = tokenizer.apply_chat_template(messages, tokenize=False, **options)
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
+def test_chat_generates_from_the_template_rendered_prompts(engine):
+    """One conversation, or several with one SamplingParams each: the same tokens as generate() on transformers'
+    rendering; continue_final_message continues the assistant's last message."""
+    tokenizer = engine.tokenizer
+    [out] = engine.chat(ASK, GREEDY)
+    [want] = engine.generate([template_ids(tokenizer, ASK, add_generation_prompt=True)], GREEDY)
+    assert out.token_ids == want.token_ids and out.prompt_token_ids == want.prompt_token_ids
+    outs = engine.chat([ASK, CONTINUE], [GREEDY, GREEDY.model_copy(update={"max_tokens": 3})],
+                       add_generation_prompt=False, continue_final_message=True)  # fmt: skip
+    prompts = [
+        template_ids(tokenizer, m, add_generation_prompt=False, continue_final_message=True) for m in (ASK, CONTINUE)
+    ]
+    wants = engine.generate(prompts, [GREEDY, GREEDY.model_copy(update={"max_tokens": 3})])
+    assert [o.token_ids for o in outs] == [w.token_ids for w in wants] and len(outs[1].token_ids) == 3
+    assert tokenizer.decode(outs[1].prompt_token_ids).endswith("def add(")  # the message left open
+
+
+def test_a_given_template_and_its_variables(engine):
+    template = "{% for m in messages %}{{ greeting }} {{ m['content'] }}\n{% endfor %}"
+    [out] = engine.chat(ASK, GREEDY, chat_template=template, chat_template_kwargs={"greeting": "Hello:"})
+    assert engine.tokenizer.decode(out.prompt_token_ids) == "Hello: Reverse a string.\n"
+
+
+def test_the_reply_ends_at_the_tokenizers_end_of_turn_token(engine, monkeypatch):
+    """A chat model's end-of-turn token (the tokenizer's eos, e.g. <|im_end|>) ends the reply even where the model's
+    own eos is another token; ignore_eos keeps going. Here the tokenizer's eos is made a token the reply writes."""
+    options = dict(add_generation_prompt=False, continue_final_message=True)
+    [free] = engine.chat(CONTINUE, SamplingParams(max_tokens=8, temperature=0.0), **options)
+    k = next(k for k in range(1, 8) if free.token_ids[k] not in free.token_ids[:k])  # a token new at position k
+    turn_end = free.token_ids[k]
+    assert turn_end not in engine.adapter.eos_token_ids
+    tokenizer = copy.deepcopy(engine.tokenizer)
+    monkeypatch.setattr(engine, "tokenizer", tokenizer)
+    tokenizer.eos_token = tokenizer.convert_ids_to_tokens(turn_end)
+    assert tokenizer.eos_token_id == turn_end
+    [out] = engine.chat(CONTINUE, SamplingParams(max_tokens=8, temperature=0.0), **options)
+    assert out.token_ids == free.token_ids[: k + 1] and out.finish_reason == "stop"
+    [kept] = engine.chat(CONTINUE, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True), **options)
+    assert kept.token_ids == free.token_ids
+
+
+def test_chat_errors_name_what_is_wrong(engine):
+    with pytest.raises(ValueError, match="continue_final_message=True needs add_generation_prompt=False"):
+        engine.chat(CONTINUE, GREEDY, continue_final_message=True)
+    with pytest.raises(ValueError, match="chat_template: the chat template failed on messages: TemplateError: no"):
+        engine.chat(ASK, GREEDY, chat_template="{{ raise_exception('no') }}")
+    with pytest.raises(TypeError, match="messages: one conversation"):
+        engine.chat("Reverse a string.", GREEDY)
+    with pytest.raises(TypeError, match=r"messages\[1\]\[0\]: a message is a dict"):
+        engine.chat([ASK, ["hi"]], GREEDY)
+    with LoopedSpecEngine("tiny-huginn", speculation="off", max_model_len=128) as bare:  # no template of its own
+        with pytest.raises(NoChatTemplateError, match="chat_template="):
+            bare.chat(ASK, GREEDY)
+        [out] = bare.chat(ASK, GREEDY, chat_template="{% for m in messages %}{{ m['content'] }}{% endfor %}")
+        assert bare.tokenizer.decode(out.prompt_token_ids) == "Reverse a string."
