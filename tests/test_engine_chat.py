@@ -72,6 +72,10 @@ def test_chat_errors_name_what_is_wrong(engine):
         engine.chat(CONTINUE, GREEDY, continue_final_message=True)
     with pytest.raises(ValueError, match="chat_template: the chat template failed on messages: TemplateError: no"):
         engine.chat(ASK, GREEDY, chat_template="{{ raise_exception('no') }}")
+    with pytest.raises(ValueError, match=r"chat_template_kwargs\['add_generation_prompt'\]: a rendering parameter"):
+        engine.chat(ASK, GREEDY, chat_template_kwargs={"add_generation_prompt": False})
+    with pytest.raises(ValueError, match="params: 1 SamplingParams for 2 conversations"):
+        engine.chat([ASK, ASK], [GREEDY])
     with pytest.raises(TypeError, match="messages: one conversation"):
         engine.chat("Reverse a string.", GREEDY)
     with pytest.raises(TypeError, match=r"messages\[1\]\[0\]: a message is a dict"):

@@ -225,3 +225,43 @@ def test_the_utility_endpoints_are_open_and_v1_is_not(server):
     assert post(server, "/detokenize", {"tokens": [1]}).status_code == 200
     assert httpx.get(server.url + "/version").status_code == 200
     assert post(server, "/v1/chat/completions", {"model": MODEL, "messages": QUESTION}).status_code == 401
+
+
+def test_templates_render_off_the_event_loop_and_blame_what_they_render(server, client, reference, monkeypatch):
+    """A template is code that may run long: it renders in a worker thread, never on the event loop that serves every
+    other request (chat completions and /tokenize). Text parts are joined one a line (vLLM's string content format).
+    A request's own template that renders nothing, or too much, is blamed by name."""
+    import asyncio
+
+    from looped_spec.server import app as app_module
+    from looped_spec.server import tokenize as tokenize_module
+
+    on_loop = []
+
+    def recording(original):
+        def call(*args, **kwargs):
+            try:
+                asyncio.get_running_loop()
+                on_loop.append(True)
+            except RuntimeError:
+                on_loop.append(False)
+            return original(*args, **kwargs)
+
+        return call
+
+    monkeypatch.setattr(app_module, "chat_prompt", recording(app_module.chat_prompt))
+    monkeypatch.setattr(tokenize_module, "chat_prompt", recording(tokenize_module.chat_prompt))
+    client.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=2, temperature=0)
+    parts = [{"role": "user", "content": [{"type": "text", "text": "A"}, {"type": "text", "text": "B"}]}]
+    tokens = post(server, "/tokenize", {"messages": parts}).json()["tokens"]
+    assert on_loop == [False, False]
+    assert "<user>A\nB<" in reference.tokenizer.decode(tokens)
+    for template in ("{{ '' }}", "{% for i in range(2000) %}ab {% endfor %}"):
+        answer = httpx.post(
+            server.url + "/v1/chat/completions",
+            headers={"Authorization": f"Bearer {API_KEY}"},
+            json={"model": MODEL, "messages": QUESTION, "chat_template": template},
+            timeout=60,
+        )
+        message, param = error(answer)
+        assert param == "chat_template" and message.startswith("chat_template"), message

@@ -3,11 +3,27 @@
 
 from __future__ import annotations
 
+import inspect
+from functools import lru_cache
 from typing import Any
 
 
 class NoChatTemplateError(ValueError):
     """The model's tokenizer has no chat template and none was given: messages cannot be formatted."""
+
+
+@lru_cache(maxsize=1)
+def rendering_parameters() -> frozenset[str]:
+    """The names transformers' renderer takes itself (`add_generation_prompt`, `tokenize`, `tools`, `return_dict`,
+    ...): as template variables they would collide with how the prompt is rendered, or change what it returns."""
+    from transformers import PreTrainedTokenizerBase
+    from transformers.utils.chat_template_utils import render_jinja_template
+
+    kinds = (inspect.Parameter.VAR_KEYWORD, inspect.Parameter.VAR_POSITIONAL)
+    names = {"messages"}
+    for function in (PreTrainedTokenizerBase.apply_chat_template, render_jinja_template):
+        names |= {p.name for p in inspect.signature(function).parameters.values() if p.kind not in kinds}
+    return frozenset(names - {"self"})
 
 
 def render_chat(
@@ -69,6 +85,10 @@ def chat_prompt_ids(
     if continue_final_message and add_generation_prompt:
         raise ValueError("continue_final_message=True needs add_generation_prompt=False (a new turn cannot also "
                          "continue the last message)")  # fmt: skip
+    for name in template_kwargs or {}:
+        if name in rendering_parameters():
+            raise ValueError(f"chat_template_kwargs[{name!r}]: a rendering parameter, not a template variable (pass "
+                             "chat()'s own argument where there is one)")  # fmt: skip
     try:
         text = render_chat(tokenizer, conversation, add_generation_prompt, tools, chat_template,
                            continue_final_message, template_kwargs)  # fmt: skip

@@ -429,6 +429,8 @@ class LoopedSpecEngine:
             for i, conversation in enumerate(items)
         ]
         params_list = params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
+        if len(params_list) != len(prompts):
+            raise ValueError(f"params: {len(params_list)} SamplingParams for {len(prompts)} conversations")
         end_of_turn = getattr(self.tokenizer, "eos_token_id", None)
         if end_of_turn is not None and end_of_turn not in self.adapter.eos_token_ids:
             params_list = [p if not isinstance(p, SamplingParams) or p.ignore_eos or end_of_turn in p.stop_token_ids

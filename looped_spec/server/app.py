@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Awaitable, Callable
 from contextlib import asynccontextmanager
 
@@ -202,8 +203,11 @@ def build_app(
         serving.check_request(body)
         check_messages(body.messages)
         plan = plan_tools(body, serving.tool_calling)
-        prompt = chat_prompt(serving.tokenizer, serving.chat_template, body, plan.template_tools)
-        ids = serving.prompt_ids(prompt, "messages", add_special_tokens=body.add_special_tokens)
+        # rendered off the event loop: a template is code that may run long (a trusted request's own, or a server's)
+        prompt = await asyncio.to_thread(chat_prompt, serving.tokenizer, serving.chat_template, body,
+                                         plan.template_tools)  # fmt: skip
+        rendered_by = "chat_template" if body.chat_template is not None else "messages"  # blamed for its length
+        ids = serving.prompt_ids(prompt, rendered_by, add_special_tokens=body.add_special_tokens)
         # echo (vLLM's): the reply starts with the last message's content when that message is the assistant's
         last = body.messages[-1]
         echoed = last.text() if body.echo and last.role == "assistant" else ""
@@ -268,7 +272,7 @@ def build_app(
     @app.post("/tokenize")
     async def tokenize_endpoint(request: Request) -> TokenizeResponse:
         # two request forms, told apart by their fields (server/tokenize.py), so the body is parsed here
-        return tokenize(serving, parse_tokenize_request(await request.body()))
+        return await tokenize(serving, parse_tokenize_request(await request.body()))
 
     @app.post("/detokenize")
     async def detokenize_endpoint(body: DetokenizeRequest) -> DetokenizeResponse:

@@ -14,17 +14,15 @@ Every failure of a template on a request is a 400 naming the field to blame, nev
 
 from __future__ import annotations
 
-import inspect
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
 from jinja2 import TemplateError, TemplateSyntaxError, meta
 from pydantic import BaseModel, ConfigDict, field_validator
-from transformers import PreTrainedTokenizerBase
-from transformers.utils.chat_template_utils import _compile_jinja_template, render_jinja_template
+from transformers.utils.chat_template_utils import _compile_jinja_template
 
-from looped_spec.engine.chat import NoChatTemplateError, render_chat
+from looped_spec.engine.chat import NoChatTemplateError, render_chat, rendering_parameters
 from looped_spec.server.errors import APIError
 from looped_spec.server.tools import template_message
 
@@ -64,17 +62,6 @@ def template_variables(source: str) -> frozenset[str]:
     return frozenset(meta.find_undeclared_variables(environment.parse(source)))
 
 
-def _parameter_names(function) -> set[str]:
-    kinds = (inspect.Parameter.VAR_KEYWORD, inspect.Parameter.VAR_POSITIONAL)
-    return {p.name for p in inspect.signature(function).parameters.values() if p.kind not in kinds}
-
-
-#: names transformers' renderer takes itself: as a template variable each would collide with (or silently change)
-#: how the prompt is rendered, so `chat_template_kwargs` may not carry them
-RENDERING_PARAMETERS = frozenset(
-    (_parameter_names(PreTrainedTokenizerBase.apply_chat_template) | _parameter_names(render_jinja_template)
-     | {"messages"}) - {"self"}
-)  # fmt: skip
 #: rendering parameters a chat request sets with a field of its own
 REQUEST_FIELDS = ("chat_template", "add_generation_prompt", "continue_final_message", "tools", "messages")
 
@@ -99,7 +86,7 @@ class ChatTemplateConfig(BaseModel):
 def template_kwargs(source: str, kwargs: dict[str, Any] | None) -> dict[str, Any]:
     """The request's `chat_template_kwargs` that `source` reads. A rendering parameter is a 400 naming it."""
     for name in kwargs or {}:
-        if name in RENDERING_PARAMETERS:
+        if name in rendering_parameters():
             field = f"chat_template_kwargs.{name}"
             hint = f"; set the request's {name} field" if name in REQUEST_FIELDS else ""
             raise APIError(400, f"{field}: a rendering parameter, not a template variable{hint}", field)

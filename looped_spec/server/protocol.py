@@ -220,8 +220,8 @@ class ChatMessage(BaseModel):
         return self
 
     def text(self) -> str:
-        if isinstance(self.content, list):
-            return "".join(part.text for part in self.content)
+        if isinstance(self.content, list):  # text parts, one a line (vLLM's "string" content format)
+            return "\n".join(part.text for part in self.content)
         return self.content or ""
 
 

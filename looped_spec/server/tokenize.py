@@ -3,6 +3,7 @@ them), `POST /detokenize`. Like vLLM's they live outside /v1, so they need no AP
 
 from __future__ import annotations
 
+import asyncio
 import json
 
 from pydantic import ValidationError
@@ -35,15 +36,18 @@ def parse_tokenize_request(raw: bytes) -> TokenizeCompletionRequest | TokenizeCh
         raise APIError(400, message, param) from None
 
 
-def tokenize(serving: OpenAIServing, body: TokenizeCompletionRequest | TokenizeChatRequest) -> TokenizeResponse:
+async def tokenize(serving: OpenAIServing, body: TokenizeCompletionRequest | TokenizeChatRequest) -> TokenizeResponse:
     """The token ids of the prompt (chat: of the rendered messages, which chat completions would run), their count,
-    the server's max_model_len and, with `return_token_strs`, each token as the tokenizer spells it."""
+    the server's max_model_len and, with `return_token_strs`, each token as the tokenizer spells it. A template renders
+    off the event loop (it is code that may run long); the encoding stays on it (the front's tokenizer is not safe
+    to share across threads)."""
     field = "messages" if isinstance(body, TokenizeChatRequest) else "prompt"
     tokenizer = checked_tokenizer(serving, body.model, field)
     if isinstance(body, TokenizeChatRequest):
         check_messages(body.messages)
         tools = [tool.model_dump(exclude_none=True) for tool in body.tools or []] or None
-        text = chat_prompt(tokenizer, serving.chat_template, body, tools)
+        text = await asyncio.to_thread(chat_prompt, tokenizer, serving.chat_template, body, tools)
+        field = "chat_template" if body.chat_template is not None else field  # what an empty rendering is blamed on
     else:
         text = body.prompt
     check_text(text, field)
