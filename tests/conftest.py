@@ -89,7 +89,7 @@ class TokenizerFailingOn:
 @pytest.fixture(autouse=True)
 def _looped_spec_logging_restored():
     """`main(["generate" | "serve", ...])` run in-process sets the looped_spec logger's level and stderr handler
-    (cli/logs.py): each test starts from the logger as the previous one found it, not at INFO on stderr."""
+    (logs.py): each test starts from the logger as the previous one found it, not at INFO on stderr."""
     logger = logging.getLogger("looped_spec")
     handlers, level = list(logger.handlers), logger.level
     yield

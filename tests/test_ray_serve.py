@@ -73,6 +73,9 @@ def test_application_options_follow_the_arguments():
     assert (autoscaling.min_replicas, autoscaling.max_replicas, autoscaling.target_ongoing_requests) == (0, 3, 4)
     on_gpu = build_application({"engine": {"device": "cuda"}})._bound_deployment
     assert on_gpu.ray_actor_options["num_gpus"] == 1 and on_gpu.num_replicas == 1
+    assert parse_args({}).log_level == "info" and parse_args({"log_level": "debug"}).log_level == "debug"
+    with pytest.raises(ValueError, match="log_level"):
+        parse_args({"log_level": "loud"})
 
 
 def test_config_file_is_a_valid_serve_config_and_builds_the_application():
@@ -461,3 +464,14 @@ def test_serve_replica_flags_are_checked_before_ray_starts(capsys):
         assert message in err and err.count("\n") == 1 and "Value error" not in err, err
     assert main(["serve", "no-such-model", "--replicas", "2"]) == 2
     assert "no-such-model: not a checkpoint folder" in capsys.readouterr().err
+
+
+def test_serve_replicas_pass_the_log_level(monkeypatch):
+    """`--log-level` reaches each replica (its own process: it sets its looped-spec logging from the arguments)."""
+    from looped_spec.cli import main
+
+    started = {}
+    monkeypatch.setattr("looped_spec.server.replicas.run_replicas", lambda args, host, port: started.update(args=args))
+    assert main(["serve", "tiny-ouro", "--replicas", "2", "--log-level", "debug"]) == 0
+    assert started["args"].log_level == "debug"
+    assert build_application(started["args"])._bound_deployment.init_args[0]["log_level"] == "debug"

@@ -7,7 +7,7 @@ import json
 import os
 from pathlib import Path
 
-from looped_spec.cli.logs import LOG_LEVELS
+from looped_spec.logs import LOG_LEVELS
 
 API_KEY_ENV = "LOOPED_SPEC_API_KEY"
 

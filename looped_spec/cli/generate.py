@@ -18,7 +18,7 @@ from looped_spec.cli.common import (
     output_file,
     set_threads,
 )  # fmt: skip
-from looped_spec.cli.logs import configure_logging
+from looped_spec.logs import configure_logging
 
 
 def add_parser(sub: argparse._SubParsersAction, fmt: type[argparse.HelpFormatter]) -> None:

@@ -7,7 +7,7 @@ import os
 from pathlib import Path
 
 from looped_spec.cli.common import API_KEY_ENV, UsageError, add_engine_flags, at_least, engine_options, set_threads
-from looped_spec.cli.logs import configure_logging
+from looped_spec.logs import configure_logging
 
 
 def add_parser(sub: argparse._SubParsersAction, fmt: type[argparse.HelpFormatter]) -> None:
@@ -151,6 +151,7 @@ def serve_replicas(args: argparse.Namespace, api_key: str | None, scaling: dict,
         app_args: ReplicaAppArgs = parse_args(dict(model=str(args.model), served_model_name=args.served_model_name,
                                                    api_key=api_key, max_queued=args.max_queued,
                                                    max_body_bytes=args.max_body_bytes, threads=args.threads,
+                                                   log_level=args.log_level,
                                                    engine=options, tool_calling=tool_calling.model_dump(),
                                                    chat_template=chat_template.model_dump(),
                                                    **given))  # fmt: skip

@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-from typing import Any
+from typing import Any, Literal
 
 import ray
 from prometheus_client import start_http_server
@@ -23,6 +23,7 @@ from ray.serve.config import AutoscalingConfig, BackpressureConfig
 from looped_spec.engine.async_engine import AsyncLoopedSpecEngine
 from looped_spec.engine.config import EngineConfig
 from looped_spec.engine.engine import LoopedSpecEngine
+from looped_spec.logs import configure_logging
 from looped_spec.server.app import build_app
 from looped_spec.server.chat_template import ChatTemplateConfig
 from looped_spec.server.serving import RETRY_AFTER_S
@@ -45,6 +46,9 @@ class ReplicaAppArgs(BaseModel):
                             "Ray's queue (at least 1); more get 429 with Retry-After.")  # fmt: skip
     max_body_bytes: int = Field(1 << 20, ge=1, description="Larger request bodies get 413.")
     threads: int = Field(1, ge=0, description="torch CPU threads per replica (0: torch's default).")
+    log_level: Literal["critical", "error", "warning", "info", "debug"] = Field(
+        "info", description="looped-spec's own log lines in each replica's log (its startup lines at info)."
+    )
     engine: dict[str, Any] = Field(default_factory=dict, description="LoopedSpecEngine options (EngineConfig).")
     tool_calling: ToolCallingConfig = Field(default_factory=ToolCallingConfig,
                                             description='How tool_choice "auto" is served.')  # fmt: skip
@@ -134,6 +138,7 @@ class LoopedSpecServer:
 
     def __init__(self, args: dict[str, Any]) -> None:
         self.args = args = parse_args(args)
+        configure_logging(args.log_level)  # before the engine starts: its startup lines (preset, KV cache) at info
         if args.threads:
             import torch
 

@@ -1,5 +1,5 @@
-"""looped-spec's own log lines on stderr for `generate` and `serve` (as vLLM prints its startup lines), at the level
---log-level names. Logs stay on stderr: generate's stdout is its output, parsed by scripts."""
+"""looped-spec's own log lines on stderr for `generate`, `serve` and each Ray Serve replica (as vLLM prints its startup
+lines), at the level --log-level names. Logs stay on stderr: generate's stdout is its output, parsed by scripts."""
 
 from __future__ import annotations
 
