@@ -30,9 +30,11 @@ PROFILE = ideal_cost(16)
 def test_cli_tune_writes_a_valid_preset_and_heatmap(tmp_path, capsys):
     out, png = tmp_path / "presets" / "ouro-tiny.json", tmp_path / "heat.png"
     argv = ["tune", "--model", str(fixture_dir("ouro")), "--grid", GRID, "--out", str(out), "--heatmap", str(png)]
-    rc = main([*argv, "--hardware", "test-cpu", *TINY])
+    rc = main([*argv, "--hardware", "test-cpu", "--log-level", "info", *TINY])
     assert rc == 0
-    printed = capsys.readouterr().out
+    captured = capsys.readouterr()
+    printed = captured.out
+    assert "[looped_spec.engine.engine] engine: " in captured.err  # --log-level info: the engine's startup line
     assert "pass-cost profile against" in printed and "preset buckets" in printed and "alpha by depth" in printed
     config = read_preset_file(out)
     loaded = load_preset("ouro-tiny", 4, preset=out)

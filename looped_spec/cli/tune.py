@@ -9,6 +9,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from looped_spec.cli.common import UsageError, at_least, output_file, set_threads
+from looped_spec.logs import LOG_LEVELS, configure_logging
 
 
 def add_parser(sub: argparse._SubParsersAction, fmt: type[argparse.HelpFormatter]) -> None:
@@ -76,6 +77,9 @@ def add_parser(sub: argparse._SubParsersAction, fmt: type[argparse.HelpFormatter
     tune.add_argument("--adapter-option", action="append", metavar="KEY=VALUE", help="passed to the adapter "
                       "(repeatable; default: no options)")  # fmt: skip
     tune.add_argument("--quiet", action="store_true", help="no progress bar")
+    tune.add_argument("--log-level", default="warning", choices=LOG_LEVELS,
+                      help="looped-spec's own log lines on stderr at this level and above (default: warning; info "
+                      "adds the engines' startup lines)")  # fmt: skip
     tune.set_defaults(func=tune_command, argv=None)
 
 
@@ -135,6 +139,8 @@ def write_output(path: Path, flag: str, write: Callable[[Path], object]) -> None
 
 def _tune(args: argparse.Namespace, written: list[Path]) -> int:
     import shlex
+
+    configure_logging(args.log_level)
 
     from looped_spec.models.adapter import resolve_model_path
     from looped_spec.models.checkpoint import read_config, resolve_dtype
