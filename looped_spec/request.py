@@ -135,6 +135,8 @@ class Request:
         self.stop_id_list = sorted(self.stop_ids)
         # structured outputs: the grammar, advanced by every committed token (structured_output.py)
         self.grammar = grammar
+        # allowed_token_ids: the only tokens it may generate (the sampler masks the rest; None: any)
+        self.allowed_ids = sorted(set(params.allowed_token_ids)) if params.allowed_token_ids is not None else None
         self.max_model_len = max_model_len
         self.seed = seed
         self.generator = torch.Generator().manual_seed(seed)
@@ -177,7 +179,7 @@ class Request:
     @property
     def adjusts_logits(self) -> bool:
         """Whether its logits are changed before sampling (execution/sampler.py `SamplingRows.adjusted`)."""
-        return bool(self.logit_bias) or self.depends_on_output
+        return bool(self.logit_bias) or self.allowed_ids is not None or self.depends_on_output
 
     @property
     def depends_on_output(self) -> bool:

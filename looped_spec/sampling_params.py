@@ -6,7 +6,7 @@ import numbers
 import operator
 from typing import Annotated, Any
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from looped_spec.structured_output import StructuredOutputs
 
@@ -114,6 +114,13 @@ class SamplingParams(BaseModel):
         "include_stop_str_in_output, as in vLLM).",
     )
     ignore_eos: bool = Field(False, description="Keep generating past the model's eos token.")
+    allowed_token_ids: list[Integer] | None = Field(
+        None,
+        strict=False,
+        min_length=1,
+        description="Only these tokens may be generated (vLLM's): every other token's logit is masked, greedy "
+        "decoding and drafts included. None: any token.",
+    )
     exit_threshold: Real | None = Field(
         None,
         gt=0.0,
@@ -177,13 +184,20 @@ class SamplingParams(BaseModel):
                 raise ValueError(f"logit_bias[{token}] = {value} must be in [-100, 100]")
         return bias
 
-    @field_validator("stop_token_ids")
+    @field_validator("stop_token_ids", "allowed_token_ids")
     @classmethod
-    def _non_negative(cls, ids: list[int]) -> list[int]:
-        for i, token in enumerate(ids):
+    def _non_negative(cls, ids: list[int] | None, info: ValidationInfo) -> list[int] | None:
+        for i, token in enumerate(ids or []):
             if token < 0:
-                raise ValueError(f"stop_token_ids[{i}] = {token} is negative")
+                raise ValueError(f"{info.field_name}[{i}] = {token} is negative")
         return ids
+
+    @model_validator(mode="after")
+    def _allowed_tokens_without_a_grammar(self) -> SamplingParams:
+        if self.allowed_token_ids is not None and self.structured_outputs is not None:
+            raise ValueError("allowed_token_ids and structured_outputs: set at most one (a grammar already decides "
+                             "which tokens may come; fold the allowed tokens into it)")  # fmt: skip
+        return self
 
     @model_validator(mode="after")
     def _min_within_max(self) -> SamplingParams:

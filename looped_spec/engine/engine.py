@@ -237,6 +237,11 @@ class LoopedSpecEngine:
             raise ValueError(f"min_tokens={params.min_tokens}: every token of the vocabulary is a stop token (eos and "
                              "stop_token_ids), so none may be sampled before min_tokens")  # fmt: skip
         check_bias_tokens(params.logit_bias, self.adapter.vocab_size)
+        if params.allowed_token_ids is not None:
+            check_vocabulary(params.allowed_token_ids, self.adapter.vocab_size, "allowed_token_ids")
+            if params.min_tokens and set(params.allowed_token_ids) <= stops:
+                raise ValueError(f"allowed_token_ids: every one is a stop token (eos or stop_token_ids), so none "
+                                 f"may be sampled before min_tokens={params.min_tokens}")  # fmt: skip
         if params.stop and self.tokenizer is None:
             raise ValueError("stop strings need the model's tokenizer files; use stop_token_ids instead")
         exit_threshold, exit_at_step = self.resolve_exit(params)

@@ -38,12 +38,15 @@ class SamplingRows:
     banned: tuple[torch.Tensor, torch.Tensor] | None = None
     # where some row follows a grammar: (rows, [G, V] bool the tokens its grammar allows there; structured_output.py)
     grammar: tuple[torch.Tensor, torch.Tensor] | None = None
+    # where some row sets allowed_token_ids: (the rows [R], then rows and token ids [num_allowed]): every token of
+    # those rows but the allowed ones is masked
+    allowed: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
     @property
     def adjusts(self) -> bool:
         """Whether some row's logits are changed before sampling (a logit bias, a penalty, a min_tokens mask or a
         grammar): even a greedy row then takes the argmax of `adjusted(logits)`."""
-        return self.bias is not None or self.penalties is not None or self.counts_drafts
+        return self.bias is not None or self.penalties is not None or self.allowed is not None or self.counts_drafts
 
     @property
     def counts_drafts(self) -> bool:
@@ -61,6 +64,7 @@ class SamplingRows:
         penalties = PenaltyRows.build(requests, drafted)
         banned = _min_token_bans(requests, drafted, device)
         grammar = _grammar_masks(requests, drafted, device)
+        allowed = _allowed_tokens(requests, device)
         bias = None
         if any(r.logit_bias for r in requests):
             entries = [(i, token, value) for i, r in enumerate(requests) for token, value in r.logit_bias.items()]
@@ -69,24 +73,31 @@ class SamplingRows:
                     to_device(list(values), device))  # fmt: skip
         if all_greedy:
             empty = torch.empty(0, device=device)
-            return cls(requests, empty, empty, empty, empty, True, False, None, bias, penalties, banned, grammar)
+            return cls(
+                requests, empty, empty, empty, empty, True, False, None, bias, penalties, banned, grammar, allowed
+            )
         temps = to_device([r.temperature if not r.greedy else 1.0 for r in requests], device)
         top_k = to_device([r.top_k for r in requests], device, torch.long)
         top_p = to_device([r.top_p for r in requests], device)
         greedy = to_device([r.greedy for r in requests], device)
         needs_filter = any(r.top_k > 0 or r.top_p < 1.0 for r in requests)
         min_p = to_device([r.min_p for r in requests], device) if any(r.min_p > 0.0 for r in requests) else None
-        return cls(requests, temps, top_k, top_p, greedy, False, needs_filter, min_p, bias, penalties, banned, grammar)
+        return cls(requests, temps, top_k, top_p, greedy, False, needs_filter, min_p, bias, penalties, banned, grammar,
+                   allowed)  # fmt: skip
 
     def adjusted(self, logits: torch.Tensor) -> torch.Tensor:
-        """`logits` [num_rows, V] with each row's logit bias added, then its penalties applied, then the stop tokens
-        of rows short of their min_tokens and the tokens a row's grammar refuses masked (the same tensor when no row
-        has any of them)."""
+        """`logits` [num_rows, V] with each row's logit bias added, then its penalties applied, then every token outside
+        its allowed_token_ids masked, then the stop tokens of rows short of their min_tokens and the tokens a row's
+        grammar refuses masked (the same tensor when no row has any of them)."""
         if self.bias is not None:
             rows, tokens, values = self.bias
             logits = logits.float().index_put((rows, tokens), values, accumulate=True)
         if self.penalties is not None:
             logits = self.penalties.apply(logits)
+        if self.allowed is not None:  # before the min_tokens mask: the engine refuses an allowed set of stops only
+            masked_rows, rows, tokens = self.allowed
+            kept = logits.float()[rows, tokens]
+            logits = logits.float().index_fill(0, masked_rows, float("-inf")).index_put((rows, tokens), kept)
         unbanned = logits
         if self.banned is not None:
             rows, tokens = self.banned
@@ -124,6 +135,19 @@ def _min_token_bans(
         return None
     rows, tokens = zip(*entries)
     return to_device(list(rows), device, torch.long), to_device(list(tokens), device, torch.long)
+
+
+def _allowed_tokens(
+    requests: Sequence[Request], device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """(the rows with allowed_token_ids, then (rows, token ids) of the tokens each may take); None when no row sets
+    them. Built on the host, so masking needs no device-side unique."""
+    masked = [i for i, r in enumerate(requests) if r.allowed_ids is not None]
+    if not masked:
+        return None
+    rows, tokens = zip(*((i, token) for i in masked for token in requests[i].allowed_ids))
+    return (to_device(masked, device, torch.long), to_device(list(rows), device, torch.long),
+            to_device(list(tokens), device, torch.long))  # fmt: skip
 
 
 def _grammar_masks(

@@ -96,6 +96,8 @@ class SamplingFields(BaseModel):
     presence_penalty: float | None = Field(None, ge=-2.0, le=2.0, allow_inf_nan=False)
     frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0, allow_inf_nan=False)
     repetition_penalty: float | None = Field(None, ge=0.01, le=100.0, allow_inf_nan=False)
+    allowed_token_ids: list[int] | None = Field(None, min_length=1, description="Only these tokens may be generated "
+                                               "(vLLM's).")  # fmt: skip
 
     @field_validator("logit_bias")
     @classmethod

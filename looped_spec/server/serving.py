@@ -140,6 +140,11 @@ class OpenAIServing:
         if body.min_tokens > most:
             raise APIError(400, f"min_tokens: {body.min_tokens} is more than the {most} tokens the request may "
                            "generate", "min_tokens")  # fmt: skip
+        if body.allowed_token_ids is not None:
+            if scored_only:
+                raise APIError(400, "allowed_token_ids: scoring a prompt (max_tokens 0) generates nothing to restrict",
+                               "allowed_token_ids")  # fmt: skip
+            bad_request(inputs.check_vocabulary, body.allowed_token_ids, self.vocab_size, "allowed_token_ids")
         stop = body.stop_list()
         if len(stop) > MAX_STOP_STRINGS:
             raise APIError(400, f"stop: at most {MAX_STOP_STRINGS} stop strings", "stop")
@@ -176,6 +181,7 @@ class OpenAIServing:
                 structured_outputs=body.grammar(),  # None when scored only (`check_grammar` refuses one)
                 stop_token_ids=stop_token_ids,
                 ignore_eos=body.ignore_eos,
+                allowed_token_ids=body.allowed_token_ids,
                 exit_threshold=body.exit_threshold,
                 exit_at_step=body.exit_at_step,
                 logprobs=logprobs,
