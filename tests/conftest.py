@@ -44,6 +44,16 @@ def load(family: str, dtype: str = "float32"):
     return load_adapter(fixture_dir(family), dtype=dtype, device="cpu", **adapter_options(family))
 
 
+def decoding_modes(full_depth: int) -> list[dict]:
+    """Engine options of every decoding mode an exactness test compares with plain decoding: plain, fixed plans at
+    the shallowest and deepest draft, adaptive, loop passes with and without a plan, per-token stopping."""
+    from looped_spec import SpeculativeConfig
+
+    return [dict(), dict(speculation="2,1"), dict(speculation=f"3,{full_depth - 1}"), dict(speculation="adaptive"),
+            dict(speculation="2,1", batching="loop"), dict(batching="loop"),
+            dict(speculation=SpeculativeConfig(k=4, d=1, stop_margin=0.01))]  # fmt: skip
+
+
 def make_engine(family: str, **kwargs):
     from looped_spec import LoopedSpecEngine
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 from chisquare import assert_distribution, three_token_distribution
-from conftest import FAMILIES, load, make_engine
+from conftest import FAMILIES, decoding_modes, load, make_engine
 from pydantic import ValidationError
 from test_speculative import PROMPTS, top_k_filter
 
@@ -85,10 +85,7 @@ def test_greedy_min_tokens_follows_an_independent_reference_with_and_without_spe
         expected.append(reference_min_tokens(adapter, prompt, 12, min_tokens, stop_ids))
     assert sum(want != was for want, was in zip(expected, unadjusted)) >= len(PROMPTS) // 2
     assert any(len(want) < 12 for want in expected)  # some end at a stop token after their min_tokens
-    modes = [dict(), dict(speculation="2,1"), dict(speculation=f"3,{adapter.full_depth - 1}"),
-             dict(speculation="adaptive"), dict(speculation="2,1", batching="loop"), dict(batching="loop"),
-             dict(speculation=SpeculativeConfig(k=4, d=1, stop_margin=0.01))]  # fmt: skip
-    for mode in modes:
+    for mode in decoding_modes(adapter.full_depth):
         engine = make_engine(family, max_batch_size=len(PROMPTS), **mode)
         outs = engine.generate(PROMPTS, params)
         assert [o.token_ids for o in outs] == expected, mode
