@@ -110,6 +110,7 @@ class Request:
     ) -> None:
         self.request_id = request_id
         self.arrival = arrival  # admission order: preemption takes the latest arrival first
+        self.priority = 0  # lower is served first under scheduling_policy="priority" (0 under "fcfs")
         self.token_ids: list[int] = list(prompt)
         self.num_prompt_tokens = len(prompt)
         self.max_tokens = params.max_tokens

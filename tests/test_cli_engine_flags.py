@@ -57,9 +57,10 @@ def test_serve_takes_the_same_flags_and_logs_its_startup_at_info(engines, capsys
     served = {}
     monkeypatch.setattr("looped_spec.server.launch.serve", lambda engine, name, **kw: served.update(kw, name=name))
     assert main(["serve", "tiny-ouro", "--num-kv-blocks", "80", "--block-size", "32", "--max-num-batched-tokens",
-                 "64"]) == 0  # fmt: skip
+                 "64", "--scheduling-policy", "priority"]) == 0  # fmt: skip
     config = engines[-1].config
     assert (config.num_kv_blocks, config.block_size, config.max_num_batched_tokens) == (80, 32, 64)
+    assert config.scheduling_policy == "priority"
     assert served["log_level"] == "info" and served["name"] == "tiny-ouro"
     captured = capsys.readouterr()
     assert captured.out == ""

@@ -1,6 +1,7 @@
 """Issue 11, done-when: random mixes of requests, aborts, online adds during generate(), a cache small
 enough to preempt, random fixed and adaptive speculation, prefix caching on or off (prompts often begin alike),
-logit biases and penalties, and one-shot faults injected into model code.
+logit biases and penalties, first-come-first-served or priority scheduling with random priorities, and one-shot faults
+injected into model code.
 
 Checked after every step: no KV block leaked, no request reported finished twice; at the end every
 request reported finished exactly once, each greedy output (and each sampled one when speculation is
@@ -77,6 +78,7 @@ requests_st = st.fixed_dictionaries(
         # its tokenizer cannot decode the token its run alone generates at this index (it decodes them for stop
         # strings): its commit fails there
         "undecodable_at": st.one_of(st.none(), st.none(), st.integers(0, 13)),
+        "priority": st.integers(-2, 2),  # taken under scheduling_policy "priority", 0 under "fcfs"
     }
 )
 actions_st = st.lists(
@@ -99,6 +101,7 @@ scenarios_st = st.fixed_dictionaries(
         "num_kv_blocks": st.integers(8, 16),  # block_size 4, max_model_len 32: one request needs up to 8
         "prefix_caching": st.booleans(),
         "max_batch_size": st.integers(1, 4),
+        "scheduling_policy": st.sampled_from(["fcfs", "priority"]),
         "initial": st.lists(requests_st, min_size=2, max_size=5),
         "actions": actions_st,
     }
@@ -175,7 +178,9 @@ def test_random_workloads_never_wedge_leak_or_lose_an_output(scenario):
         max_batch_size=scenario["max_batch_size"],
         max_num_batched_tokens=12,
         prefix_caching=scenario["prefix_caching"],
+        scheduling_policy=scenario["scheduling_policy"],
     )
+    ranked = scenario["scheduling_policy"] == "priority"
     adapter = engine.adapter
     faulty = FaultyLoop(adapter.loop)
     adapter.loop = faulty  # the adapter is shared between tests: removed again in `finally`
@@ -191,7 +196,7 @@ def test_random_workloads_never_wedge_leak_or_lose_an_output(scenario):
                 finished[out.request_id] = out
 
     def add(spec: dict) -> None:
-        request_id = engine.add_request(spec["prompt"], params_of(spec))
+        request_id = engine.add_request(spec["prompt"], params_of(spec), priority=spec["priority"] if ranked else 0)
         at, bad = spec["undecodable_at"], None
         if at is not None:
             armed, faulty.countdown = faulty.countdown, None  # the reference run shares the adapter
@@ -234,7 +239,10 @@ def test_random_workloads_never_wedge_leak_or_lose_an_output(scenario):
             elif kind == "generate":
                 batch = action[1]
                 try:
-                    outs = engine.generate([s["prompt"] for s in batch], [params_of(s) for s in batch])
+                    priority = [s["priority"] if ranked else 0 for s in batch]
+                    outs = engine.generate(
+                        [s["prompt"] for s in batch], [params_of(s) for s in batch], priority=priority
+                    )
                 except InjectedFault:  # generate() forgets its requests and raises
                     last_step_ok = False
                 else:

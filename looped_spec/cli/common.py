@@ -27,7 +27,8 @@ def engine_options(args: argparse.Namespace) -> dict:
                 adapter_options=parse_adapter_options(args.adapter_option) or None,
                 max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size,
                 num_kv_blocks=args.num_kv_blocks, kv_cache_memory_gb=args.kv_cache_memory_gb,
-                max_pass_positions=args.max_pass_positions, control=json_object(args.control, "--control"))  # fmt: skip
+                max_pass_positions=args.max_pass_positions, scheduling_policy=args.scheduling_policy,
+                control=json_object(args.control, "--control"))  # fmt: skip
 
 
 def json_object(text: str | None, option: str) -> dict | None:
@@ -149,6 +150,9 @@ def add_engine_flags(p: argparse.ArgumentParser, command: str) -> None:
     memory.add_argument("--max-pass-positions", type=int, default=None, metavar="N",
                         help="with --batching loop: most positions one loop pass runs, deepest work first "
                         "(default: every running request's work in every pass)")  # fmt: skip
+    memory.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"],
+                        help="which waiting request is admitted first and which running one is preempted first: "
+                        "fcfs by arrival; priority by each request's priority (lower first), then arrival")  # fmt: skip
     memory.add_argument("--control", default=None, metavar="JSON",
                         help="the adaptive controller's tunables, a JSON object of ControlSettings fields such as "
                         '\'{"decision_interval": 8}\' (docs/adaptive.md "Tunables"); only with --speculation '

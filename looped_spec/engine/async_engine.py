@@ -152,11 +152,13 @@ class AsyncLoopedSpecEngine:
 
     # ----- requests -----
     def add_request(
-        self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None
+        self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None, priority: int = 0
     ) -> RequestStream:
-        """Queue a request now (or raise QueueFullError / EngineDeadError); iterate the stream for outputs."""
+        """Queue a request now (or raise QueueFullError / EngineDeadError, or the engine's error for a `priority` it
+        does not schedule by); iterate the stream for outputs."""
         if not self.is_running:
             raise EngineDeadError("the engine is not running")
+        self.engine.check_priority(priority)  # reads the engine's config only: safe beside the worker
         request_id = f"req-{next(self._ids)}" if request_id is None else str(request_id)  # the engine's ids are str
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
         with self._lock:
@@ -166,14 +168,14 @@ class AsyncLoopedSpecEngine:
             if request_id in self._retiring:
                 raise ValueError(f"request_id {request_id!r} was just aborted and is still being released; retry")
             self._streams[request_id] = stream
-        self._commands.put(("add", (request_id, prompt, params)))
+        self._commands.put(("add", (request_id, prompt, params, priority)))
         return RequestStream(self, request_id, stream.queue)
 
     async def generate(
-        self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None
+        self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None, priority: int = 0
     ) -> AsyncIterator[RequestOutput]:
         """`add_request` and iterate its outputs until it finishes."""
-        async for output in self.add_request(prompt, params, request_id):
+        async for output in self.add_request(prompt, params, request_id, priority):
             yield output
 
     def _check_room(self) -> None:
@@ -273,13 +275,13 @@ class AsyncLoopedSpecEngine:
     def _apply(self, command: tuple) -> None:
         kind, payload = command
         if kind == "add":
-            request_id, prompt, params = payload
+            request_id, prompt, params, priority = payload
             if request_id not in self._streams:  # aborted before the worker saw it: the engine never held it
                 with self._lock:
                     self._retiring.discard(request_id)
                 return
             try:
-                self.engine.add_request(prompt, params, request_id=request_id)
+                self.engine.add_request(prompt, params, request_id=request_id, priority=priority)
             except Exception as exc:  # refused (ValueError, TypeError): that request's error, not the worker's
                 self._deliver(request_id, exc, True)
         elif kind == "score":

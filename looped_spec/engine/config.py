@@ -146,6 +146,9 @@ class EngineConfig(BaseModel):
     # batching="loop": the positions one pass may run (decoding and prompt chunks), deepest work first
     # (docs/architecture.md, "Scheduling policy"); None: every running request's work in every pass
     max_pass_positions: StrictInt | None = Field(None, ge=1)
+    # which waiting request is admitted next and which running one is preempted when KV blocks run out (vLLM's
+    # --scheduling-policy): "fcfs" by arrival; "priority" by each request's priority, lower first, then arrival
+    scheduling_policy: Literal["fcfs", "priority"] = "fcfs"
 
     @model_validator(mode="after")
     def _adaptive_options(self) -> EngineConfig:

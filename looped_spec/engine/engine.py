@@ -121,7 +121,8 @@ class LoopedSpecEngine:
             type(self.controller).__name__,
         )
         prefix_cache = PrefixCache(self.kv, self.adapter.needs_token_seeds) if config.prefix_caching else None
-        self.scheduler = Scheduler(self.kv, config.max_batch_size, config.max_num_batched_tokens, prefix_cache)
+        self.scheduler = Scheduler(self.kv, config.max_batch_size, config.max_num_batched_tokens, prefix_cache,
+                                   config.scheduling_policy)  # fmt: skip
         graphs = None
         if config.batching == "step":
             graphs = step_graphs(self.adapter, self.kv, self.max_model_len, self.max_batch_size,
@@ -194,11 +195,13 @@ class LoopedSpecEngine:
 
     # ----- requests -----
     def add_request(
-        self, prompt: str | list[int], params: SamplingParams | None = None, request_id: str | None = None
-    ) -> str:
-        """Validate and queue one request; returns its id. Nothing is queued if validation fails."""
+        self, prompt: str | list[int], params: SamplingParams | None = None, request_id: str | None = None,
+        priority: int = 0,
+    ) -> str:  # fmt: skip
+        """Validate and queue one request; returns its id. Nothing is queued if validation fails. `priority` (with
+        scheduling_policy="priority"): lower values are admitted first and preempted last."""
         self._check_open()
-        request = self._new_request(prompt, params, request_id)
+        request = self._new_request(prompt, params, request_id, priority=priority)
         self._queue(request)
         return request.request_id
 
@@ -207,9 +210,11 @@ class LoopedSpecEngine:
         self._grammars.compile(spec)
 
     def _new_request(
-        self, prompt: Any, params: Any, request_id: str | None, where: str = "prompt", taken: set[str] = frozenset()
-    ) -> Request:
+        self, prompt: Any, params: Any, request_id: str | None, where: str = "prompt", taken: set[str] = frozenset(),
+        priority: Any = 0, priority_field: str = "priority",
+    ) -> Request:  # fmt: skip
         """A validated Request, not yet queued. `taken`: ids claimed by requests about to be queued with it."""
+        self.check_priority(priority, priority_field)
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise TypeError(f"params must be SamplingParams, got {type(params).__name__}")
@@ -259,10 +264,20 @@ class LoopedSpecEngine:
             detokenizer, prompt_text, grammar,
         )  # fmt: skip
         request.exit_threshold, request.exit_at_step = exit_threshold, exit_at_step
+        request.priority = priority
         if params.prompt_logprobs is not None:  # prompts run at full depth: the dense forward's logits are prefill's
             request.prompt_logprobs = self.score(ids, params.prompt_logprobs, seed)
         request.metrics.arrival_time = time.perf_counter()
         return request
+
+    def check_priority(self, priority: Any, field: str = "priority") -> None:
+        """ValueError (TypeError for a non-integer) naming `field` unless `priority` is one this engine schedules by:
+        any integer under scheduling_policy="priority", only 0 under "fcfs" (vLLM refuses it likewise)."""
+        if isinstance(priority, bool) or not isinstance(priority, int):
+            raise TypeError(f"{field} must be an integer, got {type(priority).__name__}")
+        if priority and self.config.scheduling_policy != "priority":
+            raise ValueError(f"{field}={priority}: requests are served first come, first served; a priority needs "
+                             "scheduling_policy='priority' (--scheduling-policy priority)")  # fmt: skip
 
     def _queue(self, request: Request) -> None:
         self._requests[request.request_id] = request
@@ -355,9 +370,11 @@ class LoopedSpecEngine:
 
     # ----- offline API -----
     def generate(
-        self, prompts: Any, params: SamplingParams | list[SamplingParams] | None = None, use_tqdm: bool = False
-    ) -> list[RequestOutput]:
+        self, prompts: Any, params: SamplingParams | list[SamplingParams] | None = None, use_tqdm: bool = False,
+        priority: list[int] | None = None,
+    ) -> list[RequestOutput]:  # fmt: skip
         """Run prompts to completion; outputs in prompt order. All prompts are validated before any is queued.
+        `priority`: one per prompt (scheduling_policy="priority"; lower values first), as vLLM's `LLM.generate`.
 
         Requests added with `add_request` keep running alongside; their outputs stay for `step()`. If a step
         fails, this call's requests are aborted (and forgotten) and the error is raised.
@@ -370,12 +387,17 @@ class LoopedSpecEngine:
         for i, p in enumerate(params_list):
             if not isinstance(p, SamplingParams):
                 raise TypeError(f"params[{i}] must be SamplingParams, got {type(p).__name__}")
+        if priority is not None and (not isinstance(priority, (list, tuple)) or len(priority) != len(items)):
+            given = f"{len(priority)} entries" if isinstance(priority, (list, tuple)) else type(priority).__name__
+            raise ValueError(f"priority: one integer per prompt ({len(items)}), got {given}")
+        priorities = list(priority) if priority is not None else [0] * len(items)
         rng_state = self._rng.getstate()
         requests: list[Request] = []
         try:
-            for i, (prompt, p) in enumerate(zip(items, params_list)):
+            for i, (prompt, p, rank) in enumerate(zip(items, params_list, priorities)):
                 taken = {r.request_id for r in requests}
-                requests.append(self._new_request(prompt, p, None, where=f"prompts[{i}]", taken=taken))
+                requests.append(self._new_request(prompt, p, None, where=f"prompts[{i}]", taken=taken, priority=rank,
+                                                  priority_field=f"priority[{i}]"))  # fmt: skip
         except BaseException:
             self._rng.setstate(rng_state)  # a rejected call leaves the engine as it was, seeds included
             raise

@@ -1,7 +1,9 @@
-"""FCFS continuous batching with chunked prefill, KV-block admission and recompute preemption."""
+"""Continuous batching with chunked prefill, KV-block admission and recompute preemption, first come first served or
+by request priority."""
 
 from __future__ import annotations
 
+from bisect import insort
 from collections import deque
 from collections.abc import Collection
 
@@ -18,15 +20,21 @@ class Scheduler:
     batching, a loop pass in which prompt chunks join the running requests' work (`schedule_pass`).
     When blocks run out the newest running request (latest arrival) is preempted: its blocks are
     freed and it goes back to the front of the queue to be recomputed, keeping the tokens it already
-    has. Scheduling (admission, KV growth, preemption) happens before a step runs; `postprocess` is
-    the only place the step's results change request state. With a `prefix_cache`, an admitted request starts
-    from the cached blocks its tokens begin with, and its blocks are registered once their KV is final.
+    has. Under `policy="priority"` the queue and the preemption order go by (priority, arrival) instead: the waiting
+    request of the lowest priority value is admitted first, the running one of the highest is preempted first (a
+    running request is never preempted to admit a waiting one, as in vLLM's). Scheduling (admission, KV growth,
+    preemption) happens before a step runs; `postprocess` is the only place the step's results change request state.
+    With a `prefix_cache`, an admitted request starts from the cached blocks its tokens begin with, and its blocks
+    are registered once their KV is final.
     """
 
     def __init__(
         self, kv_cache: KVCache, max_batch_size: int, max_num_batched_tokens: int,
-        prefix_cache: PrefixCache | None = None,
+        prefix_cache: PrefixCache | None = None, policy: str = "fcfs",
     ) -> None:  # fmt: skip
+        if policy not in ("fcfs", "priority"):
+            raise ValueError(f"scheduling_policy={policy!r} must be 'fcfs' or 'priority'")
+        self.policy = policy
         self.kv = kv_cache
         self.prefix_cache = prefix_cache
         self.max_batch_size = max_batch_size
@@ -36,7 +44,21 @@ class Scheduler:
         self.num_preemptions = 0
 
     def add(self, request: Request) -> None:
-        self.waiting.append(request)
+        self._enqueue(request, front=False)
+
+    @staticmethod
+    def _rank(request: Request) -> tuple[int, int]:
+        """Who goes first: admitted before, preempted after (priority is 0 for every request under "fcfs")."""
+        return request.priority, request.arrival
+
+    def _enqueue(self, request: Request, front: bool) -> None:
+        """Into the waiting queue, which stays ordered by `_rank`. Under "fcfs" a new request is the latest arrival
+        and a preempted one arrived before every waiting one (requests are admitted in arrival order and the newest
+        running one is preempted), so the ends of the queue are their places."""
+        if self.policy == "fcfs":
+            (self.waiting.appendleft if front else self.waiting.append)(request)
+        else:
+            insort(self.waiting, request, key=self._rank)
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
@@ -124,9 +146,10 @@ class Scheduler:
 
     # ----- KV budget -----
     def _grow_or_preempt(self, request: Request, num_tokens: int) -> bool:
-        """Make `request` hold `num_tokens`, preempting newer requests if needed. False if it got preempted."""
+        """Make `request` hold `num_tokens`, preempting the requests ranked after it (the newest; under "priority" the
+        lowest priority first) if needed. False if it got preempted."""
         while not self.kv.can_grow(request.block_table, num_tokens):
-            victim = max(self.running, key=lambda r: r.arrival)
+            victim = max(self.running, key=self._rank)
             self.preempt(victim)
             if victim is request:
                 return False
@@ -138,7 +161,7 @@ class Scheduler:
 
         Returns the requests still running and each one's K_actual (draft tokens it can take).
         """
-        for request in sorted(requests, key=lambda r: r.arrival):
+        for request in sorted(requests, key=self._rank):
             if request.status is RequestStatus.RUNNING:
                 self._grow_or_preempt(request, request.num_computed + 1)
         kept = [r for r in requests if r.status is RequestStatus.RUNNING]
@@ -160,7 +183,7 @@ class Scheduler:
         request.status = RequestStatus.WAITING
         request.metrics.num_preemptions += 1
         self.running.remove(request)
-        self.waiting.appendleft(request)
+        self._enqueue(request, front=True)
         self.num_preemptions += 1
 
     # ----- after a step -----

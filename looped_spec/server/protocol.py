@@ -98,6 +98,8 @@ class SamplingFields(BaseModel):
     repetition_penalty: float | None = Field(None, ge=0.01, le=100.0, allow_inf_nan=False)
     allowed_token_ids: list[int] | None = Field(None, min_length=1, description="Only these tokens may be generated "
                                                "(vLLM's).")  # fmt: skip
+    priority: int = Field(0, description="Lower is admitted first and preempted last, under --scheduling-policy "
+                          "priority; anything but 0 is refused otherwise (vLLM's).")  # fmt: skip
 
     @field_validator("logit_bias")
     @classmethod

@@ -68,11 +68,15 @@ class OpenAIServing:
             raise APIError(404, f"model {model!r} does not exist; this server serves {self.model_name!r}", "model")
 
     def check_request(self, body: SamplingFields) -> None:
-        """What every generation request must get right before anything else: the model, and stream options only
-        with a stream (they would otherwise be silently ignored)."""
+        """What every generation request must get right before anything else: the model, stream options only with a
+        stream (they would otherwise be silently ignored), and a priority the engine schedules by."""
         self.check_model(body.model)
         if body.stream_options is not None and not body.stream:
             raise APIError(400, "stream_options: only with stream: true", "stream_options")
+        try:
+            self.engine.engine.check_priority(body.priority)
+        except ValueError as exc:
+            raise APIError(400, str(exc), "priority") from exc
 
     def check_choices(self, num_choices: int, n: int) -> None:
         """400 for more choices (prompts × n) than the server ever runs or queues at once."""
@@ -239,13 +243,15 @@ class OpenAIServing:
             message = str(exc) if str(exc).startswith(field) else f"{field}: {exc}"
             raise APIError(400, message, field) from exc
 
-    def start_all(self, prompts: list[list[int]], params: list[SamplingParams]) -> list[AsyncIterator[RequestOutput]]:
+    def start_all(
+        self, prompts: list[list[int]], params: list[SamplingParams], priority: int = 0
+    ) -> list[AsyncIterator[RequestOutput]]:
         """Admit every choice of an API request together, or none (429 / 503 before any response starts; 400 for more
         choices than the server ever admits at once)."""
         streams = []
         try:
             for ids, choice_params in zip(prompts, params):
-                streams.append(self.engine.add_request(ids, choice_params))
+                streams.append(self.engine.add_request(ids, choice_params, priority=priority))
         except (QueueFullError, EngineDeadError) as exc:
             for stream in streams:
                 stream.abort()
