@@ -1,6 +1,8 @@
 """lm-evaluation-harness as a real client (issue 37): `local-completions` against the server, with a small local task
 file and no network, runs a loglikelihood task and a generate_until task to the end, and its loglikelihoods equal
-ones computed offline from the model's own logits (`LoopedSpecEngine.score`), on a speculating server."""
+ones computed offline from the model's own logits (`LoopedSpecEngine.score`), on a speculating server;
+`local-chat-completions` runs a generate_until task through the chat template, its answers the offline engine's
+`chat`."""
 
 from __future__ import annotations
 
@@ -72,3 +74,34 @@ def test_lm_eval_local_completions_runs_and_its_loglikelihoods_equal_the_models(
     for sample in results["samples"]["tiny_gen"]:
         text = offline.generate(sample["doc"]["context"], SamplingParams(max_tokens=6, stop=["\n\n"]))[0].text
         assert sample["resps"][0][0] == text
+
+
+@pytest.mark.slow
+def test_lm_eval_local_chat_completions_answers_as_the_offline_chat(tmp_path, monkeypatch):
+    from lm_eval.tasks import TaskManager
+
+    for flag in ("HF_DATASETS_OFFLINE", "HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"):
+        monkeypatch.setenv(flag, "1")
+    task_files(tmp_path)
+    # sampled (the tiny code model answers a chat turn greedily with newlines only), with a stop it never writes: the
+    # answers are max_gen_toks tokens long and differ from prompt to prompt
+    chat_task = (tmp_path / "tiny_gen.yaml").read_text().replace("tiny_gen", "tiny_chat").replace("\\n\\n", "###")
+    (tmp_path / "tiny_chat.yaml").write_text(
+        chat_task.replace("max_gen_toks: 6", "max_gen_toks: 8\n  temperature: 1.0")
+    )
+    engine = LoopedSpecEngine("tiny-ouro", speculation="2,1", max_model_len=256)
+    offline = LoopedSpecEngine("tiny-ouro", speculation="2,1", max_model_len=256)  # a seed's draws: the same plan
+    with ServerThread(engine, "tiny-ouro") as server:
+        args = f"base_url={server.url}/v1/chat/completions,model=tiny-ouro,num_concurrent=1,max_retries=1"
+        results = lm_eval.simple_evaluate(
+            model="local-chat-completions", model_args=args, tasks=["tiny_chat"], apply_chat_template=True,
+            task_manager=TaskManager(include_path=str(tmp_path)), log_samples=True,
+        )  # fmt: skip
+    samples = results["samples"]["tiny_chat"]
+    assert len(samples) == len(DOCS)
+    answers = [sample["resps"][0][0] for sample in samples]
+    for sample, answer in zip(samples, answers):
+        messages = [{"role": "user", "content": sample["doc"]["context"]}]
+        [expected] = offline.chat(messages, SamplingParams(max_tokens=8, temperature=1.0, stop=["###"], seed=1234))
+        assert answer == expected.text
+    assert len(set(answers)) > 1 and all(answers)
