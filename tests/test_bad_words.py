@@ -302,3 +302,28 @@ def test_the_server_takes_bad_words():
         chat_body = {**body, "messages": messages, "bad_words": [""]}
         refused = httpx.post(server.url + "/v1/chat/completions", json=chat_body, timeout=60)
         assert refused.status_code == 400 and refused.json()["error"]["param"] == "bad_words", refused.text
+
+
+@pytest.mark.parametrize("mode", ["skip", "select"])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_greedy_speculation_with_early_exit_and_bad_words_equals_plain(family, mode):
+    """Early exit (the target is the early-exit model; a draft position that exits is the target's own sample): with
+    bad words taken from each request's plain output, fixed plans, per-token stopping and loop passes give plain
+    early-exit decoding's tokens and exit depths."""
+    from test_early_exit_speculative import batch_params, batch_prompts, run
+
+    params = batch_params(family)
+    prompts = batch_prompts(family, len(params))
+    free = engine_with_tokenizer(family, early_exit=mode, max_batch_size=8).generate(prompts, params)
+    banned = []
+    for p, out in zip(params, free):
+        tokens = out.token_ids
+        j = next((j for j in range(len(tokens) - 1) if not any(chr(t).isspace() for t in tokens[j : j + 2])), None)
+        banned.append(p if j is None else p.model_copy(update={"bad_words": [word(tokens[j : j + 2])]}))
+    want = run(engine_with_tokenizer(family, early_exit=mode, max_batch_size=8), prompts, banned)
+    assert sum(w[0] != o.token_ids for w, o in zip(want, free)) >= len(params) // 2
+    for spec in ("2,1", f"3,{load(family).full_depth - 1}", SpeculativeConfig(k=3, d=1, stop_margin=0.05)):
+        for batching in ("step", "loop"):
+            engine = engine_with_tokenizer(family, speculation=spec, early_exit=mode, batching=batching,
+                                           max_batch_size=8)  # fmt: skip
+            assert run(engine, prompts, banned) == want, (spec, batching)
