@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -65,6 +66,29 @@ class RequestMetrics:
         return (self.rounds + self.num_accepted_tokens) / self.rounds if self.rounds else 0.0
 
 
+class BadWords:
+    """A request's bad_words as token sequences (engine/inputs.py `bad_word_token_ids`, vLLM's encoding): the last
+    token of each is masked at a position whose output before it ends with the others, a one-token word's
+    everywhere. As in vLLM, only output tokens count (the drafts before the position among them), never the prompt."""
+
+    def __init__(self, sequences: Sequence[Sequence[int]]) -> None:
+        unique = sorted({tuple(s) for s in sequences})
+        self.sequences = unique
+        self.single = sorted({s[0] for s in unique if len(s) == 1})  # masked at every position
+        self.phrases = [(s[:-1], s[-1]) for s in unique if len(s) > 1]  # (prefix, last token)
+        self.longest = max((len(prefix) for prefix, _ in self.phrases), default=0)
+
+    def banned(self, output: Sequence[int], drafted: Sequence[int] = ()) -> list[int]:
+        """The tokens masked at the position after `output` then `drafted` (the output tokens before it)."""
+        if not self.phrases:
+            return self.single
+        n = self.longest
+        tail = tuple(list(output[-n:]) + list(drafted))[-n:]
+        found = {last for prefix, last in self.phrases if len(prefix) <= len(tail) and tail[len(tail) - len(prefix) :]
+                 == prefix}  # fmt: skip
+        return sorted(found.union(self.single)) if found else self.single
+
+
 @dataclass
 class RequestOutput:
     """What `generate` / `step` return for a request.
@@ -107,6 +131,7 @@ class Request:
         detokenizer: IncrementalDetokenizer | None = None,
         prompt_text: str | None = None,
         grammar: Grammar | None = None,
+        bad_words: Sequence[Sequence[int]] = (),
     ) -> None:
         self.request_id = request_id
         self.arrival = arrival  # admission order: preemption takes the latest arrival first
@@ -138,6 +163,8 @@ class Request:
         self.grammar = grammar
         # allowed_token_ids: the only tokens it may generate (the sampler masks the rest; None: any)
         self.allowed_ids = sorted(set(params.allowed_token_ids)) if params.allowed_token_ids is not None else None
+        # bad_words, as the token sequences the engine encoded them to (None: none)
+        self.bad_words = BadWords(bad_words) if bad_words else None
         self.max_model_len = max_model_len
         self.seed = seed
         self.generator = torch.Generator().manual_seed(seed)
@@ -180,13 +207,16 @@ class Request:
     @property
     def adjusts_logits(self) -> bool:
         """Whether its logits are changed before sampling (execution/sampler.py `SamplingRows.adjusted`)."""
-        return bool(self.logit_bias) or self.allowed_ids is not None or self.depends_on_output
+        return (bool(self.logit_bias) or self.allowed_ids is not None or self.bad_words is not None
+                or self.depends_on_output)  # fmt: skip
 
     @property
     def depends_on_output(self) -> bool:
         """Whether its logits at a position depend on the output before that position (a penalty, min_tokens not
-        yet reached, a grammar): a speculative position's drafts before it then count as output."""
-        return self.penalized or self.num_output_tokens < self.min_tokens or self.grammar is not None
+        yet reached, a grammar, a bad word of several tokens): a speculative position's drafts before it then count as
+        output."""
+        return (self.penalized or self.num_output_tokens < self.min_tokens or self.grammar is not None
+                or (self.bad_words is not None and bool(self.bad_words.phrases)))  # fmt: skip
 
     @property
     def num_tokens(self) -> int:

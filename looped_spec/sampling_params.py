@@ -121,6 +121,14 @@ class SamplingParams(BaseModel):
         description="Only these tokens may be generated (vLLM's): every other token's logit is masked, greedy "
         "decoding and drafts included. None: any token.",
     )
+    bad_words: list[str] | None = Field(
+        None,
+        strict=False,
+        description="Words that may not be generated (vLLM's): each is encoded with the model's tokenizer, as given "
+        "(its leading whitespace stripped) and after a space, and the last token of each encoding is masked wherever "
+        "the output before it ends with the others (a one-token word: everywhere), greedy decoding and drafts "
+        "included. None: none.",
+    )
     exit_threshold: Real | None = Field(
         None,
         gt=0.0,
@@ -191,6 +199,21 @@ class SamplingParams(BaseModel):
             if token < 0:
                 raise ValueError(f"{info.field_name}[{i}] = {token} is negative")
         return ids
+
+    @field_validator("bad_words")
+    @classmethod
+    def _words(cls, words: list[str] | None) -> list[str] | None:
+        for i, word in enumerate(words or []):
+            if not word.lstrip():  # vLLM encodes the word without its leading whitespace: nothing would be left
+                raise ValueError(f"bad_words[{i}] = {word!r} is empty" + (" but for whitespace" if word else ""))
+        return words
+
+    @model_validator(mode="after")
+    def _bad_words_without_a_grammar(self) -> SamplingParams:
+        if self.bad_words and self.structured_outputs is not None:
+            raise ValueError("bad_words and structured_outputs: set at most one (a grammar may leave only a bad "
+                             "word's token to take; fold the bad words into the grammar)")  # fmt: skip
+        return self
 
     @model_validator(mode="after")
     def _allowed_tokens_without_a_grammar(self) -> SamplingParams:

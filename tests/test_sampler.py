@@ -82,7 +82,7 @@ def test_logit_bias_is_added_before_every_filter_and_to_greedy_rows():
     logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(5))
     plain = SimpleNamespace(greedy=True, logit_bias={}, temperature=0.0, top_k=0, top_p=1.0, min_p=0.0, penalized=False,
                             num_output_tokens=0, min_tokens=0, stop_id_list=[0], grammar=None,
-                            allowed_ids=None)  # fmt: skip
+                            allowed_ids=None, bad_words=None)  # fmt: skip
     banned = logits[0].argmax().item()
     requests = [
         SimpleNamespace(**(vars(plain) | {"logit_bias": {banned: -100.0}})),  # greedy, its argmax all but banned

@@ -21,6 +21,7 @@ from looped_spec.engine.chat import chat_prompt_ids, conversations
 from looped_spec.engine.config import EngineConfig, SpeculativeConfig, parse_speculation
 from looped_spec.engine.failures import StepFailures
 from looped_spec.engine.inputs import (
+    bad_word_token_ids,
     check_bias_tokens,
     check_vocabulary,
     load_tokenizer,
@@ -247,6 +248,10 @@ class LoopedSpecEngine:
             if params.min_tokens and set(params.allowed_token_ids) <= stops:
                 raise ValueError(f"allowed_token_ids: every one is a stop token (eos or stop_token_ids), so none "
                                  f"may be sampled before min_tokens={params.min_tokens}")  # fmt: skip
+        bad_words = bad_word_token_ids(params.bad_words, self.tokenizer, self.adapter.vocab_size) if params.bad_words \
+            else []  # fmt: skip
+        if bad_words:
+            self._check_bad_words(params, bad_words, stops)
         if params.stop and self.tokenizer is None:
             raise ValueError("stop strings need the model's tokenizer files; use stop_token_ids instead")
         exit_threshold, exit_at_step = self.resolve_exit(params)
@@ -261,7 +266,7 @@ class LoopedSpecEngine:
         prompt_text = prompt if isinstance(prompt, str) else None
         request = Request(
             request_id, next(self._arrivals), ids, params, seed, self.adapter.eos_token_ids, self.max_model_len,
-            detokenizer, prompt_text, grammar,
+            detokenizer, prompt_text, grammar, bad_words,
         )  # fmt: skip
         request.exit_threshold, request.exit_at_step = exit_threshold, exit_at_step
         request.priority = priority
@@ -278,6 +283,24 @@ class LoopedSpecEngine:
         if priority and self.config.scheduling_policy != "priority":
             raise ValueError(f"{field}={priority}: requests are served first come, first served; a priority needs "
                              "scheduling_policy='priority' (--scheduling-policy priority)")  # fmt: skip
+
+    def _check_bad_words(self, params: SamplingParams, sequences: list[list[int]], stops: set[int]) -> None:
+        """ValueError naming bad_words when its one-token words leave no token to generate (of allowed_token_ids, if
+        set), or none but stop tokens before min_tokens. (Where words of several tokens mask all that is left at one
+        position, the sampler lets the bad words go there: execution/sampler.py.)"""
+        single = {ids[0] for ids in sequences if len(ids) == 1}
+        if params.allowed_token_ids is not None:
+            left = set(params.allowed_token_ids) - single
+            count, stops_left = len(left), len(left & stops)
+        else:
+            count = self.adapter.vocab_size - len(single)
+            stops_left = len(stops - single)
+        if not count:
+            where = "allowed_token_ids" if params.allowed_token_ids is not None else "the vocabulary"
+            raise ValueError(f"bad_words: every token of {where} is a one-token bad word, so none may be generated")
+        if params.min_tokens and count == stops_left:
+            raise ValueError(f"bad_words: every token they leave is a stop token (eos or stop_token_ids), so none "
+                             f"may be sampled before min_tokens={params.min_tokens}")  # fmt: skip
 
     def _queue(self, request: Request) -> None:
         self._requests[request.request_id] = request

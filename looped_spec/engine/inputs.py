@@ -79,6 +79,31 @@ def check_bias_tokens(bias: dict[int, float], vocab_size: int, where: str = "log
         raise ValueError(f"{where}: token id {outside} is outside the vocabulary [0, {vocab_size})")
 
 
+def bad_word_token_ids(words: list[str], tokenizer, vocab_size: int, where: str = "bad_words") -> list[list[int]]:
+    """The token sequences a request's bad_words ban, as vLLM encodes them (`SamplingParams.update_from_tokenizer`):
+    each word without its leading whitespace, then a space and that, both without special tokens; the second is kept
+    only where it has as many tokens as the first and another first token (a tokenizer that folds a word's leading
+    space into its first token: the word inside text). ValueError naming `where` (or `where[i]`) without a tokenizer,
+    or for a word that encodes to nothing or outside the vocabulary."""
+    if tokenizer is None:
+        raise ValueError(f"{where}: the model has no tokenizer files to encode the words with")
+    sequences = []
+    for i, word in enumerate(words):
+        check_text(word, f"{where}[{i}]")
+        stripped = word.lstrip()
+        plain = list(tokenizer.encode(stripped, add_special_tokens=False)) if stripped else []
+        if not plain:
+            raise ValueError(f"{where}[{i}] = {word!r} encodes to no tokens")
+        spaced = list(tokenizer.encode(" " + stripped, add_special_tokens=False))
+        for ids in (plain, spaced) if len(spaced) == len(plain) and spaced[0] != plain[0] else (plain,):
+            outside = next((token for token in ids if not 0 <= token < vocab_size), None)
+            if outside is not None:
+                raise ValueError(f"{where}[{i}] = {word!r} encodes to token {outside}, outside the vocabulary "
+                                 f"[0, {vocab_size})")  # fmt: skip
+            sequences.append(ids)
+    return sequences
+
+
 def to_token_ids(prompt: Prompt, tokenizer, vocab_size: int, where: str = "prompt") -> list[int]:
     if isinstance(prompt, str):
         if tokenizer is None:

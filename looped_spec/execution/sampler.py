@@ -1,5 +1,5 @@
-"""Token sampling: logit bias, penalties and the min_tokens mask, then greedy, or temperature + top-k + top-p +
-min-p (HF's warpers' order) with per-request generators.
+"""Token sampling: logit bias, penalties and the allowed_token_ids, min_tokens, bad_words and grammar masks, then
+greedy, or temperature + top-k + top-p + min-p (HF's warpers' order) with per-request generators.
 
 Random draws come from each request's own CPU generator (one uniform per sampled row), and
 the token is picked by inverse CDF, so a seeded request draws the same tokens alone or in any
@@ -41,30 +41,39 @@ class SamplingRows:
     # where some row sets allowed_token_ids: (the rows [R], then rows and token ids [num_allowed]): every token of
     # those rows but the allowed ones is masked
     allowed: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+    # where some row's bad_words mask a token at its position: (rows, token ids) of the tokens masked there
+    bad_words: tuple[torch.Tensor, torch.Tensor] | None = None
+    # whether some row has a bad word of several tokens (its mask depends on the output before the position, whether
+    # or not anything is masked at this one)
+    follows_words: bool = False
 
     @property
     def adjusts(self) -> bool:
-        """Whether some row's logits are changed before sampling (a logit bias, a penalty, a min_tokens mask or a
-        grammar): even a greedy row then takes the argmax of `adjusted(logits)`."""
-        return self.bias is not None or self.penalties is not None or self.allowed is not None or self.counts_drafts
+        """Whether some row's logits are changed before sampling (a logit bias, a penalty, allowed_token_ids, a
+        min_tokens mask, bad_words or a grammar): even a greedy row then takes the argmax of `adjusted(logits)`."""
+        return (self.bias is not None or self.penalties is not None or self.allowed is not None
+                or self.bad_words is not None or self.counts_drafts)  # fmt: skip
 
     @property
     def counts_drafts(self) -> bool:
         """Whether some row's adjustment depends on the output before its position (a penalty, min_tokens, a
-        grammar): rows at later positions of a speculative round must then be built with the drafts before them."""
-        return self.penalties is not None or self.banned is not None or self.grammar is not None
+        grammar, a bad word of several tokens): rows at later positions of a speculative round must then be built
+        with the drafts before them."""
+        return self.penalties is not None or self.banned is not None or self.grammar is not None or self.follows_words
 
     @classmethod
     def build(
         cls, requests: list[Request], device: torch.device, drafted: Sequence[Sequence[int]] | None = None
     ) -> SamplingRows:
-        """One row per request; `drafted[i]`: the drafts before row i's position (the penalties and min_tokens count
-        them)."""
+        """One row per request; `drafted[i]`: the drafts before row i's position (the penalties, min_tokens, grammars
+        and bad words count them)."""
         all_greedy = all(r.greedy for r in requests)
         penalties = PenaltyRows.build(requests, drafted)
         banned = _min_token_bans(requests, drafted, device)
         grammar = _grammar_masks(requests, drafted, device)
         allowed = _allowed_tokens(requests, device)
+        bad_words, follows_words = _bad_word_masks(requests, drafted, device)
+        words = {"bad_words": bad_words, "follows_words": follows_words}
         bias = None
         if any(r.logit_bias for r in requests):
             entries = [(i, token, value) for i, r in enumerate(requests) for token, value in r.logit_bias.items()]
@@ -73,9 +82,8 @@ class SamplingRows:
                     to_device(list(values), device))  # fmt: skip
         if all_greedy:
             empty = torch.empty(0, device=device)
-            return cls(
-                requests, empty, empty, empty, empty, True, False, None, bias, penalties, banned, grammar, allowed
-            )
+            return cls(requests, empty, empty, empty, empty, True, False, None, bias, penalties, banned, grammar,
+                       allowed, **words)  # fmt: skip
         temps = to_device([r.temperature if not r.greedy else 1.0 for r in requests], device)
         top_k = to_device([r.top_k for r in requests], device, torch.long)
         top_p = to_device([r.top_p for r in requests], device)
@@ -83,12 +91,13 @@ class SamplingRows:
         needs_filter = any(r.top_k > 0 or r.top_p < 1.0 for r in requests)
         min_p = to_device([r.min_p for r in requests], device) if any(r.min_p > 0.0 for r in requests) else None
         return cls(requests, temps, top_k, top_p, greedy, False, needs_filter, min_p, bias, penalties, banned, grammar,
-                   allowed)  # fmt: skip
+                   allowed, **words)  # fmt: skip
 
     def adjusted(self, logits: torch.Tensor) -> torch.Tensor:
         """`logits` [num_rows, V] with each row's logit bias added, then its penalties applied, then every token outside
-        its allowed_token_ids masked, then the stop tokens of rows short of their min_tokens and the tokens a row's
-        grammar refuses masked (the same tensor when no row has any of them)."""
+        its allowed_token_ids masked, then the stop tokens of rows short of their min_tokens, the tokens its bad_words
+        ban at the position (unless they would leave nothing) and the tokens a row's grammar refuses masked (the same
+        tensor when no row has any of them)."""
         if self.bias is not None:
             rows, tokens, values = self.bias
             logits = logits.float().index_put((rows, tokens), values, accumulate=True)
@@ -102,6 +111,13 @@ class SamplingRows:
         if self.banned is not None:
             rows, tokens = self.banned
             logits = logits.float().index_put((rows, tokens), torch.tensor(float("-inf"), device=logits.device))
+        if self.bad_words is not None:
+            rows, tokens = self.bad_words
+            before = logits.float()
+            logits = before.index_put((rows, tokens), torch.tensor(float("-inf"), device=logits.device))
+            # a row whose bad words would mask every token it has left (allowed_token_ids, min_tokens) keeps them:
+            # one of them comes rather than a token it may not take (SamplingParams refuses bad_words beside a grammar)
+            logits = torch.where(torch.isneginf(logits).all(-1, keepdim=True), before, logits)
         if self.grammar is not None:
             rows, allowed = self.grammar
             logits = logits.float().clone()
@@ -148,6 +164,27 @@ def _allowed_tokens(
     rows, tokens = zip(*((i, token) for i in masked for token in requests[i].allowed_ids))
     return (to_device(masked, device, torch.long), to_device(list(rows), device, torch.long),
             to_device(list(tokens), device, torch.long))  # fmt: skip
+
+
+def _bad_word_masks(
+    requests: Sequence[Request], drafted: Sequence[Sequence[int]] | None, device: torch.device
+) -> tuple[tuple[torch.Tensor, torch.Tensor] | None, bool]:
+    """(rows, token ids) of the tokens each row's bad words mask at its position, after its output and the drafts
+    before it (None when no row masks any), and whether some row has a bad word of several tokens."""
+    entries: list[tuple[int, int]] = []
+    follows = False
+    for i, r in enumerate(requests):
+        words = r.bad_words
+        if words is None:
+            continue
+        follows = follows or bool(words.phrases)
+        n = words.longest  # only the output's last n tokens can hold a word's prefix (never the prompt: vLLM's rule)
+        output = r.token_ids[max(r.num_prompt_tokens, len(r.token_ids) - n) :] if n else ()
+        entries.extend((i, token) for token in words.banned(output, drafted[i] if drafted is not None else ()))
+    if not entries:
+        return None, follows
+    rows, tokens = zip(*entries)
+    return (to_device(list(rows), device, torch.long), to_device(list(tokens), device, torch.long)), follows
 
 
 def _grammar_masks(

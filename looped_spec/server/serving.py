@@ -35,6 +35,7 @@ from looped_spec.server.token_bytes import TextOffsets, TokenBytes
 from looped_spec.server.tools import ToolCallingConfig, ToolPlan
 
 MAX_STOP_STRINGS = 16
+MAX_BAD_WORDS = 128  # vLLM's limit (its GPU model runner's)
 MAX_PROMPTS = 64  # prompts in one completions request (each with `n` choices)
 RETRY_AFTER_S = "1"
 
@@ -149,6 +150,8 @@ class OpenAIServing:
                 raise APIError(400, "allowed_token_ids: scoring a prompt (max_tokens 0) generates nothing to restrict",
                                "allowed_token_ids")  # fmt: skip
             bad_request(inputs.check_vocabulary, body.allowed_token_ids, self.vocab_size, "allowed_token_ids")
+        if body.bad_words:
+            self.check_bad_words(body.bad_words, scored_only)
         stop = body.stop_list()
         if len(stop) > MAX_STOP_STRINGS:
             raise APIError(400, f"stop: at most {MAX_STOP_STRINGS} stop strings", "stop")
@@ -186,6 +189,7 @@ class OpenAIServing:
                 stop_token_ids=stop_token_ids,
                 ignore_eos=body.ignore_eos,
                 allowed_token_ids=body.allowed_token_ids,
+                bad_words=body.bad_words,
                 exit_threshold=body.exit_threshold,
                 exit_at_step=body.exit_at_step,
                 logprobs=logprobs,
@@ -195,6 +199,19 @@ class OpenAIServing:
             raise APIError(400, message, param) from exc
         self.check_exit(params)
         return params
+
+    def check_bad_words(self, words: list[str], scored_only: bool) -> None:
+        """A 400 naming bad_words where the engine would refuse them (no tokenizer, an empty word, one encoding
+        outside the vocabulary), before the request starts: encoded with this front's tokenizer, as the engine's."""
+        if scored_only:
+            raise APIError(400, "bad_words: scoring a prompt (max_tokens 0) generates nothing to restrict", "bad_words")
+        if len(words) > MAX_BAD_WORDS:
+            raise APIError(400, f"bad_words: at most {MAX_BAD_WORDS} words", "bad_words")
+        for i, word in enumerate(words):
+            if not word.lstrip():
+                raise APIError(400, f"bad_words[{i}] = {word!r} is empty" + (" but for whitespace" if word else ""),
+                               "bad_words")  # fmt: skip
+        bad_request(inputs.bad_word_token_ids, words, self.tokenizer, self.vocab_size, "bad_words")
 
     async def check_grammar(self, body: SamplingFields, scored_only: bool = False) -> None:
         """The request's grammar, compiled once off the event loop (a large schema takes tenths of a second): a 400
