@@ -54,7 +54,7 @@ def add_parser(sub: argparse._SubParsersAction, fmt: type[argparse.HelpFormatter
     tools.add_argument("--tool-call-parser", default=None, metavar="NAME",
                        help="the format the model writes its calls in, for tool_choice auto (hermes; an unknown "
                        "name lists the known ones) (default: none)")  # fmt: skip
-    chat = srv.add_argument_group("chat template (chat completions and /tokenize)")
+    chat = srv.add_argument_group("chat (chat completions and /tokenize)")
     chat.add_argument("--chat-template", default=None, metavar="FILE_OR_TEMPLATE",
                       help="render every chat request with this Jinja template instead of the tokenizer's (so a model "
                       "without one serves chat): a file, or the template itself when it names no file and holds '{', "
@@ -62,6 +62,10 @@ def add_parser(sub: argparse._SubParsersAction, fmt: type[argparse.HelpFormatter
     chat.add_argument("--trust-request-chat-template", action="store_true",
                       help="let a request's own chat_template field render its prompt (refused by default: a "
                       "template is code the server runs)")  # fmt: skip
+    chat.add_argument("--reasoning-parser", default=None, metavar="NAME",
+                      help="take a thinking model's <think> reasoning apart from its answer in chat replies "
+                      "(message.reasoning): deepseek_r1 (the template may open it) or qwen3 (the model opens it) "
+                      "(default: none, replies as generated)")  # fmt: skip
     srv.add_argument("--early-exit", default="skip", choices=["skip", "select"],
                      help="how requests' exit_threshold / exit_at_step run (with or without speculation)")  # fmt: skip
     add_engine_flags(srv, "serve")
@@ -112,6 +116,13 @@ def serve_command(args: argparse.Namespace) -> int:
     api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
     tool_calling = tool_calling_config(args)
     chat_template = chat_template_config(args)
+    if args.reasoning_parser is not None:
+        from looped_spec.server.reasoning import reasoning_parser
+
+        try:
+            reasoning_parser(args.reasoning_parser)
+        except ValueError as exc:
+            raise UsageError(str(exc)) from None
     scaling = dict(num_replicas=args.replicas, min_replicas=args.min_replicas, max_replicas=args.max_replicas,
                    target_ongoing_requests=args.target_ongoing_requests, metrics_port=args.metrics_port)  # fmt: skip
     at_least(args.threads, 0, "--threads", " (0: torch's default)")
@@ -127,7 +138,7 @@ def serve_command(args: argparse.Namespace) -> int:
     name = args.served_model_name or Path(str(args.model)).name
     serve(engine, name, host=args.host, port=args.port, api_key=api_key, max_queued=args.max_queued,
           max_body_bytes=args.max_body_bytes, log_level=args.log_level, tool_calling=tool_calling,
-          chat_template=chat_template)  # fmt: skip
+          chat_template=chat_template, reasoning_parser=args.reasoning_parser)  # fmt: skip
     return 0
 
 
@@ -154,6 +165,7 @@ def serve_replicas(args: argparse.Namespace, api_key: str | None, scaling: dict,
                                                    log_level=args.log_level,
                                                    engine=options, tool_calling=tool_calling.model_dump(),
                                                    chat_template=chat_template.model_dump(),
+                                                   reasoning_parser=args.reasoning_parser,
                                                    **given))  # fmt: skip
         app_args.check_before_start()
     except ValueError as exc:  # name the flags, not the application's fields

@@ -46,6 +46,7 @@ from looped_spec.server.protocol import (
     new_id,
     now,
 )
+from looped_spec.server.reasoning import ReasoningStream
 from looped_spec.server.serving import OpenAIServing, check_messages, finish_reason, sse_events, until_disconnected
 from looped_spec.server.token_bytes import TextOffsets
 from looped_spec.server.tokenize import detokenize, parse_tokenize_request, tokenize
@@ -62,6 +63,7 @@ def build_app(
     readiness: Callable[[], Awaitable[str | None]] | None = None,
     tool_calling: ToolCallingConfig | None = None,
     chat_template: ChatTemplateConfig | None = None,
+    reasoning_parser: str | None = None,
 ) -> FastAPI:
     """The FastAPI app around a started-on-startup async engine.
 
@@ -69,9 +71,10 @@ def build_app(
     a `replica` label and every response an `x-looped-spec-replica` header; `readiness()` returns why the whole
     deployment is not ready yet (None once it is), and /health reports it. `tool_calling`: whether `tool_choice:
     "auto"` is served, and with which parser (server/tools.py). `chat_template`: the server's template and whether a
-    request may bring its own (server/chat_template.py).
+    request may bring its own (server/chat_template.py). `reasoning_parser`: how chat replies' reasoning is taken
+    apart from their content (server/reasoning.py; None: replies as generated).
     """
-    serving = OpenAIServing(engine, model_name, tool_calling, chat_template)
+    serving = OpenAIServing(engine, model_name, tool_calling, chat_template, reasoning_parser)
     exposed = serving.metrics.exposed({"replica": replica} if replica else None)
 
     @asynccontextmanager
@@ -213,9 +216,11 @@ def build_app(
         echoed = last.text() if body.echo and last.role == "assistant" else ""
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         top_n = (body.top_logprobs or 0) if body.logprobs else None
+        serving.check_reasoning(body, plan)
         await serving.check_grammar(body)
         await serving.check_tool_grammar(plan)
         generating = plan.generation_fields(body)
+        reasoning = serving.reasoning  # chat replies' reasoning apart from their content (server/reasoning.py)
         params = [serving.sampling_params(generating, len(ids), max_tokens, j, None, top_n) for j in range(body.n)]
         if body.top_logprobs is not None and not body.logprobs:
             raise APIError(400, "top_logprobs: needs logprobs: true", "top_logprobs")
@@ -228,8 +233,11 @@ def build_app(
 
         if body.stream:
             streams = [ToolCallStream(plan) for _ in range(body.n)]
-            # a message that may be all calls starts with content null, as OpenAI's (a text answer with "")
-            role = DeltaMessage(role="assistant", content="" if plan.mode == "none" else None)
+            thoughts = [ReasoningStream(reasoning) for _ in range(body.n)] if reasoning is not None else None
+            # a message that may be all calls starts with content null, as OpenAI's (a text answer with ""), and so
+            # does one that may be all reasoning
+            text_only = plan.mode == "none" and reasoning is None
+            role = DeltaMessage(role="assistant", content="" if text_only else None)
 
             def chunks(index: int, out: RequestOutput):
                 if not streams[index].started:  # every choice's role first, in index order (the first chunk
@@ -242,7 +250,12 @@ def build_app(
                 logprobs = None
                 if body.logprobs and out.new_token_ids:
                     logprobs = serving.chat_logprobs(serving.new_logprobs(out))
-                delta, reason = streams[index].delta(out.new_text, out.finished, finish_reason(out))
+                new_text, thought = out.new_text, ""
+                if thoughts is not None:  # the tool stream sees the content alone
+                    thought, new_text = thoughts[index].feed(out.new_text, out.finished)
+                delta, reason = streams[index].delta(new_text, out.finished, finish_reason(out))
+                if thought and body.include_reasoning:
+                    delta = (delta or DeltaMessage()).model_copy(update={"reasoning": thought})
                 if reason is not None and delta is not None and delta.tool_calls:
                     # the finish reason in a chunk of its own, as OpenAI sends it: the client closes a call
                     # (its `arguments.done` event) only on a chunk after the one that carried the call
@@ -261,11 +274,18 @@ def build_app(
         result = []
         for k, out in enumerate(outs):
             logprobs = serving.chat_logprobs(out.logprobs or []) if body.logprobs else None
-            message = tool_message(plan, out.text or "", out.finish_reason)
+            text, thought = out.text or "", None
+            if reasoning is not None:
+                split = reasoning.split(text)
+                text, thought = split.content or "", split.reasoning or None
+            message = tool_message(plan, text, out.finish_reason)
             content = echoed + (message.content or "") if echoed else message.content
+            if reasoning is not None and not content:
+                content = None  # all reasoning, or all calls: no content (what the streamed deltas add up to)
             result.append(ChatChoice(index=k, logprobs=logprobs, finish_reason=message.finish_reason,
-                                     message=ChatResponseMessage(content=content,
-                                                                 tool_calls=message.tool_calls)))  # fmt: skip
+                                     message=ChatResponseMessage(content=content, tool_calls=message.tool_calls,
+                                                                 reasoning=thought if body.include_reasoning
+                                                                 else None)))  # fmt: skip
         return ChatCompletionResponse(id=cid, created=created, model=model_name, choices=result,
                                       usage=serving.usage(len(ids), outs, body.n))  # fmt: skip
 

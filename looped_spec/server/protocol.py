@@ -215,11 +215,18 @@ class ChatMessage(BaseModel):
     name: str | None = None
     tool_calls: list[ToolCall] | None = None  # an assistant's calls, sent back in a tool conversation
     tool_call_id: str | None = None  # the call a tool message answers
+    # an assistant's reasoning sent back (a reply's `reasoning`, vLLM's field; `reasoning_content`, its former name):
+    # the template gets it as `reasoning_content`, the variable thinking models' templates read
+    reasoning: str | None = None
+    reasoning_content: str | None = None
 
     @model_validator(mode="after")
     def _calls_from_the_assistant(self) -> ChatMessage:
-        if self.tool_calls is not None and self.role != "assistant":
-            raise ValueError(f"tool_calls: only on assistant messages (this one's role is {self.role!r})")
+        for name in ("tool_calls", "reasoning", "reasoning_content"):
+            if getattr(self, name) is not None and self.role != "assistant":
+                raise ValueError(f"{name}: only on assistant messages (this one's role is {self.role!r})")
+        if self.reasoning is not None and self.reasoning_content is not None:
+            raise ValueError("reasoning, reasoning_content: one of the two (reasoning_content is its former name)")
         if self.role == "tool" and self.tool_call_id is None:
             raise ValueError("tool_call_id: a tool message names the call it answers (OpenAI's rule)")
         return self
@@ -259,6 +266,8 @@ class ChatCompletionRequest(SamplingFields, ChatTemplateFields):
         None, description='Default: "auto" with tools, "none" without (OpenAI\'s).'
     )
     parallel_tool_calls: bool = True
+    include_reasoning: bool = Field(True, description="With --reasoning-parser: whether the reply carries the "
+                                    "reasoning (false: the content alone; vLLM's).")  # fmt: skip
 
     def chosen_tool_mode(self) -> str | NamedToolChoice:
         """`tool_choice` with OpenAI's default filled in: "auto" when tools are given, else "none"."""
@@ -357,6 +366,11 @@ class ChatResponseMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None
     tool_calls: list[ToolCall] | None = None
+    reasoning: str | None = None  # with --reasoning-parser (vLLM's field); left out of the JSON when None
+
+    @model_serializer(mode="wrap")
+    def _reasoning_when_any(self, handler) -> dict[str, Any]:
+        return _without_null_reasoning(handler(self))
 
 
 class TopLogprob(BaseModel):
@@ -417,6 +431,19 @@ class DeltaMessage(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
     tool_calls: list[DeltaToolCall] | None = None
+    reasoning: str | None = None  # with --reasoning-parser (vLLM's field); left out of the JSON when None
+
+    @model_serializer(mode="wrap")
+    def _reasoning_when_any(self, handler) -> dict[str, Any]:
+        return _without_null_reasoning(handler(self))
+
+
+def _without_null_reasoning(fields: dict[str, Any]) -> dict[str, Any]:
+    """A message's fields without `reasoning` when it has none (a server without a reasoning parser answers as
+    before)."""
+    if fields.get("reasoning", "") is None:
+        del fields["reasoning"]
+    return fields
 
 
 class ChatStreamChoice(BaseModel):

@@ -16,7 +16,7 @@ from typing import Any, Literal
 
 import ray
 from prometheus_client import start_http_server
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from ray import serve
 from ray.serve.config import AutoscalingConfig, BackpressureConfig
 
@@ -26,6 +26,7 @@ from looped_spec.engine.engine import LoopedSpecEngine
 from looped_spec.logs import configure_logging
 from looped_spec.server.app import build_app
 from looped_spec.server.chat_template import ChatTemplateConfig
+from looped_spec.server.reasoning import reasoning_parser
 from looped_spec.server.serving import RETRY_AFTER_S
 from looped_spec.server.tools import ToolCallingConfig
 
@@ -55,6 +56,8 @@ class ReplicaAppArgs(BaseModel):
     chat_template: ChatTemplateConfig = Field(default_factory=ChatTemplateConfig, description="The server's chat "
                                               "template (its text: `looped-spec serve --chat-template FILE` reads "
                                               "the file) and whether a request may bring its own.")  # fmt: skip
+    reasoning_parser: str | None = Field(None, description="How chat replies' reasoning is taken apart from their "
+                                         "content (deepseek_r1, qwen3; default: replies as generated).")  # fmt: skip
     num_replicas: int | None = Field(None, ge=1, description="Fixed replica count (default 1 without autoscaling).")
     min_replicas: int | None = Field(None, ge=0, description="Autoscaling: fewest replicas.")
     max_replicas: int | None = Field(None, ge=1, description="Autoscaling: most replicas.")
@@ -65,6 +68,13 @@ class ReplicaAppArgs(BaseModel):
                                    "cuda, or auto on a cluster with GPUs; else 0).")  # fmt: skip
     metrics_port: int | None = Field(None, ge=1, le=65535, description="Replica with local rank r also serves "
                                      "/metrics on metrics_port + r (each series labelled by replica).")  # fmt: skip
+
+    @field_validator("reasoning_parser")
+    @classmethod
+    def _known_reasoning_parser(cls, name: str | None) -> str | None:
+        if name is not None:
+            reasoning_parser(name)  # ValueError listing the known ones
+        return name
 
     @model_validator(mode="after")
     def _scaling(self) -> ReplicaAppArgs:
@@ -156,7 +166,8 @@ class LoopedSpecServer:
         name = args.served_model_name or os.path.basename(os.path.normpath(args.model))
         app = build_app(self.engine, name, api_key, args.max_body_bytes, replica=self.replica,
                         readiness=lambda: deployment_readiness(self.app_name, self.deployment_name),
-                        tool_calling=args.tool_calling, chat_template=args.chat_template)  # fmt: skip
+                        tool_calling=args.tool_calling, chat_template=args.chat_template,
+                        reasoning_parser=args.reasoning_parser)  # fmt: skip
         if self.metrics_port is not None:
             self.metrics_server, _ = start_http_server(self.metrics_port, registry=app.state.metrics_registry)
         return app

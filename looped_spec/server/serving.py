@@ -31,6 +31,7 @@ from looped_spec.server.protocol import (
     TopLogprob,
     UsageInfo,
 )
+from looped_spec.server.reasoning import reasoning_parser as reasoning_parser_named
 from looped_spec.server.token_bytes import TextOffsets, TokenBytes
 from looped_spec.server.tools import ToolCallingConfig, ToolPlan
 
@@ -49,9 +50,12 @@ class OpenAIServing:
         model_name: str,
         tool_calling: ToolCallingConfig | None = None,
         chat_template: ChatTemplateConfig | None = None,
+        reasoning_parser: str | None = None,
     ) -> None:
         self.engine = engine
         self.model_name = model_name
+        # chat replies' reasoning taken apart from their content (server/reasoning.py); None: replies as generated
+        self.reasoning = reasoning_parser_named(reasoning_parser) if reasoning_parser is not None else None
         self.tool_calling = tool_calling if tool_calling is not None else ToolCallingConfig()
         self.chat_template = chat_template if chat_template is not None else ChatTemplateConfig()
         core = engine.engine
@@ -229,6 +233,22 @@ class OpenAIServing:
             await asyncio.to_thread(self.engine.engine.check_grammar, spec)
         except ValueError as exc:
             raise APIError(400, f"{field}: {str(exc).split(': ', 1)[-1]}", field) from exc
+
+    def check_reasoning(self, body: SamplingFields, plan: ToolPlan) -> None:
+        """With a reasoning parser, a grammar (structured outputs, response_format, a forced tool call) is a 400 naming
+        its field: it would shape the reasoning too, leaving the model no room to think (vLLM starts such a grammar
+        where the reasoning ends; not built here)."""
+        if self.reasoning is None:
+            return
+        spec = body.grammar()
+        field = None
+        if spec is not None:
+            field = "structured_outputs" if body.structured_outputs is not None else "response_format"
+        elif plan.grammar is not None:
+            field = "tool_choice"
+        if field is not None:
+            raise APIError(400, f"{field}: a grammar is not served with --reasoning-parser {self.reasoning.name} (it "
+                           "would constrain the reasoning as well as the answer)", field)  # fmt: skip
 
     async def check_tool_grammar(self, plan: ToolPlan) -> None:
         """A forced tool call's grammar, compiled once off the event loop as `check_grammar` does: a 400 naming the

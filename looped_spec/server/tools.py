@@ -275,6 +275,9 @@ def template_message(message: Any, index: int) -> dict[str, Any]:
             calls.append({"id": call.id, "type": call.type,
                           "function": {"name": call.function.name, "arguments": arguments}})  # fmt: skip
         out["tool_calls"] = calls
+    reasoning = message.reasoning if message.reasoning is not None else message.reasoning_content
+    if reasoning is not None:
+        out["reasoning_content"] = reasoning  # the name thinking models' templates read (Qwen3's, vLLM passes it)
     if message.tool_call_id is not None:
         out["tool_call_id"] = message.tool_call_id
     if message.name is not None and message.role == "tool":
