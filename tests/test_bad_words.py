@@ -302,6 +302,9 @@ def test_the_server_takes_bad_words():
         chat_body = {**body, "messages": messages, "bad_words": [""]}
         refused = httpx.post(server.url + "/v1/chat/completions", json=chat_body, timeout=60)
         assert refused.status_code == 400 and refused.json()["error"]["param"] == "bad_words", refused.text
+        scoring = {**body, "prompt": prompt, "max_tokens": 0, "echo": True, "logprobs": 1}  # generates nothing
+        refused = httpx.post(server.url + "/v1/completions", json=scoring, timeout=60)
+        assert refused.status_code == 400 and refused.json()["error"]["param"] == "bad_words", refused.text
 
 
 @pytest.mark.parametrize("mode", ["skip", "select"])
