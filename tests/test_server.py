@@ -88,6 +88,31 @@ def test_completion_equals_offline_greedy_and_stream_equals_text(server, client,
     wait_until(lambda: idle(server), what="server idle")
 
 
+def test_continuous_usage_stats_put_the_usage_so_far_in_every_chunk(server, client):
+    """vLLM's stream_options.continuous_usage_stats (with include_usage): each chunk's usage counts the tokens streamed
+    so far, for completions (generated and scored-only) and chat; without include_usage it is a 400 naming it."""
+    options = {"include_usage": True, "continuous_usage_stats": True}
+    chat = {"messages": [{"role": "user", "content": "hi"}]}
+    for create, fields in (
+        (client.completions.create, {"prompt": PROMPT, "n": 2}),
+        (client.chat.completions.create, chat),
+    ):
+        chunks = list(create(model=MODEL, max_tokens=12, temperature=0, stream=True, stream_options=options, **fields))
+        counts = [c.usage.completion_tokens for c in chunks]
+        assert all(c.usage is not None and c.usage.total_tokens == c.usage.prompt_tokens + c.usage.completion_tokens
+                   for c in chunks)  # fmt: skip
+        assert counts == sorted(counts) and len(set(counts)) > 2  # growing as tokens come
+        assert counts[-1] == chunks[-1].usage.completion_tokens and chunks[-1].choices == []
+        assert chunks[-2].usage == chunks[-1].usage  # the last tokens' chunk already counted them all
+    scored = list(client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=0, echo=True, logprobs=1,
+                                            stream=True, stream_options=options))  # fmt: skip
+    assert all(c.usage.completion_tokens == 0 and c.usage.prompt_tokens > 0 for c in scored)
+    with pytest.raises(openai.BadRequestError) as err:
+        client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=2, stream=True,
+                                  stream_options={"continuous_usage_stats": True})  # fmt: skip
+    assert err.value.body["param"] == "stream_options.continuous_usage_stats"
+
+
 def test_chat_completion_uses_the_template(server, client, reference_engine):
     messages = [{"role": "system", "content": "You write Python."}, {"role": "user", "content": "Sort a list."}]
     rendered = reference_engine.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)

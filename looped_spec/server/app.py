@@ -47,7 +47,14 @@ from looped_spec.server.protocol import (
     now,
 )
 from looped_spec.server.reasoning import ReasoningStream
-from looped_spec.server.serving import OpenAIServing, check_messages, finish_reason, sse_events, until_disconnected
+from looped_spec.server.serving import (
+    OpenAIServing,
+    check_messages,
+    continuous_usage,
+    finish_reason,
+    sse_events,
+    until_disconnected,
+)
 from looped_spec.server.token_bytes import TextOffsets
 from looped_spec.server.tokenize import detokenize, parse_tokenize_request, tokenize
 from looped_spec.server.tool_stream import ToolCallStream
@@ -162,7 +169,8 @@ def build_app(
             usage = serving.usage(num_prompt, [None] * len(choices))
             if not body.stream:
                 return response(result, usage)
-            chunks = [response([choice]) for choice in result]
+            so_far = usage if continuous_usage(body) else None  # scoring generates nothing: the usage is final
+            chunks = [response([choice], so_far) for choice in result]
             if body.stream_options is not None and body.stream_options.include_usage:
                 chunks.append(response([], usage))
             return StreamingResponse(sse_events(chunks), media_type="text/event-stream")
@@ -186,10 +194,12 @@ def build_app(
                                               finish_reason=finish_reason(out))  # fmt: skip
                     yield response([choice])
 
-            usage = None
+            usage = so_far = None
             if body.stream_options is not None and body.stream_options.include_usage:
                 usage = lambda outs: response([], serving.usage(num_prompt, outs, body.n))
-            return StreamingResponse(serving.sse(outputs, chunks, usage), media_type="text/event-stream")
+            if continuous_usage(body):
+                so_far = lambda outs: serving.usage(num_prompt, outs, body.n)
+            return StreamingResponse(serving.sse(outputs, chunks, usage, so_far), media_type="text/event-stream")
         outs = await serving.final_outputs(outputs, request)
         result = []
         for k, ((ids, _), out) in enumerate(zip(choices, outs)):
@@ -266,10 +276,12 @@ def build_app(
                                               finish_reason=reason)  # fmt: skip
                     yield chunk([choice])
 
-            usage = None
+            usage = so_far = None
             if body.stream_options is not None and body.stream_options.include_usage:
                 usage = lambda outs: chunk([], serving.usage(len(ids), outs, body.n))
-            return StreamingResponse(serving.sse(outputs, chunks, usage), media_type="text/event-stream")
+            if continuous_usage(body):
+                so_far = lambda outs: serving.usage(len(ids), outs, body.n)
+            return StreamingResponse(serving.sse(outputs, chunks, usage, so_far), media_type="text/event-stream")
         outs = await serving.final_outputs(outputs, request)
         result = []
         for k, out in enumerate(outs):

@@ -28,6 +28,8 @@ class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
 
     include_usage: bool = False
+    # vLLM's: every chunk carries the usage so far too (with include_usage)
+    continuous_usage_stats: bool = False
 
 
 class JsonSchemaFormat(BaseModel):

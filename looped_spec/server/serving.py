@@ -78,6 +78,10 @@ class OpenAIServing:
         self.check_model(body.model)
         if body.stream_options is not None and not body.stream:
             raise APIError(400, "stream_options: only with stream: true", "stream_options")
+        if body.stream_options is not None and body.stream_options.continuous_usage_stats:
+            if not body.stream_options.include_usage:
+                raise APIError(400, "stream_options.continuous_usage_stats: needs include_usage: true (vLLM's rule)",
+                               "stream_options.continuous_usage_stats")  # fmt: skip
         try:
             self.engine.engine.check_priority(body.priority)
         except ValueError as exc:
@@ -378,9 +382,12 @@ class OpenAIServing:
                 raise APIError(500, f"engine error while generating this request: {out.error}")
         return outs
 
-    async def sse(self, outputs: list[AsyncIterator[RequestOutput]], make_chunks, usage_chunk) -> AsyncIterator[str]:
-        """Server-sent events: chunks per output of every choice as they come (`make_chunks(index, output)`), an
-        error event on an engine fault, then the usage chunk (`usage_chunk(last outputs)`) and [DONE]."""
+    async def sse(
+        self, outputs: list[AsyncIterator[RequestOutput]], make_chunks, usage_chunk, usage_so_far=None
+    ) -> AsyncIterator[str]:
+        """Server-sent events: chunks per output of every choice as they come (`make_chunks(index, output)`; with
+        `usage_so_far`, each carrying `usage_so_far(last outputs)`), an error event on an engine fault, then the usage
+        chunk (`usage_chunk(last outputs)`) and [DONE]."""
         last: list[RequestOutput | None] = [None] * len(outputs)
         async with aclosing(_merged(outputs)) as merged:
             try:
@@ -389,6 +396,8 @@ class OpenAIServing:
                         raise EngineFaultError(f"engine error while generating this request: {out.error}")
                     last[index] = out
                     for chunk in make_chunks(index, out):
+                        if usage_so_far is not None:
+                            chunk.usage = usage_so_far(last)
                         yield f"data: {chunk.model_dump_json()}\n\n"
             except (EngineFaultError, EngineDeadError, ValueError, TypeError) as exc:
                 # the headers are sent: the status goes into the error event (the engine refused the request: 400;
@@ -400,6 +409,12 @@ class OpenAIServing:
         if usage_chunk is not None:
             yield f"data: {usage_chunk(last).model_dump_json()}\n\n"
         yield "data: [DONE]\n\n"
+
+
+def continuous_usage(body: SamplingFields) -> bool:
+    """stream_options.continuous_usage_stats (vLLM's; checked to come with include_usage): every chunk carries the
+    usage so far."""
+    return body.stream_options is not None and body.stream_options.continuous_usage_stats
 
 
 async def sse_events(chunks: list) -> AsyncIterator[str]:
