@@ -160,11 +160,9 @@ class AdaptiveController(FixedController):
         return SpeculationPlan(self.num_plans, k, d, bucket, candidate, measure), self.policy.last_event
 
     def _readout_interval(self, k: int, d: int, batch: int, context: float, outlook: float) -> int:
-        """Rounds per measured round: enough that the readouts give `readout_positions` positions a round (a measured
-        round reads out at least one position per request), no fewer than keep their extra cost within the budget,
-        and at least two (the drift factor learns from unmeasured rounds). The budget is `readout_budget` times
-        outlook² (outlook: the best speculative plan's predicted rate ÷ plain's while plain runs, else 1): readouts
-        are worth what they may change, and the further speculation is from paying the less they may change."""
+        """Rounds per measured round (docs/adaptive.md "Which rounds read out"): the position target (a measured round
+        reads at least one position per request), the cost budget times outlook² (readouts are worth what they may
+        change), and at least two (the drift factor learns from the unmeasured rounds)."""
         s = self.settings
         by_time = self.cost.measure_share(k, d, batch, context) / (s.readout_budget * outlook * outlook)
         return max(2, math.ceil(by_time), math.ceil(batch / s.readout_positions))
