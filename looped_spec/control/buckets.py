@@ -45,30 +45,19 @@ def compile_buckets(config: AdaptiveSpecConfig) -> list[CompiledBucket]:
     for b in config.buckets:
         cands = b.candidates
         ks, ds = [c.k for c in cands], [c.d if c.k > 0 else 0 for c in cands]
-        ups = [1.0 if c.k == 0 else c.theta_up if c.theta_up is not None else b.theta_up for c in cands]
-        downs = [0.0 if c.k == 0 else c.theta_down if c.theta_down is not None else b.theta_down for c in cands]
+        ups = [float(1.0 if c.k == 0 else b.theta_up if c.theta_up is None else c.theta_up) for c in cands]
+        downs = [float(0.0 if c.k == 0 else b.theta_down if c.theta_down is None else c.theta_down) for c in cands]
         lowest = next((j for j, k in enumerate(ks) if k > 0), -1)
         routes = []
         if lowest >= 0 and ks[0] == 0:
-            routes.append(float(downs[lowest]))
+            routes.append(downs[lowest])
         if lowest >= 0 and config.disable.enabled:
             routes.append(config.disable.threshold)
         options = list(zip(ks, ds))
         if ks[0] != 0 and config.disable.enabled:
             options.insert(0, (0, 0))
-        out.append(
-            CompiledBucket(
-                config=b,
-                ks=ks,
-                ds=ds,
-                theta_up=[float(x) for x in ups],
-                theta_down=[float(x) for x in downs],
-                prior=[c.prior for c in cands],
-                lowest_spec=lowest,
-                off_threshold=max(routes) if routes else -1.0,
-                options=options,
-            )
-        )
+        priors = [c.prior for c in cands]
+        out.append(CompiledBucket(b, ks, ds, ups, downs, priors, lowest, max(routes, default=-1.0), options))
     return out
 
 

@@ -1,13 +1,7 @@
-"""Controllers: the engine asks `plan(batch_size, context)` before every decode round and sends
-`observe(feedback)` after its commit.
-
-- `AdaptiveController`: batch size -> preset bucket -> the policy's option -> `SpeculationPlan`; it feeds every
-  round to the shared estimators (acceptance, pass-cost drift, exit depths) and decides which rounds also read
-  out every depth (docs/adaptive.md "Which rounds read out").
-- `FixedController(k, d)`: the same plan every round (`k = 0`: plain decoding).
-
-Both number plans with increasing ids, time themselves (`overhead_seconds`) and can write a JSONL trace of
-every plan, feedback and decision (`trace_path`).
+"""Controllers: the engine asks `plan(batch_size, context)` before every decode round and sends `observe(feedback)`
+after its commit. `FixedController(k, d)` plans the same every round; `AdaptiveController` follows a preset
+(docs/adaptive.md). Both number plans with increasing ids, time themselves (`overhead_seconds`) and can write a JSONL
+trace of every plan, feedback and decision (`trace_path`).
 """
 
 from __future__ import annotations
@@ -60,9 +54,7 @@ class FixedController:
         plan, event = self._next_plan(batch_size, context)
         self.num_plans += 1
         if self._trace is not None:
-            if event is not None:
-                self._trace.decision(plan.bucket, event, plan.plan_id)
-            self._trace.plan(plan, batch_size, context)
+            self._trace.plan(plan, batch_size, context, event)
         self.overhead_seconds += perf_counter() - t0
         return plan
 
@@ -72,9 +64,7 @@ class FixedController:
         self.num_observed += 1
         event = self._learn(feedback)
         if self._trace is not None:
-            self._trace.feedback(feedback)
-            if event is not None:
-                self._trace.decision(feedback.bucket, event, feedback.plan_id)
+            self._trace.feedback(feedback, event)
         self.overhead_seconds += perf_counter() - t0
 
     def _next_plan(self, batch_size: int, context: float) -> tuple[SpeculationPlan, str | None]:
@@ -110,7 +100,9 @@ class FixedController:
 
 
 class AdaptiveController(FixedController):
-    """Per-round (K, d) from a preset: batch size -> bucket -> the policy's option."""
+    """Per-round (K, d) from a preset: batch size -> bucket -> the policy's option. It feeds every round to the
+    shared estimators (acceptance, pass-cost drift, exit depths) and decides which rounds also read out every depth
+    (docs/adaptive.md "Which rounds read out")."""
 
     name = "adaptive"
 
@@ -168,11 +160,9 @@ class AdaptiveController(FixedController):
         return SpeculationPlan(self.num_plans, k, d, bucket, candidate, measure), self.policy.last_event
 
     def _readout_interval(self, k: int, d: int, batch: int, context: float, outlook: float) -> int:
-        """Rounds per measured round: enough that the readouts give `readout_positions` positions a round (a measured
-        round reads out at least one position per request), no fewer than keep their extra cost within the budget,
-        and at least two (the drift factor learns from unmeasured rounds). The budget is `readout_budget` times
-        outlook² (outlook: the best speculative plan's predicted rate ÷ plain's while plain runs, else 1): readouts
-        are worth what they may change, and the further speculation is from paying the less they may change."""
+        """Rounds per measured round (docs/adaptive.md "Which rounds read out"): the position target (a measured round
+        reads at least one position per request), the cost budget times outlook² (readouts are worth what they may
+        change), and at least two (the drift factor learns from the unmeasured rounds)."""
         s = self.settings
         by_time = self.cost.measure_share(k, d, batch, context) / (s.readout_budget * outlook * outlook)
         return max(2, math.ceil(by_time), math.ceil(batch / s.readout_positions))
@@ -240,7 +230,7 @@ def make_controller(
 ) -> FixedController:
     """The controller for `spec`: "off", "adaptive" (with its `preset`, already fitted to `full_depth`) or a
     fixed (k, d, measure_depths[, stop_margin]). A model of depth 1 has nothing to draft with: "adaptive" is plain
-    there."""
+    there. The fixed plan's own checks are `SpeculativeConfig`'s (engine/config.py); here only the model's depth."""
     if spec == "off" or (spec == "adaptive" and full_depth < 2):
         return FixedController(0, 0, trace_path)
     if spec == "adaptive":

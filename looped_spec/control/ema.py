@@ -16,18 +16,18 @@ from looped_spec.presets.schema import DisableConfig
 @dataclass(slots=True)
 class _Bucket:
     index: int  # current candidate
-    ema: list[float | None]  # [C]
+    ema: list[float | None]  # [C] acceptance EMA per candidate
     visit: int = 0  # rounds at `index` since the bucket moved there
-    off: bool = False
-    wait: int = 0  # plain rounds left before the next probe
-    backoff: int = 0
-    probe_left: int = 0  # probe rounds still to plan
-    probe_pending: int = 0  # probe rounds whose feedback has not come
-    probe_accepted: int = 0
+    off: bool = False  # speculation switched off: plain rounds, and now and then a probe
+    wait: int = 0  # plain rounds left before the next probe ...
+    backoff: int = 0  # ... and how many the last wait was (doubled after a failed probe)
+    probe_left: int = 0  # probe rounds still to plan ...
+    probe_pending: int = 0  # ... and planned, their feedback not come yet (the probe ends when both are 0)
+    probe_accepted: int = 0  # the probe's rounds so far, pooled
     probe_proposed: int = 0
-    moves: int = 0
-    probes: int = 0
     probed_at: int = 0  # acceptance positions observed when the last probe started
+    moves: int = 0  # for describe(): moves between candidates, probes, the last events
+    probes: int = 0
     history: list[str] = field(default_factory=list)
 
 
@@ -85,11 +85,8 @@ class EmaPolicy:
 
     def observe(self, fb: RoundFeedback) -> None:
         self.last_event = None
-        if (
-            not 0 <= fb.bucket < len(self.buckets)
-            or fb.k == 0
-            or not 0 <= fb.candidate < len(self.buckets[fb.bucket].ks)
-        ):
+        buckets = self.buckets
+        if fb.k == 0 or not 0 <= fb.bucket < len(buckets) or not 0 <= fb.candidate < len(buckets[fb.bucket].ks):
             return
         b, st, c = self.buckets[fb.bucket], self.states[fb.bucket], fb.candidate
         proposed, accepted = fb.total_proposed, fb.total_accepted

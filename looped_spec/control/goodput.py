@@ -57,17 +57,15 @@ class GoodputPolicy:
 
     def predict(self, batch: int, context: float) -> list[float]:
         """Predicted committed tokens per second of each option (the decision's numbers)."""
-        acceptance = self.acceptance
-        alpha = acceptance.alpha
+        alpha = self.acceptance.alpha
         if self.exits.seen:
-            alpha = self.exits.effective_alpha(alpha)
+            alpha = self.exits.effective_alpha(alpha)  # tokens that exit within the draft depth pass for free
         intercepts, slopes = self.cost.lines(batch, self.exits)
-        drift = self.cost.drift
-        out = []
-        for (k, d), i in zip(self.options, self.cost_index):
-            tokens = acceptance.tokens(k, d, alpha)
-            out.append(batch * tokens / ((intercepts[i] + slopes[i] * context) * drift))
-        return out
+        drift, tokens = self.cost.drift, self.acceptance.tokens
+        return [
+            batch * tokens(k, d, alpha) / ((intercepts[i] + slopes[i] * context) * drift)
+            for (k, d), i in zip(self.options, self.cost_index)
+        ]
 
     def select(self, bucket: int, batch: int, context: float) -> tuple[int, int, int]:
         """(k, d, candidate index) for this round."""

@@ -50,6 +50,8 @@ class PassCost:
         self._ks = np.array([k for k, _ in self.options])
         self._ds = np.array([d for _, d in self.options])
         self.grid = np.asarray(cost.positions, dtype=float)
+        self._pass_terms = len(self.grid)  # first column of each group of terms (see "features" below)
+        self._step_terms, self._readout_terms = self._pass_terms + 3, self._pass_terms + 8
         # the coefficients in `features` order: the pass curve's grid values, then the other terms
         self.theta = np.concatenate([
             cost.pass_seconds, [cost.request_seconds, cost.request_context_seconds, cost.query_context_seconds],
@@ -66,41 +68,35 @@ class PassCost:
         self._exits_version = None
 
     # ------------------------------------------------------------------ features
-    def _zeros(self, rows: int) -> np.ndarray:
-        return np.zeros((rows, len(self.theta)))
+    # Columns of `theta`: the pass curve w on the grid [G], then g, h, a (the pass's per-request, per-request-context
+    # and per-position-context terms), s0, s_r, s_n, e0, e_n (a step's own), ro0, ro_n (a readout), then the
+    # `OUTSIDE` terms o0, o_B, v0, v_K, v_n
+    def _columns(self, start: int, *values) -> np.ndarray:
+        """[len, P]: `values` (arrays broadcast) in the columns from `start` on, zeros elsewhere."""
+        values = _floats(*values)
+        out = np.zeros((len(values[0]), len(self.theta)))
+        out[:, start : start + len(values)] = np.stack(values, axis=1)
+        return out
 
     def pass_features(self, requests, positions, context) -> np.ndarray:
         """[len, P]: one loop pass each (arrays broadcast)."""
         r, n, c = _floats(requests, positions, context)
-        out = self._zeros(len(n))
-        g = len(self.grid)
-        out[:, :g] = width_weights(self.grid, n)
-        out[:, g], out[:, g + 1], out[:, g + 2] = r, r * c, n * c
+        out = self._columns(self._pass_terms, r, r * c, n * c)
+        out[:, : self._pass_terms] = width_weights(self.grid, n)
         return out
 
     def step_features(self, requests, positions, embeds) -> np.ndarray:
         """[len, P]: one runner step's own cost each (its loops and readout not included)."""
         r, n, e = _floats(requests, positions, embeds)
-        out = self._zeros(len(n))
-        g = len(self.grid) + 3
-        out[:, g], out[:, g + 1], out[:, g + 2], out[:, g + 3], out[:, g + 4] = 1.0, r, n, e, e * n
-        return out
+        return self._columns(self._step_terms, 1.0, r, n, e, e * n)
 
     def readout_features(self, positions) -> np.ndarray:
-        n = np.atleast_1d(np.asarray(positions, dtype=float))
-        out = self._zeros(len(n))
-        g = len(self.grid) + 8
-        out[:, g], out[:, g + 1] = 1.0, n
-        return out
+        return self._columns(self._readout_terms, 1.0, positions)
 
     def outside_features(self, ks, batch: float) -> np.ndarray:
         ks = np.atleast_1d(np.asarray(ks, dtype=float))
         spec = (ks > 0).astype(float)
-        out = self._zeros(len(ks))
-        g = len(self.theta) - OUTSIDE
-        out[:, g], out[:, g + 1] = 1.0, batch
-        out[:, g + 2], out[:, g + 3], out[:, g + 4] = spec, spec * (ks + 1.0), spec * batch * (ks + 1.0)
-        return out
+        return self._columns(len(self.theta) - OUTSIDE, 1.0, batch, spec, spec * (ks + 1.0), spec * batch * (ks + 1.0))
 
     def features(self, ks, ds, batch: int, context: float, survival: np.ndarray | None = None) -> np.ndarray:
         """[O, P]: one round of each option (K = 0: plain) at batch `batch` and mean context `context`, as counts
@@ -117,13 +113,13 @@ class PassCost:
         alive = np.ones(depth) if survival is None else np.asarray(survival, dtype=float)
         live = np.maximum(b * alive, 1.0)  # loop i over one position per request: the requests still looping
         per_loop = (1.0 - (1.0 - alive) ** b)[:, None] * self.pass_features(live, live, context)  # [D, P]
-        loops = np.vstack([self._zeros(1), np.cumsum(per_loop, axis=0)])  # loops[d]: loops 1..d
+        loops = np.vstack([np.zeros((1, len(self.theta))), np.cumsum(per_loop, axis=0)])  # loops[d]: loops 1..d
         one_step = self.step_features(b, b, 1.0)[0]
         readout_b = self.readout_features(b)[0]
         plain = one_step + loops[depth] + readout_b
         # K+1 draft steps, the context one token longer at each: 0 + 1 + ... + K more tokens per pass
         grow = np.zeros(len(self.theta))
-        grow[len(self.grid) + 1] = grow[len(self.grid) + 2] = b
+        grow[self._pass_terms + 1] = grow[self._pass_terms + 2] = b
         # the passes of loops 1..d that run, weighed by the share of the batch still in them
         running = np.concatenate([[0.0], np.cumsum((1.0 - (1.0 - alive) ** b) * alive)])
         triangle = ks * (ks + 1.0) / 2.0
@@ -181,10 +177,10 @@ class PassCost:
 
     def measure_seconds(self, k: int, d: int, batch: int) -> float:
         """The extra readouts of a round that also reads out every other depth (counterfactual acceptance)."""
-        g = len(self.grid) + 8
+        ro0, ro_n = self.theta[self._readout_terms : self._readout_terms + 2]
 
         def readout(positions: float) -> float:
-            return float(self.theta[g] + self.theta[g + 1] * positions)
+            return float(ro0 + ro_n * positions)
 
         b = float(max(batch, 1))
         if k <= 0:

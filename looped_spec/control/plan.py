@@ -12,35 +12,21 @@ from typing import Any
 
 @dataclass(slots=True)
 class SpeculationPlan:
-    """One round's plan: draft `k` tokens with the first `d` loops (`k == 0`: plain full-depth decoding).
-
-    `bucket` / `candidate` locate the plan in the preset (-1 for a fixed plan), so feedback updates exactly the
-    (bucket, candidate) that produced it. `measure_depths`: the round also reads out every depth on the
-    committed positions (counterfactual acceptance; costs extra readouts).
-    """
+    """One round's plan: draft `k` tokens with the first `d` loops (`k == 0`: plain full-depth decoding)."""
 
     plan_id: int
     k: int
     d: int
+    # where the plan sits in the preset (-1: a fixed plan), so feedback updates the (bucket, candidate) that made it
     bucket: int = -1
     candidate: int = -1
-    measure_depths: bool = False
+    measure_depths: bool = False  # also read out every depth on the committed positions (counterfactual acceptance)
     stop_margin: float | None = None  # per-token stopping: a request stops drafting below this draft margin
 
 
 @dataclass(slots=True, kw_only=True)
 class RoundFeedback:
-    """What one committed decode round tells the controller.
-
-    `depth_matches[j]` / `depth_trials[j]`: over the round's committed positions, how often a greedy readout at
-    depth j+1 agreed with the committed token (empty when the round did not measure depths); `depth_pairs[j]`:
-    over consecutive committed positions of a request, [n1, n11, n0, n01] (the earlier position agreed, both did,
-    the earlier did not, only the later did); `first_bits` / `last_bits`: per request (`request_ids`), its first and
-    last committed position's agreement as a bit mask (bit j: depth j+1), for pairs across rounds. `num_proposed` /
-    `num_accepted`: per request, drafted and accepted tokens, counting only drafts the target checked (under
-    early exit a draft that exited within the draft depth is the target's own sample). `exit_depths`: the
-    readout depth of every committed token when some request exits early, else empty.
-    """
+    """What one committed decode round tells the controller (the readouts' fields empty unless it measured depths)."""
 
     plan_id: int
     k: int
@@ -49,17 +35,24 @@ class RoundFeedback:
     candidate: int
     batch_size: int
     context: float  # the batch's mean tokens in the KV per request at the round's start
+    # per request, drafted and accepted tokens, counting only drafts the target checked (under early exit a draft
+    # that exited within the draft depth is the target's own sample)
     num_proposed: list[int]
     num_accepted: list[int]
     seconds: float  # the round's wall time, from scheduling to commit
     draft_seconds: float = 0.0  # of which the draft passes (0 in a plain round)
+    # [D]: over the committed positions, how often a greedy readout at depth j+1 agreed with the committed token
     depth_matches: list[int] = field(default_factory=list)
     depth_trials: list[int] = field(default_factory=list)
+    # [D]: over consecutive committed positions of a request, [n1, n11, n0, n01] (the earlier position agreed, both
+    # did, the earlier did not, only the later did)
     depth_pairs: list[list[int]] = field(default_factory=list)
+    # per request, its first and last committed position's agreement as a bit mask (bit j: depth j+1), for the
+    # pairs across two measured rounds
     request_ids: list[str] = field(default_factory=list)
     first_bits: list[int] = field(default_factory=list)
     last_bits: list[int] = field(default_factory=list)
-    exit_depths: list[int] = field(default_factory=list)
+    exit_depths: list[int] = field(default_factory=list)  # each committed token's readout depth if any exits early
     exit_skips: bool = False  # early exit in skip mode: the loops after an exit were not run
 
     @property

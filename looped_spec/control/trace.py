@@ -32,11 +32,17 @@ class TraceWriter:
         record = {"event": event, "t": round(time.perf_counter() - self._t0, 6), **fields}
         self._file.write(json.dumps(record, separators=(",", ":")) + "\n")
 
-    def plan(self, plan: SpeculationPlan, batch_size: int, context: float | None = None) -> None:
+    def plan(self, plan: SpeculationPlan, batch_size: int, context: float | None = None, decision: str | None = None):
+        """A plan, after the decision that chose it (if any)."""
+        if decision is not None:
+            self.decision(plan.bucket, decision, plan.plan_id)
         self.write("plan", **asdict(plan), batch=batch_size, context=None if context is None else round(context, 2))
 
-    def feedback(self, fb: RoundFeedback) -> None:
+    def feedback(self, fb: RoundFeedback, decision: str | None = None) -> None:
+        """A round's feedback, before the decision it caused (if any)."""
         self.write("feedback", **asdict(fb))
+        if decision is not None:
+            self.decision(fb.bucket, decision, fb.plan_id)
 
     def decision(self, bucket: int, what: str, plan_id: int) -> None:
         self.write("decision", bucket=bucket, what=what, plan_id=plan_id)
@@ -46,6 +52,5 @@ class TraceWriter:
             self._file.flush()
 
     def close(self) -> None:
-        if not self._file.closed:
-            self._file.flush()
-            self._file.close()
+        self.flush()
+        self._file.close()
