@@ -485,7 +485,10 @@ def test_a_plan_serves_a_rounds_worth_of_requests_or_until_the_batch_size_change
     assert rounds.plan(requests, take)[1] is False
     rounds.start(requests[3:])
     assert rounds.plan(requests, take)[1] is True and taken == [4, 4]  # spent: a new one
+    assert rounds.take_abandoned() == []
     assert rounds.plan(requests[:3], take)[1] is True and taken == [4, 4, 3]  # the batch size changed
+    # plan 2 was replaced before any round ran under it: it will report nothing, and the controller is told
+    assert rounds.take_abandoned() == [SpeculationPlan(2, 2, 1)] and rounds.take_abandoned() == []
 
 
 def test_rounds_under_several_plans_share_passes():

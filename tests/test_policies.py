@@ -156,3 +156,23 @@ def test_ema_policy_moves_off_and_back_on_acceptance():
     bad, good = workload.run(controller, [Phase(4, RANDOM, 300), Phase(4, CODE, 300)])
     assert Counter(k == 0 for k, _ in bad[150:])[True] >= 140  # off, probing now and then
     assert Counter(k > 0 for k, _ in good[100:])[True] >= 190  # on again and staying on
+
+
+def test_ema_probing_survives_a_probe_round_that_reports_nothing():
+    """A probe round that never runs (its requests preempted first, or its step failed and committed nothing) is
+    abandoned and planned again: speculation comes back on the easy text as when no round is lost."""
+    cfg = preset()
+    workload = Workload(PassCost(cfg.cost, DEPTH), noise=0.1, seed=8)
+    controller = AdaptiveController(cfg, DEPTH, policy="ema")
+    workload.run(controller, [Phase(4, RANDOM, 300)])  # off, probing now and then
+    phase, on, dropped = Phase(4, CODE, 300), [], 0
+    for _ in range(phase.rounds):
+        plan = controller.plan(phase.batch, phase.context)
+        if plan.k > 0 and not dropped:  # the first probe round reports nothing
+            controller.abandon(plan)
+            dropped += 1
+            continue
+        on.append(plan.k > 0)
+        controller.observe(workload.feedback(plan, phase))
+    assert dropped == 1 and controller.stats()["abandoned"] == 1
+    assert Counter(on[100:])[True] >= 190  # on again and staying on

@@ -288,3 +288,24 @@ def test_on_loop_passes_a_suspect_alone_runs_its_loops_back_to_back():
     finally:
         del engine.adapter.loop
     run_to_end(engine)
+
+
+@pytest.mark.parametrize("speculation", [SpeculativeConfig(k=2, d=1), "adaptive"])
+def test_a_failed_round_is_abandoned_to_the_controller(speculation):
+    """A decode round that fails commits nothing and reports nothing: the controller hears it was abandoned (an EMA
+    probe round among them is planned again), and the rounds after it report as before."""
+    engine = make_engine("ouro", speculation=speculation)
+    engine.add_request(PROMPTS[0], greedy(8))
+    engine.step()  # the prompt
+    fault = OneShotFault(engine.adapter.loop, lambda *args, **kwargs: True)
+    engine.adapter.loop = fault
+    try:
+        with pytest.raises(RuntimeError, match="injected"):
+            engine.step()
+    finally:
+        del engine.adapter.loop
+    stats = engine.controller.stats()
+    assert (stats["plans"], stats["observed"], stats["abandoned"]) == (1, 0, 1)
+    run_to_end(engine)
+    stats = engine.controller.stats()
+    assert stats["plans"] == stats["observed"] + 1 and stats["abandoned"] == 1

@@ -40,7 +40,7 @@ class FixedController:
         self.k, self.d = k, d if k > 0 else 0
         self.measure_depths = measure_depths
         self.stop_margin = stop_margin if k > 0 else None
-        self.num_plans = self.num_observed = 0
+        self.num_plans = self.num_observed = self.num_abandoned = 0
         self.overhead_seconds = 0.0
         self._trace = TraceWriter(trace_path) if trace_path is not None else None
 
@@ -67,6 +67,17 @@ class FixedController:
             self._trace.feedback(feedback, event)
         self.overhead_seconds += perf_counter() - t0
 
+    def abandon(self, plan: SpeculationPlan) -> None:
+        """A planned round that did not run (its requests were preempted before it, or it failed and committed
+        nothing; on loop passes, a plan none of whose rounds finished): no feedback will come for it."""
+        self.num_abandoned += 1
+        self._forget(plan)
+        if self._trace is not None:
+            self._trace.write("abandon", plan_id=plan.plan_id)
+
+    def _forget(self, plan: SpeculationPlan) -> None:
+        """Undo what handing out `plan` set waiting for its feedback."""
+
     def _next_plan(self, batch_size: int, context: float) -> tuple[SpeculationPlan, str | None]:
         """The next plan, and the decision behind it to trace (None: none this round)."""
         plan = SpeculationPlan(
@@ -84,6 +95,7 @@ class FixedController:
             "controller": self.name,
             "plans": self.num_plans,
             "observed": self.num_observed,
+            "abandoned": self.num_abandoned,
             "overhead_seconds": self.overhead_seconds,
             "overhead_us_per_call": 1e6 * self.overhead_seconds / calls if calls else 0.0,
         }
@@ -166,6 +178,9 @@ class AdaptiveController(FixedController):
         s = self.settings
         by_time = self.cost.measure_share(k, d, batch, context) / (s.readout_budget * outlook * outlook)
         return max(2, math.ceil(by_time), math.ceil(batch / s.readout_positions))
+
+    def _forget(self, plan: SpeculationPlan) -> None:
+        self.policy.abandon(plan)
 
     def _learn(self, fb: RoundFeedback) -> str | None:
         """Acceptance, exit depths, the cost drift, then the policy."""

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 from looped_spec.control.acceptance import AcceptanceEstimator, accept_rate
 from looped_spec.control.buckets import CompiledBucket
-from looped_spec.control.plan import RoundFeedback
+from looped_spec.control.plan import RoundFeedback, SpeculationPlan
 from looped_spec.control.settings import ControlSettings
 from looped_spec.presets.schema import DisableConfig
 
@@ -109,6 +109,16 @@ class EmaPolicy:
         due = st.visit - b.config.min_samples
         if due >= 0 and due % b.config.interval == 0:
             self._decide(st, b)
+
+    def abandon(self, plan: SpeculationPlan) -> None:
+        """A planned round that will report nothing: a probe round among them is planned again (else the probe would
+        wait for its feedback forever, and the bucket never probe again)."""
+        if plan.k == 0 or not 0 <= plan.bucket < len(self.buckets):
+            return
+        b, st = self.buckets[plan.bucket], self.states[plan.bucket]
+        if st.off and plan.candidate == b.lowest_spec and st.probe_pending > 0:
+            st.probe_pending -= 1
+            st.probe_left += 1
 
     def outlook(self, bucket: int) -> float:
         """Always 1.0: the readouts call this policy's probes, so their budget is never cut."""

@@ -12,7 +12,7 @@ from looped_spec.control.acceptance import AcceptanceEstimator
 from looped_spec.control.buckets import CompiledBucket
 from looped_spec.control.exits import ExitDepths
 from looped_spec.control.passcost import PassCost
-from looped_spec.control.plan import RoundFeedback
+from looped_spec.control.plan import RoundFeedback, SpeculationPlan
 from looped_spec.control.settings import ControlSettings
 
 
@@ -121,6 +121,9 @@ class GoodputPolicy:
     def observe(self, feedback: RoundFeedback) -> None:
         """Nothing of its own: the estimators it reads learn from every round (the controller feeds them)."""
         self.last_event = None
+
+    def abandon(self, plan: SpeculationPlan) -> None:
+        """Nothing waits for a round's feedback here."""
 
     def enter(self, bucket: int) -> None:
         self.states[bucket].rounds_left = 0  # decide at once in the bucket the batch just entered

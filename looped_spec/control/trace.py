@@ -2,8 +2,9 @@
 
 Events (field `event`): ``plan`` (the SpeculationPlan fields, ``batch``, the running requests, and
 ``context``, their mean context in tokens or null when the caller gave none),
-``feedback`` (the RoundFeedback fields, named as there) and ``decision`` (bucket, what the policy decided,
-after which plan_id). Every line carries ``t``, seconds since the trace was opened.
+``feedback`` (the RoundFeedback fields, named as there), ``abandon`` (``plan_id``: a planned round that ran and
+reported nothing) and ``decision`` (bucket, what the policy decided, after which plan_id). Every line carries ``t``,
+seconds since the trace was opened.
 """
 
 from __future__ import annotations

@@ -94,6 +94,8 @@ def run_pass(engine, suspect: Request | None, batch: ScheduledBatch, chunks: dic
     t2 = time.perf_counter()
     for feedback in engine.loop_rounds.finish(result, batcher.items.keys() | batcher.next_drafts.keys()):
         engine.controller.observe(feedback)
+    for plan in engine.loop_rounds.take_abandoned():
+        engine.controller.abandon(plan)
     stats.phase_seconds["control"] += time.perf_counter() - t2
     stats.num_loop_passes += result.loops
     stats.num_loop_passes_captured += result.captured

@@ -38,16 +38,23 @@ def step(engine, suspect: Request | None) -> None:
     requests, k = scheduler.reserve_decode(batch.requests, wants)
     stats.phase_seconds["control"] += time.perf_counter() - t1
     scheduler.count_into(stats)
-    if not requests:
+    if not requests:  # preempted before their round: it reports nothing
+        engine.controller.abandon(plan)
         return
     # one decode path: plain decoding is the K = 0 round
-    result = engine.failures.run(
-        suspect,
-        requests,
-        lambda: engine.spec_round.run(requests, k, plan.d, plan.measure_depths, plan.stop_margin),
-        engine._finish_with_error,
-    )
-    if result is not None:
+    try:
+        result = engine.failures.run(
+            suspect,
+            requests,
+            lambda: engine.spec_round.run(requests, k, plan.d, plan.measure_depths, plan.stop_margin),
+            engine._finish_with_error,
+        )
+    except BaseException:  # a transaction: the round failed and committed nothing (failures.py), nor reports
+        engine.controller.abandon(plan)
+        raise
+    if result is None:  # its suspect was blamed: nothing committed, nothing to report
+        engine.controller.abandon(plan)
+    else:
         finish_round(engine, requests, k, plan, result, t0, context)
 
 

@@ -55,6 +55,7 @@ class LoopRounds:
         self._last: dict[str, tuple[Request, int, torch.Tensor]] = {}
         self._plan: tuple[SpeculationPlan, int, float] | None = None  # the plan in use, its batch size and context
         self._plan_left = 0  # request rounds the plan in use still serves
+        self.abandoned: list[SpeculationPlan] = []  # plans that will report nothing (`take_abandoned`)
 
     def plan(
         self, running: list[Request], take: Callable[[int, float], SpeculationPlan]
@@ -66,6 +67,8 @@ class LoopRounds:
         if self._plan is not None and self._plan_left > 0 and self._plan[1] == batch_size:
             return self._plan[0], False
         context = mean_context(running)
+        if self._plan is not None and self._plan_left == self._plan[1]:  # replaced before any round ran under it
+            self.abandoned.append(self._plan[0])
         self._plan, self._plan_left = (take(batch_size, context), batch_size, context), batch_size
         return self._plan[0], True
 
@@ -116,7 +119,14 @@ class LoopRounds:
             del self._open[plan_id]
             if entry.proposed:
                 feedback.append(self._feedback(entry))
+            else:  # every request under it left its round unfinished
+                self.abandoned.append(entry.plan)
         return feedback
+
+    def take_abandoned(self) -> list[SpeculationPlan]:
+        """The plans that will report nothing since the last call (the controller is told: `abandon`)."""
+        plans, self.abandoned = self.abandoned, []
+        return plans
 
     def _count(self, entry: _Open, request: Request, start: int, agreement: torch.Tensor) -> None:
         """A measured round's agreement: matches and trials per depth, and pairs of consecutive positions (with the
