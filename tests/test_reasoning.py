@@ -13,9 +13,9 @@ from server_utils import ServerThread
 
 from looped_spec import LoopedSpecEngine
 from looped_spec.cli import main
+from looped_spec.reasoning import REASONING_PARSERS, ReasoningStream, Split, reasoning_parser
 from looped_spec.request import RequestMetrics, RequestOutput
 from looped_spec.server.chat_template import ChatTemplateConfig
-from looped_spec.server.reasoning import REASONING_PARSERS, ReasoningStream, Split, reasoning_parser
 from looped_spec.server.serving import OpenAIServing
 from looped_spec.server.tools import ToolCallingConfig
 

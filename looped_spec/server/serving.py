@@ -15,6 +15,7 @@ from pydantic import ValidationError
 from looped_spec.engine import inputs
 from looped_spec.engine.async_engine import AsyncLoopedSpecEngine, EngineDeadError, EngineFaultError, QueueFullError
 from looped_spec.engine.inputs import load_tokenizer
+from looped_spec.reasoning import reasoning_parser as reasoning_parser_named
 from looped_spec.request import RequestOutput
 from looped_spec.sampling_params import SamplingParams
 from looped_spec.server.chat import GenerationDefaults
@@ -31,7 +32,6 @@ from looped_spec.server.protocol import (
     TopLogprob,
     UsageInfo,
 )
-from looped_spec.server.reasoning import reasoning_parser as reasoning_parser_named
 from looped_spec.server.token_bytes import TextOffsets, TokenBytes
 from looped_spec.server.tools import ToolCallingConfig, ToolPlan
 
@@ -54,7 +54,7 @@ class OpenAIServing:
     ) -> None:
         self.engine = engine
         self.model_name = model_name
-        # chat replies' reasoning taken apart from their content (server/reasoning.py); None: replies as generated
+        # chat replies' reasoning taken apart from their content (looped_spec/reasoning.py); None: replies as generated
         self.reasoning = reasoning_parser_named(reasoning_parser) if reasoning_parser is not None else None
         self.tool_calling = tool_calling if tool_calling is not None else ToolCallingConfig()
         self.chat_template = chat_template if chat_template is not None else ChatTemplateConfig()
