@@ -4,13 +4,15 @@ the grammar masks and consumes nothing, after it it shapes every token; the draf
 as output, so a gate that opens inside a round's drafts masks the later draft positions with the grammar advanced by
 the drafts after it, and speculation keeps plain decoding's output and the constrained distribution.
 
-The tiny models never write `</think>`: the tests gate on tokens plain decoding produces early."""
+The tiny models never write `</think>`: the engine tests gate on tokens plain decoding produces early, and the server
+tests check the wiring (the gate each request gets) and a reply whose gate never opens."""
 
 from __future__ import annotations
 
 import re
 from functools import cache
 
+import httpx
 import pytest
 import torch
 from chisquare import assert_distribution, three_token_distribution
@@ -326,3 +328,74 @@ def test_speculative_sampling_with_a_gated_grammar_keeps_the_constrained_distrib
     assert runner.stats.num_accepted_tokens > 0 and runner.stats.num_draft_tokens > runner.stats.num_accepted_tokens
     assert runner.stats.num_draft_tokens >= 1.5 * n  # K = 2 rounds
     assert_distribution((tuple(o.token_ids[:3]) for o in outs), exact)
+
+
+# ----- the server -----
+
+MODEL = "tiny-ouro"
+HELLO = [{"role": "user", "content": "hi"}]
+
+
+@pytest.fixture(scope="module")
+def server():
+    from server_utils import ServerThread
+
+    from looped_spec.server.tools import ToolCallingConfig
+
+    engine = LoopedSpecEngine(MODEL, speculation="2,1", max_model_len=256)
+    tools = ToolCallingConfig(enable_auto_tool_choice=True, tool_call_parser="hermes")
+    with ServerThread(engine, MODEL, tool_calling=tools, reasoning_parser="deepseek_r1") as running:
+        yield running
+
+
+def test_the_server_gates_each_grammar_with_the_end_tag(server, monkeypatch):
+    """structured_outputs, response_format and a forced tool call each reach the engine with `</think>`'s ids as
+    their gate; a request without a grammar with none."""
+    from looped_spec.server.serving import OpenAIServing
+
+    seen = []
+    original = OpenAIServing.start_all
+
+    def start_all(self, prompts, params, priority=0):
+        seen.extend(params)
+        return original(self, prompts, params, priority)
+
+    monkeypatch.setattr(OpenAIServing, "start_all", start_all)
+    end = base(MODEL).tokenizer.encode(END, add_special_tokens=False)
+    tools = [{"type": "function", "function": {"name": "now", "parameters": {"type": "object"}}}]
+    for extra in ({"structured_outputs": {"choice": ["a"]}}, {"response_format": {"type": "json_object"}},
+                  {"tools": tools, "tool_choice": "required"}, {}):  # fmt: skip
+        seen.clear()
+        body = {"model": MODEL, "messages": HELLO, "max_tokens": 4, "n": 2, **extra}
+        answer = httpx.post(server.url + "/v1/chat/completions", json=body, timeout=60)
+        assert answer.status_code == 200, answer.text
+        assert [p.reasoning_end_token_ids for p in seen] == [end if extra else None] * 2, extra
+        assert (seen[0].structured_outputs is not None) == bool(extra)
+
+
+def test_a_grammar_whose_reasoning_never_ends_leaves_the_reply_all_reasoning(server):
+    """The tiny model never writes `</think>`: under deepseek_r1 the reply is all reasoning, the model's free text
+    (the grammar never applied), whole and streamed; a forced tool call likewise makes no call."""
+    import openai
+
+    # the chat continues an assistant message: a plain reply of this model to a user is newlines
+    messages = [*HELLO, {"role": "assistant", "content": "def"}]
+    turn = {"continue_final_message": True, "add_generation_prompt": False}
+    free_engine = LoopedSpecEngine(MODEL, speculation="off", max_model_len=256)
+    [free] = free_engine.chat(messages, SamplingParams(max_tokens=8, temperature=0), **turn)
+    thought = free.text.lstrip()  # deepseek_r1 drops the whitespace before the reasoning
+    assert END not in free.text and thought and free.text not in ("a", "b")
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="none")
+    body = {"model": MODEL, "messages": messages, "max_tokens": 8, "temperature": 0}
+    message = client.chat.completions.create(**body, extra_body={"structured_outputs": {"choice": ["a", "b"]}, **turn})
+    assert (message.choices[0].message.model_extra["reasoning"], message.choices[0].message.content) == (thought, None)
+    reasoning = ""
+    for chunk in client.chat.completions.create(**body, stream=True, response_format={"type": "json_object"},
+                                                extra_body=turn):  # fmt: skip
+        for choice in chunk.choices:
+            reasoning += (choice.delta.model_extra or {}).get("reasoning") or ""
+            assert not choice.delta.content
+    assert reasoning == thought
+    tools = [{"type": "function", "function": {"name": "now", "parameters": {"type": "object"}}}]
+    called = client.chat.completions.create(**body, tools=tools, tool_choice="required", extra_body=turn).choices[0]
+    assert called.message.model_extra["reasoning"] == thought and not called.message.tool_calls

@@ -226,12 +226,13 @@ def build_app(
         echoed = last.text() if body.echo and last.role == "assistant" else ""
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         top_n = (body.top_logprobs or 0) if body.logprobs else None
-        serving.check_reasoning(body, plan)
+        reasoning_end = serving.check_reasoning(body, plan, ids)  # where a grammar starts: after the reasoning
         await serving.check_grammar(body)
         await serving.check_tool_grammar(plan)
         generating = plan.generation_fields(body)
         reasoning = serving.reasoning  # chat replies' reasoning apart from their content (looped_spec/reasoning.py)
-        params = [serving.sampling_params(generating, len(ids), max_tokens, j, None, top_n) for j in range(body.n)]
+        params = [serving.sampling_params(generating, len(ids), max_tokens, j, None, top_n, reasoning_end=reasoning_end)
+                  for j in range(body.n)]  # fmt: skip
         if body.top_logprobs is not None and not body.logprobs:
             raise APIError(400, "top_logprobs: needs logprobs: true", "top_logprobs")
         serving.check_choices(body.n, body.n)
