@@ -399,3 +399,29 @@ def test_a_grammar_whose_reasoning_never_ends_leaves_the_reply_all_reasoning(ser
     tools = [{"type": "function", "function": {"name": "now", "parameters": {"type": "object"}}}]
     called = client.chat.completions.create(**body, tools=tools, tool_choice="required", extra_body=turn).choices[0]
     assert called.message.model_extra["reasoning"] == thought and not called.message.tool_calls
+
+
+def test_a_server_that_cannot_encode_the_end_tag_refuses_a_grammar_naming_its_field():
+    """A 400 naming structured_outputs, response_format or tool_choice when `</think>` cannot be encoded (no
+    tokenizer); a request without a grammar goes on without a gate."""
+    from types import SimpleNamespace
+
+    from looped_spec.server.errors import APIError
+    from looped_spec.server.protocol import ChatCompletionRequest
+    from looped_spec.server.serving import OpenAIServing
+    from looped_spec.server.tools import ToolCallingConfig, plan_tools
+
+    serving = SimpleNamespace(reasoning=REASONING_PARSERS["deepseek_r1"], tokenizer=None, vocab_size=1024)
+    now = [{"type": "function", "function": {"name": "now", "parameters": {"type": "object"}}}]
+    for extra, field in (({"structured_outputs": {"choice": ["a"]}}, "structured_outputs"),
+                         ({"response_format": {"type": "json_object"}}, "response_format"),
+                         ({"tools": now, "tool_choice": "required"}, "tool_choice"), ({}, None)):  # fmt: skip
+        body = ChatCompletionRequest.model_validate({"model": MODEL, "messages": HELLO, **extra})
+        plan = plan_tools(body, ToolCallingConfig())
+        if field is None:
+            assert OpenAIServing.check_reasoning(serving, body, plan, [1, 2]) is None
+            continue
+        with pytest.raises(APIError) as refused:
+            OpenAIServing.check_reasoning(serving, body, plan, [1, 2])
+        assert refused.value.status == 400 and refused.value.param == field, extra
+        assert "'</think>': the model has no tokenizer" in str(refused.value), extra
