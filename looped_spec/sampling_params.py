@@ -154,6 +154,15 @@ class SamplingParams(BaseModel):
         description="A grammar the output follows (a JSON schema, any JSON object, a regex, a choice of strings or a "
         "Lark grammar; structured_output.py); the request ends once it is complete. None = free text.",
     )
+    reasoning_end_token_ids: list[Integer] | None = Field(
+        None,
+        strict=False,
+        description="With structured_outputs: the token ids that end a thinking model's reasoning (its `</think>`); "
+        "the grammar applies to the output after their first occurrence in it (the prompt never counts; the drafts "
+        "before a speculative position do), and before it masks nothing (vLLM starts a grammar where its reasoning "
+        "parser says the reasoning ended). [] = the grammar applies from the first token. None = the engine's "
+        "`reasoning_parser` decides (its `</think>`; no engine parser: from the first token).",
+    )
     logprobs: Integer | None = Field(
         None,
         ge=0,
@@ -192,7 +201,7 @@ class SamplingParams(BaseModel):
                 raise ValueError(f"logit_bias[{token}] = {value} must be in [-100, 100]")
         return bias
 
-    @field_validator("stop_token_ids", "allowed_token_ids")
+    @field_validator("stop_token_ids", "allowed_token_ids", "reasoning_end_token_ids")
     @classmethod
     def _non_negative(cls, ids: list[int] | None, info: ValidationInfo) -> list[int] | None:
         for i, token in enumerate(ids or []):
@@ -213,6 +222,13 @@ class SamplingParams(BaseModel):
         if self.bad_words and self.structured_outputs is not None:
             raise ValueError("bad_words and structured_outputs: set at most one (a grammar may leave only a bad "
                              "word's token to take; fold the bad words into the grammar)")  # fmt: skip
+        return self
+
+    @model_validator(mode="after")
+    def _reasoning_end_with_a_grammar(self) -> SamplingParams:
+        if self.reasoning_end_token_ids is not None and self.structured_outputs is None:
+            raise ValueError("reasoning_end_token_ids: only with structured_outputs (they say where its grammar "
+                             "starts)")  # fmt: skip
         return self
 
     @model_validator(mode="after")

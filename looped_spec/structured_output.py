@@ -6,6 +6,12 @@ break it (execution/sampler.py); a request ends ("stop") once its grammar is com
 is the grammar's state after the committed output and the drafts before that position, the same prefix the penalties
 count: a draft and its verification mask alike, so greedy speculation equals plain decoding and rejection sampling
 keeps the constrained distribution (docs/architecture.md, "What p and q are").
+
+A grammar may start after a gate (`SamplingParams.reasoning_end_token_ids`, or the engine's `reasoning_parser`: a
+thinking model's `</think>`): a token sequence after whose first occurrence in the output the grammar applies to every
+later token. Before it the grammar masks nothing and consumes nothing, and the request cannot complete it. Only output
+tokens count, the drafts before a position among them, never the prompt: a gate that opens inside a round's drafts
+masks the later draft positions with the grammar advanced by the drafts after the gate.
 """
 
 from __future__ import annotations
@@ -92,9 +98,10 @@ class GrammarCompiler:
         self._compiled: OrderedDict[str, Any] = OrderedDict()
         self._lock = threading.Lock()
 
-    def compile(self, spec: StructuredOutputs, where: str = "structured_outputs") -> Grammar:
-        """A request's grammar at the start of its output; ValueError naming `where` and the field for a grammar that
-        does not compile, a model without a tokenizer, or llguidance not installed."""
+    def compile(self, spec: StructuredOutputs, where: str = "structured_outputs", gate: Sequence[int] = ()) -> Grammar:
+        """A request's grammar at the start of its output, applying after `gate` (empty: from the first token);
+        ValueError naming `where` and the field for a grammar that does not compile, a model without a tokenizer, or
+        llguidance not installed."""
         field = f"{where}.{spec.kind}"
         if self.hf_tokenizer is None:
             raise ValueError(f"{field}: structured outputs need the model's tokenizer files")
@@ -126,36 +133,71 @@ class GrammarCompiler:
                 self._compiled[grammar] = pristine
                 while len(self._compiled) > self.CACHED:
                     self._compiled.popitem(last=False)
-        return Grammar(pristine.deep_copy(), self.vocab_size)
+        return Grammar(pristine.deep_copy(), self.vocab_size, gate)
 
 
 class Grammar:
-    """One request's grammar state: the matcher advanced by the request's committed tokens."""
+    """One request's grammar state: the matcher advanced by the request's committed tokens after its gate (every
+    committed token when the gate is empty)."""
 
-    def __init__(self, matcher: Any, vocab_size: int) -> None:
+    def __init__(self, matcher: Any, vocab_size: int, gate: Sequence[int] = ()) -> None:
         self.matcher = matcher
         self.vocab_size = vocab_size
+        self.gate = tuple(gate)
+        self.opened = not self.gate  # whether the output holds the gate: the grammar applies from there on
+        self.before: list[int] = []  # the committed output up to the gate's first occurrence (the gate included)
+        self.after = 0  # committed tokens after it (each consumed by the matcher)
 
     def consume(self, token: int) -> None:
-        """Advance by a committed token (ValueError if the grammar refuses it: the sampler masks such tokens)."""
+        """Advance by a committed token (ValueError if the grammar refuses it: the sampler masks such tokens). Before
+        the gate opens the token is only looked at: the one that ends the gate opens it."""
+        if not self.opened:
+            self.before.append(token)
+            n = len(self.gate)
+            self.opened = len(self.before) >= n and tuple(self.before[-n:]) == self.gate
+            return
         if not self.matcher.consume_token(token):
             reason = (self.matcher.get_error() or "refused").strip().splitlines()[0]  # the rest dumps the parser
             raise ValueError(f"structured_outputs: token {token} does not follow the grammar ({reason})")
+        self.after += 1
 
     def rollback(self, tokens: int) -> None:
-        """Undo the last `tokens` tokens consumed."""
-        self.matcher.rollback(tokens)
+        """Undo the last `tokens` tokens consumed (those before the gate too: the gate closes again if one of its
+        tokens is undone)."""
+        undone = min(tokens, self.after)
+        if undone:
+            self.matcher.rollback(undone)
+            self.after -= undone
+        rest = tokens - undone
+        if rest:
+            del self.before[len(self.before) - rest :]
+            self.opened = not self.gate  # its first occurrence ended at the last token undone
+
+    def after_gate(self, drafted: Sequence[int]) -> list[int] | None:
+        """Of `drafted` (tokens after the committed output), those after the gate: what the grammar takes before the
+        position after them; None when the gate is still closed there (the position is free)."""
+        if self.opened:
+            return list(drafted)
+        n = len(self.gate)
+        # not in the output yet: its first occurrence ends in the drafts (it is n long, the tail kept at most n - 1)
+        tail = self.before[-(n - 1) :] if n > 1 else []
+        seq = [*tail, *drafted]
+        for end in range(n, len(seq) + 1):
+            if tuple(seq[end - n : end]) == self.gate:
+                return seq[end:]
+        return None
 
     @property
     def complete(self) -> bool:
-        """Nothing may follow: the request ends here."""
-        return self.matcher.is_stopped()
+        """Nothing may follow: the request ends here (never before the gate opened)."""
+        return self.opened and self.matcher.is_stopped()
 
 
 def allowed_tokens(grammars: Sequence[Grammar], drafted: Sequence[Sequence[int]]) -> torch.Tensor:
-    """[len(grammars), V] bool: the tokens each grammar allows after its `drafted` tokens (each is left as it was).
-    A position after a draft the grammar refuses, or after the grammar completed, allows every token: its request
-    never commits a token there (the refused draft is rejected, a completed grammar ends the request)."""
+    """[len(grammars), V] bool: the tokens each grammar allows after its `drafted` tokens (each is left as it was):
+    after the drafts that follow its gate, every token where the gate is still closed after them. A position after a
+    draft the grammar refuses, or after the grammar completed, allows every token: its request never commits a token
+    there (the refused draft is rejected, a completed grammar ends the request)."""
     import torch
 
     vocab_size = grammars[0].vocab_size
@@ -163,7 +205,10 @@ def allowed_tokens(grammars: Sequence[Grammar], drafted: Sequence[Sequence[int]]
     # (llguidance.torch wraps the same call, and importing it imports torch's compiler: seconds at the first request)
     bitmask = torch.full((len(grammars), (vocab_size + 31) // 32), -1, dtype=torch.int32)
     row_bytes = bitmask.shape[1] * 4
-    for row, (grammar, tokens) in enumerate(zip(grammars, drafted)):
+    for row, (grammar, drafts) in enumerate(zip(grammars, drafted)):
+        tokens = grammar.after_gate(drafts)
+        if tokens is None:  # the gate is closed at this position: the grammar masks nothing yet
+            continue
         matcher = grammar.matcher
         taken = matcher.try_consume_tokens(list(tokens)) if tokens else 0
         try:

@@ -1,6 +1,6 @@
 """Reasoning parsers (vLLM's `--reasoning-parser`): a chat reply's `<think>` reasoning apart from its content, whole
-and streamed, with the deltas adding up to the whole reply whatever the chunking; beside tool calling; refused beside a
-grammar; an assistant's reasoning sent back reaches the template."""
+and streamed, with the deltas adding up to the whole reply whatever the chunking; beside tool calling; beside a grammar
+(which starts after the reasoning); an assistant's reasoning sent back reaches the template."""
 
 from __future__ import annotations
 
@@ -13,9 +13,9 @@ from server_utils import ServerThread
 
 from looped_spec import LoopedSpecEngine
 from looped_spec.cli import main
+from looped_spec.reasoning import REASONING_PARSERS, ReasoningStream, Split, reasoning_parser
 from looped_spec.request import RequestMetrics, RequestOutput
 from looped_spec.server.chat_template import ChatTemplateConfig
-from looped_spec.server.reasoning import REASONING_PARSERS, ReasoningStream, Split, reasoning_parser
 from looped_spec.server.serving import OpenAIServing
 from looped_spec.server.tools import ToolCallingConfig
 
@@ -150,17 +150,38 @@ def test_tool_calls_are_parsed_from_the_content_after_the_reasoning(server, monk
                                                                                       "arguments": "{}"}])  # fmt: skip
 
 
-def test_a_grammar_is_refused_beside_a_reasoning_parser(server):
+def test_a_grammar_beside_a_reasoning_parser_shapes_the_content_after_it(server, monkeypatch):
+    """A grammar (structured outputs, response_format, a forced tool call) is served beside a reasoning parser: it
+    starts after `</think>` (tests/test_grammar_after_reasoning.py), so the reply's content is what it shaped, and a
+    forced call is parsed from the content, whole and streamed (the replies scripted: the tiny model never thinks)."""
+    now = [{"type": "function", "function": {"name": "now", "parameters": {"type": "object"}}}]
     cases = [
-        ({"structured_outputs": {"choice": ["a"]}}, "structured_outputs"),
-        ({"response_format": {"type": "json_object"}}, "response_format"),
-        ({"tools": [{"type": "function", "function": {"name": "now"}}], "tool_choice": "required"}, "tool_choice"),
-    ]
-    for extra, field in cases:
+        ({"structured_outputs": {"choice": ["a", "b"]}}, "b", None),
+        ({"response_format": {"type": "json_object"}}, '{"x": 1}', None),
+        ({"tools": now, "tool_choice": "required"}, '[{"name": "now", "parameters": {}}]', [{"name": "now",
+                                                                                           "arguments": "{}"}]),
+        ({"tools": now, "tool_choice": {"type": "function", "function": {"name": "now"}}}, '{"tz": "UTC"}',
+         [{"name": "now", "arguments": '{"tz": "UTC"}'}]),
+    ]  # fmt: skip
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="none")
+    for extra, content, calls in cases:
+        scripted(monkeypatch, [["<think>Think", " first.</th", "ink>", content[:3], content[3:]]])
         answer = httpx.post(server.url + "/v1/chat/completions",
                             json={"model": MODEL, "messages": HELLO, **extra}, timeout=60)  # fmt: skip
-        assert answer.status_code == 400 and answer.json()["error"]["param"] == field, answer.text
-        assert "--reasoning-parser deepseek_r1" in answer.json()["error"]["message"]
+        assert answer.status_code == 200, answer.text
+        message = answer.json()["choices"][0]["message"]
+        assert message["reasoning"] == "Think first.", extra
+        if calls is None:
+            assert message["content"] == content and not message.get("tool_calls"), extra
+        else:
+            assert message["content"] is None, extra
+            assert [{k: c["function"][k] for k in ("name", "arguments")} for c in message["tool_calls"]] == calls
+        request = dict(extra)
+        tool_choice = request.pop("tool_choice", None)
+        tools = request.pop("tools", None)
+        streamed_reply = streamed(client, **({"tools": tools, "tool_choice": tool_choice} if tools else {}),
+                                  extra_body=request)  # fmt: skip
+        assert streamed_reply == ("Think first.", content if calls is None else None, calls or []), extra
 
 
 def test_an_assistants_reasoning_sent_back_reaches_the_template():

@@ -117,7 +117,7 @@ def serve_command(args: argparse.Namespace) -> int:
     tool_calling = tool_calling_config(args)
     chat_template = chat_template_config(args)
     if args.reasoning_parser is not None:
-        from looped_spec.server.reasoning import reasoning_parser
+        from looped_spec.reasoning import reasoning_parser
 
         try:
             reasoning_parser(args.reasoning_parser)

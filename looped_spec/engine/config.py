@@ -149,6 +149,10 @@ class EngineConfig(BaseModel):
     # which waiting request is admitted next and which running one is preempted when KV blocks run out (vLLM's
     # --scheduling-policy): "fcfs" by arrival; "priority" by each request's priority, lower first, then arrival
     scheduling_policy: Literal["fcfs", "priority"] = "fcfs"
+    # a thinking model's reasoning parser (vLLM's LLM(..., reasoning_parser=...)): "deepseek_r1" or "qwen3". A request's
+    # grammar (structured_outputs) then starts after the first `</think>` of its output, encoded by the model's
+    # tokenizer, unless it sets SamplingParams.reasoning_end_token_ids itself (looped_spec/reasoning.py)
+    reasoning_parser: str | None = None
 
     @model_validator(mode="after")
     def _adaptive_options(self) -> EngineConfig:
@@ -179,6 +183,15 @@ class EngineConfig(BaseModel):
                 raise ValueError(f"max_pass_positions={self.max_pass_positions}: a loop-pass budget, it needs "
                                  "batching='loop'")  # fmt: skip
         return self
+
+    @field_validator("reasoning_parser")
+    @classmethod
+    def _reasoning_parser(cls, value: str | None) -> str | None:
+        from looped_spec.reasoning import REASONING_PARSERS
+
+        if value is not None and value not in REASONING_PARSERS:
+            raise ValueError(f"unknown reasoning parser; known: {', '.join(sorted(REASONING_PARSERS))}")
+        return value
 
     @field_validator("speculation")
     @classmethod

@@ -42,6 +42,7 @@ from looped_spec.loop_batching import LoopBatcher, LoopRounds
 from looped_spec.models.adapter import ModelAdapter, load_adapter
 from looped_spec.models.stage_check import check_stages
 from looped_spec.presets.lookup import load_preset
+from looped_spec.reasoning import reasoning_parser
 from looped_spec.request import Request, RequestOutput, TokenLogprob
 from looped_spec.sampling_params import SamplingParams
 from looped_spec.speculative.round import SpeculativeRound
@@ -141,6 +142,14 @@ class LoopedSpecEngine:
         self.spec_round = SpeculativeRound(self.runner)
         self.tokenizer = load_tokenizer(self.adapter.path)
         self._grammars = GrammarCompiler(self.tokenizer, self.adapter.vocab_size, self.adapter.eos_token_ids)
+        # config.reasoning_parser: a request's grammar starts after the reasoning (looped_spec/reasoning.py)
+        self.reasoning = None
+        if config.reasoning_parser is not None:
+            self.reasoning = reasoning_parser(config.reasoning_parser)
+            try:
+                self.reasoning.grammar_gate(self.tokenizer, self.adapter.vocab_size)
+            except ValueError as exc:
+                raise ValueError(f"reasoning_parser={config.reasoning_parser!r}: {exc}") from None
         self.stats = EngineStats()
         self._rng = random.Random(config.seed)
         self._ids = itertools.count()
@@ -258,7 +267,12 @@ class LoopedSpecEngine:
         seed = params.seed if params.seed is not None else self._rng.randrange(2**31)
         grammar = None
         if params.structured_outputs is not None:
-            grammar = self._grammars.compile(params.structured_outputs)
+            gate = params.reasoning_end_token_ids
+            if gate is not None:
+                check_vocabulary(gate, self.adapter.vocab_size, "reasoning_end_token_ids")
+            elif self.reasoning is not None:  # the grammar starts after the reasoning (looped_spec/reasoning.py)
+                gate = self.reasoning.grammar_gate(self.tokenizer, self.adapter.vocab_size, ids)
+            grammar = self._grammars.compile(params.structured_outputs, gate=gate or ())
         detokenizer = None
         if self.tokenizer is not None:
             detokenizer = IncrementalDetokenizer(self.tokenizer, params.stop, params.skip_special_tokens,

@@ -15,6 +15,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from looped_spec import __version__
 from looped_spec.engine.async_engine import AsyncLoopedSpecEngine
+from looped_spec.reasoning import ReasoningStream
 from looped_spec.request import RequestOutput
 from looped_spec.server.chat_template import ChatTemplateConfig, chat_prompt
 from looped_spec.server.errors import (
@@ -46,7 +47,6 @@ from looped_spec.server.protocol import (
     new_id,
     now,
 )
-from looped_spec.server.reasoning import ReasoningStream
 from looped_spec.server.serving import (
     OpenAIServing,
     check_messages,
@@ -79,7 +79,7 @@ def build_app(
     deployment is not ready yet (None once it is), and /health reports it. `tool_calling`: whether `tool_choice:
     "auto"` is served, and with which parser (server/tools.py). `chat_template`: the server's template and whether a
     request may bring its own (server/chat_template.py). `reasoning_parser`: how chat replies' reasoning is taken
-    apart from their content (server/reasoning.py; None: replies as generated).
+    apart from their content (looped_spec/reasoning.py; None: replies as generated).
     """
     serving = OpenAIServing(engine, model_name, tool_calling, chat_template, reasoning_parser)
     exposed = serving.metrics.exposed({"replica": replica} if replica else None)
@@ -226,12 +226,13 @@ def build_app(
         echoed = last.text() if body.echo and last.role == "assistant" else ""
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         top_n = (body.top_logprobs or 0) if body.logprobs else None
-        serving.check_reasoning(body, plan)
+        reasoning_end = serving.check_reasoning(body, plan, ids)  # where a grammar starts: after the reasoning
         await serving.check_grammar(body)
         await serving.check_tool_grammar(plan)
         generating = plan.generation_fields(body)
-        reasoning = serving.reasoning  # chat replies' reasoning apart from their content (server/reasoning.py)
-        params = [serving.sampling_params(generating, len(ids), max_tokens, j, None, top_n) for j in range(body.n)]
+        reasoning = serving.reasoning  # chat replies' reasoning apart from their content (looped_spec/reasoning.py)
+        params = [serving.sampling_params(generating, len(ids), max_tokens, j, None, top_n, reasoning_end=reasoning_end)
+                  for j in range(body.n)]  # fmt: skip
         if body.top_logprobs is not None and not body.logprobs:
             raise APIError(400, "top_logprobs: needs logprobs: true", "top_logprobs")
         serving.check_choices(body.n, body.n)

@@ -24,9 +24,9 @@ from looped_spec.engine.async_engine import AsyncLoopedSpecEngine
 from looped_spec.engine.config import EngineConfig
 from looped_spec.engine.engine import LoopedSpecEngine
 from looped_spec.logs import configure_logging
+from looped_spec.reasoning import reasoning_parser
 from looped_spec.server.app import build_app
 from looped_spec.server.chat_template import ChatTemplateConfig
-from looped_spec.server.reasoning import reasoning_parser
 from looped_spec.server.serving import RETRY_AFTER_S
 from looped_spec.server.tools import ToolCallingConfig
 

@@ -15,6 +15,7 @@ from pydantic import ValidationError
 from looped_spec.engine import inputs
 from looped_spec.engine.async_engine import AsyncLoopedSpecEngine, EngineDeadError, EngineFaultError, QueueFullError
 from looped_spec.engine.inputs import load_tokenizer
+from looped_spec.reasoning import reasoning_parser as reasoning_parser_named
 from looped_spec.request import RequestOutput
 from looped_spec.sampling_params import SamplingParams
 from looped_spec.server.chat import GenerationDefaults
@@ -31,7 +32,6 @@ from looped_spec.server.protocol import (
     TopLogprob,
     UsageInfo,
 )
-from looped_spec.server.reasoning import reasoning_parser as reasoning_parser_named
 from looped_spec.server.token_bytes import TextOffsets, TokenBytes
 from looped_spec.server.tools import ToolCallingConfig, ToolPlan
 
@@ -54,7 +54,7 @@ class OpenAIServing:
     ) -> None:
         self.engine = engine
         self.model_name = model_name
-        # chat replies' reasoning taken apart from their content (server/reasoning.py); None: replies as generated
+        # chat replies' reasoning taken apart from their content (looped_spec/reasoning.py); None: replies as generated
         self.reasoning = reasoning_parser_named(reasoning_parser) if reasoning_parser is not None else None
         self.tool_calling = tool_calling if tool_calling is not None else ToolCallingConfig()
         self.chat_template = chat_template if chat_template is not None else ChatTemplateConfig()
@@ -135,10 +135,12 @@ class OpenAIServing:
         seed: int | None = None,
         logprobs: int | None = None,
         scored_only: bool = False,
+        reasoning_end: list[int] | None = None,
     ) -> SamplingParams:
         """The engine's parameters of one choice; with `seed` s, choice j of a request draws with seed s + j (so `n`
         choices are independent, and reproducible). `scored_only`: the prompt is scored, nothing generated (the
-        parameters carry only what the scores depend on: the seed and the exit fields)."""
+        parameters carry only what the scores depend on: the seed and the exit fields). `reasoning_end`: where the
+        grammar starts (`check_reasoning`)."""
         room = self.max_model_len - num_prompt_tokens
         if max_tokens is None:
             max_tokens = room
@@ -194,6 +196,7 @@ class OpenAIServing:
                 include_stop_str_in_output=body.include_stop_str_in_output,
                 skip_special_tokens=body.skip_special_tokens,
                 structured_outputs=body.grammar(),  # None when scored only (`check_grammar` refuses one)
+                reasoning_end_token_ids=reasoning_end,
                 stop_token_ids=stop_token_ids,
                 ignore_eos=body.ignore_eos,
                 allowed_token_ids=body.allowed_token_ids,
@@ -238,21 +241,26 @@ class OpenAIServing:
         except ValueError as exc:
             raise APIError(400, f"{field}: {str(exc).split(': ', 1)[-1]}", field) from exc
 
-    def check_reasoning(self, body: SamplingFields, plan: ToolPlan) -> None:
-        """With a reasoning parser, a grammar (structured outputs, response_format, a forced tool call) is a 400 naming
-        its field: it would shape the reasoning too, leaving the model no room to think (vLLM starts such a grammar
-        where the reasoning ends; not built here)."""
+    def check_reasoning(self, body: SamplingFields, plan: ToolPlan, prompt: list[int]) -> list[int] | None:
+        """With a reasoning parser, the token ids a chat request's grammar (structured outputs, response_format, a
+        forced tool call) starts after: `</think>` as the model's tokenizer encodes it (under qwen3, [] when the prompt
+        itself closed the reasoning), so the grammar shapes the content, not the reasoning (vLLM's rule,
+        looped_spec/reasoning.py `grammar_gate`). None without a parser or a grammar; a 400 naming the grammar's field
+        when `</think>` cannot be encoded."""
         if self.reasoning is None:
-            return
+            return None
         spec = body.grammar()
-        field = None
         if spec is not None:
             field = "structured_outputs" if body.structured_outputs is not None else "response_format"
         elif plan.grammar is not None:
             field = "tool_choice"
-        if field is not None:
-            raise APIError(400, f"{field}: a grammar is not served with --reasoning-parser {self.reasoning.name} (it "
-                           "would constrain the reasoning as well as the answer)", field)  # fmt: skip
+        else:
+            return None
+        try:
+            return self.reasoning.grammar_gate(self.tokenizer, self.vocab_size, prompt)
+        except ValueError as exc:
+            raise APIError(400, f"{field}: with --reasoning-parser {self.reasoning.name} a grammar starts after the "
+                           f"reasoning, but {exc}", field) from exc  # fmt: skip
 
     async def check_tool_grammar(self, plan: ToolPlan) -> None:
         """A forced tool call's grammar, compiled once off the event loop as `check_grammar` does: a 400 naming the

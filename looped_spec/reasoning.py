@@ -13,11 +13,18 @@ Two rules, by where the reasoning may start:
 Whitespace before `<think>` is dropped; the text after `</think>` is the content as written. Streaming sends the same
 split as it becomes certain (a piece that may be the start of a tag waits for the next), so the deltas add up to
 the whole reply's fields.
+
+A request's grammar (structured outputs, a forced tool call) starts where the reasoning ends: `grammar_gate` gives the
+token ids of `</think>` the engine opens it after (`SamplingParams.reasoning_end_token_ids`, structured_output.py), or
+none under `qwen3` when the prompt itself closed the reasoning. The engine's `reasoning_parser` option and the server's
+`--reasoning-parser` both use it; this module needs none of the server's dependencies.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 START, END = "<think>", "</think>"
 
@@ -54,6 +61,35 @@ class ReasoningParser:
         if finished:
             return Split(body, None)
         return Split(body[: len(body) - _partial_tag(body, END)], None)
+
+    def grammar_gate(self, tokenizer: Any, vocab_size: int, prompt: Sequence[int] = ()) -> list[int]:
+        """The token ids a request's grammar starts after (`SamplingParams.reasoning_end_token_ids`): `</think>` as the
+        model's tokenizer encodes it, without special tokens, so the grammar shapes the content and not the reasoning.
+        Under `qwen3`, [] (the grammar from the first token) when `prompt` ends with those ids and whitespace: the chat
+        template closed the reasoning before the reply (Qwen3's `enable_thinking: false`), and such a reply is all
+        content. ValueError when `</think>` cannot be encoded (no tokenizer, no tokens, a token outside the
+        vocabulary)."""
+        if tokenizer is None:
+            raise ValueError(f"{END!r}: the model has no tokenizer to encode it (a grammar starts after it)")
+        ids = [int(t) for t in tokenizer.encode(END, add_special_tokens=False)]
+        if not ids:
+            raise ValueError(f"{END!r}: the model's tokenizer encodes it to no tokens")
+        outside = [t for t in ids if not 0 <= t < vocab_size]
+        if outside:
+            raise ValueError(f"{END!r} encodes to token {outside[0]}, outside the vocabulary (size {vocab_size})")
+        if not self.opened_by_template and _closed_at_the_end(prompt, ids, tokenizer):
+            return []
+        return ids
+
+
+def _closed_at_the_end(prompt: Sequence[int], end: list[int], tokenizer: Any) -> bool:
+    """Whether `prompt` ends with `end` then whitespace only."""
+    n = len(end)
+    for start in range(len(prompt) - n, -1, -1):
+        if list(prompt[start : start + n]) == end:
+            rest = list(prompt[start + n :])
+            return not rest or not tokenizer.decode(rest, skip_special_tokens=False).strip()
+    return False
 
 
 def _partial_tag(text: str, tag: str) -> int:
