@@ -80,13 +80,17 @@ class BadWords:
 
     def banned(self, output: Sequence[int], drafted: Sequence[int] = ()) -> list[int]:
         """The tokens masked at the position after `output` then `drafted` (the output tokens before it)."""
+        found = self.completing(output, drafted)
+        return sorted(set(found).union(self.single)) if found else self.single
+
+    def completing(self, output: Sequence[int], drafted: Sequence[int] = ()) -> list[int]:
+        """The last tokens of the words of several tokens whose prefix the output before the position ends with."""
         if not self.phrases:
-            return self.single
+            return []
         n = self.longest
         tail = tuple(list(output[-n:]) + list(drafted))[-n:]
-        found = {last for prefix, last in self.phrases if len(prefix) <= len(tail) and tail[len(tail) - len(prefix) :]
-                 == prefix}  # fmt: skip
-        return sorted(found.union(self.single)) if found else self.single
+        return sorted({last for prefix, last in self.phrases
+                       if len(prefix) <= len(tail) and tail[len(tail) - len(prefix) :] == prefix})  # fmt: skip
 
 
 @dataclass

@@ -138,6 +138,11 @@ def test_bad_words_that_would_leave_nothing_give_way():
     free = request_with([1], [5], [[2, 3], [2, 4]], allowed_token_ids=[3, 4])
     got = SamplingRows.build([cornered, free], torch.device("cpu")).adjusted(logits)
     assert torch.isfinite(got[:, [3, 4]]).all() and torch.isneginf(got[:, [0, 1, 2, 5, 6, 7]]).all()
+    # a one-token word never gives way: with 6 banned everywhere and 2 3, 2 4 cornering the rest after a 2, the row
+    # keeps 3 and 4, not 6 (found by an outside audit: the fallback used to restore the one-token words too)
+    cornered = request_with([1], [2], [[6], [2, 3], [2, 4]], allowed_token_ids=[3, 4, 6])
+    got = SamplingRows.build([cornered], torch.device("cpu")).adjusted(logits[:1])
+    assert torch.isfinite(got[0, [3, 4]]).all() and torch.isneginf(got[0, [0, 1, 2, 5, 6, 7]]).all()
 
 
 @pytest.mark.parametrize("family", FAMILIES)

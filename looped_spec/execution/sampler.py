@@ -41,8 +41,12 @@ class SamplingRows:
     # where some row sets allowed_token_ids: (the rows [R], then rows and token ids [num_allowed]): every token of
     # those rows but the allowed ones is masked
     allowed: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
-    # where some row's bad_words mask a token at its position: (rows, token ids) of the tokens masked there
+    # where some row's bad_words mask a token at its position: (rows, token ids) of the tokens masked there, one-token
+    # words' (masked everywhere) ...
     bad_words: tuple[torch.Tensor, torch.Tensor] | None = None
+    # ... and the last tokens of words of several tokens whose prefix the output ends with (these give way where they
+    # would mask every token left)
+    bad_phrases: tuple[torch.Tensor, torch.Tensor] | None = None
     # whether some row has a bad word of several tokens (its mask depends on the output before the position, whether
     # or not anything is masked at this one)
     follows_words: bool = False
@@ -52,7 +56,7 @@ class SamplingRows:
         """Whether some row's logits are changed before sampling (a logit bias, a penalty, allowed_token_ids, a
         min_tokens mask, bad_words or a grammar): even a greedy row then takes the argmax of `adjusted(logits)`."""
         return (self.bias is not None or self.penalties is not None or self.allowed is not None
-                or self.bad_words is not None or self.counts_drafts)  # fmt: skip
+                or self.bad_words is not None or self.bad_phrases is not None or self.counts_drafts)  # fmt: skip
 
     @property
     def counts_drafts(self) -> bool:
@@ -72,8 +76,8 @@ class SamplingRows:
         banned = _min_token_bans(requests, drafted, device)
         grammar = _grammar_masks(requests, drafted, device)
         allowed = _allowed_tokens(requests, device)
-        bad_words, follows_words = _bad_word_masks(requests, drafted, device)
-        words = {"bad_words": bad_words, "follows_words": follows_words}
+        bad_words, bad_phrases, follows_words = _bad_word_masks(requests, drafted, device)
+        words = {"bad_words": bad_words, "bad_phrases": bad_phrases, "follows_words": follows_words}
         bias = None
         if any(r.logit_bias for r in requests):
             entries = [(i, token, value) for i, r in enumerate(requests) for token, value in r.logit_bias.items()]
@@ -111,12 +115,16 @@ class SamplingRows:
         if self.banned is not None:
             rows, tokens = self.banned
             logits = logits.float().index_put((rows, tokens), torch.tensor(float("-inf"), device=logits.device))
-        if self.bad_words is not None:
+        if self.bad_words is not None:  # never all a row has left: the engine refuses such one-token words
             rows, tokens = self.bad_words
+            logits = logits.float().index_put((rows, tokens), torch.tensor(float("-inf"), device=logits.device))
+        if self.bad_phrases is not None:
+            rows, tokens = self.bad_phrases
             before = logits.float()
             logits = before.index_put((rows, tokens), torch.tensor(float("-inf"), device=logits.device))
-            # a row whose bad words would mask every token it has left (allowed_token_ids, min_tokens) keeps them:
-            # one of them comes rather than a token it may not take (SamplingParams refuses bad_words beside a grammar)
+            # a row whose words of several tokens would mask every token it has left (allowed_token_ids, min_tokens,
+            # the one-token words) keeps those: one of them comes rather than a token it may not take (SamplingParams
+            # refuses bad_words beside a grammar)
             logits = torch.where(torch.isneginf(logits).all(-1, keepdim=True), before, logits)
         if self.grammar is not None:
             rows, allowed = self.grammar
@@ -168,23 +176,32 @@ def _allowed_tokens(
 
 def _bad_word_masks(
     requests: Sequence[Request], drafted: Sequence[Sequence[int]] | None, device: torch.device
-) -> tuple[tuple[torch.Tensor, torch.Tensor] | None, bool]:
-    """(rows, token ids) of the tokens each row's bad words mask at its position, after its output and the drafts
-    before it (None when no row masks any), and whether some row has a bad word of several tokens."""
-    entries: list[tuple[int, int]] = []
+) -> tuple[tuple[torch.Tensor, torch.Tensor] | None, tuple[torch.Tensor, torch.Tensor] | None, bool]:
+    """(rows, token ids) of the one-token bad words each row masks, and of the last tokens of its words of several
+    tokens whose prefix the output before its position ends with (the drafts before it counted; None where no row
+    masks any), and whether some row has a word of several tokens."""
+    single: list[tuple[int, int]] = []
+    completing: list[tuple[int, int]] = []
     follows = False
     for i, r in enumerate(requests):
         words = r.bad_words
         if words is None:
             continue
-        follows = follows or bool(words.phrases)
+        single.extend((i, token) for token in words.single)
+        if not words.phrases:
+            continue
+        follows = True
         n = words.longest  # only the output's last n tokens can hold a word's prefix (never the prompt: vLLM's rule)
-        output = r.token_ids[max(r.num_prompt_tokens, len(r.token_ids) - n) :] if n else ()
-        entries.extend((i, token) for token in words.banned(output, drafted[i] if drafted is not None else ()))
+        output = r.token_ids[max(r.num_prompt_tokens, len(r.token_ids) - n) :]
+        completing.extend((i, token) for token in words.completing(output, drafted[i] if drafted is not None else ()))
+    return _entries(single, device), _entries(completing, device), follows
+
+
+def _entries(entries: list[tuple[int, int]], device: torch.device) -> tuple[torch.Tensor, torch.Tensor] | None:
     if not entries:
-        return None, follows
+        return None
     rows, tokens = zip(*entries)
-    return (to_device(list(rows), device, torch.long), to_device(list(tokens), device, torch.long)), follows
+    return to_device(list(rows), device, torch.long), to_device(list(tokens), device, torch.long)
 
 
 def _grammar_masks(
