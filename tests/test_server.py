@@ -89,8 +89,8 @@ def test_completion_equals_offline_greedy_and_stream_equals_text(server, client,
 
 
 def test_continuous_usage_stats_put_the_usage_so_far_in_every_chunk(server, client):
-    """vLLM's stream_options.continuous_usage_stats (with include_usage): each chunk's usage counts the tokens streamed
-    so far, for completions (generated and scored-only) and chat; without include_usage it is a 400 naming it."""
+    """vLLM's stream_options.continuous_usage_stats: each chunk's usage counts the tokens streamed so far, for
+    completions (generated and scored-only) and chat; beside include_usage false it is a 400 naming it."""
     options = {"include_usage": True, "continuous_usage_stats": True}
     chat = {"messages": [{"role": "user", "content": "hi"}]}
     for create, fields in (
@@ -107,9 +107,13 @@ def test_continuous_usage_stats_put_the_usage_so_far_in_every_chunk(server, clie
     scored = list(client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=0, echo=True, logprobs=1,
                                             stream=True, stream_options=options))  # fmt: skip
     assert all(c.usage.completion_tokens == 0 and c.usage.prompt_tokens > 0 for c in scored)
+    # include_usage left out: as continuous_usage_stats (vLLM's default is true); set false it would send none
+    alone = list(client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=4, stream=True,
+                                           stream_options={"continuous_usage_stats": True}))  # fmt: skip
+    assert all(c.usage is not None for c in alone) and alone[-1].choices == []
     with pytest.raises(openai.BadRequestError) as err:
         client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=2, stream=True,
-                                  stream_options={"continuous_usage_stats": True})  # fmt: skip
+                                  stream_options={"continuous_usage_stats": True, "include_usage": False})  # fmt: skip
     assert err.value.body["param"] == "stream_options.continuous_usage_stats"
 
 

@@ -51,6 +51,7 @@ from looped_spec.server.serving import (
     OpenAIServing,
     check_messages,
     continuous_usage,
+    final_usage,
     finish_reason,
     sse_events,
     until_disconnected,
@@ -171,7 +172,7 @@ def build_app(
                 return response(result, usage)
             so_far = usage if continuous_usage(body) else None  # scoring generates nothing: the usage is final
             chunks = [response([choice], so_far) for choice in result]
-            if body.stream_options is not None and body.stream_options.include_usage:
+            if final_usage(body):
                 chunks.append(response([], usage))
             return StreamingResponse(sse_events(chunks), media_type="text/event-stream")
         outputs = serving.start_all([ids for ids, _ in choices], params, body.priority)
@@ -195,7 +196,7 @@ def build_app(
                     yield response([choice])
 
             usage = so_far = None
-            if body.stream_options is not None and body.stream_options.include_usage:
+            if final_usage(body):
                 usage = lambda outs: response([], serving.usage(num_prompt, outs, body.n))
             if continuous_usage(body):
                 so_far = lambda outs: serving.usage(num_prompt, outs, body.n)
@@ -278,7 +279,7 @@ def build_app(
                     yield chunk([choice])
 
             usage = so_far = None
-            if body.stream_options is not None and body.stream_options.include_usage:
+            if final_usage(body):
                 usage = lambda outs: chunk([], serving.usage(len(ids), outs, body.n))
             if continuous_usage(body):
                 so_far = lambda outs: serving.usage(len(ids), outs, body.n)

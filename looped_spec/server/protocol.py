@@ -27,9 +27,14 @@ from looped_spec.structured_output import StructuredOutputs
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
 
-    include_usage: bool = False
-    # vLLM's: every chunk carries the usage so far too (with include_usage)
+    include_usage: bool | None = None  # unset: as continuous_usage_stats (vLLM's default is true, OpenAI's false)
+    # vLLM's: every chunk carries the usage so far too
     continuous_usage_stats: bool = False
+
+    @property
+    def final_usage(self) -> bool:
+        """Whether a usage chunk ends the stream."""
+        return self.include_usage if self.include_usage is not None else self.continuous_usage_stats
 
 
 class JsonSchemaFormat(BaseModel):

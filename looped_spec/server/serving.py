@@ -78,10 +78,12 @@ class OpenAIServing:
         self.check_model(body.model)
         if body.stream_options is not None and not body.stream:
             raise APIError(400, "stream_options: only with stream: true", "stream_options")
-        if body.stream_options is not None and body.stream_options.continuous_usage_stats:
-            if not body.stream_options.include_usage:
-                raise APIError(400, "stream_options.continuous_usage_stats: needs include_usage: true (vLLM's rule)",
-                               "stream_options.continuous_usage_stats")  # fmt: skip
+        options = body.stream_options
+        if options is not None and options.continuous_usage_stats and options.include_usage is False:
+            # vLLM sends no usage at all then; asking for it in every chunk and in none is refused rather than ignored
+            field = "stream_options.continuous_usage_stats"
+            raise APIError(400, f"{field}: true with include_usage: false would send no usage; leave include_usage out "
+                           "or set it true", field)  # fmt: skip
         try:
             self.engine.engine.check_priority(body.priority)
         except ValueError as exc:
@@ -420,9 +422,13 @@ class OpenAIServing:
 
 
 def continuous_usage(body: SamplingFields) -> bool:
-    """stream_options.continuous_usage_stats (vLLM's; checked to come with include_usage): every chunk carries the
-    usage so far."""
+    """stream_options.continuous_usage_stats (vLLM's): every chunk carries the usage so far."""
     return body.stream_options is not None and body.stream_options.continuous_usage_stats
+
+
+def final_usage(body: SamplingFields) -> bool:
+    """stream_options.include_usage (unset: as continuous_usage_stats): a usage chunk ends the stream."""
+    return body.stream_options is not None and body.stream_options.final_usage
 
 
 async def sse_events(chunks: list) -> AsyncIterator[str]:
