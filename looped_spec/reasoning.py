@@ -10,7 +10,8 @@ Two rules, by where the reasoning may start:
   `chat_template_kwargs: {"enable_thinking": false}`) is all content; one that opens it and never closes it is all
   reasoning, as under `deepseek_r1`.
 
-Whitespace before `<think>` is dropped; the text after `</think>` is the content as written. Streaming sends the same
+Whitespace before `<think>` is dropped; otherwise the reasoning (a `deepseek_r1` reply without `<think>` from its
+first character) and the content after `</think>` are as written. Streaming sends the same
 split as it becomes certain (a piece that may be the start of a tag waits for the next), so the deltas add up to
 the whole reply's fields.
 
@@ -46,14 +47,13 @@ class ReasoningParser:
         """The reasoning and content of `text`; while the reply is still being generated (`finished` False), only
         what no later text can change (a tail that may begin a tag is held back)."""
         body = text.lstrip()
-        opened = body.startswith(START)
-        if not opened and not finished and not body and not self.opened_by_template:
-            return Split(None, None)  # only whitespace so far: <think> may still come
-        if not opened and not finished and START.startswith(body) and body:
-            return Split(None, None)  # the start of <think>, perhaps
-        if opened:
-            body = body[len(START) :]
-        elif not self.opened_by_template:
+        if not finished and START.startswith(body):  # only whitespace so far, or the start of <think>: it may open
+            return Split(None, None)
+        if body.startswith(START):
+            body = body[len(START) :]  # the whitespace before <think> is no part of the reasoning
+        elif self.opened_by_template:
+            body = text  # deepseek_r1: the reasoning as written, from the reply's first character
+        else:
             return Split(None, text)  # qwen3 without <think>: all content
         end = body.find(END)
         if end >= 0:

@@ -35,6 +35,8 @@ HELLO = [{"role": "user", "content": "hi"}]
         ("<think></think>answer", ("", "answer"), ("", "answer")),
         ("<think>a</think>b</think>c", ("a", "b</think>c"), ("a", "b</think>c")),  # the first close ends it
         ("", ("", None), (None, "")),
+        ("\n\nplan</think>x", ("\n\nplan", "x"), (None, "\n\nplan</think>x")),  # as written, leading newlines too
+        ("\n\n", ("\n\n", None), (None, "\n\n")),  # a reply of whitespace keeps it
     ],
 )
 def test_a_whole_reply_splits_by_each_parsers_rule(text, r1, qwen3):
