@@ -307,6 +307,25 @@ def test_the_server_takes_bad_words():
         chat_body = {**body, "messages": messages, "bad_words": [""]}
         refused = httpx.post(server.url + "/v1/chat/completions", json=chat_body, timeout=60)
         assert refused.status_code == 400 and refused.json()["error"]["param"] == "bad_words", refused.text
+        # beside a grammar, or leaving nothing to generate: a 400 naming bad_words and what it meets (the field the
+        # client sent, not the engine's structured_outputs)
+        eos = engine.adapter.eos_token_ids[0]
+        word = reference.tokenizer.decode([eos])
+        tools = [{"type": "function", "function": {"name": "now"}}]
+        cases = [("/v1/completions", {"prompt": prompt, "response_format": {"type": "json_object"}}, "response_format"),
+                 ("/v1/completions", {"prompt": prompt, "structured_outputs": {"choice": ["a"]}}, "structured_outputs"),
+                 ("/v1/chat/completions", {"messages": messages, "tools": tools, "tool_choice": "required"},
+                  "tool_choice required"),
+                 ("/v1/completions", {"prompt": prompt, "allowed_token_ids": [eos], "bad_words": [word]},
+                  "every token of allowed_token_ids is a one-token bad word")]  # fmt: skip
+        for path, extra, said in cases:
+            refused = httpx.post(server.url + path, json={**body, **extra}, timeout=60)
+            assert refused.status_code == 400 and refused.json()["error"]["param"] == "bad_words", refused.text
+            assert said in refused.json()["error"]["message"], refused.text
+        refused = httpx.post(server.url + "/v1/completions", timeout=60, json={
+            **body, "prompt": prompt, "allowed_token_ids": [1, 2], "response_format": {"type": "json_object"},
+            "bad_words": None})  # fmt: skip
+        assert refused.status_code == 400 and refused.json()["error"]["param"] == "allowed_token_ids", refused.text
         scoring = {**body, "prompt": prompt, "max_tokens": 0, "echo": True, "logprobs": 1}  # generates nothing
         refused = httpx.post(server.url + "/v1/completions", json=scoring, timeout=60)
         assert refused.status_code == 400 and refused.json()["error"]["param"] == "bad_words", refused.text

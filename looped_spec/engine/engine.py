@@ -22,6 +22,7 @@ from looped_spec.engine.config import EngineConfig, SpeculativeConfig, parse_spe
 from looped_spec.engine.failures import StepFailures
 from looped_spec.engine.inputs import (
     bad_word_token_ids,
+    check_bad_word_room,
     check_bias_tokens,
     check_vocabulary,
     load_tokenizer,
@@ -299,22 +300,7 @@ class LoopedSpecEngine:
                              "scheduling_policy='priority' (--scheduling-policy priority)")  # fmt: skip
 
     def _check_bad_words(self, params: SamplingParams, sequences: list[list[int]], stops: set[int]) -> None:
-        """ValueError naming bad_words when its one-token words leave no token to generate (of allowed_token_ids, if
-        set), or none but stop tokens before min_tokens. (Where words of several tokens mask all that is left at one
-        position, the sampler lets the bad words go there: execution/sampler.py.)"""
-        single = {ids[0] for ids in sequences if len(ids) == 1}
-        if params.allowed_token_ids is not None:
-            left = set(params.allowed_token_ids) - single
-            count, stops_left = len(left), len(left & stops)
-        else:
-            count = self.adapter.vocab_size - len(single)
-            stops_left = len(stops - single)
-        if not count:
-            where = "allowed_token_ids" if params.allowed_token_ids is not None else "the vocabulary"
-            raise ValueError(f"bad_words: every token of {where} is a one-token bad word, so none may be generated")
-        if params.min_tokens and count == stops_left:
-            raise ValueError(f"bad_words: every token they leave is a stop token (eos or stop_token_ids), so none "
-                             f"may be sampled before min_tokens={params.min_tokens}")  # fmt: skip
+        check_bad_word_room(sequences, params.allowed_token_ids, params.min_tokens, stops, self.adapter.vocab_size)
 
     def _queue(self, request: Request) -> None:
         self._requests[request.request_id] = request

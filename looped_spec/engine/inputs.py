@@ -104,6 +104,27 @@ def bad_word_token_ids(words: list[str], tokenizer, vocab_size: int, where: str 
     return sequences
 
 
+def check_bad_word_room(
+    sequences: list[list[int]], allowed_token_ids: list[int] | None, min_tokens: int, stops: set[int], vocab_size: int
+) -> None:
+    """ValueError naming bad_words when its one-token words leave no token to generate (of allowed_token_ids, if
+    set), or none but stop tokens before min_tokens. (Where words of several tokens mask all that is left at one
+    position, those words give way there: execution/sampler.py.)"""
+    single = {ids[0] for ids in sequences if len(ids) == 1}
+    if allowed_token_ids is not None:
+        left = set(allowed_token_ids) - single
+        count, stops_left = len(left), len(left & stops)
+    else:
+        count = vocab_size - len(single)
+        stops_left = len(stops - single)
+    if not count:
+        where = "allowed_token_ids" if allowed_token_ids is not None else "the vocabulary"
+        raise ValueError(f"bad_words: every token of {where} is a one-token bad word, so none may be generated")
+    if min_tokens and count == stops_left:
+        raise ValueError(f"bad_words: every token they leave is a stop token (eos or stop_token_ids), so none may be "
+                         f"sampled before min_tokens={min_tokens}")  # fmt: skip
+
+
 def to_token_ids(prompt: Prompt, tokenizer, vocab_size: int, where: str = "prompt") -> list[int]:
     if isinstance(prompt, str):
         if tokenizer is None:

@@ -143,6 +143,7 @@ def build_app(
         serving.check_choices(len(choices), body.n)
         # score only (max_tokens 0): the parameters still carry the seed and the exit fields the scores depend on
         max_tokens = 1 if score_only else body.max_tokens
+        serving.check_masks_beside_grammar(body)
         await serving.check_grammar(body, score_only)
         params = [serving.sampling_params(body, len(ids), max_tokens, j, seed, body.logprobs, score_only)
                   for ids, j in choices]  # fmt: skip
@@ -228,6 +229,7 @@ def build_app(
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         top_n = (body.top_logprobs or 0) if body.logprobs else None
         reasoning_end = serving.check_reasoning(body, plan, ids)  # where a grammar starts: after the reasoning
+        serving.check_masks_beside_grammar(body, plan)
         await serving.check_grammar(body)
         await serving.check_tool_grammar(plan)
         generating = plan.generation_fields(body)

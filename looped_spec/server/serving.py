@@ -162,8 +162,7 @@ class OpenAIServing:
                 raise APIError(400, "allowed_token_ids: scoring a prompt (max_tokens 0) generates nothing to restrict",
                                "allowed_token_ids")  # fmt: skip
             bad_request(inputs.check_vocabulary, body.allowed_token_ids, self.vocab_size, "allowed_token_ids")
-        if body.bad_words:
-            self.check_bad_words(body.bad_words, scored_only)
+        words = self.check_bad_words(body.bad_words, scored_only) if body.bad_words else None
         stop = body.stop_list()
         if len(stop) > MAX_STOP_STRINGS:
             raise APIError(400, f"stop: at most {MAX_STOP_STRINGS} stop strings", "stop")
@@ -176,6 +175,12 @@ class OpenAIServing:
         bad_request(inputs.check_bias_tokens, body.token_bias(), self.vocab_size, "logit_bias")
         if not body.ignore_eos:
             stop_token_ids += [t for t in self.defaults.eos_token_ids if t not in stop_token_ids]
+        if words is not None:  # one-token words that leave nothing to generate, as the engine would refuse them
+            try:
+                inputs.check_bad_word_room(words, body.allowed_token_ids, body.min_tokens, set(stop_token_ids),
+                                           self.vocab_size)  # fmt: skip
+            except ValueError as exc:
+                raise APIError(400, str(exc), "bad_words") from None
         if body.exit_threshold is not None and body.exit_at_step is not None:
             raise APIError(400, "exit_at_step: set at most one of exit_threshold (each token chooses its depth) and "
                            "exit_at_step (a fixed depth)", "exit_at_step")  # fmt: skip
@@ -213,9 +218,10 @@ class OpenAIServing:
         self.check_exit(params)
         return params
 
-    def check_bad_words(self, words: list[str], scored_only: bool) -> None:
+    def check_bad_words(self, words: list[str], scored_only: bool) -> list[list[int]]:
         """A 400 naming bad_words where the engine would refuse them (no tokenizer, an empty word, one encoding
-        outside the vocabulary), before the request starts: encoded with this front's tokenizer, as the engine's."""
+        outside the vocabulary), before the request starts: encoded with this front's tokenizer, as the engine's (the
+        token sequences are returned)."""
         if scored_only:
             raise APIError(400, "bad_words: scoring a prompt (max_tokens 0) generates nothing to restrict", "bad_words")
         if len(words) > MAX_BAD_WORDS:
@@ -224,7 +230,10 @@ class OpenAIServing:
             if not word.lstrip():
                 raise APIError(400, f"bad_words[{i}] = {word!r} is empty" + (" but for whitespace" if word else ""),
                                "bad_words")  # fmt: skip
-        bad_request(inputs.bad_word_token_ids, words, self.tokenizer, self.vocab_size, "bad_words")
+        try:
+            return inputs.bad_word_token_ids(words, self.tokenizer, self.vocab_size, "bad_words")
+        except ValueError as exc:
+            raise APIError(400, str(exc), "bad_words") from None
 
     async def check_grammar(self, body: SamplingFields, scored_only: bool = False) -> None:
         """The request's grammar, compiled once off the event loop (a large schema takes tenths of a second): a 400
@@ -242,6 +251,24 @@ class OpenAIServing:
             await asyncio.to_thread(self.engine.engine.check_grammar, spec)
         except ValueError as exc:
             raise APIError(400, f"{field}: {str(exc).split(': ', 1)[-1]}", field) from exc
+
+    def check_masks_beside_grammar(self, body: SamplingFields, plan: ToolPlan | None = None) -> None:
+        """bad_words and allowed_token_ids are refused beside a grammar (SamplingParams): a 400 naming the field the
+        client sent, and the grammar's (structured_outputs, response_format, or a forced call's tool_choice)."""
+        if body.structured_outputs is not None:
+            grammar = "structured_outputs"
+        elif body.response_format is not None and body.response_format.type != "text":
+            grammar = "response_format"
+        elif plan is not None and plan.grammar is not None:
+            grammar = f"tool_choice {'required' if plan.mode == 'required' else 'naming a function'} (a grammar)"
+        else:
+            return
+        if body.bad_words:
+            raise APIError(400, f"bad_words: not with {grammar}: the grammar may leave only a bad word's token to "
+                           "take; fold the words into the grammar", "bad_words")  # fmt: skip
+        if body.allowed_token_ids is not None:
+            raise APIError(400, f"allowed_token_ids: not with {grammar}: the grammar already decides which tokens may "
+                           "come", "allowed_token_ids")  # fmt: skip
 
     def check_reasoning(self, body: SamplingFields, plan: ToolPlan, prompt: list[int]) -> list[int] | None:
         """With a reasoning parser, the token ids a chat request's grammar (structured outputs, response_format, a
