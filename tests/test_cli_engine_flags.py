@@ -57,11 +57,11 @@ def test_serve_takes_the_same_flags_and_logs_its_startup_at_info(engines, capsys
     served = {}
     monkeypatch.setattr("looped_spec.server.launch.serve", lambda engine, name, **kw: served.update(kw, name=name))
     assert main(["serve", "tiny-ouro", "--num-kv-blocks", "80", "--block-size", "32", "--max-num-batched-tokens",
-                 "64", "--scheduling-policy", "priority"]) == 0  # fmt: skip
+                 "64", "--scheduling-policy", "priority", "--return-tokens-as-token-ids"]) == 0  # fmt: skip
     config = engines[-1].config
     assert (config.num_kv_blocks, config.block_size, config.max_num_batched_tokens) == (80, 32, 64)
     assert config.scheduling_policy == "priority"
-    assert served["log_level"] == "info" and served["name"] == "tiny-ouro"
+    assert served["log_level"] == "info" and served["name"] == "tiny-ouro" and served["return_tokens_as_token_ids"]
     captured = capsys.readouterr()
     assert captured.out == ""
     lines = captured.err.splitlines()

@@ -943,3 +943,35 @@ def test_a_text_prompt_gets_the_tokenizers_special_tokens_as_offline_and_chat_on
     templated = len(tokenizer.encode(rendered, add_special_tokens=False))
     assert prompt_tokens("/v1/chat/completions", {"messages": messages}) == templated
     assert prompt_tokens("/v1/chat/completions", {"messages": messages, "add_special_tokens": True}) == templated + 1
+
+
+def test_return_tokens_as_token_ids_names_each_token_by_its_id(plain_server, reference_engine):
+    """vLLM's return_tokens_as_token_ids: completions' and chat's log-probabilities show tokens as "token_id:<id>",
+    the ids the model generated (a client gets them exactly, whatever their bytes); the server flag sets the default;
+    asked without logprobs it is a 400 naming it."""
+    ref = greedy(reference_engine, PROMPT, 6)
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 6, "temperature": 0, "logprobs": 2}
+    out = httpx.post(plain_server.url + "/v1/completions", json={**body, "return_tokens_as_token_ids": True}).json()
+    logprobs = out["choices"][0]["logprobs"]
+    assert logprobs["tokens"] == [f"token_id:{t}" for t in ref.token_ids]
+    assert all(len(top) == 2 and all(k.startswith("token_id:") for k in top) for top in logprobs["top_logprobs"])
+    plain = httpx.post(plain_server.url + "/v1/completions", json=body).json()["choices"][0]["logprobs"]
+    assert "".join(plain["tokens"]) == ref.text and plain["token_logprobs"] == logprobs["token_logprobs"]
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "logprobs": True,
+            "top_logprobs": 1, "return_tokens_as_token_ids": True}  # fmt: skip
+    content = httpx.post(plain_server.url + "/v1/chat/completions", json=chat).json()["choices"][0]["logprobs"][
+        "content"
+    ]
+    assert all(e["token"].startswith("token_id:") and e["top_logprobs"][0]["token"].startswith("token_id:")
+               for e in content) and len(content) == 4  # fmt: skip
+    for path, request in (("/v1/completions", {k: v for k, v in body.items() if k != "logprobs"}),
+                          ("/v1/chat/completions", {**chat, "logprobs": False, "top_logprobs": None})):  # fmt: skip
+        refused = httpx.post(plain_server.url + path, json={**request, "return_tokens_as_token_ids": True})
+        assert refused.status_code == 400 and refused.json()["error"]["param"] == "return_tokens_as_token_ids"
+    engine = LoopedSpecEngine(MODEL, speculation="off", max_model_len=256)
+    with ServerThread(engine, MODEL, return_tokens_as_token_ids=True) as server:
+        by_default = httpx.post(server.url + "/v1/completions", json=body).json()["choices"][0]["logprobs"]
+        assert by_default["tokens"] == logprobs["tokens"]
+        off = httpx.post(server.url + "/v1/completions", json={**body, "return_tokens_as_token_ids": False}).json()
+        assert off["choices"][0]["logprobs"]["tokens"] == plain["tokens"]
+        assert httpx.post(server.url + "/v1/completions", json={**body, "logprobs": None}).status_code == 200

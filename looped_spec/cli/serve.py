@@ -66,6 +66,9 @@ def add_parser(sub: argparse._SubParsersAction, fmt: type[argparse.HelpFormatter
                       help="take a thinking model's <think> reasoning apart from its answer in chat replies "
                       "(message.reasoning): deepseek_r1 (the template may open it) or qwen3 (the model opens it) "
                       "(default: none, replies as generated)")  # fmt: skip
+    srv.add_argument("--return-tokens-as-token-ids", action="store_true",
+                     help="log-probabilities show each token as 'token_id:<id>' (exact whatever its bytes) unless a "
+                     "request's return_tokens_as_token_ids says otherwise")  # fmt: skip
     srv.add_argument("--early-exit", default="skip", choices=["skip", "select"],
                      help="how requests' exit_threshold / exit_at_step run (with or without speculation)")  # fmt: skip
     add_engine_flags(srv, "serve")
@@ -138,7 +141,8 @@ def serve_command(args: argparse.Namespace) -> int:
     name = args.served_model_name or Path(str(args.model)).name
     serve(engine, name, host=args.host, port=args.port, api_key=api_key, max_queued=args.max_queued,
           max_body_bytes=args.max_body_bytes, log_level=args.log_level, tool_calling=tool_calling,
-          chat_template=chat_template, reasoning_parser=args.reasoning_parser)  # fmt: skip
+          chat_template=chat_template, reasoning_parser=args.reasoning_parser,
+          return_tokens_as_token_ids=args.return_tokens_as_token_ids)  # fmt: skip
     return 0
 
 
@@ -166,6 +170,7 @@ def serve_replicas(args: argparse.Namespace, api_key: str | None, scaling: dict,
                                                    engine=options, tool_calling=tool_calling.model_dump(),
                                                    chat_template=chat_template.model_dump(),
                                                    reasoning_parser=args.reasoning_parser,
+                                                   return_tokens_as_token_ids=args.return_tokens_as_token_ids,
                                                    **given))  # fmt: skip
         app_args.check_before_start()
     except ValueError as exc:  # name the flags, not the application's fields

@@ -72,6 +72,7 @@ def build_app(
     tool_calling: ToolCallingConfig | None = None,
     chat_template: ChatTemplateConfig | None = None,
     reasoning_parser: str | None = None,
+    return_tokens_as_token_ids: bool = False,
 ) -> FastAPI:
     """The FastAPI app around a started-on-startup async engine.
 
@@ -80,9 +81,11 @@ def build_app(
     deployment is not ready yet (None once it is), and /health reports it. `tool_calling`: whether `tool_choice:
     "auto"` is served, and with which parser (server/tools.py). `chat_template`: the server's template and whether a
     request may bring its own (server/chat_template.py). `reasoning_parser`: how chat replies' reasoning is taken
-    apart from their content (looped_spec/reasoning.py; None: replies as generated).
+    apart from their content (looped_spec/reasoning.py; None: replies as generated). `return_tokens_as_token_ids`:
+    log-probabilities show tokens as "token_id:<id>" unless a request says otherwise.
     """
-    serving = OpenAIServing(engine, model_name, tool_calling, chat_template, reasoning_parser)
+    serving = OpenAIServing(engine, model_name, tool_calling, chat_template, reasoning_parser,
+                            return_tokens_as_token_ids)  # fmt: skip
     exposed = serving.metrics.exposed({"replica": replica} if replica else None)
 
     @asynccontextmanager
@@ -130,6 +133,7 @@ def build_app(
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
         serving.check_request(body)
+        as_ids = serving.tokens_shown_as_ids(body)  # log-probabilities' tokens as "token_id:<id>"
         if body.max_tokens == 0 and not body.echo:
             raise APIError(400, "max_tokens: 0 generates nothing; with echo it returns (and scores) the prompt",
                            "max_tokens")  # fmt: skip
@@ -166,7 +170,7 @@ def build_app(
         if score_only:
             result = []
             for k, ((ids, _), (text, entries)) in enumerate(zip(choices, echoes)):
-                logprobs = serving.completion_logprobs(ids, entries) if scored else None
+                logprobs = serving.completion_logprobs(ids, entries, as_ids=as_ids) if scored else None
                 result.append(CompletionChoice(index=k, text=text, logprobs=logprobs, finish_reason="length"))
             usage = serving.usage(num_prompt, [None] * len(choices))
             if not body.stream:
@@ -184,13 +188,14 @@ def build_app(
                 if echoes is not None and echoes[index] is not None:  # the prompt first, once
                     text, entries = echoes[index]
                     echoes[index] = None
-                    logprobs = (
-                        serving.completion_logprobs(choices[index][0], entries, offsets[index]) if scored else None
-                    )
+                    logprobs = None
+                    if scored:
+                        logprobs = serving.completion_logprobs(choices[index][0], entries, offsets[index], as_ids)
                     yield response([CompletionChoice(index=index, text=text, logprobs=logprobs)])
                 logprobs = None
                 if scored and out.new_token_ids:
-                    logprobs = serving.completion_logprobs(out.new_token_ids, serving.new_logprobs(out), offsets[index])
+                    logprobs = serving.completion_logprobs(out.new_token_ids, serving.new_logprobs(out), offsets[index],
+                                                          as_ids)  # fmt: skip
                 if out.new_text or out.finished or logprobs is not None:
                     choice = CompletionChoice(index=index, text=out.new_text, logprobs=logprobs,
                                               finish_reason=finish_reason(out))  # fmt: skip
@@ -209,13 +214,14 @@ def build_app(
             if echoes is not None:  # the prompt first, its text and its entries
                 prompt_text, prompt_entries = echoes[k]
                 text, tokens, entries = prompt_text + text, ids + tokens, (prompt_entries or []) + entries
-            logprobs = serving.completion_logprobs(tokens, entries) if scored else None
+            logprobs = serving.completion_logprobs(tokens, entries, as_ids=as_ids) if scored else None
             result.append(CompletionChoice(index=k, text=text, logprobs=logprobs, finish_reason=out.finish_reason))
         return response(result, serving.usage(num_prompt, outs, body.n))
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         serving.check_request(body)
+        as_ids = serving.tokens_shown_as_ids(body)  # log-probabilities' tokens as "token_id:<id>"
         check_messages(body.messages)
         plan = plan_tools(body, serving.tool_calling)
         # rendered off the event loop: a template is code that may run long (a trusted request's own, or a server's)
@@ -263,7 +269,7 @@ def build_app(
                         yield chunk([ChatStreamChoice(index=k, delta=DeltaMessage(content=echoed))])
                 logprobs = None
                 if body.logprobs and out.new_token_ids:
-                    logprobs = serving.chat_logprobs(serving.new_logprobs(out))
+                    logprobs = serving.chat_logprobs(serving.new_logprobs(out), as_ids)
                 new_text, thought = out.new_text, ""
                 if thoughts is not None:  # the tool stream sees the content alone
                     thought, new_text = thoughts[index].feed(out.new_text, out.finished)
@@ -289,7 +295,7 @@ def build_app(
         outs = await serving.final_outputs(outputs, request)
         result = []
         for k, out in enumerate(outs):
-            logprobs = serving.chat_logprobs(out.logprobs or []) if body.logprobs else None
+            logprobs = serving.chat_logprobs(out.logprobs or [], as_ids) if body.logprobs else None
             text, thought = out.text or "", None
             if reasoning is not None:
                 split = reasoning.split(text)

@@ -27,11 +27,13 @@ def serve(
     tool_calling: ToolCallingConfig | None = None,
     chat_template: ChatTemplateConfig | None = None,
     reasoning_parser: str | None = None,
+    return_tokens_as_token_ids: bool = False,
 ) -> None:
     """Serve until interrupted (Ctrl-C / SIGTERM); the engine's worker stops with the server."""
     front = AsyncLoopedSpecEngine(engine, max_queued=max_queued)
     app = build_app(front, model_name, api_key, max_body_bytes, tool_calling=tool_calling, chat_template=chat_template,
-                    reasoning_parser=reasoning_parser)  # fmt: skip
+                    reasoning_parser=reasoning_parser,
+                    return_tokens_as_token_ids=return_tokens_as_token_ids)  # fmt: skip
     # on shutdown, open requests get a few seconds to finish; then they end with an error, and the engine stops
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5)
     server = DrainingServer(config, front)

@@ -105,6 +105,9 @@ class SamplingFields(BaseModel):
     repetition_penalty: float | None = Field(None, ge=0.01, le=100.0, allow_inf_nan=False)
     allowed_token_ids: list[int] | None = Field(None, min_length=1, description="Only these tokens may be generated "
                                                "(vLLM's).")  # fmt: skip
+    return_tokens_as_token_ids: bool | None = Field(None, description="With logprobs: each token shown as "
+                                                    "'token_id:<id>' (vLLM's; default: the server's "
+                                                    "--return-tokens-as-token-ids).")  # fmt: skip
     priority: int = Field(0, description="Lower is admitted first and preempted last, under --scheduling-policy "
                           "priority; anything but 0 is refused otherwise (vLLM's).")  # fmt: skip
     bad_words: list[str] | None = Field(None, description="Words that may not be generated (vLLM's).")

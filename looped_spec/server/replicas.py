@@ -69,6 +69,9 @@ class ReplicaAppArgs(BaseModel):
     metrics_port: int | None = Field(None, ge=1, le=65535, description="Replica with local rank r also serves "
                                      "/metrics on metrics_port + r (each series labelled by replica).")  # fmt: skip
 
+    return_tokens_as_token_ids: bool = Field(False, description="Log-probabilities show tokens as 'token_id:<id>' "
+                                             "unless a request says otherwise.")  # fmt: skip
+
     @field_validator("reasoning_parser")
     @classmethod
     def _known_reasoning_parser(cls, name: str | None) -> str | None:
@@ -167,7 +170,8 @@ class LoopedSpecServer:
         app = build_app(self.engine, name, api_key, args.max_body_bytes, replica=self.replica,
                         readiness=lambda: deployment_readiness(self.app_name, self.deployment_name),
                         tool_calling=args.tool_calling, chat_template=args.chat_template,
-                        reasoning_parser=args.reasoning_parser)  # fmt: skip
+                        reasoning_parser=args.reasoning_parser,
+                        return_tokens_as_token_ids=args.return_tokens_as_token_ids)  # fmt: skip
         if self.metrics_port is not None:
             self.metrics_server, _ = start_http_server(self.metrics_port, registry=app.state.metrics_registry)
         return app

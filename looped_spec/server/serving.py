@@ -51,9 +51,11 @@ class OpenAIServing:
         tool_calling: ToolCallingConfig | None = None,
         chat_template: ChatTemplateConfig | None = None,
         reasoning_parser: str | None = None,
+        return_tokens_as_token_ids: bool = False,
     ) -> None:
         self.engine = engine
         self.model_name = model_name
+        self.tokens_as_ids = return_tokens_as_token_ids  # log-probabilities' tokens as "token_id:<id>" by default
         # chat replies' reasoning taken apart from their content (looped_spec/reasoning.py); None: replies as generated
         self.reasoning = reasoning_parser_named(reasoning_parser) if reasoning_parser is not None else None
         self.tool_calling = tool_calling if tool_calling is not None else ToolCallingConfig()
@@ -357,24 +359,41 @@ class OpenAIServing:
         except EngineFaultError as exc:  # the model failed on this score (the worker goes on)
             raise APIError(500, str(exc)) from exc
 
+    def tokens_shown_as_ids(self, body: SamplingFields) -> bool:
+        """Whether the request's log-probabilities show tokens as "token_id:<id>" (vLLM's return_tokens_as_token_ids,
+        else the server's default); a 400 when the request asks for it without log-probabilities (it would do
+        nothing)."""
+        if body.return_tokens_as_token_ids is None:
+            return self.tokens_as_ids
+        logprobs = getattr(body, "logprobs", None)  # completions: a count (0 included), chat: a switch
+        if body.return_tokens_as_token_ids and (logprobs is None or logprobs is False):
+            raise APIError(400, "return_tokens_as_token_ids: needs logprobs (it shows the log-probabilities' tokens)",
+                           "return_tokens_as_token_ids")  # fmt: skip
+        return body.return_tokens_as_token_ids
+
+    def token_name(self, token: int, as_id: bool) -> str:
+        """How log-probabilities show a token: "token_id:<id>" (exact, whatever its bytes), or its text."""
+        return f"token_id:{token}" if as_id else self.token_bytes.text(token)
+
     def completion_logprobs(
-        self, token_ids: list[int], entries: list, offsets: TextOffsets | None = None
+        self, token_ids: list[int], entries: list, offsets: TextOffsets | None = None, as_ids: bool = False
     ) -> CompletionLogprobs:
         """OpenAI's completions shape for `token_ids` with their scores (None: a first prompt token, unscored); text
-        offsets from `offsets` (a choice's, carried across its stream chunks; None: from the start)."""
+        offsets from `offsets` (a choice's, carried across its stream chunks; None: from the start); `as_ids`: tokens
+        shown as "token_id:<id>"."""
         offsets = offsets if offsets is not None else TextOffsets()
         out = CompletionLogprobs(tokens=[], token_logprobs=[], top_logprobs=[], text_offset=[])
         for token, entry in zip(token_ids, entries):
-            out.tokens.append(self.token_bytes.text(token))
+            out.tokens.append(self.token_name(token, as_ids))
             out.token_logprobs.append(None if entry is None else entry.logprob)
-            out.top_logprobs.append(None if entry is None else {self.token_bytes.text(t): v for t, v in entry.top})
+            out.top_logprobs.append(None if entry is None else {self.token_name(t, as_ids): v for t, v in entry.top})
             out.text_offset.append(offsets.advance(self.token_bytes.raw(token)))
         return out
 
-    def chat_logprobs(self, entries: list) -> ChatLogprobs:
+    def chat_logprobs(self, entries: list, as_ids: bool = False) -> ChatLogprobs:
         def top(token: int, value: float) -> TopLogprob:
             return TopLogprob(
-                token=self.token_bytes.text(token), logprob=value, bytes=list(self.token_bytes.raw(token))
+                token=self.token_name(token, as_ids), logprob=value, bytes=list(self.token_bytes.raw(token))
             )
 
         content = []
