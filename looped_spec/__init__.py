@@ -26,6 +26,8 @@ _EXPORTS = {
     "SpeculativeConfig": "looped_spec.engine.config",
     "StructuredOutputs": "looped_spec.structured_output",
     "TensorSpec": "looped_spec.models.checkpoint",
+    "TextPrompt": "looped_spec.engine.inputs",
+    "TokensPrompt": "looped_spec.engine.inputs",
     "load_adapter": "looped_spec.models.adapter",
     "register_adapter": "looped_spec.models.adapter",
     "registered_model_types": "looped_spec.models.adapter",
@@ -45,6 +47,8 @@ __all__ = [
     "SpeculativeConfig",
     "StructuredOutputs",
     "TensorSpec",
+    "TextPrompt",
+    "TokensPrompt",
     "load_adapter",
     "register_adapter",
     "registered_model_types",
@@ -55,6 +59,7 @@ if TYPE_CHECKING:
     from looped_spec.engine.async_engine import AsyncLoopedSpecEngine
     from looped_spec.engine.config import EngineConfig, SpeculativeConfig
     from looped_spec.engine.engine import LoopedSpecEngine
+    from looped_spec.engine.inputs import TextPrompt, TokensPrompt
     from looped_spec.models.adapter import ModelAdapter, load_adapter, register_adapter, registered_model_types
     from looped_spec.models.checkpoint import CheckpointError, TensorSpec
     from looped_spec.models.kv_layout import KVLayout

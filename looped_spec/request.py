@@ -179,6 +179,8 @@ class Request:
         # prefix caching (engine/prefix_cache.py): digests of its cacheable blocks so far (extended as it generates),
         # and how many blocks of the table are registered or came from the cache
         self.block_digests: list[bytes] | None = None
+        # vLLM's cache_salt: its digests carry it, so it shares cached blocks only with requests of the same salt
+        self.cache_salt: str | None = None
         self.num_registered_blocks = 0
         self.finish_reason: str | None = None
         self.error: str | None = None  # set with finish_reason "error"

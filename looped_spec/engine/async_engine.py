@@ -17,6 +17,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 from looped_spec.engine.engine import LoopedSpecEngine
+from looped_spec.engine.inputs import Prompt
 from looped_spec.request import RequestOutput
 from looped_spec.sampling_params import SamplingParams
 
@@ -152,10 +153,12 @@ class AsyncLoopedSpecEngine:
 
     # ----- requests -----
     def add_request(
-        self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None, priority: int = 0
+        self, prompt: Prompt, params: SamplingParams, request_id: str | None = None, priority: int = 0
     ) -> RequestStream:
         """Queue a request now (or raise QueueFullError / EngineDeadError, or the engine's error for a `priority` it
-        does not schedule by); iterate the stream for outputs."""
+        does not schedule by); iterate the stream for outputs. `prompt` as `LoopedSpecEngine.add_request` takes it
+        (vLLM's prompt dicts, with a `cache_salt`, included); the engine's error for a prompt it refuses comes from
+        the stream."""
         if not self.is_running:
             raise EngineDeadError("the engine is not running")
         self.engine.check_priority(priority)  # reads the engine's config only: safe beside the worker
@@ -172,7 +175,7 @@ class AsyncLoopedSpecEngine:
         return RequestStream(self, request_id, stream.queue)
 
     async def generate(
-        self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None, priority: int = 0
+        self, prompt: Prompt, params: SamplingParams, request_id: str | None = None, priority: int = 0
     ) -> AsyncIterator[RequestOutput]:
         """`add_request` and iterate its outputs until it finishes."""
         async for output in self.add_request(prompt, params, request_id, priority):

@@ -21,12 +21,14 @@ from looped_spec.engine.chat import chat_prompt_ids, conversations
 from looped_spec.engine.config import EngineConfig, SpeculativeConfig, parse_speculation
 from looped_spec.engine.failures import StepFailures
 from looped_spec.engine.inputs import (
+    Prompt,
     bad_word_token_ids,
     check_bad_word_room,
     check_bias_tokens,
     check_vocabulary,
     load_tokenizer,
     normalize_prompts,
+    split_prompt,
     to_token_ids,
 )
 from looped_spec.engine.outputs import request_output, time_tokens
@@ -206,10 +208,12 @@ class LoopedSpecEngine:
 
     # ----- requests -----
     def add_request(
-        self, prompt: str | list[int], params: SamplingParams | None = None, request_id: str | None = None,
+        self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None,
         priority: int = 0,
     ) -> str:  # fmt: skip
-        """Validate and queue one request; returns its id. Nothing is queued if validation fails. `priority` (with
+        """Validate and queue one request; returns its id. Nothing is queued if validation fails. `prompt`: text,
+        token ids, or vLLM's `{"prompt": text}` / `{"prompt_token_ids": ids}`, either with a `"cache_salt"` (with
+        prefix caching, it shares cached blocks only with requests of the same salt). `priority` (with
         scheduling_policy="priority"): lower values are admitted first and preempted last."""
         self._check_open()
         request = self._new_request(prompt, params, request_id, priority=priority)
@@ -234,6 +238,7 @@ class LoopedSpecEngine:
         unset = {key: value for key, value in defaults.items() if key not in params.model_fields_set}
         if unset:
             params = params.model_copy(update=unset)
+        content, cache_salt = split_prompt(prompt, where)  # a prompt dict's text or ids, and its salt
         ids = to_token_ids(prompt, self.tokenizer, self.adapter.vocab_size, where=where)
         if len(ids) >= self.max_model_len:
             raise ValueError(
@@ -278,13 +283,14 @@ class LoopedSpecEngine:
         if self.tokenizer is not None:
             detokenizer = IncrementalDetokenizer(self.tokenizer, params.stop, params.skip_special_tokens,
                                                  params.include_stop_str_in_output)  # fmt: skip
-        prompt_text = prompt if isinstance(prompt, str) else None
+        prompt_text = content if isinstance(content, str) else None
         request = Request(
             request_id, next(self._arrivals), ids, params, seed, self.adapter.eos_token_ids, self.max_model_len,
             detokenizer, prompt_text, grammar, bad_words,
         )  # fmt: skip
         request.exit_threshold, request.exit_at_step = exit_threshold, exit_at_step
         request.priority = priority
+        request.cache_salt = cache_salt
         if params.prompt_logprobs is not None:  # prompts run at full depth: the dense forward's logits are prefill's
             request.prompt_logprobs = self.score(ids, params.prompt_logprobs, seed)
         request.metrics.arrival_time = time.perf_counter()
@@ -397,6 +403,7 @@ class LoopedSpecEngine:
         priority: list[int] | None = None,
     ) -> list[RequestOutput]:  # fmt: skip
         """Run prompts to completion; outputs in prompt order. All prompts are validated before any is queued.
+        `prompts`: a prompt or a list of them, each as `add_request` takes it (vLLM's prompt dicts included).
         `priority`: one per prompt (scheduling_policy="priority"; lower values first), as vLLM's `LLM.generate`.
 
         Requests added with `add_request` keep running alongside; their outputs stay for `step()`. If a step

@@ -1,13 +1,42 @@
-"""Turning user prompts (text or token ids) into token-id lists, with clear errors."""
+"""Turning user prompts (text, token ids, or vLLM's prompt dicts) into token-id lists, with clear errors."""
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, TypedDict
 
 from looped_spec.models.checkpoint import CheckpointError
 
-Prompt = str | list[int]
+
+class _PromptOptions(TypedDict, total=False):
+    cache_salt: str | None  # prefix caching shares blocks only among requests of the same salt
+
+
+class TextPrompt(_PromptOptions):
+    """vLLM's text prompt dict: `{"prompt": str}`, optionally with a `cache_salt`."""
+
+    prompt: str
+
+
+class TokensPrompt(_PromptOptions):
+    """vLLM's token prompt dict: `{"prompt_token_ids": list[int]}`, optionally with a `cache_salt`."""
+
+    prompt_token_ids: list[int]
+
+
+Prompt = str | list[int] | TextPrompt | TokensPrompt
+
+# keys of vLLM's prompt dicts this engine does not implement (a None value asks for nothing and is accepted, as in vLLM)
+UNSUPPORTED_PROMPT_KEYS = {
+    "multi_modal_data": "the models served here take text only",
+    "mm_processor_kwargs": "the models served here take text only",
+    "multi_modal_uuids": "the models served here take text only",
+    "token_type_ids": "it is for cross-encoder scoring models",
+    "prompt_embeds": "pass token ids or text",
+    "encoder_prompt": "the models served here are decoder-only",
+    "decoder_prompt": "the models served here are decoder-only",
+}
+PROMPT_KEYS = ("prompt", "prompt_token_ids", "cache_salt")
 
 
 def load_tokenizer(folder: str | None):
@@ -44,8 +73,9 @@ def load_tokenizer(folder: str | None):
 
 
 def normalize_prompts(prompts: Any) -> list[Prompt]:
-    """str | list[str] | list[int] | list[list[int]] -> list of prompts."""
-    if isinstance(prompts, str):
+    """str | list[int] | a prompt dict, or a list of those -> list of prompts (each checked later, by
+    `split_prompt`)."""
+    if isinstance(prompts, (str, dict)):
         return [prompts]
     if isinstance(prompts, (list, tuple)):
         if not prompts:
@@ -53,7 +83,53 @@ def normalize_prompts(prompts: Any) -> list[Prompt]:
         if all(isinstance(t, int) and not isinstance(t, bool) for t in prompts):
             return [list(prompts)]
         return list(prompts)
-    raise TypeError(f"prompts must be a string, token ids, or a list of those; got {type(prompts).__name__}")
+    raise TypeError(
+        f"prompts must be a string, token ids, a prompt dict, or a list of those; got {type(prompts).__name__}"
+    )
+
+
+def check_cache_salt(salt: Any, where: str = "cache_salt") -> str | None:
+    """`salt` if it is a non-empty string or None (no salt), else an error naming `where` (vLLM's server refuses an
+    empty one too; its offline engine would treat it as no salt)."""
+    if salt is None:
+        return None
+    if not isinstance(salt, str):
+        raise TypeError(f"{where} must be a string, got {type(salt).__name__}")
+    if not salt:
+        raise ValueError(f"{where} must be a non-empty string (leave it out for no salt)")
+    return salt
+
+
+def split_prompt(prompt: Any, where: str = "prompt") -> tuple[Any, str | None]:
+    """(text or token ids, cache_salt or None) of a prompt: a string or token ids as they are (no salt), or vLLM's
+    `{"prompt": text}` / `{"prompt_token_ids": ids}` with an optional `"cache_salt"`. A dict with both or neither of
+    the two, a key this engine does not implement (vLLM's `multi_modal_data`, ...) or an unknown one, or a value of
+    the wrong type: an error naming `where` and the key. The text or ids themselves are checked by `to_token_ids`."""
+    if not isinstance(prompt, dict):
+        return prompt, None
+    for key, value in prompt.items():
+        if key in PROMPT_KEYS:
+            continue
+        if key in UNSUPPORTED_PROMPT_KEYS:
+            if value is None:
+                continue
+            raise ValueError(f"{where}: {key!r} is not supported ({UNSUPPORTED_PROMPT_KEYS[key]})")
+        known = ", ".join(repr(k) for k in PROMPT_KEYS)
+        raise ValueError(f"{where}: unknown key {key!r} (a prompt dict takes {known})")
+    if "prompt" in prompt and "prompt_token_ids" in prompt:
+        raise ValueError(f"{where}: give 'prompt' (text) or 'prompt_token_ids', not both")
+    salt = check_cache_salt(prompt.get("cache_salt"), f"{where}.cache_salt")
+    if "prompt" in prompt:
+        text = prompt["prompt"]
+        if not isinstance(text, str):
+            raise TypeError(f"{where}.prompt must be a string, got {type(text).__name__}")
+        return text, salt
+    if "prompt_token_ids" in prompt:
+        ids = prompt["prompt_token_ids"]
+        if not isinstance(ids, (list, tuple)):
+            raise TypeError(f"{where}.prompt_token_ids must be a list of token ids, got {type(ids).__name__}")
+        return ids, salt
+    raise ValueError(f"{where}: a prompt dict needs 'prompt' (text) or 'prompt_token_ids'")
 
 
 def check_text(text: str, where: str) -> None:
@@ -126,6 +202,12 @@ def check_bad_word_room(
 
 
 def to_token_ids(prompt: Prompt, tokenizer, vocab_size: int, where: str = "prompt") -> list[int]:
+    """The token ids of `prompt` (text, token ids or a prompt dict, whose cache_salt is not read here); errors name
+    `where` (`where.prompt_token_ids` inside a dict)."""
+    if isinstance(prompt, dict):
+        content, _ = split_prompt(prompt, where)
+        key = "prompt" if isinstance(content, str) else "prompt_token_ids"
+        return to_token_ids(content, tokenizer, vocab_size, f"{where}.{key}")
     if isinstance(prompt, str):
         if tokenizer is None:
             raise ValueError(f"{where} is text, but the model has no tokenizer files; pass token ids instead")
@@ -138,7 +220,7 @@ def to_token_ids(prompt: Prompt, tokenizer, vocab_size: int, where: str = "promp
                 raise TypeError(f"{where}[{i}] = {token!r} is not an int token id")
         check_vocabulary(ids, vocab_size, where)
     else:
-        raise TypeError(f"{where} must be a string or a list of token ids; got {type(prompt).__name__}")
+        raise TypeError(f"{where} must be a string, a list of token ids or a prompt dict; got {type(prompt).__name__}")
     if not ids:
         raise ValueError(f"{where} is empty")
     return ids

@@ -3,11 +3,14 @@ beginning (docs/architecture.md, "Prefix caching").
 
 A full block is named by a digest of every token up to its end, chained block by block, and of what else the KV
 depends on: the request's seed for a family that draws per-token random numbers from it (`needs_token_seeds`,
-Huginn's random initial state). Equal digests mean equal KV in every loop plane as long as every position ran at
-full depth: a prompt's positions always do, but the last (its forward makes the first generated token, which an exit
-rule may stop early); a generated token's do when its request never exits early. So the blocks a request caches and
-looks up are those that end before its last token, and for a request that exits early those that end before its
-last prompt token. A request always computes at least its last token (it needs its logits).
+Huginn's random initial state). The request's `cache_salt` (vLLM's) enters the chain's start too: blocks are shared
+only among requests of the same salt, never between salted and unsalted ones (the salt changes no KV; it keeps one
+tenant from learning, by timing, what another's prompts began with). Equal digests mean equal KV in every loop plane
+as long as every position ran at full depth: a prompt's positions always do, but the last (its forward makes the
+first generated token, which an exit rule may stop early); a generated token's do when its request never exits
+early. So the blocks a request caches and looks up are those that end before its last token, and for a request that
+exits early those that end before its last prompt token. A request always computes at least its last token (it needs
+its logits).
 """
 
 from __future__ import annotations
@@ -20,17 +23,38 @@ from looped_spec.execution.kv_cache import KVCache
 from looped_spec.request import Request
 
 
-def block_digests(tokens: Sequence[int], num_blocks: int, block_size: int, salt: int | None) -> list[bytes]:
+def block_digests(
+    tokens: Sequence[int], num_blocks: int, block_size: int, salt: int | None, cache_salt: str | None = None
+) -> list[bytes]:
     """The digests of the first `num_blocks` full blocks of `tokens`: block j's covers tokens 0 .. (j+1)·block_size
-    - 1 and `salt`."""
-    return extend_digests([], tokens, num_blocks, block_size, salt)
+    - 1, the seed `salt` and `cache_salt`."""
+    return extend_digests([], tokens, num_blocks, block_size, salt, cache_salt)
+
+
+def chain_start(salt: int | None, cache_salt: str | None) -> bytes:
+    """What the first block's digest starts from: empty for neither, else a digest of the seed and the cache salt,
+    each tagged (and the salt's length given) so that no two pairs give one encoding."""
+    if salt is None and cache_salt is None:
+        return b""
+    start = hashlib.sha256()
+    if salt is not None:
+        start.update(b"seed %d\n" % salt)
+    if cache_salt is not None:
+        encoded = cache_salt.encode("utf-8", "surrogatepass")  # one-to-one for every str (lone surrogates too)
+        start.update(b"cache_salt %d:" % len(encoded) + encoded)
+    return start.digest()
 
 
 def extend_digests(
-    digests: list[bytes], tokens: Sequence[int], num_blocks: int, block_size: int, salt: int | None
+    digests: list[bytes],
+    tokens: Sequence[int],
+    num_blocks: int,
+    block_size: int,
+    salt: int | None,
+    cache_salt: str | None = None,
 ) -> list[bytes]:
     """`digests` (of the first blocks of `tokens`) extended in place to `num_blocks` blocks."""
-    digest = digests[-1] if digests else b"" if salt is None else hashlib.sha256(b"seed %d" % salt).digest()
+    digest = digests[-1] if digests else chain_start(salt, cache_salt)
     for j in range(len(digests), num_blocks):
         block = hashlib.sha256(digest)
         block.update(array("q", tokens[j * block_size : (j + 1) * block_size]).tobytes())
@@ -59,7 +83,9 @@ class PrefixCache:
         if request.block_digests is None:
             request.block_digests = []
         salt = request.seed if self.seeded else None
-        return extend_digests(request.block_digests, request.token_ids, count, self.kv.block_size, salt)
+        return extend_digests(
+            request.block_digests, request.token_ids, count, self.kv.block_size, salt, request.cache_salt
+        )
 
     def lookup(self, request: Request) -> list[int]:
         """The cached blocks `request` (being admitted, its block table empty) starts with."""

@@ -180,7 +180,7 @@ def build_app(
             if final_usage(body):
                 chunks.append(response([], usage))
             return StreamingResponse(sse_events(chunks), media_type="text/event-stream")
-        outputs = serving.start_all([ids for ids, _ in choices], params, body.priority)
+        outputs = serving.start_all([ids for ids, _ in choices], params, body.priority, body.cache_salt)
         if body.stream:
             offsets = [TextOffsets() for _ in choices]  # each choice's text offsets, across its chunks
 
@@ -245,7 +245,7 @@ def build_app(
         if body.top_logprobs is not None and not body.logprobs:
             raise APIError(400, "top_logprobs: needs logprobs: true", "top_logprobs")
         serving.check_choices(body.n, body.n)
-        outputs = serving.start_all([ids] * body.n, params, body.priority)
+        outputs = serving.start_all([ids] * body.n, params, body.priority, body.cache_salt)
         cid, created = new_id("chatcmpl"), now()
 
         def chunk(items: list[ChatStreamChoice], usage: UsageInfo | None = None) -> ChatCompletionChunk:

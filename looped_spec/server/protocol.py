@@ -6,10 +6,10 @@ neutral values (1, empty), which change nothing (clients such as benchmark harne
 is a 400 naming the field. Requests are strict about types as OpenAI is (`"max_tokens": "5"` or `"logprobs": true` on
 completions is a 400, not a silent conversion). Extensions beyond OpenAI's schema, as in vLLM: `top_k`, `min_p`,
 `repetition_penalty`, `ignore_eos`, `stop_token_ids`, `min_tokens`, `include_stop_str_in_output`,
-`skip_special_tokens`, `bad_words`, `structured_outputs` (OpenAI's `response_format` too) (and `seed`, which OpenAI
-has too), chat's `add_generation_prompt`, `continue_final_message`, `chat_template`, `chat_template_kwargs` and
-`echo`; and looped-spec's early exit, `exit_threshold` / `exit_at_step` (checked by `SamplingParams` and the engine,
-errors naming the field).
+`skip_special_tokens`, `bad_words`, `structured_outputs` (OpenAI's `response_format` too), `priority`, `cache_salt`
+(and `seed`, which OpenAI has too), chat's `add_generation_prompt`, `continue_final_message`, `chat_template`,
+`chat_template_kwargs` and `echo`; and looped-spec's early exit, `exit_threshold` / `exit_at_step` (checked by
+`SamplingParams` and the engine, errors naming the field).
 """
 
 from __future__ import annotations
@@ -111,6 +111,15 @@ class SamplingFields(BaseModel):
     priority: int = Field(0, description="Lower is admitted first and preempted last, under --scheduling-policy "
                           "priority; anything but 0 is refused otherwise (vLLM's).")  # fmt: skip
     bad_words: list[str] | None = Field(None, description="Words that may not be generated (vLLM's).")
+    cache_salt: str | None = Field(None, description="With prefix caching, cached blocks are shared only with requests "
+                                   "of the same salt (vLLM's; a non-empty string).")  # fmt: skip
+
+    @field_validator("cache_salt")
+    @classmethod
+    def _non_empty_salt(cls, value: str | None) -> str | None:
+        if value is not None and not value:
+            raise ValueError("must be a non-empty string if given (vLLM's rule); leave it out for no salt")
+        return value
 
     @field_validator("logit_bias")
     @classmethod

@@ -324,14 +324,16 @@ class OpenAIServing:
             raise APIError(400, message, field) from exc
 
     def start_all(
-        self, prompts: list[list[int]], params: list[SamplingParams], priority: int = 0
+        self, prompts: list[list[int]], params: list[SamplingParams], priority: int = 0, cache_salt: str | None = None
     ) -> list[AsyncIterator[RequestOutput]]:
         """Admit every choice of an API request together, or none (429 / 503 before any response starts; 400 for more
-        choices than the server ever admits at once)."""
+        choices than the server ever admits at once). `cache_salt`: every choice's, as vLLM's TokensPrompt carries
+        it."""
         streams = []
         try:
             for ids, choice_params in zip(prompts, params):
-                streams.append(self.engine.add_request(ids, choice_params, priority=priority))
+                prompt = ids if cache_salt is None else {"prompt_token_ids": ids, "cache_salt": cache_salt}
+                streams.append(self.engine.add_request(prompt, choice_params, priority=priority))
         except (QueueFullError, EngineDeadError) as exc:
             for stream in streams:
                 stream.abort()
