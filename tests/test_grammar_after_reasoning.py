@@ -356,7 +356,7 @@ def test_the_server_gates_each_grammar_with_the_end_tag(server, monkeypatch):
     seen = []
     original = OpenAIServing.start_all
 
-    def start_all(self, prompts, params, priority=0):
+    def start_all(self, prompts, params, priority=0, cache_salt=None):
         seen.extend(params)
         return original(self, prompts, params, priority)
 

@@ -80,7 +80,7 @@ def scripted(monkeypatch, replies: list[list[str]]) -> None:
     """The server's engine streams are replaced by these replies (one per choice, in pieces): the tiny model never
     thinks aloud, and a grammar cannot force it to under a reasoning parser."""
 
-    def start_all(self, prompts, params, priority=0):
+    def start_all(self, prompts, params, priority=0, cache_salt=None):
         async def stream(index: int, pieces: list[str]):
             tokens: list[int] = []
             for j, piece in enumerate(pieces):
