@@ -149,11 +149,12 @@ def test_every_prompt_form_gives_the_same_output(text_engine):
     params = SamplingParams(max_tokens=5, temperature=0.0)
     forms = [text, ids, TextPrompt(prompt=text), TokensPrompt(prompt_token_ids=ids),
              {"prompt": text, "cache_salt": "t"}, {"prompt_token_ids": tuple(ids), "cache_salt": "t"},
-             {"prompt": text, "cache_salt": None, "multi_modal_data": None, "mm_processor_kwargs": None}]  # fmt: skip
+             {"prompt": text, "cache_salt": None, "multi_modal_data": None, "mm_processor_kwargs": None},
+             TokensPrompt(prompt_token_ids=ids, prompt="the text they came from")]  # fmt: skip
     outs = text_engine.generate(forms, params)
     assert all(o.prompt_token_ids == ids and o.token_ids == outs[0].token_ids for o in outs)
-    # RequestOutput.prompt: the text of a text prompt, a text dict's included
-    assert [o.prompt for o in outs] == [text, None, text, None, text, None, text]
+    # RequestOutput.prompt: the text of a text prompt, a text dict's included, and the text beside a TokensPrompt's ids
+    assert [o.prompt for o in outs] == [text, None, text, None, text, None, text, "the text they came from"]
     one = text_engine.generate({"prompt": text, "cache_salt": "t"}, params)  # a single dict is one prompt
     assert len(one) == 1 and one[0].token_ids == outs[0].token_ids and one[0].prompt == text
     request_id = text_engine.add_request({"prompt": text, "cache_salt": "u"}, params)
@@ -168,7 +169,7 @@ BAD_PROMPTS = [
     ({"prompt": "x", "mm_processor_kwargs": {}}, ValueError, "prompts[1]: 'mm_processor_kwargs' is not supported"),
     ({"prompt_token_ids": [1], "prompt_embeds": [0.5]}, ValueError, "prompts[1]: 'prompt_embeds' is not supported"),
     ({"prompt": "x", "cache_sallt": "a"}, ValueError, "prompts[1]: unknown key 'cache_sallt'"),
-    ({"prompt": "x", "prompt_token_ids": [1]}, ValueError, "prompts[1]: give 'prompt' (text) or 'prompt_token_ids'"),
+    ({"prompt": 5, "prompt_token_ids": [1]}, TypeError, "prompts[1].prompt must be a string, got int"),
     ({"cache_salt": "a"}, ValueError, "prompts[1]: a prompt dict needs 'prompt' (text) or 'prompt_token_ids'"),
     ({"prompt": 5}, TypeError, "prompts[1].prompt must be a string, got int"),
     ({"prompt": ""}, ValueError, "prompts[1].prompt is empty"),

@@ -28,6 +28,7 @@ from looped_spec.engine.inputs import (
     check_vocabulary,
     load_tokenizer,
     normalize_prompts,
+    prompt_text,
     split_prompt,
     to_token_ids,
 )
@@ -238,7 +239,7 @@ class LoopedSpecEngine:
         unset = {key: value for key, value in defaults.items() if key not in params.model_fields_set}
         if unset:
             params = params.model_copy(update=unset)
-        content, cache_salt = split_prompt(prompt, where)  # a prompt dict's text or ids, and its salt
+        _, cache_salt = split_prompt(prompt, where)  # a prompt dict's salt (and its keys checked)
         ids = to_token_ids(prompt, self.tokenizer, self.adapter.vocab_size, where=where)
         if len(ids) >= self.max_model_len:
             raise ValueError(
@@ -283,10 +284,10 @@ class LoopedSpecEngine:
         if self.tokenizer is not None:
             detokenizer = IncrementalDetokenizer(self.tokenizer, params.stop, params.skip_special_tokens,
                                                  params.include_stop_str_in_output)  # fmt: skip
-        prompt_text = content if isinstance(content, str) else None
+        text = prompt_text(prompt)
         request = Request(
             request_id, next(self._arrivals), ids, params, seed, self.adapter.eos_token_ids, self.max_model_len,
-            detokenizer, prompt_text, grammar, bad_words,
+            detokenizer, text, grammar, bad_words,
         )  # fmt: skip
         request.exit_threshold, request.exit_at_step = exit_threshold, exit_at_step
         request.priority = priority

@@ -18,10 +18,12 @@ class TextPrompt(_PromptOptions):
     prompt: str
 
 
-class TokensPrompt(_PromptOptions):
-    """vLLM's token prompt dict: `{"prompt_token_ids": list[int]}`, optionally with a `cache_salt`."""
+class TokensPrompt(_PromptOptions, total=False):
+    """vLLM's token prompt dict: `{"prompt_token_ids": list[int]}`, optionally with a `cache_salt` and the `prompt`
+    text the ids came from (the ids are what runs; the text is the output's `prompt`)."""
 
     prompt_token_ids: list[int]
+    prompt: str
 
 
 Prompt = str | list[int] | TextPrompt | TokensPrompt
@@ -102,9 +104,10 @@ def check_cache_salt(salt: Any, where: str = "cache_salt") -> str | None:
 
 def split_prompt(prompt: Any, where: str = "prompt") -> tuple[Any, str | None]:
     """(text or token ids, cache_salt or None) of a prompt: a string or token ids as they are (no salt), or vLLM's
-    `{"prompt": text}` / `{"prompt_token_ids": ids}` with an optional `"cache_salt"`. A dict with both or neither of
-    the two, a key this engine does not implement (vLLM's `multi_modal_data`, ...) or an unknown one, or a value of
-    the wrong type: an error naming `where` and the key. The text or ids themselves are checked by `to_token_ids`."""
+    `{"prompt": text}` / `{"prompt_token_ids": ids}` (with both, the ids: `prompt_text` gives the text) with an optional
+    `"cache_salt"`. A dict with neither, a key this engine does not implement (vLLM's `multi_modal_data`, ...) or an
+    unknown one, or a value of the wrong type: an error naming `where` and the key. The text or ids themselves are
+    checked by `to_token_ids`."""
     if not isinstance(prompt, dict):
         return prompt, None
     for key, value in prompt.items():
@@ -116,20 +119,27 @@ def split_prompt(prompt: Any, where: str = "prompt") -> tuple[Any, str | None]:
             raise ValueError(f"{where}: {key!r} is not supported ({UNSUPPORTED_PROMPT_KEYS[key]})")
         known = ", ".join(repr(k) for k in PROMPT_KEYS)
         raise ValueError(f"{where}: unknown key {key!r} (a prompt dict takes {known})")
-    if "prompt" in prompt and "prompt_token_ids" in prompt:
-        raise ValueError(f"{where}: give 'prompt' (text) or 'prompt_token_ids', not both")
     salt = check_cache_salt(prompt.get("cache_salt"), f"{where}.cache_salt")
     if "prompt" in prompt:
         text = prompt["prompt"]
         if not isinstance(text, str):
             raise TypeError(f"{where}.prompt must be a string, got {type(text).__name__}")
-        return text, salt
-    if "prompt_token_ids" in prompt:
+        if "prompt_token_ids" not in prompt:
+            return text, salt
+    if "prompt_token_ids" in prompt:  # beside a "prompt", the ids run (vLLM's TokensPrompt: the text they came from)
         ids = prompt["prompt_token_ids"]
         if not isinstance(ids, (list, tuple)):
             raise TypeError(f"{where}.prompt_token_ids must be a list of token ids, got {type(ids).__name__}")
         return ids, salt
     raise ValueError(f"{where}: a prompt dict needs 'prompt' (text) or 'prompt_token_ids'")
+
+
+def prompt_text(prompt: Any) -> str | None:
+    """The text of a prompt (a string, or a prompt dict's "prompt"; None for token ids alone): the output's `prompt`."""
+    if isinstance(prompt, dict):
+        text = prompt.get("prompt")
+        return text if isinstance(text, str) else None
+    return prompt if isinstance(prompt, str) else None
 
 
 def check_text(text: str, where: str) -> None:
