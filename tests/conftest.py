@@ -74,6 +74,18 @@ def family(request) -> str:
     return request.param
 
 
+@pytest.fixture
+def ray_cluster_turn(tmp_path_factory):
+    """Tests that start a local Ray cluster take turns: two clusters with two replicas each at once overload a
+    2-core box (a test's replicas then miss their checks). An exclusive lock in the run's temporary folder, which the
+    pytest-xdist workers share."""
+    import fcntl
+
+    with open(tmp_path_factory.getbasetemp().parent / "ray_cluster.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield
+
+
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():
         return

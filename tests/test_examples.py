@@ -60,7 +60,7 @@ def test_server_load_test_runs_an_open_loop_against_loop_batching():
 
 
 @pytest.mark.slow
-def test_server_load_test_runs_against_ray_serve_replicas():
+def test_server_load_test_runs_against_ray_serve_replicas(ray_cluster_turn):
     """bench_server.py --replicas 2: two Ray Serve replicas, every answer equal offline greedy, KV freed in both."""
     script = EXAMPLES.parent / "benchmarks" / "bench_server.py"
     args = ["--clients", "6", "--requests-per-client", "1", "--max-tokens", "6", "--max-batch-size", "4"]

@@ -196,7 +196,7 @@ def offline_greedy():
 
 
 @pytest.mark.slow
-def test_two_replicas_through_the_ray_proxy(offline_greedy, tmp_path):
+def test_two_replicas_through_the_ray_proxy(offline_greedy, tmp_path, ray_cluster_turn):
     port = _free_port()
     metrics_port = _free_port(then_free=1)  # replica r serves its metrics on metrics_port + r
     env = ray_subprocess_env()
