@@ -257,14 +257,11 @@ class OpenAIServing:
     def check_masks_beside_grammar(self, body: SamplingFields, plan: ToolPlan | None = None) -> None:
         """bad_words and allowed_token_ids are refused beside a grammar (SamplingParams): a 400 naming the field the
         client sent, and the grammar's (structured_outputs, response_format, or a forced call's tool_choice)."""
-        if body.structured_outputs is not None:
-            grammar = "structured_outputs"
-        elif body.response_format is not None and body.response_format.type != "text":
-            grammar = "response_format"
-        elif plan is not None and plan.grammar is not None:
-            grammar = f"tool_choice {'required' if plan.mode == 'required' else 'naming a function'} (a grammar)"
-        else:
+        grammar = grammar_field(body, plan)
+        if grammar is None:
             return
+        if grammar == "tool_choice":
+            grammar = f"tool_choice {'required' if plan.mode == 'required' else 'naming a function'} (a grammar)"
         if body.bad_words:
             raise APIError(400, f"bad_words: not with {grammar}: the grammar may leave only a bad word's token to "
                            "take; fold the words into the grammar", "bad_words")  # fmt: skip
@@ -278,14 +275,8 @@ class OpenAIServing:
         itself closed the reasoning), so the grammar shapes the content, not the reasoning (vLLM's rule,
         looped_spec/reasoning.py `grammar_gate`). None without a parser or a grammar; a 400 naming the grammar's field
         when `</think>` cannot be encoded."""
-        if self.reasoning is None:
-            return None
-        spec = body.grammar()
-        if spec is not None:
-            field = "structured_outputs" if body.structured_outputs is not None else "response_format"
-        elif plan.grammar is not None:
-            field = "tool_choice"
-        else:
+        field = grammar_field(body, plan)
+        if self.reasoning is None or field is None:
             return None
         try:
             return self.reasoning.grammar_gate(self.tokenizer, self.vocab_size, prompt)
@@ -467,6 +458,18 @@ class OpenAIServing:
         if usage_chunk is not None:
             yield f"data: {usage_chunk(last).model_dump_json()}\n\n"
         yield "data: [DONE]\n\n"
+
+
+def grammar_field(body: SamplingFields, plan: ToolPlan | None = None) -> str | None:
+    """The request field that sets its grammar: structured_outputs, response_format (other than "text"), or a forced
+    call's tool_choice; None without one."""
+    if body.structured_outputs is not None:
+        return "structured_outputs"
+    if body.response_format is not None and body.response_format.type != "text":
+        return "response_format"
+    if plan is not None and plan.grammar is not None:
+        return "tool_choice"
+    return None
 
 
 def continuous_usage(body: SamplingFields) -> bool:
