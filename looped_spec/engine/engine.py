@@ -267,7 +267,7 @@ class LoopedSpecEngine:
         bad_words = bad_word_token_ids(params.bad_words, self.tokenizer, self.adapter.vocab_size) if params.bad_words \
             else []  # fmt: skip
         if bad_words:
-            self._check_bad_words(params, bad_words, stops)
+            check_bad_word_room(bad_words, params.allowed_token_ids, params.min_tokens, stops, self.adapter.vocab_size)
         if params.stop and self.tokenizer is None:
             raise ValueError("stop strings need the model's tokenizer files; use stop_token_ids instead")
         exit_threshold, exit_at_step = self.resolve_exit(params)
@@ -305,9 +305,6 @@ class LoopedSpecEngine:
         if priority and self.config.scheduling_policy != "priority":
             raise ValueError(f"{field}={priority}: requests are served first come, first served; a priority needs "
                              "scheduling_policy='priority' (--scheduling-policy priority)")  # fmt: skip
-
-    def _check_bad_words(self, params: SamplingParams, sequences: list[list[int]], stops: set[int]) -> None:
-        check_bad_word_room(sequences, params.allowed_token_ids, params.min_tokens, stops, self.adapter.vocab_size)
 
     def _queue(self, request: Request) -> None:
         self._requests[request.request_id] = request
