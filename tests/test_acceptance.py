@@ -298,3 +298,56 @@ def test_the_acceptance_pass_is_greedy_whatever_the_checkpoint_samples_by_defaul
     adapter = load_adapter(str(folder), dtype="float32", device="cpu")
     bits = measure_match_bits(adapter, [[5, 6, 7, 8]], 12)
     assert bits[-1] == [[1] * 11]
+
+
+# --------------------------------------------------------------------------- the batch's own agreement
+
+
+def test_the_batch_alpha_pools_the_batch_requests_own_positions():
+    """(Σ own matches + n·w·α) / (Σ own trials + n·w) over the batch's n requests, w = `request_prior`; requests
+    outside the batch count for nothing, and full depth is 1."""
+    est = AcceptanceEstimator(3, [0.5, 0.6, 1.0], None, prior_weight=16.0, memory=128.0, request_memory=1e12,
+                              request_prior=2.0)  # fmt: skip
+    est.observe_request_readouts(["fast", "slow", "gone"], [[4, 4, 4], [0, 1, 4], [4, 4, 4]], [4, 4, 4])
+    est.set_batch(["fast", "slow"])
+    overall = est.alpha
+    expected = [(4 + 0 + 2 * 2 * overall[0]) / (8 + 4), (4 + 1 + 2 * 2 * overall[1]) / (8 + 4)]
+    assert est.batch_alpha()[:2] == pytest.approx(expected)
+    assert est.batch_alpha()[2] == 1.0
+    est.set_batch(["slow"])
+    assert est.batch_alpha()[0] == pytest.approx((0 + 2 * overall[0]) / (4 + 2))
+    assert est.batch_alpha()[0] < overall[0]
+    assert set(est.requests) == {"slow"}  # those that left the batch are dropped
+
+
+def test_a_request_not_seen_yet_and_no_batch_stand_at_the_overall_estimate():
+    est = AcceptanceEstimator(3, [0.5, 0.6, 1.0], None, prior_weight=16.0, memory=128.0)
+    est.observe_readouts([3, 3, 4], [4, 4, 4])
+    assert est.batch_alpha() == est.alpha  # no batch given (a caller that does not know its requests)
+    est.set_batch(["new"])
+    assert est.batch_alpha() == pytest.approx(est.alpha)
+
+
+def test_a_request_s_drafts_count_the_accepted_and_the_rejection_at_the_planned_depth():
+    est = AcceptanceEstimator(3, [0.5, 0.6, 1.0], None, prior_weight=16.0, memory=128.0, request_memory=1e12)
+    est.observe_request_drafts(["all", "none", "idle"], 2, accepted=[3, 0, 0], proposed=[3, 2, 0])
+    assert est.requests["all"] == [[0.0, 3.0, 0.0], [0.0, 3.0, 0.0]]  # every draft accepted: no rejection seen
+    assert est.requests["none"] == [[0.0, 0.0, 0.0], [0.0, 1.0, 0.0]]  # rejected at the first draft
+    assert "idle" not in est.requests  # proposed nothing
+    est.observe_request_drafts(["all"], 4, [1], [2])  # no such draft depth: nothing
+    assert est.requests["all"][1] == [0.0, 3.0, 0.0]
+
+
+def test_a_request_s_own_estimate_remembers_about_request_memory_positions():
+    """A request whose text changes agreement is followed within a few times its memory, whatever it agreed at
+    before, while the overall estimate (128 positions, many requests) lags."""
+    rng = np.random.default_rng(4)
+    est = AcceptanceEstimator(2, [0.5, 1.0], None, prior_weight=16.0, memory=128.0, request_memory=16.0)
+    est.set_batch(["a"])
+    for truth in (0.9, 0.2):
+        for _ in range(32):  # 128 positions, 8 memories
+            m, t = readouts(rng, [truth, 1.0], 4)
+            est.observe_request_readouts(["a"], [m], [t[0]])
+            est.observe_readouts(*readouts(rng, [0.9, 1.0], 16))  # the rest of the traffic stays at 0.9
+        assert est.batch_alpha()[0] == pytest.approx(truth, abs=0.15)
+    assert est.alpha[0] > 0.8

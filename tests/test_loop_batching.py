@@ -396,6 +396,36 @@ def agreement_totals(feedback: list, depth: int) -> tuple[list, list, list]:
     return matches, trials, pairs
 
 
+def per_request_totals(feedback: list, depth: int) -> dict[str, tuple[list[int], int]]:
+    """Each request's own matches per depth and committed positions over a run's measured rounds; each measured
+    feedback's rows add up to its totals, and every feedback names the requests of its per-request counts."""
+    out: dict[str, tuple[list[int], int]] = {}
+    for fb in feedback:
+        assert len(fb.request_ids) == len(fb.num_accepted) == len(fb.num_proposed)
+        if not fb.depth_trials:
+            assert not fb.request_matches and not fb.request_trials
+            continue
+        assert len(fb.request_matches) == len(fb.request_trials) == len(fb.request_ids)
+        assert [sum(row[j] for row in fb.request_matches) for j in range(depth)] == fb.depth_matches
+        assert sum(fb.request_trials) == fb.depth_trials[0]
+        for request_id, row, trials in zip(fb.request_ids, fb.request_matches, fb.request_trials):
+            matches, total = out.get(request_id, ([0] * depth, 0))
+            out[request_id] = ([a + b for a, b in zip(matches, row)], total + trials)
+    return out
+
+
+@pytest.mark.parametrize("batching", ["step", "loop"])
+def test_adaptive_feedback_names_the_requests_of_every_round(batching):
+    """Measured or not, a round's feedback names its requests (the controller keeps each one's own agreement), and
+    a measured round's per-request counts add up to its totals."""
+    engine = make_engine("ouro", speculation="adaptive", batching=batching)
+    feedback = recorded_feedback(engine)
+    params = [SamplingParams(max_tokens=12 + 5 * i, ignore_eos=True) for i in range(len(PROMPTS))]
+    run(engine, PROMPTS, params)
+    own = per_request_totals(feedback, engine.runner.full_depth)
+    assert any(not fb.depth_trials for fb in feedback) and own  # both kinds of rounds ran
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 def test_measured_rounds_on_loop_passes_count_what_the_step_engine_counts(family):
     """Counterfactual readouts on loop passes (every depth a measured item passes is read out on the way): with every
@@ -413,6 +443,8 @@ def test_measured_rounds_on_loop_passes_count_what_the_step_engine_counts(family
             assert run(loop, PROMPTS, params) == run(step, PROMPTS, params)
             expected = agreement_totals(step_feedback, depth)
             assert agreement_totals(loop_feedback, depth) == expected, (k, d, temperature)
+            own = per_request_totals(step_feedback, depth)
+            assert per_request_totals(loop_feedback, depth) == own and len(own) == len(PROMPTS)
             assert sum(expected[1]) > 0 and sum(map(sum, expected[2])) > 0
             assert all(fb.seconds == 0.0 and fb.depth_trials for fb in loop_feedback)
 
@@ -474,7 +506,7 @@ def test_a_plan_serves_a_rounds_worth_of_requests_or_until_the_batch_size_change
 
     taken = []
 
-    def take(batch_size, context):
+    def take(batch_size, context, request_ids):
         taken.append(batch_size)
         return SpeculationPlan(len(taken), 2, 1)
 
@@ -498,8 +530,8 @@ def test_rounds_under_several_plans_share_passes():
     controller = engine.controller
     original_plan = controller.plan
 
-    def rotating(batch_size, context):
-        plan = original_plan(batch_size, context)
+    def rotating(batch_size, context, request_ids):
+        plan = original_plan(batch_size, context, request_ids)
         plan.k, plan.d = next(plans, (2, 1))
         return plan
 

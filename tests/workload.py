@@ -67,13 +67,18 @@ class Workload:
             seconds=seconds, **measured,
         )  # fmt: skip
 
-    def _readouts(self, alpha: Sequence[float], k: int, d: int, accepted: list[int]) -> dict:
+    def _readouts(
+        self, alpha: Sequence[float], k: int, d: int, accepted: list[int], alphas: Sequence | None = None,
+        request_ids: Sequence[str] | None = None,
+    ) -> dict:  # fmt: skip
         """What a measured round reports: per depth matches, trials and consecutive pairs; per request its first
-        and last position's bits (requests keep their index as id across rounds)."""
+        and last position's bits and its own matches (requests keep their index as id across rounds, unless
+        `request_ids`; `alphas`: each request's own agreement, else `alpha`)."""
         depth = len(alpha)
         matches, pairs = [0] * depth, [[0, 0, 0, 0] for _ in range(depth)]
-        first, last = [], []
-        for a in accepted:
+        first, last, own = [], [], []
+        for i, a in enumerate(accepted):
+            alpha = alpha if alphas is None else alphas[i]
             rows = []  # per committed position: bits per depth
             for j in range(a + 1):
                 bits = [self.rng.random() < p for p in alpha]
@@ -81,9 +86,10 @@ class Workload:
                     bits[d - 1] = True if j < a else (bits[d - 1] if a == k else False)
                 bits[-1] = True
                 rows.append(bits)
+            own.append([sum(bits[j] for bits in rows) for j in range(depth)])
             for bits in rows:
-                for i, bit in enumerate(bits):
-                    matches[i] += bit
+                for j, bit in enumerate(bits):
+                    matches[j] += bit
             for prev, cur in zip(rows, rows[1:]):
                 for i in range(depth):
                     n = 0 if prev[i] else 2
@@ -94,8 +100,40 @@ class Workload:
         positions = sum(accepted) + len(accepted)
         return {
             "depth_matches": matches, "depth_trials": [positions] * depth, "depth_pairs": pairs,
-            "request_ids": [str(i) for i in range(len(accepted))], "first_bits": first, "last_bits": last,
+            "request_ids": list(request_ids or [str(i) for i in range(len(accepted))]), "first_bits": first,
+            "last_bits": last, "request_matches": own, "request_trials": [a + 1 for a in accepted],
         }  # fmt: skip
+
+    def static_batch(
+        self, controller, alphas: Sequence[Sequence[float]], tokens: Sequence[int], context: float = 120.0
+    ) -> list[tuple[list[str], tuple[int, int]]]:
+        """One batch of requests, each with its own agreement `alphas[i]` and `tokens[i]` to generate, decoded until
+        the last finishes (a request leaves the batch when done); per round, the requests in it and the plan."""
+        left = {str(i): n for i, n in enumerate(tokens)}
+        rounds = []
+        while left:
+            ids = list(left)
+            own = [alphas[int(i)] for i in ids]
+            plan = controller.plan(len(ids), context, ids)
+            proposed = [min(plan.k, left[i] - 1) for i in ids]
+            accepted = []
+            for k, alpha in zip(proposed, own):
+                a = 0
+                while a < k and self.rng.random() < alpha[plan.d - 1]:
+                    a += 1
+                accepted.append(a)
+            measured = self._readouts(alphas[0], plan.k, plan.d, accepted, own, ids) if plan.measure_depths else {}
+            measured.setdefault("request_ids", ids)
+            controller.observe(round_feedback(
+                plan, batch_size=len(ids), context=context, num_proposed=proposed, num_accepted=accepted,
+                seconds=self.seconds(plan.k, plan.d, len(ids), context), **measured,
+            ))  # fmt: skip
+            rounds.append((ids, (plan.k, plan.d)))
+            for i, a in zip(ids, accepted):
+                left[i] -= a + 1
+                if left[i] <= 0:
+                    del left[i]
+        return rounds
 
     def run(self, controller, phases: Sequence[Phase]) -> list[list[tuple[int, int]]]:
         """Drive `controller` through the phases; the (K, d) it planned each round, per phase."""

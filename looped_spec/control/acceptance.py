@@ -2,7 +2,8 @@
 
 Per draft depth d two numbers describe the bits m_t(d) (the depth-d readout at position t-1 predicts the committed
 token x_t): the agreement α_d and the persistence ρ_d = P(1 | 1) − P(1 | 0). `markov_tokens` prices a K-token
-round by the two-state chain they define; `AcceptanceEstimator` learns both online from the preset's values.
+round by the two-state chain they define; `AcceptanceEstimator` learns both online from the preset's values, and
+α per request too: plans are priced with what the requests they run on agree at.
 """
 
 from __future__ import annotations
@@ -33,7 +34,8 @@ def accept_rate(alpha: float, rho: float, k: int) -> float:
 
 
 class AcceptanceEstimator:
-    """α and ρ per draft depth 1..D: α from readouts and round outcomes, ρ from pairs of consecutive readouts."""
+    """α and ρ per draft depth 1..D: α from readouts and round outcomes, ρ from pairs of consecutive readouts; and α
+    per request of the batch (`batch_alpha`: docs/adaptive.md "The batch's own agreement")."""
 
     def __init__(
         self,
@@ -42,6 +44,8 @@ class AcceptanceEstimator:
         prior_rho: Sequence[float] | None,
         prior_weight: float,
         memory: float,
+        request_memory: float = 16.0,
+        request_prior: float = 2.0,
     ) -> None:
         alpha = list(prior_alpha) if prior_alpha is not None else [0.0] * depth
         if len(alpha) != depth:
@@ -59,6 +63,11 @@ class AcceptanceEstimator:
         self.positions = 0  # positions observed online (readouts and round outcomes)
         self._alpha: list[float] | None = None
         self._rho: list[float] | None = None
+        # per request of the batch, faded [matches[D], trials[D]] of its own positions; the batch's estimate pools
+        # them with `request_prior` positions of the overall α per request
+        self.request_memory, self.request_prior = request_memory, request_prior
+        self.requests: dict[str, list[list[float]]] = {}
+        self.batch: Sequence[str] = ()  # the requests the next plan runs on (`set_batch`)
 
     # ------------------------------------------------------------------ estimates
     @property
@@ -78,6 +87,31 @@ class AcceptanceEstimator:
             rho[-1] = 0.0  # full depth always agrees: nothing to persist, and never drafted
             self._rho = rho
         return self._rho
+
+    def set_batch(self, request_ids: Sequence[str]) -> None:
+        """The requests the next plan runs on; the others' own counts are dropped (they left the batch)."""
+        self.batch = request_ids
+        if len(self.requests) > len(request_ids):
+            live = set(request_ids)
+            self.requests = {i: c for i, c in self.requests.items() if i in live}
+
+    def batch_alpha(self) -> list[float]:
+        """[D] agreement of the batch's requests: their own positions pooled, each with `request_prior` positions of
+        the overall α (which alone stands for a request not seen yet, and for no batch)."""
+        alpha = self.alpha
+        if not self.batch:
+            return alpha
+        weight = self.request_prior * len(self.batch)
+        matches, trials = [weight * a for a in alpha], [weight] * self.depth
+        for request_id in self.batch:
+            counts = self.requests.get(request_id)
+            if counts is not None:
+                for j in range(self.depth):
+                    matches[j] += counts[0][j]
+                    trials[j] += counts[1][j]
+        out = [m / t if t > 0.0 else a for m, t, a in zip(matches, trials, alpha)]
+        out[-1] = 1.0
+        return out
 
     def tokens(self, k: int, d: int, alpha: Sequence[float] | None = None) -> float:
         """Expected committed tokens per request per round of a (K, d) plan (K = 0: 1)."""
@@ -109,6 +143,33 @@ class AcceptanceEstimator:
             return
         self._add(d - 1, accepted, accepted + rejected)
         self.positions += accepted + rejected
+
+    def _add_request(self, request_id: str, j: int, matches: float, trials: float) -> None:
+        counts = self.requests.get(request_id)
+        if counts is None:
+            counts = self.requests[request_id] = [[0.0] * self.depth, [0.0] * self.depth]
+        fade = self.request_memory / (self.request_memory + trials)
+        counts[0][j] = fade * counts[0][j] + matches
+        counts[1][j] = fade * counts[1][j] + trials
+
+    def observe_request_readouts(
+        self, request_ids: Sequence[str], matches: Sequence[Sequence[int]], trials: Sequence[int]
+    ) -> None:
+        """A measured round per request: how many of its committed positions each depth predicted, out of how many."""
+        for request_id, row, n in zip(request_ids, matches, trials):
+            if n:
+                for j in range(self.depth):
+                    self._add_request(request_id, j, row[j], n)
+
+    def observe_request_drafts(
+        self, request_ids: Sequence[str], d: int, accepted: Sequence[int], proposed: Sequence[int]
+    ) -> None:
+        """An unmeasured speculative round per request, as `observe_drafts`."""
+        if not 1 <= d <= self.depth:
+            return
+        for request_id, a, k in zip(request_ids, accepted, proposed):
+            if k:
+                self._add_request(request_id, d - 1, a, a + (a < k))
 
     def observe_pairs(self, pairs: Sequence[Sequence[int]]) -> None:
         """Per depth, counts [n1, n11, n0, n01] of consecutive readout pairs (the earlier position agreed, both did,

@@ -1,12 +1,13 @@
-"""Controllers: the engine asks `plan(batch_size, context)` before every decode round and sends `observe(feedback)`
-after its commit. `FixedController(k, d)` plans the same every round; `AdaptiveController` follows a preset
-(docs/adaptive.md). Both number plans with increasing ids, time themselves (`overhead_seconds`) and can write a JSONL
-trace of every plan, feedback and decision (`trace_path`).
+"""Controllers: the engine asks `plan(batch_size, context, request_ids)` before every decode round and sends
+`observe(feedback)` after its commit. `FixedController(k, d)` plans the same every round; `AdaptiveController`
+follows a preset (docs/adaptive.md). Both number plans with increasing ids, time themselves (`overhead_seconds`) and
+can write a JSONL trace of every plan, feedback and decision (`trace_path`).
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from pathlib import Path
 from time import perf_counter
 from typing import Any
@@ -48,10 +49,11 @@ class FixedController:
         """Every (K, d) this controller can hand out (K = 0 included), for sizing CUDA-graph capture."""
         return sorted({(0, 0), (self.k, self.d)})
 
-    def plan(self, batch_size: int, context: float) -> SpeculationPlan:
-        """The plan of the next round (a batch of `batch_size` requests at mean context `context`)."""
+    def plan(self, batch_size: int, context: float, request_ids: Sequence[str] = ()) -> SpeculationPlan:
+        """The plan of the next round (a batch of `batch_size` requests at mean context `context`; `request_ids`:
+        the batch's requests, when the caller knows them)."""
         t0 = perf_counter()
-        plan, event = self._next_plan(batch_size, context)
+        plan, event = self._next_plan(batch_size, context, request_ids)
         self.num_plans += 1
         if self._trace is not None:
             self._trace.plan(plan, batch_size, context, event)
@@ -78,7 +80,9 @@ class FixedController:
     def _forget(self, plan: SpeculationPlan) -> None:
         """Undo what handing out `plan` set waiting for its feedback."""
 
-    def _next_plan(self, batch_size: int, context: float) -> tuple[SpeculationPlan, str | None]:
+    def _next_plan(
+        self, batch_size: int, context: float, request_ids: Sequence[str]
+    ) -> tuple[SpeculationPlan, str | None]:
         """The next plan, and the decision behind it to trace (None: none this round)."""
         plan = SpeculationPlan(
             self.num_plans, self.k, self.d, measure_depths=self.measure_depths, stop_margin=self.stop_margin
@@ -137,8 +141,9 @@ class AdaptiveController(FixedController):
         buckets = compile_buckets(config)
         acc = config.acceptance
         self.acceptance = AcceptanceEstimator(
-            full_depth, acc.alpha if acc else None, acc.rho if acc else None, s.prior_weight, s.acceptance_memory
-        )
+            full_depth, acc.alpha if acc else None, acc.rho if acc else None, s.prior_weight, s.acceptance_memory,
+            s.request_memory, s.request_prior,
+        )  # fmt: skip
         self.cost = PassCost(config.cost, full_depth, s.drift_rounds, [o for b in buckets for o in b.options])
         self.exits = ExitDepths(full_depth, s.exit_memory)
         if policy == "ema":
@@ -155,7 +160,10 @@ class AdaptiveController(FixedController):
     def plan_shapes(self) -> list[tuple[int, int]]:
         return sorted({(0, 0)} | {o for b in self.buckets for o in b.options})
 
-    def _next_plan(self, batch_size: int, context: float) -> tuple[SpeculationPlan, str | None]:
+    def _next_plan(
+        self, batch_size: int, context: float, request_ids: Sequence[str]
+    ) -> tuple[SpeculationPlan, str | None]:
+        self.acceptance.set_batch(request_ids)
         bucket = self._table.lookup_sticky(batch_size, self._bucket)
         if bucket != self._bucket:
             if self._bucket >= 0:
@@ -184,13 +192,16 @@ class AdaptiveController(FixedController):
 
     def _learn(self, fb: RoundFeedback) -> str | None:
         """Acceptance, exit depths, the cost drift, then the policy."""
+        acceptance = self.acceptance
         if fb.depth_trials:
-            self.acceptance.observe_readouts(fb.depth_matches, fb.depth_trials)
+            acceptance.observe_readouts(fb.depth_matches, fb.depth_trials)
+            acceptance.observe_request_readouts(fb.request_ids, fb.request_matches, fb.request_trials)
         else:
             self._last_bits = {}  # an unmeasured round between two measured ones: their positions are not adjacent
             if fb.k > 0 and not fb.exit_depths:  # under early exit the draft depth's bits include free exits
                 rejected = sum(a < k for a, k in zip(fb.num_accepted, fb.num_proposed))
-                self.acceptance.observe_drafts(fb.d, fb.total_accepted, rejected)
+                acceptance.observe_drafts(fb.d, fb.total_accepted, rejected)
+                acceptance.observe_request_drafts(fb.request_ids, fb.d, fb.num_accepted, fb.num_proposed)
         if fb.depth_pairs:
             self._observe_pairs(fb)
         if fb.exit_depths:

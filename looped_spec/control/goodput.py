@@ -57,7 +57,7 @@ class GoodputPolicy:
 
     def predict(self, batch: int, context: float) -> list[float]:
         """Predicted committed tokens per second of each option (the decision's numbers)."""
-        alpha = self.acceptance.alpha
+        alpha = self.acceptance.batch_alpha()
         if self.exits.seen:
             alpha = self.exits.effective_alpha(alpha)  # tokens that exit within the draft depth pass for free
         intercepts, slopes = self.cost.lines(batch, self.exits)

@@ -31,7 +31,7 @@ def step(engine, suspect: Request | None) -> None:
         return
     t1 = time.perf_counter()
     context = mean_context(batch.requests)
-    plan = engine.controller.plan(len(batch.requests), context)
+    plan = engine.controller.plan(len(batch.requests), context, [r.request_id for r in batch.requests])
     # a request whose exit rule reads out through attention (Huginn's "kl") cannot be verified position by
     # position inside one pass (exit_round.py): it decodes plainly (K = 0) within the round
     wants = [0 if engine.exit_rule_reads_kv(r) else plan.k for r in batch.requests]
@@ -136,7 +136,9 @@ def finish_round(
         depth_matches=result.depth_matches,
         depth_trials=result.depth_trials,
         depth_pairs=result.depth_pairs,
-        request_ids=[r.request_id for r in requests] if result.first_bits else (),
+        request_ids=[r.request_id for r in requests],
+        request_matches=result.request_matches,
+        request_trials=result.request_trials,
         first_bits=result.first_bits,
         last_bits=result.last_bits,
         exit_depths=exit_depths,

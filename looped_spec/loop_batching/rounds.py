@@ -34,12 +34,15 @@ class _Open:
     batch_size: int
     context: float
     members: set[str]  # requests whose round under the plan runs
+    request_ids: list[str] = field(default_factory=list)  # the finished rounds' requests, in the order below
     proposed: list[int] = field(default_factory=list)
     accepted: list[int] = field(default_factory=list)
     exit_depths: list[int] = field(default_factory=list)  # of every committed token (D where none exited early)
     exits: bool = False  # some request exited early
     matches: torch.Tensor | None = None  # [D] measured positions each depth agreed at
     trials: int = 0  # measured positions
+    request_matches: list[list[int]] = field(default_factory=list)  # per finished request: [D] matches, ...
+    request_trials: list[int] = field(default_factory=list)  # ... out of its committed positions (0: not measured)
     pairs: torch.Tensor | None = None  # [D, 4] n1, n11, n0, n01 over consecutive measured positions
 
 
@@ -61,15 +64,17 @@ class LoopRounds:
         self, running: list[Request], take: Callable[[int, float], SpeculationPlan]
     ) -> tuple[SpeculationPlan, bool]:
         """The plan for the requests entering a round in the next pass of the `running` batch, and whether it was just
-        taken (`take(batch_size, context)`, the controller's `plan`): a plan serves as many request rounds as the batch
-        had requests when it was taken (a step round's worth), or until the batch size changes."""
+        taken (`take(batch_size, context, request_ids)`, the controller's `plan`): a plan serves as many request
+        rounds as the batch had requests when it was taken (a step round's worth), or until the batch size
+        changes."""
         batch_size = len(running)
         if self._plan is not None and self._plan_left > 0 and self._plan[1] == batch_size:
             return self._plan[0], False
         context = mean_context(running)
         if self._plan is not None and self._plan_left == self._plan[1]:  # replaced before any round ran under it
             self.abandoned.append(self._plan[0])
-        self._plan, self._plan_left = (take(batch_size, context), batch_size, context), batch_size
+        plan = take(batch_size, context, [r.request_id for r in running])
+        self._plan, self._plan_left = (plan, batch_size, context), batch_size
         return self._plan[0], True
 
     def start(self, requests: list[Request]) -> None:
@@ -96,6 +101,7 @@ class LoopRounds:
                 continue
             entry.members.discard(request_id)
             touched.add(entry.plan.plan_id)
+            entry.request_ids.append(request_id)
             entry.proposed.append(result.verified_proposed[i])  # the drafts the target checked
             entry.accepted.append(result.verified_accepted[i])
             tokens = len(result.tokens[i])
@@ -105,6 +111,8 @@ class LoopRounds:
             agreement = result.agreement[i] if result.agreement else None
             if agreement is not None:
                 self._count(entry, request, result.starts[i], agreement)
+            entry.request_matches.append([0] * self.depth if agreement is None else agreement.sum(1).tolist())
+            entry.request_trials.append(0 if agreement is None else agreement.shape[1])
         for request_id, plan_id in list(self._plan_of.items()):
             if request_id not in in_flight:  # left its round unfinished: it reports nothing
                 del self._plan_of[request_id]
@@ -153,6 +161,9 @@ class LoopRounds:
             depth_matches=entry.matches.tolist() if measured else (),
             depth_trials=[entry.trials] * self.depth if measured else (),
             depth_pairs=entry.pairs.tolist() if measured else (),
+            request_ids=entry.request_ids,
+            request_matches=entry.request_matches if measured else (),
+            request_trials=entry.request_trials if measured else (),
             exit_depths=entry.exit_depths if entry.exits else (),
             exit_skips=self.exit_skips,
         )

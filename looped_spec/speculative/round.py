@@ -42,6 +42,9 @@ class RoundResult:
     depth_pairs: list[list[int]] = field(default_factory=list)
     first_bits: list[int] = field(default_factory=list)
     last_bits: list[int] = field(default_factory=list)
+    # per request, [D] matches over its committed positions, and how many it committed
+    request_matches: list[list[int]] = field(default_factory=list)
+    request_trials: list[int] = field(default_factory=list)
     # early exit: per request, the exit depth of each position from the round's first on (its committed
     # tokens' readout depths); None without early exit
     exit_depths: list[list[int]] | None = None
@@ -212,20 +215,23 @@ class SpeculativeRound:
 
 def _agreement_counts(result: RoundResult, agree: torch.Tensor, num_accepted: torch.Tensor) -> None:
     """Fill the result's depth agreement: `agree` [D, R, W] per committed position j <= num_accepted[r] of each
-    request (the caller's order): matches and trials per depth, pairs of consecutive positions, first and last
-    positions' bit masks. One transfer to the host."""
+    request (the caller's order): matches and trials per depth, in all and per request, pairs of consecutive
+    positions, first and last positions' bit masks."""
     depth, _, width = agree.shape
     device = agree.device
     positions = torch.arange(width, device=device)
     num_accepted = num_accepted.to(device)
     valid = positions[None, :] <= num_accepted[:, None]  # [R, W]
-    hits = (agree & valid[None]).sum(dim=(1, 2))
+    per_request = (agree & valid[None]).sum(dim=2)  # [D, R]
+    hits = per_request.sum(dim=1)
     prev, cur, both = agree[:, :, :-1], agree[:, :, 1:], valid[:, 1:][None]  # a pair: both positions committed
     pairs = torch.stack([(prev & both).sum((1, 2)), (prev & cur & both).sum((1, 2)),
                          (~prev & both).sum((1, 2)), (~prev & cur & both).sum((1, 2))])  # fmt: skip
     counts, pair_rows = torch.cat([hits, valid.sum()[None]]).tolist(), pairs.tolist()
     result.depth_matches, result.depth_trials = counts[:-1], [counts[-1]] * depth
     result.depth_pairs = [list(column) for column in zip(*pair_rows)]
+    rows = torch.cat([per_request, valid.sum(dim=1)[None]]).T.tolist()  # [R, D + 1]
+    result.request_matches, result.request_trials = [row[:-1] for row in rows], [row[-1] for row in rows]
     if depth <= MASK_DEPTHS:
         weights = (2 ** torch.arange(depth, device=device, dtype=torch.long))[:, None]  # bit j: depth j+1
         first = (agree[:, :, 0].long() * weights).sum(0)
