@@ -144,6 +144,25 @@ def test_a_drifting_machine_moves_no_plan():
     assert controller.cost.drift == pytest.approx(2.0, rel=0.15)
 
 
+def test_a_machine_far_from_the_preset_s_is_told_once(caplog):
+    """Rounds three times slower than the profile predicts: one warning, after the drift factor's memory of
+    rounds, naming the preset and the fix; 1.5 times slower (a busy machine, another thread count): none."""
+    cfg = preset()
+    for factor, warned in ((3.0, True), (1.5, False)):
+        scaled = {k: v if k == "positions" else [factor * x for x in v] if isinstance(v, list) else factor * v
+                  for k, v in ideal_cost(32).items()}  # fmt: skip
+        slow = preset(cost=scaled)
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="looped_spec.control"):
+            Workload(PassCost(slow.cost, DEPTH), noise=0.0, seed=7).run(
+                AdaptiveController(cfg, DEPTH), [Phase(8, CODE, 400)]
+            )  # fmt: skip
+        told = [r.getMessage() for r in caplog.records if "pass-cost profile" in r.getMessage()]
+        assert len(told) == (1 if warned else 0), (factor, told)
+        if warned:
+            assert "preset 'synthetic'" in told[0] and "looped-spec tune" in told[0]
+
+
 def test_the_choice_is_the_argmax_of_predicted_goodput():
     """A mutation of the policy's core choice (argmin, or ignoring acceptance) fails here: with known
     acceptance and cost, the option it runs is the one with the most predicted tokens per second."""

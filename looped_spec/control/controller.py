@@ -6,6 +6,7 @@ can write a JSONL trace of every plan, feedback and decision (`trace_path`).
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Sequence
 from pathlib import Path
@@ -25,6 +26,11 @@ from looped_spec.presets.schema import AdaptiveSpecConfig
 
 POLICIES = ("goodput", "ema")
 DEFAULT_POLICY = "goodput"
+#: Rounds running this many times faster or slower than the preset's profile predicts say it was timed on another
+#: machine state, whose relative costs of plans need not hold here (docs/benchmarking.md, "Another machine")
+FAR_DRIFT = 2.0
+
+logger = logging.getLogger(__name__)
 
 
 class FixedController:
@@ -156,6 +162,7 @@ class AdaptiveController(FixedController):
         self._measure_in = 0  # rounds until the next measured pair of rounds
         self._pair_left = 0  # measured rounds still to come in the current pair
         self._last_bits: dict[str, int] = {}  # the last measured round's last position per request (bit masks)
+        self._far_drift_told = False
 
     def plan_shapes(self) -> list[tuple[int, int]]:
         return sorted({(0, 0)} | {o for b in self.buckets for o in b.options})
@@ -210,8 +217,25 @@ class AdaptiveController(FixedController):
             k = fb.k if fb.total_proposed else 0
             profile = self.cost.seconds(k, fb.d if k else 0, fb.batch_size, fb.context, self.exits)
             self.cost.observe(fb.seconds, profile, bool(fb.depth_trials))
+            self._tell_far_drift()
         self.policy.observe(fb)
         return self.policy.last_event
+
+    def _tell_far_drift(self) -> None:
+        """A warning, once, when the drift factor (past its first memory's worth of rounds) puts the machine far from
+        the one the preset was timed on: its relative prices may be off by several % (docs/benchmarking.md)."""
+        cost = self.cost
+        if self._far_drift_told or cost.ordinary_rounds < self.settings.drift_rounds:
+            return
+        if 1.0 / FAR_DRIFT <= cost.drift <= FAR_DRIFT:
+            return
+        self._far_drift_told = True
+        logger.warning(
+            "preset %r: rounds take %.2fx the time its pass-cost profile (%s) predicts; its plans are priced with the "
+            "relative costs of the machine state it was timed on, which may differ here. Time a preset on this "
+            "machine: looped-spec tune (README, 'Tune a preset')",
+            self.config.model, cost.drift, self.config.hardware,
+        )  # fmt: skip
 
     def _observe_pairs(self, fb: RoundFeedback) -> None:
         """Pairs of consecutive readouts within the round, and across it and the measured round before it: a

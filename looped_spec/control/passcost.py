@@ -63,7 +63,7 @@ class PassCost:
         # a measured round's time over its prediction unmeasured (log), learned from the measured rounds: it holds
         # what the profile's readouts miss (the agreement bookkeeping, a fixed cost a round)
         self._log_measured = 0.0
-        self.measured_rounds = 0
+        self.measured_rounds = self.ordinary_rounds = 0
         self._lines: dict[tuple, tuple] = {}  # `lines` per (batch size, exits version): no exits, or the latest
         self._exits_version = None
 
@@ -208,6 +208,7 @@ class PassCost:
             return
         x = math.log(measured / predicted_by_profile)
         if not measured_depths:
+            self.ordinary_rounds += 1
             self._log_drift += self._drift_weight * min(max(x - self._log_drift, -0.5), 0.5)
             self.drift = math.exp(self._log_drift)
             return
