@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import random
 import sys
 from pathlib import Path
 
@@ -541,3 +542,27 @@ def test_structured_acceptance_counts_drafts_per_grammar(capsys):
     counts = table["tiny-ouro", "2,1"]
     assert len(counts) == len(script.GRAMMARS) and all(0 <= accepted <= drafted for accepted, drafted in counts)
     assert sum(drafted for _, drafted in counts) > 0 and "| tiny-ouro | (2,1) |" in capsys.readouterr().out
+
+
+def test_replay_batches_replays_rounds_as_the_tuner_does():
+    """Per request, the rounds a plan takes on recorded bits equal the tuner's replay (`simulate_tokens`); tokens add
+    up to the request's length, the first from prefill."""
+    from looped_spec.tuning.acceptance_pass import simulate_tokens
+
+    rounds_of = load_script("replay_batches").rounds_of
+    rng = random.Random(3)
+    for _ in range(200):
+        bits = [int(rng.random() < 0.7) for _ in range(rng.randint(1, 40))]
+        k = rng.randint(1, 6)
+        assert simulate_tokens([bits], k) == (sum(rounds_of(bits, k)), len(rounds_of(bits, k)))
+        assert sum(rounds_of(bits, k)) == len(bits) and all(1 <= t <= k + 1 for t in rounds_of(bits, k))
+
+
+def test_replay_batches_prints_every_plan_with_a_fill_below_plain(capsys):
+    load_script("replay_batches").main(
+        ["--model", FIXTURE, "--prompts", "random", "--batch-sizes", "2", "--grid", "1,1;2,1", "--max-tokens", "8",
+         "--batches", "3"]
+    )  # fmt: skip
+    rows = [line.split() for line in capsys.readouterr().out.splitlines() if line.startswith("  ")]
+    assert [r[0] for r in rows] == ["1,1", "2,1"]
+    assert all(0.0 < float(r[1]) and 0.0 < float(r[2]) and 0.0 < float(r[3]) <= 1.0 for r in rows)
