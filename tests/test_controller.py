@@ -409,6 +409,10 @@ def test_stats_report_the_estimates_and_every_bucket():
     assert stats["plans"] == stats["observed"] == 140
     assert stats["alpha"] == pytest.approx(list(controller.acceptance.alpha), abs=1e-4)
     assert stats["alpha"][0] < TUNE[0]  # the hard text's readouts pulled depth 1 down
+    assert stats["batch_alpha"] == stats["alpha"]  # a caller that names no requests: the overall estimate
+    controller.acceptance.set_batch(["a"])
+    controller.acceptance.observe_request_readouts(["a"], [[0, 0, 0, 1]], [1])
+    assert controller.stats()["batch_alpha"][0] < stats["alpha"][0]
     assert stats["acceptance_positions"] == controller.acceptance.positions > 0
     assert stats["cost_drift"] == pytest.approx(controller.cost.drift, abs=1e-4) and stats["cost_drift"] > 1.2
     assert [b["batch"] for b in stats["buckets"]] == ["1..2", "3..12", "13..inf"]

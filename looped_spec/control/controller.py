@@ -261,6 +261,7 @@ class AdaptiveController(FixedController):
             policy=self.policy_name,
             model=self.config.model,
             alpha=[round(a, 4) for a in self.acceptance.alpha],
+            batch_alpha=[round(a, 4) for a in self.acceptance.batch_alpha()],  # the last planned batch's
             rho=[round(r, 4) for r in self.acceptance.rho],
             acceptance_positions=self.acceptance.positions,
             cost_drift=round(self.cost.drift, 4),
