@@ -318,6 +318,9 @@ def test_the_batch_alpha_pools_the_batch_requests_own_positions():
     assert est.batch_alpha()[0] == pytest.approx((0 + 2 * overall[0]) / (4 + 2))
     assert est.batch_alpha()[0] < overall[0]
     assert set(est.requests) == {"slow"}  # those that left the batch are dropped
+    est.observe_request_readouts(["slow", "fast"], [[0, 0, 4], [4, 4, 4]], [4, 4])
+    est.set_batch(["slow", "new"])  # one left and one came: a batch of the same size
+    assert set(est.requests) == {"slow"}
 
 
 def test_a_request_not_seen_yet_and_no_batch_stand_at_the_overall_estimate():

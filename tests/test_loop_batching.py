@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 
 from looped_spec import LoopedSpecEngine, SamplingParams, SpeculativeConfig, load_adapter
 from looped_spec.loop_batching import LoopBatcher
+from looped_spec.tuning.derive import ideal_cost
 
 PROMPTS = [[5, 9, 2, 7], [1, 2, 3], [44, 8, 19, 20, 21, 3, 7], [100], [6, 6, 6, 6, 6], [17, 3, 90, 4]]
 
@@ -416,14 +417,27 @@ def per_request_totals(feedback: list, depth: int) -> dict[str, tuple[list[int],
 
 @pytest.mark.parametrize("batching", ["step", "loop"])
 def test_adaptive_feedback_names_the_requests_of_every_round(batching):
-    """Measured or not, a round's feedback names its requests (the controller keeps each one's own agreement), and
-    a measured round's per-request counts add up to its totals."""
-    engine = make_engine("ouro", speculation="adaptive", batching=batching)
+    """Measured or not, a round's feedback names its requests (the controller keeps each one's own agreement from
+    readouts and drafts), and a measured round's per-request counts add up to its totals. The preset lists only
+    (2, 1), so the engine drafts in every round."""
+    from looped_spec.presets import AdaptiveSpecConfig
+
+    depth = load("ouro").full_depth
+    pinned = AdaptiveSpecConfig.parse({
+        "model": "pinned", "full_depth": depth, "disable": {"enabled": False}, "cost": ideal_cost(32),
+        "buckets": [{"min_batch": 1, "max_batch": None, "candidates": [[2, 1]], "theta_up": 1.0, "theta_down": 0.0}],
+    })  # fmt: skip
+    engine = make_engine("ouro", speculation="adaptive", preset=pinned, batching=batching)
     feedback = recorded_feedback(engine)
+    drafts = engine.controller.acceptance.observe_request_drafts
+    drafted = []
+    engine.controller.acceptance.observe_request_drafts = lambda *a: (drafted.append(a), drafts(*a))[1]
     params = [SamplingParams(max_tokens=12 + 5 * i, ignore_eos=True) for i in range(len(PROMPTS))]
     run(engine, PROMPTS, params)
-    own = per_request_totals(feedback, engine.runner.full_depth)
+    own = per_request_totals(feedback, depth)
     assert any(not fb.depth_trials for fb in feedback) and own  # both kinds of rounds ran
+    assert all(fb.k == 2 for fb in feedback if fb.total_proposed) and drafted
+    assert all(ids and d == 1 for ids, d, *_ in drafted)
 
 
 @pytest.mark.parametrize("family", FAMILIES)

@@ -89,10 +89,13 @@ class AcceptanceEstimator:
         return self._rho
 
     def set_batch(self, request_ids: Sequence[str]) -> None:
-        """The requests the next plan runs on; the others' own counts are dropped (they left the batch)."""
+        """The requests the next plan runs on. The others' own counts are dropped: a request out of the batch
+        (finished, preempted, or waiting while a suspect runs alone after a failed step) starts again from the
+        overall estimate when it comes back, and so does a new request under an id a finished one had, unless no
+        plan came between them."""
         self.batch = request_ids
-        if len(self.requests) > len(request_ids):
-            live = set(request_ids)
+        live = set(request_ids)
+        if not live.issuperset(self.requests):
             self.requests = {i: c for i, c in self.requests.items() if i in live}
 
     def batch_alpha(self) -> list[float]:

@@ -231,10 +231,11 @@ class AdaptiveController(FixedController):
             return
         self._far_drift_told = True
         logger.warning(
-            "preset %r: rounds take %.2fx the time its pass-cost profile (%s) predicts; its plans are priced with the "
-            "relative costs of the machine state it was timed on, which may differ here. Time a preset on this "
-            "machine: looped-spec tune (README, 'Tune a preset')",
-            self.config.model, cost.drift, self.config.hardware,
+            "preset %r: rounds take %s the time its pass-cost profile (%s) predicts (the drift factor, still learning: "
+            "%.2f); its plans are priced with the relative costs of the machine state it was timed on, which may "
+            "differ here. Time a preset on this machine: looped-spec tune (README, 'Tune a preset')",
+            self.config.model, f"under {1.0 / FAR_DRIFT:g}x" if cost.drift < 1.0 else f"over {FAR_DRIFT:g}x",
+            self.config.hardware, cost.drift,
         )  # fmt: skip
 
     def _observe_pairs(self, fb: RoundFeedback) -> None:

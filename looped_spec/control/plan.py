@@ -47,7 +47,9 @@ class RoundFeedback:
     # [D]: over consecutive committed positions of a request, [n1, n11, n0, n01] (the earlier position agreed, both
     # did, the earlier did not, only the later did)
     depth_pairs: list[list[int]] = field(default_factory=list)
-    request_ids: list[str] = field(default_factory=list)  # the requests of num_proposed, num_accepted, ... below
+    # the requests of num_proposed, num_accepted, ... below (on loop passes a request that ran two rounds under the
+    # plan is named once per round)
+    request_ids: list[str] = field(default_factory=list)
     # per request of a measured round, [D] matches over its committed positions, and how many it committed
     request_matches: list[list[int]] = field(default_factory=list)
     request_trials: list[int] = field(default_factory=list)

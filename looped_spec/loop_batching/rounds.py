@@ -61,7 +61,7 @@ class LoopRounds:
         self.abandoned: list[SpeculationPlan] = []  # plans that will report nothing (`take_abandoned`)
 
     def plan(
-        self, running: list[Request], take: Callable[[int, float], SpeculationPlan]
+        self, running: list[Request], take: Callable[[int, float, list[str]], SpeculationPlan]
     ) -> tuple[SpeculationPlan, bool]:
         """The plan for the requests entering a round in the next pass of the `running` batch, and whether it was just
         taken (`take(batch_size, context, request_ids)`, the controller's `plan`): a plan serves as many request
