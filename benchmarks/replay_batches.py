@@ -4,9 +4,10 @@ A static batch (B prompts, `--max-tokens` new tokens each, eos ignored: bench_sp
 until its last request finishes. Under speculation requests finish at different rounds, and the last rounds run a
 few requests at nearly a full round's price. This script replays it exactly: it records each prompt's depth
 agreement along its greedy trajectory (`measure_match_bits`, deterministic), replays every plan's rounds per
-request on those bits (drafts cut to the tokens left, as the scheduler does) over batches that rotate through the
-group as the benchmark's rounds do (batch n from offset 7n), and prices each round at the batch size it had with
-a preset's pass-cost profile. Printed per plan, as ratios to plain decoding of the same batches:
+request on those bits (`simulate_tokens`, the tuner's replay: drafts cut to the tokens left, as the scheduler does)
+over batches that rotate through the group as the benchmark's rounds do (batch n from offset 7n), and prices each
+round at the batch size it had with a preset's pass-cost profile. Printed per plan, as ratios to plain decoding of
+the same batches:
 
 - `steady`: the rate the controller prices, every request at full batch (mean tokens per round ÷ round price);
 - `batch`: the whole batches' rate (tokens ÷ the sum of their rounds' prices);
@@ -30,7 +31,7 @@ import torch
 from looped_spec import load_adapter
 from looped_spec.control.passcost import PassCost
 from looped_spec.presets.lookup import load_preset
-from looped_spec.tuning.acceptance_pass import measure_match_bits
+from looped_spec.tuning.acceptance_pass import measure_match_bits, simulate_tokens
 from looped_spec.tuning.grid import parse_batch_sizes, parse_grid
 from looped_spec.tuning.prompt_sets import EVALUATION_SOURCES, load_prompts
 
@@ -38,24 +39,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_speculative import ROTATION_STRIDE, rotation_size  # noqa: E402
 
 
-def rounds_of(bits: list[int], k: int) -> list[int]:
-    """Tokens each round of a K-token plan commits along one request's depth-d bits (`bits[t]`: did the draft
-    depth predict generated token t+1); the first generated token comes from prefill."""
-    n = len(bits) + 1
-    done, out = 0, []
-    while done < n - 1:
-        drafts = max(0, min(k, n - 2 - done))
-        accepted = 0
-        while accepted < drafts and bits[done + accepted]:
-            accepted += 1
-        done += accepted + 1
-        out.append(accepted + 1)
-    return out
-
-
 def replay(bits, batch: list[int], k: int, d: int, cost: PassCost, context: float) -> tuple[float, float, float]:
-    """(seconds of the whole batch, seconds at steady state, fill) of plan (k, d) on the prompts `batch`."""
-    rounds = [len(rounds_of(bits[d - 1][i], k)) if k else len(bits[0][i]) for i in batch]
+    """(seconds of the whole batch, seconds at steady state, fill) of plan (k, d) on the prompts `batch`: each
+    request's rounds replayed on its bits as the tuner replays them (drafts cut to the tokens left)."""
+    rounds = [simulate_tokens([bits[d - 1][i]], k)[1] if k else len(bits[0][i]) for i in batch]
     seconds = sum(cost.seconds(k, d, sum(r > t for r in rounds), context) for t in range(max(rounds)))
     steady = statistics.mean(rounds) * cost.seconds(k, d, len(batch), context)
     return seconds, steady, sum(rounds) / (len(batch) * max(rounds))

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import random
 import sys
 from pathlib import Path
 
@@ -544,18 +543,19 @@ def test_structured_acceptance_counts_drafts_per_grammar(capsys):
     assert sum(drafted for _, drafted in counts) > 0 and "| tiny-ouro | (2,1) |" in capsys.readouterr().out
 
 
-def test_replay_batches_replays_rounds_as_the_tuner_does():
-    """Per request, the rounds a plan takes on recorded bits equal the tuner's replay (`simulate_tokens`); tokens add
-    up to the request's length, the first from prefill."""
-    from looped_spec.tuning.acceptance_pass import simulate_tokens
+def test_replay_batches_prices_each_round_at_the_batch_size_it_had():
+    """Two requests of 9 tokens (8 bits each): one whose draft always agrees (K = 2 commits 3 a round: 3 rounds
+    (3, 3, 2)), one whose draft never does (1 a round: 8 rounds). Rounds cost 1 + b: the batch takes 3 rounds at
+    b = 2 and 5 at b = 1; at steady state the mean 5.5 rounds at b = 2; plain 8 rounds at b = 2."""
 
-    rounds_of = load_script("replay_batches").rounds_of
-    rng = random.Random(3)
-    for _ in range(200):
-        bits = [int(rng.random() < 0.7) for _ in range(rng.randint(1, 40))]
-        k = rng.randint(1, 6)
-        assert simulate_tokens([bits], k) == (sum(rounds_of(bits, k)), len(rounds_of(bits, k)))
-        assert sum(rounds_of(bits, k)) == len(bits) and all(1 <= t <= k + 1 for t in rounds_of(bits, k))
+    class Cost:
+        def seconds(self, k, d, b, context):
+            return 1.0 + b
+
+    replay = load_script("replay_batches").replay
+    bits = [[[1] * 8, [0] * 8]]  # depth 1: two requests
+    assert replay(bits, [0, 1], 2, 1, Cost(), 0.0) == (3 * 3.0 + 5 * 2.0, 5.5 * 3.0, 11 / 16)
+    assert replay(bits, [0, 1], 0, 0, Cost(), 0.0) == (8 * 3.0, 8 * 3.0, 1.0)
 
 
 def test_replay_batches_prints_every_plan_with_a_fill_below_plain(capsys):
