@@ -125,9 +125,7 @@ class AcceptanceEstimator:
 
     # ------------------------------------------------------------------ observations
     def _add(self, j: int, matches: float, trials: float) -> None:
-        fade = self.memory / (self.memory + trials)  # about `memory` positions remembered per depth
-        self.matches[j] = fade * self.matches[j] + matches
-        self.trials[j] = fade * self.trials[j] + trials
+        _fade_in(self.matches, self.trials, j, matches, trials, self.memory)
         self._alpha = None
 
     def observe_readouts(self, matches: Sequence[int], trials: Sequence[int]) -> None:
@@ -151,9 +149,7 @@ class AcceptanceEstimator:
         counts = self.requests.get(request_id)
         if counts is None:
             counts = self.requests[request_id] = [[0.0] * self.depth, [0.0] * self.depth]
-        fade = self.request_memory / (self.request_memory + trials)
-        counts[0][j] = fade * counts[0][j] + matches
-        counts[1][j] = fade * counts[1][j] + trials
+        _fade_in(counts[0], counts[1], j, matches, trials, self.request_memory)
 
     def observe_request_readouts(
         self, request_ids: Sequence[str], matches: Sequence[Sequence[int]], trials: Sequence[int]
@@ -191,6 +187,15 @@ class AcceptanceEstimator:
             sums[0] = fade * sums[0] + cov
             sums[1] = fade * sums[1] + n * _spread(a)
         self._rho = None
+
+
+def _fade_in(
+    matches: list[float], trials: list[float], j: int, new_matches: float, new_trials: float, memory: float
+) -> None:
+    """Depth j's faded counts take in new positions; about `memory` positions are remembered."""
+    fade = memory / (memory + new_trials)
+    matches[j] = fade * matches[j] + new_matches
+    trials[j] = fade * trials[j] + new_trials
 
 
 def _spread(alpha: float) -> float:
