@@ -440,6 +440,34 @@ def test_adaptive_feedback_names_the_requests_of_every_round(batching):
     assert all(ids and d == 1 for ids, d, *_ in drafted)
 
 
+@pytest.mark.parametrize("batching", ["step", "loop"])
+def test_price_probes_run_beside_a_speculative_plan_where_rounds_are_timed(batching):
+    """A preset whose prior says (2, 1) pays (and may run plain): the step engine runs a plain round right after a
+    speculative one now and then and learns the price from the pair; loop passes report no round time, so run none.
+    Greedy output equals plain decoding either way."""
+    from looped_spec.presets import AdaptiveSpecConfig
+
+    depth = load("ouro").full_depth
+    easy = AdaptiveSpecConfig.parse({
+        "model": "easy", "full_depth": depth, "cost": ideal_cost(32),
+        "acceptance": {"alpha": [0.95] * (depth - 1) + [1.0], "rho": [0.0] * depth, "positions": 1000},
+        "buckets": [{"min_batch": 1, "max_batch": None, "candidates": [[0, 0], [2, 1]], "theta_up": 0.5,
+                     "theta_down": 0.0}],
+    })  # fmt: skip
+    control = {"prior_weight": 1e9, "request_prior": 1e9, "readout_budget": 1e-6}  # the prior stands: it speculates
+    engine = make_engine("ouro", speculation="adaptive", preset=easy, batching=batching, control=control)
+    feedback = recorded_feedback(engine)
+    params = [SamplingParams(max_tokens=40, ignore_eos=True) for _ in PROMPTS]
+    assert run(engine, PROMPTS, params) == run(make_engine("ouro"), PROMPTS, params)
+    probes = [b for a, b in zip(feedback, feedback[1:]) if a.k == 2 and b.k == 0 and b.plan_id == a.plan_id + 1]
+    pairs = engine.controller.stats()["price_pairs"]
+    if batching == "step":
+        assert probes and pairs == len(probes), (len(probes), pairs)
+        assert sum(fb.k == 2 for fb in feedback) > 4 * len(probes)  # the plan stays in use
+    else:
+        assert not probes and pairs == 0
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 def test_measured_rounds_on_loop_passes_count_what_the_step_engine_counts(family):
     """Counterfactual readouts on loop passes (every depth a measured item passes is read out on the way): with every

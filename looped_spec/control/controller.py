@@ -18,7 +18,7 @@ from looped_spec.control.buckets import BucketTable, compile_buckets
 from looped_spec.control.ema import EmaPolicy
 from looped_spec.control.exits import ExitDepths
 from looped_spec.control.goodput import GoodputPolicy
-from looped_spec.control.passcost import PassCost
+from looped_spec.control.passcost import PRICE_PRIOR, PassCost
 from looped_spec.control.plan import RoundFeedback, SpeculationPlan
 from looped_spec.control.settings import ControlSettings
 from looped_spec.control.trace import TraceWriter
@@ -29,6 +29,8 @@ DEFAULT_POLICY = "goodput"
 #: Rounds running this many times faster or slower than the preset's profile predicts say it was timed on another
 #: machine state, whose relative costs of plans need not hold here (docs/benchmarking.md, "Another machine")
 FAR_DRIFT = 2.0
+#: Rounds between the first price probes, until they outweigh the profile's price (docs/adaptive.md)
+FAST_PROBES = 4
 
 logger = logging.getLogger(__name__)
 
@@ -163,6 +165,12 @@ class AdaptiveController(FixedController):
         self._pair_left = 0  # measured rounds still to come in the current pair
         self._last_bits: dict[str, int] = {}  # the last measured round's last position per request (bit masks)
         self._far_drift_told = False
+        # plain rounds beside a speculative plan, pricing speculation against plain on this machine (goodput only;
+        # docs/adaptive.md "Prices on another machine")
+        self._probes = policy == "goodput"
+        self._probe_in = s.price_probe_interval
+        self._probe_plan = -1  # the plan id of the plain round in flight beside a speculative plan
+        self._last_speculative: tuple[int, float] | None = None  # (plan id, log measured ÷ profile seconds)
 
     def plan_shapes(self) -> list[tuple[int, int]]:
         return sorted({(0, 0)} | {o for b in self.buckets for o in b.options})
@@ -177,14 +185,27 @@ class AdaptiveController(FixedController):
                 self.policy.enter(bucket)
             self._bucket = bucket
         k, d, candidate = self.policy.select(bucket, batch_size, context)
+        event = self.policy.last_event
         measure = self._measure_in <= 0 or self._pair_left > 0
+        probe = self._probes and self.buckets[bucket].may_run_plain and self.cost.ordinary_rounds  # rounds are timed
+        if k > 0 and probe and not measure:
+            self._probe_in -= 1
+            last = self._last_speculative
+            if self._probe_in <= 0 and last is not None and last[0] == self.num_plans - 1:
+                # the first pairs come quickly (the profile's price counts as PRICE_PRIOR of them), then at the pace
+                fast = self.cost.price_pairs < 2 * PRICE_PRIOR
+                self._probe_plan = self.num_plans
+                interval = self.settings.price_probe_interval
+                self._probe_in = min(FAST_PROBES, interval) if fast else interval
+                event = f"price probe: one plain round beside (K={k}, d={d})"  # the policy's plan stays in use
+                k, d, candidate = 0, 0, self.buckets[bucket].plain_candidate
         if self._pair_left > 0:
             self._pair_left -= 1
         elif measure:  # two rounds in a row read out: pairs of consecutive positions for the persistence
             self._measure_in = 2 * self._readout_interval(k, d, batch_size, context, self.policy.outlook(bucket))
             self._pair_left = 1
         self._measure_in -= 1
-        return SpeculationPlan(self.num_plans, k, d, bucket, candidate, measure), self.policy.last_event
+        return SpeculationPlan(self.num_plans, k, d, bucket, candidate, measure), event
 
     def _readout_interval(self, k: int, d: int, batch: int, context: float, outlook: float) -> int:
         """Rounds per measured round (docs/adaptive.md "Which rounds read out"): the position target (a measured round
@@ -195,6 +216,8 @@ class AdaptiveController(FixedController):
         return max(2, math.ceil(by_time), math.ceil(batch / s.readout_positions))
 
     def _forget(self, plan: SpeculationPlan) -> None:
+        if plan.plan_id == self._probe_plan:
+            self._probe_plan = -1
         self.policy.abandon(plan)
 
     def _learn(self, fb: RoundFeedback) -> str | None:
@@ -214,12 +237,26 @@ class AdaptiveController(FixedController):
         if fb.exit_depths:
             self.exits.observe(fb.exit_depths, fb.exit_skips)
         if fb.seconds > 0.0:
-            k = fb.k if fb.total_proposed else 0
-            profile = self.cost.seconds(k, fb.d if k else 0, fb.batch_size, fb.context, self.exits)
-            self.cost.observe(fb.seconds, profile, bool(fb.depth_trials))
-            self._tell_far_drift()
+            self._observe_seconds(fb)
         self.policy.observe(fb)
         return self.policy.last_event
+
+    def _observe_seconds(self, fb: RoundFeedback) -> None:
+        """The round's time: the drift factor (or the measured rounds' excess), and the price of speculation against
+        plain when this is a plain round run next to the speculative one before it."""
+        k = fb.k if fb.total_proposed else 0
+        profile = self.cost.seconds(k, fb.d if k else 0, fb.batch_size, fb.context, self.exits)
+        measured = bool(fb.depth_trials)
+        self.cost.observe(fb.seconds, profile, measured, k > 0)
+        self._tell_far_drift()
+        log_ratio = math.log(fb.seconds / profile) if profile > 0.0 else None
+        if fb.plan_id == self._probe_plan:
+            self._probe_plan = -1
+            last = self._last_speculative
+            if log_ratio is not None and last is not None and last[0] == fb.plan_id - 1:
+                self.cost.observe_pair(last[1], log_ratio, self.settings.price_memory)
+        if k and not measured and log_ratio is not None:
+            self._last_speculative = (fb.plan_id, log_ratio)
 
     def _tell_far_drift(self) -> None:
         """A warning, once, when the drift factor (past its first memory's worth of rounds) puts the machine far from
@@ -233,7 +270,8 @@ class AdaptiveController(FixedController):
         logger.warning(
             "preset %r: rounds take %s the time its pass-cost profile (%s) predicts (the drift factor, still learning: "
             "%.2f); its plans are priced with the relative costs of the machine state it was timed on, which may "
-            "differ here. Time a preset on this machine: looped-spec tune (README, 'Tune a preset')",
+            "differ here (price probes correct speculation against plain, not one plan against another). Time a "
+            "preset on this machine: looped-spec tune (README, 'Tune a preset')",
             self.config.model, f"under {1.0 / FAR_DRIFT:g}x" if cost.drift < 1.0 else f"over {FAR_DRIFT:g}x",
             self.config.hardware, cost.drift,
         )  # fmt: skip
@@ -266,6 +304,8 @@ class AdaptiveController(FixedController):
             rho=[round(r, 4) for r in self.acceptance.rho],
             acceptance_positions=self.acceptance.positions,
             cost_drift=round(self.cost.drift, 4),
+            speculative_price=round(self.cost.speculative_factor(), 4),  # against plain, from the price probes
+            price_pairs=self.cost.price_pairs,
             buckets=self.policy.describe(),
         )
         return out

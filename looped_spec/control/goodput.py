@@ -56,14 +56,16 @@ class GoodputPolicy:
         ]
 
     def predict(self, batch: int, context: float) -> list[float]:
-        """Predicted committed tokens per second of each option (the decision's numbers)."""
+        """Predicted committed tokens per second of each option (the decision's numbers; a speculative option's
+        time times the learned price of speculation against plain)."""
         alpha = self.acceptance.batch_alpha()
         if self.exits.seen:
             alpha = self.exits.effective_alpha(alpha)  # tokens that exit within the draft depth pass for free
         intercepts, slopes = self.cost.lines(batch, self.exits)
-        drift, tokens = self.cost.drift, self.acceptance.tokens
+        tokens, drift = self.acceptance.tokens, self.cost.drift
+        speculative = drift * self.cost.speculative_factor()
         return [
-            batch * tokens(k, d, alpha) / ((intercepts[i] + slopes[i] * context) * drift)
+            batch * tokens(k, d, alpha) / ((intercepts[i] + slopes[i] * context) * (speculative if k else drift))
             for (k, d), i in zip(self.options, self.cost_index)
         ]
 
@@ -72,13 +74,13 @@ class GoodputPolicy:
         st = self.states[bucket]
         self.last_event = None
         if st.rounds_left <= 0 or batch != st.batch:
-            self._decide(st, batch, context, self.buckets[bucket].may_run_plain)
+            self._decide(st, bucket, batch, context)
         st.rounds_left -= 1
         k, d = self.options[st.current]
         return k, d, self.candidate[bucket][st.current]
 
-    def _decide(self, st: _Bucket, batch: int, context: float, may_run_plain: bool) -> None:
-        s = self.settings
+    def _decide(self, st: _Bucket, bucket: int, batch: int, context: float) -> None:
+        s, may_run_plain = self.settings, self.buckets[bucket].may_run_plain
         rate = self.predict(batch, context)
         st.predicted, st.batch, st.rounds_left = rate, batch, s.decision_interval
         plain, current = self.plain if may_run_plain else -1, st.current

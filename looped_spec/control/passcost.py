@@ -3,8 +3,10 @@ outside terms are written out).
 
 Every price is linear in the coefficients (`theta`, from the preset's `cost` section): `features` writes a round as
 counts of each coefficient's unit and `profile_seconds` weighs them; the tuner fits the coefficients to the same
-features of what it timed. Online, a drift factor follows the machine's state, and `measure_share` learns what
-reading out every depth adds to a round (docs/adaptive.md "Which rounds read out").
+features of what it timed. Online, a drift factor follows the machine's state, `measure_share` learns what
+reading out every depth adds to a round (docs/adaptive.md "Which rounds read out"), and `speculative_factor` what a
+speculative round costs next to a plain one here, against the profile's price (docs/adaptive.md "Prices on another
+machine").
 """
 
 from __future__ import annotations
@@ -15,6 +17,8 @@ import numpy as np
 
 #: The outside terms are the last five coefficients
 OUTSIDE = 5
+#: Pairs of rounds the profile's price of speculation against plain counts as (`observe_pair`)
+PRICE_PRIOR = 4
 
 
 def width_weights(grid: np.ndarray, n) -> np.ndarray:
@@ -64,6 +68,10 @@ class PassCost:
         # what the profile's readouts miss (the agreement bookkeeping, a fixed cost a round)
         self._log_measured = 0.0
         self.measured_rounds = self.ordinary_rounds = 0
+        # a speculative round's time over its price, relative to a plain round's (log), from pairs of adjacent rounds
+        # (`observe_pair`): the machine state's relative prices, which the one drift factor cannot carry
+        self._log_speculative = 0.0
+        self.price_pairs = 0
         self._lines: dict[tuple, tuple] = {}  # `lines` per (batch size, exits version): no exits, or the latest
         self._exits_version = None
 
@@ -194,19 +202,38 @@ class PassCost:
     def measure_share(self, k: int, d: int, batch: int, context: float) -> float:
         """What reading out every depth adds to a (K, d) round, relative to the round: learned from measured rounds
         once some ran (never below what the profile's readouts add), the profile's readouts before."""
-        profile = self.measure_seconds(k, d, batch) / self.predict(k, d, batch, context)
+        round_seconds = self.predict(k, d, batch, context) * (self.speculative_factor() if k > 0 else 1.0)
+        profile = self.measure_seconds(k, d, batch) / round_seconds
         if not self.measured_rounds:
             return profile
         return max(profile, math.exp(self._log_measured) - 1.0)
 
-    def observe(self, measured: float, predicted_by_profile: float, measured_depths: bool = False) -> None:
-        """A round that ran (`predicted_by_profile`: the profile's seconds of that round unmeasured). An ordinary
-        round moves the drift factor towards measured ÷ predicted; a measured one moves the measured rounds' excess
-        over the drift-corrected prediction. Both in log space, a step clipped so one stalled round cannot move
-        them far; the excess is a running mean over its first rounds (it starts from nothing)."""
+    def speculative_factor(self) -> float:
+        """A speculative round's time here ÷ the profile's price, relative to a plain round's (1.0 until pairs of
+        rounds were seen)."""
+        return math.exp(self._log_speculative)
+
+    def observe_pair(self, speculative_log_ratio: float, plain_log_ratio: float, memory: float) -> None:
+        """A speculative and a plain round that ran next to each other (each as log(measured ÷ profile seconds)):
+        their difference is the relative price free of the machine's drift. A running mean over the first pairs,
+        then remembering `memory` pairs, each step clipped; the profile's price counts as `PRICE_PRIOR` pairs, so
+        that one noisy pair cannot flip a plan."""
+        self.price_pairs += 1
+        x = speculative_log_ratio - plain_log_ratio - self._log_speculative
+        weight = 1.0 / min(self.price_pairs + PRICE_PRIOR, max(memory, 1.0))
+        self._log_speculative += weight * min(max(x, -0.25), 0.25)
+
+    def observe(
+        self, measured: float, predicted_by_profile: float, measured_depths: bool = False, speculative: bool = False
+    ) -> None:
+        """A round that ran (`predicted_by_profile`: the profile's seconds of that round unmeasured;
+        `speculative`: a speculative round, whose prediction is also times `speculative_factor`). An ordinary round
+        moves the drift factor towards measured ÷ predicted; a measured one moves the measured rounds' excess over
+        the drift-corrected prediction. Both in log space, a step clipped so one stalled round cannot move them far;
+        the excess is a running mean over its first rounds (it starts from nothing)."""
         if measured <= 0.0 or predicted_by_profile <= 0.0:
             return
-        x = math.log(measured / predicted_by_profile)
+        x = math.log(measured / predicted_by_profile) - (self._log_speculative if speculative else 0.0)
         if not measured_depths:
             self.ordinary_rounds += 1
             self._log_drift += self._drift_weight * min(max(x - self._log_drift, -0.5), 0.5)

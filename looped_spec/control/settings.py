@@ -43,6 +43,10 @@ class ControlSettings:
     readout_budget: float = _tunable(0.03, "(0, 1]")
     #: cost: rounds the drift factor (measured ÷ predicted round time) remembers
     drift_rounds: float = _tunable(64.0, "(0, inf)")
+    #: goodput: rounds between two plain rounds run beside a speculative plan, to price speculation against plain ...
+    price_probe_interval: int = _tunable(32, "[2, inf)")
+    #: ... and the pairs of rounds the relative price remembers
+    price_memory: float = _tunable(16.0, "[1, inf)")
     #: a batch stays in its bucket while its size is within this factor of the bucket's range
     bucket_stickiness: float = _tunable(1.25, "[1, inf)")
     #: early exit: committed tokens the exit-depth histogram remembers
