@@ -456,3 +456,32 @@ def test_every_tunable_is_listed_in_the_docs():
         default = f.default
         shown = f"{default:g}" if isinstance(default, float) else str(default)
         assert f"| `{f.name}` | {shown} |" in table, f.name
+
+
+def test_a_price_probe_pairs_rounds_of_one_bucket_and_keeps_the_policy_s_decisions(tmp_path):
+    """A batch that falls into another bucket: a probe never runs as that bucket's first round (it would pair rounds
+    of two batch sizes and hide the bucket's first decision from the trace). Found by an outside audit."""
+    full = [0.95] * (DEPTH - 1) + [1.0]
+    cfg = AdaptiveSpecConfig.parse({"model": "m", "full_depth": DEPTH, "cost": ideal_cost(32),
+        "acceptance": {"alpha": full, "rho": [0.0] * DEPTH, "positions": 1000},
+        "buckets": [{"min_batch": 1, "max_batch": 2, "candidates": [[0, 0], [2, 1]], "theta_up": 0.5, "theta_down": 0},
+                    {"min_batch": 3, "max_batch": None, "candidates": [[0, 0], [3, 1]], "theta_up": 0.5,
+                     "theta_down": 0}]})  # fmt: skip
+    settings = ControlSettings(prior_weight=1e9, request_prior=1e9, readout_budget=1e-6, price_probe_interval=2)
+    for switch_at in range(20, 60):
+        path = tmp_path / f"trace{switch_at}.jsonl"
+        controller = AdaptiveController(cfg, DEPTH, settings=settings, trace_path=path)
+        workload = Workload(PassCost(cfg.cost, DEPTH), seed=switch_at)
+        plans = []
+        for i in range(switch_at + 40):
+            batch = 4 if i < switch_at or i >= switch_at + 20 else 1
+            plan = controller.plan(batch, 100.0)
+            plans.append(plan)
+            controller.observe(workload.feedback(plan, Phase(batch, full, 1)))
+        controller.close()
+        events = [json.loads(line) for line in path.read_text().splitlines()]
+        probes = {e["plan_id"] for e in events if e["event"] == "decision" and "price probe" in e["what"]}
+        assert probes and controller.stats()["price_pairs"] == len(probes)
+        assert all(plans[i - 1].bucket == plans[i].bucket and plans[i - 1].k > 0 for i in probes)
+        started = {e["bucket"] for e in events if e["event"] == "decision" and e["what"].startswith("start")}
+        assert started == {0, 1}, switch_at

@@ -170,7 +170,8 @@ class AdaptiveController(FixedController):
         self._probes = policy == "goodput"
         self._probe_in = s.price_probe_interval
         self._probe_plan = -1  # the plan id of the plain round in flight beside a speculative plan
-        self._last_speculative: tuple[int, float] | None = None  # (plan id, log measured ÷ profile seconds)
+        # the last ordinary speculative round: (plan id, bucket, log measured ÷ profile seconds)
+        self._last_speculative: tuple[int, int, float] | None = None
 
     def plan_shapes(self) -> list[tuple[int, int]]:
         return sorted({(0, 0)} | {o for b in self.buckets for o in b.options})
@@ -191,7 +192,10 @@ class AdaptiveController(FixedController):
         if k > 0 and probe and not measure:
             self._probe_in -= 1
             last = self._last_speculative
-            if self._probe_in <= 0 and last is not None and last[0] == self.num_plans - 1:
+            # right after a speculative round of the same bucket (a batch of about its size), and not in a round the
+            # policy just decided (its decision stays in the trace; the probe comes a round later)
+            beside = last is not None and last[0] == self.num_plans - 1 and last[1] == bucket
+            if self._probe_in <= 0 and event is None and beside:
                 # the first pairs come quickly (the profile's price counts as PRICE_PRIOR of them), then at the pace
                 fast = self.cost.price_pairs < 2 * PRICE_PRIOR
                 self._probe_plan = self.num_plans
@@ -253,10 +257,10 @@ class AdaptiveController(FixedController):
         if fb.plan_id == self._probe_plan:
             self._probe_plan = -1
             last = self._last_speculative
-            if log_ratio is not None and last is not None and last[0] == fb.plan_id - 1:
-                self.cost.observe_pair(last[1], log_ratio, self.settings.price_memory)
+            if log_ratio is not None and last is not None and last[0] == fb.plan_id - 1 and last[1] == fb.bucket:
+                self.cost.observe_pair(last[2], log_ratio, self.settings.price_memory)
         if k and not measured and log_ratio is not None:
-            self._last_speculative = (fb.plan_id, log_ratio)
+            self._last_speculative = (fb.plan_id, fb.bucket, log_ratio)
 
     def _tell_far_drift(self) -> None:
         """A warning, once, when the drift factor (past its first memory's worth of rounds) puts the machine far from
