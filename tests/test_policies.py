@@ -7,7 +7,9 @@ The preset's acceptance is the tuning text's; the workloads' is another text's, 
 
 from __future__ import annotations
 
+import json
 from collections import Counter
+from pathlib import Path
 
 import pytest
 from workload import Phase, Workload
@@ -120,25 +122,25 @@ def test_goodput_prices_the_requests_left_in_the_batch():
         assert sum(k > 0 for k, _ in tails["overall"]) >= 10, (seed, Counter(tails["overall"]))
 
 
-def test_no_flapping_at_a_bucket_edge():
+def test_no_flapping_at_a_bucket_edge(tmp_path):
     """A batch hovering across a bucket boundary (12 / 13) keeps its plan: stickiness and hysteresis."""
     cfg = preset()
     workload = Workload(PassCost(cfg.cost, DEPTH), noise=0.1, seed=6)
-    controller = AdaptiveController(cfg, DEPTH)
+    controller = AdaptiveController(cfg, DEPTH, trace_path=tmp_path / "trace.jsonl")
     phases = [Phase(12 + i % 2, CODE, 1) for i in range(400)]
-    chosen = without_price_probes([p[0] for p in workload.run(controller, phases)])
+    plans = [p[0] for p in workload.run(controller, phases)]
+    controller.close()
+    chosen = without_price_probes(plans, tmp_path / "trace.jsonl")
     switches = sum(a != b for a, b in zip(chosen[WARMUP:], chosen[WARMUP + 1 :]))
     assert switches <= 6, switches  # a bucket a round would flip the plan up to 350 times
 
 
-def without_price_probes(plans: list[tuple[int, int]]) -> list[tuple[int, int]]:
-    """The plans with each price probe (one plain round between two rounds of the same speculative plan) replaced
-    by the plan around it: the policy's choices."""
-    out = list(plans)
-    for i in range(1, len(plans) - 1):
-        if plans[i] == (0, 0) and plans[i - 1] == plans[i + 1] and plans[i - 1][0] > 0:
-            out[i] = plans[i - 1]
-    return out
+def without_price_probes(plans: list[tuple[int, int]], trace: Path) -> list[tuple[int, int]]:
+    """The plans of one controller's run with each price probe (the rounds its trace names so) replaced by the plan
+    before it: the policy's choices."""
+    events = [json.loads(line) for line in trace.read_text().splitlines()]
+    probes = {e["plan_id"] for e in events if e["event"] == "decision" and "price probe" in e["what"]}
+    return [plans[i - 1] if i in probes else plan for i, plan in enumerate(plans)]
 
 
 def scaled_cost(factor: float, **changes) -> dict:
@@ -148,17 +150,21 @@ def scaled_cost(factor: float, **changes) -> dict:
     return {**cost, **changes}
 
 
-def test_a_drifting_machine_moves_no_plan():
+def test_a_drifting_machine_moves_no_plan(tmp_path):
     """The drift factor scales every option alike: a machine twice as slow at everything changes the predictions'
     level, not the choice."""
     cfg = preset()
     slow = preset(cost=scaled_cost(2.0))
     phases = [Phase(8, CODE, 150)]
-    fast_plans = Workload(PassCost(cfg.cost, DEPTH), noise=0.0, seed=7).run(AdaptiveController(cfg, DEPTH), phases)
-    controller = AdaptiveController(cfg, DEPTH)
-    slow_plans = Workload(PassCost(slow.cost, DEPTH), noise=0.0, seed=7).run(controller, phases)
-    # the policy's choices (the readouts' and price probes' rounds fall at other rounds while the drift settles)
-    assert without_price_probes(fast_plans[0]) == without_price_probes(slow_plans[0])
+    chosen = []
+    for name, truth in (("fast", cfg), ("slow", slow)):
+        controller = AdaptiveController(cfg, DEPTH, trace_path=tmp_path / name)
+        plans = Workload(PassCost(truth.cost, DEPTH), noise=0.0, seed=7).run(controller, phases)[0]
+        controller.close()
+        # the policy's choices (the readouts' and price probes' rounds fall at other rounds while the drift settles)
+        chosen.append(without_price_probes(plans, tmp_path / name))
+    assert chosen[0] == chosen[1]
+    assert controller.cost.drift == pytest.approx(2.0, rel=0.15)  # the slow machine's
     assert controller.cost.drift == pytest.approx(2.0, rel=0.15)
 
 
