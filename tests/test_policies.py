@@ -155,7 +155,7 @@ def test_a_drifting_machine_moves_no_plan(tmp_path):
     level, not the choice."""
     cfg = preset()
     slow = preset(cost=scaled_cost(2.0))
-    phases = [Phase(8, CODE, 150)]
+    phases = [Phase(8, CODE, 300)]
     chosen = []
     for name, truth in (("fast", cfg), ("slow", slow)):
         controller = AdaptiveController(cfg, DEPTH, trace_path=tmp_path / name)

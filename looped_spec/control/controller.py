@@ -172,6 +172,8 @@ class AdaptiveController(FixedController):
         self._probe_plan = -1  # the plan id of the plain round in flight beside a speculative plan
         # the last ordinary speculative round: (plan id, bucket, log measured ÷ profile seconds)
         self._last_speculative: tuple[int, int, float] | None = None
+        # the last ordinary round: (plan id, bucket, (K, d), log measured ÷ profile seconds less the price)
+        self._last_ordinary: tuple[int, int, tuple[int, int], float] | None = None
 
     def plan_shapes(self) -> list[tuple[int, int]]:
         return sorted({(0, 0)} | {o for b in self.buckets for o in b.options})
@@ -246,20 +248,32 @@ class AdaptiveController(FixedController):
         return self.policy.last_event
 
     def _observe_seconds(self, fb: RoundFeedback) -> None:
-        """The round's time: the drift factor (or the measured rounds' excess), and the price of speculation against
-        plain when this is a plain round run next to the speculative one before it."""
-        k = fb.k if fb.total_proposed else 0
-        profile = self.cost.seconds(k, fb.d if k else 0, fb.batch_size, fb.context, self.exits)
-        measured = bool(fb.depth_trials)
-        self.cost.observe(fb.seconds, profile, measured, k > 0)
-        self._tell_far_drift()
-        log_ratio = math.log(fb.seconds / profile) if profile > 0.0 else None
-        if fb.plan_id == self._probe_plan:
+        """The round's time, as log(measured ÷ profile seconds), a speculative round's less the learned price: an
+        ordinary round moves the drift factor; a measured one, with the ordinary round just before it, what measuring
+        adds; a price probe (a plain round), with the speculative round just before it, the price of speculation."""
+        probe = fb.plan_id == self._probe_plan
+        if probe:
             self._probe_plan = -1
+        k = fb.k if fb.total_proposed else 0
+        plan = (k, fb.d if k else 0)
+        profile = self.cost.seconds(*plan, fb.batch_size, fb.context, self.exits)
+        if profile <= 0.0:
+            return
+        log_ratio = math.log(fb.seconds / profile)
+        adjusted = log_ratio - (math.log(self.cost.speculative_factor()) if k else 0.0)
+        if fb.depth_trials:  # a measured round: beside the last ordinary round of its bucket and plan, one or two back
+            last = self._last_ordinary
+            if last is not None and fb.plan_id - last[0] <= 2 and last[1:3] == (fb.bucket, plan):
+                self.cost.observe_measured_pair(adjusted, last[3])
+            return
+        self.cost.observe(fb.seconds, profile, k > 0)
+        self._tell_far_drift()
+        self._last_ordinary = (fb.plan_id, fb.bucket, plan, adjusted)
+        if probe:
             last = self._last_speculative
-            if log_ratio is not None and last is not None and last[0] == fb.plan_id - 1 and last[1] == fb.bucket:
+            if last is not None and last[0] == fb.plan_id - 1 and last[1] == fb.bucket:
                 self.cost.observe_pair(last[2], log_ratio, self.settings.price_memory)
-        if k and not measured and log_ratio is not None:
+        if k:
             self._last_speculative = (fb.plan_id, fb.bucket, log_ratio)
 
     def _tell_far_drift(self) -> None:

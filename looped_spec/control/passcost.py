@@ -64,10 +64,11 @@ class PassCost:
         self.drift = 1.0
         self._log_drift = 0.0
         self._drift_weight = 1.0 / max(drift_rounds, 1.0)
-        # a measured round's time over its prediction unmeasured (log), learned from the measured rounds: it holds
-        # what the profile's readouts miss (the agreement bookkeeping, a fixed cost a round)
+        # a measured round's time over its prediction unmeasured (log), learned from pairs of a measured and an
+        # ordinary round (`observe_measured_pair`): it holds what the profile's readouts miss (the agreement
+        # bookkeeping, a fixed cost a round)
         self._log_measured = 0.0
-        self.measured_rounds = self.ordinary_rounds = 0
+        self.measure_pairs = self.ordinary_rounds = 0
         # a speculative round's time over its price, relative to a plain round's (log), from pairs of adjacent rounds
         # (`observe_pair`): the machine state's relative prices, which the one drift factor cannot carry
         self._log_speculative = 0.0
@@ -204,7 +205,7 @@ class PassCost:
         once some ran (never below what the profile's readouts add), the profile's readouts before."""
         round_seconds = self.predict(k, d, batch, context) * (self.speculative_factor() if k > 0 else 1.0)
         profile = self.measure_seconds(k, d, batch) / round_seconds
-        if not self.measured_rounds:
+        if not self.measure_pairs:
             return profile
         return max(profile, math.exp(self._log_measured) - 1.0)
 
@@ -223,22 +224,24 @@ class PassCost:
         weight = 1.0 / min(self.price_pairs + PRICE_PRIOR, max(memory, 1.0))
         self._log_speculative += weight * min(max(x, -0.25), 0.25)
 
-    def observe(
-        self, measured: float, predicted_by_profile: float, measured_depths: bool = False, speculative: bool = False
-    ) -> None:
-        """A round that ran (`predicted_by_profile`: the profile's seconds of that round unmeasured;
-        `speculative`: a speculative round, whose prediction is also times `speculative_factor`). An ordinary round
-        moves the drift factor towards measured ÷ predicted; a measured one moves the measured rounds' excess over
-        the drift-corrected prediction. Both in log space, a step clipped so one stalled round cannot move them far;
-        the excess is a running mean over its first rounds (it starts from nothing)."""
+    def observe(self, measured: float, predicted_by_profile: float, speculative: bool = False) -> None:
+        """An ordinary round that ran (`predicted_by_profile`: the profile's seconds of that round; `speculative`: a
+        speculative round, whose prediction is also times `speculative_factor`): the drift factor moves towards
+        measured ÷ predicted, in log space, a step clipped so one stalled round cannot move it far."""
         if measured <= 0.0 or predicted_by_profile <= 0.0:
             return
         x = math.log(measured / predicted_by_profile) - (self._log_speculative if speculative else 0.0)
-        if not measured_depths:
-            self.ordinary_rounds += 1
-            self._log_drift += self._drift_weight * min(max(x - self._log_drift, -0.5), 0.5)
-            self.drift = math.exp(self._log_drift)
-            return
-        self.measured_rounds += 1
-        weight = max(1.0 / self.measured_rounds, self._drift_weight)
-        self._log_measured += weight * min(max(x - self._log_drift - self._log_measured, -0.5), 0.5)
+        self.ordinary_rounds += 1
+        self._log_drift += self._drift_weight * min(max(x - self._log_drift, -0.5), 0.5)
+        self.drift = math.exp(self._log_drift)
+
+    def observe_measured_pair(self, measured_log_ratio: float, ordinary_log_ratio: float) -> None:
+        """A measured round and an ordinary one just before it (each as log(measured ÷ profile seconds unmeasured),
+        a speculative one's less log `speculative_factor`): their difference is what measuring added, free of the
+        machine's drift, which a drift factor learning over tens of rounds would leave in it (it lags a machine
+        that moves, or one far from the profile's, for as long). A running mean over the first pairs, then
+        remembering `drift_rounds` pairs, each step clipped."""
+        self.measure_pairs += 1
+        x = measured_log_ratio - ordinary_log_ratio - self._log_measured
+        weight = max(1.0 / self.measure_pairs, self._drift_weight)
+        self._log_measured += weight * min(max(x, -0.5), 0.5)

@@ -41,7 +41,7 @@ class ControlSettings:
     readout_positions: float = _tunable(4.0, "(0, inf)")
     #: ... and the share of decode time they may cost at most
     readout_budget: float = _tunable(0.03, "(0, 1]")
-    #: cost: rounds the drift factor (measured ÷ predicted round time) remembers
+    #: cost: rounds the drift factor (measured ÷ predicted round time) remembers, and pairs what measuring adds
     drift_rounds: float = _tunable(64.0, "(0, inf)")
     #: goodput: rounds between two plain rounds run beside a speculative plan, to price speculation against plain ...
     price_probe_interval: int = _tunable(32, "[2, inf)")
