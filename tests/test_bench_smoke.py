@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from looped_spec import LoopedSpecEngine
+from looped_spec.control import FixedController
 from looped_spec.tuning.grid import Phase
 from looped_spec.tuning.prompt_sets import prompt_fingerprints, prompt_group, random_prompts
 
@@ -566,3 +567,48 @@ def test_replay_batches_prints_every_plan_with_a_fill_below_plain(capsys):
     rows = [line.split() for line in capsys.readouterr().out.splitlines() if line.startswith("  ")]
     assert [r[0] for r in rows] == ["1,1", "2,1"]
     assert all(0.0 < float(r[1]) and 0.0 < float(r[2]) and 0.0 < float(r[3]) <= 1.0 for r in rows)
+
+
+def test_replay_controller_drives_a_controller_over_recorded_bits():
+    """Two requests of 8 committed tokens: one whose depth-1 draft always agrees (K = 2 commits 3, 3, 2), one whose
+    draft never does (1 a round). Rounds cost 1 + b: 3 rounds at b = 2, 5 at b = 1. A measured round reports the
+    committed positions' bits: the first request's all agree at depth 1, the second's none."""
+    module = load_script("replay_controller")
+
+    class Cost:
+        def seconds(self, k, d, b, context):
+            return 1.0 + b
+
+        def measure_seconds(self, k, d, b):
+            return 0.0
+
+    class Recording(FixedController):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            self.reports = []
+
+        def _learn(self, feedback):
+            self.reports.append(feedback)
+
+    bits = [[[1] * 8, [0] * 8], [[1] * 8, [1] * 8]]  # [depth][request][position]; depth 2 is the full depth
+    machine = module.Machine(Cost(), noise=0.0, speculative_price=1.0, measure_overhead=0.0, seed=0)
+    out = module.drive(FixedController(2, 1), bits, [[0, 1]], machine, 100.0)
+    assert out == {"tokens": 16, "seconds": 3 * 3.0 + 5 * 2.0, "rounds": 8, "speculative": 8, "measured": 0}
+    recording = Recording(2, 1, measure_depths=True)
+    out = module.drive(recording, bits, [[0, 1]], machine, 100.0)
+    assert out["measured"] == 8 and out["tokens"] == 16
+    first = recording.reports[0]
+    assert first.num_accepted == [2, 0] and first.request_trials == [3, 1]
+    assert first.request_matches == [[3, 3], [0, 1]] and first.depth_matches == [3, 4]
+    assert sum(r.depth_trials[0] for r in recording.reports) == 16
+
+
+def test_replay_controller_prints_every_configuration_against_plain(capsys):
+    results = load_script("replay_controller").main(
+        ["--model", FIXTURE, "--prompts", "random", "--batch-sizes", "2", "--grid", "1,1", "--max-tokens", "6",
+         "--batches", "2", "--seeds", "2", "--policies", "default,default:request_prior=2"]
+    )  # fmt: skip
+    assert list(results[2]) == ["plain", "1,1", "adaptive", "adaptive[request_prior=2]"]
+    assert all(len(rates) == 2 and min(rates) > 0.0 for rates in results[2].values())
+    rows = [line.split() for line in capsys.readouterr().out.splitlines() if line.startswith("  ")]
+    assert [r[0] for r in rows] == list(results[2]) and rows[0][1] == "1.000x"

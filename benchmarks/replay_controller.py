@@ -1,0 +1,195 @@
+"""Adaptive speculation replayed on recorded text: acceptance exact, time from a profile (no timing involved).
+
+It records each prompt's depth agreement along its greedy trajectory (`measure_match_bits`, deterministic) and drives
+real controllers over static batches of B prompts that rotate as bench_speculative.py's rounds do (batch n from offset
+7n), one persistent controller per configuration over all batches. Every round the controller plans; each request's
+drafts accept the run of matching bits at the planned depth (cut to the tokens left, as the scheduler does); a
+measured round reports every depth's bits on the committed positions; the round's seconds are the preset's profile
+price of the plan at the batch size it had, times a log-normal noise (`--noise`, one run per `--seeds` seed), times
+`--speculative-price` for a speculative round (a machine where speculation costs more next to plain than the
+profile says: ~1.06 on this project's CPU for the shipped presets), and a measured round takes its readouts and
+`--measure-overhead` of the round more (the agreement bookkeeping: ~0.12 of a round for the tiny models on this
+CPU). Printed per batch size and configuration: tokens per priced second ÷ plain's, the mean over seeds [min–max],
+and the shares of speculative and of measured rounds.
+
+It separates what a controller setting does with what the text gives, which is deterministic here, from what the
+machine's noise does to a timed run (bench_speculative.py): the controller's own profile prices the rounds, so only
+its acceptance estimates (and the price, when set) can be wrong. A setting chosen here is then checked timed.
+
+    python benchmarks/replay_controller.py --model tiny-nanbeige --prompts eval --batch-sizes 1,8,32 \\
+        --policies "default,default:request_prior=2" --grid "2,1;3,1"
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import random
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+
+from looped_spec import load_adapter
+from looped_spec.control import AdaptiveController, ControlSettings, FixedController
+from looped_spec.control.passcost import PassCost
+from looped_spec.control.plan import round_feedback
+from looped_spec.presets.lookup import load_preset
+from looped_spec.tuning.acceptance_pass import measure_match_bits
+from looped_spec.tuning.grid import parse_batch_sizes, parse_grid
+from looped_spec.tuning.prompt_sets import EVALUATION_SOURCES, load_prompts
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_speculative import ROTATION_STRIDE, adaptive_name, parse_policies, rotation_size  # noqa: E402
+
+
+class Machine:
+    """A round's seconds: the profile's price, a speculative round's times `speculative_price`, a measured round's plus
+    its readouts and `measure_overhead` of the round, times a log-normal noise of sd `noise`."""
+
+    def __init__(self, cost: PassCost, noise: float, speculative_price: float, measure_overhead: float, seed: int):
+        self.cost, self.noise, self.rng = cost, noise, random.Random(seed)
+        self.speculative_price, self.measure_overhead = speculative_price, measure_overhead
+
+    def seconds(self, k: int, d: int, batch: int, context: float, measured: bool) -> float:
+        seconds = self.cost.seconds(k, d, batch, context) * (self.speculative_price if k else 1.0)
+        if measured:
+            seconds = seconds * (1.0 + self.measure_overhead) + self.cost.measure_seconds(k, d, batch)
+        return seconds * math.exp(self.rng.gauss(0.0, self.noise))
+
+
+def readouts(bits, prompts: list[int], starts: list[int], committed: list[int]) -> dict:
+    """A measured round's report: per depth the committed positions' bits, their consecutive pairs, and per request its
+    own counts and its first and last position's bits (masks)."""
+    depth = len(bits)
+    matches, trials, pairs = [0] * depth, 0, [[0, 0, 0, 0] for _ in range(depth)]
+    own, first, last = [], [], []
+    for p, start, n in zip(prompts, starts, committed):
+        rows = [[bits[j][p][t] for j in range(depth)] for t in range(start, start + n)]
+        trials += n
+        own.append([sum(row[j] for row in rows) for j in range(depth)])
+        for row in rows:
+            for j in range(depth):
+                matches[j] += row[j]
+        for before, after in zip(rows, rows[1:]):
+            for j in range(depth):
+                at = 0 if before[j] else 2
+                pairs[j][at] += 1
+                pairs[j][at + 1] += after[j]
+        first.append(sum(1 << j for j, bit in enumerate(rows[0]) if bit))
+        last.append(sum(1 << j for j, bit in enumerate(rows[-1]) if bit))
+    return {
+        "depth_matches": matches, "depth_trials": [trials] * depth, "depth_pairs": pairs, "request_matches": own,
+        "request_trials": list(committed), "first_bits": first, "last_bits": last,
+    }  # fmt: skip
+
+
+def drive(controller, bits, batches: list[list[int]], machine: Machine, context: float) -> dict[str, float]:
+    """Every batch decoded to its end under `controller`; tokens, seconds and round counts."""
+    out = {"tokens": 0, "seconds": 0.0, "rounds": 0, "speculative": 0, "measured": 0}
+    for batch in batches:
+        position = {str(i): 0 for i in range(len(batch))}  # committed tokens after the prefill's
+        left = {str(i): len(bits[0][p]) for i, p in enumerate(batch)}
+        while left:
+            ids = list(left)
+            plan = controller.plan(len(ids), context, ids)
+            proposed, accepted = [], []
+            for i in ids:
+                k = min(plan.k, left[i] - 1)
+                row, a = bits[plan.d - 1][batch[int(i)]] if k else (), 0
+                while a < k and row[position[i] + a]:
+                    a += 1
+                proposed.append(k)
+                accepted.append(a)
+            report = {}
+            if plan.measure_depths:
+                prompts = [batch[int(i)] for i in ids]
+                report = readouts(bits, prompts, [position[i] for i in ids], [a + 1 for a in accepted])
+            seconds = machine.seconds(plan.k, plan.d, len(ids), context, plan.measure_depths)
+            controller.observe(round_feedback(
+                plan, batch_size=len(ids), context=context, num_proposed=proposed, num_accepted=accepted,
+                seconds=seconds, request_ids=ids, **report,
+            ))  # fmt: skip
+            out["seconds"] += seconds
+            out["rounds"] += 1
+            out["speculative"] += plan.k > 0
+            out["measured"] += plan.measure_depths
+            for i, a in zip(ids, accepted):
+                position[i] += a + 1
+                left[i] -= a + 1
+                out["tokens"] += a + 1
+                if left[i] <= 0:
+                    del left[i]
+    return out
+
+
+def main(argv: list[str] | None = None) -> dict[int, dict[str, list[float]]]:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="tiny-ouro")
+    ap.add_argument("--prompts", default="eval", choices=EVALUATION_SOURCES)
+    ap.add_argument("--preset", help="the preset the controllers follow and whose profile prices rounds")
+    ap.add_argument("--batch-sizes", default="1,8,32")
+    ap.add_argument("--grid", default="none", help="fixed plans beside the controllers: 'K,d;K,d', auto or none")
+    ap.add_argument("--policies", default="default", help="as bench_speculative.py's: 'default,default:FIELD=VALUE'")
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--batches", type=int, default=0, help="rotating batches per batch size (0: enough for 64 prompts)")
+    ap.add_argument("--seeds", type=int, default=4)
+    ap.add_argument("--noise", type=float, default=0.05, help="sd of a round's log-normal time noise")
+    ap.add_argument("--speculative-price", type=float, default=1.0)
+    ap.add_argument("--measure-overhead", type=float, default=0.12)
+    ap.add_argument("--context", type=float, default=150.0, help="mean context the rounds are priced at")
+    args = ap.parse_args(argv)
+    if args.max_tokens < 2 or args.batches < 0 or args.seeds < 1 or args.noise < 0.0:
+        ap.error("need --max-tokens >= 2, --batches >= 0, --seeds >= 1 and --noise >= 0")
+    if not args.speculative_price > 0.0 or args.measure_overhead < 0.0:
+        ap.error("need --speculative-price > 0 and --measure-overhead >= 0")
+    try:
+        policies = parse_policies(args.policies)
+    except ValueError as err:
+        ap.error(str(err))
+    torch.set_num_threads(1)
+    adapter = load_adapter(args.model)
+    depth = adapter.full_depth
+    grid = parse_grid(args.grid, depth, allow_none=True)
+    sizes = parse_batch_sizes(args.batch_sizes)
+    preset = load_preset(adapter.name, depth, args.preset)
+    cost = PassCost(preset.cost, depth)
+    prompts, described = load_prompts(args.prompts, rotation_size(args.prompts, max(sizes)), adapter)
+    bits = measure_match_bits(adapter, prompts, args.max_tokens)
+    print(f"{adapter.name} D={depth}; {described}; {args.max_tokens} tokens; priced by preset {preset.model!r} "
+          f"({preset.hardware}); noise {args.noise}, {args.seeds} seeds, speculative price {args.speculative_price}, "
+          f"measure overhead {args.measure_overhead}")  # fmt: skip
+
+    def controllers():
+        yield "plain", lambda: FixedController(0, 0)
+        for k, d in grid:
+            yield f"{k},{d}", lambda k=k, d=d: FixedController(k, d)
+        for policy, changes in policies:
+            settings = ControlSettings(**dict(changes))
+            make = lambda p=policy or "goodput", s=settings: AdaptiveController(preset, depth, p, s)  # noqa: E731
+            yield adaptive_name(policy, changes), make
+
+    results: dict[int, dict[str, list[float]]] = {}
+    for b in sizes:
+        count = args.batches or max(1, math.ceil(64 / b))
+        batches = [[(ROTATION_STRIDE * n + i) % len(prompts) for i in range(b)] for n in range(count)]
+        print(f"B={b} ({count} batches): configuration, ÷ plain mean [min-max] over seeds, speculative / measured")
+        rates: dict[str, list[float]] = {}
+        for name, make in controllers():
+            runs = []
+            for seed in range(args.seeds):
+                machine = Machine(cost, args.noise, args.speculative_price, args.measure_overhead, seed)
+                runs.append(drive(make(), bits, batches, machine, args.context))
+            rates[name] = [r["tokens"] / r["seconds"] for r in runs]
+            ratios = [x / p for x, p in zip(rates[name], rates["plain"])]
+            spec = sum(r["speculative"] for r in runs) / sum(r["rounds"] for r in runs)
+            measured = sum(r["measured"] for r in runs) / sum(r["rounds"] for r in runs)
+            print(f"  {name:44} {statistics.mean(ratios):.3f}x [{min(ratios):.3f}-{max(ratios):.3f}]  "
+                  f"{spec:4.2f} / {measured:4.2f}")  # fmt: skip
+        results[b] = rates
+    return results
+
+
+if __name__ == "__main__":
+    main()
