@@ -10,7 +10,7 @@ price of the plan at the batch size it had, times a log-normal noise (`--noise`,
 profile says: ~1.06 on this project's CPU for the shipped presets), and a measured round takes its readouts and
 `--measure-overhead` of the round more (the agreement bookkeeping: ~0.12 of a round for the tiny models on this
 CPU). Printed per batch size and configuration: tokens per priced second ÷ plain's, the mean over seeds [min–max],
-and the shares of speculative and of measured rounds.
+the shares of speculative and of measured rounds, and the plans run most.
 
 It separates what a controller setting does with what the text gives, which is deterministic here, from what the
 machine's noise does to a timed run (bench_speculative.py): the controller's own profile prices the rounds, so only
@@ -87,24 +87,25 @@ def readouts(bits, prompts: list[int], starts: list[int], committed: list[int]) 
 
 def drive(controller, bits, batches: list[list[int]], machine: Machine, context: float) -> dict[str, float]:
     """Every batch decoded to its end under `controller`; tokens, seconds and round counts."""
-    out = {"tokens": 0, "seconds": 0.0, "rounds": 0, "speculative": 0, "measured": 0}
-    for batch in batches:
-        position = {str(i): 0 for i in range(len(batch))}  # committed tokens after the prefill's
-        left = {str(i): len(bits[0][p]) for i, p in enumerate(batch)}
+    out = {"tokens": 0, "seconds": 0.0, "rounds": 0, "speculative": 0, "measured": 0, "plans": {}}
+    for n, batch in enumerate(batches):
+        prompt = {f"{n}.{i}": p for i, p in enumerate(batch)}  # every request its own id, as the engine's are
+        position = dict.fromkeys(prompt, 0)  # committed tokens after the prefill's
+        left = {i: len(bits[0][p]) for i, p in prompt.items()}
         while left:
             ids = list(left)
             plan = controller.plan(len(ids), context, ids)
             proposed, accepted = [], []
             for i in ids:
                 k = min(plan.k, left[i] - 1)
-                row, a = bits[plan.d - 1][batch[int(i)]] if k else (), 0
+                row, a = bits[plan.d - 1][prompt[i]] if k else (), 0
                 while a < k and row[position[i] + a]:
                     a += 1
                 proposed.append(k)
                 accepted.append(a)
             report = {}
             if plan.measure_depths:
-                prompts = [batch[int(i)] for i in ids]
+                prompts = [prompt[i] for i in ids]
                 report = readouts(bits, prompts, [position[i] for i in ids], [a + 1 for a in accepted])
             seconds = machine.seconds(plan.k, plan.d, len(ids), context, plan.measure_depths)
             controller.observe(round_feedback(
@@ -115,6 +116,7 @@ def drive(controller, bits, batches: list[list[int]], machine: Machine, context:
             out["rounds"] += 1
             out["speculative"] += plan.k > 0
             out["measured"] += plan.measure_depths
+            out["plans"][plan.k, plan.d] = out["plans"].get((plan.k, plan.d), 0) + 1
             for i, a in zip(ids, accepted):
                 position[i] += a + 1
                 left[i] -= a + 1
@@ -185,8 +187,14 @@ def main(argv: list[str] | None = None) -> dict[int, dict[str, list[float]]]:
             ratios = [x / p for x, p in zip(rates[name], rates["plain"])]
             spec = sum(r["speculative"] for r in runs) / sum(r["rounds"] for r in runs)
             measured = sum(r["measured"] for r in runs) / sum(r["rounds"] for r in runs)
+            plans: dict[tuple[int, int], int] = {}
+            for run in runs:
+                for plan, count in run["plans"].items():
+                    plans[plan] = plans.get(plan, 0) + count
+            top = ", ".join(f"{k},{d}: {n / sum(plans.values()):.0%}" for (k, d), n in sorted(plans.items(),
+                            key=lambda kv: -kv[1])[:3])  # fmt: skip
             print(f"  {name:44} {statistics.mean(ratios):.3f}x [{min(ratios):.3f}-{max(ratios):.3f}]  "
-                  f"{spec:4.2f} / {measured:4.2f}")  # fmt: skip
+                  f"{spec:4.2f} / {measured:4.2f}  {top}")  # fmt: skip
         results[b] = rates
     return results
 

@@ -345,8 +345,7 @@ def test_a_request_s_own_estimate_remembers_about_request_memory_positions():
     """A request whose text changes agreement is followed within a few times its memory, whatever it agreed at
     before, while the overall estimate (128 positions, many requests) lags."""
     rng = np.random.default_rng(4)
-    est = AcceptanceEstimator(2, [0.5, 1.0], None, prior_weight=16.0, memory=128.0, request_memory=16.0,
-                               request_prior=2.0)  # fmt: skip
+    est = AcceptanceEstimator(2, [0.5, 1.0], None, prior_weight=16.0, memory=128.0, request_memory=16.0)
     est.set_batch(["a"])
     for truth in (0.9, 0.2):
         for _ in range(32):  # 128 positions, 8 memories

@@ -593,7 +593,8 @@ def test_replay_controller_drives_a_controller_over_recorded_bits():
     bits = [[[1] * 8, [0] * 8], [[1] * 8, [1] * 8]]  # [depth][request][position]; depth 2 is the full depth
     machine = module.Machine(Cost(), noise=0.0, speculative_price=1.0, measure_overhead=0.0, seed=0)
     out = module.drive(FixedController(2, 1), bits, [[0, 1]], machine, 100.0)
-    assert out == {"tokens": 16, "seconds": 3 * 3.0 + 5 * 2.0, "rounds": 8, "speculative": 8, "measured": 0}
+    assert out == {"tokens": 16, "seconds": 3 * 3.0 + 5 * 2.0, "rounds": 8, "speculative": 8, "measured": 0,
+                   "plans": {(2, 1): 8}}  # fmt: skip
     recording = Recording(2, 1, measure_depths=True)
     out = module.drive(recording, bits, [[0, 1]], machine, 100.0)
     assert out["measured"] == 8 and out["tokens"] == 16

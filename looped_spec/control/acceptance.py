@@ -45,7 +45,7 @@ class AcceptanceEstimator:
         prior_weight: float,
         memory: float,
         request_memory: float = 16.0,
-        request_prior: float = 16.0,
+        request_prior: float = 2.0,
     ) -> None:
         alpha = list(prior_alpha) if prior_alpha is not None else [0.0] * depth
         if len(alpha) != depth:

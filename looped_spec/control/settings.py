@@ -36,7 +36,7 @@ class ControlSettings:
     #: acceptance: positions per depth a request's own estimate remembers ...
     request_memory: float = _tunable(16.0, "(0, inf)")
     #: ... and the positions of the overall estimate it starts from
-    request_prior: float = _tunable(16.0, "(0, inf)")
+    request_prior: float = _tunable(2.0, "(0, inf)")
     #: positions per round the counterfactual readouts aim for (a measured round reads out about one per request) ...
     readout_positions: float = _tunable(4.0, "(0, inf)")
     #: ... and the share of decode time they may cost at most
