@@ -613,3 +613,32 @@ def test_replay_controller_prints_every_configuration_against_plain(capsys):
     assert all(len(rates) == 2 and min(rates) > 0.0 for rates in results[2].values())
     rows = [line.split() for line in capsys.readouterr().out.splitlines() if line.startswith("  ")]
     assert [r[0] for r in rows] == list(results[2]) and rows[0][1] == "1.000x"
+
+
+@pytest.mark.parametrize("k,d", [(0, 0), (1, 1), (3, 1), (2, 2)])
+def test_replay_controller_prices_fixed_plans_as_replay_batches_does(k, d):
+    """An independent reference: replay_batches.py replays a fixed plan with the tuner's `simulate_tokens`; the
+    controller replay of a FixedController must give the same seconds over the same batches (no noise, no readouts)."""
+    import random
+
+    controllers = load_script("replay_controller")
+    reference = load_script("replay_batches").replay
+
+    class Cost:
+        def seconds(self, k, d, b, context):
+            return 1.0 + 0.5 * b + 0.25 * k + 0.125 * d
+
+        def measure_seconds(self, k, d, b):
+            return 0.0
+
+    rng = random.Random(5)
+    depth, prompts = 3, 6
+    lengths = [rng.randint(3, 12) for _ in range(prompts)]
+    bits = [[[int(rng.random() < a) for _ in range(n)] for n in lengths] for a in (0.6, 0.8, 1.0)]  # depth 3: full
+    assert len(bits) == depth
+    batches = [[0, 1, 2], [3, 4, 5], [1, 3, 5, 0]]
+    machine = controllers.Machine(Cost(), noise=0.0, speculative_price=1.0, measure_overhead=0.0, seed=0)
+    out = controllers.drive(FixedController(k, d), bits, batches, machine, 40.0)
+    want = sum(reference(bits, batch, k, d, Cost(), 40.0)[0] for batch in batches)
+    assert out["seconds"] == pytest.approx(want, rel=1e-12)
+    assert out["tokens"] == sum(lengths[p] for batch in batches for p in batch)
