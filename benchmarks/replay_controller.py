@@ -12,6 +12,9 @@ profile says: ~1.06 on this project's CPU for the shipped presets), and a measur
 CPU). Printed per batch size and configuration: tokens per priced second ÷ plain's, the mean over seeds [min–max],
 the shares of speculative and of measured rounds, and the plans run most.
 
+`--prompts prose,code` switches the text every `--switch-every` batches, group after group, so that how soon a
+setting follows a change of text shows too.
+
 It separates what a controller setting does with what the text gives, which is deterministic here, from what the
 machine's noise does to a timed run (bench_speculative.py): the controller's own profile prices the rounds, so only
 its acceptance estimates (and the price, when set) can be wrong. A setting chosen here is then checked timed.
@@ -126,10 +129,24 @@ def drive(controller, bits, batches: list[list[int]], machine: Machine, context:
     return out
 
 
+def rotating_batches(
+    count: int, size: int, offsets: list[int], counts: list[int], switch_every: int
+) -> list[list[int]]:
+    """`count` batches of `size` prompt indices: batch n from group (n // switch_every) mod groups (group g's prompts
+    are offsets[g] .. offsets[g] + counts[g] - 1), rotating within it from offset 7n as bench_speculative.py's rounds
+    do."""
+    out = []
+    for n in range(count):
+        g = (n // switch_every) % len(counts)
+        out.append([offsets[g] + (ROTATION_STRIDE * n + i) % counts[g] for i in range(size)])
+    return out
+
+
 def main(argv: list[str] | None = None) -> dict[int, dict[str, list[float]]]:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="tiny-ouro")
-    ap.add_argument("--prompts", default="eval", choices=EVALUATION_SOURCES)
+    ap.add_argument("--prompts", default="eval", help=f"a group of {EVALUATION_SOURCES}, or several: 'prose,code'")
+    ap.add_argument("--switch-every", type=int, default=4, help="with several groups: batches before the next group")
     ap.add_argument("--preset", help="the preset the controllers follow and whose profile prices rounds")
     ap.add_argument("--batch-sizes", default="1,8,32")
     ap.add_argument("--grid", default="none", help="fixed plans beside the controllers: 'K,d;K,d', auto or none")
@@ -144,8 +161,12 @@ def main(argv: list[str] | None = None) -> dict[int, dict[str, list[float]]]:
     args = ap.parse_args(argv)
     if args.max_tokens < 2 or args.batches < 0 or args.seeds < 1 or args.noise < 0.0:
         ap.error("need --max-tokens >= 2, --batches >= 0, --seeds >= 1 and --noise >= 0")
-    if not args.speculative_price > 0.0 or args.measure_overhead < 0.0:
-        ap.error("need --speculative-price > 0 and --measure-overhead >= 0")
+    if not args.speculative_price > 0.0 or args.measure_overhead < 0.0 or args.switch_every < 1:
+        ap.error("need --speculative-price > 0, --measure-overhead >= 0 and --switch-every >= 1")
+    groups = [g.strip() for g in args.prompts.split(",") if g.strip()]
+    unknown = [g for g in groups if g not in EVALUATION_SOURCES]
+    if not groups or unknown:
+        ap.error(f"--prompts {args.prompts!r}: each group must be one of {', '.join(EVALUATION_SOURCES)}")
     try:
         policies = parse_policies(args.policies)
     except ValueError as err:
@@ -157,8 +178,18 @@ def main(argv: list[str] | None = None) -> dict[int, dict[str, list[float]]]:
     sizes = parse_batch_sizes(args.batch_sizes)
     preset = load_preset(adapter.name, depth, args.preset)
     cost = PassCost(preset.cost, depth)
-    prompts, described = load_prompts(args.prompts, rotation_size(args.prompts, max(sizes)), adapter)
-    bits = measure_match_bits(adapter, prompts, args.max_tokens)
+    # the groups' prompts one after another: group g's are the indices from offsets[g] on
+    bits: list[list[list[int]]] = [[] for _ in range(depth)]
+    offsets, counts, described = [], [], []
+    for group in groups:
+        prompts, about = load_prompts(group, rotation_size(group, max(sizes)), adapter)
+        offsets.append(len(bits[0]))
+        counts.append(len(prompts))
+        described.append(about)
+        for d, rows in enumerate(measure_match_bits(adapter, prompts, args.max_tokens)):
+            bits[d].extend(rows)
+    switching = f", switching every {args.switch_every} batches" if len(groups) > 1 else ""
+    described = "; ".join(described) + switching
     print(f"{adapter.name} D={depth}; {described}; {args.max_tokens} tokens; priced by preset {preset.model!r} "
           f"({preset.hardware}); noise {args.noise}, {args.seeds} seeds, speculative price {args.speculative_price}, "
           f"measure overhead {args.measure_overhead}")  # fmt: skip
@@ -175,7 +206,7 @@ def main(argv: list[str] | None = None) -> dict[int, dict[str, list[float]]]:
     results: dict[int, dict[str, list[float]]] = {}
     for b in sizes:
         count = args.batches or max(1, math.ceil(64 / b))
-        batches = [[(ROTATION_STRIDE * n + i) % len(prompts) for i in range(b)] for n in range(count)]
+        batches = rotating_batches(count, b, offsets, counts, args.switch_every)
         print(f"B={b} ({count} batches): configuration, ÷ plain mean [min-max] over seeds, speculative / measured")
         rates: dict[str, list[float]] = {}
         for name, make in controllers():

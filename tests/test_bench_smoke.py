@@ -642,3 +642,9 @@ def test_replay_controller_prices_fixed_plans_as_replay_batches_does(k, d):
     want = sum(reference(bits, batch, k, d, Cost(), 40.0)[0] for batch in batches)
     assert out["seconds"] == pytest.approx(want, rel=1e-12)
     assert out["tokens"] == sum(lengths[p] for batch in batches for p in batch)
+
+
+def test_replay_controller_switches_prompt_groups_every_few_batches():
+    batches = load_script("replay_controller").rotating_batches(5, 2, offsets=[0, 10], counts=[10, 3], switch_every=2)
+    # batches 0, 1 from the first group (indices 0..9), 2, 3 from the second (10..12), 4 from the first again
+    assert batches == [[0, 1], [7, 8], [10 + 14 % 3, 10 + 15 % 3], [10 + 21 % 3, 10 + 22 % 3], [8, 9]]
