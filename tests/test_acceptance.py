@@ -11,6 +11,7 @@ import random
 import numpy as np
 import pytest
 
+import looped_spec.control.acceptance as acceptance_module
 from looped_spec.control.acceptance import AcceptanceEstimator, accept_rate, markov_tokens
 from looped_spec.tuning.acceptance_pass import bit_statistics, simulate_tokens
 
@@ -48,6 +49,17 @@ def test_markov_tokens_without_persistence_is_geometric():
             assert float(markov_tokens(alpha, 0.0, k)) == pytest.approx((1.0 - alpha ** (k + 1)) / (1.0 - alpha))
     assert float(markov_tokens(1.0, 0.0, 5)) == pytest.approx(6.0)  # every draft and the bonus
     assert float(markov_tokens(1.0, 0.7, 5)) == pytest.approx(6.0)
+
+
+@pytest.mark.parametrize("alpha", [0.02, 0.12, 0.5, 0.9])
+@pytest.mark.parametrize("k", [1, 3, 5])
+def test_markov_tokens_is_continuous_up_to_full_persistence(alpha, k):
+    """A persistence estimate of 1 (clipped) must not price every draft as accepted: as ρ → 1 the chain's escapes from
+    both states vanish together and π₁ → α / ((K+1)(1 − α) + α). Until 2026-12-06 ρ = 1 gave 1 + K for any α > 0."""
+    limit = 1.0 + k * alpha / ((k + 1) * (1.0 - alpha) + alpha)
+    assert float(markov_tokens(alpha, 1.0, k)) == pytest.approx(limit, rel=1e-12)
+    assert float(markov_tokens(alpha, 1.0 - 1e-9, k)) == pytest.approx(limit, rel=1e-6)
+    assert float(markov_tokens(alpha, 1.0, k)) < 1.0 + k
 
 
 def test_markov_tokens_of_no_draft_is_one():
@@ -231,6 +243,37 @@ def test_persistence_is_learned_from_pairs_of_consecutive_readouts():
         est.observe_pairs([[n1, n11, n0, n01], [0, 0, 0, 0], [0, 0, 0, 0]])
     assert est.rho[0] == pytest.approx(0.6, abs=0.12)
     assert est.rho[1] == pytest.approx(0.2)
+
+
+def jump_persistence(center_memory: float, monkeypatch) -> list[float]:
+    """ρ after memoryless text (ρ = 0) jumps in agreement from 0.02 to 0.88, read out 8 consecutive positions at a
+    time (their 7 pairs first, then their bits, as the controller feeds a measured round), pairs centred on the
+    agreement of the last `center_memory` positions."""
+    monkeypatch.setattr(acceptance_module, "CENTER_MEMORY", center_memory)
+    rng = random.Random(9)
+    est = AcceptanceEstimator(2, [0.5, 1.0], [0.0, 0.0], prior_weight=16.0, memory=128.0)
+    after = []
+    for step in range(500):
+        alpha = 0.02 if step < 250 else 0.88
+        bits = [int(rng.random() < alpha) for _ in range(8)]
+        pairs = list(zip(bits, bits[1:]))
+        n1, n11 = sum(a for a, _ in pairs), sum(a and b for a, b in pairs)
+        n0, n01 = len(pairs) - n1, sum((not a) and b for a, b in pairs)
+        est.observe_pairs([[n1, n11, n0, n01], [0, 0, 0, 0]])
+        est.observe_readouts([sum(bits), 8], [8, 8])
+        if step >= 250:
+            after.append(est.rho[0])
+    return after
+
+
+def test_a_jump_in_agreement_reads_as_persistence_only_briefly(monkeypatch):
+    """Centred on α, whose memory (128 positions) lags the jump, the new text's pairs read as persistence: ρ clipped
+    at 1 for 21 of the 250 steps after it, over 0.5 for 38. Centred on the agreement of the last `CENTER_MEMORY` (32)
+    positions, under half as long, and back to about 0."""
+    lagging, recent = jump_persistence(128.0, monkeypatch), jump_persistence(32.0, monkeypatch)
+    assert sum(r >= 0.99 for r in recent) <= sum(r >= 0.99 for r in lagging) / 2
+    assert sum(r > 0.5 for r in recent) <= sum(r > 0.5 for r in lagging) / 2
+    assert recent[-1] < 0.1
 
 
 # --------------------------------------------------------------------------- the engine's readouts

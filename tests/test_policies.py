@@ -52,12 +52,17 @@ def options_of(cfg: AdaptiveSpecConfig) -> list[tuple[int, int]]:
     return sorted({(c.k, c.d) for b in cfg.buckets for c in b.candidates})
 
 
-def score(workload: Workload, phases: list[Phase], plans: list[list[tuple[int, int]]], options) -> list[float]:
-    """Per phase: the mean expected goodput of the rounds after the warm-up ÷ the phase's oracle."""
+def score(
+    workload: Workload, phases: list[Phase], plans: list[list[tuple[int, int]]], options, slow: tuple[int, ...] = ()
+) -> list[float]:
+    """Per phase: the mean expected goodput of the rounds after the warm-up ÷ the phase's oracle. The phases in
+    `slow` follow text on which nothing paid, where the readouts were cut to the budget × r² (docs/adaptive.md,
+    "Readouts are worth what they may change"): a change is seen up to twice as late, so they get twice the warm-up."""
     out = []
-    for phase, chosen in zip(phases, plans):
+    for i, (phase, chosen) in enumerate(zip(phases, plans)):
         _, best = workload.oracle(phase, options)
-        kept = chosen[max(WARMUP, WARMUP_POSITIONS // phase.batch) :]
+        warmup = max(WARMUP, WARMUP_POSITIONS // phase.batch) * (2 if i in slow else 1)
+        kept = chosen[warmup:]
         out.append(sum(workload.goodput(k, d, phase) for k, d in kept) / len(kept) / best)
     return out
 
@@ -77,7 +82,7 @@ def test_goodput_tracks_the_per_phase_oracle_on_text_unlike_the_tuning_text(seed
         Phase(8, CODE, 200),
     ]
     plans = workload.run(AdaptiveController(cfg, DEPTH), phases)
-    ratios = score(workload, phases, plans, options_of(cfg))
+    ratios = score(workload, phases, plans, options_of(cfg), slow=(6,))
     assert min(ratios) >= 0.95, ratios
 
 
@@ -96,7 +101,10 @@ def test_goodput_comes_back_when_the_text_gets_easier():
     off, back = workload.run(AdaptiveController(cfg, DEPTH), [Phase(8, RANDOM, 300), Phase(8, CODE, 300)])
     assert Counter(k == 0 for k, _ in off[100:])[True] == 200
     first_spec = next(i for i, (k, _) in enumerate(back) if k > 0)
-    assert first_spec <= 40, first_spec  # readouts continue while plain runs, so the change is seen
+    # readouts continue while plain runs, so the change is seen: within α's memory of 128 positions at the readouts'
+    # rate while nothing pays (the budget × r², ~2 positions a round here), ~90 rounds. (Until 2026-12-06 this came
+    # back within 40, because the chain priced the persistence the transient reads, ρ = 1, as every draft accepted.)
+    assert first_spec <= 100, first_spec
     _, best = workload.oracle(Phase(8, CODE, 1), options_of(cfg))
     assert workload.goodput(*back[-1], Phase(8, CODE, 1)) >= 0.95 * best
 

@@ -10,21 +10,30 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+#: Positions the agreement that consecutive readout pairs are centred on remembers (`observe_pairs`)
+CENTER_MEMORY = 32.0
+
 
 def markov_tokens(alpha: float, rho: float, k: int) -> float:
-    """Expected committed tokens per request per round of a K-token draft (1 for K = 0)."""
+    """Expected committed tokens per request per round of a K-token draft (1 for K = 0).
+
+    A round starts after a match only when all K drafts and the bonus token matched; π₁, the share of rounds that
+    do, is the chain's stationary share with the factor (1 − ρ) common to its two terms taken out, so that it is
+    continuous up to ρ = 1 (where both states' escapes vanish together and π₁ → α / ((K+1)(1 − α) + α))."""
     if k <= 0:
         return 1.0
     alpha = min(max(alpha, 0.0), 1.0)
     rho = min(max(rho, 0.0), 1.0)
     p01 = alpha * (1.0 - rho)  # P(match | previous position missed)
     p11 = rho + p01  # P(match | previous position matched)
-    pk = p11**k
-    run = float(k) if p11 >= 1.0 else (1.0 - pk) / (1.0 - p11)
-    # the next round starts after a match only when all K drafts and the bonus token matched
-    to_one_from_0 = p01 * pk
-    denom = 1.0 - p11 * pk + to_one_from_0
-    pi1 = 1.0 if denom <= 0.0 else to_one_from_0 / denom
+    powers = [p11**i for i in range(k + 1)]
+    # accepted drafts: the first matches with p01 or p11 (the state the round starts in), each later one with p11,
+    # so P(first) × (1 + p11 + ... + p11^(K-1))
+    run = sum(powers[:k])
+    # π₁ = p01·p11^K / (1 − p11^(K+1) + p01·p11^K), both terms divided by (1 − ρ):
+    # 1 − p11^(K+1) = (1 − p11)(1 + p11 + ... + p11^K) and 1 − p11 = (1 − α)(1 − ρ)
+    to_one, stay = alpha * powers[k], (1.0 - alpha) * sum(powers)
+    pi1 = to_one / (stay + to_one) if stay + to_one > 0.0 else 0.0
     return 1.0 + run * ((1.0 - pi1) * p01 + pi1 * p11)
 
 
@@ -60,6 +69,10 @@ class AcceptanceEstimator:
         # per depth, faded sums over consecutive readout pairs (x, y) of (x − α)(y − α) and of α(1 − α), with α the
         # estimate when they came; their ratio is the persistence. They start at `prior_weight` pairs of the prior
         self.persistence = [[weight * r * _spread(a), weight * _spread(a)] for r, a in zip(rho, alpha)]
+        # the agreement the pairs are centred on: the same positions as α's, remembered for `CENTER_MEMORY` only, so
+        # that after a jump in agreement the pairs of the new text are not read around the old text's level
+        center = min(weight, CENTER_MEMORY)
+        self.center_matches, self.center_trials = [a * center for a in alpha], [center] * depth
         self.positions = 0  # positions observed online (readouts and round outcomes)
         self._alpha: list[float] | None = None
         self._rho: list[float] | None = None
@@ -126,6 +139,7 @@ class AcceptanceEstimator:
     # ------------------------------------------------------------------ observations
     def _add(self, j: int, matches: float, trials: float) -> None:
         _fade_in(self.matches, self.trials, j, matches, trials, self.memory)
+        _fade_in(self.center_matches, self.center_trials, j, matches, trials, CENTER_MEMORY)
         self._alpha = None
 
     def observe_readouts(self, matches: Sequence[int], trials: Sequence[int]) -> None:
@@ -180,7 +194,10 @@ class AcceptanceEstimator:
             n = n1 + n0
             if not n:
                 continue
-            a = alpha[j]  # around the current α, not the pairs' own mean: a text switch would read as persistence
+            # around the recent agreement, not the pairs' own mean (pairs pooled across a text switch would read as
+            # persistence) and not α (which lags a jump in agreement by its memory, as long again)
+            t = self.center_trials[j]
+            a = self.center_matches[j] / t if t > 0.0 else alpha[j]
             fade = self.memory / (self.memory + n)
             cov = n11 - a * (n1 + n11 + n01) + n * a * a  # sum of (x − a)(y − a) over the pairs
             sums = self.persistence[j]

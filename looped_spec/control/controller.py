@@ -229,6 +229,8 @@ class AdaptiveController(FixedController):
     def _learn(self, fb: RoundFeedback) -> str | None:
         """Acceptance, exit depths, the cost drift, then the policy."""
         acceptance = self.acceptance
+        if fb.depth_pairs:  # before the round's readouts: its pairs are centred on the agreement seen before them
+            self._observe_pairs(fb)
         if fb.depth_trials:
             acceptance.observe_readouts(fb.depth_matches, fb.depth_trials)
             acceptance.observe_request_readouts(fb.request_ids, fb.request_matches, fb.request_trials)
@@ -238,8 +240,6 @@ class AdaptiveController(FixedController):
                 rejected = sum(a < k for a, k in zip(fb.num_accepted, fb.num_proposed))
                 acceptance.observe_drafts(fb.d, fb.total_accepted, rejected)
                 acceptance.observe_request_drafts(fb.request_ids, fb.d, fb.num_accepted, fb.num_proposed)
-        if fb.depth_pairs:
-            self._observe_pairs(fb)
         if fb.exit_depths:
             self.exits.observe(fb.exit_depths, fb.exit_skips)
         if fb.seconds > 0.0:
