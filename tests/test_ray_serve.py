@@ -386,20 +386,22 @@ def _check_replica_killed_mid_load(url: str, server_pid: int, metrics_port: int,
             except AssertionError:
                 more(4 if len(jobs) < 24 else 0)
         assert busy, f"both replicas busy: not within 60 s of {len(jobs)} requests"
-        before_kill = {i for i, task in enumerate(tasks) if task.done()}  # may have run on the victim
         os.kill(victim, signal.SIGKILL)
         done, pending = await asyncio.wait(tasks, timeout=120)
         assert not pending, "a request hung after its replica died"
-        return jobs, [task.exception() or task.result() for task in tasks], victim_metrics["replica"], before_kill
+        return jobs, [task.exception() or task.result() for task in tasks], victim_metrics["replica"]
 
-    jobs, results, victim, before_kill = asyncio.run(load())
+    jobs, results, victim = asyncio.run(load())
     failed = [r for r in results if isinstance(r, BaseException)]
     assert failed, "no in-flight request was on the killed replica"
     assert all(isinstance(r, (openai.APIConnectionError, openai.InternalServerError)) for r in failed), failed
-    for i, ((prompt, max_tokens, _), result) in enumerate(zip(jobs, results)):
+    for (prompt, max_tokens, _), result in zip(jobs, results):
+        # a request that succeeded is whole, wherever it ran: one that ran on the victim finished before it died (on
+        # a fast machine a request of the first burst may finish about as the victim is killed), none comes back cut
+        # short
         if not isinstance(result, BaseException):
-            replica, text = result
-            assert (replica != victim or i in before_kill) and text == offline_greedy(prompt, max_tokens)
+            _, text = result
+            assert text == offline_greedy(prompt, max_tokens)
     # the replica is replaced: two replicas again, one of them new; later requests succeed
     after = _wait(lambda: _replica_set(metrics_port) if len(_replica_set(metrics_port)) == 2 else None, 120,
                   "a replacement replica")  # fmt: skip
