@@ -397,3 +397,21 @@ def test_a_request_s_own_estimate_remembers_about_request_memory_positions():
             est.observe_readouts(*readouts(rng, [0.9, 1.0], 16))  # the rest of the traffic stays at 0.9
         assert est.batch_alpha()[0] == pytest.approx(truth, abs=0.15)
     assert est.alpha[0] > 0.8
+
+
+def test_without_a_prior_the_first_pairs_are_not_read_as_persistence():
+    """No preset acceptance: the first measured round's pairs come before any position was seen (the controller feeds
+    pairs before the round's readouts). Centred on α's empty 0, every pair of matches read as persistence (ρ = 1
+    after one round, found by an outside audit); centred on the pairs' own positions, ρ of memoryless text stays low."""
+    rng = random.Random(3)
+    est = AcceptanceEstimator(2, None, None, prior_weight=16.0, memory=128.0)
+    seen = []
+    for _ in range(40):
+        bits = [int(rng.random() < 0.8) for _ in range(8)]
+        pairs = list(zip(bits, bits[1:]))
+        n1, n11 = sum(a for a, _ in pairs), sum(a and b for a, b in pairs)
+        n0, n01 = len(pairs) - n1, sum((not a) and b for a, b in pairs)
+        est.observe_pairs([[n1, n11, n0, n01], [len(pairs), len(pairs), 0, 0]])
+        est.observe_readouts([sum(bits), 8], [8, 8])
+        seen.append(est.rho[0])
+    assert seen[0] < 0.5 and max(seen) < 0.6, seen

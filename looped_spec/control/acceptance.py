@@ -189,7 +189,6 @@ class AcceptanceEstimator:
         the earlier did not, only the later did)."""
         if len(pairs) != self.depth:
             return
-        alpha = self.alpha
         for j, (n1, n11, n0, n01) in enumerate(pairs):
             n = n1 + n0
             if not n:
@@ -197,7 +196,9 @@ class AcceptanceEstimator:
             # around the recent agreement, not the pairs' own mean (pairs pooled across a text switch would read as
             # persistence) and not α (which lags a jump in agreement by its memory, as long again)
             t = self.center_trials[j]
-            a = self.center_matches[j] / t if t > 0.0 else alpha[j]
+            # nothing seen yet (no preset prior, the first measured round): the pairs' own positions, not α's 0, which
+            # would read every pair of matches as persistence
+            a = self.center_matches[j] / t if t > 0.0 else (n1 + n11 + n01) / (2 * n)
             fade = self.memory / (self.memory + n)
             cov = n11 - a * (n1 + n11 + n01) + n * a * a  # sum of (x − a)(y − a) over the pairs
             sums = self.persistence[j]
