@@ -66,8 +66,9 @@ class AcceptanceEstimator:
         self.trials = [weight] * depth
         self.matches = [a * weight for a in alpha]
         rho = list(prior_rho) if prior_rho is not None else [0.0] * depth
-        # per depth, faded sums over consecutive readout pairs (x, y) of (x − α)(y − α) and of α(1 − α), with α the
-        # estimate when they came; their ratio is the persistence. They start at `prior_weight` pairs of the prior
+        # per depth, faded sums over consecutive readout pairs (x, y) of (x − a)(y − a) and of a(1 − a), with a the
+        # recent agreement when they came (the centre below); their ratio is the persistence. They start at
+        # `prior_weight` pairs of the prior
         self.persistence = [[weight * r * _spread(a), weight * _spread(a)] for r, a in zip(rho, alpha)]
         # the agreement the pairs are centred on: the same positions as α's, remembered for `CENTER_MEMORY` only, so
         # that after a jump in agreement the pairs of the new text are not read around the old text's level
