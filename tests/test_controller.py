@@ -525,3 +525,30 @@ def test_a_price_probe_pairs_rounds_of_one_bucket_and_keeps_the_policy_s_decisio
         assert all(plans[i - 1].bucket == plans[i].bucket and plans[i - 1].k > 0 for i in probes)
         started = {e["bucket"] for e in events if e["event"] == "decision" and e["what"].startswith("start")}
         assert started == {0, 1}, switch_at
+
+
+def test_a_price_probe_follows_a_round_that_drafted():
+    """A round whose requests drafted nothing (all near their end) ran as plain decoding: a probe right after it would
+    price plain against plain. Probes come only after rounds that drafted, and each is counted as one pair."""
+    full = [0.95] * (DEPTH - 1) + [1.0]
+    cfg = AdaptiveSpecConfig.parse({"model": "m", "full_depth": DEPTH, "cost": ideal_cost(32),
+        "acceptance": {"alpha": full, "rho": [0.0] * DEPTH, "positions": 1000},
+        "buckets": [{"min_batch": 1, "max_batch": None, "candidates": [[0, 0], [3, 1]], "theta_up": 0.5,
+                     "theta_down": 0}]})  # fmt: skip
+    settings = ControlSettings(prior_weight=1e9, request_prior=1e9, readout_budget=1e-6, price_probe_interval=2)
+    controller = AdaptiveController(cfg, DEPTH, settings=settings)
+    workload = Workload(PassCost(cfg.cost, DEPTH), seed=2)
+    drafted, probes = [], []
+    for i in range(300):
+        plan = controller.plan(4, 100.0)
+        pairs = controller.cost.price_pairs
+        if plan.k == 0 and i and controller.policy.options[controller.policy.states[0].current][0] > 0:
+            probes.append(i)
+        feedback = workload.feedback(plan, Phase(4, full, 1))
+        if plan.k and i % 3 == 0:  # every third round: its requests drafted nothing
+            feedback = dataclasses.replace(feedback, num_proposed=[0] * 4, num_accepted=[0] * 4)
+        drafted.append(feedback.total_proposed > 0)
+        controller.observe(feedback)
+        assert controller.cost.price_pairs - pairs == (1 if probes and probes[-1] == i else 0)
+    assert len(probes) >= 10
+    assert all(drafted[i - 1] for i in probes), [i for i in probes if not drafted[i - 1]]

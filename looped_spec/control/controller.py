@@ -170,9 +170,8 @@ class AdaptiveController(FixedController):
         self._probes = policy == "goodput"
         self._probe_in = s.price_probe_interval
         self._probe_plan = -1  # the plan id of the plain round in flight beside a speculative plan
-        # the last ordinary speculative round: (plan id, bucket, log measured ÷ profile seconds)
-        self._last_speculative: tuple[int, int, float] | None = None
-        # the last ordinary round: (plan id, bucket, (K, d), log measured ÷ profile seconds less the price)
+        # the last ordinary round (a measured round's and a price probe's partner): (plan id, bucket, (K, d),
+        # log measured ÷ profile seconds)
         self._last_ordinary: tuple[int, int, tuple[int, int], float] | None = None
 
     def plan_shapes(self) -> list[tuple[int, int]]:
@@ -193,10 +192,10 @@ class AdaptiveController(FixedController):
         probe = self._probes and self.buckets[bucket].may_run_plain and self.cost.ordinary_rounds  # rounds are timed
         if k > 0 and probe and not measure:
             self._probe_in -= 1
-            last = self._last_speculative
+            last = self._last_ordinary
             # right after a speculative round of the same bucket (a batch of about its size), and not in a round the
             # policy just decided (its decision stays in the trace; the probe comes a round later)
-            beside = last is not None and last[0] == self.num_plans - 1 and last[1] == bucket
+            beside = last is not None and last[0] == self.num_plans - 1 and last[1] == bucket and last[2][0] > 0
             if self._probe_in <= 0 and event is None and beside:
                 # the first pairs come quickly (the profile's price counts as PRICE_PRIOR of them), then at the pace
                 fast = self.cost.price_pairs < 2 * PRICE_PRIOR
@@ -248,9 +247,10 @@ class AdaptiveController(FixedController):
         return self.policy.last_event
 
     def _observe_seconds(self, fb: RoundFeedback) -> None:
-        """The round's time, as log(measured ÷ profile seconds), a speculative round's less the learned price: an
-        ordinary round moves the drift factor; a measured one, with the ordinary round just before it, what measuring
-        adds; a price probe (a plain round), with the speculative round just before it, the price of speculation."""
+        """The round's time, as log(measured ÷ profile seconds): an ordinary round moves the drift factor; a measured
+        one, with the ordinary round of its plan just before it, what measuring adds (the learned price, the same on
+        both, cancels: it moves only at a probe, which would be the round between them); a price probe (a plain
+        round), with the speculative round just before it, the price of speculation."""
         probe = fb.plan_id == self._probe_plan
         if probe:
             self._probe_plan = -1
@@ -260,21 +260,16 @@ class AdaptiveController(FixedController):
         if profile <= 0.0:
             return
         log_ratio = math.log(fb.seconds / profile)
-        adjusted = log_ratio - (math.log(self.cost.speculative_factor()) if k else 0.0)
+        last = self._last_ordinary
         if fb.depth_trials:  # a measured round: beside the last ordinary round of its bucket and plan, one or two back
-            last = self._last_ordinary
             if last is not None and fb.plan_id - last[0] <= 2 and last[1:3] == (fb.bucket, plan):
-                self.cost.observe_measured_pair(adjusted, last[3])
+                self.cost.observe_measured_pair(log_ratio, last[3])
             return
         self.cost.observe(fb.seconds, profile, k > 0)
         self._tell_far_drift()
-        self._last_ordinary = (fb.plan_id, fb.bucket, plan, adjusted)
-        if probe:
-            last = self._last_speculative
-            if last is not None and last[0] == fb.plan_id - 1 and last[1] == fb.bucket:
-                self.cost.observe_pair(last[2], log_ratio, self.settings.price_memory)
-        if k:
-            self._last_speculative = (fb.plan_id, fb.bucket, log_ratio)
+        if probe and last is not None and last[0] == fb.plan_id - 1 and last[1] == fb.bucket and last[2][0] > 0:
+            self.cost.observe_pair(last[3], log_ratio, self.settings.price_memory)
+        self._last_ordinary = (fb.plan_id, fb.bucket, plan, log_ratio)
 
     def _tell_far_drift(self) -> None:
         """A warning, once, when the drift factor (past its first memory's worth of rounds) puts the machine far from

@@ -236,8 +236,8 @@ class PassCost:
         self.drift = math.exp(self._log_drift)
 
     def observe_measured_pair(self, measured_log_ratio: float, ordinary_log_ratio: float) -> None:
-        """A measured round and an ordinary one just before it (each as log(measured ÷ profile seconds unmeasured),
-        a speculative one's less log `speculative_factor`): their difference is what measuring added, free of the
+        """A measured round and an ordinary one of the same plan just before it (each as log(measured ÷ profile
+        seconds unmeasured)): their difference is what measuring added, free of the
         machine's drift, which a drift factor learning over tens of rounds would leave in it (it lags a machine
         that moves, or one far from the profile's, for as long). A running mean over the first pairs, then
         remembering `drift_rounds` pairs, each step clipped."""
