@@ -110,9 +110,9 @@ def test_goodput_comes_back_when_the_text_gets_easier():
 
 
 def test_goodput_prices_the_requests_left_in_the_batch():
-    """A static batch: four requests on text whose drafts pass (CODE) and four on text where nothing pays
-    (RANDOM). Once the first four finished, the plan is priced by the four left: plain at once, as their own
-    readouts and drafts say, although the positions of every request seen (the overall estimate) still say
+    """A static batch: six requests on text whose drafts pass (CODE) and two on text where nothing pays
+    (RANDOM). Once the six finished, the plan is priced by the two left: plain at once, as their own readouts and
+    drafts say, although the positions of every request seen (the overall estimate, three quarters CODE) still say
     speculate (priced by it, the same controller drafts on for tens of rounds)."""
     cfg = preset()
     for seed in range(3):
@@ -122,9 +122,9 @@ def test_goodput_prices_the_requests_left_in_the_batch():
             if pricing == "overall":
                 controller.acceptance.batch_alpha = lambda acceptance=controller.acceptance: acceptance.alpha
             workload = Workload(PassCost(cfg.cost, DEPTH), seed=seed)
-            rounds = workload.static_batch(controller, [CODE] * 4 + [RANDOM] * 4, [40] * 4 + [240] * 4)
-            alone = next(i for i, (ids, _) in enumerate(rounds) if len(ids) == 4)
-            assert {int(i) for i in rounds[alone][0]} == {4, 5, 6, 7}
+            rounds = workload.static_batch(controller, [CODE] * 6 + [RANDOM] * 2, [40] * 6 + [240] * 2)
+            alone = next(i for i, (ids, _) in enumerate(rounds) if len(ids) == 2)
+            assert {int(i) for i in rounds[alone][0]} == {6, 7}
             tails[pricing] = [plan for _, plan in rounds[alone:]]
         assert all(k == 0 for k, _ in tails["batch"]), (seed, Counter(tails["batch"]))
         assert sum(k > 0 for k, _ in tails["overall"]) >= 10, (seed, Counter(tails["overall"]))

@@ -24,7 +24,7 @@ def _within(value: float, allowed: str) -> bool:
 @dataclass(frozen=True)
 class ControlSettings:
     #: goodput: rounds between two decisions of a bucket (a new batch size or bucket decides at once)
-    decision_interval: int = _tunable(16, "[1, inf)")
+    decision_interval: int = _tunable(4, "[1, inf)")
     #: goodput: a speculative plan replaces another only when predicted this much faster (relative)
     hysteresis: float = _tunable(0.03, "[0, 1)")
     #: goodput: speculation starts only when predicted this much faster than plain decoding (relative)
