@@ -105,15 +105,23 @@ class Workload:
         }  # fmt: skip
 
     def static_batch(
-        self, controller, alphas: Sequence[Sequence[float]], tokens: Sequence[int], context: float = 120.0
+        self,
+        controller,
+        alphas: Sequence[Sequence[float]],
+        tokens: Sequence[int],
+        context: float = 120.0,
+        id_prefix: str = "",
     ) -> list[tuple[list[str], tuple[int, int]]]:
         """One batch of requests, each with its own agreement `alphas[i]` and `tokens[i]` to generate, decoded until
-        the last finishes (a request leaves the batch when done); per round, the requests in it and the plan."""
-        left = {str(i): n for i, n in enumerate(tokens)}
+        the last finishes (a request leaves the batch when done); per round, the requests in it and the plan.
+        Request i is `id_prefix` + str(i): batches after one another need their own prefixes, as the engine's
+        requests have their own ids."""
+        index = {f"{id_prefix}{i}": i for i in range(len(tokens))}
+        left = {request_id: tokens[i] for request_id, i in index.items()}
         rounds = []
         while left:
             ids = list(left)
-            own = [alphas[int(i)] for i in ids]
+            own = [alphas[index[i]] for i in ids]
             plan = controller.plan(len(ids), context, ids)
             proposed = [min(plan.k, left[i] - 1) for i in ids]
             accepted = []
