@@ -276,7 +276,9 @@ def test_streamed_and_early_exit_logprobs_are_the_generations_own(server, client
                                             echo=True, stream=True))  # fmt: skip
     pieces = [c.choices[0].logprobs for c in chunks if c.choices and c.choices[0].logprobs is not None]
     joined = [v for piece in pieces for v in piece.token_logprobs]
-    assert joined == pytest.approx(whole.choices[0].logprobs.token_logprobs, abs=1e-6)
+    # the two calls may run different plans (the adaptive controller moves between them): a token read in a verify
+    # pass of K + 1 positions differs from a one-position pass by float rounding (tests/test_logprobs.py: 1e-5)
+    assert joined == pytest.approx(whole.choices[0].logprobs.token_logprobs, abs=1e-5)
     assert [o for piece in pieces for o in piece.text_offset] == whole.choices[0].logprobs.text_offset
     assert chunks[0].choices[0].text == reference_engine.tokenizer.decode(ids)  # the prompt first
     assert "".join(c.choices[0].text for c in chunks if c.choices) == whole.choices[0].text
