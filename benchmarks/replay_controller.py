@@ -36,6 +36,7 @@ import torch
 
 from looped_spec import load_adapter
 from looped_spec.control import AdaptiveController, ControlSettings, FixedController
+from looped_spec.control.buckets import compile_buckets
 from looped_spec.control.passcost import PassCost
 from looped_spec.control.plan import round_feedback
 from looped_spec.presets.lookup import load_preset
@@ -177,7 +178,11 @@ def main(argv: list[str] | None = None) -> dict[int, dict[str, list[float]]]:
     grid = parse_grid(args.grid, depth, allow_none=True)
     sizes = parse_batch_sizes(args.batch_sizes)
     preset = load_preset(adapter.name, depth, args.preset)
-    cost = PassCost(preset.cost, depth)
+    # the machine's prices of every plan a controller can run, kept as lines per batch size (a plan outside the
+    # options would be priced pass by pass every round)
+    cost = PassCost(
+        preset.cost, depth, options=sorted({o for b in compile_buckets(preset) for o in b.options} | set(grid))
+    )
     # the groups' prompts one after another: group g's are the indices from offsets[g] on
     bits: list[list[list[int]]] = [[] for _ in range(depth)]
     offsets, counts, described = [], [], []
