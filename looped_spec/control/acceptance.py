@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from looped_spec.control.plan import RoundFeedback
+
 #: Positions the agreement that consecutive readout pairs are centred on remembers (`observe_pairs`)
 CENTER_MEMORY = 32.0
 
@@ -82,6 +84,9 @@ class AcceptanceEstimator:
         self.request_memory, self.request_prior = request_memory, request_prior
         self.requests: dict[str, list[list[float]]] = {}
         self.batch: Sequence[str] = ()  # the requests the next plan runs on (`set_batch`)
+        # per request, its last read-out position's agreement bits in the last measured round, while the next round
+        # may be measured too: the pair across the two rounds (`observe_round`)
+        self._last_bits: dict[str, int] = {}
 
     # ------------------------------------------------------------------ estimates
     @property
@@ -171,19 +176,43 @@ class AcceptanceEstimator:
     ) -> None:
         """A measured round per request: how many of its committed positions each depth predicted, out of how many."""
         for request_id, row, n in zip(request_ids, matches, trials):
-            if n:
-                for j in range(self.depth):
-                    self._add_request(request_id, j, row[j], n)
+            for j in range(self.depth if n else 0):
+                self._add_request(request_id, j, row[j], n)
 
     def observe_request_drafts(
         self, request_ids: Sequence[str], d: int, accepted: Sequence[int], proposed: Sequence[int]
     ) -> None:
         """An unmeasured speculative round per request, as `observe_drafts`."""
-        if not 1 <= d <= self.depth:
-            return
         for request_id, a, k in zip(request_ids, accepted, proposed):
-            if k:
+            if k and 1 <= d <= self.depth:
                 self._add_request(request_id, d - 1, a, a + (a < k))
+
+    def observe_round(self, fb: RoundFeedback) -> None:
+        """Everything a committed round says about agreement: a measured round its pairs (those across it and the
+        measured round just before it included: each request's last position there, its first here) and its
+        readouts; an unmeasured speculative round its drafts' outcomes at the planned depth (not under early exit,
+        where the bits include free exits)."""
+        if fb.depth_pairs:  # before the readouts: the pairs are centred on the agreement seen before them
+            pairs, last = fb.depth_pairs, self._last_bits
+            if last and fb.first_bits:
+                pairs = [list(p) for p in pairs]
+                for request_id, first in zip(fb.request_ids, fb.first_bits):
+                    before = last.get(request_id)
+                    for j, counts in enumerate(pairs if before is not None else ()):
+                        agreed, agrees = (before >> j) & 1, (first >> j) & 1
+                        counts[0 if agreed else 2] += 1
+                        counts[1 if agreed else 3] += agrees
+            self.observe_pairs(pairs)
+            self._last_bits = dict(zip(fb.request_ids, fb.last_bits))
+        if fb.depth_trials:
+            self.observe_readouts(fb.depth_matches, fb.depth_trials)
+            self.observe_request_readouts(fb.request_ids, fb.request_matches, fb.request_trials)
+            return
+        self._last_bits = {}  # an unmeasured round between two measured ones: their positions are not adjacent
+        if fb.k > 0 and not fb.exit_depths:
+            rejected = sum(a < k for a, k in zip(fb.num_accepted, fb.num_proposed))
+            self.observe_drafts(fb.d, fb.total_accepted, rejected)
+            self.observe_request_drafts(fb.request_ids, fb.d, fb.num_accepted, fb.num_proposed)
 
     def observe_pairs(self, pairs: Sequence[Sequence[int]]) -> None:
         """Per depth, counts [n1, n11, n0, n01] of consecutive readout pairs (the earlier position agreed, both did,

@@ -163,7 +163,6 @@ class AdaptiveController(FixedController):
         self._bucket = -1
         self._measure_in = 0  # rounds until the next measured pair of rounds
         self._pair_left = 0  # measured rounds still to come in the current pair
-        self._last_bits: dict[str, int] = {}  # the last measured round's last position per request (bit masks)
         self._far_drift_told = False
         # plain rounds beside a speculative plan, pricing speculation against plain on this machine (goodput only;
         # docs/adaptive.md "Prices on another machine")
@@ -227,18 +226,7 @@ class AdaptiveController(FixedController):
 
     def _learn(self, fb: RoundFeedback) -> str | None:
         """Acceptance, exit depths, the cost drift, then the policy."""
-        acceptance = self.acceptance
-        if fb.depth_pairs:  # before the round's readouts: its pairs are centred on the agreement seen before them
-            self._observe_pairs(fb)
-        if fb.depth_trials:
-            acceptance.observe_readouts(fb.depth_matches, fb.depth_trials)
-            acceptance.observe_request_readouts(fb.request_ids, fb.request_matches, fb.request_trials)
-        else:
-            self._last_bits = {}  # an unmeasured round between two measured ones: their positions are not adjacent
-            if fb.k > 0 and not fb.exit_depths:  # under early exit the draft depth's bits include free exits
-                rejected = sum(a < k for a, k in zip(fb.num_accepted, fb.num_proposed))
-                acceptance.observe_drafts(fb.d, fb.total_accepted, rejected)
-                acceptance.observe_request_drafts(fb.request_ids, fb.d, fb.num_accepted, fb.num_proposed)
+        self.acceptance.observe_round(fb)
         if fb.exit_depths:
             self.exits.observe(fb.exit_depths, fb.exit_skips)
         if fb.seconds > 0.0:
@@ -272,8 +260,8 @@ class AdaptiveController(FixedController):
         self._last_ordinary = (fb.plan_id, fb.bucket, plan, log_ratio)
 
     def _tell_far_drift(self) -> None:
-        """A warning, once, when the drift factor (past its first memory's worth of rounds) puts the machine far from
-        the one the preset was timed on: its relative prices may be off by several % (docs/benchmarking.md)."""
+        """Warn once when the drift factor, past its first memory of rounds, puts this machine far from the one the
+        preset was timed on: its relative prices of plans may be off by several % (docs/benchmarking.md)."""
         cost = self.cost
         if self._far_drift_told or cost.ordinary_rounds < self.settings.drift_rounds:
             return
@@ -281,31 +269,11 @@ class AdaptiveController(FixedController):
             return
         self._far_drift_told = True
         logger.warning(
-            "preset %r: rounds take %s the time its pass-cost profile (%s) predicts (the drift factor, still learning: "
-            "%.2f); its plans are priced with the relative costs of the machine state it was timed on, which may "
-            "differ here (price probes correct speculation against plain, not one plan against another). Time a "
+            "preset %r: rounds take %.2fx the time its pass-cost profile (%s) predicts; its plans are priced with the "
+            "relative costs of another machine state (price probes correct speculation against plain only). Time a "
             "preset on this machine: looped-spec tune (README, 'Tune a preset')",
-            self.config.model, f"under {1.0 / FAR_DRIFT:g}x" if cost.drift < 1.0 else f"over {FAR_DRIFT:g}x",
-            self.config.hardware, cost.drift,
+            self.config.model, cost.drift, self.config.hardware,
         )  # fmt: skip
-
-    def _observe_pairs(self, fb: RoundFeedback) -> None:
-        """Pairs of consecutive readouts within the round, and across it and the measured round before it: a
-        request's last position there and its first here (the readouts come in pairs of rounds)."""
-        pairs = fb.depth_pairs
-        last = self._last_bits
-        if last and fb.first_bits:
-            pairs = [list(p) for p in pairs]
-            for request_id, first in zip(fb.request_ids, fb.first_bits):
-                before = last.get(request_id)
-                if before is None:
-                    continue
-                for j, counts in enumerate(pairs):
-                    agreed, agrees = (before >> j) & 1, (first >> j) & 1
-                    counts[0 if agreed else 2] += 1
-                    counts[1 if agreed else 3] += agrees
-        self.acceptance.observe_pairs(pairs)
-        self._last_bits = dict(zip(fb.request_ids, fb.last_bits))
 
     def stats(self) -> dict[str, Any]:
         out = super().stats()
