@@ -13,11 +13,13 @@ from looped_spec.control.acceptance import accept_rate
 from looped_spec.control.passcost import PassCost
 from looped_spec.presets import AdaptiveSpecConfig, load_preset, read_preset_file
 from looped_spec.presets.schema import CostConfig
+from looped_spec.tuning import profile
 from looped_spec.tuning.derive import BucketModel, bucket_ranges, derive_bucket, derive_preset, ideal_cost, pass_seconds
 from looped_spec.tuning.grid import auto_grid, parse_batch_sizes, parse_grid
 from looped_spec.tuning.inputs import TunerError, parse_adapter_options
+from looped_spec.tuning.profile import TRUSTED_ERROR, validation_summary
 from looped_spec.tuning.prompt_sets import load_prompts
-from looped_spec.tuning.report import dump_json
+from looped_spec.tuning.report import dump_json, format_report
 from looped_spec.tuning.tuner import tune
 
 GRID = "1,1;2,1;1,2"
@@ -64,7 +66,55 @@ def test_cli_tune_writes_a_valid_preset_and_heatmap(tmp_path, capsys):
     # the profile checked against the rounds it was fitted to: plain decoding is its own reference at each B
     assert report["validation"]["0,0@1"]["relative_to_plain"] == 1.0
     assert all(cell["measured_over_predicted"] > 0 and cell["rounds"] >= 3 for cell in report["validation"].values())
+    summary = report["validation_summary"]  # the speculative cells' error against plain, summed up (None: no cell)
+    errors = {k: abs(c["relative_to_plain"] - 1) for k, c in report["validation"].items() if not k.startswith("0,")}
+    assert (summary is None) == (not errors)
+    if errors:
+        assert summary["worst_cell"] in errors and summary["max_error"] == pytest.approx(max(errors.values()), abs=1e-4)
     assert png.is_file() and png.stat().st_size > 1000
+
+
+def test_validation_summary_judges_plans_against_plain():
+    """The median and worst error of the speculative cells' price relative to plain (plain cells are their own
+    reference, so they are left out), and whether the worst is within the trusted error."""
+    cell = lambda rel: {"measured_over_predicted": 1.1, "relative_to_plain": rel, "rounds": 9}  # noqa: E731
+    validation = {"0,0@1": cell(1.0), "1,1@1": cell(0.97), "3,1@1": cell(1.04), "0,0@8": cell(1.0), "3,1@8": cell(1.2)}
+    summary = validation_summary(validation)
+    assert summary == {"median_error": 0.04, "max_error": 0.2, "worst_cell": "3,1@8", "trusted": False}
+    validation["3,1@8"] = cell(1.0 - TRUSTED_ERROR / 2)
+    assert validation_summary(validation)["trusted"]
+    assert validation_summary({"0,0@1": cell(1.0)}) is None
+
+
+def test_the_tuner_warns_when_its_profile_misprices_its_own_rounds(monkeypatch, caplog):
+    """A profile whose prices of plans against plain are off its own timed rounds by more than the trusted error (a
+    machine whose speed moved while it was timed) is written, with a warning naming the worst cell, and the report
+    says so; within it, no warning."""
+    from looped_spec.tuning import tuner
+
+    adapter = load("ouro")
+    prompts = [[5, 6, 7, 8]] * 2
+    for skew, warned in ((1.3, True), (1.02, False)):
+        real = profile.validate
+
+        def skewed(cost_data, rounds, depth, skew=skew, real=real):
+            out = real(cost_data, rounds, depth)
+            for key, cell in out.items():
+                if not key.startswith("0,"):
+                    cell["relative_to_plain"] = skew
+            return out
+
+        monkeypatch.setattr(profile, "validate", skewed)
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="looped_spec.tuning"):
+            _, report = tuner.measure_cost(adapter, prompts, [1], repeats=2, round_tokens=16)
+        told = [r.getMessage() for r in caplog.records if "pass-cost profile" in r.getMessage()]
+        assert report["validation_summary"]["trusted"] is not warned
+        assert len(told) == int(warned), told
+        if warned:
+            assert "30% off" in told[0] and report["validation_summary"]["worst_cell"] in told[0]
+            empty = {"positions": 0, "alpha": [], "rho": [], "cells": {}}
+            assert "time it again" in format_report({"acceptance": empty, "cost": report})
 
 
 def test_cli_tune_usage_errors(tmp_path, capsys):

@@ -53,6 +53,9 @@ STEP_WEIGHT = 0.3
 CONTEXTS = (16, 200)
 #: Runs of one step back to back, of which the fastest is kept
 BURST = 3
+#: A plan's price relative to plain decoding off by more than this in the profile's own check says the machine's
+#: speed moved while it was timed (docs/benchmarking.md, "Re-timing on a moody machine"): the tuner warns
+TRUSTED_ERROR = 0.10
 
 
 def _nonnegative_lstsq(a: np.ndarray, y: np.ndarray) -> np.ndarray:
@@ -374,3 +377,19 @@ def validate(cost_data: dict[str, Any], rounds: Sequence[tuple[RoundFeedback, fl
             "rounds": len(values),
         }
     return out
+
+
+def validation_summary(validation: dict[str, Any]) -> dict[str, Any] | None:
+    """How far the profile's price of each speculative plan relative to plain is from the timed rounds' (`validate`'s
+    cells, K > 0): the median and the largest |measured ÷ predicted − 1|, the cell of the largest, and whether it
+    is within `TRUSTED_ERROR`. None without a speculative cell."""
+    errors = {key: abs(cell["relative_to_plain"] - 1.0) for key, cell in validation.items() if not key.startswith("0,")}
+    if not errors:
+        return None
+    worst = max(errors, key=errors.__getitem__)
+    return {
+        "median_error": round(statistics.median(errors.values()), 4),
+        "max_error": round(errors[worst], 4),
+        "worst_cell": worst,
+        "trusted": errors[worst] <= TRUSTED_ERROR,
+    }

@@ -40,6 +40,13 @@ def format_report(report: dict[str, Any], preset: dict[str, Any] | None = None) 
                 f"  {key:>8} {cell['measured_over_predicted']:6.3f} {cell['relative_to_plain']:6.3f}"
                 f"  ({cell['rounds']} rounds)"
             )
+        summary = report["cost"].get("validation_summary")
+        if summary:
+            lines.append(
+                f"  plans against plain: {100 * summary['median_error']:.1f}% off the timed rounds (median), "
+                f"{100 * summary['max_error']:.1f}% at worst ({summary['worst_cell']})"
+                + ("" if summary["trusted"] else ": the machine's speed moved while it was timed; time it again")
+            )
     for bucket, note in report.get("decisions", {}).items():
         best = sorted(note["predicted_ratio"].items(), key=lambda kv: -kv[1])[:4]
         lines.append(

@@ -14,6 +14,7 @@
 
 from __future__ import annotations
 
+import logging
 import statistics
 import time
 from collections.abc import Sequence
@@ -31,6 +32,8 @@ from looped_spec.tuning.derive import RULES, BucketModel, bucket_ranges, derive_
 from looped_spec.tuning.grid import parse_batch_sizes, parse_grid
 from looped_spec.tuning.inputs import TunerError, available_memory, hardware_tag, machine_info
 from looped_spec.tuning.prompt_sets import distinct_fingerprints, load_prompts
+
+logger = logging.getLogger(__name__)
 
 
 def _progress(total: int, enabled: bool):
@@ -62,6 +65,14 @@ def measure_cost(
         "mean_context": round(statistics.mean(contexts), 1) if contexts else 0.0,
         "validation": profile.validate(cost, rounds, adapter.full_depth),
     }
+    report["validation_summary"] = summary = profile.validation_summary(report["validation"])
+    if summary is not None and not summary["trusted"]:
+        logger.warning(
+            "the pass-cost profile prices plans against plain decoding up to %.0f%% off its own timed rounds (%s; "
+            "median %.1f%%): the machine's speed moved while it was timed, and the preset's choice between plans "
+            "is that uncertain here. Time it again on a quieter machine, or with more --repeats",
+            100 * summary["max_error"], summary["worst_cell"], 100 * summary["median_error"],
+        )  # fmt: skip
     return cost, report
 
 
