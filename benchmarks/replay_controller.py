@@ -64,28 +64,13 @@ class Machine:
 
 
 def readouts(bits, prompts: list[int], starts: list[int], committed: list[int]) -> dict:
-    """A measured round's report: per depth the committed positions' bits, their consecutive pairs, and per request its
-    own counts and its first and last position's bits (masks)."""
+    """A measured round's report: per depth the committed positions' bits, and per request its own counts."""
     depth = len(bits)
-    matches, trials, pairs = [0] * depth, 0, [[0, 0, 0, 0] for _ in range(depth)]
-    own, first, last = [], [], []
-    for p, start, n in zip(prompts, starts, committed):
-        rows = [[bits[j][p][t] for j in range(depth)] for t in range(start, start + n)]
-        trials += n
-        own.append([sum(row[j] for row in rows) for j in range(depth)])
-        for row in rows:
-            for j in range(depth):
-                matches[j] += row[j]
-        for before, after in zip(rows, rows[1:]):
-            for j in range(depth):
-                at = 0 if before[j] else 2
-                pairs[j][at] += 1
-                pairs[j][at + 1] += after[j]
-        first.append(sum(1 << j for j, bit in enumerate(rows[0]) if bit))
-        last.append(sum(1 << j for j, bit in enumerate(rows[-1]) if bit))
+    spans = zip(prompts, starts, committed)
+    own = [[sum(bits[j][p][start : start + n]) for j in range(depth)] for p, start, n in spans]
     return {
-        "depth_matches": matches, "depth_trials": [trials] * depth, "depth_pairs": pairs, "request_matches": own,
-        "request_trials": list(committed), "first_bits": first, "last_bits": last,
+        "depth_matches": [sum(row[j] for row in own) for j in range(depth)], "depth_trials": [sum(committed)] * depth,
+        "request_matches": own, "request_trials": list(committed),
     }  # fmt: skip
 
 

@@ -102,8 +102,7 @@ def test_goodput_comes_back_when_the_text_gets_easier():
     assert Counter(k == 0 for k, _ in off[100:])[True] == 200
     first_spec = next(i for i, (k, _) in enumerate(back) if k > 0)
     # readouts continue while plain runs, so the change is seen: within α's memory of 128 positions at the readouts'
-    # rate while nothing pays (the budget × r², ~2 positions a round here), ~90 rounds. (Until 2026-12-06 this came
-    # back within 40, because the chain priced the persistence the transient reads, ρ = 1, as every draft accepted.)
+    # rate while nothing pays (the budget × r², ~2 positions a round here), ~90 rounds
     assert first_spec <= 100, first_spec
     _, best = workload.oracle(Phase(8, CODE, 1), options_of(cfg))
     assert workload.goodput(*back[-1], Phase(8, CODE, 1)) >= 0.95 * best

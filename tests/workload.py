@@ -3,7 +3,7 @@
 Each phase has a batch size and a true agreement per depth. A round of plan (K, d) accepts, per request,
 each draft token with probability α_d until the first rejection (the geometric model); a measured round
 reports every depth's agreement on the committed positions, each bit drawn with its α independently of the
-others (persistence 0; the planned depth's bits are the acceptance pattern itself). Its seconds are a true
+others (the planned depth's bits are the acceptance pattern itself). Its seconds are a true
 `PassCost` profile's times a log-normal noise; a measured round takes the profile's extra readouts and
 `measure_overhead` (a share of the round) more. `Workload.goodput(k, d, phase)` is the expected tokens per
 second of a plan in a phase, which scores a controller's choices against the per-phase oracle.
@@ -71,12 +71,11 @@ class Workload:
         self, alpha: Sequence[float], k: int, d: int, accepted: list[int], alphas: Sequence | None = None,
         request_ids: Sequence[str] | None = None,
     ) -> dict:  # fmt: skip
-        """What a measured round reports: per depth matches, trials and consecutive pairs; per request its first
-        and last position's bits and its own matches (requests keep their index as id across rounds, unless
-        `request_ids`; `alphas`: each request's own agreement, else `alpha`)."""
+        """What a measured round reports: per depth matches and trials, per request its own matches (requests keep
+        their index as id across rounds, unless `request_ids`; `alphas`: each request's own agreement, else
+        `alpha`)."""
         depth = len(alpha)
-        matches, pairs = [0] * depth, [[0, 0, 0, 0] for _ in range(depth)]
-        first, last, own = [], [], []
+        matches, own = [0] * depth, []
         for i, a in enumerate(accepted):
             alpha = alpha if alphas is None else alphas[i]
             rows = []  # per committed position: bits per depth
@@ -87,21 +86,13 @@ class Workload:
                 bits[-1] = True
                 rows.append(bits)
             own.append([sum(bits[j] for bits in rows) for j in range(depth)])
-            for bits in rows:
-                for j, bit in enumerate(bits):
-                    matches[j] += bit
-            for prev, cur in zip(rows, rows[1:]):
-                for i in range(depth):
-                    n = 0 if prev[i] else 2
-                    pairs[i][n] += 1
-                    pairs[i][n + 1] += cur[i]
-            first.append(sum(1 << i for i, bit in enumerate(rows[0]) if bit))
-            last.append(sum(1 << i for i, bit in enumerate(rows[-1]) if bit))
+            for j in range(depth):
+                matches[j] += own[-1][j]
         positions = sum(accepted) + len(accepted)
         return {
-            "depth_matches": matches, "depth_trials": [positions] * depth, "depth_pairs": pairs,
-            "request_ids": list(request_ids or [str(i) for i in range(len(accepted))]), "first_bits": first,
-            "last_bits": last, "request_matches": own, "request_trials": [a + 1 for a in accepted],
+            "depth_matches": matches, "depth_trials": [positions] * depth,
+            "request_ids": list(request_ids or [str(i) for i in range(len(accepted))]), "request_matches": own,
+            "request_trials": [a + 1 for a in accepted],
         }  # fmt: skip
 
     def static_batch(

@@ -2,8 +2,8 @@
 
 Per draft depth d two numbers describe the bits m_t(d) (the depth-d readout at position t-1 predicts the committed
 token x_t): the agreement α_d and the persistence ρ_d = P(1 | 1) − P(1 | 0). `markov_tokens` prices a K-token
-round by the two-state chain they define; `AcceptanceEstimator` learns both online from the preset's values, and
-α per request too: plans are priced with what the requests they run on agree at.
+round by the two-state chain they define; `AcceptanceEstimator` learns α online from the preset's value, per
+request too (plans are priced with what the requests they run on agree at); ρ is the preset's.
 """
 
 from __future__ import annotations
@@ -11,9 +11,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from looped_spec.control.plan import RoundFeedback
-
-#: Positions the agreement that consecutive readout pairs are centred on remembers (`observe_pairs`)
-CENTER_MEMORY = 32.0
 
 
 def markov_tokens(alpha: float, rho: float, k: int) -> float:
@@ -45,8 +42,8 @@ def accept_rate(alpha: float, rho: float, k: int) -> float:
 
 
 class AcceptanceEstimator:
-    """α and ρ per draft depth 1..D: α from readouts and round outcomes, ρ from pairs of consecutive readouts; and α
-    per request of the batch (`batch_alpha`: docs/adaptive.md "The batch's own agreement")."""
+    """α per draft depth 1..D from readouts and round outcomes, and per request of the batch (`batch_alpha`:
+    docs/adaptive.md "The batch's own agreement"); ρ per depth as the preset measured it on the tuning text."""
 
     def __init__(
         self,
@@ -59,7 +56,8 @@ class AcceptanceEstimator:
         request_prior: float = 2.0,
     ) -> None:
         alpha = list(prior_alpha) if prior_alpha is not None else [0.0] * depth
-        if len(alpha) != depth:
+        rho = list(prior_rho) if prior_rho is not None and prior_alpha is not None else [0.0] * depth
+        if len(alpha) != depth or len(rho) != depth:
             raise ValueError(f"acceptance prior has {len(alpha)} depths, the model {depth}")
         weight = prior_weight if prior_alpha is not None else 0.0
         self.depth = depth
@@ -67,26 +65,15 @@ class AcceptanceEstimator:
         # per depth, faded counts (plain floats: a handful of depths, updated every round)
         self.trials = [weight] * depth
         self.matches = [a * weight for a in alpha]
-        rho = list(prior_rho) if prior_rho is not None else [0.0] * depth
-        # per depth, faded sums over consecutive readout pairs (x, y) of (x − a)(y − a) and of a(1 − a), with a the
-        # recent agreement when they came (the centre below); their ratio is the persistence. They start at
-        # `prior_weight` pairs of the prior
-        self.persistence = [[weight * r * _spread(a), weight * _spread(a)] for r, a in zip(rho, alpha)]
-        # the agreement the pairs are centred on: the same positions as α's, remembered for `CENTER_MEMORY` only, so
-        # that after a jump in agreement the pairs of the new text are not read around the old text's level
-        center = min(weight, CENTER_MEMORY)
-        self.center_matches, self.center_trials = [a * center for a in alpha], [center] * depth
+        # [D] P(agree | the previous position agreed) − P(agree | it did not); full depth always agrees (0)
+        self.rho = [min(max(r, 0.0), 1.0) for r in rho[:-1]] + [0.0]
         self.positions = 0  # positions observed online (readouts and round outcomes)
         self._alpha: list[float] | None = None
-        self._rho: list[float] | None = None
         # per request of the batch, faded [matches[D], trials[D]] of its own positions; the batch's estimate pools
         # them with `request_prior` positions of the overall α per request
         self.request_memory, self.request_prior = request_memory, request_prior
         self.requests: dict[str, list[list[float]]] = {}
         self.batch: Sequence[str] = ()  # the requests the next plan runs on (`set_batch`)
-        # per request, its last read-out position's agreement bits in the last measured round, while the next round
-        # may be measured too: the pair across the two rounds (`observe_round`)
-        self._last_bits: dict[str, int] = {}
 
     # ------------------------------------------------------------------ estimates
     @property
@@ -97,15 +84,6 @@ class AcceptanceEstimator:
             alpha[-1] = 1.0  # full depth agrees with itself
             self._alpha = alpha
         return self._alpha
-
-    @property
-    def rho(self) -> list[float]:
-        """[D] persistence per depth: P(agree | the previous position agreed) − P(agree | it did not)."""
-        if self._rho is None:
-            rho = [min(max(cov / var, 0.0), 1.0) if var > 0.0 else 0.0 for cov, var in self.persistence]
-            rho[-1] = 0.0  # full depth always agrees: nothing to persist, and never drafted
-            self._rho = rho
-        return self._rho
 
     def set_batch(self, request_ids: Sequence[str]) -> None:
         """The requests the next plan runs on. The others' own counts are dropped: a request out of the batch
@@ -145,7 +123,6 @@ class AcceptanceEstimator:
     # ------------------------------------------------------------------ observations
     def _add(self, j: int, matches: float, trials: float) -> None:
         _fade_in(self.matches, self.trials, j, matches, trials, self.memory)
-        _fade_in(self.center_matches, self.center_trials, j, matches, trials, CENTER_MEMORY)
         self._alpha = None
 
     def observe_readouts(self, matches: Sequence[int], trials: Sequence[int]) -> None:
@@ -188,53 +165,16 @@ class AcceptanceEstimator:
                 self._add_request(request_id, d - 1, a, a + (a < k))
 
     def observe_round(self, fb: RoundFeedback) -> None:
-        """Everything a committed round says about agreement: a measured round its pairs (those across it and the
-        measured round just before it included: each request's last position there, its first here) and its
-        readouts; an unmeasured speculative round its drafts' outcomes at the planned depth (not under early exit,
-        where the bits include free exits)."""
-        if fb.depth_pairs:  # before the readouts: the pairs are centred on the agreement seen before them
-            pairs, last = fb.depth_pairs, self._last_bits
-            if last and fb.first_bits:
-                pairs = [list(p) for p in pairs]
-                for request_id, first in zip(fb.request_ids, fb.first_bits):
-                    before = last.get(request_id)
-                    for j, counts in enumerate(pairs if before is not None else ()):
-                        agreed, agrees = (before >> j) & 1, (first >> j) & 1
-                        counts[0 if agreed else 2] += 1
-                        counts[1 if agreed else 3] += agrees
-            self.observe_pairs(pairs)
-            self._last_bits = dict(zip(fb.request_ids, fb.last_bits))
+        """Everything a committed round says about agreement: a measured round its readouts, an unmeasured
+        speculative round its drafts' outcomes at the planned depth (not under early exit, where the bits include
+        free exits)."""
         if fb.depth_trials:
             self.observe_readouts(fb.depth_matches, fb.depth_trials)
             self.observe_request_readouts(fb.request_ids, fb.request_matches, fb.request_trials)
-            return
-        self._last_bits = {}  # an unmeasured round between two measured ones: their positions are not adjacent
-        if fb.k > 0 and not fb.exit_depths:
+        elif fb.k > 0 and not fb.exit_depths:
             rejected = sum(a < k for a, k in zip(fb.num_accepted, fb.num_proposed))
             self.observe_drafts(fb.d, fb.total_accepted, rejected)
             self.observe_request_drafts(fb.request_ids, fb.d, fb.num_accepted, fb.num_proposed)
-
-    def observe_pairs(self, pairs: Sequence[Sequence[int]]) -> None:
-        """Per depth, counts [n1, n11, n0, n01] of consecutive readout pairs (the earlier position agreed, both did,
-        the earlier did not, only the later did)."""
-        if len(pairs) != self.depth:
-            return
-        for j, (n1, n11, n0, n01) in enumerate(pairs):
-            n = n1 + n0
-            if not n:
-                continue
-            # around the recent agreement, not the pairs' own mean (pairs pooled across a text switch would read as
-            # persistence) and not α (which lags a jump in agreement by its memory, as long again)
-            t = self.center_trials[j]
-            # nothing seen yet (no preset prior, the first measured round): the pairs' own positions, not α's 0, which
-            # would read every pair of matches as persistence
-            a = self.center_matches[j] / t if t > 0.0 else (n1 + n11 + n01) / (2 * n)
-            fade = self.memory / (self.memory + n)
-            cov = n11 - a * (n1 + n11 + n01) + n * a * a  # sum of (x − a)(y − a) over the pairs
-            sums = self.persistence[j]
-            sums[0] = fade * sums[0] + cov
-            sums[1] = fade * sums[1] + n * _spread(a)
-        self._rho = None
 
 
 def _fade_in(
@@ -244,8 +184,3 @@ def _fade_in(
     fade = memory / (memory + new_trials)
     matches[j] = fade * matches[j] + new_matches
     trials[j] = fade * trials[j] + new_trials
-
-
-def _spread(alpha: float) -> float:
-    """Variance of one agreement bit, floored so that a depth that always (or never) agrees stays finite."""
-    return max(alpha * (1.0 - alpha), 0.01)

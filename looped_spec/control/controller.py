@@ -161,8 +161,7 @@ class AdaptiveController(FixedController):
         self.buckets = buckets
         self._table = BucketTable(buckets, s.bucket_stickiness)
         self._bucket = -1
-        self._measure_in = 0  # rounds until the next measured pair of rounds
-        self._pair_left = 0  # measured rounds still to come in the current pair
+        self._measure_in = 0  # rounds until the next measured round
         self._far_drift_told = False
         # plain rounds beside a speculative plan, pricing speculation against plain on this machine (goodput only;
         # docs/adaptive.md "Prices on another machine")
@@ -187,27 +186,28 @@ class AdaptiveController(FixedController):
             self._bucket = bucket
         k, d, candidate = self.policy.select(bucket, batch_size, context)
         event = self.policy.last_event
-        measure = self._measure_in <= 0 or self._pair_left > 0
+        measure = self._measure_in <= 0
         probe = self._probes and self.buckets[bucket].may_run_plain and self.cost.ordinary_rounds  # rounds are timed
-        if k > 0 and probe and not measure:
-            self._probe_in -= 1
-            last = self._last_ordinary
-            # right after a speculative round of the same bucket (a batch of about its size), and not in a round the
-            # policy just decided (its decision stays in the trace; the probe comes a round later)
-            beside = last is not None and last[0] == self.num_plans - 1 and last[1] == bucket and last[2][0] > 0
-            if self._probe_in <= 0 and event is None and beside:
-                # the first pairs come quickly (the profile's price counts as PRICE_PRIOR of them), then at the pace
-                fast = self.cost.price_pairs < 2 * PRICE_PRIOR
-                self._probe_plan = self.num_plans
-                interval = self.settings.price_probe_interval
-                self._probe_in = min(FAST_PROBES, interval) if fast else interval
-                event = f"price probe: one plain round beside (K={k}, d={d})"  # the policy's plan stays in use
-                k, d, candidate = 0, 0, self.buckets[bucket].plain_candidate
-        if self._pair_left > 0:
-            self._pair_left -= 1
-        elif measure:  # two rounds in a row read out: pairs of consecutive positions for the persistence
-            self._measure_in = 2 * self._readout_interval(k, d, batch_size, context, self.policy.outlook(bucket))
-            self._pair_left = 1
+        if k > 0 and probe:
+            if not measure:
+                self._probe_in -= 1
+            # a probe is due: it and the speculative round before it are both ordinary (a measured round waits for
+            # them), and it does not run in a round the policy just decided (the decision stays in the trace)
+            if self._probe_in <= 0 and event is None:
+                measure = False
+                last = self._last_ordinary
+                # right after an ordinary speculative round of the same bucket (a batch of about its size)
+                beside = last is not None and last[0] == self.num_plans - 1 and last[1] == bucket and last[2][0] > 0
+                if beside:
+                    # the first pairs come quickly (the profile's price counts as PRICE_PRIOR of them), then at pace
+                    fast = self.cost.price_pairs < 2 * PRICE_PRIOR
+                    self._probe_plan = self.num_plans
+                    interval = self.settings.price_probe_interval
+                    self._probe_in = min(FAST_PROBES, interval) if fast else interval
+                    event = f"price probe: one plain round beside (K={k}, d={d})"  # the policy's plan stays in use
+                    k, d, candidate = 0, 0, self.buckets[bucket].plain_candidate
+        if measure:
+            self._measure_in = self._readout_interval(k, d, batch_size, context, self.policy.outlook(bucket))
         self._measure_in -= 1
         return SpeculationPlan(self.num_plans, k, d, bucket, candidate, measure), event
 
@@ -249,8 +249,8 @@ class AdaptiveController(FixedController):
             return
         log_ratio = math.log(fb.seconds / profile)
         last = self._last_ordinary
-        if fb.depth_trials:  # a measured round: beside the last ordinary round of its bucket and plan, one or two back
-            if last is not None and fb.plan_id - last[0] <= 2 and last[1:3] == (fb.bucket, plan):
+        if fb.depth_trials:  # a measured round: beside the ordinary round of its bucket and plan just before it
+            if last is not None and last[0] == fb.plan_id - 1 and last[1:3] == (fb.bucket, plan):
                 self.cost.observe_measured_pair(log_ratio, last[3])
             return
         self.cost.observe(fb.seconds, profile, k > 0)

@@ -44,19 +44,12 @@ class RoundFeedback:
     # [D]: over the committed positions, how often a greedy readout at depth j+1 agreed with the committed token
     depth_matches: list[int] = field(default_factory=list)
     depth_trials: list[int] = field(default_factory=list)
-    # [D]: over consecutive committed positions of a request, [n1, n11, n0, n01] (the earlier position agreed, both
-    # did, the earlier did not, only the later did)
-    depth_pairs: list[list[int]] = field(default_factory=list)
     # the requests of num_proposed, num_accepted, ... below (on loop passes a request that ran two rounds under the
     # plan is named once per round)
     request_ids: list[str] = field(default_factory=list)
     # per request of a measured round, [D] matches over its committed positions, and how many it committed
     request_matches: list[list[int]] = field(default_factory=list)
     request_trials: list[int] = field(default_factory=list)
-    # per request, its first and last committed position's agreement as a bit mask (bit j: depth j+1), for the
-    # pairs across two measured rounds
-    first_bits: list[int] = field(default_factory=list)
-    last_bits: list[int] = field(default_factory=list)
     exit_depths: list[int] = field(default_factory=list)  # each committed token's readout depth if any exits early
     exit_skips: bool = False  # early exit in skip mode: the loops after an exit were not run
 

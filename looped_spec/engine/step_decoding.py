@@ -135,12 +135,9 @@ def finish_round(
         draft_seconds=result.draft_time,
         depth_matches=result.depth_matches,
         depth_trials=result.depth_trials,
-        depth_pairs=result.depth_pairs,
         request_ids=[r.request_id for r in requests],
         request_matches=result.request_matches,
         request_trials=result.request_trials,
-        first_bits=result.first_bits,
-        last_bits=result.last_bits,
         exit_depths=exit_depths,
         exit_skips=engine.runner.exit_mode == "skip",
     )

@@ -108,8 +108,7 @@ class Finisher:
             agreement = None
             if done[j].preds is not None:  # measured (at full depth): depths 1..D-1 on the way, D here
                 agreement = torch.stack([*done[j].preds, full[j : j + 1]]) == sampled[j]  # [D, 1]
-            out.finish(it.request, [token], 0, 0, [depth] if it.request.exits_early else [], entry, it.position,
-                       agreement)  # fmt: skip
+            out.finish(it.request, [token], 0, 0, [depth] if it.request.exits_early else [], entry, agreement)
 
     def drafts(self, done: list[Item], ctx, items: list[Item], out: Finished) -> list[Item]:
         """Drafts at depth d (or at their exit, under early exit): keep the loop-d state; draw the next draft, or hand
@@ -236,7 +235,7 @@ class Finisher:
                 lo = it.position - r.start
                 depths = [r.exits[j] if j < lo else it.row_exits[j - lo] for j in range(len(tokens))]
             checked = [not x for x in row[: r.k]]  # drafts the target checked (not drawn from its own readout)
-            out.finish(it.request, tokens, r.k, len(tokens) - 1, depths, entry, r.start, agreement,
+            out.finish(it.request, tokens, r.k, len(tokens) - 1, depths, entry, agreement,
                        sum(checked), sum(checked[: len(tokens) - 1]))  # fmt: skip
 
     def _target_logits(self, done: list[Item], ctx, items: list[Item]) -> torch.Tensor:
@@ -273,7 +272,6 @@ class Finished:
         self.accepted: list[int] = []
         self.exit_depths: list[list[int]] = []
         self.logprobs: list[list[TokenLogprob]] = []
-        self.starts: list[int] = []
         self.agreement: list[torch.Tensor | None] = []
         self.prefilled: list[Request] = []
         self.chunk_lens: list[int] = []
@@ -287,14 +285,13 @@ class Finished:
 
     def finish(
         self, request: Request, tokens: list[int], proposed: int, accepted: int, depths: list[int],
-        logprobs: list[TokenLogprob] | None, start: int, agreement: torch.Tensor | None,
+        logprobs: list[TokenLogprob] | None, agreement: torch.Tensor | None,
         verified_proposed: int | None = None, verified_accepted: int | None = None,
     ) -> None:  # fmt: skip
         """A finished token or round; `verified_*`: the drafts the target checked (None: every draft)."""
         self.verified_proposed.append(proposed if verified_proposed is None else verified_proposed)
         self.verified_accepted.append(accepted if verified_accepted is None else verified_accepted)
         self.logprobs.append(logprobs or [])
-        self.starts.append(start)
         self.agreement.append(agreement)
         self.finished.append(request)
         self.tokens.append(tokens)
@@ -319,7 +316,7 @@ class Finished:
         first_exits = self.first_exit_depths if any(self.first_exit_depths) else None
         return PassResult(self.requests, self.finished, self.tokens, self.proposed, self.accepted, exit_depths,
                           self.items, self.next_drafts, positions, entered, loops, captured, stages, logprobs,
-                          self.starts, self.agreement, self.prefilled, self.chunk_lens, self.first_tokens,
+                          self.agreement, self.prefilled, self.chunk_lens, self.first_tokens,
                           first_logprobs, first_exits, self.verified_proposed, self.verified_accepted)  # fmt: skip
 
 

@@ -198,9 +198,8 @@ class PassResult:
     stage_seconds: dict[str, float]  # "embed" (entering tokens), "loops", "finish" (readouts, draws, acceptance)
     # per finished request, its committed tokens' log-probability entries ([] if it did not ask); None if none did
     logprobs: list[list[TokenLogprob]] | None = None
-    # per finished request, the position its round started at, and for a measured round [D, committed] whether
-    # each depth's greedy readout agreed with each committed token (None: not measured)
-    starts: list[int] = field(default_factory=list)
+    # per finished request of a measured round, [D, committed] whether each depth's greedy readout agreed with each
+    # committed token (None: not measured)
     agreement: list[torch.Tensor | None] = field(default_factory=list)
     # prompt chunks the pass finished: their requests, the chunk lengths, each one's first token ([] unless the chunk
     # ends the prompt) and its log-probability entries (None if no request asked)

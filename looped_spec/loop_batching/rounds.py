@@ -9,9 +9,8 @@ last one reports again for the later ones — with what a step round reports exc
 plans share the passes, so no plan's round time is observed and the pass-cost model's drift factor does not learn
 on loop passes (docs/architecture.md, "Loop-level batching").
 
-A measured round's requests report [D, committed] agreement (`PassResult.agreement`). Consecutive positions pair
-within a round, and across two measured rounds of one request when the second starts where the first ended, so
-the persistence ρ is learned as in the step engine (where the controller pairs rounds through bit masks).
+A measured round's requests report [D, committed] agreement (`PassResult.agreement`), summed per plan and kept per
+request, as a step round reports it.
 """
 
 from __future__ import annotations
@@ -23,7 +22,7 @@ import torch
 
 from looped_spec.control.plan import RoundFeedback, SpeculationPlan, round_feedback
 from looped_spec.loop_batching.items import PassResult
-from looped_spec.request import Request, RequestStatus, mean_context
+from looped_spec.request import Request, mean_context
 
 
 @dataclass
@@ -43,7 +42,6 @@ class _Open:
     trials: int = 0  # measured positions
     request_matches: list[list[int]] = field(default_factory=list)  # per finished request: [D] matches, ...
     request_trials: list[int] = field(default_factory=list)  # ... out of its committed positions (0: not measured)
-    pairs: torch.Tensor | None = None  # [D, 4] n1, n11, n0, n01 over consecutive measured positions
 
 
 class LoopRounds:
@@ -54,8 +52,6 @@ class LoopRounds:
         self.exit_skips = exit_skips
         self._open: dict[int, _Open] = {}
         self._plan_of: dict[str, int] = {}  # request id -> the plan its round runs under
-        # request id -> (the request, where its next round starts, [D] agreement of its last measured position)
-        self._last: dict[str, tuple[Request, int, torch.Tensor]] = {}
         self._plan: tuple[SpeculationPlan, int, float] | None = None  # the plan in use, its batch size and context
         self._plan_left = 0  # request rounds the plan in use still serves
         self.abandoned: list[SpeculationPlan] = []  # plans that will report nothing (`take_abandoned`)
@@ -110,7 +106,8 @@ class LoopRounds:
             entry.exit_depths.extend(depths[:tokens] if depths else [self.depth] * tokens)
             agreement = result.agreement[i] if result.agreement else None
             if agreement is not None:
-                self._count(entry, request, result.starts[i], agreement)
+                entry.matches = agreement.sum(1) if entry.matches is None else entry.matches + agreement.sum(1)
+                entry.trials += agreement.shape[1]
             entry.request_matches.append([0] * self.depth if agreement is None else agreement.sum(1).tolist())
             entry.request_trials.append(0 if agreement is None else agreement.shape[1])
         for request_id, plan_id in list(self._plan_of.items()):
@@ -118,7 +115,6 @@ class LoopRounds:
                 del self._plan_of[request_id]
                 self._open[plan_id].members.discard(request_id)
                 touched.add(plan_id)
-        self._last = {i: last for i, last in self._last.items() if last[0].status is RequestStatus.RUNNING}
         feedback = []
         for plan_id in sorted(touched):
             entry = self._open[plan_id]
@@ -136,19 +132,6 @@ class LoopRounds:
         plans, self.abandoned = self.abandoned, []
         return plans
 
-    def _count(self, entry: _Open, request: Request, start: int, agreement: torch.Tensor) -> None:
-        """A measured round's agreement: matches and trials per depth, and pairs of consecutive positions (with the
-        request's previous measured position when that round ended where this one starts)."""
-        last = self._last.get(request.request_id)
-        columns = agreement if last is None or last[1] != start else torch.cat([last[2][:, None], agreement], 1)
-        earlier, later = columns[:, :-1], columns[:, 1:]
-        pairs = torch.stack([earlier.sum(1), (earlier & later).sum(1), (~earlier).sum(1), (~earlier & later).sum(1)], 1)
-        matches = agreement.sum(1)
-        entry.matches = matches if entry.matches is None else entry.matches + matches
-        entry.pairs = pairs if entry.pairs is None else entry.pairs + pairs
-        entry.trials += agreement.shape[1]
-        self._last[request.request_id] = (request, start + agreement.shape[1], agreement[:, -1])
-
     def _feedback(self, entry: _Open) -> RoundFeedback:
         measured = entry.matches is not None
         return round_feedback(
@@ -160,7 +143,6 @@ class LoopRounds:
             seconds=0.0,  # not observed on loop passes (module docstring)
             depth_matches=entry.matches.tolist() if measured else (),
             depth_trials=[entry.trials] * self.depth if measured else (),
-            depth_pairs=entry.pairs.tolist() if measured else (),
             request_ids=entry.request_ids,
             request_matches=entry.request_matches if measured else (),
             request_trials=entry.request_trials if measured else (),

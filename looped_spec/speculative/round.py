@@ -36,12 +36,6 @@ class RoundResult:
     decode_time: float = 0.0  # plain rounds: the full-depth decode and the sample
     depth_matches: list[int] = field(default_factory=list)  # per depth 1..D
     depth_trials: list[int] = field(default_factory=list)
-    # per depth, over consecutive committed positions of a request: [n1, n11, n0, n01] (the earlier position
-    # agreed / both did / it did not / only the later did), and each request's first and last committed position's
-    # agreement as a bit mask (bit j: depth j+1), so pairs across two measured rounds can be counted too
-    depth_pairs: list[list[int]] = field(default_factory=list)
-    first_bits: list[int] = field(default_factory=list)
-    last_bits: list[int] = field(default_factory=list)
     # per request, [D] matches over its committed positions, and how many it committed
     request_matches: list[list[int]] = field(default_factory=list)
     request_trials: list[int] = field(default_factory=list)
@@ -215,29 +209,11 @@ class SpeculativeRound:
 
 def _agreement_counts(result: RoundResult, agree: torch.Tensor, num_accepted: torch.Tensor) -> None:
     """Fill the result's depth agreement: `agree` [D, R, W] per committed position j <= num_accepted[r] of each
-    request (the caller's order): matches and trials per depth, in all and per request, pairs of consecutive
-    positions, first and last positions' bit masks."""
+    request (the caller's order): per request its matches per depth and its committed positions, and their totals."""
     depth, _, width = agree.shape
-    device = agree.device
-    positions = torch.arange(width, device=device)
-    num_accepted = num_accepted.to(device)
-    valid = positions[None, :] <= num_accepted[:, None]  # [R, W]
+    valid = torch.arange(width, device=agree.device)[None, :] <= num_accepted.to(agree.device)[:, None]  # [R, W]
     per_request = (agree & valid[None]).sum(dim=2)  # [D, R]
-    hits = per_request.sum(dim=1)
-    prev, cur, both = agree[:, :, :-1], agree[:, :, 1:], valid[:, 1:][None]  # a pair: both positions committed
-    pairs = torch.stack([(prev & both).sum((1, 2)), (prev & cur & both).sum((1, 2)),
-                         (~prev & both).sum((1, 2)), (~prev & cur & both).sum((1, 2))])  # fmt: skip
-    counts, pair_rows = torch.cat([hits, valid.sum()[None]]).tolist(), pairs.tolist()
-    result.depth_matches, result.depth_trials = counts[:-1], [counts[-1]] * depth
-    result.depth_pairs = [list(column) for column in zip(*pair_rows)]
-    rows = torch.cat([per_request, valid.sum(dim=1)[None]]).T.tolist()  # [R, D + 1]
+    rows = torch.cat([per_request, valid.sum(dim=1)[None]]).T.tolist()  # [R, D + 1], one copy to the host
     result.request_matches, result.request_trials = [row[:-1] for row in rows], [row[-1] for row in rows]
-    if depth <= MASK_DEPTHS:
-        weights = (2 ** torch.arange(depth, device=device, dtype=torch.long))[:, None]  # bit j: depth j+1
-        first = (agree[:, :, 0].long() * weights).sum(0)
-        last = (agree.gather(2, num_accepted[None, :, None].expand(depth, -1, 1))[:, :, 0].long() * weights).sum(0)
-        result.first_bits, result.last_bits = first.tolist(), last.tolist()
-
-
-#: Depths a bit mask of one position's agreement holds (an int64); deeper models count pairs within rounds only
-MASK_DEPTHS = 62
+    result.depth_matches = [sum(column) for column in zip(*result.request_matches)]
+    result.depth_trials = [sum(result.request_trials)] * depth
