@@ -249,6 +249,18 @@ def test_ema_policy_moves_off_and_back_on_acceptance():
     assert Counter(k > 0 for k, _ in good[100:])[True] >= 190  # on again and staying on
 
 
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_ema_comes_back_soon_after_the_text_gets_easier(seed):
+    """Off for long on text where drafts are rejected, the backoff has grown to hundreds of rounds; the readouts see
+    the easy text and call a probe within tens of rounds (17-30 here; waiting for the backoff's probe: 395)."""
+    cfg = preset()
+    workload = Workload(PassCost(cfg.cost, DEPTH), noise=0.05, seed=seed)
+    _, back = workload.run(AdaptiveController(cfg, DEPTH, "ema"), [Phase(8, RANDOM, 600), Phase(8, CODE, 300)])
+    first_spec = next(i for i, (k, _) in enumerate(back) if k > 0)
+    assert first_spec <= 60, first_spec
+    assert Counter(k > 0 for k, _ in back[100:])[True] >= 190  # and stays on
+
+
 def test_ema_probing_survives_a_probe_round_that_reports_nothing():
     """A probe round that never runs (its requests preempted first, or its step failed and committed nothing) is
     abandoned and planned again: speculation comes back on the easy text as when no round is lost."""
