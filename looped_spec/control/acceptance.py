@@ -57,8 +57,9 @@ class AcceptanceEstimator:
     ) -> None:
         alpha = list(prior_alpha) if prior_alpha is not None else [0.0] * depth
         rho = list(prior_rho) if prior_rho is not None and prior_alpha is not None else [0.0] * depth
-        if len(alpha) != depth or len(rho) != depth:
-            raise ValueError(f"acceptance prior has {len(alpha)} depths, the model {depth}")
+        for name, values in (("alpha", alpha), ("rho", rho)):
+            if len(values) != depth:
+                raise ValueError(f"acceptance prior has {len(values)} depths of {name}, the model {depth}")
         weight = prior_weight if prior_alpha is not None else 0.0
         self.depth = depth
         self.memory = memory
