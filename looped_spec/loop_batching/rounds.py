@@ -105,10 +105,11 @@ class LoopRounds:
             entry.exits = entry.exits or bool(depths)
             entry.exit_depths.extend(depths[:tokens] if depths else [self.depth] * tokens)
             agreement = result.agreement[i] if result.agreement else None
-            if agreement is not None:
-                entry.matches = agreement.sum(1) if entry.matches is None else entry.matches + agreement.sum(1)
+            own = None if agreement is None else agreement.sum(1)  # [D] the request's matches per depth
+            if own is not None:
+                entry.matches = own if entry.matches is None else entry.matches + own
                 entry.trials += agreement.shape[1]
-            entry.request_matches.append([0] * self.depth if agreement is None else agreement.sum(1).tolist())
+            entry.request_matches.append([0] * self.depth if own is None else own.tolist())
             entry.request_trials.append(0 if agreement is None else agreement.shape[1])
         for request_id, plan_id in list(self._plan_of.items()):
             if request_id not in in_flight:  # left its round unfinished: it reports nothing
