@@ -9,8 +9,12 @@ price of the plan at the batch size it had, times a log-normal noise (`--noise`,
 `--speculative-price` for a speculative round (a machine where speculation costs more next to plain than the
 profile says: ~1.06 on this project's CPU for the shipped presets), and a measured round takes its readouts and
 `--measure-overhead` of the round more (the agreement bookkeeping: ~0.12 of a round for the tiny models on this
-CPU). Printed per batch size and configuration: tokens per priced second ÷ plain's, the mean over seeds [min–max],
-the shares of speculative and of measured rounds, and the plans run most.
+CPU). `--price-table` (a table written by `plan_prices.py`) charges each plan instead its own measured price against
+plain at the nearest batch size measured (a plan not in the table: the nearest one measured at that batch size, by
+draft depth, then K): a machine whose relative prices of plans are not the profile's, as this one's are not (docs/
+benchmarking.md, "Each plan's price on this machine"). Printed per batch size and configuration: tokens per priced
+second ÷ plain's, the mean over seeds [min–max], the shares of speculative and of measured rounds, and the plans run
+most.
 
 `--prompts prose,code` switches the text every `--switch-every` batches, group after group, so that how soon a
 setting follows a change of text shows too.
@@ -26,8 +30,10 @@ its acceptance estimates (and the price, when set) can be wrong. A setting chose
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import random
+import re
 import statistics
 import sys
 from pathlib import Path
@@ -49,15 +55,33 @@ from bench_speculative import ROTATION_STRIDE, adaptive_name, parse_policies, ro
 
 
 class Machine:
-    """A round's seconds: the profile's price, a speculative round's times `speculative_price`, a measured round's plus
-    its readouts and `measure_overhead` of the round, times a log-normal noise of sd `noise`."""
+    """A round's seconds: the profile's price, a speculative round's times `speculative_price` (or its plan's price in
+    `prices`, "K,d@B" -> measured ÷ profile against plain), a measured round's plus its readouts and
+    `measure_overhead` of the round, times a log-normal noise of sd `noise`."""
 
-    def __init__(self, cost: PassCost, noise: float, speculative_price: float, measure_overhead: float, seed: int):
+    def __init__(
+        self, cost: PassCost, noise: float, speculative_price: float, measure_overhead: float, seed: int,
+        prices: dict[str, float] | None = None,
+    ) -> None:  # fmt: skip
         self.cost, self.noise, self.rng = cost, noise, random.Random(seed)
         self.speculative_price, self.measure_overhead = speculative_price, measure_overhead
+        self.table: dict[int, dict[tuple[int, int], float]] = {}  # batch size -> plan -> price
+        for key, price in (prices or {}).items():
+            plan, batch = key.split("@")
+            k, d = (int(x) for x in plan.split(","))
+            self.table.setdefault(int(batch), {})[k, d] = float(price)
+
+    def price(self, k: int, d: int, batch: int) -> float:
+        """A speculative round's price against plain: the table's at the nearest batch size it measured (in log), its
+        plan or the nearest one measured there (by draft depth, then K); `speculative_price` without a table."""
+        if not self.table:
+            return self.speculative_price
+        near = min(self.table, key=lambda b: (abs(math.log(b / max(batch, 1))), b))
+        plans = self.table[near]
+        return plans[min(plans, key=lambda p: (abs(p[1] - d), abs(p[0] - k), p))]
 
     def seconds(self, k: int, d: int, batch: int, context: float, measured: bool) -> float:
-        seconds = self.cost.seconds(k, d, batch, context) * (self.speculative_price if k else 1.0)
+        seconds = self.cost.seconds(k, d, batch, context) * (self.price(k, d, batch) if k else 1.0)
         if measured:
             seconds = seconds * (1.0 + self.measure_overhead) + self.cost.measure_seconds(k, d, batch)
         return seconds * math.exp(self.rng.gauss(0.0, self.noise))
@@ -128,6 +152,26 @@ def rotating_batches(
     return out
 
 
+def read_price_table(path: Path, model: str, error) -> dict[str, float]:
+    """The prices of a `plan_prices.py --out` table for `model`; `error(message)` (naming the file) when it cannot
+    be read, is for another model, or holds no price."""
+    try:
+        table = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as err:
+        error(f"--price-table {path}: cannot read it as JSON ({err})")
+    if not isinstance(table, dict) or table.get("model") != model:
+        error(f"--price-table {path}: a table for model {table.get('model') if isinstance(table, dict) else None!r}, "
+              f"not {model!r}")  # fmt: skip
+    prices = table.get("prices")
+    keys_ok = isinstance(prices, dict) and all(
+        isinstance(k, str) and re.fullmatch(r"\d+,\d+@\d+", k) and isinstance(v, (int, float)) and v > 0
+        for k, v in prices.items()
+    )
+    if not keys_ok or not prices:
+        error(f"--price-table {path}: 'prices' must map \"K,d@B\" to a positive price, and hold at least one")
+    return prices
+
+
 def main(argv: list[str] | None = None) -> dict[int, dict[str, list[float]]]:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="tiny-ouro")
@@ -142,6 +186,7 @@ def main(argv: list[str] | None = None) -> dict[int, dict[str, list[float]]]:
     ap.add_argument("--seeds", type=int, default=4)
     ap.add_argument("--noise", type=float, default=0.05, help="sd of a round's log-normal time noise")
     ap.add_argument("--speculative-price", type=float, default=1.0)
+    ap.add_argument("--price-table", type=Path, help="plan_prices.py --out: each plan's measured price against plain")
     ap.add_argument("--measure-overhead", type=float, default=0.12)
     ap.add_argument("--context", type=float, default=150.0, help="mean context the rounds are priced at")
     args = ap.parse_args(argv)
@@ -160,6 +205,7 @@ def main(argv: list[str] | None = None) -> dict[int, dict[str, list[float]]]:
     torch.set_num_threads(1)
     adapter = load_adapter(args.model)
     depth = adapter.full_depth
+    prices = read_price_table(args.price_table, adapter.name, ap.error) if args.price_table else None
     grid = parse_grid(args.grid, depth, allow_none=True)
     sizes = parse_batch_sizes(args.batch_sizes)
     preset = load_preset(adapter.name, depth, args.preset)
@@ -180,8 +226,9 @@ def main(argv: list[str] | None = None) -> dict[int, dict[str, list[float]]]:
             bits[d].extend(rows)
     switching = f", switching every {args.switch_every} batches" if len(groups) > 1 else ""
     described = "; ".join(described) + switching
+    price = f"plan prices of {args.price_table}" if prices else f"speculative price {args.speculative_price}"
     print(f"{adapter.name} D={depth}; {described}; {args.max_tokens} tokens; priced by preset {preset.model!r} "
-          f"({preset.hardware}); noise {args.noise}, {args.seeds} seeds, speculative price {args.speculative_price}, "
+          f"({preset.hardware}); noise {args.noise}, {args.seeds} seeds, {price}, "
           f"measure overhead {args.measure_overhead}")  # fmt: skip
 
     def controllers():
@@ -202,7 +249,7 @@ def main(argv: list[str] | None = None) -> dict[int, dict[str, list[float]]]:
         for name, make in controllers():
             runs = []
             for seed in range(args.seeds):
-                machine = Machine(cost, args.noise, args.speculative_price, args.measure_overhead, seed)
+                machine = Machine(cost, args.noise, args.speculative_price, args.measure_overhead, seed, prices)
                 runs.append(drive(make(), bits, batches, machine, args.context))
             rates[name] = [r["tokens"] / r["seconds"] for r in runs]
             ratios = [x / p for x, p in zip(rates[name], rates["plain"])]

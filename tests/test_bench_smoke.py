@@ -648,3 +648,42 @@ def test_replay_controller_switches_prompt_groups_every_few_batches():
     batches = load_script("replay_controller").rotating_batches(5, 2, offsets=[0, 10], counts=[10, 3], switch_every=2)
     # batches 0, 1 from the first group (indices 0..9), 2, 3 from the second (10..12), 4 from the first again
     assert batches == [[0, 1], [7, 8], [10 + 14 % 3, 10 + 15 % 3], [10 + 21 % 3, 10 + 22 % 3], [8, 9]]
+
+
+def test_plan_prices_writes_a_table_the_replay_charges(tmp_path, capsys):
+    """plan_prices.py times each plan's rounds next to plain's and writes "K,d@B" -> price; replay_controller.py
+    --price-table charges each plan its price at the nearest batch size measured, a plan not measured its nearest
+    one's (by draft depth, then K); a table for another model is refused, naming the file."""
+    out = tmp_path / "prices.json"
+    table = load_script("plan_prices").main(
+        ["--model", FIXTURE, "--prompts", "random", "--grid", "1,1;2,2", "--batch-sizes", "1,2", "--tokens", "12",
+         "--repeats", "2", "--out", str(out)]
+    )  # fmt: skip
+    assert json.loads(out.read_text()) == table and table["model"] == "ouro-tiny"
+    assert set(table["prices"]) == {"1,1@1", "1,1@2", "2,2@1", "2,2@2"}
+    assert all(p > 0.0 for p in table["prices"].values()) and table["rounds"]["0,0@1"] >= 3
+    assert "1,1" in capsys.readouterr().out
+    replay = load_script("replay_controller")
+    args = ["--model", FIXTURE, "--prompts", "random", "--batch-sizes", "2", "--grid", "1,1", "--max-tokens", "6"]
+    results = replay.main([*args, "--batches", "2", "--seeds", "1", "--price-table", str(out)])
+    assert min(min(rates) for rates in results[2].values()) > 0.0
+
+    class Cost:
+        def seconds(self, k, d, b, context):
+            return 1.0
+
+        def measure_seconds(self, k, d, b):
+            return 0.0
+
+    prices = {"1,1@1": 1.5, "3,1@1": 1.25, "1,2@8": 0.75, "3,3@8": 0.5}
+    machine = replay.Machine(Cost(), noise=0.0, speculative_price=9.0, measure_overhead=0.0, seed=0, prices=prices)
+    assert machine.seconds(1, 1, 2, 100.0, False) == 1.5  # B = 2 is nearer 1 than 8
+    assert machine.seconds(4, 1, 1, 100.0, False) == 1.25  # not measured: depth 1, K 3 the nearest
+    assert machine.seconds(2, 1, 1, 100.0, False) == 1.5  # K 1 and 3 equally near: the smaller
+    assert machine.seconds(2, 2, 6, 100.0, False) == 0.75 and machine.seconds(0, 0, 6, 100.0, False) == 1.0
+    assert machine.seconds(1, 3, 32, 100.0, False) == 0.5
+    other = tmp_path / "other.json"
+    other.write_text(json.dumps({**table, "model": "tiny-ouro"}))
+    with pytest.raises(SystemExit):
+        replay.main(["--model", FIXTURE, "--prompts", "random", "--price-table", str(other)])
+    assert str(other) in capsys.readouterr().err

@@ -167,7 +167,8 @@ class AdaptiveController(FixedController):
         # docs/adaptive.md "Prices on another machine")
         self._probes = policy == "goodput"
         self._probe_in = s.price_probe_interval
-        self._probe_plan = -1  # the plan id of the plain round in flight beside a speculative plan
+        self._probe_plan = -1  # the plan id of the price probe in flight
+        self._rival_turn = False  # beside a speculative plan, probes alternate: plain, a rival, plain, ...
         # the last ordinary round (a measured round's and a price probe's partner): (plan id, bucket, (K, d),
         # log measured ÷ profile seconds)
         self._last_ordinary: tuple[int, int, tuple[int, int], float] | None = None
@@ -188,28 +189,48 @@ class AdaptiveController(FixedController):
         event = self.policy.last_event
         measure = self._measure_in <= 0
         probe = self._probes and self.buckets[bucket].may_run_plain and self.cost.ordinary_rounds  # rounds are timed
-        if k > 0 and probe:
-            if not measure:
-                self._probe_in -= 1
-            # a probe is due: it and the speculative round before it are both ordinary (a measured round waits for
-            # them), and it does not run in a round the policy just decided (the decision stays in the trace)
-            if self._probe_in <= 0 and event is None:
-                measure = False
+        if probe and not measure:
+            self._probe_in -= 1
+        # a probe is due, in a round the policy did not just decide (the decision stays in the trace)
+        if probe and self._probe_in <= 0 and event is None:
+            rival = self._rival(bucket, k, d)
+            if k == 0 and rival is None:  # plain, and no speculative option near it: nothing to price
+                self._probe_in = self.settings.price_probe_interval
+            else:
+                measure = False  # the probe and the round before it are both ordinary (a measured round waits)
                 last = self._last_ordinary
-                # right after an ordinary speculative round of the same bucket (a batch of about its size)
-                beside = last is not None and last[0] == self.num_plans - 1 and last[1] == bucket and last[2][0] > 0
-                if beside:
-                    # the first pairs come quickly (the profile's price counts as PRICE_PRIOR of them), then at pace
-                    fast = self.cost.price_pairs < 2 * PRICE_PRIOR
-                    self._probe_plan = self.num_plans
-                    interval = self.settings.price_probe_interval
-                    self._probe_in = min(FAST_PROBES, interval) if fast else interval
-                    event = f"price probe: one plain round beside (K={k}, d={d})"  # the policy's plan stays in use
-                    k, d, candidate = 0, 0, self.buckets[bucket].plain_candidate
+                # right after an ordinary round of this plan in the same bucket (a batch of about its size)
+                if last is not None and last[0] == self.num_plans - 1 and last[1] == bucket and last[2] == (k, d):
+                    event, (k, d), candidate = self._probe_plan_beside(bucket, k, d, rival)
         if measure:
             self._measure_in = self._readout_interval(k, d, batch_size, context, self.policy.outlook(bucket))
         self._measure_in -= 1
         return SpeculationPlan(self.num_plans, k, d, bucket, candidate, measure), event
+
+    def _rival(self, bucket: int, k: int, d: int) -> tuple[int, int] | None:
+        """The speculative option to price beside (K, d) in `bucket`, if any: beside a speculative plan, once that
+        plan's own price was read `PRICE_PRIOR` times."""
+        if k > 0 and self.cost.own_pairs((bucket, k, d)) < PRICE_PRIOR:
+            return None
+        return self.policy.rival(bucket, 2 * PRICE_PRIOR)
+
+    def _probe_plan_beside(
+        self, bucket: int, k: int, d: int, rival: tuple[int, int] | None
+    ) -> tuple[str, tuple[int, int], int]:
+        """The price probe beside the plan in use (K, d): a plain round, or `rival`'s (every other probe beside a
+        speculative plan, every probe beside plain); its event, plan and candidate index. The first pairs come
+        quickly (the profile's price counts as PRICE_PRIOR of them), and so do probes beside plain, then at pace."""
+        interval = self.settings.price_probe_interval
+        fast = self.cost.price_pairs < 2 * PRICE_PRIOR or k == 0
+        self._probe_in = min(FAST_PROBES, interval) if fast else interval
+        self._probe_plan = self.num_plans
+        self._rival_turn = not self._rival_turn
+        beside = f"(K={k}, d={d})" if k else "plain"
+        if rival is not None and (k == 0 or self._rival_turn):
+            candidate = self.policy.candidate[bucket][self.policy.options.index(rival)]
+            return f"price probe: one (K={rival[0]}, d={rival[1]}) round beside {beside}", rival, candidate
+        # the policy's plan stays in use
+        return f"price probe: one plain round beside {beside}", (0, 0), self.buckets[bucket].plain_candidate
 
     def _readout_interval(self, k: int, d: int, batch: int, context: float, outlook: float) -> int:
         """Rounds per measured round (docs/adaptive.md "Which rounds read out"): the position target (a measured round
@@ -237,8 +258,10 @@ class AdaptiveController(FixedController):
     def _observe_seconds(self, fb: RoundFeedback) -> None:
         """The round's time, as log(measured ÷ profile seconds): an ordinary round moves the drift factor; a measured
         one, with the ordinary round of its plan just before it, what measuring adds (the learned price, the same on
-        both, cancels: it moves only at a probe, which would be the round between them); a price probe (a plain
-        round), with the speculative round just before it, the price of speculation."""
+        both, cancels: it moves only at a probe, which would be the round between them); a price probe, with the
+        round of the plan in use just before it, a speculative plan's price against plain: plain beside a speculative
+        plan prices that plan, a speculative option beside plain that option, and a rival beside a speculative plan
+        the rival, through the plan's own price."""
         probe = fb.plan_id == self._probe_plan
         if probe:
             self._probe_plan = -1
@@ -253,10 +276,17 @@ class AdaptiveController(FixedController):
             if last is not None and last[0] == fb.plan_id - 1 and last[1:3] == (fb.bucket, plan):
                 self.cost.observe_measured_pair(log_ratio, last[3])
             return
-        self.cost.observe(fb.seconds, profile, k > 0)
+        key = (fb.bucket, *plan)
+        self.cost.observe(fb.seconds, profile, k > 0, key)
         self._tell_far_drift()
-        if probe and last is not None and last[0] == fb.plan_id - 1 and last[1] == fb.bucket and last[2][0] > 0:
-            self.cost.observe_pair(last[3], log_ratio, self.settings.price_memory)
+        if probe and last is not None and last[0] == fb.plan_id - 1 and last[1] == fb.bucket and last[2] != plan:
+            memory, in_use = self.settings.price_memory, (fb.bucket, *last[2])
+            if k == 0:  # plain beside the plan in use
+                self.cost.observe_pair(last[3], log_ratio, memory, in_use)
+            elif last[2][0] == 0:  # a speculative option beside plain
+                self.cost.observe_pair(log_ratio, last[3], memory, key)
+            else:  # a rival beside the speculative plan in use
+                self.cost.observe_rival(log_ratio, last[3], memory, key, in_use)
         self._last_ordinary = (fb.plan_id, fb.bucket, plan, log_ratio)
 
     def _tell_far_drift(self) -> None:
@@ -270,7 +300,7 @@ class AdaptiveController(FixedController):
         self._far_drift_told = True
         logger.warning(
             "preset %r: rounds take %.2fx the time its pass-cost profile (%s) predicts; its plans are priced with the "
-            "relative costs of another machine state (price probes correct speculation against plain only). Time a "
+            "relative costs of another machine state (price probes correct the plans near the one in use only). Time a "
             "preset on this machine: looped-spec tune (README, 'Tune a preset')",
             self.config.model, cost.drift, self.config.hardware,
         )  # fmt: skip
@@ -287,6 +317,12 @@ class AdaptiveController(FixedController):
             cost_drift=round(self.cost.drift, 4),
             speculative_price=round(self.cost.speculative_factor(), 4),  # against plain, from the price probes
             price_pairs=self.cost.price_pairs,
+            # each plan's own price in a bucket, once pairs read it: "bucket:K,d" -> price against plain
+            own_prices={
+                f"{self.buckets[b].label()}:{k},{d}": round(self.cost.speculative_factor((b, k, d)), 4)
+                for b, k, d in self.cost.own_prices
+                if 0 <= b < len(self.buckets)
+            },
             buckets=self.policy.describe(),
         )
         return out

@@ -15,6 +15,11 @@ from looped_spec.control.passcost import PassCost
 from looped_spec.control.plan import RoundFeedback, SpeculationPlan
 from looped_spec.control.settings import ControlSettings
 
+#: A speculative option predicted within this share of the option in use has its price read beside it (a price probe)
+#: until known: the profile's relative prices of plans can be that far off on another machine state (docs/adaptive.md
+#: "Prices on another machine")
+RIVAL_RANGE = 0.15
+
 
 @dataclass(slots=True)
 class _Bucket:
@@ -55,19 +60,19 @@ class GoodputPolicy:
             [next((j for j, c in enumerate(zip(b.ks, b.ds)) if c == o), -1) for o in options] for b in buckets
         ]
 
-    def predict(self, batch: int, context: float) -> list[float]:
+    def predict(self, batch: int, context: float, bucket: int = -1) -> list[float]:
         """Predicted committed tokens per second of each option (the decision's numbers; a speculative option's
-        time times the learned price of speculation against plain)."""
+        time times its learned price against plain in `bucket`)."""
         alpha = self.acceptance.batch_alpha()
         if self.exits.seen:
             alpha = self.exits.effective_alpha(alpha)  # tokens that exit within the draft depth pass for free
         intercepts, slopes = self.cost.lines(batch, self.exits)
-        tokens, drift = self.acceptance.tokens, self.cost.drift
-        speculative = drift * self.cost.speculative_factor()
-        return [
-            batch * tokens(k, d, alpha) / ((intercepts[i] + slopes[i] * context) * (speculative if k else drift))
-            for (k, d), i in zip(self.options, self.cost_index)
-        ]
+        tokens, drift, price = self.acceptance.tokens, self.cost.drift, self.cost.speculative_factor
+        out = []
+        for (k, d), i in zip(self.options, self.cost_index):
+            seconds = (intercepts[i] + slopes[i] * context) * drift * (price((bucket, k, d)) if k else 1.0)
+            out.append(batch * tokens(k, d, alpha) / seconds)
+        return out
 
     def select(self, bucket: int, batch: int, context: float) -> tuple[int, int, int]:
         """(k, d, candidate index) for this round."""
@@ -81,7 +86,7 @@ class GoodputPolicy:
 
     def _decide(self, st: _Bucket, bucket: int, batch: int, context: float) -> None:
         s, may_run_plain = self.settings, self.buckets[bucket].may_run_plain
-        rate = self.predict(batch, context)
+        rate = self.predict(batch, context, bucket)
         st.predicted, st.batch, st.rounds_left = rate, batch, s.decision_interval
         plain, current = self.plain if may_run_plain else -1, st.current
         # speculation must clear the margin over plain decoding to be taken up; the plan in use stays a candidate
@@ -105,6 +110,19 @@ class GoodputPolicy:
             )
             st.current = best
             st.switches += 1
+
+    def rival(self, bucket: int, settled: int) -> tuple[int, int] | None:
+        """The speculative option to price beside the one in use: the best predicted after it at the bucket's last
+        decision, within `RIVAL_RANGE` of it, among those priced here by fewer than `settled` pairs of rounds."""
+        st = self.states[bucket]
+        if st.predicted is None or st.current < 0:
+            return None
+        floor, best = st.predicted[st.current] * (1.0 - RIVAL_RANGE), None
+        for o, ((k, d), rate) in enumerate(zip(self.options, st.predicted)):
+            if k > 0 and o != st.current and rate >= floor and (best is None or rate > st.predicted[best]):
+                if self.cost.own_pairs((bucket, k, d)) < settled:
+                    best = o
+        return None if best is None else self.options[best]
 
     def outlook(self, bucket: int) -> float:
         """The best speculative option's predicted rate ÷ plain decoding's at the bucket's last decision (1.0 while a

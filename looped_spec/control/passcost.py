@@ -5,8 +5,8 @@ Every price is linear in the coefficients (`theta`, from the preset's `cost` sec
 counts of each coefficient's unit and `profile_seconds` weighs them; the tuner fits the coefficients to the same
 features of what it timed. Online, a drift factor follows the machine's state, `measure_share` learns what
 reading out every depth adds to a round (docs/adaptive.md "Which rounds read out"), and `speculative_factor` what a
-speculative round costs next to a plain one here, against the profile's price (docs/adaptive.md "Prices on another
-machine").
+speculative round costs next to a plain one here, against the profile's price: one price shared by every plan, and
+each plan's own in a bucket once pairs of its rounds were read (docs/adaptive.md "Prices on another machine").
 """
 
 from __future__ import annotations
@@ -73,6 +73,8 @@ class PassCost:
         # (`observe_pair`): the machine state's relative prices, which the one drift factor cannot carry
         self._log_speculative = 0.0
         self.price_pairs = 0
+        # per plan in a bucket (the caller's key): [its price's log deviation from the shared one, its pairs]
+        self.own_prices: dict[tuple, list[float]] = {}
         self._lines: dict[tuple, tuple] = {}  # `lines` per (batch size, exits version): no exits, or the latest
         self._exits_version = None
 
@@ -209,28 +211,60 @@ class PassCost:
             return profile
         return max(profile, math.exp(self._log_measured) - 1.0)
 
-    def speculative_factor(self) -> float:
+    def speculative_factor(self, key: tuple | None = None) -> float:
         """A speculative round's time here ÷ the profile's price, relative to a plain round's (1.0 until pairs of
-        rounds were seen)."""
-        return math.exp(self._log_speculative)
+        rounds were seen): the shared price, times `key`'s own deviation from it once pairs of its rounds were read."""
+        own = self.own_prices.get(key) if key is not None else None
+        return math.exp(self._log_speculative + (own[0] if own is not None else 0.0))
 
-    def observe_pair(self, speculative_log_ratio: float, plain_log_ratio: float, memory: float) -> None:
+    def own_pairs(self, key: tuple) -> int:
+        """Pairs of rounds that priced `key` itself."""
+        own = self.own_prices.get(key)
+        return 0 if own is None else int(own[1])
+
+    def observe_pair(
+        self, speculative_log_ratio: float, plain_log_ratio: float, memory: float, key: tuple | None = None
+    ) -> None:
         """A speculative and a plain round that ran next to each other (each as log(measured ÷ profile seconds)):
         their difference is the relative price free of the machine's drift. A running mean over the first pairs,
         then remembering `memory` pairs, each step clipped; the profile's price counts as `PRICE_PRIOR` pairs, so
-        that one noisy pair cannot flip a plan."""
+        that one noisy pair cannot flip a plan. The shared price learns from every pair, `key` (the speculative
+        round's plan in its bucket) its own deviation from it."""
         self.price_pairs += 1
-        x = speculative_log_ratio - plain_log_ratio - self._log_speculative
+        log_price = speculative_log_ratio - plain_log_ratio
+        x = log_price - self._log_speculative
         weight = 1.0 / min(self.price_pairs + PRICE_PRIOR, max(memory, 1.0))
         self._log_speculative += weight * min(max(x, -0.25), 0.25)
+        if key is not None:
+            self._learn_own(key, log_price, memory)
 
-    def observe(self, measured: float, predicted_by_profile: float, speculative: bool = False) -> None:
+    def observe_rival(
+        self, rival_log_ratio: float, current_log_ratio: float, memory: float, rival: tuple, current: tuple
+    ) -> None:
+        """A round of another speculative plan (`rival`) right after one of the plan in use (`current`): the rival's
+        price against plain is the current's plus their difference."""
+        log_price = rival_log_ratio - current_log_ratio + math.log(self.speculative_factor(current))
+        self._learn_own(rival, log_price, memory)
+
+    def _learn_own(self, key: tuple, log_price: float, memory: float) -> None:
+        """`key`'s deviation from the shared price, a running mean as the shared price's, starting at none: the
+        shared price counts as 2 × `PRICE_PRIOR` of its pairs (a plan's own pairs are fewer and as noisy; with the
+        prior of the shared price, rounds as noisy as 10 % flipped plans on a machine whose prices were the
+        profile's)."""
+        own = self.own_prices.setdefault(key, [0.0, 0])
+        own[1] += 1
+        x = log_price - self._log_speculative - own[0]
+        own[0] += min(max(x, -0.25), 0.25) / min(own[1] + 2 * PRICE_PRIOR, max(memory, 1.0))
+
+    def observe(
+        self, measured: float, predicted_by_profile: float, speculative: bool = False, key: tuple | None = None
+    ) -> None:
         """An ordinary round that ran (`predicted_by_profile`: the profile's seconds of that round; `speculative`: a
-        speculative round, whose prediction is also times `speculative_factor`): the drift factor moves towards
+        speculative round, whose prediction is also times `speculative_factor(key)`): the drift factor moves towards
         measured ÷ predicted, in log space, a step clipped so one stalled round cannot move it far."""
         if measured <= 0.0 or predicted_by_profile <= 0.0:
             return
-        x = math.log(measured / predicted_by_profile) - (self._log_speculative if speculative else 0.0)
+        x = math.log(measured / predicted_by_profile) - (math.log(self.speculative_factor(key)) if speculative else 0.0)
         self.ordinary_rounds += 1
         self._log_drift += self._drift_weight * min(max(x - self._log_drift, -0.5), 0.5)
         self.drift = math.exp(self._log_drift)
