@@ -214,8 +214,12 @@ class PassCost:
     def speculative_factor(self, key: tuple | None = None) -> float:
         """A speculative round's time here ÷ the profile's price, relative to a plain round's (1.0 until pairs of
         rounds were seen): the shared price, times `key`'s own deviation from it once pairs of its rounds were read."""
+        return math.exp(self._log_price(key))
+
+    def _log_price(self, key: tuple | None) -> float:
+        """log `speculative_factor(key)`."""
         own = self.own_prices.get(key) if key is not None else None
-        return math.exp(self._log_speculative + (own[0] if own is not None else 0.0))
+        return self._log_speculative + (own[0] if own is not None else 0.0)
 
     def own_pairs(self, key: tuple) -> int:
         """Pairs of rounds that priced `key` itself."""
@@ -243,7 +247,7 @@ class PassCost:
     ) -> None:
         """A round of another speculative plan (`rival`) right after one of the plan in use (`current`): the rival's
         price against plain is the current's plus their difference."""
-        log_price = rival_log_ratio - current_log_ratio + math.log(self.speculative_factor(current))
+        log_price = rival_log_ratio - current_log_ratio + self._log_price(current)
         self._learn_own(rival, log_price, memory)
 
     def _learn_own(self, key: tuple, log_price: float, memory: float) -> None:
@@ -264,7 +268,7 @@ class PassCost:
         measured ÷ predicted, in log space, a step clipped so one stalled round cannot move it far."""
         if measured <= 0.0 or predicted_by_profile <= 0.0:
             return
-        x = math.log(measured / predicted_by_profile) - (math.log(self.speculative_factor(key)) if speculative else 0.0)
+        x = math.log(measured / predicted_by_profile) - (self._log_price(key) if speculative else 0.0)
         self.ordinary_rounds += 1
         self._log_drift += self._drift_weight * min(max(x - self._log_drift, -0.5), 0.5)
         self.drift = math.exp(self._log_drift)
