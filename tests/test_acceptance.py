@@ -11,7 +11,7 @@ import random
 import numpy as np
 import pytest
 
-from looped_spec.control.acceptance import AcceptanceEstimator, accept_rate, markov_tokens
+from looped_spec.control.acceptance import AcceptanceEstimator, accept_rate, markov_tokens, markov_tokens_upto
 from looped_spec.tuning.acceptance_pass import bit_statistics, simulate_tokens
 
 
@@ -59,6 +59,22 @@ def test_markov_tokens_is_continuous_up_to_full_persistence(alpha, k):
     assert float(markov_tokens(alpha, 1.0, k)) == pytest.approx(limit, rel=1e-12)
     assert float(markov_tokens(alpha, 1.0 - 1e-9, k)) == pytest.approx(limit, rel=1e-6)
     assert float(markov_tokens(alpha, 1.0, k)) < 1.0 + k
+
+
+@pytest.mark.parametrize("alpha", [0.0, 0.05, 0.4, 0.77, 0.97, 1.0])
+@pytest.mark.parametrize("rho", [0.0, 0.3, 0.8, 0.999])
+def test_markov_tokens_upto_is_the_chain_s_closed_form_for_every_k(alpha, rho):
+    """The one-pass K = 0..k_max form against the chain written out per K: π₁ = p01·p11^K / (1 − p11^(K+1) +
+    p01·p11^K), tokens = 1 + (1 − p11^K) / (1 − p11) · ((1 − π₁)·p01 + π₁·p11)."""
+    p01 = alpha * (1.0 - rho)
+    p11 = rho + p01
+    upto = markov_tokens_upto(alpha, rho, 12)
+    assert len(upto) == 13 and upto[0] == 1.0
+    for k in range(1, 13):
+        denominator = 1.0 - p11 ** (k + 1) + p01 * p11**k
+        pi1 = p01 * p11**k / denominator if denominator > 0.0 else 1.0
+        run = (1.0 - p11**k) / (1.0 - p11) if p11 < 1.0 else float(k)
+        assert upto[k] == pytest.approx(1.0 + run * ((1.0 - pi1) * p01 + pi1 * p11), rel=1e-9, abs=1e-12), k
 
 
 def test_markov_tokens_of_no_draft_is_one():
@@ -221,9 +237,11 @@ def test_a_switch_of_text_is_followed_within_the_memory():
 
 def test_tokens_read_the_planned_depth():
     est = AcceptanceEstimator(3, [0.3, 0.8, 1.0], [0.0, 0.5, 0.0], prior_weight=16.0, memory=128.0)
-    for k, d, expected in [(0, 0, 1.0), (2, 1, markov_tokens(0.3, 0.0, 2)), (2, 2, markov_tokens(0.8, 0.5, 2))]:
-        assert float(est.tokens(k, d)) == pytest.approx(float(expected)), (k, d)
-    assert float(est.tokens(4, 2)) == pytest.approx(float(markov_tokens(0.8, 0.5, 4)))
+    tokens = est.tokens_upto(est.alpha, {1: 2, 2: 4})
+    assert sorted(tokens) == [1, 2] and [len(tokens[1]), len(tokens[2])] == [3, 5]
+    for k in range(5):
+        assert tokens[2][k] == pytest.approx(float(markov_tokens(0.8, 0.5, k))), k
+    assert tokens[1] == pytest.approx([1.0, markov_tokens(0.3, 0.0, 1), markov_tokens(0.3, 0.0, 2)])
 
 
 def test_persistence_is_the_preset_s_and_readouts_move_only_the_agreement():

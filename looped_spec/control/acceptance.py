@@ -14,26 +14,33 @@ from looped_spec.control.plan import RoundFeedback
 
 
 def markov_tokens(alpha: float, rho: float, k: int) -> float:
-    """Expected committed tokens per request per round of a K-token draft (1 for K = 0).
+    """Expected committed tokens per request per round of a K-token draft (1 for K = 0)."""
+    return markov_tokens_upto(alpha, rho, k)[max(k, 0)]
+
+
+def markov_tokens_upto(alpha: float, rho: float, k_max: int) -> list[float]:
+    """[k_max + 1]: `markov_tokens(alpha, rho, K)` for K = 0..k_max, in one pass (a decision prices every K of a
+    depth at once).
 
     A round starts after a match only when all K drafts and the bonus token matched; π₁, the share of rounds that
     do, is the chain's stationary share with the factor (1 − ρ) common to its two terms taken out, so that it is
     continuous up to ρ = 1 (where both states' escapes vanish together and π₁ → α / ((K+1)(1 − α) + α))."""
-    if k <= 0:
-        return 1.0
     alpha = min(max(alpha, 0.0), 1.0)
     rho = min(max(rho, 0.0), 1.0)
     p01 = alpha * (1.0 - rho)  # P(match | previous position missed)
     p11 = rho + p01  # P(match | previous position matched)
-    powers = [p11**i for i in range(k + 1)]
-    # accepted drafts: the first matches with p01 or p11 (the state the round starts in), each later one with p11,
-    # so P(first) × (1 + p11 + ... + p11^(K-1))
-    run = sum(powers[:k])
-    # π₁ = p01·p11^K / (1 − p11^(K+1) + p01·p11^K), both terms divided by (1 − ρ):
-    # 1 − p11^(K+1) = (1 − p11)(1 + p11 + ... + p11^K) and 1 − p11 = (1 − α)(1 − ρ)
-    to_one, stay = alpha * powers[k], (1.0 - alpha) * sum(powers)
-    pi1 = to_one / (stay + to_one) if stay + to_one > 0.0 else 0.0
-    return 1.0 + run * ((1.0 - pi1) * p01 + pi1 * p11)
+    out = [1.0]
+    run, power = 0.0, 1.0  # at K: run = 1 + p11 + ... + p11^(K-1), power = p11^K
+    for _ in range(max(k_max, 0)):
+        run += power
+        power *= p11
+        # accepted drafts: the first matches with p01 or p11 (the state the round starts in), each later one with
+        # p11, so P(first) × run. π₁ = p01·p11^K / (1 − p11^(K+1) + p01·p11^K), both terms divided by (1 − ρ):
+        # 1 − p11^(K+1) = (1 − p11)(1 + p11 + ... + p11^K) and 1 − p11 = (1 − α)(1 − ρ)
+        to_one, stay = alpha * power, (1.0 - alpha) * (run + power)
+        pi1 = to_one / (stay + to_one) if stay + to_one > 0.0 else 0.0
+        out.append(1.0 + run * ((1.0 - pi1) * p01 + pi1 * p11))
+    return out
 
 
 def accept_rate(alpha: float, rho: float, k: int) -> float:
@@ -114,12 +121,10 @@ class AcceptanceEstimator:
         out[-1] = 1.0
         return out
 
-    def tokens(self, k: int, d: int, alpha: Sequence[float] | None = None) -> float:
-        """Expected committed tokens per request per round of a (K, d) plan (K = 0: 1)."""
-        if k <= 0:
-            return 1.0
-        alpha = self.alpha if alpha is None else alpha
-        return markov_tokens(alpha[d - 1], self.rho[d - 1], k)
+    def tokens_upto(self, alpha: Sequence[float], k_max: dict[int, int]) -> dict[int, list[float]]:
+        """Per draft depth d of `k_max`, expected committed tokens per request per round of (K, d) for K = 0..k_max[d]
+        at agreement `alpha` ([D])."""
+        return {d: markov_tokens_upto(alpha[d - 1], self.rho[d - 1], k) for d, k in k_max.items()}
 
     # ------------------------------------------------------------------ observations
     def _add(self, j: int, matches: float, trials: float) -> None:

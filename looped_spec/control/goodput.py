@@ -55,6 +55,10 @@ class GoodputPolicy:
         self.options = options
         self.plain = options.index((0, 0)) if (0, 0) in options else -1
         self.cost_index = [cost.option_index[o] for o in options]  # each option's line in `cost`
+        self.k_max: dict[int, int] = {}  # per draft depth, the longest draft of the options
+        for k, d in options:
+            if k > 0:
+                self.k_max[d] = max(k, self.k_max.get(d, 0))
         # the candidate index a plan of each option carries in each bucket (-1: not one of its candidates)
         self.candidate = [
             [next((j for j, c in enumerate(zip(b.ks, b.ds)) if c == o), -1) for o in options] for b in buckets
@@ -67,11 +71,12 @@ class GoodputPolicy:
         if self.exits.seen:
             alpha = self.exits.effective_alpha(alpha)  # tokens that exit within the draft depth pass for free
         intercepts, slopes = self.cost.lines(batch, self.exits)
-        tokens, drift, price = self.acceptance.tokens, self.cost.drift, self.cost.speculative_factor
+        tokens = self.acceptance.tokens_upto(alpha, self.k_max)
+        drift, price = self.cost.drift, self.cost.speculative_factor
         out = []
         for (k, d), i in zip(self.options, self.cost_index):
-            seconds = (intercepts[i] + slopes[i] * context) * drift * (price((bucket, k, d)) if k else 1.0)
-            out.append(batch * tokens(k, d, alpha) / seconds)
+            seconds = (intercepts[i] + slopes[i] * context) * drift
+            out.append(batch * tokens[d][k] / (seconds * price((bucket, k, d))) if k else batch / seconds)
         return out
 
     def select(self, bucket: int, batch: int, context: float) -> tuple[int, int, int]:
