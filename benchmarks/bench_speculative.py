@@ -110,7 +110,12 @@ def parse_policies(text: str) -> list[tuple[str | None, tuple[tuple[str, Any], .
             key, sep, value = change.partition("=")
             if not sep or key not in fields:
                 raise ValueError(f"--policies {item!r}: {change!r} is not FIELD=VALUE of {sorted(fields)}")
-            settings.append((key, None if value == "none" else json.loads(value)))
+            try:
+                settings.append((key, None if value == "none" else json.loads(value)))
+            except ValueError:
+                raise ValueError(
+                    f"--policies {item!r}: {key}={value!r} is not a JSON value (several changes join with '+')"
+                ) from None
         policy = (None if name == "default" else name, tuple(settings))
         if policy not in out:
             out.append(policy)

@@ -123,7 +123,11 @@ def test_bench_ab_of_a_tunable_reports_the_ratio_to_the_defaults(bench, capsys):
 
 @pytest.mark.parametrize(
     "policies, message",
-    [("default:readout_positions", "FIELD=VALUE"), ("default:no_such_field=1", "'no_such_field=1' is not FIELD=VALUE")],
+    [
+        ("default:readout_positions", "FIELD=VALUE"),
+        ("default:no_such_field=1", "'no_such_field=1' is not FIELD=VALUE"),
+        ("default:readout_budget=0.1:hysteresis=0", "readout_budget='0.1:hysteresis=0' is not a JSON value"),
+    ],
 )
 def test_bench_policy_switches_are_checked(bench, policies, message, capsys):
     with pytest.raises(SystemExit) as exc:
