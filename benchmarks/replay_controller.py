@@ -24,7 +24,7 @@ machine's noise does to a timed run (bench_speculative.py): the controller's own
 its acceptance estimates (and the price, when set) can be wrong. A setting chosen here is then checked timed.
 
     python benchmarks/replay_controller.py --model tiny-nanbeige --prompts eval --batch-sizes 1,8,32 \\
-        --policies "default,default:request_prior=2" --grid "2,1;3,1"
+        --policies "default,default:prior_share=0.25" --grid "2,1;3,1"
 """
 
 from __future__ import annotations

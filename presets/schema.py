@@ -91,6 +91,8 @@ class DisableConfig(BaseModel):
     """... up to this many rounds."""
     probe_rounds: int = Field(default=2, ge=1)
     """Speculative rounds one probe runs; their pooled acceptance decides."""
+    probe_evidence: int = Field(default=32, ge=1)
+    """Readout positions since the last probe before the readouts may call the next one early (docs/adaptive.md)."""
 
 
 class AcceptanceConfig(BaseModel):

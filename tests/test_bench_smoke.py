@@ -611,9 +611,9 @@ def test_replay_controller_drives_a_controller_over_recorded_bits():
 def test_replay_controller_prints_every_configuration_against_plain(capsys):
     results = load_script("replay_controller").main(
         ["--model", FIXTURE, "--prompts", "random", "--batch-sizes", "2", "--grid", "1,1", "--max-tokens", "6",
-         "--batches", "2", "--seeds", "2", "--policies", "default,default:request_prior=2"]
+         "--batches", "2", "--seeds", "2", "--policies", "default,default:prior_share=0.125"]
     )  # fmt: skip
-    assert list(results[2]) == ["plain", "1,1", "adaptive", "adaptive[request_prior=2]"]
+    assert list(results[2]) == ["plain", "1,1", "adaptive", "adaptive[prior_share=0.125]"]
     assert all(len(rates) == 2 and min(rates) > 0.0 for rates in results[2].values())
     rows = [line.split() for line in capsys.readouterr().out.splitlines() if line.startswith("  ")]
     assert [r[0] for r in rows] == list(results[2]) and rows[0][1] == "1.000x"

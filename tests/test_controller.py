@@ -409,10 +409,10 @@ def test_a_fixed_controller_traces_plans_and_feedback(tmp_path):
         ("readout_budget", 0.0, "readout_budget=0.0"),
         ("bucket_stickiness", 0.5, "bucket_stickiness=0.5"),
         ("readout_positions", 0.0, "readout_positions=0.0"),
-        ("prior_weight", -1.0, "prior_weight=-1.0"),
+        ("prior_share", -1.0, "prior_share=-1.0"),
         ("acceptance_memory", 0.0, "acceptance_memory=0.0"),
         ("drift_rounds", True, "drift_rounds=True"),
-        ("probe_evidence", "8", "probe_evidence='8'"),
+        ("request_memory", "8", "request_memory='8'"),
     ],
 )
 def test_control_settings_reject_bad_values_naming_the_field(field, value, message):
@@ -422,7 +422,7 @@ def test_control_settings_reject_bad_values_naming_the_field(field, value, messa
 
 def test_control_settings_accept_their_range():
     s = ControlSettings(
-        readout_positions=0.5, readout_budget=1.0, hysteresis=0.0, prior_weight=0.0, bucket_stickiness=1.0
+        readout_positions=0.5, readout_budget=1.0, hysteresis=0.0, prior_share=0.0, bucket_stickiness=1.0
     )
     assert s.readout_positions == 0.5 and s.readout_budget == 1.0
 
@@ -437,6 +437,17 @@ def test_the_engine_takes_control_as_a_dict_of_its_fields():
         make_engine("ouro", speculation="adaptive", control={"hysteresis": 2.0})
     with pytest.raises(ValueError, match="control"):
         make_engine("ouro", speculation="adaptive", control=[("hysteresis", 0.1)])
+
+
+def test_prior_share_weighs_both_priors_and_one_memory_serves_agreement_and_exits():
+    """The preset's α counts as prior_share × acceptance_memory positions, the overall estimate in a request's own as
+    prior_share × request_memory; the exit-depth histogram remembers acceptance_memory tokens."""
+    for share, memory, request_memory in ((0.125, 128.0, 16.0), (0.5, 64.0, 8.0), (0.0, 32.0, 4.0)):
+        settings = ControlSettings(prior_share=share, acceptance_memory=memory, request_memory=request_memory)
+        ctl = AdaptiveController(preset(), DEPTH, settings=settings)
+        assert ctl.acceptance.trials == [share * memory] * DEPTH
+        assert ctl.acceptance.request_prior == share * request_memory
+        assert ctl.acceptance.memory == ctl.exits.memory == memory
 
 
 def test_stats_report_the_estimates_and_every_bucket():
@@ -532,7 +543,7 @@ def test_a_price_probe_pairs_rounds_of_one_bucket_and_keeps_the_policy_s_decisio
         "buckets": [{"min_batch": 1, "max_batch": 2, "candidates": [[0, 0], [2, 1]], "theta_up": 0.5, "theta_down": 0},
                     {"min_batch": 3, "max_batch": None, "candidates": [[0, 0], [3, 1]], "theta_up": 0.5,
                      "theta_down": 0}]})  # fmt: skip
-    settings = ControlSettings(prior_weight=1e9, request_prior=1e9, readout_budget=1e-6, price_probe_interval=2)
+    settings = ControlSettings(prior_share=1e9, readout_budget=1e-6, price_probe_interval=2)
     for switch_at in range(20, 60):
         path = tmp_path / f"trace{switch_at}.jsonl"
         controller = AdaptiveController(cfg, DEPTH, settings=settings, trace_path=path)
@@ -562,7 +573,7 @@ def test_a_price_probe_follows_a_round_that_drafted():
         "acceptance": {"alpha": full, "rho": [0.0] * DEPTH, "positions": 1000},
         "buckets": [{"min_batch": 1, "max_batch": None, "candidates": [[0, 0], [3, 1]], "theta_up": 0.5,
                      "theta_down": 0}]})  # fmt: skip
-    settings = ControlSettings(prior_weight=1e9, request_prior=1e9, readout_budget=1e-6, price_probe_interval=2)
+    settings = ControlSettings(prior_share=1e9, readout_budget=1e-6, price_probe_interval=2)
     controller = AdaptiveController(cfg, DEPTH, settings=settings)
     workload = Workload(PassCost(cfg.cost, DEPTH), seed=2)
     drafted, probes = [], []

@@ -444,7 +444,7 @@ def test_price_probes_run_beside_a_speculative_plan_where_rounds_are_timed(batch
         "buckets": [{"min_batch": 1, "max_batch": None, "candidates": [[0, 0], [2, 1]], "theta_up": 0.5,
                      "theta_down": 0.0}],
     })  # fmt: skip
-    control = {"prior_weight": 1e9, "request_prior": 1e9, "readout_budget": 1e-6}  # the prior stands: it speculates
+    control = {"prior_share": 1e9, "readout_budget": 1e-6}  # the prior stands: it speculates
     engine = make_engine("ouro", speculation="adaptive", preset=easy, batching=batching, control=control)
     feedback = recorded_feedback(engine)
     params = [SamplingParams(max_tokens=40, ignore_eos=True) for _ in PROMPTS]

@@ -352,6 +352,10 @@ def test_rule_probe_cap_below_base():
     )
 
 
+def test_probe_evidence_below_one_names_the_field():
+    assert "disable.probe_evidence" in bad(lambda d: d.update(disable={"probe_evidence": 0}))
+
+
 def test_all_errors_reported_at_once():
     def edit(d):
         d["buckets"][0]["initial_index"] = 5

@@ -29,8 +29,6 @@ DEFAULT_POLICY = "goodput"
 #: Rounds running this many times faster or slower than the preset's profile predicts say it was timed on another
 #: machine state, whose relative costs of plans need not hold here (docs/benchmarking.md, "Another machine")
 FAR_DRIFT = 2.0
-#: Rounds between the first price probes, until they outweigh the profile's price (docs/adaptive.md)
-FAST_PROBES = 4
 
 logger = logging.getLogger(__name__)
 
@@ -149,13 +147,13 @@ class AdaptiveController(FixedController):
         buckets = compile_buckets(config)
         acc = config.acceptance
         self.acceptance = AcceptanceEstimator(
-            full_depth, acc.alpha if acc else None, acc.rho if acc else None, s.prior_weight, s.acceptance_memory,
-            s.request_memory, s.request_prior,
+            full_depth, acc.alpha if acc else None, acc.rho if acc else None, s.prior_share * s.acceptance_memory,
+            s.acceptance_memory, s.request_memory, s.prior_share * s.request_memory,
         )  # fmt: skip
         self.cost = PassCost(config.cost, full_depth, s.drift_rounds, [o for b in buckets for o in b.options])
-        self.exits = ExitDepths(full_depth, s.exit_memory)
+        self.exits = ExitDepths(full_depth, s.acceptance_memory)
         if policy == "ema":
-            self.policy: GoodputPolicy | EmaPolicy = EmaPolicy(buckets, config.disable, self.acceptance, s)
+            self.policy: GoodputPolicy | EmaPolicy = EmaPolicy(buckets, config.disable, self.acceptance)
         else:
             self.policy = GoodputPolicy(buckets, self.acceptance, self.cost, self.exits, s)
         self.buckets = buckets
@@ -218,11 +216,11 @@ class AdaptiveController(FixedController):
         self, bucket: int, k: int, d: int, rival: tuple[int, int] | None
     ) -> tuple[str, tuple[int, int], int]:
         """The price probe beside the plan in use (K, d): a plain round, or `rival`'s (every other probe beside a
-        speculative plan, every probe beside plain); its event, plan and candidate index. The first pairs come
-        quickly (the profile's price counts as PRICE_PRIOR of them), and so do probes beside plain, then at pace."""
+        speculative plan, every probe beside plain); its event, plan and candidate index. The first pairs come one a
+        decision (the profile's price counts as PRICE_PRIOR of them), and so do probes beside plain, then at pace."""
         interval = self.settings.price_probe_interval
         fast = self.cost.price_pairs < 2 * PRICE_PRIOR or k == 0
-        self._probe_in = min(FAST_PROBES, interval) if fast else interval
+        self._probe_in = min(self.settings.decision_interval, interval) if fast else interval
         self._probe_plan = self.num_plans
         self._rival_turn = not self._rival_turn
         beside = f"(K={k}, d={d})" if k else "plain"

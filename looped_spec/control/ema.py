@@ -9,7 +9,6 @@ from dataclasses import dataclass, field
 from looped_spec.control.acceptance import AcceptanceEstimator, accept_rate
 from looped_spec.control.buckets import CompiledBucket
 from looped_spec.control.plan import RoundFeedback, SpeculationPlan
-from looped_spec.control.settings import ControlSettings
 from looped_spec.presets.schema import DisableConfig
 
 
@@ -39,10 +38,8 @@ class EmaPolicy:
         buckets: list[CompiledBucket],
         disable: DisableConfig,
         acceptance: AcceptanceEstimator,
-        settings: ControlSettings,
     ) -> None:
         self.buckets = buckets
-        self.probe_evidence = settings.probe_evidence
         self.disable = disable
         self.acceptance = acceptance
         self.states = []
@@ -76,9 +73,9 @@ class EmaPolicy:
         return 0, 0, b.plain_candidate
 
     def _readouts_say_on(self, b: CompiledBucket, lo: int, st: _Bucket) -> bool:
-        """The counterfactual readouts taken since the last probe (at least `probe_evidence` positions) predict the
-        probe candidate's acceptance over the off threshold."""
-        if self.acceptance.positions < st.probed_at + self.probe_evidence:
+        """The counterfactual readouts taken since the last probe (at least `disable.probe_evidence` positions)
+        predict the probe candidate's acceptance over the off threshold."""
+        if self.acceptance.positions < st.probed_at + self.disable.probe_evidence:
             return False
         d = b.ds[lo]
         return accept_rate(self.acceptance.alpha[d - 1], self.acceptance.rho[d - 1], b.ks[lo]) >= b.off_threshold

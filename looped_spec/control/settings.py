@@ -1,7 +1,7 @@
 """The controller's tunables, in one place (docs/adaptive.md "Tunables" says why each has its value).
 
 Everything else the controller runs on is measured (the preset's acceptance and pass costs, the online
-estimates) or is preset data (buckets, candidates, and the EMA policy's β, θ, probe backoff).
+estimates) or is preset data (buckets, candidates, and the EMA policy's β, θ, probes).
 """
 
 from __future__ import annotations
@@ -29,14 +29,13 @@ class ControlSettings:
     hysteresis: float = _tunable(0.03, "[0, 1)")
     #: goodput: speculation starts only when predicted this much faster than plain decoding (relative)
     plain_margin: float = _tunable(0.05, "[0, 1)")
-    #: acceptance: positions per depth the online estimate remembers
+    #: positions per depth the online agreement estimate remembers, and committed tokens the exit-depth histogram does
     acceptance_memory: float = _tunable(128.0, "(0, inf)")
-    #: acceptance: positions the preset's agreement counts as before any online readout
-    prior_weight: float = _tunable(16.0, "[0, inf)")
-    #: acceptance: positions per depth a request's own estimate remembers ...
+    #: positions per depth a request's own agreement estimate remembers
     request_memory: float = _tunable(16.0, "(0, inf)")
-    #: ... and the positions of the overall estimate it starts from
-    request_prior: float = _tunable(2.0, "(0, inf)")
+    #: what a prior counts as, a share of the memory it starts: the preset's agreement in the online estimate
+    #: (× `acceptance_memory` positions), the online estimate in a request's own (× `request_memory`)
+    prior_share: float = _tunable(0.125, "[0, inf)")
     #: positions per round the counterfactual readouts aim for (a measured round reads out about one per request) ...
     readout_positions: float = _tunable(4.0, "(0, inf)")
     #: ... and the share of decode time they may cost at most
@@ -49,10 +48,6 @@ class ControlSettings:
     price_memory: float = _tunable(16.0, "[1, inf)")
     #: a batch stays in its bucket while its size is within this factor of the bucket's range
     bucket_stickiness: float = _tunable(1.25, "[1, inf)")
-    #: early exit: committed tokens the exit-depth histogram remembers
-    exit_memory: float = _tunable(256.0, "(0, inf)")
-    #: ema: positions read out since its last probe before the readouts may call the next one
-    probe_evidence: int = _tunable(32, "[1, inf)")
 
     def __post_init__(self) -> None:
         for f in fields(self):

@@ -60,7 +60,8 @@ RULES = {
     ),
     "disable": (
         "Phase 2 on, timing comparison off (acceptance decides); threshold = the smallest off threshold (first "
-        "speculative candidate's theta_down) over the buckets; probe_base 16, probe_cap 256, probe_rounds 2"
+        "speculative candidate's theta_down) over the buckets; probe_base 16, probe_cap 256, probe_rounds 2, "
+        "probe_evidence 32"
     ),
 }
 
@@ -275,6 +276,7 @@ def derive_buckets(
         "probe_base": 16,
         "probe_cap": 256,
         "probe_rounds": 2,
+        "probe_evidence": 32,
     }
     return buckets, disable, notes
 
