@@ -54,11 +54,15 @@ class GoodputPolicy:
             options = [o for o in options if o[0] > 0]  # the preset never switches speculation off
         self.options = options
         self.plain = options.index((0, 0)) if (0, 0) in options else -1
-        self.cost_index = [cost.option_index[o] for o in options]  # each option's line in `cost`
+        cost_index = [cost.option_index[o] for o in options]  # each option's line in `cost`
         self.k_max: dict[int, int] = {}  # per draft depth, the longest draft of the options
         for k, d in options:
             if k > 0:
                 self.k_max[d] = max(k, self.k_max.get(d, 0))
+        # per bucket, and last for bucket -1 (`predict` without one), each option's (K, d, its line in `cost`, its key
+        # among the learned prices)
+        keys = [*range(len(buckets)), -1]
+        self.priced = [[(k, d, i, (b, k, d)) for (k, d), i in zip(options, cost_index)] for b in keys]
         # the candidate index a plan of each option carries in each bucket (-1: not one of its candidates)
         self.candidate = [
             [next((j for j, c in enumerate(zip(b.ks, b.ds)) if c == o), -1) for o in options] for b in buckets
@@ -74,9 +78,9 @@ class GoodputPolicy:
         tokens = self.acceptance.tokens_upto(alpha, self.k_max)
         drift, price = self.cost.drift, self.cost.speculative_factor
         out = []
-        for (k, d), i in zip(self.options, self.cost_index):
+        for k, d, i, plan in self.priced[bucket]:
             seconds = (intercepts[i] + slopes[i] * context) * drift
-            out.append(batch * tokens[d][k] / (seconds * price((bucket, k, d))) if k else batch / seconds)
+            out.append(batch * tokens[d][k] / (seconds * price(plan)) if k else batch / seconds)
         return out
 
     def select(self, bucket: int, batch: int, context: float) -> tuple[int, int, int]:

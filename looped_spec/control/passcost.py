@@ -61,6 +61,7 @@ class PassCost:
             cost.pass_seconds, [cost.request_seconds, cost.request_context_seconds, cost.query_context_seconds],
             cost.step_seconds, cost.embed_seconds, cost.readout_seconds, cost.round_seconds, cost.speculative_seconds,
         ]).astype(float)  # fmt: skip
+        self._readout_seconds = tuple(float(x) for x in self.theta[self._readout_terms : self._readout_terms + 2])
         self.drift = 1.0
         self._log_drift = 0.0
         self._drift_weight = 1.0 / max(drift_rounds, 1.0)
@@ -188,18 +189,14 @@ class PassCost:
 
     def measure_seconds(self, k: int, d: int, batch: int) -> float:
         """The extra readouts of a round that also reads out every other depth (counterfactual acceptance)."""
-        ro0, ro_n = self.theta[self._readout_terms : self._readout_terms + 2]
-
-        def readout(positions: float) -> float:
-            return float(ro0 + ro_n * positions)
-
+        ro0, ro_n = self._readout_seconds
         b = float(max(batch, 1))
         if k <= 0:
-            return (self.depth - 1) * readout(b) * self.drift
+            return (self.depth - 1) * (ro0 + ro_n * b) * self.drift
         # the draft reads out depths 1..d-1 at each of its K+1 positions and depth d at the last one; the
         # verifier depths d+1..D-1 at all K+1 positions of each request
-        draft = ((d - 1) * (k + 1) + 1) * readout(b)
-        verify = max(self.depth - d - 1, 0) * readout(b * (k + 1))
+        draft = ((d - 1) * (k + 1) + 1) * (ro0 + ro_n * b)
+        verify = max(self.depth - d - 1, 0) * (ro0 + ro_n * b * (k + 1))
         return (draft + verify) * self.drift
 
     def measure_share(self, k: int, d: int, batch: int, context: float) -> float:
