@@ -8,8 +8,9 @@ measured round reports every depth's bits on the committed positions; the round'
 price of the plan at the batch size it had, times a log-normal noise (`--noise`, one run per `--seeds` seed), times
 `--speculative-price` for a speculative round (a machine where speculation costs more next to plain than the
 profile says: ~1.06 on this project's CPU for the shipped presets), and a measured round takes its readouts and
-`--measure-overhead` of the round more (the agreement bookkeeping: ~0.12 of a round for the tiny models on this
-CPU). `--price-table` (a table written by `plan_prices.py`) charges each plan instead its own measured price against
+`--measure-overhead` of the round more (what a measured round costs beyond the profile's readouts: ~0.04 of a round
+for the tiny models on this CPU, docs/adaptive.md "Which rounds read out"; replays before 2026-12-06's last used
+0.12). `--price-table` (a table written by `plan_prices.py`) charges each plan instead its own measured price against
 plain at the nearest batch size measured (a plan not in the table: the nearest one measured at that batch size, by
 draft depth, then K): a machine whose relative prices of plans are not the profile's, as this one's are not (docs/
 benchmarking.md, "Each plan's price on this machine"). Printed per batch size and configuration: tokens per priced
@@ -187,7 +188,7 @@ def main(argv: list[str] | None = None) -> dict[int, dict[str, list[float]]]:
     ap.add_argument("--noise", type=float, default=0.05, help="sd of a round's log-normal time noise")
     ap.add_argument("--speculative-price", type=float, default=1.0)
     ap.add_argument("--price-table", type=Path, help="plan_prices.py --out: each plan's measured price against plain")
-    ap.add_argument("--measure-overhead", type=float, default=0.12)
+    ap.add_argument("--measure-overhead", type=float, default=0.04)
     ap.add_argument("--context", type=float, default=150.0, help="mean context the rounds are priced at")
     args = ap.parse_args(argv)
     if args.max_tokens < 2 or args.batches < 0 or args.seeds < 1 or args.noise < 0.0:
