@@ -565,6 +565,33 @@ def test_a_price_probe_pairs_rounds_of_one_bucket_and_keeps_the_policy_s_decisio
         assert started == {0, 1}, switch_at
 
 
+@pytest.mark.parametrize("interval", [2, 4, 8])
+def test_the_first_price_pairs_come_one_a_decision(interval):
+    """The machine's price is read within a few generates: after the first probe (at `price_probe_interval`), one
+    comes every `decision_interval` rounds until 2 × PRICE_PRIOR pairs outweigh the profile's price, then at the
+    interval again."""
+    full = [0.95] * (DEPTH - 1) + [1.0]
+    cfg = AdaptiveSpecConfig.parse({"model": "m", "full_depth": DEPTH, "cost": ideal_cost(32),
+        "acceptance": {"alpha": full, "rho": [0.0] * DEPTH, "positions": 1000},
+        "buckets": [{"min_batch": 1, "max_batch": None, "candidates": [[0, 0], [3, 1]], "theta_up": 0.5,
+                     "theta_down": 0}]})  # fmt: skip
+    settings = ControlSettings(prior_share=1e9, readout_budget=1e-6, decision_interval=interval)
+    controller = AdaptiveController(cfg, DEPTH, settings=settings)
+    workload = Workload(PassCost(cfg.cost, DEPTH), seed=3)
+    paired = []  # the rounds that completed a pair
+    for i in range(300):
+        plan = controller.plan(4, 100.0)
+        pairs = controller.cost.price_pairs
+        controller.observe(workload.feedback(plan, Phase(4, full, 1)))
+        if controller.cost.price_pairs > pairs:
+            paired.append(i)
+    first = paired[0]
+    assert first <= settings.price_probe_interval + 2
+    fast = [b - a for a, b in zip(paired, paired[1 : 2 * PRICE_PRIOR])]
+    assert fast == [interval] * (2 * PRICE_PRIOR - 1), paired
+    assert paired[2 * PRICE_PRIOR + 1] - paired[2 * PRICE_PRIOR] == settings.price_probe_interval
+
+
 def test_a_price_probe_follows_a_round_that_drafted():
     """A round whose requests drafted nothing (all near their end) ran as plain decoding: a probe right after it would
     price plain against plain. Probes come only after rounds that drafted, and each is counted as one pair."""

@@ -261,6 +261,17 @@ def test_ema_comes_back_soon_after_the_text_gets_easier(seed):
     assert Counter(k > 0 for k, _ in back[100:])[True] >= 190  # and stays on
 
 
+def test_ema_readouts_call_a_probe_only_with_the_preset_s_probe_evidence():
+    """`disable.probe_evidence` (the preset's): readouts that may call a probe only after a million positions leave
+    the EMA policy to its backoff's probe, hundreds of rounds after the text got easier."""
+    data = preset().model_dump()
+    data["disable"]["probe_evidence"] = 10**6
+    cfg = AdaptiveSpecConfig.parse(data)
+    workload = Workload(PassCost(cfg.cost, DEPTH), noise=0.05, seed=0)
+    _, back = workload.run(AdaptiveController(cfg, DEPTH, "ema"), [Phase(8, RANDOM, 600), Phase(8, CODE, 300)])
+    assert next((i for i, (k, _) in enumerate(back) if k > 0), len(back)) > 100  # with 32: 17-30 rounds (above)
+
+
 def test_ema_probing_survives_a_probe_round_that_reports_nothing():
     """A probe round that never runs (its requests preempted first, or its step failed and committed nothing) is
     abandoned and planned again: speculation comes back on the easy text as when no round is lost."""
