@@ -110,13 +110,13 @@ class AcceptanceEstimator:
         if not self.batch:
             return alpha
         weight = self.request_prior * len(self.batch)
-        matches, trials = [weight * a for a in alpha], [weight] * self.depth
-        for request_id in self.batch:
-            counts = self.requests.get(request_id)
-            if counts is not None:
-                for j in range(self.depth):
-                    matches[j] += counts[0][j]
-                    trials[j] += counts[1][j]
+        # per depth, the prior then each request's counts in batch order (`sum` with a start: one column at a time)
+        own = [counts for counts in map(self.requests.get, self.batch) if counts is not None]
+        if own:
+            matches = [sum(column, weight * a) for column, a in zip(zip(*(c[0] for c in own)), alpha)]
+            trials = [sum(column, weight) for column in zip(*(c[1] for c in own))]
+        else:
+            matches, trials = [weight * a for a in alpha], [weight] * self.depth
         out = [m / t if t > 0.0 else a for m, t, a in zip(matches, trials, alpha)]
         out[-1] = 1.0
         return out
@@ -148,27 +148,41 @@ class AcceptanceEstimator:
         self._add(d - 1, accepted, accepted + rejected)
         self.positions += accepted + rejected
 
-    def _add_request(self, request_id: str, j: int, matches: float, trials: float) -> None:
+    def _request_counts(self, request_id: str) -> list[list[float]]:
+        """The request's own faded [matches[D], trials[D]], created empty."""
         counts = self.requests.get(request_id)
         if counts is None:
             counts = self.requests[request_id] = [[0.0] * self.depth, [0.0] * self.depth]
-        _fade_in(counts[0], counts[1], j, matches, trials, self.request_memory)
+        return counts
 
+    # the two below fade a request's counts as `_fade_in` does, written out: they run once per request per round
     def observe_request_readouts(
         self, request_ids: Sequence[str], matches: Sequence[Sequence[int]], trials: Sequence[int]
     ) -> None:
         """A measured round per request: how many of its committed positions each depth predicted, out of how many."""
+        memory = self.request_memory
         for request_id, row, n in zip(request_ids, matches, trials):
-            for j in range(self.depth if n else 0):
-                self._add_request(request_id, j, row[j], n)
+            if n:
+                own_matches, own_trials = self._request_counts(request_id)
+                fade = memory / (memory + n)
+                for j in range(self.depth):
+                    own_matches[j] = fade * own_matches[j] + row[j]
+                    own_trials[j] = fade * own_trials[j] + n
 
     def observe_request_drafts(
         self, request_ids: Sequence[str], d: int, accepted: Sequence[int], proposed: Sequence[int]
     ) -> None:
         """An unmeasured speculative round per request, as `observe_drafts`."""
+        if not 1 <= d <= self.depth:
+            return
+        j, memory = d - 1, self.request_memory
         for request_id, a, k in zip(request_ids, accepted, proposed):
-            if k and 1 <= d <= self.depth:
-                self._add_request(request_id, d - 1, a, a + (a < k))
+            if k:
+                own_matches, own_trials = self._request_counts(request_id)
+                n = a + (a < k)
+                fade = memory / (memory + n)
+                own_matches[j] = fade * own_matches[j] + a
+                own_trials[j] = fade * own_trials[j] + n
 
     def observe_round(self, fb: RoundFeedback) -> None:
         """Everything a committed round says about agreement: a measured round its readouts, an unmeasured
