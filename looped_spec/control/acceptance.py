@@ -8,6 +8,7 @@ request too (plans are priced with what the requests they run on agree at); ρ i
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Sequence
 
 from looped_spec.control.plan import RoundFeedback
@@ -175,10 +176,11 @@ class AcceptanceEstimator:
         """An unmeasured speculative round per request, as `observe_drafts`."""
         if not 1 <= d <= self.depth:
             return
-        j, memory = d - 1, self.request_memory
+        j, memory, requests = d - 1, self.request_memory, self.requests
         for request_id, a, k in zip(request_ids, accepted, proposed):
             if k:
-                own_matches, own_trials = self._request_counts(request_id)
+                counts = requests.get(request_id)  # `_request_counts` inline: this loop runs every speculative round
+                own_matches, own_trials = counts if counts is not None else self._request_counts(request_id)
                 n = a + (a < k)
                 fade = memory / (memory + n)
                 own_matches[j] = fade * own_matches[j] + a
@@ -192,7 +194,7 @@ class AcceptanceEstimator:
             self.observe_readouts(fb.depth_matches, fb.depth_trials)
             self.observe_request_readouts(fb.request_ids, fb.request_matches, fb.request_trials)
         elif fb.k > 0 and not fb.exit_depths:
-            rejected = sum(a < k for a, k in zip(fb.num_accepted, fb.num_proposed))
+            rejected = sum(map(operator.lt, fb.num_accepted, fb.num_proposed))
             self.observe_drafts(fb.d, fb.total_accepted, rejected)
             self.observe_request_drafts(fb.request_ids, fb.d, fb.num_accepted, fb.num_proposed)
 
