@@ -161,12 +161,24 @@ class Scheduler:
 
         Returns the requests still running and each one's K_actual (draft tokens it can take).
         """
+        # most rounds every request's tokens and drafts fit in the free blocks: nobody is preempted and no draft is
+        # cut, so the checks below would change nothing (blocks are handed out request by request instead)
+        kv, size = self.kv, self.kv.block_size
+        k_actual = [max(0, min(k, r.remaining_budget - 1)) for r, k in zip(requests, wanted_k)]
+        tokens = [r.num_computed + 1 + k for r, k in zip(requests, k_actual)]
+        extra = [(n + size - 1) // size - len(r.block_table) for r, n in zip(requests, tokens)]  # `kv.extra_blocks`
+        running = all(r.status is RequestStatus.RUNNING for r in requests)
+        if running and sum(x for x in extra if x > 0) <= kv.num_free_blocks:
+            for request, n, x in zip(requests, tokens, extra):
+                if x > 0:
+                    kv.grow(request.block_table, n)
+            return list(requests), k_actual
         for request in sorted(requests, key=self._rank):
             if request.status is RequestStatus.RUNNING:
                 self._grow_or_preempt(request, request.num_computed + 1)
         kept = [r for r in requests if r.status is RequestStatus.RUNNING]
         k_by_id = {id(r): k for r, k in zip(requests, wanted_k)}
-        k_actual: list[int] = []
+        k_actual = []
         for request in kept:
             k = max(0, min(k_by_id[id(request)], request.remaining_budget - 1))
             while k > 0 and not self.kv.can_grow(request.block_table, request.num_computed + 1 + k):
