@@ -163,12 +163,12 @@ class Scheduler:
         """
         # most rounds every request's tokens and drafts fit in the free blocks: nobody is preempted and no draft is
         # cut, so the checks below would change nothing (blocks are handed out request by request instead)
-        kv, size = self.kv, self.kv.block_size
+        kv = self.kv
         k_actual = [max(0, min(k, r.remaining_budget - 1)) for r, k in zip(requests, wanted_k)]
         tokens = [r.num_computed + 1 + k for r, k in zip(requests, k_actual)]
-        extra = [(n + size - 1) // size - len(r.block_table) for r, n in zip(requests, tokens)]  # `kv.extra_blocks`
+        extra = [kv.extra_blocks(r.block_table, n) for r, n in zip(requests, tokens)]
         running = all(r.status is RequestStatus.RUNNING for r in requests)
-        if running and sum(x for x in extra if x > 0) <= kv.num_free_blocks:
+        if running and sum(extra) <= kv.num_free_blocks:
             for request, n, x in zip(requests, tokens, extra):
                 if x > 0:
                     kv.grow(request.block_table, n)
