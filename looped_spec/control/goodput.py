@@ -56,6 +56,9 @@ class GoodputPolicy:
         self.plain = options.index((0, 0)) if (0, 0) in options else -1
         cost_index = [cost.option_index[o] for o in options]  # each option's line in `cost`
         self.k_max: dict[int, int] = {}  # per draft depth, the longest draft of the options
+        # `predict`'s expected tokens per (d, K), and the agreement they were computed at
+        self._tokens_at: list[float] | None = None
+        self._tokens: dict[int, list[float]] = {}
         for k, d in options:
             if k > 0:
                 self.k_max[d] = max(k, self.k_max.get(d, 0))
@@ -75,7 +78,9 @@ class GoodputPolicy:
         if self.exits.seen:
             alpha = self.exits.effective_alpha(alpha)  # tokens that exit within the draft depth pass for free
         intercepts, slopes = self.cost.lines(batch, self.exits)
-        tokens = self.acceptance.tokens_upto(alpha, self.k_max)
+        if alpha != self._tokens_at:  # the agreement moves at measured and speculative rounds only
+            self._tokens_at, self._tokens = alpha, self.acceptance.tokens_upto(alpha, self.k_max)
+        tokens = self._tokens
         drift, price = self.cost.drift, self.cost.speculative_factor
         out = []
         for k, d, i, plan in self.priced[bucket]:

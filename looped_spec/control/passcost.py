@@ -61,6 +61,7 @@ class PassCost:
             cost.pass_seconds, [cost.request_seconds, cost.request_context_seconds, cost.query_context_seconds],
             cost.step_seconds, cost.embed_seconds, cost.readout_seconds, cost.round_seconds, cost.speculative_seconds,
         ]).astype(float)  # fmt: skip
+        self._readout = tuple(self.theta[self._readout_terms : self._readout_terms + 2].tolist())  # ro0, ro_n
         self.drift = 1.0
         self._log_drift = 0.0
         self._drift_weight = 1.0 / max(drift_rounds, 1.0)
@@ -75,6 +76,7 @@ class PassCost:
         self.price_pairs = 0
         # per plan in a bucket (the caller's key): [its price's log deviation from the shared one, its pairs]
         self.own_prices: dict[tuple, list[float]] = {}
+        self._factors: dict[tuple | None, float] = {}  # `speculative_factor` per key, until the prices move
         self._lines: dict[tuple, tuple] = {}  # `lines` per (batch size, exits version): no exits, or the latest
         self._exits_version = None
 
@@ -188,7 +190,7 @@ class PassCost:
 
     def measure_seconds(self, k: int, d: int, batch: int) -> float:
         """The extra readouts of a round that also reads out every other depth (counterfactual acceptance)."""
-        ro0, ro_n = self.theta[self._readout_terms : self._readout_terms + 2].tolist()
+        ro0, ro_n = self._readout
         b = float(max(batch, 1))
         if k <= 0:
             return (self.depth - 1) * (ro0 + ro_n * b) * self.drift
@@ -210,7 +212,10 @@ class PassCost:
     def speculative_factor(self, key: tuple | None = None) -> float:
         """A speculative round's time here ÷ the profile's price, relative to a plain round's (1.0 until pairs of
         rounds were seen): the shared price, times `key`'s own deviation from it once pairs of its rounds were read."""
-        return math.exp(self._log_price(key))
+        factor = self._factors.get(key)
+        if factor is None:  # kept until a pair moves the prices: a decision reads every option's
+            factor = self._factors[key] = math.exp(self._log_price(key))
+        return factor
 
     def _log_price(self, key: tuple | None) -> float:
         """log `speculative_factor(key)`."""
@@ -235,6 +240,7 @@ class PassCost:
         x = log_price - self._log_speculative
         weight = 1.0 / min(self.price_pairs + PRICE_PRIOR, max(memory, 1.0))
         self._log_speculative += weight * min(max(x, -0.25), 0.25)
+        self._factors.clear()
         if key is not None:
             self._learn_own(key, log_price, memory)
 
@@ -255,6 +261,7 @@ class PassCost:
         own[1] += 1
         x = log_price - self._log_speculative - own[0]
         own[0] += min(max(x, -0.25), 0.25) / min(own[1] + 2 * PRICE_PRIOR, max(memory, 1.0))
+        self._factors.clear()
 
     def observe(
         self, measured: float, predicted_by_profile: float, speculative: bool = False, key: tuple | None = None

@@ -133,9 +133,10 @@ class SpeculativeRound:
             result.proposed = [0] * len(requests)
             for pos, i in enumerate(order):
                 result.proposed[i] = ks[pos]
-        if agree is not None:
+        if agree is not None:  # per depth and request, matches over the committed positions 0..accepted
             inverse = to_device(torch.tensor(order).argsort(), agree.device)  # the caller's request order
-            _agreement_counts(result, agree[:, inverse], num_accepted[inverse])
+            matches = agree.cumsum(2).gather(2, num_accepted[None, :, None].expand(len(agree), -1, 1))[:, inverse, 0]
+            _agreement_counts(result, matches, [n + 1 for n in result.num_accepted])
         if exits:
             self._exit_counts(result, order, ks, acc, verification)
         entries = verified_logprobs(reqs, ks, [grid[pos][: acc[pos] + 1] for pos in range(len(reqs))],
@@ -188,8 +189,8 @@ class SpeculativeRound:
         )
         if depth_preds is not None:  # how often each shallower depth would have drafted the committed token
             # depth D: the greedy full-depth readout, which a sampled request's committed token need not be
-            agree = torch.cat([depth_preds == sampled[None], (greedy_ids(logits, rows) == sampled)[None]])
-            _agreement_counts(result, agree[:, :, None], torch.zeros(len(requests), dtype=torch.long))
+            agree = torch.cat([depth_preds, greedy_ids(logits, rows)[None]]) == sampled[None]  # [D, R]
+            _agreement_counts(result, agree, [1] * len(requests))
         return result
 
     def _depth_agreement(self, draft, verification, committed_grid, d) -> torch.Tensor:
@@ -207,13 +208,11 @@ class SpeculativeRound:
         return stacked == committed_grid[None]
 
 
-def _agreement_counts(result: RoundResult, agree: torch.Tensor, num_accepted: torch.Tensor) -> None:
-    """Fill the result's depth agreement: `agree` [D, R, W] per committed position j <= num_accepted[r] of each
-    request (the caller's order): per request its matches per depth and its committed positions, and their totals."""
-    depth, _, width = agree.shape
-    valid = torch.arange(width, device=agree.device)[None, :] <= num_accepted.to(agree.device)[:, None]  # [R, W]
-    per_request = (agree & valid[None]).sum(dim=2)  # [D, R]
-    rows = torch.cat([per_request, valid.sum(dim=1)[None]]).T.tolist()  # [R, D + 1], one copy to the host
-    result.request_matches, result.request_trials = [row[:-1] for row in rows], [row[-1] for row in rows]
+def _agreement_counts(result: RoundResult, matches: torch.Tensor, trials: list[int]) -> None:
+    """Fill the result's depth agreement from `matches` [D, R] (per depth, each request's committed positions its
+    readout agreed on, the caller's request order; bool where a request committed one) and `trials` (per request,
+    its committed positions), with one copy to the host."""
+    result.request_matches = matches.T.to(torch.int64).tolist()
+    result.request_trials = trials
     result.depth_matches = [sum(column) for column in zip(*result.request_matches)]
-    result.depth_trials = [sum(result.request_trials)] * depth
+    result.depth_trials = [sum(trials)] * len(matches)
