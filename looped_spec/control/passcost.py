@@ -61,7 +61,6 @@ class PassCost:
             cost.pass_seconds, [cost.request_seconds, cost.request_context_seconds, cost.query_context_seconds],
             cost.step_seconds, cost.embed_seconds, cost.readout_seconds, cost.round_seconds, cost.speculative_seconds,
         ]).astype(float)  # fmt: skip
-        self._readout = tuple(self.theta[self._readout_terms : self._readout_terms + 2].tolist())  # ro0, ro_n
         self.drift = 1.0
         self._log_drift = 0.0
         self._drift_weight = 1.0 / max(drift_rounds, 1.0)
@@ -190,7 +189,7 @@ class PassCost:
 
     def measure_seconds(self, k: int, d: int, batch: int) -> float:
         """The extra readouts of a round that also reads out every other depth (counterfactual acceptance)."""
-        ro0, ro_n = self._readout
+        ro0, ro_n = self.theta[self._readout_terms : self._readout_terms + 2].tolist()
         b = float(max(batch, 1))
         if k <= 0:
             return (self.depth - 1) * (ro0 + ro_n * b) * self.drift
