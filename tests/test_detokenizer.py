@@ -169,3 +169,24 @@ def test_a_stop_completed_at_the_flush_ends_a_length_finish_as_stop_but_never_an
         )  # fmt: skip
         out = request_output(request)
         assert (out.finish_reason, out.text) == (expected, text), reason
+
+
+@pytest.mark.parametrize("stop", [[], ["\n"]])
+def test_generate_returns_each_output_whole_and_stepping_streams_the_same_text(tokenizer, stop):
+    """`generate` returns one output per request, so what is new in it is all of it; its text is what stepping the
+    same requests streams, delta by delta (several tokens a round under speculation)."""
+    from looped_spec import LoopedSpecEngine, SamplingParams
+
+    prompts = ["def fibonacci(n):", "The weather today", "import os\nimport sys\n"]
+    params = SamplingParams(max_tokens=24, stop=stop)
+    engine = LoopedSpecEngine("tiny-ouro", speculation="2,1")
+    outputs = engine.generate(prompts, params)
+    assert all(o.new_token_ids == o.token_ids and o.new_text == o.text for o in outputs)
+    if not stop:
+        assert [o.text for o in outputs] == [tokenizer.decode(o.token_ids, skip_special_tokens=True) for o in outputs]
+    ids = [engine.add_request(p, params) for p in prompts]
+    streamed = dict.fromkeys(ids, "")
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            streamed[out.request_id] += out.new_text
+    assert [streamed[i] for i in ids] == [o.text for o in outputs]

@@ -212,6 +212,26 @@ def test_rule_a_failed_round_is_rolled_back_generators_included(monkeypatch):
     assert [finished[i].token_ids for i in ids] == expected
 
 
+@pytest.mark.parametrize(
+    "options", [dict(), dict(speculation="2,1"), dict(speculation="adaptive"), dict(speculation="3,2", batching="loop")]
+)
+def test_a_step_of_greedy_requests_draws_nothing_from_their_generators(options):
+    """Why a transaction saves no generator state for a step whose requests are all greedy (engine/failures.py):
+    nothing in it draws, adjusted logits (penalties, a bias, min_tokens, allowed tokens) included."""
+    params = [
+        greedy(9),
+        SamplingParams(max_tokens=9, ignore_eos=True, repetition_penalty=1.3, logit_bias={7: 2.0}),
+        SamplingParams(max_tokens=9, min_tokens=5, allowed_token_ids=list(range(40)), seed=3),
+    ]
+    engine = make_engine("ouro", **options)
+    ids = [engine.add_request(p, sp) for p, sp in zip(PROMPTS, params)]
+    requests = [engine._requests[i] for i in ids]
+    before = [r.generator.get_state() for r in requests]
+    finished = run_to_end(engine)
+    assert all(len(finished[i].token_ids) == 9 for i in ids)
+    assert all(torch.equal(r.generator.get_state(), state) for r, state in zip(requests, before))
+
+
 @pytest.mark.parametrize("batching", ["step", "loop"])
 @pytest.mark.parametrize("speculation", ["off", "2,1"])
 def test_rule_a_request_whose_commit_fails_finishes_with_error_and_the_others_go_on(batching, speculation):

@@ -385,14 +385,17 @@ class LoopedSpecEngine:
                 self.stats.num_requests_finished += 1
         self.stats.num_generation_tokens += sum(appended)
 
-    def _take_outputs(self, only: set[str] | None = None) -> list[RequestOutput]:
-        """Outputs owed to the caller (all, or those in `only`); each finished request is returned once."""
-        ids = [i for i in self._reports if only is None or i in only]
-        outputs = [request_output(self._reports[i]) for i in ids]
-        for request_id in ids:
+    def _take_outputs(self, only: set[str] | None = None, finished_only: bool = False) -> list[RequestOutput]:
+        """Outputs owed to the caller (all, or those in `only`); each finished request is returned once.
+        `finished_only`: the others' are dropped unbuilt (`generate` returns each output once, whole)."""
+        outputs = []
+        for request_id in [i for i in self._reports if only is None or i in only]:
             request = self._reports.pop(request_id)
             if request.finished:
                 self._requests.pop(request_id, None)
+            elif finished_only:
+                continue
+            outputs.append(request_output(request))
         return outputs
 
     # ----- offline API -----
@@ -400,7 +403,8 @@ class LoopedSpecEngine:
         self, prompts: Any, params: SamplingParams | list[SamplingParams] | None = None, use_tqdm: bool = False,
         priority: list[int] | None = None,
     ) -> list[RequestOutput]:  # fmt: skip
-        """Run prompts to completion; outputs in prompt order. All prompts are validated before any is queued.
+        """Run prompts to completion; outputs in prompt order, each once and whole (its `new_token_ids` and
+        `new_text` are all of it). All prompts are validated before any is queued.
         `prompts`: a prompt or a list of them, each as `add_request` takes it (vLLM's prompt dicts included).
         `priority`: one per prompt (scheduling_policy="priority"; lower values first), as vLLM's `LLM.generate`.
 
@@ -440,10 +444,9 @@ class LoopedSpecEngine:
                 if not (self.scheduler.has_unfinished() or mine & self._reports.keys()):
                     raise RuntimeError("engine stopped with unfinished generate() requests")
                 self._step_once()
-                for out in self._take_outputs(only=mine):
-                    if out.finished:
-                        results[out.request_id] = out
-                        bar.update(1)
+                for out in self._take_outputs(only=mine, finished_only=True):
+                    results[out.request_id] = out
+                    bar.update(1)
         except BaseException:
             self._forget(requests)
             raise
