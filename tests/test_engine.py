@@ -292,3 +292,16 @@ def test_time_to_first_token_and_inter_token_latency_count_every_generated_token
     exported = stats.to_prometheus("m")
     assert 'looped_spec:engine_time_to_first_token_seconds_count{model_name="m"} 3.0' in exported
     assert stats.to_dict()["inter_token_latency"]["count"] == 24
+
+
+def test_latency_histogram_counts_each_value_in_the_bucket_of_its_upper_bound():
+    from looped_spec.engine.stats import LATENCY_BOUNDS, Latencies
+
+    latencies = Latencies()
+    for seconds in (0.0, 0.001, 0.0011, 10.0, 10.5):  # a bound is its own bucket's; past the last: the overflow
+        latencies.observe(seconds)
+    latencies.observe(0.003, times=3)
+    expected = [0] * (len(LATENCY_BOUNDS) + 1)
+    expected[0], expected[1], expected[2], expected[-2], expected[-1] = 2, 1, 3, 1, 1
+    assert latencies.buckets == expected
+    assert (latencies.count, latencies.total) == (8, pytest.approx(0.0 + 0.001 + 0.0011 + 10.0 + 10.5 + 0.009))

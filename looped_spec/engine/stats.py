@@ -8,6 +8,7 @@ with the `looped_spec:` prefix.
 
 from __future__ import annotations
 
+from bisect import bisect_left
 from collections import Counter
 from collections.abc import Iterator
 from copy import copy
@@ -39,7 +40,7 @@ class Latencies:
     count: int = 0
 
     def observe(self, seconds: float, times: int = 1) -> None:
-        index = next((i for i, b in enumerate(LATENCY_BOUNDS) if seconds <= b), len(LATENCY_BOUNDS))
+        index = bisect_left(LATENCY_BOUNDS, seconds)  # the first bound >= seconds (the last bucket: above them)
         self.buckets[index] += times
         self.total += seconds * times
         self.count += times
