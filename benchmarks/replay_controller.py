@@ -62,10 +62,14 @@ class Machine:
 
     def __init__(
         self, cost: PassCost, noise: float, speculative_price: float, measure_overhead: float, seed: int,
-        prices: dict[str, float] | None = None,
+        prices: dict[str, float] | None = None, switch_penalty: float = 0.0,
     ) -> None:  # fmt: skip
         self.cost, self.noise, self.rng = cost, noise, random.Random(seed)
         self.speculative_price, self.measure_overhead = speculative_price, measure_overhead
+        # a plain round right after a speculative one takes this share of a plain round at B = 1 more (the caches
+        # and predictors warm up again: docs/benchmarking.md, "A plain round after a speculative one")
+        self.switch_seconds = switch_penalty * cost.seconds(0, 0, 1, 0.0)
+        self.after_speculative = False
         self.table: dict[int, dict[tuple[int, int], float]] = {}  # batch size -> plan -> price
         for key, price in (prices or {}).items():
             plan, batch = key.split("@")
@@ -85,6 +89,9 @@ class Machine:
         seconds = self.cost.seconds(k, d, batch, context) * (self.price(k, d, batch) if k else 1.0)
         if measured:
             seconds = seconds * (1.0 + self.measure_overhead) + self.cost.measure_seconds(k, d, batch)
+        if not k and self.after_speculative:
+            seconds += self.switch_seconds
+        self.after_speculative = k > 0
         return seconds * math.exp(self.rng.gauss(0.0, self.noise))
 
 
@@ -190,11 +197,19 @@ def main(argv: list[str] | None = None) -> dict[int, dict[str, list[float]]]:
     ap.add_argument("--price-table", type=Path, help="plan_prices.py --out: each plan's measured price against plain")
     ap.add_argument("--measure-overhead", type=float, default=0.04)
     ap.add_argument("--context", type=float, default=150.0, help="mean context the rounds are priced at")
+    ap.add_argument(
+        "--switch-penalty",
+        type=float,
+        default=0.0,
+        help="a plain round after a speculative one costs this share of a plain round at B = 1 more",
+    )
     args = ap.parse_args(argv)
     if args.max_tokens < 2 or args.batches < 0 or args.seeds < 1 or args.noise < 0.0:
         ap.error("need --max-tokens >= 2, --batches >= 0, --seeds >= 1 and --noise >= 0")
     if not args.speculative_price > 0.0 or args.measure_overhead < 0.0 or args.switch_every < 1:
         ap.error("need --speculative-price > 0, --measure-overhead >= 0 and --switch-every >= 1")
+    if args.switch_penalty < 0.0:
+        ap.error("need --switch-penalty >= 0")
     groups = [g.strip() for g in args.prompts.split(",") if g.strip()]
     unknown = [g for g in groups if g not in EVALUATION_SOURCES]
     if not groups or unknown:
@@ -250,7 +265,9 @@ def main(argv: list[str] | None = None) -> dict[int, dict[str, list[float]]]:
         for name, make in controllers():
             runs = []
             for seed in range(args.seeds):
-                machine = Machine(cost, args.noise, args.speculative_price, args.measure_overhead, seed, prices)
+                machine = Machine(
+                    cost, args.noise, args.speculative_price, args.measure_overhead, seed, prices, args.switch_penalty
+                )
                 runs.append(drive(make(), bits, batches, machine, args.context))
             rates[name] = [r["tokens"] / r["seconds"] for r in runs]
             ratios = [x / p for x, p in zip(rates[name], rates["plain"])]
