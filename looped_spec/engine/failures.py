@@ -40,7 +40,7 @@ class StepFailures:
         the error) and None. `settled(result)`: whether the suspect's work is done (a loop pass can end mid-token;
         until its token is done the suspect keeps running alone, so the stage that failed is reached alone); None:
         every step finishes its requests' work."""
-        # a step of greedy requests only draws nothing (every sampler takes the argmax of an all-greedy batch)
+        # a step whose requests are all greedy draws nothing (every sampler takes the argmax of an all-greedy batch)
         saved = [r.generator.get_state() for r in requests] if not all(r.greedy for r in requests) else []
         try:
             result = compute()
