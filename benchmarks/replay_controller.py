@@ -95,13 +95,16 @@ class Machine:
         return seconds * math.exp(self.rng.gauss(0.0, self.noise))
 
 
-def readouts(bits, prompts: list[int], starts: list[int], committed: list[int]) -> dict:
-    """A measured round's report: per depth the committed positions' bits, and per request its own counts."""
+def readouts(bits, prompts: list[int], starts: list[int], committed: list[int], read=None) -> dict:
+    """A measured round's report: per depth the committed positions' bits, and per request its own counts; at the
+    depths below full the controller reads out (`read`; None: every one), as the engine's runner reports them."""
     depth = len(bits)
+    seen = [read is None or j + 1 in read or j + 1 == depth for j in range(depth)]
     spans = zip(prompts, starts, committed)
-    own = [[sum(bits[j][p][start : start + n]) for j in range(depth)] for p, start, n in spans]
+    own = [[sum(bits[j][p][start : start + n]) if seen[j] else 0 for j in range(depth)] for p, start, n in spans]
     return {
-        "depth_matches": [sum(row[j] for row in own) for j in range(depth)], "depth_trials": [sum(committed)] * depth,
+        "depth_matches": [sum(row[j] for row in own) for j in range(depth)],
+        "depth_trials": [sum(committed) if seen[j] else 0 for j in range(depth)],
         "request_matches": own, "request_trials": list(committed),
     }  # fmt: skip
 
@@ -127,7 +130,8 @@ def drive(controller, bits, batches: list[list[int]], machine: Machine, context:
             report = {}
             if plan.measure_depths:
                 prompts = [prompt[i] for i in ids]
-                report = readouts(bits, prompts, [position[i] for i in ids], [a + 1 for a in accepted])
+                report = readouts(bits, prompts, [position[i] for i in ids], [a + 1 for a in accepted],
+                                  controller.readout_depths())  # fmt: skip
             seconds = machine.seconds(plan.k, plan.d, len(ids), context, plan.measure_depths)
             controller.observe(round_feedback(
                 plan, batch_size=len(ids), context=context, num_proposed=proposed, num_accepted=accepted,
@@ -227,9 +231,10 @@ def main(argv: list[str] | None = None) -> dict[int, dict[str, list[float]]]:
     preset = load_preset(adapter.name, depth, args.preset)
     # the machine's prices of every plan a controller can run, kept as lines per batch size (a plan outside the
     # options would be priced pass by pass every round)
-    cost = PassCost(
-        preset.cost, depth, options=sorted({o for b in compile_buckets(preset) for o in b.options} | set(grid))
-    )
+    # (a measured round reads out the adaptive controller's draft depths, which it prices as the engine does)
+    options = {o for b in compile_buckets(preset) for o in b.options}
+    read = sorted({d for k, d in options if k})
+    cost = PassCost(preset.cost, depth, options=sorted(options | set(grid)), readout_depths=read)
     # the groups' prompts one after another: group g's are the indices from offsets[g] on
     bits: list[list[list[int]]] = [[] for _ in range(depth)]
     offsets, counts, described = [], [], []

@@ -172,6 +172,56 @@ def test_an_unmeasured_speculative_round_updates_only_its_own_depth():
     assert list(controller.acceptance.alpha) == frozen
 
 
+def preset_drafting_at(depths: list[int]) -> AdaptiveSpecConfig:
+    """`preset()` with every candidate's draft depth the nearest of `depths` (plain stays plain)."""
+    config = preset().model_dump()
+    for bucket in config["buckets"]:
+        for c in bucket["candidates"]:
+            c["d"] = min(depths, key=lambda d, c=c: abs(d - c["d"])) if c["k"] else 0
+    return AdaptiveSpecConfig.parse(config)
+
+
+def test_measured_rounds_read_out_the_options_draft_depths_only():
+    """Either policy reads the agreement at its options' draft depths only: those are what a measured round reads
+    out (the engine's runner is given them) and what its readouts are priced by."""
+    controller = AdaptiveController(preset_drafting_at([1, 3]), DEPTH)
+    assert controller.readout_depths() == [1, 3] and controller.cost.readout_depths == {1, 3}
+    assert AdaptiveController(preset(), DEPTH).readout_depths() == [1, 2, 3]
+    assert FixedController(2, 1, measure_depths=True).readout_depths() is None  # every depth: the tuner's readouts
+    engine = make_engine("huginn", speculation="adaptive")
+    assert engine.runner.readout_depths == set(engine.controller.readout_depths()) != set(range(1, 8))
+    # a round whose readouts skipped depth 2 teaches nothing there, overall or per request
+    before, own_before = list(controller.acceptance.alpha), controller.acceptance.batch_alpha()
+    plan = plan_of(controller, 0, 0, 2, measure=True)
+    controller.observe(round_feedback(
+        plan, batch_size=2, context=100.0, num_proposed=[0, 0], num_accepted=[0, 0], seconds=0.0,
+        depth_matches=[0, 0, 0, 2], depth_trials=[2, 0, 2, 2], request_ids=["a", "b"],
+        request_matches=[[0, 0, 0, 1], [0, 0, 0, 1]], request_trials=[1, 1],
+    ))  # fmt: skip
+    controller.acceptance.set_batch(["a", "b"])
+    after, own_after = controller.acceptance.alpha, controller.acceptance.batch_alpha()
+    assert after[0] < before[0] and after[1] == before[1] and after[2] < before[2]
+    assert own_after[0] < own_before[0] and own_after[1] == pytest.approx(before[1]) and own_after[2] < own_before[2]
+
+
+@pytest.mark.parametrize("policy", ["goodput", "ema"])
+def test_a_speculative_round_is_not_measured_when_its_drafts_report_every_depth_read(policy):
+    """With every option drafting at one depth, a speculative round's readouts would be its drafts' outcomes (which it
+    reports anyway): only plain rounds read out, and the estimate still follows the text."""
+    controller = AdaptiveController(preset_drafting_at([1]), DEPTH, policy=policy)
+    assert controller.readout_depths() == [1]
+    workload = Workload(PassCost(preset().cost, DEPTH), noise=0.02, seed=3)
+    rounds, measured = {True: 0, False: 0}, {True: 0, False: 0}
+    for phase in [Phase(4, RANDOM, 300), Phase(4, CODE, 300)]:
+        for _ in range(phase.rounds):
+            plan = controller.plan(phase.batch, phase.context)
+            rounds[plan.k > 0] += 1
+            measured[plan.k > 0] += plan.measure_depths
+            controller.observe(workload.feedback(plan, phase))
+    assert rounds[True] > 200 and measured[True] == 0 and measured[False] > 10
+    assert controller.acceptance.alpha[0] == pytest.approx(CODE[0], abs=0.1)
+
+
 def test_the_measure_share_is_learned_beside_ordinary_rounds_free_of_the_drift():
     controller = AdaptiveController(preset(), DEPTH)
     cost = controller.cost

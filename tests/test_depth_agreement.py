@@ -495,3 +495,60 @@ def test_huginn_random_initial_state():
                     ruled_out.add(wrong.__name__)
     assert checked >= 2
     assert ruled_out == {w.__name__ for w in wrong_rules}, "some wrong rule is not ruled out"
+
+
+# ----- reading out only some depths -----
+def measured_feedback(family, speculation, batching, read=None) -> tuple[list[RoundFeedback], list[list[int]], int]:
+    """Every measured round's feedback of a greedy run, its tokens, and how many readouts the runner made; with
+    `read`, the engine's controller reads out those depths only (the engine hands them to its runner and rounds)."""
+    import looped_spec.engine.engine as engine_module
+
+    make = engine_module.make_controller
+
+    def reading(*args, **kwargs):
+        controller = make(*args, **kwargs)
+        if read is not None:
+            controller.readout_depths = lambda: read
+        return controller
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(engine_module, "make_controller", reading)
+        engine = engine_with_graphs(load(family), False, speculation=speculation, batching=batching)
+    feedback: list[RoundFeedback] = []
+    observe, readout, calls = engine.controller.observe, engine.runner.readout, [0]
+    engine.controller.observe = lambda fb: (feedback.append(fb), observe(fb))[1]
+
+    def counting(state, depth, ctx):
+        calls[0] += 1
+        return readout(state, depth, ctx)
+
+    engine.runner.readout = counting
+    outs = engine.generate(PROMPTS, SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))
+    engine.close()
+    return [fb for fb in feedback if fb.depth_trials], [o.token_ids for o in outs], calls[0]
+
+
+@pytest.mark.parametrize("family", ["ouro", "huginn"])  # nanbeige's D = 2 has one depth below full
+@pytest.mark.parametrize("batching", ["step", "loop"])
+@pytest.mark.parametrize("k,which", [(0, "1"), (2, "1"), (3, "mid")])
+def test_a_runner_reading_some_depths_reports_them_as_reading_every_depth_does(family, batching, k, which):
+    """The adaptive controller reads out only its options' draft depths: the same tokens, the same matches and trials
+    at those depths (and at full depth) as reading out every depth, none at the others, and fewer readouts."""
+    full = load(family).full_depth
+    d = resolve_d(family, which) if k else 0
+    # every other depth, so that a plan's own draft depth is read in some cases and not in others
+    read = [j for j in range(1, full) if j % 2 == 1]
+    spec = SpeculativeConfig(k=k, d=d, measure_depths=True)
+    every, tokens, every_calls = measured_feedback(family, spec, batching)
+    some, some_tokens, some_calls = measured_feedback(family, spec, batching, read)
+    assert some_tokens == tokens
+    assert len(some) == len(every) > 0
+    for a, b in zip(every, some):
+        for j in range(full):
+            if j + 1 in read or j + 1 == full:
+                assert (b.depth_matches[j], b.depth_trials[j]) == (a.depth_matches[j], a.depth_trials[j])
+                assert [m[j] for m in b.request_matches] == [m[j] for m in a.request_matches]
+            else:
+                assert b.depth_trials[j] == 0 and b.depth_matches[j] == 0
+        assert b.request_trials == a.request_trials
+    assert some_calls < every_calls

@@ -408,16 +408,19 @@ def per_request_totals(feedback: list, depth: int) -> dict[str, tuple[list[int],
 @pytest.mark.parametrize("batching", ["step", "loop"])
 def test_adaptive_feedback_names_the_requests_of_every_round(batching):
     """Measured or not, a round's feedback names its requests (the controller keeps each one's own agreement from
-    readouts and drafts), and a measured round's per-request counts add up to its totals. The preset lists only
-    (2, 1), so the engine drafts in every round."""
+    readouts and drafts), and a measured round's per-request counts add up to its totals. The EMA policy and a
+    bucket that lists only (2, 1): the engine drafts in every round; a bucket of larger batches drafting at depth 3
+    gives the readouts a depth besides the drafts' own."""
     from looped_spec.presets import AdaptiveSpecConfig
 
     depth = load("ouro").full_depth
+    only = {"theta_up": 1.0, "theta_down": 0.0}
     pinned = AdaptiveSpecConfig.parse({
         "model": "pinned", "full_depth": depth, "disable": {"enabled": False}, "cost": ideal_cost(32),
-        "buckets": [{"min_batch": 1, "max_batch": None, "candidates": [[2, 1]], "theta_up": 1.0, "theta_down": 0.0}],
+        "buckets": [{"min_batch": 1, "max_batch": 16, "candidates": [[2, 1]], **only},
+                    {"min_batch": 17, "max_batch": None, "candidates": [[2, 3]], **only}],
     })  # fmt: skip
-    engine = make_engine("ouro", speculation="adaptive", preset=pinned, batching=batching)
+    engine = make_engine("ouro", speculation="adaptive", preset=pinned, policy="ema", batching=batching)
     feedback = recorded_feedback(engine)
     drafts = engine.controller.acceptance.observe_request_drafts
     drafted = []

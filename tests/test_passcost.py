@@ -221,10 +221,11 @@ def test_measured_rounds_read_out_the_other_depths():
         assert cost.measure_seconds(k, d, b) == pytest.approx(cost.drift * seconds, rel=1e-12), (k, d)
 
 
+@pytest.mark.parametrize("read", [None, [1, 3], [2]])
 @pytest.mark.parametrize("k,d", [(0, 0), (3, 1), (2, 2), (2, 3)])
-def test_measure_seconds_counts_the_readouts_a_measured_round_really_adds(k, d):
+def test_measure_seconds_counts_the_readouts_a_measured_round_really_adds(k, d, read):
     """An independent count: the engine's readouts of each round, measured minus unmeasured, priced at one second
-    per readout (then one second per position read out)."""
+    per readout (then one second per position read out); reading out every depth below full, or only `read`."""
     from looped_spec import LoopedSpecEngine, SamplingParams, SpeculativeConfig
 
     adapter = load("ouro")
@@ -233,6 +234,8 @@ def test_measure_seconds_counts_the_readouts_a_measured_round_really_adds(k, d):
     per_round = {}
     for measure in (False, True):
         engine = LoopedSpecEngine(adapter, speculation=SpeculativeConfig(k=k, d=d, measure_depths=measure))
+        if read is not None:  # as an adaptive engine's runner reads its options' draft depths
+            engine.runner.readout_depths = frozenset(read)
         rounds: list[list] = []
         runner, run = engine.runner, engine.spec_round.run
         readout = runner.readout
@@ -251,8 +254,8 @@ def test_measure_seconds_counts_the_readouts_a_measured_round_really_adds(k, d):
         per_round[measure] = rounds
     assert len(per_round[True]) == len(per_round[False])
     zero = {"readout_seconds": [0.0, 0.0]}
-    per_readout = PassCost(config(**{**zero, "readout_seconds": [1.0, 0.0]}), depth)
-    per_position = PassCost(config(**{**zero, "readout_seconds": [0.0, 1.0]}), depth)
+    per_readout = PassCost(config(**{**zero, "readout_seconds": [1.0, 0.0]}), depth, readout_depths=read)
+    per_position = PassCost(config(**{**zero, "readout_seconds": [0.0, 1.0]}), depth, readout_depths=read)
     # the rounds where every request drafts K (near its end a request drafts fewer)
     full = [r for r in zip(per_round[False], per_round[True]) if r[0][0] == [k] * len(prompts)]
     assert len(full) >= 2

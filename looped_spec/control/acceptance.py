@@ -158,15 +158,18 @@ class AcceptanceEstimator:
 
     # the two below fade a request's counts as `_fade_in` does, written out: they run once per request per round
     def observe_request_readouts(
-        self, request_ids: Sequence[str], matches: Sequence[Sequence[int]], trials: Sequence[int]
-    ) -> None:
-        """A measured round per request: how many of its committed positions each depth predicted, out of how many."""
+        self, request_ids: Sequence[str], matches: Sequence[Sequence[int]], trials: Sequence[int],
+        read: Sequence[int] | None = None,
+    ) -> None:  # fmt: skip
+        """A measured round per request: how many of its committed positions each depth predicted, out of how many
+        (at the depths `read`, the round's trials per depth, is not 0 at; None: every depth)."""
         memory = self.request_memory
+        depths = range(self.depth) if read is None else [j for j, n in enumerate(read) if n]
         for request_id, row, n in zip(request_ids, matches, trials):
             if n:
                 own_matches, own_trials = self._request_counts(request_id)
                 fade = memory / (memory + n)
-                for j in range(self.depth):
+                for j in depths:
                     own_matches[j] = fade * own_matches[j] + row[j]
                     own_trials[j] = fade * own_trials[j] + n
 
@@ -192,7 +195,7 @@ class AcceptanceEstimator:
         free exits)."""
         if fb.depth_trials:
             self.observe_readouts(fb.depth_matches, fb.depth_trials)
-            self.observe_request_readouts(fb.request_ids, fb.request_matches, fb.request_trials)
+            self.observe_request_readouts(fb.request_ids, fb.request_matches, fb.request_trials, fb.depth_trials)
         elif fb.k > 0 and not fb.exit_depths:
             rejected = sum(map(operator.lt, fb.num_accepted, fb.num_proposed))
             self.observe_drafts(fb.d, fb.total_accepted, rejected)

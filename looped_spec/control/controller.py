@@ -55,6 +55,10 @@ class FixedController:
         """Every (K, d) this controller can hand out (K = 0 included), for sizing CUDA-graph capture."""
         return sorted({(0, 0), (self.k, self.d)})
 
+    def readout_depths(self) -> list[int] | None:
+        """The depths below full a measured round reads out (None: every one)."""
+        return None
+
     def plan(self, batch_size: int, context: float, request_ids: Sequence[str] = ()) -> SpeculationPlan:
         """The plan of the next round (a batch of `batch_size` requests at mean context `context`; `request_ids`:
         the batch's requests, when the caller knows them)."""
@@ -123,8 +127,8 @@ class FixedController:
 
 class AdaptiveController(FixedController):
     """Per-round (K, d) from a preset: batch size -> bucket -> the policy's option. It feeds every round to the
-    shared estimators (acceptance, pass-cost drift, exit depths) and decides which rounds also read out every depth
-    (docs/adaptive.md "Which rounds read out")."""
+    shared estimators (acceptance, pass-cost drift, exit depths) and decides which rounds also read out the options'
+    draft depths (docs/adaptive.md "Which rounds read out")."""
 
     name = "adaptive"
 
@@ -145,12 +149,15 @@ class AdaptiveController(FixedController):
         self.settings = s = settings or ControlSettings()
         self.policy_name = policy
         buckets = compile_buckets(config)
+        # the agreements either policy reads: at the options' draft depths (docs/adaptive.md "Which rounds read out")
+        self._read = sorted({d for b in buckets for k, d in b.options if k > 0})
         acc = config.acceptance
         self.acceptance = AcceptanceEstimator(
             full_depth, acc.alpha if acc else None, acc.rho if acc else None, s.prior_share * s.acceptance_memory,
             s.acceptance_memory, s.request_memory, s.prior_share * s.request_memory,
         )  # fmt: skip
-        self.cost = PassCost(config.cost, full_depth, s.drift_rounds, [o for b in buckets for o in b.options])
+        options = [o for b in buckets for o in b.options]
+        self.cost = PassCost(config.cost, full_depth, s.drift_rounds, options, self._read)
         self.exits = ExitDepths(full_depth, s.acceptance_memory)
         if policy == "ema":
             self.policy: GoodputPolicy | EmaPolicy = EmaPolicy(buckets, config.disable, self.acceptance)
@@ -174,6 +181,9 @@ class AdaptiveController(FixedController):
     def plan_shapes(self) -> list[tuple[int, int]]:
         return sorted({(0, 0)} | {o for b in self.buckets for o in b.options})
 
+    def readout_depths(self) -> list[int]:
+        return self._read
+
     def _next_plan(
         self, batch_size: int, context: float, request_ids: Sequence[str]
     ) -> tuple[SpeculationPlan, str | None]:
@@ -185,7 +195,9 @@ class AdaptiveController(FixedController):
             self._bucket = bucket
         k, d, candidate = self.policy.select(bucket, batch_size, context)
         event = self.policy.last_event
-        measure = self._measure_in <= 0
+        # a round reads out when one is due and it has a depth to read besides its own draft depth, whose agreement
+        # its drafts' outcomes report anyway
+        measure = self._measure_in <= 0 and any(j != d for j in self._read)
         probe = self._probes and self.buckets[bucket].may_run_plain and self.cost.ordinary_rounds  # rounds are timed
         if probe and not measure:
             self._probe_in -= 1

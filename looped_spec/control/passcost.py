@@ -4,7 +4,7 @@ outside terms are written out).
 Every price is linear in the coefficients (`theta`, from the preset's `cost` section): `features` writes a round as
 counts of each coefficient's unit and `profile_seconds` weighs them; the tuner fits the coefficients to the same
 features of what it timed. Online, a drift factor follows the machine's state, `measure_share` learns what
-reading out every depth adds to a round (docs/adaptive.md "Which rounds read out"), and `speculative_factor` what a
+reading out the other depths adds to a round (docs/adaptive.md "Which rounds read out"), and `speculative_factor` what a
 speculative round costs next to a plain one here, against the profile's price: one price shared by every plan, and
 each plan's own in a bucket once pairs of its rounds were read (docs/adaptive.md "Prices on another machine").
 """
@@ -12,6 +12,7 @@ each plan's own in a bucket once pairs of its rounds were read (docs/adaptive.md
 from __future__ import annotations
 
 import math
+from collections.abc import Collection
 
 import numpy as np
 
@@ -45,9 +46,12 @@ class PassCost:
     """Predicted seconds of rounds from a preset's `cost` section (see the module docstring)."""
 
     def __init__(
-        self, cost, depth: int, drift_rounds: float = 64.0, options: list[tuple[int, int]] | None = None
-    ) -> None:
+        self, cost, depth: int, drift_rounds: float = 64.0, options: list[tuple[int, int]] | None = None,
+        readout_depths: Collection[int] | None = None,
+    ) -> None:  # fmt: skip
         self.depth = depth
+        # the depths below full a measured round reads out (None: every one)
+        self.readout_depths = frozenset(range(1, depth) if readout_depths is None else readout_depths)
         # the plans a controller prices: their round seconds are kept as lines in the context per batch size
         self.options = sorted(set(options or [(0, 0)]) | {(0, 0)})
         self.option_index = {o: i for i, o in enumerate(self.options)}
@@ -188,19 +192,22 @@ class PassCost:
         return self.seconds(k, d, batch, context) * self.drift
 
     def measure_seconds(self, k: int, d: int, batch: int) -> float:
-        """The extra readouts of a round that also reads out every other depth (counterfactual acceptance)."""
+        """The extra readouts of a round that also reads out the other depths (`readout_depths`: counterfactual
+        acceptance)."""
         ro0, ro_n = self.theta[self._readout_terms : self._readout_terms + 2].tolist()
         b = float(max(batch, 1))
+        read = self.readout_depths
         if k <= 0:
-            return (self.depth - 1) * (ro0 + ro_n * b) * self.drift
-        # the draft reads out depths 1..d-1 at each of its K+1 positions and depth d at the last one; the
-        # verifier depths d+1..D-1 at all K+1 positions of each request
-        draft = ((d - 1) * (k + 1) + 1) * (ro0 + ro_n * b)
-        verify = max(self.depth - d - 1, 0) * (ro0 + ro_n * b * (k + 1))
+            return len(read) * (ro0 + ro_n * b) * self.drift
+        # the draft reads out its depths below d at each of its K+1 steps and depth d at the last one; the verifier
+        # its depths above d at all K+1 positions of each request
+        below, above = sum(j < d for j in read), sum(j > d for j in read)
+        draft = (below * (k + 1) + (d in read)) * (ro0 + ro_n * b)
+        verify = above * (ro0 + ro_n * b * (k + 1))
         return (draft + verify) * self.drift
 
     def measure_share(self, k: int, d: int, batch: int, context: float) -> float:
-        """What reading out every depth adds to a (K, d) round, relative to the round: learned from measured rounds
+        """What reading out the other depths adds to a (K, d) round, relative to the round: learned from measured rounds
         once some ran (never below what the profile's readouts add), the profile's readouts before."""
         round_seconds = self.predict(k, d, batch, context) * (self.speculative_factor() if k > 0 else 1.0)
         profile = self.measure_seconds(k, d, batch) / round_seconds

@@ -20,7 +20,7 @@ class SpeculationPlan:
     # where the plan sits in the preset (-1: a fixed plan), so feedback updates the (bucket, candidate) that made it
     bucket: int = -1
     candidate: int = -1
-    measure_depths: bool = False  # also read out every depth on the committed positions (counterfactual acceptance)
+    measure_depths: bool = False  # also read out other depths on the committed positions (counterfactual acceptance)
     stop_margin: float | None = None  # per-token stopping: a request stops drafting below this draft margin
 
 

@@ -133,7 +133,7 @@ class LoopedSpecEngine:
         if config.batching == "step":
             graphs = step_graphs(self.adapter, self.kv, self.max_model_len, self.max_batch_size,
                                  self.controller.plan_shapes(), config.cuda_graphs)  # fmt: skip
-        self.runner = ModelRunner(self.adapter, self.kv, config.early_exit, graphs)
+        self.runner = ModelRunner(self.adapter, self.kv, config.early_exit, graphs, self.controller.readout_depths())
         # loop-level batching: decode steps are loop passes over the work in flight (loop_batching/); rounds are per
         # request there (K drafts with the first d loops, then one verification item), under the plan the controller
         # gave the pass in which they entered
@@ -142,7 +142,8 @@ class LoopedSpecEngine:
             pass_graphs = loop_pass_graphs(self.adapter, self.kv, self.runner.paged_kernel, self.max_model_len,
                                            self.max_batch_size, config.cuda_graphs)  # fmt: skip
             self.loop_batcher = LoopBatcher(self.runner, pass_graphs)
-            self.loop_rounds = LoopRounds(self.adapter.full_depth, exit_skips=config.early_exit == "skip")
+            exit_skips = config.early_exit == "skip"
+            self.loop_rounds = LoopRounds(self.adapter.full_depth, exit_skips, self.runner.readout_depths)
         self.spec_round = SpeculativeRound(self.runner)
         self.tokenizer = load_tokenizer(self.adapter.path)
         self._grammars = GrammarCompiler(self.tokenizer, self.adapter.vocab_size, self.adapter.eos_token_ids)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -93,14 +94,21 @@ class ModelRunner:
     """
 
     def __init__(
-        self, adapter: ModelAdapter, kv_cache: KVCache, exit_mode: ExitMode = "skip", graphs: StepRunner | None = None
-    ) -> None:
+        self, adapter: ModelAdapter, kv_cache: KVCache, exit_mode: ExitMode = "skip", graphs: StepRunner | None = None,
+        readout_depths: Collection[int] | None = None,
+    ) -> None:  # fmt: skip
         self.adapter = adapter
         self.kv = kv_cache
         self.device = adapter.device
         self.full_depth = adapter.full_depth
         self.graphs = graphs  # a CudaGraphRunner: takes the shapes it captured
         self.exit_mode = exit_mode  # how requests that exit early are run (early_exit.py)
+        # the depths below full a measured step reads out (counterfactual readouts, speculative/readouts.py): the
+        # controller's draft depths; None: every one
+        every = range(1, self.full_depth)
+        self.readout_depths = frozenset(every if readout_depths is None else readout_depths)
+        if not self.readout_depths.issubset(every):
+            raise ValueError(f"readout_depths={sorted(self.readout_depths)}: each must be in 1..{self.full_depth - 1}")
         # the paged kernel reads each token's own keys in place (decode, draft, verify); prefill keeps SDPA
         self.paged_kernel = kernel_available(self.device, kv_cache.layout.head_dim)
         # when set, the time inside `run` goes into it (the tuner separates pass time from the rest of a round)

@@ -3,7 +3,7 @@
 A pass embeds the tokens that enter (a prompt chunk, a request's next token, or its next drafted token), runs one
 loop of every item together — each at its own loop index, reading and writing its own KV plane — and finishes the
 items that reached their stop depth (finish.py). The items of a measured round are also read out at every depth they
-pass (`_read_out_passing`).
+pass that the runner reads out (`_read_out_passing`).
 
 `run` computes a pass without changing any item (a failed pass leaves them as they were; its KV writes are redone
 alike by the retry); `commit` applies it once the engine has committed the finished tokens.
@@ -20,7 +20,7 @@ from looped_spec.loop_batching.finish import Finished, Finisher, readout_rows
 from looped_spec.loop_batching.graphs import CapturedStages, LoopPassGraphs
 from looped_spec.loop_batching.items import DraftRound, Entering, Item, NextDraft, PassResult, PlainToken
 from looped_spec.request import Request
-from looped_spec.speculative.readouts import greedy_ids
+from looped_spec.speculative.readouts import greedy_ids, not_read
 
 #: A request that enters without an entry in `rounds`: a plain token, not measured
 NOT_MEASURED = Entering(0, 0, False)
@@ -367,11 +367,15 @@ class LoopBatcher:
 
     def _read_out_passing(self, items, loops, state, rows, ctx, preds) -> None:
         """Measured items: the greedy prediction of the depth each just reached, short of its stop depth (read out
-        when it finishes), appended to `preds`; one readout per depth over the items there."""
+        when it finishes), appended to `preds` (`not_read` at a depth the runner does not read out); one readout per
+        depth over the items there."""
         at_depth: dict[int, list[int]] = {}
         for i, (it, n) in enumerate(zip(items, loops)):
             if preds[i] is not None and n < it.stop:
-                at_depth.setdefault(n, []).append(i)
+                if n in self.runner.readout_depths:
+                    at_depth.setdefault(n, []).append(i)
+                else:
+                    preds[i].append(not_read(it.num_positions, state))
         for depth, chosen in at_depth.items():
             index = to_device(torch.cat([torch.arange(rows[i].start, rows[i].stop) for i in chosen]), state.device)
             read_ctx = self.finisher.readout_context([items[i] for i in chosen], ctx, items)

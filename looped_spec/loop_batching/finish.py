@@ -21,7 +21,7 @@ from looped_spec.loop_batching.exits import PassExits
 from looped_spec.loop_batching.items import DraftRound, Item, NextDraft, PassResult, PlainToken
 from looped_spec.request import Request, TokenLogprob
 from looped_spec.speculative.proposer import draw_drafts, top_two_margin
-from looped_spec.speculative.readouts import greedy_ids, position_rows
+from looped_spec.speculative.readouts import greedy_ids, not_read, position_rows
 from looped_spec.speculative.rejection_sampler import accept
 from looped_spec.speculative.verifier import position_index
 
@@ -122,13 +122,16 @@ class Finisher:
             # a new round: the pass changes nothing it was given
             r = it.round.grown(it.state, exit_depth, it.exit_state, it.carry if it.round.exits_early else None)
             draws = len(r.tokens) < r.k
-            if draws or r.measured or exit_depth:
+            measured = r.measured and r.d in self.runner.readout_depths  # the K-th position read out for itself
+            if draws or measured or exit_depth:
                 depth = exit_depth or r.d
                 if self.runner.adapter.uniform_loops:  # the readout ignores the depth: one call, the first group's
                     depth = next(iter(by_depth), depth)
                 by_depth.setdefault(depth, []).append((it, r, draws))
             else:
                 r.logits.append(None)  # read out nowhere: one entry per position, as the read-out ones get below
+                if r.measured:
+                    r.preds.append(torch.cat([*it.preds, not_read(1, it.state)]))
             if draws:
                 continue
             # the K-th draft's own position: all K+1 loop-d states are there
@@ -144,8 +147,9 @@ class Finisher:
             if any(r.measured for _, r, _ in group):
                 greedy = greedy_ids(logits, readout_rows([it for it, _, _ in group], logits.device))
             for j, (it, r, _) in enumerate(group):
-                if greedy is not None and r.measured:
-                    r.preds.append(torch.cat([*it.preds, greedy[j : j + 1]]))  # [d]: depths 1..d of this position
+                if greedy is not None and r.measured:  # [d]: depths 1..d of this position
+                    own = greedy[j : j + 1] if r.d in self.runner.readout_depths else not_read(1, greedy)
+                    r.preds.append(torch.cat([*it.preds, own]))
                 r.logits.append(logits[j] if r.exits[-1] else None)
             drawing = [j for j, (_, _, draws) in enumerate(group) if draws]
             # per-token stopping: an unsure draft is not drawn, its round is verified as it stands (a position that

@@ -6,8 +6,9 @@ stop depth: D for a plain token, a verification or a prompt chunk, the draft dep
 is a token whose exit is forced at d).
 
 A measured round (the controller's counterfactual readouts) also reads out every depth its positions pass on the way
-and keeps each depth's greedy prediction: the agreement of depth j with the committed tokens is what the acceptance
-estimator learns from (docs/adaptive.md "Acceptance").
+that the runner reads out (`ModelRunner.readout_depths`) and keeps each depth's greedy prediction (-1 at the others):
+the agreement of depth j with the committed tokens is what the acceptance estimator learns from (docs/adaptive.md
+"Acceptance").
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ class PlainToken(NamedTuple):
     row: int  # its row in the pass
     exit_depth: int  # 0: it ran to depth D
     exit_state: torch.Tensor | None  # None: the pass's row (it exited here, or ran to D)
-    preds: list | None  # a measured token's greedy predictions at depths 1..D-1
+    preds: list | None  # a measured token's greedy predictions at depths 1..D-1 (-1 where not read out)
     logits: torch.Tensor | None  # [1, V]: its exit rule's readout of its exit state here (skip mode), else None
 
 
@@ -107,7 +108,7 @@ class Item:
     exit_state: torch.Tensor | None = None
     round: DraftRound | None = None  # a draft or verification of this speculative round
     verify: bool = False
-    measured: bool = False  # read out at every depth it passes (a plain token or a measured round's positions)
+    measured: bool = False  # read out at the depths it passes (a plain token or a measured round's positions)
     chunk: bool = False  # a prompt chunk (full depth, no exit rule; a first token sampled when it ends the prompt)
     preds: list[torch.Tensor] = field(default_factory=list)  # measured: [n] greedy prediction per depth run so far
     # a verification under early exit: per row, its exit depth (0: still looping) and its state there ([n, S])

@@ -47,9 +47,11 @@ class _Open:
 class LoopRounds:
     """Plans in flight on loop passes; `finish` returns the feedback of the plans whose rounds all ended."""
 
-    def __init__(self, depth: int, exit_skips: bool) -> None:
+    def __init__(self, depth: int, exit_skips: bool, readout_depths: Collection[int] | None = None) -> None:
         self.depth = depth
         self.exit_skips = exit_skips
+        # the depths below full a measured round reads out (the runner's); None: every one
+        self.read = [readout_depths is None or j in readout_depths or j == depth for j in range(1, depth + 1)]
         self._open: dict[int, _Open] = {}
         self._plan_of: dict[str, int] = {}  # request id -> the plan its round runs under
         self._plan: tuple[SpeculationPlan, int, float] | None = None  # the plan in use, its batch size and context
@@ -143,7 +145,7 @@ class LoopRounds:
             num_accepted=entry.accepted,
             seconds=0.0,  # not observed on loop passes (module docstring)
             depth_matches=entry.matches.tolist() if measured else (),
-            depth_trials=[entry.trials] * self.depth if measured else (),
+            depth_trials=[entry.trials if read else 0 for read in self.read] if measured else (),
             request_ids=entry.request_ids,
             request_matches=entry.request_matches if measured else (),
             request_trials=entry.request_trials if measured else (),

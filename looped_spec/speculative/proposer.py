@@ -10,7 +10,7 @@ from looped_spec.execution.model_runner import ModelRunner, StepInput
 from looped_spec.execution.sampler import SamplingRows, probabilities, sample_from
 from looped_spec.execution.transfers import to_device
 from looped_spec.request import Request
-from looped_spec.speculative.readouts import greedy_ids, position_rows, read_out_depths
+from looped_spec.speculative.readouts import greedy_ids, not_read, position_rows, read_out_depths
 
 
 @dataclass
@@ -102,8 +102,9 @@ class DraftProposer:
         self, requests: list[Request], k: list[int], d: int, rows: SamplingRows, measure: bool = False,
         stop_margin: float | None = None,
     ) -> Draft:  # fmt: skip
-        """K tokens per request (rows sorted by K descending); with `measure`, every depth 1..d is read out too;
-        with `stop_margin`, a row stops at its first draft whose margin is below it (`propose_until_unsure`)."""
+        """K tokens per request (rows sorted by K descending); with `measure`, the depths 1..d the runner reads out are
+        read out too; with `stop_margin`, a row stops at its first draft whose margin is below it
+        (`propose_until_unsure`)."""
         if stop_margin is not None and not measure:
             return self.propose_until_unsure(requests, k, d, stop_margin)
         runner = self.runner
@@ -129,8 +130,11 @@ class DraftProposer:
             state, logits = out.state, out.logits
             if measure:  # depths 1..d-1 from the kept states, then the draft's own depth d
                 step_rows = position_rows(active, tokens[:num_rows, :j].tolist(), device) if rows.adjusts else None
-                preds, logits = read_out_depths(runner, inp, out, step_rows)
-                for depth, pred in enumerate([*preds, greedy_ids(logits, step_rows)], start=1):
+                # the last position's depth-d readout serves the measurement only
+                read = d in runner.readout_depths
+                preds, logits = read_out_depths(runner, inp, out, step_rows, num_next > 0 or read)
+                own = greedy_ids(logits, step_rows) if read else not_read(num_rows, state)
+                for depth, pred in enumerate([*preds, own], start=1):
                     depth_preds[depth - 1, :num_rows, j] = pred
             states.append(state)
             if num_next == 0:

@@ -32,11 +32,19 @@ def greedy_ids(logits: torch.Tensor, rows: SamplingRows | None) -> torch.Tensor:
 
 
 def read_out_depths(
-    runner: ModelRunner, inp: StepInput, out: StepOutput, rows: SamplingRows | None = None
-) -> tuple[list[torch.Tensor], torch.Tensor]:
+    runner: ModelRunner, inp: StepInput, out: StepOutput, rows: SamplingRows | None = None, last: bool = True
+) -> tuple[list[torch.Tensor], torch.Tensor | None]:
     """For a step run with `keep_states`: the greedy prediction at every depth start+1..end-1 ([num_tokens]
-    each, from the kept states, under the positions' adjustments `rows`), then the logits at depth `end`. In that
-    order: a readout that writes KV (Huginn's coda) must leave the step's own depth in the cache, as a step without
-    measurements does."""
-    preds = [greedy_ids(runner.readout(state, inp.start + 1 + i, out.ctx), rows) for i, state in enumerate(out.states)]
-    return preds, runner.readout(out.state, inp.end, out.ctx)
+    each, from the kept states, under the positions' adjustments `rows`; `not_read` at a depth the runner does not
+    read out), then the logits at depth `end` (None with `last` False). In that order: a readout that writes KV
+    (Huginn's coda) must leave the step's own depth in the cache, as a step without measurements does."""
+    preds = []
+    for depth, state in enumerate(out.states, start=inp.start + 1):
+        read = depth in runner.readout_depths
+        preds.append(greedy_ids(runner.readout(state, depth, out.ctx), rows) if read else not_read(len(state), state))
+    return preds, runner.readout(out.state, inp.end, out.ctx) if last else None
+
+
+def not_read(n: int, like: torch.Tensor) -> torch.Tensor:
+    """[n] the prediction of a depth that was not read out: -1, which no token equals (it reports no trials)."""
+    return torch.full((n,), -1, dtype=torch.long, device=like.device)

@@ -6,6 +6,7 @@ verify or acceptance bookkeeping. Nothing here changes request state; the schedu
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import dataclass, field
 
 import torch
@@ -35,7 +36,7 @@ class RoundResult:
     accept_time: float = 0.0
     decode_time: float = 0.0  # plain rounds: the full-depth decode and the sample
     depth_matches: list[int] = field(default_factory=list)  # per depth 1..D
-    depth_trials: list[int] = field(default_factory=list)
+    depth_trials: list[int] = field(default_factory=list)  # 0 at a depth the runner does not read out
     # per request, [D] matches over its committed positions, and how many it committed
     request_matches: list[list[int]] = field(default_factory=list)
     request_trials: list[int] = field(default_factory=list)
@@ -136,7 +137,7 @@ class SpeculativeRound:
         if agree is not None:  # per depth and request, matches over the committed positions 0..accepted
             inverse = to_device(torch.tensor(order).argsort(), agree.device)  # the caller's request order
             matches = agree.cumsum(2).gather(2, num_accepted[None, :, None].expand(len(agree), -1, 1))[:, inverse, 0]
-            _agreement_counts(result, matches, [n + 1 for n in result.num_accepted])
+            _agreement_counts(result, matches, [n + 1 for n in result.num_accepted], self.runner.readout_depths)
         if exits:
             self._exit_counts(result, order, ks, acc, verification)
         entries = verified_logprobs(reqs, ks, [grid[pos][: acc[pos] + 1] for pos in range(len(reqs))],
@@ -165,15 +166,14 @@ class SpeculativeRound:
     def _plain(self, requests: list[Request], measure_depths: bool) -> RoundResult:
         """K = 0: plain full-depth decoding and a sample per request."""
         t0 = self.watch.mark()
-        full_depth = self.runner.full_depth
         depth_preds = None
         exit_depths = None
         # counterfactual depths are measured on full-depth rounds only (under early exit the depth is the rule's)
         rows = SamplingRows.build(requests, self.runner.device)  # the readouts' greedy choices are adjusted too
-        if measure_depths and full_depth > 1 and not any(r.exits_early for r in requests):
+        if measure_depths and self.runner.readout_depths and not any(r.exits_early for r in requests):
             inp = self.runner.decode_input(requests, keep_states=True)
             preds, logits = read_out_depths(self.runner, inp, self.runner.run(inp), rows)
-            depth_preds = torch.stack(preds)  # [D - 1, R]: depths 1..D-1
+            depth_preds = torch.stack(preds)  # [D - 1, R]: depths 1..D-1 (-1 where not read out)
         else:
             logits, exit_depths = self.runner.decode_with_depths(requests)
         sampled = sample(logits, rows)
@@ -190,7 +190,7 @@ class SpeculativeRound:
         if depth_preds is not None:  # how often each shallower depth would have drafted the committed token
             # depth D: the greedy full-depth readout, which a sampled request's committed token need not be
             agree = torch.cat([depth_preds, greedy_ids(logits, rows)[None]]) == sampled[None]  # [D, R]
-            _agreement_counts(result, agree, [1] * len(requests))
+            _agreement_counts(result, agree, [1] * len(requests), self.runner.readout_depths)
         return result
 
     def _depth_agreement(self, draft, verification, committed_grid, d) -> torch.Tensor:
@@ -201,6 +201,8 @@ class SpeculativeRound:
         if verification.depth_preds is not None:
             for row in verification.depth_preds:  # depths d+1..D-1
                 preds.append(pad_positions(row, verification.row_index, verification.pos_index, num_reqs, width, -1))
+        else:  # none of depths d+1..D-1 read out
+            preds.extend(committed_grid.new_full((num_reqs, width), -1) for _ in range(d + 1, self.runner.full_depth))
         target = greedy_ids(verification.logits, verification.rows)
         preds.append(pad_positions(target, verification.row_index, verification.pos_index, num_reqs, width, -1))
         stacked = torch.stack(preds)  # [D, R, width]
@@ -208,11 +210,12 @@ class SpeculativeRound:
         return stacked == committed_grid[None]
 
 
-def _agreement_counts(result: RoundResult, matches: torch.Tensor, trials: list[int]) -> None:
+def _agreement_counts(result: RoundResult, matches: torch.Tensor, trials: list[int], read: Collection[int]) -> None:
     """Fill the result's depth agreement from `matches` [D, R] (per depth, each request's committed positions its
     readout agreed on, the caller's request order; bool where a request committed one) and `trials` (per request,
-    its committed positions), with one copy to the host."""
+    its committed positions; none at a depth below full that is not in `read`), with one copy to the host."""
     result.request_matches = matches.T.to(torch.int64).tolist()
     result.request_trials = trials
     result.depth_matches = [sum(column) for column in zip(*result.request_matches)]
-    result.depth_trials = [sum(trials)] * len(matches)
+    total, full = sum(trials), len(matches)
+    result.depth_trials = [total if depth in read or depth == full else 0 for depth in range(1, full + 1)]

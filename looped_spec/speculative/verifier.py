@@ -52,7 +52,7 @@ class Verifier:
         gather = torch.tensor(offsets, dtype=torch.long)[pos_index] + row_index
         state = flat_states[to_device(gather, device)]  # [sum(K+1), state_dim]
         context_lens = [r.num_computed + kr + 1 for r, kr in zip(requests, k)]
-        keep = measure and runner.full_depth - d > 1  # depths d+1..D-1 to read out
+        keep = measure and any(d < j for j in runner.readout_depths)  # depths d+1..D-1 to read out
         inp = StepInput(
             requests, [kr + 1 for kr in k], context_lens, d, runner.full_depth, state=state,
             readout=not keep, keep_states=keep,
