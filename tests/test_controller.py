@@ -514,6 +514,7 @@ def test_stats_report_the_estimates_and_every_bucket():
     assert stats["plans"] == stats["observed"] == 140
     assert stats["alpha"] == pytest.approx(list(controller.acceptance.alpha), abs=1e-4)
     assert stats["alpha"][0] < TUNE[0]  # the hard text's readouts pulled depth 1 down
+    assert stats["readout_depths"] == [1, 2, 3]
     assert stats["batch_alpha"] == stats["alpha"]  # a caller that names no requests: the overall estimate
     controller.acceptance.set_batch(["a"])
     controller.acceptance.observe_request_readouts(["a"], [[0, 0, 0, 1]], [1])

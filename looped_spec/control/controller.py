@@ -151,6 +151,9 @@ class AdaptiveController(FixedController):
         buckets = compile_buckets(config)
         # the agreements either policy reads: at the options' draft depths (docs/adaptive.md "Which rounds read out")
         self._read = sorted({d for b in buckets for k, d in b.options if k > 0})
+        # per draft depth (0: plain), whether a measured round has a depth to read besides it: a round's drafts report
+        # the agreement at their own depth anyway, so a speculative round with none is not measured
+        self._reads_beside = [any(j != d for j in self._read) for d in range(full_depth)]
         acc = config.acceptance
         self.acceptance = AcceptanceEstimator(
             full_depth, acc.alpha if acc else None, acc.rho if acc else None, s.prior_share * s.acceptance_memory,
@@ -195,9 +198,7 @@ class AdaptiveController(FixedController):
             self._bucket = bucket
         k, d, candidate = self.policy.select(bucket, batch_size, context)
         event = self.policy.last_event
-        # a round reads out when one is due and it has a depth to read besides its own draft depth, whose agreement
-        # its drafts' outcomes report anyway
-        measure = self._measure_in <= 0 and any(j != d for j in self._read)
+        measure = self._measure_in <= 0 and self._reads_beside[d]
         probe = self._probes and self.buckets[bucket].may_run_plain and self.cost.ordinary_rounds  # rounds are timed
         if probe and not measure:
             self._probe_in -= 1
@@ -320,7 +321,8 @@ class AdaptiveController(FixedController):
         out.update(
             policy=self.policy_name,
             model=self.config.model,
-            alpha=[round(a, 4) for a in self.acceptance.alpha],
+            alpha=[round(a, 4) for a in self.acceptance.alpha],  # the preset's at a depth not read out
+            readout_depths=self._read,
             batch_alpha=[round(a, 4) for a in self.acceptance.batch_alpha()],  # the last planned batch's
             rho=[round(r, 4) for r in self.acceptance.rho],
             acceptance_positions=self.acceptance.positions,
