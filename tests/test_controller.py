@@ -269,14 +269,16 @@ def test_a_round_that_drafted_nothing_is_priced_as_plain_and_ordinary_rounds_mov
 
 def readout_cost(policy: str, budget: float, overhead: float, speed: float = 1.0) -> tuple[float, int]:
     """What measured rounds cost, as a share of the decode time, over 3,000 rounds of a synthetic workload on a machine
-    `speed` times the preset profile's time (the profile's relative prices right); and how many rounds measured."""
+    `speed` times the preset profile's time (the profile's relative prices right); and how many rounds measured. The
+    EMA policy reads out only while speculation is off: it runs text where nothing pays."""
     controller = AdaptiveController(preset(), DEPTH, policy=policy, settings=ControlSettings(readout_budget=budget))
     truth = PassCost(preset().cost, DEPTH)
     truth.theta = truth.theta * speed
     workload = Workload(truth, noise=0.05, seed=1, measure_overhead=overhead)
     extra, total, measured = 0.0, 0.0, 0
+    texts = (CODE, HARD) if policy == "goodput" else (RANDOM, RANDOM)
     for i in range(3000):
-        phase = Phase(8, (CODE, HARD)[(i // 500) % 2], 1, 200.0)
+        phase = Phase(8, texts[(i // 500) % 2], 1, 200.0)
         plan = controller.plan(phase.batch, phase.context)
         seconds = workload.seconds(plan.k, plan.d, phase.batch, phase.context)
         total += seconds
@@ -299,6 +301,23 @@ def test_measured_rounds_cost_about_the_readout_budget(budget, policy, overhead)
     # and the first measured pair has no ordinary round before it to price measuring against, so the next pair comes
     # at the profile's readout price (at budget 0.003, ~50 measured rounds in all, one pair more is +4 %: 1.16)
     assert 0.5 * budget <= share <= 1.2 * budget, (share, measured)
+
+
+def test_the_ema_policy_reads_out_only_while_speculation_is_off():
+    """The EMA policy moves on its rounds' own acceptance while it speculates; readouts serve only its probes while a
+    bucket is off, so only then does a round read out."""
+    controller = AdaptiveController(preset(), DEPTH, policy="ema")
+    workload = Workload(PassCost(preset().cost, DEPTH), noise=0.02, seed=5)
+    seen = {True: [0, 0], False: [0, 0]}  # bucket off -> [rounds, measured]
+    for phase in [Phase(8, CODE, 300), Phase(8, RANDOM, 600), Phase(8, CODE, 300)]:
+        for _ in range(phase.rounds):
+            plan = controller.plan(phase.batch, phase.context)
+            off = controller.policy.states[plan.bucket].off
+            seen[off][0] += 1
+            seen[off][1] += plan.measure_depths
+            controller.observe(workload.feedback(plan, phase))
+    assert seen[False][0] > 300 and seen[False][1] == 0
+    assert seen[True][0] > 100 and seen[True][1] > 10
 
 
 @pytest.mark.parametrize("speed", [0.4, 2.5])

@@ -408,19 +408,20 @@ def per_request_totals(feedback: list, depth: int) -> dict[str, tuple[list[int],
 @pytest.mark.parametrize("batching", ["step", "loop"])
 def test_adaptive_feedback_names_the_requests_of_every_round(batching):
     """Measured or not, a round's feedback names its requests (the controller keeps each one's own agreement from
-    readouts and drafts), and a measured round's per-request counts add up to its totals. The EMA policy and a
-    bucket that lists only (2, 1): the engine drafts in every round; a bucket of larger batches drafting at depth 3
-    gives the readouts a depth besides the drafts' own."""
+    readouts and drafts), and a measured round's per-request counts add up to its totals. The preset lists (2, 1)
+    and (2, 3), the second a depth for the readouts besides the drafts' own; its frozen prior prices depth 3 as
+    never agreeing, so the engine runs (2, 1) in every round."""
     from looped_spec.presets import AdaptiveSpecConfig
 
     depth = load("ouro").full_depth
-    only = {"theta_up": 1.0, "theta_down": 0.0}
     pinned = AdaptiveSpecConfig.parse({
         "model": "pinned", "full_depth": depth, "disable": {"enabled": False}, "cost": ideal_cost(32),
-        "buckets": [{"min_batch": 1, "max_batch": 16, "candidates": [[2, 1]], **only},
-                    {"min_batch": 17, "max_batch": None, "candidates": [[2, 3]], **only}],
+        "acceptance": {"alpha": [0.9, 0.5, 0.0, 1.0], "rho": [0.0] * depth, "positions": 1000},
+        "buckets": [{"min_batch": 1, "max_batch": None, "candidates": [[2, 1], [2, 3]], "theta_up": 1.0,
+                     "theta_down": 0.0}],
     })  # fmt: skip
-    engine = make_engine("ouro", speculation="adaptive", preset=pinned, policy="ema", batching=batching)
+    frozen = {"prior_share": 1e9}
+    engine = make_engine("ouro", speculation="adaptive", preset=pinned, control=frozen, batching=batching)
     feedback = recorded_feedback(engine)
     drafts = engine.controller.acceptance.observe_request_drafts
     drafted = []

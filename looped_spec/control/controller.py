@@ -214,7 +214,9 @@ class AdaptiveController(FixedController):
                 if last is not None and last[0] == self.num_plans - 1 and last[1] == bucket and last[2] == (k, d):
                     event, (k, d), candidate = self._probe_plan_beside(bucket, k, d, rival)
         if measure:
-            self._measure_in = self._readout_interval(k, d, batch_size, context, self.policy.outlook(bucket))
+            outlook = self.policy.outlook(bucket)
+            measure = outlook > 0.0  # 0: readouts would change nothing now
+            self._measure_in = self._readout_interval(k, d, batch_size, context, outlook) if measure else 0
         self._measure_in -= 1
         return SpeculationPlan(self.num_plans, k, d, bucket, candidate, measure), event
 

@@ -118,8 +118,9 @@ class EmaPolicy:
             st.probe_left += 1
 
     def outlook(self, bucket: int) -> float:
-        """Always 1.0: the readouts call this policy's probes, so their budget is never cut."""
-        return 1.0
+        """1.0 while the bucket is off, where the readouts call its probes (their budget is never cut); 0.0 while it
+        speculates: it moves on its rounds' own acceptance, which readouts do not change."""
+        return 1.0 if self.states[bucket].off else 0.0
 
     def _decide(self, st: _Bucket, b: CompiledBucket) -> None:
         i, e = st.index, st.ema[st.index]
