@@ -30,7 +30,7 @@ import torch
 
 from looped_spec import load_adapter
 from looped_spec.control.passcost import PassCost
-from looped_spec.presets.lookup import load_preset
+from looped_spec.presets.lookup import preset_for
 from looped_spec.tuning import profile
 from looped_spec.tuning.grid import parse_batch_sizes, parse_grid
 from looped_spec.tuning.prompt_sets import EVALUATION_SOURCES, load_prompts
@@ -92,7 +92,7 @@ def main(argv: list[str] | None = None) -> dict:
         sizes = parse_batch_sizes(args.batch_sizes)
     except ValueError as err:
         ap.error(str(err))
-    preset = load_preset(adapter.name, depth, args.preset)
+    preset = preset_for(adapter, args.preset)  # as the engine finds it
     cost = PassCost(preset.cost, depth)
     prompts, about = load_prompts(args.prompts, max(64, max(sizes)), adapter)
     plans = sorted({(0, 0), *grid})

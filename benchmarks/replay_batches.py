@@ -30,7 +30,7 @@ import torch
 
 from looped_spec import load_adapter
 from looped_spec.control.passcost import PassCost
-from looped_spec.presets.lookup import load_preset
+from looped_spec.presets.lookup import preset_for
 from looped_spec.tuning.acceptance_pass import measure_match_bits, simulate_tokens
 from looped_spec.tuning.grid import parse_batch_sizes, parse_grid
 from looped_spec.tuning.prompt_sets import EVALUATION_SOURCES, load_prompts
@@ -66,7 +66,7 @@ def main(argv: list[str] | None = None) -> None:
     depth = adapter.full_depth
     grid = parse_grid(args.grid, depth)
     sizes = parse_batch_sizes(args.batch_sizes)
-    preset = load_preset(adapter.name, depth, args.preset)
+    preset = preset_for(adapter, args.preset)  # as the engine finds it
     cost = PassCost(preset.cost, depth)
     prompts, described = load_prompts(args.prompts, rotation_size(args.prompts, max(sizes)), adapter)
     bits = measure_match_bits(adapter, prompts, args.max_tokens)

@@ -46,7 +46,7 @@ from looped_spec.control import AdaptiveController, ControlSettings, FixedContro
 from looped_spec.control.buckets import compile_buckets
 from looped_spec.control.passcost import PassCost
 from looped_spec.control.plan import round_feedback
-from looped_spec.presets.lookup import load_preset
+from looped_spec.presets.lookup import preset_for
 from looped_spec.tuning.acceptance_pass import measure_match_bits
 from looped_spec.tuning.grid import parse_batch_sizes, parse_grid
 from looped_spec.tuning.prompt_sets import EVALUATION_SOURCES, load_prompts
@@ -228,7 +228,7 @@ def main(argv: list[str] | None = None) -> dict[int, dict[str, list[float]]]:
     prices = read_price_table(args.price_table, adapter.name, ap.error) if args.price_table else None
     grid = parse_grid(args.grid, depth, allow_none=True)
     sizes = parse_batch_sizes(args.batch_sizes)
-    preset = load_preset(adapter.name, depth, args.preset)
+    preset = preset_for(adapter, args.preset)  # as the engine finds it
     # the machine's prices of every plan a controller can run, kept as lines per batch size (a plan outside the
     # options would be priced pass by pass every round)
     # (a measured round reads out the adaptive controller's draft depths, which it prices as the engine does)

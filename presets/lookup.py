@@ -212,6 +212,13 @@ def load_preset(
     return _checked(loaded, full_depth, str(path))
 
 
+def preset_for(adapter: Any, preset: str | Path | AdaptiveSpecConfig | None = None) -> AdaptiveSpecConfig:
+    """The preset an engine serving `adapter` (a `ModelAdapter`) runs adaptive speculation with: `load_preset` with its
+    name, depth, checkpoint folder (a preset file there) and configuration (the family it was registered as)."""
+    checkpoint = {**adapter.config, "model_type": adapter.model_type}
+    return load_preset(adapter.name, adapter.full_depth, preset, folder=adapter.path, config=checkpoint)
+
+
 def _warn_if_another_models(
     preset: AdaptiveSpecConfig, names: list[tuple[str, str]], source: str, family: str | None
 ) -> None:

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from conftest import FAMILIES, fixture_dir, load
 
-from looped_spec.presets import AdaptiveSpecConfig, PresetError, find_preset, load_preset, read_preset_file
+from looped_spec.presets import AdaptiveSpecConfig, PresetError, find_preset, load_preset, preset_for, read_preset_file
 from looped_spec.presets.lookup import generic_preset, list_presets, match_preset_name, preset_dir
 from looped_spec.tuning.derive import ideal_cost
 
@@ -363,3 +363,16 @@ def test_all_errors_reported_at_once():
 
     msg = bad(edit)
     assert "initial_index" in msg and "gap" in msg
+
+
+@pytest.mark.parametrize("family", ["ouro", "huginn", "nanbeige"])
+def test_preset_for_an_adapter_is_the_one_its_engine_runs(family):
+    """The benchmarks' replays price with `preset_for(adapter)`: the preset the engine finds (the fixture's own file
+    in its folder, not the family's generic one its name alone would give)."""
+    from conftest import load, make_engine
+
+    adapter = load(family)
+    engine = make_engine(family, speculation="adaptive")
+    found = preset_for(adapter)
+    assert found == engine.controller.config
+    assert found.model == f"{family}-tiny" != load_preset(adapter.name, adapter.full_depth).model

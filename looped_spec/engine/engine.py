@@ -45,7 +45,7 @@ from looped_spec.execution.transfers import to_device
 from looped_spec.loop_batching import LoopBatcher, LoopRounds
 from looped_spec.models.adapter import ModelAdapter, load_adapter
 from looped_spec.models.stage_check import check_stages
-from looped_spec.presets.lookup import load_preset
+from looped_spec.presets.lookup import preset_for
 from looped_spec.reasoning import reasoning_parser
 from looped_spec.request import Request, RequestOutput, TokenLogprob
 from looped_spec.sampling_params import SamplingParams
@@ -170,9 +170,7 @@ class LoopedSpecEngine:
         depth = self.adapter.full_depth
         preset = None
         if spec == "adaptive" and depth >= 2:
-            adapter = self.adapter
-            checkpoint = {**adapter.config, "model_type": adapter.model_type}  # the family it was registered as
-            preset = load_preset(adapter.name, depth, config.preset, folder=adapter.path, config=checkpoint)
+            preset = preset_for(self.adapter, config.preset)
         if isinstance(spec, SpeculativeConfig):
             spec = (spec.k, spec.d, spec.measure_depths, spec.stop_margin)
         return make_controller(
