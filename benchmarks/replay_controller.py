@@ -85,10 +85,11 @@ class Machine:
         plans = self.table[near]
         return plans[min(plans, key=lambda p: (abs(p[1] - d), abs(p[0] - k), p))]
 
-    def seconds(self, k: int, d: int, batch: int, context: float, measured: bool) -> float:
+    def seconds(self, k: int, d: int, batch: int, context: float, measured: bool, read=None) -> float:
+        """A round's seconds; a measured one reads out the depths `read` (None: the preset's draft depths)."""
         seconds = self.cost.seconds(k, d, batch, context) * (self.price(k, d, batch) if k else 1.0)
         if measured:
-            seconds = seconds * (1.0 + self.measure_overhead) + self.cost.measure_seconds(k, d, batch)
+            seconds = seconds * (1.0 + self.measure_overhead) + self.cost.measure_seconds(k, d, batch, read)
         if not k and self.after_speculative:
             seconds += self.switch_seconds
         self.after_speculative = k > 0
@@ -112,6 +113,7 @@ def readouts(bits, prompts: list[int], starts: list[int], committed: list[int], 
 def drive(controller, bits, batches: list[list[int]], machine: Machine, context: float) -> dict[str, float]:
     """Every batch decoded to its end under `controller`; tokens, seconds and round counts."""
     out = {"tokens": 0, "seconds": 0.0, "rounds": 0, "speculative": 0, "measured": 0, "plans": {}}
+    read = controller.readout_depths()  # the depths its measured rounds read out, as the engine's runner would
     for n, batch in enumerate(batches):
         prompt = {f"{n}.{i}": p for i, p in enumerate(batch)}  # every request its own id, as the engine's are
         position = dict.fromkeys(prompt, 0)  # committed tokens after the prefill's
@@ -130,9 +132,8 @@ def drive(controller, bits, batches: list[list[int]], machine: Machine, context:
             report = {}
             if plan.measure_depths:
                 prompts = [prompt[i] for i in ids]
-                report = readouts(bits, prompts, [position[i] for i in ids], [a + 1 for a in accepted],
-                                  controller.readout_depths())  # fmt: skip
-            seconds = machine.seconds(plan.k, plan.d, len(ids), context, plan.measure_depths)
+                report = readouts(bits, prompts, [position[i] for i in ids], [a + 1 for a in accepted], read)
+            seconds = machine.seconds(plan.k, plan.d, len(ids), context, plan.measure_depths, read)
             controller.observe(round_feedback(
                 plan, batch_size=len(ids), context=context, num_proposed=proposed, num_accepted=accepted,
                 seconds=seconds, request_ids=ids, **report,

@@ -583,7 +583,7 @@ def test_replay_controller_drives_a_controller_over_recorded_bits():
         def seconds(self, k, d, b, context):
             return 1.0 + b
 
-        def measure_seconds(self, k, d, b):
+        def measure_seconds(self, k, d, b, read=None):
             return 0.0
 
     class Recording(FixedController):
@@ -632,7 +632,7 @@ def test_replay_controller_prices_fixed_plans_as_replay_batches_does(k, d):
         def seconds(self, k, d, b, context):
             return 1.0 + 0.5 * b + 0.25 * k + 0.125 * d
 
-        def measure_seconds(self, k, d, b):
+        def measure_seconds(self, k, d, b, read=None):
             return 0.0
 
     rng = random.Random(5)
@@ -676,7 +676,7 @@ def test_plan_prices_writes_a_table_the_replay_charges(tmp_path, capsys):
         def seconds(self, k, d, b, context):
             return 1.0
 
-        def measure_seconds(self, k, d, b):
+        def measure_seconds(self, k, d, b, read=None):
             return 0.0
 
     prices = {"1,1@1": 1.5, "3,1@1": 1.25, "1,2@8": 0.75, "3,3@8": 0.5}

@@ -187,6 +187,9 @@ def test_measured_rounds_read_out_the_options_draft_depths_only():
     controller = AdaptiveController(preset_drafting_at([1, 3]), DEPTH)
     assert controller.readout_depths() == [1, 3] and controller.cost.readout_depths == {1, 3}
     assert AdaptiveController(preset(), DEPTH).readout_depths() == [1, 2, 3]
+    # the EMA policy's readouts serve its probes, of each bucket's most conservative speculative candidate
+    ema = AdaptiveController(preset(), DEPTH, policy="ema")
+    assert ema.readout_depths() == sorted({b.ds[b.lowest_spec] for b in ema.buckets}) == [1]
     assert FixedController(2, 1, measure_depths=True).readout_depths() is None  # every depth: the tuner's readouts
     engine = make_engine("huginn", speculation="adaptive")
     assert engine.runner.readout_depths == set(engine.controller.readout_depths()) != set(range(1, 8))

@@ -149,8 +149,12 @@ class AdaptiveController(FixedController):
         self.settings = s = settings or ControlSettings()
         self.policy_name = policy
         buckets = compile_buckets(config)
-        # the agreements either policy reads: at the options' draft depths (docs/adaptive.md "Which rounds read out")
-        self._read = sorted({d for b in buckets for k, d in b.options if k > 0})
+        # the agreements the policy reads (docs/adaptive.md "Only the depths plans draft at"): the goodput policy prices
+        # every option's draft depth, the EMA policy's probes read its most conservative speculative candidate's
+        if policy == "ema":
+            self._read = sorted({b.ds[b.lowest_spec] for b in buckets if b.lowest_spec >= 0})
+        else:
+            self._read = sorted({d for b in buckets for k, d in b.options if k > 0})
         # per draft depth (0: plain), whether a measured round has a depth to read besides it: a round's drafts report
         # the agreement at their own depth anyway, so a speculative round with none is not measured
         self._reads_beside = [any(j != d for j in self._read) for d in range(full_depth)]

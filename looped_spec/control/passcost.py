@@ -191,12 +191,12 @@ class PassCost:
         """Predicted seconds of one (K, d) round (K = 0: plain) now: the profile times the drift factor."""
         return self.seconds(k, d, batch, context) * self.drift
 
-    def measure_seconds(self, k: int, d: int, batch: int) -> float:
-        """The extra readouts of a round that also reads out the other depths (`readout_depths`: counterfactual
-        acceptance)."""
+    def measure_seconds(self, k: int, d: int, batch: int, read: Collection[int] | None = None) -> float:
+        """The extra readouts of a round that also reads out the other depths (`read`, else `readout_depths`:
+        counterfactual acceptance)."""
         ro0, ro_n = self.theta[self._readout_terms : self._readout_terms + 2].tolist()
         b = float(max(batch, 1))
-        read = self.readout_depths
+        read = self.readout_depths if read is None else read
         if k <= 0:
             return len(read) * (ro0 + ro_n * b) * self.drift
         # the draft reads out its depths below d at each of its K+1 steps and depth d at the last one; the verifier
