@@ -386,14 +386,18 @@ def _check_replica_killed_mid_load(url: str, server_pid: int, metrics_port: int,
             except AssertionError:
                 more(4 if len(jobs) < 24 else 0)
         assert busy, f"both replicas busy: not within 60 s of {len(jobs)} requests"
+        running = (_replica_metrics(metrics_port) or {}).get("running")
         os.kill(victim, signal.SIGKILL)
+        assert running, "the victim ran no request when it was killed"
         done, pending = await asyncio.wait(tasks, timeout=120)
         assert not pending, "a request hung after its replica died"
         return jobs, [task.exception() or task.result() for task in tasks], victim_metrics["replica"]
 
     jobs, results, victim = asyncio.run(load())
+    # a request in flight on the killed replica fails with a clean error, or Ray's router sends it again to the other
+    # replica (it does so for a request whose replica died before acknowledging it), where it runs whole: which one
+    # happens is Ray's timing, so the test asks that each request be one or the other
     failed = [r for r in results if isinstance(r, BaseException)]
-    assert failed, "no in-flight request was on the killed replica"
     assert all(isinstance(r, (openai.APIConnectionError, openai.InternalServerError)) for r in failed), failed
     for (prompt, max_tokens, _), result in zip(jobs, results):
         # a request that succeeded is whole, wherever it ran: one that ran on the victim finished before it died (on
