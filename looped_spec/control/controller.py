@@ -127,8 +127,8 @@ class FixedController:
 
 class AdaptiveController(FixedController):
     """Per-round (K, d) from a preset: batch size -> bucket -> the policy's option. It feeds every round to the
-    shared estimators (acceptance, pass-cost drift, exit depths) and decides which rounds also read out the options'
-    draft depths (docs/adaptive.md "Which rounds read out")."""
+    shared estimators (acceptance, pass-cost drift, exit depths) and decides which rounds also read out the depths its
+    policy reads (docs/adaptive.md "Which rounds read out")."""
 
     name = "adaptive"
 
