@@ -23,6 +23,7 @@ import torch
 from looped_spec.control.plan import RoundFeedback, SpeculationPlan, round_feedback
 from looped_spec.loop_batching.items import PassResult
 from looped_spec.request import Request, mean_context
+from looped_spec.speculative.readouts import depth_trials
 
 
 @dataclass
@@ -51,7 +52,7 @@ class LoopRounds:
         self.depth = depth
         self.exit_skips = exit_skips
         # the depths below full a measured round reads out (the runner's); None: every one
-        self.read = [readout_depths is None or j in readout_depths or j == depth for j in range(1, depth + 1)]
+        self.readout_depths = range(1, depth) if readout_depths is None else readout_depths
         self._open: dict[int, _Open] = {}
         self._plan_of: dict[str, int] = {}  # request id -> the plan its round runs under
         self._plan: tuple[SpeculationPlan, int, float] | None = None  # the plan in use, its batch size and context
@@ -145,7 +146,7 @@ class LoopRounds:
             num_accepted=entry.accepted,
             seconds=0.0,  # not observed on loop passes (module docstring)
             depth_matches=entry.matches.tolist() if measured else (),
-            depth_trials=[entry.trials if read else 0 for read in self.read] if measured else (),
+            depth_trials=depth_trials(entry.trials, self.depth, self.readout_depths) if measured else (),
             request_ids=entry.request_ids,
             request_matches=entry.request_matches if measured else (),
             request_trials=entry.request_trials if measured else (),

@@ -7,7 +7,7 @@ counted as output), so the agreement the controller learns is the acceptance a d
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 
 import torch
 
@@ -43,6 +43,12 @@ def read_out_depths(
         read = depth in runner.readout_depths
         preds.append(greedy_ids(runner.readout(state, depth, out.ctx), rows) if read else not_read(len(state), state))
     return preds, runner.readout(out.state, inp.end, out.ctx) if last else None
+
+
+def depth_trials(positions: int, full_depth: int, read: Collection[int]) -> list[int]:
+    """[D] a measured round's trials per depth over its `positions` committed positions: none at a depth below full
+    that was not read out (not in `read`)."""
+    return [positions if depth in read or depth == full_depth else 0 for depth in range(1, full_depth + 1)]
 
 
 def not_read(n: int, like: torch.Tensor) -> torch.Tensor:

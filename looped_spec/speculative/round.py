@@ -19,7 +19,7 @@ from looped_spec.execution.transfers import to_device
 from looped_spec.request import Request, TokenLogprob
 from looped_spec.speculative.exit_round import propose_with_exit, propose_with_exit_until_unsure, verify_with_exit
 from looped_spec.speculative.proposer import DraftProposer
-from looped_spec.speculative.readouts import greedy_ids, read_out_depths
+from looped_spec.speculative.readouts import depth_trials, greedy_ids, read_out_depths
 from looped_spec.speculative.rejection_sampler import accept, pad_positions
 from looped_spec.speculative.verifier import Verifier
 
@@ -217,5 +217,4 @@ def _agreement_counts(result: RoundResult, matches: torch.Tensor, trials: list[i
     result.request_matches = matches.T.to(torch.int64).tolist()
     result.request_trials = trials
     result.depth_matches = [sum(column) for column in zip(*result.request_matches)]
-    total, full = sum(trials), len(matches)
-    result.depth_trials = [total if depth in read or depth == full else 0 for depth in range(1, full + 1)]
+    result.depth_trials = depth_trials(sum(trials), len(matches), read)
