@@ -29,8 +29,8 @@ from pathlib import Path
 import torch
 
 from looped_spec import LoopedSpecEngine, SamplingParams, load_adapter
-from looped_spec.tuning.grid import parse_phases
-from looped_spec.tuning.prompt_sets import EVALUATION_SOURCES, load_prompts
+from looped_spec.tuning.grid import parse_phases, prompt_source_flag
+from looped_spec.tuning.prompt_sets import load_prompts
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_speculative import PromptPool, phase_slices, rotation_size  # noqa: E402
@@ -52,7 +52,7 @@ def phase_summary(plans: list[str], before: str | None) -> tuple[int | None, int
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default="tiny-ouro")
-    ap.add_argument("--prompts", default="code", choices=EVALUATION_SOURCES, help="group of phases without one")
+    ap.add_argument("--prompts", default="code", type=prompt_source_flag, help="group of phases without one")
     ap.add_argument("--workload-phases", default="1:code,8:prose,32:code,8:eval,1:prose")
     ap.add_argument("--repeats", type=int, default=3, help="times the whole workload runs on the same engine")
     ap.add_argument("--max-tokens", type=int, default=64)

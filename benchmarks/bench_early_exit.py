@@ -74,9 +74,9 @@ from bench_speculative import (
 from common import Bench
 
 from looped_spec import SamplingParams
-from looped_spec.tuning.grid import parse_batch_sizes, parse_int_list
+from looped_spec.tuning.grid import parse_batch_sizes, parse_int_list, prompt_source_flag
 from looped_spec.tuning.inputs import parse_adapter_options
-from looped_spec.tuning.prompt_sets import EVALUATION_SOURCES, PromptSetError, load_prompts, prompt_fingerprints
+from looped_spec.tuning.prompt_sets import PromptSetError, load_prompts, prompt_fingerprints
 
 FULL_DEPTH_GREEDY = ("plain-B", "adaptive")  # must reproduce plain's output exactly
 LABELS = {"plain": "full depth (plain)", "plain-B": "plain-B (A/A control)", "adaptive": "full depth + adaptive spec"}
@@ -299,7 +299,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--spec-modes", default="skip", help="modes whose early-exit configurations also run with adaptive "
         "speculation: skip, select, skip,select or none",
     )  # fmt: skip
-    parser.add_argument("--prompts", default="eval", choices=EVALUATION_SOURCES)
+    parser.add_argument("--prompts", default="eval", type=prompt_source_flag)
     parser.add_argument("--seed", type=int, default=0, help="seeds the run order, the random prompts, every request")
     parser.add_argument("--repeats", type=int, default=4, help="rounds per batch size; the first is discarded")
     parser.add_argument(

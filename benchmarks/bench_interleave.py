@@ -29,8 +29,8 @@ from pathlib import Path
 import torch
 
 from looped_spec import LoopedSpecEngine, SpeculativeConfig, load_adapter
-from looped_spec.tuning.grid import parse_grid
-from looped_spec.tuning.prompt_sets import EVALUATION_SOURCES, PromptSetError, load_prompts
+from looped_spec.tuning.grid import parse_grid, prompt_source_flag
+from looped_spec.tuning.prompt_sets import PromptSetError, load_prompts
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_speculative import timed_generate, timed_slices  # noqa: E402
@@ -59,7 +59,7 @@ def summary(rounds: list[dict[str, float]], name: str) -> tuple[float, float, fl
 def main(argv: list[str] | None = None) -> dict[str, dict[str, tuple[float, float, float]]]:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="tests/fixtures/ouro-tiny")
-    parser.add_argument("--prompts", default="eval", choices=EVALUATION_SOURCES)
+    parser.add_argument("--prompts", default="eval", type=prompt_source_flag)
     parser.add_argument("--batch-size", type=int, default=1)
     parser.add_argument(
         "--grid", default="3,2;1,1;5,1", help='fixed cells "K,d;K,d" (default 3,2;1,1;5,1), auto or full'

@@ -30,7 +30,8 @@ from pathlib import Path
 import torch
 
 from looped_spec import LoopedSpecEngine, SamplingParams, load_adapter
-from looped_spec.tuning.prompt_sets import EVALUATION_SOURCES, load_prompts
+from looped_spec.tuning.grid import prompt_source_flag
+from looped_spec.tuning.prompt_sets import load_prompts
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_speculative import PromptPool, rotation_size  # noqa: E402
@@ -139,7 +140,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="tiny-ouro")
     parser.add_argument("--adapter-option", action="append", default=[], metavar="KEY=VALUE")
-    parser.add_argument("--prompts", default="eval", choices=EVALUATION_SOURCES)
+    parser.add_argument("--prompts", default="eval", type=prompt_source_flag)
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--modes", default="full,tau0.7")
     parser.add_argument("--early-exit", default="skip", choices=["skip", "select"])

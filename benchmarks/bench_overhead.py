@@ -25,7 +25,8 @@ import torch
 
 from looped_spec import LoopedSpecEngine, load_adapter
 from looped_spec.control.settings import ControlSettings
-from looped_spec.tuning.prompt_sets import EVALUATION_SOURCES, load_prompts
+from looped_spec.tuning.grid import prompt_source_flag
+from looped_spec.tuning.prompt_sets import load_prompts
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_speculative import PromptPool, rotation_size, timed_slices  # noqa: E402
@@ -40,7 +41,7 @@ def adaptive_engine(adapter, readouts: str) -> LoopedSpecEngine:
 def main(argv: list[str] | None = None) -> dict[str, tuple[float, float]]:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="tiny-ouro")
-    parser.add_argument("--prompts", default="eval", choices=EVALUATION_SOURCES)
+    parser.add_argument("--prompts", default="eval", type=prompt_source_flag)
     parser.add_argument("--batch-size", type=int, default=1)
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=40, help="rounds; the first is discarded")

@@ -44,9 +44,11 @@ group's prompts (rotated by round like the batch sizes'); the result reports eac
 
 Prompts: `--prompts eval` (default) is `looped_spec.tuning.prompt_sets`' evaluation group, disjoint from the tuning
 group; `code` (torch's sources) and `prose` (Python reference documentation) are evaluation groups of other kinds
-of text. The benchmark exits with status 2 when an adaptive engine's preset records (provenance["prompts"]
-["fingerprints"]) any of the prompts it is about to use, those of every workload phase included. A checkpoint
-without a tokenizer gets random token ids (every group, one pool). `--grid` and `--batch-sizes` are parsed by
+of text; `--prompts my-text.jsonl` (a "prompt" a line) or `my-text.txt` (a prompt a line) evaluates on text of
+your own, and a workload phase may name such a file as its group (`8:eval,8:my-text.jsonl`). The benchmark exits
+with status 2 when an adaptive engine's preset records (provenance["prompts"]["fingerprints"]) any of the prompts it
+is about to use, those of every workload phase included. A checkpoint without a tokenizer gets random token ids
+(every group, one pool; a prompt file must hold token ids there). `--grid` and `--batch-sizes` are parsed by
 `looped_spec.tuning.grid`, as `looped-spec tune` parses them (the same `auto`).
 """
 
@@ -69,20 +71,20 @@ from tqdm import tqdm
 from looped_spec import LoopedSpecEngine, SamplingParams, SpeculativeConfig, load_adapter
 from looped_spec.control.controller import AdaptiveController
 from looped_spec.control.settings import ControlSettings
-from looped_spec.tuning.grid import Phase, parse_batch_sizes, parse_grid, parse_phases
+from looped_spec.tuning.grid import Phase, parse_batch_sizes, parse_grid, parse_phases, parse_prompt_source
 from looped_spec.tuning.inputs import parse_adapter_options
 from looped_spec.tuning.prompt_sets import (
-    EVALUATION_SOURCES,
     PromptSetError,
     check_disjoint,
     has_tokenizer,
+    is_prompt_file,
     load_prompts,
     prompt_fingerprints,
     prompt_group,
     provenance_fingerprints,
+    read_prompt_file,
 )
 
-PROMPT_KINDS = EVALUATION_SOURCES  # --prompts and a workload phase's GROUP (prompt_sets.load_prompts)
 SPREAD = (
     "±half the width of the median's ~95 % confidence interval and [min-max] of the per-round ratios over the "
     "measured rounds (first round discarded)"
@@ -128,8 +130,9 @@ def adaptive_name(policy: str | None, settings: tuple[tuple[str, Any], ...]) -> 
 
 
 def prompt_source(group: str, adapter) -> str:
-    """What a group decodes on `adapter`: the group, or "random" (token ids) when the model has no tokenizer."""
-    return group if group == "random" or has_tokenizer(adapter.path) else "random"
+    """What a group decodes on `adapter`: the group, or "random" (token ids) when the model has no tokenizer. A
+    prompt file is decoded as it is (a model without a tokenizer takes its token ids, and refuses its text)."""
+    return group if group == "random" or is_prompt_file(group) or has_tokenizer(adapter.path) else "random"
 
 
 def phase_slices(phases: list[Phase], source_of) -> list[tuple[str, int, int]]:
@@ -507,8 +510,11 @@ class PromptPool:
 
 
 def rotation_size(kind: str, count: int) -> int:
-    """Prompts to load for rotation: the whole set of `kind` (random token ids: ROTATION_POOL), at least `count`."""
-    return max(count, ROTATION_POOL if kind == "random" else len(prompt_group(kind)))
+    """Prompts to load for rotation: the whole set of `kind` (a group or a prompt file; random token ids:
+    ROTATION_POOL), at least `count`."""
+    if kind == "random":
+        return max(count, ROTATION_POOL)
+    return max(count, len(read_prompt_file(kind) if is_prompt_file(kind) else prompt_group(kind)))
 
 
 def phase_rounds(names: list[str], repeats: int, rng: random.Random, bar, phases, args):
@@ -960,9 +966,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--prompts",
         default="eval",
-        choices=PROMPT_KINDS,
         help="prompt group (looped_spec.tuning.prompt_sets): eval (default), code, prose, tune, builtin, humaneval, "
-        "or random token ids",
+        "random (token ids), or a prompt file of your own: .txt (a prompt a line) or .jsonl (a 'prompt' a line)",
     )
     parser.add_argument("--repeats", type=int, default=5, help="rounds per batch size; the first is discarded")
     parser.add_argument(
@@ -986,7 +991,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--workload-phases",
         default="1,8,32,8,1",
-        help="the workload's phases: B or B:GROUP each, e.g. 8:eval,8:code,32:prose,8:eval (no GROUP: --prompts)",
+        help="the workload's phases: B or B:GROUP each, e.g. 8:eval,8:code,32:prose,8:eval (no GROUP: --prompts); "
+        "a GROUP may be a prompt file (as --prompts)",
     )
     parser.add_argument(
         "--slice-ms",
@@ -1017,6 +1023,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         parser.error("--slice-ms must be >= 0 (0: whole generates one after another)")
     try:
         args.batches = parse_batch_sizes(args.batch_sizes)
+        args.prompts = parse_prompt_source(args.prompts)
         args.phase_list = parse_phases(args.workload_phases, args.prompts) if args.workload else []
         args.phases = [phase.batch for phase in args.phase_list]
         args.phase_groups = [phase.group for phase in args.phase_list]

@@ -26,7 +26,8 @@ import torch
 
 from looped_spec import LoopedSpecEngine, SamplingParams, load_adapter
 from looped_spec.models.dense import DenseContext
-from looped_spec.tuning.prompt_sets import EVALUATION_SOURCES, load_prompts
+from looped_spec.tuning.grid import prompt_source_flag
+from looped_spec.tuning.prompt_sets import load_prompts
 
 
 def auc(positive: list[float], negative: list[float]) -> float | None:
@@ -74,7 +75,7 @@ def exit_scores(model_type: str, signals: list[torch.Tensor | None]) -> list[tor
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="tiny-ouro")
-    parser.add_argument("--prompts", default="eval", choices=EVALUATION_SOURCES)
+    parser.add_argument("--prompts", default="eval", type=prompt_source_flag)
     parser.add_argument("--count", type=int, default=32)
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--out", default=None, help="write the table as JSON here")

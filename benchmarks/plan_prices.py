@@ -32,8 +32,8 @@ from looped_spec import load_adapter
 from looped_spec.control.passcost import PassCost
 from looped_spec.presets.lookup import preset_for
 from looped_spec.tuning import profile
-from looped_spec.tuning.grid import parse_batch_sizes, parse_grid
-from looped_spec.tuning.prompt_sets import EVALUATION_SOURCES, load_prompts
+from looped_spec.tuning.grid import parse_batch_sizes, parse_grid, prompt_source_flag
+from looped_spec.tuning.prompt_sets import load_prompts
 
 #: Rounds a cell needs before its median counts (the last rounds of a batch draft fewer and are dropped)
 MIN_ROUNDS = 3
@@ -70,7 +70,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="tiny-ouro")
     ap.add_argument("--preset", help="the preset whose profile the rounds are compared with (default: the model's)")
-    ap.add_argument("--prompts", default="code", help=f"a prompt group: {', '.join(EVALUATION_SOURCES)}")
+    ap.add_argument("--prompts", default="code", type=prompt_source_flag, help="a prompt group or a prompt file")
     ap.add_argument("--grid", default="auto", help="the speculative plans: 'K,d;K,d' or auto (plain is always timed)")
     ap.add_argument("--batch-sizes", default="1,4,8,16,32")
     ap.add_argument("--tokens", type=int, default=32, help="new tokens a request decodes in each repeat")
@@ -81,8 +81,6 @@ def main(argv: list[str] | None = None) -> dict:
     args = ap.parse_args(argv)
     if args.tokens < 2 or args.repeats < 1 or args.threads < 0:
         ap.error("need --tokens >= 2, --repeats >= 1 and --threads >= 0")
-    if args.prompts not in EVALUATION_SOURCES:
-        ap.error(f"--prompts {args.prompts!r}: must be one of {', '.join(EVALUATION_SOURCES)}")
     if args.threads:
         torch.set_num_threads(args.threads)
     adapter = load_adapter(args.model)

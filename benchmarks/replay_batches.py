@@ -32,8 +32,8 @@ from looped_spec import load_adapter
 from looped_spec.control.passcost import PassCost
 from looped_spec.presets.lookup import preset_for
 from looped_spec.tuning.acceptance_pass import measure_match_bits, simulate_tokens
-from looped_spec.tuning.grid import parse_batch_sizes, parse_grid
-from looped_spec.tuning.prompt_sets import EVALUATION_SOURCES, load_prompts
+from looped_spec.tuning.grid import parse_batch_sizes, parse_grid, prompt_source_flag
+from looped_spec.tuning.prompt_sets import load_prompts
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_speculative import ROTATION_STRIDE, rotation_size  # noqa: E402
@@ -51,7 +51,7 @@ def replay(bits, batch: list[int], k: int, d: int, cost: PassCost, context: floa
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default="tiny-ouro")
-    ap.add_argument("--prompts", default="code", choices=EVALUATION_SOURCES)
+    ap.add_argument("--prompts", default="code", type=prompt_source_flag)
     ap.add_argument("--preset", help="the preset whose profile prices rounds (default: the model's own)")
     ap.add_argument("--batch-sizes", default="8,32")
     ap.add_argument("--grid", default="auto", help="'auto', 'full' or 'K,d;K,d' (looped_spec.tuning.grid)")

@@ -48,8 +48,8 @@ from looped_spec.control.passcost import PassCost
 from looped_spec.control.plan import round_feedback
 from looped_spec.presets.lookup import preset_for
 from looped_spec.tuning.acceptance_pass import measure_match_bits
-from looped_spec.tuning.grid import parse_batch_sizes, parse_grid
-from looped_spec.tuning.prompt_sets import EVALUATION_SOURCES, load_prompts
+from looped_spec.tuning.grid import parse_batch_sizes, parse_grid, parse_prompt_source
+from looped_spec.tuning.prompt_sets import load_prompts
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_speculative import ROTATION_STRIDE, adaptive_name, parse_policies, rotation_size  # noqa: E402
@@ -188,7 +188,7 @@ def read_price_table(path: Path, model: str, error) -> dict[str, float]:
 def main(argv: list[str] | None = None) -> dict[int, dict[str, list[float]]]:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="tiny-ouro")
-    ap.add_argument("--prompts", default="eval", help=f"a group of {EVALUATION_SOURCES}, or several: 'prose,code'")
+    ap.add_argument("--prompts", default="eval", help="a prompt group or a prompt file, or several: 'prose,code'")
     ap.add_argument("--switch-every", type=int, default=4, help="with several groups: batches before the next group")
     ap.add_argument("--preset", help="the preset the controllers follow and whose profile prices rounds")
     ap.add_argument("--batch-sizes", default="1,8,32")
@@ -215,10 +215,14 @@ def main(argv: list[str] | None = None) -> dict[int, dict[str, list[float]]]:
         ap.error("need --speculative-price > 0, --measure-overhead >= 0 and --switch-every >= 1")
     if args.switch_penalty < 0.0:
         ap.error("need --switch-penalty >= 0")
-    groups = [g.strip() for g in args.prompts.split(",") if g.strip()]
-    unknown = [g for g in groups if g not in EVALUATION_SOURCES]
-    if not groups or unknown:
-        ap.error(f"--prompts {args.prompts!r}: each group must be one of {', '.join(EVALUATION_SOURCES)}")
+    try:
+        groups = [
+            parse_prompt_source(g, f"--prompts entry {g.strip()!r}:") for g in args.prompts.split(",") if g.strip()
+        ]
+    except ValueError as err:
+        ap.error(str(err))
+    if not groups:
+        ap.error(f"--prompts {args.prompts!r}: need at least one prompt group or file")
     try:
         policies = parse_policies(args.policies)
     except ValueError as err:

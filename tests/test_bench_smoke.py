@@ -365,6 +365,40 @@ def test_bench_refuses_a_preset_tuned_on_a_workload_phases_prompts(bench, tmp_pa
     assert f"1 of the {distinct} distinct evaluation prompts" in capsys.readouterr().err
 
 
+def test_the_bench_evaluates_on_a_prompt_file_of_ones_own(bench, tmp_path, capsys):
+    """--prompts and a workload phase take a .jsonl / .txt file: the run decodes its prompts, rotating through all of
+    them, checks every one against the preset's tuning prompts, and refuses a preset tuned on one of them."""
+    mine = [f"def handler_{i}(request):\n    return request.json()['x{i}']" for i in range(5)]
+    jsonl = tmp_path / "mine.jsonl"
+    jsonl.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in mine))
+    text = tmp_path / "prose.txt"
+    text.write_text("The server answers every request in turn.\nEach reply names its request.\n")
+    report = bench.main([*TEXT, "--prompts", str(jsonl), "--workload", "--workload-phases", f"1,2:{text}"])
+    assert report["prompts"]["fingerprints"] == prompt_fingerprints(mine)
+    assert report["workload"]["phase_prompts"] == [str(jsonl), str(text)]
+    groups = report["prompts"]["groups"]
+    assert groups[str(text)]["fingerprints"] == prompt_fingerprints(text.read_text().splitlines())
+    assert f"file {jsonl} (5 prompts)" in capsys.readouterr().out
+    provenance = {"prompts": {"fingerprints": prompt_fingerprints(mine[3:4])}}
+    preset = write_preset(tmp_path / "tiny-nanbeige.json", provenance, model="tiny-nanbeige")
+    with pytest.raises(SystemExit) as exc:
+        bench.main([*TEXT, "--prompts", str(jsonl), "--preset", str(preset)])
+    assert exc.value.code == 2 and "1 of the 5 distinct evaluation prompts" in capsys.readouterr().err
+    # a model without a tokenizer takes a file's token ids, and refuses its text naming the file
+    ids = tmp_path / "ids.jsonl"
+    ids.write_text("".join(json.dumps({"prompt": [i, i + 1, i + 2]}) + "\n" for i in range(3)))
+    small = [a for a in SMALL if a not in ("random", "--prompts")]
+    assert (
+        bench.main([*small, "--batch-sizes", "1", "--prompts", str(ids)])["prompts"]["groups"][str(ids)]["count"] == 3
+    )
+    with pytest.raises(SystemExit) as exc:
+        bench.main([*small, "--prompts", str(text)])
+    assert exc.value.code == 2 and "no tokenizer, so its prompts must be token ids" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exc:
+        bench.main([*small, "--prompts", "mine.csv"])
+    assert exc.value.code == 2 and "--prompts: unknown prompt group 'mine.csv'" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize(
     "phases, message",
     [("8:novel", "unknown prompt group 'novel'"), ("0", "entry '0': batch size 0 must be >= 1"), ("2:", "B:GROUP")],
@@ -691,3 +725,19 @@ def test_plan_prices_writes_a_table_the_replay_charges(tmp_path, capsys):
     with pytest.raises(SystemExit):
         replay.main(["--model", FIXTURE, "--prompts", "random", "--price-table", str(other)])
     assert str(other) in capsys.readouterr().err
+
+
+PROMPT_SCRIPTS = ["adaptation_rounds", "bench_early_exit", "bench_interleave", "bench_loop_batching", "bench_overhead",
+                  "draft_confidence_auc", "plan_prices", "replay_batches", "replay_controller"]  # fmt: skip
+
+
+@pytest.mark.parametrize("name", PROMPT_SCRIPTS)
+def test_every_benchmark_takes_a_prompt_group_or_file_and_names_a_bad_one(name, capsys, monkeypatch):
+    """One prompt-source parser for every benchmark (looped_spec.tuning.grid): a group or a .txt / .jsonl file of
+    one's own; an unknown group is a usage error naming --prompts, before any model loads."""
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))  # as when run as a script: its siblings import
+    with pytest.raises(SystemExit) as exc:
+        load_script(name).main(["--prompts", "novel"])
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and "--prompts" in err and "unknown prompt group 'novel'" in err
+    assert "or a .txt or .jsonl prompt file" in err

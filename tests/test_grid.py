@@ -13,6 +13,7 @@ from looped_spec.tuning.grid import (
     parse_grid,
     parse_int_list,
     parse_phases,
+    parse_prompt_source,
 )
 from looped_spec.tuning.inputs import TunerError
 
@@ -80,6 +81,23 @@ def test_workload_phases_take_an_optional_group():
     assert phases == [Phase(8, "eval"), Phase(8, "code"), Phase(32, "prose"), Phase(8, "random")]
     assert [p.batch for p in phases] == [8, 8, 32, 8] and phases[1].group == "code"
     assert parse_phases("2 : tune", "eval") == [Phase(2, "tune")]
+
+
+def test_a_prompt_source_is_a_group_or_a_prompt_file_of_ones_own():
+    """--prompts and a phase's GROUP take a group (any case) or a .txt / .jsonl file, whose path is kept as given (it
+    is read, and checked, when loaded); anything else names the flag and the entry."""
+    assert parse_prompt_source(" Code ") == "code"
+    assert parse_prompt_source("data/My-Text.jsonl") == "data/My-Text.jsonl"
+    assert parse_phases("8:eval,8:/tmp/Mine.txt,1", "x.jsonl") == [
+        Phase(8, "eval"), Phase(8, "/tmp/Mine.txt"), Phase(1, "x.jsonl")
+    ]  # fmt: skip
+    with pytest.raises(GridError, match=r"--prompts: unknown prompt group 'novel'; use one of eval, .*random, or a "
+                       r"\.txt or \.jsonl prompt file"):  # fmt: skip
+        parse_prompt_source("novel")
+    with pytest.raises(GridError, match=r"--prompts: unknown prompt group 'mine\.json'"):
+        parse_prompt_source("mine.json")
+    with pytest.raises(GridError, match=r"--workload-phases entry '8:mine\.csv': unknown prompt group 'mine\.csv'"):
+        parse_phases("8:mine.csv", "eval")
 
 
 @pytest.mark.parametrize(

@@ -317,6 +317,23 @@ def test_prompt_files_are_refused_naming_the_file_and_line(tmp_path):
     assert load_prompts(str(jsonl), 1, adapter)[0] == [[1, 255]]
 
 
+def test_text_prompts_are_refused_for_a_model_without_a_tokenizer(tmp_path):
+    """A model without tokenizer files takes token ids only: text from a file (or a caller's list) is an error naming
+    the source, not a failure deep in the engine; its token ids load as they are."""
+    bare = FakeAdapter(str(tmp_path))
+    text = tmp_path / "mine.txt"
+    text.write_text("def f():\n")
+    for source in (str(text), ["def f():", [1, 2]]):
+        with pytest.raises(PromptSetError, match=r"no tokenizer, so its prompts must be token ids"):
+            load_prompts(source, 2, bare)
+    ids = tmp_path / "ids.jsonl"
+    ids.write_text(json.dumps({"prompt": [3, 4]}) + "\n")
+    assert load_prompts(str(ids), 2, bare)[0] == [[3, 4], [3, 4]]
+    assert load_prompts(str(text), 1, FakeAdapter(str(ROOT / "looped_spec" / "models" / "tiny-ouro")))[0] == [
+        "def f():"
+    ]
+
+
 def test_cycled_prompts_say_so(tmp_path):
     """A file (or a list) with fewer prompts than asked is cycled, and its description says so."""
     adapter = FakeAdapter(str(ROOT / "looped_spec" / "models" / "tiny-ouro"))

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 from conftest import fixture_dir, load
 
+from looped_spec import load_adapter
 from looped_spec.cli import main
 from looped_spec.control.acceptance import accept_rate
 from looped_spec.control.passcost import PassCost
@@ -294,10 +295,15 @@ def test_prompt_sources(tmp_path):
     assert load_prompts("tune", 5, adapter, purpose="tune")[0] == prompts  # no tokenizer: the same random ids
     text = tmp_path / "p.txt"
     text.write_text("def f(x):\n\n  hello world \n")
-    assert load_prompts(str(text), 3, adapter, purpose="tune")[0] == ["def f(x):", "  hello world ", "def f(x):"]
+    with pytest.raises(TunerError, match="no tokenizer, so its prompts must be token ids"):  # the engine would refuse
+        load_prompts(str(text), 3, adapter, purpose="tune")
+    with_tokenizer = load_adapter("tiny-ouro")
+    assert load_prompts(str(text), 3, with_tokenizer, purpose="tune")[0] == ["def f(x):", "  hello world ", "def f(x):"]
     jsonl = tmp_path / "p.jsonl"
     jsonl.write_text(json.dumps({"prompt": "a\nb"}) + "\n" + json.dumps({"prompt": [5, 6]}) + "\n")
-    assert load_prompts(str(jsonl), 2, adapter, purpose="tune")[0] == ["a\nb", [5, 6]]
+    assert load_prompts(str(jsonl), 2, with_tokenizer, purpose="tune")[0] == ["a\nb", [5, 6]]
+    jsonl.write_text(json.dumps({"prompt": [5, 6]}) + "\n")
+    assert load_prompts(str(jsonl), 2, adapter, purpose="tune")[0] == [[5, 6], [5, 6]]
     jsonl.write_text('{"text": 1}\n')
     with pytest.raises(TunerError, match="p.jsonl:1"):
         load_prompts(str(jsonl), 2, adapter, purpose="tune")

@@ -13,7 +13,9 @@ The (K, d) grid (`parse_grid`, the ``--grid`` flag of `looped-spec tune` and of 
 Batch sizes (`parse_batch_sizes`): ``"1,8,32"`` -> sorted distinct sizes >= 1. Ordered integer lists
 (`parse_int_list`, e.g. ``--exit-at-steps``) keep their order and repeats. Workload phases (`parse_phases`,
 ``--workload-phases``): ``B`` or ``B:GROUP`` per phase, e.g. ``8:eval,8:code,32:prose,8:eval``; a phase
-without a group decodes the benchmark's ``--prompts``.
+without a group decodes the benchmark's ``--prompts``. A prompt source (`parse_prompt_source`, ``--prompts`` and a
+phase's GROUP) is a group or a prompt file of one's own (``.txt``: a prompt a line; ``.jsonl``: a ``"prompt"`` a line),
+e.g. ``--workload-phases 8:eval,8:my-code.jsonl``.
 
 Every error is a `GridError` (a `TunerError`, so a ValueError) that names the flag and the bad entry, e.g.
 ``--grid entry '1,4': d=4 must be in 1..3 (d < full depth D=4)``.
@@ -21,11 +23,12 @@ Every error is a `GridError` (a `TunerError`, so a ValueError) that names the fl
 
 from __future__ import annotations
 
+import argparse
 from collections.abc import Sequence
 from typing import NamedTuple
 
 from looped_spec.tuning.inputs import TunerError
-from looped_spec.tuning.prompt_sets import EVALUATION_SOURCES
+from looped_spec.tuning.prompt_sets import EVALUATION_SOURCES, PROMPT_FILE_KINDS, is_prompt_file
 
 MAX_K = 64  # the largest draft length a grid cell may ask for
 AUTO_K = range(1, 6)
@@ -128,7 +131,8 @@ def parse_phases(
     """``"1,8,32,8,1"`` or ``"8:eval,8:code,32:prose"`` -> one `Phase` per entry, in order.
 
     An entry is ``B`` (a batch size >= 1; the phase decodes `default_group`) or ``B:GROUP``, GROUP one of
-    `groups` (the prompt sources a benchmark evaluates on: `prompt_sets.EVALUATION_SOURCES`).
+    `groups` (the prompt sources a benchmark evaluates on: `prompt_sets.EVALUATION_SOURCES`) or a prompt file
+    (`parse_prompt_source`; its path may hold no comma).
     """
     phases = []
     for item in spec.split(","):
@@ -144,10 +148,29 @@ def parse_phases(
             raise GridError(f"{flag} entry {text!r}: expected B or B:GROUP with an integer batch size B") from None
         if batch < 1:
             raise GridError(f"{flag} entry {text!r}: batch size {batch} must be >= 1")
-        group = group.lower() if sep else default_group
-        if group not in groups:
-            raise GridError(f"{flag} entry {text!r}: unknown prompt group {group!r}; use one of {', '.join(groups)}")
+        group = parse_prompt_source(group, f"{flag} entry {text!r}:", groups) if sep else default_group
         phases.append(Phase(batch, group))
     if not phases:
         raise GridError(f"{flag} {spec!r}: need at least one phase, e.g. {flag} 1,8:code,32:prose")
     return phases
+
+
+def parse_prompt_source(text: str, where: str = "--prompts:", groups: Sequence[str] = EVALUATION_SOURCES) -> str:
+    """A prompt group of `groups` (any case), or a prompt file's path as given (.txt or .jsonl; read, and checked,
+    when loaded: `prompt_sets.load_prompts`). `where` (the flag, and the entry) starts the error's message."""
+    name = text.strip()
+    if is_prompt_file(name):
+        return name
+    if name.lower() in groups:
+        return name.lower()
+    files = " or ".join(PROMPT_FILE_KINDS)
+    problem = f"unknown prompt group {name!r}; use one of {', '.join(groups)}, or a {files} prompt file"
+    raise GridError(f"{where} {problem}" if where else problem)
+
+
+def prompt_source_flag(text: str) -> str:
+    """`parse_prompt_source` as an argparse ``type=`` (argparse names the flag in its usage error)."""
+    try:
+        return parse_prompt_source(text, "")
+    except GridError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None

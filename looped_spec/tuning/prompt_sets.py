@@ -424,6 +424,11 @@ def load_prompts(
         base = list(source)
     if not base:
         raise PromptSetError(f"--prompts {source}: no prompts")
+    if not has_tokenizer(adapter.path) and any(isinstance(p, str) for p in base):
+        raise PromptSetError(
+            f"--prompts {source}: the model has no tokenizer, so its prompts must be token ids (a .jsonl file, "
+            "a list of ids a line), not text"
+        )
     cycled = f", cycled to {count}" if count > len(base) else ""  # as a group's description says
     what = f"file {source} ({len(base)} prompts{cycled})" if isinstance(source, (str, Path)) else (
         f"{len(base)} prompts given by the caller{cycled}")  # fmt: skip
@@ -432,6 +437,12 @@ def load_prompts(
 
 #: the prompt files `read_prompt_file` reads, by extension
 PROMPT_FILE_KINDS = (".txt", ".jsonl")
+
+
+def is_prompt_file(source: Any) -> bool:
+    """Whether `source` names a prompt file (a path ending in one of `PROMPT_FILE_KINDS`) rather than a group; the
+    file is read, and checked, when its prompts are loaded."""
+    return isinstance(source, (str, Path)) and Path(source).suffix in PROMPT_FILE_KINDS
 
 
 def read_prompt_file(path: str | Path, vocab_size: int | None = None) -> list[Any]:
