@@ -219,6 +219,28 @@ def preset_for(adapter: Any, preset: str | Path | AdaptiveSpecConfig | None = No
     return load_preset(adapter.name, adapter.full_depth, preset, folder=adapter.path, config=checkpoint)
 
 
+_told_threads: set[tuple[str, str, int]] = set()  # (model, hardware, threads) warned about, once a process
+
+
+def warn_if_timed_at_other_threads(preset: AdaptiveSpecConfig, threads: int) -> None:
+    """For an engine on a CPU running `threads` torch threads: a preset's pass-cost profile holds one thread count's
+    relative prices of plans (its provenance's `machine.torch_threads`); with more threads a pass's compute shrinks
+    and its fixed host cost does not, so plans of more passes (speculative ones) cost relatively more than it says
+    (docs/adaptive.md, "Prices on another machine"). Said once per preset and thread count."""
+    machine = preset.provenance.get("machine") if isinstance(preset.provenance, dict) else None
+    timed = machine.get("torch_threads") if isinstance(machine, dict) else None
+    key = (preset.model, preset.hardware, threads)
+    if not isinstance(timed, int) or timed == threads or key in _told_threads:
+        return
+    _told_threads.add(key)
+    logger.warning(
+        "adaptive preset %r (%s) was timed at %d torch thread(s) and this process runs %d: its plans' relative prices "
+        "are another machine state's until the price probes learn them. For a preset of this state: looped-spec tune "
+        "--threads %d (README, 'Tune a preset'), or run at %d thread(s) (torch.set_num_threads, --threads)",
+        preset.model, preset.hardware, timed, threads, threads, timed,
+    )  # fmt: skip
+
+
 def _warn_if_another_models(
     preset: AdaptiveSpecConfig, names: list[tuple[str, str]], source: str, family: str | None
 ) -> None:

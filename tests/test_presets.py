@@ -376,3 +376,31 @@ def test_preset_for_an_adapter_is_the_one_its_engine_runs(family):
     found = preset_for(adapter)
     assert found == engine.controller.config
     assert found.model == f"{family}-tiny" != load_preset(adapter.name, adapter.full_depth).model
+
+
+def test_a_preset_timed_at_another_thread_count_says_so_once(caplog, monkeypatch):
+    """A CPU preset records the torch threads its profile was timed at; an adaptive engine on a CPU running at another
+    count is told, once per preset and count (its plans' relative prices are another machine state's); a fixed plan,
+    which prices nothing, is not."""
+    import torch
+
+    import looped_spec.presets.lookup as lookup
+    from looped_spec import LoopedSpecEngine, load_adapter
+
+    monkeypatch.setattr(lookup, "_told_threads", set())
+    adapter = load_adapter("tiny-ouro")
+    timed = preset_for(adapter).provenance["machine"]["torch_threads"]
+    with caplog.at_level(logging.WARNING, logger="looped_spec.presets.lookup"):
+        monkeypatch.setattr(torch, "get_num_threads", lambda: timed)
+        LoopedSpecEngine(adapter, speculation="adaptive")
+        assert not caplog.records
+        monkeypatch.setattr(torch, "get_num_threads", lambda: timed + 3)
+        LoopedSpecEngine(adapter, speculation="2,1")
+        assert not caplog.records
+        LoopedSpecEngine(adapter, speculation="adaptive")
+        LoopedSpecEngine(adapter, speculation="adaptive")
+        told = [r.getMessage() for r in caplog.records]
+        assert len(told) == 1 and f"timed at {timed} torch thread(s) and this process runs {timed + 3}" in told[0]
+        assert f"looped-spec tune --threads {timed + 3}" in told[0]
+    lookup.warn_if_timed_at_other_threads(preset_for(adapter).model_copy(update={"provenance": "hand-written"}), 7)
+    assert len(caplog.records) == 1  # no recorded thread count: nothing to compare

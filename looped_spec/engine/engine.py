@@ -45,7 +45,7 @@ from looped_spec.execution.transfers import to_device
 from looped_spec.loop_batching import LoopBatcher, LoopRounds
 from looped_spec.models.adapter import ModelAdapter, load_adapter
 from looped_spec.models.stage_check import check_stages
-from looped_spec.presets.lookup import preset_for
+from looped_spec.presets.lookup import preset_for, warn_if_timed_at_other_threads
 from looped_spec.reasoning import reasoning_parser
 from looped_spec.request import Request, RequestOutput, TokenLogprob
 from looped_spec.sampling_params import SamplingParams
@@ -171,6 +171,8 @@ class LoopedSpecEngine:
         preset = None
         if spec == "adaptive" and depth >= 2:
             preset = preset_for(self.adapter, config.preset)
+            if self.adapter.device.type == "cpu":
+                warn_if_timed_at_other_threads(preset, torch.get_num_threads())
         if isinstance(spec, SpeculativeConfig):
             spec = (spec.k, spec.d, spec.measure_depths, spec.stop_margin)
         return make_controller(
