@@ -30,7 +30,7 @@ import torch
 
 from looped_spec import LoopedSpecEngine, SamplingParams, load_adapter
 from looped_spec.tuning.grid import parse_phases, prompt_source_flag
-from looped_spec.tuning.prompt_sets import load_prompts
+from looped_spec.tuning.prompt_sets import is_prompt_file, load_prompts
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_speculative import PromptPool, phase_slices, rotation_size  # noqa: E402
@@ -80,18 +80,22 @@ def main(argv: list[str] | None = None) -> None:
         engine = LoopedSpecEngine(adapter, max_batch_size=max(p.batch for p in phases), seed=0, trace_path=path)
         params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
         print(f"{args.model}: preset alpha1 {engine.controller.stats()['alpha'][0]:.2f}; phases {args.workload_phases}")
-        print("repeat  phase      rounds  moved  settled  mode (share)      alpha1  " + ("oracle" if oracle else ""))
+        # a phase by its batch size and source: a prompt file by its name, so the columns stay aligned
+        labels = [f"{p.batch}:{Path(p.group).name if is_prompt_file(p.group) else p.group}" for p in phases]
+        width = max(10, *map(len, labels))
+        header = f"repeat  {'phase':<{width}} rounds  moved  settled  mode (share)      alpha1  "
+        print(header + ("oracle" if oracle else ""))
         last = None
         with path.open(encoding="utf-8") as trace:
             for repeat in range(args.repeats):
-                for i, (phase, (source, start, size)) in enumerate(zip(phases, slices, strict=True)):
+                for i, (source, start, size) in enumerate(slices):
                     engine.generate(pools[source].slice(start, size), params)
                     engine.controller.flush_trace()
                     plans = new_plans(trace)
                     moved, settled, mode, share = phase_summary(plans, last)
                     alpha1 = engine.controller.stats()["alpha"][0]
                     shown = "-" if moved is None else moved
-                    line = f"{repeat:>6}  {phase.batch:>3}:{phase.group:<6} {len(plans):>6}  {shown:>5}"
+                    line = f"{repeat:>6}  {labels[i]:<{width}} {len(plans):>6}  {shown:>5}"
                     line += f"  {settled:>7}  {mode:<5} ({share:.2f})      {alpha1:.2f}"
                     print(line + (f"  {oracle[i]}" if oracle else ""))
                     last = plans[-1]

@@ -525,6 +525,14 @@ def test_adaptation_rounds_reports_every_phase_of_every_repeat(tmp_path, capsys)
     rows = [line.split() for line in capsys.readouterr().out.splitlines()[2:]]
     assert [(r[0], r[1]) for r in rows] == [("0", "1:code"), ("0", "2:prose"), ("1", "1:code"), ("1", "2:prose")]
     assert all(1 <= int(r[2]) <= 5 for r in rows)  # 6 tokens: the prefill's, then 1-5 decode rounds
+    # a phase of a prompt file of one's own is named by the file's name (its folder would push the columns out)
+    own = tmp_path / "deeply" / "nested" / "my-prompts.jsonl"
+    own.parent.mkdir(parents=True)
+    own.write_text("".join(json.dumps({"prompt": [5 + i, 9, 11]}) + "\n" for i in range(4)))
+    script.main(["--model", FIXTURE, "--workload-phases", f"1:code,2:{own}", "--repeats", "1", "--max-tokens", "6"])
+    header, *rows = capsys.readouterr().out.splitlines()[1:]
+    assert [line.split()[1] for line in rows] == ["1:code", "2:my-prompts.jsonl"] and "nested" not in header
+    assert len({line.index(line.split()[2]) + len(line.split()[2]) for line in rows}) == 1  # rounds, right-aligned
     result = tmp_path / "result.json"
     result.write_text(json.dumps({"workload": {"oracle_phases": ["1,1"]}}))
     with pytest.raises(SystemExit, match="1 oracle phases, --workload-phases has 2"):
