@@ -1,4 +1,4 @@
-"""How many rounds adaptive speculation needs to move when the workload changes (no timing involved).
+"""How many rounds adaptive speculation needs to move when the workload changes (nothing timed against anything).
 
 Runs one adaptive engine through a changing workload, the phases of `bench_speculative.py --workload` (each
 phase one batch of B prompts from its group, decoded to the end), repeated; the engine keeps what it learned
@@ -8,8 +8,10 @@ from phase to phase. Per phase it reads the plan of every decode round from the 
 - `settled`: the first round on the plan the phase ran most (its `mode`), and the share of rounds on it;
 - `alpha1`: the learned agreement at draft depth 1 after the phase (the preset's tuning value in the header).
 
-Plans follow acceptance, which is deterministic for a text, and the pass-cost profile; what timing feeds in (the
-drift factor scales every plan alike, the measured-round share spaces the readouts) barely moves them. With
+Plans follow acceptance, which is deterministic for a text, and the pass-cost profile, and through the rounds' own
+times three things that are not: the drift factor (every plan alike), the spacing of the measured rounds, and the
+price probes' pairs of rounds, which move each plan's learned price against plain (docs/adaptive.md "Prices on
+another machine"), so two runs agree on the pattern, not round for round. With
 `--result` (a bench_speculative.py result with `--workload`) the screen's per-phase oracle is printed beside
 the mode.
 
