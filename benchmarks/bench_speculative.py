@@ -71,7 +71,7 @@ from tqdm import tqdm
 from looped_spec import LoopedSpecEngine, SamplingParams, SpeculativeConfig, load_adapter
 from looped_spec.control.controller import AdaptiveController
 from looped_spec.control.settings import ControlSettings
-from looped_spec.tuning.grid import Phase, parse_batch_sizes, parse_grid, parse_phases, parse_prompt_source
+from looped_spec.tuning.grid import Phase, parse_batch_sizes, parse_grid, parse_phases, prompt_source_flag
 from looped_spec.tuning.inputs import parse_adapter_options
 from looped_spec.tuning.prompt_sets import (
     PromptSetError,
@@ -966,6 +966,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--prompts",
         default="eval",
+        type=prompt_source_flag,
         help="prompt group (looped_spec.tuning.prompt_sets): eval (default), code, prose, tune, builtin, humaneval, "
         "random (token ids), or a prompt file of your own: .txt (a prompt a line) or .jsonl (a 'prompt' a line)",
     )
@@ -1023,7 +1024,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         parser.error("--slice-ms must be >= 0 (0: whole generates one after another)")
     try:
         args.batches = parse_batch_sizes(args.batch_sizes)
-        args.prompts = parse_prompt_source(args.prompts)
         args.phase_list = parse_phases(args.workload_phases, args.prompts) if args.workload else []
         args.phases = [phase.batch for phase in args.phase_list]
         args.phase_groups = [phase.group for phase in args.phase_list]
