@@ -32,7 +32,9 @@ def test_stream_prints_the_same_text_as_generate(capsys):
 
 def test_prompts_from_stdin_and_compare_plain(capsys, monkeypatch):
     monkeypatch.setattr(sys, "stdin", io.StringIO("def add(a, b):\n\nclass A:\n"))
-    adaptive = ["--speculation", "adaptive", "--policy", "ema", "--preset", "tiny-ouro", "--compare-repeats", "2"]
+    # every adaptive-only flag: the plain engine beside it takes none of them
+    adaptive = ["--speculation", "adaptive", "--policy", "ema", "--preset", "tiny-ouro", "--compare-repeats", "2",
+                "--control", '{"hysteresis": 0.05}']  # fmt: skip
     assert main(BASE + ["--prompts-file", "-", "--compare-plain", *adaptive]) == 0
     out = capsys.readouterr().out
     assert "--- output 1 ---\nclass A:" in out
@@ -63,7 +65,7 @@ def test_generate_and_tune_parse_adapter_options_alike(value, capsys, tmp_path):
     assert main(["tune", "--model", "tiny-huginn", "--out", str(tmp_path / "p.json"), "--quiet", *option]) == 2
     tune_error = capsys.readouterr().err
     assert generate_error == tune_error
-    assert generate_error.startswith("looped-spec: error: adapter option num_steps=")
+    assert generate_error.startswith("looped-spec: error: --adapter-option num_steps=")
     assert "must be a positive integer" in generate_error
 
 

@@ -97,6 +97,7 @@ def test_generate_logs_only_warnings_unless_asked_and_never_on_stdout(capsys):
         (["--dtype", "float8"], "--dtype float8: not supported; use one of auto, float32, bfloat16, float16"),
         (["--speculation", "off", "--policy", "ema"],
          "--policy ema: only with --speculation adaptive (--speculation off runs no adaptive controller)"),
+        (["--speculation", "off", "--policy", "goodput"], "--policy goodput: only with --speculation adaptive"),
         (["--num-kv-blocks", "10"], "--num-kv-blocks 10 cannot hold one request of --max-model-len 1024"),
         (["--kv-cache-memory-gb", "0"], "--kv-cache-memory-gb 0.0: must be a finite number of GiB > 0"),
         (["--kv-cache-memory-gb", "1", "--num-kv-blocks", "100"],
@@ -106,9 +107,9 @@ def test_generate_logs_only_warnings_unless_asked_and_never_on_stdout(capsys):
         (["--max-pass-positions", "4"], "--max-pass-positions 4: a loop-pass budget, it needs --batching loop"),
         (["--control", '{"decision_interval": 8'], "--control: not valid JSON (Expecting ',' delimiter at column 24)"),
         (["--control", "[8]"], "--control: must be a JSON object, got '[8]'"),
-        (["--control", '{"decision_intervall": 8}'], "--control {'decision_intervall': 8}: unknown field(s) "
-         "decision_intervall"),
-        (["--control", '{"decision_interval": 0}'], "decision_interval=0 must be in [1, inf)"),
+        (["--control", '{"decision_intervall": 8}'], "--control: decision_intervall: unknown field (did you mean "
+         "'decision_interval'?"),
+        (["--control", '{"decision_interval": 0}'], "--control: decision_interval=0 must be in [1, inf)"),
         (["--speculation", "2,1", "--control", "{}"], "--control {}: only with --speculation adaptive"),
         (["--speculation", "2,1", "--control", '{"hysteresis": 0.5}'],
          "--control {'hysteresis': 0.5}: only with --speculation adaptive"),
@@ -134,6 +135,12 @@ def test_field_names_become_flags_only_where_they_name_a_field():
     )
     assert name_flags("the device: cpu", flags) == "the --device: cpu"  # the form a field is named in
     assert name_flags("a device for it", flags) == "a device for it"
+    # an adapter's own option is set with --adapter-option, even where a flag of its name sets a request field
+    flags["exit_threshold"] = "--exit-threshold"
+    message = "adapter option exit_threshold=-1 must be > 0 (the default early-exit threshold of requests)"
+    assert name_flags(message, flags) == "--adapter-option " + message.removeprefix("adapter option ")
+    message = "unknown huginn_raven adapter option(s) ['num_step']; it takes: num_steps, exit_threshold"
+    assert name_flags(message, flags) == message
 
 
 def test_every_flag_states_its_default():

@@ -67,6 +67,10 @@ def test_item06_sampling_params_bounds():
         # options that would do nothing are errors, not shrugs
         ({"speculation": "3,1", "preset": "tiny-ouro"}, "preset='tiny-ouro': only with speculation='adaptive'"),
         ({"policy": "ema"}, "policy='ema': only with speculation='adaptive'"),
+        ({"policy": "goodput"}, "policy='goodput': only with speculation='adaptive'"),  # the default, but given
+        ({"speculation": "adaptive", "control": {"hysteresis": 2}}, r"control\.hysteresis=2 must be in \[0, 1\)"),
+        ({"speculation": "adaptive", "control": {"hysterisis": 0.1}}, "control.hysterisis: unknown field \\(did you mean "
+         "'hysteresis'"),
         ({"speculation": "2,1", "control": {"hysteresis": 0.5}}, r"control=.*only with speculation='adaptive'"),
         ({"num_kv_blocks": 64, "kv_cache_memory_gb": 1.0}, "set at most one"),
         ({"speculation": {"k": "2"}}, "speculation.k='2'"),
@@ -302,3 +306,15 @@ def test_item06_text_prompts_must_be_valid_unicode():
     with pytest.raises(ValueError, match=r"prompts\[1\]: not valid Unicode"):
         engine.generate(["fine", "\udfff"], SamplingParams(max_tokens=2))
     assert not engine.has_unfinished_requests()
+
+
+def test_options_over_a_config_keep_what_it_was_given():
+    """`LoopedSpecEngine(model, config, **options)`: the config's defaults are not options it was given (plain over
+    a default config is fine), while a policy it was given still needs adaptive speculation."""
+    from looped_spec.engine.config import EngineConfig
+
+    assert EngineConfig.from_options(EngineConfig(), speculation="off").speculation == "off"
+    adaptive = EngineConfig(speculation="adaptive", policy="ema")
+    assert EngineConfig.from_options(adaptive, max_batch_size=4).policy == "ema"
+    with pytest.raises(ValueError, match="policy='ema': only with speculation='adaptive'"):
+        EngineConfig.from_options(adaptive, speculation="off")

@@ -40,14 +40,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"looped-spec: error: {one_line(exc)}", file=sys.stderr)
         return 2
     except (ValueError, TypeError) as exc:  # the engine's and SamplingParams' errors name fields: say the flags
-        flags = flags_of(subcommand(parser, args.command))
+        flags = flags_of(args.command_parser)  # the subcommand's own parser (set_defaults)
         print(f"looped-spec: error: {name_flags(one_line(exc), flags)}", file=sys.stderr)
         return 2
     except (KeyError, OSError) as exc:
         print(f"looped-spec: error: {one_line(exc)}", file=sys.stderr)
         return 2
-
-
-def subcommand(parser: argparse.ArgumentParser, name: str) -> argparse.ArgumentParser:
-    actions = (a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
-    return next(actions).choices[name]

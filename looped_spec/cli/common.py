@@ -20,15 +20,19 @@ def engine_options(args: argparse.Namespace) -> dict:
     reports its errors by flag, cli/flag_errors.py)."""
     from looped_spec.tuning.inputs import parse_adapter_options
 
-    return dict(dtype=args.dtype, device=args.device, speculation=args.speculation, preset=args.preset,
-                policy=args.policy, seed=args.seed, trace_path=args.trace, max_batch_size=args.max_batch_size,
-                max_model_len=args.max_model_len, early_exit=getattr(args, "early_exit", "skip"),
-                batching=args.batching, cuda_graphs=CUDA_GRAPHS[args.cuda_graphs], prefix_caching=args.prefix_caching,
-                adapter_options=parse_adapter_options(args.adapter_option) or None,
-                max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size,
-                num_kv_blocks=args.num_kv_blocks, kv_cache_memory_gb=args.kv_cache_memory_gb,
-                max_pass_positions=args.max_pass_positions, scheduling_policy=args.scheduling_policy,
-                control=json_object(args.control, "--control"))  # fmt: skip
+    options = dict(dtype=args.dtype, device=args.device, speculation=args.speculation, preset=args.preset,
+                   policy=args.policy, seed=args.seed, trace_path=args.trace, max_batch_size=args.max_batch_size,
+                   max_model_len=args.max_model_len, early_exit=getattr(args, "early_exit", "skip"),
+                   batching=args.batching, cuda_graphs=CUDA_GRAPHS[args.cuda_graphs],
+                   prefix_caching=args.prefix_caching,
+                   adapter_options=parse_adapter_options(args.adapter_option) or None,
+                   max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size,
+                   num_kv_blocks=args.num_kv_blocks, kv_cache_memory_gb=args.kv_cache_memory_gb,
+                   max_pass_positions=args.max_pass_positions, scheduling_policy=args.scheduling_policy,
+                   control=json_object(args.control, "--control"))  # fmt: skip
+    if args.policy is None:  # not given: the engine's default (given, it must go with --speculation adaptive)
+        del options["policy"]
+    return options
 
 
 def json_object(text: str | None, option: str) -> dict | None:
@@ -100,8 +104,8 @@ def at_least(value: int, minimum: int, option: str, note: str = "") -> None:
 def add_engine_flags(p: argparse.ArgumentParser, command: str) -> None:
     """The engine flags of `generate` and `serve` (`command`: the help says what each does there)."""
     p.add_argument("--speculation", default="adaptive", help="off | adaptive | K,d (draft K tokens with d loops)")
-    p.add_argument("--policy", default="goodput", choices=["goodput", "ema"],
-                   help="adaptive speculation policy (only with --speculation adaptive)")  # fmt: skip
+    p.add_argument("--policy", default=None, choices=["goodput", "ema"],
+                   help="adaptive speculation policy (only with --speculation adaptive; default: goodput)")  # fmt: skip
     p.add_argument("--preset", default=None, help="preset file or shipped preset name, only with --speculation "
                    "adaptive (default: the preset matched by the model's name)")  # fmt: skip
     p.add_argument("--seed", type=int, default=0, help=SEED_HELP[command])

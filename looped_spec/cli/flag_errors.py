@@ -10,6 +10,9 @@ import re
 RENAMED_FIELDS = {"trace_path": "--trace", "adapter_options": "--adapter-option"}
 #: field values a flag spells differently (EngineConfig.cuda_graphs=True is --cuda-graphs on)
 FLAG_VALUES = {"--cuda-graphs": {"True": "on", "False": "off", "None": "auto"}}
+#: how an adapter's own errors name its options (`adapter option exit_threshold=-1 ...`): those names are the family's
+#: options, set with --adapter-option, even where a flag of the same name sets a field (Huginn's exit_threshold)
+ADAPTER_OPTION = "adapter option"
 
 
 def flags_of(parser: argparse.ArgumentParser) -> dict[str, str]:
@@ -31,8 +34,15 @@ def flags_of(parser: argparse.ArgumentParser) -> dict[str, str]:
 def name_flags(message: str, flags: dict[str, str]) -> str:
     """`message` with each field a flag sets written as that flag: `field=value` as `--flag value`, `field.sub` as
     `--flag: sub`, `field:` as `--flag:`. A field name without `_` (device, seed, policy) is a plain word in a
-    sentence, so it is only replaced in those three forms."""
+    sentence, so it is only replaced in those three forms. An adapter's own error names the family's options, not
+    fields: only its leading "adapter option" becomes the flag."""
     message = message.removeprefix("LoopedSpecEngine: ")
+    if ADAPTER_OPTION in message:
+        return (
+            message.replace(f"{ADAPTER_OPTION} ", "--adapter-option ", 1)
+            if message.startswith(ADAPTER_OPTION)
+            else message
+        )
     if not flags:
         return message
     names = "|".join(re.escape(name) for name in sorted(flags, key=len, reverse=True))

@@ -88,7 +88,7 @@ def add_parser(sub: argparse._SubParsersAction, fmt: type[argparse.HelpFormatter
     gen.add_argument("--compare-repeats", type=int, default=None,
                      help="side-by-side pairs --compare-plain times (default: 5)")  # fmt: skip
     add_engine_flags(gen, "generate")
-    gen.set_defaults(func=generate)
+    gen.set_defaults(func=generate, command_parser=gen)
 
 
 def read_prompts(args: argparse.Namespace) -> list[str | list[int]]:
@@ -247,12 +247,12 @@ def _compare_plain(args: argparse.Namespace, prompts: list[str], params, outputs
     import statistics
 
     from looped_spec import LoopedSpecEngine
-    from looped_spec.control.controller import DEFAULT_POLICY
 
     spec = LoopedSpecEngine(args.model, **engine_options(args) | {"trace_path": None})
-    # plain decoding runs no adaptive controller: its preset and policy are not options there
-    off = {"speculation": "off", "trace_path": None, "preset": None, "policy": DEFAULT_POLICY}
-    plain = LoopedSpecEngine(args.model, **engine_options(args) | off)
+    # plain decoding runs no adaptive controller: its preset, policy and tunables are not options there
+    plain_options = engine_options(args) | {"speculation": "off", "trace_path": None, "preset": None, "control": None}
+    plain_options.pop("policy", None)
+    plain = LoopedSpecEngine(args.model, **plain_options)
     ratios, same = [], True
     try:
         for i in range(args.compare_repeats + 1):

@@ -72,9 +72,9 @@ def add_parser(sub: argparse._SubParsersAction, fmt: type[argparse.HelpFormatter
     srv.add_argument("--early-exit", default="skip", choices=["skip", "select"],
                      help="how requests' exit_threshold / exit_at_step run (with or without speculation)")  # fmt: skip
     add_engine_flags(srv, "serve")
-    srv.set_defaults(func=serve_command)
+    srv.set_defaults(func=serve_command, command_parser=srv)
     models = sub.add_parser("models", help="list the shipped tiny models", formatter_class=fmt)
-    models.set_defaults(func=list_models)
+    models.set_defaults(func=list_models, command_parser=models)
 
 
 def tool_calling_config(args: argparse.Namespace):
@@ -174,11 +174,10 @@ def serve_replicas(args: argparse.Namespace, api_key: str | None, scaling: dict,
                                                    **given))  # fmt: skip
         app_args.check_before_start()
     except ValueError as exc:  # name the flags, not the application's fields
-        from looped_spec.cli import build_parser, subcommand
         from looped_spec.cli.flag_errors import flags_of, name_flags
 
         message = str(exc).removeprefix("looped-spec application args: ").removeprefix("engine: ")
-        message = name_flags(message, flags_of(subcommand(build_parser(), "serve")))  # the engine's fields
+        message = name_flags(message, flags_of(args.command_parser))  # the engine's fields
         for field, flag in _REPLICA_FLAGS.items():
             message = message.replace(field, flag)
         raise UsageError(message) from None

@@ -80,7 +80,7 @@ def add_parser(sub: argparse._SubParsersAction, fmt: type[argparse.HelpFormatter
     tune.add_argument("--log-level", default="warning", choices=LOG_LEVELS,
                       help="looped-spec's own log lines on stderr at this level and above (default: warning; info "
                       "adds the engines' startup lines)")  # fmt: skip
-    tune.set_defaults(func=tune_command, argv=None)
+    tune.set_defaults(func=tune_command, argv=None, command_parser=tune)
 
 
 def tune_command(args: argparse.Namespace) -> int:

@@ -159,10 +159,11 @@ class EngineConfig(BaseModel):
         """The preset, policy and tunables steer the adaptive controller; with another plan they would do nothing."""
         if parse_speculation(self.speculation) == "adaptive":
             return self
+        # given, even as the default (policy="goodput"): an option set to a value that does nothing is an error
         given = [
             f"{name}={_shown(getattr(self, name))!r}"
-            for name, unset in (("preset", None), ("policy", DEFAULT_POLICY), ("control", None))
-            if getattr(self, name) != unset
+            for name in ("preset", "policy", "control")
+            if name in self.model_fields_set and getattr(self, name) is not None
         ]
         if given:
             raise ValueError(f"{', '.join(given)}: only with speculation='adaptive' (speculation="
@@ -206,11 +207,20 @@ class EngineConfig(BaseModel):
             return value
         if not isinstance(value, dict):
             raise ValueError(f"must be a ControlSettings or a dict of its fields, got {type(value).__name__}")
-        fields = set(ControlSettings.__dataclass_fields__)
-        unknown = sorted(set(value) - fields)
+        # errors name the field inside `control`, as speculation's do: control.hysteresis=2: must be in [0, 1)
+        fields = sorted(ControlSettings.__dataclass_fields__)
+        unknown = [name for name in value if name not in fields]
         if unknown:
-            raise ValueError(f"unknown field(s) {', '.join(unknown)} (fields: {', '.join(sorted(fields))})")
-        return ControlSettings(**value)
+            problems = []
+            for name in unknown:
+                close = difflib.get_close_matches(str(name), fields, n=1)
+                hint = f"did you mean {close[0]!r}? " if close else ""
+                problems.append(f"control.{name}: unknown field ({hint}fields: {', '.join(fields)})")
+            raise ValueError("; ".join(problems))
+        try:
+            return ControlSettings(**value)
+        except ValueError as exc:  # ControlSettings names the field: `hysteresis=2 must be in [0, 1)`
+            raise ValueError(f"control.{exc}") from None
 
     @field_validator("preset")
     @classmethod
@@ -235,7 +245,10 @@ class EngineConfig(BaseModel):
     @classmethod
     def from_options(cls, config: EngineConfig | None = None, **options: Any) -> EngineConfig:
         """`config` (or the defaults) with `options` set; a bad option raises ValueError naming it."""
-        given = (dict(config) if config is not None else {}) | options
+        # the options `config` was given (not its defaults: set options are checked, e.g. a policy without adaptive)
+        given = (
+            {name: getattr(config, name) for name in config.model_fields_set} if config is not None else {}
+        ) | options
         try:
             return cls(**given)
         except ValidationError as exc:
