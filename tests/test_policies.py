@@ -95,6 +95,43 @@ def test_goodput_switches_speculation_off_on_a_random_weight_model_within_rounds
     assert all(k == 0 for k, _ in plans[first_plain:])  # and it stays off
 
 
+def test_early_exit_requests_that_stopped_coming_stop_pricing_plans():
+    """Early exit is a request's option. After rounds whose tokens exited at loop 1 (skip mode: drafts within the
+    exit depth pass, passes narrow), rounds of requests without it report no exit depths; their tokens ran every loop
+    and the histogram forgets the exits, so on a random-weight model the controller runs plain as a fresh one does
+    (the mutation check, those rounds not observed: speculation on at (2, 1) and (1, 1) for good)."""
+    cfg = preset()
+    controller = AdaptiveController(cfg, DEPTH)
+    workload = Workload(PassCost(cfg.cost, DEPTH), noise=0.0, seed=1)
+    for _ in range(20):
+        feedback = workload.feedback(controller.plan(8, 120.0), Phase(8, RANDOM, 1))
+        feedback.exit_depths, feedback.exit_skips = [1] * (feedback.total_accepted + 8), True
+        controller.observe(feedback)
+    plans = workload.run(controller, [Phase(8, RANDOM, 600)])[0]
+    assert all(k == 0 for k, _ in plans[300:]), Counter(plans[300:])
+    assert controller.exits.exit_within()[0] < 0.01
+
+
+def test_a_small_batch_after_a_large_one_reads_out_at_its_own_pace():
+    """A measured round reads about one position a request, so at B = 256 one comes every ~64 rounds; a lone request
+    after such batches reads out within its own first rounds (the mutation check, the countdown carried over: its
+    first readout after ~20 rounds) and as often as a fresh controller's."""
+    cfg = preset()
+    measured = {}
+    for before in (None, 256):
+        controller = AdaptiveController(cfg, DEPTH)
+        workload = Workload(PassCost(cfg.cost, DEPTH), noise=0.0, seed=0)
+        if before is not None:
+            workload.run(controller, [Phase(before, CODE, 300)])
+        rounds = []
+        for i in range(80):
+            plan = controller.plan(1, 120.0)
+            rounds += [i] if plan.measure_depths else []
+            controller.observe(workload.feedback(plan, Phase(1, CODE, 1)))
+        measured[before] = rounds
+    assert measured[256][0] <= 2 and abs(len(measured[256]) - len(measured[None])) <= 2, measured
+
+
 def test_goodput_comes_back_when_the_text_gets_easier():
     cfg = preset()
     workload = Workload(PassCost(cfg.cost, DEPTH), noise=0.1, seed=5)

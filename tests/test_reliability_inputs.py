@@ -69,8 +69,10 @@ def test_item06_sampling_params_bounds():
         ({"policy": "ema"}, "policy='ema': only with speculation='adaptive'"),
         ({"policy": "goodput"}, "policy='goodput': only with speculation='adaptive'"),  # the default, but given
         ({"speculation": "adaptive", "control": {"hysteresis": 2}}, r"control\.hysteresis=2 must be in \[0, 1\)"),
-        ({"speculation": "adaptive", "control": {"hysterisis": 0.1}}, "control.hysterisis: unknown field \\(did you mean "
-         "'hysteresis'"),
+        (
+            {"speculation": "adaptive", "control": {"hysterisis": 0.1}},
+            "control.hysterisis: unknown field \\(did you mean 'hysteresis'",
+        ),
         ({"speculation": "2,1", "control": {"hysteresis": 0.5}}, r"control=.*only with speculation='adaptive'"),
         ({"num_kv_blocks": 64, "kv_cache_memory_gb": 1.0}, "set at most one"),
         ({"speculation": {"k": "2"}}, "speculation.k='2'"),

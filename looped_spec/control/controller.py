@@ -200,6 +200,9 @@ class AdaptiveController(FixedController):
             if self._bucket >= 0:
                 self.policy.enter(bucket)
             self._bucket = bucket
+            # a countdown to the next measured round set at a larger batch (about one a request per measured round)
+            # would hold this batch's readouts back as long: at most this batch's own position target
+            self._measure_in = min(self._measure_in, math.ceil(batch_size / self.settings.readout_positions))
         k, d, candidate = self.policy.select(bucket, batch_size, context)
         event = self.policy.last_event
         measure = self._measure_in <= 0 and self._reads_beside[d]
@@ -267,6 +270,8 @@ class AdaptiveController(FixedController):
         self.acceptance.observe_round(fb)
         if fb.exit_depths:
             self.exits.observe(fb.exit_depths, fb.exit_skips)
+        else:  # a round without early exit: every committed token ran full depth (the earlier exits fade out)
+            self.exits.observe_full_depth(len(fb.num_accepted) + fb.total_accepted)
         if fb.seconds > 0.0:
             self._observe_seconds(fb)
         self.policy.observe(fb)

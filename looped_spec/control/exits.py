@@ -27,8 +27,19 @@ class ExitDepths:
         if not depths:
             return
         new = np.bincount(np.clip(np.asarray(depths), 1, len(self.counts)) - 1, minlength=len(self.counts))
-        self.counts = self.counts * (self.memory / (self.memory + len(depths))) + new
         self.skips = skips
+        self._fade_in(new, len(depths))
+
+    def observe_full_depth(self, tokens: int) -> None:
+        """A round none of whose requests exits early (early exit is a request's option): its `tokens` committed
+        tokens ran every loop. Only once exits were seen; before, no exits is what the histogram stands for."""
+        if self.seen and tokens > 0:
+            new = np.zeros(len(self.counts))
+            new[-1] = tokens
+            self._fade_in(new, tokens)
+
+    def _fade_in(self, new: np.ndarray, tokens: int) -> None:
+        self.counts = self.counts * (self.memory / (self.memory + tokens)) + new
         self.seen = True
         self._since += 1
         if self._since >= REFRESH or self.version == 0:

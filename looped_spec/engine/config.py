@@ -257,7 +257,7 @@ class EngineConfig(BaseModel):
 
 def _shown(value: Any) -> Any:
     """An option as a message shows it: ControlSettings as the dict of its tunables that differ from their
-    defaults (as it was likely given), not all eleven."""
+    defaults (as it was likely given), not all twelve."""
     if isinstance(value, ControlSettings):
         default = ControlSettings()
         return {f: v for f, v in dataclasses.asdict(value).items() if v != getattr(default, f)}

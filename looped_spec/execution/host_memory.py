@@ -3,10 +3,8 @@
 On the CPU every loop pass allocates tensors of a few MB (the keys and values it gathers, the attention
 scores) and frees them a moment later. glibc's malloc serves blocks above its mmap threshold with fresh
 `mmap`s and returns them on free, and trims the heap top above its trim threshold: each step then touches
-new pages and pays a page fault per 4 KiB. Measured on tiny-ouro, B = 32, 64 generated tokens: ~84,000
-minor faults per `generate` with the defaults, 5 to ~1,900 with the thresholds raised, and the late decode
-rounds (larger contexts) took ~35 ms instead of ~21 ms. glibc adapts its thresholds to what was freed, so
-with the defaults the count varies from run to run (a CI run of the same test saw none). Raising both
+new pages and pays a page fault per 4 KiB (what that costs: docs/architecture.md, "KV cache layout"). glibc
+adapts its thresholds to what was freed, so with the defaults the faults vary from run to run. Raising both
 thresholds makes malloc reuse freed blocks, as an allocator such as tcmalloc or jemalloc would: the process
 keeps its peak heap instead of returning it.
 
