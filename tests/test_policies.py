@@ -16,6 +16,7 @@ from workload import Phase, Workload
 
 from looped_spec.control import AdaptiveController
 from looped_spec.control.passcost import PassCost
+from looped_spec.control.plan import round_feedback
 from looped_spec.control.settings import ControlSettings
 from looped_spec.presets import AdaptiveSpecConfig
 from looped_spec.tuning.derive import ideal_cost
@@ -288,6 +289,43 @@ def test_ema_policy_moves_off_and_back_on_acceptance():
     bad, good = workload.run(controller, [Phase(4, RANDOM, 300), Phase(4, CODE, 300)])
     assert Counter(k == 0 for k, _ in bad[150:])[True] >= 140  # off, probing now and then
     assert Counter(k > 0 for k, _ in good[100:])[True] >= 190  # on again and staying on
+
+
+def test_ema_probe_hears_every_report_of_its_plans():
+    """On loop passes a plan may report more than once (its rounds finished before it served its last one) and be
+    abandoned after a report. The probe is judged on every report of its plans, and ends when each plan was heard:
+    two reports of the first plan with nothing accepted, then the second with every draft accepted, pool to 0.5
+    (the mutation check, one report a plan: the probe failed on the first plan's second report and dropped the
+    second plan's)."""
+    cfg = preset()
+    controller = AdaptiveController(cfg, DEPTH, policy="ema")
+    Workload(PassCost(cfg.cost, DEPTH), noise=0.0, seed=0).run(controller, [Phase(8, RANDOM, 200)])
+    state = controller.policy.states[controller._bucket]
+    assert state.off
+    probes = []
+    while len(probes) < controller.policy.disable.probe_rounds:  # plain rounds until the next probe's plans
+        plan = controller.plan(8, 100.0)
+        if plan.k > 0:
+            probes.append(plan)
+        else:
+            controller.observe(round_feedback(plan, batch_size=8, context=100.0, num_proposed=[0] * 8,
+                                              num_accepted=[0] * 8, seconds=0.0))  # fmt: skip
+
+    def report(plan, accepted: int, requests: int = 4) -> None:
+        controller.observe(round_feedback(plan, batch_size=8, context=100.0, num_proposed=[plan.k] * requests,
+                                          num_accepted=[accepted] * requests, seconds=0.0))  # fmt: skip
+
+    first, *rest = probes
+    report(first, 0)
+    report(first, 0)  # more rounds of the same plan
+    controller.abandon(first)  # and then none of its later rounds finished: it was heard, nothing to plan again
+    assert state.off and state.probe_left == 0
+    for plan in rest:
+        report(plan, plan.k, 8)
+    proposed = first.k * 8 + sum(plan.k * 8 for plan in rest)
+    assert (state.probe_proposed, state.probe_accepted) == (proposed, proposed - first.k * 8)
+    assert state.history[-1].startswith("on (probe r=") or state.history[-1].startswith("probe failed (r=")
+    assert f"r={(proposed - first.k * 8) / proposed:.3f}" in state.history[-1]
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])

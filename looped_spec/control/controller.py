@@ -203,7 +203,7 @@ class AdaptiveController(FixedController):
             # a countdown to the next measured round set at a larger batch (about one a request per measured round)
             # would hold this batch's readouts back as long: at most this batch's own position target
             self._measure_in = min(self._measure_in, math.ceil(batch_size / self.settings.readout_positions))
-        k, d, candidate = self.policy.select(bucket, batch_size, context)
+        k, d, candidate = self.policy.select(bucket, batch_size, context, self.num_plans)
         event = self.policy.last_event
         measure = self._measure_in <= 0 and self._reads_beside[d]
         probe = self._probes and self.buckets[bucket].may_run_plain and self.cost.ordinary_rounds  # rounds are timed

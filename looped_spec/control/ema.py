@@ -21,7 +21,10 @@ class _Bucket:
     wait: int = 0  # plain rounds left before the next probe ...
     backoff: int = 0  # ... and how many the last wait was (doubled after a failed probe)
     probe_left: int = 0  # probe rounds still to plan ...
-    probe_pending: int = 0  # ... and planned, their feedback not come yet (the probe ends when both are 0)
+    # ... and the plans handed out for it whose feedback has not come yet, and those whose has (the probe ends when
+    # none is left to plan or to hear from; on loop passes a plan may report more than once, docs/adaptive.md)
+    probe_plans: set[int] = field(default_factory=set)
+    probe_heard: set[int] = field(default_factory=set)
     probe_accepted: int = 0  # the probe's rounds so far, pooled
     probe_proposed: int = 0
     probed_at: int = 0  # acceptance positions observed when the last probe started
@@ -50,7 +53,7 @@ class EmaPolicy:
             self.states.append(st)
         self.last_event: str | None = None
 
-    def select(self, bucket: int, batch: int, context: float) -> tuple[int, int, int]:
+    def select(self, bucket: int, batch: int, context: float, plan_id: int = -1) -> tuple[int, int, int]:
         b, st = self.buckets[bucket], self.states[bucket]
         self.last_event = None
         if not st.off:
@@ -58,17 +61,18 @@ class EmaPolicy:
         lo = b.lowest_spec
         if lo < 0:
             return 0, 0, b.plain_candidate
-        if st.probe_left == 0 and st.probe_pending == 0:
+        if st.probe_left == 0 and not st.probe_plans:
             st.wait -= 1
             if st.wait <= 0 or self._readouts_say_on(b, lo, st):
                 st.probe_left = self.disable.probe_rounds
                 st.probed_at = self.acceptance.positions
                 st.probe_accepted = st.probe_proposed = 0
+                st.probe_heard.clear()
                 st.probes += 1
                 self.last_event = f"probe K={b.ks[lo]} d={b.ds[lo]}"
         if st.probe_left > 0:
             st.probe_left -= 1
-            st.probe_pending += 1
+            st.probe_plans.add(plan_id)
             return b.ks[lo], b.ds[lo], lo
         return 0, 0, b.plain_candidate
 
@@ -88,11 +92,14 @@ class EmaPolicy:
         b, st, c = self.buckets[fb.bucket], self.states[fb.bucket], fb.candidate
         proposed, accepted = fb.total_proposed, fb.total_accepted
         if st.off:
-            if c == b.lowest_spec and st.probe_pending > 0:
-                st.probe_pending -= 1
+            # a probe plan's rounds while the probe runs (a plan heard already may report later rounds of its own)
+            running = st.probe_left > 0 or st.probe_plans
+            if c == b.lowest_spec and running and (fb.plan_id in st.probe_plans or fb.plan_id in st.probe_heard):
+                st.probe_plans.discard(fb.plan_id)
+                st.probe_heard.add(fb.plan_id)
                 st.probe_accepted += accepted
                 st.probe_proposed += proposed
-                if st.probe_pending == 0 and st.probe_left == 0:
+                if not st.probe_plans and st.probe_left == 0:
                     self._end_probe(st, b)
             return
         if proposed == 0:
@@ -112,9 +119,9 @@ class EmaPolicy:
         wait for its feedback forever, and the bucket never probe again)."""
         if plan.k == 0 or not 0 <= plan.bucket < len(self.buckets):
             return
-        b, st = self.buckets[plan.bucket], self.states[plan.bucket]
-        if st.off and plan.candidate == b.lowest_spec and st.probe_pending > 0:
-            st.probe_pending -= 1
+        st = self.states[plan.bucket]
+        if plan.plan_id in st.probe_plans:  # (one that reported some rounds already is heard)
+            st.probe_plans.discard(plan.plan_id)
             st.probe_left += 1
 
     def outlook(self, bucket: int) -> float:

@@ -88,8 +88,8 @@ class GoodputPolicy:
             out.append(batch * tokens[d][k] / (seconds * price(plan)) if k else batch / seconds)
         return out
 
-    def select(self, bucket: int, batch: int, context: float) -> tuple[int, int, int]:
-        """(k, d, candidate index) for this round."""
+    def select(self, bucket: int, batch: int, context: float, plan_id: int = -1) -> tuple[int, int, int]:
+        """(k, d, candidate index) for this round (the plan `plan_id`: the EMA policy's probes follow theirs)."""
         st = self.states[bucket]
         self.last_event = None
         if st.rounds_left <= 0 or batch != st.batch:
