@@ -38,6 +38,9 @@ def test_prompts_from_stdin_and_compare_plain(capsys, monkeypatch):
     assert main(BASE + ["--prompts-file", "-", "--compare-plain", *adaptive]) == 0
     out = capsys.readouterr().out
     assert "--- output 1 ---\nclass A:" in out
+    # two requests: a round's tokens over the batch, and a request's (vLLM readers expect the latter)
+    batch, each = map(float, re.search(r"tokens per round\s+([\d.]+) over the batch, ([\d.]+) a request", out).groups())
+    assert 1.0 <= each <= batch
     assert re.search(r"\d\.\d\dx (faster|as fast \(slower\))", out) and "outputs identical" in out
 
 

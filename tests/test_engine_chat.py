@@ -33,6 +33,8 @@ def test_chat_generates_from_the_template_rendered_prompts(engine):
     [out] = engine.chat(ASK, GREEDY)
     [want] = engine.generate([template_ids(tokenizer, ASK, add_generation_prompt=True)], GREEDY)
     assert out.token_ids == want.token_ids and out.prompt_token_ids == want.prompt_token_ids
+    # the prompt it reports is the rendered conversation, as vLLM's LLM.chat reports it
+    assert out.prompt == tokenizer.apply_chat_template(ASK, tokenize=False, add_generation_prompt=True)
     outs = engine.chat([ASK, CONTINUE], [GREEDY, GREEDY.model_copy(update={"max_tokens": 3})],
                        add_generation_prompt=False, continue_final_message=True)  # fmt: skip
     prompts = [
@@ -46,7 +48,7 @@ def test_chat_generates_from_the_template_rendered_prompts(engine):
 def test_a_given_template_and_its_variables(engine):
     template = "{% for m in messages %}{{ greeting }} {{ m['content'] }}\n{% endfor %}"
     [out] = engine.chat(ASK, GREEDY, chat_template=template, chat_template_kwargs={"greeting": "Hello:"})
-    assert engine.tokenizer.decode(out.prompt_token_ids) == "Hello: Reverse a string.\n"
+    assert engine.tokenizer.decode(out.prompt_token_ids) == out.prompt == "Hello: Reverse a string.\n"
 
 
 def test_the_reply_ends_at_the_tokenizers_end_of_turn_token(engine, monkeypatch):

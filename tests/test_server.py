@@ -977,3 +977,21 @@ def test_return_tokens_as_token_ids_names_each_token_by_its_id(plain_server, ref
         off = httpx.post(server.url + "/v1/completions", json={**body, "return_tokens_as_token_ids": False}).json()
         assert off["choices"][0]["logprobs"]["tokens"] == plain["tokens"]
         assert httpx.post(server.url + "/v1/completions", json={**body, "logprobs": None}).status_code == 200
+
+
+def test_a_null_field_is_an_unset_one():
+    """OpenAI's schema lets a client send null for any optional field (clients generated from it do): it takes the
+    field's default, as leaving it out would; a required field sent as null is missing."""
+    from pydantic import ValidationError
+
+    from looped_spec.server.protocol import ChatCompletionRequest, CompletionRequest
+
+    nulls = {"n": None, "stream": None, "echo": None, "temperature": None, "stop": None}
+    assert CompletionRequest.model_validate(
+        {"model": MODEL, "prompt": "x", **nulls}
+    ) == CompletionRequest.model_validate({"model": MODEL, "prompt": "x"})
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}
+    nulls = {"n": None, "logprobs": None, "parallel_tool_calls": None, "tool_choice": None}
+    assert ChatCompletionRequest.model_validate({**chat, **nulls}) == ChatCompletionRequest.model_validate(chat)
+    with pytest.raises(ValidationError, match="model\n  Field required"):
+        CompletionRequest.model_validate({"model": None, "prompt": "x"})

@@ -20,19 +20,28 @@ def engine_options(args: argparse.Namespace) -> dict:
     reports its errors by flag, cli/flag_errors.py)."""
     from looped_spec.tuning.inputs import parse_adapter_options
 
-    options = dict(dtype=args.dtype, device=args.device, speculation=args.speculation, preset=args.preset,
-                   policy=args.policy, seed=args.seed, trace_path=args.trace, max_batch_size=args.max_batch_size,
-                   max_model_len=args.max_model_len, early_exit=getattr(args, "early_exit", "skip"),
-                   batching=args.batching, cuda_graphs=CUDA_GRAPHS[args.cuda_graphs],
-                   prefix_caching=args.prefix_caching,
-                   adapter_options=parse_adapter_options(args.adapter_option) or None,
-                   max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size,
-                   num_kv_blocks=args.num_kv_blocks, kv_cache_memory_gb=args.kv_cache_memory_gb,
-                   max_pass_positions=args.max_pass_positions, scheduling_policy=args.scheduling_policy,
-                   control=json_object(args.control, "--control"))  # fmt: skip
+    options = dict(
+        dtype=args.dtype, device=args.device, speculation=speculation_flag(args.speculation), preset=args.preset,
+        policy=args.policy, seed=args.seed, trace_path=args.trace, max_batch_size=args.max_batch_size,
+        max_model_len=args.max_model_len, early_exit=getattr(args, "early_exit", "skip"), batching=args.batching,
+        cuda_graphs=CUDA_GRAPHS[args.cuda_graphs], prefix_caching=args.prefix_caching,
+        adapter_options=parse_adapter_options(args.adapter_option) or None,
+        max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size,
+        num_kv_blocks=args.num_kv_blocks, kv_cache_memory_gb=args.kv_cache_memory_gb,
+        max_pass_positions=args.max_pass_positions, scheduling_policy=args.scheduling_policy,
+        control=json_object(args.control, "--control"),
+    )  # fmt: skip
     if args.policy is None:  # not given: the engine's default (given, it must go with --speculation adaptive)
         del options["policy"]
     return options
+
+
+def speculation_flag(text: str) -> str:
+    """--speculation's value as the command line can spell it: off, adaptive or K,d (the engine checks K and d)."""
+    parts = text.replace(" ", "").split(",")
+    if text.strip().lower() in ("off", "adaptive") or (len(parts) == 2 and all(p.isdigit() for p in parts)):
+        return text
+    raise UsageError(f"--speculation {text}: use off, adaptive or K,d (e.g. 3,1: draft 3 tokens with 1 loop)")
 
 
 def json_object(text: str | None, option: str) -> dict | None:

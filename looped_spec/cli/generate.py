@@ -218,10 +218,14 @@ def _print_stats(engine, args: argparse.Namespace, outputs: list) -> None:
         # first, a grammar that one token completes): say so, rather than 0.00 tokens per round and no plans
         no_round = "none: every output ended with the token its prefill gave"
         per_round = (num_tokens - len(outputs)) / stats.num_rounds if stats.num_rounds else None
+        shown = f"{per_round:.2f}" if per_round is not None else no_round
+        if per_round is not None and len(outputs) > 1:  # a round commits tokens for every request in its batch
+            request_rounds = sum(size * n for size, n in stats.batch_size_histogram.items())
+            shown += f" over the batch, {(num_tokens - len(outputs)) / request_rounds:.2f} a request"
         plans = ", ".join(f"{k}: {v}" for k, v in sorted(stats.plan_histogram.items()))
         rows += [
             ("decode rounds", f"{stats.num_rounds} ({stats.num_spec_rounds} speculative)"),
-            ("tokens per round", f"{per_round:.2f}" if per_round is not None else no_round),
+            ("tokens per round", shown),
             ("draft tokens accepted",
              f"{stats.num_accepted_tokens}/{stats.num_draft_tokens} ({100 * stats.acceptance_rate:.1f}%)"),
             ("plans used (K,d: rounds)", plans or no_round),

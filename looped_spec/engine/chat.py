@@ -69,7 +69,7 @@ def conversations(messages: Any) -> list[list[dict]]:
                     "a list of them")  # fmt: skip
 
 
-def chat_prompt_ids(
+def chat_prompt(
     tokenizer,
     conversation: list[dict],
     where: str,
@@ -79,9 +79,10 @@ def chat_prompt_ids(
     add_generation_prompt: bool = True,
     continue_final_message: bool = False,
     tools: list[dict] | None = None,
-) -> list[int]:
-    """A conversation's prompt token ids (the template writes its own special tokens: none are added); a template's
-    failure is a ValueError naming `where` (the conversation) or `chat_template`."""
+) -> tuple[str, list[int]]:
+    """A conversation's prompt as the template renders it, and its token ids (the template writes its own special
+    tokens: none are added); a template's failure is a ValueError naming `where` (the conversation) or
+    `chat_template`."""
     if continue_final_message and add_generation_prompt:
         raise ValueError("continue_final_message=True needs add_generation_prompt=False (a new turn cannot also "
                          "continue the last message)")  # fmt: skip
@@ -97,4 +98,4 @@ def chat_prompt_ids(
     except Exception as exc:  # the template refused the conversation (raise_exception) or failed on it
         blamed = "chat_template" if chat_template is not None else where
         raise ValueError(f"{blamed}: the chat template failed on {where}: {type(exc).__name__}: {exc}") from exc
-    return list(tokenizer.encode(text, add_special_tokens=False))
+    return text, list(tokenizer.encode(text, add_special_tokens=False))

@@ -17,7 +17,7 @@ from tqdm import tqdm
 from looped_spec.control.controller import FixedController, make_controller
 from looped_spec.detokenizer import IncrementalDetokenizer
 from looped_spec.engine import loop_decoding, step_decoding
-from looped_spec.engine.chat import chat_prompt_ids, conversations
+from looped_spec.engine.chat import chat_prompt, conversations
 from looped_spec.engine.config import EngineConfig, SpeculativeConfig, parse_speculation
 from looped_spec.engine.failures import StepFailures
 from looped_spec.engine.inputs import (
@@ -474,8 +474,8 @@ class LoopedSpecEngine:
         turn. The reply ends at the tokenizer's end-of-turn token (its eos) as well as the model's, unless
         `ignore_eos`. Every conversation is rendered before any is queued."""
         items = conversations(messages)
-        prompts = [
-            chat_prompt_ids(
+        rendered = [
+            chat_prompt(
                 self.tokenizer,
                 conversation,
                 f"messages[{i}]" if len(items) > 1 else "messages",
@@ -487,6 +487,7 @@ class LoopedSpecEngine:
             )  # fmt: skip
             for i, conversation in enumerate(items)
         ]
+        prompts = [ids for _, ids in rendered]
         params_list = params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
         if len(params_list) != len(prompts):
             raise ValueError(f"params: {len(params_list)} SamplingParams for {len(prompts)} conversations")
@@ -495,7 +496,10 @@ class LoopedSpecEngine:
             params_list = [p if not isinstance(p, SamplingParams) or p.ignore_eos or end_of_turn in p.stop_token_ids
                            else p.model_copy(update={"stop_token_ids": [*p.stop_token_ids, end_of_turn]})
                            for p in params_list]  # fmt: skip
-        return self.generate(prompts, params_list, use_tqdm=use_tqdm)
+        outputs = self.generate(prompts, params_list, use_tqdm=use_tqdm)
+        for output, (text, _) in zip(outputs, rendered):
+            output.prompt = text  # the rendered conversation, as vLLM's LLM.chat reports it
+        return outputs
 
     def _forget(self, requests: list[Request]) -> None:
         """Abort `requests` and drop them and their pending outputs (their caller got an exception instead)."""

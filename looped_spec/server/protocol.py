@@ -4,7 +4,8 @@ Requests forbid unknown fields, so an unsupported OpenAI option (`functions`, ..
 silently ignored; options whose effect is not built (completions' `best_of` and `suffix`) are taken only at their
 neutral values (1, empty), which change nothing (clients such as benchmark harnesses send them), and any other value
 is a 400 naming the field. Requests are strict about types as OpenAI is (`"max_tokens": "5"` or `"logprobs": true` on
-completions is a 400, not a silent conversion). Extensions beyond OpenAI's schema, as in vLLM: `top_k`, `min_p`,
+completions is a 400, not a silent conversion); a null field is an unset one, as OpenAI's schema has it.
+Extensions beyond OpenAI's schema, as in vLLM: `top_k`, `min_p`,
 `repetition_penalty`, `ignore_eos`, `stop_token_ids`, `min_tokens`, `include_stop_str_in_output`,
 `skip_special_tokens`, `bad_words`, `structured_outputs` (OpenAI's `response_format` too), `priority`, `cache_salt`
 (and `seed`, which OpenAI has too), chat's `add_generation_prompt`, `continue_final_message`, `chat_template`,
@@ -68,10 +69,20 @@ class ResponseFormat(BaseModel):
         return None
 
 
-class SamplingFields(BaseModel):
-    """Fields shared by completions and chat completions."""
+class RequestFields(BaseModel):
+    """A request's fields: OpenAI's schema lets a client send null for an optional field, meaning it is not set (clients
+    generated from the schema do), so a null field takes its default; a required one is then missing."""
 
     model_config = ConfigDict(extra="forbid", strict=True)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_unset(cls, data: Any) -> Any:
+        return {key: value for key, value in data.items() if value is not None} if isinstance(data, dict) else data
+
+
+class SamplingFields(RequestFields):
+    """Fields shared by completions and chat completions."""
 
     model: str
     temperature: float | None = Field(None, ge=0.0, le=2.0, allow_inf_nan=False)
@@ -256,10 +267,8 @@ class ChatMessage(BaseModel):
         return self.content or ""
 
 
-class ChatTemplateFields(BaseModel):
+class ChatTemplateFields(RequestFields):
     """How a chat request's messages become its prompt (vLLM's fields; server/chat_template.py has the rules)."""
-
-    model_config = ConfigDict(extra="forbid", strict=True)
 
     messages: list[ChatMessage] = Field(min_length=1)
     add_generation_prompt: bool = True
