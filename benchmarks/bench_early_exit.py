@@ -34,7 +34,7 @@ and order (with --quality-only: each configuration's exit counters). As in bench
 exits with status 2 when the adaptive engine's preset records any of the evaluation prompts among its tuning
 prompts.
 
-The README's early-exit table (and another family):
+The early-exit table of docs/benchmarking.md (and another family):
 
     python benchmarks/bench_early_exit.py --model tiny-ouro --batch-sizes 1,8 --max-tokens 32 \
         --taus 0.5,0.7,0.9 --exit-at-steps 2,3 --repeats 4 --out benchmarks/results/early-exit-tiny-ouro

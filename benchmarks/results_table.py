@@ -1,4 +1,4 @@
-"""Markdown tables from bench_speculative.py result files (the README's "Measurements" tables).
+"""Markdown tables from bench_speculative.py result files (the tables of docs/benchmarking.md).
 
     python benchmarks/results_table.py benchmarks/results/tiny-ouro.json [more.json ...]
 
