@@ -44,6 +44,16 @@ def test_prompts_from_stdin_and_compare_plain(capsys, monkeypatch):
     assert re.search(r"\d\.\d\dx (faster|as fast \(slower\))", out) and "outputs identical" in out
 
 
+def test_a_misspelt_flag_is_told_the_flag_it_was_likely_meant_to_be(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(BASE + ["--prompt", "x", "--temprature", "0.5"])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and "unrecognized arguments: --temprature 0.5 (did you mean --temperature" in err
+    with pytest.raises(SystemExit):
+        main(BASE + ["--prompt", "x", "--xyzzy"])
+    assert "unrecognized arguments: --xyzzy\n" in capsys.readouterr().err  # nothing close: no guess
+
+
 def test_user_errors_are_one_line(capsys):
     assert main(BASE + ["--prompt", "x", "--temperature", "-1"]) == 2
     err = capsys.readouterr().err.strip()

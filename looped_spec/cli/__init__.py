@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import difflib
 import os
 import sys
 
@@ -28,7 +29,17 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:  # argparse's error, with the flag a misspelt one was likely meant to be
+        command = getattr(args, "command_parser", parser)
+        flags = [name for action in command._actions for name in action.option_strings if name.startswith("--")]
+        hints = [
+            f"{close[0]} for {given}"
+            for given in (arg.split("=", 1)[0] for arg in unknown if arg.startswith("--"))
+            if (close := difflib.get_close_matches(given, flags, n=1, cutoff=0.8))
+        ]
+        hint = f" (did you mean {'; '.join(hints)}?)" if hints else ""
+        command.error(f"unrecognized arguments: {' '.join(unknown)}{hint}")
     if args.command == "tune":
         args.argv = list(argv) if argv is not None else sys.argv[1:]
     try:
