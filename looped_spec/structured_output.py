@@ -159,6 +159,11 @@ class Grammar:
         if not self.matcher.consume_token(token):
             reason = (self.matcher.get_error() or "refused").strip().splitlines()[0]  # the rest dumps the parser
             raise ValueError(f"structured_outputs: token {token} does not follow the grammar ({reason})")
+        if self.matcher.is_error():
+            # a grammar no text satisfies, or a parser limit hit while a mask was computed: the matcher then allows
+            # only the end of sequence and says it stopped, which is a failed request, not a completed output
+            reason = (self.matcher.get_error() or "no text satisfies it").strip().splitlines()[0]
+            raise ValueError(f"structured_outputs: the grammar cannot be followed ({reason})")
         self.after += 1
 
     def rollback(self, tokens: int) -> None:
@@ -190,7 +195,7 @@ class Grammar:
     @property
     def complete(self) -> bool:
         """Nothing may follow: the request ends here (never before the gate opened)."""
-        return self.opened and self.matcher.is_stopped()
+        return self.opened and self.matcher.is_stopped() and not self.matcher.is_error()
 
 
 def allowed_tokens(grammars: Sequence[Grammar], drafted: Sequence[Sequence[int]]) -> torch.Tensor:

@@ -305,6 +305,11 @@ def _candidate_errors(cfg: AdaptiveSpecConfig, i: int, b: BucketConfig) -> list[
         if c.k == 0:
             if c.d != 0:
                 errors.append(f"{where}: d={c.d} must be 0 when k=0 (plain decoding)")
+            # the EMA policy moves on the acceptance of drafts, which plain rounds have none of
+            unused = [name for name in ("theta_up", "theta_down", "prior") if getattr(c, name) is not None]
+            if unused:
+                errors.append(f"{where}: {', '.join(unused)} on k=0 (plain decoding) would do nothing (plain rounds "
+                              "draft nothing to measure); leave them out")  # fmt: skip
             if j != 0:
                 errors.append(f"{where}: k=0 (plain decoding) is only allowed as the first candidate")
         else:

@@ -198,6 +198,7 @@ def test_prefix_caching_flag_shares_a_prompt_start(capsys):
         ('{"prompt": "hi"', ":1: not valid JSON (Expecting ',' delimiter at column 16)"),
         ('{"text": "hi"}', ":1: expected a JSON object with a 'prompt' field"),
         ('["hi"]', ":1: expected a JSON object with a 'prompt' field"),
+        ('{"prompt": "hi", "max_tokens": 3}', ":1: 'max_tokens': a line holds only 'prompt' (the flags set the rest)"),
     ],
 )
 def test_a_bad_jsonl_prompt_line_says_what_is_wrong_with_it(line, message, capsys, tmp_path):

@@ -311,6 +311,12 @@ def test_rule_plain_only_first():
     )
 
 
+def test_rule_plain_takes_no_thresholds_or_prior():
+    """Plain rounds draft nothing, so the EMA policy's thresholds and prior on a k=0 candidate would do nothing."""
+    msg = bad(lambda d: d["buckets"][0].update(candidates=[{"k": 0, "theta_up": 0.5, "prior": 0.3}, [2, 1]]))
+    assert "buckets[0].candidates[0]: theta_up, prior on k=0 (plain decoding) would do nothing" in msg
+
+
 def test_rule_theta_down_above_theta_up():
     assert "buckets[0]: theta_down=0.9 must be <= theta_up=0.8" in bad(lambda d: d["buckets"][0].update(theta_down=0.9))
     msg = bad(lambda d: d["buckets"][0].update(candidates=[{"k": 1, "d": 2, "theta_down": 0.85}, [2, 1]]))

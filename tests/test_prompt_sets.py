@@ -313,6 +313,9 @@ def test_prompt_files_are_refused_naming_the_file_and_line(tmp_path):
         jsonl.write_text(json.dumps({"prompt": "ok"}) + "\n" + json.dumps(line) + "\n")
         with pytest.raises(PromptSetError, match=rf"p\.jsonl:2: 'prompt' .*{problem}"):
             load_prompts(str(jsonl), 2, adapter)
+    jsonl.write_text(json.dumps({"prompt": "ok", "temperature": 0.5, "id": 3}) + "\n")  # nothing read is dropped
+    with pytest.raises(PromptSetError, match=r"p\.jsonl:1: 'temperature', 'id': a line holds only 'prompt'"):
+        load_prompts(str(jsonl), 1, adapter)
     jsonl.write_text(json.dumps({"prompt": [1, 255]}) + "\n")
     assert load_prompts(str(jsonl), 1, adapter)[0] == [[1, 255]]
 

@@ -320,3 +320,20 @@ def test_options_over_a_config_keep_what_it_was_given():
     assert EngineConfig.from_options(adaptive, max_batch_size=4).policy == "ema"
     with pytest.raises(ValueError, match="policy='ema': only with speculation='adaptive'"):
         EngineConfig.from_options(adaptive, speculation="off")
+
+
+def test_a_rejected_request_leaves_the_engine_seed_where_it_was():
+    """`add_request` draws a request's seed from the engine seed; one it rejects (after the draw: a grammar that does
+    not compile, a reasoning gate out of the vocabulary) leaves the engine as it was, so the next unseeded request
+    samples as if the rejected one had never been sent (the mutation check: it sampled other tokens)."""
+    from looped_spec.structured_output import StructuredOutputs
+
+    sampled = SamplingParams(max_tokens=8, temperature=1.0, ignore_eos=True)
+    outputs = []
+    for rejected in ([], [StructuredOutputs(regex="(")]):
+        engine = make_engine("ouro", speculation="off", seed=1)
+        for grammar in rejected:
+            with pytest.raises(ValueError, match="structured_outputs"):
+                engine.add_request([5, 9], SamplingParams(structured_outputs=grammar))
+        outputs.append(engine.generate([5, 9, 13], sampled)[0].token_ids)
+    assert outputs[0] == outputs[1]

@@ -280,6 +280,19 @@ def test_the_grammar_decides_where_the_output_ends():
         assert out.finish_reason == "stop" and out.token_ids[-1] == eos and re.fullmatch("[0-9]+", out.text), out.text
 
 
+def test_a_grammar_no_text_satisfies_fails_its_request_alone():
+    """A regex no text matches compiles, and the matcher allows only the end of sequence once its first mask is
+    computed (its error state): the request finishes with an error naming structured_outputs, not as a completed
+    "stop" whose output the grammar never took (the mutation check: that was the outcome); the request beside it
+    runs on."""
+    for mode in ("off", "2,1"):
+        runner = engine("tiny-ouro", speculation=mode)
+        never = SamplingParams(max_tokens=8, structured_outputs=StructuredOutputs(regex="a[^\\s\\S]b"))
+        failed, fine = runner.generate(["x", "y"], [never, SamplingParams(max_tokens=4, ignore_eos=True)])
+        assert failed.finish_reason == "error" and "structured_outputs: the grammar cannot be followed" in failed.error
+        assert fine.finish_reason == "length" and len(fine.token_ids) == 4
+
+
 def test_a_grammar_compiles_once_and_each_request_gets_its_own_matcher():
     compiler = engine("tiny-ouro", speculation="off")._grammars
     spec = StructuredOutputs(regex="[a-c]{2}")

@@ -114,6 +114,9 @@ def read_prompts(args: argparse.Namespace) -> list[str | list[int]]:
                     raise UsageError(f"{name}:{n}: not valid JSON ({exc.msg} at column {exc.colno})") from None
                 if not isinstance(record, dict) or "prompt" not in record:
                     raise UsageError(f"{name}:{n}: expected a JSON object with a 'prompt' field")
+                if len(record) > 1:  # a field beside the prompt (max_tokens, ...) would be ignored: flags set those
+                    others = ", ".join(repr(key) for key in record if key != "prompt")
+                    raise UsageError(f"{name}:{n}: {others}: a line holds only 'prompt' (the flags set the rest)")
                 line = record["prompt"]
                 ids = isinstance(line, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in line)
                 if not isinstance(line, str) and not ids:

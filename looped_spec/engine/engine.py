@@ -218,7 +218,12 @@ class LoopedSpecEngine:
         prefix caching, it shares cached blocks only with requests of the same salt). `priority` (with
         scheduling_policy="priority"): lower values are admitted first and preempted last."""
         self._check_open()
-        request = self._new_request(prompt, params, request_id, priority=priority)
+        rng_state = self._rng.getstate()
+        try:
+            request = self._new_request(prompt, params, request_id, priority=priority)
+        except Exception:
+            self._rng.setstate(rng_state)  # a rejected request leaves the engine as it was, seeds included
+            raise
         self._queue(request)
         return request.request_id
 

@@ -471,9 +471,13 @@ def read_prompt_file(path: str | Path, vocab_size: int | None = None) -> list[An
         if not line.strip():
             continue
         try:
-            prompt = json.loads(line)["prompt"]
+            record = json.loads(line)
+            prompt = record["prompt"]
         except (json.JSONDecodeError, KeyError, TypeError):
             raise PromptSetError(f"{path}:{n}: expected a JSON object with a 'prompt' field") from None
+        if len(record) > 1:  # a field beside the prompt (max_tokens, ...) would be ignored: the flags set those
+            others = ", ".join(repr(key) for key in record if key != "prompt")
+            raise PromptSetError(f"{path}:{n}: {others}: a line holds only 'prompt' (the command's flags set the rest)")
         problem = _prompt_problem(prompt, vocab_size)
         if problem:
             raise PromptSetError(f"{path}:{n}: 'prompt' {problem}")
