@@ -175,6 +175,9 @@ def preset_path(preset: str | Path) -> tuple[Path, str]:
     if path.is_file():
         return path, "preset= file"
     shipped = shipped_preset_path(str(preset)) if path.suffix != ".json" else None
+    if shipped is None and path.is_dir():
+        raise PresetError(f"preset={str(preset)!r}: a directory, not a preset file (a checkpoint folder's preset is "
+                          "its preset.json, found without preset=)")  # fmt: skip
     if shipped is None:
         raise PresetError(f"preset={str(preset)!r}: no such preset file or shipped preset (shipped: "
                           f"{', '.join(list_presets())})")  # fmt: skip

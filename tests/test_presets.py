@@ -204,6 +204,8 @@ def test_preset_argument_wins(tmp_path: Path):
 def test_errors_name_the_file(tmp_path: Path):
     with pytest.raises(PresetError, match="nope.json': no such preset"):
         load_preset("x", 4, tmp_path / "nope.json")
+    with pytest.raises(PresetError, match="a directory, not a preset file"):
+        load_preset("x", 4, tmp_path)
     path = tmp_path / "broken.json"
     data = copy.deepcopy(BASE)
     data["buckets"][0]["beta"] = 0
