@@ -94,6 +94,8 @@ def add_parser(sub: argparse._SubParsersAction, fmt: type[argparse.HelpFormatter
 def read_prompts(args: argparse.Namespace) -> list[str | list[int]]:
     """--prompt values, then the lines of --prompts-file (`-` = stdin; .jsonl: a "prompt" field per line, text or
     token ids)."""
+    from looped_spec.tuning.prompt_sets import fields_beside_prompt
+
     prompts: list[str | list[int]] = list(args.prompt or [])
     if args.prompts_file:
         if args.prompts_file == "-":
@@ -114,9 +116,9 @@ def read_prompts(args: argparse.Namespace) -> list[str | list[int]]:
                     raise UsageError(f"{name}:{n}: not valid JSON ({exc.msg} at column {exc.colno})") from None
                 if not isinstance(record, dict) or "prompt" not in record:
                     raise UsageError(f"{name}:{n}: expected a JSON object with a 'prompt' field")
-                if len(record) > 1:  # a field beside the prompt (max_tokens, ...) would be ignored: flags set those
-                    others = ", ".join(repr(key) for key in record if key != "prompt")
-                    raise UsageError(f"{name}:{n}: {others}: a line holds only 'prompt' (the flags set the rest)")
+                beside = fields_beside_prompt(record)
+                if beside:
+                    raise UsageError(f"{name}:{n}: {beside}")
                 line = record["prompt"]
                 ids = isinstance(line, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in line)
                 if not isinstance(line, str) and not ids:

@@ -97,9 +97,7 @@ def _speculative_config(data: dict[str, Any]) -> SpeculativeConfig:
         for error in exc.errors():
             name = ".".join(str(part) for part in error["loc"])
             if error["type"] == "extra_forbidden":
-                close = difflib.get_close_matches(name.lower(), fields, n=1)
-                hint = f"did you mean {close[0]!r}? " if close else ""
-                problems.append(f"speculation.{name}: unknown field ({hint}fields: {', '.join(fields)})")
+                problems.append(_unknown_field("speculation", name, fields))
             elif name:
                 problems.append(f"speculation.{name}={data.get(name)!r}: {error['msg'].removeprefix('Value error, ')}")
             else:
@@ -211,12 +209,7 @@ class EngineConfig(BaseModel):
         fields = sorted(ControlSettings.__dataclass_fields__)
         unknown = [name for name in value if name not in fields]
         if unknown:
-            problems = []
-            for name in unknown:
-                close = difflib.get_close_matches(str(name), fields, n=1)
-                hint = f"did you mean {close[0]!r}? " if close else ""
-                problems.append(f"control.{name}: unknown field ({hint}fields: {', '.join(fields)})")
-            raise ValueError("; ".join(problems))
+            raise ValueError("; ".join(_unknown_field("control", name, fields) for name in unknown))
         try:
             return ControlSettings(**value)
         except ValueError as exc:  # ControlSettings names the field: `hysteresis=2 must be in [0, 1)`
@@ -253,6 +246,13 @@ class EngineConfig(BaseModel):
             return cls(**given)
         except ValidationError as exc:
             raise ValueError("LoopedSpecEngine: " + "; ".join(_problems(exc, given))) from None
+
+
+def _unknown_field(option: str, name: Any, fields: list[str]) -> str:
+    """`option.name: unknown field (did you mean ...? fields: ...)`: a field a dict option does not have."""
+    close = difflib.get_close_matches(str(name).lower(), fields, n=1)
+    hint = f"did you mean {close[0]!r}? " if close else ""
+    return f"{option}.{name}: unknown field ({hint}fields: {', '.join(fields)})"
 
 
 def _shown(value: Any) -> Any:

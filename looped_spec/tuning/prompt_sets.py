@@ -475,14 +475,23 @@ def read_prompt_file(path: str | Path, vocab_size: int | None = None) -> list[An
             prompt = record["prompt"]
         except (json.JSONDecodeError, KeyError, TypeError):
             raise PromptSetError(f"{path}:{n}: expected a JSON object with a 'prompt' field") from None
-        if len(record) > 1:  # a field beside the prompt (max_tokens, ...) would be ignored: the flags set those
-            others = ", ".join(repr(key) for key in record if key != "prompt")
-            raise PromptSetError(f"{path}:{n}: {others}: a line holds only 'prompt' (the command's flags set the rest)")
+        beside = fields_beside_prompt(record)
+        if beside:
+            raise PromptSetError(f"{path}:{n}: {beside}")
         problem = _prompt_problem(prompt, vocab_size)
         if problem:
             raise PromptSetError(f"{path}:{n}: 'prompt' {problem}")
         prompts.append(prompt)
     return prompts
+
+
+def fields_beside_prompt(record: dict) -> str | None:
+    """What is wrong with a .jsonl prompt line holding fields beside "prompt" (max_tokens, ...: they would be
+    ignored, the command's flags set those), or None."""
+    if len(record) <= 1:
+        return None
+    others = ", ".join(repr(key) for key in record if key != "prompt")
+    return f"{others}: a line holds only 'prompt' (the flags set the rest)"
 
 
 def _prompt_problem(prompt: Any, vocab_size: int | None) -> str | None:
