@@ -7,7 +7,9 @@ no-readouts` (a budget so small that only the first round reads out: acceptance 
 this engine's plans need not be the default's; it bounds what readouts cost, not what adaptive would do without
 them). Printed per engine: the median ratio to plain over the measured rounds with the standard error of that
 median (1.25 sd / sqrt(n) of the per-round log-ratios), the controller's microseconds per round, and the plans it
-ran. Used for docs/adaptive.md "Tunables" (the readout budget).
+ran. Used for docs/adaptive.md "Tunables" (the readout budget). As bench_speculative.py does, it exits with status 2
+when the model's preset records among its tuning prompts (provenance["prompts"]["fingerprints"]) any prompt the
+engines would decode (`--prompts tune`).
 
     python benchmarks/bench_overhead.py --model tiny-nanbeige --batch-size 1 --rounds 80 --threads 1
 """
@@ -23,13 +25,14 @@ from pathlib import Path
 
 import torch
 
-from looped_spec import LoopedSpecEngine, load_adapter
+from looped_spec import LoopedSpecEngine
 from looped_spec.control.settings import ControlSettings
 from looped_spec.tuning.grid import prompt_source_flag
-from looped_spec.tuning.prompt_sets import load_prompts
+from looped_spec.tuning.prompt_sets import PromptSetError, load_prompts
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_speculative import PromptPool, rotation_size, timed_slices  # noqa: E402
+from common import check_model, check_prompt_source, load_model, refuse_tuning_prompts  # noqa: E402
 
 
 def adaptive_engine(adapter, readouts: str) -> LoopedSpecEngine:
@@ -51,16 +54,26 @@ def main(argv: list[str] | None = None) -> dict[str, tuple[float, float]]:
     args = parser.parse_args(argv)
     if args.rounds < 3 or args.batch_size < 1 or args.max_tokens < 2 or not args.slice_ms > 0.0:
         parser.error("need --rounds >= 3, --batch-size >= 1, --max-tokens >= 2 and --slice-ms > 0")
+    try:  # before the model loads
+        check_model(args.model)
+        check_prompt_source(args.prompts)
+    except ValueError as exc:
+        parser.error(str(exc))
     if args.threads:
         torch.set_num_threads(args.threads)
-    adapter = load_adapter(args.model)
+    adapter = load_model(parser, args.model)
     count = rotation_size(args.prompts, args.batch_size)
-    prompts, described = load_prompts(args.prompts, count, adapter, seed=args.seed)
+    try:
+        prompts, described = load_prompts(args.prompts, count, adapter, seed=args.seed)
+    except PromptSetError as exc:  # e.g. a file's text for a model without a tokenizer
+        parser.error(str(exc))
     pool = PromptPool(prompts, rotate=True)
     engines = {name: LoopedSpecEngine(adapter, speculation="off") for name in ("plain", "plain-B")}
     for readouts in ("default", "few", "none"):
         name = {"default": "adaptive", "few": "adaptive few-readouts", "none": "adaptive no-readouts"}[readouts]
         engines[name] = adaptive_engine(adapter, readouts)
+    # the three adaptive engines follow the model's one preset: refuse to time it on its own tuning prompts
+    refuse_tuning_prompts("the adaptive engines", engines["adaptive"].controller.config, prompts)
     rotating = f"{described} (rotating), {args.max_tokens} new tokens, {args.rounds} rounds"
     print(f"{adapter.name}, B={args.batch_size}, {rotating}")
     rng = random.Random(args.seed)

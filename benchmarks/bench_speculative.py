@@ -68,22 +68,35 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-from looped_spec import LoopedSpecEngine, SamplingParams, SpeculativeConfig, load_adapter
-from looped_spec.control.controller import AdaptiveController
+from looped_spec import LoopedSpecEngine, SamplingParams, SpeculativeConfig
+from looped_spec.cli.flag_errors import flags_of, name_flags
+from looped_spec.control.controller import POLICIES, AdaptiveController
 from looped_spec.control.settings import ControlSettings
+from looped_spec.presets.lookup import find_preset, preset_path, read_preset_file
 from looped_spec.tuning.grid import Phase, parse_batch_sizes, parse_grid, parse_phases, prompt_source_flag
 from looped_spec.tuning.inputs import parse_adapter_options
 from looped_spec.tuning.prompt_sets import (
     PromptSetError,
-    check_disjoint,
     has_tokenizer,
     is_prompt_file,
     load_prompts,
     prompt_fingerprints,
     prompt_group,
-    provenance_fingerprints,
     read_prompt_file,
 )
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # its siblings import it; it imports common.py
+from common import (  # noqa: E402
+    check_model,
+    check_out_path,
+    check_preset,
+    check_prompt_source,
+    load_model,
+    refuse_tuning_prompts,
+)
+
+#: the repository's root: the default model is its test fixture, wherever the script is run from
+ROOT = Path(__file__).resolve().parent.parent
 
 SPREAD = (
     "±half the width of the median's ~95 % confidence interval and [min-max] of the per-round ratios over the "
@@ -98,15 +111,26 @@ class OutputMismatch(AssertionError):
 
 # ----------------------------------------------------------------------------------------- inputs
 def parse_policies(text: str) -> list[tuple[str | None, tuple[tuple[str, Any], ...]]]:
-    """'default' (the engine's default policy: no policy argument), 'ema', 'goodput'; 'none' = no adaptive. Each
+    """'default' (the engine's default policy: no policy argument), 'ema', 'goodput'; 'none' (alone) = no adaptive. Each
     may change the controller's tunables (`ControlSettings` fields) for an A/B in one process:
-    'default:readout_budget=0.01' or 'default:plain_margin=0.1+hysteresis=0' (several joined by '+'; 'none' = None)."""
+    'default:readout_budget=0.01' or 'default:plain_margin=0.1+hysteresis=0' (several joined by '+'; 'none' = None).
+
+    Every name and change is checked here, before a model loads: an unknown policy, or a value `ControlSettings`
+    refuses, is a ValueError naming --policies and the entry."""
     out: list[tuple[str | None, tuple[tuple[str, Any], ...]]] = []
     fields = set(ControlSettings.__dataclass_fields__)
-    for item in (p.strip().lower() for p in text.split(",") if p.strip()):
+    items = [p.strip().lower() for p in text.split(",") if p.strip()]
+    if "none" in items and len(items) > 1:  # "none" means no adaptive engine at all: no other policy can run beside it
+        raise ValueError(
+            f"--policies {text!r}: 'none' (no adaptive engine) cannot be listed with other policies; give 'none' "
+            "alone, or leave it out"
+        )
+    for item in items:
         if item == "none":
             return []
         name, _, changes = item.partition(":")
+        if name != "default" and name not in POLICIES:
+            raise ValueError(f"--policies: unknown policy {name!r} (default, {', '.join(POLICIES)}, none)")
         settings = []
         for change in (x for x in changes.split("+") if x):
             key, sep, value = change.partition("=")
@@ -118,6 +142,10 @@ def parse_policies(text: str) -> list[tuple[str | None, tuple[tuple[str, Any], .
                 raise ValueError(
                     f"--policies {item!r}: {key}={value!r} is not a JSON value (several changes join with '+')"
                 ) from None
+        try:
+            ControlSettings(**dict(settings))  # the engine would refuse it only once the model is loaded
+        except ValueError as exc:
+            raise ValueError(f"--policies {item!r}: {exc}") from None
         policy = (None if name == "default" else name, tuple(settings))
         if policy not in out:
             out.append(policy)
@@ -227,31 +255,28 @@ def check_overlap(engines: dict[str, LoopedSpecEngine], specs, prompts: list[Any
             result["unchecked"].append(name)
             print(f"note: {name} runs a {type(ctrl).__name__} (no preset); prompt overlap not checked")
             continue
-        fingerprints = provenance_fingerprints(ctrl.config.provenance)
-        if fingerprints is None:
-            result["unchecked"].append(name)
-            print(
-                f"note: the preset of {name} ({ctrl.config.model}) records no tuning-prompt fingerprints "
-                "(provenance['prompts']['fingerprints']); overlap with the evaluation prompts not checked"
-            )
-            continue
-        try:
-            check_disjoint(fingerprints, prompts)
-        except PromptSetError as exc:
-            print(f"error: {name} (preset {ctrl.config.model}): {exc}", file=sys.stderr)
-            raise SystemExit(2) from None
-        result["checked"].append(name)
-        print(
-            f"{name}: preset {ctrl.config.model} was tuned on {len(set(fingerprints))} prompts; "
-            f"none of the {len(set(prompt_fingerprints(prompts)))} evaluation prompts is among them"
-        )
+        result["checked" if refuse_tuning_prompts(name, ctrl.config, prompts) else "unchecked"].append(name)
     return result
 
 
-def preset_predictions(engines, specs) -> dict[str, Any] | None:
+def preset_depth(adapter, preset: str | None) -> int:
+    """The depth the adaptive engines' preset was measured at: its file's full_depth, before the engine fitted it to
+    the model's (`AdaptiveSpecConfig.for_depth`). The file is the one the engine found (`presets.lookup.preset_for`)."""
+    if preset is not None:
+        path, _ = preset_path(preset)
+    else:
+        path, _ = find_preset(adapter.name, adapter.path, {**adapter.config, "model_type": adapter.model_type})
+    return read_preset_file(path).full_depth
+
+
+def preset_predictions(engines, specs, depth: int, measured_depth: int) -> dict[str, Any] | None:
     """The tuner's predicted ratio to plain per bucket and cell, from the first adaptive preset's provenance.
 
     Reads provenance["decisions"] = {"lo..hi": {"predicted_ratio": {"K,d": ratio}, ...}} when present; None else.
+    None too when the model's depth `depth` is not the one the preset was measured at (`measured_depth`): its "K,d"
+    keys are cells at that depth, predicted for that model. `for_depth` moves a preset's candidates to the nearest
+    relative depth, but a ratio measured at D=8 is not the ratio of the moved cell at D=4 (another cost per pass,
+    another agreement), and cells of one depth may map onto one cell of the other; no prediction beats a wrong one.
     """
     for name, spec in specs.items():
         ctrl = engines[name].controller if spec["kind"] == "adaptive" else None
@@ -267,6 +292,12 @@ def preset_predictions(engines, specs) -> dict[str, Any] | None:
             ratios = note.get("predicted_ratio")
             if isinstance(ratios, dict):
                 out[key] = {"min": int(lo), "max": int(hi) if hi.isdigit() else None, "ratios": ratios}
+        if out and depth != measured_depth:
+            print(
+                f"note: no pred column: the preset's predictions are for its cells at depth {measured_depth}, the "
+                f"model runs D={depth}"
+            )
+            return None
         if out:
             return out
     return None
@@ -449,6 +480,13 @@ def held_out(measured: list, choose, value) -> list[float]:
     if len(measured) < 2:
         return [float("nan")]
     return [value(rd, choose([m for j, m in enumerate(measured) if j != i])) for i, rd in enumerate(measured)]
+
+
+def fmt_held_out(stat: dict[str, Any]) -> str:
+    """`fmt` of a held-out ratio, or why there is none: a choice held out of one round needs another round."""
+    if any(v == v for v in stat["per_round"]):
+        return fmt(stat)
+    return "n/a: one measured round leaves none other to choose on, --repeats >= 3 gives one"
 
 
 def fmt(stat: dict[str, Any]) -> str:
@@ -690,8 +728,10 @@ def print_batch(b: int, row: dict[str, Any], specs) -> None:
     print("  fill = mean share of the batch's requests still decoding in a round (1.00: all, every round)")
     if row["preemptions"]:
         print(f"  warning: {row['preemptions']} KV-cache preemptions; times include recomputation")
+    with_pred = "predicted_bucket" in row  # without the preset's predictions for this model, no column of dashes
+    pred_head = f" {'pred':>6}" if with_pred else ""
     print(
-        f"  {'config':<18} {'ratio [min-max]':>20} {'best-of':>7} {'pred':>6} {'accept':>7} {'tok/round':>9} "
+        f"  {'config':<18} {'ratio [min-max]':>20} {'best-of':>7}{pred_head} {'accept':>7} {'tok/round':>9} "
         f"{'fill':>5} {'ctrl us':>8}  plans"
     )
     for name, cell in row["configs"].items():
@@ -700,8 +740,9 @@ def print_batch(b: int, row: dict[str, Any], specs) -> None:
         acc = "-" if cell["acceptance"] is None else f"{cell['acceptance']:.2f}"
         plans = cell["plans"] if specs[name]["kind"] == "adaptive" else ""
         pred = f"{cell['predicted_ratio']:.2f}x" if "predicted_ratio" in cell else "-"
+        pred = f" {pred:>6}" if with_pred else ""
         print(
-            f"  {name:<18} {fmt(cell['ratio']):>20} {cell['best_of_ratio']:>6.2f}x {pred:>6} {acc:>7} "
+            f"  {name:<18} {fmt(cell['ratio']):>20} {cell['best_of_ratio']:>6.2f}x{pred} {acc:>7} "
             f"{cell['tokens_per_round']:>9.2f} {cell['batch_fill']:>5.2f} {cell['control_us_per_round']:>8.0f}  {plans}"
         )
     s = row["summary"]
@@ -711,7 +752,7 @@ def print_batch(b: int, row: dict[str, Any], specs) -> None:
         line = f"  {name}: vs plain {fmt(entry['vs_plain'])}"
         if "vs_best_fixed" in entry:
             line += f", vs best fixed {fmt(entry['vs_best_fixed'])}"
-            line += f" (held-out choice {fmt(entry['vs_best_fixed_held_out'])})"
+            line += f" (held-out choice {fmt_held_out(entry['vs_best_fixed_held_out'])})"
         print(line + fmt_vs_base(entry) + f"; plans {entry['plans']}")
     if "confirm" in row:
         print_confirm(row["confirm"])
@@ -882,7 +923,8 @@ def print_workload(wl: dict[str, Any]) -> None:
     print(f"  per-phase oracle: {'; '.join(f'{label} {n}' for label, n in zip(labels, wl['oracle_phases']))}")
     print(f"  oracle vs plain {fmt(wl['oracle_ratio'])}; best single fixed: {wl['best_single_fixed']}")
     for name, entry in wl["adaptive"].items():
-        line = f"  {name}: vs oracle {fmt(entry['vs_oracle'])} (held-out choice {fmt(entry['vs_oracle_held_out'])})"
+        line = f"  {name}: vs oracle {fmt(entry['vs_oracle'])}"
+        line += f" (held-out choice {fmt_held_out(entry['vs_oracle_held_out'])})"
         if "vs_best_single_fixed" in entry:
             line += f", vs best single fixed {fmt(entry['vs_best_single_fixed'])}"
         print(line + f", vs plain {fmt(entry['vs_plain'])}; plans {entry['plans']}")
@@ -912,7 +954,7 @@ def print_summary(results: dict[str, Any], workload: dict[str, Any] | None) -> N
             text = f"{name} {fmt(entry['vs_plain'])} of plain"
             if "vs_best_fixed" in entry:
                 text += f", {fmt(entry['vs_best_fixed'])} of best fixed"
-                text += f" ({fmt(entry['vs_best_fixed_held_out'])} held-out)"
+                text += f" (held-out {fmt_held_out(entry['vs_best_fixed_held_out'])})"
             parts.append(text)
         print("  " + "; ".join(parts))
         c = row.get("confirm")
@@ -936,7 +978,7 @@ def workload_summary(head: str, wl: dict[str, Any]) -> str:
     for name, entry in wl["adaptive"].items():
         text = f"{name} {fmt(entry['vs_oracle'])} of oracle"
         if "vs_oracle_held_out" in entry:
-            text += f" ({fmt(entry['vs_oracle_held_out'])} held-out)"
+            text += f" (held-out {fmt_held_out(entry['vs_oracle_held_out'])})"
         if "vs_best_single_fixed" in entry:
             text += f", {fmt(entry['vs_best_single_fixed'])} of best single fixed"
         parts.append(text + f", {fmt(entry['vs_plain'])} of plain")
@@ -954,7 +996,11 @@ def check_rounds(parser: argparse.ArgumentParser, args: argparse.Namespace) -> N
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default="tests/fixtures/ouro-tiny", help="checkpoint folder or shipped name")
+    parser.add_argument(
+        "--model",
+        default=str(ROOT / "tests" / "fixtures" / "ouro-tiny"),
+        help="checkpoint folder or shipped name (default: the repository's tests/fixtures/ouro-tiny)",
+    )
     parser.add_argument("--batch-sizes", default="1,8,32", help="comma-separated batch sizes (run in increasing order)")
     parser.add_argument(
         "--grid",
@@ -981,9 +1027,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--policies",
         default="default",
-        help="adaptive policies: comma list of default (the engine's default), ema, goodput; none = no adaptive. "
-        "NAME:FIELD=VALUE adds that policy with a tunable changed (ControlSettings; several joined by +, none = None; "
-        "an A/B: its rows show the ratio to the policy with the defaults), e.g. default,default:readout_budget=0.01",
+        help="adaptive policies: comma list of default (the engine's default), ema, goodput; none (alone) = no "
+        "adaptive. NAME:FIELD=VALUE adds that policy with a tunable changed (ControlSettings; several joined by +, "
+        "none = None; an A/B: its rows show the ratio to the policy with the defaults), "
+        "e.g. default,default:readout_budget=0.01",
     )
     parser.add_argument("--stop-margins", default="", metavar="M[,M...]",
                         help="also run each grid cell with per-token stopping at draft margin M ('K,d@M')")  # fmt: skip
@@ -1013,7 +1060,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="every round of a batch size decodes the same first B prompts (before 2026-12-02 the only way); "
         f"default: rounds rotate through the prompt set, round n reading it from offset {ROTATION_STRIDE}n",
     )
-    parser.add_argument("--out", default=None, help="write OUT.json (everything) and OUT.png (heatmap)")
+    parser.add_argument(
+        "--out",
+        default=None,
+        help="write OUT.json (everything) and OUT.png (heatmap); an OUT ending in .json is that file, the heatmap "
+        "beside it with .png",
+    )
     args = parser.parse_args(argv)
     check_rounds(parser, args)
     if args.confirm_repeats < 0 or args.confirm_repeats == 1:
@@ -1029,16 +1081,42 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         args.phase_groups = [phase.group for phase in args.phase_list]
         args.policy_list = parse_policies(args.policies)
         args.options = parse_adapter_options(args.adapter_option)
-        args.stop_margin_list = [float(m) for m in args.stop_margins.split(",") if m.strip()]
-        if not all(0.0 < m <= 1.0 for m in args.stop_margin_list):
-            raise ValueError(f"--stop-margins {args.stop_margins}: each margin must be in (0, 1]")
+        args.stop_margin_list = parse_stop_margins(args.stop_margins)
+        # what would otherwise fail only once the model is loaded, or the rounds are timed
+        check_model(args.model)
+        check_preset(args.preset)
+        check_prompt_source(args.prompts)
+        for phase in args.phase_list:
+            check_prompt_source(phase.group, f"--workload-phases entry '{phase.batch}:{phase.group}'")
+        if args.out:
+            for path in output_paths(Path(args.out)):
+                check_out_path(path)
     except ValueError as exc:
         parser.error(str(exc))
-    for p, _ in args.policy_list:
-        if p not in (None, "ema", "goodput"):
-            parser.error(f"--policies: unknown policy {p!r} (default, ema, goodput, none)")
     args.parser = parser
     return args
+
+
+def parse_stop_margins(text: str) -> list[float]:
+    """``"0.5,0.8"`` -> the margins, each in (0, 1]; a ValueError naming --stop-margins and the entry."""
+    margins = []
+    for entry in (m.strip() for m in text.split(",") if m.strip()):
+        try:
+            margin = float(entry)
+        except ValueError:
+            raise ValueError(f"--stop-margins entry {entry!r}: expected a number in (0, 1], e.g. 0.5") from None
+        if not 0.0 < margin <= 1.0:
+            raise ValueError(f"--stop-margins entry {entry!r}: each margin must be in (0, 1]")
+        margins.append(margin)
+    return margins
+
+
+def output_paths(out: Path) -> tuple[Path, Path]:
+    """The result file and the heatmap `--out OUT` writes: OUT.json and OUT.png, or OUT itself when it ends in .json
+    (and the heatmap beside it, .png for .json): `--out res.json` should not write res.json.json."""
+    if out.suffix == ".json":
+        return out, out.with_suffix(".png")
+    return out.with_name(out.name + ".json"), out.with_name(out.name + ".png")
 
 
 def command_line(argv: list[str] | None, script: str) -> tuple[str, datetime]:
@@ -1067,7 +1145,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     command, now = command_line(argv, "bench_speculative.py")
     if args.threads:
         torch.set_num_threads(args.threads)
-    adapter = load_adapter(args.model, dtype=args.dtype, device=args.device, **args.options)
+    adapter = load_model(args.parser, args.model, dtype=args.dtype, device=args.device, **args.options)
     depth = adapter.full_depth
     try:
         grid = parse_grid(args.grid, depth, allow_none=True)
@@ -1108,14 +1186,16 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     print(f"spread: {SPREAD}; {BEST_OF}")
     try:
         engines = {name: build_engine(adapter, spec, max_batch, args.preset) for name, spec in specs.items()}
-    except ValueError as exc:
-        args.parser.error(str(exc))
+    except ValueError as exc:  # the engine names its fields (preset='...'); the command line has flags for them
+        args.parser.error(name_flags(str(exc), flags_of(args.parser)))
     for name, spec in specs.items():
         if spec["kind"] == "adaptive":
             spec.update(describe_adaptive(engines[name]))
     print("configs: " + ", ".join(_label(name, spec) for name, spec in specs.items()))
     overlap = check_overlap(engines, specs, every_prompt)
-    args.predictions = preset_predictions(engines, specs)
+    adaptive_specs = any(spec["kind"] == "adaptive" for spec in specs.values())
+    measured_depth = preset_depth(adapter, args.preset) if adaptive_specs else depth
+    args.predictions = preset_predictions(engines, specs, depth, measured_depth)
     warm = [prompts[i % len(prompts)] for i in range(max_batch)]
     for engine in engines.values():  # warm up at the full batch shape
         engine.generate(warm, SamplingParams(max_tokens=4, ignore_eos=True))
@@ -1170,8 +1250,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
 
 def write_outputs(report: dict[str, Any], out: Path, model: str, prompts: str) -> None:
-    out.parent.mkdir(parents=True, exist_ok=True)
-    json_path = out.with_name(out.name + ".json")
+    json_path, png = output_paths(out)
+    json_path.parent.mkdir(parents=True, exist_ok=True)
     json_path.write_text(json.dumps(report, indent=1, default=str))
     print(f"wrote {json_path}")
     try:
@@ -1190,7 +1270,6 @@ def write_outputs(report: dict[str, Any], out: Path, model: str, prompts: str) -
             cells[int(b)] = grid
     if not cells:
         return
-    png = out.with_name(out.name + ".png")
     try:
         skipped = write_heatmap(cells, png, title=f"{model}: {prompts} prompts, median ratio to plain")
     except Exception as exc:  # the heatmap is a convenience (matplotlib is optional); never lose the JSON over it

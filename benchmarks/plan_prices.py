@@ -28,12 +28,14 @@ from pathlib import Path
 
 import torch
 
-from looped_spec import load_adapter
 from looped_spec.control.passcost import PassCost
 from looped_spec.presets.lookup import preset_for
 from looped_spec.tuning import profile
 from looped_spec.tuning.grid import parse_batch_sizes, parse_grid, prompt_source_flag
 from looped_spec.tuning.prompt_sets import load_prompts
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import check_grid_entries, check_model, check_out_path, check_preset, check_prompt_source, load_model  # noqa: E402
 
 #: Rounds a cell needs before its median counts (the last rounds of a batch draft fewer and are dropped)
 MIN_ROUNDS = 3
@@ -81,18 +83,27 @@ def main(argv: list[str] | None = None) -> dict:
     args = ap.parse_args(argv)
     if args.tokens < 2 or args.repeats < 1 or args.threads < 0:
         ap.error("need --tokens >= 2, --repeats >= 1 and --threads >= 0")
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    adapter = load_adapter(args.model)
-    depth = adapter.full_depth
-    try:
-        grid = parse_grid(args.grid, depth)
+    try:  # before the model loads, and the out file before the rounds are timed
         sizes = parse_batch_sizes(args.batch_sizes)
+        check_grid_entries(args.grid)
+        check_model(args.model)
+        check_preset(args.preset)
+        check_prompt_source(args.prompts)
+        if args.out is not None:
+            check_out_path(args.out)
     except ValueError as err:
         ap.error(str(err))
-    preset = preset_for(adapter, args.preset)  # as the engine finds it
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    adapter = load_model(ap, args.model)
+    depth = adapter.full_depth
+    try:
+        grid = parse_grid(args.grid, depth)  # d < D, now that D is known
+        preset = preset_for(adapter, args.preset)  # as the engine finds it
+        prompts, about = load_prompts(args.prompts, max(64, max(sizes)), adapter)
+    except ValueError as err:  # a preset that does not fit this model, a file's text for a model without a tokenizer
+        ap.error(str(err))
     cost = PassCost(preset.cost, depth)
-    prompts, about = load_prompts(args.prompts, max(64, max(sizes)), adapter)
     plans = sorted({(0, 0), *grid})
     rounds = profile.measure_rounds(adapter, prompts, sizes, plans, args.tokens, args.repeats, args.seed)
     prices, counts = relative_prices(rounds, cost, set(sizes))

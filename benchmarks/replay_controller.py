@@ -23,6 +23,8 @@ setting follows a change of text shows too.
 It separates what a controller setting does with what the text gives, which is deterministic here, from what the
 machine's noise does to a timed run (bench_speculative.py): the controller's own profile prices the rounds, so only
 its acceptance estimates (and the price, when set) can be wrong. A setting chosen here is then checked timed.
+As bench_speculative.py does, it exits with status 2 when the preset records among its tuning prompts
+(provenance["prompts"]["fingerprints"]) any prompt the controllers would be replayed on (`--prompts tune`).
 
     python benchmarks/replay_controller.py --model tiny-nanbeige --prompts eval --batch-sizes 1,8,32 \\
         --policies "default,default:prior_share=0.25" --grid "2,1;3,1"
@@ -41,7 +43,6 @@ from pathlib import Path
 
 import torch
 
-from looped_spec import load_adapter
 from looped_spec.control import AdaptiveController, ControlSettings, FixedController
 from looped_spec.control.buckets import compile_buckets
 from looped_spec.control.passcost import PassCost
@@ -49,10 +50,18 @@ from looped_spec.control.plan import round_feedback
 from looped_spec.presets.lookup import preset_for
 from looped_spec.tuning.acceptance_pass import measure_match_bits
 from looped_spec.tuning.grid import parse_batch_sizes, parse_grid, parse_prompt_source
-from looped_spec.tuning.prompt_sets import load_prompts
+from looped_spec.tuning.prompt_sets import PromptSetError, load_prompts
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_speculative import ROTATION_STRIDE, adaptive_name, parse_policies, rotation_size  # noqa: E402
+from common import (  # noqa: E402
+    check_grid_entries,
+    check_model,
+    check_preset,
+    check_prompt_source,
+    load_model,
+    refuse_tuning_prompts,
+)
 
 
 class Machine:
@@ -223,17 +232,25 @@ def main(argv: list[str] | None = None) -> dict[int, dict[str, list[float]]]:
         ap.error(str(err))
     if not groups:
         ap.error(f"--prompts {args.prompts!r}: need at least one prompt group or file")
-    try:
+    try:  # everything that can be checked before the model loads (the grid's d < D is checked once it has)
+        for group in groups:
+            check_prompt_source(group, "--prompts" if len(groups) == 1 else f"--prompts entry {group!r}")
         policies = parse_policies(args.policies)
+        sizes = parse_batch_sizes(args.batch_sizes)
+        check_grid_entries(args.grid, allow_none=True)
+        check_model(args.model)
+        check_preset(args.preset)
     except ValueError as err:
         ap.error(str(err))
     torch.set_num_threads(1)
-    adapter = load_adapter(args.model)
+    adapter = load_model(ap, args.model)
     depth = adapter.full_depth
     prices = read_price_table(args.price_table, adapter.name, ap.error) if args.price_table else None
-    grid = parse_grid(args.grid, depth, allow_none=True)
-    sizes = parse_batch_sizes(args.batch_sizes)
-    preset = preset_for(adapter, args.preset)  # as the engine finds it
+    try:
+        grid = parse_grid(args.grid, depth, allow_none=True)
+        preset = preset_for(adapter, args.preset)  # as the engine finds it
+    except ValueError as err:  # a grid cell at d >= D, or a preset that does not fit this model
+        ap.error(str(err))
     # the machine's prices of every plan a controller can run, kept as lines per batch size (a plan outside the
     # options would be priced pass by pass every round)
     # (a measured round reads out the adaptive controller's draft depths, which it prices as the engine does)
@@ -242,12 +259,18 @@ def main(argv: list[str] | None = None) -> dict[int, dict[str, list[float]]]:
     cost = PassCost(preset.cost, depth, options=sorted(options | set(grid)), readout_depths=read)
     # the groups' prompts one after another: group g's are the indices from offsets[g] on
     bits: list[list[list[int]]] = [[] for _ in range(depth)]
-    offsets, counts, described = [], [], []
-    for group in groups:
-        prompts, about = load_prompts(group, rotation_size(group, max(sizes)), adapter)
+    offsets, counts, described, loaded = [], [], [], []
+    try:
+        for group in groups:
+            loaded.append(load_prompts(group, rotation_size(group, max(sizes)), adapter))
+            described.append(loaded[-1][1])
+    except PromptSetError as err:  # e.g. a file's text for a model without a tokenizer
+        ap.error(str(err))
+    if policies:  # the controllers follow the preset: refuse to replay it on its own tuning prompts
+        refuse_tuning_prompts("the adaptive controllers", preset, [p for prompts, _ in loaded for p in prompts])
+    for prompts, _ in loaded:
         offsets.append(len(bits[0]))
         counts.append(len(prompts))
-        described.append(about)
         for d, rows in enumerate(measure_match_bits(adapter, prompts, args.max_tokens)):
             bits[d].extend(rows)
     switching = f", switching every {args.switch_every} batches" if len(groups) > 1 else ""

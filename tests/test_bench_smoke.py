@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from looped_spec import LoopedSpecEngine
+from looped_spec import LoopedSpecEngine, load_adapter
 from looped_spec.control import FixedController
 from looped_spec.tuning.grid import Phase
 from looped_spec.tuning.prompt_sets import prompt_fingerprints, prompt_group, random_prompts
@@ -62,7 +62,7 @@ def test_bench_runs_side_by_side_with_an_aa_line(bench, tmp_path, capsys):
     assert data["prompts"]["fingerprints"] == prompt_fingerprints(random_prompts(bench.ROTATION_POOL, 256, 0))
 
 
-def test_rounds_rotate_through_the_prompts_unless_asked_for_the_same_ones(bench, tmp_path):
+def test_rounds_rotate_through_the_prompts_unless_asked_for_the_same_ones(bench, tmp_path, capsys):
     pool = bench.PromptPool(list(range(10)), rotate=True)
     seen = []
     for _ in range(3):
@@ -75,9 +75,13 @@ def test_rounds_rotate_through_the_prompts_unless_asked_for_the_same_ones(bench,
     same = bench.PromptPool(list(range(10)), rotate=False)
     same.next_round()
     assert same.slice(0, 2) == [0, 1]
-    bench.main([*SMALL, "--same-prompts", "--out", str(tmp_path / "same")])
+    bench.main([*SMALL, "--same-prompts", "--out", str(tmp_path / "same.json")])  # a .json OUT is the file itself
+    assert not (tmp_path / "same.json.json").exists()
     data = json.loads((tmp_path / "same.json").read_text())
     assert data["prompts"]["fingerprints"] == prompt_fingerprints(random_prompts(2, 256, 0))
+    # --repeats 2 measures one round: no held-out choice to compute, and the run says so (not "nanx ±nan")
+    printed = capsys.readouterr().out
+    assert "nan" not in printed and "held-out choice n/a: one measured round" in printed
 
 
 def test_bench_confirmation_reruns_the_screens_top_cells(bench, tmp_path, capsys):
@@ -296,6 +300,24 @@ def test_bench_prints_the_tuners_prediction_beside_the_measurement(bench, tmp_pa
     assert report["batch_sizes"]["2"]["predicted_bucket"] == "2..inf"
 
 
+def test_bench_leaves_out_predictions_made_at_another_depth(bench, tmp_path, capsys):
+    """A preset measured at D=8 serving the D=4 fixture: its "K,d" predictions are cells at D=8 ("1,1" there is not
+    "1,1" here), so no pred column, and one line says why."""
+    engine = LoopedSpecEngine(FIXTURE, speculation="adaptive", device="cpu", dtype="float32")
+    deeper, _ = engine.controller.config.for_depth(8)
+    data = deeper.model_dump(mode="json")
+    data["provenance"] = {"decisions": {"1..inf": {"predicted_ratio": {"1,1": 1.25}}}}
+    preset = tmp_path / "ouro-tiny-d8.json"
+    preset.write_text(json.dumps(data))
+    report = bench.main([*SMALL, "--batch-sizes", "1", "--preset", str(preset)])
+    printed = capsys.readouterr().out
+    assert report["preset_predictions"] is None
+    assert "predicted_ratio" not in report["batch_sizes"]["1"]["configs"]["1,1"]
+    assert "no pred column: the preset's predictions are for its cells at depth 8, the model runs D=4" in printed
+    header = next(line for line in printed.splitlines() if line.split()[:1] == ["config"])
+    assert "pred" not in header.split()  # no column of dashes
+
+
 def test_bench_refuses_prompts_the_preset_was_tuned_on(bench, tmp_path, capsys):
     tuned = random_prompts(2, 256, 0)[1:]  # one of the two prompts the benchmark will use
     preset = write_preset(tmp_path / "ouro-tiny.json", {"prompts": {"fingerprints": prompt_fingerprints(tuned)}})
@@ -507,7 +529,7 @@ def test_overhead_bench_compares_adaptive_with_and_without_readouts(monkeypatch,
     assert all(ratio > 0.0 and se >= 0.0 for ratio, se in results.values())
     printed = capsys.readouterr().out
     assert "(rotating)" in printed and "µs/round" in printed
-    engine = module.adaptive_engine(module.load_adapter(FIXTURE), "none")
+    engine = module.adaptive_engine(load_adapter(FIXTURE), "none")
     plans = [engine.controller.plan(2, 10.0).measure_depths for _ in range(100)]
     assert plans[0] and not any(plans[1:])  # the first round reads out, none after it
 
@@ -749,3 +771,86 @@ def test_every_benchmark_takes_a_prompt_group_or_file_and_names_a_bad_one(name, 
     err = capsys.readouterr().err
     assert exc.value.code == 2 and "--prompts" in err and "unknown prompt group 'novel'" in err
     assert "or a .txt or .jsonl prompt file" in err
+
+
+def test_bench_default_model_is_the_repositorys_fixture_wherever_it_runs(bench, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # not the repository: a relative tests/fixtures/ouro-tiny would name nothing here
+    assert Path(bench.parse_args(["--repeats", "2"]).model) == Path(FIXTURE)
+
+
+@pytest.mark.parametrize(
+    "name, argv, message",
+    [
+        ("replay_controller", ["--batch-sizes", "0"], "--batch-sizes entry '0': must be >= 1"),
+        ("replay_controller", ["--grid", "0,1"], "--grid entry '0,1': K=0 must be in 1..64"),
+        ("replay_controller", ["--policies", "bogus"], "--policies: unknown policy 'bogus'"),
+        ("replay_controller", ["--policies", "default:decision_interval=-1"], "decision_interval=-1 must be in [1,"),
+        ("replay_controller", ["--policies", "default,none"], "'none' (no adaptive engine) cannot be listed with"),
+        ("replay_controller", ["--model", "nosuch"], "--model nosuch: not a checkpoint folder nor a shipped model"),
+        ("replay_controller", ["--preset", "nosuch.json"], "--preset nosuch.json: no such preset file"),
+        ("replay_controller", ["--prompts", "{empty}"], "--prompts: {empty} holds no prompts"),
+        ("replay_controller", ["--prompts", "code,{empty}"], "--prompts entry '{empty}': {empty} holds no prompts"),
+        ("plan_prices", ["--model", "nosuch"], "--model nosuch: not a checkpoint folder nor a shipped model"),
+        ("plan_prices", ["--preset", "nosuch.json"], "--preset nosuch.json: no such preset file"),
+        ("plan_prices", ["--prompts", "{empty}"], "--prompts: {empty} holds no prompts"),
+        ("plan_prices", ["--out", "{dir}"], "--out {dir}: is a directory"),
+        ("plan_prices", ["--out", "{empty}/x.json"], "--out {empty}/x.json: {empty} is not a directory"),
+        ("bench_overhead", ["--model", "nosuch"], "--model nosuch: not a checkpoint folder nor a shipped model"),
+        ("bench_overhead", ["--prompts", "{empty}"], "--prompts: {empty} holds no prompts"),
+        ("bench_speculative", ["--model", "nosuch"], "--model nosuch: not a checkpoint folder nor a shipped model"),
+        ("bench_speculative", ["--preset", "nosuch.json"], "--preset nosuch.json: no such preset file"),
+        ("bench_speculative", ["--stop-margins", "x"], "--stop-margins entry 'x': expected a number"),
+        ("bench_speculative", ["--policies", "default,none"], "'none' (no adaptive engine) cannot be listed with"),
+        ("bench_speculative", ["--policies", "default:decision_interval=0"], "decision_interval=0 must be in"),
+        (
+            "bench_speculative",
+            ["--workload", "--workload-phases", "1:{empty}"],
+            "--workload-phases entry '1:{empty}': {empty} holds no prompts",
+        ),
+        ("bench_speculative", ["--out", "{dir}/x.json", "--grid", "1,1"], "--out {dir}/x.json: is a directory"),
+    ],
+)
+def test_benchmark_flag_errors_name_the_flag_before_any_model_loads(name, argv, message, tmp_path, capsys, monkeypatch):
+    """A bad flag is a usage error (exit 2, no traceback) that names it, before a model's weights are read: a check
+    that waited for the model, or for the timed rounds (an --out it cannot write), would cost a run to find."""
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))  # as when run as a script: its siblings import
+
+    def no_model(*args, **kwargs):
+        raise AssertionError("a model's weights were read before the flags were checked")
+
+    monkeypatch.setattr("looped_spec.models.adapter.read_tensors", no_model)
+    empty = tmp_path / "empty.txt"
+    empty.write_text("\n  \n")  # blank lines only: no prompt
+    (tmp_path / "x.json").mkdir()
+
+    def fill(text: str) -> str:
+        return text.replace("{empty}", str(empty)).replace("{dir}", str(tmp_path))
+
+    with pytest.raises(SystemExit) as exc:
+        load_script(name).main(["--model", FIXTURE, *[fill(a) for a in argv]])
+    assert exc.value.code == 2 and fill(message) in capsys.readouterr().err
+
+
+def test_replay_controller_checks_the_grid_against_the_depth_before_measuring(monkeypatch, capsys):
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    module = load_script("replay_controller")
+    monkeypatch.setattr(module, "measure_match_bits", lambda *a, **k: pytest.fail("bits measured"))
+    with pytest.raises(SystemExit) as exc:
+        module.main(["--model", FIXTURE, "--prompts", "random", "--grid", "1,9", "--batch-sizes", "1"])
+    assert exc.value.code == 2 and "--grid entry '1,9': d=9 must be in 1..3" in capsys.readouterr().err
+
+
+def test_replay_and_overhead_refuse_the_presets_tuning_prompts(monkeypatch, capsys):
+    """As bench_speculative.py does: the shipped preset was tuned on (part of) the 'tune' group, so replaying or timing
+    it there scores it on its own tuning prompts; refused (exit 2) before anything is measured."""
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    replay = load_script("replay_controller")
+    monkeypatch.setattr(replay, "measure_match_bits", lambda *a, **k: pytest.fail("bits measured"))
+    with pytest.raises(SystemExit) as exc:
+        replay.main(["--model", "tiny-ouro", "--prompts", "tune", "--batch-sizes", "1", "--max-tokens", "4"])
+    assert exc.value.code == 2 and "were also used for tuning" in capsys.readouterr().err
+    overhead = load_script("bench_overhead")
+    monkeypatch.setattr(overhead, "timed_slices", lambda *a, **k: pytest.fail("rounds timed"))
+    with pytest.raises(SystemExit) as exc:
+        overhead.main(["--model", "tiny-ouro", "--prompts", "tune", "--rounds", "3", "--max-tokens", "3"])
+    assert exc.value.code == 2 and "were also used for tuning" in capsys.readouterr().err
