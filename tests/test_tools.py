@@ -180,7 +180,8 @@ def test_streamed_deltas_accumulate_to_the_finished_message(choice, text, finish
 
 def test_server_config_needs_a_known_parser():
     assert ToolCallingConfig().auto_parser() is None
-    assert ToolCallingConfig(tool_call_parser="hermes").auto_parser() is None  # a parser alone enables nothing
+    with pytest.raises(ValueError, match="--tool-call-parser hermes: only with --enable-auto-tool-choice"):
+        ToolCallingConfig(tool_call_parser="hermes")  # a parser alone would be ignored
     with pytest.raises(ValueError, match="--enable-auto-tool-choice needs --tool-call-parser"):
         ToolCallingConfig(enable_auto_tool_choice=True)
     with pytest.raises(ValueError, match="--tool-call-parser 'json': unknown; known: hermes"):

@@ -83,7 +83,8 @@ def add_parser(sub: argparse._SubParsersAction, fmt: type[argparse.HelpFormatter
     gen.add_argument(
         "--compare-plain",
         action="store_true",
-        help="also time the prompts with and without speculation side by side and print the ratio",
+        help="also time the prompts with and without speculation side by side and print the ratio (not with "
+        "--speculation off: there is no speculation to time)",
     )
     gen.add_argument("--compare-repeats", type=int, default=None,
                      help="side-by-side pairs --compare-plain times (default: 5)")  # fmt: skip
@@ -138,6 +139,9 @@ def generate(args: argparse.Namespace) -> int:
     at_least(args.max_tokens, 1, "--max-tokens")
     if args.compare_repeats is not None and not args.compare_plain:
         raise UsageError("--compare-repeats: only with --compare-plain")
+    if args.compare_plain and plain_decoding(args.speculation):
+        raise UsageError(f"--compare-plain: times speculation against plain decoding, and --speculation "
+                         f"{args.speculation} is plain decoding (use adaptive or K,d)")  # fmt: skip
     args.compare_repeats = 5 if args.compare_repeats is None else args.compare_repeats
     at_least(args.compare_repeats, 1, "--compare-repeats")
     at_least(args.threads, 0, "--threads", " (0: torch's default)")
@@ -176,6 +180,17 @@ def generate(args: argparse.Namespace) -> int:
     if args.compare_plain:
         _compare_plain(args, prompts, params, outputs)
     return 0
+
+
+def plain_decoding(speculation: str) -> bool:
+    """Whether --speculation's value is plain decoding (off, or K=0); a bad value is left to the engine's error."""
+    from looped_spec.engine.config import SpeculativeConfig, parse_speculation
+
+    try:
+        plan = parse_speculation(speculation)
+    except ValueError:
+        return False
+    return plan == "off" or (isinstance(plan, SpeculativeConfig) and plan.k == 0)
 
 
 def _as_text(tokens: str | list[int]) -> str:

@@ -18,7 +18,11 @@ def add_parser(sub: argparse._SubParsersAction, fmt: type[argparse.HelpFormatter
         description="Serve /v1/completions, /v1/chat/completions, /v1/models, /tokenize, /detokenize, /version, "
         "/health and /metrics with FastAPI + uvicorn. Only /v1/* needs the API key (as in vLLM).",
     )
-    srv.add_argument("model", nargs="?", default="tiny-ouro", help="checkpoint folder or shipped model name")
+    srv.add_argument("model", nargs="?", default=None,
+                     help="checkpoint folder or shipped model name (default: tiny-ouro)")  # fmt: skip
+    srv.add_argument("--model", dest="model_flag", default=None, metavar="MODEL",
+                     help="the model as a flag, the same as the positional one (vLLM's `vllm serve` takes "
+                     "either); both given must be the same (default: the positional model)")  # fmt: skip
     srv.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0 exposes the server)")
     srv.add_argument("--port", type=int, default=8000, help="TCP port")
     srv.add_argument(
@@ -45,15 +49,17 @@ def add_parser(sub: argparse._SubParsersAction, fmt: type[argparse.HelpFormatter
                            help="autoscaling: in-flight requests per replica it aims at (default: Ray "
                            "Serve's)")  # fmt: skip
     ray_flags.add_argument("--metrics-port", type=int, default=None,
-                           help="replica r also serves its /metrics on port + r, labelled by replica (default: "
-                           "no port of its own)")  # fmt: skip
+                           help="with --replicas or --max-replicas: replica r also serves its /metrics on port + r, "
+                           "labelled by replica (default: no port of its own; the single-process server's /metrics "
+                           "is on --port)")  # fmt: skip
     tools = srv.add_argument_group('tool calling (chat completions\' tools; named and "required" need no flag)')
     tools.add_argument("--enable-auto-tool-choice", action="store_true",
                        help='serve tool_choice "auto" (the default with tools): the model may call, and '
                        "--tool-call-parser finds its calls in the text")  # fmt: skip
     tools.add_argument("--tool-call-parser", default=None, metavar="NAME",
-                       help="the format the model writes its calls in, for tool_choice auto (hermes; an unknown "
-                       "name lists the known ones) (default: none)")  # fmt: skip
+                       help="the format the model writes its calls in, for tool_choice auto: only with "
+                       "--enable-auto-tool-choice (hermes; an unknown name lists the known ones) (default: "
+                       "none)")  # fmt: skip
     chat = srv.add_argument_group("chat (chat completions and /tokenize)")
     chat.add_argument("--chat-template", default=None, metavar="FILE_OR_TEMPLATE",
                       help="render every chat request with this Jinja template instead of the tokenizer's (so a model "
@@ -75,6 +81,15 @@ def add_parser(sub: argparse._SubParsersAction, fmt: type[argparse.HelpFormatter
     srv.set_defaults(func=serve_command, command_parser=srv)
     models = sub.add_parser("models", help="list the shipped tiny models", formatter_class=fmt)
     models.set_defaults(func=list_models, command_parser=models)
+
+
+def served_model(args: argparse.Namespace) -> str:
+    """The model: the positional argument or --model (vLLM's `vllm serve` takes either), tiny-ouro by default."""
+    if args.model is not None and args.model_flag is not None and args.model != args.model_flag:
+        raise UsageError(f"--model {args.model_flag} and the positional model {args.model} differ: give the model "
+                         "once")  # fmt: skip
+    given = args.model if args.model is not None else args.model_flag
+    return given if given is not None else "tiny-ouro"
 
 
 def tool_calling_config(args: argparse.Namespace):
@@ -116,6 +131,7 @@ def serve_command(args: argparse.Namespace) -> int:
     from looped_spec import LoopedSpecEngine
     from looped_spec.server.launch import serve
 
+    args.model = served_model(args)
     api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
     tool_calling = tool_calling_config(args)
     chat_template = chat_template_config(args)
@@ -133,6 +149,10 @@ def serve_command(args: argparse.Namespace) -> int:
         raise UsageError(f"--port {args.port}: must be in 0..65535")
     at_least(args.max_queued, 0, "--max-queued")
     at_least(args.max_body_bytes, 1, "--max-body-bytes")
+    if args.metrics_port is not None and args.replicas is None and args.max_replicas is None:
+        raise UsageError(f"--metrics-port {args.metrics_port}: only with --replicas or --max-replicas (Ray Serve "
+                         "replica r serves /metrics on port + r); one engine in this process serves /metrics on "
+                         "--port")  # fmt: skip
     if any(value is not None for value in scaling.values()):
         return serve_replicas(args, api_key, scaling, tool_calling, chat_template)
     set_threads(args.threads)

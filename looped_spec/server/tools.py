@@ -50,6 +50,12 @@ class ToolCallingConfig(BaseModel):
         if self.tool_call_parser is not None and self.tool_call_parser not in TOOL_PARSERS:
             raise ValueError(f"--tool-call-parser {self.tool_call_parser!r}: unknown; known: "
                              f"{', '.join(sorted(TOOL_PARSERS))}")  # fmt: skip
+        if self.tool_call_parser is not None and not self.enable_auto_tool_choice:
+            # the parser reads only tool_choice "auto"'s calls ("required" and a named function are constrained
+            # JSON): alone it would be ignored
+            raise ValueError(f"--tool-call-parser {self.tool_call_parser}: only with --enable-auto-tool-choice (the "
+                             'parser finds tool_choice "auto"\'s calls; "required" and a named function need neither '
+                             "flag)")  # fmt: skip
         return self
 
     def auto_parser(self) -> ToolParser | None:

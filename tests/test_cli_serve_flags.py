@@ -1,0 +1,88 @@
+"""`looped-spec serve` / `generate` flag combinations that would be ignored or mean nothing are usage errors naming
+the flags, before the engine loads or Ray starts; `serve --model` is the positional model, as in `vllm serve`.
+Nothing is served: the engine, the server and the replicas' launch are replaced by recorders."""
+
+from __future__ import annotations
+
+import pytest
+
+import looped_spec
+from looped_spec.cli import main
+
+
+@pytest.fixture
+def launched(monkeypatch) -> dict:
+    """What `serve` would start: the model the engine is built from, the server's keywords, the replicas' args."""
+    recorded: dict = {}
+
+    class NoEngine:
+        def __init__(self, model, **options):
+            recorded["model"] = model
+
+    monkeypatch.setattr(looped_spec, "LoopedSpecEngine", NoEngine)
+    monkeypatch.setattr("looped_spec.server.launch.serve",
+                        lambda engine, name, **kw: recorded.update(kw, name=name, served=True))  # fmt: skip
+    monkeypatch.setattr("looped_spec.server.replicas.run_replicas",
+                        lambda args, host, port: recorded.update(replica_args=args))  # fmt: skip
+    return recorded
+
+
+def usage_error(argv: list[str], capsys) -> str:
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("looped-spec: error: ") and err.count("\n") == 1, err
+    return err
+
+
+def test_a_tool_call_parser_without_auto_tool_choice_is_an_error(launched, capsys):
+    """Only tool_choice "auto" runs the parser ("required" and a named function are constrained JSON)."""
+    for replicas in ([], ["--replicas", "2"]):
+        err = usage_error(["serve", "tiny-ouro", "--tool-call-parser", "hermes", *replicas], capsys)
+        assert "--tool-call-parser hermes: only with --enable-auto-tool-choice" in err
+    assert launched == {}  # neither the engine nor the server nor Ray
+    assert main(["serve", "tiny-ouro", "--enable-auto-tool-choice", "--tool-call-parser", "hermes"]) == 0
+    assert launched["tool_calling"].auto_parser() is not None
+
+
+def test_a_serve_config_with_a_parser_but_no_auto_tool_choice_is_refused():
+    replicas = pytest.importorskip("looped_spec.server.replicas")  # Ray Serve's arguments (nothing starts)
+    with pytest.raises(
+        ValueError, match="tool_calling: --tool-call-parser hermes: only with --enable-auto-tool-choice"
+    ):
+        replicas.parse_args({"tool_calling": {"tool_call_parser": "hermes"}})
+    both = {"enable_auto_tool_choice": True, "tool_call_parser": "hermes"}
+    assert replicas.parse_args({"tool_calling": both}).tool_calling.auto_parser() is not None
+
+
+def test_metrics_port_without_replicas_is_an_error_not_ray_serve(launched, capsys):
+    err = usage_error(["serve", "tiny-ouro", "--metrics-port", "9100"], capsys)
+    assert "--metrics-port 9100: only with --replicas or --max-replicas" in err
+    assert launched == {}  # no Ray Serve started in its place, no engine
+    assert main(["serve", "tiny-ouro", "--replicas", "2", "--metrics-port", "9100"]) == 0
+    assert (launched["replica_args"].num_replicas, launched["replica_args"].metrics_port) == (2, 9100)
+
+
+def test_serve_takes_the_model_as_model_flag_as_vllm_does(launched, capsys):
+    assert main(["serve", "--model", "tiny-huginn", "--log-level", "warning"]) == 0
+    assert (launched["model"], launched["name"]) == ("tiny-huginn", "tiny-huginn")
+    assert main(["serve", "tiny-huginn", "--model", "tiny-huginn", "--log-level", "warning"]) == 0  # the same twice
+    assert launched["model"] == "tiny-huginn"
+    assert main(["serve", "--log-level", "warning"]) == 0
+    assert launched["model"] == "tiny-ouro"  # neither: the default
+    launched.clear()
+    err = usage_error(["serve", "tiny-ouro", "--model", "tiny-huginn"], capsys)
+    assert "--model tiny-huginn and the positional model tiny-ouro differ" in err
+    assert launched == {}
+    assert main(["serve", "--model", "tiny-huginn", "--replicas", "2"]) == 0
+    assert launched["replica_args"].model == "tiny-huginn"
+    with pytest.raises(SystemExit):
+        main(["serve", "--help"])
+    assert "--model MODEL" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("plain", ["off", "0,0"])
+def test_compare_plain_with_plain_decoding_is_an_error(plain, launched, capsys):
+    argv = ["generate", "--model", "tiny-ouro", "--prompt", "x", "--max-tokens", "2", "--compare-plain"]
+    err = usage_error([*argv, "--speculation", plain], capsys)
+    assert f"--compare-plain: times speculation against plain decoding, and --speculation {plain} is plain" in err
+    assert launched == {}  # checked before the engine loads
