@@ -87,6 +87,13 @@ def ray_cluster_turn(tmp_path_factory):
 
 
 def pytest_collection_modifyitems(config, items):
+    # the `slow` tests first: pytest-xdist hands tests out in this order, so none of the longest is left to run alone at
+    # the end while the other workers idle. The tests that start a Ray cluster take turns (`ray_cluster_turn`): one
+    # first, the others last among the slow ones, so that no worker waits on the lock from the start
+    slow = [item for item in items if "slow" in item.keywords]
+    ray = [item for item in slow if "ray_cluster_turn" in getattr(item, "fixturenames", ())]
+    first = ray[-1:] + [item for item in slow if item not in ray] + ray[:-1]  # test_ray_serve's, the longest, first
+    items[:] = first + [item for item in items if "slow" not in item.keywords]
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU")

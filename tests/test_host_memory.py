@@ -39,6 +39,7 @@ def _run(switch: str | None) -> tuple[bool, int]:
     return applied == "True", int(faults)
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's mallopt and getrusage fault counts")
 def test_freed_blocks_are_reused_instead_of_faulted_in_again():
     applied, faults = _run(None)

@@ -916,6 +916,7 @@ print("captured passes identical")
 """
 
 
+@pytest.mark.slow
 def test_captured_loop_passes_equal_the_step_engine():
     """The captured-pass path (graphs.py: static buffers padded to a shape bucket, the paged kernel reading each
     item's plane, masked writes moved to the scratch block), run uncaptured in Triton's interpreter: the step

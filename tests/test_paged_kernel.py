@@ -113,6 +113,7 @@ def run_in_interpreter(script: str) -> str:
     return done.stdout
 
 
+@pytest.mark.slow
 def test_kernel_matches_reference_in_interpreter():
     assert "kernel == reference" in run_in_interpreter(INTERPRETER_CHECK)
 
@@ -144,6 +145,7 @@ print("engine tokens identical")
 """
 
 
+@pytest.mark.slow
 def test_engine_with_kernel_equals_reference_in_interpreter():
     """Greedy speculative decoding on the kernel path (eager and emulated graphs) gives the reference's tokens."""
     assert "engine tokens identical" in run_in_interpreter(ENGINE_CHECK)

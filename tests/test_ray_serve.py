@@ -353,7 +353,7 @@ def _check_backpressure(url: str, offline_greedy) -> None:
 
 def _check_replica_killed_mid_load(url: str, server_pid: int, metrics_port: int, offline_greedy) -> None:
     before = {_replica_metrics(metrics_port + rank)["replica"] for rank in range(2)}
-    long_tokens = 900  # seconds of work each: still running when the replica is killed
+    long_tokens = 400  # seconds of work each: still running when the replica is killed
 
     async def load():
         async with _client(url) as client:

@@ -104,6 +104,7 @@ def test_greedy_speculation_with_a_grammar_is_plain_decoding_with_it(model):
             assert [o.token_ids for o in engine(model, **mode).generate(prompts, exits)] == want, (mode, step)
 
 
+@pytest.mark.slow
 def test_speculative_sampling_with_a_grammar_keeps_the_constrained_distribution():
     """Three tokens of a regex grammar, the second and third from one K = 2 round: the draft's and the target's
     distributions are masked by the grammar after the tokens before each position, so rejection sampling keeps the
