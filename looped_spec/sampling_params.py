@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import difflib
 import numbers
 import operator
 from typing import Annotated, Any
@@ -142,7 +143,7 @@ class SamplingParams(BaseModel):
     stop: list[str] = Field(
         default_factory=list,
         strict=False,
-        description="Strings that end the request, checked on the decoded text (cut off).",
+        description="Strings that end the request, checked on the decoded text (cut off); one string or a list.",
     )
     include_stop_str_in_output: bool = Field(
         False,
@@ -182,6 +183,30 @@ class SamplingParams(BaseModel):
         "many most likely tokens there, from the model's full-depth logits (`RequestOutput.prompt_logprobs`; a "
         "forward over the prompt at admission, as `LoopedSpecEngine.score`). None = none.",
     )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _known_fields(cls, data: Any) -> Any:
+        """A field SamplingParams does not have is an error naming it, with the field it was likely meant to be (a
+        vLLM field this engine runs elsewhere says where)."""
+        if isinstance(data, dict):
+            for name in data:
+                if name in cls.model_fields:
+                    continue
+                if name in ("n", "best_of"):
+                    raise ValueError(f"{name}: one output per request here (RequestOutput holds one text); to draw "
+                                     "several, give the prompt several times with seeds s, s+1, ... (the server's n "
+                                     "does so)")  # fmt: skip
+                close = difflib.get_close_matches(str(name), list(cls.model_fields), n=1)
+                hint = f" (did you mean {close[0]!r}?)" if close else ""
+                raise ValueError(f"{name}: not a SamplingParams field{hint}")
+        return data
+
+    @field_validator("stop", mode="before")
+    @classmethod
+    def _one_string(cls, stop: Any) -> Any:
+        """A single string is one stop string, as vLLM takes it (and the server's `stop`)."""
+        return [stop] if isinstance(stop, str) else stop
 
     @field_validator("stop")
     @classmethod
@@ -252,3 +277,11 @@ class SamplingParams(BaseModel):
                 "(a threshold lets each token choose its depth, exit_at_step fixes it)"
             )
         return self
+
+
+def sampling_params_argument(sampling_params: Any, params: Any) -> Any:
+    """The SamplingParams a call was given as `sampling_params` (vLLM's name) or `params` (this engine's older
+    keyword, still taken): at most one of the two."""
+    if sampling_params is not None and params is not None:
+        raise TypeError("sampling_params and params: give one (params is the older name of sampling_params)")
+    return params if sampling_params is None else sampling_params

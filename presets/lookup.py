@@ -176,8 +176,9 @@ def preset_path(preset: str | Path) -> tuple[Path, str]:
         return path, "preset= file"
     shipped = shipped_preset_path(str(preset)) if path.suffix != ".json" else None
     if shipped is None and path.is_dir():
-        raise PresetError(f"preset={str(preset)!r}: a directory, not a preset file (a checkpoint folder's preset is "
-                          "its preset.json, found without preset=)")  # fmt: skip
+        # 'preset.json' quoted: the command line's rewriting of field names into flags leaves a quoted name alone
+        raise PresetError(f"preset={str(preset)!r}: a directory, not a preset file (a checkpoint folder's own "
+                          "'preset.json' is found when no preset is given)")  # fmt: skip
     if shipped is None:
         raise PresetError(f"preset={str(preset)!r}: no such preset file or shipped preset (shipped: "
                           f"{', '.join(list_presets())})")  # fmt: skip
@@ -227,10 +228,13 @@ _told_threads: set[tuple[str, str, int]] = set()  # (model, hardware, threads) w
 
 def warn_if_timed_at_other_threads(preset: AdaptiveSpecConfig, threads: int) -> None:
     """For an engine on a CPU running `threads` torch threads: a preset's pass-cost profile holds one thread count's
-    relative prices of plans (its provenance's `machine.torch_threads`); with more threads a pass's compute shrinks
+    relative prices of plans (its provenance's `cost_machine.torch_threads`); with more threads a pass's compute shrinks
     and its fixed host cost does not, so plans of more passes (speculative ones) cost relatively more than it says
-    (docs/adaptive.md, "Prices on another machine"). Said once per preset and thread count."""
-    machine = preset.provenance.get("machine") if isinstance(preset.provenance, dict) else None
+    (docs/adaptive.md, "Prices on another machine"). Said once per preset and thread count. A preset whose profile came
+    from another (`tune --cost-from`) keeps the profile's machine as `cost_machine`, `machine` being where its
+    acceptance was measured."""
+    provenance = preset.provenance if isinstance(preset.provenance, dict) else {}
+    machine = provenance.get("cost_machine") or provenance.get("machine")
     timed = machine.get("torch_threads") if isinstance(machine, dict) else None
     key = (preset.model, preset.hardware, threads)
     if not isinstance(timed, int) or timed == threads or key in _told_threads:

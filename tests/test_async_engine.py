@@ -23,7 +23,7 @@ def test_concurrent_streams_equal_offline_generate_and_abort_frees_kv():
 
     async def collect(prompt) -> list[int]:
         tokens = []
-        async for out in front.generate(prompt, params):
+        async for out in front.generate(prompt, sampling_params=params):  # vLLM's AsyncLLM.generate keyword
             tokens += out.new_token_ids
             assert out.token_ids == tokens
         return tokens

@@ -34,7 +34,7 @@ def test_prompts_from_stdin_and_compare_plain(capsys, monkeypatch):
     monkeypatch.setattr(sys, "stdin", io.StringIO("def add(a, b):\n\nclass A:\n"))
     # every adaptive-only flag: the plain engine beside it takes none of them
     adaptive = ["--speculation", "adaptive", "--policy", "ema", "--preset", "tiny-ouro", "--compare-repeats", "2",
-                "--control", '{"hysteresis": 0.05}']  # fmt: skip
+                "--control", '{"readout_budget": 0.02}']  # fmt: skip
     assert main(BASE + ["--prompts-file", "-", "--compare-plain", *adaptive]) == 0
     out = capsys.readouterr().out
     assert "--- output 1 ---\nclass A:" in out
@@ -67,6 +67,24 @@ def test_user_errors_are_one_line(capsys):
     assert "--structured-outputs: regx: Extra inputs are not permitted" in capsys.readouterr().err
     assert main(BASE + ["--prompt", "x", "--structured-outputs", '{"choice": ["yes", "no"]}']) == 0
     assert capsys.readouterr().out.splitlines()[0] in ("xyes", "xno")
+
+
+def test_a_preset_naming_a_directory_is_told_so_in_the_commands_terms(capsys, tmp_path):
+    assert main([*BASE[:-2], "--prompt", "x", "--preset", str(tmp_path)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == (f"looped-spec: error: --preset {tmp_path}: a directory, not a preset file (a checkpoint folder's "
+                   "own 'preset.json' is found when no preset is given)")  # fmt: skip
+
+
+def test_an_unknown_adapter_option_and_model_are_named_by_their_flags(capsys):
+    argv = ["generate", "--model", "tiny-huginn", "--prompt", "x", "--max-tokens", "2"]
+    assert main([*argv, "--adapter-option", "num_step=4"]) == 2
+    assert capsys.readouterr().err.strip() == (
+        "looped-spec: error: --adapter-option num_step: not an option of huginn_raven (did you mean 'num_steps' for "
+        "'num_step'?); it takes: initial_state, num_steps, exit_criterion, exit_threshold"
+    )
+    assert main(["generate", "--model", "tiny-ouroo", "--prompt", "x"]) == 2
+    assert capsys.readouterr().err.startswith("looped-spec: error: --model tiny-ouroo: not a checkpoint folder")
 
 
 @pytest.mark.parametrize("value", ["0.5", "2.0", "true", "two"])

@@ -135,6 +135,12 @@ def test_field_names_become_flags_only_where_they_name_a_field():
     )
     assert name_flags("the device: cpu", flags) == "the --device: cpu"  # the form a field is named in
     assert name_flags("a device for it", flags) == "a device for it"
+    # a field with parts names one as `field.part`; another field's name before a dot is a word (a file's name), and
+    # `field=` without a value is prose
+    flags |= {"preset": "--preset", "speculation": "--speculation"}
+    assert name_flags("speculation.k=65: must be at most 64", flags) == "--speculation: k=65: must be at most 64"
+    message = "a directory (its own preset.json is found without preset=)"
+    assert name_flags(message, flags) == message
     # an adapter's own option is set with --adapter-option, even where a flag of its name sets a request field
     flags["exit_threshold"] = "--exit-threshold"
     message = "adapter option exit_threshold=-1 must be > 0 (the default early-exit threshold of requests)"
@@ -154,6 +160,13 @@ def test_every_flag_states_its_default():
               if action.default is None and action.option_strings and "default" not in (action.help or "")
               and action.required is False]  # fmt: skip
     assert not silent
+    # each default said once, and none for an on/off switch (off unless given)
+    for name, sub in subparsers.choices.items():
+        text = sub.format_help()
+        assert "(default: False)" not in text and "(default: True)" not in text, name
+        for action in sub._actions:
+            shown = sub._get_formatter()._get_help_string(action) or ""
+            assert shown.count("(default:") <= 1, (name, action.dest, shown)
 
 
 def test_batch_size_copies_decode_together_and_stream_runs_them_one_at_a_time(engines, capsys):

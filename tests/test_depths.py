@@ -103,3 +103,19 @@ def test_random_weight_huginn_fixture_is_lossless_at_other_depths(n, caplog):
     fixed = engine(fixture_dir("huginn"), n, f"2,{n - 1}")
     assert [o.token_ids for o in fixed.generate(prompts, params)] == plain
     assert fixed.stats.num_spec_rounds > 0
+
+
+def test_at_depth_one_adaptive_decodes_plainly_and_refuses_what_would_steer_it(caplog):
+    """D = 1 leaves nothing to draft with: the default adaptive speculation decodes plainly and says so; a preset,
+    policy or tunables given for it would do nothing and are errors naming them."""
+    caplog.set_level(logging.INFO, logger="looped_spec.engine.engine")
+    one = engine("tiny-huginn", 1, "adaptive")
+    assert not isinstance(one.controller, AdaptiveController)
+    assert any("D=1 loop: nothing to draft with" in r.getMessage() for r in caplog.records)
+    prompts = prompt_group("code", 2)
+    want = [o.token_ids for o in engine("tiny-huginn", 1, "off").generate(prompts, PARAMS)]
+    assert [o.token_ids for o in one.generate(prompts, PARAMS)] == want
+    for option in ({"preset": "/no/such/preset.json"}, {"policy": "ema"}, {"control": {"readout_budget": 0.01}}):
+        name = next(iter(option))
+        with pytest.raises(ValueError, match=f"{name}=.*the model runs D=1 loop, nothing to draft with"):
+            engine("tiny-huginn", 1, "adaptive", **option)

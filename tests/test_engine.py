@@ -57,6 +57,24 @@ def test_engine_config_object_and_keyword_options():
         EngineConfig(max_num_batched_tokenz=3)
 
 
+def test_generate_and_chat_take_sampling_params_by_vllms_name_and_by_the_older_one():
+    """`sampling_params=` as vLLM's `LLM.generate` / `LLM.chat` name it; `params=`, this engine's older keyword, still
+    taken; both at once an error. SamplingParams takes vLLM's single stop string, and names a field it lacks."""
+    engine = make_engine("ouro")
+    want = engine.generate([5, 9, 13], greedy(5))[0].token_ids
+    assert engine.generate([5, 9, 13], sampling_params=greedy(5))[0].token_ids == want
+    assert engine.generate([5, 9, 13], params=greedy(5))[0].token_ids == want
+    with pytest.raises(TypeError, match="sampling_params and params: give one"):
+        engine.generate([5, 9, 13], sampling_params=greedy(5), params=greedy(5))
+    with pytest.raises(ValueError, match=r"sampling_params: 2 SamplingParams for 1 prompts"):
+        engine.generate([5, 9, 13], sampling_params=[greedy(5), greedy(5)])
+    assert SamplingParams(stop="\n").stop == ["\n"] and SamplingParams(stop=["a", "b"]).stop == ["a", "b"]
+    with pytest.raises(ValidationError, match=r"top_pp: not a SamplingParams field \(did you mean 'top_p'\?\)"):
+        SamplingParams(top_pp=0.5)
+    with pytest.raises(ValidationError, match="n: one output per request here"):
+        SamplingParams(n=2)
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 def test_batched_equals_sequential_with_seeded_sampling(family):
     prompts = FILLER + reference(family)["prompts"]

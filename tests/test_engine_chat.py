@@ -76,7 +76,7 @@ def test_chat_errors_name_what_is_wrong(engine):
         engine.chat(ASK, GREEDY, chat_template="{{ raise_exception('no') }}")
     with pytest.raises(ValueError, match=r"chat_template_kwargs\['add_generation_prompt'\]: a rendering parameter"):
         engine.chat(ASK, GREEDY, chat_template_kwargs={"add_generation_prompt": False})
-    with pytest.raises(ValueError, match="params: 1 SamplingParams for 2 conversations"):
+    with pytest.raises(ValueError, match="sampling_params: 1 SamplingParams for 2 conversations"):
         engine.chat([ASK, ASK], [GREEDY])
     with pytest.raises(TypeError, match="messages: one conversation"):
         engine.chat("Reverse a string.", GREEDY)

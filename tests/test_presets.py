@@ -412,3 +412,20 @@ def test_a_preset_timed_at_another_thread_count_says_so_once(caplog, monkeypatch
         assert f"looped-spec tune --threads {timed + 3}" in told[0]
     lookup.warn_if_timed_at_other_threads(preset_for(adapter).model_copy(update={"provenance": "hand-written"}), 7)
     assert len(caplog.records) == 1  # no recorded thread count: nothing to compare
+
+
+def test_a_profile_from_another_preset_is_judged_by_the_threads_it_was_timed_at(caplog, monkeypatch):
+    """`tune --cost-from` keeps the source's timing machine as `cost_machine`; `machine` is where the acceptance was
+    measured, at another thread count: the warning reads the profile's."""
+    import looped_spec.presets.lookup as lookup
+    from looped_spec import load_adapter
+
+    monkeypatch.setattr(lookup, "_told_threads", set())
+    preset = preset_for(load_adapter("tiny-ouro"))
+    provenance = {**preset.provenance, "machine": {"torch_threads": 2}, "cost_machine": {"torch_threads": 1}}
+    preset = preset.model_copy(update={"provenance": provenance})
+    with caplog.at_level(logging.WARNING, logger="looped_spec.presets.lookup"):
+        lookup.warn_if_timed_at_other_threads(preset, 1)
+        assert not caplog.records
+        lookup.warn_if_timed_at_other_threads(preset, 2)
+    assert len(caplog.records) == 1 and "timed at 1 torch thread(s) and this process runs 2" in caplog.text

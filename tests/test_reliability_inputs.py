@@ -74,6 +74,10 @@ def test_item06_sampling_params_bounds():
             "control.hysterisis: unknown field \\(did you mean 'hysteresis'",
         ),
         ({"speculation": "2,1", "control": {"hysteresis": 0.5}}, r"control=.*only with speculation='adaptive'"),
+        (
+            {"speculation": "adaptive", "policy": "ema", "control": {"hysteresis": 0.1, "readout_budget": 0.01}},
+            r"^LoopedSpecEngine: control\.hysteresis=0\.1: only the goodput policy reads it \(policy='ema' runs",
+        ),
         ({"num_kv_blocks": 64, "kv_cache_memory_gb": 1.0}, "set at most one"),
         ({"speculation": {"k": "2"}}, "speculation.k='2'"),
         ({"speculation": {"k": True}}, "speculation.k=True"),

@@ -87,6 +87,7 @@ def test_validation_summary_judges_plans_against_plain():
     assert validation_summary({"0,0@1": cell(1.0)}) is None
 
 
+@pytest.mark.slow
 def test_the_tuner_warns_when_its_profile_misprices_its_own_rounds(monkeypatch, caplog):
     """A profile whose prices of plans against plain are off its own timed rounds by more than the trusted error (a
     machine whose speed moved while it was timed) is written, with a warning naming the worst cell, and the report
@@ -187,6 +188,14 @@ def test_tune_takes_adapter_options_and_records_them():
                           cost_profile=PROFILE, adapter_options={"num_steps": 3}, progress=False)  # fmt: skip
     assert config.full_depth == 3 and len(config.acceptance.alpha) == 3
     assert report["model"]["adapter_options"] == {"num_steps": 3}
+    # a loaded adapter brings its own options, recorded as it runs; loading options beside it are errors
+    loaded = load_adapter(fixture_dir("huginn"), num_steps=3)
+    config, report = tune(loaded, [1], "builtin", "1,1", acceptance_tokens=4, num_prompts=1, cost_profile=PROFILE,
+                          progress=False)  # fmt: skip
+    assert config.full_depth == 3 and report["model"]["adapter_options"] == {"num_steps": 3}
+    for option in ({"adapter_options": {"num_steps": 4}}, {"dtype": "bfloat16"}, {"device": "cpu"}):
+        with pytest.raises(TunerError, match=f"{next(iter(option))}=.*not for a loaded ModelAdapter"):
+            tune(loaded, [1], "builtin", "1,1", cost_profile=PROFILE, progress=False, **option)
 
 
 def test_profile_fit_recovers_a_known_profile_from_its_own_timings():
@@ -423,6 +432,22 @@ def test_cli_tune_cost_from_keeps_the_profiles_hardware_and_machine(tmp_path):
     assert tuned.provenance["cost_machine"] == shipped.provenance["machine"]
     assert tuned.provenance["machine"]["torch_threads"] == 1  # --threads defaults to 1, recorded
     assert tuned.provenance["cost_measured"] == shipped.provenance["cost_measured"]
+
+
+def test_cli_tune_cost_from_errors_name_the_flag_and_keep_a_files_errors_apart(tmp_path, capsys):
+    argv = ["tune", "--model", "tiny-ouro", "--out", str(tmp_path / "p.json"), "--cost-from"]
+    assert main([*argv, "nosuch"]) == 2
+    assert capsys.readouterr().err.startswith("looped-spec: error: --cost-from nosuch: no such preset file or shipped")
+    assert main([*argv, str(tmp_path)]) == 2
+    assert f"--cost-from {tmp_path}: a directory, not a preset file" in capsys.readouterr().err
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"model": "x"}')
+    assert main([*argv, str(bad)]) == 2
+    assert capsys.readouterr().err == (f"looped-spec: error: --cost-from {bad}: full_depth: Field required; buckets: "
+                                       "Field required; cost: Field required\n")  # fmt: skip
+    # the engine's reading of the same file: one line, its errors apart
+    assert main(["generate", "--model", "tiny-ouro", "--prompt", "x", "--preset", str(bad)]) == 2
+    assert f"{bad}: full_depth: Field required; {bad}: buckets: Field required;" in capsys.readouterr().err
 
 
 def test_tune_seed_draws_the_random_prompts():

@@ -52,7 +52,11 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except (ValueError, TypeError) as exc:  # the engine's and SamplingParams' errors name fields: say the flags
         flags = flags_of(args.command_parser)  # the subcommand's own parser (set_defaults)
-        print(f"looped-spec: error: {name_flags(one_line(exc), flags)}", file=sys.stderr)
+        message = name_flags(one_line(exc), flags)
+        model = getattr(args, "model", None)
+        if model is not None and message.startswith(f"{model}: "):  # the loader names the path or name it was given
+            message = f"--model {message}"
+        print(f"looped-spec: error: {message}", file=sys.stderr)
         return 2
     except (KeyError, OSError) as exc:
         print(f"looped-spec: error: {one_line(exc)}", file=sys.stderr)

@@ -65,10 +65,14 @@ def set_threads(threads: int) -> None:
 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
-    """Shows each flag's default, except None: the help text says what leaving the flag out means."""
+    """Shows each flag's default, except None (the help text says what leaving the flag out means), an on/off
+    switch's (off unless given) and one the help text states itself."""
 
     def _get_help_string(self, action: argparse.Action) -> str | None:
-        return action.help if action.default is None else super()._get_help_string(action)
+        switch = isinstance(action, (argparse._StoreTrueAction, argparse._StoreFalseAction))
+        if action.default is None or switch or "(default:" in (action.help or ""):
+            return action.help
+        return super()._get_help_string(action)
 
 
 class UsageError(ValueError):
@@ -190,4 +194,6 @@ def one_line(exc: Exception) -> str:
     if callable(errors) and type(exc).__name__ == "ValidationError":
         messages = [(e.get("loc"), e["msg"].removeprefix("Value error, ")) for e in exc.errors()]
         return "; ".join(f"{'.'.join(map(str, loc))}: {msg}" if loc else msg for loc, msg in messages)
-    return " ".join(str(exc).split()) or type(exc).__name__
+    # a message of several lines (a preset file's errors, one a line) keeps them apart
+    lines = [" ".join(line.split()) for line in str(exc).splitlines()]
+    return "; ".join(line for line in lines if line) or type(exc).__name__

@@ -13,6 +13,9 @@ FLAG_VALUES = {"--cuda-graphs": {"True": "on", "False": "off", "None": "auto"}}
 #: how an adapter's own errors name its options (`adapter option exit_threshold=-1 ...`): those names are the family's
 #: options, set with --adapter-option, even where a flag of the same name sets a field (Huginn's exit_threshold)
 ADAPTER_OPTION = "adapter option"
+#: fields whose errors name a part as `field.part` (SpeculativeConfig's k, ControlSettings' tunables, a structured
+#: output's kind); another field followed by a dot is a word such as a file name (`preset.json`)
+FIELDS_WITH_PARTS = frozenset({"speculation", "control", "structured_outputs"})
 
 
 def flags_of(parser: argparse.ArgumentParser) -> dict[str, str]:
@@ -46,14 +49,18 @@ def name_flags(message: str, flags: dict[str, str]) -> str:
     if not flags:
         return message
     names = "|".join(re.escape(name) for name in sorted(flags, key=len, reverse=True))
-    value = r"'[^'\s]*'|[^\s'\"\[\]{}(),:;]+"
-    pattern = re.compile(rf"(?<![\w.'\"/-])(?P<field>{names})(?:=(?P<value>{value})?|(?P<sep>[.:])|(?!\w))")
+    # `field=value`; `field=` before a list, dict or string, which stay as written; `field.part` / `field:`; the bare
+    # field (not `field=` followed by nothing: prose such as "found without preset=)")
+    value = r"'[^'\s]*'|[^\s'\"\[\]{}(),:;]+|(?=[\[{\"])"
+    pattern = re.compile(rf"(?<![\w.'\"/-])(?P<field>{names})(?:=(?P<value>{value})|(?P<sep>[.:])|(?![\w=]))")
 
     def as_flag(match: re.Match) -> str:
         field, flag = match["field"], flags[match["field"]]
-        if match[0].startswith(f"{field}="):
-            given = (match["value"] or "").strip("'")
+        if match["value"] is not None:
+            given = match["value"].strip("'")
             return f"{flag} {FLAG_VALUES.get(flag, {}).get(given, given)}"
+        if match["sep"] == "." and field not in FIELDS_WITH_PARTS:
+            return match[0]
         if match["sep"]:
             return f"{flag}:" + (" " if match["sep"] == "." else "")
         return flag if "_" in field else match[0]

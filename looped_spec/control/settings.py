@@ -9,9 +9,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields
 
 
-def _tunable(default: float, allowed: str):
-    """A field with its default and its allowed interval, "[lo, hi)" style ("inf" for no bound)."""
-    return field(default=default, metadata={"allowed": allowed})
+def _tunable(default: float, allowed: str, policy: str | None = None):
+    """A field with its default, its allowed interval, "[lo, hi)" style ("inf" for no bound), and the one policy it
+    steers (None: both)."""
+    return field(default=default, metadata={"allowed": allowed, "policy": policy})
 
 
 def _within(value: float, allowed: str) -> bool:
@@ -24,11 +25,11 @@ def _within(value: float, allowed: str) -> bool:
 @dataclass(frozen=True)
 class ControlSettings:
     #: goodput: rounds between two decisions of a bucket (a new batch size or bucket decides at once)
-    decision_interval: int = _tunable(4, "[1, inf)")
+    decision_interval: int = _tunable(4, "[1, inf)", "goodput")
     #: goodput: a speculative plan replaces another only when predicted this much faster (relative)
-    hysteresis: float = _tunable(0.03, "[0, 1)")
+    hysteresis: float = _tunable(0.03, "[0, 1)", "goodput")
     #: goodput: speculation starts only when predicted this much faster than plain decoding (relative)
-    plain_margin: float = _tunable(0.05, "[0, 1)")
+    plain_margin: float = _tunable(0.05, "[0, 1)", "goodput")
     #: positions per depth the online agreement estimate remembers, and committed tokens the exit-depth histogram does
     acceptance_memory: float = _tunable(128.0, "(0, inf)")
     #: positions per depth a request's own agreement estimate remembers
@@ -43,11 +44,20 @@ class ControlSettings:
     #: cost: rounds the drift factor (measured ÷ predicted round time) remembers, and pairs what measuring adds
     drift_rounds: float = _tunable(64.0, "(0, inf)")
     #: goodput: rounds between two plain rounds run beside a speculative plan, to price speculation against plain ...
-    price_probe_interval: int = _tunable(32, "[2, inf)")
+    price_probe_interval: int = _tunable(32, "[2, inf)", "goodput")
     #: ... and the pairs of rounds the relative price remembers
-    price_memory: float = _tunable(16.0, "[1, inf)")
+    price_memory: float = _tunable(16.0, "[1, inf)", "goodput")
     #: a batch stays in its bucket while its size is within this factor of the bucket's range
     bucket_stickiness: float = _tunable(1.25, "[1, inf)")
+
+    def set_for_another_policy(self, policy: str) -> list[str]:
+        """The tunables set away from their defaults that only another policy than `policy` reads (they would do
+        nothing)."""
+        return [
+            f.name
+            for f in fields(self)
+            if f.metadata["policy"] not in (None, policy) and getattr(self, f.name) != f.default
+        ]
 
     def __post_init__(self) -> None:
         for f in fields(self):

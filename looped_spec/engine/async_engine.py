@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from looped_spec.engine.engine import LoopedSpecEngine
 from looped_spec.engine.inputs import Prompt
 from looped_spec.request import RequestOutput
-from looped_spec.sampling_params import SamplingParams
+from looped_spec.sampling_params import SamplingParams, sampling_params_argument
 
 logger = logging.getLogger(__name__)
 
@@ -175,9 +175,12 @@ class AsyncLoopedSpecEngine:
         return RequestStream(self, request_id, stream.queue)
 
     async def generate(
-        self, prompt: Prompt, params: SamplingParams, request_id: str | None = None, priority: int = 0
-    ) -> AsyncIterator[RequestOutput]:
-        """`add_request` and iterate its outputs until it finishes."""
+        self, prompt: Prompt, sampling_params: SamplingParams | None = None, request_id: str | None = None,
+        priority: int = 0, *, params: SamplingParams | None = None,
+    ) -> AsyncIterator[RequestOutput]:  # fmt: skip
+        """`add_request` and iterate its outputs until it finishes (`sampling_params` as vLLM's `AsyncLLM.generate`
+        names it; `params=`: its older name)."""
+        params = sampling_params_argument(sampling_params, params)
         async for output in self.add_request(prompt, params, request_id, priority):
             yield output
 

@@ -156,6 +156,11 @@ class EngineConfig(BaseModel):
     def _adaptive_options(self) -> EngineConfig:
         """The preset, policy and tunables steer the adaptive controller; with another plan they would do nothing."""
         if parse_speculation(self.speculation) == "adaptive":
+            unused = self.control.set_for_another_policy(self.policy) if self.control is not None else []
+            if unused:
+                shown = ", ".join(f"control.{name}={getattr(self.control, name)!r}" for name in unused)
+                raise ValueError(f"{shown}: only the goodput policy reads {'it' if len(unused) == 1 else 'them'} "
+                                 f"(policy={self.policy!r} runs without)")  # fmt: skip
             return self
         # given, even as the default (policy="goodput"): an option set to a value that does nothing is an error
         given = [

@@ -48,7 +48,7 @@ from looped_spec.models.stage_check import check_stages
 from looped_spec.presets.lookup import preset_for, warn_if_timed_at_other_threads
 from looped_spec.reasoning import reasoning_parser
 from looped_spec.request import Request, RequestOutput, TokenLogprob
-from looped_spec.sampling_params import SamplingParams
+from looped_spec.sampling_params import SamplingParams, sampling_params_argument
 from looped_spec.speculative.round import SpeculativeRound
 from looped_spec.structured_output import GrammarCompiler, StructuredOutputs
 
@@ -169,6 +169,16 @@ class LoopedSpecEngine:
         spec = parse_speculation(config.speculation)
         depth = self.adapter.full_depth
         preset = None
+        if spec == "adaptive" and depth < 2:
+            # nothing to draft with: adaptive decodes plainly, and what would steer its controller does nothing
+            given = [f"{name}={getattr(config, name)!r}" for name in ("preset", "policy", "control")
+                     if name in config.model_fields_set and getattr(config, name) is not None]  # fmt: skip
+            if given:
+                raise ValueError(f"{', '.join(given)}: the model runs D={depth} loop, nothing to draft with; "
+                                 "speculation='adaptive' decodes plainly there and runs no adaptive "
+                                 "controller")  # fmt: skip
+            logger.info("the model runs D=%d loop: nothing to draft with, speculation='adaptive' decodes plainly",
+                        depth)  # fmt: skip
         if spec == "adaptive" and depth >= 2:
             preset = preset_for(self.adapter, config.preset)
             if self.adapter.device.type == "cpu":
@@ -406,25 +416,28 @@ class LoopedSpecEngine:
 
     # ----- offline API -----
     def generate(
-        self, prompts: Any, params: SamplingParams | list[SamplingParams] | None = None, use_tqdm: bool = False,
-        priority: list[int] | None = None,
+        self, prompts: Any, sampling_params: SamplingParams | list[SamplingParams] | None = None,
+        use_tqdm: bool = False, priority: list[int] | None = None, *,
+        params: SamplingParams | list[SamplingParams] | None = None,
     ) -> list[RequestOutput]:  # fmt: skip
         """Run prompts to completion; outputs in prompt order, each once and whole (its `new_token_ids` and
         `new_text` are all of it). All prompts are validated before any is queued.
         `prompts`: a prompt or a list of them, each as `add_request` takes it (vLLM's prompt dicts included).
+        `sampling_params`: one for every prompt, or one per prompt (`params=`: its older name).
         `priority`: one per prompt (scheduling_policy="priority"; lower values first), as vLLM's `LLM.generate`.
 
         Requests added with `add_request` keep running alongside; their outputs stay for `step()`. If a step
         fails, this call's requests are aborted (and forgotten) and the error is raised.
         """
         self._check_open()
+        params = sampling_params_argument(sampling_params, params)
         items = normalize_prompts(prompts)
         params_list = params if isinstance(params, list) else [params or SamplingParams()] * len(items)
         if len(params_list) != len(items):
-            raise ValueError(f"{len(params_list)} SamplingParams for {len(items)} prompts")
+            raise ValueError(f"sampling_params: {len(params_list)} SamplingParams for {len(items)} prompts")
         for i, p in enumerate(params_list):
             if not isinstance(p, SamplingParams):
-                raise TypeError(f"params[{i}] must be SamplingParams, got {type(p).__name__}")
+                raise TypeError(f"sampling_params[{i}] must be SamplingParams, got {type(p).__name__}")
         if priority is not None and (not isinstance(priority, (list, tuple)) or len(priority) != len(items)):
             given = f"{len(priority)} entries" if isinstance(priority, (list, tuple)) else type(priority).__name__
             raise ValueError(f"priority: one integer per prompt ({len(items)}), got {given}")
@@ -463,8 +476,9 @@ class LoopedSpecEngine:
     def chat(
         self,
         messages: list[dict] | list[list[dict]],
-        params: SamplingParams | list[SamplingParams] | None = None,
+        sampling_params: SamplingParams | list[SamplingParams] | None = None,
         *,
+        params: SamplingParams | list[SamplingParams] | None = None,
         chat_template: str | None = None,
         chat_template_kwargs: dict[str, Any] | None = None,
         add_generation_prompt: bool = True,
@@ -477,7 +491,9 @@ class LoopedSpecEngine:
         the template's text) with `chat_template_kwargs` as template variables and `tools` as its `tools`;
         `continue_final_message` (with `add_generation_prompt=False`) continues the last message instead of opening a
         turn. The reply ends at the tokenizer's end-of-turn token (its eos) as well as the model's, unless
-        `ignore_eos`. Every conversation is rendered before any is queued."""
+        `ignore_eos`. Every conversation is rendered before any is queued (`params=`: `sampling_params`' older
+        name)."""
+        params = sampling_params_argument(sampling_params, params)
         items = conversations(messages)
         rendered = [
             chat_prompt(
@@ -495,7 +511,7 @@ class LoopedSpecEngine:
         prompts = [ids for _, ids in rendered]
         params_list = params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
         if len(params_list) != len(prompts):
-            raise ValueError(f"params: {len(params_list)} SamplingParams for {len(prompts)} conversations")
+            raise ValueError(f"sampling_params: {len(params_list)} SamplingParams for {len(prompts)} conversations")
         end_of_turn = getattr(self.tokenizer, "eos_token_id", None)
         if end_of_turn is not None and end_of_turn not in self.adapter.eos_token_ids:
             params_list = [p if not isinstance(p, SamplingParams) or p.ignore_eos or end_of_turn in p.stop_token_ids

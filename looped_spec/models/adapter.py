@@ -13,6 +13,7 @@ there), so the engine can slice, stack and cache it without knowing the family.
 
 from __future__ import annotations
 
+import difflib
 from abc import ABC, abstractmethod
 from pathlib import Path
 from typing import Any, ClassVar
@@ -75,8 +76,13 @@ class ModelAdapter(ABC):
         self.path = path
         unknown = sorted(set(options) - set(self.option_names))
         if unknown:
-            known = ", ".join(self.option_names) or "none"
-            raise ValueError(f"unknown {self.model_type} adapter option(s) {unknown}; it takes: {known}")
+            # "adapter option ..." first: the command line names the flag that set it (--adapter-option)
+            close = [difflib.get_close_matches(name, self.option_names, n=1) for name in unknown]
+            hints = "".join(f" (did you mean {c[0]!r} for {name!r}?)" for name, c in zip(unknown, close) if c)
+            raise ValueError(
+                f"adapter option {', '.join(unknown)}: not an option of {self.model_type}{hints}; it takes: "
+                f"{', '.join(self.option_names) or 'none'}"
+            )
         self.options = options
         self.generation = GenerationConfig()  # load_adapter sets the checkpoint's generation_config.json
         self.weights = {k: v.to(device=self.device, dtype=dtype) for k, v in weights.items()}

@@ -133,12 +133,20 @@ def tune(
         if value < low:
             raise TunerError(f"{name}={value} must be >= {low}")
     if isinstance(model, ModelAdapter):
+        # a loaded adapter's options, dtype and device are its own: ones given here would be ignored (and the
+        # provenance would record options the model never ran with)
+        given = [f"{name}={value!r}" for name, value, unset in (("adapter_options", adapter_options, None),
+                 ("dtype", dtype, "auto"), ("device", device, "auto")) if value not in (unset, {})]  # fmt: skip
+        if given:
+            raise TunerError(f"{', '.join(given)}: options for loading a model, not for a loaded ModelAdapter (give "
+                             "them to load_adapter, or pass the model's path or name)")  # fmt: skip
         adapter = model
+        adapter_options = dict(adapter.options)
     else:
         adapter = load_adapter(model, dtype=dtype, device=device, **(adapter_options or {}))
     depth = adapter.full_depth
     if depth < 2:
-        options = {} if isinstance(model, ModelAdapter) else adapter_options or {}  # a loaded adapter took none here
+        options = adapter_options or {}
         set_by = f"adapter option num_steps={options['num_steps']} sets" if "num_steps" in options else "the model has"
         raise TunerError(f"{set_by} full depth D={depth}; self-speculation needs D >= 2")
     exit_threshold = adapter.default_exit_threshold
