@@ -13,6 +13,7 @@ __version__ = "0.1.0"
 
 _EXPORTS = {
     "CheckpointError": "looped_spec.models.checkpoint",
+    "CompletionOutput": "looped_spec.request",
     "EngineConfig": "looped_spec.engine.config",
     "KVLayout": "looped_spec.execution.kv_cache",
     "LoopedSpecEngine": "looped_spec.engine.engine",
@@ -35,6 +36,7 @@ _EXPORTS = {
 __all__ = [
     "AsyncLoopedSpecEngine",
     "CheckpointError",
+    "CompletionOutput",
     "EngineConfig",
     "KVLayout",
     "LoopedSpecEngine",
@@ -63,7 +65,7 @@ if TYPE_CHECKING:
     from looped_spec.models.adapter import ModelAdapter, load_adapter, register_adapter, registered_model_types
     from looped_spec.models.checkpoint import CheckpointError, TensorSpec
     from looped_spec.models.kv_layout import KVLayout
-    from looped_spec.request import RequestMetrics, RequestOutput
+    from looped_spec.request import CompletionOutput, RequestMetrics, RequestOutput
     from looped_spec.sampling_params import SamplingParams
     from looped_spec.structured_output import StructuredOutputs
 

@@ -93,6 +93,20 @@ class BadWords:
                        if len(prefix) <= len(tail) and tail[len(tail) - len(prefix) :] == prefix})  # fmt: skip
 
 
+@dataclass(frozen=True)
+class CompletionOutput:
+    """vLLM's view of a request's one output (`RequestOutput.outputs[0]`): its index, text, token ids, the sum of its
+    tokens' log-probabilities (with `logprobs`, else None), the per-token log-probabilities, and why it finished."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    cumulative_logprob: float | None
+    logprobs: list[TokenLogprob] | None
+    finish_reason: str | None
+    stop_reason: str | None
+
+
 @dataclass
 class RequestOutput:
     """What `generate` / `step` return for a request.
@@ -100,6 +114,7 @@ class RequestOutput:
     `token_ids` / `text` are the whole output (`text` once finished, cut before a stop string);
     `new_token_ids` / `new_text` are what this output adds to the previous one of the same request,
     for streaming (`new_text` never splits a character, nor sends text a stop string may still cut).
+    `outputs` holds the same as vLLM's RequestOutput does (one CompletionOutput: one output per request here).
     """
 
     request_id: str
@@ -118,6 +133,15 @@ class RequestOutput:
     logprobs: list[TokenLogprob] | None = None
     # with SamplingParams.prompt_logprobs: one entry per prompt token (the first None)
     prompt_logprobs: list[TokenLogprob | None] | None = None
+
+    @property
+    def outputs(self) -> list[CompletionOutput]:
+        """[the output as vLLM's CompletionOutput], so code written for vLLM's `output.outputs[0].text` runs. Its
+        text is `text`, which is set once the request finishes ("" before: a stream reads `new_text`)."""
+        text = "" if self.text is None else self.text
+        cumulative = sum(entry.logprob for entry in self.logprobs) if self.logprobs is not None else None
+        return [CompletionOutput(0, text, self.token_ids, cumulative, self.logprobs, self.finish_reason,
+                                 self.stop_reason)]  # fmt: skip
 
 
 class Request:

@@ -9,6 +9,7 @@ depth to it (see `for_depth`).
 
 from __future__ import annotations
 
+import difflib
 from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -239,11 +240,20 @@ def format_validation_error(err: ValidationError) -> list[str]:
             path += f"[{part}]" if isinstance(part, int) else (f".{part}" if path else str(part))
         msg = e["msg"].removeprefix("Value error, ")
         value = e.get("input")
-        if e["type"] not in ("value_error", "missing") and isinstance(value, (int, float, str, bool)):
+        if e["type"] == "extra_forbidden" and e["loc"]:  # a misspelt key: the known key it is closest to, if any
+            close = difflib.get_close_matches(str(e["loc"][-1]), _preset_keys(), n=1)
+            msg += f" (did you mean {close[0]!r}?)" if close else ""
+        elif e["type"] not in ("value_error", "missing") and isinstance(value, (int, float, str, bool)):
             msg += f" (got {value!r})"
         for line in msg.split("\n"):
             lines.append(f"{path}: {line}" if path else line)
     return lines
+
+
+def _preset_keys() -> list[str]:
+    """Every key a preset file's sections take (the sections' fields, all levels)."""
+    models = (AdaptiveSpecConfig, BucketConfig, CandidateConfig, DisableConfig, AcceptanceConfig, CostConfig)
+    return sorted({name for model in models for name in model.model_fields})
 
 
 def _structure_errors(cfg: AdaptiveSpecConfig) -> list[str]:

@@ -75,6 +75,22 @@ def test_generate_and_chat_take_sampling_params_by_vllms_name_and_by_the_older_o
         SamplingParams(n=2)
 
 
+def test_an_output_reads_as_vllms_with_its_one_completion_output():
+    """`out.outputs[0]` as vLLM's CompletionOutput: the same text, tokens, finish and stop reasons; the
+    log-probabilities' sum with `logprobs`, else None."""
+    engine = make_engine("ouro")
+    out = engine.generate([5, 9, 13], greedy(6, logprobs=1))[0]
+    (completion,) = out.outputs
+    assert (completion.index, completion.token_ids, completion.finish_reason) == (0, out.token_ids, "length")
+    assert completion.text == "" and out.text is None  # a model without a tokenizer: ids only
+    assert completion.stop_reason is None and completion.logprobs == out.logprobs
+    assert completion.cumulative_logprob == pytest.approx(sum(entry.logprob for entry in out.logprobs))
+    assert engine.generate([5, 9, 13], greedy(2))[0].outputs[0].cumulative_logprob is None
+    with LoopedSpecEngine("tiny-ouro", speculation="off") as texts:  # with a tokenizer: the text
+        out = texts.generate("def add(a, b):", greedy(4))[0]
+        assert out.outputs[0].text == out.text and out.text
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 def test_batched_equals_sequential_with_seeded_sampling(family):
     prompts = FILLER + reference(family)["prompts"]

@@ -212,6 +212,15 @@ def test_errors_name_the_file(tmp_path: Path):
     path.write_text(json.dumps(data))
     with pytest.raises(PresetError, match=r"broken\.json: buckets\[0\]\.beta: Input should be greater than 0"):
         load_preset("x", 4, path)
+    data = copy.deepcopy(BASE)
+    data["bukets"] = data.pop("buckets")
+    data["disable"] = {"treshold": 0.1}
+    path.write_text(json.dumps(data))
+    with pytest.raises(PresetError) as error:
+        read_preset_file(path)
+    message = str(error.value)
+    assert "broken.json: bukets: Extra inputs are not permitted (did you mean 'buckets'?)" in message
+    assert "broken.json: disable.treshold: Extra inputs are not permitted (did you mean 'threshold'?)" in message
     path.write_text("{not json")
     with pytest.raises(PresetError, match="broken.json: invalid JSON"):
         read_preset_file(path)

@@ -439,6 +439,11 @@ def test_what_openai_refuses_is_refused_naming_the_field(server, client, monkeyp
     # every field refused is named, not only the first
     answer = post(completions, f'{{"model": "{MODEL}", "prompt": "a", "tools": [], "functions": []}}')
     assert answer.status_code == 400 and answer.json()["error"]["message"] == "tools, functions: not supported fields"
+    # a misspelt field is told the field it was likely meant to be
+    answer = post(completions, f'{{"model": "{MODEL}", "prompt": "a", "temprature": 0.5}}')
+    error = answer.json()["error"]
+    assert error["message"] == "temprature (did you mean 'temperature'?): not a supported field", error
+    assert error["param"] == "temprature"
     answer = post(completions, f'{{"model": "{MODEL}", "prompt": "a", "best_of": 2, "tools": [], "n": 2.0}}')
     error = answer.json()["error"]
     named = [part.split(":")[0] for part in error["message"].split("; ")]

@@ -117,6 +117,16 @@ def test_the_tuner_warns_when_its_profile_misprices_its_own_rounds(monkeypatch, 
             assert "30% off" in told[0] and report["validation_summary"]["worst_cell"] in told[0]
             empty = {"positions": 0, "alpha": [], "rho": [], "cells": {}}
             assert "time it again" in format_report({"acceptance": empty, "cost": report})
+    # no speculative cell to check (too few rounds of each plan): said, not passed over
+    plain_only = {"0,0@1": {"measured_over_predicted": 1.0, "relative_to_plain": 1.0, "rounds": 3}}
+    monkeypatch.setattr(profile, "validate", lambda cost_data, rounds, depth: plain_only)
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="looped_spec.tuning"):
+        _, report = tuner.measure_cost(adapter, prompts, [1], repeats=1, round_tokens=4)
+    assert report["validation_summary"] is None
+    assert any("were not checked: no speculative plan ran 3 timed rounds" in r.getMessage() for r in caplog.records)
+    empty = {"positions": 0, "alpha": [], "rho": [], "cells": {}}
+    assert "plans against plain: not checked" in format_report({"acceptance": empty, "cost": report})
 
 
 def test_cli_tune_usage_errors(tmp_path, capsys):

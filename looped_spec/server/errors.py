@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import difflib
+
 from fastapi import Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from looped_spec.server.protocol import ErrorInfo, ErrorResponse
@@ -49,6 +52,23 @@ def field_path(loc: tuple) -> str:
     return out
 
 
+def _with_guess(loc: tuple) -> str:
+    """An unsupported field's path, with the request field it was likely meant to be (`temprature`: did you mean
+    `temperature`?), from the fields of every request body this server takes."""
+    from looped_spec.server import protocol
+
+    if len(loc) == 2 and loc[0] == "body":  # a field of the request body itself
+        models = [protocol.CompletionRequest, protocol.ChatCompletionRequest, protocol.TokenizeCompletionRequest,
+                  protocol.TokenizeChatRequest, protocol.DetokenizeRequest]  # fmt: skip
+    else:  # inside one of its fields: any part of a request
+        models = [m for m in vars(protocol).values() if isinstance(m, type) and issubclass(m, BaseModel)]
+    known = sorted({name for model in models for name in model.model_fields})
+    name = str(loc[-1]) if loc else ""
+    # a field another endpoint takes (chat's `tools` sent to completions) is named as it is
+    close = [] if name in known else difflib.get_close_matches(name, known, n=1)
+    return field_path(loc) + (f" (did you mean {close[0]!r}?)" if close else "")
+
+
 def validation_message(errors: list[dict]) -> tuple[str, str | None]:
     """Every field in error as 'field: message' (pydantic's text, without its documentation URL), one message per
     top-level field (a union's branches say the same thing several ways), unsupported fields named together; the
@@ -58,7 +78,7 @@ def validation_message(errors: list[dict]) -> tuple[str, str | None]:
         msg = first.get("msg", "invalid value")
         return f"request body is not valid JSON: {first.get('ctx', {}).get('error', msg)}", None
     parts: list[str] = []
-    extra = [field_path(tuple(e.get("loc", ()))) for e in errors if e.get("type") == "extra_forbidden"]
+    extra = [_with_guess(tuple(e.get("loc", ()))) for e in errors if e.get("type") == "extra_forbidden"]
     seen: set = set()
     param = None
     for error in errors:

@@ -47,6 +47,8 @@ def format_report(report: dict[str, Any], preset: dict[str, Any] | None = None) 
                 f"{100 * summary['max_error']:.1f}% at worst ({summary['worst_cell']})"
                 + ("" if summary["trusted"] else ": the machine's speed moved while it was timed; time it again")
             )
+        else:
+            lines.append("  plans against plain: not checked (no speculative plan ran 3 timed rounds of its shape)")
     for bucket, note in report.get("decisions", {}).items():
         best = sorted(note["predicted_ratio"].items(), key=lambda kv: -kv[1])[:4]
         lines.append(

@@ -66,7 +66,12 @@ def measure_cost(
         "validation": profile.validate(cost, rounds, adapter.full_depth),
     }
     report["validation_summary"] = summary = profile.validation_summary(report["validation"])
-    if summary is not None and not summary["trusted"]:
+    if summary is None:  # too few full-shape rounds of any speculative plan at a batch size beside plain's
+        logger.warning(
+            "the pass-cost profile's prices of plans against plain decoding were not checked: no speculative plan "
+            "ran 3 timed rounds of its full shape (raise --round-tokens or --repeats for a checked profile)"
+        )
+    elif not summary["trusted"]:
         logger.warning(
             "the pass-cost profile prices plans against plain decoding up to %.0f%% off its own timed rounds (%s; "
             "median %.1f%%): the machine's speed moved while it was timed, and the preset's choice between plans "
