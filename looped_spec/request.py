@@ -106,6 +106,10 @@ class CompletionOutput:
     finish_reason: str | None
     stop_reason: str | None
 
+    def finished(self) -> bool:
+        """Whether the output is complete (vLLM's `CompletionOutput.finished()`)."""
+        return self.finish_reason is not None
+
 
 @dataclass
 class RequestOutput:
@@ -133,6 +137,11 @@ class RequestOutput:
     logprobs: list[TokenLogprob] | None = None
     # with SamplingParams.prompt_logprobs: one entry per prompt token (the first None)
     prompt_logprobs: list[TokenLogprob | None] | None = None
+
+    @property
+    def num_cached_tokens(self) -> int:
+        """Prompt tokens whose KV came from the prefix cache (vLLM's field; `metrics.num_cached_tokens`)."""
+        return self.metrics.num_cached_tokens
 
     @property
     def outputs(self) -> list[CompletionOutput]:

@@ -53,6 +53,21 @@ TokenKey = Annotated[int, BeforeValidator(_token_key)]
 Real = Annotated[float, BeforeValidator(_real)]
 
 
+#: vLLM SamplingParams fields this engine has no field for, and what to use instead
+VLLM_FIELDS = {
+    "guided_decoding": "vLLM's older name: use structured_outputs=StructuredOutputs(...)",
+    "detokenize": "not a field here: outputs carry text whenever the model has a tokenizer, and token_ids always",
+    "output_kind": "not a field here: step() outputs carry both the whole output and the delta (new_token_ids, "
+    "new_text)",
+    "truncate_prompt_tokens": "not supported: shorten the prompt before giving it (a prompt over max_model_len is an "
+    "error)",
+    "logits_processors": "not supported: logit_bias, allowed_token_ids, bad_words and structured_outputs adjust "
+    "logits here (and keep speculation exact)",
+    "spaces_between_special_tokens": "not supported: special tokens are decoded as the tokenizer's decode() does "
+    "(skip_special_tokens drops them)",
+}
+
+
 class SamplingParams(BaseModel):
     """How to generate for one request. Impossible values raise a ValidationError naming the field; types are strict
     (`max_tokens="8"` or `max_tokens=True` is an error, not 8 or 1; any integer type, numpy's too, is an int, and any
@@ -189,18 +204,31 @@ class SamplingParams(BaseModel):
     def _known_fields(cls, data: Any) -> Any:
         """A field SamplingParams does not have is an error naming it, with the field it was likely meant to be (a
         vLLM field this engine runs elsewhere says where)."""
-        if isinstance(data, dict):
-            for name in data:
-                if name in cls.model_fields:
-                    continue
-                if name in ("n", "best_of"):
-                    raise ValueError(f"{name}: one output per request here (RequestOutput holds one text); to draw "
-                                     "several, give the prompt several times with seeds s, s+1, ... (the server's n "
-                                     "does so)")  # fmt: skip
-                close = difflib.get_close_matches(str(name), list(cls.model_fields), n=1)
-                hint = f" (did you mean {close[0]!r}?)" if close else ""
-                raise ValueError(f"{name}: not a SamplingParams field{hint}")
+        if not isinstance(data, dict):
+            return data
+        # vLLM's neutral values of fields this engine has no use for: one output, and "unset"
+        data = {name: value for name, value in data.items()
+                if not (name in ("n", "best_of") and value in (None, 1) and not isinstance(value, bool))}  # fmt: skip
+        for name in ("stop", "stop_token_ids"):
+            if name in data and data[name] is None:
+                del data[name]  # vLLM's default: none
+        for name in data:
+            if name in cls.model_fields:
+                continue
+            if name in ("n", "best_of"):
+                raise ValueError(f"{name}={data[name]!r}: one output per request here (RequestOutput holds one text); "
+                                 "to draw several, give the prompt several times with seeds s, s+1, ... (the server's "
+                                 "n does so)")  # fmt: skip
+            if name in VLLM_FIELDS:
+                raise ValueError(f"{name}: {VLLM_FIELDS[name]}")
+            close = difflib.get_close_matches(str(name), list(cls.model_fields), n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            raise ValueError(f"{name}: not a SamplingParams field{hint}")
         return data
+
+    def clone(self) -> SamplingParams:
+        """A copy (vLLM's `clone`); SamplingParams is frozen: `model_copy(update={...})` makes a changed one."""
+        return self.model_copy(deep=True)
 
     @field_validator("stop", mode="before")
     @classmethod

@@ -10,7 +10,7 @@ from conftest import make_engine
 from server_utils import wait_until
 
 from looped_spec import AsyncLoopedSpecEngine, SamplingParams
-from looped_spec.engine.async_engine import QueueFullError
+from looped_spec.engine.async_engine import EngineDeadError, QueueFullError
 
 PROMPTS = [[1, 5, 9, 2], [3, 3, 7], [8, 1, 4, 4, 6]]
 
@@ -203,6 +203,36 @@ def test_an_abort_ends_the_stream_a_task_is_reading_and_its_id_is_reused_once_re
         front.shutdown()
     with pytest.raises(Exception, match="the engine was shut down"):
         front.start()  # a closed engine cannot serve again
+
+
+def test_abort_takes_several_ids_and_a_front_says_how_to_start(caplog):
+    """vLLM's abort takes a list: each request stops (a list was read as one unknown id, and nothing stopped); a front
+    built on something else, or used before start(), says what to do."""
+    with pytest.raises(TypeError, match=r"engine: a LoopedSpecEngine, got str \(AsyncLoopedSpecEngine\("):
+        AsyncLoopedSpecEngine("tiny-ouro")
+    engine = make_engine("ouro", speculation="off")
+    front = AsyncLoopedSpecEngine(engine)
+    long = SamplingParams(max_tokens=400, ignore_eos=True)
+
+    async def before_start():
+        with pytest.raises(EngineDeadError, match=r"not running: start\(\) it, or use `with AsyncLoopedSpecEngine"):
+            front.add_request(PROMPTS[0], long)
+
+    asyncio.run(before_start())
+
+    async def run():
+        streams = [front.add_request(PROMPTS[i], long, request_id=f"r{i}") for i in range(2)]
+        seen: list = []
+        readers = [asyncio.create_task(_drain(stream, seen)) for stream in streams]
+        while len(seen) < 2:
+            await asyncio.sleep(0.01)
+        front.abort(["r0", "r1"])
+        await asyncio.wait_for(asyncio.gather(*readers), 10)
+        assert all(stream.finished for stream in streams) and not any(out.finished for out in seen)
+
+    with front:
+        asyncio.run(run())
+        wait_until(lambda: engine.num_free_blocks == engine.kv.num_blocks)
 
 
 async def _drain(stream, seen: list) -> None:

@@ -339,3 +339,43 @@ def test_latency_histogram_counts_each_value_in_the_bucket_of_its_upper_bound():
     expected[0], expected[1], expected[2], expected[-2], expected[-1] = 2, 1, 3, 1, 1
     assert latencies.buckets == expected
     assert (latencies.count, latencies.total) == (8, pytest.approx(0.0 + 0.001 + 0.0011 + 10.0 + 10.5 + 0.009))
+
+
+def test_what_a_vllm_script_does_runs_or_says_what_to_use_instead():
+    """A script written for vLLM: its neutral values are taken, its calls in vLLM's shape work, and what this engine
+    has under another name is named."""
+    assert SamplingParams(n=1, best_of=None, stop=None, stop_token_ids=None) == SamplingParams()
+    params = SamplingParams(max_tokens=3)
+    assert params.clone() == params and params.clone() is not params
+    for field, instead in (("guided_decoding", "structured_outputs"), ("logits_processors", "logit_bias")):
+        with pytest.raises(ValidationError, match=f"{field}: .*{instead}"):
+            SamplingParams(**{field: None})
+    vllm_options = [("max_num_seqs", "max_batch_size"), ("enforce_eager", "cuda_graphs=False"),
+                    ("gpu_memory_utilization", "kv_cache_memory_gb"), ("trust_remote_code", "runs no")]  # fmt: skip
+    for option, instead in vllm_options:
+        with pytest.raises(ValueError, match=f"{option}: vLLM's engine argument; .*{instead}"):
+            LoopedSpecEngine(str(fixture_dir("ouro")), speculation="off", **{option: 1})
+    engine = make_engine("ouro")
+    assert engine.get_tokenizer() is engine.tokenizer
+    with pytest.raises(TypeError, match="vLLM's LLMEngine puts request_id first"):
+        engine.add_request("r0", "hello", greedy(2))  # vLLM's order: (request_id, prompt, params)
+    ids = [engine.add_request([5, 9, 13], greedy(8)) for _ in range(3)]
+    with pytest.raises(KeyError, match="unknown request_ids"):
+        engine.abort([ids[0], "nope"])  # checked before any stops
+    engine.abort(ids[:2])  # several at once, as vLLM's abort_request takes them
+    finished = {}
+    while engine.has_unfinished_requests():
+        finished |= {o.request_id: o for o in engine.step() if o.finished}
+    assert [finished[i].finish_reason for i in ids] == ["abort", "abort", "length"]
+    assert finished[ids[2]].outputs[0].finished() and finished[ids[2]].num_cached_tokens == 0
+
+
+def test_chat_takes_openai_text_parts_as_the_server_does():
+    with LoopedSpecEngine("tiny-ouro", speculation="off") as engine:
+        parts = [{"type": "text", "text": "hi"}, {"type": "text", "text": "there"}]
+        message = {"role": "user", "content": parts}
+        joined = engine.chat([message], greedy(3))[0]
+        assert message["content"] is parts  # the caller's message is left as it was
+        assert joined.prompt == engine.chat([{"role": "user", "content": "hi\nthere"}], greedy(3))[0].prompt
+        with pytest.raises(ValueError, match=r"messages\[0\]\.content\[0\]: only text parts"):
+            engine.chat([{"role": "user", "content": [{"type": "image_url", "image_url": "x"}]}], greedy(3))

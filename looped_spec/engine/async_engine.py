@@ -13,7 +13,7 @@ import itertools
 import logging
 import queue
 import threading
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterable
 from dataclasses import dataclass
 
 from looped_spec.engine.engine import LoopedSpecEngine
@@ -80,6 +80,13 @@ class RequestStream:
         self.owner.abort(self.request_id)
 
 
+#: the error of a call before start() (or after shutdown()), with the way to start it
+NOT_RUNNING = (
+    "the engine is not running: start() it, or use `with AsyncLoopedSpecEngine(engine) as front:` (after "
+    "shutdown(), a new one)"
+)
+
+
 class AsyncLoopedSpecEngine:
     """Async front of a `LoopedSpecEngine`: `generate()` yields a request's outputs as they come.
 
@@ -88,6 +95,9 @@ class AsyncLoopedSpecEngine:
     """
 
     def __init__(self, engine: LoopedSpecEngine, max_queued: int = 256) -> None:
+        if not isinstance(engine, LoopedSpecEngine):
+            raise TypeError(f"engine: a LoopedSpecEngine, got {type(engine).__name__} (AsyncLoopedSpecEngine("
+                            "LoopedSpecEngine(model, ...)) wraps one)")  # fmt: skip
         if max_queued < 0:
             raise ValueError(f"max_queued={max_queued} must be >= 0")
         self.engine = engine
@@ -160,7 +170,7 @@ class AsyncLoopedSpecEngine:
         (vLLM's prompt dicts, with a `cache_salt`, included); the engine's error for a prompt it refuses comes from
         the stream."""
         if not self.is_running:
-            raise EngineDeadError("the engine is not running")
+            raise EngineDeadError(NOT_RUNNING)
         self.engine.check_priority(priority)  # reads the engine's config only: safe beside the worker
         request_id = f"req-{next(self._ids)}" if request_id is None else str(request_id)  # the engine's ids are str
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
@@ -200,7 +210,7 @@ class AsyncLoopedSpecEngine:
         (QueueFullError when none is left); one whose caller went away (cancelled) before the worker reached it is
         skipped."""
         if not self.is_running:
-            raise EngineDeadError("the engine is not running")
+            raise EngineDeadError(NOT_RUNNING)
         future = asyncio.get_running_loop().create_future()
         with self._lock:
             self._check_room()
@@ -212,9 +222,13 @@ class AsyncLoopedSpecEngine:
             with self._lock:
                 self._scores.discard(future)
 
-    def abort(self, request_id: str) -> None:
-        """Abort a request (no-op once it finished); its stream ends without a further output (a reader waiting on
-        it stops there)."""
+    def abort(self, request_id: str | Iterable[str]) -> None:
+        """Abort a request, or each of several (as vLLM's `abort` takes them; no-op for one that finished); its stream
+        ends without a further output (a reader waiting on it stops there)."""
+        if not isinstance(request_id, str) and isinstance(request_id, Iterable):
+            for one in list(request_id):
+                self.abort(one)
+            return
         request_id = str(request_id)
         with self._lock:
             stream = self._streams.pop(request_id, None)

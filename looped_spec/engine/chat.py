@@ -56,17 +56,34 @@ def render_chat(
 
 
 def conversations(messages: Any) -> list[list[dict]]:
-    """One conversation (a list of message dicts) or several (a list of such lists), as a list of conversations."""
+    """One conversation (a list of message dicts) or several (a list of such lists), as a list of conversations; a
+    message's content given as OpenAI's parts (`[{"type": "text", "text": ...}, ...]`) becomes their texts one a line,
+    as the server (and vLLM's "string" content format) renders them."""
     if isinstance(messages, list) and messages and all(isinstance(m, dict) for m in messages):
-        return [messages]
+        return [[_text_content(m, f"messages[{j}]") for j, m in enumerate(messages)]]
     if isinstance(messages, list) and messages and all(isinstance(c, list) and c for c in messages):
         for i, conversation in enumerate(messages):
             for j, message in enumerate(conversation):
                 if not isinstance(message, dict):
                     raise TypeError(f"messages[{i}][{j}]: a message is a dict, got {type(message).__name__}")
-        return messages
+        return [[_text_content(m, f"messages[{i}][{j}]") for j, m in enumerate(c)] for i, c in enumerate(messages)]
     raise TypeError("messages: one conversation (a non-empty list of message dicts, {'role': ..., 'content': ...}) or "
                     "a list of them")  # fmt: skip
+
+
+def _text_content(message: dict, where: str) -> dict:
+    """`message` with content parts joined into one text (a copy; the caller's dict is left as it was)."""
+    content = message.get("content")
+    if not isinstance(content, list):
+        return message
+    texts = []
+    for k, part in enumerate(content):
+        if not (isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)):
+            kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+            raise ValueError(f"{where}.content[{k}]: only text parts ({{'type': 'text', 'text': ...}}) are supported, "
+                             f"got {kind!r}")  # fmt: skip
+        texts.append(part["text"])
+    return {**message, "content": "\n".join(texts)}
 
 
 def chat_prompt(

@@ -269,12 +269,28 @@ def _shown(value: Any) -> Any:
     return value
 
 
+#: vLLM engine arguments this engine has no option of that name for, and what to use instead
+VLLM_OPTIONS = {
+    "max_num_seqs": "here max_batch_size (the most requests decoding at once)",
+    "enforce_eager": "here cuda_graphs=False (run every step eagerly)",
+    "gpu_memory_utilization": "here the KV cache is sized by kv_cache_memory_gb (GiB) or num_kv_blocks (default: half "
+    "the free GPU memory)",
+    "tensor_parallel_size": "one engine runs on one device here; serve --replicas N scales out with Ray Serve",
+    "pipeline_parallel_size": "one engine runs on one device here; serve --replicas N scales out with Ray Serve",
+    "trust_remote_code": "never needed here: looped-spec runs no checkpoint code (each family is implemented in "
+    "adapters/)",
+}
+
+
 def _problems(exc: ValidationError, given: dict[str, Any]) -> list[str]:
     """One line per option (a union type reports one error per member: the first is kept)."""
     problems: dict[str, str] = {}
     for error in exc.errors():
         name = str(error["loc"][0]) if error["loc"] else "options"
         if error["type"] == "extra_forbidden":
+            if name in VLLM_OPTIONS:
+                problems.setdefault(name, f"{name}: vLLM's engine argument; {VLLM_OPTIONS[name]}")
+                continue
             known = list(EngineConfig.model_fields)
             close = difflib.get_close_matches(name, known, n=1)
             hint = f"did you mean {close[0]!r}? " if close else ""

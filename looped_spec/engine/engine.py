@@ -9,6 +9,7 @@ import operator
 import os
 import random
 import time
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -249,7 +250,10 @@ class LoopedSpecEngine:
         self.check_priority(priority, priority_field)
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
-            raise TypeError(f"params must be SamplingParams, got {type(params).__name__}")
+            # vLLM's LLMEngine.add_request(request_id, prompt, params) puts the id first: a text there lands here
+            order = (" (add_request takes (prompt, params, request_id): vLLM's LLMEngine puts request_id first)"
+                     if isinstance(params, str) else "")  # fmt: skip
+            raise TypeError(f"params must be SamplingParams, got {type(params).__name__}{order}")
         # the checkpoint's generation_config.json sampling defaults fill the fields the caller did not set
         defaults = self.adapter.generation.sampling_defaults()
         unset = {key: value for key, value in defaults.items() if key not in params.model_fields_set}
@@ -326,18 +330,27 @@ class LoopedSpecEngine:
         self._requests[request.request_id] = request
         self.scheduler.add(request)
 
-    def abort(self, request_id: str) -> None:
-        """Stop a request now; its output (finish_reason "abort") comes from the next `step()`."""
+    def abort(self, request_id: str | Iterable[str]) -> None:
+        """Stop a request now, or each of several (as vLLM's `abort_request` takes them; all are checked before any
+        stops); its output (finish_reason "abort") comes from the next `step()`. An id this engine does not hold
+        (never added, or finished and reported) is a KeyError."""
         self._check_open()
-        request = self._requests.get(str(request_id))
-        if request is None:
-            raise KeyError(f"unknown request_id {request_id!r}")
-        if request.finished:
-            return
-        self.scheduler.finish(request, "abort")
-        self._reports[request.request_id] = request
-        if self.loop_batcher is not None:  # its work in flight holds the KV blocks it just gave back
-            self.loop_batcher.drop(request.request_id)
+        ids = [request_id] if isinstance(request_id, str) or not isinstance(request_id, Iterable) else list(request_id)
+        requests = [self._requests.get(str(one)) for one in ids]
+        unknown = [one for one, request in zip(ids, requests) if request is None]
+        if unknown:
+            raise KeyError(f"unknown request_id {unknown[0]!r}" if len(ids) == 1 else f"unknown request_ids {unknown}")
+        for request in requests:
+            if request.finished:
+                continue
+            self.scheduler.finish(request, "abort")
+            self._reports[request.request_id] = request
+            if self.loop_batcher is not None:  # its work in flight holds the KV blocks it just gave back
+                self.loop_batcher.drop(request.request_id)
+
+    def get_tokenizer(self) -> Any:
+        """The model's tokenizer (`transformers`), None for a model without one; as vLLM's `get_tokenizer()`."""
+        return self.tokenizer
 
     def has_unfinished_requests(self) -> bool:
         """True while a request runs or waits, or a finished request's output has not been returned yet."""

@@ -137,8 +137,9 @@ class EngineStats:
         return out
 
     def to_prometheus(self, model_name: str = "", full_depth: int | None = None) -> str:
-        """Prometheus text exposition of these counters alone (no live engine state); `full_depth` (the model's
-        D) gives the exit-depth histogram a bucket per depth 1..D, else per depth up to the deepest seen."""
+        """Prometheus text exposition of these counters alone (no live engine state), each labelled `model_name`
+        (the server's is the name it serves); `full_depth` (the model's D) gives the exit-depth histogram a bucket per
+        depth 1..D, else per depth up to the deepest seen."""
         registry = CollectorRegistry(auto_describe=False)
         registry.register(StatsCollector(self, model_name, full_depth))
         return generate_latest(registry).decode()
