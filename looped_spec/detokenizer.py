@@ -99,6 +99,11 @@ class IncrementalDetokenizer:
             return find_stop and self._find_stop(start)
         return False
 
+    @property
+    def sent_text(self) -> str:
+        """The text `stream_delta` has returned so far."""
+        return self.text[: self._num_sent]
+
     def stream_delta(self, finished: bool) -> str:
         """Text not yet returned; while running, minus what could still become a stop string."""
         if not self.stop:

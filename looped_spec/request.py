@@ -104,7 +104,7 @@ class CompletionOutput:
     cumulative_logprob: float | None
     logprobs: list[TokenLogprob] | None
     finish_reason: str | None
-    stop_reason: str | None
+    stop_reason: str | int | None
 
     def finished(self) -> bool:
         """Whether the output is complete (vLLM's `CompletionOutput.finished()`)."""
@@ -131,12 +131,15 @@ class RequestOutput:
     prompt: str | None = None  # the prompt text, when the request was given text
     new_token_ids: list[int] = field(default_factory=list)
     new_text: str = ""
-    stop_reason: str | None = None  # the stop string that ended the request, if one did
+    # what ended a stopped request: the stop string, or the stop_token_ids token (vLLM's; None for an eos)
+    stop_reason: str | int | None = None
     error: str | None = None  # with finish_reason "error": what went wrong
     # with SamplingParams.logprobs: one entry per token of `token_ids` (the last len(new_token_ids) are new)
     logprobs: list[TokenLogprob] | None = None
     # with SamplingParams.prompt_logprobs: one entry per prompt token (the first None)
     prompt_logprobs: list[TokenLogprob | None] | None = None
+    # the text streamed so far: every `new_text` up to and including this output's (`text` once finished)
+    text_so_far: str = ""
 
     @property
     def num_cached_tokens(self) -> int:
@@ -146,8 +149,8 @@ class RequestOutput:
     @property
     def outputs(self) -> list[CompletionOutput]:
         """[the output as vLLM's CompletionOutput], so code written for vLLM's `output.outputs[0].text` runs. Its
-        text is `text`, which is set once the request finishes ("" before: a stream reads `new_text`)."""
-        text = "" if self.text is None else self.text
+        text is `text` once the request finished, before that the text streamed so far (vLLM's cumulative output)."""
+        text = self.text if self.text is not None else self.text_so_far
         cumulative = sum(entry.logprob for entry in self.logprobs) if self.logprobs is not None else None
         return [CompletionOutput(0, text, self.token_ids, cumulative, self.logprobs, self.finish_reason,
                                  self.stop_reason)]  # fmt: skip

@@ -71,7 +71,7 @@ def test_generate_and_chat_take_sampling_params_by_vllms_name_and_by_the_older_o
     assert SamplingParams(stop="\n").stop == ["\n"] and SamplingParams(stop=["a", "b"]).stop == ["a", "b"]
     with pytest.raises(ValidationError, match=r"top_pp: not a SamplingParams field \(did you mean 'top_p'\?\)"):
         SamplingParams(top_pp=0.5)
-    with pytest.raises(ValidationError, match="n: one output per request here"):
+    with pytest.raises(ValidationError, match="n=2: one output per request here"):
         SamplingParams(n=2)
 
 
@@ -117,6 +117,7 @@ def test_stop_tokens_and_eos():
     expected = ref["greedy"][1]["tokens"]  # 119, 19, 19, ...
     out = engine.generate(ref["prompts"][1], greedy(20, stop_token_ids=[37]))[0]
     assert out.token_ids == expected[: expected.index(37) + 1] and out.finish_reason == "stop"
+    assert out.stop_reason == 37 == out.outputs[0].stop_reason  # the stop token named, as vLLM reports it
     # the ouro fixture's eos id is 0; a prompt continuing into eos stops unless ignore_eos
     eos_engine = make_engine("nanbeige")
     eos = eos_engine.adapter.eos_token_ids[0]
@@ -124,7 +125,7 @@ def test_stop_tokens_and_eos():
     eos_engine.adapter.config["eos_token_id"] = target[2]
     try:
         out = eos_engine.generate(reference("nanbeige")["prompts"][0], SamplingParams(max_tokens=20))[0]
-        assert out.token_ids == target[:3] and out.finish_reason == "stop"
+        assert out.token_ids == target[:3] and out.finish_reason == "stop" and out.stop_reason is None  # an eos
     finally:
         eos_engine.adapter.config["eos_token_id"] = eos
 
@@ -379,3 +380,16 @@ def test_chat_takes_openai_text_parts_as_the_server_does():
         assert joined.prompt == engine.chat([{"role": "user", "content": "hi\nthere"}], greedy(3))[0].prompt
         with pytest.raises(ValueError, match=r"messages\[0\]\.content\[0\]: only text parts"):
             engine.chat([{"role": "user", "content": [{"type": "image_url", "image_url": "x"}]}], greedy(3))
+
+
+def test_a_streamed_output_reads_its_text_so_far_as_vllms_cumulative_output():
+    """From `step()`, `outputs[0].text` is the text streamed so far (every `new_text` up to it), then the whole text."""
+    with LoopedSpecEngine("tiny-ouro", speculation="2,1") as engine:
+        engine.add_request("def add(a, b):", SamplingParams(max_tokens=24, ignore_eos=True, stop=["\n\n\n"]))
+        streamed, texts = "", []
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                streamed += out.new_text
+                texts.append(out.outputs[0].text)
+                assert out.outputs[0].text == (out.text if out.finished else streamed)
+        assert len(texts) > 2 and texts[-1] == streamed and any(texts[:-1])  # it grew before the end

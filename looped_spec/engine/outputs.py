@@ -12,7 +12,7 @@ logger = logging.getLogger(__name__)
 
 def request_output(request: Request) -> RequestOutput:
     """The request's output now: every token so far, and what is new since its last output (ids and text)."""
-    text, new_text, detok = None, "", request.detokenizer
+    text, new_text, so_far, detok = None, "", "", request.detokenizer
     finish_reason = request.finish_reason
     if detok is not None:
         try:
@@ -23,9 +23,10 @@ def request_output(request: Request) -> RequestOutput:
                     finish_reason = "stop"
                 text = detok.text
             new_text = detok.stream_delta(request.finished)
+            so_far = detok.sent_text
         except Exception as exc:  # the token ids are the output; text is a convenience that must not wedge
             logger.warning("request %s: cannot decode its output to text: %r", request.request_id, exc)
-            text, new_text = None, ""
+            text, new_text, so_far = None, "", ""
     output_ids = request.output_token_ids
     new_ids = output_ids[request.num_emitted :]
     request.num_emitted = len(output_ids)
@@ -40,11 +41,23 @@ def request_output(request: Request) -> RequestOutput:
         request.prompt_text,
         new_ids,
         new_text,
-        detok.stop_hit if detok is not None else None,
+        _stop_reason(request, detok),
         request.error,
         list(request.logprobs) if request.logprobs_top is not None else None,
         request.prompt_logprobs,
+        so_far,
     )
+
+
+def _stop_reason(request: Request, detok) -> str | int | None:
+    """What ended a stopped request, as vLLM reports it: the stop string, or the stop token id the request named
+    (`stop_token_ids`; an eos is None, as in vLLM)."""
+    if request.finish_reason != "stop":
+        return None
+    if detok is not None and detok.stop_hit is not None:
+        return detok.stop_hit
+    last = request.output_token_ids[-1] if request.output_token_ids else None
+    return last if last is not None and last in request.stop_ids and last not in request.eos_ids else None
 
 
 def time_tokens(stats: EngineStats, request: Request, count: int, now: float) -> None:
