@@ -219,6 +219,9 @@ def test_logprobs_echo_and_scoring_equal_the_models_own_log_probabilities(server
     # echo + max_tokens 0 over prompt + generation: the prompt's scores, then the generation's own
     scored = client.completions.create(model=MODEL, prompt=ids + offline, max_tokens=0, echo=True, logprobs=1)
     echo = scored.choices[0].logprobs
+    # each entry holds the N most likely and the token itself, as OpenAI's and vLLM's do (up to N + 1 entries)
+    for token, value, top in zip(echo.tokens[1:], echo.token_logprobs[1:], echo.top_logprobs[1:]):
+        assert 1 <= len(top) <= 2 and top[token] == pytest.approx(value, abs=1e-6)
     assert echo.token_logprobs[0] is None and len(echo.token_logprobs) == len(ids) + 8
     prompt_expected = [dense[i - 1, t].item() for i, t in enumerate(ids) if i > 0]
     assert echo.token_logprobs[1 : len(ids)] == pytest.approx(prompt_expected, abs=1e-4)
@@ -439,6 +442,21 @@ def test_what_openai_refuses_is_refused_naming_the_field(server, client, monkeyp
     # every field refused is named, not only the first
     answer = post(completions, f'{{"model": "{MODEL}", "prompt": "a", "tools": [], "functions": []}}')
     assert answer.status_code == 400 and answer.json()["error"]["message"] == "tools, functions: not supported fields"
+    # within a union's value, the part at fault (not the first branch's complaint about the whole field)
+    for endpoint, fields, named in (
+        (completions, '"prompt": [1, "a"]', "prompt[1]"),
+        (chat, '"messages": [{"role": "user", "content": [{"type": "text", "text": 5}]}]',
+         "messages[0].content[0].text"),
+        (chat, '"messages": [{"role": "user", "content": "x"}], "tool_choice": {"type": "function"}',
+         "tool_choice.function"),
+    ):  # fmt: skip
+        error = post(endpoint, f'{{"model": "{MODEL}", {fields}}}').json()["error"]
+        assert error["param"] == named and error["message"].startswith(f"{named}: "), error
+    # chat's max_completion_tokens named as given; an empty body said to be one
+    body = f'{{"model": "{MODEL}", "messages": [{{"role": "user", "content": "hi"}}], "max_completion_tokens": 99999}}'
+    error = post(chat, body).json()["error"]
+    assert error["param"] == "max_completion_tokens" and error["message"].startswith("max_completion_tokens: 99999 +")
+    assert post(completions, "").json()["error"]["message"] == "the request body is empty: send a JSON object"
     # a misspelt field is told the field it was likely meant to be
     answer = post(completions, f'{{"model": "{MODEL}", "prompt": "a", "temprature": 0.5}}')
     error = answer.json()["error"]

@@ -240,8 +240,9 @@ def build_app(
         await serving.check_tool_grammar(plan)
         generating = plan.generation_fields(body)
         reasoning = serving.reasoning  # chat replies' reasoning apart from their content (looped_spec/reasoning.py)
-        params = [serving.sampling_params(generating, len(ids), max_tokens, j, None, top_n, reasoning_end=reasoning_end)
-                  for j in range(body.n)]  # fmt: skip
+        given = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
+        params = [serving.sampling_params(generating, len(ids), max_tokens, j, None, top_n, reasoning_end=reasoning_end,
+                                          max_tokens_field=given) for j in range(body.n)]  # fmt: skip
         if body.top_logprobs is not None and not body.logprobs:
             raise APIError(400, "top_logprobs: needs logprobs: true", "top_logprobs")
         serving.check_choices(body.n, body.n)

@@ -45,8 +45,8 @@ def field_path(loc: tuple) -> str:
             continue
         if isinstance(part, int):
             out += f"[{part}]"
-        elif "[" in str(part) or str(part) in ("str", "int", "list", "function-after"):
-            continue  # e.g. 'list[int]' / 'str': which union branch pydantic tried
+        elif "[" in str(part) or str(part) in ("str", "int", "list", "function-after") or str(part)[:1].isupper():
+            continue  # e.g. 'list[int]' / 'str' / 'NamedToolChoice': which union branch pydantic tried
         else:
             out += f".{part}" if out else str(part)
     return out
@@ -77,14 +77,26 @@ def validation_message(errors: list[dict]) -> tuple[str, str | None]:
     if first.get("type") == "json_invalid":
         msg = first.get("msg", "invalid value")
         return f"request body is not valid JSON: {first.get('ctx', {}).get('error', msg)}", None
+    if tuple(first.get("loc", ())) == ("body",) and first.get("type") == "missing":
+        return "the request body is empty: send a JSON object", None
     parts: list[str] = []
     extra = [_with_guess(tuple(e.get("loc", ()))) for e in errors if e.get("type") == "extra_forbidden"]
+    # per top-level field, the error deepest inside it: of a union's branches, the one that got furthest into the
+    # value names the part at fault (`prompt[1]`, `messages[0].content[0].text`, `tool_choice.function`)
+    deepest: dict[tuple, dict] = {}
+    for error in errors:
+        loc = tuple(error.get("loc", ()))
+        top = loc[:2] if loc[:1] == ("body",) else loc[:1]
+        # deeper first, then further along a list (`[[1, 2], "abc"]`: the branch that reached item 1)
+        reach = (len(field_path(loc).replace("[", ".").split(".")), tuple(p for p in loc if isinstance(p, int)))
+        if error.get("type") != "extra_forbidden" and (top not in deepest or reach > deepest[top][0]):
+            deepest[top] = (reach, error)
     seen: set = set()
     param = None
     for error in errors:
         loc = tuple(error.get("loc", ()))
-        path = field_path(loc) or None
         if error.get("type") == "extra_forbidden":
+            path = field_path(loc) or None
             if extra:
                 what = "a supported field" if len(extra) == 1 else "supported fields"
                 parts.append(f"{', '.join(extra)}: not {what}")
@@ -94,6 +106,8 @@ def validation_message(errors: list[dict]) -> tuple[str, str | None]:
             if top in seen:
                 continue
             seen.add(top)
+            error = deepest[top][1]
+            path = field_path(tuple(error.get("loc", ()))) or None
             msg = error.get("msg", "invalid value").removeprefix("Value error, ")
             parts.append(f"{path}: {msg}" if path else msg)
         param = param if param is not None else path

@@ -140,17 +140,19 @@ class OpenAIServing:
         logprobs: int | None = None,
         scored_only: bool = False,
         reasoning_end: list[int] | None = None,
+        max_tokens_field: str = "max_tokens",
     ) -> SamplingParams:
         """The engine's parameters of one choice; with `seed` s, choice j of a request draws with seed s + j (so `n`
         choices are independent, and reproducible). `scored_only`: the prompt is scored, nothing generated (the
         parameters carry only what the scores depend on: the seed and the exit fields). `reasoning_end`: where the
-        grammar starts (`check_reasoning`)."""
+        grammar starts (`check_reasoning`). `max_tokens_field`: the field the client set `max_tokens` with (chat's
+        `max_completion_tokens`), named in its errors."""
         room = self.max_model_len - num_prompt_tokens
         if max_tokens is None:
             max_tokens = room
         elif max_tokens > room and not scored_only:
-            raise APIError(400, f"max_tokens: {max_tokens} + {num_prompt_tokens} prompt tokens exceeds "
-                           f"max_model_len={self.max_model_len}", "max_tokens")  # fmt: skip
+            raise APIError(400, f"{max_tokens_field}: {max_tokens} + {num_prompt_tokens} prompt tokens exceeds "
+                           f"max_model_len={self.max_model_len}", max_tokens_field)  # fmt: skip
         if body.structured_outputs is not None and body.response_format is not None:
             if body.response_format.type != "text":
                 raise APIError(400, "structured_outputs: give a grammar in structured_outputs or response_format, not "
@@ -379,7 +381,12 @@ class OpenAIServing:
         for token, entry in zip(token_ids, entries):
             out.tokens.append(self.token_name(token, as_ids))
             out.token_logprobs.append(None if entry is None else entry.logprob)
-            out.top_logprobs.append(None if entry is None else {self.token_name(t, as_ids): v for t, v in entry.top})
+            if entry is None:
+                out.top_logprobs.append(None)
+            else:  # the N most likely and the token itself, as OpenAI and vLLM give them (up to N + 1 entries)
+                top = {self.token_name(t, as_ids): v for t, v in entry.top}
+                top.setdefault(self.token_name(token, as_ids), entry.logprob)
+                out.top_logprobs.append(top)
             out.text_offset.append(offsets.advance(self.token_bytes.raw(token)))
         return out
 
