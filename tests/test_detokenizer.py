@@ -169,6 +169,8 @@ def test_a_stop_completed_at_the_flush_ends_a_length_finish_as_stop_but_never_an
         )  # fmt: skip
         out = request_output(request)
         assert (out.finish_reason, out.text) == (expected, text), reason
+        if expected == "stop":  # the stop string the flush completed is what ended it
+            assert out.stop_reason == " " + REPLACEMENT_CHAR
 
 
 @pytest.mark.parametrize("stop", [[], ["\n"]])

@@ -41,7 +41,7 @@ def request_output(request: Request) -> RequestOutput:
         request.prompt_text,
         new_ids,
         new_text,
-        _stop_reason(request, detok),
+        _stop_reason(request, finish_reason, detok),
         request.error,
         list(request.logprobs) if request.logprobs_top is not None else None,
         request.prompt_logprobs,
@@ -49,13 +49,14 @@ def request_output(request: Request) -> RequestOutput:
     )
 
 
-def _stop_reason(request: Request, detok) -> str | int | None:
+def _stop_reason(request: Request, finish_reason: str | None, detok) -> str | int | None:
     """What ended a stopped request, as vLLM reports it: the stop string, or the stop token id the request named
-    (`stop_token_ids`; an eos is None, as in vLLM)."""
-    if request.finish_reason != "stop":
-        return None
+    (`stop_token_ids`; an eos is None, as in vLLM). `finish_reason`: the output's (a stop string the last flush
+    completed turns "length" into "stop")."""
     if detok is not None and detok.stop_hit is not None:
         return detok.stop_hit
+    if finish_reason != "stop":
+        return None
     last = request.output_token_ids[-1] if request.output_token_ids else None
     return last if last is not None and last in request.stop_ids and last not in request.eos_ids else None
 
