@@ -21,10 +21,9 @@ from pathlib import Path
 from typing import Any
 
 from looped_spec import LoopedSpecEngine, SamplingParams, load_adapter
-from looped_spec.cli.flag_errors import name_flags
 from looped_spec.models.adapter import resolve_model_path
 from looped_spec.models.checkpoint import CheckpointError
-from looped_spec.presets.lookup import preset_path, read_preset_file
+from looped_spec.presets.lookup import read_flagged_preset
 from looped_spec.presets.schema import PresetError
 from looped_spec.tuning.grid import parse_grid
 from looped_spec.tuning.prompt_sets import (
@@ -94,13 +93,9 @@ def check_preset(preset: str | None, flag: str = "--preset") -> None:
     if preset is None:
         return
     try:
-        path, _ = preset_path(preset)
-    except PresetError as exc:  # it names the engine's keyword, "preset='NAME': ": the command line's is the flag
-        raise ValueError(name_flags(str(exc), {"preset": flag})) from None
-    try:
-        read_preset_file(path)
-    except PresetError as exc:  # every line starts with the file's path
-        raise ValueError(f"{flag} {exc}") from None
+        read_flagged_preset(preset, flag)
+    except PresetError as exc:
+        raise ValueError(str(exc)) from None
 
 
 def check_prompt_source(source: str, where: str = "--prompts") -> None:

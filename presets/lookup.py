@@ -185,6 +185,17 @@ def preset_path(preset: str | Path) -> tuple[Path, str]:
     return shipped, "preset= shipped name"
 
 
+def read_flagged_preset(value: str, flag: str) -> AdaptiveSpecConfig:
+    """The preset a command-line flag names (a file, or a shipped preset's name), read and validated; its errors as a
+    PresetError naming the flag and value once (`--cost-from x.json: full_depth: Field required; buckets: ...`), not
+    the engine's keyword (`preset='x.json'`) nor the file on each line."""
+    try:
+        return read_preset_file(preset_path(value)[0])
+    except PresetError as exc:
+        lines = [line.removeprefix(f"preset={value!r}: ").removeprefix(f"{value}: ") for line in str(exc).splitlines()]
+        raise PresetError(f"{flag} {value}: {'; '.join(lines)}") from None
+
+
 def load_preset(
     model_name: str,
     full_depth: int,

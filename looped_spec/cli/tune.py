@@ -144,7 +144,7 @@ def _tune(args: argparse.Namespace, written: list[Path]) -> int:
 
     from looped_spec.models.adapter import resolve_model_path
     from looped_spec.models.checkpoint import read_config, resolve_dtype
-    from looped_spec.presets.lookup import PresetError, is_for, load_preset, model_names, preset_path, read_preset_file
+    from looped_spec.presets.lookup import PresetError, is_for, load_preset, model_names, read_flagged_preset
     from looped_spec.tuning.inputs import parse_adapter_options
     from looped_spec.tuning.prompt_sets import GROUPS, has_tokenizer
     from looped_spec.tuning.report import dump_json, format_report, preset_data, write_heatmap
@@ -171,11 +171,9 @@ def _tune(args: argparse.Namespace, written: list[Path]) -> int:
     cost = {}
     if args.cost_from:
         try:  # a file, or a shipped preset's name, as --preset takes
-            source = read_preset_file(preset_path(args.cost_from)[0])
-        except PresetError as exc:  # `preset='x': ...` (the engine's keyword) or `file: ...`: said as this flag
-            lines = [line.removeprefix(f"preset={args.cost_from!r}: ").removeprefix(f"{args.cost_from}: ")
-                     for line in str(exc).splitlines()]  # fmt: skip
-            raise UsageError(f"--cost-from {args.cost_from}: {'; '.join(lines)}") from None
+            source = read_flagged_preset(args.cost_from, "--cost-from")
+        except PresetError as exc:
+            raise UsageError(str(exc)) from None
         folder = resolve_model_path(args.model).resolve()
         config = read_config(folder)
         names = model_names(folder.name, folder, config)

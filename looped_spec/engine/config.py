@@ -162,16 +162,20 @@ class EngineConfig(BaseModel):
                 raise ValueError(f"{shown}: only the goodput policy reads {'it' if len(unused) == 1 else 'them'} "
                                  f"(policy={self.policy!r} runs without)")  # fmt: skip
             return self
-        # given, even as the default (policy="goodput"): an option set to a value that does nothing is an error
-        given = [
-            f"{name}={_shown(getattr(self, name))!r}"
-            for name in ("preset", "policy", "control")
-            if name in self.model_fields_set and getattr(self, name) is not None
-        ]
+        given = self.adaptive_options_given()
         if given:
             raise ValueError(f"{', '.join(given)}: only with speculation='adaptive' (speculation="
                              f"{self.speculation!r} runs no adaptive controller)")  # fmt: skip
         return self
+
+    def adaptive_options_given(self) -> list[str]:
+        """The options that steer the adaptive controller which were given, as `name=value`: even at its default
+        (policy="goodput"), an option given where no adaptive controller runs would do nothing and is an error."""
+        return [
+            f"{name}={_shown(getattr(self, name))!r}"
+            for name in ("preset", "policy", "control")
+            if name in self.model_fields_set and getattr(self, name) is not None
+        ]
 
     @model_validator(mode="after")
     def _kv_sizing(self) -> EngineConfig:

@@ -172,8 +172,7 @@ class LoopedSpecEngine:
         preset = None
         if spec == "adaptive" and depth < 2:
             # nothing to draft with: adaptive decodes plainly, and what would steer its controller does nothing
-            given = [f"{name}={getattr(config, name)!r}" for name in ("preset", "policy", "control")
-                     if name in config.model_fields_set and getattr(config, name) is not None]  # fmt: skip
+            given = config.adaptive_options_given()
             if given:
                 raise ValueError(f"{', '.join(given)}: the model runs D={depth} loop, nothing to draft with; "
                                  "speculation='adaptive' decodes plainly there and runs no adaptive "
