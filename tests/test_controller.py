@@ -607,6 +607,25 @@ def test_every_tunable_is_listed_in_the_docs():
         assert f"| `{f.name}` | {shown} |" in table, f.name
 
 
+def test_the_docs_give_every_tunable_s_allowed_interval_and_policy():
+    """docs/adaptive.md "Tunables" shows the interval ControlSettings accepts for each field, and which fields only the
+    goodput policy reads (setting one under the EMA policy is an error, so a reader must know which)."""
+    text = (Path(__file__).resolve().parents[1] / "docs" / "adaptive.md").read_text()
+    table = text[text.index("## Tunables") : text.index("## What was removed")]
+    for f in dataclasses.fields(ControlSettings):
+        only = ", goodput only" if f.metadata["policy"] == "goodput" else ""
+        row = next(line for line in table.splitlines() if line.startswith(f"| `{f.name}` |"))
+        assert row.split(" | ")[2] == f.metadata["allowed"] + only, f.name
+
+
+def test_drift_rounds_below_one_is_refused_not_taken_as_one():
+    """The drift factor remembers at least one round (its weight is 1 / max(drift_rounds, 1)): a value below 1 would
+    have been accepted and run as 1."""
+    with pytest.raises(ValueError, match=r"drift_rounds=0\.5 must be in \[1, inf\)"):
+        ControlSettings(drift_rounds=0.5)
+    assert ControlSettings(drift_rounds=1.0).drift_rounds == 1.0
+
+
 def test_a_price_probe_pairs_rounds_of_one_bucket_and_keeps_the_policy_s_decisions(tmp_path):
     """A batch that falls into another bucket: a probe never runs as that bucket's first round (it would pair rounds
     of two batch sizes and hide the bucket's first decision from the trace). Found by an outside audit."""

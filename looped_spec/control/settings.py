@@ -42,7 +42,7 @@ class ControlSettings:
     #: ... and the share of decode time they may cost at most
     readout_budget: float = _tunable(0.03, "(0, 1]")
     #: cost: rounds the drift factor (measured ÷ predicted round time) remembers, and pairs what measuring adds
-    drift_rounds: float = _tunable(64.0, "(0, inf)")
+    drift_rounds: float = _tunable(64.0, "[1, inf)")
     #: goodput: rounds between two plain rounds run beside a speculative plan, to price speculation against plain ...
     price_probe_interval: int = _tunable(32, "[2, inf)", "goodput")
     #: ... and the pairs of rounds the relative price remembers
