@@ -468,6 +468,17 @@ def test_a_fixed_controller_traces_plans_and_feedback(tmp_path):
     assert events[0]["context"] == 17.13 and events[1]["num_accepted"] == [1, 2]
 
 
+def test_a_trace_path_that_cannot_be_written_is_an_error_naming_it(tmp_path):
+    """A directory, or a folder under a file: a ValueError naming `trace_path` and why (it was the bare OSError, which
+    the engine and the command line passed on without saying which option it came from)."""
+    (tmp_path / "file.txt").write_text("")
+    for path, why in ((tmp_path, "Is a directory"), (tmp_path / "file.txt" / "t.jsonl", "File exists")):
+        with pytest.raises(ValueError, match=f"trace_path='{path}': cannot write the trace there \\({why}\\)"):
+            FixedController(0, 0, trace_path=path)
+    with pytest.raises(ValueError, match="trace_path="):
+        make_engine("ouro", speculation="adaptive", trace_path=tmp_path)
+
+
 # --------------------------------------------------------------------------- settings and stats
 
 

@@ -39,6 +39,19 @@ def test_item13_trace_path_is_checked(tmp_path, capsys):
         assert "--trace" in err and named in err
 
 
+def test_item13_serve_checks_the_trace_path_before_loading_the_model(tmp_path, capsys, monkeypatch):
+    """As generate does: serve said `[Errno 21] Is a directory: ...`, naming no flag, after loading the model."""
+
+    def no_engine(*args, **kwargs):
+        raise AssertionError("serve loaded the model before checking --trace")
+
+    monkeypatch.setattr("looped_spec.LoopedSpecEngine", no_engine)
+    (tmp_path / "file.txt").write_text("")
+    for trace, named in ((tmp_path, "is a directory"), (tmp_path / "file.txt" / "trace.jsonl", "is a file")):
+        err = one_line_usage_error(capsys, ["serve", "tiny-ouro", "--trace", str(trace)])
+        assert "--trace" in err and named in err
+
+
 def test_item13_corrupt_tokenizer(tmp_path, capsys):
     folder = tmp_path / "tiny-ouro"
     shutil.copytree(shipped_model_path("tiny-ouro"), folder)

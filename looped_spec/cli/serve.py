@@ -6,7 +6,15 @@ import argparse
 import os
 from pathlib import Path
 
-from looped_spec.cli.common import API_KEY_ENV, UsageError, add_engine_flags, at_least, engine_options, set_threads
+from looped_spec.cli.common import (
+    API_KEY_ENV,
+    UsageError,
+    add_engine_flags,
+    at_least,
+    engine_options,
+    output_file,
+    set_threads,
+)
 from looped_spec.logs import configure_logging
 
 
@@ -145,6 +153,8 @@ def serve_command(args: argparse.Namespace) -> int:
     scaling = dict(num_replicas=args.replicas, min_replicas=args.min_replicas, max_replicas=args.max_replicas,
                    target_ongoing_requests=args.target_ongoing_requests, metrics_port=args.metrics_port)  # fmt: skip
     at_least(args.threads, 0, "--threads", " (0: torch's default)")
+    if args.trace is not None:  # before the model loads, as generate checks it
+        output_file(args.trace, "--trace")
     if not 0 <= args.port <= 65535:
         raise UsageError(f"--port {args.port}: must be in 0..65535")
     at_least(args.max_queued, 0, "--max-queued")

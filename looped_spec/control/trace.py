@@ -23,8 +23,11 @@ class TraceWriter:
 
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._file = self.path.open("w", encoding="utf-8")
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self._file = self.path.open("w", encoding="utf-8")
+        except OSError as exc:  # a directory, a folder under a file, no permission: name the option, not just errno
+            raise ValueError(f"trace_path={str(path)!r}: cannot write the trace there ({exc.strerror})") from None
         self._t0 = time.perf_counter()
 
     def write(self, event: str, **fields: Any) -> None:
