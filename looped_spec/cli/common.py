@@ -134,7 +134,9 @@ def add_engine_flags(p: argparse.ArgumentParser, command: str) -> None:
         help="torch CPU threads (0: torch's default); more than one collapses on a busy small box",
     )
     p.add_argument("--trace", default=None, metavar="FILE",
-                   help="write the controller's JSONL trace here (default: no trace)")  # fmt: skip
+                   help="write the controller's JSONL trace here ("
+                   + ("with --replicas one file per replica, stem.<replica id>.suffix; " if command == "serve" else "")
+                   + "default: no trace)")  # fmt: skip
     p.add_argument("--batching", default="step", choices=["step", "loop"],
                    help="step: a decode step is a token (or speculative round) for the batch; loop: one loop pass "
                    "serves every request at its own loop")  # fmt: skip

@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import asyncio
 import os
+import re
 import signal
+from pathlib import Path
 from typing import Any, Literal
 
 import ray
@@ -145,6 +147,18 @@ def parse_args(args: dict[str, Any] | ReplicaAppArgs) -> ReplicaAppArgs:
         raise ValueError("looped-spec application args: " + "; ".join(problems)) from None
 
 
+def replica_engine_options(engine: dict[str, Any], replica: str) -> dict[str, Any]:
+    """A replica's engine options: a controller trace goes to a file of its own, the replica's id before the suffix
+    (`trace.jsonl` -> `trace.<replica>.jsonl`). Every replica runs its own controller, and one file opened by each would
+    be truncated and overwritten by the others, as would a dead replica's by its replacement."""
+    trace = engine.get("trace_path")
+    if trace is None:
+        return engine
+    path = Path(trace)
+    tag = re.sub(r"[^\w.-]", "-", replica)  # a file name's characters
+    return {**engine, "trace_path": str(path.with_name(f"{path.stem}.{tag}{path.suffix}"))}
+
+
 @serve.ingress()
 class LoopedSpecServer:
     """One replica: its own engine and async front, the single-process FastAPI app around them."""
@@ -159,7 +173,8 @@ class LoopedSpecServer:
         context = serve.get_replica_context()
         self.replica = context.replica_tag
         self.app_name, self.deployment_name = context.app_name, context.deployment
-        self.engine = AsyncLoopedSpecEngine(LoopedSpecEngine(args.model, **args.engine), max_queued=args.max_queued)
+        engine = LoopedSpecEngine(args.model, **replica_engine_options(args.engine, self.replica))
+        self.engine = AsyncLoopedSpecEngine(engine, max_queued=args.max_queued)
         self.metrics_port = args.metrics_port + context.rank.local_rank if args.metrics_port is not None else None
         self.metrics_server = None
 
