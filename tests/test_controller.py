@@ -563,6 +563,17 @@ def test_stats_report_the_estimates_and_every_bucket():
     assert ema["policy"] == "ema" and len(ema["buckets"]) == 3 and ema["acceptance_positions"] == 0
 
 
+def test_the_ema_policy_reports_no_plan_for_a_bucket_no_batch_entered():
+    """As the goodput policy's: `stats()["buckets"]` (and /metrics' spec_plan_k, which skips k=None) gives a plan only
+    for the buckets that ran. The EMA policy reported its starting candidate for every bucket, so /metrics showed a
+    plan for batch sizes never served."""
+    controller = AdaptiveController(preset(), DEPTH, policy="ema")
+    assert [b["k"] for b in controller.stats()["buckets"]] == [None, None, None]
+    plan = controller.plan(8, 100.0)
+    buckets = controller.stats()["buckets"]
+    assert (buckets[1]["k"], buckets[1]["d"]) == (plan.k, plan.d) and buckets[0]["k"] is buckets[2]["k"] is None
+
+
 def test_the_price_of_speculation_learns_from_pairs_with_the_profile_as_a_prior():
     """Pairs of adjacent rounds: the price is the mean log difference shrunk to the profile's price (PRICE_PRIOR
     pairs of no difference), a single pair's step clipped, and speculative rounds' drift divided by it."""

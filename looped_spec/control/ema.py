@@ -28,6 +28,7 @@ class _Bucket:
     probe_accepted: int = 0  # the probe's rounds so far, pooled
     probe_proposed: int = 0
     probed_at: int = 0  # acceptance positions observed when the last probe started
+    ran: bool = False  # for describe(): a round was planned here (a bucket no batch entered has no plan to report)
     moves: int = 0  # for describe(): moves between candidates, probes, the last events
     probes: int = 0
     history: list[str] = field(default_factory=list)
@@ -56,6 +57,7 @@ class EmaPolicy:
     def select(self, bucket: int, batch: int, context: float, plan_id: int = -1) -> tuple[int, int, int]:
         b, st = self.buckets[bucket], self.states[bucket]
         self.last_event = None
+        st.ran = True
         if not st.off:
             return b.ks[st.index], b.ds[st.index], st.index
         lo = b.lowest_spec
@@ -178,8 +180,9 @@ class EmaPolicy:
             {
                 "batch": b.label(),
                 "candidate": b.plain_candidate if st.off else st.index,
-                "k": 0 if st.off else b.ks[st.index],
-                "d": 0 if st.off else b.ds[st.index],
+                # as the goodput policy's: no plan (None) in a bucket no batch has entered yet
+                "k": None if not st.ran else 0 if st.off else b.ks[st.index],
+                "d": None if not st.ran else 0 if st.off else b.ds[st.index],
                 "off": st.off,
                 "ema": list(st.ema),
                 "moves": st.moves,
