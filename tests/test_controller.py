@@ -640,6 +640,14 @@ def test_the_docs_give_every_tunable_s_allowed_interval_and_policy():
         assert row.split(" | ")[2] == f.metadata["allowed"] + only, f.name
 
 
+def test_request_memory_under_the_ema_policy_is_refused():
+    """A request's own agreement feeds only the batch's (`batch_alpha`), which only the goodput policy prices with:
+    under the EMA policy `request_memory` changed nothing and was accepted."""
+    assert ControlSettings(request_memory=8.0).set_for_another_policy("ema") == ["request_memory"]
+    with pytest.raises(ValueError, match=r"control\.request_memory=8\.0: only the goodput policy reads it"):
+        make_engine("ouro", speculation="adaptive", policy="ema", control={"request_memory": 8.0})
+
+
 def test_drift_rounds_below_one_is_refused_not_taken_as_one():
     """The drift factor remembers at least one round (its weight is 1 / max(drift_rounds, 1)): a value below 1 would
     have been accepted and run as 1."""

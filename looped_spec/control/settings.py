@@ -32,8 +32,9 @@ class ControlSettings:
     plain_margin: float = _tunable(0.05, "[0, 1)", "goodput")
     #: positions per depth the online agreement estimate remembers, and committed tokens the exit-depth histogram does
     acceptance_memory: float = _tunable(128.0, "(0, inf)")
-    #: positions per depth a request's own agreement estimate remembers
-    request_memory: float = _tunable(16.0, "(0, inf)")
+    #: goodput: positions per depth a request's own agreement estimate remembers (the batch's agreement, which only
+    #: the goodput policy prices plans with; the EMA policy's probes read the overall estimate)
+    request_memory: float = _tunable(16.0, "(0, inf)", "goodput")
     #: what a prior counts as, a share of the memory it starts: the preset's agreement in the online estimate
     #: (× `acceptance_memory` positions), the online estimate in a request's own (× `request_memory`)
     prior_share: float = _tunable(0.125, "[0, inf)")
