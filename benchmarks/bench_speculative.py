@@ -70,7 +70,7 @@ from tqdm import tqdm
 
 from looped_spec import LoopedSpecEngine, SamplingParams, SpeculativeConfig
 from looped_spec.cli.flag_errors import flags_of, name_flags
-from looped_spec.control.controller import POLICIES, AdaptiveController
+from looped_spec.control.controller import DEFAULT_POLICY, POLICIES, AdaptiveController
 from looped_spec.control.settings import ControlSettings
 from looped_spec.presets.lookup import find_preset, preset_path, read_preset_file
 from looped_spec.tuning.grid import Phase, parse_batch_sizes, parse_grid, parse_phases, prompt_source_flag
@@ -143,9 +143,15 @@ def parse_policies(text: str) -> list[tuple[str | None, tuple[tuple[str, Any], .
                     f"--policies {item!r}: {key}={value!r} is not a JSON value (several changes join with '+')"
                 ) from None
         try:
-            ControlSettings(**dict(settings))  # the engine would refuse it only once the model is loaded
+            control = ControlSettings(**dict(settings))  # the engine would refuse it only once the model is loaded
         except ValueError as exc:
             raise ValueError(f"--policies {item!r}: {exc}") from None
+        # a tunable the policy does not read: the engine refuses it once loaded, and replay_controller.py's controllers
+        # (built without an engine) would run with it silently ignored
+        unused = control.set_for_another_policy(DEFAULT_POLICY if name == "default" else name)
+        if unused:
+            raise ValueError(f"--policies {item!r}: {', '.join(unused)}: only the goodput policy reads "
+                             f"{'it' if len(unused) == 1 else 'them'}")  # fmt: skip
         policy = (None if name == "default" else name, tuple(settings))
         if policy not in out:
             out.append(policy)
