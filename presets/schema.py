@@ -262,7 +262,10 @@ def _structure_errors(cfg: AdaptiveSpecConfig) -> list[str]:
     terms = [*c.pass_seconds, c.request_seconds, c.request_context_seconds, c.query_context_seconds, *c.step_seconds,
              *c.embed_seconds, *c.readout_seconds, *c.round_seconds]  # fmt: skip
     if not any(terms):
-        errors.append("cost: every cost is zero; a round must cost something (plans are priced by their time)")
+        errors.append(
+            "cost: every term of a plain round's cost is zero (speculative_seconds, which only speculative "
+            "rounds add, does not count); a plain round must cost something (plans are priced by their time)"
+        )
     if cfg.acceptance is not None and len(cfg.acceptance.alpha) != cfg.full_depth:
         errors.append(f"acceptance.alpha: {len(cfg.acceptance.alpha)} depths, but full_depth is {cfg.full_depth} "
                       "(one agreement per draft depth 1..D)")  # fmt: skip

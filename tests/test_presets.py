@@ -280,7 +280,13 @@ def test_rule_costs_are_finite_and_not_all_zero():
             if key != "positions":
                 d["cost"][key] = [0.0] * len(value) if isinstance(value, (list, tuple)) else 0.0
 
-    assert "cost: every cost is zero" in bad(zero)
+    assert "cost: every term of a plain round's cost is zero" in bad(zero)
+
+    def only_speculation_costs(d):  # the message named every cost zero where one was not
+        zero(d)
+        d["cost"]["speculative_seconds"] = [1e-4, 0.0, 0.0]
+
+    assert "(speculative_seconds, which only speculative rounds add, does not count)" in bad(only_speculation_costs)
 
 
 def test_rule_types_are_strict_but_lists_may_be_tuples():
