@@ -268,3 +268,36 @@ def test_a_fault_in_a_score_is_an_engine_fault_and_the_worker_goes_on(monkeypatc
         assert asyncio.run(run()) == make_engine("ouro").score(PROMPTS[0])
     finally:
         front.shutdown()
+
+
+def test_a_fault_while_a_request_is_admitted_is_an_engine_fault_and_the_worker_goes_on(monkeypatch):
+    """prompt_logprobs are a forward run when the worker admits the request: a fault there is the engine's
+    (EngineFaultError, a 500 or an error event on the server), not the request's refusal (it reached the stream as the
+    bare RuntimeError, which the server does not answer)."""
+    from looped_spec.engine.async_engine import EngineFaultError
+
+    engine = make_engine("ouro", speculation="off")
+    real = engine.adapter.dense_logits
+    calls = []
+
+    def failing_once(*args, **kwargs):
+        calls.append(None)
+        if len(calls) == 1:
+            raise RuntimeError("injected")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(engine.adapter, "dense_logits", failing_once)
+    params = SamplingParams(max_tokens=2, ignore_eos=True, prompt_logprobs=1)
+
+    async def run():
+        with pytest.raises(EngineFaultError, match="engine error: RuntimeError: injected"):
+            async for _ in front.generate(PROMPTS[0], params):
+                pass
+        with pytest.raises(ValueError, match="outside the vocabulary"):  # the request's own error stays what it is
+            async for _ in front.generate([1, 10**6], params):
+                pass
+        return [out async for out in front.generate(PROMPTS[0], params)][-1]
+
+    with AsyncLoopedSpecEngine(engine) as front:
+        out = asyncio.run(run())
+    assert out.finish_reason == "length" and len(out.prompt_logprobs) == len(PROMPTS[0])

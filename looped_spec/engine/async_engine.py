@@ -168,7 +168,8 @@ class AsyncLoopedSpecEngine:
         """Queue a request now (or raise QueueFullError / EngineDeadError, or the engine's error for a `priority` it
         does not schedule by); iterate the stream for outputs. `prompt` as `LoopedSpecEngine.add_request` takes it
         (vLLM's prompt dicts, with a `cache_salt`, included); the engine's error for a prompt it refuses comes from
-        the stream."""
+        the stream, as does EngineFaultError for a fault in model code while it is admitted (`prompt_logprobs` are
+        computed then)."""
         if not self.is_running:
             raise EngineDeadError(NOT_RUNNING)
         self.engine.check_priority(priority)  # reads the engine's config only: safe beside the worker
@@ -302,8 +303,10 @@ class AsyncLoopedSpecEngine:
                 return
             try:
                 self.engine.add_request(prompt, params, request_id=request_id, priority=priority)
-            except Exception as exc:  # refused (ValueError, TypeError): that request's error, not the worker's
+            except (ValueError, TypeError) as exc:  # refused: that request's error, not the worker's
                 self._deliver(request_id, exc, True)
+            except Exception as exc:  # the model's (prompt_logprobs' forward runs at admission): a fault, as a step's
+                self._deliver(request_id, engine_fault(exc), True)
         elif kind == "score":
             token_ids, top_n, seed, future = payload
             if future.done():  # its caller went away before the worker got to it
@@ -313,7 +316,7 @@ class AsyncLoopedSpecEngine:
             except (ValueError, TypeError) as exc:  # the caller's error
                 result = exc
             except Exception as exc:  # the model's: a fault, as a step's
-                result = EngineFaultError(f"engine error: {type(exc).__name__}: {exc}")
+                result = engine_fault(exc)
             loop = future.get_loop()
             _post(loop, _settle, future, result)
         elif kind == "abort":
@@ -346,7 +349,7 @@ class AsyncLoopedSpecEngine:
             logger.exception("engine could not flush aborted requests")
         with self._lock:  # the engine holds none of them now: aborted ids among them are free again
             self._retiring.difference_update(affected)
-        self._fail_all(EngineFaultError(f"engine error: {type(exc).__name__}: {exc}"), affected)
+        self._fail_all(engine_fault(exc), affected)
 
     def _fail_all(self, exc: BaseException, request_ids: list[str] | None = None) -> None:
         with self._lock:
@@ -354,6 +357,11 @@ class AsyncLoopedSpecEngine:
             streams = [self._streams.pop(i) for i in ids]
         for stream in streams:
             _post(stream.loop, stream.queue.put_nowait, exc)
+
+
+def engine_fault(exc: Exception) -> EngineFaultError:
+    """What a caller gets for a fault in the engine's own code (model code, not the caller's request)."""
+    return EngineFaultError(f"engine error: {type(exc).__name__}: {exc}")
 
 
 def _post(loop: asyncio.AbstractEventLoop, callback, *args) -> None:
