@@ -329,3 +329,29 @@ def test_a_failed_round_is_abandoned_to_the_controller(speculation):
     run_to_end(engine)
     stats = engine.controller.stats()
     assert stats["plans"] == stats["observed"] + 1 and stats["abandoned"] == 1
+
+
+@pytest.mark.parametrize("batching", ["step", "loop"])
+def test_an_error_after_the_commit_keeps_the_steps_counters(monkeypatch, batching):
+    """A step committed before the controller's observe raised: its tokens stay, and so do the counters of what it ran
+    (a loop pass's passes, positions and embeddings were counted after the feedback, and lost with it)."""
+
+    def counters(engine) -> tuple:
+        s = engine.stats
+        return (s.num_generation_tokens, s.num_spec_rounds, s.num_loop_passes, s.num_loop_pass_positions,
+                s.num_loop_pass_embeds)  # fmt: skip
+
+    params = greedy(8)
+    clean = make_engine("ouro", speculation="2,1", batching=batching)
+    expected = run_to_end_with(clean, PROMPTS[:3], params)
+    engine = make_engine("ouro", speculation="2,1", batching=batching)
+    fault = OneShotFault(engine.controller.observe, lambda feedback: True)
+    monkeypatch.setattr(engine.controller, "observe", fault)
+    assert run_to_end_with(engine, PROMPTS[:3], params, max_errors=1) == expected
+    assert fault.fired and counters(engine) == counters(clean)
+
+
+def run_to_end_with(engine, prompts, params, max_errors: int = 0) -> list[list[int]]:
+    ids = [engine.add_request(p, params) for p in prompts]
+    finished = run_to_end(engine, max_errors=max_errors)
+    return [finished[i].token_ids for i in ids]

@@ -91,16 +91,17 @@ def run_pass(engine, suspect: Request | None, batch: ScheduledBatch, chunks: dic
         stats.record_drafts(result.proposed, result.accepted)
         stats.num_exit_draft_decided += sum(result.accepted) - sum(result.verified_accepted)
     batcher.commit(result)
-    t2 = time.perf_counter()
-    for feedback in engine.loop_rounds.finish(result, batcher.items.keys() | batcher.next_drafts.keys()):
-        engine.controller.observe(feedback)
-    for plan in engine.loop_rounds.take_abandoned():
-        engine.controller.abandon(plan)
-    stats.phase_seconds["control"] += time.perf_counter() - t2
+    # counted with the commit: an error in the controller below is raised with the pass committed
     stats.num_loop_passes += result.loops
     stats.num_loop_passes_captured += result.captured
     stats.num_loop_pass_positions += result.positions * result.loops
     stats.num_loop_pass_embeds += result.entered
     for stage, seconds in result.stage_seconds.items():
         stats.phase_seconds["pass_" + stage] += seconds
+    t2 = time.perf_counter()
+    for feedback in engine.loop_rounds.finish(result, batcher.items.keys() | batcher.next_drafts.keys()):
+        engine.controller.observe(feedback)
+    for plan in engine.loop_rounds.take_abandoned():
+        engine.controller.abandon(plan)
+    stats.phase_seconds["control"] += time.perf_counter() - t2
     stats.phase_seconds["decode"] += time.perf_counter() - t0
