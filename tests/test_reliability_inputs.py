@@ -341,3 +341,24 @@ def test_a_rejected_request_leaves_the_engine_seed_where_it_was():
                 engine.add_request([5, 9], SamplingParams(structured_outputs=grammar))
         outputs.append(engine.generate([5, 9, 13], sampled)[0].token_ids)
     assert outputs[0] == outputs[1]
+
+
+def test_token_id_prompts_take_any_integer_type_and_name_the_id_that_is_not_one():
+    """numpy's integers are token ids, as they are seeds, stop_token_ids and score's ids (a list of them was read as a
+    list of prompts, each "got int64"); in a list of ids one that is not an integer is named by its index (it was
+    "prompts[0] must be a string, ... got int", the list read as prompts)."""
+    import numpy as np
+
+    engine = make_engine("ouro")
+    params = SamplingParams(max_tokens=3, ignore_eos=True)
+    expected = engine.generate([5, 9, 13], params)[0].token_ids
+    ids = list(np.array([5, 9, 13]))
+    assert engine.generate(ids, params)[0].token_ids == expected
+    assert engine.generate([ids], params)[0].token_ids == expected
+    out = engine.generate({"prompt_token_ids": ids}, params)[0]
+    assert out.token_ids == expected and type(out.prompt_token_ids[0]) is int
+    for prompt, named in (([5, 9.0], r"prompts\[0\]\[1\] = 9.0"), ([True, 5], r"prompts\[0\]\[0\] = True"),
+                          ([np.int64(5), np.float32(2)], r"prompts\[0\]\[1\] = \S*2\.0\S*")):  # fmt: skip
+        with pytest.raises(TypeError, match=named + " is not an int token id"):
+            engine.generate(prompt, params)
+    assert not engine.has_unfinished_requests()

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import numbers
+import operator
 from pathlib import Path
 from typing import Any, TypedDict
 
@@ -82,12 +84,17 @@ def normalize_prompts(prompts: Any) -> list[Prompt]:
     if isinstance(prompts, (list, tuple)):
         if not prompts:
             raise ValueError("prompts is empty")
-        if all(isinstance(t, int) and not isinstance(t, bool) for t in prompts):
+        if isinstance(prompts[0], numbers.Number):  # token ids: `to_token_ids` names the one that is not an id
             return [list(prompts)]
         return list(prompts)
     raise TypeError(
         f"prompts must be a string, token ids, a prompt dict, or a list of those; got {type(prompts).__name__}"
     )
+
+
+def is_token_id(value: Any) -> bool:
+    """Whether `value` is an integer of any type (numpy's too: numpy's numbers are numbers), never a bool."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
 def check_cache_salt(salt: Any, where: str = "cache_salt") -> str | None:
@@ -224,10 +231,10 @@ def to_token_ids(prompt: Prompt, tokenizer, vocab_size: int, where: str = "promp
         check_text(prompt, where)
         ids = list(tokenizer.encode(prompt))
     elif isinstance(prompt, (list, tuple)):
-        ids = list(prompt)
-        for i, token in enumerate(ids):
-            if not isinstance(token, int) or isinstance(token, bool):
+        for i, token in enumerate(prompt):
+            if not is_token_id(token):
                 raise TypeError(f"{where}[{i}] = {token!r} is not an int token id")
+        ids = [operator.index(token) for token in prompt]
         check_vocabulary(ids, vocab_size, where)
     else:
         raise TypeError(f"{where} must be a string, a list of token ids or a prompt dict; got {type(prompt).__name__}")
