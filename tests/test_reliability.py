@@ -351,7 +351,45 @@ def test_an_error_after_the_commit_keeps_the_steps_counters(monkeypatch, batchin
     assert fault.fired and counters(engine) == counters(clean)
 
 
+def test_an_error_telling_the_controller_one_plan_of_a_pass_keeps_the_others_told(monkeypatch):
+    """Loop passes finish several plans at once: an error in the controller's observe of one of them is raised after
+    the others were told (they were dropped, and a probe among them would wait for its feedback for good)."""
+    # early exit ends a plan's rounds at different passes, so plans entered at different passes finish together
+    params = [SamplingParams(max_tokens=12 + 3 * i, temperature=0.0, ignore_eos=True, exit_threshold=0.5)
+              for i in range(len(PROMPTS))]  # fmt: skip
+    clean = make_engine("ouro", speculation="2,1", batching="loop")
+    heard_clean: list[int] = []
+    observe_clean = clean.controller.observe
+    monkeypatch.setattr(clean.controller, "observe", lambda fb: (heard_clean.append(fb.plan_id), observe_clean(fb)))
+    expected = run_to_end_with(clean, PROMPTS, params)
+
+    engine = make_engine("ouro", speculation="2,1", batching="loop")
+    heard: list[int] = []
+    armed = {"now": False, "fired": None}
+    finish = engine.loop_rounds.finish
+
+    def finish_arming(*args):  # arm the fault at the first pass that finishes more than one plan
+        feedbacks = finish(*args)
+        armed["now"] = armed["fired"] is None and len(feedbacks) > 1
+        return feedbacks
+
+    def observe(fb):
+        if armed["now"]:
+            armed["now"], armed["fired"] = False, fb.plan_id
+            raise RuntimeError("injected fault")
+        heard.append(fb.plan_id)
+        return engine.controller.__class__.observe(engine.controller, fb)
+
+    monkeypatch.setattr(engine.loop_rounds, "finish", finish_arming)
+    monkeypatch.setattr(engine.controller, "observe", observe)
+    assert run_to_end_with(engine, PROMPTS, params, max_errors=1) == expected
+    assert armed["fired"] is not None  # some pass finished two plans or more
+    assert sorted([*heard, armed["fired"]]) == sorted(heard_clean)  # every other plan was heard
+
+
 def run_to_end_with(engine, prompts, params, max_errors: int = 0) -> list[list[int]]:
-    ids = [engine.add_request(p, params) for p in prompts]
+    """`params`: one SamplingParams for every prompt, or one each."""
+    each = params if isinstance(params, list) else [params] * len(prompts)
+    ids = [engine.add_request(p, q) for p, q in zip(prompts, each)]
     finished = run_to_end(engine, max_errors=max_errors)
     return [finished[i].token_ids for i in ids]

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import time
 
+from looped_spec.control.controller import FixedController
+from looped_spec.control.plan import RoundFeedback, SpeculationPlan
 from looped_spec.loop_batching import Entering, PassResult
 from looped_spec.request import Request, RequestStatus, ScheduledBatch
 
@@ -99,9 +101,24 @@ def run_pass(engine, suspect: Request | None, batch: ScheduledBatch, chunks: dic
     for stage, seconds in result.stage_seconds.items():
         stats.phase_seconds["pass_" + stage] += seconds
     t2 = time.perf_counter()
-    for feedback in engine.loop_rounds.finish(result, batcher.items.keys() | batcher.next_drafts.keys()):
-        engine.controller.observe(feedback)
-    for plan in engine.loop_rounds.take_abandoned():
-        engine.controller.abandon(plan)
+    feedbacks = engine.loop_rounds.finish(result, batcher.items.keys() | batcher.next_drafts.keys())
+    error = _tell_controller(engine.controller, feedbacks, engine.loop_rounds.take_abandoned())
     stats.phase_seconds["control"] += time.perf_counter() - t2
     stats.phase_seconds["decode"] += time.perf_counter() - t0
+    if error is not None:
+        raise error
+
+
+def _tell_controller(
+    controller: FixedController, feedbacks: list[RoundFeedback], abandoned: list[SpeculationPlan]
+) -> Exception | None:
+    """Every plan a pass finished or abandoned, each told on its own: an error in one call does not keep the others'
+    from the controller (an EMA probe among them would wait for its feedback for good), and the first error is
+    returned to be raised once the pass is counted."""
+    first: Exception | None = None
+    for call, plan in [*((controller.observe, f) for f in feedbacks), *((controller.abandon, p) for p in abandoned)]:
+        try:
+            call(plan)
+        except Exception as exc:  # raised after the others were told
+            first = first or exc
+    return first
