@@ -95,7 +95,8 @@ class SamplingFields(RequestFields):
     stream: bool = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = Field(None, description="Stop strings (at most 16), cut from the output.")
-    seed: int | None = Field(None, ge=0, lt=2**63)
+    # OpenAI's and vLLM's range, any 64-bit integer (clients send -1 too); the engine draws with it modulo 2**63
+    seed: int | None = Field(None, ge=-(2**63), lt=2**63)
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
     min_tokens: int = Field(0, ge=0, description="Fewest tokens before eos, stop_token_ids or a stop string may end "

@@ -142,11 +142,12 @@ class OpenAIServing:
         reasoning_end: list[int] | None = None,
         max_tokens_field: str = "max_tokens",
     ) -> SamplingParams:
-        """The engine's parameters of one choice; with `seed` s, choice j of a request draws with seed s + j (so `n`
-        choices are independent, and reproducible). `scored_only`: the prompt is scored, nothing generated (the
-        parameters carry only what the scores depend on: the seed and the exit fields). `reasoning_end`: where the
-        grammar starts (`check_reasoning`). `max_tokens_field`: the field the client set `max_tokens` with (chat's
-        `max_completion_tokens`), named in its errors."""
+        """The engine's parameters of one choice; with `seed` s, choice j of a request draws with seed s + j modulo
+        2**63 (so `n` choices are independent, and reproducible; a negative seed, which OpenAI's schema allows, too).
+        `scored_only`: the prompt is scored, nothing generated (the parameters carry only what the scores depend on:
+        the seed and the exit fields). `reasoning_end`: where the grammar starts (`check_reasoning`).
+        `max_tokens_field`: the field the client set `max_tokens` with (chat's `max_completion_tokens`), named in its
+        errors."""
         room = self.max_model_len - num_prompt_tokens
         if max_tokens is None:
             max_tokens = room
