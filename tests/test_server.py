@@ -1018,6 +1018,12 @@ def test_a_null_field_is_an_unset_one():
     assert ChatCompletionRequest.model_validate({**chat, **nulls}) == ChatCompletionRequest.model_validate(chat)
     with pytest.raises(ValidationError, match="model\n  Field required"):
         CompletionRequest.model_validate({"model": None, "prompt": "x"})
+    # inside stream_options too (vLLM's continuous_usage_stats is Optional there)
+    streamed = {"model": MODEL, "prompt": "x", "stream": True}
+    options = {"include_usage": True, "continuous_usage_stats": None}
+    assert CompletionRequest.model_validate(
+        {**streamed, "stream_options": options}
+    ) == CompletionRequest.model_validate({**streamed, "stream_options": {"include_usage": True}})
 
 
 def test_a_negative_seed_is_taken_as_openai_and_vllm_take_it(plain_server, reference_engine):

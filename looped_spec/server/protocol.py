@@ -25,19 +25,6 @@ from looped_spec.sampling_params import is_token_key
 from looped_spec.structured_output import StructuredOutputs
 
 
-class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
-
-    include_usage: bool | None = None  # unset: as continuous_usage_stats (vLLM's default is true, OpenAI's false)
-    # vLLM's: every chunk carries the usage so far too
-    continuous_usage_stats: bool = False
-
-    @property
-    def final_usage(self) -> bool:
-        """Whether a usage chunk ends the stream."""
-        return self.include_usage if self.include_usage is not None else self.continuous_usage_stats
-
-
 class JsonSchemaFormat(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True, populate_by_name=True)
 
@@ -79,6 +66,19 @@ class RequestFields(BaseModel):
     @classmethod
     def _null_is_unset(cls, data: Any) -> Any:
         return {key: value for key, value in data.items() if value is not None} if isinstance(data, dict) else data
+
+
+class StreamOptions(RequestFields):
+    """`stream_options`; a null option is an unset one, as for the request's own fields."""
+
+    include_usage: bool | None = None  # unset: as continuous_usage_stats (vLLM's default is true, OpenAI's false)
+    # vLLM's: every chunk carries the usage so far too
+    continuous_usage_stats: bool = False
+
+    @property
+    def final_usage(self) -> bool:
+        """Whether a usage chunk ends the stream."""
+        return self.include_usage if self.include_usage is not None else self.continuous_usage_stats
 
 
 class SamplingFields(RequestFields):
