@@ -335,7 +335,8 @@ def test_bad_requests_are_400_naming_the_field(server, client):
     broken = httpx.post(server.url + "/v1/completions", content=b"{not json", headers=headers)
     assert broken.status_code == 400 and "JSON" in broken.json()["error"]["message"]
     huge = json.dumps({"model": MODEL, "prompt": "x" * (2 << 20)})
-    assert httpx.post(server.url + "/v1/completions", content=huge, headers=headers).status_code == 413
+    too_large = httpx.post(server.url + "/v1/completions", content=huge, headers=headers)
+    assert too_large.status_code == 413 and "--max-body-bytes" in too_large.json()["error"]["message"]
 
 
 def test_score_only_streams_and_counts_against_admission(server, client, monkeypatch):

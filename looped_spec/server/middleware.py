@@ -47,7 +47,8 @@ class BodyLimitMiddleware:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        too_large = f"request body over {self.max_bytes} bytes"
+        # the limit is the operator's (a harness batching long prompts meets it): name the setting that raises it
+        too_large = f"request body over {self.max_bytes} bytes (the server's --max-body-bytes)"
         length = dict(scope["headers"]).get(b"content-length")
         if length is not None and length.isdigit() and int(length) > self.max_bytes:
             await _send_error(send, 413, too_large)
