@@ -150,6 +150,36 @@ def test_stop_strings_cut_the_text_and_stop_generation(server, client, reference
     assert "".join(c.choices[0].text for c in chunks) == cut
 
 
+def test_choices_carry_vllms_stop_reason(server, client, reference_engine):
+    """vLLM's `stop_reason` on completions and chat, streamed (in the finishing chunk) and not: the stop string, the
+    stop_token_ids token, None for eos and for a length."""
+    full = greedy(reference_engine, PROMPT, 32, ignore_eos=True)
+    stop = full.text[10:13]
+    token = full.token_ids[5]
+    cases = [({"stop": [stop, "@@@@"]}, stop), ({"extra_body": {"stop_token_ids": [token]}}, token), ({}, None)]
+    for fields, reason in cases:
+        out = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=32, temperature=0, **fields)
+        assert out.choices[0].model_extra["stop_reason"] == reason, fields
+        chunks = list(client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=32, temperature=0, stream=True,
+                                                **fields))  # fmt: skip
+        finishing = [c.choices[0] for c in chunks if c.choices and c.choices[0].finish_reason is not None]
+        assert [c.model_extra["stop_reason"] for c in finishing] == [reason], fields
+    eos = reference_engine.tokenizer.eos_token_id
+    out = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=4, temperature=0,
+                                    logit_bias={str(eos): 100})  # fmt: skip
+    assert out.choices[0].finish_reason == "stop" and out.choices[0].model_extra["stop_reason"] is None
+    messages = [{"role": "user", "content": "hi"}]
+    reply = greedy(reference_engine, reference_engine.tokenizer.apply_chat_template(
+        messages, tokenize=False, add_generation_prompt=True), 24, ignore_eos=True).text  # fmt: skip
+    stop = reply[4:7]
+    out = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=24, temperature=0, stop=[stop])
+    assert out.choices[0].finish_reason == "stop" and out.choices[0].model_extra["stop_reason"] == stop
+    chunks = list(client.chat.completions.create(model=MODEL, messages=messages, max_tokens=24, temperature=0,
+                                                 stop=[stop], stream=True))  # fmt: skip
+    finishing = [c.choices[0] for c in chunks if c.choices and c.choices[0].finish_reason is not None]
+    assert [c.model_extra["stop_reason"] for c in finishing] == [stop]
+
+
 def test_prompt_lists_and_n_choices(server, client, plain_server, reference_engine):
     """A list of prompts gives one choice per prompt (batched into the engine together); `n` > 1 gives independent
     samples per prompt, reproducible with a seed (choice j draws with seed + j), in OpenAI's order (prompt i's j-th

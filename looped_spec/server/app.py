@@ -54,6 +54,7 @@ from looped_spec.server.serving import (
     final_usage,
     finish_reason,
     sse_events,
+    stop_reason,
     until_disconnected,
 )
 from looped_spec.server.token_bytes import TextOffsets
@@ -198,7 +199,8 @@ def build_app(
                                                           as_ids)  # fmt: skip
                 if out.new_text or out.finished or logprobs is not None:
                     choice = CompletionChoice(index=index, text=out.new_text, logprobs=logprobs,
-                                              finish_reason=finish_reason(out))  # fmt: skip
+                                              finish_reason=finish_reason(out),
+                                              stop_reason=stop_reason(out))  # fmt: skip
                     yield response([choice])
 
             usage = so_far = None
@@ -215,7 +217,8 @@ def build_app(
                 prompt_text, prompt_entries = echoes[k]
                 text, tokens, entries = prompt_text + text, ids + tokens, (prompt_entries or []) + entries
             logprobs = serving.completion_logprobs(tokens, entries, as_ids=as_ids) if scored else None
-            result.append(CompletionChoice(index=k, text=text, logprobs=logprobs, finish_reason=out.finish_reason))
+            result.append(CompletionChoice(index=k, text=text, logprobs=logprobs, finish_reason=out.finish_reason,
+                                           stop_reason=out.stop_reason))  # fmt: skip
         return response(result, serving.usage(num_prompt, outs, body.n))
 
     @app.post("/v1/chat/completions")
@@ -284,7 +287,7 @@ def build_app(
                     delta, logprobs = None, None
                 if delta is not None or out.finished or logprobs is not None:
                     choice = ChatStreamChoice(index=index, delta=delta or DeltaMessage(), logprobs=logprobs,
-                                              finish_reason=reason)  # fmt: skip
+                                              finish_reason=reason, stop_reason=stop_reason(out))  # fmt: skip
                     yield chunk([choice])
 
             usage = so_far = None
@@ -305,10 +308,10 @@ def build_app(
             content = echoed + (message.content or "") if echoed else message.content
             if reasoning is not None and not content:
                 content = None  # all reasoning, or all calls: no content (what the streamed deltas add up to)
+            reply = ChatResponseMessage(content=content, tool_calls=message.tool_calls,
+                                        reasoning=thought if body.include_reasoning else None)  # fmt: skip
             result.append(ChatChoice(index=k, logprobs=logprobs, finish_reason=message.finish_reason,
-                                     message=ChatResponseMessage(content=content, tool_calls=message.tool_calls,
-                                                                 reasoning=thought if body.include_reasoning
-                                                                 else None)))  # fmt: skip
+                                     stop_reason=out.stop_reason, message=reply))  # fmt: skip
         return ChatCompletionResponse(id=cid, created=created, model=model_name, choices=result,
                                       usage=serving.usage(len(ids), outs, body.n))  # fmt: skip
 

@@ -380,6 +380,8 @@ class CompletionChoice(BaseModel):
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
+    # vLLM's: the stop string or stop_token_ids token that ended the choice (None for eos, a length, or not yet)
+    stop_reason: int | str | None = None
 
 
 class CompletionResponse(BaseModel):
@@ -421,6 +423,7 @@ class ChatChoice(BaseModel):
     message: ChatResponseMessage
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
+    stop_reason: int | str | None = None  # as CompletionChoice's
 
 
 class ChatCompletionResponse(BaseModel):
@@ -480,6 +483,7 @@ class ChatStreamChoice(BaseModel):
     delta: DeltaMessage
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
+    stop_reason: int | str | None = None  # as CompletionChoice's, in the chunk that finishes the choice
 
 
 class ChatCompletionChunk(BaseModel):

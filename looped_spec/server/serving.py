@@ -561,6 +561,11 @@ def finish_reason(out: RequestOutput) -> str | None:
     return out.finish_reason if out.finished else None
 
 
+def stop_reason(out: RequestOutput) -> int | str | None:
+    """vLLM's `stop_reason` of a streamed chunk: what ended the choice, in its last chunk only."""
+    return out.stop_reason if out.finished else None
+
+
 async def _last(outputs: AsyncIterator[RequestOutput]) -> RequestOutput:
     last = None
     async for out in outputs:
