@@ -180,6 +180,23 @@ def test_choices_carry_vllms_stop_reason(server, client, reference_engine):
     assert [c.model_extra["stop_reason"] for c in finishing] == [stop]
 
 
+def test_a_request_without_a_model_is_for_the_served_one(server, reference_engine):
+    """vLLM's server takes a request without `model` as one for the model it serves (a 400 before); another model's
+    name is still a 404."""
+    expected = greedy(reference_engine, PROMPT, 6, ignore_eos=True).text
+    for endpoint, fields in [("/v1/completions", {"prompt": PROMPT}),
+                             ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]})]:  # fmt: skip
+        body = {**fields, "max_tokens": 6, "temperature": 0, "ignore_eos": True}
+        auth = {"Authorization": f"Bearer {API_KEY}"}
+        answer = httpx.post(server.url + endpoint, json=body, headers=auth, timeout=60)
+        assert answer.status_code == 200, answer.text
+        assert answer.json()["model"] == MODEL
+        if endpoint == "/v1/completions":
+            assert answer.json()["choices"][0]["text"] == expected
+        other = httpx.post(server.url + endpoint, json={**body, "model": "another"}, headers=auth, timeout=60)
+        assert other.status_code == 404 and "'another' does not exist" in other.json()["error"]["message"]
+
+
 def test_prompt_lists_and_n_choices(server, client, plain_server, reference_engine):
     """A list of prompts gives one choice per prompt (batched into the engine together); `n` > 1 gives independent
     samples per prompt, reproducible with a seed (choice j draws with seed + j), in OpenAI's order (prompt i's j-th
@@ -1047,8 +1064,8 @@ def test_a_null_field_is_an_unset_one():
     chat = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}
     nulls = {"n": None, "logprobs": None, "parallel_tool_calls": None, "tool_choice": None}
     assert ChatCompletionRequest.model_validate({**chat, **nulls}) == ChatCompletionRequest.model_validate(chat)
-    with pytest.raises(ValidationError, match="model\n  Field required"):
-        CompletionRequest.model_validate({"model": None, "prompt": "x"})
+    with pytest.raises(ValidationError, match="prompt\n  Field required"):
+        CompletionRequest.model_validate({"model": MODEL, "prompt": None})
     # inside stream_options too (vLLM's continuous_usage_stats is Optional there)
     streamed = {"model": MODEL, "prompt": "x", "stream": True}
     options = {"include_usage": True, "continuous_usage_stats": None}

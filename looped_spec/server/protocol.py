@@ -84,7 +84,7 @@ class StreamOptions(RequestFields):
 class SamplingFields(RequestFields):
     """Fields shared by completions and chat completions."""
 
-    model: str
+    model: str | None = None  # left out: the served model, as vLLM's server takes it (OpenAI's requires it)
     temperature: float | None = Field(None, ge=0.0, le=2.0, allow_inf_nan=False)
     top_p: float | None = Field(None, gt=0.0, le=1.0, allow_inf_nan=False)
     top_k: int | None = Field(None, ge=-1)

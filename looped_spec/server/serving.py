@@ -70,8 +70,9 @@ class OpenAIServing:
         self.metrics = ServerMetrics(core, model_name)
 
     # ----- request -> engine -----
-    def check_model(self, model: str) -> None:
-        if model != self.model_name:
+    def check_model(self, model: str | None) -> None:
+        """A model this server serves (None: left out, the one it serves)."""
+        if model is not None and model != self.model_name:
             raise APIError(404, f"model {model!r} does not exist; this server serves {self.model_name!r}", "model")
 
     def check_request(self, body: SamplingFields) -> None:
