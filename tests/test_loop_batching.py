@@ -370,6 +370,19 @@ def test_loop_batching_options_that_are_not_built_are_errors():
         LoopedSpecEngine(load("ouro"), batching="token", speculation="off")
 
 
+def test_tunables_only_timed_rounds_read_are_errors_on_loop_passes():
+    """Loop passes time no round (rounds of several plans share them): the drift factor and the price probes never
+    learn there, so setting what steers them would do nothing."""
+    for control in ({"drift_rounds": 8}, {"price_probe_interval": 4}, {"price_memory": 2}):
+        ((name, value),) = control.items()
+        with pytest.raises(ValueError, match=rf"control\.{name}={value}: only timed rounds read it \(batching='loop'"):
+            LoopedSpecEngine(load("ouro"), speculation="adaptive", batching="loop", control=control)
+        LoopedSpecEngine(load("ouro"), speculation="adaptive", control=control).close()  # the step engine times rounds
+    # at their defaults they change nothing either way; the other tunables steer loop passes as they do steps
+    LoopedSpecEngine(load("ouro"), speculation="adaptive", batching="loop",
+                     control={"price_memory": 16.0, "readout_budget": 0.01}).close()  # fmt: skip
+
+
 def recorded_feedback(engine: LoopedSpecEngine) -> list:
     """Every feedback the engine sends its controller, from now on."""
     seen, observe = [], engine.controller.observe

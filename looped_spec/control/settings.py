@@ -9,10 +9,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields
 
 
-def _tunable(default: float, allowed: str, policy: str | None = None):
-    """A field with its default, its allowed interval, "[lo, hi)" style ("inf" for no bound), and the one policy it
-    steers (None: both)."""
-    return field(default=default, metadata={"allowed": allowed, "policy": policy})
+def _tunable(default: float, allowed: str, policy: str | None = None, timed: bool = False):
+    """A field with its default, its allowed interval, "[lo, hi)" style ("inf" for no bound), the one policy it
+    steers (None: both), and whether only rounds with a measured time read it (loop passes time no round)."""
+    return field(default=default, metadata={"allowed": allowed, "policy": policy, "timed": timed})
 
 
 def _within(value: float, allowed: str) -> bool:
@@ -43,11 +43,11 @@ class ControlSettings:
     #: ... and the share of decode time they may cost at most
     readout_budget: float = _tunable(0.03, "(0, 1]")
     #: cost: rounds the drift factor (measured ÷ predicted round time) remembers, and pairs what measuring adds
-    drift_rounds: float = _tunable(64.0, "[1, inf)")
+    drift_rounds: float = _tunable(64.0, "[1, inf)", timed=True)
     #: goodput: rounds between two plain rounds run beside a speculative plan, to price speculation against plain ...
-    price_probe_interval: int = _tunable(32, "[2, inf)", "goodput")
+    price_probe_interval: int = _tunable(32, "[2, inf)", "goodput", timed=True)
     #: ... and the pairs of rounds the relative price remembers
-    price_memory: float = _tunable(16.0, "[1, inf)", "goodput")
+    price_memory: float = _tunable(16.0, "[1, inf)", "goodput", timed=True)
     #: a batch stays in its bucket while its size is within this factor of the bucket's range
     bucket_stickiness: float = _tunable(1.25, "[1, inf)")
 
@@ -59,6 +59,11 @@ class ControlSettings:
             for f in fields(self)
             if f.metadata["policy"] not in (None, policy) and getattr(self, f.name) != f.default
         ]
+
+    def set_for_timed_rounds(self) -> list[str]:
+        """The tunables set away from their defaults that only timed rounds read (the drift factor, the price probes):
+        on loop passes, which time no round, they would do nothing."""
+        return [f.name for f in fields(self) if f.metadata["timed"] and getattr(self, f.name) != f.default]
 
     def __post_init__(self) -> None:
         for f in fields(self):

@@ -161,6 +161,15 @@ class EngineConfig(BaseModel):
                 shown = ", ".join(f"control.{name}={getattr(self.control, name)!r}" for name in unused)
                 raise ValueError(f"{shown}: only the goodput policy reads {'it' if len(unused) == 1 else 'them'} "
                                  f"(policy={self.policy!r} runs without)")  # fmt: skip
+            # rounds of several plans share a loop pass, so no round is timed there: the drift factor and the price
+            # probes, which learn from round times, never run (docs/architecture.md, "Plans on loop passes")
+            untimed = self.control.set_for_timed_rounds() if self.control is not None and self.batching == "loop" \
+                else []  # fmt: skip
+            if untimed:
+                shown = ", ".join(f"control.{name}={getattr(self.control, name)!r}" for name in untimed)
+                raise ValueError(f"{shown}: only timed rounds read {'it' if len(untimed) == 1 else 'them'} "
+                                 "(batching='loop' times no round: rounds of several plans share its "
+                                 "passes)")  # fmt: skip
             return self
         given = self.adaptive_options_given()
         if given:
