@@ -45,7 +45,8 @@ class SpeculativeConfig(BaseModel):
         le=1.0,
         description="Per-token stopping (docs/adaptive.md): a request stops drafting at the first draft whose "
         "depth-d top-two probability margin is below this (that draft is not proposed; a first draft below it "
-        "makes the round plain for the request), up to k. Rounds without early-exit requests; None = always k.",
+        "makes the round plain for the request), up to k; under early exit too (a position that exits within d is the "
+        "target's own sample and never stops its row). None = always k.",
     )
 
     @model_validator(mode="before")
