@@ -535,6 +535,25 @@ def test_adaptive_speculates_on_loop_passes_where_it_pays():
     assert engine.stats.num_spec_rounds > 0 and engine.stats.num_accepted_tokens > 0
 
 
+def test_plans_are_counted_at_the_drafts_their_rounds_drew():
+    """A step round is counted at the most drafts a request of it drew (K capped by the tokens left and the KV free; 0
+    for a request whose exit rule reads out through attention), and so is a plan on loop passes: one under which
+    nothing drafted is a plain round, in `num_spec_rounds` and `plan_histogram` alike."""
+    adapter = load_adapter(fixture_dir("huginn"), initial_state="zeros", exit_criterion="kl")
+    # the KL rule: K = 0 for every request (its tokens exit out of phase, so the plans are not the step engine's)
+    loop = LoopedSpecEngine(adapter, speculation="3,2", batching="loop")
+    run(loop, PROMPTS[:3], SamplingParams(max_tokens=6, ignore_eos=True, exit_threshold=0.05))
+    assert loop.stats.num_rounds > 0 and loop.stats.num_spec_rounds == loop.stats.num_draft_tokens == 0
+    assert set(loop.stats.plan_histogram) == {"0,0"}
+    # K capped by the tokens left, at full depth: in lockstep a plan is a step round
+    params = [SamplingParams(max_tokens=n, ignore_eos=True) for n in (2, 4, 7)]
+    step = LoopedSpecEngine(adapter, speculation="3,2")
+    loop = LoopedSpecEngine(adapter, speculation="3,2", batching="loop")
+    assert run(loop, PROMPTS[:3], params) == run(step, PROMPTS[:3], params)
+    assert loop.stats.plan_histogram == step.stats.plan_histogram and "0,0" in step.stats.plan_histogram
+    assert loop.stats.num_spec_rounds == step.stats.num_spec_rounds
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 def test_plans_are_taken_as_often_as_the_step_engine_takes_them(family):
     """A plan serves a step round's worth of request rounds, and a new one is taken when the batch size changes: a

@@ -59,7 +59,7 @@ class EngineStats:
     num_prompt_tokens: int = 0  # prompt (and recomputed) tokens run through prefill
     num_generation_tokens: int = 0
     num_prefill_steps: int = 0
-    num_rounds: int = 0  # decode rounds, plain or speculative (loop passes: plans taken, record_plan)
+    num_rounds: int = 0  # decode rounds, plain or speculative (loop passes: plans taken, record_plan / regrade_plan)
     num_spec_rounds: int = 0
     num_drafts: int = 0  # (request, round) pairs that drafted at least one token
     num_draft_tokens: int = 0
@@ -114,6 +114,16 @@ class EngineStats:
         self.num_spec_rounds += k > 0
         self.batch_size_histogram[batch_size] += 1
         self.plan_histogram[f"{k},{d if k else 0}"] += 1
+
+    def regrade_plan(self, counted_k: int, k: int, d: int) -> None:
+        """A plan on loop passes counted at K = `counted_k` (the most drafts a request round under it drew then) whose
+        later request round drew `k` > `counted_k`: counted at `k` instead, as a step round is counted at its most."""
+        before = f"{counted_k},{d if counted_k else 0}"
+        self.plan_histogram[before] -= 1
+        if not self.plan_histogram[before]:
+            del self.plan_histogram[before]
+        self.plan_histogram[f"{k},{d}"] += 1
+        self.num_spec_rounds += counted_k == 0
 
     def record_drafts(self, draft_lens: list[int], accepted: list[int]) -> None:
         """One round's per-request draft lengths and accepted counts (a prefix of each draft is accepted)."""

@@ -57,6 +57,7 @@ class LoopRounds:
         self._plan_of: dict[str, int] = {}  # request id -> the plan its round runs under
         self._plan: tuple[SpeculationPlan, int, float] | None = None  # the plan in use, its batch size and context
         self._plan_left = 0  # request rounds the plan in use still serves
+        self._plan_k = 0  # the most drafts a request round under the plan in use drew (what the stats count it at)
         self.abandoned: list[SpeculationPlan] = []  # plans that will report nothing (`take_abandoned`)
 
     def plan(
@@ -73,8 +74,19 @@ class LoopRounds:
         if self._plan is not None and self._plan_left == self._plan[1]:  # replaced before any round ran under it
             self.abandoned.append(self._plan[0])
         plan = take(batch_size, context, [r.request_id for r in running])
-        self._plan, self._plan_left = (plan, batch_size, context), batch_size
+        self._plan, self._plan_left, self._plan_k = (plan, batch_size, context), batch_size, -1
         return self._plan[0], True
+
+    def drew(self, k: list[int]) -> int | None:
+        """The request rounds entering under the plan in use drew `k` drafts each (K capped as in a step round): the
+        K the plan was counted at before (-1: not yet counted) when they drew more, else None. The stats count a plan
+        as a step round is counted, at the most any of its rounds drew: a plan whose rounds all draw none (an exit
+        rule that reads out through attention, a request's last token) is a plain round."""
+        most = max(k, default=0)
+        if most <= self._plan_k:
+            return None
+        counted, self._plan_k = self._plan_k, most
+        return counted
 
     def start(self, requests: list[Request]) -> None:
         """`requests` entered a new round under the plan in use in a pass the engine committed."""
