@@ -82,6 +82,11 @@ def test_stop_margin_is_checked_and_refused_where_it_does_not_run():
         SpeculativeConfig(k=2, d=1, stop_margin=1.5)
     with pytest.raises(ValueError, match="stop_margin: not together with measure_depths"):
         SpeculativeConfig(k=2, d=1, stop_margin=0.2, measure_depths=True)
+    # plain decoding drafts nothing: a margin would stop nothing (the engine would drop it without a word)
+    with pytest.raises(ValueError, match="stop_margin=0.2 with k=0: plain decoding drafts nothing to stop"):
+        SpeculativeConfig(k=0, stop_margin=0.2)
+    with pytest.raises(ValueError, match=r"^LoopedSpecEngine: speculation: stop_margin=0.2 with k=0"):
+        LoopedSpecEngine(load("ouro"), speculation={"k": 0, "stop_margin": 0.2}, batching="loop")
 
 
 @pytest.mark.parametrize("family", FAMILIES)

@@ -62,6 +62,8 @@ class SpeculativeConfig(BaseModel):
             raise ValueError(f"d={self.d} must be >= 1 when k={self.k} (d = 0 only means plain decoding, k = 0)")
         if self.k == 0 and self.d != 0:  # a draft depth with nothing to draft would do nothing
             raise ValueError(f"d={self.d} with k=0: plain decoding drafts nothing (write k=0, d=0, or 'off')")
+        if self.k == 0 and self.stop_margin is not None:  # nothing is drafted, so no draft stops
+            raise ValueError(f"stop_margin={self.stop_margin} with k=0: plain decoding drafts nothing to stop")
         if self.stop_margin is not None and self.measure_depths:
             raise ValueError("stop_margin: not together with measure_depths (a measured round drafts every k)")
         return self
