@@ -173,6 +173,9 @@ def test_token_id_prompts_from_jsonl_print_as_ids(capsys, tmp_path):
         (BASE + ["--prompt", "x", "--preset", "tiny-ouro"], "--preset tiny-ouro: only with --speculation adaptive"),
         (BASE + ["--prompt", "x", "--exit-at-step", "2", "--exit-threshold", "0.5"],
          "error: --exit-threshold 0.5 and --exit-at-step 2"),
+        # no shipped model sets a default threshold: without an exit flag no token exits, and the mode does nothing
+        (BASE + ["--prompt", "x", "--early-exit", "select"],
+         "error: --early-exit select: no token exits early, so it would change nothing"),
         (["generate", "--model", "tiny-ouroo", "--prompt", "x"], "shipped: tiny-huginn"),
         (["tune", "--model", "tiny-ouro", "--out", "/tmp/x.json", "--cost-from", "tiny-huginn"],
          "--cost-from tiny-huginn: its cost profile was measured on model 'tiny-huginn', not 'tiny-ouro'"),

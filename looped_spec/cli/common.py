@@ -23,8 +23,8 @@ def engine_options(args: argparse.Namespace) -> dict:
     options = dict(
         dtype=args.dtype, device=args.device, speculation=speculation_flag(args.speculation), preset=args.preset,
         policy=args.policy, seed=args.seed, trace_path=args.trace, max_batch_size=args.max_batch_size,
-        max_model_len=args.max_model_len, early_exit=getattr(args, "early_exit", "skip"), batching=args.batching,
-        cuda_graphs=CUDA_GRAPHS[args.cuda_graphs], prefix_caching=args.prefix_caching,
+        max_model_len=args.max_model_len, early_exit=getattr(args, "early_exit", None) or "skip",
+        batching=args.batching, cuda_graphs=CUDA_GRAPHS[args.cuda_graphs], prefix_caching=args.prefix_caching,
         adapter_options=parse_adapter_options(args.adapter_option) or None,
         max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size,
         num_kv_blocks=args.num_kv_blocks, kv_cache_memory_gb=args.kv_cache_memory_gb,

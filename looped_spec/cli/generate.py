@@ -71,7 +71,9 @@ def add_parser(sub: argparse._SubParsersAction, fmt: type[argparse.HelpFormatter
         default=None,
         help="early exit: fixed loop depth per token, not with --exit-threshold (default: none)",
     )
-    gen.add_argument("--early-exit", default="skip", choices=["skip", "select"], help="how early exit runs")
+    gen.add_argument("--early-exit", default=None, choices=["skip", "select"],
+                     help="how tokens that exit early run, only where one does (--exit-threshold, --exit-at-step, or "
+                     "the checkpoint's own threshold) (default: skip)")  # fmt: skip
     gen.add_argument("--batch-size", type=int, default=1, metavar="N",
                      help="queue N copies of the prompts (2 prompts, N=8: 16 requests and outputs, printed one by "
                      "one), decoded together up to --max-batch-size; with one --seed the copies are the same text: "
@@ -166,6 +168,10 @@ def generate(args: argparse.Namespace) -> int:
     configure_logging(args.log_level)
     engine = LoopedSpecEngine(args.model, **engine_options(args))
     try:
+        if args.early_exit is not None and engine.resolve_exit(params) == (None, None):
+            # every token runs all loops, so how an exit runs would change nothing
+            raise UsageError(f"--early-exit {args.early_exit}: no token exits early, so it would change nothing (no "
+                             "--exit-threshold or --exit-at-step, and the model sets no default one)")  # fmt: skip
         if args.stream:
             outputs = _stream(engine, prompts, params)
         else:
@@ -256,7 +262,7 @@ def _print_stats(engine, args: argparse.Namespace, outputs: list) -> None:
     if stats.exit_depth_histogram:
         histogram = ", ".join(f"{d}: {n}" for d, n in sorted(stats.exit_depth_histogram.items()))
         rows += [
-            (f"exit depths ({args.early_exit}; depth: tokens)", histogram),
+            (f"exit depths ({engine.config.early_exit}; depth: tokens)", histogram),
             ("loops per token (saved)", f"{stats.mean_loops_per_token:.2f} ({stats.num_exit_loops_saved})"),
         ]
     width = max(len(k) for k, _ in rows)
