@@ -240,6 +240,53 @@ async def _drain(stream, seen: list) -> None:
         seen.append(out)
 
 
+def test_a_worker_ended_by_a_base_exception_ends_every_stream_and_score(monkeypatch):
+    """A BaseException out of a step (SystemExit, KeyboardInterrupt: no step handler catches them) ends the worker; its
+    open streams and waiting scores end with EngineDeadError instead of waiting for it for good."""
+    import threading
+
+    class Fatal(BaseException):
+        pass
+
+    engine = make_engine("ouro", max_batch_size=2)
+    entered, release = threading.Event(), threading.Event()
+    real_step = engine.step
+
+    def step():
+        real_step()  # a step that ran, then the exception
+        entered.set()
+        release.wait(30)  # the stream and the score are both waiting when the step dies
+        raise Fatal("stop")
+
+    monkeypatch.setattr(engine, "step", step)
+    caught: list = []
+    monkeypatch.setattr(threading, "excepthook", lambda args: caught.append(args.exc_type))
+    front = AsyncLoopedSpecEngine(engine, max_queued=4)
+    front.start()
+
+    async def run():
+        stream = front.add_request([1, 2, 3], SamplingParams(max_tokens=200, ignore_eos=True))
+        await asyncio.to_thread(entered.wait, 30)
+        waiting = asyncio.ensure_future(front.score([4, 5], 1))
+        await asyncio.sleep(0.05)
+        release.set()
+        with pytest.raises(EngineDeadError, match="worker stopped: Fatal: stop"):
+            async for _ in stream:
+                pass
+        with pytest.raises(EngineDeadError, match="worker stopped"):
+            await asyncio.wait_for(waiting, 30)
+        with pytest.raises(EngineDeadError):
+            front.add_request([1], SamplingParams(max_tokens=2))
+
+    try:
+        asyncio.run(asyncio.wait_for(run(), 20))
+        wait_until(lambda: not front.is_running)
+        assert caught == [Fatal]  # raised on, as the thread's own end
+    finally:
+        release.set()
+        front.shutdown()
+
+
 def test_a_fault_in_a_score_is_an_engine_fault_and_the_worker_goes_on(monkeypatch):
     from looped_spec.engine.async_engine import EngineFaultError
 

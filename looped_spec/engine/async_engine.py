@@ -254,6 +254,16 @@ class AsyncLoopedSpecEngine:
 
     # ----- the worker thread -----
     def _run(self) -> None:
+        try:
+            self._serve()
+        except BaseException as exc:
+            # what no handler below catches (SystemExit, KeyboardInterrupt, another BaseException out of model code)
+            # ends the worker: every open stream and waiting score ends with it instead of waiting for it for good,
+            # and nothing more is admitted
+            self.end_all(f"the engine's worker stopped: {type(exc).__name__}: {exc}")
+            raise
+
+    def _serve(self) -> None:
         engine = self.engine
         failures = 0  # steps failed in a row
         while not self._stop.is_set():
