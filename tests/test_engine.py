@@ -153,6 +153,9 @@ def test_online_api_and_abort():
     assert finished[first].finish_reason == "abort" and len(finished[first].token_ids) < 30
     assert finished[second].finish_reason == "length" and len(finished[second].token_ids) == 5
     assert engine.num_free_blocks == engine.kv.num_blocks
+    # counted by finish reason, as vLLM's request_success (an abort was counted nowhere)
+    assert engine.stats.finished_reasons == {"abort": 1, "length": 1} and engine.stats.num_requests_finished == 1
+    assert 'request_success_total{finished_reason="abort",model_name="m"} 1.0' in engine.stats.to_prometheus("m")
     with pytest.raises(KeyError, match="unknown request_id 'nope'"):
         engine.abort("nope")
 

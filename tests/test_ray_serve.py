@@ -164,8 +164,8 @@ def _replica_metrics(port: int) -> dict[str, float] | None:
         for sample in family.samples:
             if sample.name == "looped_spec:num_requests_running":
                 found |= {"replica": sample.labels["replica"], "running": sample.value}
-            if sample.name == "looped_spec:request_success_total":
-                found["finished"] = sample.value
+            if sample.name == "looped_spec:request_success_total" and sample.labels["finished_reason"] != "abort":
+                found["finished"] = found.get("finished", 0) + sample.value
     return found or None
 
 

@@ -795,7 +795,6 @@ def test_metrics_parse_and_match_engine_stats(server, client):
     for metric, key in [
         ("generation_tokens_total", "num_generation_tokens"),
         ("prompt_tokens_total", "num_prompt_tokens"),
-        ("request_success_total", "num_requests_finished"),
         ("request_failure_total", "num_requests_failed"),
         ("spec_decode_num_draft_tokens_total", "num_draft_tokens"),
         ("spec_decode_num_accepted_tokens_total", "num_accepted_tokens"),
@@ -804,6 +803,12 @@ def test_metrics_parse_and_match_engine_stats(server, client):
         ("num_preemptions_total", "num_preemptions"),
     ]:
         assert samples[("looped_spec:" + metric, ())] == stats[key], metric
+    # by finish reason, as vLLM's: stop and length make up num_requests_finished
+    success = {dict(labels)["finished_reason"]: v for (name, labels), v in samples.items()
+               if name == "looped_spec:request_success_total"}  # fmt: skip
+    assert set(success) == {"stop", "length", "abort"}
+    assert success["stop"] + success["length"] == stats["num_requests_finished"]
+    assert success == {reason: stats["finished_reasons"].get(reason, 0) for reason in success}
     per_pos = {int(dict(labels)["position"]): v for (name, labels), v in samples.items()
                if name == "looped_spec:spec_decode_num_accepted_tokens_per_pos_total"}  # fmt: skip
     assert sum(per_pos.values()) == stats["num_accepted_tokens"]

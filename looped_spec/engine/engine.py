@@ -343,6 +343,7 @@ class LoopedSpecEngine:
             if request.finished:
                 continue
             self.scheduler.finish(request, "abort")
+            self.stats.finished_reasons["abort"] += 1
             self._reports[request.request_id] = request
             if self.loop_batcher is not None:  # its work in flight holds the KV blocks it just gave back
                 self.loop_batcher.drop(request.request_id)
@@ -411,6 +412,7 @@ class LoopedSpecEngine:
                 self._reports[request.request_id] = request
             if request.finished and request.finish_reason != "error":
                 self.stats.num_requests_finished += 1
+                self.stats.finished_reasons[request.finish_reason] += 1
         self.stats.num_generation_tokens += sum(appended)
 
     def _take_outputs(self, only: set[str] | None = None, finished_only: bool = False) -> list[RequestOutput]:

@@ -56,6 +56,9 @@ class EngineStats:
 
     num_requests_finished: int = 0  # by a stop condition or length (not aborted, not failed)
     num_requests_failed: int = 0  # finished with an error of their own (docs/architecture.md "Failure semantics")
+    # finished requests by finish reason: "stop" and "length" (together num_requests_finished) and "abort" (stopped
+    # by `abort` before they finished), as vLLM's request_success counts them
+    finished_reasons: Counter = field(default_factory=Counter)
     num_prompt_tokens: int = 0  # prompt (and recomputed) tokens run through prefill
     num_generation_tokens: int = 0
     num_prefill_steps: int = 0
@@ -155,6 +158,10 @@ class EngineStats:
         return generate_latest(registry).decode()
 
 
+#: The finish reasons `request_success` is labelled with (vLLM's; an error is `request_failure`)
+FINISHED_REASONS = ("stop", "length", "abort")
+
+
 def _counter(name: str, doc: str, value: float, labels: dict[str, str]) -> CounterMetricFamily:
     family = CounterMetricFamily(PREFIX + name, doc, labels=list(labels))
     family.add_metric(list(labels.values()), value)
@@ -197,8 +204,14 @@ class StatsCollector(Collector):
 
     def collect(self) -> Iterator[Metric]:
         s, labels = self.stats, {"model_name": self.model_name}
-        yield _counter("request_success", "Requests finished by a stop condition or length.",
-                       s.num_requests_finished, labels)  # fmt: skip
+        success = CounterMetricFamily(
+            PREFIX + "request_success",
+            "Finished requests by finish reason (as vLLM's: a stop condition, length, or aborted).",
+            labels=[*labels, "finished_reason"],
+        )
+        for reason in FINISHED_REASONS:
+            success.add_metric([*labels.values(), reason], s.finished_reasons[reason])
+        yield success
         yield _counter("request_failure", "Requests finished with an error of their own.", s.num_requests_failed,
                        labels)  # fmt: skip
         yield _counter("prompt_tokens", "Prefilled tokens (including recomputation).", s.num_prompt_tokens, labels)
