@@ -89,7 +89,12 @@ class SamplingParams(BaseModel):
         allow_inf_nan=False,
         description="0 (or below 1e-5) = greedy; else softmax temperature.",
     )
-    top_k: Integer = Field(0, ge=-1, le=2**31 - 1, description="Keep the k most likely tokens (0 or -1 = all).")
+    top_k: Integer = Field(
+        0,
+        ge=-1,
+        le=2**31 - 1,
+        description="Keep the k most likely tokens, and those tied with the k-th, as HF and vLLM (0 or -1 = all).",
+    )
     top_p: Real = Field(1.0, gt=0.0, le=1.0, allow_inf_nan=False, description="Nucleus sampling mass in (0, 1].")
     min_p: Real = Field(
         0.0,

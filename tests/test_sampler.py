@@ -65,6 +65,31 @@ def test_the_distribution_is_hfs(temperature, top_k, top_p, min_p):
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
 
 
+def test_top_k_keeps_every_token_tied_with_the_kth_as_hf_does():
+    """bf16 logits tie often: HF's TopKLogitsWarper (and vLLM) keep every token tied with the k-th, not the first k the
+    sort happens to put there; a top_k above the vocabulary keeps it all."""
+    logits = torch.tensor([[2.0, 1.0, 1.0, 0.0]])
+    assert (probabilities(logits, rows_of(1.0, 2, 1.0, 1)) > 0).tolist() == [[True, True, True, False]]
+    bf16 = (torch.randn(16, 4000, generator=torch.Generator().manual_seed(0)) * 3.0).bfloat16().float()
+    for top_k in (50, 4000, 10**6):
+        got = probabilities(bf16, rows_of(1.0, top_k, 1.0, 16)).double()
+        want = reference(bf16, 1.0, min(top_k, 4000), 1.0)
+        assert ((got > 0) == (want > 0)).all(), f"top_k={top_k}: a different set of tokens kept"
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_a_row_at_top_p_one_keeps_the_whole_vocabulary_beside_rows_that_filter():
+    """top_p 1 is off: the fp32 running mass rounds to 1 before the vocabulary's tail, which must stay all the same
+    (else a row's distribution depends on whether another row of its batch filters)."""
+    logits = torch.randn(16, 4000, generator=torch.Generator().manual_seed(0)) * 3.0
+    rows = rows_of(1.0, 0, 1.0, 16)
+    rows.top_p = torch.tensor([1.0, 0.9] * 8)
+    rows.needs_filter = True
+    got = probabilities(logits, rows)[::2].double()
+    assert (got > 0).all()
+    torch.testing.assert_close(got, logits[::2].double().softmax(-1), rtol=1e-5, atol=1e-6)
+
+
 def test_min_p_rows_mix_with_rows_without_it():
     """Rows of one batch each keep their own min_p (0: off)."""
     logits = torch.randn(4, 64, generator=torch.Generator().manual_seed(3)) * 2.0

@@ -232,13 +232,18 @@ def _filtered(logits: torch.Tensor, rows: SamplingRows) -> torch.Tensor:
     if rows.needs_filter:
         # top-k first, then top-p on what top-k kept, renormalised (the order of HF's warpers and vLLM's sampler)
         sorted_logits, order = scaled.sort(dim=-1, descending=True)
-        ranks = torch.arange(scaled.shape[-1], device=scaled.device)[None, :]
-        k = torch.where(rows.top_k > 0, rows.top_k, torch.full_like(rows.top_k, scaled.shape[-1]))
-        sorted_logits = sorted_logits.masked_fill(ranks >= k[:, None], float("-inf"))
+        vocab = scaled.shape[-1]
+        k = torch.where(rows.top_k > 0, rows.top_k.clamp_max(vocab), torch.full_like(rows.top_k, vocab))
+        # every token tied with the k-th stays, as HF's TopKLogitsWarper and vLLM keep them: cutting at rank k would
+        # keep an arbitrary few of the tied (the sort's order), and ties are common in bf16 logits
+        kth = sorted_logits.gather(-1, (k - 1)[:, None])
+        sorted_logits = sorted_logits.masked_fill(sorted_logits < kth, float("-inf"))
         sorted_probs = sorted_logits.softmax(dim=-1)
         mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
-        # keeps the smallest prefix whose mass reaches top_p
-        sorted_logits = sorted_logits.masked_fill(mass_before >= rows.top_p[:, None], float("-inf"))
+        # keeps the smallest prefix whose mass reaches top_p; a row at top_p 1 keeps all, though the fp32 running mass
+        # rounds to 1 before the vocabulary's tail (HF adds no top-p warper there, vLLM's ascending sum cuts nothing)
+        cut = (mass_before >= rows.top_p[:, None]) & (rows.top_p < 1.0)[:, None]
+        sorted_logits = sorted_logits.masked_fill(cut, float("-inf"))
         scaled = torch.empty_like(scaled).scatter_(-1, order, sorted_logits)
     probs = scaled.softmax(dim=-1)
     if rows.min_p is not None:  # on what top-k and top-p kept; the most likely token always stays
