@@ -214,7 +214,7 @@ class SamplingParams(BaseModel):
         # vLLM's neutral values of fields this engine has no use for: one output, and "unset"
         data = {name: value for name, value in data.items()
                 if not (name in ("n", "best_of") and value in (None, 1) and not isinstance(value, bool))}  # fmt: skip
-        for name in ("stop", "stop_token_ids"):
+        for name in ("stop", "stop_token_ids", "logit_bias"):
             if name in data and data[name] is None:
                 del data[name]  # vLLM's default: none
         for name in data:

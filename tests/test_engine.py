@@ -349,6 +349,7 @@ def test_what_a_vllm_script_does_runs_or_says_what_to_use_instead():
     """A script written for vLLM: its neutral values are taken, its calls in vLLM's shape work, and what this engine
     has under another name is named."""
     assert SamplingParams(n=1, best_of=None, stop=None, stop_token_ids=None) == SamplingParams()
+    assert SamplingParams(logit_bias=None) == SamplingParams()  # vLLM's default: no bias
     params = SamplingParams(max_tokens=3)
     assert params.clone() == params and params.clone() is not params
     for field, instead in (("guided_decoding", "structured_outputs"), ("logits_processors", "logit_bias")):
