@@ -249,6 +249,20 @@ class SamplingParams(BaseModel):
                 raise ValueError(f"stop[{i}] is an empty string")
         return stop
 
+    @field_validator("logit_bias", mode="before")
+    @classmethod
+    def _one_key_per_token(cls, bias: Any) -> Any:
+        """Two keys naming one token (5 and "5") would leave one of their values silently dropped: an error."""
+        if not isinstance(bias, dict):
+            return bias
+        seen: dict[Any, Any] = {}
+        for key in bias:
+            token = key if not isinstance(key, str) or not is_token_key(key) else int(key)
+            if not isinstance(token, bool) and token in seen:
+                raise ValueError(f"keys {seen[token]!r} and {key!r} both name token {token}: give it one value")
+            seen[token] = key
+        return bias
+
     @field_validator("logit_bias")
     @classmethod
     def _bias_range(cls, bias: dict[int, float]) -> dict[int, float]:

@@ -195,7 +195,7 @@ def test_bad_keys_and_penalties_are_refused_naming_the_field():
     from looped_spec import SamplingParams
 
     assert SamplingParams(logit_bias={"0": 1.0, "12": 2.0}).logit_bias == {0: 1.0, 12: 2.0}
-    for bad in ({"05": 1.0}, {"١٢": 1.0}, {"²": 1.0}, {"": 1.0}):
+    for bad in ({"05": 1.0}, {"١٢": 1.0}, {"²": 1.0}, {"": 1.0}, {5: 1.0, "5": 2.0}):
         with pytest.raises(ValidationError, match="logit_bias"):
             SamplingParams(logit_bias=bad)
     for bad in (1e-300, 1e-40, 0.0, 0.001):
