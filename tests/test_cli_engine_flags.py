@@ -99,6 +99,8 @@ def test_generate_logs_only_warnings_unless_asked_and_never_on_stdout(capsys):
          "--policy ema: only with --speculation adaptive (--speculation off runs no adaptive controller)"),
         (["--speculation", "off", "--policy", "goodput"], "--policy goodput: only with --speculation adaptive"),
         (["--num-kv-blocks", "10"], "--num-kv-blocks 10 cannot hold one request of --max-model-len 1024"),
+        (["--block-size", "65536", "--num-kv-blocks", "1000000000"],  # past any address space: never allocated
+         "--num-kv-blocks 1000000000: 1000000000 blocks of 65536 tokens"),
         (["--kv-cache-memory-gb", "0"], "--kv-cache-memory-gb 0.0: must be a finite number of GiB > 0"),
         (["--kv-cache-memory-gb", "1", "--num-kv-blocks", "100"],
          "--num-kv-blocks 100, --kv-cache-memory-gb 1.0: set at most one"),

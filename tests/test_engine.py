@@ -192,6 +192,17 @@ def test_kv_cache_of_one_max_length_request_is_enough():
     assert make_engine("ouro", kv_cache_memory_gb=least, **options).kv.num_blocks >= 8  # the least it names works
 
 
+def test_a_kv_cache_the_device_cannot_hold_is_an_error_naming_the_option():
+    """torch's allocator error names neither the option nor the size; the engine's names both. The size asked for
+    (~6e8 GiB) is past any address space, so no allocator hands it out whatever the machine's overcommit."""
+    with pytest.raises(
+        ValueError,
+        match=r"^num_kv_blocks=1000000000: 1000000000 blocks of 65536 tokens \(.* GiB of "
+        r"keys and values\) cannot be allocated on cpu .*; give fewer num_kv_blocks",
+    ):
+        make_engine("ouro", speculation="off", block_size=65536, num_kv_blocks=10**9)
+
+
 def test_bad_input_is_rejected_and_nothing_accepted_is_lost():
     engine = make_engine("ouro", max_model_len=32)
     keep = engine.add_request([1, 2, 3], greedy(4))

@@ -35,7 +35,7 @@ from looped_spec.engine.inputs import (
 )
 from looped_spec.engine.outputs import request_output, time_tokens
 from looped_spec.engine.prefix_cache import PrefixCache
-from looped_spec.engine.resources import loop_pass_graphs, num_kv_blocks, step_graphs
+from looped_spec.engine.resources import allocate_kv_cache, loop_pass_graphs, num_kv_blocks, step_graphs
 from looped_spec.engine.scheduler import Scheduler
 from looped_spec.engine.stats import EngineStats
 from looped_spec.execution.host_memory import keep_freed_memory
@@ -108,7 +108,8 @@ class LoopedSpecEngine:
         self.max_batch_size = config.max_batch_size
         blocks = num_kv_blocks(self.adapter, self.max_model_len, config.max_batch_size, config.block_size,
                                config.num_kv_blocks, config.kv_cache_memory_gb)  # fmt: skip
-        self.kv = KVCache(self.adapter.kv_layout, blocks, config.block_size, self.adapter.dtype, self.adapter.device)
+        self.kv = allocate_kv_cache(self.adapter, blocks, config.block_size, config.num_kv_blocks,
+                                    config.kv_cache_memory_gb)  # fmt: skip
         kv_bytes = self.kv.num_blocks * KVCache.bytes_per_block(
             self.adapter.kv_layout, config.block_size, self.adapter.dtype
         )

@@ -51,6 +51,30 @@ def num_kv_blocks(
     return blocks
 
 
+def allocate_kv_cache(
+    adapter: ModelAdapter, blocks: int, block_size: int, given_blocks: int | None, given_memory: float | None
+) -> KVCache:
+    """The KV cache of `blocks` blocks on the model's device. A device that cannot hold it is a ValueError naming the
+    option that sized it and the GiB asked for: torch's allocator error names neither."""
+    try:
+        return KVCache(adapter.kv_layout, blocks, block_size, adapter.dtype, adapter.device)
+    except RuntimeError as exc:  # torch.OutOfMemoryError on CUDA; the CPU allocator raises a plain RuntimeError
+        cause = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    # raised here, not inside the handler: the allocator's error (and the half-built cache its frames hold, device
+    # memory on CUDA) is not kept alive as the context of ours
+    # keys and values of every block and of the scratch block (KVCache), as the allocation asked for them
+    size = (blocks + 1) * KVCache.bytes_per_block(adapter.kv_layout, block_size, adapter.dtype) / 2**30
+    if given_blocks is not None:
+        source, remedy = f"num_kv_blocks={given_blocks}", "give fewer num_kv_blocks"
+    else:  # sized by memory, never beyond what a full batch of the longest requests needs (num_kv_blocks)
+        source = "the default KV cache" if given_memory is None else f"kv_cache_memory_gb={given_memory}"
+        remedy = "give a lower kv_cache_memory_gb (or num_kv_blocks), or lower max_batch_size or max_model_len"
+    raise ValueError(
+        f"{source}: {blocks} blocks of {block_size} tokens ({size:.3g} GiB of keys and values) cannot be allocated "
+        f"on {adapter.device} ({cause}); {remedy}"
+    )
+
+
 def wants_graphs(adapter: ModelAdapter, cuda_graphs: bool | str | None) -> bool:
     """Whether to build graphs: on CUDA unless `cuda_graphs=False`; "emulate" anywhere; `True` off CUDA is an error."""
     on_cuda = adapter.device.type == "cuda"
