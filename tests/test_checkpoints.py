@@ -136,5 +136,17 @@ def test_sharded_checkpoint(tmp_path):
 def test_bad_dtype_and_options(tmp_path):
     with pytest.raises(ValueError, match="dtype='int8': not supported"):
         load_adapter(fixture_dir("ouro"), dtype="int8", device="cpu")
+
+
+def test_an_unsupported_torch_dtype_in_config_is_named_not_the_dtype_option(tmp_path):
+    """dtype='auto' follows config.json's torch_dtype: a value there not supported is that file's field at fault, not
+    the dtype the caller left at auto (the command line said `--dtype float64` to a user who gave no --dtype)."""
+    folder = copy_fixture(tmp_path, "ouro")
+    edit_config(folder, torch_dtype="float64")
+    with pytest.raises(
+        CheckpointError, match=r"config\.json: torch_dtype='float64' is not supported, and dtype='auto'"
+    ):
+        load_adapter(folder, device="cpu")
+    assert load_adapter(folder, dtype="float32", device="cpu").dtype == torch.float32  # an explicit dtype decides
     with pytest.raises(ValueError, match="initial_state='ones'"):
         load_adapter(fixture_dir("huginn"), device="cpu", initial_state="ones")

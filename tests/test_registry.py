@@ -10,7 +10,13 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 from custom_family import ToyLoopedAdapter, make_toy_checkpoint  # noqa: E402
 
-from looped_spec import LoopedSpecEngine, SamplingParams, SpeculativeConfig, load_adapter  # noqa: E402
+from looped_spec import (  # noqa: E402
+    LoopedSpecEngine,
+    SamplingParams,
+    SpeculativeConfig,
+    load_adapter,
+    register_adapter,
+)
 
 
 def test_user_family_end_to_end(tmp_path):
@@ -107,3 +113,28 @@ def test_adapter_options_a_family_does_not_declare_are_refused(tmp_path):
 
     adapter = load_adapter(folder)
     assert WithOption(adapter.config, adapter.weights, scale=2.0).options == {"scale": 2.0}
+
+
+def test_a_config_field_the_family_reads_and_lacks_names_config_json(tmp_path):
+    """A family reads its config as examples/custom_family.py does (`config["loops"]`): a field the file lacks is an
+    error naming config.json and the field, whether the family reads it in tensor_specs, in __init__ or in a property
+    the engine asks for later (full_depth), not a bare KeyError('loops') from deep in the engine."""
+    import json
+
+    import pytest
+
+    from looped_spec.models.checkpoint import CheckpointError
+
+    class ScaledToy(ToyLoopedAdapter):
+        def __init__(self, config, weights, **kwargs):
+            super().__init__(config, weights, **kwargs)
+            self.scale = config["scale"]
+
+    register_adapter(ScaledToy, model_type="toy_scaled")
+    for field in ("hidden", "loops", "scale"):
+        folder = make_toy_checkpoint(tmp_path / field)
+        config = json.loads((folder / "config.json").read_text()) | {"model_type": "toy_scaled", "scale": 2.0}
+        del config[field]
+        (folder / "config.json").write_text(json.dumps(config))
+        with pytest.raises(CheckpointError, match=rf"{folder / 'config.json'}: missing field {field}$"):
+            LoopedSpecEngine(folder, dtype="float32", device="cpu", speculation="off")

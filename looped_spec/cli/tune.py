@@ -191,7 +191,7 @@ def _tune(args: argparse.Namespace, written: list[Path]) -> int:
         hardware = source.hardware
         prov = source.provenance if isinstance(source.provenance, dict) else {}
         timed_on = prov.get("cost_machine") or prov.get("machine") or {}
-        dtype = str(resolve_dtype(args.dtype, config))
+        dtype = str(resolve_dtype(args.dtype, config, str(folder / "config.json")))
         if timed_on.get("dtype") and timed_on["dtype"] != dtype:
             timed_dtype, dtype = timed_on["dtype"].removeprefix("torch."), dtype.removeprefix("torch.")
             given = args.dtype if args.dtype == dtype else f"{args.dtype} ({dtype})"

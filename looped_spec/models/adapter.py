@@ -379,17 +379,39 @@ def load_adapter(
     model_type = config.get("model_type")
     if not isinstance(model_type, str):
         raise CheckpointError(f"{folder / 'config.json'}: no model_type field")
-    cls = adapter_class(model_type, str(folder / "config.json"))
+    config_path = folder / "config.json"
+    cls = adapter_class(model_type, str(config_path))
     try:
         cls.check_config(config)
         token_ids_field(config.get("eos_token_id"), "eos_token_id")
         specs = cls.tensor_specs(config)
     except (ValueError, KeyError, TypeError, ZeroDivisionError) as exc:
-        raise CheckpointError(f"{folder / 'config.json'}: {exc}") from exc
+        raise _config_error(config_path, exc) from exc
     generation = read_generation_config(folder)
-    dtype, device = resolve_dtype(dtype, config), resolve_device(device)
+    dtype, device = resolve_dtype(dtype, config, str(config_path)), resolve_device(device)
     tensors, origin = read_tensors(folder)
     weights = check_tensors(tensors, specs, origin, folder)
-    adapter = cls(config, weights, dtype=dtype, device=device, name=folder.name, path=str(folder), **options)
+    try:
+        adapter = cls(config, weights, dtype=dtype, device=device, name=folder.name, path=str(folder), **options)
+        _read_declarations(adapter)
+    except KeyError as exc:  # a field the family reads when built or asked its depth, and the file lacks
+        if not exc.args or exc.args[0] in config or exc.args[0] in specs:  # not a config field: the family's own
+            raise
+        raise _config_error(config_path, exc) from exc
     adapter.generation = generation
     return adapter
+
+
+def _config_error(config_path: Path, exc: Exception) -> CheckpointError:
+    """A family's error about its config as one naming the file. A KeyError is a field the family reads and the file
+    lacks (a family that indexes `config["..."]`, as examples/custom_family.py does): its message is only the key."""
+    if isinstance(exc, KeyError) and exc.args:
+        return CheckpointError(f"{config_path}: missing field {exc.args[0]}")
+    return CheckpointError(f"{config_path}: {exc}")
+
+
+def _read_declarations(adapter: ModelAdapter) -> None:
+    """Read what the family derives from its config, so that a field it lacks fails here, naming config.json, and
+    not as a bare KeyError wherever the engine first asks (the depth, the KV layout, ...)."""
+    for name in ("full_depth", "vocab_size", "state_dim", "kv_layout", "max_positions"):
+        getattr(adapter, name)

@@ -163,8 +163,9 @@ _DTYPES = {
 }
 
 
-def resolve_dtype(dtype: str | torch.dtype, config: dict) -> torch.dtype:
-    """Map 'auto' | 'float32' | 'bfloat16' | 'float16' | one of those torch dtypes to a torch dtype."""
+def resolve_dtype(dtype: str | torch.dtype, config: dict, config_path: str = "config.json") -> torch.dtype:
+    """Map 'auto' | 'float32' | 'bfloat16' | 'float16' | one of those torch dtypes to a torch dtype. 'auto' reads
+    config.json's torch_dtype (or dtype); an unsupported value there is an error naming that field, not dtype='auto'."""
     if isinstance(dtype, torch.dtype):
         if dtype not in _DTYPES.values():
             raise ValueError(f"dtype={dtype} is not supported; use torch.float32, torch.bfloat16 or torch.float16")
@@ -172,7 +173,15 @@ def resolve_dtype(dtype: str | torch.dtype, config: dict) -> torch.dtype:
     if not isinstance(dtype, str):
         raise TypeError(f"dtype={dtype!r} must be a string or a torch dtype")
     if dtype == "auto":
-        dtype = str(config.get("torch_dtype") or config.get("dtype") or "float32")
+        field = next((key for key in ("torch_dtype", "dtype") if config.get(key)), None)
+        if field is None:
+            return torch.float32
+        if str(config[field]) not in _DTYPES:
+            raise CheckpointError(
+                f"{config_path}: {field}={config[field]!r} is not supported, and dtype='auto' follows it; "
+                "pass dtype float32, bfloat16 or float16"
+            )
+        dtype = str(config[field])
     if dtype not in _DTYPES:
         raise ValueError(f"dtype={dtype!r}: not supported; use one of auto, float32, bfloat16, float16")
     return _DTYPES[dtype]
