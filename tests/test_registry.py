@@ -138,3 +138,37 @@ def test_a_config_field_the_family_reads_and_lacks_names_config_json(tmp_path):
         (folder / "config.json").write_text(json.dumps(config))
         with pytest.raises(CheckpointError, match=rf"{folder / 'config.json'}: missing field {field}$"):
             LoopedSpecEngine(folder, dtype="float32", device="cpu", speculation="off")
+
+
+def test_a_family_registered_for_a_built_in_model_type_is_the_one_loaded(tmp_path):
+    """A family registered under a built-in model_type ("ouro") in a process that had not yet loaded a checkpoint: the
+    built-in families, which register when first needed, replaced it without a word, and the checkpoint was loaded
+    with the built-in adapter. The registration made last now wins, with a warning that it replaces the built-in."""
+    import json
+    import os
+    import subprocess
+
+    folder = make_toy_checkpoint(tmp_path / "toy")
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps(config | {"model_type": "ouro"}))
+    script = (
+        "import sys\n"
+        "from custom_family import ToyLoopedAdapter\n"
+        "from looped_spec import load_adapter, register_adapter\n"
+        "class MyOuro(ToyLoopedAdapter):\n"
+        "    pass\n"
+        "register_adapter(MyOuro, model_type='ouro')\n"
+        "print(type(load_adapter(sys.argv[1], device='cpu')).__name__)\n"
+    )
+    examples = Path(__file__).resolve().parents[1] / "examples"
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(examples), os.environ.get("PYTHONPATH", "")]))
+    done = subprocess.run([sys.executable, "-c", script, str(folder)], env=env, capture_output=True, text=True,
+                          timeout=120)  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["MyOuro"]
+    assert "model_type 'ouro': MyOuro replaces looped_spec.adapters.ouro.OuroAdapter" in done.stderr
+
+    import pytest
+
+    with pytest.raises(TypeError, match="is not a ModelAdapter subclass"):  # not AttributeError: no model_type
+        register_adapter(object)

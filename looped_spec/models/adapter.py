@@ -14,6 +14,7 @@ there), so the engine can slice, stack and cache it without knowing the family.
 from __future__ import annotations
 
 import difflib
+import logging
 from abc import ABC, abstractmethod
 from pathlib import Path
 from typing import Any, ClassVar
@@ -33,6 +34,8 @@ from looped_spec.models.config_fields import token_ids_field
 from looped_spec.models.dense import DenseContext
 from looped_spec.models.generation_config import GenerationConfig, read_generation_config
 from looped_spec.models.kv_layout import KVLayout
+
+logger = logging.getLogger(__name__)
 
 
 class ModelAdapter(ABC):
@@ -254,11 +257,18 @@ def register_adapter(cls_or_type: type[ModelAdapter] | str | None = None, *, mod
     """
 
     def apply(cls: type[ModelAdapter], key: str | None) -> type[ModelAdapter]:
+        if not (isinstance(cls, type) and issubclass(cls, ModelAdapter)):
+            raise TypeError(f"{cls!r} is not a ModelAdapter subclass")
         key = key or cls.model_type
         if not key:
             raise ValueError(f"{cls.__name__} has no model_type to register under")
-        if not (isinstance(cls, type) and issubclass(cls, ModelAdapter)):
-            raise TypeError(f"{cls!r} is not a ModelAdapter subclass")
+        # the built-in families register when first needed (a checkpoint loaded): first, so that they never replace
+        # a family registered here for one of their model types (re-entered while they register: a no-op)
+        _load_builtin_adapters()
+        replaced = _REGISTRY.get(key)
+        if replaced is not None and replaced is not cls:
+            logger.warning("model_type %r: %s replaces %s.%s", key, cls.__name__, replaced.__module__,
+                           replaced.__name__)  # fmt: skip
         cls.model_type = key
         _REGISTRY[key] = cls
         return cls
