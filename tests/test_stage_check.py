@@ -36,6 +36,8 @@ def test_the_shipped_families_and_the_example_pass(toy):
     check_stages(variant(toy, uniform_loops=False))  # the toy's loops are uniform; not declaring it is allowed
     check_stages(variant(toy, loop=swapped_loop, kv_layout=property(two_planes_a_loop), uniform_loops=False))
     check_stages(variant(toy, readout=attending_readout, kv_layout=property(one_more_plane), readout_uses_kv=True))
+    check_stages(variant(toy, has_exit_rule=True, exit_rule_uses_depth=False, exit_rule=latent_exit_rule))
+    check_stages(variant(toy, has_exit_rule=True, exit_rule=latent_exit_rule_from_depth_2))  # declared: allowed
 
 
 def wider_loop(self, state, loop_index, ctx):
@@ -71,6 +73,17 @@ def one_more_plane(self):
     return KVLayout(self.full_depth + 1, 1, 16, self.full_depth)
 
 
+def latent_exit_rule(self, state, depth, prev_state, carry, threshold, ctx):
+    """A token exits once its state moves less than `threshold` (relative) in a loop: the rule ignores its depth."""
+    change = (state - prev_state).norm(dim=-1) / state.norm(dim=-1).clamp_min(1e-12)
+    return change < threshold, carry, None
+
+
+def latent_exit_rule_from_depth_2(self, state, depth, prev_state, carry, threshold, ctx):
+    exits, carry, logits = latent_exit_rule(self, state, depth, prev_state, carry, threshold, ctx)
+    return exits & (depth >= 2), carry, logits
+
+
 CASES = {
     "state_dim": ({"state_dim": property(lambda self: 8)}, r"embed returned \[2, 16\]; expected \[tokens, state_dim=8"),
     "vocab_size": ({"vocab_size": property(lambda self: 30)}, r"readout at depth 1 returned \[2, 32\].*vocab_size=30"),
@@ -103,6 +116,10 @@ CASES = {
     "uniform readout": (
         {"uniform_loops": True, "readout": lambda self, s, d, ctx: ToyLoopedAdapter.readout(self, s, d, ctx) * d},
         r"uniform_loops=True, but readout\(state, 1\) differs from readout\(state, 3\)",
+    ),
+    "exit rule depth": (
+        {"has_exit_rule": True, "exit_rule_uses_depth": False, "exit_rule": latent_exit_rule_from_depth_2},
+        r"declares exit_rule_uses_depth=False, but exit_rule\(state, 1, ...\) differs from exit_rule\(state, 2, ...\)",
     ),
     "logits dtype": (
         {"readout": lambda self, s, depth, ctx: ToyLoopedAdapter.readout(self, s, depth, ctx).double()},

@@ -2,9 +2,10 @@
 
 A family's declarations steer the engine without being read from the math: the state width sizes the graph
 buffers, the vocabulary the sampler, the KV layout the cache and which planes each loop writes, `uniform_loops`
-lets one captured loop serve every loop and one readout serve every depth. A wrong declaration would otherwise
-show up as an index error deep in the KV cache, a failure on the graph path only, or — for `uniform_loops` —
-different tokens without any error. `check_stages` runs two tokens through every stage on the reference path,
+lets one captured loop serve every loop and one readout serve every depth, `exit_rule_uses_depth = False` one exit
+rule call decide rows at different depths. A wrong declaration would otherwise show up as an index error deep in
+the KV cache, a failure on the graph path only, or — for `uniform_loops` and `exit_rule_uses_depth` — different
+tokens without any error. `check_stages` runs two tokens through every stage on the reference path,
 with a context that records the planes each stage attends on and the shapes of its keys and values, and raises
 a ValueError naming the declaration that does not hold.
 """
@@ -78,6 +79,7 @@ def check_stages(adapter) -> None:
         raise ValueError(f"{name}: declares embed_uses_context=False, but embed {what}: set embed_uses_context = True")
     if ctx.seeded and not adapter.needs_token_seeds:
         raise ValueError(f"{name}: embed reads ctx.token_seeds(), but needs_token_seeds is False")
+    embedded = state
     tolerance = max(UNIFORM_TOLERANCE, 4 * torch.finfo(state.dtype).eps) if state.is_floating_point() else 0.0
     per_loop = layout.num_loop_planes // depth
     first_loop_planes: list[int] = []
@@ -113,6 +115,8 @@ def check_stages(adapter) -> None:
         if ctx.planes and not adapter.readout_uses_kv:
             raise ValueError(f"{name}: declares readout_uses_kv=False, but readout attends: set readout_uses_kv = True")
         readouts.append((state, out))
+    if adapter.has_exit_rule and not adapter.exit_rule_uses_depth:
+        _check_exit_rule_ignores_depth(adapter, readouts[0][0], embedded, ctx, tolerance)
     if adapter.uniform_loops:  # the readout must not depend on the depth: one call reads out tokens of any depth
         for d, (s, out) in enumerate(readouts, start=1):
             if d < depth and not _close(adapter.readout(s, depth, ctx), out, tolerance):
@@ -120,6 +124,38 @@ def check_stages(adapter) -> None:
                     f"{name}: declares uniform_loops=True, but readout(state, {d}) differs from readout(state, "
                     f"{depth}) for the same state: set uniform_loops = False"
                 )
+
+
+#: thresholds the exit rule is probed at (capped at the family's max_exit_threshold): its units are the family's, so a
+#: spread, where some decision likely differs between depths if the rule reads its depth
+PROBE_EXIT_THRESHOLDS = (1e-6, 1e-3, 0.1, 0.5, 0.9, 1.0, 10.0, 1e6)
+
+
+def _check_exit_rule_ignores_depth(adapter, state, prev_state, ctx, tolerance: float) -> None:
+    """`exit_rule_uses_depth = False` lets a loop pass decide rows at different depths in one call: the rule must give
+    the same exits, carry and logits at depth 1 and at depth D - 1 for the same inputs (otherwise loop-level batching
+    exits other tokens than the step engine, without an error)."""
+    depth = adapter.full_depth
+    if depth < 3:  # a rule runs after loops 1..D-1: one depth only
+        return
+    top = adapter.max_exit_threshold
+    thresholds = [t for t in PROBE_EXIT_THRESHOLDS if top is None or t <= top] + [adapter.default_exit_threshold]
+    rows = state.shape[0]
+    for threshold in dict.fromkeys(t for t in thresholds if t is not None):
+        per_row = torch.full((rows,), float(threshold), device=state.device)
+        first, last = (
+            adapter.exit_rule(state, d, prev_state, adapter.exit_carry(rows), per_row, ctx) for d in (1, depth - 1)
+        )
+        same = torch.equal(first[0].bool(), last[0].bool()) and all(
+            (a is None) == (b is None) and (a is None or _close(a.float(), b.float(), tolerance))
+            for a, b in zip(first[1:], last[1:])
+        )
+        if not same:
+            raise ValueError(
+                f"{adapter.model_type}: declares exit_rule_uses_depth=False, but exit_rule(state, 1, ...) differs "
+                f"from exit_rule(state, {depth - 1}, ...) for the same inputs (threshold {threshold}): set "
+                "exit_rule_uses_depth = True"
+            )
 
 
 def _close(a: torch.Tensor, b: torch.Tensor, tolerance: float) -> bool:
