@@ -483,28 +483,19 @@ def test_serve_replicas_pass_the_log_level(monkeypatch):
     assert build_application(started["args"])._bound_deployment.init_args[0]["log_level"] == "debug"
 
 
-def test_each_replica_writes_its_own_controller_trace(tmp_path, monkeypatch):
+def test_each_replica_writes_its_own_controller_trace(tmp_path):
     """Every replica runs its own controller: with one trace_path each opened the same file for writing, truncating and
-    overwriting the others' lines. Now each writes `<stem>.<replica>.jsonl` beside it."""
-    from types import SimpleNamespace
-
-    from looped_spec.server import replicas
+    overwriting the others' lines. Each replica's engine options name a file of its own, `<stem>.<replica>.jsonl`."""
+    from looped_spec.server.replicas import replica_engine_options
 
     trace = tmp_path / "trace.jsonl"
-    args = {"model": "tiny-ouro", "engine": {"trace_path": str(trace), "max_batch_size": 2}}
-    servers = []
+    engine = {"trace_path": str(trace), "max_batch_size": 2}
+    assert replica_engine_options({"max_batch_size": 2}, "replica#a1") == {"max_batch_size": 2}  # no trace: as given
     for tag in ("replica#a1", "replica#b2"):
-        context = SimpleNamespace(replica_tag=tag, app_name="app", deployment=DEPLOYMENT_NAME,
-                                  rank=SimpleNamespace(local_rank=0))  # fmt: skip
-        monkeypatch.setattr(replicas.serve, "get_replica_context", lambda context=context: context)
-        # the replica's own constructor (Ray's ingress wrapper around it awaits it inside a replica)
-        own = next(c for c in replicas.LoopedSpecServer.__mro__ if "__serve_build_asgi_app__" in c.__dict__)
-        server = object.__new__(replicas.LoopedSpecServer)
-        own.__init__(server, args)
-        servers.append(server)
-    for server in servers:
-        server.engine.engine.generate([[1, 2, 3]], SamplingParams(max_tokens=4))
-        server.engine.engine.close()
+        options = replica_engine_options(engine, tag)
+        assert {k: v for k, v in options.items() if k != "trace_path"} == {"max_batch_size": 2}
+        with LoopedSpecEngine("tiny-ouro", **options) as replica:
+            replica.generate([[1, 2, 3]], SamplingParams(max_tokens=4))
     written = sorted(p.name for p in tmp_path.iterdir())
     assert written == ["trace.replica-a1.jsonl", "trace.replica-b2.jsonl"]
     for name in written:

@@ -151,9 +151,9 @@ def tune(
         adapter = load_adapter(model, dtype=dtype, device=device, **(adapter_options or {}))
     depth = adapter.full_depth
     if depth < 2:
-        options = adapter_options or {}
-        set_by = f"adapter option num_steps={options['num_steps']} sets" if "num_steps" in options else "the model has"
-        raise TunerError(f"{set_by} full depth D={depth}; self-speculation needs D >= 2")
+        given = ", ".join(f"{key}={value}" for key, value in (adapter_options or {}).items())
+        with_options = f" with adapter options {given}" if given else ""  # the family's own names, whatever they are
+        raise TunerError(f"the model has full depth D={depth}{with_options}; self-speculation needs D >= 2")
     exit_threshold = adapter.default_exit_threshold
     if exit_threshold is not None and adapter.exit_rule_can_fire(exit_threshold):
         # every request would stop early, where the counterfactual readouts have no full-depth token to agree with
