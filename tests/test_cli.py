@@ -176,6 +176,9 @@ def test_token_id_prompts_from_jsonl_print_as_ids(capsys, tmp_path):
         # no shipped model sets a default threshold: without an exit flag no token exits, and the mode does nothing
         (BASE + ["--prompt", "x", "--early-exit", "select"],
          "error: --early-exit select: no token exits early, so it would change nothing"),
+        # the temperature left unset decodes greedily: a sampling filter would do nothing
+        (BASE + ["--prompt", "x", "--top-p", "0.9"], "error: --top-p 0.9: the temperature is unset, so the request "
+         "decodes greedily"),
         (["generate", "--model", "tiny-ouroo", "--prompt", "x"], "shipped: tiny-huginn"),
         (["tune", "--model", "tiny-ouro", "--out", "/tmp/x.json", "--cost-from", "tiny-huginn"],
          "--cost-from tiny-huginn: its cost profile was measured on model 'tiny-huginn', not 'tiny-ouro'"),

@@ -143,6 +143,34 @@ def test_offline_requests_and_the_server_read_generation_config_alike(tmp_path):
         assert served.min_p == file.get("min_p", 0.0)
 
 
+def test_a_sampling_filter_given_while_decoding_greedily_is_an_error(tmp_path):
+    """top_k / top_p / min_p with the temperature left unset: this engine's default temperature is 0 (vLLM's 1), so
+    they would do nothing; an error naming the filter, where a vLLM script would sample. A temperature given (0 as
+    well: vLLM takes it), or a checkpoint whose generation_config.json samples, takes them."""
+    import shutil
+
+    from looped_spec import LoopedSpecEngine, SamplingParams
+    from looped_spec.models import shipped_model_path
+
+    engine = LoopedSpecEngine("tiny-nanbeige", speculation="off")
+    for field, value in (("top_p", 0.9), ("top_k", 5), ("min_p", 0.1)):
+        with pytest.raises(ValueError, match=f"{field}={value}: the temperature is unset, so the request decodes "
+                                             "greedily"):  # fmt: skip
+            engine.generate([1, 2, 3], SamplingParams(max_tokens=2, **{field: value}))
+    for params in (SamplingParams(max_tokens=2, top_p=0.9, temperature=0.0),  # vLLM takes it: greedy, as asked
+                   SamplingParams(max_tokens=2, top_p=0.9, temperature=1.0, seed=1),
+                   SamplingParams(max_tokens=2, top_p=1.0, top_k=-1, min_p=0.0)):  # fmt: skip
+        assert len(engine.generate([1, 2, 3], params)[0].token_ids) == 2
+    folder = tmp_path / "sampling"
+    shutil.copytree(shipped_model_path("tiny-nanbeige"), folder)
+    (folder / "generation_config.json").write_text(json.dumps({"do_sample": True, "temperature": 0.7}))
+    sampling = LoopedSpecEngine(str(folder), speculation="off")
+    assert len(sampling.generate([1, 2, 3], SamplingParams(max_tokens=2, top_p=0.9, seed=1))[0].token_ids) == 2
+    (folder / "generation_config.json").write_text(json.dumps({"do_sample": False, "temperature": 0.7}))
+    with pytest.raises(ValueError, match="top_p=0.9: the temperature is unset"):
+        LoopedSpecEngine(str(folder), speculation="off").generate([1, 2, 3], SamplingParams(max_tokens=2, top_p=0.9))
+
+
 def test_render_chat(tokenizer):
     prompt = render_chat(tokenizer, [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}])
     assert prompt == "# user: hi\n# assistant: yo<|endoftext|>\n# assistant:"

@@ -20,6 +20,9 @@ from looped_spec.cli.common import (
 )  # fmt: skip
 from looped_spec.logs import configure_logging
 
+#: Sampling flags passed only when given (a checkpoint's generation_config.json may set them)
+SAMPLING_FLAGS = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty")
+
 
 def add_parser(sub: argparse._SubParsersAction, fmt: type[argparse.HelpFormatter]) -> None:
     gen = sub.add_parser(
@@ -43,12 +46,19 @@ def add_parser(sub: argparse._SubParsersAction, fmt: type[argparse.HelpFormatter
     gen.add_argument("--max-tokens", type=int, default=64, help="most tokens generated per prompt")
     gen.add_argument("--min-tokens", type=int, default=0,
                      help="fewest tokens before eos, a stop token or a stop string may end an output")  # fmt: skip
-    gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    gen.add_argument("--top-k", type=int, default=0, help="0 or -1 = no top-k filtering")
-    gen.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass")
-    gen.add_argument("--min-p", type=float, default=0.0, help="keep tokens at least this times as likely as the top")
-    gen.add_argument("--repetition-penalty", type=float, default=1.0,
-                     help="divide positive logits of tokens seen (prompt or output) by this; 1 = off")  # fmt: skip
+    # the sampling flags a checkpoint's generation_config.json may set: unset unless given, so the file's values
+    # (else the engine's defaults) stand, and a filter given while decoding greedily is an error, as offline
+    from_file = "the checkpoint's generation_config.json, else"
+    gen.add_argument("--temperature", type=float, default=None,
+                     help=f"0 = greedy (default: {from_file} 0, greedy)")  # fmt: skip
+    gen.add_argument("--top-k", type=int, default=None,
+                     help=f"0 or -1 = no top-k filtering (default: {from_file} 0)")  # fmt: skip
+    gen.add_argument("--top-p", type=float, default=None, help=f"nucleus sampling mass (default: {from_file} 1)")
+    gen.add_argument("--min-p", type=float, default=None,
+                     help=f"keep tokens at least this times as likely as the top (default: {from_file} 0)")  # fmt: skip
+    gen.add_argument("--repetition-penalty", type=float, default=None,
+                     help="divide positive logits of tokens seen (prompt or output) by this; 1 = off (default: "
+                     f"{from_file} 1)")  # fmt: skip
     gen.add_argument("--presence-penalty", type=float, default=0.0, help="subtracted once per token the output holds")
     gen.add_argument("--frequency-penalty", type=float, default=0.0,
                      help="subtracted per time the output holds a token")  # fmt: skip
@@ -159,9 +169,9 @@ def generate(args: argparse.Namespace) -> int:
             grammar = StructuredOutputs.model_validate_json(args.structured_outputs)
         except ValidationError as exc:
             raise UsageError(f"--structured-outputs: {one_line(exc)}") from None
-    params = SamplingParams(max_tokens=args.max_tokens, min_tokens=args.min_tokens, temperature=args.temperature,
-                            top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
-                            repetition_penalty=args.repetition_penalty, presence_penalty=args.presence_penalty,
+    sampling = {name: getattr(args, name) for name in SAMPLING_FLAGS if getattr(args, name) is not None}
+    params = SamplingParams(max_tokens=args.max_tokens, min_tokens=args.min_tokens, **sampling,
+                            presence_penalty=args.presence_penalty,
                             frequency_penalty=args.frequency_penalty, seed=args.seed, ignore_eos=args.ignore_eos,
                             stop=args.stop or [], exit_threshold=args.exit_threshold,
                             exit_at_step=args.exit_at_step, structured_outputs=grammar)  # fmt: skip

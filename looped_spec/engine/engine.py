@@ -26,6 +26,7 @@ from looped_spec.engine.inputs import (
     bad_word_token_ids,
     check_bad_word_room,
     check_bias_tokens,
+    check_filters_sample,
     check_vocabulary,
     load_tokenizer,
     normalize_prompts,
@@ -256,9 +257,11 @@ class LoopedSpecEngine:
             raise TypeError(f"params must be SamplingParams, got {type(params).__name__}{order}")
         # the checkpoint's generation_config.json sampling defaults fill the fields the caller did not set
         defaults = self.adapter.generation.sampling_defaults()
-        unset = {key: value for key, value in defaults.items() if key not in params.model_fields_set}
+        given = set(params.model_fields_set)
+        unset = {key: value for key, value in defaults.items() if key not in given}
         if unset:
             params = params.model_copy(update=unset)
+        check_filters_sample(params, given)
         _, cache_salt = split_prompt(prompt, where)  # a prompt dict's salt (and its keys checked)
         ids = to_token_ids(prompt, self.tokenizer, self.adapter.vocab_size, where=where)
         if len(ids) >= self.max_model_len:

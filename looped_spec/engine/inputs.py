@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any, TypedDict
 
 from looped_spec.models.checkpoint import CheckpointError
+from looped_spec.sampling_params import GREEDY_TEMPERATURE, SamplingParams
 
 
 class _PromptOptions(TypedDict, total=False):
@@ -241,3 +242,24 @@ def to_token_ids(prompt: Prompt, tokenizer, vocab_size: int, where: str = "promp
     if not ids:
         raise ValueError(f"{where} is empty")
     return ids
+
+
+#: The sampling filters and their neutral values
+SAMPLING_FILTERS = (("top_k", (0, -1)), ("top_p", (1.0,)), ("min_p", (0.0,)))
+
+
+def check_filters_sample(params: SamplingParams, given: set[str]) -> None:
+    """top_k, top_p and min_p filter what is sampled. With the temperature left unset a request decodes greedily here
+    (this engine's default temperature is 0, vLLM's 1; or the checkpoint's generation_config.json does not sample), so
+    a filter given then would do nothing: an error naming it, not a greedy decode the caller did not ask for. `given`:
+    the fields the caller set."""
+    if "temperature" in given or params.temperature >= GREEDY_TEMPERATURE:
+        return
+    for name, neutral in SAMPLING_FILTERS:
+        value = getattr(params, name)
+        if name in given and value not in neutral:
+            raise ValueError(
+                f"{name}={value}: the temperature is unset, so the request decodes greedily (this engine's default "
+                f"temperature is 0, vLLM's 1.0) and {name} would do nothing; set temperature (e.g. temperature=1.0) "
+                f"to sample, or leave {name} out"
+            )
