@@ -238,7 +238,10 @@ class SamplingParams(BaseModel):
     @field_validator("stop", mode="before")
     @classmethod
     def _one_string(cls, stop: Any) -> Any:
-        """A single string is one stop string, as vLLM takes it (and the server's `stop`)."""
+        """A single string is one stop string, as vLLM takes it (and the server's `stop`); an empty one is named as
+        given, not as the list it becomes."""
+        if stop == "":
+            raise ValueError("an empty string (leave stop out for none)")
         return [stop] if isinstance(stop, str) else stop
 
     @field_validator("stop")

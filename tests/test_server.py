@@ -370,6 +370,11 @@ def test_bad_requests_are_400_naming_the_field(server, client):
         body = err.value.body
         assert body["param"].startswith(field), (kwargs, body)
         assert body["message"].startswith(field) and "pydantic" not in body["message"], body
+    for stop, named in (("", "stop: an empty string (leave stop out for none)"),
+                        (["a", ""], "stop: stop[1] is an empty string")):  # fmt: skip
+        with pytest.raises(openai.BadRequestError) as err:  # named as given: a string is not stop[0]
+            client.completions.create(model=MODEL, prompt=PROMPT, stop=stop, max_tokens=1)
+        assert err.value.body["message"] == named, err.value.body
     with pytest.raises(openai.BadRequestError, match="max_model_len"):
         client.completions.create(model=MODEL, prompt="x = 1\n" * 200, max_tokens=1)
     with pytest.raises(openai.BadRequestError, match=r"prompt\[1\]"):

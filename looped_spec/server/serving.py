@@ -205,7 +205,7 @@ class OpenAIServing:
                 frequency_penalty=body.frequency_penalty or 0.0,
                 repetition_penalty=d.repetition_penalty if body.repetition_penalty is None else body.repetition_penalty,
                 seed=None if seed is None else (seed + choice) % 2**63,
-                stop=stop,
+                stop=body.stop if isinstance(body.stop, str) else stop,  # a string named as given in errors
                 include_stop_str_in_output=body.include_stop_str_in_output,
                 skip_special_tokens=body.skip_special_tokens,
                 structured_outputs=body.grammar(),  # None when scored only (`check_grammar` refuses one)
