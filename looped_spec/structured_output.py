@@ -70,7 +70,9 @@ class StructuredOutputs(BaseModel):
         if kind == "json":
             schema = self.json_schema
             schema = json.loads(schema) if isinstance(schema, str) else schema
-            return LLMatcher.grammar_from_json_schema(schema, defaults=JSON_LAYOUT)
+            # handed over as text: llguidance reads a dict by recursing on the native stack, which a schema nested
+            # some thousands deep overflows (the process dies), where json.dumps raises RecursionError
+            return LLMatcher.grammar_from_json_schema(json.dumps(schema), defaults=JSON_LAYOUT)
         if kind == "json_object":
             return LLMatcher.grammar_from_json_schema({"type": "object"}, defaults=JSON_LAYOUT)
         if kind == "regex":
@@ -120,6 +122,8 @@ class GrammarCompiler:
             grammar = spec.lark()
         except (ValueError, TypeError) as exc:  # a schema given as text that is not JSON, or not a schema object
             raise ValueError(f"{field}: {exc}") from exc
+        except RecursionError as exc:  # a schema nested deeper than Python's JSON coder goes (as text, or as a dict)
+            raise ValueError(f"{field}: nested too deeply") from exc
         with self._lock:
             pristine = self._compiled.get(grammar)
             if pristine is not None:

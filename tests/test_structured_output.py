@@ -157,6 +157,20 @@ def test_grammar_errors_name_the_field():
         without_tokenizer.generate([1, 2], SamplingParams(structured_outputs=StructuredOutputs(regex="a")))
 
 
+def test_a_schema_nested_too_deeply_is_an_error_naming_its_field():
+    """A schema as text deeper than Python's JSON decoder goes is a ValueError naming structured_outputs.json, so the
+    server answers 400 (it was a RecursionError, a 500); so is a dict deeper than its encoder goes (llguidance,
+    given the dict, overflowed the native stack: the process died)."""
+    model = engine("tiny-ouro", speculation="off")
+    deep: dict = {"type": "integer"}
+    for _ in range(20_000):
+        deep = {"type": "array", "items": deep}
+    for schema in ("[" * 100_000, deep):
+        with pytest.raises(ValueError, match=r"^structured_outputs\.json: nested too deeply"):
+            model.generate("x", SamplingParams(structured_outputs=StructuredOutputs(json=schema)))
+    assert not model.has_unfinished_requests()
+
+
 def test_structured_outputs_round_trip_through_json():
     params = SamplingParams(structured_outputs=StructuredOutputs(json=SCHEMA))
     assert SamplingParams.model_validate_json(params.model_dump_json(by_alias=True)) == params
