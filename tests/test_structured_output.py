@@ -334,3 +334,22 @@ def test_a_token_whose_text_fails_to_decode_leaves_the_grammar_where_it_was():
     with pytest.raises(ValueError, match="cannot decode"):
         request.append(digit)
     assert request.num_output_tokens == 0 and grammar.matcher.validate_tokens([digit, digit]) == 2
+
+
+def test_a_grammar_may_end_at_the_tokenizers_eos_where_a_chat_turn_ends():
+    """A chat model's turn ends at its tokenizer's eos (chat stops on it), which may not be config.json's eos: a
+    grammar must be able to end there too, or an open-ended grammar (a number, a repeated rule) runs to max_tokens
+    (vLLM builds llguidance with the tokenizer's eos)."""
+    from looped_spec.engine.inputs import load_tokenizer
+    from looped_spec.models import shipped_model_path
+    from looped_spec.structured_output import GrammarCompiler, StructuredOutputs, allowed_tokens
+
+    tokenizer = load_tokenizer(shipped_model_path("tiny-ouro"))
+    turn_end, config_eos = tokenizer.eos_token_id, 5  # a config.json whose eos is another token than the tokenizer's
+    assert turn_end != config_eos
+    compiler = GrammarCompiler(tokenizer, 1024, [config_eos])
+    grammar = compiler.compile(StructuredOutputs(regex="[0-9]+"))
+    grammar.consume(tokenizer.encode("7")[0])
+    mask = allowed_tokens([grammar], [[]])[0]
+    assert mask[turn_end] and mask[config_eos]  # either ends the number
+
