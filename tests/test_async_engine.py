@@ -282,6 +282,9 @@ def test_a_worker_ended_by_a_base_exception_ends_every_stream_and_score(monkeypa
         asyncio.run(asyncio.wait_for(run(), 20))
         wait_until(lambda: not front.is_running)
         assert caught == [Fatal]  # raised on, as the thread's own end
+        # once the worker is gone a request is told why, not to start() it (start() cannot revive it)
+        with pytest.raises(EngineDeadError, match="worker stopped: Fatal: stop"):
+            front.add_request([1], SamplingParams(max_tokens=2))
     finally:
         release.set()
         front.shutdown()

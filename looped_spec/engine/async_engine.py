@@ -170,8 +170,7 @@ class AsyncLoopedSpecEngine:
         (vLLM's prompt dicts, with a `cache_salt`, included); the engine's error for a prompt it refuses comes from
         the stream, as does EngineFaultError for a fault in model code while it is admitted (`prompt_logprobs` are
         computed then)."""
-        if not self.is_running:
-            raise EngineDeadError(NOT_RUNNING)
+        self._check_running()
         self.engine.check_priority(priority)  # reads the engine's config only: safe beside the worker
         request_id = f"req-{next(self._ids)}" if request_id is None else str(request_id)  # the engine's ids are str
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
@@ -195,6 +194,14 @@ class AsyncLoopedSpecEngine:
         async for output in self.add_request(prompt, params, request_id, priority):
             yield output
 
+    def _check_running(self) -> None:
+        """EngineDeadError unless the worker runs: why it ended (`end_all`'s reason: a worker that died of a
+        BaseException cannot be started again, so "start() it" would mislead), else how to start it."""
+        if self._closing is not None:
+            raise EngineDeadError(self._closing)
+        if not self.is_running:
+            raise EngineDeadError(NOT_RUNNING)
+
     def _check_room(self) -> None:
         """EngineDeadError once `end_all` ran; QueueFullError when the in-flight requests and scores are at the limit
         (the caller holds the lock)."""
@@ -210,8 +217,7 @@ class AsyncLoopedSpecEngine:
         forward over the whole sequence, so it holds a place among the in-flight requests while it waits and runs
         (QueueFullError when none is left); one whose caller went away (cancelled) before the worker reached it is
         skipped."""
-        if not self.is_running:
-            raise EngineDeadError(NOT_RUNNING)
+        self._check_running()
         future = asyncio.get_running_loop().create_future()
         with self._lock:
             self._check_room()
