@@ -92,11 +92,7 @@ class GrammarCompiler:
     def __init__(self, tokenizer: Any, vocab_size: int, eos_token_ids: Sequence[int]) -> None:
         self.hf_tokenizer = tokenizer
         self.vocab_size = vocab_size
-        # a grammar ends with the model's eos tokens, and with the tokenizer's eos: a chat model's turn ends with that
-        # one (chat stops on it), which may not be config.json's eos (vLLM builds llguidance's tokenizer with it)
-        turn_end = getattr(tokenizer, "eos_token_id", None)
-        ends = [*eos_token_ids, *([turn_end] if isinstance(turn_end, int) and 0 <= turn_end < vocab_size else [])]
-        self.eos_token_ids = list(dict.fromkeys(ends))
+        self.eos_token_ids = list(eos_token_ids)  # the engine's (`end_tokens`: the tokenizer's eos among them)
         self._tokenizer = None
         # grammar text -> a matcher at the start of the output: a server checks a request's grammar before it admits
         # the request, and a request's n choices share one grammar, so each compiles once (a large schema takes

@@ -336,20 +336,30 @@ def test_a_token_whose_text_fails_to_decode_leaves_the_grammar_where_it_was():
     assert request.num_output_tokens == 0 and grammar.matcher.validate_tokens([digit, digit]) == 2
 
 
-def test_a_grammar_may_end_at_the_tokenizers_eos_where_a_chat_turn_ends():
-    """A chat model's turn ends at its tokenizer's eos (chat stops on it), which may not be config.json's eos: a
-    grammar must be able to end there too, or an open-ended grammar (a number, a repeated rule) runs to max_tokens
-    (vLLM builds llguidance with the tokenizer's eos)."""
-    from looped_spec.engine.inputs import load_tokenizer
+def test_the_tokenizers_eos_ends_a_request_and_a_grammar_as_the_models_own(tmp_path):
+    """A chat model's turn ends at its tokenizer's eos, which may not be config.json's: it is an eos too (vLLM stops
+    on it), so a request stops there with stop_reason None, and a grammar may end there (else an open-ended grammar,
+    a number or a repeated rule, ran to max_tokens)."""
+    import json
+    import shutil
+
+    from looped_spec import LoopedSpecEngine, SamplingParams
     from looped_spec.models import shipped_model_path
     from looped_spec.structured_output import GrammarCompiler, StructuredOutputs, allowed_tokens
 
-    tokenizer = load_tokenizer(shipped_model_path("tiny-ouro"))
-    turn_end, config_eos = tokenizer.eos_token_id, 5  # a config.json whose eos is another token than the tokenizer's
-    assert turn_end != config_eos
-    compiler = GrammarCompiler(tokenizer, 1024, [config_eos])
+    folder = tmp_path / "turn-end"
+    shutil.copytree(shipped_model_path("tiny-ouro"), folder)
+    config = json.loads((folder / "config.json").read_text())
+    config["eos_token_id"] = config_eos = 5  # another token than the tokenizer's eos
+    (folder / "config.json").write_text(json.dumps(config))
+    engine = LoopedSpecEngine(str(folder), speculation="off")
+    turn_end = engine.tokenizer.eos_token_id
+    assert turn_end != config_eos and engine.eos_token_ids == [config_eos, turn_end]
+    for token in (config_eos, turn_end):
+        out = engine.generate([1, 2, 3], SamplingParams(max_tokens=4, logit_bias={token: 100.0}))[0]
+        assert (out.token_ids, out.finish_reason, out.stop_reason) == ([token], "stop", None), token
+    compiler = GrammarCompiler(engine.tokenizer, engine.adapter.vocab_size, engine.eos_token_ids)
     grammar = compiler.compile(StructuredOutputs(regex="[0-9]+"))
-    grammar.consume(tokenizer.encode("7")[0])
+    grammar.consume(engine.tokenizer.encode("7")[0])
     mask = allowed_tokens([grammar], [[]])[0]
     assert mask[turn_end] and mask[config_eos]  # either ends the number
-

@@ -28,6 +28,7 @@ from looped_spec.engine.inputs import (
     check_bias_tokens,
     check_filters_sample,
     check_vocabulary,
+    end_tokens,
     load_tokenizer,
     normalize_prompts,
     prompt_text,
@@ -149,7 +150,7 @@ class LoopedSpecEngine:
             self.loop_rounds = LoopRounds(self.adapter.full_depth, exit_skips, self.runner.readout_depths)
         self.spec_round = SpeculativeRound(self.runner)
         self.tokenizer = load_tokenizer(self.adapter.path)
-        self._grammars = GrammarCompiler(self.tokenizer, self.adapter.vocab_size, self.adapter.eos_token_ids)
+        self._grammars = GrammarCompiler(self.tokenizer, self.adapter.vocab_size, self.eos_token_ids)
         # config.reasoning_parser: a request's grammar starts after the reasoning (looped_spec/reasoning.py)
         self.reasoning = None
         if config.reasoning_parser is not None:
@@ -277,7 +278,7 @@ class LoopedSpecEngine:
         if request_id in self._requests or request_id in taken:
             raise ValueError(f"request_id {request_id!r} is already in use")
         check_vocabulary(params.stop_token_ids, self.adapter.vocab_size, "stop_token_ids")
-        stops = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.adapter.eos_token_ids))
+        stops = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.eos_token_ids))
         if params.min_tokens and len(stops) >= self.adapter.vocab_size:
             raise ValueError(f"min_tokens={params.min_tokens}: every token of the vocabulary is a stop token (eos and "
                              "stop_token_ids), so none may be sampled before min_tokens")  # fmt: skip
@@ -309,7 +310,7 @@ class LoopedSpecEngine:
                                                  params.include_stop_str_in_output)  # fmt: skip
         text = prompt_text(prompt)
         request = Request(
-            request_id, next(self._arrivals), ids, params, seed, self.adapter.eos_token_ids, self.max_model_len,
+            request_id, next(self._arrivals), ids, params, seed, self.eos_token_ids, self.max_model_len,
             detokenizer, text, grammar, bad_words,
         )  # fmt: skip
         request.exit_threshold, request.exit_at_step = exit_threshold, exit_at_step
@@ -351,6 +352,11 @@ class LoopedSpecEngine:
             self._reports[request.request_id] = request
             if self.loop_batcher is not None:  # its work in flight holds the KV blocks it just gave back
                 self.loop_batcher.drop(request.request_id)
+
+    @property
+    def eos_token_ids(self) -> list[int]:
+        """The tokens that end a request as eos (unless `ignore_eos`): the model's and its tokenizer's (end_tokens)."""
+        return end_tokens(self.adapter, self.tokenizer)
 
     def get_tokenizer(self) -> Any:
         """The model's tokenizer (`transformers`), None for a model without one; as vLLM's `get_tokenizer()`."""
@@ -530,11 +536,6 @@ class LoopedSpecEngine:
         params_list = params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
         if len(params_list) != len(prompts):
             raise ValueError(f"sampling_params: {len(params_list)} SamplingParams for {len(prompts)} conversations")
-        end_of_turn = getattr(self.tokenizer, "eos_token_id", None)
-        if end_of_turn is not None and end_of_turn not in self.adapter.eos_token_ids:
-            params_list = [p if not isinstance(p, SamplingParams) or p.ignore_eos or end_of_turn in p.stop_token_ids
-                           else p.model_copy(update={"stop_token_ids": [*p.stop_token_ids, end_of_turn]})
-                           for p in params_list]  # fmt: skip
         outputs = self.generate(prompts, params_list, use_tqdm=use_tqdm)
         for output, (text, _) in zip(outputs, rendered):
             output.prompt = text  # the rendered conversation, as vLLM's LLM.chat reports it

@@ -263,3 +263,11 @@ def check_filters_sample(params: SamplingParams, given: set[str]) -> None:
                 f"temperature is 0, vLLM's 1.0) and {name} would do nothing; set temperature (e.g. temperature=1.0) "
                 f"to sample, or leave {name} out"
             )
+
+
+def end_tokens(adapter: Any, tokenizer: Any) -> list[int]:
+    """The tokens that end a request as eos: the model's (config.json's and generation_config.json's) and the
+    tokenizer's, which ends a chat model's turn and may be another token (vLLM stops on it too)."""
+    turn_end = getattr(tokenizer, "eos_token_id", None) if tokenizer is not None else None
+    extra = [turn_end] if isinstance(turn_end, int) and 0 <= turn_end < adapter.vocab_size else []
+    return list(dict.fromkeys([*adapter.eos_token_ids, *extra]))
