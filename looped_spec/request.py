@@ -191,6 +191,7 @@ class Request:
         # whether a penalty changes its logits (execution/penalties.py)
         self.penalized = self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
         self.eos_ids = frozenset(eos_token_ids)
+        self.ignore_eos = params.ignore_eos  # an eos then stops the request only as one of its stop_token_ids
         self.stop_ids = set(params.stop_token_ids)
         if not params.ignore_eos:
             self.stop_ids.update(eos_token_ids)

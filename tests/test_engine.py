@@ -130,6 +130,18 @@ def test_stop_tokens_and_eos():
         eos_engine.adapter.config["eos_token_id"] = eos
 
 
+def test_an_eos_named_in_stop_token_ids_under_ignore_eos_is_the_stop_reason():
+    """With ignore_eos the eos ends the request only as a stop_token_ids token, so vLLM reports it (its eos check is
+    skipped); without ignore_eos it stops as the eos (None)."""
+    engine = make_engine("ouro")
+    eos = engine.adapter.eos_token_ids[0]
+    for ignore_eos, expected in ((True, eos), (False, None)):
+        params = SamplingParams(max_tokens=5, ignore_eos=ignore_eos, stop_token_ids=[eos], logit_bias={eos: 100})
+        out = engine.generate([1, 2, 3], params)[0]
+        assert (out.token_ids, out.finish_reason) == ([eos], "stop")
+        assert out.stop_reason == expected == out.outputs[0].stop_reason, ignore_eos
+
+
 def test_max_tokens_and_max_model_len():
     engine = make_engine("ouro", max_model_len=12)
     out = engine.generate([1, 2, 3, 4, 5, 6, 7, 8, 9, 10], greedy(50))[0]
