@@ -215,6 +215,17 @@ def test_a_kv_cache_the_device_cannot_hold_is_an_error_naming_the_option():
         make_engine("ouro", speculation="off", block_size=65536, num_kv_blocks=10**9)
 
 
+def test_a_text_prompt_encoding_outside_the_vocabulary_is_an_error_naming_it():
+    """A tokenizer with more tokens than the model has embeddings: a text prompt holding one is refused as token ids
+    are (it reached the embedding lookup, an IndexError there; on CUDA a device-side assert)."""
+    engine = LoopedSpecEngine("tiny-ouro", speculation="off")
+    engine.tokenizer.add_tokens(["<extra>"])
+    extra = engine.adapter.vocab_size
+    with pytest.raises(ValueError, match=rf"prompts\[0\]: its text encodes to token {extra}, outside the model's"):
+        engine.generate("hi <extra>", greedy(2))
+    assert not engine.has_unfinished_requests()
+
+
 def test_bad_input_is_rejected_and_nothing_accepted_is_lost():
     engine = make_engine("ouro", max_model_len=32)
     keep = engine.add_request([1, 2, 3], greedy(4))

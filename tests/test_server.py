@@ -391,6 +391,32 @@ def test_bad_requests_are_400_naming_the_field(server, client):
     assert too_large.status_code == 413 and "--max-body-bytes" in too_large.json()["error"]["message"]
 
 
+def test_a_text_encoding_outside_the_vocabulary_is_a_400_naming_the_field(tmp_path):
+    """A checkpoint whose tokenizer has a token past the model's vocabulary: a text prompt (or a chat) holding it is a
+    400 naming `prompt` (`messages`), not one naming an index of ids the client never sent, nor a 500 when scored."""
+    import shutil
+
+    from looped_spec.models import shipped_model_path
+
+    folder = tmp_path / "extra-token"
+    shutil.copytree(shipped_model_path(MODEL), folder)
+    tokenizer = json.loads((folder / "tokenizer.json").read_text())
+    tokenizer["added_tokens"].append({"id": 1024, "content": "<extra>", "single_word": False, "lstrip": False,
+                                      "rstrip": False, "normalized": False, "special": False})  # fmt: skip
+    (folder / "tokenizer.json").write_text(json.dumps(tokenizer))
+    engine = LoopedSpecEngine(str(folder), speculation="off", max_model_len=64)
+    cases = [("/v1/completions", {"prompt": "hi <extra>", "max_tokens": 2}, "prompt"),
+             ("/v1/completions", {"prompt": "hi <extra>", "max_tokens": 0, "echo": True, "logprobs": 1}, "prompt"),
+             ("/v1/chat/completions", {"messages": [{"role": "user", "content": "<extra>"}]}, "messages")]  # fmt: skip
+    with ServerThread(engine, MODEL) as running:
+        for path, body, field in cases:
+            answer = httpx.post(running.url + path, json=body, timeout=60)
+            assert answer.status_code == 400, (body, answer.text)
+            error = answer.json()["error"]
+            assert error["param"] == field and "encodes to token 1024, outside the model's" in error["message"]
+    engine.close()
+
+
 def test_score_only_streams_and_counts_against_admission(server, client, monkeypatch):
     """`max_tokens: 0` with echo scores the prompts: streamed it is a server-sent-event stream (a chunk per choice,
     the usage chunk when asked, [DONE]) equal to the plain answer; more prompts than the server ever admits is a

@@ -166,6 +166,15 @@ def check_vocabulary(ids: list[int], vocab_size: int, where: str) -> None:
         raise ValueError(f"{where}[{bad}] = {ids[bad]} is outside the vocabulary [0, {vocab_size})")
 
 
+def check_encoded_vocabulary(ids: list[int], vocab_size: int, where: str) -> None:
+    """ValueError naming `where` (text) when the tokenizer encoded it to a token outside the model's vocabulary (a
+    tokenizer with more tokens than the model has embeddings): the model cannot run that token."""
+    outside = next((token for token in ids if not 0 <= token < vocab_size), None)
+    if outside is not None:
+        raise ValueError(f"{where}: its text encodes to token {outside}, outside the model's vocabulary [0, "
+                         f"{vocab_size}) (the tokenizer has more tokens than the model)")  # fmt: skip
+
+
 def check_bias_tokens(bias: dict[int, float], vocab_size: int, where: str = "logit_bias") -> None:
     """ValueError naming the first token id of a logit bias outside the vocabulary, as `where`."""
     outside = next((token for token in bias if not 0 <= token < vocab_size), None)
@@ -231,6 +240,7 @@ def to_token_ids(prompt: Prompt, tokenizer, vocab_size: int, where: str = "promp
             raise ValueError(f"{where} is text, but the model has no tokenizer files; pass token ids instead")
         check_text(prompt, where)
         ids = list(tokenizer.encode(prompt))
+        check_encoded_vocabulary(ids, vocab_size, where)
     elif isinstance(prompt, (list, tuple)):
         for i, token in enumerate(prompt):
             if not is_token_id(token):

@@ -120,6 +120,7 @@ class OpenAIServing:
                 raise APIError(400, f"{param}: the model has no tokenizer; send token ids", param)
             check_text(prompt, param)
             ids = self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
+            bad_request(inputs.check_encoded_vocabulary, ids, self.vocab_size, param)
         else:
             ids = list(prompt)
             bad_request(inputs.check_vocabulary, ids, self.vocab_size, param)
