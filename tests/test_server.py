@@ -537,6 +537,11 @@ def test_what_openai_refuses_is_refused_naming_the_field(server, client, monkeyp
     assert error["param"] == "max_completion_tokens" and error["message"].startswith("max_completion_tokens: 99999 +")
     assert post(completions, "").json()["error"]["message"] == "the request body is empty: send a JSON object"
     # a misspelt field is told the field it was likely meant to be
+    # a vLLM field this server lacks says what stands for it, not a guess ('did you mean skip_special_tokens?')
+    answer = post(completions, f'{{"model": "{MODEL}", "prompt": "a", "spaces_between_special_tokens": false}}')
+    message = answer.json()["error"]["message"]
+    assert "spaces_between_special_tokens (not supported: special tokens are decoded" in message, message
+    assert "did you mean" not in message
     answer = post(completions, f'{{"model": "{MODEL}", "prompt": "a", "temprature": 0.5}}')
     error = answer.json()["error"]
     assert error["message"] == "temprature (did you mean 'temperature'?): not a supported field", error
