@@ -82,7 +82,9 @@ def test_stop_string_cuts_text_and_holds_back_partial_matches(tokenizer):
 def test_generation_config_defaults(tmp_path, tokenizer):
     """One reading of generation_config.json for offline requests and the server (HF's meaning): sampling settings
     apply with do_sample: true; a file without it asks for greedy decoding; without a file nothing is asked."""
-    assert GenerationDefaults.load(tmp_path, tokenizer).temperature == 1.0  # OpenAI's default without the file
+    from looped_spec.models.generation_config import read_generation_config
+
+    assert GenerationDefaults.load(tmp_path).temperature == 1.0  # OpenAI's default without the file
     file = {
         "temperature": 0.6,
         "top_p": 0.9,
@@ -92,15 +94,15 @@ def test_generation_config_defaults(tmp_path, tokenizer):
         "eos_token_id": [7, 9],
     }
     (tmp_path / "generation_config.json").write_text(json.dumps(file))
-    defaults = GenerationDefaults.load(tmp_path, tokenizer)
+    defaults = GenerationDefaults.load(tmp_path)
     assert (defaults.temperature, defaults.top_p, defaults.top_k, defaults.min_p) == (0.0, 1.0, 0, 0.0)  # greedy
     assert defaults.repetition_penalty == 1.1  # a logits processor in HF: greedy decoding applies it too
-    assert defaults.eos_token_ids == [7, 9, tokenizer.eos_token_id]
+    assert read_generation_config(tmp_path).stop_token_ids() == [7, 9]  # the engine's eos tokens (with the tokenizer's)
     (tmp_path / "generation_config.json").write_text(json.dumps(file | {"do_sample": True}))
-    defaults = GenerationDefaults.load(tmp_path, tokenizer)
+    defaults = GenerationDefaults.load(tmp_path)
     assert (defaults.temperature, defaults.top_p, defaults.top_k, defaults.min_p) == (0.6, 0.9, 20, 0.05)
     (tmp_path / "generation_config.json").write_text(json.dumps({"do_sample": False, "eos_token_id": 7}))
-    assert GenerationDefaults.load(tmp_path, None).temperature == 0.0
+    assert GenerationDefaults.load(tmp_path).temperature == 0.0
 
 
 def test_generation_settings_not_implemented_are_named_in_a_warning(tmp_path, caplog):

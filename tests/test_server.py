@@ -417,6 +417,33 @@ def test_a_text_encoding_outside_the_vocabulary_is_a_400_naming_the_field(tmp_pa
     engine.close()
 
 
+def test_a_tokenizer_eos_outside_the_vocabulary_stops_nothing_served_as_offline(tmp_path):
+    """A tokenizer whose eos is a token past the model's vocabulary: the engine leaves it out of its eos tokens (the
+    model cannot generate it), so offline requests run; the server added it to every request's stop_token_ids, so
+    each was a 400 naming stop_token_ids, which the client never sent. The server now stops where the engine does."""
+    import shutil
+
+    from looped_spec.models import shipped_model_path
+
+    folder = tmp_path / "eos-past-vocabulary"
+    shutil.copytree(shipped_model_path(MODEL), folder)
+    tokenizer = json.loads((folder / "tokenizer.json").read_text())
+    tokenizer["added_tokens"].append({"id": 1024, "content": "<end>", "single_word": False, "lstrip": False,
+                                      "rstrip": False, "normalized": False, "special": True})  # fmt: skip
+    (folder / "tokenizer.json").write_text(json.dumps(tokenizer))
+    tokenizer_config = json.loads((folder / "tokenizer_config.json").read_text())
+    (folder / "tokenizer_config.json").write_text(json.dumps(tokenizer_config | {"eos_token": "<end>"}))
+    engine = LoopedSpecEngine(str(folder), speculation="off", max_model_len=64)
+    assert engine.tokenizer.eos_token_id == 1024 and engine.eos_token_ids == engine.adapter.eos_token_ids
+    offline = engine.generate("hi", SamplingParams(max_tokens=3))[0]
+    with ServerThread(engine, MODEL) as running:
+        answer = httpx.post(running.url + "/v1/completions", json={"prompt": "hi", "max_tokens": 3, "temperature": 0},
+                            timeout=60)  # fmt: skip
+    engine.close()
+    assert answer.status_code == 200, answer.text
+    assert answer.json()["choices"][0]["text"] == offline.text
+
+
 def test_score_only_streams_and_counts_against_admission(server, client, monkeypatch):
     """`max_tokens: 0` with echo scores the prompts: streamed it is a server-sent-event stream (a chunk per choice,
     the usage chunk when asked, [DONE]) equal to the plain answer; more prompts than the server ever admits is a

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 from looped_spec.models.generation_config import GenerationConfig, read_generation_config
@@ -10,28 +10,22 @@ from looped_spec.models.generation_config import GenerationConfig, read_generati
 
 @dataclass
 class GenerationDefaults:
-    """The server's sampling defaults and extra end-of-turn tokens: what the checkpoint's `generation_config.json` asks
+    """The server's sampling defaults: what the checkpoint's `generation_config.json` asks
     (`GenerationConfig.sampling_defaults`, the one reading offline and server share), OpenAI's defaults (temperature
-    1, top_p 1) for what it does not say. A request's own values win."""
+    1, top_p 1) for what it does not say. A request's own values win. (Its eos tokens, the tokenizer's among them, are
+    the engine's own: `LoopedSpecEngine.eos_token_ids`.)"""
 
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
     min_p: float = 0.0
     repetition_penalty: float = 1.0
-    eos_token_ids: list[int] = field(default_factory=list)
 
     @classmethod
-    def from_config(cls, generation: GenerationConfig, tokenizer=None) -> GenerationDefaults:
-        defaults = cls(**generation.sampling_defaults())
-        defaults.eos_token_ids = generation.stop_token_ids()
-        # the template's end-of-turn token is the tokenizer's eos (e.g. <|im_end|> for chat models)
-        eos_id = getattr(tokenizer, "eos_token_id", None) if tokenizer is not None else None
-        if eos_id is not None and eos_id not in defaults.eos_token_ids:
-            defaults.eos_token_ids.append(int(eos_id))
-        return defaults
+    def from_config(cls, generation: GenerationConfig) -> GenerationDefaults:
+        return cls(**generation.sampling_defaults())
 
     @classmethod
-    def load(cls, folder: str | Path | None, tokenizer=None) -> GenerationDefaults:
+    def load(cls, folder: str | Path | None) -> GenerationDefaults:
         """`from_config` of the folder's generation_config.json (none: nothing asked)."""
-        return cls.from_config(read_generation_config(folder) if folder is not None else GenerationConfig(), tokenizer)
+        return cls.from_config(read_generation_config(folder) if folder is not None else GenerationConfig())

@@ -66,7 +66,9 @@ class OpenAIServing:
         self.token_bytes = TokenBytes(self.tokenizer)  # log-probabilities show tokens by their own bytes
         self.vocab_size = core.adapter.vocab_size
         self.max_model_len = core.max_model_len
-        self.defaults = GenerationDefaults.from_config(core.adapter.generation, self.tokenizer)
+        self.defaults = GenerationDefaults.from_config(core.adapter.generation)
+        # the engine's eos tokens (the tokenizer's among them, where it is in the vocabulary): what the engine stops on
+        self.eos_token_ids = core.eos_token_ids
         self.metrics = ServerMetrics(core, model_name)
 
     # ----- request -> engine -----
@@ -180,11 +182,10 @@ class OpenAIServing:
         stop_token_ids = list(body.stop_token_ids or [])
         bad_request(inputs.check_vocabulary, stop_token_ids, self.vocab_size, "stop_token_ids")
         bad_request(inputs.check_bias_tokens, body.token_bias(), self.vocab_size, "logit_bias")
-        if not body.ignore_eos:
-            stop_token_ids += [t for t in self.defaults.eos_token_ids if t not in stop_token_ids]
         if words is not None:  # one-token words that leave nothing to generate, as the engine would refuse them
+            stops = set(stop_token_ids) | (set() if body.ignore_eos else set(self.eos_token_ids))
             try:
-                inputs.check_bad_word_room(words, body.allowed_token_ids, body.min_tokens, set(stop_token_ids),
+                inputs.check_bad_word_room(words, body.allowed_token_ids, body.min_tokens, stops,
                                            self.vocab_size)  # fmt: skip
             except ValueError as exc:
                 raise APIError(400, str(exc), "bad_words") from None
