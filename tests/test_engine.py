@@ -226,6 +226,20 @@ def test_a_text_prompt_encoding_outside_the_vocabulary_is_an_error_naming_it():
     assert not engine.has_unfinished_requests()
 
 
+def test_a_chat_rendering_outside_the_vocabulary_is_an_error_naming_the_messages():
+    """Offline chat as the server's: a conversation the template renders to a token past the vocabulary names the
+    messages, not an index into the rendered ids the caller never saw (it said 'prompts[0][7] = 1024')."""
+    engine = LoopedSpecEngine("tiny-ouro", speculation="off")
+    engine.tokenizer.add_tokens(["<extra>"])
+    extra = engine.adapter.vocab_size
+    conversation = [{"role": "user", "content": "hi <extra>"}]
+    with pytest.raises(ValueError, match=rf"^messages: its text encodes to token {extra}, outside the model's"):
+        engine.chat(conversation, greedy(2))
+    with pytest.raises(ValueError, match=rf"^messages\[1\]: its text encodes to token {extra}, outside the model's"):
+        engine.chat([[{"role": "user", "content": "hi"}], conversation], greedy(2))
+    assert not engine.has_unfinished_requests()
+
+
 def test_bad_input_is_rejected_and_nothing_accepted_is_lost():
     engine = make_engine("ouro", max_model_len=32)
     keep = engine.add_request([1, 2, 3], greedy(4))

@@ -26,6 +26,7 @@ from looped_spec.engine.inputs import (
     bad_word_token_ids,
     check_bad_word_room,
     check_bias_tokens,
+    check_encoded_vocabulary,
     check_filters_sample,
     check_vocabulary,
     end_tokens,
@@ -533,6 +534,8 @@ class LoopedSpecEngine:
             for i, conversation in enumerate(items)
         ]
         prompts = [ids for _, ids in rendered]
+        for i, ids in enumerate(prompts):  # named as the conversation, not as an index into ids the caller never saw
+            check_encoded_vocabulary(ids, self.adapter.vocab_size, f"messages[{i}]" if len(items) > 1 else "messages")
         params_list = params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
         if len(params_list) != len(prompts):
             raise ValueError(f"sampling_params: {len(params_list)} SamplingParams for {len(prompts)} conversations")
