@@ -103,6 +103,9 @@ def test_generation_config_defaults(tmp_path, tokenizer):
     assert (defaults.temperature, defaults.top_p, defaults.top_k, defaults.min_p) == (0.6, 0.9, 20, 0.05)
     (tmp_path / "generation_config.json").write_text(json.dumps({"do_sample": False, "eos_token_id": 7}))
     assert GenerationDefaults.load(tmp_path).temperature == 0.0
+    # do_sample: true without a temperature samples at HF's default, 1 (it decoded greedily at this engine's 0)
+    (tmp_path / "generation_config.json").write_text(json.dumps({"do_sample": True, "top_p": 0.9}))
+    assert read_generation_config(tmp_path).sampling_defaults() == {"temperature": 1.0, "top_p": 0.9}
 
 
 def test_generation_settings_not_implemented_are_named_in_a_warning(tmp_path, caplog):

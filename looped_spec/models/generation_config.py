@@ -45,20 +45,22 @@ class GenerationConfig(BaseModel):
         return token_ids_field(self.eos_token_id, "eos_token_id")
 
     def sampling_defaults(self) -> dict:
-        """What the file asks of a request that sets no sampling fields, with HF's meaning (the file's format is
-        HF's): `do_sample: true` samples with the file's temperature, top_k, top_p and min_p (those it gives);
-        `do_sample` false or absent decodes greedily, whatever temperature the file states. A repetition_penalty
-        applies either way (in HF a logits processor, not a sampling warper). A field the file leaves out keeps
-        looped-spec's default, as vLLM reads the file (HF's `generate` would take its own defaults, top_k 50).
-        Offline requests and the server take these for the fields a request leaves unset (the server: OpenAI's
-        defaults for the rest). Without a file nothing is asked."""
+        """What the file asks of a request that sets no sampling fields, with HF's meaning (the file's format is HF's):
+        `do_sample: true` samples with the file's temperature (HF's 1 if none), top_k, top_p and min_p (those it gives);
+        `do_sample` false or absent decodes greedily, whatever temperature the file states. A repetition_penalty applies
+        either way (in HF a logits processor, not a sampling warper). A field the file leaves out keeps looped-spec's
+        default, as vLLM reads the file (HF's `generate` would take its own defaults, top_k 50). Offline requests and
+        the server take these for the fields a request leaves unset (the server: OpenAI's defaults for the rest).
+        Without a file nothing is asked."""
         if not self._from_file:
             return {}
         both = {} if self.repetition_penalty is None else {"repetition_penalty": self.repetition_penalty}
         if not self.do_sample:
             return {"temperature": 0.0} | both
         sampling = ("temperature", "top_k", "top_p", "min_p")
-        return {k: v for k in sampling if (v := getattr(self, k)) is not None} | both
+        # `do_sample: true` without a temperature samples at HF's default temperature, 1 (this engine's own default, 0,
+        # would decode greedily where the file asks to sample)
+        return {"temperature": 1.0} | {k: v for k in sampling if (v := getattr(self, k)) is not None} | both
 
 
 def read_generation_config(folder: str | Path) -> GenerationConfig:
