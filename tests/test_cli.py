@@ -162,6 +162,24 @@ def test_token_id_prompts_from_jsonl_print_as_ids(capsys, tmp_path):
     assert f"{prompts}:1: 'prompt' must be text or a list of token ids" in capsys.readouterr().err
 
 
+def test_text_for_a_model_without_tokenizer_names_the_flag(capsys, tmp_path):
+    """Text given to a checkpoint without tokenizer files is an error naming the flag that gave it and how to give token
+    ids from the command line, not the engine's `prompts[0]` or `stop_token_ids`, which no flag sets."""
+    fixture = ["generate", "--model", "tests/fixtures/ouro-tiny", "--max-tokens", "4", "--speculation", "off"]
+    assert main(fixture + ["--prompt", "def f"]) == 2
+    err = capsys.readouterr().err
+    assert "--prompt 'def f': the model has no tokenizer files" in err and '{"prompt": [1, 2, 3]}' in err
+    text = tmp_path / "prompts.txt"
+    text.write_text("def f\n")
+    assert main(fixture + ["--prompts-file", str(text)]) == 2
+    assert f"--prompts-file {text}: prompt 1 is text" in capsys.readouterr().err
+    ids = tmp_path / "ids.jsonl"
+    ids.write_text('{"prompt": [1, 2, 3]}\n')
+    assert main(fixture + ["--prompts-file", str(ids), "--stop", "x"]) == 2
+    err = capsys.readouterr().err
+    assert "--stop 'x': stop strings need the model's tokenizer files" in err and "stop_token_ids" not in err
+
+
 @pytest.mark.parametrize(
     "argv,message",
     [

@@ -41,7 +41,8 @@ def add_parser(sub: argparse._SubParsersAction, fmt: type[argparse.HelpFormatter
         "--prompts-file",
         default=None,
         metavar="FILE",
-        help="more prompts, one a line (.jsonl: a 'prompt' field a line; '-': stdin) (default: only --prompt's)",
+        help="more prompts, one a line (.jsonl: a 'prompt' field a line, text or token ids, the only prompts a model "
+        "without tokenizer files takes; '-': stdin) (default: only --prompt's)",
     )
     gen.add_argument("--max-tokens", type=int, default=64, help="most tokens generated per prompt")
     gen.add_argument("--min-tokens", type=int, default=0,
@@ -178,6 +179,8 @@ def generate(args: argparse.Namespace) -> int:
     configure_logging(args.log_level)
     engine = LoopedSpecEngine(args.model, **engine_options(args))
     try:
+        if engine.tokenizer is None:
+            _check_text_without_tokenizer(args, prompts)
         if args.early_exit is not None and engine.resolve_exit(params) == (None, None):
             # every token runs all loops, so how an exit runs would change nothing
             raise UsageError(f"--early-exit {args.early_exit}: no token exits early, so it would change nothing (no "
@@ -196,6 +199,21 @@ def generate(args: argparse.Namespace) -> int:
     if args.compare_plain:
         _compare_plain(args, prompts, params, outputs)
     return 0
+
+
+def _check_text_without_tokenizer(args: argparse.Namespace, prompts: list[str | list[int]]) -> None:
+    """A model without tokenizer files reads and writes token ids only. The engine's errors name what its API takes
+    (`prompts[0]`, `stop_token_ids`); a command says which flag gave text and how to give token ids instead."""
+    how = 'give token ids in a .jsonl --prompts-file, a line such as {"prompt": [1, 2, 3]}'
+    if args.prompt:
+        raise UsageError(f"--prompt {args.prompt[0]!r}: the model has no tokenizer files, so a prompt is token ids: "
+                         f"{how}")  # fmt: skip
+    line = next((n for n, prompt in enumerate(prompts, start=1) if isinstance(prompt, str)), None)
+    if line is not None:
+        raise UsageError(f"--prompts-file {args.prompts_file}: prompt {line} is text, but the model has no tokenizer "
+                         f"files: {how}")  # fmt: skip
+    if args.stop:
+        raise UsageError(f"--stop {args.stop[0]!r}: stop strings need the model's tokenizer files, and it has none")
 
 
 def plain_decoding(speculation: str) -> bool:
