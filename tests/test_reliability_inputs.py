@@ -74,6 +74,11 @@ def test_item06_sampling_params_bounds():
             "control.hysterisis: unknown field \\(did you mean 'hysteresis'",
         ),
         ({"speculation": "2,1", "control": {"hysteresis": 0.5}}, r"control=.*only with speculation='adaptive'"),
+        # a tunable given at its default is not shown as no control at all ('control={}: only with ...')
+        (
+            {"speculation": "2,1", "control": {"decision_interval": 4}},
+            r"control=\{\} \(every tunable given is at its default\): only with speculation='adaptive'",
+        ),
         (
             {"speculation": "adaptive", "policy": "ema", "control": {"hysteresis": 0.1, "readout_budget": 0.01}},
             r"^LoopedSpecEngine: control\.hysteresis=0\.1: only the goodput policy reads it \(policy='ema' runs",

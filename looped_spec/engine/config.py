@@ -183,11 +183,10 @@ class EngineConfig(BaseModel):
     def adaptive_options_given(self) -> list[str]:
         """The options that steer the adaptive controller which were given, as `name=value`: even at its default
         (policy="goodput"), an option given where no adaptive controller runs would do nothing and is an error."""
-        return [
-            f"{name}={_shown(getattr(self, name))!r}"
-            for name in ("preset", "policy", "control")
-            if name in self.model_fields_set and getattr(self, name) is not None
-        ]
+        given = [name for name in ("preset", "policy", "control")
+                 if name in self.model_fields_set and getattr(self, name) is not None]  # fmt: skip
+        return [f"{name}={_shown(getattr(self, name))!r}" if _shown(getattr(self, name)) != {} else
+                f"{name}={{}} (every tunable given is at its default)" for name in given]  # fmt: skip
 
     @model_validator(mode="after")
     def _kv_sizing(self) -> EngineConfig:
