@@ -112,7 +112,8 @@ def test_generate_logs_only_warnings_unless_asked_and_never_on_stdout(capsys):
         (["--control", '{"decision_intervall": 8}'], "--control: decision_intervall: unknown field (did you mean "
          "'decision_interval'?"),
         (["--control", '{"decision_interval": 0}'], "--control: decision_interval=0 must be in [1, inf)"),
-        (["--speculation", "2,1", "--control", "{}"], "--control {}: only with --speculation adaptive"),
+        (["--speculation", "2,1", "--control", "{}"],
+         "--control {} (no tunable set away from its default): only with --speculation adaptive"),
         (["--speculation", "2,1", "--control", '{"hysteresis": 0.5}'],
          "--control {'hysteresis': 0.5}: only with --speculation adaptive"),
         (["--temperature", "-1"], "--temperature: Input should be greater than or equal to 0"),

@@ -77,7 +77,7 @@ def test_item06_sampling_params_bounds():
         # a tunable given at its default is not shown as no control at all ('control={}: only with ...')
         (
             {"speculation": "2,1", "control": {"decision_interval": 4}},
-            r"control=\{\} \(every tunable given is at its default\): only with speculation='adaptive'",
+            r"control=\{\} \(no tunable set away from its default\): only with speculation='adaptive'",
         ),
         (
             {"speculation": "adaptive", "policy": "ema", "control": {"hysteresis": 0.1, "readout_budget": 0.01}},

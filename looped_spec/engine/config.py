@@ -186,7 +186,7 @@ class EngineConfig(BaseModel):
         given = [name for name in ("preset", "policy", "control")
                  if name in self.model_fields_set and getattr(self, name) is not None]  # fmt: skip
         return [f"{name}={_shown(getattr(self, name))!r}" if _shown(getattr(self, name)) != {} else
-                f"{name}={{}} (every tunable given is at its default)" for name in given]  # fmt: skip
+                f"{name}={{}} (no tunable set away from its default)" for name in given]  # fmt: skip
 
     @model_validator(mode="after")
     def _kv_sizing(self) -> EngineConfig:
