@@ -295,16 +295,7 @@ def test_a_fault_in_a_score_is_an_engine_fault_and_the_worker_goes_on(monkeypatc
 
     engine = make_engine("ouro", speculation="off")
     front = AsyncLoopedSpecEngine(engine)
-    real = engine.adapter.dense_logits
-    calls = []
-
-    def failing_once(*args, **kwargs):
-        calls.append(None)
-        if len(calls) == 1:
-            raise RuntimeError("injected")
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(engine.adapter, "dense_logits", failing_once)
+    monkeypatch.setattr(engine.adapter, "dense_logits", failing_once(engine.adapter.dense_logits))
 
     async def run():
         with pytest.raises(EngineFaultError, match="engine error: RuntimeError: injected"):
@@ -327,16 +318,7 @@ def test_a_fault_while_a_request_is_admitted_is_an_engine_fault_and_the_worker_g
     from looped_spec.engine.async_engine import EngineFaultError
 
     engine = make_engine("ouro", speculation="off")
-    real = engine.adapter.dense_logits
-    calls = []
-
-    def failing_once(*args, **kwargs):
-        calls.append(None)
-        if len(calls) == 1:
-            raise RuntimeError("injected")
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(engine.adapter, "dense_logits", failing_once)
+    monkeypatch.setattr(engine.adapter, "dense_logits", failing_once(engine.adapter.dense_logits))
     params = SamplingParams(max_tokens=2, ignore_eos=True, prompt_logprobs=1)
 
     async def run():
@@ -351,3 +333,16 @@ def test_a_fault_while_a_request_is_admitted_is_an_engine_fault_and_the_worker_g
     with AsyncLoopedSpecEngine(engine) as front:
         out = asyncio.run(run())
     assert out.finish_reason == "length" and len(out.prompt_logprobs) == len(PROMPTS[0])
+
+
+def failing_once(real):
+    """`real`, except that its first call raises RuntimeError("injected")."""
+    calls = []
+
+    def call(*args, **kwargs):
+        calls.append(None)
+        if len(calls) == 1:
+            raise RuntimeError("injected")
+        return real(*args, **kwargs)
+
+    return call

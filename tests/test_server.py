@@ -394,16 +394,8 @@ def test_bad_requests_are_400_naming_the_field(server, client):
 def test_a_text_encoding_outside_the_vocabulary_is_a_400_naming_the_field(tmp_path):
     """A checkpoint whose tokenizer has a token past the model's vocabulary: a text prompt (or a chat) holding it is a
     400 naming `prompt` (`messages`), not one naming an index of ids the client never sent, nor a 500 when scored."""
-    import shutil
 
-    from looped_spec.models import shipped_model_path
-
-    folder = tmp_path / "extra-token"
-    shutil.copytree(shipped_model_path(MODEL), folder)
-    tokenizer = json.loads((folder / "tokenizer.json").read_text())
-    tokenizer["added_tokens"].append({"id": 1024, "content": "<extra>", "single_word": False, "lstrip": False,
-                                      "rstrip": False, "normalized": False, "special": False})  # fmt: skip
-    (folder / "tokenizer.json").write_text(json.dumps(tokenizer))
+    folder = with_a_token_past_the_vocabulary(tmp_path / "extra-token", "<extra>", special=False)
     engine = LoopedSpecEngine(str(folder), speculation="off", max_model_len=64)
     cases = [("/v1/completions", {"prompt": "hi <extra>", "max_tokens": 2}, "prompt"),
              ("/v1/completions", {"prompt": "hi <extra>", "max_tokens": 0, "echo": True, "logprobs": 1}, "prompt"),
@@ -421,16 +413,8 @@ def test_a_tokenizer_eos_outside_the_vocabulary_stops_nothing_served_as_offline(
     """A tokenizer whose eos is a token past the model's vocabulary: the engine leaves it out of its eos tokens (the
     model cannot generate it), so offline requests run; the server added it to every request's stop_token_ids, so
     each was a 400 naming stop_token_ids, which the client never sent. The server now stops where the engine does."""
-    import shutil
 
-    from looped_spec.models import shipped_model_path
-
-    folder = tmp_path / "eos-past-vocabulary"
-    shutil.copytree(shipped_model_path(MODEL), folder)
-    tokenizer = json.loads((folder / "tokenizer.json").read_text())
-    tokenizer["added_tokens"].append({"id": 1024, "content": "<end>", "single_word": False, "lstrip": False,
-                                      "rstrip": False, "normalized": False, "special": True})  # fmt: skip
-    (folder / "tokenizer.json").write_text(json.dumps(tokenizer))
+    folder = with_a_token_past_the_vocabulary(tmp_path / "eos-past-vocabulary", "<end>", special=True)
     tokenizer_config = json.loads((folder / "tokenizer_config.json").read_text())
     (folder / "tokenizer_config.json").write_text(json.dumps(tokenizer_config | {"eos_token": "<end>"}))
     engine = LoopedSpecEngine(str(folder), speculation="off", max_model_len=64)
@@ -1161,3 +1145,18 @@ def test_a_negative_seed_is_taken_as_openai_and_vllm_take_it(plain_server, refer
     below = {**sampled, "prompt": PROMPT, "seed": -(2**63) - 1}
     too_small = httpx.post(plain_server.url + "/v1/completions", json=below)
     assert too_small.status_code == 400 and too_small.json()["error"]["param"] == "seed"
+
+
+def with_a_token_past_the_vocabulary(folder, content: str, special: bool):
+    """A copy of the model in `folder` whose tokenizer has one token more (`content`, id 1024) than the model's
+    vocabulary."""
+    import shutil
+
+    from looped_spec.models import shipped_model_path
+
+    shutil.copytree(shipped_model_path(MODEL), folder)
+    tokenizer = json.loads((folder / "tokenizer.json").read_text())
+    tokenizer["added_tokens"].append({"id": 1024, "content": content, "single_word": False, "lstrip": False,
+                                      "rstrip": False, "normalized": False, "special": special})  # fmt: skip
+    (folder / "tokenizer.json").write_text(json.dumps(tokenizer))
+    return folder
