@@ -10,6 +10,7 @@ from __future__ import annotations
 import copy
 import json
 import time
+from pathlib import Path
 
 import httpx
 import openai
@@ -59,6 +60,10 @@ def idle(server) -> bool:
 
 def test_models_health_and_open_endpoints(server, client):
     assert [m.id for m in client.models.list().data] == [MODEL]
+    # vLLM's card: where the model was loaded from (a client may look it up), no parent, a permission object
+    card = httpx.get(server.url + "/v1/models/" + MODEL, headers={"Authorization": f"Bearer {API_KEY}"}).json()
+    assert Path(card["root"]) == Path(server.engine.adapter.path) and card["parent"] is None
+    assert card["max_model_len"] == 256 and card["permission"][0]["object"] == "model_permission"
     # /health and /metrics stay open without the key; /v1/* does not
     assert httpx.get(server.url + "/health").json() == {"status": "ok"}
     assert httpx.get(server.url + "/metrics").status_code == 200

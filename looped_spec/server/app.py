@@ -124,12 +124,12 @@ def build_app(
 
     @app.get("/v1/models")
     async def models() -> ModelList:
-        return ModelList(data=[ModelCard(id=model_name, max_model_len=serving.max_model_len)])
+        return ModelList(data=[serving.model_card()])
 
     @app.get("/v1/models/{model:path}")
     async def model_card(model: str) -> ModelCard:
         serving.check_model(model)
-        return ModelCard(id=model_name, max_model_len=serving.max_model_len)
+        return serving.model_card()
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):

@@ -495,12 +495,35 @@ class ChatCompletionChunk(BaseModel):
     usage: UsageInfo | None = None
 
 
+class ModelPermission(BaseModel):
+    """vLLM's (and OpenAI's former) permission object: clients that list models may read it."""
+
+    id: str = Field(default_factory=lambda: f"modelperm-{uuid.uuid4().hex}")
+    object: Literal["model_permission"] = "model_permission"
+    created: int = Field(default_factory=now)
+    allow_create_engine: bool = False
+    allow_sampling: bool = True
+    allow_logprobs: bool = True
+    allow_search_indices: bool = False
+    allow_view: bool = True
+    allow_fine_tuning: bool = False
+    organization: str = "*"
+    group: str | None = None
+    is_blocking: bool = False
+
+
 class ModelCard(BaseModel):
+    """A served model as vLLM lists it: `root` is the checkpoint it was loaded from (`id` may be a
+    `--served-model-name`), `parent` the base model of an adapter (none here)."""
+
     id: str
     object: Literal["model"] = "model"
     created: int = Field(default_factory=now)
     owned_by: str = "looped-spec"
+    root: str | None = None
+    parent: str | None = None
     max_model_len: int
+    permission: list[ModelPermission] = Field(default_factory=lambda: [ModelPermission()])
 
 
 class ModelList(BaseModel):

@@ -27,6 +27,7 @@ from looped_spec.server.protocol import (
     ChatMessage,
     ChatTokenLogprob,
     CompletionLogprobs,
+    ModelCard,
     PromptTokensDetails,
     SamplingFields,
     TopLogprob,
@@ -70,6 +71,13 @@ class OpenAIServing:
         # the engine's eos tokens (the tokenizer's among them, where it is in the vocabulary): what the engine stops on
         self.eos_token_ids = core.eos_token_ids
         self.metrics = ServerMetrics(core, model_name)
+
+    def model_card(self) -> ModelCard:
+        """The served model as /v1/models lists it (`root`: the checkpoint folder, or the id of a model given as an
+        adapter object without one)."""
+        path = self.engine.engine.adapter.path
+        return ModelCard(id=self.model_name, root=self.model_name if path is None else str(path),
+                         max_model_len=self.max_model_len)  # fmt: skip
 
     # ----- request -> engine -----
     def check_model(self, model: str | None) -> None:
