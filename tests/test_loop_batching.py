@@ -668,6 +668,20 @@ def test_prompt_chunks_share_passes_with_decoding(family):
     assert max(chunk_positions) == 3
 
 
+def test_a_plan_is_for_the_requests_decoding_not_those_still_prefilling():
+    """A request whose prompt chunks share the passes runs no round yet: the plans the decoding request's rounds run
+    under are for a batch of one (as in a step engine, whose rounds never hold a prompt), and it finishes before the
+    long prompt's prefill does, so every plan is for a batch of one."""
+    engine = make_engine("ouro", speculation="2,1", batching="loop", max_num_batched_tokens=1)
+    short = engine.add_request([1, 2, 3], SamplingParams(max_tokens=5, ignore_eos=True))
+    while not any(o.request_id == short and o.token_ids for o in engine.step()):  # its prompt is done
+        pass
+    engine.add_request(list(range(1, 30)), SamplingParams(max_tokens=2, ignore_eos=True))
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert engine.stats.num_prefill_steps == 0 and set(engine.stats.batch_size_histogram) == {1}
+
+
 def test_one_pass_serves_requests_at_different_loops():
     """Rows at different loop indices share a pass (each reads and writes its own plane) and decode as alone."""
     engine = make_engine("nanbeige", batching="loop")

@@ -46,13 +46,16 @@ def run_pass(engine, suspect: Request | None, batch: ScheduledBatch, chunks: dic
     kept: list[Request] = []
     if entering:
         t1 = time.perf_counter()
-        plan, taken = engine.loop_rounds.plan(batch.requests, engine.controller.plan)
+        # the batch the plan is for is the requests decoding, as a step round's: one still prefilling (its prompt chunk
+        # in flight or starting) runs no round under it
+        decoding = [r for r in batch.requests if r.prefilled]
+        plan, taken = engine.loop_rounds.plan(decoding, engine.controller.plan)
         # as in a step round, a request whose exit rule reads out through attention decodes plainly (K = 0)
         wants = [0 if engine.exit_rule_reads_kv(r) else plan.k for r in entering]
         kept, k = scheduler.reserve_decode(entering, wants)
         counted = engine.loop_rounds.drew(k)
         if taken:  # counted at the K its rounds drew, as a step round is
-            stats.record_plan(len(batch.requests), max(k, default=0), plan.d)
+            stats.record_plan(len(decoding), max(k, default=0), plan.d)
         elif counted is not None:  # a later round under the plan drew more than those counted before
             stats.regrade_plan(max(counted, 0), max(k), plan.d)
         # counterfactual readouts at full depth only (under early exit a token's depth is the rule's)
