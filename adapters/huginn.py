@@ -47,11 +47,11 @@ def reference_freqs_cis(config: dict) -> torch.Tensor:
 class HuginnAdapter(ModelAdapter):
     """Options: `initial_state` = "random" (default; reference distribution, keyed by request seed and
     token position) or "zeros"; `num_steps` overrides `mean_recurrence` as the full depth D;
-    `exit_criterion` = "kl" (default; the Huginn authors' zero-shot adaptive compute: KL divergence of
-    successive steps' next-token distributions below `exit_threshold`, 5e-4 in their paper) or "latent"
-    (relative latent change ||x_s - x_{s-1}|| / ||x_s|| below the threshold); `exit_threshold` (> 0, in
-    the criterion's units; e.g. `PAPER_KL_THRESHOLD`) = the threshold of requests that set neither
-    `exit_threshold` nor `exit_at_step` (unset: they run all `num_steps`, no early exit)."""
+    `exit_criterion` = "kl" (default; the Huginn authors' zero-shot adaptive compute: KL divergence
+    KL(p_{s-1} || p_s) of successive steps' next-token distributions below `exit_threshold`, 5e-4 in their
+    paper) or "latent" (relative latent change ||x_s - x_{s-1}|| / ||x_s|| below the threshold);
+    `exit_threshold` (> 0, in the criterion's units; e.g. `PAPER_KL_THRESHOLD`) = the threshold of requests
+    that set neither `exit_threshold` nor `exit_at_step` (unset: they run all `num_steps`, no early exit)."""
 
     model_type = "huginn_raven"
     readout_uses_kv = True
@@ -288,5 +288,7 @@ class HuginnAdapter(ModelAdapter):
             return self.exit_signal(state, depth, prev_state) < threshold, carry, None
         logits = self.readout(state, depth, ctx)
         log_probs = torch.log_softmax(logits, dim=-1)  # [n, V] fp32
-        kl = (log_probs.exp() * (log_probs - carry)).sum(-1)  # KL(p_s || p_{s-1}), as the reference's kl_div
+        # KL(p_{s-1} || p_s): the reference's F.kl_div(log_probs, prev_log_probs, log_target=True) takes the previous
+        # step's distribution as its target (KL is not symmetric; the other direction exits other tokens)
+        kl = (carry.exp() * (carry - log_probs)).sum(-1)
         return kl < threshold, log_probs, logits  # NaN (step 1, `exit_carry`) < threshold is False

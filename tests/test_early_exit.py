@@ -135,7 +135,7 @@ def reference_exit(adapter, family, states, initial, ctx, params) -> int:
     for d, s in enumerate(states[:-1]):  # huginn, KL criterion
         logp = F.log_softmax(adapter.readout(s, d + 1, ctx), -1)
         if prev_logp is not None:
-            kl = F.kl_div(prev_logp, logp, reduction="sum", log_target=True)  # KL(p_s || p_{s-1})
+            kl = F.kl_div(logp, prev_logp, reduction="sum", log_target=True)  # KL(p_{s-1} || p_s), as Huginn's code
             if kl < params.exit_threshold:
                 return d + 1
         prev_logp = logp
@@ -463,6 +463,31 @@ def test_huginn_kl_rule_never_fires_before_a_previous_distribution_exists():
     torch.testing.assert_close(logits, adapter.readout(state, 1, TokenContext(store, 0, 0)))
     fired, _, _ = adapter.exit_rule(state, 2, state, carry, threshold, TokenContext(store, 0, 0))
     assert fired.all()
+
+
+def test_huginn_kl_rule_measures_the_divergence_the_reference_measures():
+    """The Huginn authors' KL criterion is `F.kl_div(log_probs, prev_log_probs, log_target=True)`: KL(p_{s-1} || p_s),
+    the previous step's distribution as the target. KL is not symmetric, so at a threshold just below or just above
+    that value the rule must agree with it (the other direction differs here by about 1 %)."""
+    from conftest import fixture_dir
+
+    from looped_spec import load_adapter
+    from looped_spec.models.dense import DenseContext
+
+    adapter = load_adapter(fixture_dir("huginn"), initial_state="zeros", exit_criterion="kl")
+    prompt = reference("huginn")["prompts"][1]
+    ctx = DenseContext(1, len(prompt), torch.arange(len(prompt)))
+    state, carry, prev_log_probs = adapter.embed(torch.tensor(prompt), ctx), adapter.exit_carry(len(prompt)), None
+    for depth in range(1, adapter.full_depth):
+        state = adapter.loop(state, depth - 1, ctx)
+        log_probs = F.log_softmax(adapter.readout(state, depth, ctx), -1)
+        if prev_log_probs is not None:
+            kl = F.kl_div(log_probs, prev_log_probs, reduction="none", log_target=True).sum(-1)
+            below, _, _ = adapter.exit_rule(state, depth, None, carry, kl * (1 - 1e-3), ctx)
+            above, _, _ = adapter.exit_rule(state, depth, None, carry, kl * (1 + 1e-3), ctx)
+            assert not below.any() and above.all(), depth
+        _, carry, _ = adapter.exit_rule(state, depth, None, carry, torch.zeros(len(prompt)), ctx)
+        prev_log_probs = log_probs
 
 
 @pytest.mark.parametrize("uniform_loops, calls", [(True, 1), (False, 3)])
