@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import FAMILIES, load, reference, reference_tensors
+from safetensors.torch import save_file
 
 from looped_spec.execution.attention import build_paged_context
 from looped_spec.execution.kv_cache import KVCache
@@ -128,3 +129,61 @@ def test_bfloat16_runs_and_mostly_agrees_with_fp32(family):
         agree += int((a.argmax(-1) == b.argmax(-1)).sum())
         total += a.shape[0]
     assert agree / total >= 0.6, agree / total
+
+
+class _Norm(torch.nn.Module):
+    """transformers' final RMSNorm standing in a decoder-layer slot: the norm Nanbeige applies between loops."""
+
+    def __init__(self, norm: torch.nn.Module) -> None:
+        super().__init__()
+        self.norm = norm
+
+    def forward(self, hidden_states, *args, **kwargs):
+        return self.norm(hidden_states)
+
+
+@pytest.mark.parametrize("loops, skip_loop_final_norm", [(1, False), (3, False), (2, True)])
+def test_nanbeige_equals_transformers_llama_run_loop_after_loop(tmp_path, loops, skip_loop_final_norm):
+    """Nanbeige is Llama's layers run `num_loops` times with `model.norm` between loops (once, at the end, with
+    skip_loop_final_norm): transformers' own LlamaForCausalLM with its layer list repeated is an independent reference
+    for the norms, rotate-half RoPE, grouped-query attention with head_dim != hidden/heads, the SwiGLU MLP, a tied head
+    and a transformers-5 config (rope_parameters)."""
+    import json
+
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from looped_spec import load_adapter
+
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=96,
+        hidden_size=48,
+        intermediate_size=80,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        rms_norm_eps=1e-5,
+        max_position_embeddings=128,
+        rope_parameters={"rope_type": "default", "rope_theta": 70000.0},
+        tie_word_embeddings=True,
+    )
+    model = LlamaForCausalLM(config).eval()
+    with torch.no_grad():
+        for p in model.parameters():  # norm weights around 1, matrices large enough that every piece shows
+            p.copy_(torch.randn_like(p) * 0.3 if p.dim() > 1 else 1 + 0.2 * torch.randn_like(p))
+    save_file({k: v.contiguous() for k, v in model.state_dict().items() if k != "lm_head.weight"},
+              str(tmp_path / "model.safetensors"))  # fmt: skip
+    fields = json.loads(config.to_json_string()) | {"model_type": "nanbeige", "num_loops": loops,
+                                                    "skip_loop_final_norm": skip_loop_final_norm}  # fmt: skip
+    (tmp_path / "config.json").write_text(json.dumps(fields))
+    adapter = load_adapter(tmp_path, dtype="float32", device="cpu")
+
+    layers = list(model.model.layers)
+    between = [] if skip_loop_final_norm else [_Norm(model.model.norm)]
+    model.model.layers = torch.nn.ModuleList(layers + (between + layers) * (loops - 1))
+    model.config.num_hidden_layers = len(model.model.layers)
+    ids = torch.randint(0, config.vocab_size, (2, 37))
+    with torch.no_grad():
+        expected = model(ids, use_cache=False).logits.float()  # no cache: a reused layer index would share its keys
+    assert rel_err(adapter.dense_logits(ids), expected) <= 1e-5
