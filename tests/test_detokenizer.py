@@ -10,6 +10,7 @@ from looped_spec.detokenizer import REPLACEMENT_CHAR, IncrementalDetokenizer
 from looped_spec.engine.chat import NoChatTemplateError, render_chat
 from looped_spec.engine.inputs import load_tokenizer
 from looped_spec.models import shipped_model_path
+from looped_spec.models.checkpoint import CheckpointError
 from looped_spec.server.chat import GenerationDefaults
 
 TEXT = "héllo wörld → ∑ 😀 done"
@@ -174,6 +175,39 @@ def test_a_sampling_filter_given_while_decoding_greedily_is_an_error(tmp_path):
     (folder / "generation_config.json").write_text(json.dumps({"do_sample": False, "temperature": 0.7}))
     with pytest.raises(ValueError, match="top_p=0.9: the temperature is unset"):
         LoopedSpecEngine(str(folder), speculation="off").generate([1, 2, 3], SamplingParams(max_tokens=2, top_p=0.9))
+
+
+def test_generation_config_max_new_tokens_is_the_default_max_tokens(tmp_path):
+    """vLLM reads generation_config.json's max_new_tokens (HF's name) as the default max_tokens: offline for a request
+    that leaves max_tokens unset, on the server as the cap of one that leaves it out, and on the command line."""
+    import shutil
+
+    from looped_spec import LoopedSpecEngine, SamplingParams
+    from looped_spec.cli.generate import checkpoint_max_tokens
+    from looped_spec.engine.async_engine import AsyncLoopedSpecEngine
+    from looped_spec.models import shipped_model_path
+    from looped_spec.server.protocol import ChatCompletionRequest, CompletionRequest
+    from looped_spec.server.serving import OpenAIServing
+
+    folder = tmp_path / "capped"
+    shutil.copytree(shipped_model_path("tiny-nanbeige"), folder)
+    (folder / "generation_config.json").write_text(json.dumps({"max_new_tokens": 5}))
+    engine = LoopedSpecEngine(str(folder), speculation="off")
+    out = engine.generate([1, 2, 3], SamplingParams(temperature=0.0, ignore_eos=True))[0]
+    assert len(out.token_ids) == 5 and out.finish_reason == "length"
+    given = engine.generate([1, 2, 3], SamplingParams(max_tokens=7, ignore_eos=True))[0]
+    assert len(given.token_ids) == 7  # the request's own value wins
+    with pytest.raises(ValueError, match="min_tokens=6 is more than max_tokens=5, the checkpoint's generation_config"):
+        engine.generate([1, 2, 3], SamplingParams(min_tokens=6))
+    serving = OpenAIServing(AsyncLoopedSpecEngine(engine), "m")
+    assert serving.completion_tokens(CompletionRequest(model="m", prompt="x")) == 5  # OpenAI's 16, within the cap
+    assert serving.completion_tokens(CompletionRequest(model="m", prompt="x", max_tokens=9)) == 9
+    chat = ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "x"}])
+    assert serving.sampling_params(chat, 3, None).max_tokens == 5  # left out: the context's room, within the cap
+    assert checkpoint_max_tokens(str(folder)) == 5 and checkpoint_max_tokens("tiny-nanbeige") is None
+    (folder / "generation_config.json").write_text(json.dumps({"max_new_tokens": 0}))
+    with pytest.raises(CheckpointError, match="max_new_tokens"):
+        LoopedSpecEngine(str(folder), speculation="off")
 
 
 def test_render_chat(tokenizer):

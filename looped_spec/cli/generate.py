@@ -44,7 +44,9 @@ def add_parser(sub: argparse._SubParsersAction, fmt: type[argparse.HelpFormatter
         help="more prompts, one a line (.jsonl: a 'prompt' field a line, text or token ids, the only prompts a model "
         "without tokenizer files takes; '-': stdin) (default: only --prompt's)",
     )
-    gen.add_argument("--max-tokens", type=int, default=64, help="most tokens generated per prompt")
+    gen.add_argument("--max-tokens", type=int, default=None,
+                     help="most tokens generated per prompt (default: the checkpoint's generation_config.json "
+                          "max_new_tokens, else 64)")  # fmt: skip
     gen.add_argument("--min-tokens", type=int, default=0,
                      help="fewest tokens before eos, a stop token or a stop string may end an output")  # fmt: skip
     # the sampling flags a checkpoint's generation_config.json may set: unset unless given, so the file's values
@@ -143,12 +145,26 @@ def read_prompts(args: argparse.Namespace) -> list[str | list[int]]:
     return prompts * args.batch_size
 
 
+def checkpoint_max_tokens(model: str) -> int | None:
+    """The checkpoint's generation_config.json max_new_tokens (None: none, or no checkpoint there)."""
+    from looped_spec.models.adapter import resolve_model_path
+    from looped_spec.models.checkpoint import CheckpointError
+    from looped_spec.models.generation_config import read_generation_config
+
+    try:
+        return read_generation_config(resolve_model_path(model)).max_new_tokens
+    except CheckpointError:  # the engine names what is wrong with the checkpoint when it loads it
+        return None
+
+
 def generate(args: argparse.Namespace) -> int:
     from looped_spec import LoopedSpecEngine, SamplingParams
 
     if args.trace is not None:
         output_file(args.trace, "--trace")
     at_least(args.batch_size, 1, "--batch-size")
+    if args.max_tokens is None:  # the checkpoint's cap (a model that does not load is named by the engine below)
+        args.max_tokens = checkpoint_max_tokens(args.model) or 64
     at_least(args.max_tokens, 1, "--max-tokens")
     if args.compare_repeats is not None and not args.compare_plain:
         raise UsageError("--compare-repeats: only with --compare-plain")

@@ -6,7 +6,7 @@ import json
 import logging
 from pathlib import Path
 
-from pydantic import BaseModel, ConfigDict, PrivateAttr, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError
 
 from looped_spec.models.checkpoint import CheckpointError
 from looped_spec.models.config_fields import token_ids_field
@@ -39,6 +39,8 @@ class GenerationConfig(BaseModel):
     top_p: float | None = None
     min_p: float | None = None
     repetition_penalty: float | None = None
+    # HF's cap on generated tokens: vLLM takes it as the default max_tokens
+    max_new_tokens: int | None = Field(None, gt=0)
     _from_file: bool = PrivateAttr(False)  # read from a checkpoint's file (without one, nothing is asked)
 
     def stop_token_ids(self) -> list[int]:
@@ -51,10 +53,13 @@ class GenerationConfig(BaseModel):
         either way (in HF a logits processor, not a sampling warper). A field the file leaves out keeps looped-spec's
         default, as vLLM reads the file (HF's `generate` would take its own defaults, top_k 50). Offline requests and
         the server take these for the fields a request leaves unset (the server: OpenAI's defaults for the rest).
-        Without a file nothing is asked."""
+        Its `max_new_tokens` is the default `max_tokens` (vLLM's reading: HF's name for the same cap). Without a file
+        nothing is asked."""
         if not self._from_file:
             return {}
         both = {} if self.repetition_penalty is None else {"repetition_penalty": self.repetition_penalty}
+        if self.max_new_tokens is not None:
+            both["max_tokens"] = self.max_new_tokens
         if not self.do_sample:
             return {"temperature": 0.0} | both
         sampling = ("temperature", "top_k", "top_p", "min_p")

@@ -147,7 +147,7 @@ def build_app(
         choices = [(ids, j) for ids in prompts for j in range(body.n)]
         serving.check_choices(len(choices), body.n)
         # score only (max_tokens 0): the parameters still carry the seed and the exit fields the scores depend on
-        max_tokens = 1 if score_only else body.max_tokens
+        max_tokens = 1 if score_only else serving.completion_tokens(body)
         serving.check_masks_beside_grammar(body)
         await serving.check_grammar(body, score_only)
         params = [serving.sampling_params(body, len(ids), max_tokens, j, seed, body.logprobs, score_only)

@@ -20,6 +20,7 @@ class GenerationDefaults:
     top_k: int = 0
     min_p: float = 0.0
     repetition_penalty: float = 1.0
+    max_tokens: int | None = None  # the file's max_new_tokens: caps a request that leaves max_tokens out, as in vLLM
 
     @classmethod
     def from_config(cls, generation: GenerationConfig) -> GenerationDefaults:

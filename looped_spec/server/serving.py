@@ -27,6 +27,7 @@ from looped_spec.server.protocol import (
     ChatMessage,
     ChatTokenLogprob,
     CompletionLogprobs,
+    CompletionRequest,
     ModelCard,
     PromptTokensDetails,
     SamplingFields,
@@ -142,6 +143,13 @@ class OpenAIServing:
                            param)  # fmt: skip
         return ids
 
+    def completion_tokens(self, body: CompletionRequest) -> int | None:
+        """A completion's max_tokens: the request's, else OpenAI's 16 within generation_config.json's
+        max_new_tokens (vLLM's reading; None, sent as such, is what the context leaves)."""
+        if "max_tokens" in body.model_fields_set or self.defaults.max_tokens is None:
+            return body.max_tokens
+        return min(body.max_tokens, self.defaults.max_tokens)
+
     def sampling_params(
         self,
         body: SamplingFields,
@@ -161,8 +169,8 @@ class OpenAIServing:
         `max_tokens_field`: the field the client set `max_tokens` with (chat's `max_completion_tokens`), named in its
         errors."""
         room = self.max_model_len - num_prompt_tokens
-        if max_tokens is None:
-            max_tokens = room
+        if max_tokens is None:  # what the context leaves, within generation_config.json's max_new_tokens
+            max_tokens = room if self.defaults.max_tokens is None else min(room, self.defaults.max_tokens)
         elif max_tokens > room and not scored_only:
             raise APIError(400, f"{max_tokens_field}: {max_tokens} + {num_prompt_tokens} prompt tokens exceeds "
                            f"max_model_len={self.max_model_len}", max_tokens_field)  # fmt: skip
