@@ -44,6 +44,21 @@ def load(family: str, dtype: str = "float32"):
     return load_adapter(fixture_dir(family), dtype=dtype, device="cpu", **adapter_options(family))
 
 
+def with_small_vocabulary(folder: Path, vocab_size: int = 16) -> Path:
+    """A copy of the Ouro fixture at `folder` keeping only its first `vocab_size` tokens (embedding and head rows): a
+    model of fewer tokens than the 20 most likely a request may ask for."""
+    from safetensors.torch import load_file, save_file
+
+    folder.mkdir(parents=True)
+    config = json.loads((fixture_dir("ouro") / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps(config | {"vocab_size": vocab_size}))
+    weights = load_file(str(fixture_dir("ouro") / "model.safetensors"))
+    size = config["vocab_size"]
+    save_file({name: w[:vocab_size].contiguous() if w.shape[0] == size else w for name, w in weights.items()},
+              str(folder / "model.safetensors"))  # fmt: skip
+    return folder
+
+
 def decoding_modes(full_depth: int) -> list[dict]:
     """Engine options of every decoding mode an exactness test compares with plain decoding: plain, fixed plans at
     the shallowest and deepest draft, adaptive, loop passes with and without a plan, per-token stopping."""

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import FAMILIES, load, make_engine, reference
+from conftest import FAMILIES, load, make_engine, reference, with_small_vocabulary
 from test_early_exit import exit_params, reference_generate
 
 from looped_spec import LoopedSpecEngine, SamplingParams, SpeculativeConfig
@@ -151,6 +151,21 @@ def test_loop_batching_returns_the_step_engines_logprobs(family):
 def test_logprobs_count_is_checked():
     with pytest.raises(ValueError, match="logprobs"):
         SamplingParams(logprobs=21)
+
+
+def test_more_most_likely_tokens_than_the_vocabulary_holds_is_an_error_naming_the_field(tmp_path):
+    """A model of 16 tokens asked for the 20 most likely: refused at add_request naming `logprobs` /
+    `prompt_logprobs` (a step failed on it with torch's 'selected index k out of range'); the whole vocabulary may be
+    asked for."""
+    folder = with_small_vocabulary(tmp_path / "vocab-16", 16)
+    for options in (dict(speculation="off"), dict(speculation="2,1"), dict(batching="loop")):
+        engine = LoopedSpecEngine(str(folder), **options)
+        for field in ("logprobs", "prompt_logprobs"):
+            with pytest.raises(ValueError, match=rf"^{field}=20: .*vocabulary holds \(16\)"):
+                engine.add_request([1, 2, 3], SamplingParams(max_tokens=2, **{field: 20}))
+            assert not engine.has_unfinished_requests()
+        out = engine.generate([[1, 2, 3]], SamplingParams(max_tokens=2, logprobs=16, prompt_logprobs=16))[0]
+        assert [len(e.top) for e in out.logprobs] == [16, 16] and len(out.prompt_logprobs[1].top) == 16
 
 
 def test_score_checks_its_arguments_naming_them():

@@ -15,6 +15,7 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
+from conftest import with_small_vocabulary
 from prometheus_client.parser import text_string_to_metric_families
 from server_utils import ServerThread, wait_until
 
@@ -411,6 +412,25 @@ def test_a_text_encoding_outside_the_vocabulary_is_a_400_naming_the_field(tmp_pa
             assert answer.status_code == 400, (body, answer.text)
             error = answer.json()["error"]
             assert error["param"] == field and "encodes to token 1024, outside the model's" in error["message"]
+    engine.close()
+
+
+def test_logprobs_beyond_a_small_vocabulary_are_a_400_naming_the_field(tmp_path):
+    """A model of 16 tokens asked for the 20 most likely: a 400 naming `logprobs`, generating or scoring (echo scored
+    the prompt first and answered a 500 'internal server error: ValueError'; generation's 400 named no field)."""
+    engine = LoopedSpecEngine(str(with_small_vocabulary(tmp_path / "vocab-16", 16)), max_model_len=64)
+    bodies = [{"max_tokens": 2}, {"max_tokens": 0, "echo": True}, {"max_tokens": 2, "echo": True},
+              {"max_tokens": 2, "stream": True}]  # fmt: skip
+    with ServerThread(engine, MODEL) as running:
+        for body in bodies:
+            answer = httpx.post(running.url + "/v1/completions", json={"prompt": [1, 2, 3], "logprobs": 20} | body,
+                                timeout=60)  # fmt: skip
+            assert answer.status_code == 400, (body, answer.text)
+            error = answer.json()["error"]
+            assert error["param"] == "logprobs" and "vocabulary holds (16)" in error["message"], body
+        whole = httpx.post(running.url + "/v1/completions", json={"prompt": [1, 2, 3], "max_tokens": 0, "echo": True,
+                                                                  "logprobs": 16}, timeout=60)  # fmt: skip
+        assert [len(top) for top in whole.json()["choices"][0]["logprobs"]["top_logprobs"][1:]] == [16, 16]
     engine.close()
 
 

@@ -28,6 +28,7 @@ from looped_spec.engine.inputs import (
     check_bias_tokens,
     check_encoded_vocabulary,
     check_filters_sample,
+    check_top_count,
     check_vocabulary,
     end_tokens,
     load_tokenizer,
@@ -287,6 +288,8 @@ class LoopedSpecEngine:
             raise ValueError(f"min_tokens={params.min_tokens}: every token of the vocabulary is a stop token (eos and "
                              "stop_token_ids), so none may be sampled before min_tokens")  # fmt: skip
         check_bias_tokens(params.logit_bias, self.adapter.vocab_size)
+        check_top_count(params.logprobs, self.adapter.vocab_size, "logprobs")
+        check_top_count(params.prompt_logprobs, self.adapter.vocab_size, "prompt_logprobs")
         if params.allowed_token_ids is not None:
             check_vocabulary(params.allowed_token_ids, self.adapter.vocab_size, "allowed_token_ids")
             if params.min_tokens and set(params.allowed_token_ids) <= stops:

@@ -182,6 +182,13 @@ def check_bias_tokens(bias: dict[int, float], vocab_size: int, where: str = "log
         raise ValueError(f"{where}: token id {outside} is outside the vocabulary [0, {vocab_size})")
 
 
+def check_top_count(count: int | None, vocab_size: int, where: str) -> None:
+    """ValueError naming `where` (`logprobs`, `prompt_logprobs`) when it asks for more most likely tokens than the
+    vocabulary holds (a model of fewer than 20 tokens): the top-N could not be taken at any position."""
+    if count is not None and count > vocab_size:
+        raise ValueError(f"{where}={count}: more most likely tokens than the model's vocabulary holds ({vocab_size})")
+
+
 def bad_word_token_ids(words: list[str], tokenizer, vocab_size: int, where: str = "bad_words") -> list[list[int]]:
     """The token sequences a request's bad_words ban, as vLLM encodes them (`SamplingParams.update_from_tokenizer`):
     each word without its leading whitespace, then a space and that, both without special tokens; the second is kept

@@ -198,6 +198,9 @@ class OpenAIServing:
         stop_token_ids = list(body.stop_token_ids or [])
         bad_request(inputs.check_vocabulary, stop_token_ids, self.vocab_size, "stop_token_ids")
         bad_request(inputs.check_bias_tokens, body.token_bias(), self.vocab_size, "logit_bias")
+        # before echo scores the prompt with it (a model of fewer than 20 tokens): chat's count is top_logprobs
+        top_field = "top_logprobs" if hasattr(body, "top_logprobs") else "logprobs"
+        bad_request(inputs.check_top_count, logprobs, self.vocab_size, top_field)
         if words is not None:  # one-token words that leave nothing to generate, as the engine would refuse them
             stops = set(stop_token_ids) | (set() if body.ignore_eos else set(self.eos_token_ids))
             try:
