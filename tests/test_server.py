@@ -578,6 +578,11 @@ def test_what_openai_refuses_is_refused_naming_the_field(server, client, monkeyp
     message = answer.json()["error"]["message"]
     assert "spaces_between_special_tokens (not supported: special tokens are decoded" in message, message
     assert "did you mean" not in message
+    # vLLM's prompt_logprobs: where the prompt's scores are here (the guess named chat's top_logprobs)
+    for endpoint, fields in ((completions, '"prompt": "a"'), (chat, '"messages": [{"role": "user", "content": "a"}]')):
+        error = post(endpoint, f'{{"model": "{MODEL}", {fields}, "prompt_logprobs": 1}}').json()["error"]
+        assert error["param"] == "prompt_logprobs" and "echo with logprobs" in error["message"], error
+        assert "did you mean" not in error["message"]
     answer = post(completions, f'{{"model": "{MODEL}", "prompt": "a", "temprature": 0.5}}')
     error = answer.json()["error"]
     assert error["message"] == "temprature (did you mean 'temperature'?): not a supported field", error

@@ -13,8 +13,14 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from looped_spec.sampling_params import VLLM_FIELDS
 from looped_spec.server.protocol import ErrorInfo, ErrorResponse
 
-#: Request fields vLLM's server takes and this one does not, told with what stands for them (`VLLM_FIELDS`), not a guess
-VLLM_SERVER_FIELDS = ("truncate_prompt_tokens", "spaces_between_special_tokens", "logits_processors")
+#: Request fields vLLM's server takes and this one does not, told with what stands for them, not a guess
+VLLM_SERVER_FIELDS = {
+    name: VLLM_FIELDS[name] for name in ("truncate_prompt_tokens", "spaces_between_special_tokens", "logits_processors")
+} | {
+    # a guess would say 'top_logprobs', which scores generated tokens (and only in chat)
+    "prompt_logprobs": "not served here: on /v1/completions, echo with logprobs returns the prompt's scores (the first "
+    "null; max_tokens 0 scores without generating); offline, SamplingParams.prompt_logprobs",
+}
 
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
                413: "invalid_request_error", 429: "rate_limit_error", 503: "service_unavailable"}  # fmt: skip
@@ -69,7 +75,7 @@ def _with_guess(loc: tuple) -> str:
     known = sorted({name for model in models for name in model.model_fields})
     name = str(loc[-1]) if loc else ""
     if len(loc) == 2 and name in VLLM_SERVER_FIELDS:  # a vLLM field this server lacks: what stands for it
-        return f"{field_path(loc)} ({VLLM_FIELDS[name]})"
+        return f"{field_path(loc)} ({VLLM_SERVER_FIELDS[name]})"
     # a field another endpoint takes (chat's `tools` sent to completions) is named as it is
     close = [] if name in known else difflib.get_close_matches(name, known, n=1)
     return field_path(loc) + (f" (did you mean {close[0]!r}?)" if close else "")
