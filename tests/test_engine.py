@@ -404,7 +404,8 @@ def test_what_a_vllm_script_does_runs_or_says_what_to_use_instead():
         with pytest.raises(ValidationError, match=f"{field}: .*{instead}"):
             SamplingParams(**{field: None})
     vllm_options = [("max_num_seqs", "max_batch_size"), ("enforce_eager", "cuda_graphs=False"),
-                    ("gpu_memory_utilization", "kv_cache_memory_gb"), ("trust_remote_code", "runs no")]  # fmt: skip
+                    ("gpu_memory_utilization", "kv_cache_memory_gb"), ("trust_remote_code", "runs no"),
+                    ("logprobs_mode", "raw_logprobs"), ("max_logprobs", "fixed at vLLM's default 20")]  # fmt: skip
     for option, instead in vllm_options:
         with pytest.raises(ValueError, match=f"{option}: vLLM's engine argument; .*{instead}"):
             LoopedSpecEngine(str(fixture_dir("ouro")), speculation="off", **{option: 1})

@@ -292,6 +292,10 @@ VLLM_OPTIONS = {
     "the free GPU memory)",
     "tensor_parallel_size": "one engine runs on one device here; serve --replicas N scales out with Ray Serve",
     "pipeline_parallel_size": "one engine runs on one device here; serve --replicas N scales out with Ray Serve",
+    "logprobs_mode": "here log-probabilities are always vLLM's default raw_logprobs (the log-softmax of the model's "
+    "logits before logit bias, penalties, masks and temperature); processed ones are not offered",
+    "max_logprobs": "here fixed at vLLM's default 20 (SamplingParams.logprobs and prompt_logprobs; the server's "
+    "logprobs and top_logprobs)",
     "trust_remote_code": "never needed here: looped-spec runs no checkpoint code (each family is implemented in "
     "adapters/)",
 }
