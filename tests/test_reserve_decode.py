@@ -26,14 +26,14 @@ def reference_reserve(scheduler: Scheduler, requests: list[Request], wanted_k: l
             scheduler._grow_or_preempt(request, request.num_computed + 1)
     kept = [r for r in requests if r.status is RequestStatus.RUNNING]
     wanted = {id(r): k for r, k in zip(requests, wanted_k)}
-    drafts = []
-    for request in kept:
+    drafts = {}
+    for request in sorted(kept, key=scheduler._rank):  # drafts in rank order too
         k = max(0, min(wanted[id(request)], request.remaining_budget - 1))
         while k > 0 and not scheduler.kv.can_grow(request.block_table, request.num_computed + 1 + k):
             k -= 1
         scheduler.kv.grow(request.block_table, request.num_computed + 1 + k)
-        drafts.append(k)
-    return kept, drafts
+        drafts[id(request)] = k
+    return kept, [drafts[id(r)] for r in kept]
 
 
 def state(scheduler: Scheduler) -> tuple:
@@ -80,3 +80,21 @@ def test_the_reservation_is_the_two_phase_reference(specs, num_blocks, priority)
     assert state(scheduler) == state(twin[0])
     held = sorted(b for r in scheduler.running for b in r.block_table)
     assert len(held) == len(set(held)) and len(held) + kv.num_free_blocks == num_blocks  # no block lost or shared
+
+
+def test_when_blocks_run_short_the_request_that_goes_first_keeps_its_drafts():
+    """Under priority scheduling the drafts go by rank as the tokens do: a request of higher priority later in the
+    batch keeps its drafts where one of lower priority before it would have taken the last free block."""
+    layout = KVLayout(num_planes=1, num_kv_heads=1, head_dim=2, num_loop_planes=1)
+    kv = KVCache(layout, 3, block_size=BLOCK, dtype=torch.float32, device="cpu")
+    scheduler = Scheduler(kv, max_batch_size=8, max_num_batched_tokens=64, policy="priority")
+    requests = []
+    for i, priority in enumerate((1, 0)):  # r0 first in the batch, r1 of the higher priority (lower value)
+        request = Request(f"r{i}", i, [1, 2], SamplingParams(max_tokens=8), seed=0, eos_token_ids=[0], max_model_len=64)
+        request.priority = priority
+        kv.grow(request.block_table, 1)
+        request.num_computed, request.status = 1, RequestStatus.RUNNING
+        scheduler.running.append(request)
+        requests.append(request)
+    kept, drafts = scheduler.reserve_decode(requests, [2, 2])  # one free block: drafts for one request only
+    assert [r.request_id for r in kept] == ["r0", "r1"] and drafts == [0, 2]

@@ -178,14 +178,13 @@ class Scheduler:
                 self._grow_or_preempt(request, request.num_computed + 1)
         kept = [r for r in requests if r.status is RequestStatus.RUNNING]
         k_by_id = {id(r): k for r, k in zip(requests, wanted_k)}
-        k_actual = []
-        for request in kept:
+        for request in sorted(kept, key=self._rank):  # drafts too go to who goes first, while blocks last
             k = max(0, min(k_by_id[id(request)], request.remaining_budget - 1))
             while k > 0 and not self.kv.can_grow(request.block_table, request.num_computed + 1 + k):
                 k -= 1
             self.kv.grow(request.block_table, request.num_computed + 1 + k)
-            k_actual.append(k)
-        return kept, k_actual
+            k_by_id[id(request)] = k
+        return kept, [k_by_id[id(r)] for r in kept]
 
     def preempt(self, request: Request) -> None:
         self.kv.free(request.block_table)
