@@ -393,3 +393,27 @@ def run_to_end_with(engine, prompts, params, max_errors: int = 0) -> list[list[i
     ids = [engine.add_request(p, q) for p, q in zip(prompts, each)]
     finished = run_to_end(engine, max_errors=max_errors)
     return [finished[i].token_ids for i in ids]
+
+
+@pytest.mark.parametrize("batching", ["step", "loop"])
+def test_a_failed_step_counts_no_decode_round(batching):
+    """A step is a transaction: a decode round (on loop passes, a plan's first pass) that fails ran no round, so the
+    stats count only the rounds the requests ran: each request's rounds add up to the batch sizes counted, and every
+    round counted was reported to the controller."""
+    engine = make_engine("ouro", batching=batching)
+    for prompt in PROMPTS[:3]:
+        engine.add_request(prompt, greedy(8))
+    engine.step(), engine.step()  # the prompts, then the first round (or pass) of the three
+    fault = OneShotFault(engine.adapter.loop, lambda *args, **kwargs: True)
+    engine.adapter.loop = fault
+    try:
+        with pytest.raises(RuntimeError, match="injected"):
+            engine.step()
+    finally:
+        del engine.adapter.loop
+    finished = run_to_end(engine)
+    stats = engine.stats
+    assert sum(size * n for size, n in stats.batch_size_histogram.items()) == sum(
+        out.metrics.rounds for out in finished.values()
+    )
+    assert stats.num_rounds == sum(stats.plan_histogram.values()) == engine.controller.stats()["observed"]

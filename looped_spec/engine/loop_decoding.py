@@ -49,15 +49,10 @@ def run_pass(engine, suspect: Request | None, batch: ScheduledBatch, chunks: dic
         # the batch the plan is for is the requests decoding, as a step round's: one still prefilling (its prompt chunk
         # in flight or starting) runs no round under it
         decoding = [r for r in batch.requests if r.prefilled]
-        plan, taken = engine.loop_rounds.plan(decoding, engine.controller.plan)
+        plan, _ = engine.loop_rounds.plan(decoding, engine.controller.plan)
         # as in a step round, a request whose exit rule reads out through attention decodes plainly (K = 0)
         wants = [0 if engine.exit_rule_reads_kv(r) else plan.k for r in entering]
         kept, k = scheduler.reserve_decode(entering, wants)
-        counted = engine.loop_rounds.drew(k)
-        if taken:  # counted at the K its rounds drew, as a step round is
-            stats.record_plan(len(decoding), max(k, default=0), plan.d)
-        elif counted is not None:  # a later round under the plan drew more than those counted before
-            stats.regrade_plan(max(counted, 0), max(k), plan.d)
         # counterfactual readouts at full depth only (under early exit a token's depth is the rule's)
         rounds = {
             r.request_id: Entering(kr, plan.d, plan.measure_depths and not r.exits_early, plan.stop_margin)
@@ -91,6 +86,13 @@ def run_pass(engine, suspect: Request | None, batch: ScheduledBatch, chunks: dic
                        exit_depths=result.first_exit_depths, logprobs=result.first_logprobs)  # fmt: skip
         stats.num_prompt_tokens += sum(result.chunk_lens)
     engine.loop_rounds.start(kept)
+    if kept:  # counted once a round ran under the plan (a failed pass ran none), at the K its rounds drew, as a step
+        # round is counted
+        counted = engine.loop_rounds.drew(k)
+        if counted == -1:  # the plan's first rounds
+            stats.record_plan(len(decoding), max(k), plan.d)
+        elif counted is not None:  # a later round under the plan drew more than those counted before
+            stats.regrade_plan(counted, max(k), plan.d)
     if result.finished:
         engine._commit(
             result.finished, result.tokens, num_proposed=result.proposed, num_accepted=result.accepted,
