@@ -16,6 +16,7 @@ import httpx
 import openai
 import pytest
 from conftest import with_small_vocabulary
+from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 from server_utils import ServerThread, wait_until
 
@@ -1190,3 +1191,29 @@ def with_a_token_past_the_vocabulary(folder, content: str, special: bool):
                                       "rstrip": False, "normalized": False, "special": special})  # fmt: skip
     (folder / "tokenizer.json").write_text(json.dumps(tokenizer))
     return folder
+
+
+def test_request_latencies_of_minutes_fall_in_a_bucket_of_their_own():
+    """A long answer takes minutes end to end (and a queued request minutes to its first token): the histograms'
+    buckets reach as far as vLLM's, so such a latency is not lost in +Inf with everything past 80 s."""
+    import asyncio
+
+    from looped_spec.server.metrics import ServerMetrics
+
+    engine = LoopedSpecEngine(MODEL, speculation="off", max_model_len=64)
+    outputs = engine.generate([PROMPT], SamplingParams(max_tokens=2, ignore_eos=True))
+    metrics = ServerMetrics(engine, MODEL)
+
+    async def answer():
+        for out in outputs:
+            yield out
+
+    async def drain():  # the request arrived 200 s ago
+        return [out async for out in metrics.timed(answer(), time.perf_counter() - 200.0)]
+
+    asyncio.run(drain())
+    for name in ("time_to_first_token_seconds", "e2e_request_latency_seconds"):
+        family = next(f for f in text_string_to_metric_families(generate_latest(metrics.registry).decode())
+                      if f.name == "looped_spec:" + name)  # fmt: skip
+        counted = [float(s.labels["le"]) for s in family.samples if s.name.endswith("_bucket") and s.value == 1]
+        assert 200.0 <= min(counted) < float("inf"), name

@@ -14,6 +14,9 @@ from looped_spec.request import RequestOutput
 
 LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0,
                    20.0, 40.0, 80.0)  # fmt: skip
+#: a request's first token (queued behind others) and its whole answer (thousands of tokens) take minutes: up to
+#: vLLM's largest bounds (2560 s for its time to first token, 7680 s end to end)
+REQUEST_LATENCY_BUCKETS = (*LATENCY_BUCKETS, 160.0, 320.0, 640.0, 1280.0, 2560.0, 7680.0)
 
 
 class ServerMetrics:
@@ -28,11 +31,11 @@ class ServerMetrics:
         self.registry.register(EngineCollector(engine, model_name))
         labels = ["model_name"]
         self.ttft = Histogram(PREFIX + "time_to_first_token_seconds", "Time to first token.", labels,
-                              registry=self.registry, buckets=LATENCY_BUCKETS).labels(model_name)  # fmt: skip
+                              registry=self.registry, buckets=REQUEST_LATENCY_BUCKETS).labels(model_name)  # fmt: skip
         self.itl = Histogram(PREFIX + "inter_token_latency_seconds", "Time between streamed outputs.", labels,
                              registry=self.registry, buckets=LATENCY_BUCKETS).labels(model_name)  # fmt: skip
         self.e2e = Histogram(PREFIX + "e2e_request_latency_seconds", "Arrival to last token.", labels,
-                             registry=self.registry, buckets=LATENCY_BUCKETS).labels(model_name)  # fmt: skip
+                             registry=self.registry, buckets=REQUEST_LATENCY_BUCKETS).labels(model_name)  # fmt: skip
 
     def exposed(self, extra_labels: dict[str, str] | None) -> CollectorRegistry:
         """The registry /metrics renders: every series of this server's, with `extra_labels` added (a replica's id)."""
