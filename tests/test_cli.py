@@ -277,3 +277,24 @@ def test_stats_say_when_no_decode_round_ran_and_grammars_speculate(capsys):
     speculative = int(re.search(r"decode rounds\s+\d+ \((\d+) speculative\)", out).group(1))
     drafted = int(re.search(r"draft tokens accepted\s+\d+/(\d+)", out).group(1))
     assert speculative > 0 and drafted >= speculative and re.search(r"plans used \(K,d: rounds\).*2,1: \d", out)
+
+
+def test_tokens_per_round_count_only_the_tokens_rounds_committed(capsys):
+    """A preempted request's recompute samples its next token at the end of a prefill, as its first token was: those
+    tokens are no round's, so tokens per round (over the batch and a request) leave them out."""
+    from looped_spec import LoopedSpecEngine, SamplingParams
+
+    prompts, kv = ["Hello there", "The cat sat on", "x"], {"num_kv_blocks": 6, "block_size": 4, "max_model_len": 24}
+    engine = LoopedSpecEngine("tiny-ouro", speculation="2,1", **kv)
+    outs = engine.generate(prompts, SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True))
+    assert engine.stats.num_preemptions > 0
+    # each round commits its accepted drafts and one more (no stop ends a request inside a round here)
+    round_tokens = sum(o.metrics.rounds + o.metrics.num_accepted_tokens for o in outs)
+    request_rounds = sum(o.metrics.rounds for o in outs)
+    argv = ["generate", "--model", "tiny-ouro", "--speculation", "2,1", "--max-tokens", "16", "--temperature", "0",
+            "--ignore-eos", *(f"--{key.replace('_', '-')}={value}" for key, value in kv.items())]  # fmt: skip
+    assert main([*argv, *(arg for prompt in prompts for arg in ("--prompt", prompt))]) == 0
+    out = capsys.readouterr().out
+    batch, each = map(float, re.search(r"tokens per round\s+([\d.]+) over the batch, ([\d.]+) a request", out).groups())
+    assert batch == round(round_tokens / engine.stats.num_rounds, 2)
+    assert each == round(round_tokens / request_rounds, 2)

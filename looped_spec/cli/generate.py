@@ -287,11 +287,12 @@ def _print_stats(engine, args: argparse.Namespace, outputs: list) -> None:
         # no decode round runs when every output ends with the token its prefill samples (--max-tokens 1, eos
         # first, a grammar that one token completes): say so, rather than 0.00 tokens per round and no plans
         no_round = "none: every output ended with the token its prefill gave"
-        per_round = (num_tokens - len(outputs)) / stats.num_rounds if stats.num_rounds else None
+        # the tokens rounds committed: not those a prefill sampled (a first token, and one after each recompute)
+        per_round = stats.num_round_tokens / stats.num_rounds if stats.num_rounds else None
         shown = f"{per_round:.2f}" if per_round is not None else no_round
         if per_round is not None and len(outputs) > 1:  # a round commits tokens for every request in its batch
             request_rounds = sum(size * n for size, n in stats.batch_size_histogram.items())
-            shown += f" over the batch, {(num_tokens - len(outputs)) / request_rounds:.2f} a request"
+            shown += f" over the batch, {stats.num_round_tokens / request_rounds:.2f} a request"
         plans = ", ".join(f"{k}: {v}" for k, v in sorted(stats.plan_histogram.items()))
         rows += [
             ("decode rounds", f"{stats.num_rounds} ({stats.num_spec_rounds} speculative)"),

@@ -431,6 +431,8 @@ class LoopedSpecEngine:
                 self.stats.num_requests_finished += 1
                 self.stats.finished_reasons[request.finish_reason] += 1
         self.stats.num_generation_tokens += sum(appended)
+        if "num_proposed" in counts:  # a decode round's commit
+            self.stats.num_round_tokens += sum(appended)
 
     def _take_outputs(self, only: set[str] | None = None, finished_only: bool = False) -> list[RequestOutput]:
         """Outputs owed to the caller (all, or those in `only`); each finished request is returned once.

@@ -61,6 +61,9 @@ class EngineStats:
     finished_reasons: Counter = field(default_factory=Counter)
     num_prompt_tokens: int = 0  # prompt (and recomputed) tokens run through prefill
     num_generation_tokens: int = 0
+    # of those, committed by decode rounds (the others are sampled at the end of a prefill: a request's first token,
+    # and the next one after its recompute when it was preempted)
+    num_round_tokens: int = 0
     num_prefill_steps: int = 0
     num_rounds: int = 0  # decode rounds, plain or speculative (loop passes: plans taken, record_plan / regrade_plan)
     num_spec_rounds: int = 0
