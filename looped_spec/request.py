@@ -61,8 +61,10 @@ class RequestMetrics:
 
     @property
     def mean_accepted_length(self) -> float:
-        """1 + accepted drafts per decode round: the tokens a round commits unless a stop ends the request inside it
-        (vLLM's mean acceptance length)."""
+        """1 + accepted drafts per decode round, plain rounds included: the tokens a round commits unless a stop ends
+        the request inside it. vLLM's mean acceptance length counts only the rounds that drafted: the two agree when
+        every round drafts (a fixed plan, but for a last round left no room to draft), and this one is lower where
+        adaptive speculation also ran plain rounds."""
         return (self.rounds + self.num_accepted_tokens) / self.rounds if self.rounds else 0.0
 
 
