@@ -6,6 +6,7 @@ import io
 import re
 import subprocess
 import sys
+import types
 
 import pytest
 
@@ -42,6 +43,33 @@ def test_prompts_from_stdin_and_compare_plain(capsys, monkeypatch):
     batch, each = map(float, re.search(r"tokens per round\s+([\d.]+) over the batch, ([\d.]+) a request", out).groups())
     assert 1.0 <= each <= batch
     assert re.search(r"\d\.\d\dx (faster|as fast \(slower\))", out) and "outputs identical" in out
+
+
+def test_compare_plain_rates_tokens_per_second_when_the_outputs_differ_in_length(capsys, monkeypatch):
+    """Sampled outputs cut by a stop string: speculation and plain decoding write different numbers of tokens (same
+    distribution, other draws). On a clock where every engine takes one second a token, both decode at the same
+    speed, and the ratio must say 1.00x, not the ratio of how many tokens each happened to write."""
+    import looped_spec.cli.generate as generate_cli
+    from looped_spec import LoopedSpecEngine
+
+    clock = [0.0]
+    monkeypatch.setattr(generate_cli, "time", types.SimpleNamespace(perf_counter=lambda: clock[0]))
+    real, written = LoopedSpecEngine.generate, {}
+
+    def generate(self, *args, **kwargs):
+        outputs = real(self, *args, **kwargs)
+        tokens = sum(len(o.token_ids) for o in outputs)
+        clock[0] += tokens  # one second a token, with or without speculation
+        written.setdefault(str(self.speculation), set()).add(tokens)
+        return outputs
+
+    monkeypatch.setattr(LoopedSpecEngine, "generate", generate)
+    texts = ("def add(a, b):", "import os", "class Stack:", "The river")
+    prompts = [arg for text in texts for arg in ("--prompt", text)]
+    sampled = ["--max-tokens", "64", "--temperature", "1.0", "--seed", "3", "--stop", "\n", "--compare-repeats", "2"]
+    assert main([*BASE, *prompts, *sampled, "--compare-plain"]) == 0
+    assert written["2,1"] != written["off"]  # the case at hand: the two wrote different numbers of tokens
+    assert "vs plain decoding         1.00x faster [1.00-1.00]" in capsys.readouterr().out
 
 
 def test_a_misspelt_flag_is_told_the_flag_it_was_likely_meant_to_be(capsys):
