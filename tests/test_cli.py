@@ -72,6 +72,37 @@ def test_compare_plain_rates_tokens_per_second_when_the_outputs_differ_in_length
     assert "vs plain decoding         1.00x faster [1.00-1.00]" in capsys.readouterr().out
 
 
+def test_compare_plain_warns_of_differing_outputs_when_the_requests_ran_greedily_only(capsys, monkeypatch, tmp_path):
+    """The warning says an engine bug: greedy speculation changed the output. A checkpoint whose
+    generation_config.json samples, with no --temperature given, samples (outputs differ by chance: no warning); a
+    --temperature below 1e-5 is greedy (a difference is the bug)."""
+    import json
+    import shutil
+
+    from looped_spec import LoopedSpecEngine
+    from looped_spec.models import shipped_model_path
+
+    folder = tmp_path / "sampling-ouro"
+    shutil.copytree(shipped_model_path("tiny-ouro"), folder)
+    (folder / "generation_config.json").write_text(json.dumps({"do_sample": True, "temperature": 1.0}))
+    argv = ["generate", "--model", str(folder), "--max-tokens", "16", "--speculation", "2,1", "--prompt", "import os"]
+    assert main([*argv, "--seed", "1", "--compare-plain", "--compare-repeats", "1"]) == 0
+    out, err = capsys.readouterr()
+    assert "outputs differ" in out and "warning" not in err  # sampled: nothing wrong
+    real = LoopedSpecEngine.generate
+
+    def broken(self, *args, **kwargs):  # a plain engine that loses a request's last token: outputs that differ
+        outputs = real(self, *args, **kwargs)
+        for output in outputs if self.speculation == "off" else ():
+            output.token_ids = output.token_ids[:-1]
+        return outputs
+
+    monkeypatch.setattr(LoopedSpecEngine, "generate", broken)
+    assert main([*argv, "--temperature", "1e-6", "--compare-plain", "--compare-repeats", "1"]) == 0
+    out, err = capsys.readouterr()
+    assert "outputs differ" in out and "warning: greedy speculative output differs from plain decoding" in err
+
+
 def test_a_misspelt_flag_is_told_the_flag_it_was_likely_meant_to_be(capsys):
     with pytest.raises(SystemExit) as exit_:
         main(BASE + ["--prompt", "x", "--temprature", "0.5"])

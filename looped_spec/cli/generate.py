@@ -325,8 +325,14 @@ def _compare_plain(args: argparse.Namespace, prompts: list[str], params, outputs
     import statistics
 
     from looped_spec import LoopedSpecEngine
+    from looped_spec.sampling_params import GREEDY_TEMPERATURE
 
     spec = LoopedSpecEngine(args.model, **engine_options(args) | {"trace_path": None})
+    # the temperature the requests ran at: the checkpoint's generation_config.json may sample when --temperature is
+    # not given (sampled outputs differ by chance), and one below GREEDY_TEMPERATURE is greedy (they must not differ)
+    temperature = params.temperature
+    if "temperature" not in params.model_fields_set:
+        temperature = spec.adapter.generation.sampling_defaults().get("temperature", temperature)
     # plain decoding runs no adaptive controller: its preset, policy and tunables are not options there
     plain_options = engine_options(args) | {"speculation": "off", "trace_path": None, "preset": None, "control": None}
     plain_options.pop("policy", None)
@@ -349,7 +355,7 @@ def _compare_plain(args: argparse.Namespace, prompts: list[str], params, outputs
           f"(median of {len(ratios)} side-by-side pairs, tokens/s over the wall time incl. prefill"
           f"{' of prompts cached after the first pair' if args.prefix_caching else ''}; outputs "
           f"{'identical' if same else 'differ'})")  # fmt: skip
-    if params.temperature == 0.0 and not same:
+    if temperature < GREEDY_TEMPERATURE and not same:
         print("looped-spec: warning: greedy speculative output differs from plain decoding", file=sys.stderr)
 
 
