@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 
 from looped_spec import LoopedSpecEngine, SamplingParams, load_adapter
-from looped_spec.tuning.grid import parse_phases, prompt_source_flag
+from looped_spec.tuning.grid import Phase, parse_phases, prompt_source_flag
 from looped_spec.tuning.prompt_sets import is_prompt_file, load_prompts
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -51,6 +51,19 @@ def phase_summary(plans: list[str], before: str | None) -> tuple[int | None, int
     return moved, plans.index(mode), mode, count / len(plans)
 
 
+def result_oracle(path: Path, phases: list[Phase]) -> list[str]:
+    """The per-phase oracle of a bench_speculative.py --workload result, whose phases must be these (batch size and
+    group, in order): an oracle chosen for other phases, printed beside these, would label them wrongly."""
+    workload = json.loads(path.read_text())["workload"]
+    groups = workload.get("phase_groups")  # none in files written before B:GROUP phases: batch sizes only
+    ran = [f"{b}:{g}" if groups else str(b) for b, g in zip(workload["phases"], groups or workload["phases"])]
+    asked = [f"{p.batch}:{p.group}" if groups else str(p.batch) for p in phases]
+    if ran != asked:
+        raise SystemExit(f"--result {path}: its workload ran the phases {','.join(ran)}, --workload-phases gives "
+                         f"{','.join(asked)}; its oracle belongs to its own phases")  # fmt: skip
+    return workload["oracle_phases"]
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default="tiny-ouro")
@@ -64,9 +77,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     phases = parse_phases(args.workload_phases, args.prompts)
-    oracle = json.loads(args.result.read_text())["workload"]["oracle_phases"] if args.result else None
-    if oracle is not None and len(oracle) != len(phases):
-        raise SystemExit(f"--result {args.result}: {len(oracle)} oracle phases, --workload-phases has {len(phases)}")
+    oracle = result_oracle(args.result, phases) if args.result else None
 
     adapter = load_adapter(args.model)
     # the bench's prompt pools and slices: each group loaded once, the phases of a group reading consecutive slices,

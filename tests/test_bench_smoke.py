@@ -555,10 +555,26 @@ def test_adaptation_rounds_reports_every_phase_of_every_repeat(tmp_path, capsys)
     header, *rows = capsys.readouterr().out.splitlines()[1:]
     assert [line.split()[1] for line in rows] == ["1:code", "2:my-prompts.jsonl"] and "nested" not in header
     assert len({line.index(line.split()[2]) + len(line.split()[2]) for line in rows}) == 1  # rounds, right-aligned
+
+
+def test_adaptation_rounds_prints_a_results_oracle_beside_the_phases_it_was_chosen_for_only(tmp_path, capsys):
+    """The oracle of a bench_speculative.py --workload result is per phase: beside phases of other batch sizes or
+    other text it would say which plan was best for a phase that did not run. Refused, naming --result."""
+    script = load_script("adaptation_rounds")
     result = tmp_path / "result.json"
-    result.write_text(json.dumps({"workload": {"oracle_phases": ["1,1"]}}))
-    with pytest.raises(SystemExit, match="1 oracle phases, --workload-phases has 2"):
-        script.main(["--model", FIXTURE, "--workload-phases", "1:code,2:prose", "--result", str(result)])
+    workload = {"phases": [1, 2], "phase_groups": ["eval", "eval"], "oracle_phases": ["1,1", "plain"]}
+    result.write_text(json.dumps({"workload": workload}))
+    argv = ["--model", FIXTURE, "--repeats", "1", "--max-tokens", "3", "--result", str(result)]
+    for phases in ("1:code,2:prose", "2:eval,1:eval", "1:eval"):  # other text, other order, fewer phases
+        with pytest.raises(SystemExit, match=f"ran the phases 1:eval,2:eval, --workload-phases gives {phases};"):
+            script.main([*argv, "--workload-phases", phases])
+    workload.pop("phase_groups")  # a result written before B:GROUP phases: its batch sizes
+    result.write_text(json.dumps({"workload": workload}))
+    with pytest.raises(SystemExit, match="ran the phases 1,2, --workload-phases gives 1,8;"):
+        script.main([*argv, "--workload-phases", "1:eval,8:eval"])
+    capsys.readouterr()
+    script.main([*argv, "--workload-phases", "1:code,2:prose"])
+    assert [line.split()[-1] for line in capsys.readouterr().out.splitlines()[2:]] == ["1,1", "plain"]
 
 
 def test_loop_batching_bench_reports_every_mode_beside_an_aa_line(tmp_path, capsys):
