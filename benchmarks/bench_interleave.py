@@ -87,9 +87,11 @@ def main(argv: list[str] | None = None) -> dict[str, dict[str, tuple[float, floa
         prompts, described = load_prompts(args.prompts, args.batch_size, adapter, seed=args.seed)
     except PromptSetError as exc:
         parser.error(str(exc))
-    engines = {name: LoopedSpecEngine(adapter, speculation="off") for name in ("plain", "plain-B")}
+    # the whole batch at once: with the engine's default max_batch_size (32) a larger one would decode in waves
+    batch = {"max_batch_size": args.batch_size}
+    engines = {name: LoopedSpecEngine(adapter, speculation="off", **batch) for name in ("plain", "plain-B")}
     for k, d in grid:
-        engines[f"{k},{d}"] = LoopedSpecEngine(adapter, speculation=SpeculativeConfig(k=k, d=d))
+        engines[f"{k},{d}"] = LoopedSpecEngine(adapter, speculation=SpeculativeConfig(k=k, d=d), **batch)
     print(f"{adapter.name}, B={args.batch_size}, {described}, {args.max_tokens} new tokens, {args.rounds} rounds/mode")
     rng = random.Random(args.seed)
     rounds: dict[str, list[dict[str, float]]] = {m: [] for m in modes}

@@ -35,10 +35,11 @@ from bench_speculative import PromptPool, rotation_size, timed_slices  # noqa: E
 from common import check_model, check_prompt_source, load_model, refuse_tuning_prompts  # noqa: E402
 
 
-def adaptive_engine(adapter, readouts: str) -> LoopedSpecEngine:
-    """The default adaptive engine with readouts as asked: "default", "few" (a tenth of the budget) or "none"."""
+def adaptive_engine(adapter, readouts: str, **options) -> LoopedSpecEngine:
+    """The default adaptive engine with readouts as asked: "default", "few" (a tenth of the budget) or "none"; `options`
+    are the engine's others."""
     budget = {"default": ControlSettings.readout_budget, "few": ControlSettings.readout_budget / 10, "none": 1e-9}
-    return LoopedSpecEngine(adapter, speculation="adaptive", control={"readout_budget": budget[readouts]})
+    return LoopedSpecEngine(adapter, speculation="adaptive", control={"readout_budget": budget[readouts]}, **options)
 
 
 def main(argv: list[str] | None = None) -> dict[str, tuple[float, float]]:
@@ -68,10 +69,12 @@ def main(argv: list[str] | None = None) -> dict[str, tuple[float, float]]:
     except PromptSetError as exc:  # e.g. a file's text for a model without a tokenizer
         parser.error(str(exc))
     pool = PromptPool(prompts, rotate=True)
-    engines = {name: LoopedSpecEngine(adapter, speculation="off") for name in ("plain", "plain-B")}
+    # the whole batch at once: with the engine's default max_batch_size (32) a larger one would decode in waves
+    batch = {"max_batch_size": args.batch_size}
+    engines = {name: LoopedSpecEngine(adapter, speculation="off", **batch) for name in ("plain", "plain-B")}
     for readouts in ("default", "few", "none"):
         name = {"default": "adaptive", "few": "adaptive few-readouts", "none": "adaptive no-readouts"}[readouts]
-        engines[name] = adaptive_engine(adapter, readouts)
+        engines[name] = adaptive_engine(adapter, readouts, **batch)
     # the three adaptive engines follow the model's one preset: refuse to time it on its own tuning prompts
     refuse_tuning_prompts("the adaptive engines", engines["adaptive"].controller.config, prompts)
     rotating = f"{described} (rotating), {args.max_tokens} new tokens, {args.rounds} rounds"

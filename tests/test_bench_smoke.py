@@ -534,6 +534,27 @@ def test_overhead_bench_compares_adaptive_with_and_without_readouts(monkeypatch,
     assert plans[0] and not any(plans[1:])  # the first round reads out, none after it
 
 
+@pytest.mark.parametrize(
+    "name, extra", [("bench_overhead", []), ("bench_interleave", ["--grid", "1,1", "--modes", "slice"])]
+)
+def test_timing_benchmarks_decode_a_batch_above_32_at_once(name, extra, monkeypatch):
+    """--batch-size B is the batch every engine decodes: with the engine's default max_batch_size (32) a B of 33 ran
+    as a wave of 32 and one of 1, timed as if it were B = 33."""
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))  # they import bench_speculative.py
+    module = load_script(name)
+    built = []
+
+    class Recorded(LoopedSpecEngine):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            built.append(self)
+
+    monkeypatch.setattr(module, "LoopedSpecEngine", Recorded)
+    module.main(["--model", FIXTURE, "--prompts", "random", "--batch-size", "33", "--rounds", "3", "--max-tokens", "2"]
+                + extra)  # fmt: skip
+    assert len(built) >= 3 and all(max(engine.stats.batch_size_histogram) == 33 for engine in built)
+
+
 def test_adaptation_rounds_summarises_when_a_phase_moved_and_settled():
     summary = load_script("adaptation_rounds").phase_summary
     assert summary(["2,1", "2,1", "3,1", "3,1", "3,1"], "2,1") == (2, 2, "3,1", 0.6)
