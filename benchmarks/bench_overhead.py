@@ -53,8 +53,8 @@ def main(argv: list[str] | None = None) -> dict[str, tuple[float, float]]:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
-    if args.rounds < 3 or args.batch_size < 1 or args.max_tokens < 2 or not args.slice_ms > 0.0:
-        parser.error("need --rounds >= 3, --batch-size >= 1, --max-tokens >= 2 and --slice-ms > 0")
+    if args.rounds < 3 or args.batch_size < 1 or args.max_tokens < 2 or not args.slice_ms > 0.0 or args.threads < 0:
+        parser.error("need --rounds >= 3, --batch-size >= 1, --max-tokens >= 2, --slice-ms > 0 and --threads >= 0")
     try:  # before the model loads
         check_model(args.model)
         check_prompt_source(args.prompts)

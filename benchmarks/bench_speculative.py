@@ -1080,6 +1080,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         parser.error("--confirm-top must be >= 1")
     if not args.slice_ms >= 0.0:
         parser.error("--slice-ms must be >= 0 (0: whole generates one after another)")
+    if args.threads < 0:  # torch.set_num_threads would refuse it with a traceback
+        parser.error("--threads must be >= 0 (0: torch's default)")
     try:
         args.batches = parse_batch_sizes(args.batch_sizes)
         args.phase_list = parse_phases(args.workload_phases, args.prompts) if args.workload else []
