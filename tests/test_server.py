@@ -20,7 +20,8 @@ from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 from server_utils import ServerThread, wait_until
 
-from looped_spec import LoopedSpecEngine, SamplingParams
+from looped_spec import AsyncLoopedSpecEngine, LoopedSpecEngine, SamplingParams
+from looped_spec.server import build_app
 
 MODEL = "tiny-ouro"
 API_KEY = "test-key"
@@ -791,6 +792,54 @@ def test_non_streaming_client_that_leaves_has_its_request_aborted(server, monkey
                    timeout=httpx.Timeout(60, read=0.5))  # fmt: skip
     wait_until(lambda: idle(server), what="abandoned request aborted")
     assert server.engine.stats.num_generation_tokens - before < 150
+
+
+def test_a_cancelled_handler_aborts_its_request_as_ray_serve_cancels_it(monkeypatch):
+    """Behind Ray Serve's proxy a client that leaves is not an http.disconnect: Ray cancels the replica's handler. A
+    request not streamed (and one whose echo is being scored) must be aborted then, its KV freed, not run on to its
+    last token for nobody."""
+    import asyncio
+
+    engine = LoopedSpecEngine(MODEL, speculation="off", max_model_len=256)
+    engine.runner.decode = slowed(engine.runner.decode, 0.02)
+    front = AsyncLoopedSpecEngine(engine)
+    app = build_app(front, MODEL)
+    body = json.dumps({"model": MODEL, "prompt": PROMPT, "max_tokens": 200, "ignore_eos": True}).encode()
+    scope = {"type": "http", "method": "POST", "path": "/v1/completions", "raw_path": b"/v1/completions",
+             "query_string": b"", "headers": [(b"content-type", b"application/json")], "http_version": "1.1",
+             "scheme": "http", "server": ("127.0.0.1", 8000), "client": ("127.0.0.1", 1), "root_path": ""}  # fmt: skip
+
+    async def run() -> tuple[int, int]:
+        sent: list[dict] = []
+        first = True
+
+        async def receive() -> dict:
+            nonlocal first
+            if first:
+                first = False
+                return {"type": "http.request", "body": body, "more_body": False}
+            await asyncio.Event().wait()  # Ray's receive: no disconnect message before the cancellation
+
+        async def send(message: dict) -> None:
+            sent.append(message)
+
+        handler = asyncio.ensure_future(app(scope, receive, send))
+        while front.num_in_flight == 0 or engine.stats.num_generation_tokens == 0:
+            await asyncio.sleep(0.01)
+        handler.cancel()  # what Ray Serve does when the client disconnects
+        await asyncio.gather(handler, return_exceptions=True)
+        before = engine.stats.num_generation_tokens
+        for _ in range(300):  # up to 3 s for the worker to apply the abort
+            if front.num_in_flight == 0 and not engine.has_unfinished_requests():
+                break
+            await asyncio.sleep(0.01)
+        return front.num_in_flight, engine.stats.num_generation_tokens - before
+
+    with front:
+        in_flight, generated_after = asyncio.run(run())
+        assert in_flight == 0 and generated_after < 150, "the request ran on for nobody"
+        wait_until(lambda: not engine.has_unfinished_requests(), what="the request aborted")
+        assert engine.num_free_blocks == engine.kv.num_blocks
 
 
 def test_a_one_shot_engine_fault_is_retried_and_the_stream_completes(server, client, reference_engine, monkeypatch):

@@ -521,10 +521,17 @@ async def sse_events(chunks: list) -> AsyncIterator[str]:
 
 async def until_disconnected(request: Request, awaitable):
     """`awaitable`'s result, unless the client disconnects first: then it is cancelled (a request's stream aborts
-    it in the engine; a score not yet run is skipped) and the answer is a 499."""
+    it in the engine; a score not yet run is skipped) and the answer is a 499. A handler cancelled itself (Ray Serve
+    cancels a replica's handler when its client leaves, without an http.disconnect) cancels `awaitable` too: `wait`
+    alone would leave it running, the request generating for nobody."""
     task = asyncio.ensure_future(awaitable)
     gone = asyncio.ensure_future(_disconnected(request))
-    await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
+    try:
+        await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
+    except asyncio.CancelledError:
+        task.cancel()
+        gone.cancel()
+        raise
     if not task.done():
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
