@@ -501,3 +501,30 @@ def test_each_replica_writes_its_own_controller_trace(tmp_path):
     for name in written:
         events = [json.loads(line) for line in (tmp_path / name).read_text().splitlines()]
         assert [e["plan_id"] for e in events if e["event"] == "plan"] == list(range(3))
+
+
+def test_readiness_is_every_wanted_replica_running_downscaling_included(monkeypatch):
+    """/health's readiness (docs/serving.md): 503 until every replica the deployment wants is running. A deployment
+    scaling down has them all (and some it no longer wants, stopping): it serves at full strength, so it is ready."""
+    from types import SimpleNamespace
+
+    from looped_spec.server import replicas
+
+    def status_of(deployment_status: str, running: int):
+        deployment = SimpleNamespace(status=deployment_status, replica_states={"RUNNING": running})
+        app = SimpleNamespace(deployments={DEPLOYMENT_NAME: deployment})
+        return lambda: SimpleNamespace(applications={replicas.APP_NAME: app})
+
+    def readiness(deployment_status: str, running: int) -> str | None:
+        monkeypatch.setattr(replicas.serve, "status", status_of(deployment_status, running))
+        return asyncio.run(replicas.deployment_readiness(replicas.APP_NAME, DEPLOYMENT_NAME))
+
+    assert readiness("HEALTHY", 2) is None
+    assert readiness("DOWNSCALING", 3) is None
+    assert readiness("UPSCALING", 2) == "deployment upscaling (2 replicas running)"
+    assert readiness("UNHEALTHY", 1) == "deployment unhealthy (1 replicas running)"
+    assert readiness("UPDATING", 0) == "deployment updating (0 replicas running)"
+    monkeypatch.setattr(replicas.serve, "status", status_of("HEALTHY", 2))
+    assert asyncio.run(replicas.deployment_readiness("other-app", DEPLOYMENT_NAME)) == (
+        f"deployment other-app/{DEPLOYMENT_NAME} not found"
+    )

@@ -209,7 +209,8 @@ async def deployment_readiness(app_name: str, deployment_name: str) -> str | Non
     if app is None or deployment_name not in app.deployments:
         return f"deployment {app_name}/{deployment_name} not found"
     deployment = app.deployments[deployment_name]
-    if deployment.status != "HEALTHY":
+    # scaling down, it still runs every replica it wants (and some it is stopping): at full strength
+    if deployment.status not in ("HEALTHY", "DOWNSCALING"):
         running = deployment.replica_states.get("RUNNING", 0)
         return f"deployment {deployment.status.lower()} ({running} replicas running)"
     return None
