@@ -490,10 +490,10 @@ def test_each_replica_writes_its_own_controller_trace(tmp_path):
 
     trace = tmp_path / "trace.jsonl"
     engine = {"trace_path": str(trace), "max_batch_size": 2}
-    assert replica_engine_options({"max_batch_size": 2}, "replica#a1") == {"max_batch_size": 2}  # no trace: as given
-    for tag in ("replica#a1", "replica#b2"):
-        options = replica_engine_options(engine, tag)
-        assert {k: v for k, v in options.items() if k != "trace_path"} == {"max_batch_size": 2}
+    assert replica_engine_options({"max_batch_size": 2}, "replica#a1", 0) == {"max_batch_size": 2, "seed": 0}
+    for rank, tag in enumerate(("replica#a1", "replica#b2")):
+        options = replica_engine_options(engine, tag, rank)
+        assert {k: v for k, v in options.items() if k != "trace_path"} == {"max_batch_size": 2, "seed": rank}
         with LoopedSpecEngine("tiny-ouro", **options) as replica:
             replica.generate([[1, 2, 3]], SamplingParams(max_tokens=4))
     written = sorted(p.name for p in tmp_path.iterdir())
@@ -528,3 +528,21 @@ def test_readiness_is_every_wanted_replica_running_downscaling_included(monkeypa
     assert asyncio.run(replicas.deployment_readiness("other-app", DEPLOYMENT_NAME)) == (
         f"deployment other-app/{DEPLOYMENT_NAME} not found"
     )
+
+
+def test_replicas_draw_different_seeds_for_requests_without_one():
+    """A request without a seed draws one from its engine's seed. Every replica has the same engine options, so with
+    one engine seed each would draw the same seeds in the same order: the first sampled request on each replica the
+    same text, as if sampled once. A replica's engine seed is the deployment's plus its rank."""
+    from looped_spec.server.replicas import replica_engine_options
+
+    params = SamplingParams(max_tokens=16, temperature=1.0, ignore_eos=True)  # no seed: the engine draws one
+    texts = []
+    for rank in range(2):
+        with LoopedSpecEngine(
+            "tiny-ouro", speculation="off", **replica_engine_options({"seed": 5}, f"r{rank}", rank)
+        ) as replica:
+            texts.append([out.text for out in replica.generate(PROMPTS[:3], params)])
+    assert texts[0] != texts[1]
+    with LoopedSpecEngine("tiny-ouro", speculation="off", **replica_engine_options({"seed": 5}, "r0b", 0)) as again:
+        assert [out.text for out in again.generate(PROMPTS[:3], params)] == texts[0]  # a rank's draws: reproducible

@@ -147,16 +147,21 @@ def parse_args(args: dict[str, Any] | ReplicaAppArgs) -> ReplicaAppArgs:
         raise ValueError("looped-spec application args: " + "; ".join(problems)) from None
 
 
-def replica_engine_options(engine: dict[str, Any], replica: str) -> dict[str, Any]:
-    """A replica's engine options: a controller trace goes to a file of its own, the replica's id before the suffix
-    (`trace.jsonl` -> `trace.<replica>.jsonl`). Every replica runs its own controller, and one file opened by each would
-    be truncated and overwritten by the others, as would a dead replica's by its replacement."""
+def replica_engine_options(engine: dict[str, Any], replica: str, rank: int) -> dict[str, Any]:
+    """A replica's engine options (`rank`: the replica's among the deployment's). Its engine seed is the deployment's
+    plus its rank: requests without a seed draw theirs from it, and replicas of one seed would draw the same seeds in
+    the same order (the first sampled request on each the same text). A controller trace goes to a file of its own,
+    the replica's id before the suffix (`trace.jsonl` -> `trace.<replica>.jsonl`): every replica runs its own
+    controller, and one file opened by each would be truncated and overwritten by the others, as would a dead
+    replica's by its replacement."""
+    seed = engine.get("seed", EngineConfig.model_fields["seed"].default)  # an int: checked when the app was built
+    options = {**engine, "seed": seed + rank}
     trace = engine.get("trace_path")
     if trace is None:
-        return engine
+        return options
     path = Path(trace)
     tag = re.sub(r"[^\w.-]", "-", replica)  # a file name's characters
-    return {**engine, "trace_path": str(path.with_name(f"{path.stem}.{tag}{path.suffix}"))}
+    return {**options, "trace_path": str(path.with_name(f"{path.stem}.{tag}{path.suffix}"))}
 
 
 @serve.ingress()
@@ -173,7 +178,7 @@ class LoopedSpecServer:
         context = serve.get_replica_context()
         self.replica = context.replica_tag
         self.app_name, self.deployment_name = context.app_name, context.deployment
-        engine = LoopedSpecEngine(args.model, **replica_engine_options(args.engine, self.replica))
+        engine = LoopedSpecEngine(args.model, **replica_engine_options(args.engine, self.replica, context.rank.rank))
         self.engine = AsyncLoopedSpecEngine(engine, max_queued=args.max_queued)
         self.metrics_port = args.metrics_port + context.rank.local_rank if args.metrics_port is not None else None
         self.metrics_server = None
