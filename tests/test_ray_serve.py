@@ -546,3 +546,20 @@ def test_replicas_draw_different_seeds_for_requests_without_one():
     assert texts[0] != texts[1]
     with LoopedSpecEngine("tiny-ouro", speculation="off", **replica_engine_options({"seed": 5}, "r0b", 0)) as again:
         assert [out.text for out in again.generate(PROMPTS[:3], params)] == texts[0]  # a rank's draws: reproducible
+
+
+def test_replica_metrics_ports_that_take_the_proxys_port_are_refused_before_ray_starts(monkeypatch, capsys):
+    """Replica r serves /metrics on --metrics-port + r, beside Ray's proxy on --port: a range holding --port would fail
+    that replica at every start (its port taken by the proxy), retried by Ray until the deployment fails."""
+    from looped_spec.cli import main
+
+    started = []
+    monkeypatch.setattr("looped_spec.server.replicas.run_replicas", lambda args, host, port: started.append(port))
+    for flags in (["--replicas", "2", "--port", "8001"], ["--max-replicas", "3", "--port", "8002"],
+                  ["--replicas", "1", "--port", "8000"]):  # fmt: skip
+        assert main(["serve", "tiny-ouro", *flags, "--metrics-port", "8000"]) == 2
+        err = capsys.readouterr().err
+        assert "--metrics-port 8000" in err and f"--port {flags[-1]}" in err and err.count("\n") == 1, err
+    assert not started
+    assert main(["serve", "tiny-ouro", "--replicas", "2", "--port", "8002", "--metrics-port", "8000"]) == 0
+    assert started == [8002]

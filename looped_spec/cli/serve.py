@@ -163,6 +163,11 @@ def serve_command(args: argparse.Namespace) -> int:
         raise UsageError(f"--metrics-port {args.metrics_port}: only with --replicas or --max-replicas (Ray Serve "
                          "replica r serves /metrics on port + r); one engine in this process serves /metrics on "
                          "--port")  # fmt: skip
+    if args.metrics_port is not None:
+        last = args.metrics_port + (args.replicas or args.max_replicas or 1) - 1
+        if args.metrics_port <= args.port <= last:  # that replica would fail at every start, retried by Ray
+            raise UsageError(f"--metrics-port {args.metrics_port}: the replicas serve /metrics on ports "
+                             f"{args.metrics_port}..{last}, which holds Ray's proxy on --port {args.port}")  # fmt: skip
     if any(value is not None for value in scaling.values()):
         return serve_replicas(args, api_key, scaling, tool_calling, chat_template)
     set_threads(args.threads)
