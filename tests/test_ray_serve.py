@@ -563,3 +563,35 @@ def test_replica_metrics_ports_that_take_the_proxys_port_are_refused_before_ray_
     assert not started
     assert main(["serve", "tiny-ouro", "--replicas", "2", "--port", "8002", "--metrics-port", "8000"]) == 0
     assert started == [8002]
+
+
+@pytest.mark.parametrize("address", [None, "ray://head:10001"])
+def test_interrupting_the_cli_removes_only_its_own_application_from_a_cluster_it_joined(monkeypatch, address):
+    """Ctrl-C / SIGTERM ends `looped-spec serve --replicas`. A local cluster it started goes whole (Serve and Ray shut
+    down); on a cluster it joined (RAY_ADDRESS) Serve may run other applications: only looped-spec's is deleted."""
+    from looped_spec.server import replicas
+
+    calls = []
+    if address is None:
+        monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    else:
+        monkeypatch.setenv("RAY_ADDRESS", address)
+
+    def interrupted():
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(replicas.ray, "init", lambda **kwargs: calls.append(("ray.init", kwargs["address"])))
+    monkeypatch.setattr(replicas.ray, "shutdown", lambda: calls.append(("ray.shutdown",)))
+    monkeypatch.setattr(replicas.serve, "start", lambda **kwargs: calls.append(("serve.start",)))
+    monkeypatch.setattr(replicas.serve, "run", lambda app, **kwargs: calls.append(("serve.run", kwargs["name"])))
+    monkeypatch.setattr(replicas.serve, "delete", lambda name, **kwargs: calls.append(("serve.delete", name)))
+    monkeypatch.setattr(replicas.serve, "shutdown", lambda: calls.append(("serve.shutdown",)))
+    monkeypatch.setattr(replicas.signal, "signal", lambda *args: None)
+    monkeypatch.setattr(replicas.signal, "pause", interrupted)
+    replicas.run_replicas(parse_args({"model": "tiny-ouro"}), "127.0.0.1", 8000)
+    ends = [call for call in calls if call[0] in ("serve.delete", "serve.shutdown", "ray.shutdown")]
+    if address is None:
+        assert ends == [("serve.shutdown",), ("ray.shutdown",)]
+    else:
+        assert ends == [("serve.delete", replicas.APP_NAME), ("ray.shutdown",)]  # the driver disconnects
+    assert calls[0] == ("ray.init", address)

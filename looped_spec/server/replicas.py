@@ -260,7 +260,8 @@ def run_replicas(args: ReplicaAppArgs, host: str, port: int) -> None:
     """Start (or join, with RAY_ADDRESS) a Ray cluster, serve the application on host:port until interrupted."""
     application_args = parse_args(args)
     application_args.check_before_start()  # a bad option, model or preset fails here, before Ray starts
-    ray.init(address=os.environ.get("RAY_ADDRESS"), include_dashboard=False, log_to_driver=True)
+    address = os.environ.get("RAY_ADDRESS")
+    ray.init(address=address, include_dashboard=False, log_to_driver=True)
     # SIGTERM ends the server like Ctrl-C (after ray.init, which installs its own handler): the application is
     # deleted and a local cluster this process started is shut down with it
     signal.signal(signal.SIGTERM, _interrupt)
@@ -272,7 +273,10 @@ def run_replicas(args: ReplicaAppArgs, host: str, port: int) -> None:
     except KeyboardInterrupt:
         pass
     finally:
-        serve.shutdown()
+        if address is None:  # the local cluster this process started: Serve and Ray go with it
+            serve.shutdown()
+        else:  # a cluster it joined (others' applications may run on it): only this application goes
+            serve.delete(APP_NAME)
         ray.shutdown()
 
 
