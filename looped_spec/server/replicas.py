@@ -1,7 +1,7 @@
 """Ray Serve replicas: the same FastAPI app, one engine per replica, behind Ray's HTTP proxy.
 
 `looped-spec serve MODEL --replicas N` (or `--min-replicas/--max-replicas`) runs this on a local Ray
-cluster (or the one `RAY_ADDRESS` names); `serve run docs/ray-serve.yaml` and KubeRay's RayService take
+cluster (or the one `RAY_ADDRESS` names); `serve run examples/ray_serve.yaml` and KubeRay's RayService take
 `build_application` with the same arguments (`ReplicaAppArgs`). Ray routes each request to one replica;
 everything inside a replica is the single-process server (server/app.py). docs/serving.md has the
 commands, the config file and how to scrape each replica's metrics.
