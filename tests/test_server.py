@@ -908,6 +908,33 @@ def test_a_poisoned_request_fails_alone_and_the_concurrent_streams_complete(serv
     assert out.usage.completion_tokens == 4
 
 
+def test_a_choice_that_fails_ends_its_answer_not_streamed_at_once_and_aborts_the_others(server, client, monkeypatch):
+    """A request of several choices answered whole: one choice finished with an error makes the answer a 500, as a
+    stream ends at its error event. The other choices are aborted then (their KV freed), not run to their last token
+    for an answer that is already an error."""
+    engine = server.engine
+    poison = "Ω poisoned"
+    poison_ids = set(engine.tokenizer.encode(poison, add_special_tokens=False)) - set(
+        engine.tokenizer.encode(PROMPT, add_special_tokens=False)
+    )
+    real_embed = engine.adapter.embed
+
+    def embed(token_ids, ctx):
+        if poison_ids & set(token_ids.tolist()):
+            raise RuntimeError("injected fault: poisoned token")
+        return real_embed(token_ids, ctx)
+
+    monkeypatch.setattr(engine.adapter, "embed", embed)
+    monkeypatch.setattr(engine.runner, "decode", slowed(engine.runner.decode, 0.05))
+    monkeypatch.setattr(engine.spec_round, "run", slowed(engine.spec_round.run, 0.05))
+    before = engine.stats.num_generation_tokens
+    with pytest.raises(openai.InternalServerError, match="poisoned token"):
+        client.completions.create(model=MODEL, prompt=[PROMPT, poison], max_tokens=200, temperature=0,
+                                  extra_body={"ignore_eos": True})  # fmt: skip
+    wait_until(lambda: idle(server), what="the other choice aborted")
+    assert engine.stats.num_generation_tokens - before < 150
+
+
 def test_metrics_parse_and_match_engine_stats(server, client):
     for _ in range(5):  # the latency counts below need 5 requests, whichever tests ran on this server before
         client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=8, temperature=0)

@@ -446,20 +446,16 @@ class OpenAIServing:
                          total_tokens=num_prompt + num_completion, prompt_tokens_details=details)  # fmt: skip
 
     async def final_outputs(self, outputs: list[AsyncIterator[RequestOutput]], request: Request) -> list[RequestOutput]:
-        """Every choice's finished output; aborts them all if the client disconnects first."""
-        outs = await until_disconnected(request, asyncio.gather(*(_last(o) for o in outputs), return_exceptions=True))
-        for out in outs:
-            if isinstance(out, EngineDeadError):  # stopped or shutting down: another replica (or later) may serve
-                raise APIError(503, str(out), headers={"Retry-After": RETRY_AFTER_S}) from out
-            if isinstance(out, EngineFaultError):
-                raise APIError(500, str(out)) from out
-            if isinstance(out, (ValueError, TypeError)):  # the engine refused the request (its own validation)
-                raise APIError(400, str(out)) from out
-            if isinstance(out, BaseException):
-                raise out
-            if out.finish_reason == "error":
-                raise APIError(500, f"engine error while generating this request: {out.error}")
-        return outs
+        """Every choice's finished output; aborts them all if the client disconnects first, and the others when one
+        fails (the answer is then that error, as a stream ends at its error event)."""
+        try:
+            return await until_disconnected(request, _all_finished(outputs))
+        except EngineDeadError as exc:  # stopped or shutting down: another replica (or later) may serve
+            raise APIError(503, str(exc), headers={"Retry-After": RETRY_AFTER_S}) from exc
+        except EngineFaultError as exc:
+            raise APIError(500, str(exc)) from exc
+        except (ValueError, TypeError) as exc:  # the engine refused the request (its own validation)
+            raise APIError(400, str(exc)) from exc
 
     async def sse(
         self, outputs: list[AsyncIterator[RequestOutput]], make_chunks, usage_chunk, usage_so_far=None
@@ -599,7 +595,23 @@ async def _last(outputs: AsyncIterator[RequestOutput]) -> RequestOutput:
     last = None
     async for out in outputs:
         last = out
+    if last is not None and last.finish_reason == "error":
+        raise EngineFaultError(f"engine error while generating this request: {last.error}")
     return last
+
+
+async def _all_finished(outputs: list[AsyncIterator[RequestOutput]]) -> list[RequestOutput]:
+    """Every choice's finished output, in order; the first choice that fails raises its error and aborts the others
+    (cancelled, each stream aborts its request), which would otherwise run on for an answer that is an error."""
+    tasks = [asyncio.ensure_future(_last(o)) for o in outputs]
+    try:
+        for finished in asyncio.as_completed(tasks):
+            await finished
+        return [task.result() for task in tasks]
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
 
 
 async def _disconnected(request: Request) -> None:
