@@ -10,12 +10,22 @@ from conftest import fixture_dir, load
 
 from looped_spec import load_adapter
 from looped_spec.cli import main
+from looped_spec.control import AdaptiveController
 from looped_spec.control.acceptance import accept_rate
 from looped_spec.control.passcost import PassCost
+from looped_spec.control.plan import round_feedback
 from looped_spec.presets import AdaptiveSpecConfig, load_preset, read_preset_file
 from looped_spec.presets.schema import CostConfig
 from looped_spec.tuning import profile
-from looped_spec.tuning.derive import BucketModel, bucket_ranges, derive_bucket, derive_preset, ideal_cost, pass_seconds
+from looped_spec.tuning.derive import (
+    BucketModel,
+    bucket_ranges,
+    derive_bucket,
+    derive_buckets,
+    derive_preset,
+    ideal_cost,
+    pass_seconds,
+)
 from looped_spec.tuning.grid import auto_grid, parse_batch_sizes, parse_grid
 from looped_spec.tuning.inputs import TunerError, parse_adapter_options
 from looped_spec.tuning.profile import TRUSTED_ERROR, validation_summary
@@ -279,6 +289,30 @@ def test_derived_bucket_starts_at_the_fastest_option_and_thresholds_bracket_it()
     hopeless = _linear_profile_model([0.0, 0.0, 0.0, 1.0])
     bucket, _ = derive_bucket(hopeless, grid, 1)
     assert bucket["initial_index"] == 0 and len(bucket["candidates"]) >= 2  # plain, plus a probe target
+
+
+def test_a_bucket_where_nothing_pays_keeps_the_ema_policy_off_at_the_measured_acceptance():
+    """Where no option ever beats plain (every draft costs more than it can commit), the bucket keeps one option as
+    the probe target; its off threshold is its acceptance where it comes closest to paying, so a probe on the measured
+    text fails and speculation stays off (the mutation check, the target placed at the hardest text: theta_down 0,
+    and the first probe switched speculation on for good)."""
+    alpha = [0.5, 0.6, 0.7, 1.0]
+    model = BucketModel(alpha, [0.0] * 4, lambda k, d: 1.01 * (k + 1) if k else 1.0)
+    grid = [(k, d) for k in range(1, 4) for d in range(1, 4)]
+    buckets, disable, _ = derive_buckets({8: model}, grid)
+    cfg = AdaptiveSpecConfig.parse({
+        "model": "m", "full_depth": 4, "buckets": buckets, "disable": disable,
+        "acceptance": {"alpha": alpha, "rho": [0.0] * 4, "positions": 100}, "cost": PROFILE,
+    })  # fmt: skip
+    controller = AdaptiveController(cfg, 4, policy="ema")
+    rng, speculative = np.random.default_rng(0), 0
+    for _ in range(300):  # every draft at depth d accepted with the measured probability alpha[d - 1]
+        plan = controller.plan(8, 50.0)
+        accepted = [sum(1 for _ in range(plan.k) if rng.random() < alpha[plan.d - 1]) for _ in range(8)]
+        speculative += plan.k > 0
+        controller.observe(round_feedback(plan, batch_size=8, context=50.0, num_proposed=[plan.k] * 8,
+                                          num_accepted=accepted, seconds=0.0))  # fmt: skip
+    assert speculative <= 20, speculative  # the probes alone
 
 
 def test_derive_preset_from_assumed_numbers_is_valid():

@@ -44,7 +44,8 @@ RULES = {
         "tuner's: alpha and rho of random batches of tuning prompts of the bucket's size, whose depths do not "
         "move together as h moves them), each placed at the h where it comes closest to the fastest; then every "
         "option predicted within `near` (6 %) of the fastest at an h within a factor 1.5 of 1 or at a variant, "
-        "placed likewise; at most `max_candidates` (10): those that come closest to the fastest there, in order"
+        "placed likewise; where no option is ever the fastest, the one fastest at the easiest h, placed likewise; at "
+        "most `max_candidates` (10): those that come closest to the fastest there, in order"
     ),
     "initial": "initial_index = the fastest option at h = 1 (the measured acceptance)",
     "thresholds": (
@@ -203,8 +204,11 @@ def derive_bucket(
     first_h[(0, 0)] = hard
     nominal = model.fastest(options, 1.0)
     spec = path[1:]
-    if not spec:  # nothing ever beats plain: keep the most conservative option as the probe target
-        spec = [max(options[1:], key=lambda o: model.speed(o, H_EASY))] if len(options) > 1 else []
+    if not spec and len(options) > 1:  # nothing ever beats plain: keep the option closest to it as the probe target,
+        # placed where it comes closest (so its theta_down is its acceptance there, not at the hardest text's 0, which
+        # would let the EMA policy's first probe switch speculation on for good)
+        spec = [max(options[1:], key=lambda o: model.speed(o, H_EASY))]
+        first_h[spec[0]] = _closest_h(model, spec[0], fastest)
     room = max_candidates - 1
     if len(spec) > room:  # keep those closest to the fastest near the measured acceptance, in their order
         kept = set(sorted(spec, key=lambda o: (-closeness[o], abs(math.log(first_h[o]))))[:room])
