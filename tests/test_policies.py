@@ -280,6 +280,23 @@ def test_speculation_needs_the_margin_over_plain_to_start():
     assert strict.plan(8, 100.0).k == 0  # ... but not by 99 %
 
 
+def test_a_speculative_plan_predicted_slower_than_plain_is_left_whatever_the_hysteresis(monkeypatch):
+    """A speculative plan goes as soon as plain is predicted faster: to plain, or to a plan predicted `plain_margin`
+    over plain even when that one is within the `hysteresis` of the plan in use (the mutation check, with the
+    hysteresis above the margin: the plan predicted slower than plain stayed in use for good)."""
+    controller = AdaptiveController(preset(), DEPTH, settings=ControlSettings(hysteresis=0.2, decision_interval=1))
+    policy = controller.policy
+    rates = [0.5] * len(policy.options)
+    monkeypatch.setattr(policy, "predict", lambda *args: list(rates))
+    in_use, other = policy.options.index((1, 1)), policy.options.index((2, 1))
+    rates[policy.plain], rates[in_use] = 1.0, 1.2
+    assert (controller.plan(8, 100.0).k, controller.plan(8, 100.0).d) == (1, 1)
+    rates[policy.plain], rates[in_use], rates[other] = 1.01, 1.0, 1.07  # (2, 1): 7 % over (1, 1), 6 % over plain
+    assert [(p.k, p.d) for p in (controller.plan(8, 100.0) for _ in range(4))] == [(2, 1)] * 4
+    rates[other] = 1.0  # now under plain: plain
+    assert [(p.k, p.d) for p in (controller.plan(8, 100.0) for _ in range(4))] == [(0, 0)] * 4
+
+
 def test_ema_policy_moves_off_and_back_on_acceptance():
     """The RFC's policy on the same inputs: off on a text where drafts are rejected, back on by a probe or by the
     readouts once the text is easy."""

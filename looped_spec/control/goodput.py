@@ -115,9 +115,11 @@ class GoodputPolicy:
             return
         if best == current:
             return
-        leave_for_plain = best == plain and rate[plain] > rate[current]
+        # a plan predicted slower than plain is left at once: for plain, or for a plan clearing the margin over plain
+        # (the hysteresis, which may exceed the margin, does not hold a plan plain beats)
+        beaten_by_plain = plain >= 0 and rate[plain] > rate[current]
         from_plain = self.options[current][0] == 0
-        if leave_for_plain or from_plain or rate[best] > rate[current] * (1.0 + s.hysteresis):
+        if beaten_by_plain or from_plain or rate[best] > rate[current] * (1.0 + s.hysteresis):
             self.last_event = (
                 f"{self._label(current)} -> {self._label(best)} "
                 f"({rate[current]:.4g} -> {rate[best]:.4g} tok/s predicted at B={batch})"
