@@ -87,13 +87,15 @@ class DisableConfig(BaseModel):
     threshold: float = Field(default=0.25, ge=0.0, le=1.0)
     """Off when the most conservative speculative candidate's acceptance EMA is below this."""
     probe_base: int = Field(default=32, ge=1)
-    """Plain rounds before the first probe; doubled after every failed probe ..."""
+    """The first probe runs in this round after switching off (after one fewer plain rounds); doubled after every
+    failed probe ..."""
     probe_cap: int = Field(default=1024, ge=1)
     """... up to this many rounds."""
     probe_rounds: int = Field(default=2, ge=1)
     """Speculative rounds one probe runs; their pooled acceptance decides."""
     probe_evidence: int = Field(default=32, ge=1)
-    """Readout positions since the last probe before the readouts may call the next one early (docs/adaptive.md)."""
+    """Acceptance positions (readouts, and the probe's own drafts) since the last probe started before the agreement
+    estimate may call the next one early (docs/adaptive.md "EMA policy")."""
 
 
 class AcceptanceConfig(BaseModel):

@@ -260,9 +260,8 @@ class PassCost:
 
     def _learn_own(self, key: tuple, log_price: float, memory: float) -> None:
         """`key`'s deviation from the shared price, a running mean as the shared price's, starting at none: the
-        shared price counts as 2 × `PRICE_PRIOR` of its pairs (a plan's own pairs are fewer and as noisy; with the
-        prior of the shared price, rounds as noisy as 10 % flipped plans on a machine whose prices were the
-        profile's)."""
+        shared price counts as 2 × `PRICE_PRIOR` of its pairs (a plan's own pairs are fewer and as noisy;
+        docs/adaptive.md "Each plan's own price" says why twice)."""
         own = self.own_prices.setdefault(key, [0.0, 0])
         own[1] += 1
         x = log_price - self._log_speculative - own[0]
