@@ -197,11 +197,11 @@ class AdaptiveSpecConfig(BaseModel):
     def for_depth(self, full_depth: int) -> tuple[AdaptiveSpecConfig, str | None]:
         """This preset fitted to a model of depth `full_depth`, and what was changed (None: nothing).
 
-        At another depth than the preset's: every candidate's d is rescaled, d' = clamp(round(d·D'/D), 1, D'-1)
-        (a candidate that becomes equal to an earlier one of its bucket is dropped; plain only below D' = 2), and
-        the acceptance per depth is interpolated at the same relative depth d'/D' (linear between the measured
-        depths; α below the first measured depth falls linearly to 0 at depth 0); the persistence alike. The
-        pass costs do not depend on the depth. The online estimates correct the rest within rounds.
+        At another depth than the preset's: every candidate's d is rescaled, d' = clamp(⌊d·D'/D + ½⌋, 1, D'-1)
+        (halves round up; a candidate that becomes equal to an earlier one of its bucket is dropped; plain only below
+        D' = 2), and the acceptance per depth is interpolated at the same relative depth d'/D' (linear between the
+        measured depths; α below the first measured depth falls linearly to 0 at depth 0); the persistence alike.
+        The pass costs do not depend on the depth. The online estimates correct the rest within rounds.
         """
         if full_depth < 1:
             raise PresetError(f"full depth {full_depth} must be >= 1")
