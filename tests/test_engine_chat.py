@@ -51,6 +51,33 @@ def test_a_given_template_and_its_variables(engine):
     assert engine.tokenizer.decode(out.prompt_token_ids) == out.prompt == "Hello: Reverse a string.\n"
 
 
+def test_a_tool_conversation_renders_as_the_server_renders_it(engine):
+    """An assistant's message that is all tool calls (content None) renders its content as "" and its calls'
+    JSON `arguments` as a dict, as the server and vLLM hand them to the template; its `reasoning` as
+    `reasoning_content`."""
+    from looped_spec.server.chat_template import ChatTemplateConfig, chat_prompt
+    from looped_spec.server.protocol import ChatCompletionRequest
+
+    template = (
+        "{% for m in messages %}{{ m['role'] }}:{{ m['content'] }}{% for c in m['tool_calls'] or [] %}"
+        "[{{ c['function']['name'] }} x={{ c['function']['arguments']['x'] }}]{% endfor %}"
+        "{% if m['reasoning_content'] %}({{ m['reasoning_content'] }}){% endif %}{{ '\\n' }}{% endfor %}"
+    )
+    call = {"id": "c1", "type": "function", "function": {"name": "add", "arguments": '{"x": 2}'}}
+    messages = [ASK[0], {"role": "assistant", "content": None, "tool_calls": [call], "reasoning": "sum it"},
+                {"role": "tool", "tool_call_id": "c1", "content": "4"}]  # fmt: skip
+    given = copy.deepcopy(messages)
+    [out] = engine.chat(messages, GREEDY, chat_template=template)
+    assert out.prompt == "user:Reverse a string.\nassistant:[add x=2](sum it)\ntool:4\n"
+    served = ChatCompletionRequest(messages=messages, chat_template=template)
+    assert out.prompt == chat_prompt(engine.tokenizer, ChatTemplateConfig(trust_request_chat_template=True), served,
+                                     None)  # fmt: skip
+    assert messages == given  # the caller's messages are left as they were
+    with pytest.raises(ValueError, match=r"messages\[1\]\.tool_calls\[0\]\.function\.arguments: not JSON"):
+        engine.chat([ASK[0], {"role": "assistant", "content": None, "tool_calls": [
+            {**call, "function": {"name": "add", "arguments": "{x"}}]}], GREEDY, chat_template=template)  # fmt: skip
+
+
 def test_the_reply_ends_at_the_tokenizers_end_of_turn_token(engine, monkeypatch):
     """A chat model's end-of-turn token (the tokenizer's eos, e.g. <|im_end|>) ends the reply even where the model's
     own eos is another token; ignore_eos keeps going. Here the tokenizer's eos is made a token the reply writes."""

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import inspect
+import json
 from functools import lru_cache
 from typing import Any
 
@@ -56,26 +57,42 @@ def render_chat(
 
 
 def conversations(messages: Any) -> list[list[dict]]:
-    """One conversation (a list of message dicts) or several (a list of such lists), as a list of conversations; a
-    message's content given as OpenAI's parts (`[{"type": "text", "text": ...}, ...]`) becomes their texts one a line,
-    as the server (and vLLM's "string" content format) renders them."""
+    """One conversation (a list of message dicts) or several (a list of such lists), as a list of conversations of
+    messages as templates take them (`template_message`)."""
     if isinstance(messages, list) and messages and all(isinstance(m, dict) for m in messages):
-        return [[_text_content(m, f"messages[{j}]") for j, m in enumerate(messages)]]
+        return [[template_message(m, f"messages[{j}]") for j, m in enumerate(messages)]]
     if isinstance(messages, list) and messages and all(isinstance(c, list) and c for c in messages):
         for i, conversation in enumerate(messages):
             for j, message in enumerate(conversation):
                 if not isinstance(message, dict):
                     raise TypeError(f"messages[{i}][{j}]: a message is a dict, got {type(message).__name__}")
-        return [[_text_content(m, f"messages[{i}][{j}]") for j, m in enumerate(c)] for i, c in enumerate(messages)]
+        return [[template_message(m, f"messages[{i}][{j}]") for j, m in enumerate(c)] for i, c in enumerate(messages)]
     raise TypeError("messages: one conversation (a non-empty list of message dicts, {'role': ..., 'content': ...}) or "
                     "a list of them")  # fmt: skip
 
 
-def _text_content(message: dict, where: str) -> dict:
-    """`message` with content parts joined into one text (a copy; the caller's dict is left as it was)."""
-    content = message.get("content")
+def template_message(message: dict, where: str) -> dict:
+    """`message` as the server (server/tools.py's `template_message`) and vLLM hand it to a chat template (a copy; the
+    caller's dict is left as it was): content given as OpenAI's parts (`[{"type": "text", "text": ...}, ...]`) becomes
+    their texts one a line (vLLM's "string" content format), a null or missing content "" (an assistant's message
+    that is all tool calls); an assistant's tool calls carry their `arguments` as a dict, not JSON text
+    (transformers' documented form, which tool-use templates iterate); `reasoning` reaches the template as
+    `reasoning_content` too, the name thinking models' templates read."""
+    out = {**message, "content": _text(message.get("content"), where)}
+    calls = message.get("tool_calls")
+    if message.get("role") == "assistant" and isinstance(calls, list):
+        out["tool_calls"] = [_parsed_arguments(call, f"{where}.tool_calls[{j}]") for j, call in enumerate(calls)]
+    if message.get("reasoning") is not None and message.get("reasoning_content") is None:
+        out["reasoning_content"] = message["reasoning"]
+    return out
+
+
+def _text(content: Any, where: str) -> Any:
+    """A message's content as the template's text: parts joined one a line, None as ""."""
+    if content is None:
+        return ""
     if not isinstance(content, list):
-        return message
+        return content
     texts = []
     for k, part in enumerate(content):
         if not (isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)):
@@ -83,7 +100,27 @@ def _text_content(message: dict, where: str) -> dict:
             raise ValueError(f"{where}.content[{k}]: only text parts ({{'type': 'text', 'text': ...}}) are supported, "
                              f"got {kind!r}")  # fmt: skip
         texts.append(part["text"])
-    return {**message, "content": "\n".join(texts)}
+    return "\n".join(texts)
+
+
+def _parsed_arguments(call: Any, where: str) -> Any:
+    """A tool call with its function's JSON `arguments` text parsed (empty: {}); arguments already a dict (or a call
+    of another shape, for the template to judge) are left as they are."""
+    function = call.get("function") if isinstance(call, dict) else None
+    if not isinstance(function, dict):
+        return call
+    arguments = function.get("arguments")
+    if isinstance(arguments, (dict, list)):
+        return call
+    if arguments is not None and not isinstance(arguments, str):
+        raise ValueError(f"{where}.function.arguments: JSON text or a dict, got {type(arguments).__name__}")
+    try:
+        parsed = json.loads(arguments) if arguments else {}
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{where}.function.arguments: not JSON ({exc})") from None
+    except RecursionError:
+        raise ValueError(f"{where}.function.arguments: nested too deeply") from None
+    return {**call, "function": {**function, "arguments": parsed}}
 
 
 def chat_prompt(
