@@ -142,6 +142,30 @@ def test_a_requests_own_chat_template_renders_its_prompt(server, client, referen
     assert out.choices[0].message.content == greedy(reference, "REVERSE A STRING.|", 6)
 
 
+def test_offline_and_served_chat_render_one_conversation_alike(server, client, reference):
+    """engine.chat and the server hand a template the same messages (`name` on any role, as vLLM passes it; a null
+    content as ""; tool calls' arguments as a dict), so they render one prompt and reply alike."""
+    own = (
+        "{% for m in messages %}{{ m['role'] }}{% if m['name'] is defined %}({{ m['name'] }}){% endif %}: "
+        "{{ m['content'] }}{% for c in m['tool_calls'] or [] %}[{{ c['function']['arguments']['s'] }}]{% endfor %}"
+        "{{ '\\n' }}{% endfor %}assistant:"
+    )
+    call = {"id": "c1", "type": "function", "function": {"name": "rev", "arguments": '{"s": "abc"}'}}
+    messages = [{"role": "system", "content": "Be brief.", "name": "ops"}, {**QUESTION[0], "name": "ada"},
+                {"role": "assistant", "content": None, "tool_calls": [call]},
+                {"role": "tool", "content": "cba", "tool_call_id": "c1", "name": "rev"}]  # fmt: skip
+    [offline] = reference.chat(messages, SamplingParams(max_tokens=6, temperature=0.0), chat_template=own)
+    assert (
+        offline.prompt
+        == "system(ops): Be brief.\nuser(ada): Reverse a string.\nassistant: [abc]\ntool(rev): cba\nassistant:"
+    )
+    tokens = post(server, "/tokenize", {"messages": messages, "chat_template": own}).json()["tokens"]
+    assert tokens == offline.prompt_token_ids
+    out = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=6, temperature=0,
+                                         extra_body={"chat_template": own})  # fmt: skip
+    assert out.choices[0].message.content == offline.text and out.usage.prompt_tokens == len(tokens)
+
+
 @pytest.mark.parametrize(
     ("template", "messages", "field", "says"),
     [

@@ -286,6 +286,6 @@ def template_message(message: Any, index: int) -> dict[str, Any]:
         out["reasoning_content"] = reasoning  # the name thinking models' templates read (Qwen3's, vLLM passes it)
     if message.tool_call_id is not None:
         out["tool_call_id"] = message.tool_call_id
-    if message.name is not None and message.role == "tool":
-        out["name"] = message.name  # some templates name the function a tool message answers
+    if message.name is not None:  # on any role, as vLLM passes it (a tool message's: the function it answers)
+        out["name"] = message.name
     return out
