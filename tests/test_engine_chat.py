@@ -96,6 +96,18 @@ def test_the_reply_ends_at_the_tokenizers_end_of_turn_token(engine, monkeypatch)
     assert kept.token_ids == free.token_ids
 
 
+def test_chat_takes_vllms_arguments(engine):
+    """vLLM's LLM.chat signature: use_tqdm third, the "string" content format (what "auto" is here), empty
+    mm_processor_kwargs; what is not built is a ValueError naming the argument."""
+    [want] = engine.chat(ASK, GREEDY)
+    [out] = engine.chat(ASK, GREEDY, False, chat_template_content_format="string", mm_processor_kwargs={})
+    assert out.token_ids == want.token_ids and out.prompt == want.prompt
+    with pytest.raises(ValueError, match="chat_template_content_format='openai': only 'auto' or 'string'"):
+        engine.chat(ASK, GREEDY, chat_template_content_format="openai")
+    with pytest.raises(ValueError, match="mm_processor_kwargs: not supported"):
+        engine.chat(ASK, GREEDY, mm_processor_kwargs={"num_crops": 4})
+
+
 def test_chat_errors_name_what_is_wrong(engine):
     with pytest.raises(ValueError, match="continue_final_message=True needs add_generation_prompt=False"):
         engine.chat(CONTINUE, GREEDY, continue_final_message=True)

@@ -510,14 +510,16 @@ class LoopedSpecEngine:
         self,
         messages: list[dict] | list[list[dict]],
         sampling_params: SamplingParams | list[SamplingParams] | None = None,
+        use_tqdm: bool = False,
         *,
         params: SamplingParams | list[SamplingParams] | None = None,
         chat_template: str | None = None,
+        chat_template_content_format: str = "auto",
         chat_template_kwargs: dict[str, Any] | None = None,
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
         tools: list[dict] | None = None,
-        use_tqdm: bool = False,
+        mm_processor_kwargs: dict[str, Any] | None = None,
     ) -> list[RequestOutput]:
         """`generate` for chat, as vLLM's `LLM.chat`: each conversation (`messages`: one, a list of
         {"role", "content"} dicts, or a list of them) rendered by the tokenizer's chat template (or `chat_template`,
@@ -525,7 +527,14 @@ class LoopedSpecEngine:
         `continue_final_message` (with `add_generation_prompt=False`) continues the last message instead of opening a
         turn. The reply ends at the tokenizer's end-of-turn token (its eos) as well as the model's, unless
         `ignore_eos`. Every conversation is rendered before any is queued (`params=`: `sampling_params`' older
-        name)."""
+        name). A message's text parts reach the template as one string (vLLM's "string" content format, which
+        `chat_template_content_format` "auto" stands for here); `mm_processor_kwargs` is taken only empty (text-only
+        models)."""
+        if chat_template_content_format not in ("auto", "string"):
+            raise ValueError(f"chat_template_content_format={chat_template_content_format!r}: only 'auto' or "
+                             "'string' (a message's text parts reach the template as one string)")  # fmt: skip
+        if mm_processor_kwargs:  # None or {} asks for nothing, as in a prompt dict
+            raise ValueError("mm_processor_kwargs: not supported, the models served here take text only")
         params = sampling_params_argument(sampling_params, params)
         items = conversations(messages)
         rendered = [
