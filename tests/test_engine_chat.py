@@ -121,6 +121,17 @@ def test_chat_errors_name_what_is_wrong(engine):
         engine.chat("Reverse a string.", GREEDY)
     with pytest.raises(TypeError, match=r"messages\[1\]\[0\]: a message is a dict"):
         engine.chat([ASK, ["hi"]], GREEDY)
+    # named as the caller gave them (the conversation, the message, the argument), never as an index into prompts
+    with pytest.raises(ValueError, match=r"^messages\[0\]\.content: not valid Unicode text"):
+        engine.chat([{"role": "user", "content": "a\ud800"}], GREEDY)
+    with pytest.raises(ValueError, match=r"^messages\[1\]: its rendered prompt has \d+ tokens; max_model_len=256"):
+        engine.chat([ASK, [{"role": "user", "content": "hi " * 200}]], GREEDY)
+    with pytest.raises(ValueError, match="^messages: the chat template renders an empty prompt"):
+        engine.chat(ASK, GREEDY, chat_template="{{ '' }}")
+    with pytest.raises(TypeError, match="^chat_template_kwargs: a dict of template variables, got list"):
+        engine.chat(ASK, GREEDY, chat_template_kwargs=["enable_thinking"])
+    with pytest.raises(TypeError, match="^tools: a list of tools"):
+        engine.chat(ASK, GREEDY, tools={"type": "function"})
     with LoopedSpecEngine("tiny-huginn", speculation="off", max_model_len=128) as bare:  # no template of its own
         with pytest.raises(NoChatTemplateError, match="chat_template="):
             bare.chat(ASK, GREEDY)

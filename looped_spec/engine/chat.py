@@ -8,6 +8,8 @@ import json
 from functools import lru_cache
 from typing import Any
 
+from looped_spec.engine.inputs import check_text
+
 
 class NoChatTemplateError(ValueError):
     """The model's tokenizer has no chat template and none was given: messages cannot be formatted."""
@@ -91,6 +93,8 @@ def _text(content: Any, where: str) -> Any:
     """A message's content as the template's text: parts joined one a line, None as ""."""
     if content is None:
         return ""
+    if isinstance(content, str):
+        check_text(content, f"{where}.content")  # a lone surrogate, which no tokenizer encodes
     if not isinstance(content, list):
         return content
     texts = []
@@ -99,6 +103,7 @@ def _text(content: Any, where: str) -> Any:
             kind = part.get("type") if isinstance(part, dict) else type(part).__name__
             raise ValueError(f"{where}.content[{k}]: only text parts ({{'type': 'text', 'text': ...}}) are supported, "
                              f"got {kind!r}")  # fmt: skip
+        check_text(part["text"], f"{where}.content[{k}].text")
         texts.append(part["text"])
     return "\n".join(texts)
 
@@ -140,6 +145,10 @@ def chat_prompt(
     if continue_final_message and add_generation_prompt:
         raise ValueError("continue_final_message=True needs add_generation_prompt=False (a new turn cannot also "
                          "continue the last message)")  # fmt: skip
+    if template_kwargs is not None and not isinstance(template_kwargs, dict):
+        raise TypeError(f"chat_template_kwargs: a dict of template variables, got {type(template_kwargs).__name__}")
+    if tools is not None and not isinstance(tools, list):
+        raise TypeError(f"tools: a list of tools (OpenAI's shape), got {type(tools).__name__}")
     for name in template_kwargs or {}:
         if name in rendering_parameters():
             raise ValueError(f"chat_template_kwargs[{name!r}]: a rendering parameter, not a template variable (pass "
@@ -152,4 +161,5 @@ def chat_prompt(
     except Exception as exc:  # the template refused the conversation (raise_exception) or failed on it
         blamed = "chat_template" if chat_template is not None else where
         raise ValueError(f"{blamed}: the chat template failed on {where}: {type(exc).__name__}: {exc}") from exc
+    check_text(text, where)  # what the template added (a name, a variable) may hold a lone surrogate too
     return text, list(tokenizer.encode(text, add_special_tokens=False))

@@ -552,7 +552,14 @@ class LoopedSpecEngine:
         ]
         prompts = [ids for _, ids in rendered]
         for i, ids in enumerate(prompts):  # named as the conversation, not as an index into ids the caller never saw
-            check_encoded_vocabulary(ids, self.adapter.vocab_size, f"messages[{i}]" if len(items) > 1 else "messages")
+            where = f"messages[{i}]" if len(items) > 1 else "messages"
+            check_encoded_vocabulary(ids, self.adapter.vocab_size, where)
+            if not ids:
+                raise ValueError(f"{where}: the chat template renders an empty prompt")
+            if len(ids) >= self.max_model_len:
+                raise ValueError(f"{where}: its rendered prompt has {len(ids)} tokens; max_model_len="
+                                 f"{self.max_model_len} leaves no room to generate (needs prompt length < "
+                                 "max_model_len)")  # fmt: skip
         params_list = params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
         if len(params_list) != len(prompts):
             raise ValueError(f"sampling_params: {len(params_list)} SamplingParams for {len(prompts)} conversations")
