@@ -143,21 +143,23 @@ def test_a_requests_own_chat_template_renders_its_prompt(server, client, referen
 
 
 def test_offline_and_served_chat_render_one_conversation_alike(server, client, reference):
-    """engine.chat and the server hand a template the same messages (`name` on any role, as vLLM passes it; a null
-    content as ""; tool calls' arguments as a dict), so they render one prompt and reply alike."""
+    """engine.chat and the server hand a template the same messages (`name` on any role and an assistant's reasoning
+    as both `reasoning` and `reasoning_content`, as vLLM passes them; a null content as ""; tool calls' arguments as
+    a dict), so they render one prompt and reply alike."""
     own = (
         "{% for m in messages %}{{ m['role'] }}{% if m['name'] is defined %}({{ m['name'] }}){% endif %}: "
         "{{ m['content'] }}{% for c in m['tool_calls'] or [] %}[{{ c['function']['arguments']['s'] }}]{% endfor %}"
+        "{% if m['reasoning'] %}<{{ m['reasoning'] }}|{{ m['reasoning_content'] }}>{% endif %}"
         "{{ '\\n' }}{% endfor %}assistant:"
     )
     call = {"id": "c1", "type": "function", "function": {"name": "rev", "arguments": '{"s": "abc"}'}}
     messages = [{"role": "system", "content": "Be brief.", "name": "ops"}, {**QUESTION[0], "name": "ada"},
-                {"role": "assistant", "content": None, "tool_calls": [call]},
+                {"role": "assistant", "content": None, "tool_calls": [call], "reasoning": "hm"},
                 {"role": "tool", "content": "cba", "tool_call_id": "c1", "name": "rev"}]  # fmt: skip
     [offline] = reference.chat(messages, SamplingParams(max_tokens=6, temperature=0.0), chat_template=own)
     assert (
         offline.prompt
-        == "system(ops): Be brief.\nuser(ada): Reverse a string.\nassistant: [abc]\ntool(rev): cba\nassistant:"
+        == "system(ops): Be brief.\nuser(ada): Reverse a string.\nassistant: [abc]<hm|hm>\ntool(rev): cba\nassistant:"
     )
     tokens = post(server, "/tokenize", {"messages": messages, "chat_template": own}).json()["tokens"]
     assert tokens == offline.prompt_token_ids

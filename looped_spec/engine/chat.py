@@ -78,14 +78,16 @@ def template_message(message: dict, where: str) -> dict:
     caller's dict is left as it was): content given as OpenAI's parts (`[{"type": "text", "text": ...}, ...]`) becomes
     their texts one a line (vLLM's "string" content format), a null or missing content "" (an assistant's message
     that is all tool calls); an assistant's tool calls carry their `arguments` as a dict, not JSON text
-    (transformers' documented form, which tool-use templates iterate); `reasoning` reaches the template as
-    `reasoning_content` too, the name thinking models' templates read."""
+    (transformers' documented form, which tool-use templates iterate); an assistant's reasoning reaches the template
+    as both `reasoning` and `reasoning_content` (its former name, which most thinking models' templates read)."""
     out = {**message, "content": _text(message.get("content"), where)}
     calls = message.get("tool_calls")
     if message.get("role") == "assistant" and isinstance(calls, list):
         out["tool_calls"] = [_parsed_arguments(call, f"{where}.tool_calls[{j}]") for j, call in enumerate(calls)]
-    if message.get("reasoning") is not None and message.get("reasoning_content") is None:
-        out["reasoning_content"] = message["reasoning"]
+    reasoning = message.get("reasoning")
+    reasoning = reasoning if reasoning is not None else message.get("reasoning_content")
+    if reasoning is not None and message.get("role") == "assistant":  # under both names, as vLLM passes it
+        out["reasoning"] = out["reasoning_content"] = reasoning
     return out
 
 

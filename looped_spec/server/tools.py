@@ -282,8 +282,8 @@ def template_message(message: Any, index: int) -> dict[str, Any]:
                           "function": {"name": call.function.name, "arguments": arguments}})  # fmt: skip
         out["tool_calls"] = calls
     reasoning = message.reasoning if message.reasoning is not None else message.reasoning_content
-    if reasoning is not None:
-        out["reasoning_content"] = reasoning  # the name thinking models' templates read (Qwen3's, vLLM passes it)
+    if reasoning is not None:  # under both names, as vLLM passes it: templates read either
+        out["reasoning"] = out["reasoning_content"] = reasoning  # reasoning_content: Qwen3's, most thinking models'
     if message.tool_call_id is not None:
         out["tool_call_id"] = message.tool_call_id
     if message.name is not None:  # on any role, as vLLM passes it (a tool message's: the function it answers)
