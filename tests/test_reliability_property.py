@@ -7,6 +7,10 @@ Checked after every step: no KV block leaked, no request reported finished twice
 request reported finished exactly once, each greedy output (and each sampled one when speculation is
 off) equal to the same prompt run alone with speculation off, and the engine still usable.
 
+A second property: under a fixed plan with KV to spare, sampled requests too equal each one run alone under that plan
+through one-shot faults in the loops and the readouts (a step that fails after its drafts were drawn must leave every
+random generator as it was).
+
 Deterministic by default (derandomized, no example database); set LOOPED_SPEC_HYPOTHESIS_EXAMPLES to
 explore more examples locally.
 """
@@ -298,3 +302,139 @@ def test_random_workloads_never_wedge_leak_or_lose_an_output(scenario):
     finally:
         del adapter.loop
         gc.collect()  # engines hold their KV cache in reference cycles: free earlier examples' engines
+
+
+class FaultyModel:
+    """One-shot faults in model code, in the loops or in the readouts (after a step's drafts were drawn: a fault
+    there is one the random generators must be restored for): once armed, the `countdown`-th call from now of
+    either raises, once."""
+
+    def __init__(self, adapter) -> None:
+        self.adapter = adapter
+        self.countdown: int | None = None
+        self.fired = 0
+        adapter.loop, adapter.readout = self._wrap(adapter.loop), self._wrap(adapter.readout)
+
+    def _wrap(self, original):
+        def call(*args, **kwargs):
+            if self.countdown is not None:
+                if self.countdown == 0:
+                    self.countdown = None
+                    self.fired += 1
+                    raise InjectedFault("injected fault in model code")
+                self.countdown -= 1
+            return original(*args, **kwargs)
+
+        return call
+
+    def remove(self) -> None:
+        del self.adapter.loop, self.adapter.readout
+
+
+sampled_requests_st = st.fixed_dictionaries(
+    {
+        "prompt": st.lists(st.integers(1, 255), min_size=1, max_size=10),
+        "max_tokens": st.integers(1, 12),
+        "sampled": st.booleans(),
+        "seed": st.integers(0, 2**31 - 1),
+        "stop": st.just([]),
+        "ignore_eos": st.just(True),
+        "penalties": st.sampled_from([{}, {}, {"repetition_penalty": 1.4}]),
+    }
+)
+
+
+@cache
+def alone_under(family: str, k: int, d: int, prompt: tuple[int, ...], params_json: str) -> tuple[int, ...]:
+    """The output of one prompt run alone (batch size 1) by the step engine under the fixed plan (k, d)."""
+    engine = speculative_reference(family, k, d)
+    return tuple(engine.generate(list(prompt), SamplingParams.model_validate_json(params_json))[0].token_ids)
+
+
+@cache
+def speculative_reference(family: str, k: int, d: int):
+    return make_engine(family, speculation=SpeculativeConfig(k=k, d=d), max_model_len=32, max_batch_size=1)
+
+
+@pytest.mark.slow
+@settings(
+    max_examples=EXAMPLES,
+    deadline=None,
+    derandomize=True,
+    database=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
+@given(
+    family=st.sampled_from(["ouro", "nanbeige", "huginn"]),
+    batching=st.sampled_from(["step", "loop"]),
+    plan=st.tuples(st.integers(1, 3), st.integers(1, 7)),
+    initial=st.lists(sampled_requests_st, min_size=2, max_size=4),
+    actions=st.lists(
+        st.one_of(
+            st.tuples(st.just("step")),
+            st.tuples(st.just("add"), sampled_requests_st),
+            st.tuples(st.just("fault"), st.integers(0, 12)),
+        ),
+        min_size=3,
+        max_size=16,
+    ),
+)
+def test_sampled_speculative_requests_with_faults_draw_what_each_draws_alone(family, batching, plan, initial, actions):
+    """Under a fixed plan with KV to spare (no draft is cut), a request's draws do not depend on its batch: each one,
+    sampled or greedy, equals it run alone under that plan, whatever one-shot faults in the loops or the readouts (after
+    the drafts were drawn) failed steps meanwhile. A failed step that left a generator advanced, or a fault pinned on a
+    request, shows."""
+    k, d = plan[0], 1 + (plan[1] - 1) % (load(family).full_depth - 1)
+    engine = make_engine(family, speculation=SpeculativeConfig(k=k, d=d), batching=batching, block_size=4,
+                         num_kv_blocks=64, max_model_len=32, max_batch_size=4,
+                         max_num_batched_tokens=12)  # fmt: skip
+    faulty = FaultyModel(engine.adapter)  # the adapter is shared between tests: removed again in `finally`
+    specs: dict[str, dict] = {}
+    finished: dict = {}
+    last_step_ok = True
+
+    def step() -> None:
+        nonlocal last_step_ok
+        if not engine.has_unfinished_requests():
+            return
+        try:
+            outputs = engine.step()
+        except InjectedFault:
+            last_step_ok = False
+            return
+        last_step_ok = True
+        for out in outputs:
+            if out.finished:
+                assert out.request_id not in finished, f"{out.request_id} reported finished twice"
+                finished[out.request_id] = out
+
+    try:
+        for spec in initial:
+            specs[engine.add_request(spec["prompt"], params_of(spec))] = spec
+        for action in actions:
+            if action[0] == "step":
+                step()
+            elif action[0] == "add":
+                specs[engine.add_request(action[1]["prompt"], params_of(action[1]))] = action[1]
+            elif faulty.countdown is None and last_step_ok:  # one-shot: never the step right after another one
+                faulty.countdown = action[1]
+        for _ in range(400):
+            if not engine.has_unfinished_requests():
+                break
+            step()
+        faulty.countdown = None  # the references below share the adapter
+        assert not engine.has_unfinished_requests(), "the engine is wedged"
+        assert sorted(finished) == sorted(specs), "a request was never reported finished"
+        assert engine.num_free_blocks == engine.kv.num_blocks
+        assert engine.stats.num_preemptions == 0  # nothing cut a draft
+        # every plan is reported or abandoned (on loop passes the plan in use may wait for rounds that never came)
+        plans = engine.controller.stats()
+        assert plans["plans"] - plans["observed"] - plans["abandoned"] in ((0,) if batching == "step" else (0, 1))
+        for request_id, out in finished.items():
+            spec = specs[request_id]
+            expected = alone_under(family, k, d, tuple(spec["prompt"]), params_of(spec).model_dump_json())
+            assert (out.finish_reason, tuple(out.token_ids)) == ("length", expected), (request_id, spec)
+        event(f"faults fired: {min(faulty.fired, 2)}")
+    finally:
+        faulty.remove()
+        gc.collect()
