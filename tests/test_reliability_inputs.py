@@ -346,6 +346,11 @@ def test_a_rejected_request_leaves_the_engine_seed_where_it_was():
                 engine.add_request([5, 9], SamplingParams(structured_outputs=grammar))
         outputs.append(engine.generate([5, 9, 13], sampled)[0].token_ids)
     assert outputs[0] == outputs[1]
+    # a generate() call is rejected whole (its valid prompts drew seeds before the bad one was found): the same
+    engine = make_engine("ouro", speculation="off", seed=1)
+    with pytest.raises(ValueError, match=r"prompts\[1\]"):
+        engine.generate([[5, 9], [10**6]], sampled)
+    assert engine.generate([5, 9, 13], sampled)[0].token_ids == outputs[0]
 
 
 def test_token_id_prompts_take_any_integer_type_and_name_the_id_that_is_not_one():
