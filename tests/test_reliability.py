@@ -40,6 +40,8 @@ def run_to_end(engine, max_errors: int = 0) -> dict:
                 finished[out.request_id] = out
     assert not engine.has_unfinished_requests()
     assert engine.num_free_blocks == engine.kv.num_blocks
+    # on loop passes nothing of a finished request stays behind (its work in flight, its turn in the pass budget)
+    assert engine.loop_batcher is None or engine.loop_batcher.is_empty
     return finished
 
 
@@ -186,6 +188,9 @@ def test_rule_a_request_failing_by_itself_finishes_with_error_and_the_others_go_
     # counted as a failure, not as a success (request_success_total / request_failure_total)
     assert (engine.stats.num_requests_finished, engine.stats.num_requests_failed) == (2, 1)
     assert 'looped_spec:request_failure_total{model_name=""} 1.0' in engine.stats.to_prometheus()
+    # every plan the controller gave is reported or abandoned: the failed rounds' and the blamed one's commit nothing
+    stats = engine.controller.stats()
+    assert stats["plans"] == stats["observed"] + stats["abandoned"], stats
 
 
 def test_rule_a_failed_round_is_rolled_back_generators_included(monkeypatch):
@@ -334,14 +339,15 @@ def test_a_failed_round_is_abandoned_to_the_controller(speculation):
 @pytest.mark.parametrize("batching", ["step", "loop"])
 def test_an_error_after_the_commit_keeps_the_steps_counters(monkeypatch, batching):
     """A step committed before the controller's observe raised: its tokens stay, and so do the counters of what it ran
-    (a loop pass's passes, positions and embeddings were counted after the feedback, and lost with it)."""
+    (a loop pass's passes, positions and embeddings were counted after the feedback, and lost with it). Sampled requests
+    show a pass or round run again after the error: their generators drew for it already."""
 
     def counters(engine) -> tuple:
         s = engine.stats
         return (s.num_generation_tokens, s.num_spec_rounds, s.num_loop_passes, s.num_loop_pass_positions,
                 s.num_loop_pass_embeds)  # fmt: skip
 
-    params = greedy(8)
+    params = [greedy(8), sampled(8, seed=3), sampled(8, seed=9)]
     clean = make_engine("ouro", speculation="2,1", batching=batching)
     expected = run_to_end_with(clean, PROMPTS[:3], params)
     engine = make_engine("ouro", speculation="2,1", batching=batching)
@@ -417,3 +423,117 @@ def test_a_failed_step_counts_no_decode_round(batching):
         out.metrics.rounds for out in finished.values()
     )
     assert stats.num_rounds == sum(stats.plan_histogram.values()) == engine.controller.stats()["observed"]
+
+
+def fault_at_call(original, n: int | None) -> OneShotFault:
+    """`original`, except that its `n`-th call from now raises RuntimeError (None: none does)."""
+    calls = iter(range(1, 10**9))
+    return OneShotFault(original, lambda *args, **kwargs: next(calls) == n)
+
+
+class ArmedFault:
+    """Wraps a model function: once armed, its next call raises RuntimeError, once."""
+
+    def __init__(self, original) -> None:
+        self.original = original
+        self.armed = False
+
+    def __call__(self, *args, **kwargs):
+        if self.armed:
+            self.armed = False
+            raise RuntimeError("injected fault")
+        return self.original(*args, **kwargs)
+
+
+@pytest.mark.parametrize("batching", ["step", "loop"])
+def test_one_shot_faults_while_suspects_run_alone_blame_nobody(batching):
+    """One-shot faults: one fails a batch, the next fails its first suspect's first step alone (raised, not blamed:
+    only two failures alone in a row are), a third strikes after a step alone that did not fail (on loop passes an
+    exit rule makes every pass one loop, so that step alone can end mid-token: the failures are not in a row). Every
+    fault is raised once, nobody is finished with an error and every output equals the clean run."""
+    params = [SamplingParams(max_tokens=6, ignore_eos=True, exit_threshold=0.999) for _ in PROMPTS[:3]]
+    clean = make_engine("ouro", batching=batching)
+    expected = run_to_end_with(clean, PROMPTS[:3], params)
+    engine = make_engine("ouro", batching=batching)
+    ids = [engine.add_request(p, q) for p, q in zip(PROMPTS[:3], params)]
+    fault = ArmedFault(engine.adapter.loop)
+    engine.adapter.loop = fault
+    try:
+        for _ in range(3):  # the prompts and a first token
+            engine.step()
+        for strike in (True, True, False, True):
+            fault.armed = strike
+            if strike:
+                with pytest.raises(RuntimeError, match="injected"):
+                    engine.step()
+            else:
+                assert all(not out.finished for out in engine.step())
+        finished = run_to_end(engine)
+    finally:
+        del engine.adapter.loop
+    assert [(finished[i].finish_reason, finished[i].token_ids) for i in ids] == [("length", t) for t in expected]
+    assert engine.stats.num_requests_failed == 0
+
+
+@pytest.mark.parametrize("batching", ["step", "loop"])
+@pytest.mark.parametrize("aborted", [0, 1])
+def test_a_suspect_aborted_before_it_runs_alone_is_reported_once_and_the_others_go_on(batching, aborted):
+    """A failed step's requests run alone next; one aborted meanwhile finishes with "abort" (reported once, its blocks
+    freed) and is never run alone: the other suspects and then the batch go on, equal to the clean run."""
+    params = [greedy(6), sampled(6, seed=4), greedy(5)]
+    expected = run_to_end_with(make_engine("ouro", speculation="2,1", batching=batching), PROMPTS[:3], params)
+    engine = make_engine("ouro", speculation="2,1", batching=batching)
+    ids = [engine.add_request(p, q) for p, q in zip(PROMPTS[:3], params)]
+    fault = ArmedFault(engine.adapter.loop)
+    engine.adapter.loop = fault
+    try:
+        for _ in range(3):
+            engine.step()
+        fault.armed = True
+        with pytest.raises(RuntimeError, match="injected"):
+            engine.step()
+    finally:
+        del engine.adapter.loop
+    engine.abort(ids[aborted])
+    finished = run_to_end(engine)
+    assert finished[ids[aborted]].finish_reason == "abort"
+    assert finished[ids[aborted]].token_ids == expected[aborted][: len(finished[ids[aborted]].token_ids)]
+    others = [i for i in range(3) if i != aborted]
+    assert [finished[ids[i]].token_ids for i in others] == [expected[i] for i in others]
+    assert engine.stats.num_requests_failed == 0
+
+
+def test_an_abort_after_a_request_finished_leaves_its_output_as_it_finished():
+    """A request that finished while generate() ran others (its output is owed to step()) is not aborted by a later
+    abort(): its output comes once, with the finish reason and the tokens it finished with."""
+    expected = make_engine("ouro").generate(PROMPTS[0], greedy(2))[0].token_ids
+    engine = make_engine("ouro")
+    done = engine.add_request(PROMPTS[0], greedy(2))
+    engine.generate(PROMPTS[1], greedy(6))  # the online request finishes meanwhile
+    engine.abort(done)
+    finished = run_to_end(engine)
+    assert (finished[done].finish_reason, finished[done].token_ids) == ("length", expected)
+    assert engine.stats.finished_reasons["abort"] == 0
+
+
+def test_a_pass_failing_at_a_later_loop_leaves_its_prompt_chunk_as_it_was():
+    """Loop passes: a prompt's chunk keeps its last position's state at every depth for the exit rule of its first
+    token. Its first pass runs one loop (a request waits to join); once nothing waits, its other loops run back to back
+    in one pass, and a fault at a later loop of that pass fails it after the first ran: the retry starts from the chunk
+    as it was, so the first token and its exit depth are those of the clean run."""
+    prompt = [17, 18, 19, 20, 21, 22]  # its first token exits at loop 3 of 4
+    early = SamplingParams(max_tokens=3, ignore_eos=True, exit_threshold=0.5)
+    results = []
+    for strike in (None, 2):  # the clean run, then a fault at the pass's second loop
+        engine = make_engine("ouro", batching="loop", max_num_batched_tokens=len(prompt))
+        first = engine.add_request(prompt, early)
+        waiting = engine.add_request(PROMPTS[0], greedy(3))  # no room in the pass's token budget: it waits to join
+        engine.step()  # the chunk's first loop
+        engine.abort(waiting)
+        engine.adapter.loop = fault_at_call(engine.adapter.loop, strike)
+        try:
+            out = run_to_end(engine, max_errors=1)[first]
+        finally:
+            del engine.adapter.loop
+        results.append((out.token_ids, out.metrics.exit_depth_histogram))
+    assert results[1] == results[0]
