@@ -8,6 +8,7 @@ The preset's acceptance is the tuning text's; the workloads' is another text's, 
 from __future__ import annotations
 
 import json
+import math
 from collections import Counter
 from pathlib import Path
 
@@ -490,3 +491,90 @@ def test_no_price_probes_where_plain_cannot_run_or_rounds_are_untimed():
         feedback.seconds = 0.0
         controller.observe(feedback)
     assert all(k > 0 for k, _ in chosen[WARMUP:]), Counter(chosen)
+
+
+def test_hysteresis_holds_between_speculative_plans_only():
+    """docs/adaptive.md "Goodput policy": from a speculative plan back to plain as soon as plain is predicted faster,
+    and from plain to speculation at `plain_margin`; `hysteresis` holds between speculative plans only. With a
+    hysteresis of 90 % (no speculative plan here is 1.9x another, nor plain 1.9x one), the controller still goes
+    plain on hard text, where (1, 1) runs at 0.92x plain, and speculates again on easy text (the mutation checks,
+    the hysteresis also on leaving speculation, or on leaving plain: speculating on the hard text, or plain on the
+    easy text, for good)."""
+    cfg = preset()
+    workload = Workload(PassCost(cfg.cost, DEPTH), noise=0.1, seed=0)
+    controller = AdaptiveController(cfg, DEPTH, settings=ControlSettings(hysteresis=0.9))
+    _, hard, easy = workload.run(controller, [Phase(8, CODE, 300), Phase(8, HARD, 300), Phase(8, CODE, 300)])
+    assert workload.oracle(Phase(8, HARD, 1), options_of(cfg) + [(0, 0)])[0] == (0, 0)
+    assert Counter(k == 0 for k, _ in hard[150:])[True] >= 140, Counter(hard[150:])
+    assert Counter(k > 0 for k, _ in easy[150:])[True] >= 140, Counter(easy[150:])
+
+
+def test_goodput_prices_plans_at_the_batch_s_context():
+    """A machine whose attention costs grow with the context (`query_context_seconds`): at B = 8 on easy text (3, 1)
+    is the best plan at 120 tokens of context, plain at 8,000, and at B = 1 (5, 1) at 120 tokens, (1, 1) at 16,000
+    (each verified position attends to the whole context, accepted or not). The controller tracks the per-phase
+    oracle (the mutation check, each plan priced at no context: 0.87-0.90 of it at long context)."""
+    cfg = preset(cost=scaled_cost(1.0, query_context_seconds=1e-7))
+    options = options_of(cfg) + [(0, 0)]
+    workload = Workload(PassCost(cfg.cost, DEPTH), noise=0.1, seed=0)
+    phases = [Phase(8, CODE, 200, 120.0), Phase(8, CODE, 200, 8000.0), Phase(1, CODE, 200, 16000.0)]
+    assert [workload.oracle(p, options)[0] for p in phases] == [(3, 1), (0, 0), (1, 1)]
+    plans = workload.run(AdaptiveController(cfg, DEPTH), phases)
+    ratios = score(workload, phases, plans, options)
+    assert min(ratios) >= 0.95, ratios
+
+
+class ExitingWorkload(Workload):
+    """Early exit in select mode: each position exits at loop 1 with probability `share`, else runs every loop. A
+    draft position that exits within the draft depth is the target's own sample and passes unchecked; the others are
+    checked against the text's agreement `phase.alpha` (with full depth, which readouts report)."""
+
+    def __init__(self, truth: PassCost, share: float, **kwargs) -> None:
+        super().__init__(truth, **kwargs)
+        self.share = share
+
+    def effective(self, alpha):
+        return [self.share + (1.0 - self.share) * a for a in alpha[:-1]] + [1.0]
+
+    def feedback(self, plan, phase):
+        rng, (k, d) = self.rng, (plan.k, plan.d)
+        proposed, accepted, committed, depths = [], [], [], []
+        for _ in range(phase.batch):
+            checked = passed = drafts = 0
+            exit_depth = 1 if rng.random() < self.share else DEPTH
+            while drafts < k:  # the draft positions until the first rejection
+                if exit_depth > d:  # checked against the text, else the target's own sample
+                    checked += 1
+                    if rng.random() >= phase.alpha[d - 1]:
+                        break
+                    passed += 1
+                drafts += 1
+                depths.append(exit_depth)
+                exit_depth = 1 if rng.random() < self.share else DEPTH
+            depths.append(exit_depth)  # the target's token at the rejected position, or after every draft
+            proposed.append(checked)
+            accepted.append(passed)
+            committed.append(drafts)
+        seconds = self.seconds(k, d, phase.batch, phase.context) * math.exp(rng.gauss(0.0, self.noise))
+        # readouts: each committed position's agreement of every depth with full depth, the text's
+        measured = self._readouts(phase.alpha, 0, d, committed) if plan.measure_depths else {}
+        return round_feedback(
+            plan, batch_size=phase.batch, context=phase.context, num_proposed=proposed, num_accepted=accepted,
+            seconds=seconds, exit_depths=depths, exit_skips=False, **measured,
+        )  # fmt: skip
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_drafts_that_exit_within_the_draft_depth_price_speculation(seed):
+    """Early exit in select mode on a random-weight model whose tokens exit at loop 1 four times in five: drafts at
+    d = 1 pass for free at those positions (the acceptance a depth-1 draft sees is 0.80, where its agreement with full
+    depth is 0.02), and speculating pays. The controller speculates, near the oracle priced at that acceptance (the
+    mutation check, the exit depths not pricing plans: plain for good, 0.75 of it)."""
+    cfg = preset()
+    options = options_of(cfg) + [(0, 0)]
+    workload = ExitingWorkload(PassCost(cfg.cost, DEPTH), share=0.8, noise=0.1, seed=seed)
+    phase = Phase(8, RANDOM, 300)
+    seen = Phase(8, workload.effective(RANDOM), 300)  # what the plans see: the oracle's acceptance
+    assert workload.oracle(seen, options)[0] != (0, 0)
+    plans = workload.run(AdaptiveController(cfg, DEPTH), [phase])
+    assert score(workload, [seen], plans, options)[0] >= 0.95, Counter(plans[0])
