@@ -578,3 +578,13 @@ def test_drafts_that_exit_within_the_draft_depth_price_speculation(seed):
     assert workload.oracle(seen, options)[0] != (0, 0)
     plans = workload.run(AdaptiveController(cfg, DEPTH), [phase])
     assert score(workload, [seen], plans, options)[0] >= 0.95, Counter(plans[0])
+
+
+def test_ema_probes_less_and_less_while_speculation_does_not_pay():
+    """On a random-weight model every probe fails, and each failed probe doubles the wait for the next (up to
+    `disable.probe_cap`): over 1,500 rounds the probes' speculative rounds come ever rarer, a handful in the last
+    thousand (the mutation check, a wait that does not grow: a probe every `probe_base` rounds, ~55 of them)."""
+    cfg = preset()
+    workload = Workload(PassCost(cfg.cost, DEPTH), noise=0.1, seed=8)
+    plans = workload.run(AdaptiveController(cfg, DEPTH, policy="ema"), [Phase(8, RANDOM, 1500)])[0]
+    assert sum(k > 0 for k, _ in plans[500:]) <= 3 * cfg.disable.probe_rounds, Counter(plans[500:])
