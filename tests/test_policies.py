@@ -588,3 +588,19 @@ def test_ema_probes_less_and_less_while_speculation_does_not_pay():
     workload = Workload(PassCost(cfg.cost, DEPTH), noise=0.1, seed=8)
     plans = workload.run(AdaptiveController(cfg, DEPTH, policy="ema"), [Phase(8, RANDOM, 1500)])[0]
     assert sum(k > 0 for k, _ in plans[500:]) <= 3 * cfg.disable.probe_rounds, Counter(plans[500:])
+
+
+def test_a_dearer_speculation_is_its_price_not_the_machine_s_drift():
+    """A machine where plain rounds take what the profile says and every speculative round 40 % more: on easy text at
+    B = 1 speculation still pays and runs. The price probes learn the 40 % as speculation's price against plain, and
+    the drift factor, which the speculative rounds' time moves net of that price, stays near 1 (the mutation check,
+    their time taken whole: a drift of ~1.35, every plan and readout priced as on a machine 35 % slower)."""
+    cfg = preset()
+    prices = {o: 1.4 for o in options_of(cfg) if o[0] > 0}
+    workload = PricedWorkload(PassCost(cfg.cost, DEPTH), prices, noise=0.05, seed=0)
+    controller = AdaptiveController(cfg, DEPTH)
+    plans = workload.run(controller, [Phase(1, CODE, 600)])[0]
+    assert sum(k > 0 for k, _ in plans[300:]) >= 280, Counter(plans[300:])
+    stats = controller.stats()
+    assert stats["speculative_price"] > 1.2  # on its way to 1.4 (1.27-1.29 here)
+    assert stats["cost_drift"] == pytest.approx(1.0, abs=0.15), stats["cost_drift"]  # 1.05-1.07 here
