@@ -306,6 +306,26 @@ def test_measured_rounds_cost_about_the_readout_budget(budget, policy, overhead)
     assert 0.5 * budget <= share <= 1.2 * budget, (share, measured)
 
 
+def test_a_large_batch_reads_out_its_position_target_not_the_whole_budget():
+    """A measured round reads out about one position a request: at B = 256 one in ~64 rounds gives the estimate its
+    `readout_positions` (4) positions a round, at a small share of the budget (the mutation check, the budget alone
+    setting the pace: a measured round every few rounds, ~the whole budget)."""
+    budget = 0.03
+    controller = AdaptiveController(preset(), DEPTH, settings=ControlSettings(readout_budget=budget))
+    truth = PassCost(preset().cost, DEPTH)
+    workload = Workload(truth, noise=0.05, seed=1)
+    extra = total = 0.0
+    for i in range(640):
+        phase = Phase(256, (CODE, HARD)[i // 320], 1, 200.0)
+        plan = controller.plan(phase.batch, phase.context)
+        seconds = workload.seconds(plan.k, plan.d, phase.batch, phase.context)
+        total += seconds
+        if plan.measure_depths:
+            extra += truth.measure_seconds(plan.k, plan.d, phase.batch)
+        controller.observe(workload.feedback(plan, phase))
+    assert extra / total <= 0.2 * budget, extra / total
+
+
 def test_the_ema_policy_reads_out_only_while_speculation_is_off():
     """The EMA policy moves on its rounds' own acceptance while it speculates; readouts serve only its probes while a
     bucket is off, so only then does a round read out."""

@@ -604,3 +604,21 @@ def test_a_dearer_speculation_is_its_price_not_the_machine_s_drift():
     stats = controller.stats()
     assert stats["speculative_price"] > 1.2  # on its way to 1.4 (1.27-1.29 here)
     assert stats["cost_drift"] == pytest.approx(1.0, abs=0.15), stats["cost_drift"]  # 1.05-1.07 here
+
+
+def test_ema_speculation_probed_back_on_starts_from_the_probe_s_acceptance():
+    """A preset whose buckets weigh each round by half (`beta` 0.5), decide after every round (`min_samples` 1), start
+    on (1, 1) and probe on their backoff alone (`probe_evidence` out of reach): off on a random-weight model (its
+    average near 0.04), a probe on text where (1, 1) accepts 0.6 switches speculation back on, and the probe's
+    acceptance is where the candidate's average starts, so it stays on (the mutation check, the average left at the
+    random text's: a round later it reads ~0.32 < 0.4, and it goes off again for a backoff's wait)."""
+    data = preset().model_dump()
+    for bucket in data["buckets"]:
+        bucket["beta"], bucket["min_samples"], bucket["initial_index"] = 0.5, 1, 1
+    data["disable"]["probe_evidence"] = 10**6
+    cfg = AdaptiveSpecConfig.parse(data)
+    workload = Workload(PassCost(cfg.cost, DEPTH), noise=0.1, seed=8)
+    text = [0.6, 0.8, 0.9, 1.0]
+    _, back = workload.run(AdaptiveController(cfg, DEPTH, "ema"), [Phase(32, RANDOM, 300), Phase(32, text, 600)])
+    first = next(i for i, (k, _) in enumerate(back) if k > 0)
+    assert all(k > 0 for k, _ in back[first:]), Counter(back[first:])
