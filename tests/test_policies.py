@@ -622,3 +622,16 @@ def test_ema_speculation_probed_back_on_starts_from_the_probe_s_acceptance():
     _, back = workload.run(AdaptiveController(cfg, DEPTH, "ema"), [Phase(32, RANDOM, 300), Phase(32, text, 600)])
     first = next(i for i, (k, _) in enumerate(back) if k > 0)
     assert all(k > 0 for k, _ in back[first:]), Counter(back[first:])
+
+
+def test_a_batch_back_in_its_bucket_runs_the_plan_of_the_text_now():
+    """A batch of 8 speculates on easy text, grows to 32 while the text turns random (its bucket goes plain), and
+    shrinks back to 8: the bucket it re-enters decides at once, on what was learned meanwhile, and runs plain from
+    its first round (the mutation check, no decision on entering: the easy text's plan for the rest of the bucket's
+    decision interval, its batch size being the one it decided at)."""
+    cfg = preset()
+    workload = Workload(PassCost(cfg.cost, DEPTH), noise=0.1, seed=0)
+    phases = [Phase(8, CODE, 301), Phase(32, RANDOM, 300), Phase(8, RANDOM, 8)]
+    easy, _, back = workload.run(AdaptiveController(cfg, DEPTH), phases)
+    assert easy[-1][0] > 0
+    assert all(k == 0 for k, _ in back), back
