@@ -635,3 +635,16 @@ def test_a_batch_back_in_its_bucket_runs_the_plan_of_the_text_now():
     easy, _, back = workload.run(AdaptiveController(cfg, DEPTH), phases)
     assert easy[-1][0] > 0
     assert all(k == 0 for k, _ in back), back
+
+
+def test_ema_backoff_grows_from_probe_base_a_failed_probe_at_a_time():
+    """With probes on the backoff alone (`probe_evidence` out of reach), the wait after a failed probe doubles from
+    `probe_base` (32, 64, 128, ...) up to `probe_cap`: off for 100 rounds of a random-weight model (two failed
+    probes), speculation is back within ~130 rounds of the text turning easy (the mutation check, the wait at the
+    cap after one failed probe: 1,024 rounds)."""
+    data = preset().model_dump()
+    data["disable"]["probe_evidence"] = 10**6
+    cfg = AdaptiveSpecConfig.parse(data)
+    workload = Workload(PassCost(cfg.cost, DEPTH), noise=0.05, seed=0)
+    _, back = workload.run(AdaptiveController(cfg, DEPTH, "ema"), [Phase(8, RANDOM, 100), Phase(8, CODE, 400)])
+    assert next((i for i, (k, _) in enumerate(back) if k > 0), len(back)) <= 160
