@@ -648,3 +648,17 @@ def test_ema_backoff_grows_from_probe_base_a_failed_probe_at_a_time():
     workload = Workload(PassCost(cfg.cost, DEPTH), noise=0.05, seed=0)
     _, back = workload.run(AdaptiveController(cfg, DEPTH, "ema"), [Phase(8, RANDOM, 100), Phase(8, CODE, 400)])
     assert next((i for i, (k, _) in enumerate(back) if k > 0), len(back)) <= 160
+
+
+def test_ema_bucket_re_entered_while_off_probes_at_once():
+    """A workload change probes at once (docs/adaptive.md "EMA policy"): a batch of 8 off on a random-weight model
+    (its backoff grown to hundreds of rounds; readouts kept from calling probes), then 32 requests on easy text, then
+    8 again: the bucket it re-enters probes in its first rounds and speculates (the mutation check, entering not
+    probing: plain for the rest of the backoff)."""
+    data = preset().model_dump()
+    data["disable"]["probe_evidence"] = 10**6
+    cfg = AdaptiveSpecConfig.parse(data)
+    workload = Workload(PassCost(cfg.cost, DEPTH), noise=0.05, seed=0)
+    phases = [Phase(8, RANDOM, 300), Phase(32, CODE, 50), Phase(8, CODE, 20)]
+    *_, back = workload.run(AdaptiveController(cfg, DEPTH, "ema"), phases)
+    assert all(k > 0 for k, _ in back), back
