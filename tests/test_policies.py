@@ -662,3 +662,14 @@ def test_ema_bucket_re_entered_while_off_probes_at_once():
     phases = [Phase(8, RANDOM, 300), Phase(32, CODE, 50), Phase(8, CODE, 20)]
     *_, back = workload.run(AdaptiveController(cfg, DEPTH, "ema"), phases)
     assert all(k > 0 for k, _ in back), back
+
+
+def test_ema_goes_off_below_the_larger_of_its_two_off_thresholds():
+    """The EMA policy's off threshold is the larger of its two routes to plain (a list starting with K = 0: the most
+    conservative candidate's theta_down, 0.4 here; `disable.threshold`, 0.25). On hard text (1, 1) accepts 0.30 and
+    runs at 0.92x plain: it goes off (the mutation check, the smaller threshold: (1, 1) for good)."""
+    cfg = preset()
+    workload = Workload(PassCost(cfg.cost, DEPTH), noise=0.1, seed=0)
+    plans = workload.run(AdaptiveController(cfg, DEPTH, "ema"), [Phase(8, HARD, 300)])[0]
+    assert workload.oracle(Phase(8, HARD, 1), options_of(cfg) + [(0, 0)])[0] == (0, 0)
+    assert Counter(k == 0 for k, _ in plans[150:])[True] >= 140, Counter(plans[150:])
