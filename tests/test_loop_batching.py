@@ -591,6 +591,39 @@ def test_a_plan_serves_a_rounds_worth_of_requests_or_until_the_batch_size_change
     assert rounds.take_abandoned() == [SpeculationPlan(2, 2, 1)] and rounds.take_abandoned() == []
 
 
+def test_a_plan_reports_once_its_requests_finished_their_rounds_or_left_them():
+    """A request that leaves its round unfinished (aborted, preempted, failed) reports nothing: the plan reports the
+    rounds of the others once they finished, and a plan none of whose rounds finished is abandoned (the controller
+    is told; else an EMA probe would wait for it for ever). The mutation check, a request that left holding its
+    plan open: neither plan ever reported."""
+    from looped_spec.control.plan import SpeculationPlan
+    from looped_spec.loop_batching import LoopRounds
+    from looped_spec.loop_batching.items import PassResult
+    from looped_spec.request import Request
+
+    def take(batch_size, context, request_ids):
+        return SpeculationPlan(len(request_ids), 2, 1)
+
+    def committed(finished, proposed, accepted):
+        tokens = [[7] * (a + 1) for a in accepted]
+        return PassResult(requests=finished, finished=finished, tokens=tokens, proposed=proposed, accepted=accepted,
+                          exit_depths=None, items={}, next_drafts={}, positions=1, entered=0, loops=1, captured=0,
+                          stage_seconds={}, verified_proposed=proposed, verified_accepted=accepted)  # fmt: skip
+
+    requests = [Request(str(i), i, [1, 2, 3], SamplingParams(), 0, [], 64) for i in range(2)]
+    rounds = LoopRounds(depth=4, exit_skips=False)
+    rounds.plan(requests, take)
+    rounds.start(requests)
+    feedback = rounds.finish(committed(requests[:1], [2], [1]), in_flight={"1"})
+    assert feedback == []  # request 1's round still runs
+    (fb,) = rounds.finish(committed([], [], []), in_flight=set())  # and then request 1 was aborted
+    assert (fb.plan_id, fb.request_ids, fb.num_proposed, fb.num_accepted) == (2, ["0"], [2], [1])
+    rounds.plan(requests[:1], take)
+    rounds.start(requests[:1])
+    assert rounds.finish(committed([], [], []), in_flight=set()) == []
+    assert [plan.plan_id for plan in rounds.take_abandoned()] == [1]
+
+
 def test_rounds_under_several_plans_share_passes():
     """Requests whose rounds run under different (K, d) share passes; each plan's feedback counts its own rounds."""
     engine = make_engine("ouro", batching="loop", speculation="off")
