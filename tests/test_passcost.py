@@ -16,6 +16,7 @@ from conftest import load
 
 from looped_spec.control.exits import ExitDepths
 from looped_spec.control.passcost import PassCost, width_weights
+from looped_spec.presets.lookup import read_preset_file, shipped_preset_path
 from looped_spec.presets.schema import CostConfig
 from looped_spec.tuning.derive import ideal_cost
 
@@ -344,3 +345,24 @@ def test_exits_narrow_the_passes_only_in_skip_mode():
     plain = cost.seconds(3, 2, 6, 50.0)
     assert cost.seconds(3, 2, 6, 50.0, select) == pytest.approx(plain, rel=1e-12)
     assert cost.seconds(3, 2, 6, 50.0, skip) < plain
+
+
+@pytest.mark.parametrize("depths", [[1], [1, 2, 2, 4], [2, 3, 3, 3, 4], [4]])
+def test_a_plain_round_of_one_request_in_skip_mode_runs_its_mean_exit_depth_in_loops(depths):
+    # a shipped preset's costs; one request, one token a round: in skip mode its token runs loops 1..e and stops at
+    # its exit depth e, so over the histogram a plain round runs E[e] one-position passes where it ran D without exits
+    preset = read_preset_file(shipped_preset_path("ouro-1.4b"))
+    depth, c = preset.full_depth, preset.cost
+    cost = PassCost(c, depth)
+    exits = ExitDepths(depth, memory=64.0)
+    exits.observe(depths, skips=True)
+    mean_depth = sum(depths) / len(depths)
+    for context in (0.0, 300.0):
+        # one pass over one position of one request: w(1) (the first grid point is 1) and the context terms
+        assert c.positions[0] == 1
+        one_pass = (
+            c.pass_seconds[0] + c.request_seconds + (c.request_context_seconds + c.query_context_seconds) * context
+        )
+        every_loop = cost.seconds(0, 0, 1, context)
+        want = every_loop - (depth - mean_depth) * one_pass
+        assert cost.seconds(0, 0, 1, context, exits) == pytest.approx(want, rel=1e-9), context
