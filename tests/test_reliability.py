@@ -537,3 +537,38 @@ def test_a_pass_failing_at_a_later_loop_leaves_its_prompt_chunk_as_it_was():
             del engine.adapter.loop
         results.append((out.token_ids, out.metrics.exit_depth_histogram))
     assert results[1] == results[0]
+
+
+@pytest.mark.parametrize("speculation", ["2,1", "3,1"])
+@pytest.mark.parametrize("exit_threshold", [None, 0.5])
+def test_a_loop_pass_failing_at_any_readout_leaves_its_rounds_as_they_were(speculation, exit_threshold):
+    """Loop passes on a fixed plan: a pass that finishes drafts reads them out after it added their positions to their
+    rounds, and one that finishes verifications reads them out after it recorded their rows' exits. A one-shot fault
+    at any readout of the run fails its pass there: the retry runs from the rounds and verifications as they were
+    before it, so every request, greedy or sampled, ends with the tokens and exit depths of the clean run."""
+    params = [
+        SamplingParams(max_tokens=8 + i, ignore_eos=True, exit_threshold=exit_threshold, seed=3 + i,
+                       temperature=0.8 if i % 2 else 0.0)
+        for i in range(len(PROMPTS))
+    ]  # fmt: skip
+
+    def run(strike: int | None) -> tuple[list, bool]:
+        engine = make_engine("ouro", speculation=speculation, batching="loop")
+        ids = [engine.add_request(p, q) for p, q in zip(PROMPTS, params)]
+        fault = fault_at_call(engine.adapter.readout, strike)
+        engine.adapter.readout = fault
+        try:
+            finished = run_to_end(engine, max_errors=1)
+        finally:
+            del engine.adapter.readout
+        return [(finished[i].token_ids, finished[i].metrics.exit_depth_histogram) for i in ids], fault.fired
+
+    expected, _ = run(None)
+    if exit_threshold is not None:
+        assert any(set(hist) != {4} for _, hist in expected), "no token exits early: the exits are not exercised"
+    strike, fired = 1, True
+    while fired:  # every readout call of the run, until one past the last
+        got, fired = run(strike)
+        assert got == expected, strike
+        strike += 1
+    assert strike > 10  # the run read out at many passes
