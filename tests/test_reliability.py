@@ -21,6 +21,16 @@ def sampled(n: int, seed: int) -> SamplingParams:
     return SamplingParams(max_tokens=n, temperature=0.8, seed=seed, ignore_eos=True)
 
 
+def fail_one_step(engine) -> None:
+    """One step whose loops fail (a fault in model code): raised once, and the model as it was after."""
+    engine.adapter.loop = OneShotFault(engine.adapter.loop, lambda *args, **kwargs: True)
+    try:
+        with pytest.raises(RuntimeError, match="injected"):
+            engine.step()
+    finally:
+        del engine.adapter.loop
+
+
 def run_to_end(engine, max_errors: int = 0) -> dict:
     """Step until nothing is left; collect each finished output (asserting it is reported once)."""
     finished: dict = {}
@@ -322,13 +332,7 @@ def test_a_failed_round_is_abandoned_to_the_controller(speculation):
     engine = make_engine("ouro", speculation=speculation)
     engine.add_request(PROMPTS[0], greedy(8))
     engine.step()  # the prompt
-    fault = OneShotFault(engine.adapter.loop, lambda *args, **kwargs: True)
-    engine.adapter.loop = fault
-    try:
-        with pytest.raises(RuntimeError, match="injected"):
-            engine.step()
-    finally:
-        del engine.adapter.loop
+    fail_one_step(engine)
     stats = engine.controller.stats()
     assert (stats["plans"], stats["observed"], stats["abandoned"]) == (1, 0, 1)
     run_to_end(engine)
@@ -410,13 +414,7 @@ def test_a_failed_step_counts_no_decode_round(batching):
     for prompt in PROMPTS[:3]:
         engine.add_request(prompt, greedy(8))
     engine.step(), engine.step()  # the prompts, then the first round (or pass) of the three
-    fault = OneShotFault(engine.adapter.loop, lambda *args, **kwargs: True)
-    engine.adapter.loop = fault
-    try:
-        with pytest.raises(RuntimeError, match="injected"):
-            engine.step()
-    finally:
-        del engine.adapter.loop
+    fail_one_step(engine)
     finished = run_to_end(engine)
     stats = engine.stats
     assert sum(size * n for size, n in stats.batch_size_histogram.items()) == sum(

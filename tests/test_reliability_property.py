@@ -31,31 +31,50 @@ from looped_spec import SamplingParams, SpeculativeConfig
 from looped_spec.detokenizer import IncrementalDetokenizer
 
 EXAMPLES = int(os.environ.get("LOOPED_SPEC_HYPOTHESIS_EXAMPLES", "25"))
+#: the property tests' settings: reproducible examples (derandomized, no example database), each a whole engine run
+RANDOM_WORKLOADS = settings(
+    max_examples=EXAMPLES,
+    deadline=None,
+    derandomize=True,
+    database=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
 
 
 class InjectedFault(RuntimeError):
     pass
 
 
-class FaultyLoop:
-    """Wraps adapter.loop: once armed, the `countdown`-th call from now raises, once."""
+class FaultyModel:
+    """One-shot faults in model code: wraps the adapter's functions `names` (the loops; the readouts too, which run
+    after a step's drafts were drawn: a fault there is one the random generators must be restored for). Once armed,
+    the `countdown`-th call from now of any of them raises, once. The adapter is shared between tests: `remove()`."""
 
-    def __init__(self, original) -> None:
-        self.original = original
+    def __init__(self, adapter, names: tuple[str, ...] = ("loop",)) -> None:
+        self.adapter, self.names = adapter, names
         self.countdown: int | None = None
         self.fired = 0
+        for name in names:
+            setattr(adapter, name, self._wrap(getattr(adapter, name)))
 
     def arm(self, countdown: int) -> None:
         self.countdown = countdown
 
-    def __call__(self, *args, **kwargs):
-        if self.countdown is not None:
-            if self.countdown == 0:
-                self.countdown = None
-                self.fired += 1
-                raise InjectedFault("injected fault in model code")
-            self.countdown -= 1
-        return self.original(*args, **kwargs)
+    def _wrap(self, original):
+        def call(*args, **kwargs):
+            if self.countdown is not None:
+                if self.countdown == 0:
+                    self.countdown = None
+                    self.fired += 1
+                    raise InjectedFault("injected fault in model code")
+                self.countdown -= 1
+            return original(*args, **kwargs)
+
+        return call
+
+    def remove(self) -> None:
+        for name in self.names:
+            delattr(self.adapter, name)
 
 
 #: prompts often begin alike (a block of 4 tokens or more), so prefix caching has blocks to share
@@ -162,13 +181,7 @@ def held_blocks(engine) -> int:
 
 
 @pytest.mark.slow
-@settings(
-    max_examples=EXAMPLES,
-    deadline=None,
-    derandomize=True,
-    database=None,
-    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
-)
+@RANDOM_WORKLOADS
 @given(scenarios_st)
 def test_random_workloads_never_wedge_leak_or_lose_an_output(scenario):
     family = scenario["family"]
@@ -186,8 +199,7 @@ def test_random_workloads_never_wedge_leak_or_lose_an_output(scenario):
     )
     ranked = scenario["scheduling_policy"] == "priority"
     adapter = engine.adapter
-    faulty = FaultyLoop(adapter.loop)
-    adapter.loop = faulty  # the adapter is shared between tests: removed again in `finally`
+    faulty = FaultyModel(adapter)  # the adapter is shared between tests: removed again in `finally`
     specs: dict[str, dict] = {}
     finished: dict = {}
     aborted: set[str] = set()
@@ -300,35 +312,8 @@ def test_random_workloads_never_wedge_leak_or_lose_an_output(scenario):
         out = engine.generate(probe["prompt"], params_of(probe))[0]
         assert tuple(out.token_ids) == alone(family, (7, 8, 9), params_of(probe).model_dump_json())
     finally:
-        del adapter.loop
+        faulty.remove()
         gc.collect()  # engines hold their KV cache in reference cycles: free earlier examples' engines
-
-
-class FaultyModel:
-    """One-shot faults in model code, in the loops or in the readouts (after a step's drafts were drawn: a fault
-    there is one the random generators must be restored for): once armed, the `countdown`-th call from now of
-    either raises, once."""
-
-    def __init__(self, adapter) -> None:
-        self.adapter = adapter
-        self.countdown: int | None = None
-        self.fired = 0
-        adapter.loop, adapter.readout = self._wrap(adapter.loop), self._wrap(adapter.readout)
-
-    def _wrap(self, original):
-        def call(*args, **kwargs):
-            if self.countdown is not None:
-                if self.countdown == 0:
-                    self.countdown = None
-                    self.fired += 1
-                    raise InjectedFault("injected fault in model code")
-                self.countdown -= 1
-            return original(*args, **kwargs)
-
-        return call
-
-    def remove(self) -> None:
-        del self.adapter.loop, self.adapter.readout
 
 
 sampled_requests_st = st.fixed_dictionaries(
@@ -357,13 +342,7 @@ def speculative_reference(family: str, k: int, d: int):
 
 
 @pytest.mark.slow
-@settings(
-    max_examples=EXAMPLES,
-    deadline=None,
-    derandomize=True,
-    database=None,
-    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
-)
+@RANDOM_WORKLOADS
 @given(
     family=st.sampled_from(["ouro", "nanbeige", "huginn"]),
     batching=st.sampled_from(["step", "loop"]),
@@ -388,7 +367,7 @@ def test_sampled_speculative_requests_with_faults_draw_what_each_draws_alone(fam
     engine = make_engine(family, speculation=SpeculativeConfig(k=k, d=d), batching=batching, block_size=4,
                          num_kv_blocks=64, max_model_len=32, max_batch_size=4,
                          max_num_batched_tokens=12)  # fmt: skip
-    faulty = FaultyModel(engine.adapter)  # the adapter is shared between tests: removed again in `finally`
+    faulty = FaultyModel(engine.adapter, ("loop", "readout"))  # removed again in `finally`
     specs: dict[str, dict] = {}
     finished: dict = {}
     last_step_ok = True

@@ -651,6 +651,25 @@ def test_an_engine_refusal_inside_a_stream_is_an_error_event(server, monkeypatch
     wait_until(lambda: idle(server), what="the server idle")
 
 
+def poison_embedding(engine, monkeypatch, clean: str) -> str:
+    """A prompt whose tokens the model fails on (its embedding raises) wherever they appear, unlike the tokens of
+    `clean`: a request that causes a fault in model code every time it runs."""
+    poison = "Ω poisoned"
+    poison_ids = set(engine.tokenizer.encode(poison, add_special_tokens=False)) - set(
+        engine.tokenizer.encode(clean, add_special_tokens=False)
+    )
+    assert poison_ids
+    real_embed = engine.adapter.embed
+
+    def embed(token_ids, ctx):
+        if poison_ids & set(token_ids.tolist()):
+            raise RuntimeError("injected fault: poisoned token")
+        return real_embed(token_ids, ctx)
+
+    monkeypatch.setattr(engine.adapter, "embed", embed)
+    return poison
+
+
 def slowed(real, seconds: float):
     def run(*args, **kwargs):
         time.sleep(seconds)
@@ -870,19 +889,7 @@ def test_a_poisoned_request_fails_alone_and_the_concurrent_streams_complete(serv
     import threading
 
     engine = server.engine
-    poison = "Ω poisoned"
-    poison_ids = set(engine.tokenizer.encode(poison, add_special_tokens=False)) - set(
-        engine.tokenizer.encode("def fibonacci(n): import os class A:", add_special_tokens=False)
-    )
-    assert poison_ids
-    real_embed = engine.adapter.embed
-
-    def embed(token_ids, ctx):
-        if poison_ids & set(token_ids.tolist()):
-            raise RuntimeError("injected fault: poisoned token")
-        return real_embed(token_ids, ctx)
-
-    monkeypatch.setattr(engine.adapter, "embed", embed)
+    poison = poison_embedding(engine, monkeypatch, clean="def fibonacci(n): import os class A:")
     prompts = ["def fibonacci(n):", poison, "import os", "class A:"]
     results: dict[int, object] = {}
 
@@ -913,18 +920,7 @@ def test_a_choice_that_fails_ends_its_answer_not_streamed_at_once_and_aborts_the
     stream ends at its error event. The other choices are aborted then (their KV freed), not run to their last token
     for an answer that is already an error."""
     engine = server.engine
-    poison = "Ω poisoned"
-    poison_ids = set(engine.tokenizer.encode(poison, add_special_tokens=False)) - set(
-        engine.tokenizer.encode(PROMPT, add_special_tokens=False)
-    )
-    real_embed = engine.adapter.embed
-
-    def embed(token_ids, ctx):
-        if poison_ids & set(token_ids.tolist()):
-            raise RuntimeError("injected fault: poisoned token")
-        return real_embed(token_ids, ctx)
-
-    monkeypatch.setattr(engine.adapter, "embed", embed)
+    poison = poison_embedding(engine, monkeypatch, clean=PROMPT)
     monkeypatch.setattr(engine.runner, "decode", slowed(engine.runner.decode, 0.05))
     monkeypatch.setattr(engine.spec_round, "run", slowed(engine.spec_round.run, 0.05))
     before = engine.stats.num_generation_tokens
