@@ -65,18 +65,48 @@ def test_cached_free_blocks_are_evicted_least_recently_freed_first():
     assert kv.cached_prefix([b"q"]) == [] and kv.cached_prefix([b"p"]) == p and kv.cached_prefix([b"r"]) == r
 
 
-def test_a_prefix_registers_once_and_sharing_needs_an_empty_table():
+def test_a_block_registers_one_prefix_and_sharing_needs_an_empty_table():
     kv = tiny_kv(3)
     a: list[int] = []
     b: list[int] = []
     kv.grow(a, 2)
     kv.grow(b, 2)
     kv.register(a[0], b"x")
-    kv.register(b[0], b"x")  # the same prefix computed twice: the first block keeps it
     kv.register(a[0], b"other")  # a block names one prefix
     assert kv.cached_prefix([b"x"]) == a and kv.cached_prefix([b"other"]) == []
     with pytest.raises(RuntimeError, match="starts a block table"):
         kv.share(b, a)
+
+
+def test_a_prefix_computed_twice_stays_findable_while_either_copy_is():
+    """Two requests computed the same prefix at once: each registers its copy (vLLM keeps every block of a hash).
+    Evicting one copy leaves the other findable; a held copy is found before a free one."""
+    kv = tiny_kv(4)
+    a: list[int] = []
+    b: list[int] = []
+    kv.grow(a, 2)
+    kv.grow(b, 2)
+    kv.register(a[0], b"x")
+    kv.register(b[0], b"x")
+    assert kv.num_cached_blocks == 2 and kv.cached_prefix([b"x"]) in (a, b)
+    copy_a, copy_b = a[0], b[0]
+    kv.free(a)  # copy_a is free (still cached), copy_b held: sharing the held one takes no free block
+    assert kv.cached_prefix([b"x"]) == [copy_b] and kv.num_free_blocks == 3
+    other: list[int] = []
+    kv.grow(other, 6)  # the two never-registered blocks, then copy_a: its copy is forgotten, copy_b's is not
+    assert copy_a in other and kv.cached_prefix([b"x"]) == [copy_b] and kv.num_cached_blocks == 1
+    kv.free(b)  # copy_b stays cached after its holder lets go
+    assert kv.cached_prefix([b"x"]) == [copy_b]
+    again: list[int] = []
+    kv.share(again, kv.cached_prefix([b"x"]))
+    assert again == [copy_b] and kv.holders(copy_b) == 1 and kv.num_free_blocks == 0
+    kv.free(again)
+    kv.free(other)
+    last: list[int] = []
+    kv.grow(last, 8)  # every block handed out: no copy is left
+    assert kv.cached_prefix([b"x"]) == [] and kv.num_cached_blocks == 0
+    kv.free(last)
+    assert kv.num_free_blocks == 4
 
 
 def test_digests_chain_every_token_before_and_the_seed():
@@ -233,6 +263,40 @@ def test_under_kv_pressure_cached_blocks_are_evicted_and_nothing_leaks():
             assert engine.scheduler.num_preemptions > 0 and engine.stats.num_prefix_cache_hits > 0
         engine.close()
     assert got[True] == got[False]
+
+
+def test_a_prompt_computed_twice_at_once_stays_cached_after_the_first_copy_is_evicted():
+    """The same prompt twice in one batch: both requests compute its blocks, each keeps a copy. Once the first
+    finishes and other work takes its freed blocks, the prompt is still found in the second's copy (while it runs
+    and after it finishes), with the uncached engine's output."""
+    greedy = lambda n: SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)  # noqa: E731
+    engine = make_engine("ouro", block_size=4, num_kv_blocks=16, max_model_len=48, prefix_caching=True)
+    finished = {}
+
+    def run_until(request_id: str) -> None:
+        while request_id not in finished:
+            finished.update((o.request_id, o) for o in engine.step() if o.finished)
+
+    engine.add_request(SHARED, greedy(1), "first")
+    engine.add_request(SHARED, greedy(24), "second")
+    run_until("first")
+    engine.add_request(list(range(100, 140)), greedy(1), "other")  # 11 blocks: every free one, the first's too
+    run_until("other")
+    assert "second" not in finished
+    engine.add_request(SHARED, greedy(2), "while running")
+    run_until("second")
+    engine.add_request(SHARED, greedy(2), "after")
+    run_until("after")
+    # 20 tokens: the 4 full blocks before the last token
+    assert [finished[r].metrics.num_cached_tokens for r in ("first", "second", "while running", "after")] == [
+        0, 0, 16, 16,
+    ]  # fmt: skip
+    assert finished["while running"].token_ids == finished["after"].token_ids == finished["second"].token_ids[:2]
+    assert engine.num_free_blocks == engine.kv.num_blocks
+    engine.close()
+    reference = make_engine("ouro", block_size=4)
+    assert reference.generate([SHARED], greedy(24))[0].token_ids == finished["second"].token_ids
+    reference.close()
 
 
 def test_off_by_default_and_counted_in_the_metrics():

@@ -9,7 +9,9 @@ last kept block are overwritten before they are read again.
 Prefix caching (docs/architecture.md, "Prefix caching"): a full block whose KV is final can be registered under a
 digest of every token up to its end; requests whose tokens start the same way then share that block (counted
 references), and a registered block nobody holds stays free but findable until it is handed out again, least
-recently freed first.
+recently freed first. Two requests that computed the same prefix at once (admitted before either registered it)
+each register their copy: the prefix stays findable while any copy is, as in vLLM (a hash maps to every block of
+it).
 """
 
 from __future__ import annotations
@@ -42,7 +44,8 @@ class KVCache:
         # free blocks that still hold a registered prefix, least recently freed first: handed out after `_free`
         self._cached_free: OrderedDict[int, None] = OrderedDict()
         self._refs = [0] * num_blocks  # block tables holding each block
-        self._block_of: dict[bytes, int] = {}  # prefix digest -> the block holding that prefix's last block
+        # prefix digest -> the blocks holding that prefix's last block (more than one where it was computed twice)
+        self._blocks_of: dict[bytes, dict[int, None]] = {}
         self._digest_of: dict[int, bytes] = {}
 
     @staticmethod
@@ -52,7 +55,7 @@ class KVCache:
 
     @property
     def num_free_blocks(self) -> int:
-        """Blocks no request holds (registered prefixes among them: handing one out forgets its prefix)."""
+        """Blocks no request holds (registered prefixes among them: handing one out forgets its copy of its prefix)."""
         return len(self._free) + len(self._cached_free)
 
     @property
@@ -78,9 +81,9 @@ class KVCache:
         for _ in range(need):
             if self._free:
                 block = self._free.pop()
-            else:  # the least recently freed registered block: its prefix is forgotten
+            else:  # the least recently freed registered block: its copy of its prefix is forgotten
                 block = self._cached_free.popitem(last=False)[0]
-                del self._block_of[self._digest_of.pop(block)]
+                self._forget(block)
             self._refs[block] = 1
             table.append(block)
 
@@ -105,10 +108,11 @@ class KVCache:
         """The blocks registered under the longest run of `digests` from the first (one block per digest)."""
         blocks = []
         for digest in digests:
-            block = self._block_of.get(digest)
-            if block is None:
+            copies = self._blocks_of.get(digest)
+            if not copies:
                 break
-            blocks.append(block)
+            # a held copy first: sharing it leaves the free blocks as they are (a free copy stays findable)
+            blocks.append(next((block for block in copies if self._refs[block]), next(iter(copies))))
         return blocks
 
     def num_free_among(self, blocks: Sequence[int]) -> int:
@@ -127,12 +131,20 @@ class KVCache:
             table.append(block)
 
     def register(self, block: int, digest: bytes) -> None:
-        """`block` (full, its KV final in every plane) holds the prefix `digest` names. A prefix already registered
-        keeps its block (the new one stays private to its table); a block registers one prefix."""
-        if digest in self._block_of or block in self._digest_of:
+        """`block` (full, its KV final in every plane) holds the prefix `digest` names. A prefix another block
+        already registered gains a copy (found while any copy is); a block registers one prefix."""
+        if block in self._digest_of:
             return
-        self._block_of[digest] = block
+        self._blocks_of.setdefault(digest, {})[block] = None
         self._digest_of[block] = digest
+
+    def _forget(self, block: int) -> None:
+        """`block` (being handed out) no longer holds its prefix; the prefix's other copies still do."""
+        digest = self._digest_of.pop(block)
+        copies = self._blocks_of[digest]
+        del copies[block]
+        if not copies:
+            del self._blocks_of[digest]
 
     def holders(self, block: int) -> int:
         """How many block tables hold `block`."""
@@ -157,6 +169,6 @@ class KVCache:
         self.key_cache, self.value_cache = empty, empty.clone()
         self._free = []
         self._cached_free.clear()
-        self._block_of.clear()
+        self._blocks_of.clear()
         self._digest_of.clear()
         self.num_blocks = 0
