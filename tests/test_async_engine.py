@@ -346,3 +346,47 @@ def failing_once(real):
         return real(*args, **kwargs)
 
     return call
+
+
+def test_a_request_racing_shutdown_is_refused_or_ended_never_left_waiting(monkeypatch):
+    """A handler thread can pass the running check just before shutdown() stops the worker and ends every stream: the
+    request it then registers must be refused (as on a closed front), not left waiting for a worker that is gone."""
+    import threading
+
+    engine = make_engine("ouro", speculation="off")
+    front = AsyncLoopedSpecEngine(engine)
+    checked, go = threading.Event(), threading.Event()
+    real_check = engine.check_priority
+
+    def check_priority(priority, field="priority"):  # runs after the running check: shutdown() happens here
+        checked.set()
+        go.wait(30)
+        return real_check(priority, field)
+
+    monkeypatch.setattr(engine, "check_priority", check_priority)
+
+    async def request():
+        return [out async for out in front.add_request(PROMPTS[0], SamplingParams(max_tokens=2, ignore_eos=True))]
+
+    async def race():
+        return await asyncio.wait_for(request(), 10)
+
+    results: list = []
+    front.start()
+    racer = threading.Thread(target=lambda: results.append(_outcome(lambda: asyncio.run(race()))))
+    racer.start()
+    try:
+        assert checked.wait(30)
+        front.shutdown()
+    finally:
+        go.set()
+        racer.join(30)
+    [outcome] = results
+    assert isinstance(outcome, EngineDeadError) and "shut down" in str(outcome), outcome
+
+
+def _outcome(call):
+    try:
+        return call()
+    except BaseException as exc:  # noqa: BLE001 - the outcome is what the test checks
+        return exc

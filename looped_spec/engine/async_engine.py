@@ -109,7 +109,7 @@ class AsyncLoopedSpecEngine:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._scores: set[asyncio.Future] = set()  # scores waiting or running (each holds an in-flight place)
-        self._closing: str | None = None  # set by end_all: why no more work is admitted
+        self._closing: str | None = None  # set by end_all and shutdown: why no more work is admitted
         self._flush = False  # an abort was applied: the next step() hands back (and forgets) the request
         # aborted ids the engine may still hold (until a step hands them back): not reusable before that, or a new
         # stream of the same id would get the old request's outputs
@@ -129,20 +129,19 @@ class AsyncLoopedSpecEngine:
     def shutdown(self) -> None:
         """Stop the worker (after its current step), end every open stream and close the engine (its KV cache and,
         when it loaded them, its weights are released)."""
+        reason = "the engine was shut down"
+        with self._lock:  # first admit nothing more: a request or score racing this call is refused, or ended below
+            self._closing = self._closing or reason  # end_all's reason, when it ran, stays the one given
         self._stop.set()
         self._commands.put(("wake", None))
         if self._thread is not None:
             self._thread.join()
             self._thread = None
-        self._fail_all(EngineDeadError("the engine was shut down"))
-        while True:  # scores asked for after the worker's last step
-            try:
-                kind, payload = self._commands.get_nowait()
-            except queue.Empty:
-                break
-            if kind == "score":
-                future = payload[-1]
-                _post(future.get_loop(), _settle, future, EngineDeadError("the engine was shut down"))
+        self._fail_all(EngineDeadError(reason))
+        with self._lock:  # scores admitted but not answered (their command may come after the worker's last look)
+            scores = list(self._scores)
+        for future in scores:
+            _post(future.get_loop(), _settle, future, EngineDeadError(reason))
         self.engine.close()
 
     def __enter__(self) -> AsyncLoopedSpecEngine:
