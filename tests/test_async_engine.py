@@ -390,3 +390,47 @@ def _outcome(call):
         return call()
     except BaseException as exc:  # noqa: BLE001 - the outcome is what the test checks
         return exc
+
+
+def test_a_caller_chosen_id_is_not_reused_before_a_failed_flush_hands_the_old_request_back(monkeypatch):
+    """Steps failing past the engine's rule end every request; when the step that would hand the aborted requests
+    back fails too, the engine still holds them: a new request under the same id must get its own outputs (it got
+    the old request's abort, or the engine's refusal of a duplicate id), waiting until the id is free."""
+    import threading
+
+    from looped_spec.engine.async_engine import EngineFaultError
+
+    engine = make_engine("ouro", speculation="off")
+    short = SamplingParams(max_tokens=4, ignore_eos=True)
+    expected = make_engine("ouro", speculation="off").generate([PROMPTS[1]], short)[0].token_ids
+    real_step = engine.step
+    failing = engine.FAILURES_TO_BLAME * 2 + 1 + 1  # past the rule for one request, then the flush fails as well
+    calls, added = [], threading.Event()
+
+    def step():
+        calls.append(None)
+        if len(calls) <= failing:
+            raise RuntimeError("injected")
+        added.wait(30)  # the first step after the failed flush waits until the id was asked for again
+        return real_step()
+
+    monkeypatch.setattr(engine, "step", step)
+
+    async def run():
+        with pytest.raises(EngineFaultError, match="injected"):
+            async for _ in front.add_request(PROMPTS[0], SamplingParams(max_tokens=50, ignore_eos=True), "X"):
+                pass
+        for _ in range(500):
+            try:
+                again = front.add_request(PROMPTS[1], short, request_id="X")
+                break
+            except ValueError:  # still being released: the step that hands the old request back is held
+                added.set()
+                await asyncio.sleep(0.01)
+        added.set()
+        return [out async for out in again]
+
+    with AsyncLoopedSpecEngine(engine) as front:
+        outs = asyncio.run(asyncio.wait_for(run(), 30))
+    assert outs[-1].finish_reason == "length" and outs[-1].prompt_token_ids == PROMPTS[1]
+    assert outs[-1].token_ids == expected

@@ -360,10 +360,14 @@ class AsyncLoopedSpecEngine:
                 pass
         try:
             engine.step()  # hands back the aborted requests (schedules nothing: none is left)
+            with self._lock:  # the engine holds none of them now: aborted ids among them are free again
+                self._retiring.difference_update(affected)
         except Exception:  # already failing: keep the worker alive
             logger.exception("engine could not flush aborted requests")
-        with self._lock:  # the engine holds none of them now: aborted ids among them are free again
-            self._retiring.difference_update(affected)
+            # the engine still holds them (a later step hands them back): their ids are not free before that, or a
+            # new request of the same id would be refused by the engine or get the old one's output
+            with self._lock:
+                self._retiring.update(affected)
         self._fail_all(engine_fault(exc), affected)
 
     def _fail_all(self, exc: BaseException, request_ids: list[str] | None = None) -> None:
