@@ -594,6 +594,37 @@ def test_the_ema_policy_reports_no_plan_for_a_bucket_no_batch_entered():
     assert (buckets[1]["k"], buckets[1]["d"]) == (plan.k, plan.d) and buckets[0]["k"] is buckets[2]["k"] is None
 
 
+def test_a_metrics_scrape_reports_the_plans_while_the_engine_thread_changes_the_controller():
+    """/metrics is scraped on the server's thread while the engine's changes the controller: a scrape that iterated
+    the controller's live dicts (each plan's own price, added as pairs of rounds price it) failed when one grew
+    meanwhile (RuntimeError: dictionary changed size during iteration, a 500). It reports the plan per bucket."""
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from looped_spec import SamplingParams
+    from looped_spec.engine.stats import EngineCollector
+
+    class GrowsWhileIterated(dict):
+        """Stands in for the engine's thread pricing another plan while the scrape iterates the prices."""
+
+        def __iter__(self):
+            for key in super().__iter__():
+                self[(len(self), 2, 1)] = [0.0, 1]
+                yield key
+
+    engine = make_engine("ouro", speculation="adaptive")
+    engine.generate([[1, 5, 9, 2]], SamplingParams(max_tokens=4, ignore_eos=True))
+    engine.controller.cost.own_prices = GrowsWhileIterated({(0, 2, 1): [0.0, 1]})
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(EngineCollector(engine, "m"))
+    assert "looped_spec:spec_plan_k" in generate_latest(registry).decode()  # the scrape succeeds
+    plans = [b for b in engine.controller.policy.describe() if b["k"] is not None]
+    assert plans  # the batch of one ran: its bucket has a plan
+    for bucket in plans:
+        labels = {"model_name": "m", "bucket": bucket["batch"]}
+        scraped = [registry.get_sample_value(f"looped_spec:spec_plan_{x}", labels) for x in "kd"]
+        assert scraped == [bucket["k"], bucket["d"]]
+
+
 def test_the_price_of_speculation_learns_from_pairs_with_the_profile_as_a_prior():
     """Pairs of adjacent rounds: the price is the mean log difference shrunk to the profile's price (PRICE_PRIOR
     pairs of no difference), a single pair's step clipped, and speculative rounds' drift divided by it."""

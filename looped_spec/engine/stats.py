@@ -298,7 +298,10 @@ class EngineCollector(StatsCollector):
             PREFIX + "spec_plan_d", "Current draft depth d per batch-size bucket.", labels=["model_name", "bucket"]
         )
         controller = self.engine.controller
-        buckets = controller.stats().get("buckets")
+        # the plans alone, not controller.stats(): a scrape runs beside the engine's thread, and stats() iterates
+        # dicts that thread grows (a dict changing size during iteration raises, and the scrape failed)
+        policy = getattr(controller, "policy", None)  # an adaptive controller's: the plan per bucket
+        buckets = policy.describe() if policy is not None else None
         if buckets is None and hasattr(controller, "k"):  # a fixed plan: one bucket for every batch size
             buckets = [{"batch": "all", "k": controller.k, "d": controller.d}]
         for bucket in buckets or []:
