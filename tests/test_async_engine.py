@@ -434,3 +434,53 @@ def test_a_caller_chosen_id_is_not_reused_before_a_failed_flush_hands_the_old_re
         outs = asyncio.run(asyncio.wait_for(run(), 30))
     assert outs[-1].finish_reason == "length" and outs[-1].prompt_token_ids == PROMPTS[1]
     assert outs[-1].token_ids == expected
+
+
+def test_step_faults_follow_the_engines_rule_through_the_front(monkeypatch):
+    """Faults in steps the worker runs: a request whose every step fails (its own sampling) is finished with an error
+    after failing alone twice, and a one-shot model fault after that is retried by the engine's rule. Every stream
+    ends once, with its own output: the others' equal the clean run, each token delivered once; the failing one's
+    ends with finish_reason "error" and the message; the worker goes on."""
+    from looped_spec.execution.sampler import SamplingRows
+
+    params = SamplingParams(max_tokens=16, ignore_eos=True)
+    expected = [o.token_ids for o in make_engine("ouro", speculation="2,1").generate(PROMPTS, params)]
+    engine = make_engine("ouro", speculation="2,1", max_batch_size=4)
+    original = SamplingRows.build.__func__
+
+    def build(cls, requests, device, drafted=None):  # a fault only the request "bad" hits, every time
+        if any(r.request_id == "bad" for r in requests):
+            raise RuntimeError("bad request")
+        return original(cls, requests, device, drafted)
+
+    monkeypatch.setattr(SamplingRows, "build", classmethod(build))
+    real_loop, loop_faults = engine.adapter.loop, []
+
+    def loop(*args, **kwargs):  # once "bad" was finished with its error, one model fault, once
+        if engine.stats.num_requests_failed and not loop_faults:
+            loop_faults.append(None)
+            raise RuntimeError("one-shot")
+        return real_loop(*args, **kwargs)
+
+    monkeypatch.setattr(engine.adapter, "loop", loop)
+
+    async def collect(prompt, request_id) -> list:
+        return [out async for out in front.add_request(prompt, params, request_id=request_id)]
+
+    async def run():
+        ids = ["a", "b", "c", "bad"]
+        return dict(zip(ids, await asyncio.gather(*(collect(p, i) for p, i in zip([*PROMPTS, PROMPTS[0]], ids)))))
+
+    with AsyncLoopedSpecEngine(engine) as front:
+        streams = asyncio.run(asyncio.wait_for(run(), 60))
+        assert loop_faults and front.num_in_flight == 0
+        wait_until(lambda: engine.num_free_blocks == engine.kv.num_blocks and not engine.has_unfinished_requests())
+        again = asyncio.run(asyncio.wait_for(collect(PROMPTS[1], "d"), 30))  # the worker goes on
+    for outs in streams.values():  # one finished output, the last; every token once
+        assert [out.finished for out in outs] == [False] * (len(outs) - 1) + [True]
+        assert [t for out in outs for t in out.new_token_ids] == outs[-1].token_ids
+    finals = [streams[i][-1] for i in "abc"]
+    assert [(o.finish_reason, o.token_ids) for o in finals] == [("length", t) for t in expected]
+    bad = streams["bad"][-1]
+    assert bad.finish_reason == "error" and "bad request" in bad.error
+    assert again[-1].token_ids == expected[1]
