@@ -11,11 +11,11 @@ import jsonschema
 import pytest
 import torch
 from chisquare import assert_distribution, three_token_distribution
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 from pydantic import ValidationError
 from test_loop_batching import engine_actions
-from test_reliability_property import EXAMPLES, FaultyLoop, InjectedFault
+from test_reliability_property import RANDOM_WORKLOADS, FaultyModel, InjectedFault
 
 from looped_spec import LoopedSpecEngine, SamplingParams, SpeculativeConfig
 from looped_spec.structured_output import StructuredOutputs
@@ -200,8 +200,7 @@ def alone_with_grammar(prompt: str, params_json: str) -> tuple[int, ...]:
 
 
 @pytest.mark.slow
-@settings(max_examples=EXAMPLES, deadline=None, derandomize=True, database=None,
-          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])  # fmt: skip
+@RANDOM_WORKLOADS
 @given(
     speculation=st.sampled_from(["off", "2,1", "3,2", "adaptive"]),
     batching=st.sampled_from(["step", "loop"]),
@@ -217,8 +216,7 @@ def test_grammars_survive_arrivals_aborts_faults_and_preemption(speculation, bat
                               num_kv_blocks=num_kv_blocks, max_model_len=40, max_batch_size=4,
                               max_num_batched_tokens=16)  # fmt: skip
     adapter = runner.adapter
-    faulty = FaultyLoop(adapter.loop)
-    adapter.loop = faulty
+    faulty = FaultyModel(adapter)
     specs, finished, aborted, last_ok = {}, {}, set(), True
 
     def step() -> None:
@@ -263,7 +261,7 @@ def test_grammars_survive_arrivals_aborts_faults_and_preemption(speculation, bat
             expected = alone_with_grammar(spec["prompt"], grammar_params(spec).model_dump_json(by_alias=True))
             assert tuple(out.token_ids) == expected, (spec, out.finish_reason)
     finally:
-        adapter.loop = faulty.original
+        faulty.remove()
 
 
 def test_the_grammar_decides_where_the_output_ends():
