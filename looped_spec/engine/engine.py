@@ -28,6 +28,7 @@ from looped_spec.engine.inputs import (
     check_bias_tokens,
     check_encoded_vocabulary,
     check_filters_sample,
+    check_prompt_room,
     check_top_count,
     check_vocabulary,
     end_tokens,
@@ -270,11 +271,7 @@ class LoopedSpecEngine:
         check_filters_sample(params, given)
         _, cache_salt = split_prompt(prompt, where)  # a prompt dict's salt (and its keys checked)
         ids = to_token_ids(prompt, self.tokenizer, self.adapter.vocab_size, where=where)
-        if len(ids) >= self.max_model_len:
-            raise ValueError(
-                f"{where} has {len(ids)} tokens; max_model_len={self.max_model_len} leaves no room to "
-                "generate (needs prompt length < max_model_len)"
-            )
+        check_prompt_room(len(ids), self.max_model_len, where)
         if request_id is None:  # the next number no live request uses (a caller may have chosen "3" itself)
             request_id = str(next(self._ids))
             while request_id in self._requests or request_id in taken:
@@ -556,10 +553,7 @@ class LoopedSpecEngine:
             check_encoded_vocabulary(ids, self.adapter.vocab_size, where)
             if not ids:
                 raise ValueError(f"{where}: the chat template renders an empty prompt")
-            if len(ids) >= self.max_model_len:
-                raise ValueError(f"{where}: its rendered prompt has {len(ids)} tokens; max_model_len="
-                                 f"{self.max_model_len} leaves no room to generate (needs prompt length < "
-                                 "max_model_len)")  # fmt: skip
+            check_prompt_room(len(ids), self.max_model_len, f"{where}: its rendered prompt")
         params_list = params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
         if len(params_list) != len(prompts):
             raise ValueError(f"sampling_params: {len(params_list)} SamplingParams for {len(prompts)} conversations")

@@ -175,6 +175,13 @@ def check_encoded_vocabulary(ids: list[int], vocab_size: int, where: str) -> Non
                          f"{vocab_size}) (the tokenizer has more tokens than the model)")  # fmt: skip
 
 
+def check_prompt_room(num_tokens: int, max_model_len: int, where: str) -> None:
+    """ValueError naming `where` when a prompt of `num_tokens` leaves no room to generate within `max_model_len`."""
+    if num_tokens >= max_model_len:
+        raise ValueError(f"{where} has {num_tokens} tokens; max_model_len={max_model_len} leaves no room to generate "
+                         "(needs prompt length < max_model_len)")  # fmt: skip
+
+
 def check_bias_tokens(bias: dict[int, float], vocab_size: int, where: str = "logit_bias") -> None:
     """ValueError naming the first token id of a logit bias outside the vocabulary, as `where`."""
     outside = next((token for token in bias if not 0 <= token < vocab_size), None)
