@@ -121,13 +121,19 @@ def _parsed_arguments(call: Any, where: str) -> Any:
         return call
     if arguments is not None and not isinstance(arguments, str):
         raise ValueError(f"{where}.function.arguments: JSON text or a dict, got {type(arguments).__name__}")
-    try:
-        parsed = json.loads(arguments) if arguments else {}
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"{where}.function.arguments: not JSON ({exc})") from None
-    except RecursionError:
-        raise ValueError(f"{where}.function.arguments: nested too deeply") from None
+    parsed = tool_call_arguments(arguments, f"{where}.function.arguments")
     return {**call, "function": {**function, "arguments": parsed}}
+
+
+def tool_call_arguments(arguments: str | None, where: str) -> Any:
+    """A tool call's JSON `arguments` text as templates take it (none or empty: {}); a ValueError naming `where` for
+    text that is not JSON (offline chat and the server alike)."""
+    try:
+        return json.loads(arguments) if arguments else {}
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{where}: not JSON ({exc})") from None
+    except RecursionError:
+        raise ValueError(f"{where}: nested too deeply") from None
 
 
 def chat_prompt(

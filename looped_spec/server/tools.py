@@ -19,6 +19,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, model_validator
 
+from looped_spec.engine.chat import tool_call_arguments
 from looped_spec.server.errors import APIError
 from looped_spec.server.protocol import ChatCompletionRequest, ChatTool, FunctionCall, NamedToolChoice, ToolCall
 from looped_spec.server.tool_parsers import TOOL_PARSERS, ParsedCall, ToolParser, tool_parser
@@ -273,11 +274,9 @@ def template_message(message: Any, index: int) -> dict[str, Any]:
         for j, call in enumerate(message.tool_calls):
             field = f"messages[{index}].tool_calls[{j}].function.arguments"
             try:
-                arguments = json.loads(call.function.arguments) if call.function.arguments else {}
-            except json.JSONDecodeError as exc:
-                raise APIError(400, f"{field}: not JSON ({exc})", field) from exc
-            except RecursionError as exc:
-                raise APIError(400, f"{field}: nested too deeply", field) from exc
+                arguments = tool_call_arguments(call.function.arguments, field)
+            except ValueError as exc:
+                raise APIError(400, str(exc), field) from exc
             calls.append({"id": call.id, "type": call.type,
                           "function": {"name": call.function.name, "arguments": arguments}})  # fmt: skip
         out["tool_calls"] = calls
