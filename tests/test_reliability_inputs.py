@@ -372,3 +372,13 @@ def test_token_id_prompts_take_any_integer_type_and_name_the_id_that_is_not_one(
         with pytest.raises(TypeError, match=named + " is not an int token id"):
             engine.generate(prompt, params)
     assert not engine.has_unfinished_requests()
+
+
+def test_a_prompt_must_leave_room_to_generate_within_max_model_len():
+    """A prompt of max_model_len tokens leaves no position to generate into: an error naming the prompt and the limit
+    (one token shorter is taken and generates up to the limit)."""
+    engine = make_engine("ouro", max_model_len=16)
+    with pytest.raises(ValueError, match=r"^prompts\[1\] has 16 tokens; max_model_len=16 leaves no room to generate"):
+        engine.generate([[5] * 4, [5] * 16], SamplingParams(max_tokens=4))
+    out = engine.generate([5] * 15, SamplingParams(max_tokens=4, ignore_eos=True))[0]
+    assert (len(out.token_ids), out.finish_reason) == (1, "length")
