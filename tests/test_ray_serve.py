@@ -565,10 +565,11 @@ def test_replica_metrics_ports_that_take_the_proxys_port_are_refused_before_ray_
     assert started == [8002]
 
 
-@pytest.mark.parametrize("address", [None, "ray://head:10001"])
-def test_interrupting_the_cli_removes_only_its_own_application_from_a_cluster_it_joined(monkeypatch, address):
-    """Ctrl-C / SIGTERM ends `looped-spec serve --replicas`. A local cluster it started goes whole (Serve and Ray shut
-    down); on a cluster it joined (RAY_ADDRESS) Serve may run other applications: only looped-spec's is deleted."""
+def _fake_ray(monkeypatch, address, serve_running_on=None):
+    """Ray and Serve as calls recorded in a list: `address` as RAY_ADDRESS, `serve_running_on` the (host, port) of a
+    Serve already running on the cluster (None: none runs)."""
+    from types import SimpleNamespace
+
     from looped_spec.server import replicas
 
     calls = []
@@ -580,6 +581,11 @@ def test_interrupting_the_cli_removes_only_its_own_application_from_a_cluster_it
     def interrupted():
         raise KeyboardInterrupt
 
+    running = None
+    if serve_running_on is not None:
+        host, port = serve_running_on
+        running = SimpleNamespace(http_config=SimpleNamespace(host=host, port=port))
+    monkeypatch.setattr(replicas.serve.context, "_get_global_client", lambda **kwargs: running)
     monkeypatch.setattr(replicas.ray, "init", lambda **kwargs: calls.append(("ray.init", kwargs["address"])))
     monkeypatch.setattr(replicas.ray, "shutdown", lambda: calls.append(("ray.shutdown",)))
     monkeypatch.setattr(replicas.serve, "start", lambda **kwargs: calls.append(("serve.start",)))
@@ -588,10 +594,41 @@ def test_interrupting_the_cli_removes_only_its_own_application_from_a_cluster_it
     monkeypatch.setattr(replicas.serve, "shutdown", lambda: calls.append(("serve.shutdown",)))
     monkeypatch.setattr(replicas.signal, "signal", lambda *args: None)
     monkeypatch.setattr(replicas.signal, "pause", interrupted)
+    return calls
+
+
+@pytest.mark.parametrize(
+    "address, serve_running",
+    [(None, False), ("ray://head:10001", False), ("ray://head:10001", True), (None, True)],
+)
+def test_interrupting_the_cli_removes_only_its_own_application_from_a_cluster_it_joined(
+    monkeypatch, address, serve_running
+):
+    """Ctrl-C / SIGTERM ends `looped-spec serve --replicas`. A local cluster it started goes whole (Serve and Ray shut
+    down); on a cluster it joined (RAY_ADDRESS, or one found on this machine whose Serve already runs) Serve may run
+    other applications: only looped-spec's is deleted."""
+    from looped_spec.server import replicas
+
+    calls = _fake_ray(monkeypatch, address, ("127.0.0.1", 8000) if serve_running else None)
     replicas.run_replicas(parse_args({"model": "tiny-ouro"}), "127.0.0.1", 8000)
     ends = [call for call in calls if call[0] in ("serve.delete", "serve.shutdown", "ray.shutdown")]
-    if address is None:
+    if address is None and not serve_running:
         assert ends == [("serve.shutdown",), ("ray.shutdown",)]
     else:
         assert ends == [("serve.delete", replicas.APP_NAME), ("ray.shutdown",)]  # the driver disconnects
     assert calls[0] == ("ray.init", address)
+    assert ("serve.run", replicas.APP_NAME) in calls
+
+
+@pytest.mark.parametrize("address", [None, "ray://head:10001"])
+def test_a_cluster_whose_serve_listens_elsewhere_is_refused_naming_the_flags(monkeypatch, capsys, address):
+    """Serve's HTTP host and port are the cluster's: where Serve already runs elsewhere, Ray would keep its address and
+    only log that --host / --port were ignored, and the CLI would announce an address nothing listens on. It refuses,
+    naming both addresses, and deploys nothing (so deletes nothing, and leaves that Serve running)."""
+    from looped_spec.cli import main
+
+    calls = _fake_ray(monkeypatch, address, ("0.0.0.0", 8000))
+    assert main(["serve", "tiny-ouro", "--replicas", "2", "--host", "127.0.0.1", "--port", "8001"]) == 2
+    err = capsys.readouterr().err
+    assert "--host 127.0.0.1 --port 8001" in err and "0.0.0.0:8000" in err and "--host 0.0.0.0 --port 8000" in err, err
+    assert [call[0] for call in calls] == ["ray.init", "ray.shutdown"]

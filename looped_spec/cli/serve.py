@@ -189,7 +189,7 @@ _REPLICA_FLAGS = {"num_replicas": "--replicas", "min_replicas": "--min-replicas"
 def serve_replicas(args: argparse.Namespace, api_key: str | None, scaling: dict, tool_calling, chat_template) -> int:
     """`serve` with replicas: the same app under Ray Serve, one engine per replica (server/replicas.py)."""
     try:
-        from looped_spec.server.replicas import ReplicaAppArgs, parse_args, run_replicas
+        from looped_spec.server.replicas import ProxyAddressError, ReplicaAppArgs, parse_args, run_replicas
     except ImportError as exc:
         raise UsageError(f"--replicas needs Ray Serve ({exc}): pip install -e '.[ray]'") from None
     options = engine_options(args)
@@ -216,7 +216,10 @@ def serve_replicas(args: argparse.Namespace, api_key: str | None, scaling: dict,
         for field, flag in _REPLICA_FLAGS.items():
             message = message.replace(field, flag)
         raise UsageError(message) from None
-    run_replicas(app_args, args.host, args.port)
+    try:
+        run_replicas(app_args, args.host, args.port)
+    except ProxyAddressError as exc:  # the cluster joined serves HTTP elsewhere (it names the flags)
+        raise UsageError(str(exc)) from None
     return 0
 
 

@@ -265,19 +265,40 @@ def run_replicas(args: ReplicaAppArgs, host: str, port: int) -> None:
     # SIGTERM ends the server like Ctrl-C (after ray.init, which installs its own handler): the application is
     # deleted and a local cluster this process started is shut down with it
     signal.signal(signal.SIGTERM, _interrupt)
+    # Serve already running (a cluster joined, through RAY_ADDRESS or found on this machine) is not this process's
+    running = serve.context._get_global_client(raise_if_no_controller_running=False)
+    owns_serve, deployed = address is None and running is None, False
     try:
+        if running is not None:
+            _check_proxy_address(running.http_config, host, port)
         serve.start(http_options={"host": host, "port": port})
+        deployed = True
         serve.run(build_application(application_args), name=APP_NAME, route_prefix="/", blocking=False)
         print(f"looped-spec: serving on http://{host}:{port} through Ray Serve", flush=True)
         signal.pause()
     except KeyboardInterrupt:
         pass
     finally:
-        if address is None:  # the local cluster this process started: Serve and Ray go with it
+        if owns_serve:  # the local cluster this process started: Serve and Ray go with it
             serve.shutdown()
-        else:  # a cluster it joined (others' applications may run on it): only this application goes
+        elif deployed:  # a cluster it joined (others' applications may run on it): only this application goes
             serve.delete(APP_NAME)
         ray.shutdown()
+
+
+class ProxyAddressError(ValueError):
+    """The Serve already running on the cluster joined listens elsewhere than --host / --port."""
+
+
+def _check_proxy_address(http: Any, host: str, port: int) -> None:
+    """Serve's HTTP proxies belong to the cluster: where Serve already runs, `serve.start` keeps their host and port
+    and only logs that ours were ignored. Refuse rather than announce an address nothing listens on."""
+    if (http.host, http.port) != (host, port):
+        raise ProxyAddressError(
+            f"--host {host} --port {port}: the Ray cluster joined already runs Serve, whose HTTP proxies listen on "
+            f"{http.host}:{http.port} (Serve's HTTP options are the cluster's and stay while it runs); pass --host "
+            f"{http.host} --port {http.port}, or stop Serve there first (`serve shutdown`)"
+        )
 
 
 def _interrupt(signum: int, frame: Any) -> None:
