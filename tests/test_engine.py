@@ -156,7 +156,9 @@ def test_online_api_and_abort():
     for _ in range(3):
         for out in engine.step():
             seen[out.request_id] = out.token_ids
+    assert sorted(engine.request_ids()) == sorted([first, second])
     engine.abort(first)
+    assert sorted(engine.request_ids()) == sorted([first, second])  # aborted: held until its output is returned
     finished = {}
     while engine.has_unfinished_requests():
         for out in engine.step():
@@ -164,7 +166,7 @@ def test_online_api_and_abort():
                 finished[out.request_id] = out
     assert finished[first].finish_reason == "abort" and len(finished[first].token_ids) < 30
     assert finished[second].finish_reason == "length" and len(finished[second].token_ids) == 5
-    assert engine.num_free_blocks == engine.kv.num_blocks
+    assert engine.num_free_blocks == engine.kv.num_blocks and engine.request_ids() == []
     # counted by finish reason, as vLLM's request_success (an abort was counted nowhere)
     assert engine.stats.finished_reasons == {"abort": 1, "length": 1} and engine.stats.num_requests_finished == 1
     assert 'request_success_total{finished_reason="abort",model_name="m"} 1.0' in engine.stats.to_prometheus("m")

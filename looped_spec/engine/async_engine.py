@@ -291,7 +291,7 @@ class AsyncLoopedSpecEngine:
                 # output (its stream ends with an error event). Only failures outside that rule — more in a row
                 # than it can take to blame every request — end every stream.
                 failures += 1
-                limit = engine.FAILURES_TO_BLAME * (len(engine._requests) + 1)
+                limit = engine.FAILURES_TO_BLAME * (len(engine.request_ids()) + 1)
                 if failures > limit:
                     logger.exception("engine step failed %d times in a row; ending every request", failures)
                     self._recover(exc)
@@ -352,7 +352,7 @@ class AsyncLoopedSpecEngine:
         """Steps keep failing beyond the engine's rule: end every request it holds, free their KV, keep the worker
         alive."""
         engine = self.engine
-        affected = list(engine._requests)
+        affected = engine.request_ids()
         for request_id in affected:
             try:
                 engine.abort(request_id)

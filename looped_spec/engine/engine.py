@@ -366,6 +366,11 @@ class LoopedSpecEngine:
         """The model's tokenizer (`transformers`), None for a model without one; as vLLM's `get_tokenizer()`."""
         return self.tokenizer
 
+    def request_ids(self) -> list[str]:
+        """The ids of the requests the engine holds: waiting, running, or finished with their output not returned yet
+        (the ids `abort` takes)."""
+        return list(self._requests)
+
     def has_unfinished_requests(self) -> bool:
         """True while a request runs or waits, or a finished request's output has not been returned yet."""
         return self.scheduler.has_unfinished() or bool(self._reports)
