@@ -14,6 +14,10 @@ from looped_spec.structured_output import StructuredOutputs
 # Below this a softmax temperature divides logits into overflow (1e-45 gives token 0 everywhere): such a
 # temperature means "greedy", as in vLLM.
 GREEDY_TEMPERATURE = 1e-5
+# Above this the sampler's fp32 temperature is inf: logits divided by it are 0 (every token alike, top-k ignored) and
+# NaN where masked (-inf), so a masked token could come (token 0 everywhere). Near it, every kept token is equally
+# likely already.
+MAX_TEMPERATURE = 3.4e38
 
 
 def _integral(value: Any) -> Any:
@@ -86,8 +90,9 @@ class SamplingParams(BaseModel):
     temperature: Real = Field(
         0.0,
         ge=0.0,
+        le=MAX_TEMPERATURE,
         allow_inf_nan=False,
-        description="0 (or below 1e-5) = greedy; else softmax temperature.",
+        description="0 (or below 1e-5) = greedy; else softmax temperature (at most 3.4e38, fp32's range).",
     )
     top_k: Integer = Field(
         0,

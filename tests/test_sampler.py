@@ -201,3 +201,21 @@ def test_bad_keys_and_penalties_are_refused_naming_the_field():
     for bad in (1e-300, 1e-40, 0.0, 0.001):
         with pytest.raises(ValidationError, match="repetition_penalty"):
             SamplingParams(repetition_penalty=bad)
+
+
+def test_a_temperature_fp32_cannot_hold_is_refused_and_one_it_can_keeps_to_the_masks():
+    """Above fp32's largest value the sampler's temperature was inf: every logit / inf is 0 and a masked one (-inf)
+    NaN, so a request drew token 0 outside its allowed_token_ids, every time. A temperature within fp32's range
+    draws its allowed tokens, all of them alike."""
+    from conftest import make_engine
+    from pydantic import ValidationError
+
+    from looped_spec import SamplingParams
+
+    for bad in (1e39, 1e300):
+        with pytest.raises(ValidationError, match="temperature"):
+            SamplingParams(temperature=bad)
+    allowed = [3, 5, 7]
+    params = SamplingParams(max_tokens=30, temperature=3.4e38, allowed_token_ids=allowed, seed=1, ignore_eos=True)
+    out = make_engine("ouro").generate([5, 9, 13], params)[0]
+    assert set(out.token_ids) == set(allowed)
