@@ -200,8 +200,9 @@ class Request:
         # the first min_tokens tokens are never stop tokens (their logits are masked, execution/sampler.py) and
         # complete no stop string
         self.min_tokens = params.min_tokens
-        # the stop tokens as a sorted list, for the mask
-        self.stop_id_list = sorted(self.stop_ids)
+        # the tokens masked before min_tokens, sorted: the stop tokens and the eos tokens even under ignore_eos, as
+        # vLLM's `_all_stop_token_ids` (its min_tokens processor masks the model's eos whatever ignore_eos says)
+        self.stop_id_list = sorted(self.stop_ids | self.eos_ids)
         # structured outputs: the grammar, advanced by every committed token (structured_output.py)
         self.grammar = grammar
         # allowed_token_ids: the only tokens it may generate (the sampler masks the rest; None: any)

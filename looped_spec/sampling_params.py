@@ -84,8 +84,8 @@ class SamplingParams(BaseModel):
         0,
         ge=0,
         description="Fewest tokens to generate before a stop can end the request, as in vLLM: the first min_tokens "
-        "tokens are never stop tokens (eos unless ignore_eos, and stop_token_ids: masked in the sampler) and a stop "
-        "string must end in the text of a later token. At most max_tokens; 0 = off.",
+        "tokens are never stop tokens (eos, under ignore_eos too as vLLM masks it, and stop_token_ids: masked in the "
+        "sampler) and a stop string must end in the text of a later token. At most max_tokens; 0 = off.",
     )
     temperature: Real = Field(
         0.0,

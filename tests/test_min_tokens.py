@@ -39,7 +39,8 @@ def request_with(output: list[int], min_tokens: int, stop_token_ids: list[int], 
 def test_the_stop_tokens_of_positions_short_of_min_tokens_are_masked():
     """A request with 2 tokens of output and min_tokens 4: at its next position (no drafts before it) and after one
     draft its stop tokens (eos and stop_token_ids) are masked; after two drafts the output before the position holds 4
-    and nothing is. Other logits are untouched; a request past its min_tokens, or without one, is not masked."""
+    and nothing is. Other logits are untouched; a request past its min_tokens, or without one, is not masked; one
+    that ignores eos has it masked before min_tokens all the same."""
     logits = torch.randn(6, 12, generator=torch.Generator().manual_seed(3))
     short = request_with([5, 6], 4, [7, 9])
     requests = [short, short, short, request_with([5, 6, 5, 6], 4, [7]), request_with([5], 0, [7]),
@@ -49,7 +50,8 @@ def test_the_stop_tokens_of_positions_short_of_min_tokens_are_masked():
     assert rows.adjusts and rows.counts_drafts
     got = rows.adjusted(logits)
     want = logits.clone()
-    want[0, [0, 7, 9]] = want[1, [0, 7, 9]] = want[5, 7] = float("-inf")
+    # eos too under ignore_eos, as vLLM's min_tokens masks it
+    want[0, [0, 7, 9]] = want[1, [0, 7, 9]] = want[5, [0, 7]] = float("-inf")
     torch.testing.assert_close(got, want)
     # past min_tokens there is nothing to adjust, and no need for the drafts
     done = SamplingRows.build(requests[3:5], torch.device("cpu"))
@@ -184,6 +186,19 @@ def test_a_vocabulary_of_stop_tokens_is_refused_with_min_tokens():
     with pytest.raises(ValueError, match="min_tokens=2: every token of the vocabulary is a stop token"):
         engine.generate([1, 2], SamplingParams(max_tokens=4, min_tokens=2, stop_token_ids=every))
     assert engine.generate([1, 2], SamplingParams(max_tokens=4, stop_token_ids=every))[0].finish_reason == "stop"
+
+
+@pytest.mark.parametrize("speculation", [None, SpeculativeConfig(k=2, d=1)])
+def test_eos_is_masked_before_min_tokens_under_ignore_eos_as_in_vllm(speculation):
+    """vLLM's min_tokens masks the model's eos whether or not the request ignores eos (its `_all_stop_token_ids`
+    holds it either way): a logit bias that makes eos every position's choice gives it only from min_tokens on,
+    plain and speculative alike."""
+    engine = make_engine("ouro", speculation=speculation)
+    eos = engine.eos_token_ids[0]
+    params = SamplingParams(max_tokens=6, min_tokens=3, ignore_eos=True, logit_bias={eos: 100.0})
+    out = engine.generate([5, 9, 13], params)[0]
+    assert eos not in out.token_ids[:3] and out.token_ids[3:] == [eos] * 3
+    engine.close()
 
 
 def make_engine_with_tokenizer():

@@ -280,7 +280,7 @@ class LoopedSpecEngine:
         if request_id in self._requests or request_id in taken:
             raise ValueError(f"request_id {request_id!r} is already in use")
         check_vocabulary(params.stop_token_ids, self.adapter.vocab_size, "stop_token_ids")
-        stops = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.eos_token_ids))
+        stops = set(params.stop_token_ids) | set(self.eos_token_ids)  # masked before min_tokens, ignore_eos or not
         if params.min_tokens and len(stops) >= self.adapter.vocab_size:
             raise ValueError(f"min_tokens={params.min_tokens}: every token of the vocabulary is a stop token (eos and "
                              "stop_token_ids), so none may be sampled before min_tokens")  # fmt: skip
