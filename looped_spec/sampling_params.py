@@ -12,7 +12,8 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationIn
 from looped_spec.structured_output import StructuredOutputs
 
 # Below this a softmax temperature divides logits into overflow (1e-45 gives token 0 everywhere): such a
-# temperature means "greedy", as in vLLM.
+# temperature means "greedy". vLLM raises a temperature in (0, 1e-2) to 1e-2 (with a warning) and samples; here one
+# of at least 1e-5 is kept as asked, which fp32 logits divide by without overflow.
 GREEDY_TEMPERATURE = 1e-5
 # Above this the sampler's fp32 temperature is inf: logits divided by it are 0 (every token alike, top-k ignored) and
 # NaN where masked (-inf), so a masked token could come (token 0 everywhere). Near it, every kept token is equally
