@@ -1229,6 +1229,25 @@ def test_a_null_field_is_an_unset_one():
     ) == CompletionRequest.model_validate({**streamed, "stream_options": {"include_usage": True}})
 
 
+def test_an_unsupported_field_is_named_however_it_is_spelt(plain_server):
+    """A field no schema has is named as the client spelt it: a capitalised name (`Temperature`, a client written for
+    another API) or one that looks like a type (`int`) had been taken for pydantic's union branch names and dropped,
+    leaving a 400 that named no field."""
+    chat = {"messages": [{"role": "user", "content": "hi"}]}
+    for path, body, named in (
+        ("/v1/completions", {"prompt": "a", "Temperature": 0.5}, "Temperature"),
+        ("/v1/completions", {"prompt": "a", "int": 1}, "int"),
+        ("/v1/completions", {"prompt": "a", "stream": True, "stream_options": {"Include_usage": True}},
+         "stream_options.Include_usage"),
+        ("/v1/chat/completions", {**chat, "MaxTokens": 5}, "MaxTokens"),
+        ("/tokenize", {"prompt": "a", "Add_special_tokens": False}, "Add_special_tokens"),
+    ):  # fmt: skip
+        answer = httpx.post(plain_server.url + path, json={"model": MODEL, **body}, timeout=60)
+        error = answer.json()["error"]
+        assert answer.status_code == 400 and error["param"] == named, (body, error)
+        assert error["message"].startswith(named) and "not a supported field" in error["message"], error
+
+
 def test_a_negative_seed_is_taken_as_openai_and_vllm_take_it(plain_server, reference_engine):
     """OpenAI's schema (and vLLM's) takes any 64-bit integer as `seed` (clients send -1): the choices draw with it
     modulo 2**63, as the server reduces every choice's seed s + j, so -1 samples as 2**63 - 1 does offline."""

@@ -62,6 +62,14 @@ def field_path(loc: tuple) -> str:
     return out
 
 
+def unsupported_field_path(loc: tuple) -> str:
+    """The path of a field the request sent and no schema has: its own name is the client's, kept whatever it looks
+    like (`Temperature`, `int`), where `field_path` would take it for a union branch's name and drop it."""
+    parent = field_path(loc[:-1])
+    name = str(loc[-1]) if loc else ""
+    return f"{parent}.{name}" if parent else name
+
+
 def _with_guess(loc: tuple) -> str:
     """An unsupported field's path, with the request field it was likely meant to be (`temprature`: did you mean
     `temperature`?), from the fields of every request body this server takes."""
@@ -75,10 +83,10 @@ def _with_guess(loc: tuple) -> str:
     known = sorted({name for model in models for name in model.model_fields})
     name = str(loc[-1]) if loc else ""
     if len(loc) == 2 and name in VLLM_SERVER_FIELDS:  # a vLLM field this server lacks: what stands for it
-        return f"{field_path(loc)} ({VLLM_SERVER_FIELDS[name]})"
+        return f"{unsupported_field_path(loc)} ({VLLM_SERVER_FIELDS[name]})"
     # a field another endpoint takes (chat's `tools` sent to completions) is named as it is
     close = [] if name in known else difflib.get_close_matches(name, known, n=1)
-    return field_path(loc) + (f" (did you mean {close[0]!r}?)" if close else "")
+    return unsupported_field_path(loc) + (f" (did you mean {close[0]!r}?)" if close else "")
 
 
 def validation_message(errors: list[dict]) -> tuple[str, str | None]:
@@ -108,7 +116,7 @@ def validation_message(errors: list[dict]) -> tuple[str, str | None]:
     for error in errors:
         loc = tuple(error.get("loc", ()))
         if error.get("type") == "extra_forbidden":
-            path = field_path(loc) or None
+            path = unsupported_field_path(loc) or None
             if extra:
                 what = "a supported field" if len(extra) == 1 else "supported fields"
                 parts.append(f"{', '.join(extra)}: not {what}")
