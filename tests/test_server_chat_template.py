@@ -218,6 +218,22 @@ def test_tokenize_a_prompt_equals_the_tokenizer(server, reference):
     assert chat["count"] == len(chat["tokens"])
 
 
+def test_a_null_field_of_tokenize_and_detokenize_is_an_unset_one(server, reference):
+    """As on every other endpoint (and in /tokenize's chat form): a field sent as null takes its default (vLLM's
+    `return_token_strs` is optional too); the prompt form and /detokenize had refused it as not a boolean."""
+    prompt = "def add(a, b):"
+    ids = reference.tokenizer.encode(prompt)
+    nulls = {"model": None, "add_special_tokens": None, "return_token_strs": None, "messages": None}
+    answer = post(server, "/tokenize", {"prompt": prompt, **nulls})
+    assert answer.status_code == 200, answer.text
+    assert answer.json() == {"count": len(ids), "max_model_len": 256, "tokens": ids, "token_strs": None}
+    chat = post(server, "/tokenize", {"messages": QUESTION, "return_token_strs": None})
+    assert chat.status_code == 200 and chat.json()["token_strs"] is None
+    answer = post(server, "/detokenize", {"tokens": ids, "model": None})
+    assert answer.status_code == 200 and answer.json() == {"prompt": prompt}
+    assert error(post(server, "/tokenize", {"prompt": None})) == ("prompt: Field required", "prompt")
+
+
 def test_detokenize_round_trips_and_version(server, reference):
     prompt = "class Stack:\n    def push(self, x): ...  # ünïcode"
     tokens = post(server, "/tokenize", {"prompt": prompt}).json()["tokens"]

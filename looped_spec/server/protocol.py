@@ -305,10 +305,8 @@ class ChatCompletionRequest(SamplingFields, ChatTemplateFields):
         return "auto" if self.tools else "none"
 
 
-class TokenizeCompletionRequest(BaseModel):
-    """/tokenize of a plain prompt (vLLM's)."""
-
-    model_config = ConfigDict(extra="forbid", strict=True)
+class TokenizeCompletionRequest(RequestFields):
+    """/tokenize of a plain prompt (vLLM's); a null field is unset, as in the chat form and the other endpoints."""
 
     model: str | None = None
     prompt: str
@@ -331,9 +329,7 @@ class TokenizeResponse(BaseModel):
     token_strs: list[str] | None = None
 
 
-class DetokenizeRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
-
+class DetokenizeRequest(RequestFields):
     model: str | None = None
     tokens: list[int]
 

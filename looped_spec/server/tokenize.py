@@ -28,7 +28,8 @@ def parse_tokenize_request(raw: bytes) -> TokenizeCompletionRequest | TokenizeCh
         data = json.loads(raw)
     except (ValueError, RecursionError) as exc:  # not JSON (or not UTF-8), or nested past the parser's depth
         raise APIError(400, f"request body is not valid JSON: {exc}") from None
-    form = TokenizeChatRequest if isinstance(data, dict) and "messages" in data else TokenizeCompletionRequest
+    chat = isinstance(data, dict) and data.get("messages") is not None  # `messages: null` is unset, as any null field
+    form = TokenizeChatRequest if chat else TokenizeCompletionRequest
     try:  # validated from Python objects, as FastAPI validates the other endpoints' bodies
         return form.model_validate(data)
     except ValidationError as exc:
