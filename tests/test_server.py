@@ -1248,6 +1248,19 @@ def test_an_unsupported_field_is_named_however_it_is_spelt(plain_server):
         assert error["message"].startswith(named) and "not a supported field" in error["message"], error
 
 
+def test_a_body_not_sent_as_json_is_told_its_content_type(plain_server):
+    """A JSON body without `Content-Type: application/json` (curl -d sends a form's type) is not parsed by FastAPI:
+    the 400 says which header to send, not pydantic's "Input should be a valid dictionary" about the raw bytes; JSON
+    that is not an object is told so."""
+    body = json.dumps({"model": MODEL, "prompt": "a", "max_tokens": 1}).encode()
+    for path in ("/v1/completions", "/detokenize"):
+        for headers in ({"Content-Type": "application/x-www-form-urlencoded"}, {"Content-Type": "text/plain"}, {}):
+            error = httpx.post(plain_server.url + path, content=body, headers=headers, timeout=60).json()["error"]
+            assert "Content-Type: application/json" in error["message"], (path, headers, error)
+    listed = httpx.post(plain_server.url + "/v1/completions", json=[1, 2], timeout=60)
+    assert listed.status_code == 400 and listed.json()["error"]["message"] == "the request body must be a JSON object"
+
+
 def test_a_negative_seed_is_taken_as_openai_and_vllm_take_it(plain_server, reference_engine):
     """OpenAI's schema (and vLLM's) takes any 64-bit integer as `seed` (clients send -1): the choices draw with it
     modulo 2**63, as the server reduces every choice's seed s + j, so -1 samples as 2**63 - 1 does offline."""

@@ -99,6 +99,10 @@ def validation_message(errors: list[dict]) -> tuple[str, str | None]:
         return f"request body is not valid JSON: {first.get('ctx', {}).get('error', msg)}", None
     if tuple(first.get("loc", ())) == ("body",) and first.get("type") == "missing":
         return "the request body is empty: send a JSON object", None
+    if tuple(first.get("loc", ())) == ("body",) and first.get("type") == "model_attributes_type":
+        if isinstance(first.get("input"), bytes):  # FastAPI reads a body as JSON only under a JSON Content-Type
+            return "the request body was not read as JSON: send it with Content-Type: application/json", None
+        return "the request body must be a JSON object", None
     parts: list[str] = []
     extra = [_with_guess(tuple(e.get("loc", ()))) for e in errors if e.get("type") == "extra_forbidden"]
     # per top-level field, the error deepest inside it: of a union's branches, the one that got furthest into the
