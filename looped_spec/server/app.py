@@ -146,7 +146,8 @@ def build_app(
         # choice i * n + j: prompt i's j-th sample (OpenAI's order); all admitted together or none
         choices = [(ids, j) for ids in prompts for j in range(body.n)]
         serving.check_choices(len(choices), body.n)
-        # score only (max_tokens 0): the parameters still carry the seed and the exit fields the scores depend on
+        # score only (max_tokens 0): the parameters still carry the seed the scores depend on (a family drawing its
+        # initial state per token); prompts are scored at full depth
         max_tokens = 1 if score_only else serving.completion_tokens(body)
         serving.check_masks_beside_grammar(body)
         await serving.check_grammar(body, score_only)

@@ -145,7 +145,8 @@ class OpenAIServing:
 
     def completion_tokens(self, body: CompletionRequest) -> int | None:
         """A completion's max_tokens: the request's, else OpenAI's 16 within generation_config.json's
-        max_new_tokens (vLLM's reading; None, sent as such, is what the context leaves)."""
+        max_new_tokens (vLLM's reading). A null max_tokens is an unset one (OpenAI's 16), where vLLM takes it for what
+        the context leaves."""
         if "max_tokens" in body.model_fields_set or self.defaults.max_tokens is None:
             return body.max_tokens
         return min(body.max_tokens, self.defaults.max_tokens)
