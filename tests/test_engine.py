@@ -217,6 +217,14 @@ def test_a_kv_cache_the_device_cannot_hold_is_an_error_naming_the_option():
         make_engine("ouro", speculation="off", block_size=65536, num_kv_blocks=10**9)
 
 
+def test_a_kv_cache_memory_past_what_a_float_holds_in_bytes_is_what_a_full_batch_needs():
+    """kv_cache_memory_gb is a ceiling: one past float range in bytes (1e300 GiB is inf bytes) sizes the cache as
+    any large one does, to what max_batch_size requests of max_model_len need (it overflowed in int())."""
+    engine = make_engine("ouro", speculation="off", kv_cache_memory_gb=1e300, max_batch_size=2, max_model_len=64)
+    assert engine.kv.num_blocks == make_engine("ouro", speculation="off", kv_cache_memory_gb=1e3, max_batch_size=2,
+                                               max_model_len=64).kv.num_blocks == 2 * 64 // 16  # fmt: skip
+
+
 def test_a_text_prompt_encoding_outside_the_vocabulary_is_an_error_naming_it():
     """A tokenizer with more tokens than the model has embeddings: a text prompt holding one is refused as token ids
     are (it reached the embedding lookup, an IndexError there; on CUDA a device-side assert)."""

@@ -31,7 +31,9 @@ def num_kv_blocks(
             memory_gb = 2.0
             if adapter.device.type == "cuda":
                 memory_gb = 0.5 * torch.cuda.mem_get_info(adapter.device)[0] / 2**30
-        blocks = min(int(memory_gb * 2**30) // per_block, per_request * max_batch_size)
+        full_batch = per_request * max_batch_size
+        # compared before int(): memory_gb * 2**30 is inf for a huge memory_gb (1e300), which no int holds
+        blocks = full_batch if memory_gb * 2**30 >= full_batch * per_block else int(memory_gb * 2**30) // per_block
     if blocks < per_request:
         planes = adapter.kv_layout.num_planes
         if given_blocks is not None:
