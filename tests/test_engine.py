@@ -215,6 +215,10 @@ def test_a_kv_cache_the_device_cannot_hold_is_an_error_naming_the_option():
         r"keys and values\) cannot be allocated on cpu .*; give fewer num_kv_blocks",
     ):
         make_engine("ouro", speculation="off", block_size=65536, num_kv_blocks=10**9)
+    # past int64 elements torch.zeros raises a TypeError whose message is C++ stack frames
+    with pytest.raises(ValueError, match=r"^num_kv_blocks=4611686018427387904: .*cannot be allocated on cpu \(more "
+                       r"elements than a tensor holds\); give fewer num_kv_blocks"):  # fmt: skip
+        make_engine("ouro", speculation="off", num_kv_blocks=2**62)
 
 
 def test_a_kv_cache_memory_past_what_a_float_holds_in_bytes_is_what_a_full_batch_needs():

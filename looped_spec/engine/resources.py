@@ -62,6 +62,10 @@ def allocate_kv_cache(
         return KVCache(adapter.kv_layout, blocks, block_size, adapter.dtype, adapter.device)
     except RuntimeError as exc:  # torch.OutOfMemoryError on CUDA; the CPU allocator raises a plain RuntimeError
         cause = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    except TypeError as exc:  # torch.zeros: a size past int64, "Overflow when unpacking long long" and C++ frames
+        if "Overflow" not in str(exc):
+            raise
+        cause = "more elements than a tensor holds"
     # raised here, not inside the handler: the allocator's error (and the half-built cache its frames hold, device
     # memory on CUDA) is not kept alive as the context of ours
     # keys and values of every block and of the scratch block (KVCache), as the allocation asked for them
