@@ -419,7 +419,11 @@ def test_what_a_vllm_script_does_runs_or_says_what_to_use_instead():
             SamplingParams(**{field: None})
     vllm_options = [("max_num_seqs", "max_batch_size"), ("enforce_eager", "cuda_graphs=False"),
                     ("gpu_memory_utilization", "kv_cache_memory_gb"), ("trust_remote_code", "runs no"),
-                    ("logprobs_mode", "raw_logprobs"), ("max_logprobs", "fixed at vLLM's default 20")]  # fmt: skip
+                    ("logprobs_mode", "raw_logprobs"), ("max_logprobs", "fixed at vLLM's default 20"),
+                    ("kv_cache_dtype", "the model's dtype"), ("num_gpu_blocks_override", "num_kv_blocks"),
+                    ("enable_chunked_prefill", "always on"), ("tokenizer", "tokenizer files"),
+                    ("quantization", "no quantized weights"),
+                    ("generation_config", "generation_config.json")]  # fmt: skip
     for option, instead in vllm_options:
         with pytest.raises(ValueError, match=f"{option}: vLLM's engine argument; .*{instead}"):
             LoopedSpecEngine(str(fixture_dir("ouro")), speculation="off", **{option: 1})
