@@ -86,3 +86,13 @@ def test_compare_plain_with_plain_decoding_is_an_error(plain, launched, capsys):
     err = usage_error([*argv, "--speculation", plain], capsys)
     assert f"--compare-plain: times speculation against plain decoding, and --speculation {plain} is plain" in err
     assert launched == {}  # checked before the engine loads
+
+
+@pytest.mark.parametrize("replicas", [[], ["--replicas", "2"]])
+def test_an_empty_api_key_is_an_error_not_a_server_without_one(replicas, launched, capsys):
+    """`--api-key "$KEY"` with KEY unset served /v1/* to anyone, the key silently dropped."""
+    err = usage_error(["serve", "tiny-ouro", "--api-key", "", *replicas], capsys)
+    assert "--api-key '': is empty; give the key, or leave --api-key out" in err
+    assert launched == {}
+    assert main(["serve", "tiny-ouro", "--api-key", "k", "--log-level", "warning", *replicas]) == 0
+    assert (launched["replica_args"].api_key if replicas else launched["api_key"]) == "k"
