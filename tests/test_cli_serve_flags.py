@@ -96,3 +96,12 @@ def test_an_empty_api_key_is_an_error_not_a_server_without_one(replicas, launche
     assert launched == {}
     assert main(["serve", "tiny-ouro", "--api-key", "k", "--log-level", "warning", *replicas]) == 0
     assert (launched["replica_args"].api_key if replicas else launched["api_key"]) == "k"
+
+
+@pytest.mark.parametrize("replicas", [[], ["--replicas", "2"]])
+def test_an_empty_host_is_an_error_not_every_interface(replicas, launched, capsys):
+    """uvicorn (asyncio's create_server) binds host "" to every interface: `--host "$HOST"` with HOST unset exposed
+    the server that the default 127.0.0.1 keeps on this machine."""
+    err = usage_error(["serve", "tiny-ouro", "--host", "", *replicas], capsys)
+    assert "--host '': is empty; give an address" in err
+    assert launched == {}

@@ -158,6 +158,9 @@ def serve_command(args: argparse.Namespace) -> int:
     at_least(args.threads, 0, "--threads", " (0: torch's default)")
     if args.trace is not None:  # before the model loads, as generate checks it
         output_file(args.trace, "--trace")
+    if not args.host.strip():  # asyncio's create_server binds "" to every interface: `--host "$HOST"` unset exposes it
+        raise UsageError(f"--host {args.host!r}: is empty; give an address (127.0.0.1: this machine only, the default; "
+                         "0.0.0.0: every interface)")  # fmt: skip
     if not 0 <= args.port <= 65535:
         raise UsageError(f"--port {args.port}: must be in 0..65535")
     at_least(args.max_queued, 0, "--max-queued")
