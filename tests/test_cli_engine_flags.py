@@ -118,6 +118,7 @@ def test_generate_logs_only_warnings_unless_asked_and_never_on_stdout(capsys):
          "--control {'hysteresis': 0.5}: only with --speculation adaptive"),
         (["--temperature", "-1"], "--temperature: Input should be greater than or equal to 0"),
         (["--min-tokens", "9"], "--min-tokens 9 must be at most --max-tokens 4"),
+        (["--threads", str(2**40)], "--threads 1099511627776: more than torch takes (Overflow"),
     ],
 )  # fmt: skip
 def test_errors_name_the_flag(flags, message, capsys):

@@ -61,7 +61,10 @@ def set_threads(threads: int) -> None:
     if threads:
         import torch
 
-        torch.set_num_threads(threads)
+        try:
+            torch.set_num_threads(threads)
+        except ValueError as exc:  # past a C int: torch's "Overflow when unpacking long" names no flag
+            raise UsageError(f"--threads {threads}: more than torch takes ({exc})") from None
 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
