@@ -92,6 +92,7 @@ def test_generate_logs_only_warnings_unless_asked_and_never_on_stdout(capsys):
     [
         (["--speculation", "3,9"], "--speculation: d=9: must be in 1..3 (the model's full depth is D=4)"),
         (["--speculation", "3,x"], "--speculation 3,x: use off, adaptive or K,d (e.g. 3,1"),
+        (["--speculation", "²,1"], "--speculation ²,1: use off, adaptive or K,d (e.g. 3,1"),  # a digit to isdigit()
         (["--structured-outputs", '{"json": {"type": "objekt"}}'], "--structured-outputs: json: Invalid type: objekt"),
         (["--max-batch-size", "0"], "--max-batch-size 0: Input should be greater than or equal to 1"),
         (["--dtype", "float8"], "--dtype float8: not supported; use one of auto, float32, bfloat16, float16"),

@@ -64,6 +64,7 @@ def test_item06_sampling_params_bounds():
         ({"draft_override": object()}, "unknown option 'draft_override'"),
         ({"cuda_graphs": "always"}, "cuda_graphs"),
         ({"speculation": "sometimes"}, "speculation='sometimes'"),
+        ({"speculation": "²,1"}, "speculation='²,1': use 'off', 'adaptive', 'K,d'"),  # not int()'s invalid literal
         # options that would do nothing are errors, not shrugs
         ({"speculation": "3,1", "preset": "tiny-ouro"}, "preset='tiny-ouro': only with speculation='adaptive'"),
         ({"policy": "ema"}, "policy='ema': only with speculation='adaptive'"),

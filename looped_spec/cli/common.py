@@ -39,7 +39,8 @@ def engine_options(args: argparse.Namespace) -> dict:
 def speculation_flag(text: str) -> str:
     """--speculation's value as the command line can spell it: off, adaptive or K,d (the engine checks K and d)."""
     parts = text.replace(" ", "").split(",")
-    if text.strip().lower() in ("off", "adaptive") or (len(parts) == 2 and all(p.isdigit() for p in parts)):
+    numbers = len(parts) == 2 and all(p.isascii() and p.isdigit() for p in parts)  # isdigit() alone takes "²"
+    if text.strip().lower() in ("off", "adaptive") or numbers:
         return text
     raise UsageError(f"--speculation {text}: use off, adaptive or K,d (e.g. 3,1: draft 3 tokens with 1 loop)")
 

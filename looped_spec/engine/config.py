@@ -86,7 +86,7 @@ def parse_speculation(speculation: Any) -> Any:
         if text in ("off", "adaptive"):
             return text
         parts = text.replace(" ", "").split(",")
-        if len(parts) == 2 and all(p.isdigit() for p in parts):
+        if len(parts) == 2 and all(p.isascii() and p.isdigit() for p in parts):  # isdigit() alone takes "²"
             return _speculative_config({"k": int(parts[0]), "d": int(parts[1])})
     raise ValueError("use 'off', 'adaptive', 'K,d' or SpeculativeConfig(k=..., d=...)")
 
