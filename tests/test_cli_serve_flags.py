@@ -105,3 +105,21 @@ def test_an_empty_host_is_an_error_not_every_interface(replicas, launched, capsy
     err = usage_error(["serve", "tiny-ouro", "--host", "", *replicas], capsys)
     assert "--host '': is empty; give an address" in err
     assert launched == {}
+
+
+@pytest.mark.parametrize("replicas", [[], ["--replicas", "2"]])
+def test_an_empty_served_model_name_is_an_error_not_the_folder_name(replicas, launched, capsys):
+    """`--served-model-name "$NAME"` with NAME unset fell back to the folder's name, silently."""
+    err = usage_error(["serve", "tiny-ouro", "--served-model-name", " ", *replicas], capsys)
+    assert "--served-model-name ' ': is empty" in err
+    assert launched == {}
+
+
+@pytest.mark.parametrize("field", ["api_key", "served_model_name"])
+def test_a_serve_config_with_a_blank_key_or_name_is_refused_naming_it(field):
+    """The Serve config file's args (`api_key: "${KEY}"` with KEY unset) are checked as the flags are: a blank key
+    would serve /v1/* with none."""
+    from looped_spec.server.replicas import parse_args
+
+    with pytest.raises(ValueError, match=f"{field}: is empty"):
+        parse_args({"model": "tiny-ouro", field: ""})

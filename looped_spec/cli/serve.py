@@ -143,6 +143,9 @@ def serve_command(args: argparse.Namespace) -> int:
     if args.api_key is not None and not args.api_key.strip():  # `--api-key "$KEY"` with KEY unset: not an open server
         raise UsageError(f"--api-key {args.api_key!r}: is empty; give the key, or leave --api-key out (then "
                          f"${API_KEY_ENV} if set, else no key)")  # fmt: skip
+    if args.served_model_name is not None and not args.served_model_name.strip():  # not a name clients can send
+        raise UsageError(f"--served-model-name {args.served_model_name!r}: is empty; give a name, or leave it out "
+                         "(then the model folder's name)")  # fmt: skip
     api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
     tool_calling = tool_calling_config(args)
     chat_template = chat_template_config(args)

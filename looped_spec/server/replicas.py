@@ -74,6 +74,14 @@ class ReplicaAppArgs(BaseModel):
     return_tokens_as_token_ids: bool = Field(False, description="Log-probabilities show tokens as 'token_id:<id>' "
                                              "unless a request says otherwise.")  # fmt: skip
 
+    @field_validator("api_key", "served_model_name")
+    @classmethod
+    def _not_blank(cls, value: str | None) -> str | None:
+        # a blank key would serve /v1/* with none (`api_key: "${KEY}"` with KEY unset), a blank name be no model id
+        if value is not None and not value.strip():
+            raise ValueError("is empty: give one, or leave it out")
+        return value
+
     @field_validator("reasoning_parser")
     @classmethod
     def _known_reasoning_parser(cls, name: str | None) -> str | None:
