@@ -292,7 +292,8 @@ class Request:
 
         As in vLLM, the first min_tokens tokens end nothing (a stop token cannot be sampled there), a stop string is
         looked for in the text of the tokens after them, and a stop token's text is left out of the text unless the
-        request keeps its stop strings (`include_stop_str_in_output`)."""
+        request keeps its stop strings (`include_stop_str_in_output`): kept, it is kept whole, and the stop token is
+        what ended the request even where its text holds a stop string (vLLM looks for none in a stop token's text)."""
         stop_token = token in self.stop_ids
         grammar = self.grammar
         if grammar is not None:  # first: a token its grammar refuses (the sampler masks them) commits nothing
@@ -304,7 +305,7 @@ class Request:
         stop_string = False
         if detokenizer is not None and (detokenizer.include_stop or not stop_token):
             try:
-                stop_string = detokenizer.append(token, self.num_output_tokens >= self.min_tokens)
+                stop_string = detokenizer.append(token, self.num_output_tokens >= self.min_tokens and not stop_token)
             except Exception as exc:
                 if not stop_token:
                     if grammar is not None:

@@ -285,3 +285,26 @@ def test_stop_text_is_left_out_unless_kept_and_special_tokens_unless_asked():
     forced = dict(max_tokens=3, ignore_eos=True, logit_bias={tok.eos_token_id: 100.0})
     assert engine.generate(prompt, SamplingParams(**forced))[0].text == ""
     assert engine.generate(prompt, SamplingParams(**forced, skip_special_tokens=False))[0].text == tok.eos_token * 3
+
+
+def test_a_kept_stop_tokens_text_is_kept_whole_and_the_token_is_the_stop_reason():
+    """As vLLM (its detokenizer looks for no stop string in a stop token's text): with include_stop_str_in_output, a
+    stop token whose text holds a stop string keeps all of its text and is the stop_reason; an eos so kept is whole
+    (stop_reason None), not cut inside its special text."""
+    engine = make_engine_with_tokenizer()
+    tok = engine.tokenizer
+    prompt = "def add(a, b):"
+    ids = engine.generate(prompt, SamplingParams(max_tokens=12, ignore_eos=True))[0].token_ids
+    # a token whose text starts (after spaces) with a letter the text before it does not hold: that letter is a stop
+    # string the token completes
+    at = next(i for i, t in enumerate(ids) if len(tok.decode([t]).strip()) > 1
+              and tok.decode([t]).strip()[0] not in tok.decode(ids[:i]))  # fmt: skip
+    stop_token, letter = ids[at], tok.decode([ids[at]]).strip()[0]
+    out = engine.generate(prompt, SamplingParams(max_tokens=12, ignore_eos=True, stop_token_ids=[stop_token],
+                                                 stop=[letter], include_stop_str_in_output=True))[0]  # fmt: skip
+    assert out.token_ids == ids[: at + 1] and out.finish_reason == "stop"
+    assert (out.text, out.stop_reason) == (tok.decode(ids[: at + 1]), stop_token)
+    forced = SamplingParams(max_tokens=3, logit_bias={tok.eos_token_id: 100.0}, stop=["end"],
+                            skip_special_tokens=False, include_stop_str_in_output=True)  # fmt: skip
+    out = engine.generate(prompt, forced)[0]
+    assert (out.text, out.finish_reason, out.stop_reason) == (tok.eos_token, "stop", None)
