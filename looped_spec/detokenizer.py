@@ -3,12 +3,17 @@
 Byte-level tokenizers split multi-byte characters across tokens; decoding a token on its own gives
 U+FFFD. Like vLLM, we decode a short window of tokens (`prefix_offset..`) and hold text back while
 the window ends in an incomplete character, so a streamed delta never splits a character and the
-concatenated deltas equal `tokenizer.decode(all output tokens)`.
+concatenated deltas equal the text the output tokens add after the prompt. The window starts in the prompt's last
+tokens, as vLLM's does: a SentencePiece decoder strips the first space of what it decodes, so the first output
+token decoded alone would lose its space ("Paris" where the text after the prompt reads " Paris"); for byte-level
+tokenizers the text is `tokenizer.decode(all output tokens)`.
 """
 
 from __future__ import annotations
 
 REPLACEMENT_CHAR = "\ufffd"
+#: Prompt tokens the first decode window starts with (vLLM's count)
+PROMPT_CONTEXT = 5
 
 
 class IncrementalDetokenizer:
@@ -21,20 +26,32 @@ class IncrementalDetokenizer:
     """
 
     def __init__(
-        self, tokenizer, stop: list[str] | None = None, skip_special_tokens: bool = True, include_stop: bool = False
-    ) -> None:
+        self, tokenizer, stop: list[str] | None = None, skip_special_tokens: bool = True, include_stop: bool = False,
+        prompt_token_ids: list[int] = (),
+    ) -> None:  # fmt: skip
         self.tokenizer = tokenizer
         self.stop = [s for s in (stop or []) if s]
         self.skip_special_tokens = skip_special_tokens
         self.include_stop = include_stop  # keep the stop string in `text` (text after it is still cut)
-        self.token_ids: list[int] = []
+        # the prompt's last tokens, then the output's: decode windows start in the prompt (module docstring), unless
+        # its last tokens end inside a character (their U+FFFD would stand where the output completes it)
+        context = list(prompt_token_ids[-PROMPT_CONTEXT:])
+        if context and self._decode(context).endswith(REPLACEMENT_CHAR):
+            context = []
+        self._ids: list[int] = context
+        self._num_context = len(context)
         self.text = ""
         self.stop_hit: str | None = None  # the stop string that ended the request
-        self._prefix_offset = 0  # decode window start (context for the next token's text)
-        self._read_offset = 0  # tokens whose text is already in self.text
+        self._prefix_offset = 0  # decode window start in `_ids` (context for the next token's text)
+        self._read_offset = len(context)  # tokens of `_ids` whose text is already in self.text
         self._num_sent = 0  # characters of self.text already returned by stream_delta()
         # text a later token may turn into a stop string is held back; kept stop strings need no holding back
         self._holdback = 0 if include_stop else max((len(s) for s in self.stop), default=1) - 1
+
+    @property
+    def token_ids(self) -> list[int]:
+        """The output tokens taken so far."""
+        return self._ids[self._num_context :]
 
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
@@ -47,7 +64,7 @@ class IncrementalDetokenizer:
         Without stop strings decoding waits for the next `stream_delta()` (one decode per step
         rather than per token, which matters when a speculative round commits several tokens).
         """
-        self.token_ids.append(token_id)
+        self._ids.append(token_id)
         if self.stop_hit is not None:
             return True
         if not self.stop:
@@ -56,20 +73,20 @@ class IncrementalDetokenizer:
         try:
             return self._advance() and find_stop and self._find_stop(start)
         except BaseException:  # the tokenizer failed: the token is not taken (`_advance` assigns only once it decoded)
-            self.token_ids.pop()
+            self._ids.pop()
             raise
 
     def _advance(self) -> bool:
         """Decode the tokens not yet in `text`, unless they end in an incomplete character."""
-        if self._read_offset == len(self.token_ids):
+        if self._read_offset == len(self._ids):
             return False
-        prefix_text = self._decode(self.token_ids[self._prefix_offset : self._read_offset])
-        new_text = self._decode(self.token_ids[self._prefix_offset :])
+        prefix_text = self._decode(self._ids[self._prefix_offset : self._read_offset])
+        new_text = self._decode(self._ids[self._prefix_offset :])
         if len(new_text) <= len(prefix_text) or new_text.endswith(REPLACEMENT_CHAR):
             return False  # an incomplete character (or a skipped special token): wait for more tokens
         self.text += new_text[len(prefix_text) :]
         self._prefix_offset = self._read_offset
-        self._read_offset = len(self.token_ids)
+        self._read_offset = len(self._ids)
         return True
 
     def _find_stop(self, new_from: int) -> bool:
@@ -90,12 +107,12 @@ class IncrementalDetokenizer:
         """The request finished: keep whatever an incomplete trailing character decodes to (U+FFFD), cut at a stop
         string that text completes (`find_stop`: the output reached its min_tokens). Returns whether it completed
         one."""
-        if self.stop_hit is None and self._read_offset < len(self.token_ids):
-            prefix_text = self._decode(self.token_ids[self._prefix_offset : self._read_offset])
-            new_text = self._decode(self.token_ids[self._prefix_offset :])
+        if self.stop_hit is None and self._read_offset < len(self._ids):
+            prefix_text = self._decode(self._ids[self._prefix_offset : self._read_offset])
+            new_text = self._decode(self._ids[self._prefix_offset :])
             start = len(self.text)
             self.text += new_text[len(prefix_text) :]
-            self._read_offset = len(self.token_ids)
+            self._read_offset = len(self._ids)
             return find_stop and self._find_stop(start)
         return False
 

@@ -311,7 +311,7 @@ class LoopedSpecEngine:
         detokenizer = None
         if self.tokenizer is not None:
             detokenizer = IncrementalDetokenizer(self.tokenizer, params.stop, params.skip_special_tokens,
-                                                 params.include_stop_str_in_output)  # fmt: skip
+                                                 params.include_stop_str_in_output, ids)  # fmt: skip
         text = prompt_text(prompt)
         request = Request(
             request_id, next(self._arrivals), ids, params, seed, self.eos_token_ids, self.max_model_len,
