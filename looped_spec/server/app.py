@@ -172,7 +172,9 @@ def build_app(
         if score_only:
             result = []
             for k, ((ids, _), (text, entries)) in enumerate(zip(choices, echoes)):
-                logprobs = serving.completion_logprobs(ids, entries, as_ids=as_ids) if scored else None
+                logprobs = (
+                    serving.completion_logprobs(ids, entries, as_ids=as_ids, starts_text=True) if scored else None
+                )
                 result.append(CompletionChoice(index=k, text=text, logprobs=logprobs, finish_reason="length"))
             usage = serving.usage(num_prompt, [None] * len(choices))
             if not body.stream:
@@ -192,7 +194,8 @@ def build_app(
                     echoes[index] = None
                     logprobs = None
                     if scored:
-                        logprobs = serving.completion_logprobs(choices[index][0], entries, offsets[index], as_ids)
+                        logprobs = serving.completion_logprobs(choices[index][0], entries, offsets[index], as_ids,
+                                                               starts_text=True)  # fmt: skip
                     yield response([CompletionChoice(index=index, text=text, logprobs=logprobs)])
                 logprobs = None
                 if scored and out.new_token_ids:
@@ -217,7 +220,10 @@ def build_app(
             if echoes is not None:  # the prompt first, its text and its entries
                 prompt_text, prompt_entries = echoes[k]
                 text, tokens, entries = prompt_text + text, ids + tokens, (prompt_entries or []) + entries
-            logprobs = serving.completion_logprobs(tokens, entries, as_ids=as_ids) if scored else None
+            starts_text = echoes is not None  # the prompt's first token begins the text
+            logprobs = (
+                serving.completion_logprobs(tokens, entries, as_ids=as_ids, starts_text=starts_text) if scored else None
+            )
             result.append(CompletionChoice(index=k, text=text, logprobs=logprobs, finish_reason=out.finish_reason,
                                            stop_reason=out.stop_reason))  # fmt: skip
         return response(result, serving.usage(num_prompt, outs, body.n))

@@ -395,15 +395,18 @@ class OpenAIServing:
         return f"token_id:{token}" if as_id else self.token_bytes.text(token)
 
     def completion_logprobs(
-        self, token_ids: list[int], entries: list, offsets: TextOffsets | None = None, as_ids: bool = False
-    ) -> CompletionLogprobs:
+        self, token_ids: list[int], entries: list, offsets: TextOffsets | None = None, as_ids: bool = False,
+        starts_text: bool = False,
+    ) -> CompletionLogprobs:  # fmt: skip
         """OpenAI's completions shape for `token_ids` with their scores (None: a first prompt token, unscored); text
         offsets from `offsets` (a choice's, carried across its stream chunks; None: from the start); `as_ids`: tokens
-        shown as "token_id:<id>"."""
+        shown as "token_id:<id>"; `starts_text`: the first token begins the choice's text (an echoed prompt, decoded
+        whole), which a SentencePiece decoder strips of its first space."""
         offsets = offsets if offsets is not None else TextOffsets()
         out = CompletionLogprobs(tokens=[], token_logprobs=[], top_logprobs=[], text_offset=[])
-        for token, entry in zip(token_ids, entries):
-            out.tokens.append(self.token_name(token, as_ids))
+        for i, (token, entry) in enumerate(zip(token_ids, entries)):
+            raw = self.token_bytes.raw_at_start(token) if starts_text and i == 0 else self.token_bytes.raw(token)
+            out.tokens.append(f"token_id:{token}" if as_ids else self.token_bytes.text(token, raw))
             out.token_logprobs.append(None if entry is None else entry.logprob)
             if entry is None:
                 out.top_logprobs.append(None)
@@ -411,7 +414,7 @@ class OpenAIServing:
                 top = {self.token_name(t, as_ids): v for t, v in entry.top}
                 top.setdefault(self.token_name(token, as_ids), entry.logprob)
                 out.top_logprobs.append(top)
-            out.text_offset.append(offsets.advance(self.token_bytes.raw(token)))
+            out.text_offset.append(offsets.advance(raw))
         return out
 
     def chat_logprobs(self, entries: list, as_ids: bool = False) -> ChatLogprobs:
