@@ -305,6 +305,8 @@ VLLM_OPTIONS = {
     "tokenizer": "here the checkpoint folder's own tokenizer files (a model without them takes token ids)",
     "quantization": "no quantized weights here: the model runs in its dtype (float32, bfloat16 or float16)",
     "generation_config": "here always the checkpoint's generation_config.json (vLLM's default 'auto')",
+    "async_scheduling": "not offered: each step is scheduled once the previous one has committed (the async front, "
+    "AsyncLoopedSpecEngine, runs the steps in a thread of their own)",
 }
 
 
