@@ -10,7 +10,7 @@ import torch
 from conftest import fixture_dir, load
 from safetensors.torch import load_file, save_file
 
-from looped_spec import CheckpointError, load_adapter
+from looped_spec import CheckpointError, LoopedSpecEngine, load_adapter
 
 
 def copy_fixture(tmp_path, family: str):
@@ -150,3 +150,16 @@ def test_an_unsupported_torch_dtype_in_config_is_named_not_the_dtype_option(tmp_
     assert load_adapter(folder, dtype="float32", device="cpu").dtype == torch.float32  # an explicit dtype decides
     with pytest.raises(ValueError, match="initial_state='ones'"):
         load_adapter(fixture_dir("huginn"), device="cpu", initial_state="ones")
+
+
+@pytest.mark.parametrize("file", ["config.json", "generation_config.json"])
+def test_an_eos_token_outside_the_vocabulary_is_named_at_load(tmp_path, file):
+    """An eos_token_id past the vocabulary (256 here) loaded, and a request with min_tokens, which masks the eos
+    tokens, then failed with a bare IndexError; it is an error naming the file and the field when loading."""
+    folder = copy_fixture(tmp_path, "ouro")
+    (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": 0}))
+    (folder / file).write_text(json.dumps(json.loads((folder / file).read_text()) | {"eos_token_id": [0, 300]}))
+    with pytest.raises(
+        CheckpointError, match=rf"{file}: eos_token_id 300 is outside the model's vocabulary \[0, 256\)"
+    ):
+        LoopedSpecEngine(folder, dtype="float32", device="cpu", speculation="off")

@@ -409,7 +409,22 @@ def load_adapter(
             raise
         raise _config_error(config_path, exc) from exc
     adapter.generation = generation
+    _check_eos_in_vocabulary(adapter, folder)
     return adapter
+
+
+def _check_eos_in_vocabulary(adapter: ModelAdapter, folder: Path) -> None:
+    """An eos token past the model's vocabulary can never be generated, and a request with min_tokens (which masks the
+    eos tokens' logits) failed on it with a bare IndexError: an error naming the file and field at load instead."""
+    for path, ids in (
+        (folder / "config.json", token_ids_field(adapter.config.get("eos_token_id"), "eos_token_id")),
+        (folder / "generation_config.json", adapter.generation.stop_token_ids()),
+    ):
+        outside = next((token for token in ids if token >= adapter.vocab_size), None)
+        if outside is not None:
+            raise CheckpointError(
+                f"{path}: eos_token_id {outside} is outside the model's vocabulary [0, {adapter.vocab_size})"
+            )
 
 
 def _config_error(config_path: Path, exc: Exception) -> CheckpointError:
