@@ -163,3 +163,14 @@ def test_an_eos_token_outside_the_vocabulary_is_named_at_load(tmp_path, file):
         CheckpointError, match=rf"{file}: eos_token_id 300 is outside the model's vocabulary \[0, 256\)"
     ):
         LoopedSpecEngine(folder, dtype="float32", device="cpu", speculation="off")
+
+
+@pytest.mark.parametrize("dtype", [torch.int64, torch.bool])
+def test_a_weight_of_an_integer_dtype_names_file_and_tensor(tmp_path, dtype):
+    """A weight stored as integers or booleans (a broken export) was cast to the model's dtype without a word and
+    generated garbage; it is an error naming the file and the tensor."""
+    folder = copy_fixture(tmp_path, "ouro")
+    edit_weights(folder, lambda t: t.update({"model.norm.weight": t["model.norm.weight"].to(dtype)}))
+    name = str(dtype).removeprefix("torch.")
+    with pytest.raises(CheckpointError, match=rf"model\.safetensors: tensor model\.norm\.weight has dtype {name}, exp"):
+        load_adapter(folder, dtype="float32", device="cpu")

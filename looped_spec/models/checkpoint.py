@@ -147,6 +147,12 @@ def check_tensors(
             raise CheckpointError(
                 f"{origin[name]}: tensor {name} has shape {list(actual)}, expected {list(spec.shape)} from config.json"
             )
+        stored = tensors[name].dtype
+        if not stored.is_floating_point:  # loading casts it to the model's dtype: integers or booleans are no weights
+            raise CheckpointError(
+                f"{origin[name]}: tensor {name} has dtype {str(stored).removeprefix('torch.')}, "
+                "expected a floating-point dtype"
+            )
         used[name] = tensors[name]
     return used
 
