@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from looped_spec.execution.transfers import to_device
 from looped_spec.models.adapter import ModelAdapter, register_adapter
 from looped_spec.models.checkpoint import TensorSpec
-from looped_spec.models.config_fields import float_field, int_field, rope_theta
+from looped_spec.models.config_fields import bool_field, float_field, int_field, rope_theta
 from looped_spec.models.kv_layout import KVLayout
 from looped_spec.models.layers import apply_rope_interleaved, fused_swiglu, memo_interleaved_rope, rms_norm
 
@@ -109,7 +109,7 @@ class HuginnAdapter(ModelAdapter):
             "transformer.wte.weight": TensorSpec((vocab, d)),
             "transformer.adapter.weight": TensorSpec((d, 2 * d)),
             "transformer.ln_f.weight": TensorSpec((d,)),
-            "lm_head.weight": TensorSpec((vocab, d), optional=bool(config.get("tie_embeddings", True))),
+            "lm_head.weight": TensorSpec((vocab, d), optional=bool_field(config, "tie_embeddings", True)),
             "freqs_cis": TensorSpec((), optional=True, ignored=True),
         }
         for prefix, key in (
@@ -123,7 +123,7 @@ class HuginnAdapter(ModelAdapter):
                     specs[p + f"norm_{n}.weight"] = TensorSpec((d,))
                 specs[p + "attn.Wqkv.weight"] = TensorSpec(((heads + 2 * kv) * hd, d))
                 specs[p + "attn.proj.weight"] = TensorSpec((d, heads * hd))
-                if config.get("qk_bias", False):
+                if bool_field(config, "qk_bias", False):
                     specs[p + "attn.qk_bias"] = TensorSpec((2, 1, heads, hd))
                 specs[p + "mlp.fc.weight"] = TensorSpec((2 * inter, d))
                 specs[p + "mlp.proj.weight"] = TensorSpec((d, inter))
@@ -152,9 +152,10 @@ class HuginnAdapter(ModelAdapter):
         kv = int_field(config, "num_key_value_heads", heads)
         if heads % kv:
             raise ValueError(f"n_heads {heads} is not a multiple of num_key_value_heads {kv}")
-        if config.get("qk_bias", False) and kv != heads:
+        bool_field(config, "tie_embeddings", True)
+        if bool_field(config, "qk_bias", False) and kv != heads:
             raise ValueError("qk_bias with num_key_value_heads != n_heads is not supported")
-        if config.get("bias", False):
+        if bool_field(config, "bias", False):
             raise ValueError("bias = true is not supported")
 
     # ----- description -----

@@ -8,7 +8,7 @@ import torch.nn.functional as F
 
 from looped_spec.models.adapter import ModelAdapter
 from looped_spec.models.checkpoint import TensorSpec
-from looped_spec.models.config_fields import float_field, int_field, rope_theta
+from looped_spec.models.config_fields import bool_field, float_field, int_field, rope_theta
 from looped_spec.models.kv_layout import KVLayout
 from looped_spec.models.layers import memo_half_rope, self_attention, swiglu
 
@@ -50,7 +50,7 @@ def llama_layer_specs(config: dict, norms: tuple[str, ...]) -> dict[str, TensorS
     vocab = int_field(config, "vocab_size")
     specs["model.embed_tokens.weight"] = TensorSpec((vocab, hidden))
     specs["model.norm.weight"] = TensorSpec((hidden,))
-    tied = bool(config.get("tie_word_embeddings", False))
+    tied = bool_field(config, "tie_word_embeddings", False)
     specs["lm_head.weight"] = TensorSpec((vocab, hidden), optional=tied)
     # RoPE frequency buffers some exports store (older transformers, per layer): recomputed, so ignored
     specs["model.rotary_emb.inv_freq"] = TensorSpec((head_dim // 2,), optional=True, ignored=True)
@@ -72,10 +72,11 @@ def check_llama_style(config: dict) -> None:
         raise ValueError(f"rope_scaling {config['rope_scaling']!r} is not supported (only plain RoPE)")
     if config.get("hidden_act", "silu") != "silu":
         raise ValueError(f"hidden_act {config['hidden_act']!r} is not supported (only 'silu')")
+    bool_field(config, "tie_word_embeddings", False)
     for flag in ("attention_bias", "mlp_bias"):
-        if config.get(flag):
+        if bool_field(config, flag, False):
             raise ValueError(f"{flag} = true is not supported")
-    if config.get("use_sliding_window"):
+    if bool_field(config, "use_sliding_window", False):
         window = config.get("sliding_window")
         raise ValueError(f"use_sliding_window with sliding_window={window!r} is not supported")
     for i, kind in enumerate(config.get("layer_types") or []):

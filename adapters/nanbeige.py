@@ -7,7 +7,7 @@ import torch
 from looped_spec.adapters.llama_style import LlamaStyleLooped, check_llama_style, llama_layer_specs
 from looped_spec.models.adapter import register_adapter
 from looped_spec.models.checkpoint import TensorSpec
-from looped_spec.models.config_fields import int_field
+from looped_spec.models.config_fields import bool_field, int_field
 from looped_spec.models.layers import rms_norm
 
 # Nanbeige architecture switches this adapter does not implement: set, they change the math, so loading
@@ -46,6 +46,7 @@ class NanbeigeAdapter(LlamaStyleLooped):
         weights = config.get("loop_loss_weights")
         if weights is not None and not isinstance(weights, list):
             raise ValueError(f"loop_loss_weights={weights!r} must be a list")
+        bool_field(config, "skip_loop_final_norm", False)
         cls.loops_of(config)
 
     @staticmethod
@@ -59,7 +60,7 @@ class NanbeigeAdapter(LlamaStyleLooped):
 
     @property
     def skip_loop_final_norm(self) -> bool:
-        return bool(self.config.get("skip_loop_final_norm", False))
+        return bool_field(self.config, "skip_loop_final_norm", False)
 
     def loop(self, state: torch.Tensor, loop_index: int, ctx) -> torch.Tensor:
         h = state

@@ -174,3 +174,17 @@ def test_a_weight_of_an_integer_dtype_names_file_and_tensor(tmp_path, dtype):
     name = str(dtype).removeprefix("torch.")
     with pytest.raises(CheckpointError, match=rf"model\.safetensors: tensor model\.norm\.weight has dtype {name}, exp"):
         load_adapter(folder, dtype="float32", device="cpu")
+
+
+@pytest.mark.parametrize(
+    "family,field",
+    [("nanbeige", "skip_loop_final_norm"), ("ouro", "tie_word_embeddings"), ("huginn", "tie_embeddings")],
+)
+def test_a_boolean_config_field_written_as_a_string_is_named(tmp_path, family, field):
+    """`"skip_loop_final_norm": "false"` was read with bool(), so true: the norm moved and other tokens came out,
+    without a word (a tied head likewise: a missing head taken from the embedding where the file says untied). It is
+    an error naming config.json and the field."""
+    folder = copy_fixture(tmp_path, family)
+    edit_config(folder, **{field: "false"})
+    with pytest.raises(CheckpointError, match=rf"config\.json: {field}='false' must be true or false"):
+        load_adapter(folder, dtype="float32", device="cpu")

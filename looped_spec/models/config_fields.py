@@ -42,6 +42,17 @@ def float_field(config: dict, key: str, default: Any = _MISSING, positive: bool 
     return float(value)
 
 
+def bool_field(config: dict, key: str, default: bool) -> bool:
+    """A JSON boolean. A string such as "false" is an error, not truthy: read with bool() it would switch the math on
+    (a tied head, Nanbeige's skip_loop_final_norm) against what the file says."""
+    value = config.get(key)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise ValueError(f"{key}={value!r} must be true or false")
+    return value
+
+
 def token_ids_field(value: Any, key: str) -> list[int]:
     """None, a token id or a list of token ids (eos_token_id) -> list of non-negative ints."""
     if value is None:
