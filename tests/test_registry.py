@@ -12,6 +12,7 @@ from custom_family import ToyLoopedAdapter, make_toy_checkpoint  # noqa: E402
 
 from looped_spec import (  # noqa: E402
     LoopedSpecEngine,
+    ModelAdapter,
     SamplingParams,
     SpeculativeConfig,
     load_adapter,
@@ -172,3 +173,16 @@ def test_a_family_registered_for_a_built_in_model_type_is_the_one_loaded(tmp_pat
 
     with pytest.raises(TypeError, match="is not a ModelAdapter subclass"):  # not AttributeError: no model_type
         register_adapter(object)
+
+
+def test_a_family_missing_a_required_method_is_refused_when_registered():
+    """A family that leaves out `tensor_specs` registered, and loading its checkpoint then failed on a bare
+    AttributeError ('NoneType' object has no attribute 'items'). Registering it is the error, naming what it lacks."""
+    import pytest
+
+    class NoSpecs(ModelAdapter):
+        full_depth = vocab_size = state_dim = kv_layout = ToyLoopedAdapter.kv_layout
+        embed, loop, readout = ToyLoopedAdapter.embed, ToyLoopedAdapter.loop, ToyLoopedAdapter.readout
+
+    with pytest.raises(TypeError, match="NoSpecs does not implement tensor_specs, which a ModelAdapter must provide"):
+        register_adapter(NoSpecs, model_type="toy_no_specs")

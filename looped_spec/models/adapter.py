@@ -14,6 +14,7 @@ there), so the engine can slice, stack and cache it without knowing the family.
 from __future__ import annotations
 
 import difflib
+import inspect
 import logging
 from abc import ABC, abstractmethod
 from pathlib import Path
@@ -259,6 +260,9 @@ def register_adapter(cls_or_type: type[ModelAdapter] | str | None = None, *, mod
     def apply(cls: type[ModelAdapter], key: str | None) -> type[ModelAdapter]:
         if not (isinstance(cls, type) and issubclass(cls, ModelAdapter)):
             raise TypeError(f"{cls!r} is not a ModelAdapter subclass")
+        if inspect.isabstract(cls):  # else loading failed later: without tensor_specs, on a bare AttributeError
+            missing = ", ".join(sorted(cls.__abstractmethods__))
+            raise TypeError(f"{cls.__name__} does not implement {missing}, which a ModelAdapter must provide")
         key = key or cls.model_type
         if not key:
             raise ValueError(f"{cls.__name__} has no model_type to register under")
