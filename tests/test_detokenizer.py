@@ -259,3 +259,15 @@ def test_generate_returns_each_output_whole_and_stepping_streams_the_same_text(t
         for out in engine.step():
             streamed[out.request_id] += out.new_text
     assert [streamed[i] for i in ids] == [o.text for o in outputs]
+
+
+def test_a_null_do_sample_is_read_as_not_sampling(tmp_path):
+    """transformers 5 writes the fields a GenerationConfig leaves unset as null (`to_json_file(use_diff=False)`), a
+    greedy one's `"do_sample": null` among them: the file was refused ("do_sample Input should be a valid boolean")
+    and so was the checkpoint. null is HF's default, no sampling."""
+    from looped_spec.models.generation_config import read_generation_config
+
+    file = {"do_sample": None, "temperature": 0.7, "top_k": None, "max_new_tokens": None, "eos_token_id": 7}
+    (tmp_path / "generation_config.json").write_text(json.dumps(file))
+    config = read_generation_config(tmp_path)
+    assert config.sampling_defaults() == {"temperature": 0.0} and config.stop_token_ids() == [7]

@@ -33,7 +33,7 @@ class GenerationConfig(BaseModel):
     model_config = ConfigDict(extra="ignore", frozen=True)
 
     eos_token_id: int | list[int] | None = None
-    do_sample: bool = False
+    do_sample: bool | None = None  # null (transformers 5 writes its unset fields so) is HF's default: no sampling
     temperature: float | None = None
     top_k: int | None = None
     top_p: float | None = None
