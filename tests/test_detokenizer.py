@@ -271,3 +271,16 @@ def test_a_null_do_sample_is_read_as_not_sampling(tmp_path):
     (tmp_path / "generation_config.json").write_text(json.dumps(file))
     config = read_generation_config(tmp_path)
     assert config.sampling_defaults() == {"temperature": 0.0} and config.stop_token_ids() == [7]
+
+
+@pytest.mark.parametrize("eos", [True, "2", [2, False]])
+def test_a_generation_config_eos_token_id_not_an_integer_is_named(tmp_path, eos):
+    """generation_config.json's eos_token_id went through pydantic's lax int: `true` became a stop on token 1 and "2"
+    on token 2, where config.json's eos_token_id of the same value is an error. It is an error naming the file and the
+    field here too."""
+    from looped_spec.models.checkpoint import CheckpointError
+    from looped_spec.models.generation_config import read_generation_config
+
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": eos}))
+    with pytest.raises(CheckpointError, match=r"generation_config\.json: .*eos_token_id=.* must be a token id"):
+        read_generation_config(tmp_path)

@@ -6,7 +6,7 @@ import json
 import logging
 from pathlib import Path
 
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator
 
 from looped_spec.models.checkpoint import CheckpointError
 from looped_spec.models.config_fields import token_ids_field
@@ -42,6 +42,13 @@ class GenerationConfig(BaseModel):
     # HF's cap on generated tokens: vLLM takes it as the default max_tokens
     max_new_tokens: int | None = Field(None, gt=0)
     _from_file: bool = PrivateAttr(False)  # read from a checkpoint's file (without one, nothing is asked)
+
+    @field_validator("eos_token_id", mode="before")
+    @classmethod
+    def _token_ids(cls, value):
+        # as config.json's is read: pydantic's lax int took `true` for token 1 and "2" for 2
+        token_ids_field(value, "eos_token_id")
+        return value
 
     def stop_token_ids(self) -> list[int]:
         return token_ids_field(self.eos_token_id, "eos_token_id")
