@@ -284,3 +284,21 @@ def test_a_generation_config_eos_token_id_not_an_integer_is_named(tmp_path, eos)
     (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": eos}))
     with pytest.raises(CheckpointError, match=r"generation_config\.json: .*eos_token_id=.* must be a token id"):
         read_generation_config(tmp_path)
+
+
+@pytest.mark.parametrize(
+    "field, value", [("do_sample", "no"), ("temperature", "0.7"), ("top_k", 2.5), ("max_new_tokens", "16")]
+)
+def test_a_generation_config_value_of_the_wrong_json_type_is_named(tmp_path, field, value):
+    """transformers reads generation_config.json's values as JSON types: "no" is a truthy string, not false, and "0.7"
+    no temperature. pydantic's lax reading took "no" for false (greedy where HF samples) and "0.7" for 0.7; each is an
+    error naming the file and the field, without pydantic's links."""
+    from looped_spec.models.checkpoint import CheckpointError
+    from looped_spec.models.generation_config import read_generation_config
+
+    (tmp_path / "generation_config.json").write_text(json.dumps({"do_sample": True, field: value}))
+    with pytest.raises(CheckpointError, match=rf"generation_config\.json: {field}: ") as info:
+        read_generation_config(tmp_path)
+    assert "pydantic" not in str(info.value)
+    (tmp_path / "generation_config.json").write_text(json.dumps({"do_sample": True, "temperature": 1, "top_k": 5}))
+    assert read_generation_config(tmp_path).sampling_defaults()["temperature"] == 1.0  # an integer is a number

@@ -30,7 +30,8 @@ _UNSUPPORTED = {
 class GenerationConfig(BaseModel):
     """The fields looped-spec uses; the file's other fields (max_length, pad ids...) concern other tools."""
 
-    model_config = ConfigDict(extra="ignore", frozen=True)
+    # strict, as transformers reads the JSON: "no" is no boolean, "0.7" no temperature (lax, pydantic took both)
+    model_config = ConfigDict(extra="ignore", frozen=True, strict=True)
 
     eos_token_id: int | list[int] | None = None
     do_sample: bool | None = None  # null (transformers 5 writes its unset fields so) is HF's default: no sampling
@@ -88,7 +89,11 @@ def read_generation_config(folder: str | Path) -> GenerationConfig:
         config._from_file = True
         config.stop_token_ids()
         SamplingParams(**config.sampling_defaults())
-    except (json.JSONDecodeError, ValidationError, ValueError) as exc:
+    except ValidationError as exc:  # each field and what is wrong with it, without pydantic's links
+        problems = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg'].removeprefix('Value error, ')}" for e in
+                             exc.errors())  # fmt: skip
+        raise CheckpointError(f"{path}: {problems}") from exc
+    except (json.JSONDecodeError, ValueError) as exc:
         if isinstance(exc, CheckpointError):
             raise
         raise CheckpointError(f"{path}: {' '.join(str(exc).split())}") from exc
