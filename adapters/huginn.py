@@ -85,7 +85,8 @@ class HuginnAdapter(ModelAdapter):
             self._default_exit_threshold = float_field(self.options, "exit_threshold", None)
         except ValueError as exc:
             raise ValueError(f"adapter option {exc} (the default early-exit threshold of requests)") from None
-        if "lm_head.weight" not in self.weights:
+        # tied, the head is the embedding even where the file stores one, as transformers ties them at load
+        if bool_field(config, "tie_embeddings", True) or "lm_head.weight" not in self.weights:
             self.weights["lm_head.weight"] = self.weights["transformer.wte.weight"]
         group = (
             lambda prefix, n: [  # noqa: E731

@@ -95,7 +95,8 @@ class LlamaStyleLooped(ModelAdapter):
         self.hidden, _, self.num_layers, self.num_heads, self.num_kv_heads, self.head_dim = llama_dims(config)
         self.eps = float_field(config, "rms_norm_eps", 1e-6)
         self.rope_theta = rope_theta(config, 10000.0)
-        if "lm_head.weight" not in self.weights:
+        # tied, the head is the embedding even where the file stores one, as transformers ties them at load
+        if bool_field(config, "tie_word_embeddings", False) or "lm_head.weight" not in self.weights:
             self.weights["lm_head.weight"] = self.weights["model.embed_tokens.weight"]
         self.layer_weights = [
             {k[len(f"model.layers.{i}.") :]: v for k, v in self.weights.items() if k.startswith(f"model.layers.{i}.")}

@@ -188,3 +188,19 @@ def test_a_boolean_config_field_written_as_a_string_is_named(tmp_path, family, f
     edit_config(folder, **{field: "false"})
     with pytest.raises(CheckpointError, match=rf"config\.json: {field}='false' must be true or false"):
         load_adapter(folder, dtype="float32", device="cpu")
+
+
+@pytest.mark.parametrize("family, key", [("ouro", "tie_word_embeddings"), ("huginn", "tie_embeddings")])
+def test_a_tied_head_is_the_embedding_even_where_the_file_stores_another(tmp_path, family, key):
+    """transformers ties the head to the embedding at load when the config says so, whatever head the file stores:
+    a stored head that differs is not used (the reference's logits are the embedding's)."""
+    folder = copy_fixture(tmp_path, family)
+    edit_config(folder, **{key: True})
+    embedding = "transformer.wte.weight" if family == "huginn" else "model.embed_tokens.weight"
+    edit_weights(folder, lambda t: t.update({"lm_head.weight": t[embedding] * 2.0}))
+    options = {"initial_state": "zeros"} if family == "huginn" else {}
+    stored = load_adapter(folder, dtype="float32", device="cpu", **options)
+    edit_weights(folder, lambda t: t.pop("lm_head.weight"))
+    omitted = load_adapter(folder, dtype="float32", device="cpu", **options)
+    ids = torch.tensor([5, 6, 7, 8])
+    assert torch.equal(stored.dense_logits(ids), omitted.dense_logits(ids))
