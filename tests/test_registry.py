@@ -186,3 +186,32 @@ def test_a_family_missing_a_required_method_is_refused_when_registered():
 
     with pytest.raises(TypeError, match="NoSpecs does not implement tensor_specs, which a ModelAdapter must provide"):
         register_adapter(NoSpecs, model_type="toy_no_specs")
+
+
+def test_a_family_registered_under_two_model_types_is_each_by_its_checkpoint(tmp_path):
+    """One class for two model types (a renamed export): registering it again used to rename the class, so a checkpoint
+    of the first type reported itself (errors, the tuner's preset) as the second."""
+    import json
+
+    import pytest
+
+    from looped_spec.models import adapter as adapter_module
+
+    class TwoNames(ToyLoopedAdapter):
+        model_type = "toy_first"
+
+    saved = dict(adapter_module._REGISTRY)
+    try:
+        register_adapter(TwoNames)
+        register_adapter(TwoNames, model_type="toy_second")
+        folder = make_toy_checkpoint(tmp_path / "toy")
+        config = json.loads((folder / "config.json").read_text())
+        (folder / "config.json").write_text(json.dumps(config | {"model_type": "toy_first"}))
+        assert load_adapter(folder).model_type == "toy_first"
+        with pytest.raises(ValueError, match="not an option of toy_first"):
+            load_adapter(folder, scale=2.0)
+        (folder / "config.json").write_text(json.dumps(config | {"model_type": "toy_second"}))
+        assert load_adapter(folder).model_type == "toy_second"
+    finally:
+        adapter_module._REGISTRY.clear()
+        adapter_module._REGISTRY.update(saved)

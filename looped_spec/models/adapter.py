@@ -74,6 +74,9 @@ class ModelAdapter(ABC):
         **options: Any,
     ) -> None:
         self.config = config
+        # the checkpoint's own model_type: a family registered under several names is each of them by its checkpoint
+        if isinstance(config.get("model_type"), str):
+            self.model_type = config["model_type"]
         self.dtype = dtype
         self.device = torch.device(device)
         self.name = name or config.get("_name_or_path") or self.model_type
@@ -273,7 +276,8 @@ def register_adapter(cls_or_type: type[ModelAdapter] | str | None = None, *, mod
         if replaced is not None and replaced is not cls:
             logger.warning("model_type %r: %s replaces %s.%s", key, cls.__name__, replaced.__module__,
                            replaced.__name__)  # fmt: skip
-        cls.model_type = key
+        if not cls.model_type:  # a class registered under a second name keeps its first (its instances: the config's)
+            cls.model_type = key
         _REGISTRY[key] = cls
         return cls
 
