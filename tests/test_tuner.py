@@ -452,6 +452,20 @@ def test_options_near_the_fastest_are_candidates_though_never_fastest():
     assert min(closeness(o) for o in kept) >= max(closeness(o) for o in full if o not in kept) - 0.01
 
 
+def test_the_cap_on_candidates_keeps_the_fastest_option_at_the_measured_acceptance():
+    """(2, 1) is the fastest option at the measured acceptance (it first wins at h = 3); (3, 1) overtakes it just
+    below h = 1, so it is as close to the fastest in the band and placed nearer h = 1. A cap of one speculative
+    candidate kept (3, 1) alone, and the bucket started at plain where its rules predict (2, 1) pays 1.56x."""
+    seconds = {(0, 0): 1.0, (1, 1): 10.0, (2, 1): 1.56, (3, 1): 1.8962}
+    model = BucketModel([0.8, 1.0], [0.0, 0.0], lambda k, d: seconds[(k, d)])
+    grid = [(1, 1), (2, 1), (3, 1)]
+    assert model.fastest([(0, 0), *grid], 1.0) == (2, 1)
+    for cap in (2, 3, 10):
+        data, _ = derive_bucket(model, grid, 1, max_candidates=cap)
+        cands = [(c["k"], c["d"]) for c in data["candidates"]]
+        assert len(cands) <= cap and cands[data["initial_index"]] == (2, 1), (cap, cands)
+
+
 def test_acceptance_variants_sample_batches_of_tuning_prompts():
     from looped_spec.tuning.acceptance_pass import acceptance_variants
 

@@ -45,7 +45,7 @@ RULES = {
         "move together as h moves them), each placed at the h where it comes closest to the fastest; then every "
         "option predicted within `near` (6 %) of the fastest at an h within a factor 1.5 of 1 or at a variant, "
         "placed likewise; where no option is ever the fastest, the one fastest at the easiest h, placed likewise; at "
-        "most `max_candidates` (10): those that come closest to the fastest there, in order"
+        "most `max_candidates` (10): the fastest at h = 1 and those that come closest to the fastest there, in order"
     ),
     "initial": "initial_index = the fastest option at h = 1 (the measured acceptance)",
     "thresholds": (
@@ -202,7 +202,7 @@ def derive_bucket(
     # plain first, at the hardest place; the rest by place (stable: the sweep's own order where the h ties)
     path = [(0, 0), *sorted((o for o in path if o != (0, 0)), key=lambda o: -first_h[o])]
     first_h[(0, 0)] = hard
-    nominal = model.fastest(options, 1.0)
+    nominal = model.fastest(options, 1.0)  # the initial candidate
     spec = path[1:]
     if not spec and len(options) > 1:  # nothing ever beats plain: keep the option closest to it as the probe target,
         # placed where it comes closest (so its theta_down is its acceptance there, not at the hardest text's 0, which
@@ -210,8 +210,11 @@ def derive_bucket(
         spec = [max(options[1:], key=lambda o: model.speed(o, H_EASY))]
         first_h[spec[0]] = _closest_h(model, spec[0], fastest)
     room = max_candidates - 1
-    if len(spec) > room:  # keep those closest to the fastest near the measured acceptance, in their order
-        kept = set(sorted(spec, key=lambda o: (-closeness[o], abs(math.log(first_h[o]))))[:room])
+    if len(spec) > room:  # keep those closest to the fastest near the measured acceptance, in their order; the
+        # fastest at the measured acceptance always (options as close, placed nearer h = 1, would else drop it and
+        # the bucket would start at plain where its rules predict speculation pays)
+        ranked = sorted(spec, key=lambda o: (o != nominal, -closeness[o], abs(math.log(first_h[o]))))
+        kept = set(ranked[:room])
         spec = [o for o in spec if o in kept]
     chain = [(0, 0), *spec]
     # neighbours change places between the difficulties where each was placed (for the sweep's own options
