@@ -492,6 +492,21 @@ def test_cli_tune_cost_from_keeps_the_profiles_hardware_and_machine(tmp_path):
     assert tuned.provenance["cost_measured"] == shipped.provenance["cost_measured"]
 
 
+def test_cli_tune_cost_from_a_shipped_preset_reports_its_checked_plans(tmp_path, capsys):
+    """The shipped presets were timed before the tuner summed its check up (no `validation_summary`): reusing one,
+    the report said no speculative plan was checked against plain, beside a table of such plans' checked rounds."""
+    out = tmp_path / "p.json"
+    argv = ["tune", "--model", "tiny-ouro", "--cost-from", "tiny-ouro", "--prompts", "builtin", "--grid", "1,1"]
+    assert main([*argv, "--batch-sizes", "1", "--num-prompts", "1", "--acceptance-tokens", "3", "--quiet",
+                 "--out", str(out)]) == 0  # fmt: skip
+    printed = capsys.readouterr().out
+    validation = load_preset("tiny-ouro", 4).provenance["cost"]["validation"]
+    assert any(not key.startswith("0,") and cell["rounds"] >= 3 for key, cell in validation.items())
+    assert "not checked" not in printed and "plans against plain: " in printed
+    summary = read_preset_file(out).provenance["cost"]["validation_summary"]
+    assert summary == validation_summary(validation) and summary["worst_cell"] in printed
+
+
 def test_cli_tune_cost_from_errors_name_the_flag_and_keep_a_files_errors_apart(tmp_path, capsys):
     argv = ["tune", "--model", "tiny-ouro", "--out", str(tmp_path / "p.json"), "--cost-from"]
     assert main([*argv, "nosuch"]) == 2

@@ -198,6 +198,10 @@ def tune(
     finally:
         bar.close()
     assert cost_profile is not None
+    if cost_report and cost_report.get("validation") and "validation_summary" not in cost_report:
+        # a profile timed before the check was summed up (the shipped presets'): summed up from its cells, else the
+        # report says no plan was checked against plain
+        cost_report = {**cost_report, "validation_summary": profile.validation_summary(cost_report["validation"])}
     cost = PassCost(CostConfig.model_validate(cost_profile), depth)
     context = (cost_report or {}).get("mean_context") or float(longest)
     models = {
