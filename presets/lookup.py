@@ -74,6 +74,10 @@ def read_preset_file(path: str | Path) -> AdaptiveSpecConfig:
         data = json.loads(path.read_text(encoding="utf-8"))
     except json.JSONDecodeError as err:
         raise PresetError(f"{path}: invalid JSON: {err}") from None
+    except UnicodeDecodeError as err:  # else a bare codec error that names neither the file nor the option
+        raise PresetError(f"{path}: not UTF-8 text ({err.reason} at byte {err.start}); a preset file is JSON") from None
+    except OSError as err:
+        raise PresetError(f"{path}: cannot read it: {err.strerror or err}") from None
     return AdaptiveSpecConfig.parse(data, source=str(path))
 
 

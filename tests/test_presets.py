@@ -226,6 +226,15 @@ def test_errors_name_the_file(tmp_path: Path):
         read_preset_file(path)
 
 
+def test_a_preset_file_that_is_not_utf8_text_is_an_error_naming_it(tmp_path: Path):
+    """It was a bare UnicodeDecodeError ('utf-8' codec can't decode byte 0xff ...), naming neither the file
+    nor the option, out of the engine and `generate --preset` alike."""
+    path = tmp_path / "utf16.json"
+    path.write_text(json.dumps(BASE), encoding="utf-16")
+    with pytest.raises(PresetError, match=r"utf16\.json: not UTF-8 text .* at byte 0\); a preset file is JSON"):
+        load_preset("x", 3, path)
+
+
 # ---------------------------------------------------------------- one test per validation rule
 def test_rule_overlapping_ranges():
     msg = bad(lambda d: d["buckets"][1].update(min_batch=3))
