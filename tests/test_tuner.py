@@ -85,6 +85,23 @@ def test_cli_tune_writes_a_valid_preset_and_heatmap(tmp_path, capsys):
     assert png.is_file() and png.stat().st_size > 1000
 
 
+def test_a_model_of_few_positions_is_timed_at_contexts_that_fit_it(tmp_path):
+    """The timed steps prefilled requests of up to 225 tokens whatever the model: tuning a model of 160 positions failed
+    after its acceptance pass with 'prompt has 175 tokens; max_model_len=160 leaves no room to generate', about a
+    prompt no one gave. Its steps are now timed at contexts it has room for."""
+    import shutil
+
+    folder = tmp_path / "ouro-short"
+    shutil.copytree(fixture_dir("ouro"), folder)
+    config = json.loads((folder / "config.json").read_text())
+    config["max_position_embeddings"] = 160
+    (folder / "config.json").write_text(json.dumps(config))
+    adapter = load_adapter(folder)
+    steps = profile.measure_steps(adapter, repeats=1)
+    assert steps and max(s["context"] for s in steps) + max(s["positions"] for s in steps) < 160
+    assert profile.step_contexts(512) == sorted(profile.CONTEXTS)  # a model with room is timed as before
+
+
 def test_validation_summary_judges_plans_against_plain():
     """The median and worst error of the speculative cells' price relative to plain (plain cells are their own
     reference, so they are left out), and whether the worst is within the trusted error."""

@@ -1,10 +1,11 @@
 """Timing the pass-cost profile (control/passcost.py) on the machine the engine will run on.
 
-1. Steps (`measure_steps`): requests are prefilled to two contexts; runner steps of every shape of the grid
-   (r requests × q positions each) are timed in four kinds — tokens with one loop, tokens with up to three
-   loops, tokens with one loop and a readout, a state with one loop — each the fastest of `BURST` runs back to
-   back (decoding runs steps of one shape after another, its weights warm), in a shuffled order per repeat, the
-   first repeat dropped, the median kept. They cover widths and contexts the rounds below do not reach.
+1. Steps (`measure_steps`): requests are prefilled to two contexts (lower where the model has few positions);
+   runner steps of every shape of the grid (r requests × q positions each) are timed in four kinds — tokens with
+   one loop, tokens with up to three loops, tokens with one loop and a readout, a state with one loop — each the
+   fastest of `BURST` runs back to back (decoding runs steps of one shape after another, its weights warm), in a
+   shuffled order per repeat, the first repeat dropped, the median kept. They cover widths and contexts the rounds
+   below do not reach.
 2. Rounds (`measure_rounds`): plain decoding and a few (K, d) plans decode batches of tuning prompts at the
    profiled batch sizes, one persistent engine per plan and batch size, all taking turns of one round in a
    shuffled order, so every cell is timed in the same machine state; a round's time inside the runner and
@@ -146,17 +147,25 @@ class _Steps:
         return best, sum(x.num_computed for x in group) / r
 
 
+def step_contexts(max_positions: int) -> list[int]:
+    """`CONTEXTS`, each lowered where the model has too few positions for it: a request's context (spread up to a
+    quarter above its mean, `_Steps`) and a step's positions after it must fit its max_positions."""
+    fits = (max_positions - max(QUERIES) - 1) * 4 // 5
+    return sorted({max(min(c, fits), 8) for c in CONTEXTS})
+
+
 def measure_steps(adapter: ModelAdapter, repeats: int, seed: int = 0, bar=None) -> list[dict[str, Any]]:
     """The timed medians of every step shape and kind (see the module docstring)."""
     loops = min(3, adapter.full_depth)
-    steps = _Steps(adapter, CONTEXTS, seed)
+    means = step_contexts(adapter.max_positions)
+    steps = _Steps(adapter, means, seed)
     kinds = {
         "one": (1, False, True),
         "many": (loops, False, True),
         "readout": (1, True, True),
         "state": (1, False, False),
     }
-    cases = [(c, r, q, kind) for c in CONTEXTS for r in REQUESTS for q in QUERIES for kind in kinds]
+    cases = [(c, r, q, kind) for c in means for r in REQUESTS for q in QUERIES for kind in kinds]
     rng = random.Random(seed)
     times: dict[tuple, list[float]] = {}
     contexts: dict[tuple, float] = {}
