@@ -218,13 +218,12 @@ def allowed_tokens(grammars: Sequence[Grammar], drafted: Sequence[Sequence[int]]
         tokens = grammar.after_gate(drafts)
         if tokens is None:  # the gate is closed at this position: the grammar masks nothing yet
             continue
-        matcher = grammar.matcher
+        # the drafts are taken by a copy (a microsecond or so), which leaves the request's matcher at the committed
+        # output whatever happens: llguidance keeps an error state through a rollback, so a mask that met a dead end
+        # only past the drafts (a branch no text completes) failed the committed output where a draft was rejected
+        matcher = grammar.matcher.deep_copy() if tokens else grammar.matcher
         taken = matcher.try_consume_tokens(list(tokens)) if tokens else 0
-        try:
-            if taken == len(tokens) and not matcher.is_stopped():  # else every token stays allowed (docstring)
-                matcher.unsafe_compute_mask_ptr(bitmask[row].data_ptr(), row_bytes)
-        finally:  # the drafts were taken tentatively: the matcher stays at the committed output whatever happens
-            if taken:
-                matcher.rollback(taken)
+        if taken == len(tokens) and not matcher.is_stopped():  # else every token stays allowed (docstring)
+            matcher.unsafe_compute_mask_ptr(bitmask[row].data_ptr(), row_bytes)
     bits = (bitmask.unsqueeze(-1) >> torch.arange(32, dtype=torch.int32)) & 1
     return bits.reshape(len(grammars), -1)[:, :vocab_size].bool()

@@ -104,6 +104,22 @@ def test_greedy_speculation_with_a_grammar_is_plain_decoding_with_it(model):
             assert [o.token_ids for o in engine(model, **mode).generate(prompts, exits)] == want, (mode, step)
 
 
+def test_a_draft_into_a_dead_end_of_the_grammar_leaves_the_committed_output_free():
+    """A grammar with a branch no text completes: a draft down it makes the mask after it meet the dead end, which
+    llguidance's matcher keeps as an error through its rollback; the request whose target rejected that draft then
+    failed on its own committed token (greedy "q" and an error where plain decoding gave "qs", "stop"). Drafts are
+    taken by a copy of the matcher, so every mode gives plain decoding's outputs, the errors of the requests whose
+    own output reaches the dead end included."""
+    dead_end = StructuredOutputs(grammar='start: "q" (/[a-m]/ dead | /[n-z]/)\ndead: /[^\\s\\S]/')
+    params = [SamplingParams(max_tokens=6, seed=i, structured_outputs=dead_end) for i in range(len(PROMPTS))]
+    plain = engine("tiny-ouro", speculation="off").generate(PROMPTS, params)
+    expected = [(o.token_ids, o.finish_reason) for o in plain]
+    assert {reason for _, reason in expected} == {"stop", "error"}  # both branches taken
+    for mode in (dict(speculation="2,1"), dict(speculation="3,1", batching="loop")):
+        outs = engine("tiny-ouro", **mode).generate(PROMPTS, params)
+        assert [(o.token_ids, o.finish_reason) for o in outs] == expected, mode
+
+
 @pytest.mark.slow
 def test_speculative_sampling_with_a_grammar_keeps_the_constrained_distribution():
     """Three tokens of a regex grammar, the second and third from one K = 2 round: the draft's and the target's
