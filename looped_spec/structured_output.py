@@ -206,7 +206,8 @@ def allowed_tokens(grammars: Sequence[Grammar], drafted: Sequence[Sequence[int]]
     """[len(grammars), V] bool: the tokens each grammar allows after its `drafted` tokens (each is left as it was):
     after the drafts that follow its gate, every token where the gate is still closed after them. A position after a
     draft the grammar refuses, or after the grammar completed, allows every token: its request never commits a token
-    there (the refused draft is rejected, a completed grammar ends the request)."""
+    there (the refused draft is rejected, a completed grammar ends the request). A grammar that met a dead end (its
+    matcher's error state) allows only the end of sequence, at every position after it."""
     import torch
 
     vocab_size = grammars[0].vocab_size
@@ -223,7 +224,9 @@ def allowed_tokens(grammars: Sequence[Grammar], drafted: Sequence[Sequence[int]]
         # only past the drafts (a branch no text completes) failed the committed output where a draft was rejected
         matcher = grammar.matcher.deep_copy() if tokens else grammar.matcher
         taken = matcher.try_consume_tokens(list(tokens)) if tokens else 0
-        if taken == len(tokens) and not matcher.is_stopped():  # else every token stays allowed (docstring)
+        # a matcher in its error state says it stopped too, and allows only the end of sequence at every ask: asked
+        # for its mask, the draft and the verifier see that one (its request then fails at commit, as plain decoding)
+        if taken == len(tokens) and (not matcher.is_stopped() or matcher.is_error()):  # else every token (docstring)
             matcher.unsafe_compute_mask_ptr(bitmask[row].data_ptr(), row_bytes)
     bits = (bitmask.unsqueeze(-1) >> torch.arange(32, dtype=torch.int32)) & 1
     return bits.reshape(len(grammars), -1)[:, :vocab_size].bool()

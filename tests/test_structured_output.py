@@ -309,14 +309,17 @@ def test_the_grammar_decides_where_the_output_ends():
         assert out.finish_reason == "stop" and out.token_ids[-1] == eos and re.fullmatch("[0-9]+", out.text), out.text
 
 
-def test_a_grammar_no_text_satisfies_fails_its_request_alone():
-    """A regex no text matches compiles, and the matcher allows only the end of sequence once its first mask is
-    computed (its error state): the request finishes with an error naming structured_outputs, not as a completed
-    "stop" whose output the grammar never took (the mutation check: that was the outcome); the request beside it
-    runs on."""
+@pytest.mark.parametrize("grammar", [{"regex": "a[^\\s\\S]b"}, {"grammar": 'start: "q" dead\ndead: /[^\\s\\S]/'}])
+def test_a_grammar_no_text_satisfies_fails_its_request_alone(grammar):
+    """A regex no text matches, or a grammar whose every text reaches a dead end after "q", compiles, and the matcher
+    allows only the end of sequence once the mask at the dead end is computed (its error state): the request finishes
+    with an error naming structured_outputs, not as a completed "stop" whose output the grammar never took (the
+    mutation check: that was the outcome); the request beside it runs on. Under speculation the dead end after "q" is
+    met by the draft's mask, and the verifier's mask there is the same end of sequence (the matcher, stopped by its
+    error, allowed every token to the verifier, whose token the grammar then refused)."""
     for mode in ("off", "2,1"):
         runner = engine("tiny-ouro", speculation=mode)
-        never = SamplingParams(max_tokens=8, structured_outputs=StructuredOutputs(regex="a[^\\s\\S]b"))
+        never = SamplingParams(max_tokens=8, structured_outputs=StructuredOutputs(**grammar))
         failed, fine = runner.generate(["x", "y"], [never, SamplingParams(max_tokens=4, ignore_eos=True)])
         assert failed.finish_reason == "error" and "structured_outputs: the grammar cannot be followed" in failed.error
         assert fine.finish_reason == "length" and len(fine.token_ids) == 4
