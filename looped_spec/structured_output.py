@@ -133,6 +133,14 @@ class GrammarCompiler:
             pristine = llguidance.LLMatcher(self._tokenizer, grammar, log_level=0)
             if pristine.is_error():
                 raise ValueError(f"{field}: {' '.join(pristine.get_error().split())}")
+            # a grammar no text satisfies (a regex such as a[^\s\S]b, a $ref cycle) compiles, and llguidance finds
+            # it when it computes the first mask: a copy computes it here, so the request is refused with the field
+            # named (a server's 400) rather than failed once generating (a 500)
+            probe = pristine.deep_copy()
+            probe.compute_bitmask()
+            if probe.is_error():
+                reason = probe.get_error().strip().splitlines()[0]  # the rest dumps the parser
+                raise ValueError(f"{field}: no text satisfies the grammar ({reason})")
             with self._lock:
                 self._compiled[grammar] = pristine
                 while len(self._compiled) > self.CACHED:

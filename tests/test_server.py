@@ -531,6 +531,14 @@ def test_what_openai_refuses_is_refused_naming_the_field(server, client, monkeyp
             '"json_schema": {"name": "x", "schema": {"type": "bogus"}}}',
             "response_format.json_schema.schema",
         ),
+        (  # a $ref cycle no value satisfies: found at the grammar's first mask (it was a 500 once generating)
+            chat,
+            '"messages": [{"role": "user", "content": "a"}], "response_format": {"type": "json_schema", '
+            '"json_schema": {"name": "x", "schema": {"$ref": "#/$defs/a", "$defs": {"a": {"$ref": "#/$defs/b"}, '
+            '"b": {"$ref": "#/$defs/a"}}}}}',
+            "response_format.json_schema.schema",
+        ),
+        (completions, '"prompt": "a", "structured_outputs": {"regex": "a[^\\\\s\\\\S]b"}', "structured_outputs.regex"),
         (
             chat,
             '"messages": [{"role": "user", "content": "a"}], "response_format": {"type": "json_schema"}',
