@@ -86,7 +86,7 @@ def _kernel():
         HAS_REQUEST_PLANES: tl.constexpr,
         FP32_DOT: tl.constexpr,
         BLOCK_SIZE: tl.constexpr,
-        KEYS: tl.constexpr,  # keys per step (a multiple of BLOCK_SIZE)
+        KEYS: tl.constexpr,  # keys per step (each key looks up its own block: a step may span blocks or part of one)
         GROUP_PAD: tl.constexpr,
         ROWS: tl.constexpr,  # >= query tokens x GROUP_PAD, >= 16 (tl.dot)
         HEAD_DIM: tl.constexpr,
@@ -194,7 +194,9 @@ class KernelBatch:
         group = num_heads // kv_heads
         group_pad = _next_pow2(group)
         rows = max(16, _next_pow2(self.max_query) * group_pad)
-        keys = _next_pow2(max(self.block_size, 16, min(64, _MAX_TILE // rows)))
+        # not sized by the block: a block of thousands of tokens would make a [KEYS, HEAD_DIM] tile past what Triton
+        # allows (2^20 elements) and a GPU's shared memory holds
+        keys = _next_pow2(max(16, min(64, _MAX_TILE // rows)))
         splits = self.num_splits
         m = torch.empty(num_tokens, num_heads, splits, dtype=torch.float32, device=q.device)
         s = torch.empty_like(m)
