@@ -20,6 +20,13 @@
 #   `gpu_check.py --sections "spec profile;loop profile" --new 64` (where a speculative round's time goes at B = 32,
 #   and a loop pass's), then the huginn mode.
 set -uo pipefail
+MODE=${1:-full}
+case "$MODE" in
+  full|followup|huginn) ;;
+  -h|--help) sed -n '2,/^set /p' "$0" | sed '$d; s/^# \{0,1\}//'; exit 0 ;;
+  # a mistyped mode ran the full session (490 s), past the timeout a shorter mode is given
+  *) echo "unknown mode '$MODE': run: bash benchmarks/device_run.sh [full|followup|huginn]" >&2; exit 2 ;;
+esac
 OUT=${OUT:-benchmarks/results/gpu}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
@@ -31,7 +38,7 @@ python3 -m pip install -q --no-index --no-deps --no-build-isolation -e . 2>&1 | 
 { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
   python3 -c "import torch, triton; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'triton', triton.__version__)"
 } | tee "$OUT/gpu.txt"
-if [ "${1:-full}" = "huginn" ]; then
+if [ "$MODE" = "huginn" ]; then
   # Huginn-0125's shapes at 8 loops (timeout_s 330; not yet run on a device): its correctness, then captured loop
   # passes against captured steps at full depth, a fixed exit and its KL rule, beside a loop engine whose coda
   # readouts and KL rule run eagerly (the A/B of those captured stages)
@@ -39,7 +46,7 @@ if [ "${1:-full}" = "huginn" ]; then
     --budget-seconds 200 --out "$OUT/huginn" 2>&1 | tee "$OUT/huginn.log" | grep -v "^ " | tail -20
   exit 0
 fi
-if [ "${1:-full}" = "followup" ]; then
+if [ "$MODE" = "followup" ]; then
   # the second run of a session: identity at the real shapes in fp32 (is a bf16 mismatch rounding or a bug?),
   # then where a plain step's time goes (profiler) and shorter timings in bf16 (~300 s in all; timeout_s 330)
   timeout 120 python3 benchmarks/gpu_check.py --models ouro-1.4b --dtype float32 --new 32 \

@@ -899,3 +899,18 @@ def test_replay_and_overhead_refuse_the_presets_tuning_prompts(monkeypatch, caps
     with pytest.raises(SystemExit) as exc:
         overhead.main(["--model", "tiny-ouro", "--prompts", "tune", "--rounds", "3", "--max-tokens", "3"])
     assert exc.value.code == 2 and "were also used for tuning" in capsys.readouterr().err
+
+
+def test_device_run_refuses_an_unknown_mode(tmp_path):
+    """A mistyped mode of benchmarks/device_run.sh is an error naming it, before anything runs (it ran the full
+    session, longer than the device timeout a shorter mode is given)."""
+    import subprocess
+
+    out = tmp_path / "gpu"
+    done = subprocess.run(["bash", str(ROOT / "benchmarks" / "device_run.sh"), "hugin"], cwd=ROOT,
+                          env={"PATH": "/usr/bin:/bin", "OUT": str(out)}, capture_output=True, text=True)  # fmt: skip
+    assert done.returncode == 2 and "unknown mode 'hugin'" in done.stderr, done.stdout + done.stderr
+    assert not out.exists()
+    usage = subprocess.run(["bash", str(ROOT / "benchmarks" / "device_run.sh"), "--help"], cwd=ROOT,
+                           env={"PATH": "/usr/bin:/bin", "OUT": str(out)}, capture_output=True, text=True)  # fmt: skip
+    assert usage.returncode == 0 and "huginn" in usage.stdout and not out.exists()
