@@ -5,12 +5,16 @@ draft skip verification and are left out of the controller's acceptance."""
 
 from __future__ import annotations
 
+import functools
 import itertools
+import os
 
 import pytest
 import torch
 from chisquare import assert_distribution
 from conftest import FAMILIES, fixture_dir, load, reference
+from hypothesis import HealthCheck, event, example, given, settings
+from hypothesis import strategies as st
 from test_early_exit import exit_params, mixed_params, reference_generate
 
 from looped_spec import LoopedSpecEngine, SamplingParams, SpeculativeConfig, load_adapter
@@ -269,3 +273,105 @@ def test_speculative_target_logits_equal_plain_logits_in_skip_mode(monkeypatch, 
         assert len(got) >= len(out.token_ids) and len(want) == len(out.token_ids)
         for a, b in zip(got, want):
             assert (a - b).abs().max() <= 1e-4 * (1 + b.abs().max())
+
+
+# ----- property: random exit settings, plans and batches against plain early-exit decoding -----
+#: per family: thresholds of its rule that exit at mixed depths on the fixtures (Huginn's default KL rule decodes its
+#: requests plainly inside rounds, K = 0; its latent rule speculates); Nanbeige has no rule, exit_at_step only
+PROPERTY_THRESHOLDS = {"ouro": [0.2, 0.5, 0.8, 0.95], "huginn": [1e-3, 3e-2, 0.3], "huginn-latent": [0.05, 0.2, 0.5],
+                       "nanbeige": []}  # fmt: skip
+
+
+@functools.cache
+def property_model(family: str):
+    if family == "huginn-latent":
+        return load_adapter(fixture_dir("huginn"), device="cpu", initial_state="zeros", exit_criterion="latent")
+    return load(family)
+
+
+exit_request_st = st.fixed_dictionaries(
+    {
+        "prompt": st.tuples(st.integers(0, 1), st.lists(st.integers(1, 255), max_size=5)),
+        "max_tokens": st.integers(4, 16),
+        "exit": st.tuples(
+            st.sampled_from([None, "exit_at_step", "exit_threshold", "exit_threshold"]), st.integers(0, 7)
+        ),
+        # always some: they show a readout's logits, not just its argmax
+        "logprobs": st.sampled_from([0, 2]),
+        # an eighth of the vocabulary stops it: stops land inside accepted drafts
+        "stops": st.sampled_from([False, False, True]),
+    }
+)
+
+
+PINNED_EXIT_REQUESTS = [
+    {"prompt": (base, []), "max_tokens": 10, "exit": ("exit_threshold", n), "logprobs": 0, "stops": False}
+    for base, n in ((0, 1), (1, 2), (1, 0))
+]
+
+
+def property_request(spec: dict, family: str) -> tuple[list[int], SamplingParams]:
+    depth, thresholds = property_model(family).full_depth, PROPERTY_THRESHOLDS[family]
+    base, extra = spec["prompt"]
+    fields = {}
+    kind, n = spec["exit"]
+    if kind is not None:
+        if kind == "exit_threshold" and thresholds:
+            fields["exit_threshold"] = thresholds[n % len(thresholds)]
+        else:  # depths 1..D: exits within the draft, at d, at d + 1 and never (D) all come up
+            fields["exit_at_step"] = 1 + n % depth
+    params = SamplingParams(max_tokens=spec["max_tokens"], ignore_eos=not spec["stops"], logprobs=spec["logprobs"],
+                            stop_token_ids=list(range(3, 256, 8)) if spec["stops"] else [], **fields)  # fmt: skip
+    return reference(family.split("-")[0])["prompts"][base] + extra, params
+
+
+def exit_outcome(out, close=float) -> tuple:
+    """What plain early-exit decoding fixes for a request: tokens, why it ended, exit depths, log-probabilities (of
+    the logits each token was drawn from: the readout at its exit depth), each value wrapped in `close`."""
+    logprobs = [(e.token, close(e.logprob), [(t, close(v)) for t, v in e.top]) for e in out.logprobs]
+    return out.token_ids, out.finish_reason, dict(out.metrics.exit_depth_histogram), logprobs
+
+
+def exit_stats(engine) -> tuple:
+    s = engine.stats
+    return dict(s.exit_depth_histogram), s.num_exit_loops_run, s.num_exit_loops_saved
+
+
+@settings(max_examples=int(os.environ.get("LOOPED_SPEC_HYPOTHESIS_EXAMPLES", "15")), deadline=None,
+          derandomize=True, database=None, suppress_health_check=[HealthCheck.too_slow])  # fmt: skip
+@pytest.mark.parametrize("family", sorted(PROPERTY_THRESHOLDS))
+@given(
+    mode=st.sampled_from(MODES),
+    batching=st.sampled_from(["step", "loop"]),
+    k=st.integers(1, 5),
+    d=st.integers(0, 6),
+    stop_margin=st.sampled_from([None, None, 0.05]),
+    specs=st.lists(exit_request_st, min_size=1, max_size=4),
+)
+# pinned: skip mode with positions exiting during verification, between d and D, before later positions loop on
+@example(mode="skip", batching="step", k=3, d=0, stop_margin=None, specs=PINNED_EXIT_REQUESTS)
+@example(mode="skip", batching="loop", k=3, d=0, stop_margin=None, specs=PINNED_EXIT_REQUESTS)
+def test_random_exits_plans_and_batches_equal_plain_early_exit_decoding(
+    family, mode, batching, k, d, stop_margin, specs
+):
+    """Greedy requests with random exit settings side by side (exit_at_step within, at and past the draft depth,
+    the family's rule at several thresholds, none), under a random plan (K, d), per-token stopping or not, on steps
+    or loop passes: each request's tokens, finish reason, exit depths and log-probabilities (read out at the exit
+    depth) are those of plain early-exit decoding of it alone, and the engine's exit statistics are plain decoding's
+    of the same batch."""
+    adapter = property_model(family)
+    plan = SpeculativeConfig(k=k, d=1 + d % (adapter.full_depth - 1), stop_margin=stop_margin)
+    prompts, params = zip(*(property_request(spec, family) for spec in specs))
+    plain = LoopedSpecEngine(adapter, speculation="off", early_exit=mode)
+    close = functools.partial(pytest.approx, abs=1e-4)
+    want = [exit_outcome(plain.generate([p], [q])[0], close) for p, q in zip(prompts, params)]
+    batch = LoopedSpecEngine(adapter, speculation="off", early_exit=mode)
+    batch.generate(list(prompts), list(params))
+    engine = LoopedSpecEngine(adapter, speculation=plan, early_exit=mode, batching=batching)
+    got = [exit_outcome(out) for out in engine.generate(list(prompts), list(params))]
+    assert got == want
+    assert exit_stats(engine) == exit_stats(batch)
+    assert engine.stats.num_exit_draft_decided <= engine.stats.num_accepted_tokens
+    assert engine.num_free_blocks == engine.kv.num_blocks
+    event(f"drafts decided by the exit rule: {engine.stats.num_exit_draft_decided > 0}")
+    event(f"drafts verified: {engine.stats.num_draft_tokens > engine.stats.num_exit_draft_decided}")
