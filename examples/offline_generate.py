@@ -11,7 +11,7 @@ import torch
 
 from looped_spec import LoopedSpecEngine, SamplingParams
 
-PROMPTS = ["def fibonacci(n):", "import os\n", "class Stack:"]
+PROMPTS = ["def fibonacci(n):", "import os", "class Stack:"]
 
 
 def main() -> None:
