@@ -99,7 +99,7 @@ class DisableConfig(BaseModel):
 
 
 class AcceptanceConfig(BaseModel):
-    """Offline acceptance per draft depth (docs/adaptive.md "acceptance model"), measured by the tuner."""
+    """Offline acceptance per draft depth (docs/adaptive.md "Acceptance"), measured by the tuner."""
 
     model_config = _STRICT
 

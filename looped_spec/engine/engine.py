@@ -65,7 +65,7 @@ class LoopedSpecEngine:
     """Serve a looped model with continuous batching and (adaptive) self-speculative decoding.
 
     `model` is a checkpoint folder, a shipped model name, or a ModelAdapter; every other option is a field
-    of `EngineConfig` (engine_config.py), given as a keyword or as `config=`. `speculation` is "off",
+    of `EngineConfig` (engine/config.py), given as a keyword or as `config=`. `speculation` is "off",
     "adaptive", a `SpeculativeConfig(k, d)`, or a "K,d" string. `early_exit` is how tokens that exit early
     (SamplingParams exit_threshold / exit_at_step, Ouro's config early_exit_threshold) run: "skip" (loops
     after the exit are not computed; their KV planes hold the exit loop's KV) or "select" (every loop runs
