@@ -260,10 +260,11 @@ def test_item11_generation_config_gives_eos_and_default_sampling(tmp_path):
     assert plain.adapter.eos_token_ids == []
     continuation = plain.generate([5, 9, 13], greedy(8))[0].token_ids
     stop = continuation[3]
-    generation = {"eos_token_id": [1000, stop], "do_sample": True, "temperature": 0.7, "top_k": 5}
+    other = next(t for t in range(plain.adapter.vocab_size - 1, 0, -1) if t not in continuation)  # never generated
+    generation = {"eos_token_id": [other, stop], "do_sample": True, "temperature": 0.7, "top_k": 5}
     (folder / "generation_config.json").write_text(json.dumps(generation))
     engine = LoopedSpecEngine(str(folder), device="cpu", speculation="off")
-    assert engine.adapter.eos_token_ids == [1000, stop]
+    assert engine.adapter.eos_token_ids == [other, stop]
     out = engine.generate([5, 9, 13], SamplingParams(max_tokens=8, temperature=0.0))[0]
     assert out.token_ids == continuation[: continuation.index(stop) + 1] and out.finish_reason == "stop"
     request = engine._new_request([5, 9, 13], SamplingParams(max_tokens=4), None)
