@@ -783,6 +783,29 @@ def main() -> None:
         check_model(name, config, args, report, deadline, save)
     save(report)
     print(f"wrote {out / 'gpu_check.json'} and {out / 'gpu_check.md'} in {report['wall_seconds']:.0f} s")
+    if args.tiny and args.device == "cpu":  # CI's mode: fp32 on the CPU, where every path gives the same tokens (on a
+        # GPU a kernel and its reference, or bf16 rounding, may part near-tied logits: there the counts are reported)
+        differ = mismatches(report)
+        if differ:
+            sys.exit("not token-identical on the CPU: " + "; ".join(differ))
+
+
+def mismatches(report: dict) -> list[str]:
+    """The correctness counts of `report` below their number of requests (model: what differed, n of m)."""
+    out = []
+    for name, entry in report["models"].items():
+        c = entry.get("correctness") or {}
+        n = c.get("requests")
+        counts = {
+            key: c.get(key) for key in ("eager_vs_reference_identical_requests", "graphs_vs_eager_identical_requests")
+        }
+        for key in ("speculative_vs_plain_identical_requests", "early_exit_speculative_vs_plain_identical_requests"):
+            counts.update({f"{key} {plan}": same for plan, same in (c.get(key) or {}).items()})
+        out += [f"{name}: {key} {same} of {n}" for key, same in counts.items() if same is not None and same != n]
+        for label, row in (entry.get("loop_batching") or {}).items():
+            if isinstance(row, dict) and row.get("identical_requests") != row.get("of"):
+                out.append(f"{name}: loop batching {label} {row.get('identical_requests')} of {row.get('of')}")
+    return out
 
 
 if __name__ == "__main__":

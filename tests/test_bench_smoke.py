@@ -914,3 +914,22 @@ def test_device_run_refuses_an_unknown_mode(tmp_path):
     usage = subprocess.run(["bash", str(ROOT / "benchmarks" / "device_run.sh"), "--help"], cwd=ROOT,
                            env={"PATH": "/usr/bin:/bin", "OUT": str(out)}, capture_output=True, text=True)  # fmt: skip
     assert usage.returncode == 0 and "huginn" in usage.stdout and not out.exists()
+
+
+def test_the_gpu_checks_cpu_mode_names_every_path_that_is_not_token_identical(monkeypatch):
+    """CI runs gpu_check.py --device cpu --tiny (fp32), where every path gives the same tokens: a count below its
+    requests fails the run, naming it (it exited 0 with the count in its report)."""
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))  # as when run as a script: its siblings import
+    gpu_check = load_script("gpu_check")
+    same = {"requests": 4, "eager_vs_reference_identical_requests": 4, "graphs_vs_eager_identical_requests": 4,
+            "speculative_vs_plain_identical_requests": {"2,1": 4},
+            "early_exit_speculative_vs_plain_identical_requests": {"3,1": 4}}  # fmt: skip
+    report = {"models": {"a": {"correctness": same, "loop_batching": {"greedy": {"identical_requests": 4, "of": 4}}},
+                         "b": {"skipped": "time budget spent"}}}  # fmt: skip
+    assert gpu_check.mismatches(report) == []
+    report["models"]["a"]["correctness"] = same | {"speculative_vs_plain_identical_requests": {"2,1": 3}}
+    report["models"]["a"]["loop_batching"]["greedy"]["identical_requests"] = 2
+    assert gpu_check.mismatches(report) == [
+        "a: speculative_vs_plain_identical_requests 2,1 3 of 4",
+        "a: loop batching greedy 2 of 4",
+    ]
