@@ -450,6 +450,7 @@ def test_serve_replica_flags_are_checked_before_ray_starts(capsys):
         (["--replicas", "0"], "--replicas: Input should be greater than or equal to 1"),
         (["--replicas", "2", "--max-replicas", "3"], "--replicas: a fixed count excludes autoscaling (--max-replicas)"),
         (["--min-replicas", "3", "--max-replicas", "2"], "--min-replicas=3 exceeds --max-replicas=2"),
+        (["--min-replicas", "1"], "error: --max-replicas: autoscaling needs"),  # no stray "args:" before it
         (["--replicas", "2", "--max-batch-size", "0"], "--max-batch-size 0: Input should be greater than or equal"),
         (["--replicas", "2", "--speculation", "off", "--control", '{"hysteresis": 0.5}'],
          "--control {'hysteresis': 0.5}: only with --speculation adaptive"),

@@ -150,7 +150,8 @@ def parse_args(args: dict[str, Any] | ReplicaAppArgs) -> ReplicaAppArgs:
     try:
         return ReplicaAppArgs(**args)
     except ValidationError as exc:
-        problems = [f"{'.'.join(str(p) for p in e['loc']) or 'args'}: {e['msg'].removeprefix('Value error, ')}"
+        # a check across fields (no loc) names its field in its message
+        problems = [(f"{'.'.join(map(str, e['loc']))}: " if e["loc"] else "") + e["msg"].removeprefix("Value error, ")
                     for e in exc.errors()]  # fmt: skip
         raise ValueError("looped-spec application args: " + "; ".join(problems)) from None
 
