@@ -576,3 +576,16 @@ def test_tune_length_error_names_the_flags_that_set_the_output_tokens():
         tune(adapter, [1], long_prompt, "1,1", acceptance_tokens=30, cost_profile=PROFILE, progress=False)
     with pytest.raises(TunerError, match=r"\(--round-tokens 32 \+ the grid's largest K 2 \+ 2\)"):
         tune(adapter, [1], long_prompt, "2,1", acceptance_tokens=4, progress=False)
+
+
+def test_cli_tune_prompt_groups_are_read_in_any_case_as_the_benchmarks_read_them(tmp_path, capsys):
+    """`--prompts BUILTIN` was taken for a file named so (the benchmarks take any case); an unknown name is an error
+    naming the flag and the groups."""
+    out = tmp_path / "p.json"
+    argv = ["tune", "--model", "tiny-ouro", "--cost-from", "tiny-ouro", "--grid", "1,1", "--batch-sizes", "1",
+            "--num-prompts", "1", "--acceptance-tokens", "3", "--quiet", "--out", str(out)]  # fmt: skip
+    assert main([*argv, "--prompts", "BUILTIN"]) == 0
+    assert read_preset_file(out).provenance["prompts"]["source"] == "builtin"
+    capsys.readouterr()
+    assert main([*argv, "--prompts", "tunning"]) == 2
+    assert "--prompts unknown prompt group 'tunning'" in capsys.readouterr().err

@@ -145,11 +145,16 @@ def _tune(args: argparse.Namespace, written: list[Path]) -> int:
     from looped_spec.models.adapter import resolve_model_path
     from looped_spec.models.checkpoint import read_config, resolve_dtype
     from looped_spec.presets.lookup import PresetError, is_for, load_preset, model_names, read_flagged_preset
+    from looped_spec.tuning.grid import GridError, parse_prompt_source
     from looped_spec.tuning.inputs import parse_adapter_options
     from looped_spec.tuning.prompt_sets import GROUPS, has_tokenizer
     from looped_spec.tuning.report import dump_json, format_report, preset_data, write_heatmap
     from looped_spec.tuning.tuner import tune
 
+    try:  # the benchmarks' parser: a group in any case (TUNE is the group, not a file named so), or a prompt file
+        args.prompts = parse_prompt_source(args.prompts, "--prompts")
+    except GridError as exc:
+        raise UsageError(str(exc)) from None
     out = output_file(args.out, "--out")  # before measuring, which takes minutes
     heatmap = heatmap_file(args.heatmap, out)
     if args.hardware is not None and not args.hardware.strip():
