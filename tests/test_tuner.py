@@ -200,6 +200,8 @@ def test_tune_is_deterministic_given_a_cost_profile():
 def test_tune_refuses_when_nothing_was_measured(monkeypatch):
     with pytest.raises(TunerError, match="acceptance_tokens"):
         tune(load("ouro"), [1], "builtin", "1,1", acceptance_tokens=1, cost_profile=PROFILE, progress=False)
+    with pytest.raises(TunerError, match="hardware='': is empty"):  # the CLI refuses it; tune() took the device's
+        tune(load("ouro"), [1], "builtin", "1,1", hardware=" ", cost_profile=PROFILE, progress=False)
     # e.g. every request stopped at its first token: no decode round, nothing drafted or measured
     monkeypatch.setattr(
         "looped_spec.tuning.tuner.measure_match_bits", lambda adapter, prompts, *a: [[[]] * len(prompts)] * 4

@@ -137,6 +137,8 @@ def tune(
     ):
         if value < low:
             raise TunerError(f"{name}={value} must be >= {low}")
+    if hardware is not None and not hardware.strip():  # a blank tag would be the device's, silently
+        raise TunerError("hardware='': is empty; give a tag such as cpu-2core, or None for the device's")
     if isinstance(model, ModelAdapter):
         # a loaded adapter's options, dtype and device are its own: ones given here would be ignored (and the
         # provenance would record options the model never ran with)
