@@ -70,6 +70,12 @@ class StructuredOutputs(BaseModel):
         if kind == "json":
             schema = self.json_schema
             schema = json.loads(schema) if isinstance(schema, str) else schema
+            if schema is True:  # JSON Schema's boolean form: any JSON value (llguidance takes object schemas only)
+                schema = {}
+            elif schema is False:
+                raise ValueError("false is the schema no value satisfies")
+            if isinstance(schema, dict) and "x-guidance" in schema and not isinstance(schema["x-guidance"], dict):
+                raise ValueError("x-guidance must be an object of llguidance's JSON options")  # it drops others
             # handed over as text: llguidance reads a dict by recursing on the native stack, which a schema nested
             # some thousands deep overflows (the process dies), where json.dumps raises RecursionError
             return LLMatcher.grammar_from_json_schema(json.dumps(schema), defaults=JSON_LAYOUT)

@@ -167,11 +167,18 @@ def test_grammar_errors_name_the_field():
              # no text satisfies them: found at the first mask, which the compiler computes (they failed at generation)
              ({"regex": "a[^\\s\\S]b"}, "structured_outputs.regex: no text satisfies the grammar"),
              ({"json": {"$ref": "#/$defs/a", "$defs": {"a": {"$ref": "#/$defs/b"}, "b": {"$ref": "#/$defs/a"}}}},
-              "structured_outputs.json: no text satisfies the grammar")]  # fmt: skip
+              "structured_outputs.json: no text satisfies the grammar"),
+             # JSON Schema's boolean false, and llguidance options that are no object (llguidance dropped them)
+             ({"json": "false"}, "structured_outputs.json: false is the schema no value satisfies"),
+             ({"json": {"type": "object", "x-guidance": 3}},
+              "structured_outputs.json: x-guidance must be an object")]  # fmt: skip
     for fields, where in cases:
         with pytest.raises(ValueError, match=re.escape(where)):
             model.generate("x", SamplingParams(structured_outputs=StructuredOutputs(**fields)))
     assert not model.has_unfinished_requests()
+    # boolean true, any JSON value (llguidance takes object schemas only: it was "Expecting object schema")
+    anything = model.generate("x", SamplingParams(max_tokens=40, structured_outputs=StructuredOutputs(json="true")))[0]
+    assert anything.finish_reason in ("stop", "length") and anything.text  # (a JSON number may run to max_tokens)
     without_tokenizer = LoopedSpecEngine("tests/fixtures/ouro-tiny", speculation="off")
     with pytest.raises(ValueError, match="structured_outputs.regex: .*tokenizer"):
         without_tokenizer.generate([1, 2], SamplingParams(structured_outputs=StructuredOutputs(regex="a")))
