@@ -36,6 +36,20 @@ def test_graph_keys_share_one_loop_capture_across_loop_ranges():
     assert {k.stage for k in graph_keys(plans, 4, [1], [64])} == {"loop"}  # a readout without attention: eager
 
 
+def test_with_the_paged_kernel_verify_steps_past_its_query_size_are_not_captured():
+    """The kernel's tiles are sized for at most MAX_KERNEL_QUERY tokens a request (the eager runner sends longer steps
+    to the reference path): captured with it, a K = 20 verify (21 tokens, x 8 heads of a GQA group) went past them.
+    Such steps are not captured, so they run eagerly; without the kernel every step's shape is captured."""
+    from looped_spec.execution.cuda_graph import query_lens_of
+    from looped_spec.execution.paged_kernel import MAX_KERNEL_QUERY
+
+    plans = [(0, 0), (3, 1), (MAX_KERNEL_QUERY - 1, 1), (MAX_KERNEL_QUERY, 2), (20, 1)]
+    assert query_lens_of(plans) == [1, 4, MAX_KERNEL_QUERY, MAX_KERNEL_QUERY + 1, 21]
+    assert query_lens_of(plans, use_kernel=True) == [1, 4, MAX_KERNEL_QUERY]
+    kernel_keys = graph_keys(plans, 4, [1, 8], [64], use_kernel=True)
+    assert {k.query_len for k in kernel_keys} == {1, 4, MAX_KERNEL_QUERY}
+
+
 def test_context_buckets_bound_padding_by_two():
     assert context_buckets(100, 16, per_request_lengths=False) == [16, 32, 64, 112]
     assert context_buckets(65536, 16, per_request_lengths=True) == [65536]

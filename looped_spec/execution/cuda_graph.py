@@ -33,7 +33,7 @@ import torch
 
 from looped_spec.execution.attention import PagedContext
 from looped_spec.execution.model_runner import StepInput, StepOutput
-from looped_spec.execution.paged_kernel import KernelBatch, kernel_available, num_splits_for
+from looped_spec.execution.paged_kernel import MAX_KERNEL_QUERY, KernelBatch, kernel_available, num_splits_for
 from looped_spec.execution.transfers import copy_from_host
 
 
@@ -79,9 +79,12 @@ def pad_to(n: int, buckets: list[int]) -> int | None:
 pad_batch = pad_to
 
 
-def query_lens_of(plans: list[tuple[int, int]]) -> list[int]:
-    """Tokens per request of the steps the plans run: 1 (decode, draft) and K + 1 (verify)."""
-    return sorted({1} | {k + 1 for k, _ in plans if k > 0})
+def query_lens_of(plans: list[tuple[int, int]], use_kernel: bool = False) -> list[int]:
+    """Tokens per request of the steps the plans run and graphs capture: 1 (decode, draft) and K + 1 (verify); with
+    the paged kernel only up to `MAX_KERNEL_QUERY`, the most its tiles are sized for (the eager runner's rule too:
+    longer verify steps run eagerly, on the reference path)."""
+    lens = {1} | {k + 1 for k, _ in plans if k > 0}
+    return sorted(q for q in lens if not use_kernel or q <= MAX_KERNEL_QUERY)
 
 
 def graph_stages(plans: list[tuple[int, int]], full_depth: int, uniform_loops: bool, readout_graph: bool) -> list[str]:
@@ -103,10 +106,12 @@ def graph_keys(
     contexts: list[int],
     uniform_loops: bool = True,
     readout_graph: bool = False,
+    use_kernel: bool = False,
 ) -> list[GraphKey]:
     """Every graph the plans need; largest first (so later captures fit in the shared pool)."""
     stages = graph_stages(plans, full_depth, uniform_loops, readout_graph)
-    keys = [GraphKey(b, q, c, s) for b in batches for q in query_lens_of(plans) for c in contexts for s in stages]
+    query_lens = query_lens_of(plans, use_kernel)
+    keys = [GraphKey(b, q, c, s) for b in batches for q in query_lens for c in contexts for s in stages]
     return sorted(keys, key=lambda k: (-k.batch * k.query_len * k.context, k.stage))
 
 
@@ -230,7 +235,7 @@ class CudaGraphRunner:
         self.planes_per_loop = layout.num_loop_planes // adapter.full_depth
         self.scratch_block = kv.scratch_block  # padding rows write to and read from it only
         self.plans = sorted(set(plans))
-        self.query_lens = query_lens_of(self.plans)
+        self.query_lens = query_lens_of(self.plans, use_kernel)
         self.buffers = SharedBuffers(
             max(buckets) * max(self.query_lens), max(buckets), self.max_context, self.block_size, not use_kernel,
             adapter.state_dim, adapter.dtype, adapter.device,
@@ -249,8 +254,9 @@ class CudaGraphRunner:
     # ----- preparing -----
     def keys(self, contexts: list[int]) -> list[GraphKey]:
         return graph_keys(
-            self.plans, self.adapter.full_depth, self.buckets, contexts, self.uniform_loops, self.readout_graph
-        )
+            self.plans, self.adapter.full_depth, self.buckets, contexts, self.uniform_loops, self.readout_graph,
+            self.use_kernel,
+        )  # fmt: skip
 
     def static_batch(self, batch: int, query_len: int, context: int) -> StaticBatch:
         shape = (batch, query_len, context)
