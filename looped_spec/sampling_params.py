@@ -132,8 +132,9 @@ class SamplingParams(BaseModel):
         "output so far holds it, as in OpenAI's API; 0 = off."
     )  # fmt: skip
     seed: Integer | None = Field(
-        None, ge=0, le=2**63 - 1, description="Per-request seed; None = drawn from the engine seed."
-    )
+        None, ge=0, le=2**63 - 1, description="Per-request seed; None (or -1, as vLLM reads it) = drawn from the "
+        "engine seed."
+    )  # fmt: skip
     stop_token_ids: list[Integer] = Field(
         default_factory=list,
         strict=False,
@@ -240,6 +241,12 @@ class SamplingParams(BaseModel):
     def clone(self) -> SamplingParams:
         """A copy (vLLM's `clone`); SamplingParams is frozen: `model_copy(update={...})` makes a changed one."""
         return self.model_copy(deep=True)
+
+    @field_validator("seed", mode="before")
+    @classmethod
+    def _minus_one_is_no_seed(cls, value: Any) -> Any:
+        # vLLM's rule (clients send -1 for "random"): an int -1, not True or -1.0, which the field's checks refuse
+        return None if type(value) is int and value == -1 else value
 
     @field_validator("stop", mode="before")
     @classmethod

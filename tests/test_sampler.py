@@ -219,3 +219,16 @@ def test_a_temperature_fp32_cannot_hold_is_refused_and_one_it_can_keeps_to_the_m
     params = SamplingParams(max_tokens=30, temperature=3.4e38, allowed_token_ids=allowed, seed=1, ignore_eos=True)
     out = make_engine("ouro").generate([5, 9, 13], params)[0]
     assert set(out.token_ids) == set(allowed)
+
+
+def test_a_seed_of_minus_one_is_no_seed_as_vllm_reads_it():
+    """vLLM's SamplingParams reads seed=-1 as None (clients send it for "random"): it was an error naming seed here.
+    Other negative seeds, and -1 as a bool or float, stay errors."""
+    from pydantic import ValidationError
+
+    from looped_spec import SamplingParams
+
+    assert SamplingParams(seed=-1).seed is None and SamplingParams(seed=0).seed == 0
+    for bad in (-2, -1.0):
+        with pytest.raises(ValidationError, match="seed"):
+            SamplingParams(seed=bad)

@@ -1270,9 +1270,10 @@ def test_a_body_not_sent_as_json_is_told_its_content_type(plain_server):
 
 
 def test_a_negative_seed_is_taken_as_openai_and_vllm_take_it(plain_server, reference_engine):
-    """OpenAI's schema (and vLLM's) takes any 64-bit integer as `seed` (clients send -1): the choices draw with it
-    modulo 2**63, as the server reduces every choice's seed s + j, so -1 samples as 2**63 - 1 does offline."""
-    sampled = {"model": MODEL, "max_tokens": 6, "temperature": 1.0, "n": 2, "seed": -1}
+    """OpenAI's schema (and vLLM's) takes any 64-bit integer as `seed`: the choices draw with it modulo 2**63, as the
+    server reduces every choice's seed s + j, so -2 samples as 2**63 - 2 does offline. -1 is vLLM's "no seed" (its
+    SamplingParams reads it so; clients send it for random): it drew as 2**63 - 1, the same text every call."""
+    sampled = {"model": MODEL, "max_tokens": 6, "temperature": 1.0, "n": 2, "seed": -2}
     for path, fields, text in (
         ("/v1/completions", {"prompt": PROMPT}, lambda choice: choice["text"]),
         ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]},
@@ -1280,11 +1281,15 @@ def test_a_negative_seed_is_taken_as_openai_and_vllm_take_it(plain_server, refer
     ):  # fmt: skip
         answer = httpx.post(plain_server.url + path, json={**sampled, **fields}, timeout=60)
         assert answer.status_code == 200, answer.text
-        wrapped = httpx.post(plain_server.url + path, json={**sampled, **fields, "seed": 2**63 - 1}, timeout=60).json()
+        wrapped = httpx.post(plain_server.url + path, json={**sampled, **fields, "seed": 2**63 - 2}, timeout=60).json()
         assert [text(c) for c in answer.json()["choices"]] == [text(c) for c in wrapped["choices"]]
-    params = SamplingParams(max_tokens=6, temperature=1.0, seed=2**63 - 1)
+    params = SamplingParams(max_tokens=6, temperature=1.0, seed=2**63 - 2)
     first = httpx.post(plain_server.url + "/v1/completions", json={**sampled, "prompt": PROMPT, "n": 1}).json()
     assert first["choices"][0]["text"] == reference_engine.generate(PROMPT, params)[0].text
+    unseeded = {**sampled, "prompt": PROMPT, "n": 1, "seed": -1, "max_tokens": 12}
+    texts = {httpx.post(plain_server.url + "/v1/completions", json=unseeded).json()["choices"][0]["text"]
+             for _ in range(4)}  # fmt: skip
+    assert len(texts) > 1  # sampled anew each call (four 12-token samples alike: vanishingly unlikely)
     below = {**sampled, "prompt": PROMPT, "seed": -(2**63) - 1}
     too_small = httpx.post(plain_server.url + "/v1/completions", json=below)
     assert too_small.status_code == 400 and too_small.json()["error"]["param"] == "seed"

@@ -95,7 +95,8 @@ class SamplingFields(RequestFields):
     stream: bool = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = Field(None, description="Stop strings (at most 16), cut from the output.")
-    # OpenAI's and vLLM's range, any 64-bit integer (clients send -1 too); the engine draws with it modulo 2**63
+    # OpenAI's and vLLM's range, any 64-bit integer; the engine draws with it modulo 2**63, except -1, which vLLM (and
+    # clients sending it) read as no seed: each request then samples anew
     seed: int | None = Field(None, ge=-(2**63), lt=2**63)
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
@@ -125,6 +126,11 @@ class SamplingFields(RequestFields):
     bad_words: list[str] | None = Field(None, description="Words that may not be generated (vLLM's).")
     cache_salt: str | None = Field(None, description="With prefix caching, cached blocks are shared only with requests "
                                    "of the same salt (vLLM's; a non-empty string).")  # fmt: skip
+
+    @field_validator("seed")
+    @classmethod
+    def _minus_one_is_no_seed(cls, value: int | None) -> int | None:
+        return None if value == -1 else value
 
     @field_validator("cache_salt")
     @classmethod
