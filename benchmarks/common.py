@@ -1,11 +1,13 @@
-"""Shared benchmark plumbing: timing of one engine configuration (`Bench`, for bench_plain.py and
-bench_early_exit.py), the checks of the flags several benchmarks share, made before any model loads or any
-round is timed (`check_model`, `check_preset`, `check_prompt_source`, `check_grid_entries`, `check_out_path`),
-and the refusal to evaluate a preset on the prompts it was tuned on (`refuse_tuning_prompts`).
+"""Shared benchmark plumbing: one loaded model and its engines (`Bench`, for bench_plain.py and
+bench_early_exit.py, which time them in bench_speculative.py's interleaved rounds), the checks of the flags several
+benchmarks share, made before any model loads or any round is timed (`check_model`, `check_preset`,
+`check_prompt_source`, `check_grid_entries`, `check_out_path`), and the refusal to evaluate a preset on the prompts it
+was tuned on (`refuse_tuning_prompts`).
 
 Prompts (the groups, random token ids, files: `load_prompts`, `random_prompts`) live in
 `looped_spec.tuning.prompt_sets`, and batch sizes and the (K, d) grid are parsed by `looped_spec.tuning.grid`, for
-every benchmark and the tuner alike; bench_speculative.py times configurations interleaved on its own.
+every benchmark and the tuner alike; bench_speculative.py times configurations interleaved (its `interleaved_rounds`,
+`timed_slices`, `spread`), and the other benchmarks reuse that.
 
 A check raises a ValueError whose message names the flag; a script turns it into its usage error
 (``parser.error``: exit status 2, no traceback).
@@ -14,13 +16,11 @@ A check raises a ValueError whose message names the flag; a script turns it into
 from __future__ import annotations
 
 import os
-import statistics
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
-from looped_spec import LoopedSpecEngine, SamplingParams, load_adapter
+from looped_spec import LoopedSpecEngine, load_adapter
 from looped_spec.models.adapter import resolve_model_path
 from looped_spec.models.checkpoint import CheckpointError
 from looped_spec.presets.lookup import read_flagged_preset
@@ -37,7 +37,7 @@ from looped_spec.tuning.prompt_sets import (
 
 
 class Bench:
-    """Times engine configurations on one adapter in one process, so ratios compare like with like."""
+    """Engine configurations on one adapter in one process, so ratios compare like with like."""
 
     def __init__(self, model: str, dtype: str = "float32", device: str = "cpu", **adapter_options) -> None:
         self.adapter = load_adapter(model, dtype=dtype, device=device, **adapter_options)
@@ -45,37 +45,6 @@ class Bench:
     def engine(self, speculation, **kwargs) -> LoopedSpecEngine:
         kwargs.setdefault("max_batch_size", 64)
         return LoopedSpecEngine(self.adapter, speculation=speculation, **kwargs)
-
-    def run(self, engine: LoopedSpecEngine, prompts: list, max_tokens: int, repeats: int = 1) -> dict:
-        """Decode tokens/s (wall time minus prefill time; median of `repeats`) and speculation counters."""
-        params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
-        engine.generate(prompts, SamplingParams(max_tokens=4, ignore_eos=True))  # warm-up at the full batch shape
-        decode_times, outputs = [], None
-        s0 = engine.stats.to_dict()
-        for _ in range(repeats):
-            prefill0 = engine.stats.phase_seconds["prefill"]
-            start = time.perf_counter()
-            outputs = engine.generate(prompts, params)
-            wall = time.perf_counter() - start
-            decode_times.append(wall - (engine.stats.phase_seconds["prefill"] - prefill0))
-        s1 = engine.stats.to_dict()
-        tokens = sum(len(o.token_ids) for o in outputs)
-        decoded = tokens - len(prompts)  # the first token of each request comes from prefill
-        proposed = s1["num_draft_tokens"] - s0["num_draft_tokens"]
-        accepted = s1["num_accepted_tokens"] - s0["num_accepted_tokens"]
-        rounds = (s1["num_rounds"] - s0["num_rounds"]) / repeats
-        phase = {k: (s1["phase_seconds"][k] - s0["phase_seconds"][k]) / repeats for k in s1["phase_seconds"]}
-        seconds = statistics.median(decode_times)
-        return {
-            "seconds": seconds,
-            "tokens": tokens,
-            "tokens_per_s": decoded / seconds,
-            "acceptance": accepted / proposed if proposed else 0.0,
-            "rounds": rounds,
-            "tokens_per_round": decoded / rounds / len(prompts) if rounds else 0.0,  # per request
-            "phase_seconds": phase,
-            "outputs": [o.token_ids for o in outputs],
-        }
 
 
 # ----------------------------------------------------------------------------------------- flags, checked up front

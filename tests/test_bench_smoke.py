@@ -444,6 +444,27 @@ def test_controller_overhead_script_runs():
         assert module.overhead_us(policy, "ouro-1.4b", [0.7, 0.87, 0.94, 1.0], 100) > 0.0
 
 
+def test_plain_bench_takes_ratios_over_interleaved_rounds_with_an_aa_line(monkeypatch, capsys):
+    """Paged ÷ naive is the median of per-round ratios (the first round discarded) with its spread, the A/A line
+    (plain-B ÷ plain) beside it; the naive loop's decode leaves out its first token, as the engines' does (it timed
+    one run of each, one after the other, and counted the naive loop's prompt forward as decode)."""
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))  # it imports common.py and bench_speculative.py
+    module = load_script("bench_plain")
+    argv = ["--model", FIXTURE, "--batch-sizes", "1,2", "--max-tokens", "4", "--repeats", "3", "--threads", "1"]
+    results = module.main(argv)
+    assert "A/A (plain-B/plain)" in capsys.readouterr().out
+    for b in (1, 2):
+        row = results[b]
+        for stat in (row["paged_vs_naive"], row["aa"]):
+            assert len(stat["per_round"]) == 2 and stat["min"] <= stat["median"] <= stat["max"]
+        assert row["same_tokens"]
+    engine = LoopedSpecEngine(FIXTURE, speculation="off", device="cpu", dtype="float32")
+    prompts = [[5, 6, 7], [8, 9, 10]]
+    naive, naive_tokens = module.naive_dense(engine.adapter, prompts, 4)
+    paged, paged_tokens = load_script("bench_speculative").timed_generate(engine, prompts, 4)
+    assert naive["decode_tokens"] == paged["decode_tokens"] == 2 * 3 and naive_tokens == paged_tokens
+
+
 def test_early_exit_bench_prints_quality_beside_speed(monkeypatch, tmp_path, capsys):
     monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))  # it imports common.py and bench_speculative.py
     module = load_script("bench_early_exit")
