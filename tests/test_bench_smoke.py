@@ -465,6 +465,24 @@ def test_plain_bench_takes_ratios_over_interleaved_rounds_with_an_aa_line(monkey
     assert naive["decode_tokens"] == paged["decode_tokens"] == 2 * 3 and naive_tokens == paged_tokens
 
 
+def test_context_bench_takes_ratios_over_interleaved_rounds_at_torchs_default_threads(monkeypatch, capsys):
+    """Per context, each configuration's ratio to plain over the measured rounds (the first discarded) and the A/A
+    line; --threads 0 is torch's default (it printed absolute tokens/s only, and --threads 0 crashed)."""
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))  # it imports common.py and bench_speculative.py
+    module = load_script("bench_context")
+    argv = ["--model", FIXTURE, "--contexts", "8,20", "--new-tokens", "3", "--rounds", "3", "--spec", "1,1"]
+    results = module.main([*argv, "--compare-slots", "--threads", "0"])
+    printed = capsys.readouterr().out
+    assert "A/A (plain-B vs plain)" in printed and printed.count("plain slot") == 2
+    assert set(results) == {8, 20}
+    for row in results.values():
+        assert set(row) == {"plain", "plain-B", "1,1", "plain slot", "1,1 slot"}
+        for entry in row.values():
+            stat = entry["ratio"]
+            assert len(stat["per_round"]) == 2 and stat["min"] <= stat["median"] <= stat["max"]
+        assert row["plain"]["ratio"]["median"] == 1.0
+
+
 def test_early_exit_bench_prints_quality_beside_speed(monkeypatch, tmp_path, capsys):
     monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))  # it imports common.py and bench_speculative.py
     module = load_script("bench_early_exit")
