@@ -82,13 +82,15 @@ def main(argv: list[str] | None = None) -> dict[int, dict]:
         torch.set_num_threads(args.threads)
     adapter = load_model(parser, args.model)
     max_len = min(adapter.max_positions, max(contexts) + args.new_tokens + 1)
-    block_gather = PagedContext.gather  # put back at the end: main() leaves the process as it found it
+    # put back at the end (--breakdown wraps both): main() leaves the process as it found it
+    block_gather, plain_sdpa = PagedContext.gather, attention.sdpa
     gathers = {"block": block_gather}
     if args.compare_slots:
         gathers["slot"] = slot_gather
     if args.breakdown:
         gathers = {name: timed("gather", fn, lambda ctx, plane: ctx.max_query == 1) for name, fn in gathers.items()}
-        attention._sdpa = timed("sdpa", attention._sdpa, lambda q, *rest: q.shape[2] == 1)
+        # attention.py's module-level name, which its `_attend` calls
+        attention.sdpa = timed("sdpa", plain_sdpa, lambda q, *rest: q.shape[2] == 1)
     configs = {"plain": ("off", "block"), "plain-B": ("off", "block"), args.spec: (args.spec, "block")}
     if args.compare_slots:
         configs |= {"plain slot": ("off", "slot"), f"{args.spec} slot": (args.spec, "slot")}
@@ -120,7 +122,7 @@ def main(argv: list[str] | None = None) -> dict[int, dict]:
                     if r:  # round 0 is the warm-up
                         measured[c].append(records)
     finally:
-        PagedContext.gather = block_gather
+        PagedContext.gather, attention.sdpa = block_gather, plain_sdpa
         bar.close()
     print(f"model {adapter.name}, B=1, {args.new_tokens} new tokens, {args.rounds} rounds (first discarded), contexts "
           f"and configurations in an order shuffled per round; {torch.get_num_threads()} threads")  # fmt: skip

@@ -483,6 +483,20 @@ def test_context_bench_takes_ratios_over_interleaved_rounds_at_torchs_default_th
         assert row["plain"]["ratio"]["median"] == 1.0
 
 
+def test_context_bench_breakdown_times_gather_and_sdpa(monkeypatch, capsys):
+    """--breakdown wraps attention's gather and SDPA (it wrapped `attention._sdpa`, a name that no longer exists, and
+    died with an AttributeError) and puts both back when it is done."""
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    import looped_spec.execution.attention as attention
+
+    gather, sdpa = attention.PagedContext.gather, attention.sdpa
+    module = load_script("bench_context")
+    argv = ["--model", FIXTURE, "--contexts", "8", "--new-tokens", "3", "--rounds", "2", "--spec", "1,1"]
+    module.main([*argv, "--breakdown", "--threads", "0"])
+    assert "microseconds per decoded token: gather, SDPA" in capsys.readouterr().out
+    assert attention.PagedContext.gather is gather and attention.sdpa is sdpa
+
+
 def test_early_exit_bench_prints_quality_beside_speed(monkeypatch, tmp_path, capsys):
     monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))  # it imports common.py and bench_speculative.py
     module = load_script("bench_early_exit")
