@@ -67,7 +67,9 @@ def start_server(args: argparse.Namespace, port: int, replicas: int | None, metr
                "--batching", args.batching]  # fmt: skip
     if replicas is not None:
         command += ["--replicas", str(replicas), "--metrics-port", str(metrics_port)]
-    return subprocess.Popen(command, env=os.environ | {"OMP_NUM_THREADS": str(args.threads)})
+    # 0: torch's default, which the server picks itself (OMP_NUM_THREADS=0 is an invalid value to libgomp)
+    threads = {"OMP_NUM_THREADS": str(args.threads)} if args.threads else {}
+    return subprocess.Popen(command, env=os.environ | threads)
 
 
 def wait_healthy(url: str, server: subprocess.Popen, timeout: float = 180.0) -> None:
@@ -89,7 +91,8 @@ def offline_references(args: argparse.Namespace) -> dict[str, str]:
 
     from looped_spec import LoopedSpecEngine, SamplingParams
 
-    torch.set_num_threads(args.threads)
+    if args.threads:  # 0: torch's default
+        torch.set_num_threads(args.threads)
     engine = LoopedSpecEngine(args.model, speculation="off")
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, exit_threshold=args.exit_threshold)
     outputs = engine.generate(PROMPTS, params)
@@ -165,7 +168,8 @@ def main() -> int:
     parser.add_argument("--max-tokens", type=int, default=32, help="tokens per completion")
     parser.add_argument("--max-batch-size", type=int, default=16, help="the server's running batch")
     parser.add_argument("--speculation", default="adaptive", help="the server's speculation setting")
-    parser.add_argument("--threads", type=int, default=1, help="torch threads of the server and the references")
+    threads = "torch threads of the server and the references (0: torch's default)"
+    parser.add_argument("--threads", type=int, default=1, help=threads)
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds before one request fails")
     parser.add_argument("--batching", default="step", choices=["step", "loop"], help="the server's batching")
     parser.add_argument("--exit-threshold", type=float, default=None, help="every request's early-exit threshold")
@@ -178,6 +182,8 @@ def main() -> int:
         parser.error("--replicas: a comma-separated list of replica counts > 0, e.g. 1,2")
     if args.arrival_rate is not None and not args.arrival_rate > 0:
         parser.error("--arrival-rate must be > 0")
+    if args.threads < 0:
+        parser.error("--threads must be >= 0 (0: torch's default)")
 
     references = offline_references(args)
     counts = [None] if args.replicas is None else [int(n) for n in args.replicas.split(",")]

@@ -497,6 +497,24 @@ def test_context_bench_breakdown_times_gather_and_sdpa(monkeypatch, capsys):
     assert attention.PagedContext.gather is gather and attention.sdpa is sdpa
 
 
+def test_server_bench_takes_torchs_default_threads(monkeypatch):
+    """bench_server.py --threads 0 (torch's default, as `looped-spec serve --threads 0`) computes its offline
+    references and starts the server without OMP_NUM_THREADS=0 (it died in torch.set_num_threads(0))."""
+    import argparse
+
+    module = load_script("bench_server")
+    args = argparse.Namespace(threads=0, model="tiny-ouro", max_tokens=3, exit_threshold=None)  # text prompts
+    references = module.offline_references(args)
+    assert set(references) == set(module.PROMPTS)
+    started = []
+    monkeypatch.setattr(module.subprocess, "Popen", lambda command, env: started.append((command, env)))
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    server = dict(model=FIXTURE, max_batch_size=2, clients=2, speculation="off", batching="step")
+    module.start_server(argparse.Namespace(threads=0, **server), 1234, None, 1235)
+    command, env = started[0]
+    assert command[command.index("--threads") + 1] == "0" and "OMP_NUM_THREADS" not in env
+
+
 def test_early_exit_bench_prints_quality_beside_speed(monkeypatch, tmp_path, capsys):
     monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))  # it imports common.py and bench_speculative.py
     module = load_script("bench_early_exit")
