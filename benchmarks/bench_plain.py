@@ -22,7 +22,7 @@ import time
 
 import torch
 from bench_speculative import SPREAD, _progress, check_rounds, fmt, interleaved_rounds, spread, timed_generate
-from common import Bench
+from common import Bench, check_model
 
 from looped_spec.tuning.grid import parse_batch_sizes
 from looped_spec.tuning.prompt_sets import random_prompts
@@ -61,8 +61,9 @@ def main(argv: list[str] | None = None) -> dict[int, dict]:
     check_rounds(parser, args)
     if args.prompt_len < 1 or args.threads < 0:
         parser.error("need --prompt-len >= 1 and --threads >= 0 (0: torch's default)")
-    try:
+    try:  # before the model loads
         batches = parse_batch_sizes(args.batch_sizes)
+        check_model(args.model)
     except ValueError as exc:
         parser.error(str(exc))
     if args.threads:
