@@ -171,10 +171,14 @@ class AsyncLoopedSpecEngine:
         computed then)."""
         self._check_running()
         self.engine.check_priority(priority)  # reads the engine's config only: safe beside the worker
-        request_id = f"req-{next(self._ids)}" if request_id is None else str(request_id)  # the engine's ids are str
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
         with self._lock:
             self._check_room()
+            if request_id is None:  # the next number no live request uses (a caller may have chosen "req-3" itself)
+                request_id = f"req-{next(self._ids)}"
+                while request_id in self._streams or request_id in self._retiring:
+                    request_id = f"req-{next(self._ids)}"
+            request_id = str(request_id)  # the engine's ids are str
             if request_id in self._streams:
                 raise ValueError(f"request_id {request_id!r} is already in use")
             if request_id in self._retiring:
