@@ -484,3 +484,27 @@ def test_step_faults_follow_the_engines_rule_through_the_front(monkeypatch):
     bad = streams["bad"][-1]
     assert bad.finish_reason == "error" and "bad request" in bad.error
     assert again[-1].token_ids == expected[1]
+
+
+def test_leaving_a_stream_whose_request_finished_leaves_a_newer_request_of_its_id_running():
+    """A client that read a request's outputs but its last, then went away after a caller reused the id (free once the
+    request finished): leaving the old stream aborted the new request, whose stream ended with nothing."""
+    engine = make_engine("ouro", speculation="off")
+    params = SamplingParams(max_tokens=3, ignore_eos=True)
+    expected = make_engine("ouro", speculation="off").generate([PROMPTS[1]], params)[0].token_ids
+
+    async def run():
+        reader = front.add_request(PROMPTS[0], params, request_id="a").__aiter__()
+        assert not (await reader.__anext__()).finished
+        for _ in range(500):  # free once the worker delivered the old request's last output (left unread)
+            try:
+                again = front.add_request(PROMPTS[1], params, request_id="a")
+                break
+            except ValueError:
+                await asyncio.sleep(0.01)
+        await reader.aclose()  # the first client goes away
+        return [out async for out in again]
+
+    with AsyncLoopedSpecEngine(engine) as front:
+        outs = asyncio.run(asyncio.wait_for(run(), 30))
+    assert outs and outs[-1].finish_reason == "length" and outs[-1].token_ids == expected

@@ -157,6 +157,9 @@ def poison_steps():
 # ("request_id 'req-1' is already in use") while a caller's "req-1" ran
 @example(pinned([("add", request([1, 2], 4), None, "plain"), ("add", request([3], 4), "req-1", "plain")],
                   [("add", request([5, 6], 4), None, "plain")]))  # fmt: skip
+# leaving a stream whose request had finished (its last output unread) aborted the newer request a caller gave its id
+@example(pinned([("add", request([1, 2], 3), "a", "plain")],
+                [("read", 0, 1), ("wait", 0.05), ("add", request([3], 3), "a", "plain"), ("leave", 0)]))  # fmt: skip
 def test_random_client_actions_end_every_stream_once_with_plain_decodings_tokens(scenario):
     engine = make_engine(
         FAMILY,

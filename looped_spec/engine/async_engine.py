@@ -77,7 +77,7 @@ class RequestStream:
 
     def abort(self) -> None:
         self.finished = True
-        self.owner.abort(self.request_id)
+        self.owner._abort_stream(self.request_id, self._outputs)
 
 
 #: the error of a call before start() (or after shutdown()), with the way to start it
@@ -239,11 +239,17 @@ class AsyncLoopedSpecEngine:
             for one in list(request_id):
                 self.abort(one)
             return
-        request_id = str(request_id)
+        self._abort_stream(str(request_id))
+
+    def _abort_stream(self, request_id: str, outputs: asyncio.Queue | None = None) -> None:
+        """Abort `request_id`; with `outputs`, only while it is still the request of the stream reading `outputs`: a
+        stream whose request finished (its last output unread) and that a client then leaves must not abort a newer
+        request a caller gave the same id."""
         with self._lock:
-            stream = self._streams.pop(request_id, None)
-            if stream is None:
+            stream = self._streams.get(request_id)
+            if stream is None or (outputs is not None and stream.queue is not outputs):
                 return
+            del self._streams[request_id]
             self._retiring.add(request_id)
         _post(stream.loop, stream.queue.put_nowait, _ABORTED)
         self._commands.put(("abort", request_id))
