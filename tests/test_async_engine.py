@@ -66,6 +66,9 @@ def test_admission_is_bounded():
     try:
         outs = asyncio.run(run())
         assert [len(o.token_ids) for o in outs] == [4, 4]
+        # outside an event loop: an error saying where to call it from (asyncio's was "no running event loop")
+        with pytest.raises(RuntimeError, match="call it from a coroutine"):
+            front.add_request([1, 2], SamplingParams(max_tokens=4))
     finally:
         front.shutdown()
 

@@ -171,7 +171,14 @@ class AsyncLoopedSpecEngine:
         computed then)."""
         self._check_running()
         self.engine.check_priority(priority)  # reads the engine's config only: safe beside the worker
-        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
+        try:  # outputs are posted to the caller's event loop
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            raise RuntimeError(
+                "AsyncLoopedSpecEngine.add_request: call it from a coroutine (inside a running asyncio event loop); "
+                "outside one, use LoopedSpecEngine's generate() or add_request() and step()"
+            ) from None
+        stream = _Stream(loop, asyncio.Queue())
         with self._lock:
             self._check_room()
             if request_id is None:  # the next number no live request uses (a caller may have chosen "req-3" itself)
