@@ -52,6 +52,27 @@ def test_full_depth_logprobs_are_the_models_own_with_or_without_speculation(fami
     assert engine.num_free_blocks == engine.kv.num_blocks
 
 
+@pytest.mark.parametrize("speculation", ["off", SpeculativeConfig(k=3, d=1)])
+def test_each_request_gets_its_own_entries_whatever_its_place_in_the_batch(speculation):
+    """A request that did not ask comes first and the two that did ask for different counts: each entry is its own
+    token's, with as many most likely tokens as its request asked for."""
+    adapter = load("ouro")
+    prompts = [reference("ouro")["prompts"][i % 2] for i in range(3)]
+    params = [
+        SamplingParams(max_tokens=6, ignore_eos=True, temperature=0.9, seed=4),  # did not ask
+        SamplingParams(max_tokens=7, logprobs=1, ignore_eos=True, temperature=0.9, top_k=20, seed=5),
+        SamplingParams(max_tokens=8, logprobs=TOP, ignore_eos=True, seed=6),
+    ]
+    outs = LoopedSpecEngine(adapter, speculation=speculation, max_batch_size=4).generate(prompts, params)
+    assert outs[0].logprobs is None
+    for prompt, p, out in zip(prompts[1:], params[1:], outs[1:]):
+        entries = out.logprobs
+        assert [e.token for e in entries] == list(out.token_ids)
+        want = dense_logprobs(adapter, prompt, list(out.token_ids), p.seed)
+        assert [e.logprob for e in entries] == pytest.approx(want, abs=2e-4)
+        assert all(len(e.top) == p.logprobs for e in entries)
+
+
 def test_greedy_speculative_logprobs_equal_plain_ones_and_stop_where_the_output_stops():
     adapter = load("ouro")
     prompts = reference("ouro")["prompts"][:2]
