@@ -13,7 +13,7 @@ from transformers.generation.logits_process import (
     TopPLogitsWarper,
 )
 
-from looped_spec.execution.sampler import SamplingRows, probabilities
+from looped_spec.execution.sampler import SamplingRows, probabilities, sample_from
 
 
 def rows_of(temperature: float, top_k: int, top_p: float, count: int, min_p: float = 0.0) -> SamplingRows:
@@ -46,6 +46,23 @@ def test_top_p_measures_what_top_k_kept():
     logits = torch.tensor([[0.4, 0.3, 0.2, 0.1]]).log()
     probs = probabilities(logits, rows_of(1.0, 2, 0.5, 1))
     assert probs.tolist() == [[1.0, 0.0, 0.0, 0.0]]
+
+
+def test_top_p_keeps_the_smallest_set_whose_mass_reaches_it_exactly():
+    """Four equally likely tokens at top_p 0.5: the first two reach it exactly, so those two are kept, as HF's
+    TopPLogitsWarper keeps them (not a third)."""
+    logits = torch.zeros(1, 4)
+    got = probabilities(logits, rows_of(1.0, 0, 0.5, 1))
+    assert sorted(got[0].tolist()) == [0.0, 0.0, 0.5, 0.5]
+    assert int((reference(logits, 1.0, 0, 0.5) > 0).sum()) == 2
+
+
+def test_a_draw_at_either_end_of_the_uniform_range_takes_a_token_with_mass():
+    """Inverse CDF: token i takes the uniforms in [cdf[i-1], cdf[i]), so u = 0 picks the first token with mass and the
+    largest uniform below 1 the last one, never a zero-probability token around them."""
+    probs = torch.tensor([[0.0, 1.0, 2.0, 0.0]])
+    assert sample_from(probs, torch.tensor([0.0])).tolist() == [1]
+    assert sample_from(probs, torch.tensor([1.0 - 2**-24])).tolist() == [2]
 
 
 @pytest.mark.parametrize(
