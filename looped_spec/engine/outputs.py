@@ -53,10 +53,10 @@ def _stop_reason(request: Request, finish_reason: str | None, detok) -> str | in
     """What ended a stopped request, as vLLM reports it: the stop string, or the stop token id the request named
     (`stop_token_ids`; an eos is None, as in vLLM, unless ignore_eos: then only stop_token_ids can have stopped at it).
     `finish_reason`: the output's (a stop string the last flush completed turns "length" into "stop")."""
+    if finish_reason != "stop":  # an abort or error whose flushed text completes a stop string was not ended by it
+        return None
     if detok is not None and detok.stop_hit is not None:
         return detok.stop_hit
-    if finish_reason != "stop":
-        return None
     last = request.output_token_ids[-1] if request.output_token_ids else None
     named = last is not None and last in request.stop_ids
     return last if named and (request.ignore_eos or last not in request.eos_ids) else None
