@@ -225,7 +225,9 @@ def test_a_stop_completed_at_the_flush_ends_a_length_finish_as_stop_but_never_an
     ids = tokenizer.encode("ok 😀")[:-1]  # ends inside a character: its U+FFFD appears only at the flush
     cases = [("length", 0, "stop", "ok"), ("abort", 0, "abort", "ok"), ("error", 0, "error", "ok"),
              # a length finish short of min_tokens (the context ran out): stop strings are not looked for yet
-             ("length", len(ids) + 1, "length", tokenizer.decode(ids))]  # fmt: skip
+             ("length", len(ids) + 1, "length", tokenizer.decode(ids)),
+             # ... or just reaching it: the flushed text is the last token's, the min_tokens-th
+             ("length", len(ids), "length", tokenizer.decode(ids))]  # fmt: skip
     for reason, min_tokens, expected, text in cases:
         detok = IncrementalDetokenizer(tokenizer, stop=[" " + REPLACEMENT_CHAR])
         assert not any(detok.append(t) for t in ids)
@@ -302,3 +304,38 @@ def test_a_generation_config_value_of_the_wrong_json_type_is_named(tmp_path, fie
     assert "pydantic" not in str(info.value)
     (tmp_path / "generation_config.json").write_text(json.dumps({"do_sample": True, "temperature": 1, "top_k": 5}))
     assert read_generation_config(tmp_path).sampling_defaults()["temperature"] == 1.0  # an integer is a number
+
+
+def test_the_text_is_cut_before_the_first_stop_string_one_token_completes(tokenizer):
+    """A token whose text completes two stop strings: the text ends before the one that occurs first, so it holds
+    none (whatever their order in the list, or which of them ends first)."""
+    ids = tokenizer.encode("Say the word")
+    assert tokenizer.decode(ids[3:4]) == " the"  # one token brings both "t" and "he"
+    detok = IncrementalDetokenizer(tokenizer, stop=["he", "t"])
+    deltas, stopped = stream(detok, ids)
+    assert stopped and detok.stop_hit == "t"
+    assert "".join(deltas) == detok.text == "Say "
+
+
+@pytest.mark.parametrize(("stop", "held"), [([], 0), (["\n"], 0), (["\n", "word!"], 4)])
+def test_streaming_holds_back_one_character_less_than_the_longest_stop_string(tokenizer, stop, held):
+    """Text that a later token may still turn into a stop string is held back, and only that much: with one-character
+    stop strings every delta is all the text decoded so far."""
+    ids = tokenizer.encode("Say the word")
+    detok, sent = IncrementalDetokenizer(tokenizer, stop=stop), ""
+    for i, token in enumerate(ids):
+        assert not detok.append(token)
+        sent += detok.stream_delta(finished=False)
+        text = tokenizer.decode(ids[: i + 1])
+        assert sent == text[: max(0, len(text) - held)]
+
+
+def test_a_prompt_ending_inside_a_character_leaves_the_output_the_text_of_its_own_tokens(tokenizer):
+    """Decode windows start in the prompt's last tokens, unless those end inside a character: the output's text is
+    then what its own tokens decode to (a U+FFFD where it completes the prompt's character), as the module says."""
+    ids = tokenizer.encode("ok 😀 done")
+    prompt, output = ids[:5], ids[5:]
+    assert tokenizer.decode(prompt).endswith(REPLACEMENT_CHAR)  # the emoji's last byte is the output's first token
+    detok = IncrementalDetokenizer(tokenizer, prompt_token_ids=prompt)
+    deltas, stopped = stream(detok, output)
+    assert not stopped and "".join(deltas) == detok.text == tokenizer.decode(output)

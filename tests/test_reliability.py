@@ -290,7 +290,8 @@ def test_rule_a_culprit_is_blamed_after_two_raises_when_its_exit_rule_fails(batc
     assert all(finished[i].finish_reason == "length" for i in ids if i != ids[1])
 
 
-def test_a_stop_token_the_tokenizer_cannot_decode_still_stops_the_request():
+@pytest.mark.parametrize("include_stop", [False, True])  # kept, its text is decoded: that is what fails
+def test_a_stop_token_the_tokenizer_cannot_decode_still_stops_the_request(include_stop):
     from looped_spec.detokenizer import IncrementalDetokenizer
 
     expected = make_engine("ouro").generate(PROMPTS[1], greedy(6))[0].token_ids
@@ -298,9 +299,11 @@ def test_a_stop_token_the_tokenizer_cannot_decode_still_stops_the_request():
     assert stop not in expected[:3]
     engine = make_engine("ouro")
     request_id = engine.add_request(PROMPTS[1], SamplingParams(max_tokens=6, ignore_eos=True, stop_token_ids=[stop]))
-    engine._requests[request_id].detokenizer = IncrementalDetokenizer(TokenizerFailingOn(stop), stop=["!"])
+    engine._requests[request_id].detokenizer = IncrementalDetokenizer(TokenizerFailingOn(stop), stop=["!"],
+                                                                      include_stop=include_stop)  # fmt: skip
     out = run_to_end(engine)[request_id]
     assert (out.finish_reason, out.token_ids) == ("stop", expected[:4])  # it ends the request, as a stop token does
+    assert out.stop_reason == stop
     assert out.text == "".join(chr(ord("a") + t % 26) for t in expected[:3])
 
 
