@@ -148,6 +148,16 @@ def test_max_tokens_and_max_model_len():
     assert len(out.token_ids) == 2 and out.finish_reason == "length"
 
 
+def test_a_round_with_room_for_one_more_token_drafts_none():
+    """A speculative round commits at most its drafts and one more token: with one token left (of max_model_len or of
+    max_tokens) it drafts nothing, rather than drafts counted as proposed past the request's end."""
+    for options, max_tokens in (({"max_model_len": 12}, 50), ({}, 2)):
+        engine = make_engine("ouro", speculation="3,1", **options)
+        out = engine.generate([1, 2, 3, 4, 5, 6, 7, 8, 9, 10], greedy(max_tokens))[0]
+        assert len(out.token_ids) == 2 and out.finish_reason == "length"  # the prefill's token, then one round's
+        assert (out.metrics.rounds, out.metrics.num_draft_tokens, engine.stats.num_draft_tokens) == (1, 0, 0)
+
+
 def test_online_api_and_abort():
     engine = make_engine("nanbeige")
     first = engine.add_request([1, 2, 3], greedy(30))
@@ -296,6 +306,7 @@ def test_stats_dict_and_prometheus():
     stats = engine.stats.to_dict()
     assert stats["num_generation_tokens"] == 15 and stats["num_requests_finished"] == 3
     assert stats["num_rounds"] == 4 and sum(stats["batch_size_histogram"].values()) == 4
+    assert stats["num_round_tokens"] == 12  # the rounds' tokens: each request's first came from its prefill
     assert set(stats) == {f.name for f in fields(EngineStats)} | {"acceptance_rate", "mean_loops_per_token"}
     assert type(stats["batch_size_histogram"]) is dict and list(stats["batch_size_histogram"]) == sorted(
         stats["batch_size_histogram"]

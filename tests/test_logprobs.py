@@ -104,13 +104,17 @@ def test_streamed_outputs_carry_the_entries_of_their_new_tokens_and_survive_pree
         tight.add_request(prompt, params)
     streamed: dict[str, list] = {}
     finals = {}
+    outputs = []
     while tight.has_unfinished_requests():
         for out in tight.step():
+            outputs.append(out)
             new = out.logprobs[len(out.logprobs) - len(out.new_token_ids) :] if out.new_token_ids else []
             streamed.setdefault(out.request_id, []).extend(new)
             if out.finished:
                 finals[out.request_id] = out
     assert tight.scheduler.num_preemptions > 0
+    # an output keeps the entries it was returned with: one per token it holds, whatever the request did after
+    assert all(len(out.logprobs) == len(out.token_ids) for out in outputs)
     for i, want in enumerate(roomy):
         got = finals[str(i)]
         assert got.token_ids == want.token_ids and streamed[str(i)] == got.logprobs

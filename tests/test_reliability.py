@@ -129,6 +129,12 @@ def test_item03_outputs_of_a_failed_step_are_reported_later(monkeypatch):
     with pytest.raises(RuntimeError, match="injected"):
         engine.generate(PROMPTS[:2], greedy(4))
     assert fault.fired and not engine.failures.suspects and not engine.has_unfinished_requests()
+    # ... nor an output owed to it when it failed after committing tokens: no later step returns one
+    fault = OneShotFault(engine.controller.observe, lambda feedback: True)
+    monkeypatch.setattr(engine.controller, "observe", fault)
+    with pytest.raises(RuntimeError, match="injected"):
+        engine.generate(PROMPTS[:2], greedy(4))
+    assert fault.fired and not engine.has_unfinished_requests() and engine.step() == []
 
 
 # ----- 4. add_request() mixed with generate(); a generate() that fails part way -----
