@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from dataclasses import fields
 
 import pytest
@@ -118,6 +119,9 @@ def test_stop_tokens_and_eos():
     out = engine.generate(ref["prompts"][1], greedy(20, stop_token_ids=[37]))[0]
     assert out.token_ids == expected[: expected.index(37) + 1] and out.finish_reason == "stop"
     assert out.stop_reason == 37 == out.outputs[0].stop_reason  # the stop token named, as vLLM reports it
+    # the same stop token as the last token max_tokens allows: the stop ended it, not the length
+    last = engine.generate(ref["prompts"][1], greedy(expected.index(37) + 1, stop_token_ids=[37]))[0]
+    assert (last.token_ids, last.finish_reason, last.stop_reason) == (out.token_ids, "stop", 37)
     # the ouro fixture's eos id is 0; a prompt continuing into eos stops unless ignore_eos
     eos_engine = make_engine("nanbeige")
     eos = eos_engine.adapter.eos_token_ids[0]
@@ -403,6 +407,17 @@ def test_time_to_first_token_and_inter_token_latency_count_every_generated_token
     exported = stats.to_prometheus("m")
     assert 'looped_spec:engine_time_to_first_token_seconds_count{model_name="m"} 3.0' in exported
     assert stats.to_dict()["inter_token_latency"]["count"] == 24
+
+
+def test_the_first_token_time_is_when_the_first_token_came_not_a_prompt_chunk():
+    """A prompt prefilled in chunks commits no token before its last chunk: its time to first token runs to that."""
+    engine = make_engine("ouro", max_num_batched_tokens=2)
+    engine.add_request(list(range(3, 13)), greedy(2))
+    outputs, steps = [], 0
+    while not outputs:
+        before = time.perf_counter()
+        outputs, steps = engine.step(), steps + 1
+    assert steps > 1 and outputs[0].new_token_ids and outputs[0].metrics.first_token_time >= before
 
 
 def test_latency_histogram_counts_each_value_in_the_bucket_of_its_upper_bound():
