@@ -375,3 +375,22 @@ def test_random_exits_plans_and_batches_equal_plain_early_exit_decoding(
     assert engine.num_free_blocks == engine.kv.num_blocks
     event(f"drafts decided by the exit rule: {engine.stats.num_exit_draft_decided > 0}")
     event(f"drafts verified: {engine.stats.num_draft_tokens > engine.stats.num_exit_draft_decided}")
+
+
+@pytest.mark.parametrize("batching", ["step", "loop"])
+def test_a_draft_position_after_one_that_ran_on_is_not_taken_where_the_readout_attends(batching):
+    """Huginn's readout (its coda) attends: a position that exits inside the draft is the target's only if every
+    position before it did too, else it attended to a coda KV the target rewrites at that position's deeper exit
+    depth. Under the latent rule (the KL rule decodes such requests plainly) positions exit at various depths inside
+    the draft of (3, 5); taking such a position as decided changes logprobs and tokens (no test failed when the
+    rule's "every position before it" was dropped, in exit_round.py or in loop_batching/items.py)."""
+    adapter = load_adapter(fixture_dir("huginn"), device="cpu", initial_state="zeros", exit_criterion="latent")
+    prompts = [[5, 9, 13, 2], [7, 1, 8], [3, 3, 11, 4, 6], [20, 21, 22]]
+    params = SamplingParams(max_tokens=10, ignore_eos=True, exit_threshold=0.2, logprobs=0)
+    plain = LoopedSpecEngine(adapter, speculation="off", early_exit="skip").generate(prompts, params)
+    engine = LoopedSpecEngine(adapter, speculation="3,5", early_exit="skip", batching=batching)
+    spec = engine.generate(prompts, params)
+    assert engine.stats.num_spec_rounds > 0 and engine.stats.num_exit_draft_decided > 0
+    for want, got in zip(plain, spec):
+        assert got.token_ids == want.token_ids
+        assert [e.logprob for e in got.logprobs] == pytest.approx([e.logprob for e in want.logprobs], abs=1e-4)
