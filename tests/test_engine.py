@@ -220,6 +220,18 @@ def test_kv_cache_of_one_max_length_request_is_enough():
     assert make_engine("ouro", kv_cache_memory_gb=least, **options).kv.num_blocks >= 8  # the least it names works
 
 
+def test_a_kv_cache_is_sized_in_whole_blocks_for_a_max_model_len_that_is_not():
+    """max_model_len=30 in blocks of 4 tokens takes 8 blocks (the last one half used): 7 cannot hold a request of
+    that length and are refused, 8 run one to max_model_len."""
+    options = {"block_size": 4, "max_model_len": 30}
+    with pytest.raises(ValueError, match=r"^num_kv_blocks=7 cannot hold one request .*give num_kv_blocks >= 8"):
+        make_engine("ouro", num_kv_blocks=7, **options)
+    prompt = list(range(3, 28))  # 25 + 5 = 30 tokens
+    expected = make_engine("ouro", **options).generate([prompt], greedy(40))[0].token_ids
+    out = make_engine("ouro", num_kv_blocks=8, **options).generate([prompt], greedy(40))[0]
+    assert out.token_ids == expected and out.finish_reason == "length" and len(out.token_ids) == 5
+
+
 def test_a_kv_cache_the_device_cannot_hold_is_an_error_naming_the_option():
     """torch's allocator error names neither the option nor the size; the engine's names both. The size asked for
     (~6e8 GiB) is past any address space, so no allocator hands it out whatever the machine's overcommit."""

@@ -414,6 +414,19 @@ def run_to_end_with(engine, prompts, params, max_errors: int = 0) -> list[list[i
     return [finished[i].token_ids for i in ids]
 
 
+def test_a_prompt_run_alone_after_a_failed_step_keeps_to_max_num_batched_tokens():
+    """After a prefill step fails, its request runs alone for a step: a chunk within max_num_batched_tokens like any
+    other, not the whole rest of its prompt. A 40-token prompt under a budget of 16 still takes 3 prefill steps."""
+    prompt = list(range(3, 43))
+    expected = make_engine("ouro").generate([prompt], greedy(3))[0].token_ids
+    engine = make_engine("ouro", max_num_batched_tokens=16)
+    engine.add_request(prompt, greedy(3), "long")
+    fail_one_step(engine)  # its first chunk
+    finished = run_to_end(engine)
+    assert finished["long"].token_ids == expected
+    assert engine.stats.num_prefill_steps == 3 and engine.stats.num_prompt_tokens == len(prompt)
+
+
 @pytest.mark.parametrize("batching", ["step", "loop"])
 def test_a_failed_step_counts_no_decode_round(batching):
     """A step is a transaction: a decode round (on loop passes, a plan's first pass) that fails ran no round, so the
