@@ -21,11 +21,10 @@ import asyncio
 import gc
 import os
 
-from conftest import make_engine
 from hypothesis import event, example, given, settings
 from hypothesis import strategies as st
 from server_utils import wait_until
-from test_reliability_property import RANDOM_WORKLOADS, FaultyModel, alone, params_of, requests_st
+from test_reliability_property import RANDOM_WORKLOADS, FaultyModel, alone, params_of, requests_st, scenario_engine
 
 from looped_spec import AsyncLoopedSpecEngine
 from looped_spec.engine.async_engine import EngineDeadError
@@ -162,17 +161,7 @@ def poison_steps():
 @example(pinned([("add", request([1, 2], 3), "a", "plain")],
                 [("read", 0, 1), ("wait", 0.05), ("add", request([3], 3), "a", "plain"), ("leave", 0)]))  # fmt: skip
 def test_random_client_actions_end_every_stream_once_with_plain_decodings_tokens(scenario):
-    engine = make_engine(
-        FAMILY,
-        speculation=scenario["speculation"],
-        block_size=4,
-        num_kv_blocks=scenario["num_kv_blocks"],
-        max_model_len=32,
-        max_batch_size=scenario["max_batch_size"],
-        max_num_batched_tokens=12,
-        prefix_caching=scenario["prefix_caching"],
-        batching=scenario["batching"],
-    )
+    engine = scenario_engine(FAMILY, scenario, scenario["speculation"], batching=scenario["batching"])
     faulty = FaultyModel(engine.adapter, ("loop", "readout"))  # the adapter is shared: removed again in `finally`
     unpoison = poison_steps()
     front = AsyncLoopedSpecEngine(engine, max_queued=64)

@@ -180,13 +180,10 @@ def held_blocks(engine) -> int:
     return len(holders)
 
 
-@pytest.mark.slow
-@RANDOM_WORKLOADS
-@given(scenarios_st)
-def test_random_workloads_never_wedge_leak_or_lose_an_output(scenario):
-    family = scenario["family"]
-    speculation = speculation_of(scenario)
-    engine = make_engine(
+def scenario_engine(family: str, scenario: dict, speculation, **options):
+    """The engine a random scenario runs on: small blocks, a KV cache and batch of the scenario's size, prompt chunks
+    of 12 tokens (also the async front's property test's)."""
+    return make_engine(
         family,
         speculation=speculation,
         block_size=4,
@@ -195,8 +192,17 @@ def test_random_workloads_never_wedge_leak_or_lose_an_output(scenario):
         max_batch_size=scenario["max_batch_size"],
         max_num_batched_tokens=12,
         prefix_caching=scenario["prefix_caching"],
-        scheduling_policy=scenario["scheduling_policy"],
+        **options,
     )
+
+
+@pytest.mark.slow
+@RANDOM_WORKLOADS
+@given(scenarios_st)
+def test_random_workloads_never_wedge_leak_or_lose_an_output(scenario):
+    family = scenario["family"]
+    speculation = speculation_of(scenario)
+    engine = scenario_engine(family, scenario, speculation, scheduling_policy=scenario["scheduling_policy"])
     ranked = scenario["scheduling_policy"] == "priority"
     adapter = engine.adapter
     faulty = FaultyModel(adapter)  # the adapter is shared between tests: removed again in `finally`

@@ -390,9 +390,10 @@ class OpenAIServing:
                            "return_tokens_as_token_ids")  # fmt: skip
         return body.return_tokens_as_token_ids
 
-    def token_name(self, token: int, as_id: bool) -> str:
-        """How log-probabilities show a token: "token_id:<id>" (exact, whatever its bytes), or its text."""
-        return f"token_id:{token}" if as_id else self.token_bytes.text(token)
+    def token_name(self, token: int, as_id: bool, raw: bytes | None = None) -> str:
+        """How log-probabilities show a token: "token_id:<id>" (exact, whatever its bytes), or its text (`raw`: its
+        bytes where they differ from its own, the first of an echoed prompt)."""
+        return f"token_id:{token}" if as_id else self.token_bytes.text(token, raw)
 
     def completion_logprobs(
         self, token_ids: list[int], entries: list, offsets: TextOffsets | None = None, as_ids: bool = False,
@@ -406,7 +407,7 @@ class OpenAIServing:
         out = CompletionLogprobs(tokens=[], token_logprobs=[], top_logprobs=[], text_offset=[])
         for i, (token, entry) in enumerate(zip(token_ids, entries)):
             raw = self.token_bytes.raw_at_start(token) if starts_text and i == 0 else self.token_bytes.raw(token)
-            out.tokens.append(f"token_id:{token}" if as_ids else self.token_bytes.text(token, raw))
+            out.tokens.append(self.token_name(token, as_ids, raw))
             out.token_logprobs.append(None if entry is None else entry.logprob)
             if entry is None:
                 out.top_logprobs.append(None)
