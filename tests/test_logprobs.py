@@ -201,6 +201,11 @@ def test_score_checks_its_arguments_naming_them():
         (([1, -1],), ValueError, r"token_ids\[1\]"),
         (([1, 2.0],), TypeError, r"token_ids\[1\]"),
         (("hello",), TypeError, "list of token ids"),
+        # a prompt dict or an array is not token ids: a salted dict scored 2 of its 4 tokens, an array failed on its
+        # truth value (numpy's or torch's message, naming no field)
+        (({"prompt_token_ids": [1, 2, 3, 4], "cache_salt": "s"},), TypeError, "token_ids must be a list .* got dict"),
+        (({"prompt_token_ids": [1, 2, 3, 4]},), TypeError, "token_ids must be a list .* got dict"),
+        ((torch.tensor([1, 2, 3]),), TypeError, "token_ids must be a list .* got Tensor"),
         ((list(range(1, 34)),), ValueError, "max_model_len=32"),
         (([1, 2], -1), ValueError, "top_n=-1"),
         (([1, 2], vocab + 1), ValueError, "top_n="),

@@ -586,8 +586,9 @@ class LoopedSpecEngine:
         request seed a family with per-token random draws (Huginn's initial state) uses. It scores a prompt, and the
         tokens of a finished generation that ran at full depth (plain or speculative: the target's logits)."""
         self._check_open()
-        if isinstance(token_ids, str):
-            raise TypeError("token_ids must be a list of token ids (score tokenized text)")
+        if not isinstance(token_ids, (list, tuple)):  # text, a prompt dict or an array is not read as token ids
+            raise TypeError(f"token_ids must be a list of token ids (score tokenized text); got "
+                            f"{type(token_ids).__name__}")  # fmt: skip
         if not token_ids:
             return []
         ids = to_token_ids(token_ids, None, self.adapter.vocab_size, where="token_ids")
@@ -596,7 +597,7 @@ class LoopedSpecEngine:
         top_n, seed = _integer(top_n, "top_n", 0, self.adapter.vocab_size), _integer(seed, "seed", 0, 2**63 - 1)
         ids = to_device(ids, self.adapter.device)
         logits = self.adapter.dense_logits(ids, seeds=[seed])[0][:-1]  # position t scores token t + 1
-        return [None, *token_logprobs(logits, ids[1:], [top_n] * (len(token_ids) - 1))]
+        return [None, *token_logprobs(logits, ids[1:], [top_n] * (len(ids) - 1))]
 
     def close(self) -> None:
         """Release what the engine holds: its unfinished requests (dropped: their outputs are not returned), the KV
