@@ -518,6 +518,9 @@ def test_what_openai_refuses_is_refused_naming_the_field(server, client, monkeyp
         (completions, '"prompt": "a", "max_tokens": 4, "min_tokens": 5', "min_tokens"),
         (completions, '"prompt": "a", "max_tokens": 0, "echo": true, "min_tokens": 1', "min_tokens"),
         (chat, '"messages": [{"role": "user", "content": "a"}], "min_tokens": -1', "min_tokens"),
+        # a score is read at full depth: an early-exit field with max_tokens 0 was taken and did nothing
+        (completions, '"prompt": "a", "max_tokens": 0, "echo": true, "logprobs": 2, "exit_at_step": 1', "exit_at_step"),
+        (completions, '"prompt": "a", "max_tokens": 0, "echo": true, "exit_threshold": 0.5', "exit_threshold"),
         (completions, '"prompt": "a", "structured_outputs": {"regex": "(a"}', "structured_outputs.regex"),
         (
             completions,

@@ -147,7 +147,7 @@ def build_app(
         choices = [(ids, j) for ids in prompts for j in range(body.n)]
         serving.check_choices(len(choices), body.n)
         # score only (max_tokens 0): the parameters still carry the seed the scores depend on (a family drawing its
-        # initial state per token); prompts are scored at full depth
+        # initial state per token); prompts are scored at full depth (the early-exit fields are refused)
         max_tokens = 1 if score_only else serving.completion_tokens(body)
         serving.check_masks_beside_grammar(body)
         await serving.check_grammar(body, score_only)

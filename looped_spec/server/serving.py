@@ -166,7 +166,8 @@ class OpenAIServing:
         """The engine's parameters of one choice; with `seed` s, choice j of a request draws with seed s + j modulo
         2**63 (so `n` choices are independent, and reproducible; a negative seed, which OpenAI's schema allows, too).
         `scored_only`: the prompt is scored, nothing generated (the parameters carry only what the scores depend on:
-        the seed and the exit fields). `reasoning_end`: where the grammar starts (`check_reasoning`).
+        the seed; scores are read at full depth, so the early-exit fields are refused). `reasoning_end`: where the
+        grammar starts (`check_reasoning`).
         `max_tokens_field`: the field the client set `max_tokens` with (chat's `max_completion_tokens`), named in its
         errors."""
         room = self.max_model_len - num_prompt_tokens
@@ -209,6 +210,10 @@ class OpenAIServing:
                                            self.vocab_size)  # fmt: skip
             except ValueError as exc:
                 raise APIError(400, str(exc), "bad_words") from None
+        for field in ("exit_threshold", "exit_at_step"):
+            if scored_only and getattr(body, field) is not None:  # else taken and ignored: scores are full depth
+                raise APIError(400, f"{field}: scoring a prompt (max_tokens 0) reads every position at full depth; "
+                               "early exit applies to generated tokens", field)  # fmt: skip
         if body.exit_threshold is not None and body.exit_at_step is not None:
             raise APIError(400, "exit_at_step: set at most one of exit_threshold (each token chooses its depth) and "
                            "exit_at_step (a fixed depth)", "exit_at_step")  # fmt: skip
