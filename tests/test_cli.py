@@ -103,6 +103,19 @@ def test_compare_plain_warns_of_differing_outputs_when_the_requests_ran_greedily
     assert "outputs differ" in out and "warning: greedy speculative output differs from plain decoding" in err
 
 
+def test_compare_plain_at_a_depth_of_one_is_an_error_not_plain_timed_against_plain(capsys):
+    """Huginn at num_steps=1 has nothing to draft with: adaptive decodes plainly there, so --compare-plain would time
+    plain decoding against itself and print a speed ratio of noise."""
+    argv = ["generate", "--model", "tiny-huginn", "--prompt", "x", "--max-tokens", "2", "--compare-plain"]
+    assert main([*argv, "--compare-repeats", "1", "--adapter-option", "num_steps=1"]) == 2
+    out, err = capsys.readouterr()
+    assert "vs plain decoding" not in out
+    assert err.strip() == (
+        "looped-spec: error: --compare-plain: times speculation against plain decoding, and the model runs D=1 loop "
+        "(--adapter-option num_steps=1), where --speculation adaptive decodes plainly (nothing to draft with)"
+    )
+
+
 def test_a_misspelt_flag_is_told_the_flag_it_was_likely_meant_to_be(capsys):
     with pytest.raises(SystemExit) as exit_:
         main(BASE + ["--prompt", "x", "--temprature", "0.5"])

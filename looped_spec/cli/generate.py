@@ -197,6 +197,12 @@ def generate(args: argparse.Namespace) -> int:
     try:
         if engine.tokenizer is None:
             _check_text_without_tokenizer(args, prompts)
+        if args.compare_plain and engine.adapter.full_depth < 2:
+            # adaptive decodes plainly at D = 1 (a fixed plan is refused there): it would time plain against plain
+            options = f" ({', '.join('--adapter-option ' + item for item in args.adapter_option)})"
+            raise UsageError(f"--compare-plain: times speculation against plain decoding, and the model runs "
+                             f"D={engine.adapter.full_depth} loop{options if args.adapter_option else ''}, where "
+                             f"--speculation {args.speculation} decodes plainly (nothing to draft with)")  # fmt: skip
         if args.early_exit is not None and engine.resolve_exit(params) == (None, None):
             # every token runs all loops, so how an exit runs would change nothing
             raise UsageError(f"--early-exit {args.early_exit}: no token exits early, so it would change nothing (no "
