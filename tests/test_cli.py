@@ -172,6 +172,15 @@ def test_generate_and_tune_parse_adapter_options_alike(value, capsys, tmp_path):
     assert "must be a positive integer" in generate_error
 
 
+def test_tune_at_a_depth_of_one_names_the_adapter_option_flag(capsys, tmp_path):
+    argv = ["tune", "--model", "tiny-huginn", "--out", str(tmp_path / "p.json"), "--quiet"]
+    assert main([*argv, "--adapter-option", "num_steps=1"]) == 2
+    assert capsys.readouterr().err.strip() == (
+        "looped-spec: error: --adapter-option num_steps=1: the model has full depth D=1; self-speculation needs D >= 2"
+    )
+    assert not (tmp_path / "p.json").exists()
+
+
 def test_help_and_version_do_not_import_torch():
     code = (
         "import sys\nfrom looped_spec.cli import main\n"

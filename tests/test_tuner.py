@@ -558,7 +558,7 @@ def test_tune_refuses_early_exit_and_a_depth_of_one_naming_the_option():
     with pytest.raises(TunerError, match="adapter option exit_threshold=0.001: early exit cannot be tuned"):
         tune(huginn, [1], "builtin", "1,1", adapter_options={"exit_threshold": 1e-3}, cost_profile=PROFILE,
              progress=False)  # fmt: skip
-    with pytest.raises(TunerError, match="the model has full depth D=1 with adapter options num_steps=1"):
+    with pytest.raises(TunerError, match="adapter option num_steps=1: the model has full depth D=1; self-speculation"):
         tune(huginn, [1], "builtin", "1,1", adapter_options={"num_steps": 1}, cost_profile=PROFILE, progress=False)
 
 

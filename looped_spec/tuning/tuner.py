@@ -154,8 +154,10 @@ def tune(
     depth = adapter.full_depth
     if depth < 2:
         given = ", ".join(f"{key}={value}" for key, value in (adapter_options or {}).items())
-        with_options = f" with adapter options {given}" if given else ""  # the family's own names, whatever they are
-        raise TunerError(f"the model has full depth D={depth}{with_options}; self-speculation needs D >= 2")
+        # the family's own names, whatever they are; "adapter option" first, as the adapter's own errors, so the
+        # command line names the flag that set them (--adapter-option)
+        options = f"adapter option {given}: " if given else ""
+        raise TunerError(f"{options}the model has full depth D={depth}; self-speculation needs D >= 2")
     exit_threshold = adapter.default_exit_threshold
     if exit_threshold is not None and adapter.exit_rule_can_fire(exit_threshold):
         # every request would stop early, where the counterfactual readouts have no full-depth token to agree with
