@@ -566,6 +566,23 @@ def test_replica_metrics_ports_that_take_the_proxys_port_are_refused_before_ray_
     assert started == [8002]
 
 
+def test_a_misspelt_adapter_option_is_refused_before_ray_starts(monkeypatch, capsys):
+    """Each replica loads the model and its adapter refuses an option it does not take: Ray would retry it, then end in
+    a traceback. The driver names the --adapter-option flag and the option meant, before any cluster starts."""
+    from looped_spec.cli import main
+
+    started = []
+    monkeypatch.setattr("looped_spec.server.replicas.run_replicas", lambda args, host, port: started.append(port))
+    assert main(["serve", "tiny-huginn", "--replicas", "2", "--adapter-option", "num_step=4"]) == 2
+    assert capsys.readouterr().err.strip() == (
+        "looped-spec: error: --adapter-option num_step: not an option of huginn_raven (did you mean 'num_steps' for "
+        "'num_step'?); it takes: initial_state, num_steps, exit_criterion, exit_threshold"
+    )
+    assert not started
+    assert main(["serve", "tiny-huginn", "--replicas", "2", "--adapter-option", "num_steps=4"]) == 0
+    assert started and started[0] == 8000
+
+
 def _fake_ray(monkeypatch, address, serve_running_on=None):
     """Ray and Serve as calls recorded in a list: `address` as RAY_ADDRESS, `serve_running_on` the (host, port) of a
     Serve already running on the cluster (None: none runs)."""

@@ -17,6 +17,7 @@ import difflib
 import inspect
 import logging
 from abc import ABC, abstractmethod
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -81,18 +82,24 @@ class ModelAdapter(ABC):
         self.device = torch.device(device)
         self.name = name or config.get("_name_or_path") or self.model_type
         self.path = path
-        unknown = sorted(set(options) - set(self.option_names))
-        if unknown:
-            # "adapter option ..." first: the command line names the flag that set it (--adapter-option)
-            close = [difflib.get_close_matches(name, self.option_names, n=1) for name in unknown]
-            hints = "".join(f" (did you mean {c[0]!r} for {name!r}?)" for name, c in zip(unknown, close) if c)
-            raise ValueError(
-                f"adapter option {', '.join(unknown)}: not an option of {self.model_type}{hints}; it takes: "
-                f"{', '.join(self.option_names) or 'none'}"
-            )
+        self.check_option_names(options, self.model_type)
         self.options = options
         self.generation = GenerationConfig()  # load_adapter sets the checkpoint's generation_config.json
         self.weights = {k: v.to(device=self.device, dtype=dtype) for k, v in weights.items()}
+
+    @classmethod
+    def check_option_names(cls, options: Iterable[str], model_type: str | None = None) -> None:
+        """A ValueError naming each of `options` the family does not take, with the name it likely meant. Needs no
+        checkpoint: Ray Serve's driver asks it before any replica loads the model."""
+        unknown = sorted(set(options) - set(cls.option_names))
+        if unknown:
+            # "adapter option ..." first: the command line names the flag that set it (--adapter-option)
+            close = [difflib.get_close_matches(name, cls.option_names, n=1) for name in unknown]
+            hints = "".join(f" (did you mean {c[0]!r} for {name!r}?)" for name, c in zip(unknown, close) if c)
+            raise ValueError(
+                f"adapter option {', '.join(unknown)}: not an option of {model_type or cls.model_type}{hints}; it "
+                f"takes: {', '.join(cls.option_names) or 'none'}"
+            )
 
     # ----- description -----
     @classmethod
