@@ -275,6 +275,11 @@ def test_text_for_a_model_without_tokenizer_names_the_flag(capsys, tmp_path):
         # no shipped model sets a default threshold: without an exit flag no token exits, and the mode does nothing
         (BASE + ["--prompt", "x", "--early-exit", "select"],
          "error: --early-exit select: no token exits early, so it would change nothing"),
+        # an exit flag that exits no token early is told as such, not as missing
+        (["generate", "--model", "tiny-huginn", "--prompt", "x", "--adapter-option", "num_steps=4", "--exit-at-step",
+          "4", "--early-exit", "skip"], "nothing (--exit-at-step 4 is the model's full depth D=4)"),
+        (BASE + ["--prompt", "x", "--exit-threshold", "1.0", "--early-exit", "skip"],
+         "nothing (--exit-threshold 1.0 never exits before the model's D=4 loops)"),
         # the temperature left unset decodes greedily: a sampling filter would do nothing
         (BASE + ["--prompt", "x", "--top-p", "0.9"], "error: --top-p 0.9: the temperature is unset, so the request "
          "decodes greedily"),

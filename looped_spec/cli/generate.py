@@ -205,8 +205,15 @@ def generate(args: argparse.Namespace) -> int:
                              f"--speculation {args.speculation} decodes plainly (nothing to draft with)")  # fmt: skip
         if args.early_exit is not None and engine.resolve_exit(params) == (None, None):
             # every token runs all loops, so how an exit runs would change nothing
-            raise UsageError(f"--early-exit {args.early_exit}: no token exits early, so it would change nothing (no "
-                             "--exit-threshold or --exit-at-step, and the model sets no default one)")  # fmt: skip
+            depth = engine.adapter.full_depth
+            if args.exit_at_step is not None:  # no more than D (resolve_exit refuses more): D itself, no early exit
+                why = f"--exit-at-step {args.exit_at_step} is the model's full depth D={depth}"
+            elif args.exit_threshold is not None:
+                why = f"--exit-threshold {args.exit_threshold} never exits before the model's D={depth} loops"
+            else:
+                why = "no --exit-threshold or --exit-at-step, and the model sets no default one"
+            raise UsageError(f"--early-exit {args.early_exit}: no token exits early, so it would change nothing "
+                             f"({why})")  # fmt: skip
         if args.stream:
             outputs = _stream(engine, prompts, params)
         else:
