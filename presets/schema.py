@@ -216,9 +216,11 @@ class AdaptiveSpecConfig(BaseModel):
             data["acceptance"] = dict(
                 data["acceptance"], alpha=alpha, rho=_rescale_depths(self.acceptance.rho, full_depth)
             )
+        # what was changed: a preset without acceptance (the generic default.json) has none to interpolate
+        interpolated = ", acceptance interpolated at the same relative depth" if self.acceptance is not None else ""
         note = (
             f"measured at depth {self.full_depth}, the model runs {full_depth}: candidates' d rescaled by "
-            f"{full_depth}/{self.full_depth}, acceptance interpolated at the same relative depth"
+            f"{full_depth}/{self.full_depth}{interpolated}"
         )
         return AdaptiveSpecConfig.model_validate(data), note
 

@@ -113,6 +113,17 @@ def test_another_depth_rescales_candidates_and_interpolates_acceptance():
     assert at2.acceptance.alpha == pytest.approx([0.8, 1.0])
 
 
+def test_the_note_of_a_preset_fitted_to_another_depth_says_only_what_changed():
+    """The generic default.json holds no acceptance: its note must not say acceptance was interpolated."""
+    at6, note = AdaptiveSpecConfig.parse(BASE).for_depth(6)
+    assert at6.acceptance is None
+    assert note == "measured at depth 3, the model runs 6: candidates' d rescaled by 6/3"
+    data = copy.deepcopy(BASE)
+    data["acceptance"] = {"alpha": [0.6, 0.8, 1.0], "rho": [0.0, 0.0, 0.0]}
+    _, note = AdaptiveSpecConfig.parse(data).for_depth(6)
+    assert note.endswith("rescaled by 6/3, acceptance interpolated at the same relative depth")
+
+
 @pytest.mark.parametrize(
     ("model_name", "expected"),
     [
