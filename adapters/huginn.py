@@ -7,6 +7,7 @@ State layout: `[num_tokens, 2 * n_embd]` = concat(latent x, prelude output e), s
 from __future__ import annotations
 
 import math
+import numbers
 
 import torch
 import torch.nn.functional as F
@@ -74,9 +75,12 @@ class HuginnAdapter(ModelAdapter):
             raise ValueError(f"adapter option initial_state={init!r}: use 'random' or 'zeros'")
         self.initial_state_mode = init
         steps = self.options.get("num_steps", int_field(config, "mean_recurrence", 32))
-        if not isinstance(steps, int) or isinstance(steps, bool) or steps < 1:
+        # any integer type (a numpy sweep's too), kept as int so that a preset's provenance can record it
+        if not isinstance(steps, numbers.Integral) or isinstance(steps, bool) or steps < 1:
             raise ValueError(f"adapter option num_steps={steps!r} must be a positive integer")
-        self._full_depth = steps
+        self._full_depth = int(steps)
+        if "num_steps" in self.options:
+            self.options = {**self.options, "num_steps": self._full_depth}
         criterion = self.options.get("exit_criterion", "kl")
         if criterion not in ("kl", "latent"):
             raise ValueError(f"adapter option exit_criterion={criterion!r}: use 'kl' or 'latent'")

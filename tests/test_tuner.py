@@ -237,6 +237,17 @@ def test_tune_takes_adapter_options_and_records_them():
             tune(loaded, [1], "builtin", "1,1", cost_profile=PROFILE, progress=False, **option)
 
 
+def test_tune_takes_a_numpy_depth_and_records_it_as_json_can():
+    """A sweep's numpy integer is a depth like any int, and the preset it writes records it as an int (JSON)."""
+    config, report = tune(str(fixture_dir("huginn")), [1], "builtin", "1,1", acceptance_tokens=4, num_prompts=1,
+                          cost_profile=PROFILE, adapter_options={"num_steps": np.int64(3)}, progress=False)  # fmt: skip
+    assert config.full_depth == 3
+    assert json.loads(json.dumps(report["model"]["adapter_options"])) == {"num_steps": 3}
+    with pytest.raises(TunerError, match="adapter_options: a dict .* got str"):
+        tune(str(fixture_dir("huginn")), [1], "builtin", "1,1", adapter_options="num_steps=3", cost_profile=PROFILE,
+             progress=False)  # fmt: skip
+
+
 def test_profile_fit_recovers_a_known_profile_from_its_own_timings():
     """Independent reference: timings made from a known profile (the same feature counts, plus 3 % noise) fit back
     to predictions within a few percent of that profile's, for plans and batch sizes the fit never saw."""

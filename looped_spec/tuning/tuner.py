@@ -150,7 +150,11 @@ def tune(
         adapter = model
         adapter_options = dict(adapter.options)
     else:
+        if adapter_options is not None and not isinstance(adapter_options, dict):
+            raise TunerError(f"adapter_options: a dict of the family's options (e.g. {{'num_steps': 8}}), got "
+                             f"{type(adapter_options).__name__}")  # fmt: skip
         adapter = load_adapter(model, dtype=dtype, device=device, **(adapter_options or {}))
+        adapter_options = dict(adapter.options)  # as the family read them (a numpy integer is recorded as an int)
     depth = adapter.full_depth
     if depth < 2:
         given = ", ".join(f"{key}={value}" for key, value in (adapter_options or {}).items())
