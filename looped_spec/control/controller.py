@@ -371,7 +371,7 @@ def make_controller(
     k, d, measure, *stop = spec
     if k > 0 and full_depth < 2:
         raise ValueError(
-            f"speculation (k={k}, d={d}): the model runs D={full_depth} loop, nothing to draft with (self-speculation "
+            f"speculation: (k={k}, d={d}): the model runs D={full_depth} loop, nothing to draft with (self-speculation "
             "needs D >= 2); use speculation='off' (or 'adaptive', which decodes plainly there)"
         )
     if k > 0 and not 1 <= d < full_depth:
