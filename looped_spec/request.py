@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import enum
 import logging
-from collections.abc import Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -23,12 +23,42 @@ class RequestStatus(enum.Enum):
 
 
 @dataclass(frozen=True)
-class TokenLogprob:
-    """One token's log-probability given the tokens before it, and the `top` most likely tokens there."""
+class Logprob:
+    """vLLM's `Logprob`: a token's log-probability at a position and its rank there (1: the most likely). The
+    token's text (`decoded_token`) is not decoded here: None, as vLLM leaves it without detokenizing."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+@dataclass(frozen=True)
+class TokenLogprob(Mapping):
+    """One token's log-probability given the tokens before it (`logprob`, its `rank` among the vocabulary: 1 + the
+    tokens at least as likely besides it), and the `top` most likely tokens there.
+
+    It also reads as vLLM's entry of a position, a dict token id -> `Logprob` holding the token and the top ones (the
+    top ones ranked 1, 2, ...), so code written for vLLM's `logprobs[i][token_id].logprob` runs on it."""
 
     token: int
     logprob: float
     top: list[tuple[int, float]]
+    rank: int | None = None
+
+    def _entries(self) -> dict[int, Logprob]:
+        # the token first, then the top ones (a token among them takes its rank there), as vLLM builds the dict
+        entries = {self.token: Logprob(self.logprob, self.rank)}
+        entries.update((token, Logprob(value, i + 1)) for i, (token, value) in enumerate(self.top))
+        return entries
+
+    def __getitem__(self, token_id: int) -> Logprob:
+        return self._entries()[token_id]
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self._entries())
+
+    def __len__(self) -> int:
+        return len(self._entries())
 
 
 @dataclass

@@ -197,9 +197,9 @@ class SamplingParams(BaseModel):
         le=20,
         description="Return each generated token's log-probability and this many most likely tokens at its "
         "position: the log-softmax of the logits it was read out from, before the logit bias, penalties, "
-        "allowed_token_ids, bad_words, min_tokens and grammar masks, temperature, top-k, top-p and min-p (the target's under speculation, the "
-        "exit depth's under early exit: vLLM's raw log-probabilities). "
-        "None = none.",
+        "allowed_token_ids, bad_words, min_tokens and grammar masks, temperature, top-k, top-p and min-p (the "
+        "target's under speculation, the exit depth's under early exit: vLLM's raw log-probabilities). Each entry "
+        "also reads as vLLM's dict token id -> Logprob (logprob, rank). None = none.",
     )
 
     prompt_logprobs: Integer | None = Field(

@@ -235,3 +235,33 @@ def test_prompt_logprobs_score_each_prompt_token_given_the_ones_before_it(family
         assert all(len(e.top) == TOP for e in entries[1:])
     with pytest.raises(ValueError, match="prompt_logprobs"):
         SamplingParams(prompt_logprobs=21)
+
+
+@pytest.mark.parametrize("speculation", ["off", SpeculativeConfig(k=3, d=1)])
+def test_vllm_code_reads_the_entries_as_vllms_dicts_of_ranked_logprobs(speculation):
+    """Code written for vLLM reads `outputs[0].logprobs[i]` and `prompt_logprobs[i]` as dicts token id -> Logprob
+    (`.logprob`, `.rank`): the token and the top ones, each ranked as in the full distribution (the cache-free
+    forward's: 1 + the tokens at least as likely besides it), the top ones 1, 2, ..."""
+    adapter = load("ouro")
+    prompt = list(reference("ouro")["prompts"][0])
+    engine = LoopedSpecEngine(adapter, speculation=speculation, max_batch_size=2)
+    params = SamplingParams(max_tokens=8, logprobs=TOP, prompt_logprobs=TOP, ignore_eos=True, temperature=1.0, seed=3)
+    out = engine.generate([prompt], params)[0]
+    ids = prompt + list(out.token_ids)
+    reference_logprobs = torch.log_softmax(adapter.dense_logits(torch.tensor(ids), seeds=[3])[0].float(), dim=-1)
+    positions = [(len(prompt) - 1 + i, entry) for i, entry in enumerate(out.outputs[0].logprobs)]
+    positions += [(i - 1, entry) for i, entry in enumerate(out.prompt_logprobs) if entry is not None]
+    assert len(positions) == len(out.token_ids) + len(prompt) - 1
+    ranked_below_top = 0
+    for position, entry in positions:
+        token = ids[position + 1]
+        row = reference_logprobs[position]
+        assert token in entry and set(entry) == {token, *row.topk(TOP).indices.tolist()}
+        assert entry[token].logprob == pytest.approx(row[token].item(), abs=2e-4)
+        top_ids = row.topk(TOP).indices.tolist()
+        expected_rank = top_ids.index(token) + 1 if token in top_ids else int((row >= row[token]).sum())
+        assert entry[token].rank == expected_rank
+        ranked_below_top += expected_rank > TOP
+        assert sorted(entry[t].rank for t in top_ids) == list(range(1, TOP + 1))
+        assert all(entry[t].decoded_token is None for t in entry)
+    assert ranked_below_top > 0  # sampled at temperature 1: some tokens lie outside the top ones

@@ -25,6 +25,7 @@ def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, top_n: list[int])
         return []
     logprobs = torch.log_softmax(logits.float(), dim=-1)
     chosen = logprobs.gather(1, tokens.to(logprobs.device).long()[:, None])[:, 0]
+    ranks = (logprobs >= chosen[:, None]).sum(dim=-1).tolist()  # vLLM's rank: the tokens at least as likely
     width = max(top_n)
     top = logprobs.topk(width, dim=-1) if width > 0 else None
     values = chosen.tolist()
@@ -32,8 +33,8 @@ def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, top_n: list[int])
     top_values = top.values.tolist() if top is not None else [[]] * len(values)
     token_list = tokens.tolist()
     return [
-        TokenLogprob(token, value, list(zip(ids[:n], vals[:n])))
-        for token, value, ids, vals, n in zip(token_list, values, top_ids, top_values, top_n)
+        TokenLogprob(token, value, list(zip(ids[:n], vals[:n])), rank)
+        for token, value, ids, vals, n, rank in zip(token_list, values, top_ids, top_values, top_n, ranks)
     ]
 
 
