@@ -602,3 +602,159 @@ def test_cli_tune_prompt_groups_are_read_in_any_case_as_the_benchmarks_read_them
     capsys.readouterr()
     assert main([*argv, "--prompts", "tunning"]) == 2
     assert "--prompts unknown prompt group 'tunning'" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------ derivation rules, checked from the outside
+def _tokens(a: float, k: int) -> float:
+    """Expected committed tokens of a K-token draft whose positions agree independently with probability a."""
+    return sum(a**i for i in range(k + 1))
+
+
+def _rate(alpha, option, h: float) -> float:
+    """Expected ΣA/ΣK of `option` at difficulty h (independent positions): RULES["thresholds"] by hand."""
+    k, d = option
+    a = min(max(1.0 - h * (1.0 - alpha[d - 1]), 0.0), 1.0)
+    return (_tokens(a, k) - 1.0) / k
+
+
+def test_predicted_speeds_price_each_depth_by_its_own_agreement_and_persistence():
+    """Independent reference: a plan's predicted ratio to plain (the decisions in the report) is the tokens its rounds
+    commit on a simulated chain of depth d's own match bits (α_d, ρ_d), replayed, over its round time (the mutation
+    check, every depth priced with the next depth's persistence, left every test passing)."""
+    import random
+
+    from looped_spec.tuning.acceptance_pass import simulate_tokens
+
+    alpha, rho = [0.6, 0.8, 1.0], [0.7, 0.0, 0.0]
+    seconds = lambda k, d: 1.0 if k == 0 else 1.0 + 0.2 * k * d  # noqa: E731
+    grid = [(k, d) for k in (1, 2, 4) for d in (1, 2)]
+    _, notes = derive_bucket(BucketModel(alpha, rho, seconds), grid, 1)
+    rng = random.Random(0)
+    for k, d in grid:
+        a, r = alpha[d - 1], rho[d - 1]
+        bits, prev = [], rng.random() < a
+        for _ in range(100_000):  # P(1 | 0) = a(1 - r), P(1 | 1) = r + a(1 - r)
+            bits.append(int(prev))
+            prev = rng.random() < (r + a * (1.0 - r) if prev else a * (1.0 - r))
+        tokens, rounds = simulate_tokens([bits], k)
+        assert notes["predicted_ratio"][f"{k},{d}"] == pytest.approx(tokens / rounds / seconds(k, d), rel=0.02), (k, d)
+
+
+def test_thresholds_sit_where_neighbours_change_places():
+    """Between neighbours the fastest plan changes at the decisions' switch_h; the lower one's theta_up is its expected
+    acceptance there + margin, the upper one's theta_down its acceptance there - margin, a prior the acceptance at the
+    measured text (h = 1), computed here by hand (the mutation checks — bisection towards the wrong end, margins of the
+    wrong sign, the prior read at the switch — left every test passing)."""
+    alpha = [0.7, 0.85, 0.95, 1.0]
+    model = _linear_profile_model(alpha)
+    grid = [(k, d) for k in range(1, 6) for d in range(1, 4)]
+    data, notes = derive_bucket(model, grid, 1, near=0.0)
+    cands = data["candidates"]
+    options = [(c["k"], c["d"]) for c in cands]
+    assert len(options) >= 3 and len(notes["switch_h"]) == len(options) - 1
+    for i, h in enumerate(notes["switch_h"]):
+        lower, upper = options[i], options[i + 1]
+        assert model.speed(lower, h * 1.02) > model.speed(upper, h * 1.02), (lower, upper, h)
+        assert model.speed(upper, h / 1.02) > model.speed(lower, h / 1.02), (lower, upper, h)
+        if lower != (0, 0):
+            assert cands[i]["theta_up"] == pytest.approx(_rate(alpha, lower, h) + 0.03, abs=2e-3)
+        assert cands[i + 1]["theta_down"] == pytest.approx(max(_rate(alpha, upper, h) - 0.03, 0.0), abs=2e-3)
+    assert cands[-1]["theta_up"] == 1.0
+    for c in cands[1:]:
+        assert c["prior"] == pytest.approx(_rate(alpha, (c["k"], c["d"]), 1.0), abs=1e-3)
+
+
+def test_ema_knobs_follow_the_rule_from_the_initial_candidates_acceptance():
+    """RULES["ema"] by hand: the noise of one round's acceptance at the initial candidate's K and the bucket's batch
+    size sets beta, min_samples and interval; a bucket starting at plain takes them from its first speculative
+    candidate (the mutation checks — the noise without K or at batch 1, beta x/(1+x), interval = min_samples, a plain
+    start's knobs at an acceptance of 0.5 and K = 1 — left every test passing)."""
+    import math
+
+    def knobs(a, k, b):
+        s = math.sqrt(max(a * (1.0 - a), 0.05) / (b * k))
+        x = (0.05 / s) ** 2
+        beta = min(max(2.0 * x / (1.0 + x), 0.1), 0.5)
+        samples = max(4, math.ceil(1.0 / beta))
+        return {"beta": round(beta, 3), "min_samples": samples, "interval": max(2, math.ceil(samples / 2))}
+
+    alpha = [0.3, 0.9, 1.0]
+    grid = [(1, 1), (2, 1), (4, 2)]
+    for cost, batch in ((0.1, 2), (0.5, 8)):
+        seconds = lambda k, d, c=cost: 1.0 if k == 0 else 1.0 + c * k * d  # noqa: E731
+        data, _ = derive_bucket(BucketModel(alpha, [0.0] * 3, seconds), grid, batch)
+        ref = data["candidates"][data["initial_index"] or 1]
+        option = (ref["k"], ref["d"])
+        want = knobs(_rate(alpha, option, 1.0), option[0], batch)
+        assert 0.1 < want["beta"] < 0.5  # inside the clamp, so every term shows
+        assert {key: data[key] for key in want} == want, (cost, data["initial_index"], option)
+    assert data["initial_index"] == 0  # the second case starts at plain
+
+
+def test_near_options_count_at_the_measured_text_and_its_variants_only():
+    """RULES["order"]: options within 6 % of the fastest join where the measurements allow it, at a difficulty within
+    a factor 1.5 of the measured text's or at an acceptance variant; an option near the fastest only on text far
+    easier than measured does not. A variant whose fastest plan is on the path already adds nothing (the mutation
+    checks — the band open towards easy text, the variants not counted, a variant's plan added twice — passed)."""
+    sec = {(0, 0): 1.0, (1, 1): 1.3, (3, 1): 2.6}
+    far = BucketModel([0.3, 1.0], [0.0, 0.0], lambda k, d: sec[(k, d)])
+    a = 1.0 - 0.7 / 16  # depth 1's agreement on the easiest text of the sweep
+    assert _tokens(a, 3) / 2.6 >= 0.94 * _tokens(a, 1) / 1.3  # (3, 1) near the fastest there ...
+    data, _ = derive_bucket(far, [(1, 1), (3, 1)], 1)
+    assert [(c["k"], c["d"]) for c in data["candidates"]] == [(0, 0), (1, 1)]  # ... and not a candidate
+
+    sec = {(0, 0): 1.0, (1, 1): 1.3, (2, 1): 1.6, (1, 2): 1.6, (3, 2): 3.0}
+    grid = [(1, 1), (2, 1), (1, 2), (3, 2)]
+    alpha, variant = [0.3, 0.6, 1.0], [0.3, 0.9, 1.0]
+    assert _tokens(0.9, 3) / 3.0 >= 0.94 * _tokens(0.9, 1) / 1.6  # (3, 2) near the variant's fastest, (1, 2)
+
+    def options(variants):
+        data, _ = derive_bucket(BucketModel(alpha, [0.0] * 3, lambda k, d: sec[(k, d)], variants), grid, 1)
+        return [(c["k"], c["d"]) for c in data["candidates"]]
+
+    assert (3, 2) not in options([]) and (3, 2) in options([(variant, [0.0] * 3)])
+    measured = _linear_profile_model([0.8, 0.9, 0.97, 1.0])
+    grid = [(k, d) for k in range(1, 6) for d in range(1, 4)]
+    alone, _ = derive_bucket(measured, grid, 1)
+    same = BucketModel(measured.alpha, measured.rho, measured.seconds, [(measured.alpha, measured.rho)] * 2)
+    assert derive_bucket(same, grid, 1)[0] == alone  # the measured text's own fastest: on the path already
+
+
+def test_a_bucket_where_nothing_pays_probes_the_option_closest_to_paying():
+    """The probe target of a bucket where no option beats plain is the option fastest on the easiest text of the
+    sweep (by hand: the deepest draft, K = 1), not any option (the mutation check, the slowest, passed)."""
+    alpha = [0.5, 0.6, 0.7, 1.0]
+    model = BucketModel(alpha, [0.0] * 4, lambda k, d: 1.01 * (k + 1) if k else 1.0)
+    grid = [(k, d) for k in range(1, 4) for d in range(1, 4)]
+    data, _ = derive_bucket(model, grid, 8)
+    easy = {o: _tokens(1.0 - (1.0 - alpha[o[1] - 1]) / 16, o[0]) / (1.01 * (o[0] + 1)) for o in grid}
+    assert max(easy, key=easy.get) == (1, 3)
+    assert [(c["k"], c["d"]) for c in data["candidates"]] == [(0, 0), (1, 3)]
+
+
+def test_each_bucket_is_priced_at_its_own_batch_size_and_speculation_goes_off_at_the_lowest_off_threshold():
+    """On the idealised profile (a pass saturates at 16 positions) speculation pays at B = 1 and not at B = 64: the
+    bucket of B = 64 starts at plain (the mutation check, every bucket priced at B = 1, passed). The disable threshold
+    is the smallest of the buckets' off thresholds (their first speculative candidates' theta_down)."""
+    cost = PassCost(CostConfig.model_validate(PROFILE), 4)
+    alpha = [0.5, 0.6, 0.7, 1.0]
+    models = {b: BucketModel(alpha, [0.0] * 4, pass_seconds(cost, b, 50.0)) for b in (1, 4, 64)}
+    grid = [(k, d) for k in range(1, 6) for d in range(1, 4)]
+    buckets, disable, _ = derive_buckets(models, grid)
+    starts = [b["candidates"][b["initial_index"]]["k"] for b in buckets]
+    assert starts[0] > 0 and starts[-1] == 0, starts
+    offs = [b["candidates"][1]["theta_down"] for b in buckets]
+    assert len(set(offs)) > 1 and disable["threshold"] == min(offs)
+    assert all(len(b["candidates"]) > 2 for b in buckets)  # the first speculative candidate is not the last one
+
+
+def test_derive_preset_keeps_the_knobs_and_disable_settings_given_and_drafts_at_every_depth():
+    """scripts/derive_presets.py's settings reach the preset (the mutation checks, the bucket knobs or the disable
+    settings given dropped, passed), and the grid reaches the deepest draft depth D - 1 (the check, a grid to D - 2,
+    passed: that depth is a candidate here)."""
+    knobs = {"beta": 0.2, "min_samples": 8, "interval": 4}
+    data = derive_preset("m", 4, [0.7, 0.87, 0.94, 1.0], 64.0, bucket_knobs=knobs, disable={"probe_base": 32})
+    config = AdaptiveSpecConfig.parse(data)
+    assert all((b.beta, b.min_samples, b.interval) == (0.2, 8, 4) for b in config.buckets)
+    assert config.disable.probe_base == 32
+    assert any(c.d == 3 for b in config.buckets for c in b.candidates)
