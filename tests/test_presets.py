@@ -464,3 +464,13 @@ def test_a_profile_from_another_preset_is_judged_by_the_threads_it_was_timed_at(
         assert not caplog.records
         lookup.warn_if_timed_at_other_threads(preset, 2)
     assert len(caplog.records) == 1 and "timed at 1 torch thread(s) and this process runs 2" in caplog.text
+
+
+def test_another_depth_rounds_half_depths_up():
+    """d' = floor(d * D'/D + 1/2): a draft depth landing on a half rounds up (the mutation check, rounding down,
+    passed: the rescaled depths tested were whole or clamped)."""
+    data = copy.deepcopy(BASE)
+    data.update(full_depth=4, acceptance={"alpha": [0.6, 0.8, 0.9, 1.0], "rho": [0.0] * 4})
+    data["buckets"][0]["candidates"] = [[1, 1], [2, 3]]
+    at6, _ = AdaptiveSpecConfig.parse(data).for_depth(6)  # 1.5 -> 2, 4.5 -> 5
+    assert [(c.k, c.d) for c in at6.buckets[0].candidates] == [(1, 2), (2, 5)]
