@@ -5,9 +5,14 @@ equals an engine's with room to spare."""
 from __future__ import annotations
 
 import pytest
+import torch
 from conftest import make_engine
 
 from looped_spec import LoopedSpecEngine, SamplingParams
+from looped_spec.engine.scheduler import Scheduler
+from looped_spec.execution.kv_cache import KVCache
+from looped_spec.models.kv_layout import KVLayout
+from looped_spec.request import Request, RequestStatus
 
 SHARED = [5, 17, 29, 3, 88, 41, 9, 60, 2, 33, 71, 14, 90, 6, 25, 48, 7, 19, 64, 11]
 
@@ -166,3 +171,36 @@ def test_a_prompt_computed_in_chunks_is_found_cached_before_it_completes():
     assert [o.metrics.num_cached_tokens for o in outs] == [0, 32]
     expected = make_engine("ouro").generate([long_prompt, other], greedy(3))
     assert [o.token_ids for o in outs] == [o.token_ids for o in expected]
+
+
+def test_the_tokens_of_a_prompt_chunk_whose_request_a_later_chunk_preempted_go_back_to_the_budget():
+    """Under "priority" the running requests are in admission order: the prompt chunk of a request admitted later but
+    ranked first may need the blocks of one scheduled before it in the same pass, and preempt it. That chunk does not
+    run, and its tokens go back to the pass's budget of max_num_batched_tokens for the requests admitted after, as in
+    vLLM's scheduler. (Two prompts are mid-prefill at once on loop passes, which start chunks while others are in
+    flight.) Blocks of one token, so a request's blocks are its tokens."""
+    kv = KVCache(KVLayout(1, 1, 2, 1), num_blocks=12, block_size=1, dtype=torch.float32, device="cpu")
+    scheduler = Scheduler(kv, max_batch_size=4, max_num_batched_tokens=10, policy="priority")
+
+    def request(name: str, arrival: int, prompt_len: int, priority: int) -> Request:
+        new = Request(name, arrival, list(range(1, prompt_len + 1)), SamplingParams(), seed=0, eos_token_ids=[0],
+                      max_model_len=64)  # fmt: skip
+        new.priority = priority
+        return new
+
+    late, early, third = request("late", 0, 5, 1), request("early", 1, 8, 0), request("third", 2, 3, 0)
+
+    def started(batch) -> list[tuple[str, int]]:
+        """The prompt chunks a pass starts."""
+        return [(r.request_id, n) for r, n in zip(batch.requests, batch.chunk_lens) if n]
+
+    for admitted, in_flight in ((late, {"other": 8}), (early, {"late": 8})):  # each starts a chunk of 2
+        scheduler.add(admitted)
+        assert started(scheduler.schedule_pass(in_flight)) == [(admitted.request_id, 2)]
+        scheduler.postprocess([admitted], [[]], chunk_lens=[2])
+    scheduler.add(third)
+    # late's last 3 prompt tokens, then early's 6: 9 of the 10 tokens, but 9 blocks of the 8 free: early preempts late
+    batch = scheduler.schedule_pass({})
+    assert late.status is RequestStatus.WAITING
+    # late's 3 tokens came back: the third prompt starts whole (not 1 token of it)
+    assert started(batch) == [("early", 6), ("third", 3)]

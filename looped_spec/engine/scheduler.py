@@ -107,6 +107,12 @@ class Scheduler:
             requests.append(request)
             chunks.append(chunk)
             budget -= chunk
+        if any(r.status is not RequestStatus.RUNNING for r in requests):
+            # a later request preempted one scheduled before it (under "priority" the running requests are in
+            # admission order, not rank): its chunk does not run and its tokens go back to the budget, as in vLLM
+            budget += sum(c for r, c in zip(requests, chunks) if r.status is not RequestStatus.RUNNING)
+            chunks = [c for r, c in zip(requests, chunks) if r.status is RequestStatus.RUNNING]
+            requests = [r for r in requests if r.status is RequestStatus.RUNNING]
         while self.waiting and budget > 0 and len(self.running) < self.max_batch_size:
             request = self.waiting[0]
             cached = self.prefix_cache.lookup(request) if self.prefix_cache is not None else []
