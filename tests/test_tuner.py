@@ -293,6 +293,106 @@ def test_profile_fit_recovers_a_known_profile_from_its_own_timings():
             assert float(fitted.profile_seconds([k], [d], b, 110.0)[0]) == pytest.approx(want, rel=0.06), (k, d, b)
 
 
+#: A known pass-cost profile, every term non-zero and the pass curve rising (the fit keeps it non-decreasing)
+KNOWN_PROFILE = {
+    "positions": list(profile.WIDTHS), "pass_seconds": [4e-4 + 1.5e-5 * n for n in profile.WIDTHS],
+    "request_seconds": 1e-5, "request_context_seconds": 5e-7, "query_context_seconds": 1e-8,
+    "step_seconds": [1e-4, 2e-6, 1e-6], "embed_seconds": [2e-5, 1e-7], "readout_seconds": [6e-5, 2e-6],
+    "round_seconds": [1.5e-4, 1.5e-5], "speculative_seconds": [3e-4, 4e-5, 5e-6],
+}  # fmt: skip
+
+
+def _known_steps(truth: PassCost, scale: float = 1.0, stalled: int = 0) -> list[dict]:
+    """Every step shape and kind `measure_steps` times, timed exactly as `truth` prices it (times `scale`: another
+    machine state); every `stalled`-th one (if any) 5 times slower, as a stalled step."""
+    steps = []
+    kinds = ((1, False, True), (3, False, True), (1, True, True), (1, False, False))
+    for r in profile.REQUESTS:
+        for q in profile.QUERIES:
+            for context in (16.0, 200.0):
+                for loops, readout, embeds in kinds:
+                    n = r * q
+                    row = loops * truth.pass_features(r, n, context)[0] + truth.step_features(r, n, float(embeds))[0]
+                    row = row + (truth.readout_features(n)[0] if readout else 0.0)
+                    seconds = scale * float(row @ truth.theta)
+                    if stalled and len(steps) % stalled == stalled - 1:
+                        seconds *= 5.0
+                    steps.append({"requests": r, "positions": q, "loops": loops, "readout": readout,
+                                  "embeds": embeds, "context": context, "seconds": seconds})  # fmt: skip
+    return steps
+
+
+def _known_round(truth: PassCost, k: int, d: int, b: int, context: float, proposed=None, factor: float = 1.0):
+    """(feedback, seconds inside the runner) of a round of plan (k, d) in which the requests drafted `proposed`
+    (default: k each), timed as `truth` prices a round of the fewest drafts they made (a draining round is cheaper
+    than its plan), times `factor`."""
+    from looped_spec.control.plan import SpeculationPlan
+
+    proposed = [k] * b if proposed is None else proposed
+    ran = min(proposed)
+    features = truth.features([ran], [d if ran else 0], b, context)[0]
+    inside = float(features[:-5] @ truth.theta[:-5]) * factor
+    fb = round_feedback(SpeculationPlan(0, k, d), batch_size=b, context=context, num_proposed=proposed,
+                        num_accepted=[0] * b, seconds=float(features @ truth.theta) * factor)  # fmt: skip
+    return fb, inside
+
+
+def test_profile_fit_from_steps_alone_recovers_every_step_coefficient():
+    """Steps timed exactly from a known profile fit back to its coefficients (to the 4 digits a profile keeps): the
+    loops, the readout and the embedding of each step counted, and each written to its own field."""
+    truth = PassCost(CostConfig.model_validate(KNOWN_PROFILE), 4)
+    fitted = profile.fit_profile(4, _known_steps(truth), [])
+    for field in ("pass_seconds", "request_seconds", "request_context_seconds", "query_context_seconds",
+                  "step_seconds", "embed_seconds", "readout_seconds"):  # fmt: skip
+        assert fitted[field] == pytest.approx(KNOWN_PROFILE[field], rel=2e-3), field
+    # the outside terms only rounds show
+    assert fitted["round_seconds"] == [0.0, 0.0] and fitted["speculative_seconds"] == [0.0, 0.0, 0.0]
+
+
+def test_profile_fit_prices_full_rounds_exactly_past_stalls_draining_rounds_and_the_steps_machine_state():
+    """Rounds timed exactly from a known profile, with what real timings bring: steps timed 1.3 times slower (another
+    machine state, which the fit's own scale factor for the steps absorbs), a few stalled steps and rounds (which the
+    robust reweighting leaves out), and rounds near requests' ends that drafted fewer tokens than their plan (cheaper
+    than its price: left out). The fitted profile prices the rounds as the known one does, for plans and batch sizes
+    it never saw, inside the runner and outside it (within the 3 % the scale factor's few iterations leave: without
+    the factor, the reweighting or leaving the draining rounds out it is 5 % or more off)."""
+    truth = PassCost(CostConfig.model_validate(KNOWN_PROFILE), 4)
+    rounds = []
+    for k, d in [(0, 0), (1, 1), (3, 1), (2, 2), (5, 2), (3, 3)]:
+        for b in (1, 4, 16, 32):
+            for context in (80.0, 140.0):
+                rounds.append(_known_round(truth, k, d, b, context))
+                if k:  # the last rounds of a request: one request, or all of them, drafts less
+                    rounds.append(_known_round(truth, k, d, b, context, [k] * (b - 1) + [k - 1]))
+                    rounds.append(_known_round(truth, k, d, b, context, [0] * b))
+        rounds.append(_known_round(truth, k, d, 4, 80.0, factor=4.0))  # a stalled round
+    fitted = PassCost(CostConfig.model_validate(profile.fit_profile(4, _known_steps(truth, 1.3, 41), rounds)), 4)
+    for k, d in [(0, 0), (2, 1), (4, 2), (4, 3)]:
+        for b in (2, 8, 24):
+            want = float(truth.profile_seconds([k], [d], b, 110.0)[0])
+            assert float(fitted.profile_seconds([k], [d], b, 110.0)[0]) == pytest.approx(want, rel=0.03), (k, d, b)
+
+
+def test_profile_validation_cells_are_full_shape_rounds_against_plain_at_their_batch_size():
+    """`validate`'s cells from rounds timed as a known profile's prices times a factor: the machine 1.2 times slower
+    than the profile, speculative rounds a further 1.1 (so 1.32 against the profile, 1.1 against plain), the median
+    of each cell's rounds passing over a stalled one (plain's too); rounds that drafted fewer tokens than their plan
+    left out; a cell of fewer than 3 rounds, or with no plain cell at its batch size, not reported."""
+    truth = PassCost(CostConfig.model_validate(KNOWN_PROFILE), 4)
+    rounds = [_known_round(truth, 0, 0, 4, c, factor=f) for c, f in ((50.0, 1.2), (60.0, 1.2), (70.0, 1.2), (90.0, 4))]
+    rounds += [_known_round(truth, 2, 1, 4, c, factor=1.32) for c in (50.0, 60.0, 70.0)]
+    rounds.append(_known_round(truth, 2, 1, 4, 90.0, factor=3.0))  # a stalled round: the median passes over it
+    rounds += [_known_round(truth, 2, 1, 4, 80.0, [2, 2, 2, 1], factor=3.0) for _ in range(3)]  # draining
+    rounds += [_known_round(truth, 2, 1, 4, 80.0, [0] * 4, factor=3.0) for _ in range(3)]  # drafted nothing
+    rounds += [_known_round(truth, 3, 1, 4, c, factor=1.32) for c in (50.0, 60.0)]  # 2 rounds only
+    rounds += [_known_round(truth, 2, 1, 8, c, factor=1.32) for c in (50.0, 60.0, 70.0)]  # no plain at 8
+    cells = profile.validate(KNOWN_PROFILE, rounds, 4)
+    assert cells == {
+        "0,0@4": {"measured_over_predicted": 1.2, "relative_to_plain": 1.0, "rounds": 4},
+        "2,1@4": {"measured_over_predicted": 1.32, "relative_to_plain": 1.1, "rounds": 4},
+    }
+
+
 def test_bucket_ranges_nearest_in_log_space():
     assert bucket_ranges([1, 8, 32]) == [(1, 2), (3, 16), (17, None)]
     assert bucket_ranges([4]) == [(1, None)]
