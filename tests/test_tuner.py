@@ -858,3 +858,15 @@ def test_derive_preset_keeps_the_knobs_and_disable_settings_given_and_drafts_at_
     assert all((b.beta, b.min_samples, b.interval) == (0.2, 8, 4) for b in config.buckets)
     assert config.disable.probe_base == 32
     assert any(c.d == 3 for b in config.buckets for c in b.candidates)
+
+
+def test_derive_preset_prices_a_bucket_at_its_geometric_mean_batch_size():
+    """A derived bucket of 4..64 requests is the bucket derived at 16 (the geometric mean), not at 4 (its lower
+    bound), which differs; the unbounded one from 8 the bucket at 16 (twice its lower bound)."""
+    alpha = [0.5, 0.75, 0.9, 1.0]
+
+    def bucket(lo, hi):
+        out = derive_preset("m", 4, alpha, 32.0, buckets=[(lo, hi)], max_k=2)["buckets"][0]
+        return {key: value for key, value in out.items() if key not in ("min_batch", "max_batch")}
+
+    assert bucket(4, 64) == bucket(16, 16) == bucket(8, None) != bucket(4, 4)
