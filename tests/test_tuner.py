@@ -870,3 +870,74 @@ def test_derive_preset_prices_a_bucket_at_its_geometric_mean_batch_size():
         return {key: value for key, value in out.items() if key not in ("min_batch", "max_batch")}
 
     assert bucket(4, 64) == bucket(16, 16) == bucket(8, None) != bucket(4, 4)
+
+
+def _evenly(rate: float, n: int = 40) -> list[int]:
+    """n match bits agreeing at `rate`, spread evenly."""
+    return [int((i + 1) * rate) - int(i * rate) for i in range(n)]
+
+
+#: Match bits [depth][prompt][position] of two prompts: depth 2 agrees far more often on the second
+UNEVEN_BITS = [
+    [_evenly(0.45), _evenly(0.5)],
+    [_evenly(0.3), _evenly(0.9)],
+    [_evenly(0.9), _evenly(0.95)],
+    [_evenly(1.0), _evenly(1.0)],
+]
+
+
+def _tune_on_bits(monkeypatch, bits, prompts, grid, cost_profile, **options):
+    """`tune` of the ouro fixture at batch size 1 with the acceptance pass's match bits given (`bits`)."""
+    monkeypatch.setattr("looped_spec.tuning.tuner.measure_match_bits", lambda adapter, prompts, *a: bits)
+    grid = ";".join(f"{k},{d}" for k, d in grid)
+    config, _ = tune(load("ouro"), [1], prompts, grid, acceptance_tokens=4, num_prompts=len(prompts),
+                     cost_profile=cost_profile, progress=False, **options)  # fmt: skip
+    return config.buckets[0]
+
+
+def test_tune_adds_the_fastest_plan_of_each_tuning_prompt_alone(monkeypatch):
+    """At batch size 1 a batch is one tuning prompt: each prompt's own fastest plan (at its own acceptance) is a
+    candidate, though the sweep of the prompts' mean acceptance never makes it the fastest."""
+    from looped_spec.tuning.acceptance_pass import bit_statistics
+
+    grid = [(k, d) for k in (1, 2, 3, 5) for d in (1, 2, 3)]
+    cost = ideal_cost(8.0)
+    bucket = _tune_on_bits(monkeypatch, UNEVEN_BITS, [[5] * 50] * 2, grid, cost)
+    candidates = [(c.k, c.d) for c in bucket.candidates]
+    seconds = pass_seconds(PassCost(CostConfig.model_validate(cost), 4), 1, 50.0)
+    for prompt in range(2):
+        stats = [bit_statistics([depth_bits[prompt]]) for depth_bits in UNEVEN_BITS]
+        alone = BucketModel([s[0] for s in stats], [s[1] for s in stats], seconds)
+        assert alone.fastest([(0, 0), *grid], 1.0) in candidates, prompt
+
+
+def test_tune_prices_plans_at_the_profiles_mean_context_else_the_longest_prompt(monkeypatch):
+    """Given a profile whose passes cost more at longer contexts, the preset is priced at its report's mean context
+    (the timed rounds'), and without a report at the longest prompt's."""
+    grid = [(1, 1), (2, 1), (3, 1), (1, 2), (2, 2), (1, 3)]
+    prompts = [[5] * 40, [5] * 30]
+
+    def bucket(report):
+        out = _tune_on_bits(monkeypatch, UNEVEN_BITS, prompts, grid, KNOWN_PROFILE, cost_report=report)
+        return out.model_dump()
+
+    assert bucket(None) == bucket({"mean_context": 40.0}) != bucket({"mean_context": 3000.0})
+
+
+def test_tune_passes_its_margin_to_the_thresholds(monkeypatch):
+    """A wider margin moves every threshold that is not clamped by as much: theta_up up, theta_down down."""
+    grid = [(1, 1), (2, 1), (3, 1), (1, 2), (2, 2), (1, 3)]
+    narrow, wide = (
+        _tune_on_bits(monkeypatch, UNEVEN_BITS, [[5] * 40] * 2, grid, KNOWN_PROFILE, margin=m).candidates
+        for m in (0.03, 0.13)
+    )
+    assert [(c.k, c.d) for c in narrow] == [(c.k, c.d) for c in wide]
+    moved = 0
+    for a, b in zip(narrow[1:-1], wide[1:-1]):
+        if a.theta_up + 0.1 < 1.0:
+            assert b.theta_up == pytest.approx(a.theta_up + 0.1, abs=1.5e-3)
+            moved += 1
+        if 0.1 < a.theta_down < a.theta_up:
+            assert b.theta_down == pytest.approx(a.theta_down - 0.1, abs=1.5e-3)
+            moved += 1
+    assert moved >= 2
