@@ -104,6 +104,7 @@ def test_another_depth_rescales_candidates_and_interpolates_acceptance():
     assert note is not None and "depth 4" in note and "8" in note
     assert at8.full_depth == 8
     assert [(c.k, c.d) for c in at8.buckets[0].candidates] == [(1, 6), (1, 4), (2, 2)]
+    assert at8.buckets[0].initial_index == 1  # nothing merged: the initial candidate keeps its place
     # depth 2 of 8 is depth 1 of 4 (same relative depth); depth 1 of 8 halfway to depth 0 (agreement 0)
     assert at8.acceptance.alpha == pytest.approx([0.3, 0.6, 0.7, 0.8, 0.85, 0.9, 0.95, 1.0])
     assert at8.acceptance.rho[1] == pytest.approx(0.2) and at8.acceptance.rho[3] == pytest.approx(0.1)
@@ -111,6 +112,21 @@ def test_another_depth_rescales_candidates_and_interpolates_acceptance():
     assert [(c.k, c.d) for c in at2.buckets[0].candidates] == [(1, 1), (2, 1)]
     assert at2.buckets[0].initial_index == 0
     assert at2.acceptance.alpha == pytest.approx([0.8, 1.0])
+
+
+def test_for_depth_starts_at_the_candidate_the_initial_one_merged_into_and_at_depth_one_at_plain():
+    """A candidate that becomes an earlier one of its bucket (not the last kept) is merged into it, and a bucket
+    that started at it starts there; at depth 1 a bucket without a plain candidate is plain alone."""
+    data = copy.deepcopy(BASE)
+    data["full_depth"] = 4
+    data["buckets"][0].update(candidates=[[1, 3], [2, 1], [1, 2]], initial_index=2)
+    cfg = AdaptiveSpecConfig.parse(data)
+    bucket = cfg.for_depth(2)[0].buckets[0]
+    assert [(c.k, c.d) for c in bucket.candidates] == [(1, 1), (2, 1)]
+    assert bucket.initial_index == 0
+    at1 = cfg.for_depth(1)[0]
+    assert [[(c.k, c.d) for c in b.candidates] for b in at1.buckets] == [[(0, 0)], [(0, 0)]]
+    assert [b.initial_index for b in at1.buckets] == [0, 0]
 
 
 def test_the_note_of_a_preset_fitted_to_another_depth_says_only_what_changed():
@@ -135,10 +151,20 @@ def test_the_note_of_a_preset_fitted_to_another_depth_says_only_what_changed():
         ("Huginn-0125", "huginn-0125"),
         ("Nanbeige4.2-3B", "nanbeige4.2-3b"),
         ("some-other-model", None),
+        ("tiny-ouro.v2", "tiny-ouro"),  # a preset name followed by ".", "-" or "_" is a prefix match ...
+        ("tiny-ouroboros", None),  # ... followed by anything else it is another model's name
+        ("default", None),  # the generic preset is no model's
     ],
 )
 def test_model_name_matching(model_name, expected):
     assert match_preset_name(model_name) == expected
+
+
+def test_the_longest_preset_name_prefixing_a_model_name_wins(monkeypatch):
+    """Of shipped presets "ouro" and "ouro-1.4b", "Ouro-1.4B-Thinking" is the latter's (the longest prefix)."""
+    monkeypatch.setattr("looped_spec.presets.lookup.list_presets", lambda: ["default", "ouro", "ouro-1.4b"])
+    assert match_preset_name("Ouro-1.4B-Thinking") == "ouro-1.4b"
+    assert match_preset_name("Ouro-7B") == "ouro"
 
 
 def test_unknown_model_gets_generic_default():
@@ -151,6 +177,15 @@ def snapshot(root: Path, repo: str, config: dict | None = None) -> Path:
     folder.mkdir(parents=True)
     (folder / "config.json").write_text(json.dumps(config or {}))
     return folder
+
+
+def test_only_a_cache_snapshot_folder_takes_its_repository_name(tmp_path: Path):
+    """A folder two levels under models--ORG--NAME but not in its snapshots/ (say blobs/) is not a cache snapshot:
+    its repository's name does not pick the preset."""
+    folder = tmp_path / "models--acme--tiny-ouro" / "blobs" / "0123abcd"
+    folder.mkdir(parents=True)
+    path, reason = find_preset(folder.name, folder)
+    assert path == preset_dir() / "default.json", reason
 
 
 def test_preset_is_chosen_by_each_name_a_checkpoint_goes_by(tmp_path: Path, caplog):
@@ -250,6 +285,32 @@ def test_a_preset_file_that_is_not_utf8_text_is_an_error_naming_it(tmp_path: Pat
 def test_rule_overlapping_ranges():
     msg = bad(lambda d: d["buckets"][1].update(min_batch=3))
     assert "buckets[1]: range 3..inf overlaps buckets[0] (1..4)" in msg
+
+
+@pytest.mark.parametrize(
+    ("edit", "message"),
+    [
+        (
+            lambda d: d["buckets"][0].update(candidates=[[65, 1]]),
+            "candidates[0].k: Input should be less than or equal to 64",
+        ),
+        (
+            lambda d: d["buckets"][0].update(candidates=[[1, 2], [2, 1], [1, 2]]),
+            "candidates[2]: duplicate of candidates[0]",
+        ),
+        (
+            lambda d: d.update(acceptance={"alpha": [0.5, 0.8, 1.0], "rho": [0.0, 0.0]}),
+            "alpha has 3 depths but rho has 2",
+        ),
+        (lambda d: d["cost"].update(positions=[1, 4, 4, 64, 256, 1024]), "must be non-empty and strictly increasing"),
+        (lambda d: d["buckets"][1].update(min_batch=6), "min_batch=6 leaves a gap after buckets[0] (max_batch=4)"),
+    ],
+    ids=["k-above-64", "duplicate-candidate", "rho-length", "duplicate-width", "gap-of-one"],
+)
+def test_rule_bounds(edit, message):
+    """Each at its bound: a draft of 65 tokens, a candidate listed twice, persistence for fewer depths than the
+    agreement, a pass width listed twice, a gap of one batch size."""
+    assert message in bad(edit)
 
 
 def test_rule_gap():
