@@ -34,7 +34,7 @@ from test_reliability_property import RANDOM_WORKLOADS, held_blocks
 
 from looped_spec import SamplingParams, SpeculativeConfig
 
-EXAMPLES = int(os.environ.get("LOOPED_SPEC_HYPOTHESIS_EXAMPLES", "40"))
+EXAMPLES = int(os.environ.get("LOOPED_SPEC_HYPOTHESIS_EXAMPLES", "25"))
 #: exit thresholds that exit at mixed depths on the fixtures (test_early_exit.py), for the families with a rule
 THRESHOLDS = {"ouro": [0.3, 0.9], "huginn": [1e-3, 0.3]}
 #: the largest K a SpeculativeConfig accepts

@@ -30,7 +30,7 @@ from server_utils import ServerThread, wait_until
 from looped_spec import LoopedSpecEngine, SamplingParams
 
 MODEL = "tiny-ouro"
-EXAMPLES = int(os.environ.get("LOOPED_SPEC_HYPOTHESIS_EXAMPLES", "10"))
+EXAMPLES = int(os.environ.get("LOOPED_SPEC_HYPOTHESIS_EXAMPLES", "6"))
 PROMPTS = ["def fibonacci(n):", "import os", "class A:", "x = ["]
 MESSAGES = [
     [{"role": "user", "content": "hi"}],
