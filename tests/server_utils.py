@@ -62,3 +62,13 @@ def ray_subprocess_env() -> dict[str, str]:
     three times, and Ray then restarts the proxy mid-test)."""
     timeouts = dict.fromkeys(("RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S", "RAY_SERVE_PROXY_HEALTH_CHECK_TIMEOUT_S"), "60")
     return {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"} | {"OMP_NUM_THREADS": "1"} | timeouts
+
+
+def idle(server) -> bool:
+    """Nothing in flight on a `ServerThread`'s engine and every KV block free."""
+    engine = server.engine
+    return (
+        server.async_engine.num_in_flight == 0
+        and not engine.has_unfinished_requests()
+        and engine.num_free_blocks == engine.kv.num_blocks
+    )

@@ -18,7 +18,7 @@ import pytest
 from conftest import with_small_vocabulary
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
-from server_utils import ServerThread, wait_until
+from server_utils import ServerThread, idle, wait_until
 
 from looped_spec import AsyncLoopedSpecEngine, LoopedSpecEngine, SamplingParams
 from looped_spec.server import build_app
@@ -50,15 +50,6 @@ def client(server):
 
 def greedy(engine, prompt, max_tokens, **kw):
     return engine.generate(prompt, SamplingParams(max_tokens=max_tokens, temperature=0.0, **kw))[0]
-
-
-def idle(server) -> bool:
-    engine = server.engine
-    return (
-        server.async_engine.num_in_flight == 0
-        and not engine.has_unfinished_requests()
-        and engine.num_free_blocks == engine.kv.num_blocks
-    )
 
 
 def test_models_health_and_open_endpoints(server, client):

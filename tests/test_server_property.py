@@ -25,7 +25,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from prometheus_client.parser import text_string_to_metric_families
-from server_utils import ServerThread, wait_until
+from server_utils import ServerThread, idle, wait_until
 
 from looped_spec import LoopedSpecEngine, SamplingParams
 
@@ -80,15 +80,6 @@ def served(request):
         yield running, alone
     if alone is not None:
         alone.close()
-
-
-def idle(server) -> bool:
-    engine = server.engine
-    return (
-        server.async_engine.num_in_flight == 0
-        and not engine.has_unfinished_requests()
-        and engine.num_free_blocks == engine.kv.num_blocks
-    )
 
 
 def metric(server, name: str, **labels) -> float:

@@ -254,13 +254,7 @@ def test_profile_fit_recovers_a_known_profile_from_its_own_timings():
     from looped_spec.control.plan import SpeculationPlan, round_feedback
     from looped_spec.tuning import profile as tuning_profile
 
-    truth_data = {
-        "positions": list(tuning_profile.WIDTHS), "pass_seconds": [4e-4 + 1.5e-5 * n for n in tuning_profile.WIDTHS],
-        "request_seconds": 1e-5, "request_context_seconds": 5e-7, "query_context_seconds": 1e-8,
-        "step_seconds": [1e-4, 2e-6, 1e-6], "embed_seconds": [2e-5, 1e-7], "readout_seconds": [6e-5, 2e-6],
-        "round_seconds": [1.5e-4, 1.5e-5], "speculative_seconds": [3e-4, 4e-5, 5e-6],
-    }  # fmt: skip
-    truth = PassCost(CostConfig.model_validate(truth_data), 4)
+    truth = PassCost(CostConfig.model_validate(KNOWN_PROFILE), 4)
     rng = np.random.default_rng(0)
     steps = []
     for r in tuning_profile.REQUESTS:
