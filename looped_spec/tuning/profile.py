@@ -50,8 +50,8 @@ QUERIES = (1, 2, 4, 8)
 WIDTHS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 #: Weight of a timed step against a timed round in the fit
 STEP_WEIGHT = 0.3
-#: Most alternations of the fit and the steps' machine-state factor (it settles within a few dozen; 4, until
-#: 2026-12-07, left round prices ~1 % off with steps timed 1.3x slower)
+#: Most alternations of the fit and the steps' machine-state factor (it settles within a few dozen; stopped after a few,
+#: round prices stay ~1 % off with steps timed 1.3x slower: tests/test_tuner.py)
 SCALE_ITERATIONS = 100
 #: Mean contexts (tokens in the KV per request) the steps are timed at
 CONTEXTS = (16, 200)
