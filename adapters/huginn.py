@@ -251,13 +251,19 @@ class HuginnAdapter(ModelAdapter):
         return torch.cat([x, e], dim=-1)
 
     def readout(self, state: torch.Tensor, depth: int, ctx) -> torch.Tensor:
+        return self.head(self.readout_hidden(state, depth, ctx))
+
+    def readout_hidden(self, state: torch.Tensor, depth: int, ctx) -> torch.Tensor:
+        """The coda (it attends: every position at once) and the final norm; `head` projects rows of it."""
         ln_f = self.weights["transformer.ln_f.weight"]
         x = rms_norm(state[:, : self.hidden], ln_f, self.eps)
         base = self.num_prelude + self.full_depth * self.num_core
         for j, w in enumerate(self.coda):
             x = self.block(x, w, ctx, plane=base + j)
-        x = rms_norm(x, ln_f, self.eps)
-        return F.linear(x, self.weights["lm_head.weight"]).float()
+        return rms_norm(x, ln_f, self.eps)
+
+    def head(self, hidden: torch.Tensor) -> torch.Tensor:
+        return F.linear(hidden, self.weights["lm_head.weight"]).float()
 
     def exit_signal(self, state: torch.Tensor, depth: int, prev_state: torch.Tensor | None = None):
         """Relative latent change ||x_d - x_{d-1}|| / ||x_d|| per token (small = converged)."""

@@ -139,5 +139,5 @@ class LlamaStyleLooped(ModelAdapter):
     def mlp(x: torch.Tensor, w: dict) -> torch.Tensor:
         return swiglu(x, w["mlp.gate_proj.weight"], w["mlp.up_proj.weight"], w["mlp.down_proj.weight"])
 
-    def head(self, h: torch.Tensor) -> torch.Tensor:
-        return F.linear(h, self.weights["lm_head.weight"]).float()
+    def head(self, hidden: torch.Tensor) -> torch.Tensor:
+        return F.linear(hidden, self.weights["lm_head.weight"]).float()

@@ -73,6 +73,9 @@ class NanbeigeAdapter(LlamaStyleLooped):
         return rms_norm(h, self.weights["model.norm.weight"], self.eps)
 
     def readout(self, state: torch.Tensor, depth: int, ctx) -> torch.Tensor:
+        return self.head(self.readout_hidden(state, depth, ctx))
+
+    def readout_hidden(self, state: torch.Tensor, depth: int, ctx) -> torch.Tensor:
         if self.skip_loop_final_norm:
-            state = rms_norm(state, self.weights["model.norm.weight"], self.eps)
-        return self.head(state)
+            return rms_norm(state, self.weights["model.norm.weight"], self.eps)
+        return state

@@ -52,6 +52,9 @@ class OuroAdapter(LlamaStyleLooped):
     def readout(self, state: torch.Tensor, depth: int, ctx) -> torch.Tensor:
         return self.head(state)
 
+    def readout_hidden(self, state: torch.Tensor, depth: int, ctx) -> torch.Tensor:
+        return state  # the loop ends on the final norm: the readout is the head alone
+
     def exit_signal(self, state: torch.Tensor, depth: int, prev_state: torch.Tensor | None = None):
         """Gate logit g_s [num_tokens] (fp32); `exit_pdf` turns the D gate logits into exit probabilities."""
         gate = F.linear(state, self.weights["model.early_exit_gate.weight"], self.weights["model.early_exit_gate.bias"])

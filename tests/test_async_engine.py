@@ -298,7 +298,7 @@ def test_a_fault_in_a_score_is_an_engine_fault_and_the_worker_goes_on(monkeypatc
 
     engine = make_engine("ouro", speculation="off")
     front = AsyncLoopedSpecEngine(engine)
-    monkeypatch.setattr(engine.adapter, "dense_logits", failing_once(engine.adapter.dense_logits))
+    monkeypatch.setattr(engine.adapter, "dense_logit_chunks", failing_once(engine.adapter.dense_logit_chunks))
 
     async def run():
         with pytest.raises(EngineFaultError, match="engine error: RuntimeError: injected"):
@@ -321,7 +321,7 @@ def test_a_fault_while_a_request_is_admitted_is_an_engine_fault_and_the_worker_g
     from looped_spec.engine.async_engine import EngineFaultError
 
     engine = make_engine("ouro", speculation="off")
-    monkeypatch.setattr(engine.adapter, "dense_logits", failing_once(engine.adapter.dense_logits))
+    monkeypatch.setattr(engine.adapter, "dense_logit_chunks", failing_once(engine.adapter.dense_logit_chunks))
     params = SamplingParams(max_tokens=2, ignore_eos=True, prompt_logprobs=1)
 
     async def run():

@@ -5,12 +5,15 @@ early-exit reference of test_early_exit.py (plain and speculative, skip and sele
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 from conftest import FAMILIES, load, make_engine, reference, with_small_vocabulary
 from test_early_exit import exit_params, reference_generate
 
-from looped_spec import LoopedSpecEngine, SamplingParams, SpeculativeConfig
+from looped_spec import LoopedSpecEngine, SamplingParams, SpeculativeConfig, load_adapter
 
 TOP = 3
 
@@ -265,3 +268,31 @@ def test_vllm_code_reads_the_entries_as_vllms_dicts_of_ranked_logprobs(speculati
         assert sorted(entry[t].rank for t in top_ids) == list(range(1, TOP + 1))
         assert all(entry[t].decoded_token is None for t in entry)
     assert ranked_below_top > 0  # sampled at temperature 1: some tokens lie outside the top ones
+
+
+@pytest.mark.parametrize("family", [*FAMILIES, "toy"])
+def test_scoring_holds_one_chunk_of_positions_logits_at_a_time(family, monkeypatch, tmp_path):
+    """`score` (and `prompt_logprobs`, which it serves) projects max_num_batched_tokens positions at a time, as a
+    prefill step reads out, so a long prompt's [T, V] logits never have to fit beside the KV cache; its entries are one
+    dense forward's. A family that does not split its readout (the example's toy) is scored in slices of its logits."""
+    if family == "toy":
+        sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+        from custom_family import make_toy_checkpoint
+
+        adapter = load_adapter(make_toy_checkpoint(tmp_path / "toy"), dtype="float32", device="cpu")
+    else:
+        adapter = load(family)
+    engine = LoopedSpecEngine(adapter, max_num_batched_tokens=4, max_model_len=32, speculation="off")
+    projected = []  # rows per vocabulary projection
+    if family != "toy":
+        head = adapter.head
+        monkeypatch.setattr(adapter, "head", lambda hidden: projected.append(len(hidden)) or head(hidden))
+    ids = [(7 * i + 3) % adapter.vocab_size for i in range(19)]
+    entries = engine.score(ids, TOP, seed=3)
+    # the 19 positions (the last one scores nothing, but is read out with its chunk)
+    assert projected == ([] if family == "toy" else [4, 4, 4, 4, 3])
+    full = torch.log_softmax(adapter.dense_logits(torch.tensor(ids), seeds=[3])[0], dim=-1)
+    assert entries[0] is None and [e.token for e in entries[1:]] == ids[1:]
+    assert [e.logprob for e in entries[1:]] == pytest.approx([full[t, i].item() for t, i in enumerate(ids[1:])],
+                                                             abs=2e-4)  # fmt: skip
+    assert [[i for i, _ in e.top] for e in entries[1:]] == full[:-1].topk(TOP).indices.tolist()

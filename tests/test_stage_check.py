@@ -38,6 +38,7 @@ def test_the_shipped_families_and_the_example_pass(toy):
     check_stages(variant(toy, readout=attending_readout, kv_layout=property(one_more_plane), readout_uses_kv=True))
     check_stages(variant(toy, has_exit_rule=True, exit_rule_uses_depth=False, exit_rule=latent_exit_rule))
     check_stages(variant(toy, has_exit_rule=True, exit_rule=latent_exit_rule_from_depth_2))  # declared: allowed
+    check_stages(variant(toy, readout_hidden=lambda self, s, depth, ctx: s, head=toy_head))  # a split readout
 
 
 def wider_loop(self, state, loop_index, ctx):
@@ -67,6 +68,10 @@ def seeded_embed(self, token_ids, ctx):
 
 def attending_readout(self, state, depth, ctx):  # a coda layer on the plane after the loops'
     return ToyLoopedAdapter.readout(self, ToyLoopedAdapter.loop(self, state, self.full_depth, ctx), depth, ctx)
+
+
+def toy_head(self, hidden):
+    return ToyLoopedAdapter.readout(self, hidden, self.full_depth, None)
 
 
 def one_more_plane(self):
@@ -120,6 +125,10 @@ CASES = {
     "exit rule depth": (
         {"has_exit_rule": True, "exit_rule_uses_depth": False, "exit_rule": latent_exit_rule_from_depth_2},
         r"declares exit_rule_uses_depth=False, but exit_rule\(state, 1, ...\) differs from exit_rule\(state, 2, ...\)",
+    ),
+    "head split": (
+        {"readout_hidden": lambda self, s, depth, ctx: s * 2.0, "head": toy_head},
+        r"head\(readout_hidden\(state, 1\)\) differs from readout\(state, 1\)",
     ),
     "logits dtype": (
         {"readout": lambda self, s, depth, ctx: ToyLoopedAdapter.readout(self, s, depth, ctx).double()},

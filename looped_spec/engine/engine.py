@@ -582,7 +582,8 @@ class LoopedSpecEngine:
     def score(self, token_ids: list[int], top_n: int = 0, seed: int = 0) -> list[TokenLogprob | None]:
         """The log-probability of every token given the ones before it (the first: None) and the `top_n` most likely
         tokens at each position, from the model's full-depth logits before temperature: a cache-free forward of the
-        whole sequence (the reference path; the engine's decode logits equal it, dense == incremental). `seed` is the
+        whole sequence (the reference path; the engine's decode logits equal it, dense == incremental), whose logits
+        are read out `max_num_batched_tokens` positions at a time. `seed` is the
         request seed a family with per-token random draws (Huginn's initial state) uses. It scores a prompt, and the
         tokens of a finished generation that ran at full depth (plain or speculative: the target's logits)."""
         self._check_open()
@@ -596,8 +597,13 @@ class LoopedSpecEngine:
             raise ValueError(f"token_ids: {len(ids)} tokens; at most max_model_len={self.max_model_len}")
         top_n, seed = _integer(top_n, "top_n", 0, self.adapter.vocab_size), _integer(seed, "seed", 0, 2**63 - 1)
         ids = to_device(ids, self.adapter.device)
-        logits = self.adapter.dense_logits(ids, seeds=[seed])[0][:-1]  # position t scores token t + 1
-        return [None, *token_logprobs(logits, ids[1:], [top_n] * (len(ids) - 1))]
+        # position t scores token t + 1; logits max_num_batched_tokens positions at a time, as a prefill step's, not
+        # [T, V] at once (a long prompt's on a large vocabulary would not fit beside the KV cache)
+        entries: list[TokenLogprob | None] = [None]
+        for logits in self.adapter.dense_logit_chunks(ids, self.config.max_num_batched_tokens, seeds=[seed]):
+            targets = ids[len(entries) : len(entries) + len(logits)]
+            entries += token_logprobs(logits[: len(targets)], targets, [top_n] * len(targets))
+        return entries
 
     def close(self) -> None:
         """Release what the engine holds: its unfinished requests (dropped: their outputs are not returned), the KV

@@ -163,6 +163,17 @@ class ModelAdapter(ABC):
     def readout(self, state: torch.Tensor, depth: int, ctx) -> torch.Tensor:
         """Logits [num_tokens, vocab] in fp32 from the state after `depth` loops."""
 
+    def readout_hidden(self, state: torch.Tensor, depth: int, ctx) -> torch.Tensor | None:
+        """The readout up to its vocabulary projection ([num_tokens, hidden]), for a family whose `head` maps rows of
+        it to `readout`'s logits; None (the default): the family does not split its readout. Scoring a sequence
+        (`dense_logit_chunks`) then projects a chunk of positions at a time instead of holding every position's
+        logits ([T, vocab] fp32: gigabytes for a long prompt and a large vocabulary)."""
+        return None
+
+    def head(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Rows of `readout_hidden` -> logits [rows, vocab] fp32 (a family whose `readout_hidden` is not None)."""
+        raise NotImplementedError(f"{self.model_type} does not split its readout (readout_hidden returns None)")
+
     def exit_signal(self, state: torch.Tensor, depth: int, prev_state: torch.Tensor | None = None):
         """Family exit signal after `depth` loops ([num_tokens] fp32), or None when the family has none."""
         return None
@@ -232,6 +243,29 @@ class ModelAdapter(ABC):
         seeds: list[int] | None = None,
     ) -> torch.Tensor:
         """Cache-free forward of [B, T] (or [T]) token ids at `depth` loops -> logits [B, T, V] fp32."""
+        state, ctx, depth = self._dense_state(input_ids, depth, initial_state, seeds)
+        return self.readout(state, depth, ctx).view(ctx.batch_size, ctx.seq_len, -1)
+
+    @torch.no_grad()
+    def dense_logit_chunks(self, input_ids: torch.Tensor, rows: int, seeds: list[int] | None = None):
+        """The full-depth logits of a cache-free forward of one sequence [T], `rows` positions at a time (an iterator
+        of [<= rows, V] fp32, in order): a family that splits its readout (`readout_hidden`) never holds more than
+        `rows` positions' logits; another's are computed at once and handed out in slices."""
+        state, ctx, depth = self._dense_state(input_ids, None, None, seeds)
+        if ctx.batch_size != 1:
+            raise ValueError(f"dense_logit_chunks takes one sequence; got {ctx.batch_size}")
+        hidden = self.readout_hidden(state, depth, ctx)
+        if hidden is None:
+            yield from self.readout(state, depth, ctx).split(rows)
+            return
+        del state  # only the hidden rows are needed from here
+        for part in hidden.split(rows):
+            yield self.head(part)
+
+    def _dense_state(
+        self, input_ids: torch.Tensor, depth: int | None, initial_state: torch.Tensor | None, seeds: list[int] | None
+    ) -> tuple[torch.Tensor, DenseContext, int]:
+        """The state after `depth` loops (None: full depth) of a cache-free forward, its context and the depth."""
         depth = self.full_depth if depth is None else depth
         if not 1 <= depth <= self.max_dense_depth:
             raise ValueError(f"depth {depth} outside 1..{self.max_dense_depth} for {self.model_type}")
@@ -246,7 +280,7 @@ class ModelAdapter(ABC):
             state = self.with_initial_state(state, initial_state.reshape(batch * seq, -1))
         for i in range(depth):
             state = self.loop(state, i, ctx)
-        return self.readout(state, depth, ctx).view(batch, seq, -1)
+        return state, ctx, depth
 
     def with_initial_state(self, state: torch.Tensor, initial: torch.Tensor) -> torch.Tensor:
         """Replace the latent initial state (families with one); others reject it."""

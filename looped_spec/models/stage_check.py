@@ -3,7 +3,8 @@
 A family's declarations steer the engine without being read from the math: the state width sizes the graph
 buffers, the vocabulary the sampler, the KV layout the cache and which planes each loop writes, `uniform_loops`
 lets one captured loop serve every loop and one readout serve every depth, `exit_rule_uses_depth = False` one exit
-rule call decide rows at different depths. A wrong declaration would otherwise show up as an index error deep in
+rule call decide rows at different depths, a split readout (`readout_hidden` and `head`) score a sequence a chunk of
+positions at a time. A wrong declaration would otherwise show up as an index error deep in
 the KV cache, a failure on the graph path only, or — for `uniform_loops` and `exit_rule_uses_depth` — different
 tokens without any error. `check_stages` runs two tokens through every stage on the reference path,
 with a context that records the planes each stage attends on and the shapes of its keys and values, and raises
@@ -114,6 +115,12 @@ def check_stages(adapter) -> None:
             raise ValueError(f"{name}: readout attends on loop planes {sorted(set(ctx.planes) & loop_planes)}")
         if ctx.planes and not adapter.readout_uses_kv:
             raise ValueError(f"{name}: declares readout_uses_kv=False, but readout attends: set readout_uses_kv = True")
+        hidden = adapter.readout_hidden(state, i + 1, ctx)
+        if hidden is not None and not _close(adapter.head(hidden), out, tolerance):
+            raise ValueError(
+                f"{name}: head(readout_hidden(state, {i + 1})) differs from readout(state, {i + 1}): scoring reads "
+                "logits through head(readout_hidden(...)); make readout return exactly that, or readout_hidden None"
+            )
         readouts.append((state, out))
     if adapter.has_exit_rule and not adapter.exit_rule_uses_depth:
         _check_exit_rule_ignores_depth(adapter, readouts[0][0], embedded, ctx, tolerance)
