@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import enum
 import logging
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -24,8 +24,8 @@ class RequestStatus(enum.Enum):
 
 @dataclass(frozen=True)
 class Logprob:
-    """vLLM's `Logprob`: a token's log-probability at a position and its rank there (1: the most likely). The
-    token's text (`decoded_token`) is not decoded here: None, as vLLM leaves it without detokenizing."""
+    """vLLM's `Logprob`: a token's log-probability at a position, its rank there (1: the most likely) and its text
+    (`decoded_token`: as the server's log-probabilities show it, token_bytes.py; None without a tokenizer)."""
 
     logprob: float
     rank: int | None = None
@@ -44,11 +44,15 @@ class TokenLogprob(Mapping):
     logprob: float
     top: list[tuple[int, float]]
     rank: int | None = None
+    # the texts of the token and of the top ones, in order (the Logprobs' `decoded_token`); None without a tokenizer.
+    # Derived from the ids: not compared
+    texts: tuple[str, ...] | None = field(default=None, compare=False, repr=False)
 
     def _entries(self) -> dict[int, Logprob]:
         # the token first, then the top ones (a token among them takes its rank there), as vLLM builds the dict
-        entries = {self.token: Logprob(self.logprob, self.rank)}
-        entries.update((token, Logprob(value, i + 1)) for i, (token, value) in enumerate(self.top))
+        texts = self.texts or (None,) * (len(self.top) + 1)
+        entries = {self.token: Logprob(self.logprob, self.rank, texts[0])}
+        entries.update((token, Logprob(value, i + 1, texts[i + 1])) for i, (token, value) in enumerate(self.top))
         return entries
 
     def __getitem__(self, token_id: int) -> Logprob:
@@ -270,6 +274,8 @@ class Request:
         # log-probabilities), and the entries of the tokens generated so far
         self.logprobs_top: int | None = params.logprobs
         self.logprobs: list[TokenLogprob] = []
+        # a token id's text in its entries (the engine's, shared by its requests; None: no tokenizer, no texts)
+        self.token_text: Callable[[int], str] | None = None
         self.prompt_logprobs: list[TokenLogprob | None] | None = None  # set at admission when asked for
 
     @property

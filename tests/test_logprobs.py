@@ -5,6 +5,7 @@ early-exit reference of test_early_exit.py (plain and speculative, skip and sele
 
 from __future__ import annotations
 
+import pickle
 import sys
 from pathlib import Path
 
@@ -266,8 +267,29 @@ def test_vllm_code_reads_the_entries_as_vllms_dicts_of_ranked_logprobs(speculati
         assert entry[token].rank == expected_rank
         ranked_below_top += expected_rank > TOP
         assert sorted(entry[t].rank for t in top_ids) == list(range(1, TOP + 1))
-        assert all(entry[t].decoded_token is None for t in entry)
+        assert all(entry[t].decoded_token is None for t in entry)  # the fixture has no tokenizer: no texts
     assert ranked_below_top > 0  # sampled at temperature 1: some tokens lie outside the top ones
+
+
+def test_entries_carry_each_tokens_text_as_vllms_decoded_token():
+    """With a tokenizer, every Logprob of an entry (the token's and the top ones', generated and prompt) has its token's
+    text in `decoded_token`, as vLLM fills it: the token decoded alone, or, where its bytes are not whole UTF-8
+    characters (a piece of a multi-byte one) `bytes:\\x..`, as the server's log-probabilities show it, never U+FFFD.
+    The entries still pickle (the texts are strings)."""
+    engine = LoopedSpecEngine("tiny-ouro", speculation="off")
+    tokenizer = engine.tokenizer
+    prompt = tokenizer.encode("def fibonacci(n): 日本")
+    params = SamplingParams(max_tokens=8, logprobs=TOP, prompt_logprobs=TOP, temperature=1.0, seed=5, ignore_eos=True)
+    out = engine.generate([prompt], params)[0]
+    entries = [*out.outputs[0].logprobs, *out.prompt_logprobs[1:]]
+    seen = set()
+    for entry in entries:
+        for token in entry:
+            text, alone = entry[token].decoded_token, tokenizer.decode([token])
+            assert text == alone or (text.startswith("bytes:") and alone == "\ufffd")
+            seen.add(text)
+    assert any(text.startswith("bytes:") for text in seen)  # "日本" splits into pieces of characters
+    assert pickle.loads(pickle.dumps(entries)) == entries
 
 
 @pytest.mark.parametrize("family", [*FAMILIES, "toy"])

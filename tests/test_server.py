@@ -308,7 +308,7 @@ def test_logprobs_show_tokens_by_their_own_bytes(server, client, reference_engin
     whole = client.completions.create(model=MODEL, prompt=text, max_tokens=6, echo=True, logprobs=1, temperature=0)
     assert offsets == whole.choices[0].logprobs.text_offset  # carried across chunks
 
-    from looped_spec.server.token_bytes import TokenBytes
+    from looped_spec.token_bytes import TokenBytes
 
     tokens = TokenBytes(reference_engine.tokenizer)
     assert b"".join(tokens.raw(t) for t in ids) == text.encode()

@@ -1,4 +1,4 @@
-"""A token's own bytes, as log-probabilities show it (server/token_bytes.py): byte-level BPE is covered through the
+"""A token's own bytes, as log-probabilities show it (token_bytes.py): byte-level BPE is covered through the
 server in test_server.py; here SentencePiece-style tokenizers, built in memory (no shipped model has one)."""
 
 import json
@@ -7,7 +7,7 @@ import pytest
 from tokenizers import Tokenizer, decoders, models, normalizers
 from transformers import PreTrainedTokenizerFast
 
-from looped_spec.server.token_bytes import TextOffsets, TokenBytes
+from looped_spec.token_bytes import TextOffsets, TokenBytes
 
 VOCAB = {"<unk>": 0, "<s>": 1, "</s>": 2, "▁Hello": 3, "▁world": 4, "▁": 5, "Hello": 6, "<0xE6>": 7, "<0x97>": 8,
          "<0xA5>": 9}  # fmt: skip

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
 import numbers
@@ -57,6 +58,7 @@ from looped_spec.request import Request, RequestOutput, TokenLogprob
 from looped_spec.sampling_params import SamplingParams, sampling_params_argument
 from looped_spec.speculative.round import SpeculativeRound
 from looped_spec.structured_output import GrammarCompiler, StructuredOutputs
+from looped_spec.token_bytes import TokenBytes
 
 logger = logging.getLogger(__name__)
 
@@ -153,6 +155,8 @@ class LoopedSpecEngine:
             self.loop_rounds = LoopRounds(self.adapter.full_depth, exit_skips, self.runner.readout_depths)
         self.spec_round = SpeculativeRound(self.runner)
         self.tokenizer = load_tokenizer(self.adapter.path)
+        # a token id's text in log-probability entries (vLLM's `decoded_token`), each decoded once
+        self._token_text = None if self.tokenizer is None else functools.cache(TokenBytes(self.tokenizer).text)
         self._grammars = GrammarCompiler(self.tokenizer, self.adapter.vocab_size, self.eos_token_ids)
         # config.reasoning_parser: a request's grammar starts after the reasoning (looped_spec/reasoning.py)
         self.reasoning = None
@@ -320,6 +324,7 @@ class LoopedSpecEngine:
         request.exit_threshold, request.exit_at_step = exit_threshold, exit_at_step
         request.priority = priority
         request.cache_salt = cache_salt
+        request.token_text = self._token_text
         if params.prompt_logprobs is not None:  # prompts run at full depth: the dense forward's logits are prefill's
             request.prompt_logprobs = self.score(ids, params.prompt_logprobs, seed)
         request.metrics.arrival_time = time.perf_counter()
@@ -602,7 +607,8 @@ class LoopedSpecEngine:
         entries: list[TokenLogprob | None] = [None]
         for logits in self.adapter.dense_logit_chunks(ids, self.config.max_num_batched_tokens, seeds=[seed]):
             targets = ids[len(entries) : len(entries) + len(logits)]
-            entries += token_logprobs(logits[: len(targets)], targets, [top_n] * len(targets))
+            rows = len(targets)
+            entries += token_logprobs(logits[:rows], targets, [top_n] * rows, [self._token_text] * rows)
         return entries
 
     def close(self) -> None:

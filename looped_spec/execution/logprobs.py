@@ -9,6 +9,8 @@ one transfer to the host.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from looped_spec.execution.transfers import to_device
@@ -19,8 +21,11 @@ def wants_logprobs(requests: list[Request]) -> bool:
     return any(r.logprobs_top is not None for r in requests)
 
 
-def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, top_n: list[int]) -> list[TokenLogprob]:
-    """One entry per row: `tokens[i]`'s log-probability under `logits[i]` [n, V] and the `top_n[i]` most likely."""
+def token_logprobs(
+    logits: torch.Tensor, tokens: torch.Tensor, top_n: list[int], token_text: list[Callable[[int], str] | None]
+) -> list[TokenLogprob]:
+    """One entry per row: `tokens[i]`'s log-probability under `logits[i]` [n, V] and the `top_n[i]` most likely,
+    with their texts by `token_text[i]` (None: no texts)."""
     if logits.shape[0] == 0:
         return []
     logprobs = torch.log_softmax(logits.float(), dim=-1)
@@ -33,8 +38,16 @@ def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, top_n: list[int])
     top_values = top.values.tolist() if top is not None else [[]] * len(values)
     token_list = tokens.tolist()
     return [
-        TokenLogprob(token, value, list(zip(ids[:n], vals[:n])), rank)
-        for token, value, ids, vals, n, rank in zip(token_list, values, top_ids, top_values, top_n, ranks)
+        TokenLogprob(
+            token,
+            value,
+            list(zip(ids[:n], vals[:n])),
+            rank,
+            None if text is None else (text(token), *map(text, ids[:n])),
+        )
+        for token, value, ids, vals, n, rank, text in zip(
+            token_list, values, top_ids, top_values, top_n, ranks, token_text
+        )
     ]
 
 
@@ -47,7 +60,8 @@ def logprobs_of_rows(
     rows = [i for i, r in enumerate(requests) if r.logprobs_top is not None]
     index = to_device(rows, logits.device)
     entries = iter(token_logprobs(logits[index], tokens[index.to(tokens.device)],
-                                  [requests[i].logprobs_top for i in rows]))  # fmt: skip
+                                  [requests[i].logprobs_top for i in rows],
+                                  [requests[i].token_text for i in rows]))  # fmt: skip
     return [[next(entries)] if r.logprobs_top is not None else [] for r in requests]
 
 
@@ -71,6 +85,7 @@ def verified_logprobs(
         start += k + 1
     out: list[list[TokenLogprob]] = [[] for _ in requests]
     index = to_device(rows, logits.device)
-    for i, entry in zip(owners, token_logprobs(logits[index], to_device(tokens, logits.device), top_n)):
+    texts = [requests[i].token_text for i in owners]
+    for i, entry in zip(owners, token_logprobs(logits[index], to_device(tokens, logits.device), top_n, texts)):
         out[i].append(entry)
     return out

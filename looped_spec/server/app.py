@@ -57,10 +57,10 @@ from looped_spec.server.serving import (
     stop_reason,
     until_disconnected,
 )
-from looped_spec.server.token_bytes import TextOffsets
 from looped_spec.server.tokenize import detokenize, parse_tokenize_request, tokenize
 from looped_spec.server.tool_stream import ToolCallStream
 from looped_spec.server.tools import ToolCallingConfig, plan_tools, tool_message
+from looped_spec.token_bytes import TextOffsets
 
 
 def build_app(

@@ -34,8 +34,8 @@ from looped_spec.server.protocol import (
     TopLogprob,
     UsageInfo,
 )
-from looped_spec.server.token_bytes import TextOffsets, TokenBytes
 from looped_spec.server.tools import ToolCallingConfig, ToolPlan
+from looped_spec.token_bytes import TextOffsets, TokenBytes
 
 MAX_STOP_STRINGS = 16
 MAX_BAD_WORDS = 128  # vLLM's limit (its GPU model runner's)
