@@ -214,7 +214,8 @@ class Request:
         self.priority = 0  # lower is served first under scheduling_policy="priority" (0 under "fcfs")
         self.token_ids: list[int] = list(prompt)
         self.num_prompt_tokens = len(prompt)
-        self.max_tokens = params.max_tokens
+        # max_tokens None: no cap of its own, max_model_len ends it
+        self.max_tokens = params.max_tokens if params.max_tokens is not None else max_model_len
         # below GREEDY_TEMPERATURE a softmax overflows: such a temperature means greedy
         self.temperature = 0.0 if params.temperature < GREEDY_TEMPERATURE else float(params.temperature)
         self.top_k = int(params.top_k) if params.top_k > 0 else 0

@@ -80,7 +80,9 @@ class SamplingParams(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
 
-    max_tokens: Integer = Field(16, gt=0, description="Most tokens to generate.")
+    max_tokens: Integer | None = Field(
+        16, gt=0, description="Most tokens to generate; None: as many as max_model_len leaves (vLLM's None)."
+    )
     min_tokens: Integer = Field(
         0,
         ge=0,
@@ -328,7 +330,7 @@ class SamplingParams(BaseModel):
 
     @model_validator(mode="after")
     def _min_within_max(self) -> SamplingParams:
-        if self.min_tokens > self.max_tokens:
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise ValueError(f"min_tokens={self.min_tokens} must be at most max_tokens={self.max_tokens}")
         return self
 

@@ -152,6 +152,17 @@ def test_max_tokens_and_max_model_len():
     assert len(out.token_ids) == 2 and out.finish_reason == "length"
 
 
+@pytest.mark.parametrize("speculation", ["off", "3,1"])
+def test_max_tokens_none_generates_what_max_model_len_leaves(speculation):
+    """vLLM's `SamplingParams(max_tokens=None)`: no cap of the request's own, so it stops at max_model_len ("length"),
+    as one with a large max_tokens does; min_tokens still applies."""
+    engine = make_engine("ouro", max_model_len=24, speculation=speculation)
+    prompt = [1, 2, 3, 4, 5, 6, 7, 8, 9, 10]
+    uncapped = engine.generate(prompt, greedy(None, min_tokens=5))[0]
+    assert uncapped.finish_reason == "length" and len(uncapped.token_ids) == 14
+    assert uncapped.token_ids == engine.generate(prompt, greedy(100))[0].token_ids
+
+
 def test_a_round_with_room_for_one_more_token_drafts_none():
     """A speculative round commits at most its drafts and one more token: with one token left (of max_model_len or of
     max_tokens) it drafts nothing, rather than drafts counted as proposed past the request's end."""

@@ -269,7 +269,8 @@ class LoopedSpecEngine:
         unset = {key: value for key, value in defaults.items() if key not in given}
         if unset:
             params = params.model_copy(update=unset)
-            if params.min_tokens > params.max_tokens:  # max_tokens from the file (model_copy validates nothing)
+            # max_tokens from the file (model_copy validates nothing)
+            if params.max_tokens is not None and params.min_tokens > params.max_tokens:
                 raise ValueError(f"min_tokens={params.min_tokens} is more than max_tokens={params.max_tokens}, the "
                                  "checkpoint's generation_config.json max_new_tokens: set max_tokens")  # fmt: skip
         check_filters_sample(params, given)
