@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
@@ -181,14 +182,18 @@ def _wait(condition, timeout: float, what: str):
 
 @pytest.fixture(scope="module")
 def offline_greedy():
-    """Offline greedy text per (prompt, max_tokens): plain decoding, no server, no speculation."""
+    """Offline greedy text per (prompt, max_tokens): plain decoding, no server, no speculation. A length asked for the
+    first time is decoded for every prompt of PROMPTS at once, in one batch (five 400-token decodings one by one took
+    about 6 s of the Ray test)."""
     engine = LoopedSpecEngine("tiny-ouro", speculation="off")
     cache: dict = {}
 
     def text(prompt: str, max_tokens: int) -> str:
         if (prompt, max_tokens) not in cache:
+            prompts = list(dict.fromkeys([prompt, *PROMPTS]))
             params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-            cache[prompt, max_tokens] = engine.generate([prompt], params)[0].text
+            for each, out in zip(prompts, engine.generate(prompts, params)):
+                cache[each, max_tokens] = out.text
         return cache[prompt, max_tokens]
 
     yield text
@@ -233,8 +238,13 @@ def test_two_replicas_through_the_ray_proxy(offline_greedy, tmp_path, ray_cluste
         start_new_session=True,
     )
     url = f"http://127.0.0.1:{port}"
+    # the offline references every check below compares with, decoded while Ray starts the replicas
+    decoding = ThreadPoolExecutor(1)
+    references = decoding.submit(lambda: [offline_greedy(PROMPTS[0], n) for n in (12, 48, 400, 8)])
+    decoding.shutdown(wait=False)  # its thread ends once the references are decoded
     try:
         _wait(lambda: server.poll() is None and _health(url) == "ok", 150, "both replicas ready")
+        references.result()
         _check_serving(url, metrics_port, offline_greedy)
         _check_chat_template(url)
         _check_backpressure(url, offline_greedy)
