@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import json
 import logging
 from functools import cache
@@ -99,6 +100,15 @@ def ray_cluster_turn(tmp_path_factory):
     with open(tmp_path_factory.getbasetemp().parent / "ray_cluster.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         yield
+
+
+def pytest_collection_finish(session):
+    """What collecting imported (torch, transformers, Ray, every test module: ~250,000 objects, more with the whole
+    suite) lives for the run: moved out of the cycle collector's reach, each full collection walks only what tests
+    made since. The property tests collect after every example to free its engines (0.2 to 0.4 s a collection
+    before, half their time)."""
+    gc.collect()
+    gc.freeze()
 
 
 def pytest_collection_modifyitems(config, items):
