@@ -55,7 +55,7 @@ def test_lm_eval_local_completions_runs_and_its_loglikelihoods_equal_the_models(
                 f"tokenizer={folder},num_concurrent=1,max_retries=1")  # fmt: skip
         results = lm_eval.simple_evaluate(
             model="local-completions", model_args=args, tasks=["tiny_ll", "tiny_gen"],
-            task_manager=TaskManager(include_path=str(tmp_path)), log_samples=True,
+            task_manager=TaskManager(include_path=str(tmp_path), include_defaults=False), log_samples=True,
         )  # fmt: skip
     assert set(results["results"]) == {"tiny_ll", "tiny_gen"}
     tokenizer = offline.tokenizer
@@ -95,7 +95,7 @@ def test_lm_eval_local_chat_completions_answers_as_the_offline_chat(tmp_path, mo
         args = f"base_url={server.url}/v1/chat/completions,model=tiny-ouro,num_concurrent=1,max_retries=1"
         results = lm_eval.simple_evaluate(
             model="local-chat-completions", model_args=args, tasks=["tiny_chat"], apply_chat_template=True,
-            task_manager=TaskManager(include_path=str(tmp_path)), log_samples=True,
+            task_manager=TaskManager(include_path=str(tmp_path), include_defaults=False), log_samples=True,
         )  # fmt: skip
     samples = results["samples"]["tiny_chat"]
     assert len(samples) == len(DOCS)
