@@ -653,6 +653,26 @@ def test_an_engine_refusal_inside_a_stream_is_an_error_event(server, monkeypatch
     wait_until(lambda: idle(server), what="the server idle")
 
 
+def test_a_request_that_fails_inside_a_stream_is_a_500_error_event(server, monkeypatch):
+    """A request the engine finishes with an error after the headers are sent (here its text cannot be decoded) ends
+    its stream with a 500 error event (the server's fault, not the client's 400) and [DONE]; the server goes on."""
+    from looped_spec.detokenizer import IncrementalDetokenizer
+
+    def broken(self, token_id, find_stop=True):
+        raise RuntimeError("injected decode failure")
+
+    monkeypatch.setattr(IncrementalDetokenizer, "append", broken)
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 4, "stream": True, "stop": ["never"]}
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    with httpx.stream("POST", server.url + "/v1/completions", json=body, headers=headers, timeout=60) as stream:
+        events = [line for line in stream.iter_lines() if line.startswith("data: ")]
+    assert events[-1] == "data: [DONE]"
+    error = json.loads(events[-2].removeprefix("data: "))["error"]
+    assert error["code"] == 500 and "injected decode failure" in error["message"], error
+    monkeypatch.undo()
+    wait_until(lambda: idle(server), what="the server idle")
+
+
 def poison_embedding(engine, monkeypatch, clean: str) -> str:
     """A prompt whose tokens the model fails on (its embedding raises) wherever they appear, unlike the tokens of
     `clean`: a request that causes a fault in model code every time it runs."""
@@ -700,6 +720,7 @@ def test_full_queue_is_429_and_disconnect_aborts(server, client, monkeypatch):
             with pytest.raises(openai.RateLimitError) as err:
                 client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=2)
             assert err.value.response.headers["retry-after"] == "1"
+            assert err.value.response.json()["error"]["type"] == "rate_limit_error"  # OpenAI's type for a 429
             generated_before = server.engine.stats.num_generation_tokens
         finally:
             for s in streams:
