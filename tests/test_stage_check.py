@@ -130,6 +130,10 @@ CASES = {
         {"readout_hidden": lambda self, s, depth, ctx: s * 2.0, "head": toy_head},
         r"head\(readout_hidden\(state, 1\)\) differs from readout\(state, 1\)",
     ),
+    "head missing": (
+        {"readout_hidden": lambda self, s, depth, ctx: s},
+        r"readout_hidden splits the readout, but the family defines no head",
+    ),
     "logits dtype": (
         {"readout": lambda self, s, depth, ctx: ToyLoopedAdapter.readout(self, s, depth, ctx).double()},
         r"readout returned torch.float64 logits",

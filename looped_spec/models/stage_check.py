@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import torch
 
+from looped_spec.models.adapter import ModelAdapter
 from looped_spec.models.dense import DenseContext
 
 #: how far apart loop(state, i) and loop(state, 0) (or two depths' readouts) may be for loops declared uniform,
@@ -116,6 +117,11 @@ def check_stages(adapter) -> None:
         if ctx.planes and not adapter.readout_uses_kv:
             raise ValueError(f"{name}: declares readout_uses_kv=False, but readout attends: set readout_uses_kv = True")
         hidden = adapter.readout_hidden(state, i + 1, ctx)
+        if hidden is not None and type(adapter).head is ModelAdapter.head:  # the base's head only raises
+            raise ValueError(
+                f"{name}: readout_hidden splits the readout, but the family defines no head to project its rows to "
+                "logits (scoring calls head(readout_hidden(...))): define head(hidden), or leave readout_hidden None"
+            )
         if hidden is not None and not _close(adapter.head(hidden), out, tolerance):
             raise ValueError(
                 f"{name}: head(readout_hidden(state, {i + 1})) differs from readout(state, {i + 1}): scoring reads "
