@@ -610,6 +610,7 @@ class LoopedSpecEngine:
             targets = ids[len(entries) : len(entries) + len(logits)]
             rows = len(targets)
             entries += token_logprobs(logits[:rows], targets, [top_n] * rows, [self._token_text] * rows)
+            del logits  # before the next chunk is projected: one chunk's logits at a time
         return entries
 
     def close(self) -> None:

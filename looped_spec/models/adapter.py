@@ -165,9 +165,9 @@ class ModelAdapter(ABC):
 
     def readout_hidden(self, state: torch.Tensor, depth: int, ctx) -> torch.Tensor | None:
         """The readout up to its vocabulary projection ([num_tokens, hidden]), for a family whose `head` maps rows of
-        it to `readout`'s logits; None (the default): the family does not split its readout. Scoring a sequence
-        (`dense_logit_chunks`) then projects a chunk of positions at a time instead of holding every position's
-        logits ([T, vocab] fp32: gigabytes for a long prompt and a large vocabulary)."""
+        it to `readout`'s logits: scoring a sequence (`dense_logit_chunks`) then projects a chunk of positions at a
+        time instead of holding every position's logits ([T, vocab] fp32: gigabytes for a long prompt and a large
+        vocabulary). None (the default): the family does not split its readout, and scoring holds them all."""
         return None
 
     def head(self, hidden: torch.Tensor) -> torch.Tensor:
