@@ -241,7 +241,6 @@ def test_two_replicas_through_the_ray_proxy(offline_greedy, tmp_path, ray_cluste
     # the offline references every check below compares with, decoded while Ray starts the replicas
     decoding = ThreadPoolExecutor(1)
     references = decoding.submit(lambda: [offline_greedy(PROMPTS[0], n) for n in (12, 48, 400, 8)])
-    decoding.shutdown(wait=False)  # its thread ends once the references are decoded
     try:
         _wait(lambda: server.poll() is None and _health(url) == "ok", 150, "both replicas ready")
         references.result()
@@ -254,6 +253,7 @@ def test_two_replicas_through_the_ray_proxy(offline_greedy, tmp_path, ray_cluste
         print((tmp_path / "server.log").read_text()[-6000:])
         raise
     finally:
+        decoding.shutdown()  # after a failure too, the references' thread is done before the fixture closes its engine
         server.send_signal(signal.SIGTERM)  # the CLI deletes the application and shuts its local Ray cluster down
         try:
             server.wait(timeout=60)
