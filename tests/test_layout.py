@@ -13,7 +13,7 @@ import looped_spec
 PACKAGE = Path(looped_spec.__file__).resolve().parent
 #: The folders (and top-level modules) in data-path order; a unit may import its own and earlier ones only
 ORDER = [
-    {"request", "sampling_params", "detokenizer", "structured_output", "reasoning", "logs"},
+    {"request", "sampling_params", "detokenizer", "token_bytes", "structured_output", "reasoning", "logs"},
     {"presets"},
     {"models"},
     {"adapters", "execution"},
