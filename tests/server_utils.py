@@ -72,3 +72,13 @@ def idle(server) -> bool:
         and not engine.has_unfinished_requests()
         and engine.num_free_blocks == engine.kv.num_blocks
     )
+
+
+def offline_reference(model: str):
+    """A module fixture's body (`yield from`): the offline engine a server test checks answers against, plain
+    decoding, closed after the module."""
+    from looped_spec import LoopedSpecEngine
+
+    engine = LoopedSpecEngine(model, speculation="off", max_model_len=256)
+    yield engine
+    engine.close()

@@ -18,7 +18,7 @@ import pytest
 from conftest import with_small_vocabulary
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
-from server_utils import ServerThread, idle, wait_until
+from server_utils import ServerThread, idle, offline_reference, wait_until
 
 from looped_spec import AsyncLoopedSpecEngine, LoopedSpecEngine, SamplingParams
 from looped_spec.server import build_app
@@ -31,9 +31,7 @@ MAX_BATCH = 4
 
 @pytest.fixture(scope="module")
 def reference_engine():
-    engine = LoopedSpecEngine(MODEL, speculation="off", max_model_len=256)
-    yield engine
-    engine.close()
+    yield from offline_reference(MODEL)
 
 
 @pytest.fixture(scope="module")

@@ -9,7 +9,7 @@ from __future__ import annotations
 import httpx
 import openai
 import pytest
-from server_utils import ServerThread
+from server_utils import ServerThread, offline_reference
 
 import looped_spec
 from looped_spec import LoopedSpecEngine, SamplingParams
@@ -30,9 +30,7 @@ PREFILLED = QUESTION + [{"role": "assistant", "content": "def reverse(s):"}]
 
 @pytest.fixture(scope="module")
 def reference():
-    engine = LoopedSpecEngine(MODEL, speculation="off", max_model_len=256)
-    yield engine
-    engine.close()
+    yield from offline_reference(MODEL)
 
 
 @pytest.fixture(scope="module")

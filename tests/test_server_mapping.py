@@ -7,7 +7,7 @@ from __future__ import annotations
 import httpx
 import openai
 import pytest
-from server_utils import ServerThread
+from server_utils import ServerThread, offline_reference
 
 from looped_spec import LoopedSpecEngine, SamplingParams
 
@@ -17,9 +17,7 @@ PROMPT = "def fibonacci(n):"
 
 @pytest.fixture(scope="module")
 def reference_engine():
-    engine = LoopedSpecEngine(MODEL, speculation="off", max_model_len=256)
-    yield engine
-    engine.close()
+    yield from offline_reference(MODEL)
 
 
 @pytest.fixture(scope="module")
