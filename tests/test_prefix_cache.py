@@ -343,6 +343,42 @@ def test_the_server_reports_cached_prompt_tokens_in_usage():
         engine.close()
 
 
+def test_the_usage_of_n_choices_counts_the_fewest_cached_tokens_any_choice_found():
+    """`n` choices of one prompt run one after another (max_batch_size 1), so the second finds the blocks the first
+    cached: the usage's cached_tokens is the fewest any choice found (0 the first time, every full block once the
+    prompt is cached; not the most, not their sum), streamed or not, completions and chat."""
+    openai = pytest.importorskip("openai")
+    from server_utils import ServerThread
+
+    engine = LoopedSpecEngine("tiny-ouro", speculation="off", prefix_caching=True, block_size=4, max_batch_size=1)
+    try:
+        with ServerThread(engine, "tiny-ouro") as server:
+            client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=60)
+
+            def cached(stream: bool, chat: bool, text: str) -> tuple[int, int]:
+                """(the usage's cached_tokens, prompt tokens the choices found cached between them)."""
+                hits = engine.stats.num_prefix_cache_hits
+                common = dict(model="tiny-ouro", max_tokens=3, temperature=0, n=2, stream=stream)
+                if stream:
+                    common["stream_options"] = {"include_usage": True}
+                if chat:
+                    answer = client.chat.completions.create(messages=[{"role": "user", "content": text}], **common)
+                else:
+                    answer = client.completions.create(prompt=text, **common)
+                usage = [c.usage for c in answer if c.usage is not None][-1] if stream else answer.usage
+                return usage.prompt_tokens_details.cached_tokens, engine.stats.num_prefix_cache_hits - hits
+
+            for k, (stream, chat) in enumerate(((False, False), (True, False), (False, True), (True, True))):
+                text = f"Request {k}: you write short, careful Python. Sort a list."
+                first, found_first = cached(stream, chat, text)
+                again, found = cached(stream, chat, text)
+                assert again > 0 and found == 2 * again, (stream, chat)  # each choice found every full block
+                # the first time the second choice found them all (the first one, less: a chat template's start)
+                assert first < again and found_first == first + again, (stream, chat)
+    finally:
+        engine.close()
+
+
 @pytest.mark.cuda
 @pytest.mark.parametrize("family", ["ouro", "huginn"])
 def test_prefix_caching_on_cuda_equals_the_uncached_engine(family):
