@@ -105,3 +105,38 @@ def test_the_server_takes_a_priority_only_under_the_priority_policy():
             assert answer.status_code == 200, answer.text
         typed = httpx.post(server.url + "/v1/completions", json={**body, "priority": "1"}, timeout=60)
         assert typed.status_code == 400 and "priority" in typed.text
+
+
+def test_the_servers_priority_field_decides_which_waiting_request_runs_first():
+    """On a server of the priority policy, one request at a time: while a long one runs, a request of priority 5 and
+    then one of priority -1 wait; the later, of the lower value, runs (and finishes) first."""
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    from server_utils import ServerThread, wait_until
+
+    engine = LoopedSpecEngine("tiny-ouro", speculation="off", max_batch_size=1, scheduling_policy="priority")
+    finished, generating = [], threading.Event()
+
+    def complete(url: str, name: str, priority: int, max_tokens: int) -> None:
+        body = {"model": "tiny-ouro", "prompt": f"{name}:", "max_tokens": max_tokens, "ignore_eos": True,
+                "temperature": 0, "priority": priority, "stream": True}  # fmt: skip
+        with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as answer:
+            assert answer.status_code == 200
+            for line in answer.iter_lines():
+                generating.set()  # the first token: this request runs
+                assert "error" not in line, line
+        finished.append(name)
+
+    try:
+        with ServerThread(engine, "tiny-ouro") as server, ThreadPoolExecutor(3) as pool:
+            running = [pool.submit(complete, server.url, "long", 0, 200)]
+            assert generating.wait(60)  # the long request runs (the others wait for its place)
+            for name, priority in (("five", 5), ("minus one", -1)):
+                running.append(pool.submit(complete, server.url, name, priority, 2))
+                wait_until(lambda: server.async_engine.num_in_flight == len(running), what=f"{name} in flight")
+            for future in running:
+                future.result()
+        assert finished == ["long", "minus one", "five"]
+    finally:
+        engine.close()
