@@ -559,9 +559,12 @@ def test_what_openai_refuses_is_refused_naming_the_field(server, client, monkeyp
     # every field refused is named, not only the first
     answer = post(completions, f'{{"model": "{MODEL}", "prompt": "a", "tools": [], "functions": []}}')
     assert answer.status_code == 400 and answer.json()["error"]["message"] == "tools, functions: not supported fields"
-    # within a union's value, the part at fault (not the first branch's complaint about the whole field)
+    # within a union's value, the part at fault (not the first branch's complaint about the whole field), once: each
+    # of the union's branches failing is one more error on the same field
     for endpoint, fields, named in (
         (completions, '"prompt": [1, "a"]', "prompt[1]"),
+        (completions, '"prompt": 5', "prompt"),
+        (completions, '"prompt": "a", "stop": 5', "stop"),
         (chat, '"messages": [{"role": "user", "content": [{"type": "text", "text": 5}]}]',
          "messages[0].content[0].text"),
         (chat, '"messages": [{"role": "user", "content": "x"}], "tool_choice": {"type": "function"}',
@@ -569,6 +572,7 @@ def test_what_openai_refuses_is_refused_naming_the_field(server, client, monkeyp
     ):  # fmt: skip
         error = post(endpoint, f'{{"model": "{MODEL}", {fields}}}').json()["error"]
         assert error["param"] == named and error["message"].startswith(f"{named}: "), error
+        assert "; " not in error["message"], error
     # chat's max_completion_tokens named as given; an empty body said to be one
     body = f'{{"model": "{MODEL}", "messages": [{{"role": "user", "content": "hi"}}], "max_completion_tokens": 99999}}'
     error = post(chat, body).json()["error"]
