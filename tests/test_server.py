@@ -1351,3 +1351,22 @@ def test_request_latencies_of_minutes_fall_in_a_bucket_of_their_own():
                       if f.name == "looped_spec:" + name)  # fmt: skip
         counted = [float(s.labels["le"]) for s in family.samples if s.name.endswith("_bucket") and s.value == 1]
         assert 200.0 <= min(counted) < float("inf"), name
+
+
+def test_a_streamed_chat_starts_with_empty_content_for_text_and_null_for_a_call(server):
+    """The first chunk of a streamed chat (the role's) carries `"content": ""` for a plain-text reply, as OpenAI
+    sends it, and `"content": null` for a reply that may be all tool calls (raw SSE: a client reads null and ""
+    apart)."""
+    tool = {"type": "function", "function": {"name": "pick", "parameters": {
+        "type": "object", "properties": {"x": {"type": "integer"}}, "required": ["x"]}}}  # fmt: skip
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    text = {"model": MODEL, "messages": [{"role": "user", "content": "Sort a list."}], "max_tokens": 2,
+            "temperature": 0, "stream": True, "n": 2}  # fmt: skip
+    call = {**text, "n": 1, "max_tokens": 12, "tools": [tool], "tool_choice": "required"}
+    for body, content in ((text, ""), ({**text, "tools": [tool], "tool_choice": "none"}, ""), (call, None)):
+        with httpx.stream("POST", server.url + "/v1/chat/completions", json=body, headers=headers, timeout=60) as sse:
+            events = [line.removeprefix("data: ") for line in sse.iter_lines() if line.startswith("data: ")]
+        roles = [json.loads(event)["choices"][0] for event in events[: body["n"]]]
+        assert [(c["index"], c["delta"]["role"], c["delta"]["content"]) for c in roles] == [
+            (k, "assistant", content) for k in range(body["n"])
+        ], events[:3]
