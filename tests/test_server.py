@@ -425,6 +425,32 @@ def test_logprobs_beyond_a_small_vocabulary_are_a_400_naming_the_field(tmp_path)
     engine.close()
 
 
+def test_chat_top_logprobs_beyond_a_small_vocabulary_are_a_400_naming_top_logprobs(tmp_path):
+    """Chat's count of the most likely tokens is `top_logprobs` (`logprobs` is its switch): a model of 16 tokens asked
+    for 20 is a 400 naming top_logprobs, streamed or not. The 16-token copy gets tiny-ouro's tokenizer and a server
+    template that writes the messages' text alone ("!" is token 1)."""
+    import shutil
+
+    from looped_spec.models import shipped_model_path
+    from looped_spec.server.chat_template import ChatTemplateConfig
+
+    folder = with_small_vocabulary(tmp_path / "vocab-16", 16)
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        shutil.copy(shipped_model_path(MODEL) / name, folder / name)
+    template = ChatTemplateConfig(chat_template="{% for m in messages %}{{ m.content }}{% endfor %}")
+    engine = LoopedSpecEngine(str(folder), speculation="off", max_model_len=64)
+    chat = {"messages": [{"role": "user", "content": "!"}], "max_tokens": 2, "logprobs": True}
+    with ServerThread(engine, MODEL, chat_template=template) as running:
+        for body in ({"top_logprobs": 20}, {"top_logprobs": 20, "stream": True}):
+            answer = httpx.post(running.url + "/v1/chat/completions", json=chat | body, timeout=60)
+            assert answer.status_code == 400, (body, answer.text)
+            error = answer.json()["error"]
+            assert error["param"] == "top_logprobs" and error["message"].startswith("top_logprobs=20: more"), error
+        whole = httpx.post(running.url + "/v1/chat/completions", json=chat | {"top_logprobs": 16}, timeout=60)
+        assert [len(t["top_logprobs"]) for t in whole.json()["choices"][0]["logprobs"]["content"]] == [16, 16]
+    engine.close()
+
+
 def test_a_tokenizer_eos_outside_the_vocabulary_stops_nothing_served_as_offline(tmp_path):
     """A tokenizer whose eos is a token past the model's vocabulary: the engine leaves it out of its eos tokens (the
     model cannot generate it), so offline requests run; the server added it to every request's stop_token_ids, so
