@@ -314,6 +314,32 @@ def test_a_fault_in_a_score_is_an_engine_fault_and_the_worker_goes_on(monkeypatc
         front.shutdown()
 
 
+@pytest.mark.parametrize("error", [ValueError, TypeError])
+def test_a_value_error_out_of_the_models_score_is_a_fault_and_the_callers_errors_stay_theirs(monkeypatch, error):
+    """Model code can raise ValueError or TypeError too: in a score that is a fault (EngineFaultError, a 500 on the
+    server), not the caller's bad argument (it was delivered as one: a 400). The caller's own errors, naming the
+    argument, stay what they are, and come before the score is queued."""
+    from looped_spec.engine.async_engine import EngineFaultError
+
+    engine = make_engine("ouro", speculation="off")
+    front = AsyncLoopedSpecEngine(engine)
+    monkeypatch.setattr(engine.adapter, "dense_logit_chunks", failing_once(engine.adapter.dense_logit_chunks, error))
+    bad = [(([1, 10**6],), ValueError, "token_ids"), (("1 2",), TypeError, "token_ids"),
+           ((PROMPTS[0], -1), ValueError, "top_n"), ((PROMPTS[0], 1, -1), ValueError, "seed")]  # fmt: skip
+
+    async def run():
+        with pytest.raises(EngineFaultError, match=f"engine error: {error.__name__}: injected"):
+            await front.score(PROMPTS[0], 2)
+        for args, caller_error, field in bad:
+            with pytest.raises(caller_error, match=field):
+                await front.score(*args)
+        assert front.num_in_flight == 0
+        return await front.score(PROMPTS[0], 2)
+
+    with front:
+        assert asyncio.run(run()) == make_engine("ouro", speculation="off").score(PROMPTS[0], 2)
+
+
 def test_a_fault_while_a_request_is_admitted_is_an_engine_fault_and_the_worker_goes_on(monkeypatch):
     """prompt_logprobs are a forward run when the worker admits the request: a fault there is the engine's
     (EngineFaultError, a 500 or an error event on the server), not the request's refusal (it reached the stream as the
@@ -338,14 +364,14 @@ def test_a_fault_while_a_request_is_admitted_is_an_engine_fault_and_the_worker_g
     assert out.finish_reason == "length" and len(out.prompt_logprobs) == len(PROMPTS[0])
 
 
-def failing_once(real):
-    """`real`, except that its first call raises RuntimeError("injected")."""
+def failing_once(real, error: type[Exception] = RuntimeError):
+    """`real`, except that its first call raises `error`("injected")."""
     calls = []
 
     def call(*args, **kwargs):
         calls.append(None)
         if len(calls) == 1:
-            raise RuntimeError("injected")
+            raise error("injected")
         return real(*args, **kwargs)
 
     return call

@@ -226,8 +226,10 @@ class AsyncLoopedSpecEngine:
         """`LoopedSpecEngine.score`, run by the worker between two steps (the engine is the worker's). A score is a
         forward over the whole sequence, so it holds a place among the in-flight requests while it waits and runs
         (QueueFullError when none is left); one whose caller went away (cancelled) before the worker reached it is
-        skipped."""
+        skipped. The caller's argument errors (ValueError / TypeError) come from here, before it is queued; what the
+        worker's forward raises is a fault in the model (EngineFaultError), whatever its type."""
         self._check_running()
+        self.engine.check_score(token_ids, top_n, seed)  # reads the engine's config only: safe beside the worker
         future = asyncio.get_running_loop().create_future()
         with self._lock:
             self._check_room()
@@ -345,9 +347,7 @@ class AsyncLoopedSpecEngine:
                 return
             try:
                 result: object = self.engine.score(token_ids, top_n, seed)
-            except (ValueError, TypeError) as exc:  # the caller's error
-                result = exc
-            except Exception as exc:  # the model's: a fault, as a step's
+            except Exception as exc:  # the model's (score() checked the arguments): a fault, as a step's
                 result = engine_fault(exc)
             loop = future.get_loop()
             _post(loop, _settle, future, result)

@@ -593,15 +593,9 @@ class LoopedSpecEngine:
         request seed a family with per-token random draws (Huginn's initial state) uses. It scores a prompt, and the
         tokens of a finished generation that ran at full depth (plain or speculative: the target's logits)."""
         self._check_open()
-        if not isinstance(token_ids, (list, tuple)):  # text, a prompt dict or an array is not read as token ids
-            raise TypeError(f"token_ids must be a list of token ids (score tokenized text); got "
-                            f"{type(token_ids).__name__}")  # fmt: skip
-        if not token_ids:
+        ids, top_n, seed = self._score_arguments(token_ids, top_n, seed)
+        if not ids:
             return []
-        ids = to_token_ids(token_ids, None, self.adapter.vocab_size, where="token_ids")
-        if len(ids) > self.max_model_len:
-            raise ValueError(f"token_ids: {len(ids)} tokens; at most max_model_len={self.max_model_len}")
-        top_n, seed = _integer(top_n, "top_n", 0, self.adapter.vocab_size), _integer(seed, "seed", 0, 2**63 - 1)
         ids = to_device(ids, self.adapter.device)
         # position t scores token t + 1; logits max_num_batched_tokens positions at a time, as a prefill step's, not
         # [T, V] at once (a long prompt's on a large vocabulary would not fit beside the KV cache)
@@ -612,6 +606,20 @@ class LoopedSpecEngine:
             entries += token_logprobs(logits[:rows], targets, [top_n] * rows, [self._token_text] * rows)
             del logits  # before the next chunk is projected: one chunk's logits at a time
         return entries
+
+    def check_score(self, token_ids: list[int], top_n: int = 0, seed: int = 0) -> None:
+        """The ValueError / TypeError `score` raises for these arguments, naming the one at fault (reads the engine's
+        config only: safe beside a thread stepping it). What `score` raises past it is the model's."""
+        self._score_arguments(token_ids, top_n, seed)
+
+    def _score_arguments(self, token_ids: Any, top_n: Any, seed: Any) -> tuple[list[int], int, int]:
+        if not isinstance(token_ids, (list, tuple)):  # text, a prompt dict or an array is not read as token ids
+            raise TypeError(f"token_ids must be a list of token ids (score tokenized text); got "
+                            f"{type(token_ids).__name__}")  # fmt: skip
+        ids = to_token_ids(token_ids, None, self.adapter.vocab_size, where="token_ids") if token_ids else []
+        if len(ids) > self.max_model_len:
+            raise ValueError(f"token_ids: {len(ids)} tokens; at most max_model_len={self.max_model_len}")
+        return ids, _integer(top_n, "top_n", 0, self.adapter.vocab_size), _integer(seed, "seed", 0, 2**63 - 1)
 
     def close(self) -> None:
         """Release what the engine holds: its unfinished requests (dropped: their outputs are not returned), the KV
