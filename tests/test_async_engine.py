@@ -169,6 +169,8 @@ def test_end_all_ends_streams_and_waiting_scores_and_admits_nothing_more():
     finally:
         release.set()
         front.shutdown()
+    with pytest.raises(EngineDeadError, match="shutting down"):  # end_all's reason stays the one given
+        front.add_request([1], SamplingParams(max_tokens=2))
 
 
 def test_an_abort_ends_the_stream_a_task_is_reading_and_its_id_is_reused_once_released():
@@ -537,3 +539,221 @@ def test_leaving_a_stream_whose_request_finished_leaves_a_newer_request_of_its_i
     with AsyncLoopedSpecEngine(engine) as front:
         outs = asyncio.run(asyncio.wait_for(run(), 30))
     assert outs and outs[-1].finish_reason == "length" and outs[-1].token_ids == expected
+
+
+def test_a_fault_retried_up_to_the_rules_bound_costs_the_stream_nothing_and_the_count_restarts(monkeypatch):
+    """The front ends every stream only after more steps failed in a row than the engine's rule can take to blame
+    every request (FAILURES_TO_BLAME x (requests + 1)): a fault failing exactly that many steps is retried and the
+    stream gets plain decoding's tokens; one more ends it with EngineFaultError; and after that the count starts
+    again (a one-shot fault of the next request is retried, not taken as one more in the same row)."""
+    from looped_spec.engine.async_engine import EngineFaultError
+
+    engine = make_engine("ouro", speculation="off")
+    short = SamplingParams(max_tokens=4, ignore_eos=True)
+    expected = make_engine("ouro", speculation="off").generate([PROMPTS[1]], short)[0].token_ids
+    bound = engine.FAILURES_TO_BLAME * (1 + 1)  # one request in the engine
+    faults = {"at-bound": bound, "past-bound": bound + 1, "after": 1}  # steps to fail while the request is held
+    real_step = engine.step
+
+    def step():
+        for request_id in engine.request_ids():
+            if faults.get(request_id):
+                faults[request_id] -= 1
+                raise RuntimeError("injected")
+        return real_step()
+
+    monkeypatch.setattr(engine, "step", step)
+
+    async def collect(request_id) -> list:
+        return [out async for out in front.add_request(PROMPTS[1], short, request_id=request_id)]
+
+    async def run():
+        at_bound = await collect("at-bound")
+        with pytest.raises(EngineFaultError, match="injected"):
+            await collect("past-bound")
+        return at_bound, await collect("after")
+
+    with AsyncLoopedSpecEngine(engine) as front:
+        at_bound, after = asyncio.run(asyncio.wait_for(run(), 30))
+    assert at_bound[-1].finish_reason == "length" and at_bound[-1].token_ids == expected
+    assert after[-1].finish_reason == "length" and after[-1].token_ids == expected
+
+
+def test_abort_leaving_and_end_all_stop_the_request_in_the_engine(monkeypatch):
+    """Each way a stream ends early stops its request in the engine (finish reason "abort" in its counts, KV freed),
+    not only the stream while the engine runs the request on to max_tokens."""
+    import threading
+
+    engine = make_engine("ouro", speculation="off", max_batch_size=4)
+    held, release = threading.Event(), threading.Event()
+    real_score = engine.score
+
+    def score(token_ids, top_n=0, seed=0):  # holds the worker between two steps while the streams end
+        held.set()
+        release.wait(30)
+        return real_score(token_ids, top_n, seed)
+
+    monkeypatch.setattr(engine, "score", score)
+    long = SamplingParams(max_tokens=400, ignore_eos=True)
+
+    async def run():
+        readers = [front.add_request(PROMPTS[i], long, request_id=f"r{i}").__aiter__() for i in range(3)]
+        for reader in readers:  # each request is running
+            assert not (await reader.__anext__()).finished
+        scoring = asyncio.ensure_future(front.score([1, 2], 1))
+        await asyncio.to_thread(held.wait, 30)
+        front.abort("r0")
+        await readers[1].aclose()  # its reader leaves
+        front.end_all("the server is shutting down")  # r2's stream is still open
+        release.set()
+        with pytest.raises(EngineDeadError, match="shutting down"):  # after the outputs it had not read
+            async for _ in readers[2]:
+                pass
+        with pytest.raises(EngineDeadError, match="shutting down"):
+            await scoring
+
+    with AsyncLoopedSpecEngine(engine) as front:
+        asyncio.run(asyncio.wait_for(run(), 30))
+        wait_until(lambda: not engine.has_unfinished_requests() and engine.num_free_blocks == engine.kv.num_blocks)
+        assert dict(engine.stats.finished_reasons) == {"abort": 3}
+
+
+def test_an_id_the_front_picks_skips_one_a_caller_chose_that_is_still_being_released(monkeypatch):
+    """A request without an id gets a free one: not "req-0" while a caller's own "req-0" was just aborted and the
+    engine may still hold it (it was refused as "just aborted ... retry", which the caller could do nothing about)."""
+    import threading
+
+    engine = make_engine("ouro", speculation="off")
+    held, release = threading.Event(), threading.Event()
+    real_score = engine.score
+
+    def score(token_ids, top_n=0, seed=0):  # holds the worker: the abort is not applied yet
+        held.set()
+        release.wait(30)
+        return real_score(token_ids, top_n, seed)
+
+    monkeypatch.setattr(engine, "score", score)
+    short = SamplingParams(max_tokens=3, ignore_eos=True)
+    expected = make_engine("ouro", speculation="off").generate([PROMPTS[1]], short)[0].token_ids
+
+    async def run():
+        scoring = asyncio.ensure_future(front.score([1, 2], 1))
+        await asyncio.to_thread(held.wait, 30)
+        front.add_request(PROMPTS[0], short, request_id="req-0")
+        front.abort("req-0")
+        stream = front.add_request(PROMPTS[1], short)
+        release.set()
+        await scoring
+        return [out async for out in stream]
+
+    with AsyncLoopedSpecEngine(engine) as front:
+        outs = asyncio.run(asyncio.wait_for(run(), 30))
+    assert outs[-1].request_id != "req-0" and outs[-1].token_ids == expected
+
+
+def test_steps_failing_past_the_rule_end_the_requests_the_engine_holds_and_free_their_ids(monkeypatch):
+    """Past the rule the front ends what the engine holds: those requests are aborted in the engine (KV freed, finish
+    reason "abort"; one a caller aborted while the steps failed among them) and their ids are free again once it
+    handed them back; a request added while the last step failed (the engine does not hold it yet) is not ended."""
+    import threading
+
+    from looped_spec.engine.async_engine import EngineFaultError
+
+    engine = make_engine("ouro", speculation="off", max_batch_size=4)
+    short, long = SamplingParams(max_tokens=4, ignore_eos=True), SamplingParams(max_tokens=400, ignore_eos=True)
+    expected = make_engine("ouro", speculation="off").generate([PROMPTS[1]], short)[0].token_ids
+    past_rule = engine.FAILURES_TO_BLAME * (2 + 1) + 1  # with "doomed" and "left" in the engine
+    held = {1: (threading.Event(), threading.Event()), past_rule: (threading.Event(), threading.Event())}
+    failed: list = []
+    real_step = engine.step
+
+    def step():
+        if len(failed) < past_rule and {"doomed", "left"} <= set(engine.request_ids()):
+            failed.append(None)
+            if len(failed) in held:  # the first and the last failing step: callers act while it fails
+                failing, go = held[len(failed)]
+                failing.set()
+                go.wait(30)
+            raise RuntimeError("injected")
+        return real_step()
+
+    monkeypatch.setattr(engine, "step", step)
+
+    async def step_failing(number):
+        failing, go = held[number]
+        await asyncio.to_thread(failing.wait, 30)
+        return go
+
+    async def reuse(request_id):
+        for _ in range(500):
+            try:
+                return [out async for out in front.add_request(PROMPTS[1], short, request_id=request_id)]
+            except ValueError:  # free once the engine handed the aborted request back
+                await asyncio.sleep(0.01)
+        pytest.fail(f"the id {request_id!r} of a request ended past the rule never became free")
+
+    async def run():
+        doomed = front.add_request(PROMPTS[0], long, request_id="doomed")
+        front.add_request(PROMPTS[2], long, request_id="left")
+        go = await step_failing(1)
+        front.abort("left")  # applied in the engine before the last failing step
+        go.set()
+        go = await step_failing(past_rule)
+        bystander = front.add_request(PROMPTS[1], short, request_id="bystander")
+        go.set()
+        with pytest.raises(EngineFaultError, match="injected"):
+            async for _ in doomed:
+                pass
+        return [out async for out in bystander], await reuse("doomed"), await reuse("left")
+
+    with AsyncLoopedSpecEngine(engine) as front:
+        streams = asyncio.run(asyncio.wait_for(run(), 30))
+        wait_until(lambda: not engine.has_unfinished_requests() and engine.num_free_blocks == engine.kv.num_blocks)
+        assert dict(engine.stats.finished_reasons) == {"abort": 2, "length": 3}
+    for outs in streams:
+        assert outs[-1].finish_reason == "length" and outs[-1].token_ids == expected
+
+
+def test_a_score_queued_behind_the_last_step_ends_with_shutdown(monkeypatch):
+    """shutdown() stops the worker after its current step: a score queued behind that step never runs, and ends with
+    EngineDeadError instead of leaving its caller waiting for good."""
+    import threading
+
+    engine = make_engine("ouro", speculation="off")
+    stepping, release = threading.Event(), threading.Event()
+    real_step = engine.step
+
+    def step():
+        stepping.set()
+        release.wait(30)
+        return real_step()
+
+    monkeypatch.setattr(engine, "step", step)
+    front = AsyncLoopedSpecEngine(engine)
+    front.start()
+
+    async def run():
+        stream = front.add_request(PROMPTS[0], SamplingParams(max_tokens=50, ignore_eos=True))
+        await asyncio.to_thread(stepping.wait, 30)
+        waiting = asyncio.ensure_future(front.score([1, 2], 1))
+        await asyncio.sleep(0)  # queued
+        stopping = asyncio.ensure_future(asyncio.to_thread(front.shutdown))
+        while True:  # until shutdown() refuses new work (it then stops the worker)
+            try:
+                front.add_request([1], SamplingParams(max_tokens=1))
+            except EngineDeadError:
+                break
+            await asyncio.sleep(0.01)
+        release.set()
+        await stopping
+        with pytest.raises(EngineDeadError, match="shut down"):
+            await asyncio.wait_for(waiting, 10)
+        with pytest.raises(EngineDeadError, match="shut down"):
+            async for _ in stream:
+                pass
+
+    try:
+        asyncio.run(asyncio.wait_for(run(), 30))
+    finally:
+        release.set()
+        front.shutdown()
