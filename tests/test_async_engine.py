@@ -757,3 +757,59 @@ def test_a_score_queued_behind_the_last_step_ends_with_shutdown(monkeypatch):
     finally:
         release.set()
         front.shutdown()
+
+
+def test_an_id_aborted_while_a_step_runs_stays_taken_until_the_engine_hands_its_request_back(monkeypatch):
+    """An abort that lands while a step runs: that step's output of the request is not its last (the engine finishes
+    it with the next step). Its id must stay taken until then, or a new request of the id gets the old one's abort
+    output (and its own outputs go nowhere)."""
+    import threading
+
+    engine = make_engine("ouro", speculation="off")
+    long, short = SamplingParams(max_tokens=400, ignore_eos=True), SamplingParams(max_tokens=4, ignore_eos=True)
+    expected = make_engine("ouro", speculation="off").generate([PROMPTS[1]], short)[0].token_ids
+    plan: list = []  # (when, entered, go): hold the worker after or before a step's computation
+    real_step = engine.step
+
+    def step():
+        if not plan:
+            return real_step()
+        when, entered, go = plan.pop(0)
+        if when == "before":
+            entered.set()
+            go.wait(30)
+            return real_step()
+        outputs = real_step()
+        entered.set()
+        go.wait(30)
+        return outputs
+
+    monkeypatch.setattr(engine, "step", step)
+    after, before = (threading.Event(), threading.Event()), (threading.Event(), threading.Event())
+
+    async def run():
+        reader = front.add_request(PROMPTS[0], long, request_id="X").__aiter__()
+        assert not (await reader.__anext__()).finished
+        plan.extend([("after", *after), ("before", *before)])
+        await asyncio.to_thread(after[0].wait, 30)  # a step of X ran; its outputs are not delivered yet
+        front.abort("X")
+        after[1].set()
+        await asyncio.to_thread(before[0].wait, 30)  # the step that hands X back has not run
+        try:
+            again = front.add_request(PROMPTS[1], short, request_id="X")
+        except ValueError:  # still being released
+            again = None
+        before[1].set()
+        for _ in range(500):
+            if again is not None:
+                break
+            try:
+                again = front.add_request(PROMPTS[1], short, request_id="X")
+            except ValueError:
+                await asyncio.sleep(0.01)
+        return [out async for out in again]
+
+    with AsyncLoopedSpecEngine(engine) as front:
+        outs = asyncio.run(asyncio.wait_for(run(), 30))
+    assert outs[-1].prompt_token_ids == PROMPTS[1] and outs[-1].finish_reason == "length"
+    assert outs[-1].token_ids == expected

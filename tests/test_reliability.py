@@ -495,6 +495,32 @@ def test_one_shot_faults_while_suspects_run_alone_blame_nobody(batching):
     assert engine.stats.num_requests_failed == 0
 
 
+def test_an_interrupt_striking_a_suspect_alone_twice_is_raised_each_time_and_blames_nobody(monkeypatch):
+    """A KeyboardInterrupt (not an Exception) is no fault of a request: it is raised each time, also when it strikes
+    a suspect running alone twice in a row (not taken for the request's own failure: the request finished with
+    "error" and the second interrupt swallowed); decoding then goes on to plain decoding's tokens."""
+    params = greedy(6)
+    expected = make_engine("ouro", speculation="off").generate([PROMPTS[0]], params)[0].token_ids
+    engine = make_engine("ouro", speculation="off")
+    request_id = engine.add_request(PROMPTS[0], params)
+    engine.step()  # prefill
+    fail_one_step(engine)  # a fault in model code: the request runs alone next, a suspect
+    real_loop, interrupts = engine.adapter.loop, [2]
+
+    def loop(*args, **kwargs):
+        if interrupts[0]:
+            interrupts[0] -= 1
+            raise KeyboardInterrupt
+        return real_loop(*args, **kwargs)
+
+    monkeypatch.setattr(engine.adapter, "loop", loop)
+    for _ in range(2):
+        with pytest.raises(KeyboardInterrupt):
+            engine.step()
+    finished = run_to_end(engine)
+    assert finished[request_id].finish_reason == "length" and finished[request_id].token_ids == expected
+
+
 @pytest.mark.parametrize("batching", ["step", "loop"])
 @pytest.mark.parametrize("aborted", [0, 1])
 def test_a_suspect_aborted_before_it_runs_alone_is_reported_once_and_the_others_go_on(batching, aborted):
