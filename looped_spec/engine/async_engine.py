@@ -110,7 +110,6 @@ class AsyncLoopedSpecEngine:
         self._thread: threading.Thread | None = None
         self._scores: set[asyncio.Future] = set()  # scores waiting or running (each holds an in-flight place)
         self._closing: str | None = None  # set by end_all and shutdown: why no more work is admitted
-        self._flush = False  # an abort was applied: the next step() hands back (and forgets) the request
         # aborted ids the engine may still hold (until a step hands them back): not reusable before that, or a new
         # stream of the same id would get the old request's outputs
         self._retiring: set[str] = set()
@@ -299,9 +298,9 @@ class AsyncLoopedSpecEngine:
                     self._apply(self._commands.get_nowait())
             except queue.Empty:
                 pass
-            if self._stop.is_set() or not (engine.has_unfinished_requests() or self._flush):
+            # (an abort applied leaves its request's output pending: the engine has it unfinished until a step)
+            if self._stop.is_set() or not engine.has_unfinished_requests():
                 continue
-            self._flush = False
             try:
                 outputs = engine.step()
             except Exception as exc:  # one bad step must not take the server down
@@ -354,7 +353,6 @@ class AsyncLoopedSpecEngine:
         elif kind == "abort":
             try:
                 self.engine.abort(payload)
-                self._flush = True
             except KeyError:  # finished (or never added) before the abort arrived: the engine holds nothing of it
                 with self._lock:
                     self._retiring.discard(payload)
