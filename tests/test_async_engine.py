@@ -342,18 +342,19 @@ def test_a_value_error_out_of_the_models_score_is_a_fault_and_the_callers_errors
         assert asyncio.run(run()) == make_engine("ouro", speculation="off").score(PROMPTS[0], 2)
 
 
-def test_a_fault_while_a_request_is_admitted_is_an_engine_fault_and_the_worker_goes_on(monkeypatch):
+@pytest.mark.parametrize("error", [RuntimeError, ValueError])
+def test_a_fault_while_a_request_is_admitted_is_an_engine_fault_and_the_worker_goes_on(monkeypatch, error):
     """prompt_logprobs are a forward run when the worker admits the request: a fault there is the engine's
     (EngineFaultError, a 500 or an error event on the server), not the request's refusal (it reached the stream as the
-    bare RuntimeError, which the server does not answer)."""
+    bare RuntimeError, which the server does not answer; a ValueError out of model code, as the request's own)."""
     from looped_spec.engine.async_engine import EngineFaultError
 
     engine = make_engine("ouro", speculation="off")
-    monkeypatch.setattr(engine.adapter, "dense_logit_chunks", failing_once(engine.adapter.dense_logit_chunks))
+    monkeypatch.setattr(engine.adapter, "dense_logit_chunks", failing_once(engine.adapter.dense_logit_chunks, error))
     params = SamplingParams(max_tokens=2, ignore_eos=True, prompt_logprobs=1)
 
     async def run():
-        with pytest.raises(EngineFaultError, match="engine error: RuntimeError: injected"):
+        with pytest.raises(EngineFaultError, match="engine error: RuntimeError: .*injected"):
             async for _ in front.generate(PROMPTS[0], params):
                 pass
         with pytest.raises(ValueError, match="outside the vocabulary"):  # the request's own error stays what it is

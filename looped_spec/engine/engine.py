@@ -327,7 +327,10 @@ class LoopedSpecEngine:
         request.cache_salt = cache_salt
         request.token_text = self._token_text
         if params.prompt_logprobs is not None:  # prompts run at full depth: the dense forward's logits are prefill's
-            request.prompt_logprobs = self.score(ids, params.prompt_logprobs, seed)
+            try:
+                request.prompt_logprobs = self.score(ids, params.prompt_logprobs, seed)
+            except (ValueError, TypeError) as exc:  # its arguments were checked above: model code raised it, a fault
+                raise RuntimeError(f"the prompt_logprobs forward failed: {type(exc).__name__}: {exc}") from exc
         request.metrics.arrival_time = time.perf_counter()
         return request
 
