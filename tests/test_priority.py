@@ -5,6 +5,7 @@ only priority 0 is taken."""
 from __future__ import annotations
 
 import asyncio
+import time
 
 import httpx
 import pytest
@@ -116,6 +117,13 @@ def test_the_servers_priority_field_decides_which_waiting_request_runs_first():
     from server_utils import ServerThread, wait_until
 
     engine = LoopedSpecEngine("tiny-ouro", speculation="off", max_batch_size=1, scheduling_policy="priority")
+    step = engine.step
+
+    def slowed_step():  # the long request surely still runs while the other two reach the engine, on a loaded machine
+        time.sleep(0.02)
+        return step()
+
+    engine.step = slowed_step
     finished, generating = [], threading.Event()
 
     def complete(url: str, name: str, priority: int, max_tokens: int) -> None:
@@ -130,11 +138,13 @@ def test_the_servers_priority_field_decides_which_waiting_request_runs_first():
 
     try:
         with ServerThread(engine, "tiny-ouro") as server, ThreadPoolExecutor(3) as pool:
-            running = [pool.submit(complete, server.url, "long", 0, 200)]
+            running = [pool.submit(complete, server.url, "long", 0, 100)]
             assert generating.wait(60)  # the long request runs (the others wait for its place)
             for name, priority in (("five", 5), ("minus one", -1)):
                 running.append(pool.submit(complete, server.url, name, priority, 2))
-                wait_until(lambda: server.async_engine.num_in_flight == len(running), what=f"{name} in flight")
+                # in the engine (not only admitted by the front), while the long request runs: the order is now the
+                # scheduler's
+                wait_until(lambda: len(engine.request_ids()) == len(running), what=f"{name} in the engine")
             for future in running:
                 future.result()
         assert finished == ["long", "minus one", "five"]
