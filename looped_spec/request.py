@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import functools
 import logging
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -48,21 +49,23 @@ class TokenLogprob(Mapping):
     # Derived from the ids: not compared
     texts: tuple[str, ...] | None = field(default=None, compare=False, repr=False)
 
+    @functools.cached_property
     def _entries(self) -> dict[int, Logprob]:
-        # the token first, then the top ones (a token among them takes its rank there), as vLLM builds the dict
+        # the token first, then the top ones (a token among them takes its rank there), as vLLM builds the dict; built
+        # once, on first reading (`for t in entry: entry[t]` reads it 1 + N times)
         texts = self.texts or (None,) * (len(self.top) + 1)
         entries = {self.token: Logprob(self.logprob, self.rank, texts[0])}
         entries.update((token, Logprob(value, i + 1, texts[i + 1])) for i, (token, value) in enumerate(self.top))
         return entries
 
     def __getitem__(self, token_id: int) -> Logprob:
-        return self._entries()[token_id]
+        return self._entries[token_id]
 
     def __iter__(self) -> Iterator[int]:
-        return iter(self._entries())
+        return iter(self._entries)
 
     def __len__(self) -> int:
-        return len(self._entries())
+        return len(self._entries)
 
 
 @dataclass

@@ -592,9 +592,9 @@ class LoopedSpecEngine:
         """The log-probability of every token given the ones before it (the first: None) and the `top_n` most likely
         tokens at each position, from the model's full-depth logits before temperature: a cache-free forward of the
         whole sequence (the reference path; the engine's decode logits equal it, dense == incremental), whose logits
-        are read out `max_num_batched_tokens` positions at a time. `seed` is the
-        request seed a family with per-token random draws (Huginn's initial state) uses. It scores a prompt, and the
-        tokens of a finished generation that ran at full depth (plain or speculative: the target's logits)."""
+        are read out `max_num_batched_tokens` positions at a time. `seed` is the request seed a family with per-token
+        random draws (Huginn's initial state) uses. It scores a prompt, and the tokens of a finished generation that
+        ran at full depth (plain or speculative: the target's logits)."""
         self._check_open()
         ids, top_n, seed = self._score_arguments(token_ids, top_n, seed)
         if not ids:
