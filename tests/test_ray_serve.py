@@ -384,8 +384,11 @@ def _check_replica_killed_mid_load(url: str, server_pid: int, metrics_port: int,
         assert len(replicas) == 2, replicas
         victim = next(pid for pid in replicas if _listens_on(pid, metrics_port))
 
+        seen: list = []  # each replica's running requests, as the last poll read them
+
         def both_busy() -> bool:
-            return all((_replica_metrics(metrics_port + r) or {}).get("running") for r in range(2))
+            seen[:] = [(_replica_metrics(metrics_port + r) or {}).get("running") for r in range(2)]
+            return all(seen)
 
         # Ray's router may send a burst to one replica: more requests until both hold some (up to 24)
         busy = False
@@ -396,8 +399,10 @@ def _check_replica_killed_mid_load(url: str, server_pid: int, metrics_port: int,
             except AssertionError:
                 more(4 if len(jobs) < 24 else 0)
         assert busy, f"both replicas busy: not within 60 s of {len(jobs)} requests"
-        running = (_replica_metrics(metrics_port) or {}).get("running")
+        # killed right after the poll that found it busy (a second read of its metrics first left time for its
+        # requests to finish on a loaded machine: the victim then ran none)
         os.kill(victim, signal.SIGKILL)
+        running = seen[0]
         assert running, "the victim ran no request when it was killed"
         done, pending = await asyncio.wait(tasks, timeout=120)
         assert not pending, "a request hung after its replica died"
