@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 import numbers
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -59,6 +60,28 @@ class HuginnAdapter(ModelAdapter):
     uniform_loops = True  # core block: same weights every loop; the coda readout ignores depth
     option_names = ("initial_state", "num_steps", "exit_criterion", "exit_threshold")
 
+    @classmethod
+    def checked_options(cls, options: dict[str, Any], config: dict) -> dict[str, Any]:
+        options = super().checked_options(options, config)
+        init = options.get("initial_state", "random")
+        if init not in ("random", "zeros"):
+            raise ValueError(f"adapter option initial_state={init!r}: use 'random' or 'zeros'")
+        if "num_steps" in options:
+            steps = options["num_steps"]
+            # any integer type (a numpy sweep's too), kept as int so that a preset's provenance can record it
+            if not isinstance(steps, numbers.Integral) or isinstance(steps, bool) or steps < 1:
+                raise ValueError(f"adapter option num_steps={steps!r} must be a positive integer")
+            options["num_steps"] = int(steps)
+        criterion = options.get("exit_criterion", "kl")
+        if criterion not in ("kl", "latent"):
+            raise ValueError(f"adapter option exit_criterion={criterion!r}: use 'kl' or 'latent'")
+        if "exit_threshold" in options:
+            try:
+                options["exit_threshold"] = float_field(options, "exit_threshold", None)
+            except ValueError as exc:
+                raise ValueError(f"adapter option {exc} (the default early-exit threshold of requests)") from None
+        return options
+
     def __init__(self, config, weights, **kwargs):
         super().__init__(config, weights, **kwargs)
         self.hidden = int_field(config, "n_embd")
@@ -70,25 +93,10 @@ class HuginnAdapter(ModelAdapter):
         self.num_prelude = int_field(config, "n_layers_in_prelude", minimum=0)
         self.num_core = int_field(config, "n_layers_in_recurrent_block")
         self.num_coda = int_field(config, "n_layers_in_coda", minimum=0)
-        init = self.options.get("initial_state", "random")
-        if init not in ("random", "zeros"):
-            raise ValueError(f"adapter option initial_state={init!r}: use 'random' or 'zeros'")
-        self.initial_state_mode = init
-        steps = self.options.get("num_steps", int_field(config, "mean_recurrence", 32))
-        # any integer type (a numpy sweep's too), kept as int so that a preset's provenance can record it
-        if not isinstance(steps, numbers.Integral) or isinstance(steps, bool) or steps < 1:
-            raise ValueError(f"adapter option num_steps={steps!r} must be a positive integer")
-        self._full_depth = int(steps)
-        if "num_steps" in self.options:
-            self.options = {**self.options, "num_steps": self._full_depth}
-        criterion = self.options.get("exit_criterion", "kl")
-        if criterion not in ("kl", "latent"):
-            raise ValueError(f"adapter option exit_criterion={criterion!r}: use 'kl' or 'latent'")
-        self.exit_criterion = criterion
-        try:
-            self._default_exit_threshold = float_field(self.options, "exit_threshold", None)
-        except ValueError as exc:
-            raise ValueError(f"adapter option {exc} (the default early-exit threshold of requests)") from None
+        self.initial_state_mode = self.options.get("initial_state", "random")
+        self._full_depth = self.options.get("num_steps", int_field(config, "mean_recurrence", 32))
+        self.exit_criterion = self.options.get("exit_criterion", "kl")
+        self._default_exit_threshold = self.options.get("exit_threshold")
         # tied, the head is the embedding even where the file stores one, as transformers ties them at load
         if bool_field(config, "tie_embeddings", True) or "lm_head.weight" not in self.weights:
             self.weights["lm_head.weight"] = self.weights["transformer.wte.weight"]

@@ -59,6 +59,22 @@ def test_a_family_registered_in_this_process_only_is_refused_before_ray_starts(t
         parse_args({"model": str(folder)}).check_before_start()
 
 
+def test_an_adapter_option_of_a_bad_value_is_refused_before_ray_starts():
+    """A value the family refuses (not only a misspelt name) would fail every replica as it loads the model, retried
+    by Ray; the driver checks it against config.json first, with the family's own message."""
+    for options, message in (
+        ({"num_steps": "twelve"}, r"adapter option num_steps='twelve' must be a positive integer"),
+        ({"num_steps": 0}, r"adapter option num_steps=0"),
+        ({"exit_criterion": "entropy"}, r"adapter option exit_criterion='entropy': use 'kl' or 'latent'"),
+        ({"exit_threshold": "low"}, r"adapter option exit_threshold='low' must be a finite number"),
+        ({"num_step": 12}, r"adapter option num_step: not an option of huginn_raven.*'num_steps'"),
+    ):
+        with pytest.raises(ValueError, match=message):
+            parse_args({"model": "tiny-huginn", "engine": {"adapter_options": options}}).check_before_start()
+    good = parse_args({"model": "tiny-huginn", "engine": {"adapter_options": {"num_steps": 12}}})
+    assert good.check_before_start().adapter_options == {"num_steps": 12}
+
+
 def test_application_options_follow_the_arguments():
     fixed = build_application({"num_replicas": 2, "max_queued": 4, "threads": 2, "engine": {"max_batch_size": 8}})
     deployment = fixed._bound_deployment

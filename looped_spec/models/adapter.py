@@ -82,8 +82,7 @@ class ModelAdapter(ABC):
         self.device = torch.device(device)
         self.name = name or config.get("_name_or_path") or self.model_type
         self.path = path
-        self.check_option_names(options, self.model_type)
-        self.options = options
+        self.options = self.checked_options(options, config)
         self.generation = GenerationConfig()  # load_adapter sets the checkpoint's generation_config.json
         self.weights = {k: v.to(device=self.device, dtype=dtype) for k, v in weights.items()}
 
@@ -100,6 +99,14 @@ class ModelAdapter(ABC):
                 f"adapter option {', '.join(unknown)}: not an option of {model_type or cls.model_type}{hints}; it "
                 f"takes: {', '.join(cls.option_names) or 'none'}"
             )
+
+    @classmethod
+    def checked_options(cls, options: dict[str, Any], config: dict) -> dict[str, Any]:
+        """`options` as the family reads them from `self.options`, each name and value checked against `config`
+        (config.json): a ValueError naming the option. Needs no weights, so Ray Serve's driver asks it before any
+        replica loads the model. A family with options overrides it (super() first: it checks the names)."""
+        cls.check_option_names(options, config.get("model_type") if isinstance(config.get("model_type"), str) else None)
+        return dict(options)
 
     # ----- description -----
     @classmethod

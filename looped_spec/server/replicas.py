@@ -107,7 +107,7 @@ class ReplicaAppArgs(BaseModel):
 
     def check_before_start(self) -> EngineConfig:
         """What the driver can check before Ray starts a replica (which would fail, be retried and end in Ray's
-        traceback): the engine options, the model's folder and family, the names of its adapter options, a preset
+        traceback): the engine options, the model's folder and family, its adapter options, a preset
         asked for, a CUDA device on a local cluster."""
         from looped_spec.models.adapter import adapter_class, found_by_every_process, resolve_model_path
         from looped_spec.models.checkpoint import read_config
@@ -115,10 +115,11 @@ class ReplicaAppArgs(BaseModel):
 
         config = self.engine_config()
         folder = resolve_model_path(self.model)
-        model_type = read_config(folder).get("model_type")
+        model_config = read_config(folder)
+        model_type = model_config.get("model_type")
         if isinstance(model_type, str):  # (a config without one fails in the replica with the loader's message)
             family = adapter_class(model_type, str(folder / "config.json"))  # unknown: says how a family is added
-            family.check_option_names(config.adapter_options or {}, model_type)  # a misspelt option, before loading
+            family.checked_options(config.adapter_options or {}, model_config)  # a misspelt option or a bad value
             if not found_by_every_process(model_type):
                 raise ValueError(
                     f"{folder / 'config.json'}: model_type {model_type!r} is registered in this process only; Ray "
