@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 from conftest import FAMILIES, fixture_dir
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
@@ -38,6 +39,8 @@ def test_the_shipped_families_and_the_example_pass(toy):
     check_stages(variant(toy, readout=attending_readout, kv_layout=property(one_more_plane), readout_uses_kv=True))
     check_stages(variant(toy, has_exit_rule=True, exit_rule_uses_depth=False, exit_rule=latent_exit_rule))
     check_stages(variant(toy, has_exit_rule=True, exit_rule=latent_exit_rule_from_depth_2))  # declared: allowed
+    check_stages(variant(toy, has_exit_rule=True, exit_rule=confident_exit_rule))  # hands over its readout's logits
+    check_stages(variant(toy, has_exit_rule=True, exit_carry=two_column_carry, exit_rule=counting_exit_rule))
     check_stages(variant(toy, readout_hidden=lambda self, s, depth, ctx: s, head=toy_head))  # a split readout
 
 
@@ -89,6 +92,37 @@ def latent_exit_rule_from_depth_2(self, state, depth, prev_state, carry, thresho
     return exits & (depth >= 2), carry, logits
 
 
+def confident_exit_rule(self, state, depth, prev_state, carry, threshold, ctx):
+    """A token exits once its readout's top probability reaches `threshold`; the rule hands those logits over."""
+    logits = ToyLoopedAdapter.readout(self, state, depth, ctx)
+    return logits.softmax(-1).amax(-1) >= threshold, carry, logits
+
+
+def narrow_logits_exit_rule(self, state, depth, prev_state, carry, threshold, ctx):
+    exits, carry, logits = confident_exit_rule(self, state, depth, prev_state, carry, threshold, ctx)
+    return exits, carry, logits[:, :10]
+
+
+def float_mask_exit_rule(self, state, depth, prev_state, carry, threshold, ctx):
+    exits, carry, logits = latent_exit_rule(self, state, depth, prev_state, carry, threshold, ctx)
+    return exits.float(), carry, logits
+
+
+def two_column_carry(self, num_rows):
+    return torch.zeros(num_rows, 2)
+
+
+def counting_exit_rule(self, state, depth, prev_state, carry, threshold, ctx):
+    """Carries (loops run, last change) from loop to loop."""
+    exits, _, logits = latent_exit_rule(self, state, depth, prev_state, None, threshold, ctx)
+    return exits, torch.stack([carry[:, 0] + 1, exits.float()], dim=-1), logits
+
+
+def flat_carry_exit_rule(self, state, depth, prev_state, carry, threshold, ctx):
+    exits, carry, logits = counting_exit_rule(self, state, depth, prev_state, carry, threshold, ctx)
+    return exits, carry[:, 0], logits
+
+
 CASES = {
     "state_dim": ({"state_dim": property(lambda self: 8)}, r"embed returned \[2, 16\]; expected \[tokens, state_dim=8"),
     "vocab_size": ({"vocab_size": property(lambda self: 30)}, r"readout at depth 1 returned \[2, 32\].*vocab_size=30"),
@@ -126,6 +160,18 @@ CASES = {
         {"has_exit_rule": True, "exit_rule_uses_depth": False, "exit_rule": latent_exit_rule_from_depth_2},
         r"declares exit_rule_uses_depth=False, but exit_rule\(state, 1, ...\) differs from exit_rule\(state, 2, ...\)",
     ),
+    "exit logits": (
+        {"has_exit_rule": True, "exit_rule": narrow_logits_exit_rule},
+        r"exit_rule\(state, 1, ...\) returned logits \(torch.float32 \[2, 10\]\) other than readout\(state, 1\)'s",
+    ),
+    "exit mask": (
+        {"has_exit_rule": True, "exit_rule": float_mask_exit_rule},
+        r"exit_rule returned exits torch.float32 \[2\]; expected a torch.bool tensor \[rows=2\]",
+    ),
+    "exit carry": (
+        {"has_exit_rule": True, "exit_carry": two_column_carry, "exit_rule": flat_carry_exit_rule},
+        r"exit_rule returned a carry of shape \[2\]; exit_carry\(2\) gives \[2, 2\]",
+    ),
     "head split": (
         {"readout_hidden": lambda self, s, depth, ctx: s * 2.0, "head": toy_head},
         r"head\(readout_hidden\(state, 1\)\) differs from readout\(state, 1\)",
@@ -152,6 +198,15 @@ def test_an_engine_refuses_a_family_whose_declarations_do_not_hold(toy):
     overrides, message = CASES["uniform loops"]
     with pytest.raises(ValueError, match=message):
         LoopedSpecEngine(variant(toy, **overrides), speculation="off")
+
+
+def test_an_exit_rule_handing_over_other_logits_is_refused_not_decoded(toy):
+    """An exit rule's logits are taken as its exited rows' readout: ones of another width than the vocabulary gave
+    plain decoding other tokens than speculative decoding, without an error. The engine refuses the family at start."""
+    overrides, message = CASES["exit logits"]
+    for speculation in ("off", "2,1"):
+        with pytest.raises(ValueError, match=message):
+            LoopedSpecEngine(variant(toy, **overrides), speculation=speculation)
 
 
 def test_a_kv_layout_that_cannot_hold_its_loop_planes_is_refused():

@@ -128,6 +128,8 @@ def check_stages(adapter) -> None:
                 "logits through head(readout_hidden(...)); make readout return exactly that, or readout_hidden None"
             )
         readouts.append((state, out))
+    if adapter.has_exit_rule:
+        _check_exit_rule_results(adapter, *readouts[0], embedded, ctx, tolerance)
     if adapter.has_exit_rule and not adapter.exit_rule_uses_depth:
         _check_exit_rule_ignores_depth(adapter, readouts[0][0], embedded, ctx, tolerance)
     if adapter.uniform_loops:  # the readout must not depend on the depth: one call reads out tokens of any depth
@@ -144,6 +146,48 @@ def check_stages(adapter) -> None:
 PROBE_EXIT_THRESHOLDS = (1e-6, 1e-3, 0.1, 0.5, 0.9, 1.0, 10.0, 1e6)
 
 
+def _probe_thresholds(adapter) -> list[float]:
+    top = adapter.max_exit_threshold
+    thresholds = [t for t in PROBE_EXIT_THRESHOLDS if top is None or t <= top] + [adapter.default_exit_threshold]
+    return list(dict.fromkeys(float(t) for t in thresholds if t is not None))
+
+
+def _check_exit_rule_results(adapter, state, readout, prev_state, ctx, tolerance: float) -> None:
+    """What `exit_rule` returns after loop 1 has the form the engine reads: a bool mask of one entry per row, a carry
+    shaped as `exit_carry`'s, and logits that are `readout(state, depth)`'s. Logits of another width or content were
+    taken as the exited rows' readout, so plain and speculative decoding gave different tokens without an error; a
+    float or [rows, 1] mask failed deep in the engine, on a bare torch error."""
+    name, rows = adapter.model_type, state.shape[0]
+    for threshold in _probe_thresholds(adapter):
+        carry = adapter.exit_carry(rows)
+        per_row = torch.full((rows,), threshold, device=state.device)
+        exits, new_carry, logits = adapter.exit_rule(state, 1, prev_state, carry, per_row, ctx)
+        if not isinstance(exits, torch.Tensor) or exits.dtype != torch.bool or tuple(exits.shape) != (rows,):
+            got = f"{exits.dtype} {list(exits.shape)}" if isinstance(exits, torch.Tensor) else type(exits).__name__
+            raise ValueError(
+                f"{name}: exit_rule returned exits {got}; expected a torch.bool tensor [rows={rows}] (a decision a row)"
+            )
+        if carry is not None and (not isinstance(new_carry, torch.Tensor) or new_carry.shape != carry.shape):
+            got = list(new_carry.shape) if isinstance(new_carry, torch.Tensor) else type(new_carry).__name__
+            raise ValueError(
+                f"{name}: exit_rule returned a carry of shape {got}; exit_carry({rows}) gives {list(carry.shape)} (the "
+                "carry keeps its shape from loop to loop)"
+            )
+        if logits is None:
+            continue
+        if (
+            not isinstance(logits, torch.Tensor)
+            or logits.dtype != torch.float32
+            or not _close(logits, readout, tolerance)
+        ):
+            got = f"{logits.dtype} {list(logits.shape)}" if isinstance(logits, torch.Tensor) else type(logits).__name__
+            raise ValueError(
+                f"{name}: exit_rule(state, 1, ...) returned logits ({got}) other than readout(state, 1)'s (float32 "
+                f"[rows, vocab_size={adapter.vocab_size}]): the engine takes them as the exited rows' readout; return "
+                "readout's logits, or None"
+            )
+
+
 def _check_exit_rule_ignores_depth(adapter, state, prev_state, ctx, tolerance: float) -> None:
     """`exit_rule_uses_depth = False` lets a loop pass decide rows at different depths in one call: the rule must give
     the same exits, carry and logits at depth 1 and at depth D - 1 for the same inputs (otherwise loop-level batching
@@ -151,11 +195,9 @@ def _check_exit_rule_ignores_depth(adapter, state, prev_state, ctx, tolerance: f
     depth = adapter.full_depth
     if depth < 3:  # a rule runs after loops 1..D-1: one depth only
         return
-    top = adapter.max_exit_threshold
-    thresholds = [t for t in PROBE_EXIT_THRESHOLDS if top is None or t <= top] + [adapter.default_exit_threshold]
     rows = state.shape[0]
-    for threshold in dict.fromkeys(t for t in thresholds if t is not None):
-        per_row = torch.full((rows,), float(threshold), device=state.device)
+    for threshold in _probe_thresholds(adapter):
+        per_row = torch.full((rows,), threshold, device=state.device)
         first, last = (
             adapter.exit_rule(state, d, prev_state, adapter.exit_carry(rows), per_row, ctx) for d in (1, depth - 1)
         )
