@@ -305,3 +305,23 @@ def test_templates_render_off_the_event_loop_and_blame_what_they_render(server, 
         )
         message, param = error(answer)
         assert param == "chat_template" and message.startswith("chat_template"), message
+
+
+def test_a_model_without_a_tokenizer_says_so_not_to_give_a_template_it_already_has():
+    """A checkpoint without tokenizer files (a registered family's own, token ids in and out) given a chat template:
+    chat is refused because no text can be encoded, which no template changes. The answer asked for the template it
+    had been given (`--chat-template`, `chat_template=`)."""
+    from conftest import fixture_dir
+
+    engine = LoopedSpecEngine(str(fixture_dir("ouro")), speculation="off", max_model_len=64)  # no tokenizer files
+    with pytest.raises(ValueError, match="the model has no tokenizer") as offline:
+        engine.chat(QUESTION, SamplingParams(max_tokens=2), chat_template=TEMPLATE)
+    assert "give one" not in str(offline.value)
+    config = ChatTemplateConfig(chat_template=TEMPLATE, trust_request_chat_template=True)
+    with ServerThread(engine, MODEL, chat_template=config) as running:
+        for path, body in (("/v1/chat/completions", {"messages": QUESTION, "max_tokens": 2}),
+                           ("/v1/chat/completions", {"messages": QUESTION, "chat_template": TEMPLATE}),
+                           ("/tokenize", {"messages": QUESTION})):  # fmt: skip
+            message, param = error(post(running, path, body))
+            assert param == "messages" and "the model has no tokenizer" in message, (path, body, message)
+            assert "--chat-template" not in message and "give one" not in message

@@ -29,6 +29,13 @@ def rendering_parameters() -> frozenset[str]:
     return frozenset(names - {"self"})
 
 
+#: why a model without tokenizer files cannot chat, whatever template it is given
+NO_TOKENIZER_FOR_CHAT = (
+    "the model has no tokenizer (no tokenizer.json or tokenizer_config.json in its folder) to encode a chat's text, "
+    "with any chat template: send a plain prompt of token ids"
+)
+
+
 def render_chat(
     tokenizer,
     messages: list[dict],
@@ -42,7 +49,9 @@ def render_chat(
     tokenizer's own); `tools` (OpenAI's shape) reach the template as its `tools` variable (a template that does not
     use them ignores them), `template_kwargs` as variables of their own; `continue_final_message` leaves the last
     message open (the text ends with its content)."""
-    if tokenizer is None or (chat_template is None and not getattr(tokenizer, "chat_template", None)):
+    if tokenizer is None:  # a template would not help: its text could not be encoded
+        raise NoChatTemplateError(NO_TOKENIZER_FOR_CHAT)
+    if chat_template is None and not getattr(tokenizer, "chat_template", None):
         raise NoChatTemplateError(
             "this model's tokenizer has no chat_template: give one (chat_template=, serve --chat-template) or send a "
             "plain prompt"

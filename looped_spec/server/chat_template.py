@@ -22,7 +22,7 @@ from jinja2 import TemplateError, TemplateSyntaxError, meta
 from pydantic import BaseModel, ConfigDict, field_validator
 from transformers.utils.chat_template_utils import _compile_jinja_template
 
-from looped_spec.engine.chat import NoChatTemplateError, render_chat, rendering_parameters
+from looped_spec.engine.chat import NO_TOKENIZER_FOR_CHAT, NoChatTemplateError, render_chat, rendering_parameters
 from looped_spec.server.errors import APIError
 from looped_spec.server.tools import template_message
 
@@ -97,6 +97,8 @@ def template_kwargs(source: str, kwargs: dict[str, Any] | None) -> dict[str, Any
 def template_source(tokenizer, config: ChatTemplateConfig, body: Any, tools: list[dict] | None) -> tuple[str, str]:
     """(The template that renders `body`, the field a failure of it is blamed on): the request's own (gated by
     the server's trust), the server's `--chat-template`, or the tokenizer's."""
+    if tokenizer is None:  # no template helps
+        raise NoChatTemplateError(NO_TOKENIZER_FOR_CHAT)
     if body.chat_template is not None:
         if not config.trust_request_chat_template:
             raise APIError(400, f"chat_template: this server does not run a request's own chat template; start it "
@@ -108,7 +110,7 @@ def template_source(tokenizer, config: ChatTemplateConfig, body: Any, tools: lis
         return body.chat_template, "chat_template"
     if config.chat_template is not None:
         return config.chat_template, "messages"
-    if tokenizer is None or not getattr(tokenizer, "chat_template", None):
+    if not getattr(tokenizer, "chat_template", None):
         raise NoChatTemplateError("this model's tokenizer has no chat_template; use /v1/completions with a plain "
                                   "prompt, or start the server with --chat-template")  # fmt: skip
     return tokenizer.get_chat_template(None, tools), "messages"
