@@ -3,6 +3,7 @@ one is an error naming it, not an index error in the KV cache, a failure on the 
 
 from __future__ import annotations
 
+import re
 import sys
 from pathlib import Path
 
@@ -207,6 +208,24 @@ def test_an_exit_rule_handing_over_other_logits_is_refused_not_decoded(toy):
     for speculation in ("off", "2,1"):
         with pytest.raises(ValueError, match=message):
             LoopedSpecEngine(variant(toy, **overrides), speculation=speculation)
+
+
+def test_a_config_field_read_only_by_the_stages_is_named_with_its_file(toy):
+    """A family that reads a config.json field in a stage (as the example reads config["hidden"] in its loop), on a
+    checkpoint that lacks it: the engine's start names the file and the field, not a bare KeyError 'rope_theta'."""
+
+    def loop_reading_theta(self, state, loop_index, ctx):
+        return ToyLoopedAdapter.loop(self, state, loop_index, ctx) * (self.config["rope_theta"] > 0)
+
+    cls = type("Variant", (ToyLoopedAdapter,), {"model_type": "toy_variant", "loop": loop_reading_theta})
+    adapter = cls(toy.config, toy.weights, path=toy.path)
+    config_json = str(Path(toy.path) / "config.json")
+    with pytest.raises(ValueError, match=rf"^{re.escape(config_json)}: missing field rope_theta"):
+        LoopedSpecEngine(adapter, speculation="off")
+    LoopedSpecEngine(cls({**toy.config, "rope_theta": 1e4}, toy.weights, path=toy.path), speculation="off")  # has it
+    without_head = {name: tensor for name, tensor in toy.weights.items() if name != "head"}
+    with pytest.raises(KeyError, match="head"):  # a tensor the family reads and the file lacks is no config field
+        check_stages(cls({**toy.config, "rope_theta": 1e4}, without_head, path=toy.path))
 
 
 def test_a_kv_layout_that_cannot_hold_its_loop_planes_is_refused():

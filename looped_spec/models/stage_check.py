@@ -13,9 +13,12 @@ a ValueError naming the declaration that does not hold.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 
 from looped_spec.models.adapter import ModelAdapter
+from looped_spec.models.checkpoint import CheckpointError
 from looped_spec.models.dense import DenseContext
 
 #: how far apart loop(state, i) and loop(state, 0) (or two depths' readouts) may be for loops declared uniform,
@@ -60,9 +63,33 @@ def _check_shape(adapter, what: str, x: torch.Tensor, width: int, declared: str)
         raise ValueError(f"{adapter.model_type}: {what} returned {shape}; expected [tokens, {declared}={width}]")
 
 
-@torch.inference_mode()
 def check_stages(adapter) -> None:
-    """Raise ValueError naming the declaration of `adapter` (a ModelAdapter) that its stages contradict."""
+    """Raise ValueError naming the declaration of `adapter` (a ModelAdapter) that its stages contradict, or the
+    config.json field its stages read and the checkpoint lacks."""
+    try:
+        _check_stages(adapter)
+    except KeyError as exc:
+        field = exc.args[0] if len(exc.args) == 1 else None
+        if not isinstance(field, str) or not _is_missing_config_field(adapter, field):
+            raise
+        # the stages run here first: a field read in embed, loop or readout (examples/custom_family.py indexes
+        # self.config[...] there) was a bare KeyError when the engine started, naming neither the file nor the field
+        where = f"{Path(adapter.path) / 'config.json'}" if adapter.path else f"{adapter.model_type} config"
+        raise CheckpointError(f"{where}: missing field {field} (read by the family's stages)") from exc
+
+
+def _is_missing_config_field(adapter, key: str) -> bool:
+    """Whether a KeyError for `key` is a config.json field the family read and the file lacks: not a field the file
+    has, a tensor name (an optional tensor left out) or an option of the family."""
+    try:
+        tensors = type(adapter).tensor_specs(adapter.config)
+    except Exception:
+        tensors = {}
+    return key not in adapter.config and key not in tensors and key not in adapter.option_names
+
+
+@torch.inference_mode()
+def _check_stages(adapter) -> None:
     name, depth, layout = adapter.model_type, adapter.full_depth, adapter.kv_layout
     if layout.num_loop_planes % depth:
         raise ValueError(
