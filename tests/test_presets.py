@@ -65,6 +65,27 @@ def test_every_shipped_preset_loads_for_its_depth(name):
     assert loaded.model == name
 
 
+def test_the_derived_presets_are_what_the_rules_give_and_the_check_names_one_that_is_not(tmp_path, monkeypatch, capsys):
+    """scripts/derive_presets.py --check: the presets of models that cannot run here (derived from assumptions with
+    the tuner's rules) are the files the rules give now, so a change of the rules cannot leave them stale unseen; and
+    the check fails, naming the file, when one differs."""
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "scripts"))
+    import derive_presets
+
+    monkeypatch.setattr("sys.argv", ["derive_presets.py", "--check"])
+    assert derive_presets.main() == 0
+    assert capsys.readouterr().out.strip() == "differ: none"
+    for name in derive_presets.DERIVED:
+        (tmp_path / f"{name}.json").write_text((derive_presets.PRESETS / f"{name}.json").read_text())
+    stale = tmp_path / "ouro-1.4b.json"
+    data = json.loads(stale.read_text())
+    data["buckets"][0]["beta"] = 0.9  # what a hand edit, or the rules moving on, leaves
+    stale.write_text(json.dumps(data, indent=2))
+    monkeypatch.setattr(derive_presets, "PRESETS", tmp_path)
+    assert derive_presets.main() == 1
+    assert capsys.readouterr().out.strip() == "differ: ouro-1.4b"
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 def test_fixture_checkpoints_carry_their_own_preset(family):
     """The random-weight fixtures' presets are preset.json in each fixture folder (tuned on random prompts)."""

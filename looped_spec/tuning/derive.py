@@ -18,6 +18,7 @@ exactly where the model says the neighbour wins. The goodput policy uses the sam
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -289,8 +290,10 @@ def derive_buckets(
 
 
 def pass_seconds(cost: PassCost, batch: float, context: float) -> Callable[[int, int], float]:
-    """(K, d) -> predicted round seconds at `batch` and mean `context` from a pass-cost profile."""
+    """(K, d) -> predicted round seconds at `batch` and mean `context` from a pass-cost profile (each plan priced
+    once: a bucket's derivation asks for the same few plans' prices tens of thousands of times)."""
 
+    @functools.cache
     def seconds(k: int, d: int) -> float:
         return float(cost.profile_seconds([k], [d], round(batch), context)[0])
 
