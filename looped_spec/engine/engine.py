@@ -219,8 +219,7 @@ class LoopedSpecEngine:
         top = adapter.max_exit_threshold
         if threshold is not None and top is not None and threshold > top:
             raise ValueError(
-                f"exit_threshold={threshold}: {adapter.model_type}'s exit rule reads a threshold of at most {top} "
-                f"({top} = never before its {depth} loops)"
+                f"exit_threshold={threshold}: {adapter.model_type}'s exit rule reads a threshold of at most {top}"
             )
         if threshold is None:
             threshold = adapter.default_exit_threshold
