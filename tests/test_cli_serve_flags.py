@@ -123,3 +123,13 @@ def test_a_serve_config_with_a_blank_key_or_name_is_refused_naming_it(field):
 
     with pytest.raises(ValueError, match=f"{field}: is empty"):
         parse_args({"model": "tiny-ouro", field: ""})
+
+
+@pytest.mark.parametrize("replicas", [[], ["--replicas", "2"]])
+def test_a_model_that_does_not_exist_is_an_error_naming_model(replicas, monkeypatch, capsys, tmp_path):
+    """With --replicas the loader's message named the path alone, where the single engine's names --model."""
+    monkeypatch.setattr("looped_spec.server.replicas.run_replicas",
+                        lambda args, host, port: pytest.fail("Ray Serve started"))  # fmt: skip
+    missing = str(tmp_path / "no-such-model")
+    err = usage_error(["serve", missing, *replicas], capsys)
+    assert err.startswith(f"looped-spec: error: --model {missing}: not a checkpoint folder"), err

@@ -224,6 +224,8 @@ def serve_replicas(args: argparse.Namespace, api_key: str | None, scaling: dict,
         message = name_flags(message, flags_of(args.command_parser))  # the engine's fields
         for field, flag in _REPLICA_FLAGS.items():
             message = message.replace(field, flag)
+        if message.startswith(f"{args.model}: "):  # the loader names the path or name given, as one engine's does
+            message = f"--model {message}"
         raise UsageError(message) from None
     try:
         run_replicas(app_args, args.host, args.port)
