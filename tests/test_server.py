@@ -615,6 +615,12 @@ def test_what_openai_refuses_is_refused_naming_the_field(server, client, monkeyp
         error = post(endpoint, f'{{"model": "{MODEL}", {fields}, "prompt_logprobs": 1}}').json()["error"]
         assert error["param"] == "prompt_logprobs" and "echo with logprobs" in error["message"], error
         assert "did you mean" not in error["message"]
+    # OpenAI's fields not served are named as sent, not guessed at ('reasoning_effort': did you mean response_format?)
+    for field, value in (("reasoning_effort", '"low"'), ("store", "true"), ("web_search_options", "{}")):
+        error = post(
+            chat, f'{{"model": "{MODEL}", "messages": [{{"role": "user", "content": "a"}}], "{field}": {value}}}'
+        )
+        assert error.json()["error"]["message"] == f"{field}: not a supported field", error.text
     answer = post(completions, f'{{"model": "{MODEL}", "prompt": "a", "temprature": 0.5}}')
     error = answer.json()["error"]
     assert error["message"] == "temprature (did you mean 'temperature'?): not a supported field", error

@@ -22,6 +22,13 @@ VLLM_SERVER_FIELDS = {
     "null; max_tokens 0 scores without generating); offline, SamplingParams.prompt_logprobs",
 }
 
+#: OpenAI's request fields this server does not serve: named as sent, never taken for a misspelling of another
+#: (`reasoning_effort` is not a misspelt `response_format`, nor `store` one of `stream`)
+OPENAI_FIELDS_NOT_SERVED = frozenset({
+    "audio", "function_call", "functions", "metadata", "modalities", "prediction", "prompt_cache_key",
+    "reasoning_effort", "safety_identifier", "service_tier", "store", "verbosity", "web_search_options",
+})  # fmt: skip
+
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
                413: "invalid_request_error", 429: "rate_limit_error", 503: "service_unavailable"}  # fmt: skip
 
@@ -85,7 +92,7 @@ def _with_guess(loc: tuple) -> str:
     if len(loc) == 2 and name in VLLM_SERVER_FIELDS:  # a vLLM field this server lacks: what stands for it
         return f"{unsupported_field_path(loc)} ({VLLM_SERVER_FIELDS[name]})"
     # a field another endpoint takes (chat's `tools` sent to completions) is named as it is
-    close = [] if name in known else difflib.get_close_matches(name, known, n=1)
+    close = [] if name in known or name in OPENAI_FIELDS_NOT_SERVED else difflib.get_close_matches(name, known, n=1)
     return unsupported_field_path(loc) + (f" (did you mean {close[0]!r}?)" if close else "")
 
 
