@@ -158,3 +158,13 @@ def test_readme_python_example_runs(tmp_path):
                           cwd=tmp_path)  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
     assert "'controller': 'adaptive'" in done.stdout, done.stdout[-2000:]
+
+
+def test_readme_layout_lists_every_unit_of_the_package():
+    """The README's layout names each folder and top-level module of looped_spec/."""
+    layout = re.search(r"## Layout\n.*?```\n(.*?)```", _text("README.md"), re.S).group(1)
+    package = ROOT / "looped_spec"
+    units = {p.name + "/" for p in package.iterdir() if p.is_dir() and not p.is_symlink() and p.name != "__pycache__"}
+    units |= {p.name for p in package.glob("*.py") if p.name != "__init__.py"}
+    listed = set(re.findall(r"^  (\w+/)", layout, re.M)) | set(re.findall(r"\b(\w+\.py)\b", layout.split("\n")[1]))
+    assert units == listed, f"README layout: missing {sorted(units - listed)}, gone {sorted(listed - units)}"
