@@ -133,3 +133,18 @@ def test_a_model_that_does_not_exist_is_an_error_naming_model(replicas, monkeypa
     missing = str(tmp_path / "no-such-model")
     err = usage_error(["serve", missing, *replicas], capsys)
     assert err.startswith(f"looped-spec: error: --model {missing}: not a checkpoint folder"), err
+
+
+def test_replicas_refuse_what_the_model_cannot_run_before_ray_starts(monkeypatch, capsys):
+    """A draft depth past the model's, a max_model_len past its positions: each replica would load the weights and
+    fail (Ray retries it, then its traceback, ~40 s later); the driver checks them on the model's weightless
+    description first, naming the flag as one engine does. A depth set by an adapter option counts."""
+    monkeypatch.setattr("looped_spec.server.replicas.run_replicas",
+                        lambda args, host, port: pytest.fail("Ray Serve started"))  # fmt: skip
+    for argv, message in (
+        (["tiny-ouro", "--speculation", "2,9"], "--speculation: d=9: must be in 1..3 (the model's full depth is D=4)"),
+        (["tiny-ouro", "--max-model-len", "5000"], "--max-model-len 5000 must be in [2, 1024]"),
+        (["tiny-huginn", "--adapter-option", "num_steps=4", "--speculation", "2,5"], "d=5: must be in 1..3"),
+    ):
+        err = usage_error(["serve", *argv, "--replicas", "2"], capsys)
+        assert message in err, err

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 
@@ -215,3 +216,34 @@ def test_a_family_registered_under_two_model_types_is_each_by_its_checkpoint(tmp
     finally:
         adapter_module._REGISTRY.clear()
         adapter_module._REGISTRY.update(saved)
+
+
+def test_a_family_is_described_without_its_weights_or_not_at_all(tmp_path):
+    """`describe_adapter` (what Ray Serve's driver checks the engine options against) builds the family on weightless
+    tensors: the shipped families and the example give the depth, positions and vocabulary loading them gives (an
+    adapter option moving the depth included); a family computing on its weights as it is built is not described
+    (None: the replicas check), and its own error about an option is raised as loading raises it."""
+    import pytest
+
+    from looped_spec.models.adapter import describe_adapter
+
+    toy = make_toy_checkpoint(tmp_path / "toy")
+    for model, options in (("tiny-ouro", {}), ("tiny-nanbeige", {}), ("tiny-huginn", {"num_steps": 12}), (toy, {})):
+        described, loaded = describe_adapter(model, **options), load_adapter(model, device="cpu", **options)
+        assert described.weights and all(w.is_meta for w in described.weights.values())
+        for name in ("full_depth", "max_positions", "vocab_size", "model_type", "name", "path"):
+            assert getattr(described, name) == getattr(loaded, name), name
+    with pytest.raises(ValueError, match="adapter option num_steps=0 must be a positive integer"):
+        describe_adapter("tiny-huginn", num_steps=0)
+
+    class WeighedToy(ToyLoopedAdapter):
+        def __init__(self, config, weights, **kwargs):
+            super().__init__(config, weights, **kwargs)
+            self.scale = float(next(iter(self.weights.values())).abs().max())  # reads a weight's value
+
+    register_adapter(WeighedToy, model_type="toy_weighed")
+    folder = make_toy_checkpoint(tmp_path / "weighed")
+    config = json.loads((folder / "config.json").read_text()) | {"model_type": "toy_weighed"}
+    (folder / "config.json").write_text(json.dumps(config))
+    assert describe_adapter(folder) is None
+    assert load_adapter(folder, device="cpu").full_depth == config["loops"]

@@ -104,13 +104,8 @@ class LoopedSpecEngine:
         check_stages(self.adapter)  # what the family declares holds for what its stages compute (stage_check.py)
         if torch.device(self.adapter.device).type == "cpu":
             keep_freed_memory()  # big per-step tensors reuse freed heap instead of page-faulting (host_memory.py)
-        limit = self.adapter.max_positions
-        self.max_model_len = config.max_model_len if config.max_model_len is not None else limit
-        if not 2 <= self.max_model_len <= limit:
-            raise ValueError(
-                f"max_model_len={config.max_model_len} must be in [2, {limit}] (the model's max positions)"
-            )
-        self.controller = self._controller(config)
+        self.max_model_len = model_len(config, self.adapter)
+        self.controller = build_controller(config, self.adapter)
         self.speculation = config.speculation
         self.max_batch_size = config.max_batch_size
         blocks = num_kv_blocks(self.adapter, self.max_model_len, config.max_batch_size, config.block_size,
@@ -174,30 +169,6 @@ class LoopedSpecEngine:
         self._reports: dict[str, Request] = {}  # outputs owed to the caller (advanced, finished, aborted)
         self.failures = StepFailures()  # a step is a transaction (failures.py)
         self._closed = False
-
-    def _controller(self, config: EngineConfig) -> FixedController:
-        """The plan source of `config.speculation` (a preset only for "adaptive")."""
-        spec = parse_speculation(config.speculation)
-        depth = self.adapter.full_depth
-        preset = None
-        if spec == "adaptive" and depth < 2:
-            # nothing to draft with: adaptive decodes plainly, and what would steer its controller does nothing
-            given = config.adaptive_options_given()
-            if given:
-                raise ValueError(f"{', '.join(given)}: the model runs D={depth} loop, nothing to draft with; "
-                                 "speculation='adaptive' decodes plainly there and runs no adaptive "
-                                 "controller")  # fmt: skip
-            logger.info("the model runs D=%d loop: nothing to draft with, speculation='adaptive' decodes plainly",
-                        depth)  # fmt: skip
-        if spec == "adaptive" and depth >= 2:
-            preset = preset_for(self.adapter, config.preset)
-            if self.adapter.device.type == "cpu":
-                warn_if_timed_at_other_threads(preset, torch.get_num_threads())
-        if isinstance(spec, SpeculativeConfig):
-            spec = (spec.k, spec.d, spec.measure_depths, spec.stop_margin)
-        return make_controller(
-            spec, depth, preset, policy=config.policy, settings=config.control, trace_path=config.trace_path
-        )
 
     def resolve_exit(self, params: SamplingParams) -> tuple[float | None, int | None]:
         """(exit_threshold, exit_at_step) a request with `params` runs with (None: no rule / up to D).
@@ -667,3 +638,45 @@ def _integer(value: Any, name: str, low: int, high: int) -> int:
     if isinstance(value, numbers.Integral) and not isinstance(value, bool) and low <= value <= high:
         return operator.index(value)
     raise ValueError(f"{name}={value!r} must be an integer in [{low}, {high}]")
+
+
+def model_len(config: EngineConfig, adapter: ModelAdapter) -> int:
+    """The engine's max_model_len for `adapter`: the config's, within the model's positions, else the model's."""
+    limit = adapter.max_positions
+    length = config.max_model_len if config.max_model_len is not None else limit
+    if not 2 <= length <= limit:
+        raise ValueError(f"max_model_len={config.max_model_len} must be in [2, {limit}] (the model's max positions)")
+    return length
+
+
+def check_model_options(config: EngineConfig, adapter: ModelAdapter) -> None:
+    """Raise ValueError naming the engine option `adapter` cannot run (max_model_len, speculation, the adaptive
+    preset and its options), without its weights: Ray Serve's driver asks it of `models.adapter.describe_adapter`'s
+    weightless model before any replica loads one. A trace file is not opened."""
+    model_len(config, adapter)
+    build_controller(config.model_copy(update={"trace_path": None}), adapter).close()
+
+
+def build_controller(config: EngineConfig, adapter: ModelAdapter) -> FixedController:
+    """The plan source of `config.speculation` for `adapter` (a preset only for "adaptive")."""
+    spec = parse_speculation(config.speculation)
+    depth = adapter.full_depth
+    preset = None
+    if spec == "adaptive" and depth < 2:
+        # nothing to draft with: adaptive decodes plainly, and what would steer its controller does nothing
+        given = config.adaptive_options_given()
+        if given:
+            raise ValueError(f"{', '.join(given)}: the model runs D={depth} loop, nothing to draft with; "
+                             "speculation='adaptive' decodes plainly there and runs no adaptive "
+                             "controller")  # fmt: skip
+        logger.info("the model runs D=%d loop: nothing to draft with, speculation='adaptive' decodes plainly",
+                    depth)  # fmt: skip
+    if spec == "adaptive" and depth >= 2:
+        preset = preset_for(adapter, config.preset)
+        if adapter.device.type == "cpu":
+            warn_if_timed_at_other_threads(preset, torch.get_num_threads())
+    if isinstance(spec, SpeculativeConfig):
+        spec = (spec.k, spec.d, spec.measure_depths, spec.stop_margin)
+    return make_controller(
+        spec, depth, preset, policy=config.policy, settings=config.control, trace_path=config.trace_path
+    )

@@ -469,6 +469,31 @@ def load_adapter(
     return adapter
 
 
+def describe_adapter(path_or_name: str | Path, **options: Any) -> ModelAdapter | None:
+    """The family built on weightless ("meta") tensors shaped as its `tensor_specs`: its description (depth, positions,
+    vocabulary, name, path) for checks that need no weights, as Ray Serve's driver makes before any replica loads the
+    model. None when the family cannot be built so (its `__init__` computes on its weights): the replicas check then."""
+    folder = resolve_model_path(path_or_name)
+    config = read_config(folder)
+    config_path = folder / "config.json"
+    cls = adapter_class(str(config.get("model_type")), str(config_path))
+    try:
+        specs = cls.tensor_specs(config)
+    except (ValueError, KeyError, TypeError, ZeroDivisionError) as exc:
+        raise _config_error(config_path, exc) from exc
+    weights = {name: torch.empty(spec.shape, device="meta") for name, spec in specs.items() if not spec.optional}
+    try:
+        adapter = cls(config, weights, device="meta", name=folder.name, path=str(folder), **options)
+        _read_declarations(adapter)
+    except (ValueError, CheckpointError):
+        raise  # the family's own error about its config or options: the same in every replica
+    except Exception:  # noqa: BLE001 - a family computing on its weights at construction: not describable so
+        logger.info("%s: the family cannot be built without its weights; the replicas check the options that depend "
+                    "on the model", folder)  # fmt: skip
+        return None
+    return adapter
+
+
 def _check_eos_in_vocabulary(adapter: ModelAdapter, folder: Path) -> None:
     """An eos token past the model's vocabulary can never be generated, and a request with min_tokens (which masks the
     eos tokens' logits) failed on it with a bare IndexError: an error naming the file and field at load instead."""

@@ -24,7 +24,7 @@ from ray.serve.config import AutoscalingConfig, BackpressureConfig
 
 from looped_spec.engine.async_engine import AsyncLoopedSpecEngine
 from looped_spec.engine.config import EngineConfig
-from looped_spec.engine.engine import LoopedSpecEngine
+from looped_spec.engine.engine import LoopedSpecEngine, check_model_options
 from looped_spec.logs import configure_logging
 from looped_spec.reasoning import reasoning_parser
 from looped_spec.server.app import build_app
@@ -107,9 +107,14 @@ class ReplicaAppArgs(BaseModel):
 
     def check_before_start(self) -> EngineConfig:
         """What the driver can check before Ray starts a replica (which would fail, be retried and end in Ray's
-        traceback): the engine options, the model's folder and family, its adapter options, a preset
-        asked for, a CUDA device on a local cluster."""
-        from looped_spec.models.adapter import adapter_class, found_by_every_process, resolve_model_path
+        traceback): the engine options, the model's folder and family, its adapter options, the engine options that
+        depend on the model (on its weightless description), a preset asked for, a CUDA device on a local cluster."""
+        from looped_spec.models.adapter import (
+            adapter_class,
+            describe_adapter,
+            found_by_every_process,
+            resolve_model_path,
+        )
         from looped_spec.models.checkpoint import read_config
         from looped_spec.presets.lookup import preset_path, read_preset_file
 
@@ -126,6 +131,11 @@ class ReplicaAppArgs(BaseModel):
                     "Serve replicas run in processes of their own: install the family as a package with an entry "
                     "point in the 'looped_spec.adapters' group (docs/architecture.md, 'Adding a family')"
                 )
+            # the engine options that depend on the model (its depth, its positions, the preset for its depth),
+            # on the model described without its weights
+            model = describe_adapter(folder, **(config.adapter_options or {}))
+            if model is not None:
+                check_model_options(config, model)
         if isinstance(config.preset, (str, os.PathLike)):
             read_preset_file(preset_path(config.preset)[0])
         if str(config.device).startswith("cuda") and not os.environ.get("RAY_ADDRESS"):
