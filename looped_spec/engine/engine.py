@@ -16,11 +16,10 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-from looped_spec.control.controller import FixedController, make_controller
 from looped_spec.detokenizer import IncrementalDetokenizer
 from looped_spec.engine import loop_decoding, step_decoding
 from looped_spec.engine.chat import chat_prompt, conversations
-from looped_spec.engine.config import EngineConfig, SpeculativeConfig, parse_speculation
+from looped_spec.engine.config import EngineConfig
 from looped_spec.engine.failures import StepFailures
 from looped_spec.engine.inputs import (
     Prompt,
@@ -39,6 +38,7 @@ from looped_spec.engine.inputs import (
     split_prompt,
     to_token_ids,
 )
+from looped_spec.engine.model_options import build_controller, model_len
 from looped_spec.engine.outputs import request_output, time_tokens
 from looped_spec.engine.prefix_cache import PrefixCache
 from looped_spec.engine.resources import allocate_kv_cache, loop_pass_graphs, num_kv_blocks, step_graphs
@@ -52,7 +52,6 @@ from looped_spec.execution.transfers import to_device
 from looped_spec.loop_batching import LoopBatcher, LoopRounds
 from looped_spec.models.adapter import ModelAdapter, load_adapter
 from looped_spec.models.stage_check import check_stages
-from looped_spec.presets.lookup import preset_for, warn_if_timed_at_other_threads
 from looped_spec.reasoning import reasoning_parser
 from looped_spec.request import Request, RequestOutput, TokenLogprob
 from looped_spec.sampling_params import SamplingParams, sampling_params_argument
@@ -638,45 +637,3 @@ def _integer(value: Any, name: str, low: int, high: int) -> int:
     if isinstance(value, numbers.Integral) and not isinstance(value, bool) and low <= value <= high:
         return operator.index(value)
     raise ValueError(f"{name}={value!r} must be an integer in [{low}, {high}]")
-
-
-def model_len(config: EngineConfig, adapter: ModelAdapter) -> int:
-    """The engine's max_model_len for `adapter`: the config's, within the model's positions, else the model's."""
-    limit = adapter.max_positions
-    length = config.max_model_len if config.max_model_len is not None else limit
-    if not 2 <= length <= limit:
-        raise ValueError(f"max_model_len={config.max_model_len} must be in [2, {limit}] (the model's max positions)")
-    return length
-
-
-def check_model_options(config: EngineConfig, adapter: ModelAdapter) -> None:
-    """Raise ValueError naming the engine option `adapter` cannot run (max_model_len, speculation, the adaptive
-    preset and its options), without its weights: Ray Serve's driver asks it of `models.adapter.describe_adapter`'s
-    weightless model before any replica loads one. A trace file is not opened."""
-    model_len(config, adapter)
-    build_controller(config.model_copy(update={"trace_path": None}), adapter).close()
-
-
-def build_controller(config: EngineConfig, adapter: ModelAdapter) -> FixedController:
-    """The plan source of `config.speculation` for `adapter` (a preset only for "adaptive")."""
-    spec = parse_speculation(config.speculation)
-    depth = adapter.full_depth
-    preset = None
-    if spec == "adaptive" and depth < 2:
-        # nothing to draft with: adaptive decodes plainly, and what would steer its controller does nothing
-        given = config.adaptive_options_given()
-        if given:
-            raise ValueError(f"{', '.join(given)}: the model runs D={depth} loop, nothing to draft with; "
-                             "speculation='adaptive' decodes plainly there and runs no adaptive "
-                             "controller")  # fmt: skip
-        logger.info("the model runs D=%d loop: nothing to draft with, speculation='adaptive' decodes plainly",
-                    depth)  # fmt: skip
-    if spec == "adaptive" and depth >= 2:
-        preset = preset_for(adapter, config.preset)
-        if adapter.device.type == "cpu":
-            warn_if_timed_at_other_threads(preset, torch.get_num_threads())
-    if isinstance(spec, SpeculativeConfig):
-        spec = (spec.k, spec.d, spec.measure_depths, spec.stop_margin)
-    return make_controller(
-        spec, depth, preset, policy=config.policy, settings=config.control, trace_path=config.trace_path
-    )

@@ -24,7 +24,8 @@ from ray.serve.config import AutoscalingConfig, BackpressureConfig
 
 from looped_spec.engine.async_engine import AsyncLoopedSpecEngine
 from looped_spec.engine.config import EngineConfig
-from looped_spec.engine.engine import LoopedSpecEngine, check_model_options
+from looped_spec.engine.engine import LoopedSpecEngine
+from looped_spec.engine.model_options import check_model_options
 from looped_spec.logs import configure_logging
 from looped_spec.reasoning import reasoning_parser
 from looped_spec.server.app import build_app
