@@ -169,13 +169,17 @@ def build_app(
             return out
 
         echoes = await until_disconnected(request, echoed()) if body.echo else None
+        # return_token_ids (vLLM's): each choice its prompt's ids and the ids it generated (None: left out)
+        want_ids = body.return_token_ids
         if score_only:
             result = []
             for k, ((ids, _), (text, entries)) in enumerate(zip(choices, echoes)):
                 logprobs = (
                     serving.completion_logprobs(ids, entries, as_ids=as_ids, starts_text=True) if scored else None
                 )
-                result.append(CompletionChoice(index=k, text=text, logprobs=logprobs, finish_reason="length"))
+                result.append(CompletionChoice(index=k, text=text, logprobs=logprobs, finish_reason="length",
+                                               prompt_token_ids=ids if want_ids else None,
+                                               token_ids=[] if want_ids else None))  # fmt: skip
             usage = serving.usage(num_prompt, [None] * len(choices))
             if not body.stream:
                 return response(result, usage)
@@ -187,6 +191,14 @@ def build_app(
         outputs = serving.start_all([ids for ids, _ in choices], params, body.priority, body.cache_salt)
         if body.stream:
             offsets = [TextOffsets() for _ in choices]  # each choice's text offsets, across its chunks
+            prompt_sent = [False] * len(choices)  # return_token_ids: the prompt's ids go in a choice's first chunk
+
+            def ids_of(index: int, new_ids: list[int]) -> dict:
+                """A chunk's return_token_ids fields: the ids it adds, and the prompt's in the choice's first."""
+                if not want_ids:
+                    return {}
+                first, prompt_sent[index] = not prompt_sent[index], True
+                return {"token_ids": list(new_ids), "prompt_token_ids": choices[index][0] if first else None}
 
             def chunks(index: int, out: RequestOutput):
                 if echoes is not None and echoes[index] is not None:  # the prompt first, once
@@ -196,15 +208,16 @@ def build_app(
                     if scored:
                         logprobs = serving.completion_logprobs(choices[index][0], entries, offsets[index], as_ids,
                                                                starts_text=True)  # fmt: skip
-                    yield response([CompletionChoice(index=index, text=text, logprobs=logprobs)])
+                    yield response([CompletionChoice(index=index, text=text, logprobs=logprobs, **ids_of(index, []))])
                 logprobs = None
                 if scored and out.new_token_ids:
                     logprobs = serving.completion_logprobs(out.new_token_ids, serving.new_logprobs(out), offsets[index],
                                                           as_ids)  # fmt: skip
-                if out.new_text or out.finished or logprobs is not None:
+                # with return_token_ids every new id is sent, text or not (a model without a tokenizer has none)
+                if out.new_text or out.finished or logprobs is not None or (want_ids and out.new_token_ids):
                     choice = CompletionChoice(index=index, text=out.new_text, logprobs=logprobs,
-                                              finish_reason=finish_reason(out),
-                                              stop_reason=stop_reason(out))  # fmt: skip
+                                              finish_reason=finish_reason(out), stop_reason=stop_reason(out),
+                                              **ids_of(index, out.new_token_ids))  # fmt: skip
                     yield response([choice])
 
             usage = so_far = None
@@ -224,8 +237,10 @@ def build_app(
             logprobs = (
                 serving.completion_logprobs(tokens, entries, as_ids=as_ids, starts_text=starts_text) if scored else None
             )
+            # the ids the engine generated (a stop string's tokens too, cut from the text), never the echoed prompt's
             result.append(CompletionChoice(index=k, text=text, logprobs=logprobs, finish_reason=out.finish_reason,
-                                           stop_reason=out.stop_reason))  # fmt: skip
+                                           stop_reason=out.stop_reason, prompt_token_ids=ids if want_ids else None,
+                                           token_ids=list(out.token_ids) if want_ids else None))  # fmt: skip
         return response(result, serving.usage(num_prompt, outs, body.n))
 
     @app.post("/v1/chat/completions")
@@ -258,9 +273,17 @@ def build_app(
         serving.check_choices(body.n, body.n)
         outputs = serving.start_all([ids] * body.n, params, body.priority, body.cache_salt)
         cid, created = new_id("chatcmpl"), now()
+        want_ids = body.return_token_ids  # vLLM's: the rendered chat's ids, and each choice's generated ids
 
-        def chunk(items: list[ChatStreamChoice], usage: UsageInfo | None = None) -> ChatCompletionChunk:
-            return ChatCompletionChunk(id=cid, created=created, model=model_name, choices=items, usage=usage)
+        def chunk(
+            items: list[ChatStreamChoice], usage: UsageInfo | None = None, prompt_ids: list[int] | None = None
+        ) -> ChatCompletionChunk:
+            return ChatCompletionChunk(id=cid, created=created, model=model_name, choices=items, usage=usage,
+                                       prompt_token_ids=prompt_ids)  # fmt: skip
+
+        def ids_if_asked(token_ids: list[int]) -> list[int] | None:
+            """A choice's `token_ids` (a chunk's: those it adds) with return_token_ids; None, left out, without."""
+            return list(token_ids) if want_ids else None
 
         if body.stream:
             streams = [ToolCallStream(plan) for _ in range(body.n)]
@@ -273,11 +296,15 @@ def build_app(
             def chunks(index: int, out: RequestOutput):
                 if not streams[index].started:  # every choice's role first, in index order (the first chunk
                     fresh = [k for k, stream in enumerate(streams) if not stream.started]  # must be choice 0's:
+                    opening = len(fresh) == len(streams)  # the answer's first chunk carries the prompt's ids
                     for k in fresh:  # the openai client builds on it), then what echo repeats, before any token
                         streams[k].started = True
-                        yield chunk([ChatStreamChoice(index=k, delta=role)])
+                        first = opening and k == fresh[0] and want_ids
+                        yield chunk([ChatStreamChoice(index=k, delta=role, token_ids=ids_if_asked([]))],
+                                    prompt_ids=ids if first else None)  # fmt: skip
                     for k in fresh if echoed else ():
-                        yield chunk([ChatStreamChoice(index=k, delta=DeltaMessage(content=echoed))])
+                        yield chunk([ChatStreamChoice(index=k, delta=DeltaMessage(content=echoed),
+                                                      token_ids=ids_if_asked([]))])  # fmt: skip
                 logprobs = None
                 if body.logprobs and out.new_token_ids:
                     logprobs = serving.chat_logprobs(serving.new_logprobs(out), as_ids)
@@ -287,14 +314,17 @@ def build_app(
                 delta, reason = streams[index].delta(new_text, out.finished, finish_reason(out))
                 if thought and body.include_reasoning:
                     delta = (delta or DeltaMessage()).model_copy(update={"reasoning": thought})
+                token_ids = out.new_token_ids  # the raw ids, whatever the parsers hold back or make of their text
                 if reason is not None and delta is not None and delta.tool_calls:
                     # the finish reason in a chunk of its own, as OpenAI sends it: the client closes a call
                     # (its `arguments.done` event) only on a chunk after the one that carried the call
-                    yield chunk([ChatStreamChoice(index=index, delta=delta, logprobs=logprobs)])
-                    delta, logprobs = None, None
-                if delta is not None or out.finished or logprobs is not None:
+                    yield chunk([ChatStreamChoice(index=index, delta=delta, logprobs=logprobs,
+                                                  token_ids=ids_if_asked(token_ids))])  # fmt: skip
+                    delta, logprobs, token_ids = None, None, []
+                if delta is not None or out.finished or logprobs is not None or (want_ids and token_ids):
                     choice = ChatStreamChoice(index=index, delta=delta or DeltaMessage(), logprobs=logprobs,
-                                              finish_reason=reason, stop_reason=stop_reason(out))  # fmt: skip
+                                              finish_reason=reason, stop_reason=stop_reason(out),
+                                              token_ids=ids_if_asked(token_ids))  # fmt: skip
                     yield chunk([choice])
 
             usage = so_far = None
@@ -318,9 +348,11 @@ def build_app(
             reply = ChatResponseMessage(content=content, tool_calls=message.tool_calls,
                                         reasoning=thought if body.include_reasoning else None)  # fmt: skip
             result.append(ChatChoice(index=k, logprobs=logprobs, finish_reason=message.finish_reason,
-                                     stop_reason=out.stop_reason, message=reply))  # fmt: skip
+                                     stop_reason=out.stop_reason, message=reply,
+                                     token_ids=ids_if_asked(out.token_ids)))  # fmt: skip
         return ChatCompletionResponse(id=cid, created=created, model=model_name, choices=result,
-                                      usage=serving.usage(len(ids), outs, body.n))  # fmt: skip
+                                      usage=serving.usage(len(ids), outs, body.n),
+                                      prompt_token_ids=ids if want_ids else None)  # fmt: skip
 
     @app.post("/tokenize")
     async def tokenize_endpoint(request: Request) -> TokenizeResponse:

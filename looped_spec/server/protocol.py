@@ -7,10 +7,10 @@ is a 400 naming the field. Requests are strict about types as OpenAI is (`"max_t
 completions is a 400, not a silent conversion); a null field is an unset one, as OpenAI's schema has it.
 Extensions beyond OpenAI's schema, as in vLLM: `top_k`, `min_p`,
 `repetition_penalty`, `ignore_eos`, `stop_token_ids`, `min_tokens`, `include_stop_str_in_output`,
-`skip_special_tokens`, `bad_words`, `structured_outputs` (OpenAI's `response_format` too), `priority`, `cache_salt`
-(and `seed`, which OpenAI has too), chat's `add_generation_prompt`, `continue_final_message`, `chat_template`,
-`chat_template_kwargs` and `echo`; and looped-spec's early exit, `exit_threshold` / `exit_at_step` (checked by
-`SamplingParams` and the engine, errors naming the field).
+`skip_special_tokens`, `bad_words`, `structured_outputs` (OpenAI's `response_format` too), `priority`, `cache_salt`,
+`return_token_ids` (and `seed`, which OpenAI has too), chat's `add_generation_prompt`, `continue_final_message`,
+`chat_template`, `chat_template_kwargs` and `echo`; and looped-spec's early exit, `exit_threshold` / `exit_at_step`
+(checked by `SamplingParams` and the engine, errors naming the field).
 """
 
 from __future__ import annotations
@@ -126,6 +126,8 @@ class SamplingFields(RequestFields):
     bad_words: list[str] | None = Field(None, description="Words that may not be generated (vLLM's).")
     cache_salt: str | None = Field(None, description="With prefix caching, cached blocks are shared only with requests "
                                    "of the same salt (vLLM's; a non-empty string).")  # fmt: skip
+    return_token_ids: bool = Field(False, description="The answer carries the prompt's token ids and each choice's "
+                                   "generated ids (streamed: the ids new in each chunk; vLLM's).")  # fmt: skip
 
     @field_validator("seed")
     @classmethod
@@ -377,13 +379,26 @@ class CompletionLogprobs(BaseModel):
     text_offset: list[int]
 
 
-class CompletionChoice(BaseModel):
+class OmitsUnaskedTokenIds(BaseModel):
+    """Serialised without its `prompt_token_ids` / `token_ids` when they are None: a request without
+    `return_token_ids` gets the answer it got before the field existed, key for key."""
+
+    @model_serializer(mode="wrap")
+    def _token_ids_when_asked(self, handler) -> dict[str, Any]:
+        return _without_null(handler(self), ("prompt_token_ids", "token_ids"))
+
+
+class CompletionChoice(OmitsUnaskedTokenIds):
     index: int = 0
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
     # vLLM's: the stop string or stop_token_ids token that ended the choice (None for eos, a length, or not yet)
     stop_reason: int | str | None = None
+    # with return_token_ids (vLLM's): the ids of the prompt this choice continues (streamed: in its first chunk), and
+    # the ids it generated (streamed: those new in the chunk); never the echoed prompt's
+    prompt_token_ids: list[int] | None = None
+    token_ids: list[int] | None = None
 
 
 class CompletionResponse(BaseModel):
@@ -403,7 +418,7 @@ class ChatResponseMessage(BaseModel):
 
     @model_serializer(mode="wrap")
     def _reasoning_when_any(self, handler) -> dict[str, Any]:
-        return _without_null_reasoning(handler(self))
+        return _without_null(handler(self), ("reasoning",))
 
 
 class TopLogprob(BaseModel):
@@ -420,21 +435,23 @@ class ChatLogprobs(BaseModel):
     content: list[ChatTokenLogprob]
 
 
-class ChatChoice(BaseModel):
+class ChatChoice(OmitsUnaskedTokenIds):
     index: int = 0
     message: ChatResponseMessage
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None  # as CompletionChoice's
+    token_ids: list[int] | None = None  # with return_token_ids: the generated ids, whatever the parsers made of them
 
 
-class ChatCompletionResponse(BaseModel):
+class ChatCompletionResponse(OmitsUnaskedTokenIds):
     id: str
     object: Literal["chat.completion"] = "chat.completion"
     created: int = Field(default_factory=now)
     model: str
     choices: list[ChatChoice]
     usage: UsageInfo
+    prompt_token_ids: list[int] | None = None  # with return_token_ids: the rendered chat's ids (one prompt, n choices)
 
 
 class OmitsNone(BaseModel):
@@ -469,32 +486,35 @@ class DeltaMessage(BaseModel):
 
     @model_serializer(mode="wrap")
     def _reasoning_when_any(self, handler) -> dict[str, Any]:
-        return _without_null_reasoning(handler(self))
+        return _without_null(handler(self), ("reasoning",))
 
 
-def _without_null_reasoning(fields: dict[str, Any]) -> dict[str, Any]:
-    """A message's fields without `reasoning` when it has none (a server without a reasoning parser answers as
-    before)."""
-    if fields.get("reasoning", "") is None:
-        del fields["reasoning"]
+def _without_null(fields: dict[str, Any], names: tuple[str, ...]) -> dict[str, Any]:
+    """`fields` without those of `names` that are None: fields only some servers or requests fill (a reasoning
+    parser's `reasoning`, return_token_ids' ids) are left out, so everyone else gets the answer as before."""
+    for name in names:
+        if name in fields and fields[name] is None:
+            del fields[name]
     return fields
 
 
-class ChatStreamChoice(BaseModel):
+class ChatStreamChoice(OmitsUnaskedTokenIds):
     index: int = 0
     delta: DeltaMessage
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None  # as CompletionChoice's, in the chunk that finishes the choice
+    token_ids: list[int] | None = None  # with return_token_ids: the ids generated since the choice's last chunk
 
 
-class ChatCompletionChunk(BaseModel):
+class ChatCompletionChunk(OmitsUnaskedTokenIds):
     id: str
     object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
     created: int = Field(default_factory=now)
     model: str
     choices: list[ChatStreamChoice]
     usage: UsageInfo | None = None
+    prompt_token_ids: list[int] | None = None  # with return_token_ids: the rendered chat's ids, in the first chunk
 
 
 class ModelPermission(BaseModel):
