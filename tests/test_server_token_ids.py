@@ -185,6 +185,26 @@ def test_chat_carries_the_rendered_prompts_ids_and_each_choices_ids(server, clie
     assert streamed_ids(chunks) == ({0: ref.token_ids, 1: ref.token_ids}, {})
 
 
+def test_a_chat_echo_is_not_in_the_ids(server, client, reference_engine):
+    """Chat echo repeats the continued assistant message: its ids are in the prompt's (as /tokenize renders it), not
+    in `token_ids`, which stay the generated ones; streamed, the echo chunks add no ids."""
+    messages = MESSAGES + [{"role": "assistant", "content": "Sure,"}]
+    fields = {"add_generation_prompt": False, "continue_final_message": True}
+    prompt = httpx.post(server.url + "/tokenize", json={"messages": messages, **fields}, timeout=60).json()["tokens"]
+    ref = greedy(reference_engine, prompt, 10)
+    request = dict(model=MODEL, messages=messages, n=2, max_tokens=10, temperature=0,
+                   extra_body=ON | fields | {"echo": True})  # fmt: skip
+    out = client.chat.completions.create(**request)
+    assert extra(out)["prompt_token_ids"] == prompt
+    assert [(c.message.content, extra(c)["token_ids"]) for c in out.choices] == [("Sure," + ref.text,
+                                                                                 ref.token_ids)] * 2  # fmt: skip
+    chunks = list(client.chat.completions.create(**request, stream=True))
+    assert extra(chunks[0])["prompt_token_ids"] == prompt
+    assert streamed_ids(chunks)[0] == {0: ref.token_ids, 1: ref.token_ids}
+    echoes = [c.choices[0] for c in chunks if c.choices[0].delta.content == "Sure,"]
+    assert len(echoes) == 2 and all(extra(c)["token_ids"] == [] for c in echoes)
+
+
 def test_tool_calls_leave_the_ids_as_generated(client, reference_engine):
     """A hermes call parsed out of the text: the message holds the call, the ids are the raw output's (the offline
     engine's under the same grammar), whole and streamed."""
