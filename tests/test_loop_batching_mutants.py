@@ -18,3 +18,21 @@ def test_a_pass_budget_is_filled_when_the_work_fits_it_exactly():
     stats = engine.stats
     assert stats.num_loop_passes > 0
     assert stats.num_loop_pass_positions == 2 * stats.num_loop_passes
+
+
+def test_under_a_pass_budget_work_at_equal_depth_takes_turns():
+    """A budget of one position and two requests whose tokens start at loop 0 together: the one that ran longest ago
+    goes first, so their tokens alternate (neither streams its whole output while the other waits)."""
+    params = SamplingParams(max_tokens=4, ignore_eos=True)
+    engine = make_engine("ouro", batching="loop", max_pass_positions=1)
+    first, second = engine.add_request([100], params), engine.add_request([7], params)
+    counts, order = {first: 0, second: 0}, []
+    for _ in range(500):
+        if not engine.has_unfinished_requests():
+            break
+        for out in engine.step():
+            if out.new_token_ids:
+                counts[out.request_id] += len(out.new_token_ids)
+                order.append(out.request_id)
+                assert abs(counts[first] - counts[second]) <= 1, order
+    assert counts == {first: 4, second: 4}
