@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from conftest import make_engine
 
-from looped_spec import SamplingParams
+from looped_spec import SamplingParams, SpeculativeConfig
 
 
 def test_a_pass_budget_is_filled_when_the_work_fits_it_exactly():
@@ -36,3 +36,21 @@ def test_under_a_pass_budget_work_at_equal_depth_takes_turns():
                 order.append(out.request_id)
                 assert abs(counts[first] - counts[second]) <= 1, order
     assert counts == {first: 4, second: 4}
+
+
+def test_a_request_aborted_at_any_pass_of_a_speculative_round_leaves_nothing_behind():
+    """Abort after every possible number of passes (a draft entering, a verification in flight, between rounds): the
+    engine keeps no work of the aborted request, reports it once, and every KV block is free."""
+    params = SamplingParams(max_tokens=8, ignore_eos=True)
+    for passes in range(1, 12):
+        engine = make_engine("ouro", batching="loop", speculation=SpeculativeConfig(k=3, d=1))
+        request_id = engine.add_request([5, 9, 2, 7], params)
+        for _ in range(passes):
+            engine.step()
+        if not engine.has_unfinished_requests():
+            break
+        engine.abort(request_id)
+        reports = [out for out in engine.step() if out.finished]
+        assert [out.finish_reason for out in reports] == ["abort"], passes
+        assert engine.loop_batcher.is_empty, passes
+        assert engine.num_free_blocks == engine.kv.num_blocks, passes
