@@ -3,7 +3,7 @@ looped_spec/loop_batching/ that every other test let through."""
 
 from __future__ import annotations
 
-from conftest import make_engine
+from conftest import load, make_engine
 
 from looped_spec import SamplingParams, SpeculativeConfig
 
@@ -54,3 +54,26 @@ def test_a_request_aborted_at_any_pass_of_a_speculative_round_leaves_nothing_beh
         assert [out.finish_reason for out in reports] == ["abort"], passes
         assert engine.loop_batcher.is_empty, passes
         assert engine.num_free_blocks == engine.kv.num_blocks, passes
+
+
+def test_drafts_exiting_one_loop_short_of_full_depth_equal_the_step_engine():
+    """Skip mode, drafts of depth D-1 under Ouro's gate at 0.9: tokens exit at every depth, drafts at D-1 among them,
+    whose last loop plane gets their exit loop's KV for later positions that run to D to attend to: tokens and exit
+    depths equal the step engine's, greedy and sampled."""
+    depth = load("ouro").full_depth
+    spec = SpeculativeConfig(k=2, d=depth - 1)
+    params = [SamplingParams(max_tokens=10, temperature=0.8 * (i % 2), seed=i, ignore_eos=True, exit_threshold=0.9)
+              for i in range(len(PROMPTS))]  # fmt: skip
+    step = make_engine("ouro", speculation=spec, early_exit="skip")
+    loop = make_engine("ouro", speculation=spec, early_exit="skip", batching="loop")
+    assert run(loop, PROMPTS, params) == run(step, PROMPTS, params)
+    assert loop.stats.exit_depth_histogram == step.stats.exit_depth_histogram
+    assert loop.stats.exit_depth_histogram[depth - 1] > 0
+    assert loop.num_free_blocks == loop.kv.num_blocks and loop.loop_batcher.is_empty
+
+
+PROMPTS = [[5, 9, 2, 7], [1, 2, 3], [44, 8, 19, 20, 21, 3, 7], [100], [6, 6, 6, 6, 6], [17, 3, 90, 4]]
+
+
+def run(engine, prompts, params) -> list[list[int]]:
+    return [out.token_ids for out in engine.generate(prompts, params)]
