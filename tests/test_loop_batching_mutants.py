@@ -72,6 +72,21 @@ def test_drafts_exiting_one_loop_short_of_full_depth_equal_the_step_engine():
     assert loop.num_free_blocks == loop.kv.num_blocks and loop.loop_batcher.is_empty
 
 
+def test_per_token_stopping_on_loop_passes_equals_the_step_engine():
+    """A plan with a stopping margin: a round stops drafting at its first unsure draft and is verified as it stands,
+    on loop passes as in step rounds: tokens, drafts and accepted drafts equal the step engine's, greedy and
+    sampled, and no KV block is left held."""
+    spec = SpeculativeConfig(k=4, d=1, stop_margin=0.01)
+    params = [SamplingParams(max_tokens=10, temperature=0.8 * (i % 2), seed=i, ignore_eos=True)
+              for i in range(len(PROMPTS))]  # fmt: skip
+    step = make_engine("ouro", speculation=spec)
+    loop = make_engine("ouro", speculation=spec, batching="loop")
+    assert run(loop, PROMPTS, params) == run(step, PROMPTS, params)
+    assert 0 < loop.stats.num_draft_tokens == step.stats.num_draft_tokens
+    assert loop.stats.num_accepted_tokens == step.stats.num_accepted_tokens
+    assert loop.num_free_blocks == loop.kv.num_blocks and loop.loop_batcher.is_empty
+
+
 PROMPTS = [[5, 9, 2, 7], [1, 2, 3], [44, 8, 19, 20, 21, 3, 7], [100], [6, 6, 6, 6, 6], [17, 3, 90, 4]]
 
 
