@@ -87,6 +87,22 @@ def test_per_token_stopping_on_loop_passes_equals_the_step_engine():
     assert loop.num_free_blocks == loop.kv.num_blocks and loop.loop_batcher.is_empty
 
 
+def test_a_request_preempted_after_many_exits_recomputes_them_at_their_own_depths():
+    """Skip mode under Ouro's gate at 0.7, a KV pool that preempts requests 16 tokens in: the recompute gives each
+    generated token's deeper planes the KV of that token's own recorded exit (not its neighbour's), so tokens and
+    exit depths equal a step engine's that never preempts, greedy and sampled."""
+    params = [SamplingParams(max_tokens=16, temperature=0.8 * (i % 2), seed=i, ignore_eos=True, exit_threshold=0.7)
+              for i in range(4)]  # fmt: skip
+    reference = make_engine("ouro", early_exit="skip")
+    expected = run(reference, PROMPTS[:4], params)
+    engine = make_engine("ouro", batching="loop", early_exit="skip", block_size=4, num_kv_blocks=12,
+                         max_model_len=24)  # fmt: skip
+    assert run(engine, PROMPTS[:4], params) == expected
+    assert engine.scheduler.num_preemptions > 0
+    assert engine.stats.exit_depth_histogram == reference.stats.exit_depth_histogram
+    assert engine.num_free_blocks == engine.kv.num_blocks
+
+
 PROMPTS = [[5, 9, 2, 7], [1, 2, 3], [44, 8, 19, 20, 21, 3, 7], [100], [6, 6, 6, 6, 6], [17, 3, 90, 4]]
 
 
