@@ -103,6 +103,36 @@ def test_a_request_preempted_after_many_exits_recomputes_them_at_their_own_depth
     assert engine.num_free_blocks == engine.kv.num_blocks
 
 
+def test_skip_mode_drafts_decided_within_the_draft_leave_no_verification_to_run():
+    """Skip mode, d=1 under exit_at_step=1: every draft exits within the draft (the target's own token), so a round
+    runs no verification loop: speculation costs the same loop passes and positions as plain decoding under the
+    same exit, with the same tokens."""
+    prompts = PROMPTS[:3]
+    params = SamplingParams(max_tokens=9, ignore_eos=True, exit_at_step=1)
+    spec = make_engine("ouro", batching="loop", early_exit="skip", speculation=SpeculativeConfig(k=2, d=1))
+    plain = make_engine("ouro", batching="loop", early_exit="skip")
+    assert run(spec, prompts, params) == run(plain, prompts, params)
+    assert spec.stats.num_exit_draft_decided > 0
+    assert spec.stats.num_loop_pass_positions == plain.stats.num_loop_pass_positions
+    assert spec.stats.num_loop_passes == plain.stats.num_loop_passes
+
+
+def test_skip_mode_verification_stops_once_its_rows_exited():
+    """Skip mode, d=1 under exit_at_step=2: a round's positions run loop 1 in the draft and loop 2 in the
+    verification, where all exit; the verification then ends, short of D. Positions over all passes: the prompts' at
+    full depth, then two loops of every round position (each round has its drafts plus one positions, and commits
+    its accepted drafts plus one tokens)."""
+    prompts, max_tokens = PROMPTS[:3], 9
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, exit_at_step=2)
+    engine = make_engine("ouro", batching="loop", early_exit="skip", speculation=SpeculativeConfig(k=2, d=1))
+    assert all(len(tokens) == max_tokens for tokens in run(engine, prompts, params))
+    stats = engine.stats
+    rounds = len(prompts) * (max_tokens - 1) - stats.num_accepted_tokens  # the first token is the prompt's
+    round_positions = stats.num_draft_tokens + rounds
+    depth = load("ouro").full_depth
+    assert stats.num_loop_pass_positions == sum(map(len, prompts)) * depth + 2 * round_positions
+
+
 PROMPTS = [[5, 9, 2, 7], [1, 2, 3], [44, 8, 19, 20, 21, 3, 7], [100], [6, 6, 6, 6, 6], [17, 3, 90, 4]]
 
 
