@@ -4,6 +4,7 @@ looped_spec/loop_batching/ that every other test let through."""
 from __future__ import annotations
 
 from conftest import load, make_engine
+from test_loop_batching import agreement_totals, recorded_feedback
 
 from looped_spec import SamplingParams, SpeculativeConfig
 
@@ -131,6 +132,22 @@ def test_skip_mode_verification_stops_once_its_rows_exited():
     round_positions = stats.num_draft_tokens + rounds
     depth = load("ouro").full_depth
     assert stats.num_loop_pass_positions == sum(map(len, prompts)) * depth + 2 * round_positions
+
+
+def test_measured_rounds_under_a_penalty_count_what_the_step_engine_counts():
+    """Measured rounds of requests with a repetition penalty: each depth's greedy choice at a round position is
+    adjusted for the drafts before that position only (as a draft there would be), so the agreement per depth equals
+    the step engine's."""
+    spec = SpeculativeConfig(k=3, d=2, measure_depths=True)
+    params = [SamplingParams(max_tokens=10, ignore_eos=True, repetition_penalty=2.0) for _ in PROMPTS]
+    step = make_engine("ouro", speculation=spec)
+    loop = make_engine("ouro", speculation=spec, batching="loop")
+    step_feedback, loop_feedback = recorded_feedback(step), recorded_feedback(loop)
+    assert run(loop, PROMPTS, params) == run(step, PROMPTS, params)
+    depth = load("ouro").full_depth
+    expected = agreement_totals(step_feedback, depth)
+    assert sum(expected[0]) > 0
+    assert agreement_totals(loop_feedback, depth) == expected
 
 
 PROMPTS = [[5, 9, 2, 7], [1, 2, 3], [44, 8, 19, 20, 21, 3, 7], [100], [6, 6, 6, 6, 6], [17, 3, 90, 4]]
