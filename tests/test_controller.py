@@ -396,6 +396,11 @@ def test_fixed_controller_always_returns_its_plan():
         FixedController(-1, 0)
     with pytest.raises(ValueError, match="d=0"):
         FixedController(2, 0)
+    # per-token stopping needs drafts, and every draft of a measured round (SpeculativeConfig refuses both too)
+    for k, measure in ((2, True), (0, False)):
+        with pytest.raises(ValueError, match="stop_margin=0.5: needs k > 0 and no measure_depths"):
+            FixedController(k, 1, measure_depths=measure, stop_margin=0.5)
+    assert FixedController(2, 1, stop_margin=0.5).plan(1, 10.0).stop_margin == 0.5
 
 
 def test_make_controller_checks_the_draft_depth_against_the_model():

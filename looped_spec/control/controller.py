@@ -44,9 +44,12 @@ class FixedController:
     ) -> None:  # fmt: skip
         if k < 0 or (k > 0 and d < 1):
             raise ValueError(f"(k={k}, d={d}): need k >= 0, and d >= 1 when k > 0")
+        if stop_margin is not None and (k == 0 or measure_depths):  # as SpeculativeConfig (engine/config.py) refuses
+            raise ValueError(f"stop_margin={stop_margin}: needs k > 0 and no measure_depths (a measured round, and "
+                             "plain decoding, draft every k)")  # fmt: skip
         self.k, self.d = k, d if k > 0 else 0
         self.measure_depths = measure_depths
-        self.stop_margin = stop_margin if k > 0 else None
+        self.stop_margin = stop_margin
         self.num_plans = self.num_observed = self.num_abandoned = 0
         self.overhead_seconds = 0.0
         self._trace = TraceWriter(trace_path) if trace_path is not None else None
