@@ -45,6 +45,12 @@ class ServerThread:
         self.thread.join(timeout=30)
         self.sock.close()
 
+    def client(self, api_key: str = "unused"):
+        """The official openai client on this server (no retries: a test sees the first answer)."""
+        import openai
+
+        return openai.OpenAI(base_url=self.url + "/v1", api_key=api_key, max_retries=0, timeout=60)
+
 
 def wait_until(condition, timeout: float = 30.0, what: str = "condition") -> None:
     """Poll `condition()` until true (the engine's worker runs in another thread)."""
@@ -82,3 +88,10 @@ def offline_reference(model: str):
     engine = LoopedSpecEngine(model, speculation="off", max_model_len=256)
     yield engine
     engine.close()
+
+
+def greedy(engine, prompt, max_tokens: int, **params):
+    """The offline engine's greedy output of `prompt` (what a server test compares an answer with)."""
+    from looped_spec import SamplingParams
+
+    return engine.generate(prompt, SamplingParams(max_tokens=max_tokens, temperature=0.0, **params))[0]

@@ -18,7 +18,7 @@ import pytest
 from conftest import with_small_vocabulary
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
-from server_utils import ServerThread, idle, offline_reference, wait_until
+from server_utils import ServerThread, greedy, idle, offline_reference, wait_until
 
 from looped_spec import AsyncLoopedSpecEngine, LoopedSpecEngine, SamplingParams
 from looped_spec.server import build_app
@@ -43,11 +43,7 @@ def server():
 
 @pytest.fixture(scope="module")
 def client(server):
-    return openai.OpenAI(base_url=server.url + "/v1", api_key=API_KEY, max_retries=0, timeout=60)
-
-
-def greedy(engine, prompt, max_tokens, **kw):
-    return engine.generate(prompt, SamplingParams(max_tokens=max_tokens, temperature=0.0, **kw))[0]
+    return server.client(API_KEY)
 
 
 def test_models_health_and_open_endpoints(server, client):

@@ -7,9 +7,9 @@ from __future__ import annotations
 import httpx
 import openai
 import pytest
-from server_utils import ServerThread, offline_reference
+from server_utils import ServerThread, greedy, offline_reference
 
-from looped_spec import LoopedSpecEngine, SamplingParams
+from looped_spec import LoopedSpecEngine
 
 MODEL = "tiny-ouro"
 PROMPT = "def fibonacci(n):"
@@ -29,11 +29,7 @@ def server():
 
 @pytest.fixture(scope="module")
 def client(server):
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=60)
-
-
-def greedy(engine, prompt, max_tokens, **kw):
-    return engine.generate(prompt, SamplingParams(max_tokens=max_tokens, temperature=0.0, **kw))[0]
+    return server.client()
 
 
 def test_a_completion_without_max_tokens_generates_openais_sixteen(server, reference_engine):

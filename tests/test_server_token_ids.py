@@ -15,9 +15,9 @@ import httpx
 import openai
 import pytest
 from conftest import fixture_dir
-from server_utils import ServerThread, offline_reference
+from server_utils import ServerThread, greedy, offline_reference
 
-from looped_spec import LoopedSpecEngine, SamplingParams
+from looped_spec import LoopedSpecEngine
 from looped_spec.server.tools import ToolCallingConfig
 from looped_spec.structured_output import StructuredOutputs
 
@@ -49,11 +49,7 @@ def server():
 
 @pytest.fixture(scope="module")
 def client(server):
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=60)
-
-
-def greedy(engine, prompt, max_tokens, **kw):
-    return engine.generate(prompt, SamplingParams(max_tokens=max_tokens, temperature=0.0, **kw))[0]
+    return server.client()
 
 
 def rendered(engine, messages=MESSAGES) -> str:

@@ -9,7 +9,6 @@ import json
 
 import httpx
 import jsonschema
-import openai
 import pytest
 from openai.lib.streaming.chat import ChatCompletionStreamState
 from server_utils import ServerThread
@@ -41,7 +40,7 @@ def server():
 
 @pytest.fixture(scope="module")
 def client(server):
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+    return server.client()
 
 
 def chat(client, **fields):
