@@ -673,3 +673,46 @@ def test_ema_goes_off_below_the_larger_of_its_two_off_thresholds():
     plans = workload.run(AdaptiveController(cfg, DEPTH, "ema"), [Phase(8, HARD, 300)])[0]
     assert workload.oracle(Phase(8, HARD, 1), options_of(cfg) + [(0, 0)])[0] == (0, 0)
     assert Counter(k == 0 for k, _ in plans[150:])[True] >= 140, Counter(plans[150:])
+
+
+def _ema_at_its_thresholds(plain_first: bool, threshold: float) -> AdaptiveController:
+    """An EMA controller deciding on every round's own acceptance (beta 1, min_samples 1, interval 1), one bucket
+    from candidate (2, 1), theta_up 0.5, theta_down 0.4; probes on the backoff alone, after one plain round."""
+    candidates = ([[0, 0]] if plain_first else []) + [[2, 1], [4, 1]]
+    cfg = AdaptiveSpecConfig.parse({"model": "m", "full_depth": DEPTH, "cost": ideal_cost(32),
+        "acceptance": {"alpha": TUNE, "rho": [0.0] * DEPTH, "positions": 1000},
+        "disable": {"threshold": threshold, "probe_base": 2, "probe_rounds": 1, "probe_evidence": 10**6},
+        "buckets": [{"min_batch": 1, "max_batch": None, "candidates": candidates, "initial_index": len(candidates) - 2,
+                     "beta": 1.0, "min_samples": 1, "interval": 1, "theta_up": 0.5, "theta_down": 0.4}]})  # fmt: skip
+    return AdaptiveController(cfg, DEPTH, policy="ema")
+
+
+def _ema_round(controller: AdaptiveController, accepted: list[int]) -> tuple[int, int]:
+    """Plan a round of two requests, report `accepted` drafts per request; the plan that ran."""
+    plan = controller.plan(2, 100.0)
+    controller.observe(round_feedback(plan, batch_size=2, context=100.0, num_proposed=[plan.k] * 2,
+                                      num_accepted=[min(a, plan.k) for a in accepted], seconds=0.0))  # fmt: skip
+    return plan.k, plan.d
+
+
+def test_ema_thresholds_are_strict_as_documented_and_a_probe_at_the_threshold_clears_it():
+    """docs/adaptive.md "EMA policy": up when E > θ_up, down when E < θ_down, off when E is below the off threshold,
+    back on when a probe's acceptance clears it. An average exactly at a threshold moves nothing, and a probe exactly
+    at the off threshold switches speculation on (the mutation checks, >= for > or <= for <: a move at the threshold;
+    a probe needing more than the threshold: plain for another backoff; a down move from the most conservative
+    candidate: to the last candidate of a list without K = 0)."""
+    controller = _ema_at_its_thresholds(plain_first=True, threshold=0.25)
+    assert _ema_round(controller, [1, 1]) == (2, 1)  # E = 0.5 = θ_up: stays ...
+    assert _ema_round(controller, [1, 1]) == (2, 1)
+    assert _ema_round(controller, [2, 1]) == (2, 1)  # ... E = 0.75 > θ_up: up
+    assert _ema_round(controller, [2, 0]) == (4, 1)
+    # (2, 1) is the most conservative: off below the larger of θ_down (0.4) and disable.threshold (0.25)
+    controller = _ema_at_its_thresholds(plain_first=True, threshold=0.25)
+    _ema_round(controller, [1, 0])  # E = 0.25 < 0.4: off
+    assert [_ema_round(controller, [0, 0]) for _ in range(2)] == [(0, 0), (2, 1)]  # a probe after one plain round
+    controller = _ema_at_its_thresholds(plain_first=False, threshold=0.25)
+    assert _ema_round(controller, [1, 0]) == (2, 1)  # E = 0.25: not below the off threshold (0.25) ...
+    assert _ema_round(controller, [1, 1]) == (2, 1)  # ... nor a move down from the most conservative candidate
+    assert _ema_round(controller, [0, 0]) == (2, 1)  # E = 0 < 0.25: off
+    plans = [_ema_round(controller, [1, 0]) for _ in range(3)]  # a probe at r = 0.25 = the threshold: on again
+    assert plans == [(0, 0), (2, 1), (2, 1)], plans
