@@ -7,6 +7,7 @@ The preset's acceptance is the tuning text's; the workloads' is another text's, 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from collections import Counter
@@ -675,13 +676,14 @@ def test_ema_goes_off_below_the_larger_of_its_two_off_thresholds():
     assert Counter(k == 0 for k, _ in plans[150:])[True] >= 140, Counter(plans[150:])
 
 
-def _ema_at_its_thresholds(plain_first: bool, threshold: float) -> AdaptiveController:
+def _ema_at_its_thresholds(plain_first: bool, threshold: float, **disable) -> AdaptiveController:
     """An EMA controller deciding on every round's own acceptance (beta 1, min_samples 1, interval 1), one bucket
-    from candidate (2, 1), theta_up 0.5, theta_down 0.4; probes on the backoff alone, after one plain round."""
+    from candidate (2, 1), theta_up 0.5, theta_down 0.4; probes of one round on the backoff alone, after one plain round
+    (unless `disable` says otherwise)."""
     candidates = ([[0, 0]] if plain_first else []) + [[2, 1], [4, 1]]
+    disable = {"threshold": threshold, "probe_base": 2, "probe_rounds": 1, "probe_evidence": 10**6, **disable}
     cfg = AdaptiveSpecConfig.parse({"model": "m", "full_depth": DEPTH, "cost": ideal_cost(32),
-        "acceptance": {"alpha": TUNE, "rho": [0.0] * DEPTH, "positions": 1000},
-        "disable": {"threshold": threshold, "probe_base": 2, "probe_rounds": 1, "probe_evidence": 10**6},
+        "acceptance": {"alpha": TUNE, "rho": [0.0] * DEPTH, "positions": 1000}, "disable": disable,
         "buckets": [{"min_batch": 1, "max_batch": None, "candidates": candidates, "initial_index": len(candidates) - 2,
                      "beta": 1.0, "min_samples": 1, "interval": 1, "theta_up": 0.5, "theta_down": 0.4}]})  # fmt: skip
     return AdaptiveController(cfg, DEPTH, policy="ema")
@@ -716,3 +718,22 @@ def test_ema_thresholds_are_strict_as_documented_and_a_probe_at_the_threshold_cl
     assert _ema_round(controller, [0, 0]) == (2, 1)  # E = 0 < 0.25: off
     plans = [_ema_round(controller, [1, 0]) for _ in range(3)]  # a probe at r = 0.25 = the threshold: on again
     assert plans == [(0, 0), (2, 1), (2, 1)], plans
+
+
+def test_ema_probe_whose_rounds_drafted_nothing_is_run_again_at_once():
+    """A probe whose rounds drafted nothing (its requests near their end) says nothing about acceptance: the next
+    round probes again, though the probe was called by the readouts long before the backoff's wait is over (the
+    mutation check, the wait left as it was: plain until the readouts gather `probe_evidence` more positions)."""
+    controller = _ema_at_its_thresholds(plain_first=True, threshold=0.25, probe_base=1000, probe_evidence=16)
+    workload = Workload(PassCost(controller.config.cost, DEPTH), seed=0)
+    _ema_round(controller, [0, 0])  # E = 0: off, the backoff's wait 1,000 rounds
+    plans = []
+    for _ in range(200):  # plain rounds whose readouts see easy text call a probe; its rounds draft nothing
+        plan = controller.plan(2, 100.0)
+        plans.append((plan.k, plan.d))
+        feedback = workload.feedback(plan, Phase(2, CODE, 1))
+        if plan.k:
+            feedback = dataclasses.replace(feedback, num_proposed=[0, 0], num_accepted=[0, 0])
+        controller.observe(feedback)
+    probes = [i for i, (k, _) in enumerate(plans) if k > 0]
+    assert probes and probes == list(range(probes[0], len(plans))), plans
