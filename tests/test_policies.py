@@ -737,3 +737,42 @@ def test_ema_probe_whose_rounds_drafted_nothing_is_run_again_at_once():
         controller.observe(feedback)
     probes = [i for i, (k, _) in enumerate(plans) if k > 0]
     assert probes and probes == list(range(probes[0], len(plans))), plans
+
+
+def test_ema_probe_round_that_will_not_report_is_planned_again_and_the_probe_concludes():
+    """A probe called by the readouts (the backoff's wait far off) loses one of its two rounds (abandoned: its requests
+    were preempted): that round is planned again, and the probe, whose rounds accept well, switches speculation on
+    (the mutation check, the round not planned again: the probe never concludes, plain for the backoff's wait or
+    until the readouts gather `probe_evidence` more positions)."""
+    controller = _ema_at_its_thresholds(
+        plain_first=True, threshold=0.25, probe_base=1000, probe_rounds=2, probe_evidence=16
+    )
+    workload = Workload(PassCost(controller.config.cost, DEPTH), seed=0)
+    _ema_round(controller, [0, 0])  # E = 0: off, the backoff's wait 1,000 rounds
+    plans, abandoned = [], False
+    for _ in range(120):
+        plan = controller.plan(2, 100.0)
+        plans.append((plan.k, plan.d))
+        if plan.k and not abandoned and len([k for k, _ in plans if k]) == 2:  # the probe's second round
+            controller.abandon(plan)
+            abandoned = True
+            after = len(plans)
+            continue
+        feedback = workload.feedback(plan, Phase(2, CODE, 1))
+        if plan.k:  # every draft accepted: the probe clears the threshold, and speculation stays on
+            feedback = dataclasses.replace(feedback, num_accepted=[plan.k] * 2)
+        controller.observe(feedback)
+    assert abandoned and all(k > 0 for k, _ in plans[after:]), plans
+
+
+def test_ema_rounds_of_a_candidate_left_do_not_decide_for_the_one_in_use():
+    """Rounds planned before a move report after it (several plans are in flight on loop passes): they update their
+    own candidate's average, and the candidate moved to is judged on its own rounds (the mutation check, each counted
+    as a round of the candidate in use: a decision on its average before any of its rounds, which has none)."""
+    controller = _ema_at_its_thresholds(plain_first=True, threshold=0.25)
+    in_flight = [controller.plan(2, 100.0) for _ in range(3)]  # (2, 1) plans handed out together
+    report = {"batch_size": 2, "context": 100.0, "num_proposed": [2, 2], "seconds": 0.0}
+    controller.observe(round_feedback(in_flight[0], num_accepted=[2, 2], **report))  # E = 1 > θ_up: up to (4, 1)
+    for plan in in_flight[1:]:  # the (2, 1) rounds that were in flight, poor: (4, 1) stays
+        controller.observe(round_feedback(plan, num_accepted=[0, 0], **report))
+    assert [_ema_round(controller, [4, 4]) for _ in range(2)] == [(4, 1)] * 2
