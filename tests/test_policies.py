@@ -776,3 +776,17 @@ def test_ema_rounds_of_a_candidate_left_do_not_decide_for_the_one_in_use():
     for plan in in_flight[1:]:  # the (2, 1) rounds that were in flight, poor: (4, 1) stays
         controller.observe(round_feedback(plan, num_accepted=[0, 0], **report))
     assert [_ema_round(controller, [4, 4]) for _ in range(2)] == [(4, 1)] * 2
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_drafts_that_exit_within_the_draft_depth_pass_the_others_are_checked(seed):
+    """Early exit in select mode on the tuning text, half the tokens exiting at loop 1: a depth-1 draft sees 0.5 of
+    its positions pass for free and the other half accepted at the text's 0.61 (0.80 in all, not more). The controller
+    runs near the oracle priced at that acceptance, (2, 1) (the mutation check, the free exits added to the agreement
+    unweighted, 1.1: drafts of 5 or 6, ~0.85-0.89 of the oracle)."""
+    cfg = preset()
+    options = options_of(cfg) + [(0, 0)]
+    workload = ExitingWorkload(PassCost(cfg.cost, DEPTH), share=0.5, noise=0.1, seed=seed)
+    seen = Phase(8, workload.effective(TUNE), 300)
+    plans = workload.run(AdaptiveController(cfg, DEPTH), [Phase(8, TUNE, 300)])
+    assert score(workload, [seen], plans, options)[0] >= 0.95, Counter(plans[0])
