@@ -795,3 +795,26 @@ def test_a_price_probe_follows_a_round_that_drafted():
         assert controller.cost.price_pairs - pairs == (1 if probes and probes[-1] == i else 0)
     assert len(probes) >= 10
     assert all(drafted[i - 1] for i in probes), [i for i in probes if not drafted[i - 1]]
+
+
+def test_readouts_keep_to_the_budget_while_speculation_is_near_paying_but_under_the_margin():
+    """Plain decoding runs where speculation is predicted ~1.25x plain but `plain_margin` asks for 1.5x: readouts are
+    worth at most their full budget there, not more (the mutation check, the outlook not capped at 1: readouts at
+    outlook² ~1.5x, ~1.35x the budget in all)."""
+    budget = 0.01
+    settings = ControlSettings(readout_budget=budget, plain_margin=0.5)
+    controller = AdaptiveController(preset(), DEPTH, settings=settings)
+    truth = PassCost(preset().cost, DEPTH)
+    workload = Workload(truth, noise=0.05, seed=1)
+    phase = Phase(8, [0.75, 0.85, 0.95, 1.0], 1, 200.0)
+    extra, total, plain = 0.0, 0.0, 0
+    for _ in range(2000):
+        plan = controller.plan(phase.batch, phase.context)
+        total += workload.seconds(plan.k, plan.d, phase.batch, phase.context)
+        plain += plan.k == 0
+        if plan.measure_depths:
+            extra += truth.measure_seconds(plan.k, plan.d, phase.batch)
+        controller.observe(workload.feedback(plan, phase))
+    rate = controller.policy.predict(phase.batch, phase.context)
+    assert 1.1 < max(rate) / rate[controller.policy.plain] < 1.5 and plain >= 1900  # near paying, plain
+    assert 0.5 * budget <= extra / total <= 1.1 * budget, extra / total
