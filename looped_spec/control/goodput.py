@@ -103,11 +103,10 @@ class GoodputPolicy:
         rate = self.predict(batch, context, bucket)
         st.predicted, st.batch, st.rounds_left = rate, batch, s.decision_interval
         plain, current = self.plain if may_run_plain else -1, st.current
-        # speculation must clear the margin over plain decoding to be taken up; the plan in use stays a candidate
+        # speculation must clear the margin over plain decoding to be taken up (a plan in use under the margin but not
+        # under plain stays, as no switch below fires for plain then)
         bar = rate[plain] * (1.0 + s.plain_margin) if plain >= 0 else -math.inf
         eligible = [o for o, (k, _) in enumerate(self.options) if (k == 0 and plain >= 0) or (k > 0 and rate[o] >= bar)]
-        if current >= 0 and current not in eligible and (plain >= 0 or self.options[current][0] > 0):
-            eligible.append(current)  # the plan in use stays a candidate (unless plain, where plain may not run)
         best = max(eligible, key=rate.__getitem__)
         if current < 0:
             st.current = best
