@@ -281,3 +281,42 @@ def test_a_return_token_ids_that_is_not_a_bool_is_a_400_naming_it(client, value)
         with pytest.raises(openai.BadRequestError) as err:
             create(model=MODEL, max_tokens=2, extra_body={"return_token_ids": value}, **fields)
         assert err.value.body["param"] == "return_token_ids"
+
+
+def test_a_stop_token_that_ends_a_choice_stays_last_in_its_ids(client, reference_engine):
+    """An eos (the greedy token once min_tokens let it, under a logit_bias) or a stop_token_ids token ends the choice
+    and is the last of its `token_ids`, as the offline engine's output keeps it (vLLM's too): completions and chat,
+    whole and streamed (in the finishing chunk). include_stop_str_in_output (and, for the eos, skip_special_tokens off)
+    puts the token's text in the text; the ids are the same either way."""
+    eos = reference_engine.tokenizer.eos_token_id
+    assert eos in reference_engine.eos_token_ids
+    forced = {"min_tokens": 3, "logit_bias": {eos: 100}}
+    for prompt, create in ((PROMPTS[0], client.completions.create),
+                           (rendered(reference_engine), client.chat.completions.create)):  # fmt: skip
+        token = greedy(reference_engine, prompt, 8, ignore_eos=True).token_ids[4]
+        cases = [
+            (forced, eos),
+            (forced | {"include_stop_str_in_output": True, "skip_special_tokens": False}, eos),
+            ({"stop_token_ids": [token]}, token),
+            ({"stop_token_ids": [token], "include_stop_str_in_output": True}, token),
+            (forced | {"ignore_eos": True, "stop_token_ids": [eos]}, eos),  # an eos named: its stop_reason
+        ]
+        texts = set()
+        for options, last in cases:
+            ref = greedy(reference_engine, prompt, 16, **options)
+            assert (ref.finish_reason, ref.token_ids[-1]) == ("stop", last), options
+            texts.add(ref.text)
+            body = ON | options
+            if "logit_bias" in options:  # JSON's keys are strings
+                body["logit_bias"] = {str(k): v for k, v in options["logit_bias"].items()}
+            fields = dict(model=MODEL, max_tokens=16, temperature=0, extra_body=body)
+            fields |= {"messages": MESSAGES} if create == client.chat.completions.create else {"prompt": prompt}
+            choice = create(**fields).choices[0]
+            text = choice.message.content if "messages" in fields else choice.text
+            assert (text, choice.finish_reason, choice.stop_reason) == (ref.text, "stop", ref.stop_reason), options
+            assert extra(choice)["token_ids"] == ref.token_ids, options
+            chunks = list(create(**fields, stream=True))
+            assert streamed_ids(chunks)[0] == {0: ref.token_ids}, options
+            finishing = [c.choices[0] for c in chunks if c.choices and c.choices[0].finish_reason is not None]
+            assert len(finishing) == 1 and extra(finishing[0])["token_ids"][-1:] == [last], options
+        assert len(texts) == 4, prompt  # the options that keep the stop token's text changed the text, not the ids
