@@ -2,14 +2,16 @@
 
 A server on tiny-ouro takes, per example, a few concurrent requests through the official async client: completions
 and chat, streamed or not, `n` choices, stop strings (kept in the text or not), `ignore_eos`, `max_tokens`, seeds
-(-1 and negative ones included), log-probabilities, echo, some left early (a stream closed after a few chunks, an
-answer not streamed given up on). Checked: every answer that completes is whole and well formed (one choice per
-index, each with its finish reason, usage counting its tokens); greedy choices equal offline plain decoding of the same
-prompt and parameters (text, finish and stop reason, log-probabilities, token count); seeded sampled choices equal
-the same request run alone offline under the server's plan when that plan is fixed (docs/architecture.md, "Sampling
-parameters": a seed reproduces under a fixed plan whatever else is in the batch; under adaptive speculation the plan
-follows the batch, so there only their bounds are checked); once idle the engine holds no request and every KV block
-is free; the server then stays healthy and serves.
+(-1 and negative ones included), log-probabilities, echo, return_token_ids, some left early (a stream closed after a
+few chunks, an answer not streamed given up on). Checked: every answer that completes is whole and well formed (one
+choice per index, each with its finish reason, usage counting its tokens; with return_token_ids its prompt's ids
+once and its generated ids, whose decoded text is the text up to any stop string, without it neither field); greedy
+choices equal offline plain decoding of the same prompt and parameters (text, finish and stop reason,
+log-probabilities, token count, token ids); seeded sampled choices equal the same request run alone offline under
+the server's plan when that plan is fixed (docs/architecture.md, "Sampling parameters": a seed reproduces under a
+fixed plan whatever else is in the batch; under adaptive speculation the plan follows the batch, so there only their
+bounds are checked); once idle the engine holds no request and every KV block is free; the server then stays healthy
+and serves.
 
 Deterministic by default (derandomized, no example database); set LOOPED_SPEC_HYPOTHESIS_EXAMPLES to explore more.
 """
@@ -59,6 +61,7 @@ requests_st = st.fixed_dictionaries(
         # a stream closed after this many chunks; an answer not streamed given up on after this many hundredths of a
         # second (the request may not have reached the server by then)
         "leave_after": st.one_of(st.none(), st.none(), st.integers(0, 4)),
+        "token_ids": st.booleans(),  # return_token_ids (vLLM's): the prompt's ids and each choice's generated ids
     }
 ).map(lambda spec: spec if spec["leave_after"] is None else spec | LEFT)
 
@@ -139,6 +142,8 @@ def request_fields(spec: dict) -> dict:
     if spec["seed"] is not None:
         fields["seed"] = spec["seed"]
     fields["extra_body"] = {"ignore_eos": spec["ignore_eos"], "include_stop_str_in_output": spec["include_stop"]}
+    if spec["token_ids"]:
+        fields["extra_body"]["return_token_ids"] = True
     if spec["chat"]:
         fields |= dict(messages=MESSAGES[spec["prompts"][0] % len(MESSAGES)], max_completion_tokens=spec["max_tokens"])
         if spec["logprobs"] is not None:
@@ -178,9 +183,29 @@ def logprob_values(logprobs, spec: dict) -> list[float | None]:
     return list(logprobs.token_logprobs)
 
 
+def extra(model) -> dict:
+    """The fields the openai client does not know (vLLM's return_token_ids' among them), as it received them."""
+    return model.model_extra or {}
+
+
+def collect_ids(ids: dict, prompt_ids: dict, index, model, spec: dict) -> None:
+    """The return_token_ids fields of a choice (or chat answer, `index` "chat") or one of its chunks: its generated ids
+    added to `ids[index]` and its prompt's to `prompt_ids[index]`; a request without the field has neither."""
+    fields = extra(model)
+    if not spec["token_ids"]:
+        assert "token_ids" not in fields and "prompt_token_ids" not in fields, (spec, fields)
+        return
+    if index != "chat":  # every choice of every chunk carries the ids it adds (chat's prompt ids: at the top)
+        assert isinstance(fields.get("token_ids"), list), (spec, fields)
+        ids.setdefault(index, []).extend(fields["token_ids"])
+    if fields.get("prompt_token_ids") is not None:
+        prompt_ids.setdefault(index, []).append(fields["prompt_token_ids"])
+
+
 async def run_one(client: openai.AsyncOpenAI, spec: dict) -> dict | None:
-    """The answer as {"choices": {index: (text, finish_reason, stop_reason, log-probabilities or None)}, "usage"};
-    None when the client left before it was whole."""
+    """The answer as {"choices": {index: (text, finish_reason, stop_reason, log-probabilities or None)}, "usage",
+    "token_ids": {index: generated ids}, "prompt_token_ids": {index or "chat": [the prompt ids sent, once each]}}
+    (return_token_ids'; empty without it); None when the client left before it was whole."""
     create = client.chat.completions.create if spec["chat"] else client.completions.create
     fields = request_fields(spec)
     leave = spec["leave_after"]
@@ -194,20 +219,26 @@ async def run_one(client: openai.AsyncOpenAI, spec: dict) -> dict | None:
                 return None
         else:
             out = await call
-        choices = {}
+        choices, ids, prompt_ids = {}, {}, {}
+        if spec["chat"]:
+            collect_ids(ids, prompt_ids, "chat", out, spec)
         for c in out.choices:
             assert c.index not in choices
             text = c.message.content if spec["chat"] else c.text
             values = logprob_values(c.logprobs, spec) if wants_logprobs else None
             choices[c.index] = (text or "", c.finish_reason, c.stop_reason, values)
-        return {"choices": choices, "usage": out.usage}
+            collect_ids(ids, prompt_ids, c.index, c, spec)
+        return {"choices": choices, "usage": out.usage, "token_ids": ids, "prompt_token_ids": prompt_ids}
     stream = await create(**fields)
     texts, finishes, stops, values, usage, chunks = {}, {}, {}, {}, None, 0
+    ids, prompt_ids = {}, {}
     async for chunk in stream:
         if leave is not None and chunks >= leave:
             await stream.close()  # the client closes the stream mid-way
             return None
         chunks += 1
+        if spec["chat"]:
+            collect_ids(ids, prompt_ids, "chat", chunk, spec)
         if spec["continuous_usage"]:  # in every chunk, growing
             assert chunk.usage is not None and (
                 usage is None or chunk.usage.completion_tokens >= usage.completion_tokens
@@ -221,12 +252,25 @@ async def run_one(client: openai.AsyncOpenAI, spec: dict) -> dict | None:
             delta = c.delta.content if spec["chat"] else c.text
             texts[c.index] = texts.get(c.index, "") + (delta or "")
             values.setdefault(c.index, []).extend(logprob_values(c.logprobs, spec))
+            collect_ids(ids, prompt_ids, c.index, c, spec)
             if c.finish_reason is not None:
                 finishes[c.index], stops[c.index] = c.finish_reason, c.stop_reason
     assert (usage is not None) == (spec["include_usage"] or spec["continuous_usage"])
     choices = {k: (texts.get(k, ""), finishes.get(k), stops.get(k), values.get(k, []) if wants_logprobs else None)
                for k in set(texts) | set(finishes)}  # fmt: skip
-    return {"choices": choices, "usage": usage}
+    return {"choices": choices, "usage": usage, "token_ids": ids, "prompt_token_ids": prompt_ids}
+
+
+def check_text_of_ids(text: str, ids: list[int], stop_reason, spec: dict, tokenizer) -> None:
+    """A choice's text is its token ids decoded, cut where a stop string ended it (the ids keep the tokens that wrote
+    it and any text after it in the last one): before the stop string, or after it with include_stop_str_in_output."""
+    decoded = tokenizer.decode(ids, skip_special_tokens=True)
+    if not isinstance(stop_reason, str):  # a length, or an eos (its text is none: a special token)
+        assert text == decoded, (spec, text, ids)
+        return
+    kept = text[: len(text) - len(stop_reason)] if spec["include_stop"] else text
+    assert decoded.startswith(kept + stop_reason) and (not spec["include_stop"] or text.endswith(stop_reason)), (
+        spec, text, ids)  # fmt: skip
 
 
 def check_answer(spec: dict, answer: dict, offline: Offline) -> None:
@@ -236,6 +280,13 @@ def check_answer(spec: dict, answer: dict, offline: Offline) -> None:
     assert sorted(choices) == list(range(num_choices)), spec
     echo = spec["echo"] and not spec["chat"]
     stops = [] if spec["stop"] is None else [spec["stop"]] if isinstance(spec["stop"], str) else spec["stop"]
+    ids = answer["token_ids"]
+    if spec["token_ids"]:  # the prompt's ids once (chat: the rendered messages', at the top), each choice's own
+        wanted = {"chat": [prompts[0]]} if spec["chat"] else {j: [prompts[j // spec["n"]]] for j in range(num_choices)}
+        assert answer["prompt_token_ids"] == wanted, spec
+        assert sorted(ids) == list(range(num_choices)), spec
+    else:
+        assert ids == answer["prompt_token_ids"] == {}, spec
     counts = []
     for j in range(num_choices):
         prompt = prompts[j // spec["n"]]
@@ -252,10 +303,16 @@ def check_answer(spec: dict, answer: dict, offline: Offline) -> None:
             assert len(values) == spec["max_tokens"] if finish == "length" else len(values) <= spec["max_tokens"]
         if not spec["include_stop"]:
             assert not any(s in text for s in stops), (spec, j, text)  # cut before a stop string
+        if spec["token_ids"]:
+            count, most = len(ids[j]), spec["max_tokens"]
+            assert count == most if finish == "length" else 0 < count <= most, (spec, j, finish, ids[j])
+            check_text_of_ids(text, ids[j], stop_reason, spec, offline.plain.tokenizer)
         ref = offline.choice(spec, j)
         if ref is None:
             continue
         assert (text, finish, stop_reason) == (ref.text, ref.finish_reason, ref.stop_reason), (spec, j)
+        if spec["token_ids"]:
+            assert ids[j] == list(ref.token_ids), (spec, j)
         if values is not None:
             assert values == pytest.approx([e.logprob for e in ref.logprobs], abs=1e-4), (spec, j)
     if usage is None:
@@ -264,6 +321,8 @@ def check_answer(spec: dict, answer: dict, offline: Offline) -> None:
     assert usage.total_tokens == usage.prompt_tokens + usage.completion_tokens
     if counts:
         assert usage.completion_tokens == sum(counts), spec
+    if spec["token_ids"]:
+        assert usage.completion_tokens == sum(len(ids[j]) for j in range(num_choices)), spec
     if offline.knows(spec):
         assert usage.completion_tokens == sum(len(offline.choice(spec, j).token_ids) for j in range(num_choices)), spec
     assert usage.completion_tokens <= num_choices * spec["max_tokens"]
