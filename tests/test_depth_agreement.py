@@ -501,7 +501,7 @@ def test_huginn_random_initial_state():
 def measured_feedback(family, speculation, batching, read=None) -> tuple[list[RoundFeedback], list[list[int]], int]:
     """Every measured round's feedback of a greedy run, its tokens, and how many readouts the runner made; with
     `read`, the engine's controller reads out those depths only (the engine hands them to its runner and rounds)."""
-    import looped_spec.engine.engine as engine_module
+    import looped_spec.engine.model_options as engine_module
 
     make = engine_module.make_controller
 

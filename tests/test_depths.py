@@ -108,7 +108,7 @@ def test_random_weight_huginn_fixture_is_lossless_at_other_depths(n, caplog):
 def test_at_depth_one_adaptive_decodes_plainly_and_refuses_what_would_steer_it(caplog):
     """D = 1 leaves nothing to draft with: the default adaptive speculation decodes plainly and says so; a preset,
     policy or tunables given for it would do nothing and are errors naming them."""
-    caplog.set_level(logging.INFO, logger="looped_spec.engine.engine")
+    caplog.set_level(logging.INFO, logger="looped_spec.engine.model_options")
     one = engine("tiny-huginn", 1, "adaptive")
     assert not isinstance(one.controller, AdaptiveController)
     assert any("D=1 loop: nothing to draft with" in r.getMessage() for r in caplog.records)
