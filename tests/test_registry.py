@@ -226,6 +226,7 @@ def test_a_family_is_described_without_its_weights_or_not_at_all(tmp_path):
     import pytest
 
     from looped_spec.models.adapter import describe_adapter
+    from looped_spec.models.checkpoint import CheckpointError
 
     toy = make_toy_checkpoint(tmp_path / "toy")
     for model, options in (("tiny-ouro", {}), ("tiny-nanbeige", {}), ("tiny-huginn", {"num_steps": 12}), (toy, {})):
@@ -247,3 +248,14 @@ def test_a_family_is_described_without_its_weights_or_not_at_all(tmp_path):
     (folder / "config.json").write_text(json.dumps(config))
     assert describe_adapter(folder) is None
     assert load_adapter(folder, device="cpu").full_depth == config["loops"]
+
+    class ScaledToy(ToyLoopedAdapter):  # reads a config field in __init__: one the file lacks is named, as loading does
+        def __init__(self, config, weights, **kwargs):
+            super().__init__(config, weights, **kwargs)
+            self.scale = config["scale"]
+
+    register_adapter(ScaledToy, model_type="toy_scaled_described")
+    folder = make_toy_checkpoint(tmp_path / "scaled")
+    (folder / "config.json").write_text(json.dumps(config | {"model_type": "toy_scaled_described"}))
+    with pytest.raises(CheckpointError, match=rf"{folder / 'config.json'}: missing field scale$"):
+        describe_adapter(folder)

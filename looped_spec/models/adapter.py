@@ -487,11 +487,18 @@ def describe_adapter(path_or_name: str | Path, **options: Any) -> ModelAdapter |
         _read_declarations(adapter)
     except (ValueError, CheckpointError):
         raise  # the family's own error about its config or options: the same in every replica
+    except KeyError as exc:
+        if exc.args and exc.args[0] not in config and exc.args[0] not in specs:  # a field the file lacks, as loading
+            raise _config_error(config_path, exc) from exc
+        return _not_described(folder)
     except Exception:  # noqa: BLE001 - a family computing on its weights at construction: not describable so
-        logger.info("%s: the family cannot be built without its weights; the replicas check the options that depend "
-                    "on the model", folder)  # fmt: skip
-        return None
+        return _not_described(folder)
     return adapter
+
+
+def _not_described(folder: Path) -> None:
+    logger.info("%s: the family cannot be built without its weights; the replicas check the options that depend on "
+                "the model", folder)  # fmt: skip
 
 
 def _check_eos_in_vocabulary(adapter: ModelAdapter, folder: Path) -> None:
