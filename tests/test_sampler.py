@@ -13,7 +13,8 @@ from transformers.generation.logits_process import (
     TopPLogitsWarper,
 )
 
-from looped_spec.execution.sampler import SamplingRows, probabilities, sample_from
+from looped_spec import SamplingParams
+from looped_spec.execution.sampler import SamplingRows, probabilities, sample, sample_from
 
 
 def rows_of(temperature: float, top_k: int, top_p: float, count: int, min_p: float = 0.0) -> SamplingRows:
@@ -249,3 +250,120 @@ def test_a_seed_of_minus_one_is_no_seed_as_vllm_reads_it():
     for bad in (-2, -1.0):
         with pytest.raises(ValidationError, match="seed"):
             SamplingParams(seed=bad)
+
+
+VOCAB, EOS = 12, 11
+
+
+def vllm_adjusted(logits, params, prompt, output, words):
+    """vLLM's `Sampler.apply_logits_processors` in float64, from its definitions: allowed_token_ids, bad_words (a
+    word's last token where the output before the position ends with its other tokens), min_tokens (the stop tokens
+    and the eos, ignore_eos or not), logit_bias, then the repetition penalty (prompt and output), frequency and
+    presence (output only)."""
+    from collections import Counter
+
+    x = logits.double().clone()
+    if params.allowed_token_ids is not None:
+        outside = torch.ones(VOCAB, dtype=torch.bool)
+        outside[params.allowed_token_ids] = False
+        x[outside] = float("-inf")
+    for word in words:
+        if len(word) == 1 or list(output[len(output) - len(word) + 1 :]) == list(word[:-1]):
+            x[word[-1]] = float("-inf")
+    if len(output) < params.min_tokens:
+        x[[*params.stop_token_ids, EOS]] = float("-inf")
+    for token, value in params.logit_bias.items():
+        x[token] += value
+    counts = Counter(output)
+    for token in set(prompt) | set(output):
+        x[token] = x[token] / params.repetition_penalty if x[token] > 0 else x[token] * params.repetition_penalty
+    for token, count in counts.items():
+        x[token] -= params.frequency_penalty * count + params.presence_penalty
+    return x
+
+
+def random_params(rng):
+    fields = {}
+    if rng.random() < 0.8:  # else greedy, the default
+        fields["temperature"] = rng.choice([1e-6, 0.3, 0.7, 1.0, 1.5, 3.0])  # below 1e-5: greedy, as vLLM's eps
+        if rng.random() < 0.5:
+            fields["top_k"] = rng.choice([-1, 0, 1, 2, 3, 5, VOCAB - 1, VOCAB, 50])
+        if rng.random() < 0.5:
+            fields["top_p"] = rng.choice([0.1, 0.5, 0.8, 0.95, 1.0])
+        if rng.random() < 0.4:
+            fields["min_p"] = rng.choice([0.0, 0.05, 0.2, 0.5, 1.0])
+    if rng.random() < 0.5:
+        fields["repetition_penalty"] = rng.choice([0.5, 0.9, 1.0, 1.3, 2.0])
+    for name in ("presence_penalty", "frequency_penalty"):
+        if rng.random() < 0.5:
+            fields[name] = rng.uniform(-2.0, 2.0)
+    if rng.random() < 0.3:
+        fields["logit_bias"] = {rng.randrange(VOCAB): rng.uniform(-100.0, 100.0) for _ in range(rng.randint(1, 3))}
+    if rng.random() < 0.3:
+        fields["allowed_token_ids"] = rng.sample(range(VOCAB - 1), rng.randint(4, 7))
+    if rng.random() < 0.3:
+        fields["stop_token_ids"] = rng.sample(range(VOCAB - 1), rng.randint(1, 2))
+    fields["ignore_eos"] = rng.random() < 0.2
+    if rng.random() < 0.3:
+        fields["min_tokens"] = rng.randint(1, 8)
+    return SamplingParams(max_tokens=16, **fields)
+
+
+def test_random_requests_sample_from_vllms_adjusted_logits_through_hfs_warpers():
+    """Seeded random batches of real requests (prompt, output and the drafts before the position, bad words of one to
+    three tokens) with every adjustment and warper at random, against an independent reference: vLLM's adjustments
+    (`vllm_adjusted`), then greedy (temperature below 1e-5) or temperature, top-k, top-p and min-p as HF's warpers
+    (the order documented; vLLM applies min_p before top-k and top-p). Logits are continuous or on a 0.5 grid (ties
+    at the top-k, top-p and min-p boundaries): where top-p cuts inside a tie, which of the tied tokens stay is the
+    sort's choice, so those rows compare the distribution's values only."""
+    import random
+
+    from looped_spec.request import Request
+
+    rng, generator = random.Random(0), torch.Generator().manual_seed(0)
+    compared = 0
+    for case in range(300):
+        requests, expected, tied = [], [], []
+        ties = case % 2 == 1
+        logits = torch.randn(rng.randint(1, 4), VOCAB, generator=generator) * 3.0
+        if ties:
+            logits = (logits * 2.0).round() / 2.0
+        drafted = []
+        for row in logits:
+            params = random_params(rng)
+            prompt = [rng.randrange(VOCAB - 1) for _ in range(rng.randint(1, 6))]
+            output = [rng.randrange(VOCAB - 1) for _ in range(rng.randint(0, 6))]
+            drafts = [rng.randrange(VOCAB - 1) for _ in range(rng.randint(0, 3))]
+            words = []
+            if rng.random() < 0.3:
+                words = [tuple(rng.randrange(VOCAB - 1) for _ in range(rng.randint(1, 3))) for _ in range(2)]
+            request = Request("r", 0, prompt, params, case, [EOS], 4096, bad_words=words)
+            request.token_ids += output
+            requests.append(request)
+            drafted.append(drafts)
+            x = vllm_adjusted(row, params, prompt, output + drafts, words)
+            assert not torch.isneginf(x).all()
+            if params.temperature < 1e-5:
+                want = torch.zeros(VOCAB, dtype=torch.float64)
+                want[x.argmax()] = 1.0
+            else:
+                want = reference(x[None], params.temperature, max(params.top_k, 0), params.top_p, params.min_p)[0]
+            expected.append(want)
+            tied.append(ties and params.top_p < 1.0)
+        rows = SamplingRows.build(requests, torch.device("cpu"), drafted)
+        if rows.all_greedy:
+            got = torch.nn.functional.one_hot(rows.adjusted(logits).argmax(-1), VOCAB).double()
+        else:
+            got = probabilities(logits, rows).double()
+        drawn = sample(logits, rows)
+        for i, want in enumerate(expected):
+            assert got[i, drawn[i]] > 0, f"case {case} row {i}: drew a token the distribution excludes"
+            if tied[i]:
+                torch.testing.assert_close(got[i].sort().values, want.sort().values, rtol=1e-4, atol=1e-6)
+            else:
+                # kept: where the reference keeps a token (fp32 rounds a probability below 1e-38 to 0), nowhere else
+                kept = f"case {case} row {i}: a different set of tokens kept"
+                assert not ((got[i] > 0) & (want == 0)).any() and not ((got[i] == 0) & (want > 1e-30)).any(), kept
+                torch.testing.assert_close(got[i], want, rtol=1e-4, atol=1e-6, msg=f"case {case} row {i}")
+            compared += 1
+    assert compared > 600
