@@ -77,6 +77,38 @@ def test_each_request_gets_its_own_entries_whatever_its_place_in_the_batch(specu
         assert all(len(e.top) == p.logprobs for e in entries)
 
 
+@pytest.mark.parametrize("speculation", ["off", SpeculativeConfig(k=3, d=1)])
+def test_entries_are_the_raw_logits_before_every_adjustment_as_vllms_raw_logprobs(speculation):
+    """vLLM's default logprobs_mode (raw_logprobs): the log-softmax of the logits before the logit bias, the
+    penalties, allowed_token_ids, min_tokens, temperature, top-k, top-p and min-p. Each entry, its rank (the tokens at
+    least as likely) and its top ones are the cache-free forward's log-softmax, never the distribution the token was
+    drawn from (whose top ones would all be allowed tokens)."""
+    adapter = load("ouro")
+    prompt = list(reference("ouro")["prompts"][0])
+    common = dict(max_tokens=10, logprobs=TOP, ignore_eos=True)
+    params = [
+        SamplingParams(**common, seed=1, logit_bias={5: 8.0, 7: -5.0}, repetition_penalty=1.8, presence_penalty=1.0,
+                       frequency_penalty=0.5),
+        SamplingParams(**common, seed=2, temperature=0.7, top_k=5, top_p=0.8, min_p=0.1, repetition_penalty=0.7,
+                       allowed_token_ids=list(range(3, 40)), min_tokens=5),
+        SamplingParams(**common, seed=3, temperature=2.0, frequency_penalty=-1.0, logit_bias={9: 3.0}),
+    ]  # fmt: skip
+    outs = LoopedSpecEngine(adapter, speculation=speculation, max_batch_size=4).generate([prompt] * 3, params)
+    for p, out in zip(params, outs):
+        ids = prompt + list(out.token_ids)
+        raw = torch.log_softmax(adapter.dense_logits(torch.tensor(ids), seeds=[p.seed])[0].float(), dim=-1)
+        rows = raw[len(prompt) - 1 : -1]
+        assert [e.token for e in out.logprobs] == list(out.token_ids)
+        assert [e.logprob for e in out.logprobs] == pytest.approx(rows.gather(1, torch.tensor(out.token_ids)[:, None])
+                                                                  [:, 0].tolist(), abs=2e-4)  # fmt: skip
+        assert [e.rank for e in out.logprobs] == [
+            int((row >= row[e.token]).sum()) for row, e in zip(rows, out.logprobs)
+        ]
+        assert [[t for t, _ in e.top] for e in out.logprobs] == rows.topk(TOP).indices.tolist()
+    assert set(outs[1].token_ids) <= set(range(3, 40))
+    assert any(t not in range(3, 40) for e in outs[1].logprobs for t, _ in e.top)
+
+
 def test_greedy_speculative_logprobs_equal_plain_ones_and_stop_where_the_output_stops():
     adapter = load("ouro")
     prompts = reference("ouro")["prompts"][:2]
