@@ -17,7 +17,7 @@ import difflib
 import inspect
 import logging
 from abc import ABC, abstractmethod
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -461,7 +461,7 @@ def load_adapter(
         adapter = cls(config, weights, dtype=dtype, device=device, name=folder.name, path=str(folder), **options)
         _read_declarations(adapter)
     except KeyError as exc:  # a field the family reads when built or asked its depth, and the file lacks
-        if not exc.args or exc.args[0] in config or exc.args[0] in specs:  # not a config field: the family's own
+        if missing_config_field(exc, config, specs, cls.option_names) is None:  # not a config field: the family's own
             raise
         raise _config_error(config_path, exc) from exc
     adapter.generation = generation
@@ -488,7 +488,7 @@ def describe_adapter(path_or_name: str | Path, **options: Any) -> ModelAdapter |
     except (ValueError, CheckpointError):
         raise  # the family's own error about its config or options: the same in every replica
     except KeyError as exc:
-        if exc.args and exc.args[0] not in config and exc.args[0] not in specs:  # a field the file lacks, as loading
+        if missing_config_field(exc, config, specs, cls.option_names) is not None:  # as loading names it
             raise _config_error(config_path, exc) from exc
         return _not_described(folder)
     except Exception:  # noqa: BLE001 - a family computing on its weights at construction: not describable so
@@ -513,6 +513,16 @@ def _check_eos_in_vocabulary(adapter: ModelAdapter, folder: Path) -> None:
             raise CheckpointError(
                 f"{path}: eos_token_id {outside} is outside the model's vocabulary [0, {adapter.vocab_size})"
             )
+
+
+def missing_config_field(exc: KeyError, config: dict, specs: Collection[str], options: Collection[str]) -> str | None:
+    """The config.json field a family's KeyError names when the file lacks it (a family that indexes `config["..."]`,
+    as examples/custom_family.py does); None for any other key: one the file has, a tensor name (an optional tensor
+    left out) or an option of the family (`self.options[...]`)."""
+    key = exc.args[0] if len(exc.args) == 1 else None
+    if not isinstance(key, str) or key in config or key in specs or key in options:
+        return None
+    return key
 
 
 def _config_error(config_path: Path, exc: Exception) -> CheckpointError:

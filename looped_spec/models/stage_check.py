@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from looped_spec.models.adapter import ModelAdapter
+from looped_spec.models.adapter import ModelAdapter, missing_config_field
 from looped_spec.models.checkpoint import CheckpointError
 from looped_spec.models.dense import DenseContext
 
@@ -69,23 +69,17 @@ def check_stages(adapter) -> None:
     try:
         _check_stages(adapter)
     except KeyError as exc:
-        field = exc.args[0] if len(exc.args) == 1 else None
-        if not isinstance(field, str) or not _is_missing_config_field(adapter, field):
+        try:
+            tensors = type(adapter).tensor_specs(adapter.config)
+        except Exception:  # noqa: BLE001 - no tensor names to tell apart: every key not in the config counts
+            tensors = {}
+        field = missing_config_field(exc, adapter.config, tensors, adapter.option_names)
+        if field is None:
             raise
         # the stages run here first: a field read in embed, loop or readout (examples/custom_family.py indexes
         # self.config[...] there) was a bare KeyError when the engine started, naming neither the file nor the field
         where = f"{Path(adapter.path) / 'config.json'}" if adapter.path else f"{adapter.model_type} config"
         raise CheckpointError(f"{where}: missing field {field} (read by the family's stages)") from exc
-
-
-def _is_missing_config_field(adapter, key: str) -> bool:
-    """Whether a KeyError for `key` is a config.json field the family read and the file lacks: not a field the file
-    has, a tensor name (an optional tensor left out) or an option of the family."""
-    try:
-        tensors = type(adapter).tensor_specs(adapter.config)
-    except Exception:
-        tensors = {}
-    return key not in adapter.config and key not in tensors and key not in adapter.option_names
 
 
 @torch.inference_mode()
