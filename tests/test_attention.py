@@ -53,3 +53,33 @@ def test_a_ragged_batch_equals_each_request_alone(context_lens, query_lens, grou
         start += n
     for cache, alone_written, before in zip(batch_cache, alone_cache, (key_cache, value_cache)):
         assert torch.equal(cache, alone_written) and not torch.equal(cache, before)
+
+
+def test_a_cuda_model_the_paged_kernel_cannot_serve_says_so_and_why(monkeypatch, caplog):
+    """On CUDA the paged kernel reads decode attention in place; where it cannot (a head_dim under 16, Triton
+    missing) the engine runs the slower reference path, and says so once, naming the reason. Turning it off with
+    LOOPED_SPEC_PAGED_KERNEL=0 is said at info level, and on a CPU (only the reference path) nothing is said."""
+    from types import SimpleNamespace
+
+    from looped_spec.execution.model_runner import ModelRunner
+    from looped_spec.execution.paged_kernel import kernel_unavailable_reason
+
+    assert "head_dim is 8" in kernel_unavailable_reason("cuda", 8)
+    assert "CUDA only" in kernel_unavailable_reason("cpu", 64)
+
+    def runner_on(device: str, head_dim: int) -> ModelRunner:  # construction only stores what it is given
+        adapter = SimpleNamespace(device=torch.device(device), full_depth=4)
+        return ModelRunner(adapter, SimpleNamespace(layout=SimpleNamespace(head_dim=head_dim)))
+
+    caplog.set_level("INFO", logger="looped_spec.execution.model_runner")
+    assert not runner_on("cuda", 8).paged_kernel
+    (record,) = caplog.records
+    assert record.levelname == "WARNING" and "head_dim is 8" in record.getMessage()
+    assert "reference path" in record.getMessage()
+    caplog.clear()
+    assert not runner_on("cpu", 8).paged_kernel
+    assert not caplog.records
+    monkeypatch.setenv("LOOPED_SPEC_PAGED_KERNEL", "0")
+    assert not runner_on("cuda", 64).paged_kernel
+    (record,) = caplog.records
+    assert record.levelname == "INFO" and "LOOPED_SPEC_PAGED_KERNEL=0" in record.getMessage()

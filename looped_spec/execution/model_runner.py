@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -11,11 +12,13 @@ import torch
 from looped_spec.execution.attention import PagedContext, build_paged_context
 from looped_spec.execution.early_exit import ExitMode, decode_with_exit, prefill_with_exit
 from looped_spec.execution.kv_cache import KVCache
-from looped_spec.execution.paged_kernel import MAX_KERNEL_QUERY, kernel_available
+from looped_spec.execution.paged_kernel import MAX_KERNEL_QUERY, kernel_unavailable_reason
 from looped_spec.execution.timing import Span
 from looped_spec.execution.transfers import to_device
 from looped_spec.models.adapter import ModelAdapter
 from looped_spec.request import Request
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -110,7 +113,11 @@ class ModelRunner:
         if not self.readout_depths.issubset(every):
             raise ValueError(f"readout_depths={sorted(self.readout_depths)}: each must be in 1..{self.full_depth - 1}")
         # the paged kernel reads each token's own keys in place (decode, draft, verify); prefill keeps SDPA
-        self.paged_kernel = kernel_available(self.device, kv_cache.layout.head_dim)
+        why_not = kernel_unavailable_reason(self.device, kv_cache.layout.head_dim)
+        self.paged_kernel = why_not is None
+        if why_not is not None and self.device.type == "cuda":  # on a CPU the reference path is the only one
+            log = logger.info if "LOOPED_SPEC_PAGED_KERNEL" in why_not else logger.warning  # asked for, or not
+            log("paged attention kernel not used (%s): decode attention runs the reference path, slower", why_not)
         # when set, the time inside `run` goes into it (the tuner separates pass time from the rest of a round)
         self.run_span: Span | None = None
 

@@ -34,12 +34,21 @@ _MAX_TILE = 4096  # score-tile elements (rows x keys) per step of one program
 def kernel_available(device: torch.device | str, head_dim: int) -> bool:
     """True where the paged kernel can run: CUDA (or Triton's CPU interpreter) and a head_dim of at least 16 (one
     that is not a power of two, Huginn-0125's 96, runs padded to the next one: `HEAD_DIM`, masked past `head_dim`)."""
-    if head_dim < 16 or os.environ.get("LOOPED_SPEC_PAGED_KERNEL") == "0":
-        return False
+    return kernel_unavailable_reason(device, head_dim) is None
+
+
+def kernel_unavailable_reason(device: torch.device | str, head_dim: int) -> str | None:
+    """Why the paged kernel cannot run for `device` and `head_dim` (None: it can), in words for a log line."""
+    if os.environ.get("LOOPED_SPEC_PAGED_KERNEL") == "0":
+        return "LOOPED_SPEC_PAGED_KERNEL=0 turns it off"
+    if head_dim < 16:
+        return f"the model's head_dim is {head_dim}, under the kernel's 16"
     device = torch.device(device)
     if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
-        return False
-    return _kernel() is not None
+        return f"it runs on CUDA only, the model is on {device.type}"
+    if _kernel() is None:
+        return "Triton does not import"
+    return None
 
 
 def num_splits_for(max_blocks: int) -> int:
