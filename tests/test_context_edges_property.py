@@ -62,8 +62,14 @@ def scenarios(draw) -> dict:
                 SpeculativeConfig,
                 k=st.sampled_from([1, 2, 3, 5, LARGEST_K]),
                 d=st.integers(1, depth - 1),
-                measure_depths=st.booleans(),  # counterfactual readouts of the committed positions
+                measure_depths=st.just(False),
                 stop_margin=st.sampled_from([None, None, 0.05]),  # per-token stopping
+            ),
+            st.builds(  # counterfactual readouts of the committed positions (a measured round drafts every k)
+                SpeculativeConfig,
+                k=st.sampled_from([1, 2, 3, 5, LARGEST_K]),
+                d=st.integers(1, depth - 1),
+                measure_depths=st.just(True),
             ),
         )
     )
