@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import shutil
 
 import pytest
@@ -117,8 +118,8 @@ def test_huginn_tied_head_and_freqs_buffer(tmp_path):
     assert torch.allclose(adapter.dense_logits(ids), load("huginn").dense_logits(ids))
 
 
-def test_sharded_checkpoint(tmp_path):
-    folder = copy_fixture(tmp_path, "nanbeige")
+def shard_weights(folder) -> dict[str, str]:
+    """The folder's model.safetensors split into two shards and an index; returns the index's weight_map."""
     tensors = load_file(str(folder / "model.safetensors"))
     (folder / "model.safetensors").unlink()
     names = sorted(tensors)
@@ -128,6 +129,12 @@ def test_sharded_checkpoint(tmp_path):
         save_file({k: tensors[k] for k in keys}, str(folder / file))
         weight_map.update(dict.fromkeys(keys, file))
     (folder / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    return weight_map
+
+
+def test_sharded_checkpoint(tmp_path):
+    folder = copy_fixture(tmp_path, "nanbeige")
+    shard_weights(folder)
     adapter = load_adapter(folder, dtype="float32", device="cpu")
     ids = torch.tensor([1, 2, 3])
     assert torch.equal(adapter.dense_logits(ids), load("nanbeige").dense_logits(ids))
@@ -204,3 +211,91 @@ def test_a_tied_head_is_the_embedding_even_where_the_file_stores_another(tmp_pat
     omitted = load_adapter(folder, dtype="float32", device="cpu", **options)
     ids = torch.tensor([5, 6, 7, 8])
     assert torch.equal(stored.dense_logits(ids), omitted.dense_logits(ids))
+
+
+@pytest.mark.parametrize(
+    "text,message",
+    [
+        ('{"model_type": "ouro"', r"config\.json: not valid JSON"),
+        ('["ouro"]', r"config\.json: expected a JSON object"),
+        ('{"vocab_size": 256}', r"config\.json: no model_type field"),
+    ],
+)
+def test_a_config_json_that_is_no_config_names_the_file(tmp_path, text, message):
+    folder = copy_fixture(tmp_path, "ouro")
+    (folder / "config.json").write_text(text)
+    with pytest.raises(CheckpointError, match=message):
+        load_adapter(folder, device="cpu")
+
+
+@pytest.mark.parametrize(
+    "index,message",
+    [
+        ("{", "malformed index"),
+        ({"weights": {}}, r"malformed index \('weight_map'\)"),
+        ({"weight_map": ["model-00001-of-00002.safetensors"]}, "malformed index"),
+        ({"weight_map": {"model.norm.weight": 1}}, "shard name 1 is not a file name inside the checkpoint folder"),
+        ({"weight_map": {"model.norm.weight": "../model.safetensors"}}, "shard name '../model.safetensors' is not"),
+        ({"weight_map": {"model.norm.weight": "model-00003-of-00003.safetensors"}},
+         "names shard model-00003-of-00003.safetensors, which is missing"),
+    ],
+)  # fmt: skip
+def test_a_bad_shard_index_names_the_index_and_the_fault(tmp_path, index, message):
+    folder = copy_fixture(tmp_path, "nanbeige")
+    shard_weights(folder)
+    (folder / "model.safetensors.index.json").write_text(index if isinstance(index, str) else json.dumps(index))
+    with pytest.raises(CheckpointError, match=rf"model\.safetensors\.index\.json: {message}"):
+        load_adapter(folder, device="cpu")
+
+
+def test_a_shard_linked_from_outside_the_folder_is_refused(tmp_path):
+    folder = copy_fixture(tmp_path, "nanbeige")
+    shard_weights(folder)
+    outside = tmp_path / "elsewhere.safetensors"
+    (folder / "model-00002-of-00002.safetensors").rename(outside)
+    (folder / "model-00002-of-00002.safetensors").symlink_to(outside)
+    with pytest.raises(CheckpointError, match=r"index\.json: shard model-00002-of-00002\.safetensors resolves outside"):
+        load_adapter(folder, device="cpu")
+
+
+def test_a_tensor_stored_in_two_shards_names_both(tmp_path):
+    folder = copy_fixture(tmp_path, "nanbeige")
+    weight_map = shard_weights(folder)
+    first, second = (folder / name for name in sorted(set(weight_map.values())))
+    moved = next(name for name, file in weight_map.items() if file == first.name)
+    tensors = load_file(str(second))
+    save_file(tensors | {moved: load_file(str(first))[moved]}, str(second))
+    with pytest.raises(
+        CheckpointError, match=rf"model-00002-of-00002\.safetensors: tensor {re.escape(moved)} also stored in "
+        r"model-00001-of-00002\.safetensors"
+    ):  # fmt: skip
+        load_adapter(folder, device="cpu")
+
+
+def test_a_corrupt_safetensors_file_names_the_file(tmp_path):
+    folder = copy_fixture(tmp_path, "ouro")
+    (folder / "model.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not a header}")
+    with pytest.raises(CheckpointError, match=r"model\.safetensors: cannot read safetensors file"):
+        load_adapter(folder, device="cpu")
+
+
+def test_weights_under_another_file_name_are_named(tmp_path):
+    folder = copy_fixture(tmp_path, "nanbeige")
+    (folder / "model.safetensors").rename(folder / "weights.safetensors")
+    with pytest.raises(CheckpointError, match=r"no model\.safetensors.*\(found only .*weights\.safetensors"):
+        load_adapter(folder, device="cpu")
+
+
+@pytest.mark.parametrize(
+    "options,error,message",
+    [
+        ({"dtype": 16}, TypeError, "dtype=16 must be a string or a torch dtype"),
+        ({"device": 0}, TypeError, "device=0 must be a string or a torch.device"),
+        ({"device": "gpu"}, ValueError, "device='gpu' is not a device"),
+        ({"device": "meta"}, ValueError, "device='meta' is not supported; use 'auto', 'cpu' or 'cuda"),
+    ],
+)
+def test_a_dtype_or_device_of_the_wrong_kind_is_named(options, error, message):
+    with pytest.raises(error, match=re.escape(message)):
+        load_adapter(fixture_dir("ouro"), **({"device": "cpu"} | options))
+    assert load_adapter(fixture_dir("ouro"), dtype=torch.float16, device=torch.device("cpu")).dtype == torch.float16
