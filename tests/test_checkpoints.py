@@ -299,3 +299,13 @@ def test_a_dtype_or_device_of_the_wrong_kind_is_named(options, error, message):
     with pytest.raises(error, match=re.escape(message)):
         load_adapter(fixture_dir("ouro"), **({"device": "cpu"} | options))
     assert load_adapter(fixture_dir("ouro"), dtype=torch.float16, device=torch.device("cpu")).dtype == torch.float16
+
+
+def test_a_shard_index_naming_a_shard_by_a_number_names_it(tmp_path):
+    """An index whose weight_map gives one tensor a number for its shard said only "malformed index ('<' not
+    supported between instances of 'str' and 'int')", sorting the names; it names the shard name at fault."""
+    folder = copy_fixture(tmp_path, "nanbeige")
+    weight_map = shard_weights(folder)
+    (folder / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map | {"extra": 2}}))
+    with pytest.raises(CheckpointError, match=r"index\.json: shard name 2 is not a file name inside the checkpoint"):
+        load_adapter(folder, device="cpu")

@@ -39,7 +39,7 @@ def _weight_files(folder: Path) -> list[Path]:
     if index.is_file():
         try:
             weight_map = json.loads(index.read_text())["weight_map"]
-            names = sorted(set(weight_map.values()))
+            names = sorted(set(weight_map.values()), key=str)  # a name of another type: _shard_in_folder names it
         except (json.JSONDecodeError, KeyError, TypeError, AttributeError) as exc:
             raise CheckpointError(f"{index}: malformed index ({exc})") from exc
         files = [_shard_in_folder(folder, index, name) for name in names]
