@@ -134,13 +134,29 @@ def test_item06_nanbeige_rejects_unknown_adapter_options():
         ("ouro", {"num_attention_heads": 0}, "num_attention_heads"),
         ("ouro", {"vocab_size": "abc"}, "vocab_size"),
         ("huginn", {"vocab_size": "abc", "padded_vocab_size": ...}, "vocab_size"),
+        ("huginn", {"n_heads": ...}, "missing field n_heads"),
+        ("huginn", {"rope_parameters": 50000}, "rope_parameters=50000 must be an object"),
+        ("huginn", {"rope_parameters": {"rope_theta": None}}, "missing field rope_theta"),
+        ("ouro", {"rope_parameters": {"rope_theta": 10000.0, "factor": 2.0}}, r"rope_parameters fields \['factor'\]"),
+        ("ouro", {"rope_parameters": {"rope_theta": 20000.0}, "rope_theta": 10000.0},
+         "rope_theta=10000.0 disagrees with rope_parameters.rope_theta=20000.0"),
     ],
-)
+)  # fmt: skip
 def test_item06_bad_config_values_fail_at_load_naming_the_field(tmp_path, family, changes, named):
     folder = copy_model(tmp_path, fixture_dir(family))
     edit_config(folder, **changes)
     with pytest.raises(CheckpointError, match=rf"config\.json: .*{named}"):
         load_adapter(folder, device="cpu")
+
+
+def test_an_integer_config_field_written_as_a_whole_float_is_read(tmp_path):
+    """HF configs write 4.0 for 4: the same model loads."""
+    folder = copy_model(tmp_path, fixture_dir("huginn"))
+    edit_config(folder, n_heads=4.0, n_layers_in_recurrent_block=2.0)
+    ids = torch.tensor([5, 9, 13, 200])
+    options = {"device": "cpu", "initial_state": "zeros"}
+    expected = load_adapter(fixture_dir("huginn"), **options).dense_logits(ids)
+    assert torch.equal(load_adapter(folder, **options).dense_logits(ids), expected)
 
 
 def test_item06_corrupt_tokenizer_names_the_file(tmp_path):
