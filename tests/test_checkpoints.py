@@ -308,3 +308,14 @@ def test_a_shard_index_naming_a_shard_by_a_number_names_it(tmp_path):
     (folder / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map | {"extra": 2}}))
     with pytest.raises(CheckpointError, match=r"index\.json: shard name 2 is not a file name inside the checkpoint"):
         load_adapter(folder, device="cpu")
+
+
+@pytest.mark.parametrize(
+    "text,message",
+    [('{"do_sample": true', r"Expecting ',' delimiter"), ("[2]", "expected a JSON object"), ("", "Expecting value")],
+)
+def test_a_generation_config_that_is_no_object_names_the_file(tmp_path, text, message):
+    folder = copy_fixture(tmp_path, "ouro")
+    (folder / "generation_config.json").write_text(text)
+    with pytest.raises(CheckpointError, match=rf"generation_config\.json: {message}"):
+        load_adapter(folder, device="cpu")
