@@ -259,3 +259,28 @@ def test_a_family_is_described_without_its_weights_or_not_at_all(tmp_path):
     (folder / "config.json").write_text(json.dumps(config | {"model_type": "toy_scaled_described"}))
     with pytest.raises(CheckpointError, match=rf"{folder / 'config.json'}: missing field scale$"):
         describe_adapter(folder)
+
+
+def test_two_installed_packages_providing_one_model_type_are_named(tmp_path, monkeypatch):
+    """Two packages whose entry points both claim a checkpoint's model_type: which one loads is not for an import
+    order to decide; the error names both entry points and says to uninstall all but one."""
+    import json
+
+    import pytest
+
+    from looped_spec.models.checkpoint import CheckpointError
+
+    folder = make_toy_checkpoint(tmp_path / "twice")
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps(config | {"model_type": "toy_twice"}))
+    for name in ("first", "second"):
+        dist = tmp_path / name / f"{name}_plugin-0.1.dist-info"
+        dist.mkdir(parents=True)
+        (dist / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}-plugin\nVersion: 0.1\n")
+        (dist / "entry_points.txt").write_text(f"[looped_spec.adapters]\ntoy_twice = {name}_plugin:Adapter\n")
+        monkeypatch.syspath_prepend(str(tmp_path / name))
+    with pytest.raises(
+        CheckpointError, match=r"model_type 'toy_twice': several installed packages provide it \(entry points "
+        r"'(first|second)_plugin:Adapter', '(first|second)_plugin:Adapter'.*uninstall all but one"
+    ):  # fmt: skip
+        load_adapter(folder)
