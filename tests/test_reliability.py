@@ -155,6 +155,28 @@ def test_item04_online_requests_survive_generate_and_failed_generate_queues_noth
     assert list(finished) == ["1"]  # nothing of the rejected generate() was queued
 
 
+def test_add_request_keeps_ids_apart_and_refuses_what_it_cannot_run_queueing_nothing():
+    """An id the caller chose is never given to another request, nor taken twice; a request the engine cannot run
+    (stop strings without the model's tokenizer, a sampling_params entry that is not SamplingParams) is refused with
+    the field named, and nothing of it is queued."""
+    engine = make_engine("nanbeige")  # the fixture has no tokenizer files
+    chosen = engine.add_request(PROMPTS[0], greedy(2), request_id="0")  # the first id the engine would number
+    numbered = engine.add_request(PROMPTS[1], greedy(3))
+    assert (chosen, numbered != "0") == ("0", True)
+    for request_id in ("0", numbered):
+        with pytest.raises(ValueError, match=f"request_id '{request_id}' is already in use"):
+            engine.add_request(PROMPTS[2], greedy(4), request_id=request_id)
+    with pytest.raises(ValueError, match="stop strings need the model's tokenizer files; use stop_token_ids instead"):
+        engine.add_request(PROMPTS[2], SamplingParams(max_tokens=4, stop=["x"]))
+    with pytest.raises(ValueError, match="stop strings need the model's tokenizer"):
+        engine.generate(PROMPTS[2:4], [greedy(4), SamplingParams(max_tokens=4, stop="x")])
+    with pytest.raises(TypeError, match=r"sampling_params\[1\] must be SamplingParams, got dict"):
+        engine.generate(PROMPTS[2:4], [greedy(4), {"max_tokens": 4}])
+    finished = run_to_end(engine)
+    assert {i: len(o.token_ids) for i, o in finished.items()} == {"0": 2, numbered: 3}
+    assert engine.score([]) == []  # nothing to score
+
+
 # ----- 5. preemption takes the newest request, counted by arrival -----
 def test_item05_preemption_victim_is_the_latest_arrival():
     engine = make_engine("ouro", block_size=4, num_kv_blocks=14, max_model_len=40)
@@ -311,6 +333,21 @@ def test_a_stop_token_the_tokenizer_cannot_decode_still_stops_the_request(includ
     assert (out.finish_reason, out.token_ids) == ("stop", expected[:4])  # it ends the request, as a stop token does
     assert out.stop_reason == stop
     assert out.text == "".join(chr(ord("a") + t % 26) for t in expected[:3])
+
+
+def test_a_text_the_tokenizer_cannot_decode_leaves_the_tokens_and_says_so(caplog):
+    """Without stop strings a request's text is decoded as it is reported: a tokenizer that fails there does not fail
+    the request (its token ids are the output), its text is None and a warning names the request."""
+    from looped_spec.detokenizer import IncrementalDetokenizer
+
+    expected = make_engine("ouro").generate(PROMPTS[1], greedy(6))[0].token_ids
+    engine = make_engine("ouro")
+    request_id = engine.add_request(PROMPTS[1], greedy(6))
+    engine._requests[request_id].detokenizer = IncrementalDetokenizer(TokenizerFailingOn(expected[3]))
+    with caplog.at_level("WARNING", logger="looped_spec"):
+        out = run_to_end(engine)[request_id]
+    assert (out.finish_reason, out.token_ids, out.text) == ("length", expected, None)
+    assert f"request {request_id}: cannot decode its output to text" in caplog.text
 
 
 def test_on_loop_passes_a_suspect_alone_runs_its_loops_back_to_back():
