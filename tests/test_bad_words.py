@@ -270,6 +270,20 @@ def test_bad_words_are_checked_naming_the_field():
     assert engine.num_free_blocks == engine.kv.num_blocks
 
 
+def test_a_bad_word_the_tokenizer_encodes_to_nothing_is_named():
+    """A word that a tokenizer drops altogether (here: one of characters it does not know) would ban nothing."""
+
+    class DroppingTokenizer(SpacedCharTokenizer):
+        def encode(self, text, add_special_tokens=True):
+            return [t for t in super().encode(text, add_special_tokens) if t != ord("~")]
+
+    engine = make_engine("ouro")
+    engine.tokenizer = DroppingTokenizer()
+    with pytest.raises(ValueError, match=r"bad_words\[1\] = ' ~~' encodes to no tokens"):
+        engine.generate([[1, 2]], SamplingParams(bad_words=["a", " ~~"]))
+    assert not engine.has_unfinished_requests()
+
+
 def test_the_server_takes_bad_words():
     from server_utils import ServerThread
 

@@ -392,6 +392,19 @@ def test_token_id_prompts_take_any_integer_type_and_name_the_id_that_is_not_one(
     assert not engine.has_unfinished_requests()
 
 
+def test_prompts_of_no_kind_the_engine_takes_are_named():
+    engine = make_engine("ouro")
+    params = SamplingParams(max_tokens=3)
+    for prompts, error, named in (([], ValueError, "prompts is empty"),
+                                  (7, TypeError, "prompts must be a string, token ids, a prompt dict, or a list of "
+                                   "those; got int"),
+                                  ([[5, 9], 3.5], TypeError, r"prompts\[1\] must be a string, a list of token ids or "
+                                   "a prompt dict; got float")):  # fmt: skip
+        with pytest.raises(error, match=named):
+            engine.generate(prompts, params)
+    assert not engine.has_unfinished_requests()
+
+
 def test_a_prompt_must_leave_room_to_generate_within_max_model_len():
     """A prompt of max_model_len tokens leaves no position to generate into: an error naming the prompt and the limit
     (one token shorter is taken and generates up to the limit)."""
