@@ -117,11 +117,6 @@ class BadWords:
         self.phrases = [(s[:-1], s[-1]) for s in unique if len(s) > 1]  # (prefix, last token)
         self.longest = max((len(prefix) for prefix, _ in self.phrases), default=0)
 
-    def banned(self, output: Sequence[int], drafted: Sequence[int] = ()) -> list[int]:
-        """The tokens masked at the position after `output` then `drafted` (the output tokens before it)."""
-        found = self.completing(output, drafted)
-        return sorted(set(found).union(self.single)) if found else self.single
-
     def completing(self, output: Sequence[int], drafted: Sequence[int] = ()) -> list[int]:
         """The last tokens of the words of several tokens whose prefix the output before the position ends with."""
         if not self.phrases:
