@@ -294,7 +294,5 @@ def record_exit_depth(request: Request, depth: int) -> None:
     histogram = request.metrics.exit_depth_histogram
     histogram[depth] = histogram.get(depth, 0) + 1
     index = request.num_tokens - 1 - request.num_prompt_tokens  # position num_tokens - 2, from the last prompt token
-    if index == len(request.exit_depths):
+    if index == len(request.exit_depths):  # (never below: output tokens are never taken back, a recompute commits none)
         request.exit_depths.append(depth)
-    elif 0 <= index < len(request.exit_depths):  # recomputed after preemption: the same depth again
-        request.exit_depths[index] = depth
