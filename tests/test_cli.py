@@ -290,6 +290,8 @@ def test_text_for_a_model_without_tokenizer_names_the_flag(capsys, tmp_path):
          "--repeats: times rounds, which --cost-from skips"),
         (["generate", "--model", "tiny-huginn", "--prompt", "x", "--adapter-option", "num_steps=4",
           "--adapter-option", "num_steps=12"], "num_steps is given twice"),
+        (["generate", "--model", "tiny-huginn", "--prompt", "x", "--adapter-option", "num_steps"],
+         "--adapter-option 'num_steps': expected KEY=VALUE"),
         # a fixed plan at a depth of one: the flag that asked for it is named
         (["generate", "--model", "tiny-huginn", "--prompt", "x", "--adapter-option", "num_steps=1", "--speculation",
           "3,1"], "error: --speculation: (k=3, d=1): the model runs D=1 loop"),
