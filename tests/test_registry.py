@@ -284,3 +284,18 @@ def test_two_installed_packages_providing_one_model_type_are_named(tmp_path, mon
         r"'(first|second)_plugin:Adapter', '(first|second)_plugin:Adapter'.*uninstall all but one"
     ):  # fmt: skip
         load_adapter(folder)
+
+
+def test_an_adapter_built_without_a_folder_serves_token_ids_and_refuses_text(tmp_path):
+    """A family constructed in-process from a config and weights has no folder to read tokenizer files from: token
+    ids run as from the checkpoint, a text prompt is an error saying to pass ids."""
+    import pytest
+
+    loaded = load_adapter(make_toy_checkpoint(tmp_path / "toy"), dtype="float32", device="cpu")
+    params = SamplingParams(max_tokens=4, ignore_eos=True)
+    with LoopedSpecEngine(loaded, speculation="off") as engine:
+        want = engine.generate([[1, 2, 3]], params)[0].token_ids
+    with LoopedSpecEngine(ToyLoopedAdapter(loaded.config, loaded.weights), speculation="off") as engine:
+        assert engine.generate([[1, 2, 3]], params)[0].token_ids == want
+        with pytest.raises(ValueError, match=r"prompts\[0\] is text, but the model has no tokenizer files; pass token"):
+            engine.generate("hello", params)
