@@ -225,6 +225,7 @@ def test_a_family_is_described_without_its_weights_or_not_at_all(tmp_path):
     (None: the replicas check), and its own error about an option is raised as loading raises it."""
     import pytest
 
+    from looped_spec.models import shipped_model_path
     from looped_spec.models.adapter import describe_adapter
     from looped_spec.models.checkpoint import CheckpointError
 
@@ -258,6 +259,24 @@ def test_a_family_is_described_without_its_weights_or_not_at_all(tmp_path):
     folder = make_toy_checkpoint(tmp_path / "scaled")
     (folder / "config.json").write_text(json.dumps(config | {"model_type": "toy_scaled_described"}))
     with pytest.raises(CheckpointError, match=rf"{folder / 'config.json'}: missing field scale$"):
+        describe_adapter(folder)
+
+    class LookedUpToy(ToyLoopedAdapter):  # a KeyError of its own of a field the file has: not described, and loading
+        def __init__(self, config, weights, **kwargs):  # raises it as the family's own, not as config.json's
+            super().__init__(config, weights, **kwargs)
+            self.table = {}["loops"]
+
+    register_adapter(LookedUpToy, model_type="toy_looked_up")
+    folder = make_toy_checkpoint(tmp_path / "looked_up")
+    (folder / "config.json").write_text(json.dumps(config | {"model_type": "toy_looked_up"}))
+    assert describe_adapter(folder) is None
+    with pytest.raises(KeyError, match="loops"):
+        load_adapter(folder, device="cpu")
+    folder = tmp_path / "huginn"  # a bad value in config.json is named as loading names it, before any weight
+    folder.mkdir()
+    huginn = json.loads((shipped_model_path("tiny-huginn") / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps(huginn | {"n_heads": 0}))
+    with pytest.raises(CheckpointError, match=rf"{folder / 'config.json'}: n_heads=0 must be >= 1"):
         describe_adapter(folder)
 
 
