@@ -182,7 +182,7 @@ class SamplingParams(BaseModel):
     structured_outputs: StructuredOutputs | None = Field(
         None,
         description="A grammar the output follows (a JSON schema, any JSON object, a regex, a choice of strings or a "
-        "Lark grammar; structured_output.py); the request ends once it is complete. None = free text.",
+        "Lark or GBNF grammar; structured_output.py); the request ends once it is complete. None = free text.",
     )
     reasoning_end_token_ids: list[Integer] | None = Field(
         None,

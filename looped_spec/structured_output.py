@@ -1,5 +1,5 @@
 """Structured outputs: a grammar (a JSON schema, any JSON object, a regular expression, a choice of strings, or a Lark
-grammar) that every generated token keeps satisfiable, as vLLM's `structured_outputs`.
+or GBNF grammar) that every generated token keeps satisfiable, as vLLM's `structured_outputs`.
 
 llguidance matches token sequences against the grammar. At every position the sampler masks the tokens that would
 break it (execution/sampler.py); a request ends ("stop") once its grammar is complete. A speculative position's mask
@@ -17,6 +17,7 @@ masks the later draft positions with the grammar advanced by the drafts after th
 from __future__ import annotations
 
 import json
+import re
 import threading
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -46,7 +47,9 @@ class StructuredOutputs(BaseModel):
     json_object: bool = Field(False, description="Any JSON object.")
     regex: str | None = Field(None, description="A regular expression the whole output matches.")
     choice: list[str] | None = Field(None, min_length=1, description="One of these strings, exactly.")
-    grammar: str | None = Field(None, description="A context-free grammar in Lark syntax (llguidance's dialect).")
+    grammar: str | None = Field(
+        None, description="A context-free grammar in Lark syntax (llguidance's dialect), or in GBNF (`root ::= ...`)."
+    )
 
     @model_validator(mode="after")
     def _exactly_one(self) -> StructuredOutputs:
@@ -85,7 +88,23 @@ class StructuredOutputs(BaseModel):
             return LLMatcher.grammar_from_regex(self.regex)
         if kind == "choice":  # Lark string literals take JSON's escapes
             return LLMatcher.grammar_from_lark("start: " + " | ".join(json.dumps(text) for text in self.choice))
+        if GBNF_RULE.search(self.grammar):
+            return LLMatcher.grammar_from_lark(gbnf_as_lark(self.grammar))
         return LLMatcher.grammar_from_lark(self.grammar)
+
+
+#: a GBNF rule (llama.cpp's EBNF, `name ::= ...`), which no Lark grammar writes at the start of a line
+GBNF_RULE = re.compile(r"(?m)^\s*[A-Za-z][\w-]*\s*::=")
+
+
+def gbnf_as_lark(grammar: str) -> str:
+    """A GBNF grammar (vLLM's docs write them so: xgrammar's EBNF, which llguidance also reads) in Lark."""
+    from llguidance.gbnf_to_lark import gbnf_to_lark
+
+    try:
+        return gbnf_to_lark(grammar)
+    except Exception as exc:  # llguidance's GbnfToLarkError, and anything its converter trips on
+        raise ValueError(f"GBNF: {' '.join(str(exc).split())}") from exc
 
 
 class GrammarCompiler:

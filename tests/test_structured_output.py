@@ -77,6 +77,22 @@ def test_greedy_and_sampled_outputs_follow_their_grammar_and_end_with_it(kind):
     assert finished >= len(PROMPTS) // 2
 
 
+def test_a_gbnf_grammar_as_vllms_docs_write_them_constrains_as_its_lark_equal():
+    """vLLM's structured outputs docs write grammars in GBNF (`root ::= ...`, which its xgrammar and guidance backends
+    read): the same language in Lark gives the same outputs, greedy and seeded samples alike (it was a Lark parse
+    error at the first `::=`)."""
+    plain = engine("tiny-ouro", speculation="off")
+    gbnf = StructuredOutputs(grammar='root ::= "(" item (", " item)* ")"\nitem ::= [a-c]')
+    for temperature in (0.0, 1.0):
+        params = SamplingParams(max_tokens=48, temperature=temperature, seed=3)
+        want, got = (
+            plain.generate(PROMPTS, params.model_copy(update={"structured_outputs": g}))
+            for g in (GRAMMARS["grammar"], gbnf)
+        )
+        assert [o.token_ids for o in got] == [o.token_ids for o in want]
+        assert any(o.finish_reason == "stop" and follows("grammar", o.text) for o in got)
+
+
 @pytest.mark.parametrize("model", SHIPPED)
 def test_greedy_speculation_with_a_grammar_is_plain_decoding_with_it(model):
     """The draft masks what the target masks at each position (the grammar advanced by the drafts before it), so
@@ -164,6 +180,7 @@ def test_grammar_errors_name_the_field():
     cases = [({"json": "{not json"}, "structured_outputs.json"),
              ({"json": {"type": "bogus"}}, "structured_outputs.json"), ({"regex": "(a"}, "structured_outputs.regex"),
              ({"grammar": "start: foo"}, "structured_outputs.grammar"),
+             ({"grammar": "root ::= ("}, "structured_outputs.grammar: GBNF"),
              # no text satisfies them: found at the first mask, which the compiler computes (they failed at generation)
              ({"regex": "a[^\\s\\S]b"}, "structured_outputs.regex: no text satisfies the grammar"),
              ({"json": {"$ref": "#/$defs/a", "$defs": {"a": {"$ref": "#/$defs/b"}, "b": {"$ref": "#/$defs/a"}}}},
