@@ -664,6 +664,33 @@ def test_what_openai_refuses_is_refused_naming_the_field(server, client, monkeyp
     assert client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=2).usage.completion_tokens == 2
 
 
+def test_vllm_scripts_fields_this_server_lacks_say_what_stands_for_them(server, client):
+    """A vLLM user's script sends vLLM's own fields in extra_body: its guided_* fields (vLLM's docs until 0.12, now
+    structured_outputs) and beam search's are a 400 naming the field and what to send instead, never a guess at
+    another field ('length_penalty': did you mean 'presence_penalty'?)."""
+    messages = [{"role": "user", "content": "Classify this sentiment: vLLM is wonderful!"}]
+    for extra, field, told in (
+        ({"guided_choice": ["positive", "negative"]}, "guided_choice", 'structured_outputs: {"choice": ...}'),
+        ({"guided_json": {"type": "object"}}, "guided_json", 'structured_outputs: {"json": ...}'),
+        ({"guided_regex": "a+"}, "guided_regex", 'structured_outputs: {"regex": ...}'),
+        ({"guided_grammar": 'root ::= "a"'}, "guided_grammar", 'structured_outputs: {"grammar": ...}'),
+        ({"guided_decoding_backend": "xgrammar"}, "guided_decoding_backend", "leave it out"),
+        ({"use_beam_search": True}, "use_beam_search", "beam search is not offered"),
+        ({"length_penalty": 1.0}, "length_penalty", "beam search is not offered"),
+    ):
+        for create, prompt in ((client.chat.completions.create, {"messages": messages}),
+                               (client.completions.create, {"prompt": "a"})):  # fmt: skip
+            with pytest.raises(openai.BadRequestError) as refused:
+                create(model=MODEL, max_tokens=2, extra_body=extra, **prompt)
+            error = refused.value.body
+            assert error["param"] == field and error["message"].startswith(f"{field} ("), error
+            assert told in error["message"] and "did you mean" not in error["message"], error
+    # what the hint says to send runs
+    choice = {"structured_outputs": {"choice": ["positive", "negative"]}}
+    answer = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=8, extra_body=choice)
+    assert answer.choices[0].message.content in ("positive", "negative")
+
+
 def test_an_engine_refusal_inside_a_stream_is_an_error_event(server, monkeypatch):
     """Once a stream's headers are sent, a request the engine's worker refuses ends with a 400 error event and
     [DONE], not a cut connection."""
