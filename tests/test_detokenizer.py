@@ -149,6 +149,29 @@ def test_offline_requests_and_the_server_read_generation_config_alike(tmp_path):
         assert served.min_p == file.get("min_p", 0.0)
 
 
+def test_get_default_sampling_params_are_the_checkpoints_as_vllms_llm_gives_them(tmp_path):
+    """vLLM's `llm.get_default_sampling_params()` (its offline examples start from it): the checkpoint's
+    generation_config.json sampling defaults as SamplingParams, which sample as a request that leaves them unset does;
+    SamplingParams() without the file."""
+    import shutil
+
+    from looped_spec import LoopedSpecEngine, SamplingParams
+    from looped_spec.models import shipped_model_path
+
+    assert LoopedSpecEngine("tiny-nanbeige", speculation="off").get_default_sampling_params() == SamplingParams()
+    folder = tmp_path / "sampling"
+    shutil.copytree(shipped_model_path("tiny-nanbeige"), folder)
+    file = {"do_sample": True, "temperature": 0.6, "top_k": 20, "repetition_penalty": 1.1, "max_new_tokens": 5}
+    (folder / "generation_config.json").write_text(json.dumps(file))
+    engine = LoopedSpecEngine(str(folder), speculation="off")
+    defaults = engine.get_default_sampling_params()
+    assert defaults == SamplingParams(temperature=0.6, top_k=20, repetition_penalty=1.1, max_tokens=5)
+    prompts = [[1, 2, 3], [4, 5]]
+    unset = engine.generate(prompts, [SamplingParams(seed=s) for s in (1, 2)])
+    given = engine.generate(prompts, [defaults.model_copy(update={"seed": s}) for s in (1, 2)])
+    assert [o.token_ids for o in given] == [o.token_ids for o in unset]
+
+
 def test_a_sampling_filter_given_while_decoding_greedily_is_an_error(tmp_path):
     """top_k / top_p / min_p with the temperature left unset: this engine's default temperature is 0 (vLLM's 1), so
     they would do nothing; an error naming the filter, where a vLLM script would sample. A temperature given (0 as

@@ -428,6 +428,12 @@ class LoopedSpecEngine:
         return outputs
 
     # ----- offline API -----
+    def get_default_sampling_params(self) -> SamplingParams:
+        """vLLM's `LLM.get_default_sampling_params`: the checkpoint's generation_config.json sampling defaults (what
+        a request leaves unset gets) as SamplingParams; `SamplingParams()` without the file. SamplingParams is frozen:
+        `model_copy(update={...})` changes a field (vLLM's is changed in place)."""
+        return SamplingParams(**self.adapter.generation.sampling_defaults())
+
     def generate(
         self, prompts: Any, sampling_params: SamplingParams | list[SamplingParams] | None = None,
         use_tqdm: bool = False, priority: list[int] | None = None, *,
