@@ -177,6 +177,34 @@ def test_add_request_keeps_ids_apart_and_refuses_what_it_cannot_run_queueing_not
     assert engine.score([]) == []  # nothing to score
 
 
+@pytest.mark.parametrize(
+    "bad, message",
+    [
+        (SamplingParams(max_tokens=4, stop=["x"]), "stop strings need the model's tokenizer files"),
+        (SamplingParams(max_tokens=4, allowed_token_ids=[5, 10**6]), "allowed_token_ids"),
+        (SamplingParams(max_tokens=4, bad_words=["x"]), "bad_words: the model has no tokenizer files"),
+        (SamplingParams(max_tokens=4, top_k=5), "top_k=5: the temperature is unset"),
+        (SamplingParams(max_tokens=4, stop_token_ids=[10**6]), "stop_token_ids"),
+        (SamplingParams(max_tokens=4, logit_bias={10**6: 1.0}), "logit_bias"),
+    ],
+)
+def test_generate_names_the_sampling_params_entry_at_fault_and_queues_nothing(bad, message):
+    """A list of SamplingParams, one per prompt: a bad entry's error names it (`sampling_params[2]: ...`), as a bad
+    prompt's names `prompts[i]`; one SamplingParams for every prompt keeps the field's own message. Nothing of the
+    call is queued either way."""
+    engine = make_engine("nanbeige")  # the fixture has no tokenizer files
+    online = engine.add_request(PROMPTS[0], greedy(2))
+    with pytest.raises((ValueError, TypeError), match=r"^sampling_params\[2\]: " + message):
+        engine.generate(PROMPTS[:3], [greedy(4), greedy(4), bad])
+    with pytest.raises((ValueError, TypeError)) as single:
+        engine.generate(PROMPTS[:3], bad)
+    assert str(single.value).startswith(message.split(":")[0]) and "sampling_params" not in str(single.value)
+    with pytest.raises((ValueError, TypeError), match=r"^prompts\[1\]"):  # a prompt's error is named as before
+        engine.generate([PROMPTS[0], [10**6]], [greedy(4), bad])
+    finished = run_to_end(engine)
+    assert list(finished) == [online]  # nothing of the rejected calls was queued
+
+
 # ----- 5. preemption takes the newest request, counted by arrival -----
 def test_item05_preemption_victim_is_the_latest_arrival():
     engine = make_engine("ouro", block_size=4, num_kv_blocks=14, max_model_len=40)

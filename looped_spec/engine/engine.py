@@ -33,6 +33,7 @@ from looped_spec.engine.inputs import (
     check_vocabulary,
     end_tokens,
     load_tokenizer,
+    naming,
     normalize_prompts,
     prompt_text,
     split_prompt,
@@ -222,27 +223,11 @@ class LoopedSpecEngine:
 
     def _new_request(
         self, prompt: Any, params: Any, request_id: str | None, where: str = "prompt", taken: set[str] = frozenset(),
-        priority: Any = 0, priority_field: str = "priority",
+        priority: Any = 0, priority_field: str = "priority", params_where: str | None = None,
     ) -> Request:  # fmt: skip
-        """A validated Request, not yet queued. `taken`: ids claimed by requests about to be queued with it."""
+        """A validated Request, not yet queued. `taken`: ids claimed by requests about to be queued with it.
+        `params_where`: what an error in `params` is named by (`sampling_params[2]`, one of a list), None: its field."""
         self.check_priority(priority, priority_field)
-        params = params or SamplingParams()
-        if not isinstance(params, SamplingParams):
-            # vLLM's LLMEngine.add_request(request_id, prompt, params) puts the id first: a text there lands here
-            order = (" (add_request takes (prompt, params, request_id): vLLM's LLMEngine puts request_id first)"
-                     if isinstance(params, str) else "")  # fmt: skip
-            raise TypeError(f"params must be SamplingParams, got {type(params).__name__}{order}")
-        # the checkpoint's generation_config.json sampling defaults fill the fields the caller did not set
-        defaults = self.adapter.generation.sampling_defaults()
-        given = set(params.model_fields_set)
-        unset = {key: value for key, value in defaults.items() if key not in given}
-        if unset:
-            params = params.model_copy(update=unset)
-            # max_tokens from the file (model_copy validates nothing)
-            if params.max_tokens is not None and params.min_tokens > params.max_tokens:
-                raise ValueError(f"min_tokens={params.min_tokens} is more than max_tokens={params.max_tokens}, the "
-                                 "checkpoint's generation_config.json max_new_tokens: set max_tokens")  # fmt: skip
-        check_filters_sample(params, given)
         _, cache_salt = split_prompt(prompt, where)  # a prompt dict's salt (and its keys checked)
         ids = to_token_ids(prompt, self.tokenizer, self.adapter.vocab_size, where=where)
         check_prompt_room(len(ids), self.max_model_len, where)
@@ -253,39 +238,57 @@ class LoopedSpecEngine:
         request_id = str(request_id)
         if request_id in self._requests or request_id in taken:
             raise ValueError(f"request_id {request_id!r} is already in use")
-        check_vocabulary(params.stop_token_ids, self.adapter.vocab_size, "stop_token_ids")
-        stops = set(params.stop_token_ids) | set(self.eos_token_ids)  # masked before min_tokens, ignore_eos or not
-        if params.min_tokens and len(stops) >= self.adapter.vocab_size:
-            raise ValueError(f"min_tokens={params.min_tokens}: every token of the vocabulary is a stop token (eos and "
-                             "stop_token_ids), so none may be sampled before min_tokens")  # fmt: skip
-        check_bias_tokens(params.logit_bias, self.adapter.vocab_size)
-        check_top_count(params.logprobs, self.adapter.vocab_size, "logprobs")
-        check_top_count(params.prompt_logprobs, self.adapter.vocab_size, "prompt_logprobs")
-        if params.allowed_token_ids is not None:
-            check_vocabulary(params.allowed_token_ids, self.adapter.vocab_size, "allowed_token_ids")
-            if params.min_tokens and set(params.allowed_token_ids) <= stops:
-                raise ValueError(f"allowed_token_ids: every one is a stop token (eos or stop_token_ids), so none "
-                                 f"may be sampled before min_tokens={params.min_tokens}")  # fmt: skip
-        bad_words = bad_word_token_ids(params.bad_words, self.tokenizer, self.adapter.vocab_size) if params.bad_words \
-            else []  # fmt: skip
-        if bad_words:
-            check_bad_word_room(bad_words, params.allowed_token_ids, params.min_tokens, stops, self.adapter.vocab_size)
-        if params.stop and self.tokenizer is None:
-            raise ValueError("stop strings need the model's tokenizer files; use stop_token_ids instead")
-        exit_threshold, exit_at_step = self.resolve_exit(params)
-        seed = params.seed if params.seed is not None else self._rng.randrange(2**31)
-        grammar = None
-        if params.structured_outputs is not None:
-            gate = params.reasoning_end_token_ids
-            if gate is not None:
-                check_vocabulary(gate, self.adapter.vocab_size, "reasoning_end_token_ids")
-            elif self.reasoning is not None:  # the grammar starts after the reasoning (looped_spec/reasoning.py)
-                gate = self.reasoning.grammar_gate(self.tokenizer, self.adapter.vocab_size, ids)
-            grammar = self._grammars.compile(params.structured_outputs, gate=gate or ())
-        detokenizer = None
-        if self.tokenizer is not None:
-            detokenizer = IncrementalDetokenizer(self.tokenizer, params.stop, params.skip_special_tokens,
-                                                 params.include_stop_str_in_output, ids)  # fmt: skip
+        with naming(params_where):  # every error below is about params
+            params = params or SamplingParams()
+            if not isinstance(params, SamplingParams):
+                # vLLM's LLMEngine.add_request(request_id, prompt, params) puts the id first: a text there lands here
+                order = (" (add_request takes (prompt, params, request_id): vLLM's LLMEngine puts request_id first)"
+                         if isinstance(params, str) else "")  # fmt: skip
+                raise TypeError(f"params must be SamplingParams, got {type(params).__name__}{order}")
+            # the checkpoint's generation_config.json sampling defaults fill the fields the caller did not set
+            defaults = self.adapter.generation.sampling_defaults()
+            given = set(params.model_fields_set)
+            unset = {key: value for key, value in defaults.items() if key not in given}
+            if unset:
+                params = params.model_copy(update=unset)
+                # max_tokens from the file (model_copy validates nothing)
+                if params.max_tokens is not None and params.min_tokens > params.max_tokens:
+                    raise ValueError(f"min_tokens={params.min_tokens} is more than max_tokens={params.max_tokens}, the "
+                                     "checkpoint's generation_config.json max_new_tokens: set max_tokens")  # fmt: skip
+            check_filters_sample(params, given)
+            check_vocabulary(params.stop_token_ids, self.adapter.vocab_size, "stop_token_ids")
+            stops = set(params.stop_token_ids) | set(self.eos_token_ids)  # masked before min_tokens, ignore_eos or not
+            if params.min_tokens and len(stops) >= self.adapter.vocab_size:
+                raise ValueError(f"min_tokens={params.min_tokens}: every token of the vocabulary is a stop token (eos "
+                                 "and stop_token_ids), so none may be sampled before min_tokens")  # fmt: skip
+            check_bias_tokens(params.logit_bias, self.adapter.vocab_size)
+            check_top_count(params.logprobs, self.adapter.vocab_size, "logprobs")
+            check_top_count(params.prompt_logprobs, self.adapter.vocab_size, "prompt_logprobs")
+            if params.allowed_token_ids is not None:
+                check_vocabulary(params.allowed_token_ids, self.adapter.vocab_size, "allowed_token_ids")
+                if params.min_tokens and set(params.allowed_token_ids) <= stops:
+                    raise ValueError(f"allowed_token_ids: every one is a stop token (eos or stop_token_ids), so none "
+                                     f"may be sampled before min_tokens={params.min_tokens}")  # fmt: skip
+            vocab_size = self.adapter.vocab_size
+            bad_words = bad_word_token_ids(params.bad_words, self.tokenizer, vocab_size) if params.bad_words else []
+            if bad_words:
+                check_bad_word_room(bad_words, params.allowed_token_ids, params.min_tokens, stops, vocab_size)
+            if params.stop and self.tokenizer is None:
+                raise ValueError("stop strings need the model's tokenizer files; use stop_token_ids instead")
+            exit_threshold, exit_at_step = self.resolve_exit(params)
+            seed = params.seed if params.seed is not None else self._rng.randrange(2**31)
+            grammar = None
+            if params.structured_outputs is not None:
+                gate = params.reasoning_end_token_ids
+                if gate is not None:
+                    check_vocabulary(gate, self.adapter.vocab_size, "reasoning_end_token_ids")
+                elif self.reasoning is not None:  # the grammar starts after the reasoning (looped_spec/reasoning.py)
+                    gate = self.reasoning.grammar_gate(self.tokenizer, self.adapter.vocab_size, ids)
+                grammar = self._grammars.compile(params.structured_outputs, gate=gate or ())
+            detokenizer = None
+            if self.tokenizer is not None:
+                detokenizer = IncrementalDetokenizer(self.tokenizer, params.stop, params.skip_special_tokens,
+                                                     params.include_stop_str_in_output, ids)  # fmt: skip
         text = prompt_text(prompt)
         request = Request(
             request_id, next(self._arrivals), ids, params, seed, self.eos_token_ids, self.max_model_len,
@@ -466,8 +469,10 @@ class LoopedSpecEngine:
         try:
             for i, (prompt, p, rank) in enumerate(zip(items, params_list, priorities)):
                 taken = {r.request_id for r in requests}
-                requests.append(self._new_request(prompt, p, None, where=f"prompts[{i}]", taken=taken, priority=rank,
-                                                  priority_field=f"priority[{i}]"))  # fmt: skip
+                requests.append(self._new_request(
+                    prompt, p, None, where=f"prompts[{i}]", taken=taken, priority=rank, priority_field=f"priority[{i}]",
+                    params_where=f"sampling_params[{i}]" if isinstance(params, list) else None,
+                ))  # fmt: skip
         except BaseException:
             self._rng.setstate(rng_state)  # a rejected call leaves the engine as it was, seeds included
             raise

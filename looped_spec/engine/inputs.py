@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import numbers
 import operator
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, TypedDict
 
@@ -270,6 +272,18 @@ def to_token_ids(prompt: Prompt, tokenizer, vocab_size: int, where: str = "promp
 
 #: The sampling filters and their neutral values
 SAMPLING_FILTERS = (("top_k", (0, -1)), ("top_p", (1.0,)), ("min_p", (0.0,)))
+
+
+@contextmanager
+def naming(where: str | None) -> Iterator[None]:
+    """Prefix a ValueError / TypeError raised inside with `where` (`sampling_params[2]: top_k=5: ...`: which entry of
+    a list is at fault), its class and traceback kept; `where` None leaves it as raised."""
+    try:
+        yield
+    except (ValueError, TypeError) as exc:
+        if where is not None and exc.args and isinstance(exc.args[0], str):
+            exc.args = (f"{where}: {exc.args[0]}", *exc.args[1:])
+        raise
 
 
 def check_filters_sample(params: SamplingParams, given: set[str]) -> None:
