@@ -132,6 +132,12 @@ def test_chat_errors_name_what_is_wrong(engine):
         engine.chat(ASK, GREEDY, chat_template_kwargs=["enable_thinking"])
     with pytest.raises(TypeError, match="^tools: a list of tools"):
         engine.chat(ASK, GREEDY, tools={"type": "function"})
+    # a bad SamplingParams: named as the entry of a list given per conversation, as its field alone when one is given
+    top_k = SamplingParams(max_tokens=2, top_k=5)
+    with pytest.raises(ValueError, match=r"^sampling_params\[1\]: top_k=5: the temperature is unset"):
+        engine.chat([ASK, ASK], [GREEDY, top_k])
+    with pytest.raises(ValueError, match="^top_k=5: the temperature is unset"):
+        engine.chat([ASK, ASK], top_k)
     with LoopedSpecEngine("tiny-huginn", speculation="off", max_model_len=128) as bare:  # no template of its own
         with pytest.raises(NoChatTemplateError, match="chat_template="):
             bare.chat(ASK, GREEDY)

@@ -548,10 +548,9 @@ class LoopedSpecEngine:
             if not ids:
                 raise ValueError(f"{where}: the chat template renders an empty prompt")
             check_prompt_room(len(ids), self.max_model_len, f"{where}: its rendered prompt")
-        params_list = params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
-        if len(params_list) != len(prompts):
-            raise ValueError(f"sampling_params: {len(params_list)} SamplingParams for {len(prompts)} conversations")
-        outputs = self.generate(prompts, params_list, use_tqdm=use_tqdm)
+        if isinstance(params, list) and len(params) != len(prompts):
+            raise ValueError(f"sampling_params: {len(params)} SamplingParams for {len(prompts)} conversations")
+        outputs = self.generate(prompts, params, use_tqdm=use_tqdm)  # one for all keeps its errors unnumbered
         for output, (text, _) in zip(outputs, rendered):
             output.prompt = text  # the rendered conversation, as vLLM's LLM.chat reports it
         return outputs
