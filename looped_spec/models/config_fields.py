@@ -28,17 +28,20 @@ def int_field(config: dict, key: str, default: Any = _MISSING, minimum: int = 1)
     return value
 
 
-def float_field(config: dict, key: str, default: Any = _MISSING, positive: bool = True) -> float:
-    """A finite number (> 0 when `positive`)."""
+def float_field(
+    config: dict, key: str, default: Any = _MISSING, positive: bool = True, name: str | None = None
+) -> float:
+    """A finite number (> 0 when `positive`); errors call it `name` (a nested field's path), else `key`."""
     value = config.get(key, _MISSING)
+    name = name or key
     if value is _MISSING or value is None:
         if default is _MISSING:
-            raise ValueError(f"missing field {key}")
+            raise ValueError(f"missing field {name}")
         return default
     if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value):
-        raise ValueError(f"{key}={value!r} must be a finite number")
+        raise ValueError(f"{name}={value!r} must be a finite number")
     if positive and value <= 0:
-        raise ValueError(f"{key}={value} must be > 0")
+        raise ValueError(f"{name}={value} must be > 0")
     return float(value)
 
 
@@ -79,7 +82,7 @@ def rope_theta(config: dict, default: float, key: str = "rope_theta") -> float:
         if unknown:
             raise ValueError(f"rope_parameters fields {unknown} are not supported (only rope_theta, rope_type)")
         if "rope_theta" in params:
-            theta = float_field(params, "rope_theta")
+            theta = float_field(params, "rope_theta", name="rope_parameters.rope_theta")
     top = float_field(config, key, None)
     if theta is not None and top is not None and theta != top:
         raise ValueError(f"{key}={top} disagrees with rope_parameters.rope_theta={theta}")
