@@ -279,9 +279,21 @@ def test_a_corrupt_safetensors_file_names_the_file(tmp_path):
 
 
 def test_weights_under_another_file_name_are_named(tmp_path):
-    folder = copy_fixture(tmp_path, "nanbeige")
+    """The safetensors files found are listed, in a sentence for one or several."""
+    folder = copy_fixture(tmp_path, "nanbeige")  # beside its model.safetensors, the fixture's reference.safetensors
     (folder / "model.safetensors").rename(folder / "weights.safetensors")
-    with pytest.raises(CheckpointError, match=r"no model\.safetensors.*\(found only .*weights\.safetensors"):
+    with pytest.raises(CheckpointError, match=r"no model\.safetensors.*\(found only reference\.safetensors and "
+                                              r"weights\.safetensors, neither of which is a weights file name "
+                                              r"looped-spec reads\)"):  # fmt: skip
+        load_adapter(folder, device="cpu")
+    (folder / "a.safetensors").write_bytes(b"")
+    with pytest.raises(CheckpointError, match=r"\(found only a\.safetensors, reference\.safetensors and "
+                                              r"weights\.safetensors, none of which is a weights"):  # fmt: skip
+        load_adapter(folder, device="cpu")
+    (folder / "a.safetensors").unlink()
+    (folder / "reference.safetensors").unlink()
+    with pytest.raises(CheckpointError, match=r"\(found only weights\.safetensors, which is not a weights file name "
+                                              r"looped-spec reads\)"):  # fmt: skip
         load_adapter(folder, device="cpu")
 
 

@@ -60,7 +60,11 @@ def _weight_files(folder: Path) -> list[Path]:
             "(pickle can run arbitrary code). Convert the checkpoint to safetensors first."
         )
     others = sorted(p.name for p in folder.glob("*.safetensors"))
-    found = f" (found only {', '.join(others)}, which is not a weights file name looped-spec reads)" if others else ""
+    found = ""
+    if others:
+        listed = others[0] if len(others) == 1 else f"{', '.join(others[:-1])} and {others[-1]}"
+        which = {1: "which is not", 2: "neither of which is"}.get(len(others), "none of which is")
+        found = f" (found only {listed}, {which} a weights file name looped-spec reads)"
     raise CheckpointError(
         f"{folder}: no model.safetensors, model.safetensors.index.json or model-XXXXX-of-XXXXX.safetensors shards"
         + found
