@@ -364,9 +364,13 @@ def _load_entry_point(model_type: str) -> None:
 
     entries = list(entry_points(group=ENTRY_POINT_GROUP, name=model_type))
     if len(entries) > 1:
+        # the distribution an entry point came from (importlib.metadata gives it): the name to uninstall
+        packages = [getattr(getattr(e, "dist", None), "name", None) for e in entries]
+        listed = ", ".join(repr(e.value) + (f" (package {p})" if p else "") for e, p in zip(entries, packages))
+        which = f" of the packages {', '.join(dict.fromkeys(p for p in packages if p))}" if any(packages) else ""
         raise CheckpointError(
-            f"model_type {model_type!r}: several installed packages provide it (entry points "
-            f"{', '.join(repr(e.value) for e in entries)} in group {ENTRY_POINT_GROUP!r}); uninstall all but one"
+            f"model_type {model_type!r}: several installed packages provide it (entry points {listed} in group "
+            f"{ENTRY_POINT_GROUP!r}); uninstall all but one{which}"
         )
     for entry in entries:
         try:
