@@ -261,6 +261,7 @@ class Request:
         self.num_emitted = 0  # output tokens already reported by step()
         self.prompt_text = prompt_text
         self.detokenizer = detokenizer  # None without a tokenizer; checks `params.stop` strings
+        self.decode_failed = False  # its text could not be decoded once (warned of then, not at every later step)
         # early exit (the engine resolves them against the model): the rule's threshold, None when no rule
         # can fire, and a fixed depth, None for "up to D"
         self.exit_threshold: float | None = None

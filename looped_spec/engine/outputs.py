@@ -25,7 +25,9 @@ def request_output(request: Request) -> RequestOutput:
             new_text = detok.stream_delta(request.finished)
             so_far = detok.sent_text
         except Exception as exc:  # the token ids are the output; text is a convenience that must not wedge
-            logger.warning("request %s: cannot decode its output to text: %r", request.request_id, exc)
+            if not request.decode_failed:  # once a request, not again at every later step that reports it
+                logger.warning("request %s: cannot decode its output to text: %r", request.request_id, exc)
+                request.decode_failed = True
             text, new_text, so_far = None, "", ""
     output_ids = request.output_token_ids
     new_ids = output_ids[request.num_emitted :]
