@@ -675,8 +675,6 @@ def test_vllm_scripts_fields_this_server_lacks_say_what_stands_for_them(server, 
         ({"guided_regex": "a+"}, "guided_regex", 'structured_outputs: {"regex": ...}'),
         ({"guided_grammar": 'root ::= "a"'}, "guided_grammar", 'structured_outputs: {"grammar": ...}'),
         ({"guided_decoding_backend": "xgrammar"}, "guided_decoding_backend", "leave it out"),
-        ({"use_beam_search": True}, "use_beam_search", "beam search is not offered"),
-        ({"length_penalty": 1.0}, "length_penalty", "beam search is not offered"),
     ):
         for create, prompt in ((client.chat.completions.create, {"messages": messages}),
                                (client.completions.create, {"prompt": "a"})):  # fmt: skip
@@ -689,6 +687,31 @@ def test_vllm_scripts_fields_this_server_lacks_say_what_stands_for_them(server, 
     choice = {"structured_outputs": {"choice": ["positive", "negative"]}}
     answer = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=8, extra_body=choice)
     assert answer.choices[0].message.content in ("positive", "negative")
+
+
+def test_vllm_beam_search_fields_at_their_neutral_values_change_nothing(server, client):
+    """vLLM's clients may send beam search's fields at vLLM's defaults, use_beam_search false and length_penalty 1.0
+    (or null, unset): taken on both endpoints as sampling without them; any other value is a 400 naming the field,
+    as beam search is not offered here (vLLM ignores a length_penalty without beam search; here it would be ignored
+    silently, so it is refused)."""
+    messages = [{"role": "user", "content": "Classify this sentiment: vLLM is wonderful!"}]
+    endpoints = (
+        (client.chat.completions.create, {"messages": messages}, lambda answer: answer.choices[0].message.content),
+        (client.completions.create, {"prompt": PROMPT}, lambda answer: answer.choices[0].text),
+    )
+    for create, prompt, text in endpoints:
+        plain = text(create(model=MODEL, max_tokens=4, temperature=0, **prompt))
+        for neutral in ({"use_beam_search": False, "length_penalty": 1.0}, {"length_penalty": 1},
+                        {"use_beam_search": None, "length_penalty": None}):  # fmt: skip
+            assert text(create(model=MODEL, max_tokens=4, temperature=0, extra_body=neutral, **prompt)) == plain
+        for extra, field in (({"use_beam_search": True}, "use_beam_search"),
+                             ({"length_penalty": 2.0}, "length_penalty"),
+                             ({"length_penalty": 0.5, "use_beam_search": False}, "length_penalty")):  # fmt: skip
+            with pytest.raises(openai.BadRequestError) as refused:
+                create(model=MODEL, max_tokens=2, extra_body=extra, **prompt)
+            error = refused.value.body
+            assert error["param"] == field and error["message"].startswith(f"{field}: "), error
+            assert "beam search is not offered here" in error["message"], error
 
 
 def test_an_engine_refusal_inside_a_stream_is_an_error_event(server, monkeypatch):

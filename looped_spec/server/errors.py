@@ -21,14 +21,12 @@ VLLM_SERVER_FIELDS = {
     "prompt_logprobs": "not served here: on /v1/completions, echo with logprobs returns the prompt's scores (the first "
     "null; max_tokens 0 scores without generating); offline, SamplingParams.prompt_logprobs",
 }
-# vLLM's older structured-output fields (in its docs until 0.12; a guess named another field or none), beam search's
+# vLLM's older structured-output fields (in its docs until 0.12; a guess named another field or none)
 VLLM_SERVER_FIELDS |= {f"guided_{kind}": f'vLLM\'s older name: send structured_outputs: {{"{kind}": ...}}'
                        for kind in ("json", "regex", "choice", "grammar")}  # fmt: skip
 VLLM_SERVER_FIELDS |= {
     "guided_decoding_backend": "not a field here: leave it out (the grammar backend is the server's; vLLM 0.12 "
     "dropped it too)",
-    "use_beam_search": "not supported: beam search is not offered here",
-    "length_penalty": "not supported: beam search is not offered here",
 }
 
 #: OpenAI's request fields this server does not serve: named as sent, never taken for a misspelling of another

@@ -1,10 +1,11 @@
 """OpenAI request and response schemas for the fields looped-spec supports (pydantic at the boundary).
 
 Requests forbid unknown fields, so an unsupported OpenAI option (`functions`, ...) is a 400 naming it rather than
-silently ignored; options whose effect is not built (completions' `best_of` and `suffix`) are taken only at their
-neutral values (1, empty), which change nothing (clients such as benchmark harnesses send them), and any other value
-is a 400 naming the field. Requests are strict about types as OpenAI is (`"max_tokens": "5"` or `"logprobs": true` on
-completions is a 400, not a silent conversion); a null field is an unset one, as OpenAI's schema has it.
+silently ignored; options whose effect is not built (completions' `best_of` and `suffix`, vLLM's `use_beam_search`
+and `length_penalty`) are taken only at their neutral values (1, empty, false, 1.0), which change nothing (clients
+such as benchmark harnesses send them), and any other value is a 400 naming the field. Requests are strict about
+types as OpenAI is (`"max_tokens": "5"` or `"logprobs": true` on completions is a 400, not a silent conversion); a
+null field is an unset one, as OpenAI's schema has it.
 Extensions beyond OpenAI's schema, as in vLLM: `top_k`, `min_p`,
 `repetition_penalty`, `ignore_eos`, `stop_token_ids`, `min_tokens`, `include_stop_str_in_output`,
 `skip_special_tokens`, `bad_words`, `structured_outputs` (OpenAI's `response_format` too), `priority`, `cache_salt`,
@@ -128,6 +129,23 @@ class SamplingFields(RequestFields):
                                    "of the same salt (vLLM's; a non-empty string).")  # fmt: skip
     return_token_ids: bool = Field(False, description="The answer carries the prompt's token ids and each choice's "
                                    "generated ids (streamed: the ids new in each chunk; vLLM's).")  # fmt: skip
+    # vLLM's beam search, not built: accepted at vLLM's defaults only (its clients send them), which change nothing
+    use_beam_search: bool = False
+    length_penalty: float | None = Field(None, allow_inf_nan=False)
+
+    @field_validator("use_beam_search")
+    @classmethod
+    def _no_beam_search(cls, value: bool) -> bool:
+        if value:
+            raise ValueError("not supported: beam search is not offered here; only false is accepted")
+        return value
+
+    @field_validator("length_penalty")
+    @classmethod
+    def _no_length_penalty(cls, value: float | None) -> float | None:
+        if value not in (None, 1.0):  # vLLM reads it only under beam search: any other value would do nothing
+            raise ValueError("not supported: beam search is not offered here; only 1.0 (no penalty) is accepted")
+        return value
 
     @field_validator("seed")
     @classmethod
