@@ -277,6 +277,22 @@ def test_logprobs_echo_and_scoring_equal_the_models_own_log_probabilities(server
     assert "".join(c.token for c in content).startswith(chat.choices[0].message.content[:1])
 
 
+def test_chat_top_logprobs_zero_without_logprobs_asks_for_nothing(server, client):
+    """Chat's top_logprobs 0 (vLLM's default, which clients send) without logprobs asks for nothing: taken, as vLLM
+    takes it, the reply without log-probabilities; a count above 0 without logprobs: true is a 400 naming it."""
+    messages = [{"role": "user", "content": "hi"}]
+    plain = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=4, temperature=0)
+    for fields in ({"top_logprobs": 0}, {"top_logprobs": 0, "logprobs": False}):
+        chat = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=4, temperature=0, **fields)
+        assert chat.choices[0].message.content == plain.choices[0].message.content
+        assert chat.choices[0].logprobs is None
+    for fields in ({"top_logprobs": 2}, {"top_logprobs": 1, "logprobs": False}):
+        with pytest.raises(openai.BadRequestError) as refused:
+            client.chat.completions.create(model=MODEL, messages=messages, max_tokens=4, **fields)
+        error = refused.value.body
+        assert error["param"] == "top_logprobs" and error["message"].startswith("top_logprobs: needs logprobs: true")
+
+
 def test_logprobs_show_tokens_by_their_own_bytes(server, client, reference_engine):
     """A byte-level token holding part of a character shows as OpenAI's `bytes:\\x..` (not U+FFFD, which would make
     different tokens look alike), its text offset is where its character starts, and a chat entry's bytes are the

@@ -268,7 +268,7 @@ def build_app(
         given = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
         params = [serving.sampling_params(generating, len(ids), max_tokens, j, None, top_n, reasoning_end=reasoning_end,
                                           max_tokens_field=given) for j in range(body.n)]  # fmt: skip
-        if body.top_logprobs is not None and not body.logprobs:
+        if body.top_logprobs and not body.logprobs:  # 0 asks for nothing: taken, as vLLM takes it
             raise APIError(400, "top_logprobs: needs logprobs: true", "top_logprobs")
         serving.check_choices(body.n, body.n)
         outputs = serving.start_all([ids] * body.n, params, body.priority, body.cache_salt)
