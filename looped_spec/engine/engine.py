@@ -228,6 +228,12 @@ class LoopedSpecEngine:
         """A validated Request, not yet queued. `taken`: ids claimed by requests about to be queued with it.
         `params_where`: what an error in `params` is named by (`sampling_params[2]`, one of a list), None: its field."""
         self.check_priority(priority, priority_field)
+        params = params or SamplingParams()
+        if not isinstance(params, SamplingParams):  # (generate checked its list's entries)
+            # vLLM's LLMEngine.add_request(request_id, prompt, params) puts the id first: a text there lands here
+            order = (" (add_request takes (prompt, params, request_id): vLLM's LLMEngine puts request_id first)"
+                     if isinstance(params, str) else "")  # fmt: skip
+            raise TypeError(f"params must be SamplingParams, got {type(params).__name__}{order}")
         _, cache_salt = split_prompt(prompt, where)  # a prompt dict's salt (and its keys checked)
         ids = to_token_ids(prompt, self.tokenizer, self.adapter.vocab_size, where=where)
         check_prompt_room(len(ids), self.max_model_len, where)
@@ -239,12 +245,6 @@ class LoopedSpecEngine:
         if request_id in self._requests or request_id in taken:
             raise ValueError(f"request_id {request_id!r} is already in use")
         with naming(params_where):  # every error below is about params
-            params = params or SamplingParams()
-            if not isinstance(params, SamplingParams):
-                # vLLM's LLMEngine.add_request(request_id, prompt, params) puts the id first: a text there lands here
-                order = (" (add_request takes (prompt, params, request_id): vLLM's LLMEngine puts request_id first)"
-                         if isinstance(params, str) else "")  # fmt: skip
-                raise TypeError(f"params must be SamplingParams, got {type(params).__name__}{order}")
             # the checkpoint's generation_config.json sampling defaults fill the fields the caller did not set
             defaults = self.adapter.generation.sampling_defaults()
             given = set(params.model_fields_set)
