@@ -155,6 +155,33 @@ def test_item04_online_requests_survive_generate_and_failed_generate_queues_noth
     assert list(finished) == ["1"]  # nothing of the rejected generate() was queued
 
 
+@pytest.mark.parametrize("batching", ["step", "loop"])
+def test_a_generate_failing_mid_way_forgets_its_requests_and_the_engine_goes_on(batching):
+    """A fault in model code during generate() is raised from it (its requests are aborted and forgotten: no output
+    of theirs comes later, their KV blocks and, on loop passes, their work in flight are released); a request added
+    online beside it goes on, and the engine's next generate() decodes as a fresh engine does."""
+    engine = make_engine("ouro", speculation=SpeculativeConfig(k=2, d=1), batching=batching)
+    online = engine.add_request(PROMPTS[0], greedy(6))
+    calls = {"n": 0}
+
+    def fifth_call(*args, **kwargs) -> bool:  # a decode step of generate(), after its prompts went in
+        calls["n"] += 1
+        return calls["n"] == 5 * engine.adapter.full_depth
+
+    engine.adapter.loop = OneShotFault(engine.adapter.loop, fifth_call)
+    try:
+        with pytest.raises(RuntimeError, match="injected"):
+            engine.generate(PROMPTS[1:], greedy(8))
+        assert engine.adapter.loop.fired
+    finally:
+        del engine.adapter.loop
+    finished = run_to_end(engine)  # no KV block held, nothing left in flight on loop passes
+    assert list(finished) == [online] and len(finished[online].token_ids) == 6
+    fresh = make_engine("ouro", speculation=SpeculativeConfig(k=2, d=1), batching=batching)
+    expected = [o.token_ids for o in fresh.generate(PROMPTS[1:], greedy(8))]
+    assert [o.token_ids for o in engine.generate(PROMPTS[1:], greedy(8))] == expected
+
+
 def test_add_request_keeps_ids_apart_and_refuses_what_it_cannot_run_queueing_nothing():
     """An id the caller chose is never given to another request, nor taken twice; a request the engine cannot run
     (stop strings without the model's tokenizer, a sampling_params entry that is not SamplingParams) is refused with
