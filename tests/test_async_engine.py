@@ -814,3 +814,26 @@ def test_an_id_aborted_while_a_step_runs_stays_taken_until_the_engine_hands_its_
         outs = asyncio.run(asyncio.wait_for(run(), 30))
     assert outs[-1].prompt_token_ids == PROMPTS[1] and outs[-1].finish_reason == "length"
     assert outs[-1].token_ids == expected
+
+
+def test_abort_is_awaited_as_vllm_code_writes_it():
+    """vLLM's `AsyncLLM.abort` is a coroutine, so its users write `await engine.abort(request_id)`: it stops the request
+    here too (it was a TypeError, None not being awaitable, after the abort), and a call without await still does."""
+    engine = make_engine("ouro", speculation="off")
+    long = SamplingParams(max_tokens=400, ignore_eos=True)
+
+    async def run():
+        seen: list = []
+        readers = [asyncio.create_task(_drain(front.add_request(PROMPTS[i], long, request_id=f"r{i}"), seen))
+                   for i in range(3)]  # fmt: skip
+        while len(seen) < 3:
+            await asyncio.sleep(0.01)
+        assert await front.abort("r0") is None
+        await front.abort(["r1"])
+        front.abort("r2")
+        await asyncio.wait_for(asyncio.gather(*readers), 10)
+        assert front.num_in_flight == 0
+
+    with AsyncLoopedSpecEngine(engine) as front:
+        asyncio.run(run())
+        wait_until(lambda: engine.num_free_blocks == engine.kv.num_blocks)

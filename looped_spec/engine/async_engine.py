@@ -240,14 +240,16 @@ class AsyncLoopedSpecEngine:
             with self._lock:
                 self._scores.discard(future)
 
-    def abort(self, request_id: str | Iterable[str]) -> None:
+    def abort(self, request_id: str | Iterable[str]) -> _Done:
         """Abort a request, or each of several (as vLLM's `abort` takes them; no-op for one that finished); its stream
-        ends without a further output (a reader waiting on it stops there)."""
+        ends without a further output (a reader waiting on it stops there). Done when it returns; what it returns may
+        be awaited, as vLLM's coroutine is (`await engine.abort(request_id)`)."""
         if not isinstance(request_id, str) and isinstance(request_id, Iterable):
             for one in list(request_id):
-                self.abort(one)
-            return
-        self._abort_stream(str(request_id))
+                self._abort_stream(str(one))
+        else:
+            self._abort_stream(str(request_id))
+        return _DONE
 
     def _abort_stream(self, request_id: str, outputs: asyncio.Queue | None = None) -> None:
         """Abort `request_id`; with `outputs`, only while it is still the request of the stream reading `outputs`: a
@@ -396,6 +398,19 @@ class AsyncLoopedSpecEngine:
 def engine_fault(exc: Exception) -> EngineFaultError:
     """What a caller gets for a fault in the engine's own code (model code, not the caller's request)."""
     return EngineFaultError(f"engine error: {type(exc).__name__}: {exc}")
+
+
+class _Done:
+    """What `abort` returns: awaiting it gives None at once (the abort is already done), so vLLM's `await
+    engine.abort(request_id)` runs unchanged, and a call without await loses nothing."""
+
+    __slots__ = ()
+
+    def __await__(self):
+        return iter(())
+
+
+_DONE = _Done()
 
 
 def _post(loop: asyncio.AbstractEventLoop, callback, *args) -> None:
