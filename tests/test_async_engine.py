@@ -837,3 +837,33 @@ def test_abort_is_awaited_as_vllm_code_writes_it():
     with AsyncLoopedSpecEngine(engine) as front:
         asyncio.run(run())
         wait_until(lambda: engine.num_free_blocks == engine.kv.num_blocks)
+
+
+def test_health_is_read_as_vllm_code_reads_it():
+    """vLLM's `await engine.check_health()` (raises `engine.dead_error` once `engine.errored`), `is_running` and
+    `is_stopped`, which a service wrapping AsyncLLM polls: here too (each was an AttributeError), the error saying why
+    it is not running (not started, shut down, its worker dead)."""
+    engine = make_engine("ouro", speculation="off")
+    front = AsyncLoopedSpecEngine(engine)
+
+    async def health() -> str | None:
+        try:
+            await front.check_health()
+        except EngineDeadError as exc:
+            assert str(exc) == str(front.dead_error)
+            return str(exc)
+        return None
+
+    assert front.errored and front.is_stopped and not front.is_running
+    assert "not running: start() it" in asyncio.run(health())
+    with front:
+        assert not front.errored and not front.is_stopped and front.is_running
+        assert asyncio.run(health()) is None
+        front.end_all("the server is shutting down")  # admits nothing more: unhealthy, though its worker runs
+        assert front.errored and asyncio.run(health()) == "the server is shutting down"
+    assert front.errored and asyncio.run(health()) == "the server is shutting down"
+    other = AsyncLoopedSpecEngine(make_engine("ouro", speculation="off"))
+    other.start()
+    other.shutdown()
+    assert other.errored and isinstance(other.dead_error, EngineDeadError)
+    assert "the engine was shut down" in str(other.dead_error)

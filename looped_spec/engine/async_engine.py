@@ -155,6 +155,27 @@ class AsyncLoopedSpecEngine:
         return self._thread is not None and self._thread.is_alive()
 
     @property
+    def errored(self) -> bool:
+        """Whether it takes no more work (not started, shut down, its worker dead, or `end_all` ran): vLLM's
+        `errored`."""
+        return self._closing is not None or not self.is_running
+
+    @property
+    def is_stopped(self) -> bool:
+        """vLLM's `is_stopped`: `errored`."""
+        return self.errored
+
+    @property
+    def dead_error(self) -> EngineDeadError:
+        """The error a request gets while `errored`, saying why (vLLM's `dead_error`)."""
+        return EngineDeadError(self._closing or NOT_RUNNING)
+
+    async def check_health(self) -> None:
+        """vLLM's `check_health()`: raises `dead_error` while `errored`, else returns."""
+        if self.errored:
+            raise self.dead_error
+
+    @property
     def num_in_flight(self) -> int:
         """Requests and admitted scores in the engine (running, queued, or waiting for the worker)."""
         return len(self._streams) + len(self._scores)
