@@ -867,3 +867,15 @@ def test_health_is_read_as_vllm_code_reads_it():
     other.shutdown()
     assert other.errored and isinstance(other.dead_error, EngineDeadError)
     assert "the engine was shut down" in str(other.dead_error)
+
+
+def test_get_tokenizer_is_the_engines_as_vllm_code_reads_it():
+    """vLLM's `engine.get_tokenizer()` (and its `tokenizer`) on the async front: the checkpoint's tokenizer, read
+    without a step (it was an AttributeError: only the wrapped engine had it)."""
+    from looped_spec import LoopedSpecEngine
+
+    engine = LoopedSpecEngine("tiny-ouro", speculation="off", max_model_len=128)  # the shipped one has a tokenizer
+    with AsyncLoopedSpecEngine(engine) as front:
+        assert front.get_tokenizer() is engine.get_tokenizer() is front.tokenizer
+        assert front.get_tokenizer().decode(front.get_tokenizer().encode("def add")) == "def add"
+    assert AsyncLoopedSpecEngine(make_engine("ouro")).get_tokenizer() is None  # built without tokenizer files

@@ -15,6 +15,7 @@ import queue
 import threading
 from collections.abc import AsyncIterator, Iterable
 from dataclasses import dataclass
+from typing import Any
 
 from looped_spec.engine.engine import LoopedSpecEngine
 from looped_spec.engine.inputs import Prompt
@@ -174,6 +175,16 @@ class AsyncLoopedSpecEngine:
         """vLLM's `check_health()`: raises `dead_error` while `errored`, else returns."""
         if self.errored:
             raise self.dead_error
+
+    def get_tokenizer(self) -> Any:
+        """The engine's tokenizer (None for a model without one), as vLLM's `get_tokenizer()`: loaded with the engine
+        and never changed, so it is read here beside the worker."""
+        return self.engine.get_tokenizer()
+
+    @property
+    def tokenizer(self) -> Any:
+        """vLLM's `tokenizer`: `get_tokenizer()`."""
+        return self.engine.get_tokenizer()
 
     @property
     def num_in_flight(self) -> int:
