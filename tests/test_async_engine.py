@@ -879,3 +879,22 @@ def test_get_tokenizer_is_the_engines_as_vllm_code_reads_it():
         assert front.get_tokenizer() is engine.get_tokenizer() is front.tokenizer
         assert front.get_tokenizer().decode(front.get_tokenizer().encode("def add")) == "def add"
     assert AsyncLoopedSpecEngine(make_engine("ouro")).get_tokenizer() is None  # built without tokenizer files
+
+
+def test_lora_request_none_is_vllms_default_and_a_lora_is_refused_naming_it():
+    """vLLM's `generate(..., lora_request=None)`, its default, runs as without it (it was a TypeError: unexpected
+    keyword); a LoRA asked for is an error naming lora_request, before anything is queued."""
+    engine = make_engine("ouro", speculation="off")
+    params = SamplingParams(max_tokens=4, ignore_eos=True)
+    expected = make_engine("ouro").generate([PROMPTS[0]], params)[0].token_ids
+
+    async def run():
+        outs = [out async for out in front.generate(PROMPTS[0], params, "a", lora_request=None)]
+        assert outs[-1].token_ids == expected
+        with pytest.raises(ValueError, match="lora_request: LoRA adapters are not supported"):
+            async for _ in front.generate(PROMPTS[0], params, "b", lora_request=object()):
+                pass
+        assert front.num_in_flight == 0
+
+    with AsyncLoopedSpecEngine(engine) as front:
+        asyncio.run(run())

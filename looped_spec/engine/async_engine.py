@@ -227,11 +227,14 @@ class AsyncLoopedSpecEngine:
 
     async def generate(
         self, prompt: Prompt, sampling_params: SamplingParams | None = None, request_id: str | None = None,
-        priority: int = 0, *, params: SamplingParams | None = None,
+        priority: int = 0, *, params: SamplingParams | None = None, lora_request: None = None,
     ) -> AsyncIterator[RequestOutput]:  # fmt: skip
         """`add_request` and iterate its outputs until it finishes (`sampling_params` as vLLM's `AsyncLLM.generate`
-        names it; `params=`: its older name)."""
+        names it; `params=`: its older name). `lora_request=None` is vLLM's default; a LoRA is refused, naming it."""
         params = sampling_params_argument(sampling_params, params)
+        if lora_request is not None:
+            raise ValueError("lora_request: LoRA adapters are not supported (serve a checkpoint with the adapter "
+                             "merged into its weights)")  # fmt: skip
         async for output in self.add_request(prompt, params, request_id, priority):
             yield output
 
