@@ -62,8 +62,9 @@ Real = Annotated[float, BeforeValidator(_real)]
 VLLM_FIELDS = {
     "guided_decoding": "vLLM's older name: use structured_outputs=StructuredOutputs(...)",
     "detokenize": "not a field here: outputs carry text whenever the model has a tokenizer, and token_ids always",
-    "output_kind": "not a field here: step() outputs carry both the whole output and the delta (new_token_ids, "
-    "new_text)",
+    "output_kind": "not a field here: every output of step() and of the async generate() holds vLLM's "
+    "CUMULATIVE: outputs[0].text and token_ids so far, and its DELTA: new_text, new_token_ids (what it adds); "
+    "FINAL_ONLY: the output whose finished is True",
     "truncate_prompt_tokens": "not supported: shorten the prompt before giving it (a prompt over max_model_len is an "
     "error)",
     "logits_processors": "not supported: logit_bias, allowed_token_ids, bad_words and structured_outputs adjust "

@@ -898,3 +898,17 @@ def test_lora_request_none_is_vllms_default_and_a_lora_is_refused_naming_it():
 
     with AsyncLoopedSpecEngine(engine) as front:
         asyncio.run(run())
+
+
+def test_vllms_output_kind_is_refused_saying_what_each_kind_reads_here():
+    """vLLM's streaming example sets `output_kind=RequestOutputKind.DELTA`: not a field here, and the error says what
+    a stream's outputs already hold for each kind (it spoke of step() alone, and of no FINAL_ONLY)."""
+    from pydantic import ValidationError
+
+    for kind in (0, 1, 2):  # CUMULATIVE, DELTA, FINAL_ONLY
+        with pytest.raises(ValidationError) as caught:
+            SamplingParams(max_tokens=8, output_kind=kind)
+        message = str(caught.value)
+        assert "output_kind: not a field here" in message and "generate()" in message
+        assert "CUMULATIVE: outputs[0].text" in message and "DELTA: new_text, new_token_ids" in message
+        assert "FINAL_ONLY: the output whose finished is True" in message
