@@ -120,7 +120,7 @@ def test_a_misspelt_flag_is_told_the_flag_it_was_likely_meant_to_be(capsys):
     with pytest.raises(SystemExit) as exit_:
         main(BASE + ["--prompt", "x", "--temprature", "0.5"])
     err = capsys.readouterr().err
-    assert exit_.value.code == 2 and "unrecognized arguments: --temprature 0.5 (did you mean --temperature" in err
+    assert exit_.value.code == 2 and "unrecognized arguments: --temprature 0.5 (did you mean --temperature?)\n" in err
     with pytest.raises(SystemExit):
         main(BASE + ["--prompt", "x", "--xyzzy"])
     assert "unrecognized arguments: --xyzzy\n" in capsys.readouterr().err  # nothing close: no guess

@@ -196,3 +196,76 @@ def test_each_command_helps_with_its_own_seed():
             ("generate", "serve")}  # fmt: skip
     assert "prompt" not in seed["serve"] and "--batch-size" not in seed["serve"] and "request" in seed["serve"]
     assert "every prompt" in seed["generate"] and "--batch-size" in seed["generate"]
+
+
+def argparse_error(argv: list[str], capsys) -> str:
+    """The error line argparse prints (after the usage) for an argument the command does not take, exit status 2."""
+    with pytest.raises(SystemExit) as exit_:
+        main(argv)
+    assert exit_.value.code == 2
+    return capsys.readouterr().err.splitlines()[-1]
+
+
+SERVE = ["serve", "tiny-ouro"]
+
+
+@pytest.mark.parametrize(
+    ("given", "answer"),
+    [
+        (["--max-num-seqs", "8"], "--max-num-seqs: vLLM's flag; here --max-batch-size (the most requests decoding at "
+         "once)"),
+        (["--max_num_seqs=8"], "--max_num_seqs: vLLM's flag; here --max-batch-size"),  # vLLM reads _ as -
+        (["--enforce-eager"], "--enforce-eager: vLLM's flag; here --cuda-graphs off (run every step eagerly)"),
+        (["--gpu-memory-utilization", "0.9"], "--gpu-memory-utilization: vLLM's flag; here the KV cache is sized by "
+         "--kv-cache-memory-gb (GiB) or --num-kv-blocks (default: half the free GPU memory)"),
+        (["--tensor-parallel-size", "2"], "--tensor-parallel-size: vLLM's flag; one engine runs on one device here; "
+         "serve --replicas N scales out with Ray Serve"),
+        (["-tp", "2"], "-tp: vLLM's flag; one engine runs on one device here"),
+        (["--trust-remote-code"], "--trust-remote-code: vLLM's flag; never needed here: looped-spec runs no "
+         "checkpoint code"),
+        (["--kv-cache-dtype", "fp8"], "--kv-cache-dtype: vLLM's flag; here the KV cache is in the model's dtype "
+         "(--dtype float32, bfloat16 or float16); no other is offered"),
+        (["--quantization", "awq"], "--quantization: vLLM's flag; no quantized weights here"),
+        (["--tokenizer", "x"], "--tokenizer: vLLM's flag; here the checkpoint folder's own tokenizer files"),
+        (["--max-logprobs", "5"], "--max-logprobs: vLLM's flag; here fixed at vLLM's default 20"),
+        (["--num-gpu-blocks-override", "9"], "--num-gpu-blocks-override: vLLM's flag; here --num-kv-blocks (the KV "
+         "cache's blocks, on any device)"),
+        (["--enable-chunked-prefill"], "--enable-chunked-prefill: vLLM's flag; here always on: a prompt longer than "
+         "--max-num-batched-tokens is prefilled in chunks"),
+    ],
+)  # fmt: skip
+@pytest.mark.parametrize("command", [BASE, SERVE])
+def test_a_vllm_engine_flag_says_what_stands_for_it(command, given, answer, capsys):
+    """EngineConfig's VLLM_OPTIONS, its fields named as the command's flags (argparse's error, exit status 2)."""
+    err = argparse_error(command + given, capsys)
+    assert err.startswith(f"looped-spec {command[0]}: error: {answer}"), err
+    assert "unrecognized arguments" not in err and "max_batch_size" not in err, err
+
+
+def test_a_vllm_flag_beside_a_misspelt_one_says_both(capsys):
+    err = argparse_error(SERVE + ["--max-num-seqs", "8", "--prot", "9000"], capsys)
+    assert err == ("looped-spec serve: error: --max-num-seqs: vLLM's flag; here --max-batch-size (the most requests "
+                   "decoding at once); unrecognized arguments: --prot 9000 (did you mean --port?)")  # fmt: skip
+    err = argparse_error(BASE + ["--enforce-eager", "--xyzzy"], capsys)
+    assert err.endswith("(run every step eagerly); unrecognized arguments: --xyzzy"), err
+
+
+@pytest.mark.parametrize("command", [BASE, SERVE])
+def test_an_unknown_flag_is_argparse_s_error_with_the_flag_it_was_likely_meant_to_be(command, capsys):
+    prog = f"looped-spec {command[0]}: error:"
+    # vLLM's --enable-prefix-caching: the flag here, named once (it said "--prefix-caching for --enable-prefix-caching")
+    err = argparse_error(command + ["--enable-prefix-caching"], capsys)
+    assert err == f"{prog} unrecognized arguments: --enable-prefix-caching (did you mean --prefix-caching?)"
+    err = argparse_error(command + ["--max-bacth-size", "4", "--block-sise", "8"], capsys)  # several: which is which
+    assert err == (f"{prog} unrecognized arguments: --max-bacth-size 4 --block-sise 8 (did you mean --max-batch-size "
+                   "instead of --max-bacth-size and --block-size instead of --block-sise?)")  # fmt: skip
+    assert argparse_error(command + ["--xyzzy", "1"], capsys) == f"{prog} unrecognized arguments: --xyzzy 1"
+
+
+def test_vllm_serve_flags_are_told_only_where_serve_has_the_engine_flags(capsys):
+    """A vLLM flag of `vllm serve`'s own is no flag of generate (vLLM has no generate), nor tune's: argparse's plain
+    error there; tune builds engines but has none of the engine flags the answers name."""
+    err = argparse_error(BASE + ["--uvicorn-log-level", "info"], capsys)
+    assert err == "looped-spec generate: error: unrecognized arguments: --uvicorn-log-level info"
+    err = argparse_error(["tune", "--model", "tiny-ouro", "--out", "x.json", "--max-num-seqs", "8"], capsys)
+    assert err == "looped-spec tune: error: unrecognized arguments: --max-num-seqs 8"

@@ -148,3 +148,28 @@ def test_replicas_refuse_what_the_model_cannot_run_before_ray_starts(monkeypatch
     ):
         err = usage_error(["serve", *argv, "--replicas", "2"], capsys)
         assert message in err, err
+
+
+@pytest.mark.parametrize(
+    ("given", "answer"),
+    [
+        (["--uvicorn-log-level", "debug"], "here --log-level (uvicorn's lines and looped-spec's own alike)"),
+        (["--disable-uvicorn-access-log"], "here --log-level warning hides uvicorn's access lines"),
+        (["--disable-log-requests"], "not needed: requests are not logged here"),
+        (["--enable-log-requests"], "not offered: a request's parameters are not logged"),
+        (["--disable-log-stats"], "not needed: no periodic stats lines are logged here; GET /metrics serves them"),
+        (["--allowed-origins", '["*"]'], "not offered: the server sends no CORS headers"),
+        (["--ssl-keyfile", "k.pem", "--ssl-certfile", "c.pem"], "not offered: the server speaks plain HTTP"),
+        (["--root-path", "/api"], "not offered: the routes are served from /"),
+        (["--lora-modules", "a=/x"], "not offered: no LoRA adapters here"),
+        (["--api-server-count", "2"], "one API server process here; --replicas N scales out with Ray Serve"),
+    ],
+)  # fmt: skip
+def test_a_vllm_serve_flag_says_what_stands_for_it(given, answer, launched, capsys):
+    """`vllm serve`'s own flags, not engine arguments (vllm/entrypoints/openai/cli_args.py): argparse's error line
+    names the flag and what stands for it, nothing starts."""
+    with pytest.raises(SystemExit) as exit_:
+        main(["serve", "tiny-ouro", *given])
+    err = capsys.readouterr().err.splitlines()[-1]
+    assert exit_.value.code == 2 and err.startswith(f"looped-spec serve: error: {given[0]}: vLLM's flag; {answer}")
+    assert "unrecognized arguments" not in err and launched == {}

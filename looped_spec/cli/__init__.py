@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import argparse
-import difflib
 import os
 import sys
 
 from looped_spec.cli import generate, serve, tune
 from looped_spec.cli.common import HelpFormatter, UsageError, one_line
-from looped_spec.cli.flag_errors import flags_of, name_flags
+from looped_spec.cli.flag_errors import flags_of, name_flags, unrecognized
 from looped_spec.cli.generate import speed_ratio
 
 __all__ = ["build_parser", "main", "speed_ratio"]
@@ -30,16 +29,10 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args, unknown = parser.parse_known_args(argv)
-    if unknown:  # argparse's error, with the flag a misspelt one was likely meant to be
+    if unknown:  # argparse's error, saying what stands for vLLM's flags and what a misspelt one was likely meant to be
         command = getattr(args, "command_parser", parser)
-        flags = [name for action in command._actions for name in action.option_strings if name.startswith("--")]
-        hints = [
-            f"{close[0]} for {given}"
-            for given in (arg.split("=", 1)[0] for arg in unknown if arg.startswith("--"))
-            if (close := difflib.get_close_matches(given, flags, n=1, cutoff=0.8))
-        ]
-        hint = f" (did you mean {'; '.join(hints)}?)" if hints else ""
-        command.error(f"unrecognized arguments: {' '.join(unknown)}{hint}")
+        engine_flags = getattr(args, "engine_flags", False)
+        command.error(unrecognized(unknown, command, engine_flags=engine_flags, serve=args.command == "serve"))
     if args.command == "tune":
         args.argv = list(argv) if argv is not None else sys.argv[1:]
     try:

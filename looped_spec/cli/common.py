@@ -119,7 +119,9 @@ def at_least(value: int, minimum: int, option: str, note: str = "") -> None:
 
 
 def add_engine_flags(p: argparse.ArgumentParser, command: str) -> None:
-    """The engine flags of `generate` and `serve` (`command`: the help says what each does there)."""
+    """The engine flags of `generate` and `serve` (`command`: the help says what each does there). vLLM's engine
+    arguments given to such a command are told what stands for them (cli/flag_errors.py)."""
+    p.set_defaults(engine_flags=True)
     p.add_argument("--speculation", default="adaptive", help="off | adaptive | K,d (draft K tokens with d loops)")
     p.add_argument("--policy", default=None, choices=["goodput", "ema"],
                    help="adaptive speculation policy (only with --speculation adaptive; default: goodput)")  # fmt: skip

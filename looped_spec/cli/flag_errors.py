@@ -1,5 +1,7 @@
 """The engine's and SamplingParams' errors name their fields (`max_batch_size=0: ...`, `speculation.d=9: ...`); a
-command reports them by the flags that set those fields (`--max-batch-size 0: ...`, `--speculation: d=9: ...`)."""
+command reports them by the flags that set those fields (`--max-batch-size 0: ...`, `--speculation: d=9: ...`). A flag
+the command does not take is argparse's error, with the flag a misspelt one was likely meant to be, and for vLLM's
+flags what stands for each here."""
 
 from __future__ import annotations
 
@@ -16,6 +18,29 @@ ADAPTER_OPTION = "adapter option"
 #: fields whose errors name a part as `field.part` (SpeculativeConfig's k, ControlSettings' tunables, a structured
 #: output's kind); another field followed by a dot is a word such as a file name (`preset.json`)
 FIELDS_WITH_PARTS = frozenset({"speculation", "control", "structured_outputs"})
+#: vLLM's short flags, by the engine argument each sets
+VLLM_SHORT_FLAGS = {"-tp": "tensor_parallel_size", "-pp": "pipeline_parallel_size"}
+#: `vllm serve`'s own flags, not engine arguments (vllm/entrypoints/openai/cli_args.py; the commonly used ones): what
+#: stands for each in `looped-spec serve`. Its engine arguments are EngineConfig's VLLM_OPTIONS, told in every command
+#: with the engine flags, their fields named as flags.
+VLLM_SERVE_FLAGS = {
+    "uvicorn_log_level": "here --log-level (uvicorn's lines and looped-spec's own alike)",
+    "disable_uvicorn_access_log": "here --log-level warning hides uvicorn's access lines (and looped-spec's info "
+    "lines with them)",
+    "disable_log_requests": "not needed: requests are not logged here (but for uvicorn's access line of each, which "
+    "--log-level warning hides, and a warning for one that fails)",
+    "enable_log_requests": "not offered: a request's parameters are not logged; uvicorn's access line shows each "
+    "request at --log-level info",
+    "disable_log_stats": "not needed: no periodic stats lines are logged here; GET /metrics serves them",
+    "allowed_origins": "not offered: the server sends no CORS headers (for a browser page of another origin, put a "
+    "proxy in front that adds them)",
+    "ssl_keyfile": "not offered: the server speaks plain HTTP (terminate TLS in a proxy in front of it)",
+    "ssl_certfile": "not offered: the server speaks plain HTTP (terminate TLS in a proxy in front of it)",
+    "root_path": "not offered: the routes are served from / (a proxy routing by a path prefix must strip it)",
+    "middleware": "not offered: the server loads no ASGI middleware of yours",
+    "lora_modules": "not offered: no LoRA adapters here; the checkpoint is served as it is",
+    "api_server_count": "one API server process here; --replicas N scales out with Ray Serve",
+}
 
 
 def flags_of(parser: argparse.ArgumentParser) -> dict[str, str]:
@@ -66,3 +91,58 @@ def name_flags(message: str, flags: dict[str, str]) -> str:
         return flag if "_" in field else match[0]
 
     return pattern.sub(as_flag, message)
+
+
+def unrecognized(unknown: list[str], parser: argparse.ArgumentParser, *, engine_flags: bool, serve: bool) -> str:
+    """argparse's error for the arguments `parser` does not take: each of vLLM's flags with what stands for it (vLLM's
+    engine arguments where the command has the engine flags, `vllm serve`'s own in serve), then the rest, with the
+    flag a misspelt one was likely meant to be. A vLLM flag's values go with it."""
+    answers, rest, its_value = [], [], False
+    for arg in unknown:
+        if arg.startswith("-") and not _number(arg):
+            answer = _vllm_answer(arg.split("=", 1)[0], parser, engine_flags=engine_flags, serve=serve)
+            its_value = answer is not None
+            if answer is not None:
+                answers.append(answer)
+                continue
+        elif its_value:
+            continue
+        rest.append(arg)
+    if rest:
+        answers.append(f"unrecognized arguments: {' '.join(rest)}{_did_you_mean(rest, parser)}")
+    return "; ".join(answers)
+
+
+def _number(arg: str) -> bool:
+    try:
+        float(arg)
+    except ValueError:
+        return False
+    return True
+
+
+def _vllm_answer(flag: str, parser: argparse.ArgumentParser, *, engine_flags: bool, serve: bool) -> str | None:
+    """`--flag: vLLM's flag; what stands for it` (None: not a vLLM flag told in this command). vLLM takes `_` for `-`.
+    VLLM_OPTIONS speaks of fields: those the command has a flag for are named as the flag."""
+    from looped_spec.engine.config import VLLM_OPTIONS
+
+    name = VLLM_SHORT_FLAGS.get(flag) or (flag[2:].replace("-", "_") if flag.startswith("--") else None)
+    if engine_flags and name in VLLM_OPTIONS:
+        return f"{flag}: vLLM's flag; {name_flags(VLLM_OPTIONS[name], flags_of(parser))}"
+    if serve and name in VLLM_SERVE_FLAGS:
+        return f"{flag}: vLLM's flag; {VLLM_SERVE_FLAGS[name]}"
+    return None
+
+
+def _did_you_mean(rest: list[str], parser: argparse.ArgumentParser) -> str:
+    """` (did you mean --flag?)` for the one unknown flag; with several, which flag each was likely meant to be."""
+    import difflib
+
+    flags = [name for action in parser._actions for name in action.option_strings if name.startswith("--")]
+    given = [arg.split("=", 1)[0] for arg in rest if arg.startswith("--")]
+    close = [(match[0], name) for name in given if (match := difflib.get_close_matches(name, flags, n=1, cutoff=0.8))]
+    if not close:
+        return ""
+    if len(given) == 1:
+        return f" (did you mean {close[0][0]}?)"
+    return f" (did you mean {' and '.join(f'{flag} instead of {name}' for flag, name in close)}?)"

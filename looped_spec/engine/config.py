@@ -299,7 +299,9 @@ VLLM_OPTIONS = {
     "trust_remote_code": "never needed here: looped-spec runs no checkpoint code (each family is implemented in "
     "adapters/)",
     # without an entry these got difflib's nearest option, a wrong hint (kv_cache_dtype: kv_cache_memory_gb) or none
-    "kv_cache_dtype": "here the KV cache holds the model's dtype (set with dtype); no other is offered",
+    # `dtype=...` is the field as the command line's error names it (--dtype float32, ...)
+    "kv_cache_dtype": "here the KV cache is in the model's dtype (dtype=float32, bfloat16 or float16); no other is "
+    "offered",
     "num_gpu_blocks_override": "here num_kv_blocks (the KV cache's blocks, on any device)",
     "enable_chunked_prefill": "here always on: a prompt longer than max_num_batched_tokens is prefilled in chunks",
     "tokenizer": "here the checkpoint folder's own tokenizer files (a model without them takes token ids)",
