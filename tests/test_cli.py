@@ -152,8 +152,14 @@ def test_an_unknown_adapter_option_and_model_are_named_by_their_flags(capsys):
     argv = ["generate", "--model", "tiny-huginn", "--prompt", "x", "--max-tokens", "2"]
     assert main([*argv, "--adapter-option", "num_step=4"]) == 2
     assert capsys.readouterr().err.strip() == (
-        "looped-spec: error: --adapter-option num_step: not an option of huginn_raven (did you mean 'num_steps' for "
-        "'num_step'?); it takes: initial_state, num_steps, exit_criterion, exit_threshold"
+        "looped-spec: error: --adapter-option num_step: not an option of huginn_raven (did you mean 'num_steps'?); it "
+        "takes: initial_state, num_steps, exit_criterion, exit_threshold"
+    )
+    assert main([*argv, "--adapter-option", "num_step=4", "--adapter-option", "exit_treshold=1"]) == 2
+    assert capsys.readouterr().err.strip() == (
+        "looped-spec: error: --adapter-option exit_treshold, num_step: not an option of huginn_raven (did you mean "
+        "'exit_threshold' instead of 'exit_treshold' and 'num_steps' instead of 'num_step'?); it takes: initial_state, "
+        "num_steps, exit_criterion, exit_threshold"
     )
     assert main(["generate", "--model", "tiny-ouroo", "--prompt", "x"]) == 2
     assert capsys.readouterr().err.startswith("looped-spec: error: --model tiny-ouroo: not a checkpoint folder")

@@ -606,8 +606,8 @@ def test_a_misspelt_adapter_option_is_refused_before_ray_starts(monkeypatch, cap
     monkeypatch.setattr("looped_spec.server.replicas.run_replicas", lambda args, host, port: started.append(port))
     assert main(["serve", "tiny-huginn", "--replicas", "2", "--adapter-option", "num_step=4"]) == 2
     assert capsys.readouterr().err.strip() == (
-        "looped-spec: error: --adapter-option num_step: not an option of huginn_raven (did you mean 'num_steps' for "
-        "'num_step'?); it takes: initial_state, num_steps, exit_criterion, exit_threshold"
+        "looped-spec: error: --adapter-option num_step: not an option of huginn_raven (did you mean 'num_steps'?); it "
+        "takes: initial_state, num_steps, exit_criterion, exit_threshold"
     )
     assert not started
     assert main(["serve", "tiny-huginn", "--replicas", "2", "--adapter-option", "num_steps=4"]) == 0

@@ -94,7 +94,12 @@ class ModelAdapter(ABC):
         if unknown:
             # "adapter option ..." first: the command line names the flag that set it (--adapter-option)
             close = [difflib.get_close_matches(name, cls.option_names, n=1) for name in unknown]
-            hints = "".join(f" (did you mean {c[0]!r} for {name!r}?)" for name, c in zip(unknown, close) if c)
+            meant = [
+                f"{c[0]!r}" + (f" instead of {name!r}" if len(unknown) > 1 else "")
+                for name, c in zip(unknown, close)
+                if c
+            ]
+            hints = f" (did you mean {' and '.join(meant)}?)" if meant else ""
             raise ValueError(
                 f"adapter option {', '.join(unknown)}: not an option of {model_type or cls.model_type}{hints}; it "
                 f"takes: {', '.join(cls.option_names) or 'none'}"
