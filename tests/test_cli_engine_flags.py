@@ -232,6 +232,10 @@ SERVE = ["serve", "tiny-ouro"]
          "cache's blocks, on any device)"),
         (["--enable-chunked-prefill"], "--enable-chunked-prefill: vLLM's flag; here always on: a prompt longer than "
          "--max-num-batched-tokens is prefilled in chunks"),
+        (["--enable-prefix-caching"], "--enable-prefix-caching: vLLM's flag; here --prefix-caching, off by default"),
+        (["--speculative-config", '{"method": "ngram"}'], "--speculative-config: vLLM's flag; here --speculation "
+         "adaptive (the default"),
+        (["--num-speculative-tokens", "4"], "--num-speculative-tokens: vLLM's flag; here --speculation K,d"),
     ],
 )  # fmt: skip
 @pytest.mark.parametrize("command", [BASE, SERVE])
@@ -253,9 +257,9 @@ def test_a_vllm_flag_beside_a_misspelt_one_says_both(capsys):
 @pytest.mark.parametrize("command", [BASE, SERVE])
 def test_an_unknown_flag_is_argparse_s_error_with_the_flag_it_was_likely_meant_to_be(command, capsys):
     prog = f"looped-spec {command[0]}: error:"
-    # vLLM's --enable-prefix-caching: the flag here, named once (it said "--prefix-caching for --enable-prefix-caching")
-    err = argparse_error(command + ["--enable-prefix-caching"], capsys)
-    assert err == f"{prog} unrecognized arguments: --enable-prefix-caching (did you mean --prefix-caching?)"
+    # the flag named once (it said "--prefix-caching for --prefix-cashing")
+    err = argparse_error(command + ["--prefix-cashing"], capsys)
+    assert err == f"{prog} unrecognized arguments: --prefix-cashing (did you mean --prefix-caching?)"
     err = argparse_error(command + ["--max-bacth-size", "4", "--block-sise", "8"], capsys)  # several: which is which
     assert err == (f"{prog} unrecognized arguments: --max-bacth-size 4 --block-sise 8 (did you mean --max-batch-size "
                    "instead of --max-bacth-size and --block-size instead of --block-sise?)")  # fmt: skip

@@ -472,7 +472,10 @@ def test_what_a_vllm_script_does_runs_or_says_what_to_use_instead():
                     ("kv_cache_dtype", "the model's dtype"), ("num_gpu_blocks_override", "num_kv_blocks"),
                     ("enable_chunked_prefill", "always on"), ("tokenizer", "tokenizer files"),
                     ("quantization", "no quantized weights"),
-                    ("generation_config", "generation_config.json"), ("async_scheduling", "not offered")]  # fmt: skip
+                    ("generation_config", "generation_config.json"), ("async_scheduling", "not offered"),
+                    ("enable_prefix_caching", "prefix_caching, off by default"),
+                    ("speculative_config", "speculation='adaptive'"),
+                    ("num_speculative_tokens", "speculation='K,d'")]  # fmt: skip
     for option, instead in vllm_options:
         with pytest.raises(ValueError, match=f"{option}: vLLM's engine argument; .*{instead}"):
             LoopedSpecEngine(str(fixture_dir("ouro")), speculation="off", **{option: 1})

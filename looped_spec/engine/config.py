@@ -307,6 +307,13 @@ VLLM_OPTIONS = {
     "tokenizer": "here the checkpoint folder's own tokenizer files (a model without them takes token ids)",
     "quantization": "no quantized weights here: the model runs in its dtype (float32, bfloat16 or float16)",
     "generation_config": "here always the checkpoint's generation_config.json (vLLM's default 'auto')",
+    "enable_prefix_caching": "here prefix_caching, off by default (vLLM V1 has it on)",
+    # speculation is this engine's own: the model drafts with its first loops, no draft model or n-gram proposer
+    "speculative_config": "here speculation='adaptive' (the default: the controller picks K and d every round), "
+    "K,d (a fixed plan: K drafts with the model's first d loops) or 'off'; the drafts come from the model's own "
+    "loops, not a draft model",
+    "num_speculative_tokens": "here speculation='K,d' (K drafts with the model's first d loops; 'adaptive', the "
+    "default, picks them every round)",
     "async_scheduling": "not offered: each step is scheduled once the previous one has committed (the async front, "
     "AsyncLoopedSpecEngine, runs the steps in a thread of their own)",
 }
