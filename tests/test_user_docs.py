@@ -78,10 +78,19 @@ def test_every_benchmark_command_line_uses_its_flags(doc, script_flags):
             assert not unknown, f"{doc}: `{line.strip()}`: {sorted(unknown)} not in {match.group(1)}.py --help"
 
 
+def _vllm_flags() -> set[str]:
+    """vLLM's flags the command line answers with what stands for each (the docs name them as vLLM's)."""
+    from looped_spec.cli.flag_errors import VLLM_SERVE_FLAGS
+    from looped_spec.engine.config import VLLM_OPTIONS
+
+    return {"--" + name.replace("_", "-") for name in [*VLLM_OPTIONS, *VLLM_SERVE_FLAGS]}
+
+
 @pytest.mark.parametrize("doc", USER_DOCS)
 def test_every_flag_named_exists(doc, script_flags):
-    """Prose names flags without saying whose: each must be a flag of a subcommand or of a benchmark script."""
-    known = set().union(*_subcommand_flags().values(), *script_flags.values(), FOREIGN_FLAGS)
+    """Prose names flags without saying whose: each must be a flag of a subcommand or of a benchmark script, or one of
+    vLLM's the command line tells what stands for."""
+    known = set().union(*_subcommand_flags().values(), *script_flags.values(), FOREIGN_FLAGS, _vllm_flags())
     unknown = sorted(set(FLAG.findall(_text(doc))) - known)
     assert not unknown, f"{doc} names flags no command has: {unknown}"
 
