@@ -254,6 +254,22 @@ def test_a_vllm_flag_beside_a_misspelt_one_says_both(capsys):
     assert err.endswith("(run every step eagerly); unrecognized arguments: --xyzzy"), err
 
 
+@pytest.mark.parametrize(
+    ("given", "left"),
+    [
+        (["--enforce-eager", "extra"], "extra"),  # a switch: the argument after it is none of its
+        (["--max-num-seqs=8", "extra"], "extra"),  # its value given with =
+        (["--max-num-seqs", "8", "extra", "more"], "extra more"),  # one value
+        (["-tp=2", "extra"], "extra"),
+    ],
+)  # fmt: skip
+def test_an_argument_after_a_vllm_flag_and_its_value_is_still_named(given, left, capsys):
+    """Only a vLLM flag's own value goes with it: a switch takes none, `--flag=value` has it, the others one; any
+    further argument is argparse's unrecognized one (it was dropped from the error, unnamed)."""
+    err = argparse_error(SERVE + given, capsys)
+    assert err.endswith(f"; unrecognized arguments: {left}"), err
+
+
 @pytest.mark.parametrize("command", [BASE, SERVE])
 def test_an_unknown_flag_is_argparse_s_error_with_the_flag_it_was_likely_meant_to_be(command, capsys):
     prog = f"looped-spec {command[0]}: error:"

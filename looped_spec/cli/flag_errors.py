@@ -18,6 +18,12 @@ ADAPTER_OPTION = "adapter option"
 #: fields whose errors name a part as `field.part` (SpeculativeConfig's k, ControlSettings' tunables, a structured
 #: output's kind); another field followed by a dot is a word such as a file name (`preset.json`)
 FIELDS_WITH_PARTS = frozenset({"speculation", "control", "structured_outputs"})
+#: vLLM's flags above that take no value (switches: an argument after one is not its); `--lora-modules` takes several
+VLLM_SWITCHES = frozenset({
+    "enforce_eager", "trust_remote_code", "enable_chunked_prefill", "enable_prefix_caching", "async_scheduling",
+    "disable_log_requests", "enable_log_requests", "disable_log_stats", "disable_uvicorn_access_log",
+})  # fmt: skip
+VLLM_MANY_VALUES = frozenset({"lora_modules"})
 #: vLLM's short flags, by the engine argument each sets
 VLLM_SHORT_FLAGS = {"-tp": "tensor_parallel_size", "-pp": "pipeline_parallel_size"}
 #: `vllm serve`'s own flags, not engine arguments (vllm/entrypoints/openai/cli_args.py; the commonly used ones): what
@@ -96,16 +102,22 @@ def name_flags(message: str, flags: dict[str, str]) -> str:
 def unrecognized(unknown: list[str], parser: argparse.ArgumentParser, *, engine_flags: bool, serve: bool) -> str:
     """argparse's error for the arguments `parser` does not take: each of vLLM's flags with what stands for it (vLLM's
     engine arguments where the command has the engine flags, `vllm serve`'s own in serve), then the rest, with the
-    flag a misspelt one was likely meant to be. A vLLM flag's values go with it."""
-    answers, rest, its_value = [], [], False
+    flag a misspelt one was likely meant to be. A vLLM flag's own value goes with it (none after a switch or
+    `--flag=value`); any further argument is named."""
+    answers, rest, values = [], [], 0  # values: how many arguments next are the last vLLM flag's
     for arg in unknown:
         if arg.startswith("-") and not _number(arg):
-            answer = _vllm_answer(arg.split("=", 1)[0], parser, engine_flags=engine_flags, serve=serve)
-            its_value = answer is not None
+            flag = arg.split("=", 1)[0]
+            answer = _vllm_answer(flag, parser, engine_flags=engine_flags, serve=serve)
+            values = 0
             if answer is not None:
                 answers.append(answer)
+                name = _vllm_name(flag)
+                if "=" not in arg and name not in VLLM_SWITCHES:
+                    values = len(unknown) if name in VLLM_MANY_VALUES else 1
                 continue
-        elif its_value:
+        elif values:
+            values -= 1
             continue
         rest.append(arg)
     if rest:
@@ -126,12 +138,17 @@ def _vllm_answer(flag: str, parser: argparse.ArgumentParser, *, engine_flags: bo
     VLLM_OPTIONS speaks of fields: those the command has a flag for are named as the flag."""
     from looped_spec.engine.config import VLLM_OPTIONS
 
-    name = VLLM_SHORT_FLAGS.get(flag) or (flag[2:].replace("-", "_") if flag.startswith("--") else None)
+    name = _vllm_name(flag)
     if engine_flags and name in VLLM_OPTIONS:
         return f"{flag}: vLLM's flag; {name_flags(VLLM_OPTIONS[name], flags_of(parser))}"
     if serve and name in VLLM_SERVE_FLAGS:
         return f"{flag}: vLLM's flag; {VLLM_SERVE_FLAGS[name]}"
     return None
+
+
+def _vllm_name(flag: str) -> str | None:
+    """The vLLM argument `flag` sets (`--max-num-seqs`, `--max_num_seqs`: max_num_seqs; `-tp`)."""
+    return VLLM_SHORT_FLAGS.get(flag) or (flag[2:].replace("-", "_") if flag.startswith("--") else None)
 
 
 def _did_you_mean(rest: list[str], parser: argparse.ArgumentParser) -> str:
