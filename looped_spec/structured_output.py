@@ -88,13 +88,16 @@ class StructuredOutputs(BaseModel):
             return LLMatcher.grammar_from_regex(self.regex)
         if kind == "choice":  # Lark string literals take JSON's escapes
             return LLMatcher.grammar_from_lark("start: " + " | ".join(json.dumps(text) for text in self.choice))
-        if GBNF_RULE.search(self.grammar):
+        if GBNF_RULE.search(self.grammar) and not LARK_START.search(self.grammar):
             return LLMatcher.grammar_from_lark(gbnf_as_lark(self.grammar))
         return LLMatcher.grammar_from_lark(self.grammar)
 
 
 #: a GBNF rule (llama.cpp's EBNF, `name ::= ...`), which no Lark grammar writes at the start of a line
 GBNF_RULE = re.compile(r"(?m)^\s*[A-Za-z][\w-]*\s*::=")
+#: what makes a grammar Lark (llguidance's own test, `gbnf_to_lark.is_lark_syntax`): its `start` rule (`?start:`
+#: too; not GBNF's `start ::=`) or the `%llguidance` header, whatever a line inside a multi-line regex looks like
+LARK_START = re.compile(r"(?m)^\s*(?:%llguidance\b|[?!]?start\s*:(?!:=))")
 
 
 def gbnf_as_lark(grammar: str) -> str:

@@ -93,6 +93,17 @@ def test_a_gbnf_grammar_as_vllms_docs_write_them_constrains_as_its_lark_equal():
         assert any(o.finish_reason == "stop" and follows("grammar", o.text) for o in got)
 
 
+def test_a_lark_grammar_with_a_gbnf_looking_line_is_read_as_lark():
+    """A grammar defining Lark's `start:` rule is Lark (llguidance's own test), whatever a line of a regex in it looks
+    like (`b ::= c` opening a line of a multi-line regex was taken for GBNF: a conversion error); GBNF never writes
+    `start:`, and a GBNF rule named start (`start ::= ...`) is still GBNF."""
+    plain = engine("tiny-ouro", speculation="off")
+    for lark in ("start: /a\nb ::= c/\n", "%llguidance {}\nstart: x\nx: /a\nb ::= c/\n"):
+        plain.check_grammar(StructuredOutputs(grammar=lark))
+    with pytest.raises(ValueError, match="structured_outputs.grammar: GBNF"):
+        plain.check_grammar(StructuredOutputs(grammar='start ::= "x"\n'))  # (llguidance renames root start)
+
+
 @pytest.mark.parametrize("model", SHIPPED)
 def test_greedy_speculation_with_a_grammar_is_plain_decoding_with_it(model):
     """The draft masks what the target masks at each position (the grammar advanced by the drafts before it), so
