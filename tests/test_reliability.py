@@ -8,6 +8,7 @@ from conftest import TokenizerFailingOn, make_engine
 from pydantic import ValidationError
 
 from looped_spec import SamplingParams, SpeculativeConfig
+from looped_spec.engine.inputs import naming
 from looped_spec.execution.sampler import SamplingRows
 
 PROMPTS = [[5, 9, 13], [200, 1, 77, 4, 4, 19], [42, 43], [17, 18, 19, 20]]
@@ -230,6 +231,32 @@ def test_generate_names_the_sampling_params_entry_at_fault_and_queues_nothing(ba
         engine.generate([PROMPTS[0], [10**6]], [greedy(4), bad])
     finished = run_to_end(engine)
     assert list(finished) == [online]  # nothing of the rejected calls was queued
+
+
+def _pydantic_error():
+    SamplingParams(max_tokens="8")
+
+
+def _decode_error():
+    b"\xff".decode("utf-8")
+
+
+def _two_args():
+    raise ValueError("first", "second")
+
+
+@pytest.mark.parametrize("fault", [_pydantic_error, _decode_error, _two_args])
+def test_naming_names_the_entry_of_an_error_whose_text_is_not_its_first_argument(fault):
+    """naming() prefixed args[0]: a pydantic ValidationError (no args) kept no name, a UnicodeDecodeError (args[0]
+    its codec) showed none and had its codec rewritten, several args showed as a tuple. Each is named now, the error
+    itself left whole as the cause."""
+    with pytest.raises(Exception) as bare:
+        fault()
+    with pytest.raises((ValueError, TypeError)) as named:
+        with naming("sampling_params[1]"):
+            fault()
+    assert str(named.value) == f"sampling_params[1]: {bare.value}"
+    assert named.value.__cause__ is None or named.value.__cause__.args == bare.value.args
 
 
 # ----- 5. preemption takes the newest request, counted by arrival -----

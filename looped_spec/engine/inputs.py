@@ -277,13 +277,18 @@ SAMPLING_FILTERS = (("top_k", (0, -1)), ("top_p", (1.0,)), ("min_p", (0.0,)))
 @contextmanager
 def naming(where: str | None) -> Iterator[None]:
     """Prefix a ValueError / TypeError raised inside with `where` (`sampling_params[2]: top_k=5: ...`: which entry of
-    a list is at fault), its class and traceback kept; `where` None leaves it as raised."""
+    a list is at fault), its class and traceback kept; `where` None leaves it as raised. One whose text is not its
+    one argument (pydantic's ValidationError, a UnicodeError, several arguments) is named in a new ValueError /
+    TypeError raised from it, left whole."""
     try:
         yield
     except (ValueError, TypeError) as exc:
-        if where is not None and exc.args and isinstance(exc.args[0], str):
-            exc.args = (f"{where}: {exc.args[0]}", *exc.args[1:])
-        raise
+        if where is None:
+            raise
+        if exc.args == (str(exc),):
+            exc.args = (f"{where}: {exc.args[0]}",)
+            raise
+        raise (TypeError if isinstance(exc, TypeError) else ValueError)(f"{where}: {exc}") from exc
 
 
 def check_filters_sample(params: SamplingParams, given: set[str]) -> None:
