@@ -233,6 +233,16 @@ def test_generate_names_the_sampling_params_entry_at_fault_and_queues_nothing(ba
     assert list(finished) == [online]  # nothing of the rejected calls was queued
 
 
+def test_a_request_refused_for_its_params_takes_no_request_id():
+    """A rejected add_request leaves the engine as it was: the next request gets the number it would have had (a
+    SamplingParams error took one since its checks ran after the id was drawn)."""
+    engine = make_engine("nanbeige")
+    for bad in (SamplingParams(max_tokens=4, top_k=5), SamplingParams(max_tokens=4, stop_token_ids=[10**6])):
+        with pytest.raises(ValueError):
+            engine.add_request(PROMPTS[0], bad)
+    assert engine.add_request(PROMPTS[0], greedy(2)) == "0"
+
+
 def _pydantic_error():
     SamplingParams(max_tokens="8")
 

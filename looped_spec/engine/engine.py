@@ -237,13 +237,10 @@ class LoopedSpecEngine:
         _, cache_salt = split_prompt(prompt, where)  # a prompt dict's salt (and its keys checked)
         ids = to_token_ids(prompt, self.tokenizer, self.adapter.vocab_size, where=where)
         check_prompt_room(len(ids), self.max_model_len, where)
-        if request_id is None:  # the next number no live request uses (a caller may have chosen "3" itself)
-            request_id = str(next(self._ids))
-            while request_id in self._requests or request_id in taken:
-                request_id = str(next(self._ids))
-        request_id = str(request_id)
-        if request_id in self._requests or request_id in taken:
-            raise ValueError(f"request_id {request_id!r} is already in use")
+        if request_id is not None:
+            request_id = str(request_id)
+            if request_id in self._requests or request_id in taken:
+                raise ValueError(f"request_id {request_id!r} is already in use")
         with naming(params_where):  # every error below is about params
             # the checkpoint's generation_config.json sampling defaults fill the fields the caller did not set
             defaults = self.adapter.generation.sampling_defaults()
@@ -289,6 +286,10 @@ class LoopedSpecEngine:
             if self.tokenizer is not None:
                 detokenizer = IncrementalDetokenizer(self.tokenizer, params.stop, params.skip_special_tokens,
                                                      params.include_stop_str_in_output, ids)  # fmt: skip
+        if request_id is None:  # the next number no live request uses (a caller may have chosen "3" itself), drawn
+            request_id = str(next(self._ids))  # once the request is valid: a refused one takes none
+            while request_id in self._requests or request_id in taken:
+                request_id = str(next(self._ids))
         text = prompt_text(prompt)
         request = Request(
             request_id, next(self._arrivals), ids, params, seed, self.eos_token_ids, self.max_model_len,
