@@ -869,6 +869,33 @@ def test_health_is_read_as_vllm_code_reads_it():
     assert "the engine was shut down" in str(other.dead_error)
 
 
+def test_health_read_while_shutdown_clears_the_worker_answers():
+    """errored / is_running / check_health are read from any thread (a health probe) while shutdown() on another
+    sets the worker thread to None after joining it: a read between the two looks at it once (it read it twice,
+    `self._thread is not None and self._thread.is_alive()`, and raised AttributeError on None)."""
+
+    class ShutDownBetweenReads(AsyncLoopedSpecEngine):
+        @property
+        def _thread(self):  # the live worker at the first read, None (shutdown() done) at every later one
+            return self.__dict__.pop("reads", [None]).pop(0) if "reads" in self.__dict__ else None
+
+        @_thread.setter
+        def _thread(self, value):
+            pass
+
+    class Alive:
+        def is_alive(self) -> bool:
+            return True
+
+    front = ShutDownBetweenReads(make_engine("ouro", speculation="off"))
+    front.__dict__["reads"] = [Alive()]
+    assert front.is_running
+    front.__dict__["reads"] = [Alive()]
+    assert not front.errored
+    front.__dict__["reads"] = [Alive()]
+    asyncio.run(front.check_health())
+
+
 def test_get_tokenizer_is_the_engines_as_vllm_code_reads_it():
     """vLLM's `engine.get_tokenizer()` (and its `tokenizer`) on the async front: the checkpoint's tokenizer, read
     without a step (it was an AttributeError: only the wrapped engine had it)."""

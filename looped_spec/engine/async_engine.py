@@ -153,7 +153,8 @@ class AsyncLoopedSpecEngine:
 
     @property
     def is_running(self) -> bool:
-        return self._thread is not None and self._thread.is_alive()
+        thread = self._thread  # read once: shutdown() on another thread sets it to None
+        return thread is not None and thread.is_alive()
 
     @property
     def errored(self) -> bool:
