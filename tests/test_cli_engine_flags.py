@@ -236,6 +236,9 @@ SERVE = ["serve", "tiny-ouro"]
         (["--speculative-config", '{"method": "ngram"}'], "--speculative-config: vLLM's flag; here --speculation "
          "adaptive (the default"),
         (["--num-speculative-tokens", "4"], "--num-speculative-tokens: vLLM's flag; here --speculation K,d"),
+        (["--download-dir", "/x"], "--download-dir: vLLM's flag; nothing is downloaded here"),
+        (["--enable-lora"], "--enable-lora: vLLM's flag; not offered: no LoRA adapters here"),
+        (["--swap-space", "4"], "--swap-space: vLLM's flag; not offered: a preempted request's KV is recomputed"),
     ],
 )  # fmt: skip
 @pytest.mark.parametrize("command", [BASE, SERVE])

@@ -475,7 +475,10 @@ def test_what_a_vllm_script_does_runs_or_says_what_to_use_instead():
                     ("generation_config", "generation_config.json"), ("async_scheduling", "not offered"),
                     ("enable_prefix_caching", "prefix_caching, off by default"),
                     ("speculative_config", "speculation='adaptive'"),
-                    ("num_speculative_tokens", "speculation='K,d'")]  # fmt: skip
+                    ("num_speculative_tokens", "speculation='K,d'"), ("download_dir", "nothing is downloaded"),
+                    ("revision", "nothing is downloaded"), ("load_format", "always safetensors"),
+                    ("enable_lora", "no LoRA"), ("swap_space", "recomputed"),
+                    ("cpu_offload_gb", "not offered")]  # fmt: skip
     for option, instead in vllm_options:
         with pytest.raises(ValueError, match=f"{option}: vLLM's engine argument; .*{instead}"):
             LoopedSpecEngine(str(fixture_dir("ouro")), speculation="off", **{option: 1})

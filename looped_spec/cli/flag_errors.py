@@ -21,7 +21,7 @@ FIELDS_WITH_PARTS = frozenset({"speculation", "control", "structured_outputs"})
 #: vLLM's flags above that take no value (switches: an argument after one is not its); `--lora-modules` takes several
 VLLM_SWITCHES = frozenset({
     "enforce_eager", "trust_remote_code", "enable_chunked_prefill", "enable_prefix_caching", "async_scheduling",
-    "disable_log_requests", "enable_log_requests", "disable_log_stats", "disable_uvicorn_access_log",
+    "disable_log_requests", "enable_log_requests", "disable_log_stats", "disable_uvicorn_access_log", "enable_lora",
 })  # fmt: skip
 VLLM_MANY_VALUES = frozenset({"lora_modules"})
 #: vLLM's short flags, by the engine argument each sets

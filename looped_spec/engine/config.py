@@ -314,6 +314,14 @@ VLLM_OPTIONS = {
     "loops, not a draft model",
     "num_speculative_tokens": "here speculation='K,d' (K drafts with the model's first d loops; 'adaptive', the "
     "default, picks them every round)",
+    # the model is a local checkpoint folder or a shipped name; the Hugging Face hub is never read
+    "download_dir": "nothing is downloaded here: the model is a local checkpoint folder (or a shipped name such as "
+    "tiny-ouro)",
+    "revision": "nothing is downloaded here: the model is a local checkpoint folder (check out the revision into it)",
+    "load_format": "here always safetensors (model.safetensors or its shards in the checkpoint folder)",
+    "enable_lora": "not offered: no LoRA adapters here (serve a checkpoint with the adapter merged into its weights)",
+    "swap_space": "not offered: a preempted request's KV is recomputed when it resumes, never swapped out",
+    "cpu_offload_gb": "not offered: the weights stay on the engine's device",
     "async_scheduling": "not offered: each step is scheduled once the previous one has committed (the async front, "
     "AsyncLoopedSpecEngine, runs the steps in a thread of their own)",
 }
