@@ -90,6 +90,18 @@ def offline_reference(model: str):
     engine.close()
 
 
+def hermes_tool_server(model: str, max_batch_size: int):
+    """A module fixture's body (`yield from`): a server of `model` under adaptive speculation whose tool calls are
+    parsed as Hermes writes them (auto tool choice), stopped after the module."""
+    from looped_spec import LoopedSpecEngine
+    from looped_spec.server.tools import ToolCallingConfig
+
+    engine = LoopedSpecEngine(model, speculation="adaptive", max_batch_size=max_batch_size, max_model_len=256)
+    tools = ToolCallingConfig(enable_auto_tool_choice=True, tool_call_parser="hermes")
+    with ServerThread(engine, model, tool_calling=tools) as running:
+        yield running
+
+
 def greedy(engine, prompt, max_tokens: int, **params):
     """The offline engine's greedy output of `prompt` (what a server test compares an answer with)."""
     from looped_spec import SamplingParams

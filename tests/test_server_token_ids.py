@@ -15,10 +15,9 @@ import httpx
 import openai
 import pytest
 from conftest import fixture_dir
-from server_utils import ServerThread, greedy, offline_reference
+from server_utils import ServerThread, greedy, hermes_tool_server, offline_reference
 
 from looped_spec import LoopedSpecEngine
-from looped_spec.server.tools import ToolCallingConfig
 from looped_spec.structured_output import StructuredOutputs
 
 MODEL = "tiny-ouro"
@@ -41,10 +40,7 @@ def reference_engine():
 
 @pytest.fixture(scope="module")
 def server():
-    engine = LoopedSpecEngine(MODEL, speculation="adaptive", max_batch_size=8, max_model_len=256)
-    tools = ToolCallingConfig(enable_auto_tool_choice=True, tool_call_parser="hermes")
-    with ServerThread(engine, MODEL, tool_calling=tools) as running:
-        yield running
+    yield from hermes_tool_server(MODEL, max_batch_size=8)
 
 
 @pytest.fixture(scope="module")

@@ -11,11 +11,10 @@ import httpx
 import jsonschema
 import pytest
 from openai.lib.streaming.chat import ChatCompletionStreamState
-from server_utils import ServerThread
+from server_utils import ServerThread, hermes_tool_server
 
 from looped_spec import LoopedSpecEngine, SamplingParams
 from looped_spec.cli import main
-from looped_spec.server.tools import ToolCallingConfig
 from looped_spec.structured_output import StructuredOutputs
 
 MODEL = "tiny-ouro"
@@ -32,10 +31,7 @@ HERMES_CALL = '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris",
 
 @pytest.fixture(scope="module")
 def server():
-    engine = LoopedSpecEngine(MODEL, speculation="adaptive", max_batch_size=4, max_model_len=256)
-    config = ToolCallingConfig(enable_auto_tool_choice=True, tool_call_parser="hermes")
-    with ServerThread(engine, MODEL, tool_calling=config) as running:
-        yield running
+    yield from hermes_tool_server(MODEL, max_batch_size=4)
 
 
 @pytest.fixture(scope="module")
